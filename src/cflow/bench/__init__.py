@@ -1,0 +1,139 @@
+"""`cflow bench`: llama-bench-style pp/tg throughput, bandwidth context, and baselines side by side.
+
+    bench(model, threads=[1, 2], pp=512, tg=128, reps=5, compare="llama.cpp") -> BenchReport
+
+The cflow side loads the model through Engine (a .gguf is converted once into the cache); the
+llama.cpp side (optional) runs the original .gguf with the same threads, interleaved in one run.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from cflow.bench.machine import machine_info, usable_cores
+from cflow.bench.runner import BenchRow, run_tests
+from cflow.errors import CflowError
+
+BASELINES = ("llama.cpp",)
+
+
+class CflowRunner:
+    """The Runner protocol over cflow.Engine: batched prefill, one native call per decode step."""
+
+    name = "cflow"
+
+    def __init__(self, model: str | Path, threads: int, n_ctx: int, progress=None):
+        from cflow.engine import Engine
+
+        self.engine = Engine.load(model, threads=threads, n_ctx=n_ctx, progress=progress)
+
+    def reset(self) -> None:
+        self.engine.reset()
+
+    def prefill(self, tokens: np.ndarray) -> None:
+        self.engine.prefill(tokens)
+
+    def step(self, token: int, pos: int) -> int:
+        return int(np.argmax(self.engine.step(token, pos)))
+
+    def weight_bytes_per_token(self) -> float:
+        return float(self.engine.weight_bytes_per_token())
+
+
+@dataclass
+class BenchReport:
+    model: str
+    machine: dict
+    rows: list[BenchRow]
+    bandwidth_gbs: dict[int, float] = field(default_factory=dict)  # threads -> measured read GB/s
+    model_bytes: int | None = None
+    date: str = field(default_factory=lambda: _dt.datetime.now().isoformat(timespec="seconds"))
+
+    def ratio(self, row: BenchRow) -> float | None:
+        """cflow's tokens/s over the baseline's for the same test and threads."""
+        if row.engine == "cflow":
+            return None
+        ours = next((r for r in self.rows if r.engine == "cflow" and r.test == row.test
+                     and r.threads == row.threads), None)
+        return ours.mean_ts / row.mean_ts if ours and row.mean_ts > 0 else None
+
+    def to_dict(self) -> dict:
+        return {
+            "model": self.model, "date": self.date, "machine": self.machine,
+            "model_bytes": self.model_bytes,
+            "bandwidth_gbs": {str(k): v for k, v in self.bandwidth_gbs.items()},
+            "rows": [dict(r.to_dict(), ratio_cflow_over_this=self.ratio(r),
+                          pct_of_probe=self._pct(r)) for r in self.rows],
+        }
+
+    def _pct(self, row: BenchRow) -> float | None:
+        bw = self.bandwidth_gbs.get(row.threads)
+        return 100.0 * row.effective_gbs / bw if (bw and row.effective_gbs) else None
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def to_markdown(self) -> str:
+        m = self.machine
+        lines = [
+            f"model: `{self.model}`" + (f" ({self.model_bytes / 1e6:.1f} MB)" if self.model_bytes else ""),
+            f"machine: {m['cpu']}, {m['usable_cores']} usable cores, ISA {m.get('isa')}, "
+            f"cflow {m['cflow']} ({m.get('commit') or 'no git'}), {self.date}",
+            "read bandwidth (cflow probe): " + ", ".join(
+                f"{t} thr {bw:.1f} GB/s" for t, bw in sorted(self.bandwidth_gbs.items())),
+            "",
+            "| engine | threads | test | t/s | weight MB/token | eff. GB/s | % of probe | cflow / this |",
+            "|---|---:|---|---:|---:|---:|---:|---:|",
+        ]
+        for r in self.rows:
+            ratio = self.ratio(r)
+            pct = self._pct(r)
+            lines.append(
+                f"| {r.engine} | {r.threads} | {r.test} | {r.mean_ts:.2f} ± {r.stddev_ts:.2f} | "
+                f"{r.bytes_per_token / 1e6:.1f} | {r.effective_gbs:.1f} | " if r.bytes_per_token else
+                f"| {r.engine} | {r.threads} | {r.test} | {r.mean_ts:.2f} ± {r.stddev_ts:.2f} | – | – | ")
+            lines[-1] += (f"{pct:.0f}% | " if pct else "– | ") + (f"{ratio:.2f}× |" if ratio else "– |")
+        return "\n".join(lines)
+
+
+def bench(model: str | Path, *, threads: list[int] | None = None, pp: int = 512, tg: int = 128,
+          reps: int = 5, warmup: bool = True, compare: str | None = None, n_ctx: int | None = None,
+          probe: bool = True, progress: Callable[[str], None] | None = None) -> BenchReport:
+    from cflow.bench.bandwidth import read_bandwidth
+
+    model = str(model)
+    if not Path(model).exists():
+        raise CflowError(f"model file not found: {model}")
+    if compare is not None and compare not in BASELINES:
+        raise CflowError(f"unknown baseline {compare!r}; choose one of {BASELINES}")
+    if reps < 1:
+        raise CflowError(f"--reps must be >= 1, got {reps}")
+    threads = threads or [usable_cores()]
+    n_ctx = n_ctx or max(pp + 8, tg + 8, 256)
+    report = BenchReport(model=model, machine=machine_info(), rows=[],
+                         model_bytes=Path(model).stat().st_size)
+    for t in threads:
+        if probe:
+            report.bandwidth_gbs[t] = read_bandwidth(threads=t)
+            if progress:
+                progress(f"read bandwidth with {t} thread(s): {report.bandwidth_gbs[t]:.1f} GB/s")
+        runners = [CflowRunner(model, t, n_ctx, progress=progress)]
+        if compare == "llama.cpp":
+            from cflow.bench.llamacpp import LlamaCppRunner
+
+            runners.append(LlamaCppRunner(model, t, n_ctx))
+        vocab = runners[0].engine.config.vocab_size
+        report.rows += run_tests(
+            runners, t, pp=pp, tg=tg, reps=reps, vocab=vocab, warmup=warmup, progress=progress,
+            bytes_per_token=lambda r: r.weight_bytes_per_token() if isinstance(r, CflowRunner) else None)
+        report.machine["isa"] = runners[0].engine.isa
+        for r in runners:
+            if hasattr(r, "close"):
+                r.close()
+    return report

@@ -1,0 +1,93 @@
+"""llama.cpp as a baseline, through llama-cpp-python (`pip install cflow-lm[bench]`).
+
+It runs the same GGUF file with the same thread count, driven the same way cflow is driven:
+a prompt batch for pp, then one llama_decode call per generated token for tg. The per-token
+Python overhead of the binding is a few microseconds, well under 1% of a decode step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import numpy as np
+
+from cflow.errors import CflowError
+
+
+class BaselineUnavailable(CflowError):
+    """The llama.cpp baseline cannot run here."""
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    # llama.cpp logs model loading to fd 2 even with verbose=False in some builds.
+    fd = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+            yield
+    finally:
+        os.dup2(fd, 2)
+        os.close(fd)
+
+
+class LlamaCppRunner:
+    """pp/tg runner over llama-cpp-python with the same interface as the cflow runner."""
+
+    name = "llama.cpp"
+
+    def __init__(self, gguf_path: str, threads: int, n_ctx: int):
+        try:
+            import llama_cpp
+        except ImportError:
+            raise BaselineUnavailable(
+                "llama-cpp-python is not installed; install the baseline with "
+                "`pip install 'cflow-lm[bench]'` (it compiles llama.cpp, a few minutes)") from None
+        if not str(gguf_path).endswith(".gguf"):
+            raise BaselineUnavailable(
+                f"--compare llama.cpp needs the model as a .gguf file (got {gguf_path}); pass the GGUF "
+                "and cflow converts it for its own side")
+        self._llama_cpp = llama_cpp
+        with _quiet_stderr():
+            self.llm = llama_cpp.Llama(model_path=str(gguf_path), n_threads=threads, n_threads_batch=threads,
+                                       n_ctx=n_ctx, n_batch=512, n_ubatch=512, verbose=False,
+                                       logits_all=False)
+        self.version = getattr(llama_cpp, "__version__", "?")
+        self.n_vocab = self.llm.n_vocab()
+
+    def _decode(self, tokens: np.ndarray, pos0: int) -> None:
+        lib = self._llama_cpp
+        n = len(tokens)
+        batch = lib.llama_batch_init(n, 0, 1)
+        try:
+            batch.n_tokens = n
+            for i, t in enumerate(tokens):
+                batch.token[i] = int(t)
+                batch.pos[i] = pos0 + i
+                batch.n_seq_id[i] = 1
+                batch.seq_id[i][0] = 0
+                batch.logits[i] = i == n - 1
+            rc = lib.llama_decode(self.llm.ctx, batch)
+            if rc != 0:
+                raise CflowError(f"llama_decode failed with code {rc}")
+        finally:
+            lib.llama_batch_free(batch)
+
+    def reset(self) -> None:
+        lib = self._llama_cpp
+        mem = lib.llama_get_memory(self.llm.ctx)
+        lib.llama_memory_clear(mem, True)
+
+    def prefill(self, tokens: np.ndarray) -> None:
+        for start in range(0, len(tokens), 512):
+            self._decode(tokens[start:start + 512], start)
+
+    def step(self, token: int, pos: int) -> int:
+        self._decode(np.array([token]), pos)
+        logits = self._llama_cpp.llama_get_logits_ith(self.llm.ctx, -1)
+        row = np.ctypeslib.as_array(logits, shape=(self.n_vocab,))
+        return int(row.argmax())
+
+    def close(self) -> None:
+        self.llm.close() if hasattr(self.llm, "close") else None

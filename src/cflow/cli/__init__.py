@@ -1,0 +1,64 @@
+"""The `cflow` command line: one module per subcommand, each exposing `register(subparsers)`.
+
+A subcommand module only parses flags and calls the library; errors derived from `CflowError`
+(and ConfigError) are printed as one clear line and exit with status 2, never as a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+from cflow import __version__
+from cflow.errors import CflowError
+from cflow.config import ConfigError
+
+# Subcommand modules, in the order `cflow --help` lists them.
+COMMANDS = ["generate", "chat", "bench", "convert", "inspect", "analyze", "train", "export"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="cflow",
+        description="Fast token-by-token LLM decode on CPUs, and the pipeline-native architectures "
+        "it is co-designed with.",
+        epilog="Run `cflow COMMAND --help` for the flags of one command.",
+    )
+    parser.add_argument("--version", action="version", version=f"cflow {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMANDS:
+        try:
+            mod = importlib.import_module(f"cflow.cli.{name}")
+        except ModuleNotFoundError as e:
+            if e.name == f"cflow.cli.{name}":
+                continue  # not written yet
+            raise
+        mod.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 1
+    try:
+        return int(args.func(args) or 0)
+    except (CflowError, ConfigError) as e:
+        print(f"cflow {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:
+        # The reader went away (e.g. `cflow inspect ... | head`): exit quietly like other CLI tools.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

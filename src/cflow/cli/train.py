@@ -1,0 +1,185 @@
+"""`cflow train` (one preset, optionally under torchrun) and `cflow train compare` (the family, claim T1).
+
+Parses flags into a ModelConfig (preset + `--set key=value` overrides, validated by
+ModelConfig.with_overrides) and a TrainConfig, then calls cflow.train; prints the outcome.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import shlex
+import sys
+from pathlib import Path
+
+from cflow.config import PRESETS
+
+DEFAULT_PRESET = "arch2_4_combined"
+
+EXAMPLES = """\
+examples:
+  cflow train --preset arch2_4_combined --steps 2000 --out runs/a24
+  cflow train --preset arch1 --set d_model=192 --set n_layers=8 --tokens 5000000 --out runs/a1
+  cflow train --out runs/a24 --resume                       # continue exactly where it stopped
+  cflow train --data tinystories:200000 --out runs/ts       # needs `pip install datasets` + network
+  torchrun --standalone --nproc_per_node 2 -m cflow train --preset arch2_4_combined --out runs/ddp
+  cflow train compare --tokens 20000000                     # the whole family, same budget
+  cflow export runs/a24 a24.cflow                           # then run it with cflow generate
+
+--batch-size is the global batch: under torchrun each process takes batch_size / world_size.
+"""
+
+# flag dest -> TrainConfig field (identical names); None defaults mean "not given".
+_TRAIN_FIELDS = ("steps", "tokens", "batch_size", "seq_len", "lr", "min_lr_ratio", "warmup", "weight_decay",
+                 "grad_clip", "lb_weight", "z_weight", "eval_every", "eval_windows", "save_every", "log_every",
+                 "seed", "data", "val_fraction", "vocab_size", "threads", "cache_dir")
+
+
+def _add_hparams(p: argparse.ArgumentParser, *, budget: bool) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a ModelConfig field, e.g. --set d_model=192 (repeatable)")
+    g.add_argument("--vocab-size", type=int, help="tokenizer vocabulary to train (default: the preset's, 4096)")
+    g = p.add_argument_group("data")
+    g.add_argument("--data", help="PATH (.txt: documents separated by blank lines; .jsonl: a 'text' field), "
+                   "'tinystories[:N|:all]' (HF datasets, needs network), or omit for the shipped story corpus")
+    g.add_argument("--val-fraction", type=float, help="share of documents held out for validation (default 0.05)")
+    g.add_argument("--cache-dir", help="token/tokenizer cache (default $CFLOW_CACHE or ~/.cache/cflow)")
+    g = p.add_argument_group("optimisation")
+    if budget:
+        b = g.add_mutually_exclusive_group()
+        b.add_argument("--steps", type=int, help="optimizer steps (default 2000)")
+        b.add_argument("--tokens", type=int, help="token budget instead of --steps")
+    g.add_argument("--batch-size", type=int, help="global sequences per step (default 16)")
+    g.add_argument("--seq-len", type=int, help="tokens per sequence (default 256; at most max_seq_len)")
+    g.add_argument("--lr", type=float, help="peak learning rate (default 2e-3)")
+    g.add_argument("--min-lr-ratio", type=float, help="final lr as a fraction of the peak (default 0.1)")
+    g.add_argument("--warmup", type=int, help="linear warmup steps (default 100)")
+    g.add_argument("--weight-decay", type=float, help="AdamW decay of matrices (default 0.1)")
+    g.add_argument("--grad-clip", type=float, help="gradient norm clip, 0 disables (default 1.0)")
+    g.add_argument("--lb-weight", type=float, help="MoE load-balancing loss weight (default 0.01)")
+    g.add_argument("--z-weight", type=float, help="router z-loss weight (default 0.001)")
+    g.add_argument("--seed", type=int, help="seed of init and batch sampling (default 1337)")
+    g = p.add_argument_group("eval, checkpoints, machine")
+    g.add_argument("--eval-every", type=int, help="steps between evaluations, 0: only at the end (default 200)")
+    g.add_argument("--eval-windows", type=int, help="validation windows per evaluation (default 64)")
+    g.add_argument("--log-every", type=int, help="steps between CSV log rows (default 10)")
+    g.add_argument("--threads", type=int, help="torch threads per process (default: cores / processes)")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "train", help="train a pipeline-native model; `cflow train compare` trains the whole family",
+        description="Train a model of the architecture family on the shipped stories (default), a local "
+        "file or TinyStories, with a byte-level BPE tokenizer trained on the same data. Writes a "
+        "checkpoint directory (model.safetensors, config.json, tokenizer.json, train_state.pt, "
+        "meta.json, train_log.csv) that --resume continues exactly and `cflow export` converts.",
+        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", choices=sorted(PRESETS), help=f"architecture preset (default {DEFAULT_PRESET})")
+    p.add_argument("--out", type=Path, help="checkpoint directory (default runs/PRESET)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the checkpoint in --out with its saved settings; flags given override them "
+                   "(a new --steps/--tokens reshapes the cosine from the current step on)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing checkpoint in --out")
+    p.add_argument("--save-every", type=int, help="steps between checkpoints, 0: only at the end (default 0)")
+    _add_hparams(p, budget=True)
+    p.set_defaults(func=run)
+
+    tsub = p.add_subparsers(dest="train_command", metavar="{compare}")
+    c = tsub.add_parser(
+        "compare", help="train several presets on one budget and write docs/results/train_compare.md",
+        description="Train each preset with the same data, seed, geometry, batch and budget; write a "
+        "markdown table (val loss, perplexity, top-1 accuracy, params, weight bytes per token and "
+        "critical path from cflow.dag), a JSON file and a loss-curve PNG.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="example: cflow train compare --tokens 20000000 --threads 2\n"
+               "         cflow train compare --presets arch1 arch2_4_combined --minutes-per-run 5")
+    c.add_argument("--presets", nargs="+", choices=sorted(PRESETS), metavar="PRESET",
+                   help="presets to train (default: arch1 arch2 arch3 arch4 arch2_4_combined arch5)")
+    b = c.add_mutually_exclusive_group(required=True)
+    b.add_argument("--tokens", type=int, help="the same token budget for every preset")
+    b.add_argument("--minutes-per-run", type=float, help="the same wall time for every preset")
+    c.add_argument("--out", type=Path, default=Path("docs/results"), help="report directory (default docs/results)")
+    c.add_argument("--runs-dir", type=Path, default=Path("runs/compare"),
+                   help="where each preset's checkpoint goes (default runs/compare)")
+    _add_hparams(c, budget=False)
+    c.set_defaults(func=run_compare)
+
+
+def _given(args: argparse.Namespace) -> dict:
+    return {f: getattr(args, f) for f in _TRAIN_FIELDS if getattr(args, f, None) is not None}
+
+
+def _command(args: argparse.Namespace) -> str:
+    """The command line, rebuilt from the parsed flags (recorded in meta.json and the report)."""
+    words = ["cflow", "train"]
+    if getattr(args, "train_command", None) == "compare":
+        words.append("compare")
+        words += ["--presets", *(args.presets or [])] if args.presets else []
+        words += ["--tokens", str(args.tokens)] if args.tokens is not None else \
+                 ["--minutes-per-run", f"{args.minutes_per_run:g}"]
+        words += ["--out", str(args.out), "--runs-dir", str(args.runs_dir)]
+    else:
+        words += ["--preset", args.preset] if args.preset else []
+        words += ["--out", str(args.out)] if args.out else []
+        words += [f for f, on in (("--resume", args.resume), ("--overwrite", args.overwrite)) if on]
+        words += ["--save-every", str(args.save_every)] if args.save_every is not None else []
+    for s in args.overrides:
+        words += ["--set", s]
+    for f, v in _given(args).items():
+        if not (f == "tokens" and words[2:3] == ["compare"]):
+            words += ["--" + f.replace("_", "-"), str(v)]
+    return shlex.join(words)
+
+
+def run(args: argparse.Namespace) -> int:
+    from cflow.config import ModelConfig
+    from cflow.train.loop import TrainConfig, resume_settings, train
+
+    if args.resume:
+        if args.out is None:
+            print("cflow train: error: --resume needs --out DIR (the checkpoint to continue)", file=sys.stderr)
+            return 2
+        cfg, tc = resume_settings(args.out)
+        if args.preset is not None and args.preset != cfg.name:
+            cfg = ModelConfig.from_name(args.preset, vocab_size=cfg.vocab_size)  # the loop reports the mismatch
+        given = _given(args)
+        if "steps" in given:
+            given["tokens"] = 0  # --steps replaces a saved token budget
+        tc = dataclasses.replace(tc, **given)
+    else:
+        cfg = ModelConfig.from_name(args.preset or DEFAULT_PRESET)
+        tc = TrainConfig(**_given(args))
+    cfg = cfg.with_overrides(args.overrides)
+    out = args.out or Path("runs") / cfg.name
+    res = train(cfg, tc, out_dir=out, resume=args.resume, overwrite=args.overwrite,
+                progress=not args.no_progress, meta={"command": _command(args)})
+    if res.rank == 0:
+        ev = res.evals[-1] if res.evals else {}
+        print(f"trained {cfg.name}: {res.n_params:,} parameters, step {res.steps}, {res.tokens_seen:,} tokens, "
+              f"{res.elapsed_s:.1f} s" + (f" x {res.world_size} processes" if res.world_size > 1 else ""))
+        if ev:
+            print(f"validation: loss {ev['val_loss']:.4f}, perplexity {ev['val_ppl']:.2f}, "
+                  f"top-1 accuracy {ev['val_acc']:.4f}")
+        print(f"checkpoint: {out}  (export: cflow export {out} {out.name}.cflow)")
+    return 0
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    from cflow.train.compare import DEFAULT_PRESETS, REPORT, compare
+    from cflow.train.loop import TrainConfig
+
+    given = _given(args)
+    given.pop("tokens", None)
+    base = TrainConfig(**given)
+    presets = args.presets or list(DEFAULT_PRESETS)
+    progress = not args.no_progress
+    summaries = compare(presets, base=base, tokens=args.tokens, minutes_per_run=args.minutes_per_run,
+                        overrides=args.overrides, runs_dir=args.runs_dir, out_dir=args.out,
+                        command=_command(args), progress=progress)
+    for s in summaries:
+        print(f"{s.preset:18s} params {s.params:>10,}  val loss {s.val_loss:.4f}  ppl {s.val_ppl:8.2f}  "
+              f"acc {s.val_acc:.4f}  ({s.tokens:,} tokens, {s.train_s:.1f} s)")
+    print(f"report: {args.out / REPORT}")
+    return 0

@@ -1,0 +1,221 @@
+"""Model configuration: one frozen dataclass for the whole architecture family, plus named presets.
+
+Owns every architectural knob of SPEC §3 and its validation. Nothing here imports torch, so the
+runtime (engine, fileformat, dag) can read a config without the training stack.
+
+Layer l of the family computes (x_l = residual entering layer l):
+
+    a_l = Attn_l(norm(x_l));  h_l = x_l + a_l
+    u_l = h_l if delta_dense == 0 else x_{l+1-delta_dense}
+    f_l = FFN_l(norm(u_l))                         (absent when d_ff == 0)
+    z_l = h_l + f_l if moe_input == "post_dense" else h_l
+    m_l = MoE_l(norm(z_l))                         (absent when n_experts == 0)
+    x_{l+1} = h_l + f_l + sum(m_j for j + delta_expert == l)
+
+Expert outputs whose target layer lies past the last layer are added before the final norm.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from cflow.errors import CflowError
+
+MOE_INPUTS = ("post_dense", "post_attn")
+
+
+class ConfigError(CflowError, ValueError):
+    """A model configuration is inconsistent or an override is malformed."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 4096
+    d_model: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    head_dim: int = 0  # 0: d_model // n_heads
+    d_ff: int = 256  # dense SwiGLU hidden size; 0: no dense FFN
+    n_experts: int = 0  # 0: no MoE block
+    top_k: int = 0
+    d_expert: int = 0  # hidden size of each expert's SwiGLU
+    delta_dense: int = 0
+    delta_expert: int = 0
+    moe_input: str = "post_dense"
+    n_unique_layers: int = 0  # 0: every layer has its own weights; k: layer l uses weights of l % k
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    max_seq_len: int = 512
+    tie_embeddings: bool = True
+    name: str = field(default="custom", compare=False)
+
+    def __post_init__(self) -> None:
+        # Derived fields are resolved here so every consumer sees concrete numbers.
+        if self.head_dim == 0 and self.n_heads > 0 and self.d_model % self.n_heads == 0:
+            object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
+        if self.n_unique_layers == 0:
+            object.__setattr__(self, "n_unique_layers", self.n_layers)
+        self.validate()
+
+    # ---- validation -------------------------------------------------------------------------
+    def validate(self) -> None:
+        def need(cond: bool, msg: str) -> None:
+            if not cond:
+                raise ConfigError(f"{msg} (config {self.name!r})")
+
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.type in ("int", int):
+                need(isinstance(v, int) and not isinstance(v, bool), f"{f.name} must be an int, got {v!r}")
+        need(self.vocab_size > 0, f"vocab_size must be positive, got {self.vocab_size}")
+        need(self.d_model > 0, f"d_model must be positive, got {self.d_model}")
+        need(self.n_layers > 0, f"n_layers must be positive, got {self.n_layers}")
+        need(self.n_heads > 0 and self.n_kv_heads > 0, "n_heads and n_kv_heads must be positive")
+        need(self.n_heads % self.n_kv_heads == 0,
+             f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({self.n_kv_heads})")
+        need(self.head_dim > 0, f"head_dim must be positive (or d_model divisible by n_heads), got {self.head_dim}")
+        need(self.head_dim % 2 == 0, f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        need(self.d_ff >= 0, f"d_ff must be >= 0, got {self.d_ff}")
+        need(self.n_experts >= 0, f"n_experts must be >= 0, got {self.n_experts}")
+        if self.n_experts > 0:
+            need(1 <= self.top_k <= self.n_experts,
+                 f"top_k must be in 1..n_experts ({self.n_experts}), got {self.top_k}")
+            need(self.d_expert > 0, f"d_expert must be positive when n_experts > 0, got {self.d_expert}")
+        else:
+            need(self.top_k == 0, f"top_k must be 0 without experts, got {self.top_k}")
+            need(self.delta_expert == 0, "delta_expert needs experts (n_experts > 0)")
+        need(self.d_ff > 0 or self.n_experts > 0, "a layer needs a dense FFN (d_ff > 0) or experts (n_experts > 0)")
+        need(self.delta_dense >= 0, f"delta_dense must be >= 0, got {self.delta_dense}")
+        need(self.delta_expert >= 0, f"delta_expert must be >= 0, got {self.delta_expert}")
+        if self.delta_dense > 0:
+            need(self.d_ff > 0, "delta_dense needs a dense FFN (d_ff > 0)")
+        need(self.moe_input in MOE_INPUTS, f"moe_input must be one of {MOE_INPUTS}, got {self.moe_input!r}")
+        need(1 <= self.n_unique_layers <= self.n_layers,
+             f"n_unique_layers must be in 1..n_layers ({self.n_layers}), got {self.n_unique_layers}")
+        need(self.rope_theta > 0, f"rope_theta must be positive, got {self.rope_theta}")
+        need(self.norm_eps > 0, f"norm_eps must be positive, got {self.norm_eps}")
+        need(self.max_seq_len > 0, f"max_seq_len must be positive, got {self.max_seq_len}")
+
+    # ---- derived quantities -----------------------------------------------------------------
+    @property
+    def q_dim(self) -> int:
+        return self.n_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+    @property
+    def has_dense(self) -> bool:
+        return self.d_ff > 0
+
+    @property
+    def has_moe(self) -> bool:
+        return self.n_experts > 0
+
+    @property
+    def history_depth(self) -> int:
+        """Residuals the decoder must keep: max(delta_dense, delta_expert) + 1."""
+        return max(self.delta_dense, self.delta_expert) + 1
+
+    def weight_layer(self, layer: int) -> int:
+        """Index of the weight set layer `layer` uses (arch5 shares weights across layers)."""
+        return layer % self.n_unique_layers
+
+    # ---- (de)serialization ------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ConfigError(f"unknown config keys {unknown}; known keys: {sorted(known)}")
+        return cls(**d)
+
+    @classmethod
+    def from_json(cls, text: str) -> "ModelConfig":
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"config is not valid JSON: {e}") from None
+        if not isinstance(d, dict):
+            raise ConfigError("config JSON must be an object")
+        return cls.from_dict(d)
+
+    def replace(self, **overrides: Any) -> "ModelConfig":
+        # Fields derived in __post_init__ are re-derived when what they came from changes.
+        if "head_dim" not in overrides and ("d_model" in overrides or "n_heads" in overrides):
+            if self.head_dim * self.n_heads == self.d_model:
+                overrides["head_dim"] = 0
+        if "n_unique_layers" not in overrides and "n_layers" in overrides:
+            if self.n_unique_layers == self.n_layers:
+                overrides["n_unique_layers"] = 0
+        return dataclasses.replace(self, **overrides)
+
+    def with_overrides(self, assignments: list[str]) -> "ModelConfig":
+        """Apply `key=value` strings (the CLI's --set), each checked against the field's type."""
+        return self.replace(**parse_overrides(assignments))
+
+    @classmethod
+    def from_name(cls, preset: str, **overrides: Any) -> "ModelConfig":
+        if preset not in PRESETS:
+            raise ConfigError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+        d = dict(PRESETS[preset])
+        d.update(overrides)
+        d.setdefault("name", preset)
+        return cls(**d)
+
+
+def parse_overrides(assignments: list[str]) -> dict[str, Any]:
+    """Parse `key=value` strings into typed values; unknown keys and bad types raise ConfigError."""
+    types = {f.name: f.type for f in fields(ModelConfig)}
+    out: dict[str, Any] = {}
+    for a in assignments:
+        if "=" not in a:
+            raise ConfigError(f"override {a!r} must look like key=value")
+        key, raw = a.split("=", 1)
+        key = key.strip()
+        if key not in types:
+            raise ConfigError(f"unknown config key {key!r}; known keys: {sorted(types)}")
+        t = types[key]
+        try:
+            if t in ("int", int):
+                out[key] = int(raw)
+            elif t in ("float", float):
+                out[key] = float(raw)
+            elif t in ("bool", bool):
+                low = raw.strip().lower()
+                if low not in ("1", "0", "true", "false", "yes", "no"):
+                    raise ValueError(raw)
+                out[key] = low in ("1", "true", "yes")
+            else:
+                out[key] = raw
+        except ValueError:
+            raise ConfigError(f"override {key}={raw!r}: expected a value of type {t}") from None
+    return out
+
+
+# ---- presets ---------------------------------------------------------------------------------
+# Small defaults (a few million parameters) that train on a 2-core machine; override any field.
+_SMALL = dict(vocab_size=4096, d_model=128, n_layers=6, n_heads=4, n_kv_heads=2, max_seq_len=256)
+_MOE = dict(d_ff=256, n_experts=4, top_k=1, d_expert=256)
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "arch1": {**_SMALL, **_MOE, "delta_dense": 0, "delta_expert": 0, "moe_input": "post_dense"},
+    "arch3": {**_SMALL, **_MOE, "delta_dense": 0, "delta_expert": 0, "moe_input": "post_attn"},
+    "arch2": {**_SMALL, **_MOE, "delta_dense": 1, "delta_expert": 0, "moe_input": "post_attn"},
+    "arch4": {**_SMALL, **_MOE, "delta_dense": 0, "delta_expert": 2, "moe_input": "post_attn"},
+    "arch2_4_combined": {**_SMALL, **_MOE, "delta_dense": 1, "delta_expert": 2, "moe_input": "post_attn"},
+    "arch5": {**_SMALL, **_MOE, "delta_dense": 1, "delta_expert": 2, "moe_input": "post_attn",
+              "n_unique_layers": 2},
+    "llama": {**_SMALL, "d_ff": 384, "n_experts": 0, "top_k": 0, "d_expert": 0},
+}

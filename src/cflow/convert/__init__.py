@@ -1,0 +1,75 @@
+"""Converters into `.cflow` / `.vflow`: GGUF Llama-family files and our training checkpoints.
+
+    from cflow.convert import convert
+    result = convert("SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2.cflow")
+    result = convert("runs/arch2_4", "arch2_4.cflow", quant="q4_0")
+
+`convert` picks the converter from the input (a `.gguf` file, or a checkpoint directory) and the
+data order from the output's extension unless `order` is given. The per-source modules
+(`cflow.convert.gguf`, `cflow.convert.checkpoint`) do the mapping; `cflow.convert.common` encodes.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from cflow.convert.common import (QUANT_CHOICES, ConversionResult, ConvertError, QuantReport,
+                                  parse_tile)
+from cflow.quant import TILE
+
+__all__ = ["convert", "detect_input", "order_for", "ConversionResult", "ConvertError", "QuantReport",
+           "QUANT_CHOICES", "parse_tile"]
+
+_EXT_ORDER = {".cflow": "cflow", ".vflow": "vflow"}
+
+
+def detect_input(src: str | os.PathLike) -> str:
+    """'gguf' or 'checkpoint', by what `src` is on disk; ConvertError when neither."""
+    p = Path(src)
+    if not p.exists():
+        raise ConvertError(f"input {p} does not exist; give a .gguf file or a training checkpoint directory")
+    if p.is_dir():
+        if (p / "model.safetensors").is_file():
+            return "checkpoint"
+        raise ConvertError(f"{p} is a directory without model.safetensors; a training checkpoint "
+                           "(from `cflow train --out DIR`) has model.safetensors, config.json, tokenizer.json")
+    with open(p, "rb") as f:
+        magic = f.read(4)
+    if magic == b"GGUF":
+        return "gguf"
+    raise ConvertError(f"{p} is neither a GGUF file (no GGUF magic) nor a checkpoint directory")
+
+
+def order_for(dst: str | os.PathLike, order: str | None) -> str:
+    """The data order: the one given, else the output's extension (.vflow -> vflow), else cflow."""
+    implied = _EXT_ORDER.get(Path(dst).suffix.lower())
+    if order is None:
+        return implied or "cflow"
+    if order not in ("cflow", "vflow"):
+        raise ConvertError(f"unknown format {order!r}; choose cflow or vflow")
+    if implied is not None and implied != order:
+        raise ConvertError(f"output {dst} has the .{implied} extension but --format {order} was asked; "
+                           f"name it *.{order} or drop --format")
+    return order
+
+
+def convert(src: str | os.PathLike, dst: str | os.PathLike, *, quant: str | None = None,
+            tile: tuple[int, int] = TILE, order: str | None = None, progress=None) -> ConversionResult:
+    """Convert a GGUF file or a checkpoint directory into a .cflow/.vflow file.
+
+    `quant` is the format for weights that must be (re)quantized: default q4_0. For GGUF input,
+    Q4_0/Q4_1/Q8_0 tensors keep their own format bit for bit whatever `quant` says.
+    """
+    kind = detect_input(src)
+    order = order_for(dst, order)
+    quant = quant or "q4_0"
+    if Path(dst).resolve() == Path(src).resolve():
+        raise ConvertError("the output path is the input path; choose another output file")
+    if kind == "gguf":
+        from cflow.convert.gguf import convert_gguf
+
+        return convert_gguf(src, dst, quant=quant, tile=tile, order=order, progress=progress)
+    from cflow.convert.checkpoint import convert_checkpoint
+
+    return convert_checkpoint(src, dst, quant=quant, tile=tile, order=order, progress=progress)

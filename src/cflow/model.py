@@ -1,0 +1,435 @@
+"""PyTorch reference of the pipeline-native architecture family (SPEC §3), for training and as the
+numerical oracle of the C engine.
+
+Owns: the modules (RMSNorm, rotary embeddings, GQA attention, SwiGLU, MoE, Block, Transformer),
+the delayed residual wiring, weight init, and `ReferenceDecoder`, a plain token-by-token decode
+that is the algorithm the C runtime mirrors. Parameter names are the contract in docs/DESIGN.md.
+
+Layer l (x_l = residual entering layer l, x_0 = token embeddings; indices < 0 clamp to x_0):
+
+    a_l = Attn_l(norm(x_l));  h_l = x_l + a_l
+    u_l = h_l if delta_dense == 0 else x_{l+1-delta_dense}
+    f_l = FFN_l(norm(u_l))                                  (0 when d_ff == 0)
+    z_l = h_l + f_l if moe_input == "post_dense" else h_l
+    m_l = MoE_l(norm(z_l))                                  (0 when n_experts == 0)
+    x_{l+1} = h_l + f_l + sum(m_j for j + delta_expert == l)
+
+Expert outputs whose target layer j + delta_expert lies past the last layer are added to x_L
+before the final norm. The delays act along the layer axis only, so causal masking is unchanged.
+
+Conventions the C engine must share:
+- RMSNorm: x * rsqrt(mean(x^2) + eps) * weight, computed in float32.
+- Rotary ("half" / GPT-NeoX / HF Llama): pairs (x[j], x[j + hd/2]) rotate by angle
+  pos * theta^(-2j/hd); angles are computed in float64, then cos/sin rounded to float32.
+- GQA: query head h reads kv head h // (n_heads / n_kv_heads); scores are scaled by 1/sqrt(hd).
+- SwiGLU: w_down(silu(w_gate x) * w_up x).
+- Router: softmax over all E logits (float32), top-k, the k weights renormalised to sum to 1.
+- Layer l uses weight set l % n_unique_layers (arch5 really shares the parameter tensors).
+
+Short names: B batch, T time, d d_model, V vocab, E experts, k top_k, hd head_dim,
+nh n_heads, nkv n_kv_heads, L n_layers, N = B*T tokens.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from cflow.config import ModelConfig
+from cflow.errors import CflowError
+
+
+class ModelError(CflowError, ValueError):
+    """Bad input to the reference model: a sequence too long, or a state dict that does not fit."""
+
+
+# ---- building blocks -------------------------------------------------------------------------
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        # float32 statistics even under low-precision training, as the C engine does.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * self.weight.float()).to(x.dtype)
+
+
+def rope_cos_sin(n_pos: int, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
+    """cos, sin tables [n_pos, head_dim/2] (float32) for positions 0..n_pos-1."""
+    j = torch.arange(head_dim // 2, dtype=torch.float64)
+    inv_freq = theta ** (-2.0 * j / head_dim)  # [hd/2]
+    ang = torch.arange(n_pos, dtype=torch.float64)[:, None] * inv_freq[None, :]  # [n_pos, hd/2]
+    return ang.cos().float(), ang.sin().float()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate x [..., T, hd] by cos/sin [T, hd/2] in the "half" convention."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos.to(x.dtype), sin.to(x.dtype)
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+
+class Attention(nn.Module):
+    """Grouped-query causal self-attention with rotary embeddings (training path: whole sequence)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.nh, self.nkv, self.hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.wq = nn.Linear(cfg.d_model, cfg.q_dim, bias=False)
+        self.wk = nn.Linear(cfg.d_model, cfg.kv_dim, bias=False)
+        self.wv = nn.Linear(cfg.d_model, cfg.kv_dim, bias=False)
+        self.wo = nn.Linear(cfg.q_dim, cfg.d_model, bias=False)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, self.nh, self.hd).transpose(1, 2)  # [B, nh, T, hd]
+        k = self.wk(x).view(B, T, self.nkv, self.hd).transpose(1, 2)  # [B, nkv, T, hd]
+        v = self.wv(x).view(B, T, self.nkv, self.hd).transpose(1, 2)  # [B, nkv, T, hd]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        rep = self.nh // self.nkv
+        # repeat_interleave: query head h reads kv head h // rep (HF Llama's repeat_kv).
+        k = k.repeat_interleave(rep, dim=1)  # [B, nh, T, hd]
+        v = v.repeat_interleave(rep, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, nh, T, hd]
+        return self.wo(y.transpose(1, 2).reshape(B, T, self.nh * self.hd))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, d_model: int, d_hidden: int) -> None:
+        super().__init__()
+        self.w_gate = nn.Linear(d_model, d_hidden, bias=False)
+        self.w_up = nn.Linear(d_model, d_hidden, bias=False)
+        self.w_down = nn.Linear(d_hidden, d_model, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+
+
+class MoE(nn.Module):
+    """Top-k softmax-routed SwiGLU experts with stacked parameters [E, ...].
+
+    Training computes each expert only on the tokens routed to it (gather, SwiGLU, weighted
+    index_add), so the cost is k/E of running every expert on every token.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        E, d, dx = cfg.n_experts, cfg.d_model, cfg.d_expert
+        self.n_experts, self.top_k = E, cfg.top_k
+        self.router = nn.Linear(d, E, bias=False)
+        self.w_gate = nn.Parameter(torch.empty(E, dx, d))
+        self.w_up = nn.Parameter(torch.empty(E, dx, d))
+        self.w_down = nn.Parameter(torch.empty(E, d, dx))
+
+    def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """x [N, d] -> (router logits [N, E] f32, probs [N, E], weights [N, k], experts [N, k])."""
+        logits = self.router(x).float()
+        probs = logits.softmax(dim=-1)
+        w, idx = probs.topk(self.top_k, dim=-1)
+        return logits, probs, w / w.sum(dim=-1, keepdim=True), idx
+
+    def forward(self, x: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        """x [N, d] (already normalised) -> (y [N, d], {"load_balance", "router_z"})."""
+        logits, probs, w, idx = self.route(x)
+        y = torch.zeros_like(x)
+        for e in range(self.n_experts):
+            # Empty selections still run, so every parameter gets a (zero) gradient: DDP-safe.
+            tok, slot = torch.where(idx == e)  # [n_e], [n_e]
+            xe = x[tok]  # [n_e, d]
+            he = F.silu(xe @ self.w_gate[e].T) * (xe @ self.w_up[e].T)  # [n_e, dx]
+            ye = (he @ self.w_down[e].T) * w[tok, slot, None].to(x.dtype)  # [n_e, d]
+            y.index_add_(0, tok, ye)
+        return y, self._aux(logits, probs, idx)
+
+    def _aux(self, logits: Tensor, probs: Tensor, idx: Tensor) -> dict[str, Tensor]:
+        # Switch-Transformer balance: E * sum_e f_e * P_e, with f_e the share of the N*k routing
+        # slots that chose e and P_e the mean router probability of e (1.0 when uniform).
+        counts = torch.bincount(idx.flatten(), minlength=self.n_experts).float()  # [E]
+        f = counts / idx.numel()
+        lb = self.n_experts * (f * probs.mean(dim=0)).sum()
+        z = torch.logsumexp(logits, dim=-1).pow(2).mean()
+        return {"load_balance": lb, "router_z": z}
+
+
+class Block(nn.Module):
+    """One weight set: attention, optional dense FFN, optional MoE, each behind its RMSNorm.
+
+    The residual wiring (which x feeds which part, where expert outputs land) lives in
+    Transformer.forward, because with delays it spans several layers.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        if cfg.has_dense:
+            self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+            self.ffn = SwiGLU(cfg.d_model, cfg.d_ff)
+        if cfg.has_moe:
+            self.moe_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+            self.moe = MoE(cfg)
+
+    def attend(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        return self.attn(self.attn_norm(x), cos, sin)
+
+    def dense(self, u: Tensor) -> Tensor:
+        return self.ffn(self.ffn_norm(u))
+
+    def experts(self, z: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        B, T, d = z.shape
+        y, aux = self.moe(self.moe_norm(z).reshape(B * T, d))
+        return y.view(B, T, d), aux
+
+
+# ---- the model -------------------------------------------------------------------------------
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        # Only the unique weight sets exist; layer l calls layers[l % n_unique_layers].
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_unique_layers))
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        cos, sin = rope_cos_sin(cfg.max_seq_len, cfg.head_dim, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)  # [max_seq_len, hd/2]
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.reset_parameters()
+
+    def block(self, layer: int) -> Block:
+        return self.layers[self.cfg.weight_layer(layer)]
+
+    # ---- init --------------------------------------------------------------------------------
+    @torch.no_grad()
+    def reset_parameters(self, std: float = 0.02) -> None:
+        """Normal(0, std) weights; projections into the residual stream (wo, w_down, expert
+        w_down) get std / sqrt(2 * n_layers) so the residual variance does not grow with depth
+        (GPT-2). Norm weights are 1."""
+        resid_std = std / math.sqrt(2 * self.cfg.n_layers)
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(("attn.wo.weight", "ffn.w_down.weight", "moe.w_down")):
+                p.normal_(0.0, resid_std)
+            else:
+                p.normal_(0.0, std)
+
+    def num_params(self, non_embedding: bool = False) -> int:
+        """Unique parameters (shared arch5 sets count once); optionally without the embedding
+        table (an untied lm_head is always counted)."""
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.tok_emb.weight.numel() if non_embedding else n
+
+    # ---- forward -----------------------------------------------------------------------------
+    def forward(self, idx: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        """idx [B, T] -> (logits [B, T, V] float32, {"load_balance", "router_z"} averaged over
+        the MoE layers; zeros without MoE)."""
+        cfg = self.cfg
+        B, T = idx.shape
+        if T > cfg.max_seq_len:
+            raise ModelError(f"sequence length {T} exceeds max_seq_len {cfg.max_seq_len}; "
+                             f"crop the input or raise max_seq_len in the config")
+        L, dd, de = cfg.n_layers, cfg.delta_dense, cfg.delta_expert
+        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        xs = [self.tok_emb(idx)]  # xs[l] = x_l [B, T, d]
+        # pending[t]: expert outputs that join x_{t+1}; pending[L]: added before the final norm.
+        pending: list[list[Tensor]] = [[] for _ in range(L + 1)]
+        aux: list[dict[str, Tensor]] = []
+        for layer in range(L):
+            blk, x = self.block(layer), xs[layer]
+            h = x + blk.attend(x, cos, sin)
+            f = blk.dense(h if dd == 0 else xs[max(layer + 1 - dd, 0)]) if cfg.has_dense else None
+            if cfg.has_moe:
+                z = h + f if (cfg.moe_input == "post_dense" and f is not None) else h
+                m, stats = blk.experts(z)
+                pending[min(layer + de, L)].append(m)
+                aux.append(stats)
+            x_next = h if f is None else h + f
+            for m in pending[layer]:
+                x_next = x_next + m
+            xs.append(x_next)
+        x = xs[L]
+        for m in pending[L]:
+            x = x + m
+        logits = self.logits(self.norm(x))
+        return logits, self._mean_aux(aux, logits)
+
+    def logits(self, xn: Tensor) -> Tensor:
+        w = self.tok_emb.weight if self.lm_head is None else self.lm_head.weight  # [V, d]
+        return F.linear(xn, w).float()
+
+    @staticmethod
+    def _mean_aux(aux: list[dict[str, Tensor]], like: Tensor) -> dict[str, Tensor]:
+        if not aux:
+            zero = like.new_zeros(())
+            return {"load_balance": zero, "router_z": zero.clone()}
+        return {k: torch.stack([a[k] for a in aux]).mean() for k in ("load_balance", "router_z")}
+
+    # ---- loading -----------------------------------------------------------------------------
+    @classmethod
+    def from_state(cls, cfg: ModelConfig, state_dict: dict[str, Tensor]) -> "Transformer":
+        """Build a model for `cfg` and load `state_dict` (names as in docs/DESIGN.md) strictly."""
+        model = cls(cfg)
+        own = model.state_dict()
+        missing = sorted(set(own) - set(state_dict))
+        unexpected = sorted(set(state_dict) - set(own))
+        if missing or unexpected:
+            raise ModelError(f"state dict does not match config {cfg.name!r}: missing {missing[:6]}"
+                             f"{'...' if len(missing) > 6 else ''}, unexpected {unexpected[:6]}"
+                             f"{'...' if len(unexpected) > 6 else ''}; "
+                             f"load the config.json saved with these weights")
+        for name, t in state_dict.items():
+            if tuple(t.shape) != tuple(own[name].shape):
+                raise ModelError(f"tensor {name!r} has shape {tuple(t.shape)}, config {cfg.name!r} "
+                                 f"expects {tuple(own[name].shape)}; load the matching config.json")
+        model.load_state_dict(state_dict, strict=True)
+        return model
+
+
+# ---- plain incremental decode (the C engine's algorithm) -------------------------------------
+
+
+def _rmsnorm(x: Tensor, w: Tensor, eps: float) -> Tensor:
+    return x * torch.rsqrt(x.pow(2).mean() + eps) * w
+
+
+def _swiglu(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor) -> Tensor:
+    return w_down @ (F.silu(w_gate @ x) * (w_up @ x))
+
+
+class ReferenceDecoder:
+    """Token-by-token decode of a Transformer, written plainly as the C runtime will do it.
+
+    State (allocated once, float32):
+      k_cache, v_cache  [L, max_seq_len, nkv, hd]   one per layer, also when weights are shared
+      ring              [H, d]    H = cfg.history_depth = max(dd, de) + 1; x_l lives in ring[l % H]
+      pending           [de+1, d] pending[t % (de+1)] accumulates expert outputs that join x_{t+1}
+      late              [d]       expert outputs whose target t = l + de is >= L (added before
+                                  the final norm)
+
+    step(token) at position p = number of tokens seen so far:
+      ring[0] = tok_emb[token]; pending = 0; late = 0                 # x_0
+      for l in 0..L-1 (weights W = set l % n_unique_layers):
+        x  = ring[l % H]
+        xn = rmsnorm(x, W.attn_norm)
+        q = W.wq xn; k = W.wk xn; v = W.wv xn                         # [nh*hd], [nkv*hd] x2
+        rotate q and k per head at position p ("half" convention); store k, v at k/v_cache[l, p]
+        for head h: g = h // (nh/nkv)
+          s[t] = q_h . k_cache[l, t, g] / sqrt(hd), t = 0..p;  o_h = sum_t softmax(s)[t] v_cache[l, t, g]
+        h = x + W.wo o
+        f = 0
+        if dense: u = h if dd == 0 else ring[max(l + 1 - dd, 0) % H]   # x_{l+1-dd}, clamped to x_0
+                  f = swiglu(rmsnorm(u, W.ffn_norm))
+        if moe:   z = h + f if moe_input == "post_dense" else h
+                  zn = rmsnorm(z, W.moe_norm); probs = softmax(W.router zn)   # [E], float32
+                  top-k experts e_i with weights w_i = probs[e_i] / sum_i probs[e_i]
+                  m = sum_i w_i * swiglu_{e_i}(zn)
+                  t = l + de; if t < L: pending[t % (de+1)] += m  else: late += m
+        x_next = h + f + pending[l % (de+1)]; pending[l % (de+1)] = 0    # slot reused by l+de+1
+        ring[(l + 1) % H] = x_next
+      logits = lm_head(rmsnorm(ring[L % H] + late, norm))                 # tok_emb when tied
+
+    Why the ring is deep enough: layer l reads x_{l+1-dd} >= x_{l+2-H}, and writing x_{l+1}
+    evicts x_{l+1-H}, which no later layer reads. The clamp to x_0 only happens for l < dd - 1,
+    before slot 0 is reused. Only dd of the H slots are ever read back; the expert delay needs
+    no old residual here because this plain version runs the experts of layer l at layer l and
+    parks their output in `pending`. A pipelined engine that runs them later must also keep
+    norm(z_l) until then.
+    """
+
+    def __init__(self, model: Transformer, max_seq_len: int | None = None) -> None:
+        cfg = model.cfg
+        self.cfg = cfg
+        self.max_seq_len = max_seq_len or cfg.max_seq_len
+        self.sets = [{k: v.detach().float() for k, v in blk.state_dict().items()} for blk in model.layers]
+        self.tok_emb = model.tok_emb.weight.detach().float()  # [V, d]
+        self.out_w = self.tok_emb if model.lm_head is None else model.lm_head.weight.detach().float()
+        self.norm_w = model.norm.weight.detach().float()
+        self.cos, self.sin = rope_cos_sin(self.max_seq_len, cfg.head_dim, cfg.rope_theta)  # [S, hd/2]
+        L, d, S = cfg.n_layers, cfg.d_model, self.max_seq_len
+        self.k_cache = torch.zeros(L, S, cfg.n_kv_heads, cfg.head_dim)
+        self.v_cache = torch.zeros(L, S, cfg.n_kv_heads, cfg.head_dim)
+        self.ring = torch.zeros(cfg.history_depth, d)
+        self.pending = torch.zeros(cfg.delta_expert + 1, d)
+        self.late = torch.zeros(d)
+        self.pos = 0
+
+    def reset(self) -> None:
+        """Forget the sequence (the caches are overwritten, not cleared: positions >= pos are
+        never read)."""
+        self.pos = 0
+
+    @torch.no_grad()
+    def step(self, token: int) -> Tensor:
+        """Feed one token at the next position; return its logits [V] (float32)."""
+        cfg = self.cfg
+        if self.pos >= self.max_seq_len:
+            raise ModelError(f"decoder is full ({self.max_seq_len} positions); call reset() "
+                             f"or build it with a larger max_seq_len")
+        if not 0 <= token < cfg.vocab_size:
+            raise ModelError(f"token id {token} is outside the vocabulary (0..{cfg.vocab_size - 1})")
+        L, H, P = cfg.n_layers, cfg.history_depth, cfg.delta_expert + 1
+        self.ring[0] = self.tok_emb[token]
+        self.pending.zero_()
+        self.late.zero_()
+        for layer in range(L):
+            W = self.sets[cfg.weight_layer(layer)]
+            x = self.ring[layer % H].clone()
+            h = x + self._attention(W, layer, _rmsnorm(x, W["attn_norm.weight"], cfg.norm_eps))
+            f = torch.zeros_like(h)
+            if cfg.has_dense:
+                u = h if cfg.delta_dense == 0 else self.ring[max(layer + 1 - cfg.delta_dense, 0) % H]
+                f = _swiglu(_rmsnorm(u, W["ffn_norm.weight"], cfg.norm_eps),
+                            W["ffn.w_gate.weight"], W["ffn.w_up.weight"], W["ffn.w_down.weight"])
+            if cfg.has_moe:
+                z = h + f if cfg.moe_input == "post_dense" else h
+                m = self._experts(W, _rmsnorm(z, W["moe_norm.weight"], cfg.norm_eps))
+                target = layer + cfg.delta_expert
+                if target < L:
+                    self.pending[target % P] += m
+                else:
+                    self.late += m
+            self.ring[(layer + 1) % H] = h + f + self.pending[layer % P]
+            self.pending[layer % P] = 0.0
+        x = self.ring[L % H] + self.late
+        self.pos += 1
+        return self.out_w @ _rmsnorm(x, self.norm_w, cfg.norm_eps)  # [V]
+
+    def _attention(self, W: dict[str, Tensor], layer: int, xn: Tensor) -> Tensor:
+        cfg, p = self.cfg, self.pos
+        nh, nkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        q = (W["attn.wq.weight"] @ xn).view(nh, hd)
+        k = (W["attn.wk.weight"] @ xn).view(nkv, hd)
+        v = (W["attn.wv.weight"] @ xn).view(nkv, hd)
+        cos, sin = self.cos[p : p + 1], self.sin[p : p + 1]  # [1, hd/2]
+        self.k_cache[layer, p] = apply_rope(k, cos, sin)
+        self.v_cache[layer, p] = v
+        q = apply_rope(q, cos, sin)
+        o = torch.empty(nh, hd)
+        rep = nh // nkv
+        for head in range(nh):
+            keys = self.k_cache[layer, : p + 1, head // rep]  # [p+1, hd]
+            vals = self.v_cache[layer, : p + 1, head // rep]  # [p+1, hd]
+            att = (keys @ q[head] / math.sqrt(hd)).softmax(dim=0)  # [p+1]
+            o[head] = att @ vals
+        return W["attn.wo.weight"] @ o.flatten()
+
+    def _experts(self, W: dict[str, Tensor], zn: Tensor) -> Tensor:
+        probs = (W["moe.router.weight"] @ zn).softmax(dim=0)  # [E]
+        w, idx = probs.topk(self.cfg.top_k)
+        w = w / w.sum()
+        m = torch.zeros_like(zn)
+        for wi, e in zip(w.tolist(), idx.tolist()):
+            m += wi * _swiglu(zn, W["moe.w_gate"][e], W["moe.w_up"][e], W["moe.w_down"][e])
+        return m

@@ -1,0 +1,153 @@
+// bind_engine.cpp — the decode engine (engine.c) as `cflow._native.NativeEngine`.
+//
+// Thin on purpose: arrays in, arrays out, no copies. The file buffer (usually a read-only numpy
+// view of the mmap) is held by the object for the engine's life; logits are written straight into
+// a numpy array the caller preallocates. step() and prefill() release the GIL.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/string.h>
+
+#include <cstring>
+#include <string>
+
+#include "engine.h"
+
+namespace nb = nanobind;
+
+namespace {
+
+using Bytes = nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using Desc = nb::ndarray<const int64_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+using Plan = nb::ndarray<const int32_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+using Tokens = nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using Logits = nb::ndarray<float, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+
+cf_config config_from(const nb::dict &d) {
+    auto i = [&](const char *k) { return nb::cast<int>(d[k]); };
+    auto f = [&](const char *k) { return nb::cast<float>(d[k]); };
+    cf_config c{};
+    c.vocab = i("vocab_size");
+    c.d = i("d_model");
+    c.n_layers = i("n_layers");
+    c.n_heads = i("n_heads");
+    c.n_kv = i("n_kv_heads");
+    c.hd = i("head_dim");
+    c.d_ff = i("d_ff");
+    c.n_experts = i("n_experts");
+    c.top_k = i("top_k");
+    c.d_exp = i("d_expert");
+    c.n_unique = i("n_unique_layers");
+    c.tie_embeddings = nb::cast<bool>(d["tie_embeddings"]) ? 1 : 0;
+    c.rope_theta = f("rope_theta");
+    c.norm_eps = f("norm_eps");
+    return c;
+}
+
+struct NativeEngine {
+    cf_engine *e = nullptr;
+    Bytes buf;  // keeps the mapped file alive
+    int vocab = 0, n_layers = 0, n_experts = 0;
+
+    NativeEngine(Bytes buffer, const nb::dict &cfg, Desc desc, Plan plan, int n_ring, int n_pending,
+                 int threads, int n_ctx, int max_batch)
+        : buf(buffer) {
+        cf_config c = config_from(cfg);
+        if (desc.shape(1) != CF_DESC_FIELDS || plan.shape(1) != CF_OP_FIELDS)
+            throw nb::value_error("descriptor or plan array has the wrong width");
+        char err[512] = {0};
+        e = cf_engine_create(&c, buf.data(), buf.shape(0), desc.data(), (int)desc.shape(0),
+                             plan.data(), (int)plan.shape(0), n_ring, n_pending, threads, n_ctx,
+                             max_batch, err, sizeof err);
+        if (!e) throw nb::value_error(err);
+        vocab = c.vocab;
+        n_layers = c.n_layers;
+        n_experts = c.n_experts;
+    }
+    ~NativeEngine() { cf_engine_free(e); }
+
+    float *logits_ptr(Logits &logits) {
+        if (logits.shape(0) != (size_t)vocab)
+            throw nb::value_error(("logits must have " + std::to_string(vocab) + " entries").c_str());
+        return logits.data();
+    }
+
+    void step(int token, int pos, Logits logits) {
+        float *out = logits_ptr(logits);
+        int rc;
+        {
+            nb::gil_scoped_release nogil;
+            rc = cf_step(e, token, pos, out);
+        }
+        if (rc) throw nb::value_error(cf_engine_error(e));
+    }
+
+    void prefill(Tokens tokens, int pos0, nb::object logits_obj) {
+        float *out = nullptr;
+        Logits logits;
+        if (!logits_obj.is_none()) {
+            logits = nb::cast<Logits>(logits_obj);
+            out = logits_ptr(logits);
+        }
+        int rc;
+        {
+            nb::gil_scoped_release nogil;
+            rc = cf_prefill(e, tokens.data(), (int)tokens.shape(0), pos0, out);
+        }
+        if (rc) throw nb::value_error(cf_engine_error(e));
+    }
+
+    nb::dict counters() const {
+        cf_counters c;
+        cf_engine_counters(e, &c);
+        nb::dict d;
+        d["attn"] = c.attn;
+        d["dense"] = c.dense;
+        d["router"] = c.router;
+        d["experts"] = c.experts;
+        d["embed"] = c.embed;
+        d["lm_head"] = c.lm_head;
+        d["kv"] = c.kv;
+        d["tokens"] = c.tokens;
+        d["calls"] = c.calls;
+        return d;
+    }
+
+    nb::list expert_hits() const {
+        size_t n = (size_t)n_layers * n_experts;
+        uint64_t *tmp = new uint64_t[n ? n : 1];
+        cf_engine_expert_hits(e, tmp);
+        nb::list out;
+        for (int l = 0; l < n_layers; l++) {
+            nb::list row;
+            for (int x = 0; x < n_experts; x++) row.append(tmp[(size_t)l * n_experts + x]);
+            out.append(row);
+        }
+        delete[] tmp;
+        return out;
+    }
+};
+
+}  // namespace
+
+void cf_bind_engine(nb::module_ &m) {
+    m.attr("ENGINE_DESC_FIELDS") = (int)CF_DESC_FIELDS;
+    m.attr("ENGINE_OP_FIELDS") = (int)CF_OP_FIELDS;
+    nb::class_<NativeEngine>(m, "NativeEngine",
+                             "The C decode engine over one mapped .cflow file (see cflow.engine).")
+        .def(nb::init<Bytes, const nb::dict &, Desc, Plan, int, int, int, int, int>(),
+             nb::arg("buffer"), nb::arg("config"), nb::arg("desc"), nb::arg("plan"),
+             nb::arg("n_ring"), nb::arg("n_pending"), nb::arg("threads"), nb::arg("n_ctx"),
+             nb::arg("max_batch"))
+        .def("step", &NativeEngine::step, nb::arg("token"), nb::arg("pos"), nb::arg("logits"),
+             "Run one token at position pos; write next-token logits into `logits` (float32[vocab]).")
+        .def("prefill", &NativeEngine::prefill, nb::arg("tokens"), nb::arg("pos0"),
+             nb::arg("logits") = nb::none(),
+             "Run tokens (int32) at positions pos0..; logits of the last one go into `logits`.")
+        .def("counters", &NativeEngine::counters, "Bytes touched by category since reset_counters().")
+        .def("expert_hits", &NativeEngine::expert_hits, "Routing counts per [layer][expert].")
+        .def("reset_counters", [](NativeEngine &s) { cf_engine_reset_counters(s.e); })
+        .def_prop_ro("n_ctx", [](const NativeEngine &s) { return cf_engine_n_ctx(s.e); })
+        .def_prop_ro("threads", [](const NativeEngine &s) { return cf_engine_n_threads(s.e); })
+        .def_prop_ro("max_batch", [](const NativeEngine &s) { return cf_engine_max_batch(s.e); })
+        .def_prop_ro("isa", [](const NativeEngine &s) { return std::string(cf_engine_isa(s.e)); });
+}

@@ -1,0 +1,470 @@
+// bindings.cpp — cflow._native: thin, zero-copy nanobind wrappers over the kernel table, the
+// thread pool and the bandwidth probe (the engine's bindings live in bind_engine.cpp).
+//
+// Each wrapper checks shapes and sizes, then calls one C kernel on the numpy buffers as they
+// are (read-only arrays such as a file's mmap are fine); results come back as new numpy arrays.
+// Bad input raises cflow._native.KernelInputError (a CflowError and a ValueError). `isa=None`
+// uses the table dispatch.c chose (CFLOW_ISA honoured); a name picks one table, for tests and
+// benchmarks. Long calls release the GIL. This module is for tests, benchmarks and tools; the
+// per-token path runs inside engine.c and never comes back through here.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <ctime>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "cflow.h"
+
+namespace nb = nanobind;
+
+void cf_bind_engine(nb::module_ &m); // bind_engine.cpp
+
+namespace {
+
+// ---- arrays ----------------------------------------------------------------------------------
+
+template <typename T> using In1 = nb::ndarray<const T, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+template <typename T> using In2 = nb::ndarray<const T, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+using AnyIn = nb::ndarray<nb::ro, nb::c_contig, nb::device::cpu>;
+template <typename T> using Out = nb::ndarray<nb::numpy, T>;
+
+// A new zero-filled numpy array of n elements, freed by Python.
+template <typename T> Out<T> new_array(size_t n) {
+    T *data = new T[n > 0 ? n : 1]();
+    nb::capsule owner(data, [](void *p) noexcept { delete[] static_cast<T *>(p); });
+    return Out<T>(data, {n}, owner);
+}
+
+PyObject *g_input_error = nullptr; // cflow._native.KernelInputError
+
+[[noreturn]] void bad_input(const std::string &msg) {
+    PyErr_SetString(g_input_error, msg.c_str());
+    throw nb::python_error();
+}
+
+std::string available_list() {
+    std::string s;
+    for (const char *const *n = cf_available_isas(); *n; n++) s += std::string(s.empty() ? "" : ", ") + *n;
+    return s;
+}
+
+const cf_kernel_table *table(const std::optional<std::string> &isa) {
+    if (!isa) return cf_kernels();
+    const cf_kernel_table *t = cf_kernels_by_name(isa->c_str());
+    if (!t) bad_input("kernel table '" + *isa + "' is not available on this CPU/build; use one of: " + available_list());
+    return t;
+}
+
+void check_len(size_t got, size_t want, const char *what) {
+    if (got != want)
+        bad_input(std::string(what) + " has " + std::to_string(got) + " elements, expected " + std::to_string(want));
+}
+
+// A cf_tiled view of a numpy byte buffer, after checking the geometry against DESIGN.md.
+cf_tiled tiled_view(const uint8_t *data, size_t size, int dtype, int rows, int cols, int tile_rows, int tile_cols) {
+    if (dtype != CF_Q4_0 && dtype != CF_Q4_1 && dtype != CF_Q8_0)
+        bad_input("tiled dtype id " + std::to_string(dtype) + " is not a quantized type; use 2 (q4_0), 3 (q4_1) or 8 (q8_0)");
+    if (rows < 1 || cols < 1 || cols % CF_QK)
+        bad_input("matrix shape [" + std::to_string(rows) + ", " + std::to_string(cols) + "] is invalid; rows >= 1 and cols a positive multiple of 32");
+    if (tile_rows < CF_G || tile_rows % CF_G || tile_cols < CF_QK || tile_cols % CF_QK)
+        bad_input("tile " + std::to_string(tile_rows) + "x" + std::to_string(tile_cols) + " is invalid; rows a multiple of 8, cols a multiple of 32");
+    cf_tiled w{data, dtype, rows, cols, tile_rows, tile_cols};
+    if (size != cf_tiled_bytes(&w))
+        bad_input("tiled buffer has " + std::to_string(size) + " bytes; a [" + std::to_string(rows) + ", " +
+                  std::to_string(cols) + "] matrix of dtype " + std::to_string(dtype) + " needs " + std::to_string(cf_tiled_bytes(&w)));
+    return w;
+}
+
+// Owned buffers of a quantized activation vector.
+struct ActQ8 {
+    std::vector<int8_t> qs;
+    std::vector<float> d, s;
+    cf_act_q8 view;
+    explicit ActQ8(int n) : qs(n), d(n / CF_QK), s(n / CF_QK), view{qs.data(), d.data(), s.data(), n} {}
+};
+
+const cf_half *half_data(const AnyIn &a, const char *what) {
+    if (a.dtype().bits != 16 || a.dtype().lanes != 1 ||
+        (a.dtype().code != (uint8_t)nb::dlpack::dtype_code::Float && a.dtype().code != (uint8_t)nb::dlpack::dtype_code::UInt))
+        bad_input(std::string(what) + " must be float16 (or its uint16 bits)");
+    return static_cast<const cf_half *>(a.data());
+}
+
+// ---- thread pool -----------------------------------------------------------------------------
+
+struct Pool {
+    cf_pool *p;
+    explicit Pool(int n) : p(nullptr) {
+        if (n < 1 || n > 1024) bad_input("thread count " + std::to_string(n) + " is out of range; use 1..1024");
+        p = cf_pool_create(n);
+        if (!p) throw std::runtime_error("could not start " + std::to_string(n) + " threads");
+    }
+    ~Pool() { cf_pool_free(p); }
+    Pool(const Pool &) = delete;
+    Pool &operator=(const Pool &) = delete;
+    int size() const { return cf_pool_size(p); }
+};
+
+// Split [0, n) over the pool (or run it all on the caller) and call fn(lo, hi) per thread.
+template <typename F> void parallel_ranges(Pool *pool, int n, F &&fn) {
+    if (!pool) {
+        fn(0, n);
+        return;
+    }
+    struct Ctx {
+        F *fn;
+        int n;
+    } ctx{&fn, n};
+    cf_pool_run(pool->p, [](void *c, int ith, int nth) {
+        Ctx *x = static_cast<Ctx *>(c);
+        int lo, hi;
+        cf_split(x->n, ith, nth, &lo, &hi);
+        if (lo < hi) (*x->fn)(lo, hi);
+    }, &ctx);
+}
+
+// Every thread bumps its own counter once per run; after each run the caller checks that all
+// counters moved exactly once (so none ran twice, none was skipped, and its write is visible).
+std::tuple<Out<int64_t>, int64_t> pool_selftest(Pool &pool, int n_calls) {
+    int n = pool.size();
+    auto counts = new_array<int64_t>(n);
+    int64_t *c = counts.data();
+    int64_t violations = 0;
+    {
+        nb::gil_scoped_release rel;
+        struct Ctx {
+            int64_t *c;
+            int n;
+            int64_t bad_nth;
+        } ctx{c, n, 0};
+        for (int call = 0; call < n_calls; call++) {
+            cf_pool_run(pool.p, [](void *p, int ith, int nth) {
+                Ctx *x = static_cast<Ctx *>(p);
+                if (nth != x->n || ith < 0 || ith >= nth) __atomic_fetch_add(&x->bad_nth, 1, __ATOMIC_RELAXED);
+                else x->c[ith]++;
+            }, &ctx);
+            for (int i = 0; i < n; i++) violations += c[i] != call + 1;
+        }
+        violations += ctx.bad_nth;
+    }
+    return {counts, violations};
+}
+
+double pool_run_latency(Pool &pool, int n_calls) {
+    nb::gil_scoped_release rel;
+    auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < n_calls; i++) cf_pool_run(pool.p, [](void *, int, int) {}, nullptr);
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / n_calls;
+}
+
+// ---- kernels ---------------------------------------------------------------------------------
+
+std::tuple<Out<int8_t>, Out<float>, Out<float>> quantize_act(In1<float> x, std::optional<std::string> isa) {
+    const cf_kernel_table *t = table(isa);
+    if (x.size() % CF_QK) bad_input("activation length " + std::to_string(x.size()) + " is not a multiple of 32");
+    int n = (int)x.size();
+    auto qs = new_array<int8_t>(n);
+    auto d = new_array<float>(n / CF_QK), s = new_array<float>(n / CF_QK);
+    cf_act_q8 a{qs.data(), d.data(), s.data(), n};
+    t->quantize_act(x.data(), &a);
+    return {qs, d, s};
+}
+
+Out<float> matvec(In1<uint8_t> tiled, int dtype, int rows, int cols, In1<float> x, int tile_rows, int tile_cols,
+                  std::optional<std::string> isa, Pool *pool, int g0, int g1) {
+    const cf_kernel_table *t = table(isa);
+    cf_tiled w = tiled_view(tiled.data(), tiled.size(), dtype, rows, cols, tile_rows, tile_cols);
+    check_len(x.size(), cols, "x");
+    int ng = cf_n_groups(&w);
+    if (g1 < 0) g1 = ng;
+    if (g0 < 0 || g0 > g1 || g1 > ng)
+        bad_input("row-group range [" + std::to_string(g0) + ", " + std::to_string(g1) + ") is outside [0, " + std::to_string(ng) + "]");
+    auto y = new_array<float>(rows);
+    float *yp = y.data();
+    const float *xp = x.data();
+    {
+        nb::gil_scoped_release rel;
+        ActQ8 a(cols);
+        t->quantize_act(xp, &a.view);
+        cf_matvec_fn fn = t->matvec[dtype];
+        parallel_ranges(pool, g1 - g0, [&](int lo, int hi) { fn(&w, &a.view, yp, g0 + lo, g0 + hi); });
+    }
+    return y;
+}
+
+Out<float> gate_up(In1<uint8_t> tiled, int dtype, int rows, int cols, In1<float> x, int tile_rows, int tile_cols,
+                   std::optional<std::string> isa, Pool *pool, int p0, int p1) {
+    const cf_kernel_table *t = table(isa);
+    cf_tiled w = tiled_view(tiled.data(), tiled.size(), dtype, rows, cols, tile_rows, tile_cols);
+    check_len(x.size(), cols, "x");
+    if (rows % (2 * CF_G)) bad_input("gate/up matrix has " + std::to_string(rows) + " rows; it needs 2*d_ff rows with d_ff a multiple of 8");
+    int np = rows / (2 * CF_G);
+    if (p1 < 0) p1 = np;
+    if (p0 < 0 || p0 > p1 || p1 > np)
+        bad_input("pair range [" + std::to_string(p0) + ", " + std::to_string(p1) + ") is outside [0, " + std::to_string(np) + "]");
+    auto y = new_array<float>(rows / 2);
+    float *yp = y.data();
+    const float *xp = x.data();
+    {
+        nb::gil_scoped_release rel;
+        ActQ8 a(cols);
+        t->quantize_act(xp, &a.view);
+        cf_gate_up_fn fn = t->gate_up[dtype];
+        parallel_ranges(pool, p1 - p0, [&](int lo, int hi) { fn(&w, &a.view, yp, p0 + lo, p0 + hi); });
+    }
+    return y;
+}
+
+Out<float> embed_row(In1<uint8_t> tiled, int dtype, int rows, int cols, int r, int tile_rows, int tile_cols,
+                     std::optional<std::string> isa) {
+    const cf_kernel_table *t = table(isa);
+    cf_tiled w = tiled_view(tiled.data(), tiled.size(), dtype, rows, cols, tile_rows, tile_cols);
+    if (r < 0 || r >= rows) bad_input("row " + std::to_string(r) + " is outside [0, " + std::to_string(rows) + ")");
+    auto out = new_array<float>(cols);
+    t->embed_row(&w, r, out.data());
+    return out;
+}
+
+double thread_cpu_s() {
+    timespec ts;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return ts.tv_sec + 1e-9 * ts.tv_nsec;
+}
+
+// (wall, calling thread's CPU) seconds per mat-vec (activation already quantized), cycling
+// through `copies` back-to-back copies of the matrix in `buf` so that a buffer larger than the
+// caches measures DRAM. On a shared machine the CPU time of a 1-thread run is the steadier one.
+std::tuple<double, double> bench_matvec(In1<uint8_t> buf, int copies, int dtype, int rows, int cols, In1<float> x, int tile_rows,
+                    int tile_cols, std::optional<std::string> isa, Pool *pool, int iters) {
+    const cf_kernel_table *t = table(isa);
+    if (copies < 1 || buf.size() % copies) bad_input("buffer size is not a whole number of copies");
+    cf_tiled w = tiled_view(buf.data(), buf.size() / copies, dtype, rows, cols, tile_rows, tile_cols);
+    check_len(x.size(), cols, "x");
+    size_t nbytes = cf_tiled_bytes(&w);
+    std::vector<float> y(rows);
+    nb::gil_scoped_release rel;
+    ActQ8 a(cols);
+    t->quantize_act(x.data(), &a.view);
+    cf_matvec_fn fn = t->matvec[dtype];
+    int ng = cf_n_groups(&w);
+    double c0 = thread_cpu_s();
+    auto t0 = std::chrono::steady_clock::now();
+    for (int it = 0; it < iters; it++) {
+        cf_tiled wi = w;
+        wi.data = buf.data() + (size_t)(it % copies) * nbytes;
+        parallel_ranges(pool, ng, [&](int lo, int hi) { fn(&wi, &a.view, y.data(), lo, hi); });
+    }
+    double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    return {wall / iters, (thread_cpu_s() - c0) / iters};
+}
+
+Out<float> rmsnorm(In1<float> x, In1<float> w, float eps, std::optional<std::string> isa) {
+    const cf_kernel_table *t = table(isa);
+    check_len(w.size(), x.size(), "norm weight");
+    auto out = new_array<float>(x.size());
+    t->rmsnorm(out.data(), x.data(), w.data(), (int)x.size(), eps);
+    return out;
+}
+
+Out<float> matvec_f32(In2<float> W, In1<float> x, std::optional<std::string> isa) {
+    const cf_kernel_table *t = table(isa);
+    check_len(x.size(), W.shape(1), "x");
+    auto y = new_array<float>(W.shape(0));
+    t->matvec_f32(y.data(), W.data(), x.data(), (int)W.shape(0), (int)W.shape(1));
+    return y;
+}
+
+float dot(In1<float> a, In1<float> b, std::optional<std::string> isa) {
+    const cf_kernel_table *t = table(isa);
+    check_len(b.size(), a.size(), "b");
+    return t->dot_f32(a.data(), b.data(), (int)a.size());
+}
+
+Out<float> axpy(In1<float> y, float a, In1<float> x, std::optional<std::string> isa) {
+    const cf_kernel_table *t = table(isa);
+    check_len(x.size(), y.size(), "x");
+    auto out = new_array<float>(y.size());
+    std::memcpy(out.data(), y.data(), sizeof(float) * y.size());
+    t->axpy_f32(out.data(), a, x.data(), (int)y.size());
+    return out;
+}
+
+Out<float> softmax(In1<float> x, std::optional<std::string> isa) {
+    const cf_kernel_table *t = table(isa);
+    if (x.size() == 0) bad_input("softmax of an empty vector");
+    auto out = new_array<float>(x.size());
+    std::memcpy(out.data(), x.data(), sizeof(float) * x.size());
+    t->softmax(out.data(), (int)x.size());
+    return out;
+}
+
+Out<float> swiglu(In1<float> g, In1<float> u, std::optional<std::string> isa) {
+    const cf_kernel_table *t = table(isa);
+    check_len(u.size(), g.size(), "u");
+    auto out = new_array<float>(g.size());
+    t->swiglu(out.data(), g.data(), u.data(), (int)g.size());
+    return out;
+}
+
+std::tuple<Out<float>, Out<float>> rope_table(int head_dim, int pos, float theta) {
+    if (head_dim < 2 || head_dim % 2) bad_input("head_dim " + std::to_string(head_dim) + " must be even");
+    auto c = new_array<float>(head_dim / 2), s = new_array<float>(head_dim / 2);
+    cf_rope_table(c.data(), s.data(), head_dim, pos, theta);
+    return {c, s};
+}
+
+Out<float> rope(In1<float> x, int n_heads, int head_dim, int pos, float theta, std::optional<std::string> isa) {
+    const cf_kernel_table *t = table(isa);
+    if (head_dim < 2 || head_dim % 2) bad_input("head_dim " + std::to_string(head_dim) + " must be even");
+    check_len(x.size(), (size_t)n_heads * head_dim, "x");
+    std::vector<float> c(head_dim / 2), s(head_dim / 2);
+    cf_rope_table(c.data(), s.data(), head_dim, pos, theta);
+    auto out = new_array<float>(x.size());
+    std::memcpy(out.data(), x.data(), sizeof(float) * x.size());
+    t->rope(out.data(), n_heads, head_dim, c.data(), s.data());
+    return out;
+}
+
+Out<float> attention(In1<float> q, AnyIn k, AnyIn v, int n_heads, int n_kv_heads, int n_pos,
+                     std::optional<float> scale, std::optional<std::string> isa, Pool *pool) {
+    const cf_kernel_table *t = table(isa);
+    if (k.ndim() != 3 || v.ndim() != 3) bad_input("k and v caches must be [n_kv_heads, max_seq, head_dim]");
+    for (int i = 0; i < 3; i++)
+        if (k.shape(i) != v.shape(i)) bad_input("k and v caches differ in shape");
+    if (n_heads < 1 || n_kv_heads < 1 || n_heads % n_kv_heads || (int)k.shape(0) != n_kv_heads)
+        bad_input("n_heads must be a multiple of n_kv_heads, and the caches must hold n_kv_heads heads");
+    int max_seq = (int)k.shape(1), hd = (int)k.shape(2);
+    if (n_pos < 1 || n_pos > max_seq) bad_input("n_pos " + std::to_string(n_pos) + " is outside [1, " + std::to_string(max_seq) + "]");
+    check_len(q.size(), (size_t)n_heads * hd, "q");
+    cf_attn_shape s{n_heads, n_kv_heads, hd, max_seq, n_pos, scale ? *scale : 1.0f / std::sqrt((float)hd)};
+    const cf_half *kp = half_data(k, "k cache"), *vp = half_data(v, "v cache");
+    auto out = new_array<float>(q.size());
+    float *op = out.data();
+    const float *qp = q.data();
+    {
+        nb::gil_scoped_release rel;
+        std::vector<float> att((size_t)n_heads * n_pos);
+        parallel_ranges(pool, n_heads, [&](int h0, int h1) {
+            t->attention(op, qp, kp, vp, att.data() + (size_t)h0 * n_pos, &s, h0, h1);
+        });
+    }
+    return out;
+}
+
+std::tuple<Out<int32_t>, Out<float>> topk(In1<float> x, int k) {
+    if (k < 1 || (size_t)k > x.size()) bad_input("k=" + std::to_string(k) + " must be in [1, len(x)]");
+    auto idx = new_array<int32_t>(k);
+    auto val = new_array<float>(k);
+    cf_topk(x.data(), (int)x.size(), k, idx.data(), val.data());
+    return {idx, val};
+}
+
+Out<uint16_t> f32_to_f16(In1<float> x, std::optional<std::string> isa) {
+    const cf_kernel_table *t = table(isa);
+    auto out = new_array<uint16_t>(x.size());
+    t->f32_to_f16(out.data(), x.data(), (int)x.size());
+    return out;
+}
+
+Out<float> f16_to_f32(AnyIn h, std::optional<std::string> isa) {
+    const cf_kernel_table *t = table(isa);
+    const cf_half *hp = half_data(h, "input");
+    auto out = new_array<float>(h.size());
+    t->f16_to_f32(out.data(), hp, (int)h.size());
+    return out;
+}
+
+nb::dict cpu_features() {
+    unsigned f = cf_cpu_features();
+    nb::dict d;
+    const std::pair<const char *, unsigned> names[] = {
+        {"avx", CF_CPU_AVX},           {"avx2", CF_CPU_AVX2},         {"fma", CF_CPU_FMA},
+        {"f16c", CF_CPU_F16C},         {"avxvnni", CF_CPU_AVXVNNI},   {"avx512f", CF_CPU_AVX512F},
+        {"avx512bw", CF_CPU_AVX512BW}, {"avx512vl", CF_CPU_AVX512VL}, {"avx512vnni", CF_CPU_AVX512VNNI}};
+    for (auto &n : names) d[n.first] = (f & n.second) != 0;
+    return d;
+}
+
+std::vector<std::string> available_isas() {
+    std::vector<std::string> v;
+    for (const char *const *n = cf_available_isas(); *n; n++) v.emplace_back(*n);
+    return v;
+}
+
+void make_error_class(nb::module_ &m) {
+    nb::object base = nb::module_::import_("cflow.errors").attr("CflowError");
+    PyObject *bases = PyTuple_Pack(2, base.ptr(), PyExc_ValueError);
+    g_input_error = PyErr_NewException("cflow._native.KernelInputError", bases, nullptr);
+    Py_DECREF(bases);
+    if (!g_input_error) throw nb::python_error();
+    m.attr("KernelInputError") = nb::handle(g_input_error);
+}
+
+} // namespace
+
+NB_MODULE(_native, m) {
+    m.doc() = "cflow's C core: quantized tiled mat-vec and friends, a thread pool, the decode engine";
+    make_error_class(m);
+
+    using nb::arg;
+    auto none = nb::none();
+    m.def("isa", [] { return std::string(cf_kernels()->name); }, "Name of the kernel table in use.");
+    m.def("available_isas", &available_isas, "Kernel tables this CPU can run, best last.");
+    m.def("cpu_features", &cpu_features, "CPU features the dispatcher probed.");
+    m.def("set_prefetch", &cf_set_prefetch, arg("bytes_ahead"), "PREFETCHT0 distance in the mat-vecs (0: off).");
+    m.def("get_prefetch", &cf_get_prefetch);
+    m.def("tiled_bytes", [](int dtype, int rows, int cols, int tr, int tc) {
+        cf_tiled w{nullptr, dtype, rows, cols, tr, tc};
+        return cf_tiled_bytes(&w);
+    }, arg("dtype"), arg("rows"), arg("cols"), arg("tile_rows") = 128, arg("tile_cols") = 256);
+    m.def("read_bandwidth", [](size_t nbytes, int threads, int reps) {
+        nb::gil_scoped_release rel;
+        return cf_read_bandwidth(nbytes, threads, reps);
+    }, arg("nbytes"), arg("threads") = 1, arg("reps") = 5, "Best-of-reps read bandwidth in GB/s (<0: no memory).");
+
+    nb::class_<Pool>(m, "Pool", "A persistent thread pool; the calling thread is thread 0.")
+        .def(nb::init<int>(), arg("n_threads"))
+        .def_prop_ro("size", &Pool::size)
+        .def("selftest", &pool_selftest, arg("n_calls"),
+             "Run a counting task n_calls times; returns (per-thread counts, violations).")
+        .def("run_latency", &pool_run_latency, arg("n_calls"), "Seconds per empty run.");
+
+    m.def("quantize_act", &quantize_act, arg("x"), arg("isa") = none);
+    m.def("matvec", &matvec, arg("tiled"), arg("dtype"), arg("rows"), arg("cols"), arg("x"), arg("tile_rows") = 128,
+          arg("tile_cols") = 256, arg("isa") = none, arg("pool") = none, arg("g0") = 0, arg("g1") = -1,
+          "y = W x for a tiled quantized W (x is quantized to int8 per 32-block first); rows of "
+          "groups [g0, g1) only (others stay 0).");
+    m.def("gate_up", &gate_up, arg("tiled"), arg("dtype"), arg("rows"), arg("cols"), arg("x"), arg("tile_rows") = 128,
+          arg("tile_cols") = 256, arg("isa") = none, arg("pool") = none, arg("p0") = 0, arg("p1") = -1,
+          "silu(gate x) * (up x) from an interleaved [2*d_ff, d] tiled matrix; returns d_ff values.");
+    m.def("embed_row", &embed_row, arg("tiled"), arg("dtype"), arg("rows"), arg("cols"), arg("r"),
+          arg("tile_rows") = 128, arg("tile_cols") = 256, arg("isa") = none);
+    m.def("bench_matvec", &bench_matvec, arg("buf"), arg("copies"), arg("dtype"), arg("rows"), arg("cols"), arg("x"),
+          arg("tile_rows") = 128, arg("tile_cols") = 256, arg("isa") = none, arg("pool") = none, arg("iters") = 100);
+    m.def("rmsnorm", &rmsnorm, arg("x"), arg("w"), arg("eps") = 1e-5f, arg("isa") = none);
+    m.def("matvec_f32", &matvec_f32, arg("W"), arg("x"), arg("isa") = none);
+    m.def("dot", &dot, arg("a"), arg("b"), arg("isa") = none);
+    m.def("axpy", &axpy, arg("y"), arg("a"), arg("x"), arg("isa") = none, "Returns y + a*x (y is not modified).");
+    m.def("softmax", &softmax, arg("x"), arg("isa") = none);
+    m.def("swiglu", &swiglu, arg("g"), arg("u"), arg("isa") = none);
+    m.def("rope_table", &rope_table, arg("head_dim"), arg("pos"), arg("theta"));
+    m.def("rope", &rope, arg("x"), arg("n_heads"), arg("head_dim"), arg("pos"), arg("theta"), arg("isa") = none);
+    m.def("attention", &attention, arg("q"), arg("k"), arg("v"), arg("n_heads"), arg("n_kv_heads"), arg("n_pos"),
+          arg("scale") = none, arg("isa") = none, arg("pool") = none,
+          "One query over fp16 caches k, v [n_kv_heads, max_seq, head_dim] (positions [0, n_pos)).");
+    m.def("topk", &topk, arg("x"), arg("k"));
+    m.def("f32_to_f16", &f32_to_f16, arg("x"), arg("isa") = none, "fp16 bits (uint16), round to nearest even.");
+    m.def("f16_to_f32", &f16_to_f32, arg("h"), arg("isa") = none);
+
+    cf_bind_engine(m);
+}

@@ -1,0 +1,175 @@
+/* cflow.h — the C core's shared definitions: block formats, tile geometry, the kernel table,
+ * the thread pool. Every kernel has a scalar `_ref` version (kernels_ref.c) and may have ISA
+ * versions (kernels_avx2.c, ...); dispatch.c fills `cf_kernels` once from a CPU-feature probe.
+ *
+ * Layout contracts are described in docs/DESIGN.md ("Tile layout"); the Python twin is
+ * cflow/quant.py. Keep both in step: tests check one against the other.
+ *
+ * Conventions of every kernel below:
+ *   - no allocation, no locks, no I/O; buffers belong to the caller;
+ *   - a kernel that threads share takes a range ([g0, g1), [p0, p1), [h0, h1)) and writes only
+ *     the outputs of that range, so a thread pool can split one call without synchronisation;
+ *   - `n` counts elements, never bytes.
+ */
+#ifndef CFLOW_H
+#define CFLOW_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- block formats (GGML semantics, GGML type ids) -------------------------------------- */
+#define CF_QK 32 /* weights per block */
+
+enum cf_dtype {
+    CF_F32 = 0,
+    CF_F16 = 1,
+    CF_Q4_0 = 2,
+    CF_Q4_1 = 3,
+    CF_Q8_0 = 8,
+};
+
+typedef uint16_t cf_half;
+
+/* Tile geometry: row groups of CF_G rows are interleaved inside a tile (see DESIGN.md). */
+#define CF_G 8
+
+/* An activation vector quantized to int8 per 32-block: x[i] ~= d[b] * qs[i], with
+ * s[b] = d[b] * sum(qs in block b). Buffers are owned by the caller (no allocation in kernels). */
+typedef struct {
+    int8_t *qs; /* [n] */
+    float *d;   /* [n / 32] */
+    float *s;   /* [n / 32] */
+    int n;      /* multiple of 32 */
+} cf_act_q8;
+
+/* A tiled weight matrix W[rows, cols] living in caller-owned memory (usually an mmap). */
+typedef struct {
+    const uint8_t *data;
+    int dtype;     /* CF_Q4_0, CF_Q4_1 or CF_Q8_0 */
+    int rows;
+    int cols;      /* multiple of 32 */
+    int tile_rows; /* TR, multiple of CF_G (default 128) */
+    int tile_cols; /* TK, multiple of 32 (default 256) */
+} cf_tiled;
+
+/* Bytes of one 32-block of `dtype` for one row (18, 20, 34; 128 for F32; 64 for F16); 0 if the
+ * dtype is unknown. */
+size_t cf_block_bytes(int dtype);
+/* Total bytes of a tiled matrix. */
+size_t cf_tiled_bytes(const cf_tiled *w);
+/* Number of row groups of a tiled matrix: ceil(rows / CF_G). */
+static inline int cf_n_groups(const cf_tiled *w) { return (w->rows + CF_G - 1) / CF_G; }
+/* Even split of [0, n) over nth workers: worker ith gets [*lo, *hi). */
+static inline void cf_split(int n, int ith, int nth, int *lo, int *hi) {
+    *lo = (int)((int64_t)n * ith / nth);
+    *hi = (int)((int64_t)n * (ith + 1) / nth);
+}
+
+/* One query's attention over a KV cache.
+ * Cache layout (fp16, F16C-convertible): k, v [n_kv_heads][max_seq][head_dim]; positions
+ * [0, n_pos) are valid. Query head h reads kv head h / (n_heads / n_kv_heads) (GQA). */
+typedef struct {
+    int n_heads;
+    int n_kv_heads; /* divides n_heads */
+    int head_dim;
+    int max_seq;    /* the cache's second dimension (stride between kv heads) */
+    int n_pos;      /* positions to attend over, 1..max_seq */
+    float scale;    /* usually 1/sqrt(head_dim) */
+} cf_attn_shape;
+
+/* ---- kernels ----------------------------------------------------------------------------- */
+/* y[r] = sum_k W[r,k] * x[k] for row groups [g0, g1) (rows g0*CF_G .. min(g1*CF_G, rows)).
+ * Threads split a mat-vec by row-group ranges; each writes only its rows of y. */
+typedef void (*cf_matvec_fn)(const cf_tiled *w, const cf_act_q8 *x, float *y, int g0, int g1);
+
+/* Fused SwiGLU front half over an interleaved gate/up matrix (DESIGN.md: rows gate[0:8],
+ * up[0:8], gate[8:16], ...; w->rows = 2*d_ff, d_ff a multiple of 8). For group pairs [p0, p1)
+ * (pair p = gate group 2p and up group 2p+1) writes y[8p .. 8p+8) = silu(gate) * up, so y has
+ * d_ff entries. */
+typedef void (*cf_gate_up_fn)(const cf_tiled *w, const cf_act_q8 *x, float *y, int p0, int p1);
+
+typedef struct {
+    const char *name; /* "ref", "avx2", ... */
+    void (*quantize_act)(const float *x, cf_act_q8 *out);      /* out->n must be set */
+    cf_matvec_fn matvec[16];                                   /* indexed by cf_dtype */
+    void (*rmsnorm)(float *out, const float *x, const float *w, int n, float eps);
+    void (*matvec_f32)(float *y, const float *W, const float *x, int rows, int cols); /* row-major */
+    float (*dot_f32)(const float *a, const float *b, int n);
+    void (*axpy_f32)(float *y, float a, const float *x, int n); /* y += a*x */
+
+    cf_gate_up_fn gate_up[16]; /* indexed by cf_dtype */
+    /* x[0..n) = softmax(x), in place (max-subtracted). */
+    void (*softmax)(float *x, int n);
+    /* Rotary embedding, "half" convention, in place on n_heads heads of head_dim each:
+     * (x[j], x[j+hd/2]) rotate by angle_j whose cos/sin come from cf_rope_table. */
+    void (*rope)(float *x, int n_heads, int head_dim, const float *cos, const float *sin);
+    /* out[h*hd ..] for query heads [h0, h1); att is scratch of (h1-h0)*n_pos floats. */
+    void (*attention)(float *out, const float *q, const cf_half *k, const cf_half *v,
+                      float *att, const cf_attn_shape *shape, int h0, int h1);
+    /* Row r of a tiled matrix, dequantized to fp32 (the embedding lookup): out[cols]. */
+    void (*embed_row)(const cf_tiled *w, int r, float *out);
+    /* out[i] = silu(g[i]) * u[i]. */
+    void (*swiglu)(float *out, const float *g, const float *u, int n);
+    void (*f16_to_f32)(float *out, const cf_half *x, int n);
+    void (*f32_to_f16)(cf_half *out, const float *x, int n); /* round to nearest even */
+} cf_kernel_table;
+
+/* The table chosen for this CPU (set up on first use; CFLOW_ISA=ref|avx2 overrides). */
+const cf_kernel_table *cf_kernels(void);
+/* The scalar reference table, and a specific one by name (NULL if unavailable here). */
+const cf_kernel_table *cf_kernels_ref(void);
+const cf_kernel_table *cf_kernels_by_name(const char *name);
+/* Names of the tables this CPU can run, best last, NULL-terminated ("ref", "avx2", ...). */
+const char *const *cf_available_isas(void);
+/* CPU features the dispatcher looked at, as a bit set of CF_CPU_* (0 off x86). */
+enum {
+    CF_CPU_AVX = 1 << 0,
+    CF_CPU_AVX2 = 1 << 1,
+    CF_CPU_FMA = 1 << 2,
+    CF_CPU_F16C = 1 << 3,
+    CF_CPU_AVXVNNI = 1 << 4,
+    CF_CPU_AVX512F = 1 << 5,
+    CF_CPU_AVX512BW = 1 << 6,
+    CF_CPU_AVX512VL = 1 << 7,
+    CF_CPU_AVX512VNNI = 1 << 8,
+};
+unsigned cf_cpu_features(void);
+
+/* Explicit software prefetch in the tiled mat-vecs (claim C6): prefetch `bytes_ahead` bytes
+ * ahead of the weight stream with PREFETCHT0; 0 (the default) turns it off. */
+void cf_set_prefetch(int bytes_ahead);
+int cf_get_prefetch(void);
+
+/* Small scalar routines that need no table. */
+/* cos/sin[j] = cos/sin(pos * theta^(-2j/head_dim)) for j < head_dim/2 (computed in double). */
+void cf_rope_table(float *cos, float *sin, int head_dim, int pos, float theta);
+/* The k largest of x[0..n), largest first (ties: lower index first); k <= n. */
+void cf_topk(const float *x, int n, int k, int *idx, float *val);
+
+/* Scalar helpers shared by all kernel files. */
+float cf_half_to_float(cf_half h);
+cf_half cf_float_to_half(float f); /* round to nearest even, like F16C */
+
+/* ---- thread pool ------------------------------------------------------------------------- */
+typedef struct cf_pool cf_pool;
+typedef void (*cf_task_fn)(void *ctx, int ith, int nth);
+
+cf_pool *cf_pool_create(int n_threads); /* the caller counts as thread 0; NULL on failure */
+void cf_pool_free(cf_pool *pool);
+int cf_pool_size(const cf_pool *pool);
+/* Run fn(ctx, ith, nth) on every thread and wait for all (spin, then sleep when idle long).
+ * One caller at a time; fn must not call cf_pool_run on the same pool. */
+void cf_pool_run(cf_pool *pool, cf_task_fn fn, void *ctx);
+
+/* ---- probe.c ----------------------------------------------------------------------------- */
+/* Best-of-`reps` read bandwidth in GB/s over `nbytes`; negative if it cannot allocate. */
+double cf_read_bandwidth(size_t nbytes, int n_threads, int reps);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* CFLOW_H */

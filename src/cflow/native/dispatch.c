@@ -1,0 +1,132 @@
+/* dispatch.c — picks the kernel table once per process from a CPU-feature probe.
+ *
+ * The build compiles each ISA file with its own flags and never with -march=native, so the
+ * same binary runs on any x86-64; this file decides at run time which table is safe and best.
+ * CFLOW_ISA=ref|avx2|avxvnni|auto overrides the choice (an unavailable name falls back to the
+ * best available table; Python's cflow._native.isa() shows what was chosen).
+ */
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cflow.h"
+#include "kernels_internal.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#define CF_X86 1
+#endif
+
+#ifdef CFLOW_HAVE_AVX2
+const cf_kernel_table *cf_kernels_avx2(void);
+#endif
+#ifdef CFLOW_HAVE_AVXVNNI
+const cf_kernel_table *cf_kernels_avxvnni(void);
+#endif
+
+int cf_prefetch_bytes = 0;
+
+void cf_set_prefetch(int bytes_ahead) { cf_prefetch_bytes = bytes_ahead > 0 ? bytes_ahead : 0; }
+int cf_get_prefetch(void) { return cf_prefetch_bytes; }
+
+/* ---- CPU probe --------------------------------------------------------------------------- */
+
+#ifdef CF_X86
+static unsigned long long xgetbv0(void) {
+    unsigned eax, edx;
+    __asm__ volatile("xgetbv" : "=a"(eax), "=d"(edx) : "c"(0));
+    return ((unsigned long long)edx << 32) | eax;
+}
+#endif
+
+static unsigned probe_features(void) {
+    unsigned f = 0;
+#ifdef CF_X86
+    unsigned a, b, c, d;
+    if (!__get_cpuid(1, &a, &b, &c, &d)) return 0;
+    int osxsave = (c >> 27) & 1;
+    if (!osxsave) return 0;
+    unsigned long long xcr0 = xgetbv0();
+    int ymm_ok = (xcr0 & 0x6) == 0x6;    /* the OS saves SSE and AVX state */
+    int zmm_ok = (xcr0 & 0xe6) == 0xe6;  /* ... and the AVX-512 opmask/zmm state */
+    if (!ymm_ok) return 0;
+    if ((c >> 28) & 1) f |= CF_CPU_AVX;
+    if ((c >> 12) & 1) f |= CF_CPU_FMA;
+    if ((c >> 29) & 1) f |= CF_CPU_F16C;
+    if (__get_cpuid_count(7, 0, &a, &b, &c, &d)) {
+        if ((b >> 5) & 1) f |= CF_CPU_AVX2;
+        if (zmm_ok) {
+            if ((b >> 16) & 1) f |= CF_CPU_AVX512F;
+            if ((b >> 30) & 1) f |= CF_CPU_AVX512BW;
+            if ((b >> 31) & 1) f |= CF_CPU_AVX512VL;
+            if ((c >> 11) & 1) f |= CF_CPU_AVX512VNNI;
+        }
+    }
+    if (__get_cpuid_count(7, 1, &a, &b, &c, &d) && ((a >> 4) & 1)) f |= CF_CPU_AVXVNNI;
+#endif
+    return f;
+}
+
+static unsigned g_features;
+static pthread_once_t g_features_once = PTHREAD_ONCE_INIT;
+static void features_init(void) { g_features = probe_features(); }
+
+unsigned cf_cpu_features(void) {
+    pthread_once(&g_features_once, features_init);
+    return g_features;
+}
+
+/* ---- tables ------------------------------------------------------------------------------ */
+
+static int has_all(unsigned need) { return (cf_cpu_features() & need) == need; }
+
+#define NEED_AVX2 (CF_CPU_AVX | CF_CPU_AVX2 | CF_CPU_FMA | CF_CPU_F16C)
+
+/* Every table this build knows, worst first; NULL where the CPU lacks the features. */
+static int candidate_tables(const cf_kernel_table **out) {
+    int n = 0;
+    out[n++] = cf_kernels_ref();
+#ifdef CFLOW_HAVE_AVX2
+    if (has_all(NEED_AVX2)) out[n++] = cf_kernels_avx2();
+#endif
+#ifdef CFLOW_HAVE_AVXVNNI
+    if (has_all(NEED_AVX2 | CF_CPU_AVXVNNI)) out[n++] = cf_kernels_avxvnni();
+#endif
+    return n;
+}
+
+const cf_kernel_table *cf_kernels_by_name(const char *name) {
+    const cf_kernel_table *t[8];
+    int n = candidate_tables(t);
+    for (int i = 0; i < n; i++)
+        if (name && strcmp(t[i]->name, name) == 0) return t[i];
+    return NULL;
+}
+
+const char *const *cf_available_isas(void) {
+    static const char *names[9];
+    const cf_kernel_table *t[8];
+    int n = candidate_tables(t);
+    for (int i = 0; i < n; i++) names[i] = t[i]->name;
+    names[n] = NULL;
+    return names;
+}
+
+static const cf_kernel_table *g_table;
+static pthread_once_t g_table_once = PTHREAD_ONCE_INIT;
+
+static void table_init(void) {
+    const cf_kernel_table *t[8];
+    int n = candidate_tables(t);
+    g_table = t[n - 1];
+    const char *env = getenv("CFLOW_ISA");
+    if (env && *env && strcmp(env, "auto") != 0) {
+        const cf_kernel_table *chosen = cf_kernels_by_name(env);
+        if (chosen) g_table = chosen;
+    }
+}
+
+const cf_kernel_table *cf_kernels(void) {
+    pthread_once(&g_table_once, table_init);
+    return g_table;
+}

@@ -1,0 +1,761 @@
+/* engine.c — the per-token decode step (and batched prefill) over tiled weights in an mmap.
+ *
+ * One call from Python runs a whole forward pass for B tokens (B = 1 when decoding): the caller
+ * thread and the pool's workers all enter forward_task() once (one cf_pool_run per call) and walk
+ * the plan together, meeting at a spin barrier between phases. Every mat-vec is split over the
+ * threads by ranges of 8-row groups, so each thread streams a contiguous slice of every tile and
+ * writes only its own output rows; the small serial pieces (RMSNorm, activation quantization) are
+ * done redundantly by every thread into private scratch, which costs less than a barrier.
+ *
+ * Prefill runs the same code with B > 1: a thread's row range is walked one tile band at a time,
+ * and each band (<= 128 rows, a few tens of KiB) is applied to all B activations while it sits in
+ * L2, so weights come from DRAM once per batch instead of once per token.
+ *
+ * Nothing on the per-token path allocates. Names: see engine.h.
+ */
+#include "engine.h"
+
+#include <math.h>
+#include <sched.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define cf_cpu_relax() _mm_pause()
+#else
+#define cf_cpu_relax() ((void)0)
+#endif
+
+#define MIN(a, b) ((a) < (b) ? (a) : (b))
+#define MAX(a, b) ((a) > (b) ? (a) : (b))
+
+// ---------------------------------------------------------------------------------------------
+// barrier
+
+/* Sense-counting spin barrier. Spinning keeps the wake-up latency in the 100 ns range, which
+ * matters with ~200 barriers per token; after a while it yields so an oversubscribed machine
+ * (more threads than free cores) degrades gracefully instead of burning whole time slices. */
+typedef struct {
+    atomic_int count;
+    atomic_int phase;
+    int n;
+} cf_barrier;
+
+static void barrier_wait(cf_barrier *b) {
+    if (b->n <= 1) return;
+    int phase = atomic_load_explicit(&b->phase, memory_order_acquire);
+    if (atomic_fetch_add_explicit(&b->count, 1, memory_order_acq_rel) == b->n - 1) {
+        atomic_store_explicit(&b->count, 0, memory_order_relaxed);
+        atomic_fetch_add_explicit(&b->phase, 1, memory_order_release);
+        return;
+    }
+    for (int spins = 0; atomic_load_explicit(&b->phase, memory_order_acquire) == phase; spins++) {
+        if (spins < 20000) cf_cpu_relax();
+        else sched_yield();
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// weights, state
+
+typedef struct {
+    const float *attn_norm, *ffn_norm, *moe_norm; /* [d] */
+    const float *router;                          /* [E, d] row-major */
+    cf_tiled wqkv;                                /* [q_dim + 2 kv_dim, d] */
+    cf_tiled wo;                                  /* [d, q_dim] */
+    cf_tiled gate_up;                             /* [2 d_ff, d], gate/up interleaved per group */
+    cf_tiled down;                                /* [d, d_ff] */
+    cf_tiled *exp_gate_up, *exp_down;             /* [E] of [2 d_exp, d] and [d, d_exp] */
+    uint64_t attn_bytes, dense_bytes, router_bytes;
+    uint64_t *exp_bytes;                          /* [E] gate_up + down */
+} cf_layer;
+
+typedef struct {
+    cf_tiled tok_emb;   /* [vocab, d] */
+    cf_tiled lm_head;   /* [vocab, d]; a copy of tok_emb when tied */
+    const float *norm;  /* [d] */
+    cf_layer *sets;     /* [n_unique] */
+} cf_weights;
+
+typedef struct {
+    float *xb;        /* [B, kmax] normalised activations */
+    cf_act_q8 *act;   /* [B] quantized input of the current mat-vec */
+    cf_act_q8 *act2;  /* [B] quantized FFN hidden (experts keep act for the next expert) */
+    float *scores;    /* [n_heads, n_ctx] attention scores */
+    void *mem;        /* one allocation behind all of the above */
+} cf_scratch;
+
+typedef struct {
+    float *ring;       /* [n_ring, B, d] residual history */
+    float *h, *f;      /* [B, d] x + attention; dense FFN output */
+    float *pending;    /* [n_pending, B, d] expert outputs waiting for their layer */
+    float *moe_in;     /* [B, d] normalised MoE input */
+    float *qkv;        /* [B, q_dim + 2 kv_dim] */
+    float *att;        /* [B, q_dim] attention output (pre wo) */
+    float *hid;        /* [B, hmax] silu(gate) * up */
+    float *y;          /* [B, d] expert down-projection output */
+    float *rope;       /* [B, hd] cos[hd/2] then sin[hd/2] for each token's position */
+    cf_half *kcache;   /* [L, n_kv, n_ctx, hd] fp16, rotated keys */
+    cf_half *vcache;   /* [L, n_kv, n_ctx, hd] fp16 */
+    float *rlogits;    /* [B, E] router probabilities */
+    int *exp_tok;      /* [E, B] tokens routed to each expert */
+    float *exp_w;      /* [E, B] their renormalised weights */
+    int *exp_n;        /* [E] */
+} cf_state;
+
+struct cf_engine {
+    cf_config c;
+    cf_weights w;
+    cf_state s;
+    cf_scratch *ts; /* [n_threads] */
+    int n_threads, n_ctx, max_batch, kmax, hmax;
+    int32_t *plan;
+    int n_ops, n_ring, n_pending;
+    const cf_kernel_table *k;
+    cf_pool *pool;
+    cf_barrier bar;
+    /* the call in flight */
+    const int32_t *tokens;
+    int B, pos0;
+    float *logits;
+    cf_counters cnt;
+    uint64_t *hits; /* [L, E] */
+    char err[256];
+};
+
+static void set_err(char *err, size_t n, const char *fmt, ...) {
+    if (!err || !n) return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err, n, fmt, ap);
+    va_end(ap);
+}
+
+// ---------------------------------------------------------------------------------------------
+// small ops (plain C: cheap next to the mat-vecs)
+
+static inline void split_range(int n, int ith, int nth, int align, int *lo, int *hi) {
+    int units = (n + align - 1) / align;
+    int u0 = (int)((int64_t)units * ith / nth), u1 = (int)((int64_t)units * (ith + 1) / nth);
+    *lo = MIN(u0 * align, n);
+    *hi = MIN(u1 * align, n);
+}
+
+static inline int n_groups(const cf_tiled *w) { return (w->rows + CF_G - 1) / CF_G; }
+
+static void quantize_rows(const cf_engine *e, const float *x, int stride, int K, cf_act_q8 *act,
+                          const int *tok, int n) {
+    for (int i = 0; i < n; i++) {
+        int t = tok ? tok[i] : i;
+        act[t].n = K;
+        e->k->quantize_act(x + (size_t)t * stride, &act[t]);
+    }
+}
+
+/* fn(w, act[t], y[t], ...) over the unit range [u0, u1) for the n tokens in tok (NULL: 0..n-1).
+ * With several tokens the range is cut at tile-band boundaries (`band` units) and each piece is
+ * applied to every token before moving on, so the band's bytes are reused from L2. */
+static void band_loop(cf_matvec_fn fn, const cf_tiled *w, const cf_act_q8 *act, float *y,
+                      int ystride, const int *tok, int n, int u0, int u1, int band) {
+    if (u0 >= u1) return;
+    if (n == 1) {
+        int t = tok ? tok[0] : 0;
+        fn(w, &act[t], y + (size_t)t * ystride, u0, u1);
+        return;
+    }
+    for (int a = u0; a < u1;) {
+        int b = MIN((a / band + 1) * band, u1);
+        for (int i = 0; i < n; i++) {
+            int t = tok ? tok[i] : i;
+            fn(w, &act[t], y + (size_t)t * ystride, a, b);
+        }
+        a = b;
+    }
+}
+
+/* y[t, rows of groups g0..g1) = W x_t for the n tokens in tok (NULL: 0..n-1). With several tokens
+ * the range is walked one tile band at a time so the band is reused from L2 across tokens. */
+static void matvec_rows(const cf_engine *e, const cf_tiled *w, const cf_act_q8 *act, float *y,
+                        int ystride, const int *tok, int n, int g0, int g1) {
+    band_loop(e->k->matvec[w->dtype], w, act, y, ystride, tok, n, g0, g1, w->tile_rows / CF_G);
+}
+
+/* hid[t, 8p..8p+8) = silu(gate) * up for the group pairs [p0, p1) of an interleaved gate_up. */
+static void gate_up_rows(const cf_engine *e, const cf_tiled *w, const cf_act_q8 *act, float *hid,
+                         int hstride, const int *tok, int n, int p0, int p1) {
+    band_loop(e->k->gate_up[w->dtype], w, act, hid, hstride, tok, n, p0, p1,
+              MAX(1, w->tile_rows / (2 * CF_G)));
+}
+
+/* One SwiGLU FFN (fused gate_up, then down) for tokens tok[0..n) whose quantized input is in
+ * ts->act; out[t, own rows] = down(hid). Two barriers: gate_up -> down, down -> caller. When
+ * `scale` is given, out[t] += scale[i] * result instead (expert outputs into a pending slot). */
+static void ffn(cf_engine *e, const cf_tiled *gate_up, const cf_tiled *down, int hdim,
+                const int *tok, int n, float *out, const float *scale, int ith, int nth) {
+    cf_state *s = &e->s;
+    cf_scratch *ts = &e->ts[ith];
+    int d = e->c.d, p0, p1;
+    split_range(hdim / CF_G, ith, nth, 1, &p0, &p1);
+    gate_up_rows(e, gate_up, ts->act, s->hid, e->hmax, tok, n, p0, p1);
+    barrier_wait(&e->bar);
+
+    quantize_rows(e, s->hid, e->hmax, hdim, ts->act2, tok, n);
+    int g0, g1;
+    split_range(n_groups(down), ith, nth, 1, &g0, &g1);
+    float *dst = scale ? s->y : out;
+    matvec_rows(e, down, ts->act2, dst, d, tok, n, g0, g1);
+    if (scale) {
+        int r0 = g0 * CF_G, r1 = MIN(g1 * CF_G, d);
+        for (int i = 0; i < n; i++) {
+            int t = tok ? tok[i] : i;
+            float *o = out + (size_t)t * d;
+            const float *yy = s->y + (size_t)t * d;
+            for (int r = r0; r < r1; r++) o[r] += scale[i] * yy[r];
+        }
+    }
+    barrier_wait(&e->bar);
+}
+
+// ---------------------------------------------------------------------------------------------
+// plan ops; each runs on every thread and ends at a barrier (FINAL ends with the pool run)
+
+static void op_embed(cf_engine *e, int slot, int ith, int nth) {
+    int d = e->c.d, b0, b1;
+    split_range(e->B, ith, nth, 1, &b0, &b1);
+    float *x = e->s.ring + (size_t)slot * e->max_batch * d;
+    for (int b = b0; b < b1; b++) e->k->embed_row(&e->w.tok_emb, e->tokens[b], x + (size_t)b * d);
+    if (ith == 0) e->cnt.embed += (uint64_t)e->B * (d / CF_QK) * cf_block_bytes(e->w.tok_emb.dtype);
+    barrier_wait(&e->bar);
+}
+
+static void op_attn(cf_engine *e, int l, int slot, int ith, int nth) {
+    const cf_config *c = &e->c;
+    const cf_layer *w = &e->w.sets[l % c->n_unique];
+    cf_state *s = &e->s;
+    cf_scratch *ts = &e->ts[ith];
+    int d = c->d, hd = c->hd, B = e->B, q_dim = c->n_heads * hd, kv_dim = c->n_kv * hd;
+    int qkv_dim = q_dim + 2 * kv_dim;
+    const float *x = s->ring + (size_t)slot * e->max_batch * d;
+
+    // norm, quantize (every thread, private), fused QKV rows of this thread
+    for (int b = 0; b < B; b++) e->k->rmsnorm(ts->xb + (size_t)b * e->kmax, x + (size_t)b * d,
+                                              w->attn_norm, d, c->norm_eps);
+    quantize_rows(e, ts->xb, e->kmax, d, ts->act, NULL, B);
+    int g0, g1;
+    split_range(n_groups(&w->wqkv), ith, nth, 1, &g0, &g1);
+    matvec_rows(e, &w->wqkv, ts->act, s->qkv, qkv_dim, NULL, B, g0, g1);
+    barrier_wait(&e->bar);
+
+    // rotate q and k heads; append k, v (fp16) at each token's position
+    int per_tok = c->n_heads + c->n_kv, i0, i1;
+    size_t layer_kv = (size_t)l * c->n_kv * e->n_ctx * hd;
+    split_range(B * per_tok, ith, nth, 1, &i0, &i1);
+    for (int i = i0; i < i1; i++) {
+        int b = i / per_tok, j = i % per_tok, p = e->pos0 + b;
+        float *row = s->qkv + (size_t)b * qkv_dim;
+        const float *cs = s->rope + (size_t)b * hd;
+        if (j < c->n_heads) {
+            e->k->rope(row + j * hd, 1, hd, cs, cs + hd / 2);
+            continue;
+        }
+        int kvh = j - c->n_heads;
+        float *k = row + q_dim + kvh * hd, *v = row + q_dim + kv_dim + kvh * hd;
+        e->k->rope(k, 1, hd, cs, cs + hd / 2);
+        size_t at = layer_kv + ((size_t)kvh * e->n_ctx + p) * hd;
+        e->k->f32_to_f16(s->kcache + at, k, hd);
+        e->k->f32_to_f16(s->vcache + at, v, hd);
+    }
+    barrier_wait(&e->bar);
+
+    // attention: this thread's (token, head) items, one kernel call per token
+    split_range(B * c->n_heads, ith, nth, 1, &i0, &i1);
+    for (int i = i0; i < i1;) {
+        int b = i / c->n_heads, h0 = i % c->n_heads, h1 = MIN(c->n_heads, h0 + i1 - i);
+        cf_attn_shape sh = {.n_heads = c->n_heads, .n_kv_heads = c->n_kv, .head_dim = hd,
+                            .max_seq = e->n_ctx, .n_pos = e->pos0 + b + 1,
+                            .scale = 1.0f / sqrtf((float)hd)};
+        e->k->attention(s->att + (size_t)b * q_dim, s->qkv + (size_t)b * qkv_dim,
+                        s->kcache + layer_kv, s->vcache + layer_kv, ts->scores, &sh, h0, h1);
+        i += h1 - h0;
+    }
+    barrier_wait(&e->bar);
+
+    // output projection into h, plus the residual, for this thread's rows
+    quantize_rows(e, s->att, q_dim, q_dim, ts->act, NULL, B);
+    split_range(n_groups(&w->wo), ith, nth, 1, &g0, &g1);
+    matvec_rows(e, &w->wo, ts->act, s->h, d, NULL, B, g0, g1);
+    int r1 = MIN(g1 * CF_G, d);
+    for (int b = 0; b < B; b++)
+        for (int r = g0 * CF_G; r < r1; r++) s->h[(size_t)b * d + r] += x[(size_t)b * d + r];
+    if (ith == 0) {
+        e->cnt.attn += w->attn_bytes;
+        for (int b = 0; b < B; b++) e->cnt.kv += (uint64_t)(e->pos0 + b + 1) * 2 * kv_dim * sizeof(cf_half);
+    }
+    barrier_wait(&e->bar);
+}
+
+static const float *op_source(const cf_engine *e, int kind, int slot) {
+    return kind == CF_SRC_RING ? e->s.ring + (size_t)slot * e->max_batch * e->c.d : e->s.h;
+}
+
+static void op_dense(cf_engine *e, int l, int src_kind, int slot, int ith, int nth) {
+    const cf_layer *w = &e->w.sets[l % e->c.n_unique];
+    cf_scratch *ts = &e->ts[ith];
+    int d = e->c.d, B = e->B;
+    const float *src = op_source(e, src_kind, slot);
+    for (int b = 0; b < B; b++) e->k->rmsnorm(ts->xb + (size_t)b * e->kmax, src + (size_t)b * d,
+                                              w->ffn_norm, d, e->c.norm_eps);
+    quantize_rows(e, ts->xb, e->kmax, d, ts->act, NULL, B);
+    if (ith == 0) e->cnt.dense += w->dense_bytes;
+    ffn(e, &w->gate_up, &w->down, e->c.d_ff, NULL, B, e->s.f, NULL, ith, nth);
+}
+
+/* Thread 0 normalises the MoE input, runs the router (f32) and fills per-expert token lists:
+ * softmax over all E logits, top-k, the k weights renormalised to sum to 1. */
+static void op_route(cf_engine *e, int l, int src_kind, int ith) {
+    const cf_config *c = &e->c;
+    const cf_layer *w = &e->w.sets[l % c->n_unique];
+    cf_state *s = &e->s;
+    if (ith == 0) {
+        int d = c->d, E = c->n_experts;
+        float *z = e->ts[0].xb;
+        memset(s->exp_n, 0, E * sizeof *s->exp_n);
+        for (int b = 0; b < e->B; b++) {
+            const float *hb = s->h + (size_t)b * d;
+            for (int i = 0; i < d; i++) z[i] = hb[i] + (src_kind == CF_SRC_HF ? s->f[(size_t)b * d + i] : 0.0f);
+            float *mi = s->moe_in + (size_t)b * d, *pr = s->rlogits + (size_t)b * E;
+            e->k->rmsnorm(mi, z, w->moe_norm, d, c->norm_eps);
+            e->k->matvec_f32(pr, w->router, mi, E, d);
+            e->k->softmax(pr, E);
+            int chosen[64];
+            float val[64], wsum = 0.0f;
+            cf_topk(pr, E, c->top_k, chosen, val);
+            for (int k = 0; k < c->top_k; k++) wsum += val[k];
+            for (int k = 0; k < c->top_k; k++) {
+                int x = chosen[k], n = s->exp_n[x]++;
+                s->exp_tok[(size_t)x * e->max_batch + n] = b;
+                s->exp_w[(size_t)x * e->max_batch + n] = val[k] / wsum;
+                e->hits[(size_t)l * E + x]++;
+            }
+        }
+        e->cnt.router += w->router_bytes;
+    }
+    barrier_wait(&e->bar);
+}
+
+static void op_experts(cf_engine *e, int l, int pslot, int ith, int nth) {
+    const cf_config *c = &e->c;
+    const cf_layer *w = &e->w.sets[l % c->n_unique];
+    cf_state *s = &e->s;
+    float *out = s->pending + (size_t)pslot * e->max_batch * c->d;
+    quantize_rows(e, s->moe_in, c->d, c->d, e->ts[ith].act, NULL, e->B);
+    for (int x = 0; x < c->n_experts; x++) {
+        int n = s->exp_n[x];
+        if (!n) continue; // untouched: its tiles are never read
+        if (ith == 0) e->cnt.experts += w->exp_bytes[x];
+        const int *tok = s->exp_tok + (size_t)x * e->max_batch;
+        ffn(e, &w->exp_gate_up[x], &w->exp_down[x], c->d_exp, tok, n, out,
+            s->exp_w + (size_t)x * e->max_batch, ith, nth);
+    }
+}
+
+static void op_resid(cf_engine *e, int slot, int add_f, int pslot, int ith, int nth) {
+    cf_state *s = &e->s;
+    int d = e->c.d, r0, r1;
+    split_range(d, ith, nth, CF_G, &r0, &r1);
+    float *x = s->ring + (size_t)slot * e->max_batch * d;
+    float *pend = pslot >= 0 ? s->pending + (size_t)pslot * e->max_batch * d : NULL;
+    for (int b = 0; b < e->B; b++) {
+        size_t o = (size_t)b * d;
+        for (int r = r0; r < r1; r++) {
+            float v = s->h[o + r];
+            if (add_f) v += s->f[o + r];
+            if (pend) {
+                v += pend[o + r];
+                pend[o + r] = 0.0f;
+            }
+            x[o + r] = v;
+        }
+    }
+    barrier_wait(&e->bar);
+}
+
+static void op_final(cf_engine *e, int slot, int pslot, int ith, int nth) {
+    if (!e->logits) return;
+    cf_scratch *ts = &e->ts[ith];
+    int d = e->c.d, b = e->B - 1;
+    const float *x = e->s.ring + ((size_t)slot * e->max_batch + b) * d;
+    float *z = ts->xb + e->kmax; /* second row of the scratch: xb[0] receives the norm */
+    for (int i = 0; i < d; i++)
+        z[i] = x[i] + (pslot >= 0 ? e->s.pending[((size_t)pslot * e->max_batch + b) * d + i] : 0.0f);
+    e->k->rmsnorm(ts->xb, z, e->w.norm, d, e->c.norm_eps);
+    quantize_rows(e, ts->xb, e->kmax, d, ts->act, NULL, 1);
+    int g0, g1;
+    split_range(n_groups(&e->w.lm_head), ith, nth, 1, &g0, &g1);
+    matvec_rows(e, &e->w.lm_head, ts->act, e->logits, 0, NULL, 1, g0, g1);
+    if (ith == 0) e->cnt.lm_head += cf_tiled_bytes(&e->w.lm_head);
+}
+
+static void forward_task(void *ctx, int ith, int nth) {
+    cf_engine *e = ctx;
+    for (int i = 0; i < e->n_ops; i++) {
+        const int32_t *op = e->plan + (size_t)i * CF_OP_FIELDS;
+        int l = op[1], a = op[2], b = op[3], c = op[4];
+        switch (op[0]) {
+        case CF_OP_EMBED: op_embed(e, a, ith, nth); break;
+        case CF_OP_ATTN: op_attn(e, l, a, ith, nth); break;
+        case CF_OP_DENSE: op_dense(e, l, a, b, ith, nth); break;
+        case CF_OP_ROUTE: op_route(e, l, a, ith); break;
+        case CF_OP_EXPERTS: op_experts(e, l, a, ith, nth); break;
+        case CF_OP_RESID: op_resid(e, a, b, c, ith, nth); break;
+        case CF_OP_FINAL: op_final(e, a, b, ith, nth); break;
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// calls
+
+static int forward(cf_engine *e, const int32_t *tokens, int B, int pos0, float *logits) {
+    const cf_config *c = &e->c;
+    for (int b = 0; b < B; b++) {
+        float *cs = e->s.rope + (size_t)b * c->hd;
+        cf_rope_table(cs, cs + c->hd / 2, c->hd, pos0 + b, c->rope_theta);
+    }
+    memset(e->s.pending, 0, (size_t)e->n_pending * e->max_batch * c->d * sizeof(float));
+    e->tokens = tokens;
+    e->B = B;
+    e->pos0 = pos0;
+    e->logits = logits;
+    cf_pool_run(e->pool, forward_task, e);
+    e->cnt.tokens += B;
+    e->cnt.calls++;
+    return 0;
+}
+
+static int check_call(cf_engine *e, const int32_t *tokens, int n, int pos0) {
+    if (n < 1) {
+        set_err(e->err, sizeof e->err, "no tokens to process");
+        return -1;
+    }
+    if (pos0 < 0 || (int64_t)pos0 + n > e->n_ctx) {
+        set_err(e->err, sizeof e->err,
+                "positions %d..%d do not fit the context of %d tokens; load the model with a "
+                "larger context (n_ctx / -c)", pos0, pos0 + n - 1, e->n_ctx);
+        return -1;
+    }
+    for (int i = 0; i < n; i++)
+        if (tokens[i] < 0 || tokens[i] >= e->c.vocab) {
+            set_err(e->err, sizeof e->err, "token id %d at index %d is outside the vocabulary "
+                    "(0..%d)", tokens[i], i, e->c.vocab - 1);
+            return -1;
+        }
+    return 0;
+}
+
+int cf_step(cf_engine *e, int token, int pos, float *logits) {
+    int32_t t = token;
+    if (check_call(e, &t, 1, pos)) return -1;
+    return forward(e, &t, 1, pos, logits);
+}
+
+int cf_prefill(cf_engine *e, const int32_t *tokens, int n, int pos0, float *logits_last) {
+    if (check_call(e, tokens, n, pos0)) return -1;
+    for (int i = 0; i < n; i += e->max_batch) {
+        int B = MIN(e->max_batch, n - i);
+        if (forward(e, tokens + i, B, pos0 + i, i + B == n ? logits_last : NULL)) return -1;
+    }
+    return 0;
+}
+
+const char *cf_engine_error(const cf_engine *e) { return e->err; }
+void cf_engine_counters(const cf_engine *e, cf_counters *out) { *out = e->cnt; }
+void cf_engine_expert_hits(const cf_engine *e, uint64_t *out) {
+    memcpy(out, e->hits, (size_t)e->c.n_layers * e->c.n_experts * sizeof *out);
+}
+void cf_engine_reset_counters(cf_engine *e) {
+    memset(&e->cnt, 0, sizeof e->cnt);
+    memset(e->hits, 0, (size_t)e->c.n_layers * e->c.n_experts * sizeof *e->hits);
+}
+int cf_engine_n_ctx(const cf_engine *e) { return e->n_ctx; }
+int cf_engine_n_threads(const cf_engine *e) { return e->n_threads; }
+int cf_engine_max_batch(const cf_engine *e) { return e->max_batch; }
+const char *cf_engine_isa(const cf_engine *e) { return e->k->name; }
+
+// ---------------------------------------------------------------------------------------------
+// construction: validate the config, the tensor table and the plan, then allocate everything
+
+static int check_config(const cf_config *c, char *err, size_t n) {
+    const char *bad = NULL;
+    if (c->vocab <= 0 || c->d <= 0 || c->n_layers <= 0 || c->n_heads <= 0 || c->n_kv <= 0) bad = "sizes must be positive";
+    else if (c->hd <= 0 || c->hd % 2) bad = "head_dim must be positive and even";
+    else if (c->n_heads % c->n_kv) bad = "n_heads must be a multiple of n_kv_heads";
+    else if (c->d % CF_QK || (c->n_heads * c->hd) % CF_QK) bad = "d_model and n_heads*head_dim must be multiples of 32";
+    else if (c->d_ff < 0 || c->d_ff % CF_QK) bad = "d_ff must be a multiple of 32";
+    else if (c->n_experts < 0 || c->n_experts > 4096) bad = "n_experts out of range";
+    else if (c->n_experts && (c->top_k < 1 || c->top_k > c->n_experts || c->top_k > 64)) bad = "top_k must be in 1..min(n_experts, 64)";
+    else if (c->n_experts && (c->d_exp <= 0 || c->d_exp % CF_QK)) bad = "d_expert must be a positive multiple of 32";
+    else if (c->n_unique < 1 || c->n_unique > c->n_layers) bad = "n_unique_layers must be in 1..n_layers";
+    else if (!(c->norm_eps > 0) || !(c->rope_theta > 0)) bad = "norm_eps and rope_theta must be positive";
+    if (bad) set_err(err, n, "bad model config: %s", bad);
+    return bad ? -1 : 0;
+}
+
+/* Fill one tensor from its descriptor row, checking shape, dtype, layout and bounds. */
+static int bind_tensor(const int64_t *row, const char *what, int rows, int cols, int want_f32,
+                       const uint8_t *buf, size_t buf_len, cf_tiled *t, const float **f32,
+                       char *err, size_t n) {
+    int64_t off = row[CF_DESC_OFFSET], dt = row[CF_DESC_DTYPE];
+    if (dt < 0) {
+        set_err(err, n, "tensor %s is missing from the file; re-convert the model", what);
+        return -1;
+    }
+    if (row[CF_DESC_ROWS] != rows || row[CF_DESC_COLS] != cols) {
+        set_err(err, n, "tensor %s has shape [%lld, %lld], the config needs [%d, %d]", what,
+                (long long)row[CF_DESC_ROWS], (long long)row[CF_DESC_COLS], rows, cols);
+        return -1;
+    }
+    size_t nbytes;
+    if (want_f32) {
+        if (dt != CF_F32) {
+            set_err(err, n, "tensor %s must be F32 (dtype id 0), got dtype id %lld", what, (long long)dt);
+            return -1;
+        }
+        nbytes = (size_t)rows * cols * 4;
+    } else {
+        int64_t tr = row[CF_DESC_TR], tc = row[CF_DESC_TC];
+        if (dt != CF_Q4_0 && dt != CF_Q4_1 && dt != CF_Q8_0) {
+            set_err(err, n, "tensor %s has dtype id %lld; the engine runs Q4_0, Q4_1 or Q8_0 "
+                    "matrices (re-convert with one of those)", what, (long long)dt);
+            return -1;
+        }
+        if (tr <= 0 || tr % CF_G || tr > 1 << 20 || tc <= 0 || tc % CF_QK || tc > 1 << 20 || cols % CF_QK) {
+            set_err(err, n, "tensor %s has tile %lldx%lld; tile rows must be a multiple of %d and "
+                    "tile columns and matrix columns multiples of %d", what, (long long)tr,
+                    (long long)tc, CF_G, CF_QK);
+            return -1;
+        }
+        nbytes = (size_t)rows * (cols / CF_QK) * cf_block_bytes((int)dt);
+        *t = (cf_tiled){.dtype = (int)dt, .rows = rows, .cols = cols, .tile_rows = (int)tr, .tile_cols = (int)tc};
+    }
+    if (off < 0 || (uint64_t)off > buf_len || nbytes > buf_len - (size_t)off || (want_f32 && off % 4)) {
+        set_err(err, n, "tensor %s (offset %lld, %zu bytes) lies outside the %zu-byte file or is "
+                "misaligned; the file is truncated or corrupt", what, (long long)off, nbytes, buf_len);
+        return -1;
+    }
+    if (want_f32) *f32 = (const float *)(buf + off);
+    else t->data = buf + off;
+    return 0;
+}
+
+static int bind_weights(cf_engine *e, const uint8_t *buf, size_t len, const int64_t *desc,
+                        int n_desc, char *err, size_t n) {
+    const cf_config *c = &e->c;
+    int E = c->n_experts, q_dim = c->n_heads * c->hd, kv_dim = c->n_kv * c->hd;
+    if (n_desc != cf_desc_count(E, c->n_unique)) {
+        set_err(err, n, "tensor table has %d rows, the config needs %d", n_desc, cf_desc_count(E, c->n_unique));
+        return -1;
+    }
+#define ROW(i) (desc + (size_t)(i) * CF_DESC_FIELDS)
+#define BIND(i, what, r, k, f32, t, fp) \
+    if (bind_tensor(ROW(i), what, r, k, f32, buf, len, t, fp, err, n)) return -1
+    cf_tiled dummy;
+    const float *fdummy;
+    BIND(CF_T_TOK_EMB, "tok_emb", c->vocab, c->d, 0, &e->w.tok_emb, &fdummy);
+    BIND(CF_T_NORM, "norm", 1, c->d, 1, &dummy, &e->w.norm);
+    if (c->tie_embeddings) e->w.lm_head = e->w.tok_emb;
+    else BIND(CF_T_LM_HEAD, "lm_head", c->vocab, c->d, 0, &e->w.lm_head, &fdummy);
+    e->w.sets = calloc(c->n_unique, sizeof *e->w.sets);
+    if (!e->w.sets) return set_err(err, n, "out of memory"), -1;
+    char name[96];
+    for (int i = 0; i < c->n_unique; i++) {
+        cf_layer *L = &e->w.sets[i];
+#define SET(slot, what, r, k, f32, t, fp) \
+    snprintf(name, sizeof name, "layers.%d.%s", i, what); \
+    BIND(cf_desc_index(E, i, slot), name, r, k, f32, t, fp)
+        SET(CF_S_ATTN_NORM, "attn_norm", 1, c->d, 1, &dummy, &L->attn_norm);
+        SET(CF_S_WQKV, "attn.wqkv", q_dim + 2 * kv_dim, c->d, 0, &L->wqkv, &fdummy);
+        SET(CF_S_WO, "attn.wo", c->d, q_dim, 0, &L->wo, &fdummy);
+        L->attn_bytes = cf_tiled_bytes(&L->wqkv) + cf_tiled_bytes(&L->wo);
+        if (c->d_ff) {
+            SET(CF_S_FFN_NORM, "ffn_norm", 1, c->d, 1, &dummy, &L->ffn_norm);
+            SET(CF_S_GATE_UP, "ffn.w_gate_up", 2 * c->d_ff, c->d, 0, &L->gate_up, &fdummy);
+            SET(CF_S_DOWN, "ffn.w_down", c->d, c->d_ff, 0, &L->down, &fdummy);
+            L->dense_bytes = cf_tiled_bytes(&L->gate_up) + cf_tiled_bytes(&L->down);
+        }
+        if (!E) continue;
+        SET(CF_S_MOE_NORM, "moe_norm", 1, c->d, 1, &dummy, &L->moe_norm);
+        SET(CF_S_ROUTER, "moe.router", E, c->d, 1, &dummy, &L->router);
+        L->router_bytes = (uint64_t)E * c->d * 4;
+        L->exp_gate_up = calloc(E, sizeof(cf_tiled));
+        L->exp_down = calloc(E, sizeof(cf_tiled));
+        L->exp_bytes = calloc(E, sizeof(uint64_t));
+        if (!L->exp_gate_up || !L->exp_down || !L->exp_bytes) return set_err(err, n, "out of memory"), -1;
+        for (int x = 0; x < E; x++) {
+            char what[64];
+            snprintf(what, sizeof what, "moe.experts.%d.w_gate_up", x);
+            SET(CF_SLOTS_PER_SET + 2 * x, what, 2 * c->d_exp, c->d, 0, &L->exp_gate_up[x], &fdummy);
+            snprintf(what, sizeof what, "moe.experts.%d.w_down", x);
+            SET(CF_SLOTS_PER_SET + 2 * x + 1, what, c->d, c->d_exp, 0, &L->exp_down[x], &fdummy);
+            L->exp_bytes[x] = cf_tiled_bytes(&L->exp_gate_up[x]) + cf_tiled_bytes(&L->exp_down[x]);
+        }
+#undef SET
+    }
+#undef BIND
+#undef ROW
+    return 0;
+}
+
+static int check_plan(const cf_engine *e, const int32_t *plan, int n_ops, char *err, size_t n) {
+    const cf_config *c = &e->c;
+    if (n_ops < 2 || plan[0] != CF_OP_EMBED || plan[(size_t)(n_ops - 1) * CF_OP_FIELDS] != CF_OP_FINAL)
+        return set_err(err, n, "plan must start with EMBED and end with FINAL"), -1;
+    for (int i = 0; i < n_ops; i++) {
+        const int32_t *op = plan + (size_t)i * CF_OP_FIELDS;
+        int k = op[0], l = op[1], a = op[2], b = op[3], cc = op[4];
+        int ring_ok = a >= 0 && a < e->n_ring, ok = 1;
+        int pend_ok = a >= 0 && a < e->n_pending;
+        if (k < 0 || k >= CF_OP_KINDS || l < 0 || l >= c->n_layers) ok = 0;
+        else if (k == CF_OP_EMBED || k == CF_OP_ATTN) ok = ring_ok;
+        else if (k == CF_OP_DENSE)
+            ok = c->d_ff > 0 && (a == CF_SRC_H || (a == CF_SRC_RING && b >= 0 && b < e->n_ring));
+        else if (k == CF_OP_ROUTE) ok = c->n_experts > 0 && (a == CF_SRC_H || (a == CF_SRC_HF && c->d_ff > 0));
+        else if (k == CF_OP_EXPERTS) ok = c->n_experts > 0 && pend_ok;
+        else if (k == CF_OP_RESID) ok = ring_ok && (b == 0 || (b == 1 && c->d_ff > 0)) && cc >= -1 && cc < e->n_pending;
+        else if (k == CF_OP_FINAL) ok = ring_ok && b >= -1 && b < e->n_pending && i == n_ops - 1;
+        if (!ok) return set_err(err, n, "plan op %d {%d, %d, %d, %d, %d} is invalid for this model", i, k, l, a, b, cc), -1;
+    }
+    return 0;
+}
+
+static void *xcalloc(size_t count, size_t size, int *fail) {
+    void *p = calloc(count ? count : 1, size);
+    if (!p) *fail = 1;
+    return p;
+}
+
+static int alloc_state(cf_engine *e) {
+    const cf_config *c = &e->c;
+    cf_state *s = &e->s;
+    size_t B = e->max_batch, d = c->d, q_dim = (size_t)c->n_heads * c->hd, kv_dim = (size_t)c->n_kv * c->hd;
+    size_t E = c->n_experts, kv = (size_t)c->n_layers * kv_dim * e->n_ctx;
+    int fail = 0;
+    s->ring = xcalloc(e->n_ring * B * d, sizeof(float), &fail);
+    s->h = xcalloc(B * d, sizeof(float), &fail);
+    s->f = xcalloc(B * d, sizeof(float), &fail);
+    s->pending = xcalloc(e->n_pending * B * d, sizeof(float), &fail);
+    s->moe_in = xcalloc(B * d, sizeof(float), &fail);
+    s->qkv = xcalloc(B * (q_dim + 2 * kv_dim), sizeof(float), &fail);
+    s->att = xcalloc(B * q_dim, sizeof(float), &fail);
+    s->hid = xcalloc(B * e->hmax, sizeof(float), &fail);
+    s->y = xcalloc(B * d, sizeof(float), &fail);
+    s->rope = xcalloc(B * c->hd, sizeof(float), &fail);
+    // calloc'd pages are mapped lazily, so a long context costs memory only once it is used
+    s->kcache = xcalloc(kv, sizeof(cf_half), &fail);
+    s->vcache = xcalloc(kv, sizeof(cf_half), &fail);
+    s->rlogits = xcalloc(B * E, sizeof(float), &fail);
+    s->exp_tok = xcalloc(E * B, sizeof(int), &fail);
+    s->exp_w = xcalloc(E * B, sizeof(float), &fail);
+    s->exp_n = xcalloc(E, sizeof(int), &fail);
+    e->hits = xcalloc((size_t)c->n_layers * E, sizeof(uint64_t), &fail);
+    e->ts = xcalloc(e->n_threads, sizeof(cf_scratch), &fail);
+    if (fail) return -1;
+    size_t K = e->kmax, KB = K / CF_QK;
+    for (int t = 0; t < e->n_threads; t++) {
+        cf_scratch *ts = &e->ts[t];
+        // xb needs two rows even when B = 1 (op_final uses the second)
+        size_t scores = (size_t)c->n_heads * e->n_ctx * 4;
+        size_t bytes = MAX(B, 2) * K * 4 + 2 * B * sizeof(cf_act_q8) + 2 * B * (K + 2 * KB * 4) + scores + 64;
+        uint8_t *m = ts->mem = xcalloc(bytes, 1, &fail);
+        if (fail) return -1;
+        ts->xb = (float *)m;
+        m += MAX(B, 2) * K * 4;
+        ts->scores = (float *)m;
+        m += scores;
+        cf_act_q8 *acts = (cf_act_q8 *)m;
+        m += 2 * B * sizeof(cf_act_q8);
+        ts->act = acts;
+        ts->act2 = acts + B;
+        for (size_t i = 0; i < 2 * B; i++) {
+            acts[i].d = (float *)m;
+            acts[i].s = (float *)(m + KB * 4);
+            acts[i].qs = (int8_t *)(m + 2 * KB * 4);
+            acts[i].n = (int)K;
+            m += K + 2 * KB * 4;
+        }
+    }
+    return 0;
+}
+
+cf_engine *cf_engine_create(const cf_config *cfg, const uint8_t *buf, size_t buf_len,
+                            const int64_t *desc, int n_desc, const int32_t *plan, int n_ops,
+                            int n_ring, int n_pending, int n_threads, int n_ctx, int max_batch,
+                            char *err, size_t err_len) {
+    if (check_config(cfg, err, err_len)) return NULL;
+    if (n_threads < 1 || n_threads > 512 || n_ctx < 1 || max_batch < 1 || max_batch > 4096 ||
+        n_ring < 1 || n_ring > 64 || n_pending < 0 || n_pending > 64) {
+        set_err(err, err_len, "bad engine sizes: threads %d, n_ctx %d, max_batch %d, ring %d, "
+                "pending %d", n_threads, n_ctx, max_batch, n_ring, n_pending);
+        return NULL;
+    }
+    cf_engine *e = calloc(1, sizeof *e);
+    if (!e) return set_err(err, err_len, "out of memory"), NULL;
+    e->c = *cfg;
+    e->k = cf_kernels();
+    int dts[] = {CF_Q4_0, CF_Q4_1, CF_Q8_0}, missing = !e->k->attention || !e->k->embed_row ||
+        !e->k->rope || !e->k->softmax || !e->k->f32_to_f16;
+    for (int i = 0; i < 3; i++) missing |= !e->k->matvec[dts[i]] || !e->k->gate_up[dts[i]];
+    if (missing) {
+        set_err(err, err_len, "kernel table '%s' lacks kernels the engine needs", e->k->name);
+        free(e);
+        return NULL;
+    }
+    e->n_threads = n_threads;
+    e->n_ctx = n_ctx;
+    e->max_batch = max_batch;
+    e->n_ring = n_ring;
+    e->n_pending = n_pending;
+    e->n_ops = n_ops;
+    e->hmax = MAX(cfg->d_ff, cfg->n_experts ? cfg->d_exp : 0);
+    e->kmax = MAX(MAX(cfg->d, cfg->n_heads * cfg->hd), e->hmax);
+    e->bar.n = n_threads;
+    if (bind_weights(e, buf, buf_len, desc, n_desc, err, err_len) ||
+        check_plan(e, plan, n_ops, err, err_len)) {
+        cf_engine_free(e);
+        return NULL;
+    }
+    e->plan = malloc((size_t)n_ops * CF_OP_FIELDS * sizeof *plan);
+    if (!e->plan || alloc_state(e) || !(e->pool = cf_pool_create(n_threads))) {
+        set_err(err, err_len, "out of memory (KV cache for n_ctx=%d needs %.1f MiB; try a smaller "
+                "context)", n_ctx, 2.0 * cfg->n_layers * cfg->n_kv * cfg->hd * n_ctx * 2 / 1048576.0);
+        cf_engine_free(e);
+        return NULL;
+    }
+    memcpy(e->plan, plan, (size_t)n_ops * CF_OP_FIELDS * sizeof *plan);
+    return e;
+}
+
+void cf_engine_free(cf_engine *e) {
+    if (!e) return;
+    if (e->pool) cf_pool_free(e->pool);
+    if (e->w.sets) {
+        for (int i = 0; i < e->c.n_unique; i++) {
+            free(e->w.sets[i].exp_gate_up);
+            free(e->w.sets[i].exp_down);
+            free(e->w.sets[i].exp_bytes);
+        }
+        free(e->w.sets);
+    }
+    cf_state *s = &e->s;
+    void *bufs[] = {s->ring, s->h, s->f, s->pending, s->moe_in, s->qkv, s->att, s->hid, s->y,
+                    s->rope, s->kcache, s->vcache, s->rlogits, s->exp_tok, s->exp_w, s->exp_n, e->hits, e->plan};
+    for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) free(bufs[i]);
+    if (e->ts)
+        for (int t = 0; t < e->n_threads; t++) free(e->ts[t].mem);
+    free(e->ts);
+    free(e);
+}

@@ -1,0 +1,118 @@
+/* engine.h — the decode engine: one forward call per token (or per prefill batch) over the
+ * tiled weights of a .cflow file mapped in memory.
+ *
+ * The engine does not know the architecture's delays. Python (cflow/scheduler.py) compiles the
+ * config into a *plan*: a short list of ops per layer (attention, dense FFN, router, experts,
+ * residual update) that name the buffers they read and write. The engine validates the plan once
+ * and then runs it for every token, so the delay semantics have one definition (scheduler.py)
+ * and the C side stays a plain executor.
+ *
+ * Short names used throughout (llama2.c style):
+ *   d       model width                      B     tokens in one call (1 for decode, <= max_batch)
+ *   hd      head dim                         q_dim = n_heads * hd, kv_dim = n_kv * hd
+ *   d_ff    dense FFN hidden size            d_exp expert FFN hidden size, E experts, top_k
+ *   L       layers; layer l uses weight set l % n_unique
+ */
+#ifndef CFLOW_ENGINE_H
+#define CFLOW_ENGINE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "cflow.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct {
+    int vocab, d, n_layers, n_heads, n_kv, hd;
+    int d_ff;                      /* 0: no dense FFN */
+    int n_experts, top_k, d_exp;   /* n_experts 0: no MoE */
+    int n_unique;                  /* weight sets; layer l uses l % n_unique */
+    int tie_embeddings;            /* lm_head is tok_emb */
+    float rope_theta, norm_eps;
+} cf_config;
+
+/* ---- tensor descriptors (what Python hands over) ----------------------------------------------
+ * The weights are described by a flat table of CF_DESC_FIELDS int64 per tensor, in the order of
+ * cf_desc_index() below; a tensor that does not exist has dtype -1. F32 tensors (norms, router)
+ * are row-major [rows, cols]; quantized ones are tiled (tile_rows x tile_cols, DESIGN.md). */
+enum { CF_DESC_OFFSET, CF_DESC_DTYPE, CF_DESC_ROWS, CF_DESC_COLS, CF_DESC_TR, CF_DESC_TC,
+       CF_DESC_FIELDS };
+
+/* Global tensors first, then per weight set: CF_SLOTS_PER_SET fixed slots + 2 per expert. */
+enum { CF_T_TOK_EMB, CF_T_NORM, CF_T_LM_HEAD, CF_T_GLOBAL };
+enum { CF_S_ATTN_NORM, CF_S_WQKV, CF_S_WO, CF_S_FFN_NORM, CF_S_GATE_UP, CF_S_DOWN, CF_S_MOE_NORM,
+       CF_S_ROUTER, CF_SLOTS_PER_SET };
+/* Row of the descriptor table for slot `slot` of weight set `set` (expert e: slot
+ * CF_SLOTS_PER_SET + 2e for gate_up, +1 for down). */
+static inline int cf_desc_index(int n_experts, int set, int slot) {
+    return CF_T_GLOBAL + set * (CF_SLOTS_PER_SET + 2 * n_experts) + slot;
+}
+static inline int cf_desc_count(int n_experts, int n_unique) {
+    return CF_T_GLOBAL + n_unique * (CF_SLOTS_PER_SET + 2 * n_experts);
+}
+
+/* ---- the plan ----------------------------------------------------------------------------------
+ * CF_OP_FIELDS int32 per op: {kind, layer, a, b, c}. Buffers: a ring of residuals (ring slots),
+ * h (x + attention), f (dense FFN output), moe_in (the normalised MoE input), pending expert
+ * outputs (pending slots). Per kind:
+ *   EMBED   a = ring slot                    ring[a] = tok_emb[token]
+ *   ATTN    a = ring slot                    h = ring[a] + Attn_l(norm(ring[a]))
+ *   DENSE   a = source (SRC_H | SRC_RING), b = ring slot if SRC_RING
+ *                                            f = FFN_l(norm(src))
+ *   ROUTE   a = source (SRC_H | SRC_HF)      moe_in = norm(src); choose top_k experts
+ *   EXPERTS a = pending slot                 pending[a] += sum_k w_k * expert_k(moe_in)
+ *   RESID   a = ring slot out, b = 1 to add f, c = pending slot to add and clear (-1: none)
+ *                                            ring[a] = h + f + pending[c]
+ *   FINAL   a = ring slot, b = pending slot to add (-1: none)
+ *                                            logits = lm_head(norm(ring[a] + pending[b]))
+ */
+enum { CF_OP_EMBED, CF_OP_ATTN, CF_OP_DENSE, CF_OP_ROUTE, CF_OP_EXPERTS, CF_OP_RESID,
+       CF_OP_FINAL, CF_OP_KINDS };
+enum { CF_SRC_H = 0, CF_SRC_RING = 1, CF_SRC_HF = 2 };
+#define CF_OP_FIELDS 5
+
+/* Bytes of weights touched, by category, since the last reset (plus KV-cache bytes read). */
+typedef struct {
+    uint64_t attn, dense, router, experts, embed, lm_head, kv;
+    uint64_t tokens;     /* tokens processed (prefill + decode) */
+    uint64_t calls;      /* forward calls */
+} cf_counters;
+
+typedef struct cf_engine cf_engine;
+
+/* Create an engine over `buf[0:buf_len]` (kept by the caller for the engine's life). Returns NULL
+ * and writes a message to err on bad input (descriptor or plan inconsistent with the config,
+ * tensors outside the buffer, out of memory). */
+cf_engine *cf_engine_create(const cf_config *cfg, const uint8_t *buf, size_t buf_len,
+                            const int64_t *desc, int n_desc, const int32_t *plan, int n_ops,
+                            int n_ring, int n_pending, int n_threads, int n_ctx, int max_batch,
+                            char *err, size_t err_len);
+void cf_engine_free(cf_engine *e);
+
+/* One token at position pos; logits[vocab] receives the next-token logits. The KV cache must hold
+ * positions 0..pos-1 from earlier calls. Returns 0, or -1 with cf_engine_error() set. */
+int cf_step(cf_engine *e, int token, int pos, float *logits);
+/* n tokens at positions pos0.., in batches of max_batch; logits_last[vocab] (may be NULL) gets the
+ * logits after the last token. */
+int cf_prefill(cf_engine *e, const int32_t *tokens, int n, int pos0, float *logits_last);
+
+const char *cf_engine_error(const cf_engine *e);
+void cf_engine_counters(const cf_engine *e, cf_counters *out);
+/* Per (layer, expert) routing counts since the last reset: out[L * E]. */
+void cf_engine_expert_hits(const cf_engine *e, uint64_t *out);
+void cf_engine_reset_counters(cf_engine *e);
+/* Forget the KV cache (a new sequence starts at position 0). */
+void cf_engine_reset(cf_engine *e);
+
+int cf_engine_n_ctx(const cf_engine *e);
+int cf_engine_n_threads(const cf_engine *e);
+int cf_engine_max_batch(const cf_engine *e);
+const char *cf_engine_isa(const cf_engine *e);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* CFLOW_ENGINE_H */

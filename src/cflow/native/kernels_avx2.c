@@ -1,0 +1,494 @@
+/* kernels_avx2.c — AVX2 + FMA + F16C versions of the kernels in cf_kernel_table.
+ *
+ * Compiled with -mavx2 -mfma -mf16c only (never -march=native) and chosen by dispatch.c when the
+ * CPU has all three. Every function falls through to a scalar tail (or to the reference for
+ * shapes its fast path does not cover), so results match kernels_ref.c within float rounding
+ * (quantize_act, f16 conversion: bit for bit).
+ *
+ * Tiled mat-vec, per 32-block of a full 8-row group (DESIGN.md "Tile layout"):
+ *   one vcvtph2ps turns the 8 rows' fp16 scales into a vector (lane i = row i);
+ *   each row's integer dot with the int8 activation is maddubs (u8 x s8 -> s16 pairs) then madd
+ *   with ones (-> 8 x s32); an hadd tree folds the 8 rows' vectors into one vector of 8 row sums;
+ *   then one FMA applies d_w * d_x, and the block's s = d_x*sum(q_x) applies Q4_0's -8 or
+ *   Q4_1's +m once per block instead of per weight. Q8_0 weights are signed, so the u8 x s8
+ *   maddubs gets |w| and sign(x, w) instead.
+ * A thread's share of a tile (a range of groups) is one contiguous run of bytes, read in order.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <string.h>
+
+#include "cflow.h"
+#include "kernels_internal.h"
+
+#define INLINE static inline __attribute__((always_inline))
+
+/* ---- small helpers ----------------------------------------------------------------------- */
+
+INLINE float hsum_ps(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+INLINE float hmax_ps(__m256 v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+INLINE int hsum_epi32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 1));
+    return _mm_cvtsi128_si32(s);
+}
+
+/* Lane i of the result = sum of the 8 lanes of v_i. */
+INLINE __m256i hsum8_epi32(__m256i v0, __m256i v1, __m256i v2, __m256i v3, __m256i v4,
+                           __m256i v5, __m256i v6, __m256i v7) {
+    __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(v0, v1), _mm256_hadd_epi32(v2, v3));
+    __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(v4, v5), _mm256_hadd_epi32(v6, v7));
+    /* a = [v0..v3 over lanes 0-3 | v0..v3 over lanes 4-7], b likewise for v4..v7 */
+    return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20),
+                            _mm256_permute2x128_si256(a, b, 0x31));
+}
+
+INLINE __m256 load_halves8(const void *p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+}
+
+/* 16 bytes of nibbles -> 32 bytes 0..15: low nibbles (weights 0..15) then high (16..31). */
+INLINE __m256i bytes_from_nibbles(const uint8_t *p) {
+    __m128i t = _mm_loadu_si128((const __m128i *)p);
+    __m256i b = _mm256_set_m128i(_mm_srli_epi16(t, 4), t);
+    return _mm256_and_si256(b, _mm256_set1_epi8(0x0f));
+}
+
+/* exp(x) for a vector: Cephes' range reduction and degree-5 polynomial (~1-2 ulp). */
+INLINE __m256 exp_ps(__m256 x) {
+    x = _mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f));
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3365447504f)); /* keep 2^n a normal float */
+    __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f),
+                                               _mm256_set1_ps(0.5f)));
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507E-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073E-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894E-2f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459E-1f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201E-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+INLINE __m256 silu_ps(__m256 g) {
+    __m256 e = exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), g));
+    return _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+}
+
+static inline float silu1(float g) { return g / (1.0f + expf(-g)); }
+
+/* ---- activation quantization ------------------------------------------------------------- */
+
+/* round half away from zero, exactly like roundf: trunc, then step away if |frac| >= 0.5
+ * (v - trunc(v) is exact, unlike the floor(v + 0.5) shortcut). */
+INLINE __m256 round_half_away(__m256 v) {
+    const __m256 sign_mask = _mm256_set1_ps(-0.0f);
+    __m256 t = _mm256_round_ps(v, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+    __m256 frac = _mm256_andnot_ps(sign_mask, _mm256_sub_ps(v, t));
+    __m256 step = _mm256_or_ps(_mm256_set1_ps(1.0f), _mm256_and_ps(sign_mask, v));
+    return _mm256_add_ps(t, _mm256_and_ps(step, _mm256_cmp_ps(frac, _mm256_set1_ps(0.5f), _CMP_GE_OQ)));
+}
+
+static void quantize_act_avx2(const float *x, cf_act_q8 *out) {
+    const __m256 sign_mask = _mm256_set1_ps(-0.0f);
+    for (int b = 0; b < out->n / CF_QK; b++) {
+        const float *xb = x + b * CF_QK;
+        __m256 v[4];
+        __m256 amax = _mm256_setzero_ps();
+        for (int i = 0; i < 4; i++) {
+            v[i] = _mm256_loadu_ps(xb + 8 * i);
+            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_mask, v[i]));
+        }
+        float d = hmax_ps(amax) / 127.0f;
+        /* multiply by the float32 reciprocal (not divide): the same bits as the reference */
+        __m256 id = _mm256_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
+        __m256i q[4];
+        for (int i = 0; i < 4; i++)
+            q[i] = _mm256_cvtps_epi32(round_half_away(_mm256_mul_ps(v[i], id)));
+        int sum = hsum_epi32(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
+        /* pack 32 x s32 -> 32 x s8; packs works per 128-bit lane, so fix the dword order */
+        __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+        p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i *)(out->qs + b * CF_QK), p);
+        out->d[b] = d;
+        out->s[b] = d * (float)sum;
+    }
+}
+
+/* ---- tiled mat-vec: one full 8-row group over the blocks of one tile --------------------- */
+
+/* Two rows of a Q4 block at once: their 2 x 16 nibble bytes are adjacent (rows are stored one
+ * after another in a chunk), so one 32-byte load holds both. lo = [row a w0..15 | row b w0..15],
+ * hi = [row a w16..31 | row b w16..31]; against xa = x0..15 in both lanes and xb = x16..31 in
+ * both lanes, maddubs + add (|sum of 4 products| <= 4*15*127, fits int16) + madd leave
+ * [row a: 4 x s32 | row b: 4 x s32]. */
+INLINE __m256i dot_q4_pair(const uint8_t *q, __m256i xa, __m256i xb) {
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    __m256i v = _mm256_loadu_si256((const __m256i *)q);
+    __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+    __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xa), _mm256_maddubs_epi16(hi, xb));
+    return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
+}
+
+/* The 8 row sums of a Q4 block of a full group (nibbles at q, 16 bytes per row), in row order:
+ * three hadds fold the 4 pair vectors to [r0 r2 r4 r6 | r1 r3 r5 r7], one permute sorts. */
+INLINE __m256i group_isum_q4(const uint8_t *q, __m256i xa, __m256i xb) {
+    __m256i a = _mm256_hadd_epi32(dot_q4_pair(q, xa, xb), dot_q4_pair(q + 32, xa, xb));
+    __m256i b = _mm256_hadd_epi32(dot_q4_pair(q + 64, xa, xb), dot_q4_pair(q + 96, xa, xb));
+    return _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(a, b), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+/* Row i's 8 partial int32 dot sums for a Q8_0 block: |w| x sign(x, w) keeps maddubs' first
+ * operand unsigned (|w| <= 128, |pair sum| <= 2*128*127 fits int16). */
+INLINE __m256i dot_q8(const uint8_t *q, __m256i xq) {
+    __m256i w = _mm256_loadu_si256((const __m256i *)q);
+    __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xq, w));
+    return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
+}
+
+INLINE __m256i group_isum_q8(const uint8_t *q, __m256i xq) {
+    return hsum8_epi32(dot_q8(q, xq), dot_q8(q + 32, xq), dot_q8(q + 64, xq), dot_q8(q + 96, xq),
+                       dot_q8(q + 128, xq), dot_q8(q + 160, xq), dot_q8(q + 192, xq), dot_q8(q + 224, xq));
+}
+
+/* acc (lane i = row i) += W[8 rows, tile blocks] . x[tile blocks] for one group's chunks at p. */
+INLINE __m256 group_dot(int dtype, const uint8_t *p, int nkt, const cf_act_q8 *x, int kb0) {
+    __m256 acc = _mm256_setzero_ps();
+    const int8_t *xq = x->qs + (size_t)kb0 * CF_QK;
+    const float *xd = x->d + kb0, *xs = x->s + kb0;
+    for (int kb = 0; kb < nkt; kb++) {
+        const int8_t *xk = xq + kb * CF_QK;
+        __m256 bd = _mm256_broadcast_ss(xd + kb);
+        if (dtype == CF_Q4_0) { /* chunk: 8 x fp16 d, 8 x 16 nibble bytes (144 B) */
+            __m256i xa = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)xk));
+            __m256i xb = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(xk + 16)));
+            __m256 d = load_halves8(p);
+            __m256i isum = group_isum_q4(p + 16, xa, xb);
+            __m256 neg8s = _mm256_mul_ps(_mm256_broadcast_ss(xs + kb), _mm256_set1_ps(-8.0f));
+            acc = _mm256_fmadd_ps(d, _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), bd, neg8s), acc);
+            p += 144;
+        } else if (dtype == CF_Q4_1) { /* 8 x fp16 d, 8 x fp16 m, 8 x 16 nibble bytes (160 B) */
+            __m256i xa = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)xk));
+            __m256i xb = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(xk + 16)));
+            __m256 d = load_halves8(p), m = load_halves8(p + 16);
+            __m256i isum = group_isum_q4(p + 32, xa, xb);
+            acc = _mm256_fmadd_ps(d, _mm256_mul_ps(_mm256_cvtepi32_ps(isum), bd), acc);
+            acc = _mm256_fmadd_ps(m, _mm256_broadcast_ss(xs + kb), acc);
+            p += 160;
+        } else { /* Q8_0: 8 x fp16 d, 8 x 32 int8 (272 B) */
+            __m256i xv = _mm256_loadu_si256((const __m256i *)xk);
+            __m256 d = load_halves8(p);
+            __m256i isum = group_isum_q8(p + 16, xv);
+            acc = _mm256_fmadd_ps(d, _mm256_mul_ps(_mm256_cvtepi32_ps(isum), bd), acc);
+            p += 272;
+        }
+    }
+    return acc;
+}
+
+INLINE void prefetch_run(const uint8_t *p, size_t nbytes) {
+    for (size_t off = 0; off < nbytes; off += 64) _mm_prefetch((const char *)p + off, _MM_HINT_T0);
+}
+
+/* out[r - g0*8] for the rows of groups [g0, g1); full groups here, the short last group (if
+ * any) through the reference. */
+INLINE void matvec_groups(int dtype, const cf_tiled *w, const cf_act_q8 *x, float *out, int g0,
+                          int g1) {
+    int g1_full = cf_min(g1, w->rows / CF_G);
+    size_t bb = cf_block_bytes(dtype);
+    int pf = cf_prefetch_bytes;
+    if (g0 < g1_full) {
+        memset(out, 0, sizeof(float) * (size_t)(g1_full - g0) * CF_G);
+        cf_span sp;
+        for (cf_span_begin(&sp, w, g0, g1_full); cf_span_next(&sp);) {
+            const uint8_t *p = sp.ptr;
+            size_t group_bytes = (size_t)CF_G * sp.nkt * bb;
+            for (int gr = sp.ga; gr < sp.gb; gr++, p += group_bytes) {
+                if (pf) prefetch_run(p + pf, group_bytes);
+                float *o = out + (size_t)(gr - g0) * CF_G;
+                __m256 acc = group_dot(dtype, p, sp.nkt, x, sp.kb0);
+                _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), acc));
+            }
+        }
+    }
+    if (g1 > g1_full && g1 > g0) {
+        int gs = cf_max(g0, g1_full);
+        cf_matvec_groups_ref(w, x, out + (size_t)(gs - g0) * CF_G, gs, g1);
+    }
+}
+
+#define DEFINE_MATVEC(NAME, DT)                                                                \
+    static void NAME(const cf_tiled *w, const cf_act_q8 *x, float *y, int g0, int g1) {        \
+        matvec_groups(DT, w, x, y + (size_t)g0 * CF_G, g0, g1);                                \
+    }
+DEFINE_MATVEC(matvec_q4_0_avx2, CF_Q4_0)
+DEFINE_MATVEC(matvec_q4_1_avx2, CF_Q4_1)
+DEFINE_MATVEC(matvec_q8_0_avx2, CF_Q8_0)
+
+/* ---- fused gate+up+SiLU ------------------------------------------------------------------ */
+
+#define GATE_UP_CHUNK 32 /* pairs per pass: gate/up outputs of 512 floats stay in L1 */
+
+INLINE void gate_up(int dtype, const cf_tiled *w, const cf_act_q8 *x, float *y, int p0, int p1) {
+    float gu[2 * CF_G * GATE_UP_CHUNK]; /* per pair: gate[8], up[8] */
+    int gpb = w->tile_rows / CF_G;
+    for (int p = p0; p < p1;) {
+        /* Stop at the band edge so one pass walks each tile of one band once. */
+        int band_end_pair = ((2 * p) / gpb + 1) * gpb / 2;
+        int pe = cf_min(cf_min(p1, p + GATE_UP_CHUNK), cf_max(p + 1, band_end_pair));
+        matvec_groups(dtype, w, x, gu, 2 * p, 2 * pe);
+        for (int j = 0; j < pe - p; j++) {
+            __m256 g = _mm256_loadu_ps(gu + 16 * j), u = _mm256_loadu_ps(gu + 16 * j + 8);
+            _mm256_storeu_ps(y + (size_t)(p + j) * CF_G, _mm256_mul_ps(silu_ps(g), u));
+        }
+        p = pe;
+    }
+}
+
+#define DEFINE_GATE_UP(NAME, DT)                                                               \
+    static void NAME(const cf_tiled *w, const cf_act_q8 *x, float *y, int p0, int p1) {        \
+        gate_up(DT, w, x, y, p0, p1);                                                          \
+    }
+DEFINE_GATE_UP(gate_up_q4_0_avx2, CF_Q4_0)
+DEFINE_GATE_UP(gate_up_q4_1_avx2, CF_Q4_1)
+DEFINE_GATE_UP(gate_up_q8_0_avx2, CF_Q8_0)
+
+/* ---- embedding row ----------------------------------------------------------------------- */
+
+static void embed_row_avx2(const cf_tiled *w, int r, float *out) {
+    size_t bb = cf_block_bytes(w->dtype);
+    int gr = r / CF_G, i = r % CF_G, g = cf_min(CF_G, w->rows - gr * CF_G);
+    size_t qs_bytes = cf_qs_bytes(w->dtype), qs_off = cf_chunk_qs_offset(w->dtype, g);
+    cf_span sp;
+    for (cf_span_begin(&sp, w, gr, gr + 1); cf_span_next(&sp);) {
+        for (int kb = 0; kb < sp.nkt; kb++) {
+            const uint8_t *chunk = sp.ptr + (size_t)kb * g * bb;
+            const cf_half *scales = (const cf_half *)chunk;
+            const uint8_t *q = chunk + qs_off + (size_t)i * qs_bytes;
+            __m256 d = _mm256_set1_ps(cf_half_to_float(scales[i]));
+            float *o = out + (size_t)(sp.kb0 + kb) * CF_QK;
+            if (w->dtype == CF_Q8_0) {
+                for (int j = 0; j < 4; j++) {
+                    __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8 * j)));
+                    _mm256_storeu_ps(o + 8 * j, _mm256_mul_ps(d, _mm256_cvtepi32_ps(v)));
+                }
+            } else {
+                float mf = w->dtype == CF_Q4_1 ? cf_half_to_float(scales[g + i])
+                                               : -8.0f * cf_half_to_float(scales[i]);
+                __m256 m = _mm256_set1_ps(mf);
+                __m256i b = bytes_from_nibbles(q);
+                __m128i lo = _mm256_castsi256_si128(b), hi = _mm256_extracti128_si256(b, 1);
+                __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+                for (int j = 0; j < 4; j++) {
+                    __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[j]));
+                    _mm256_storeu_ps(o + 8 * j, _mm256_fmadd_ps(d, v, m));
+                }
+            }
+        }
+    }
+}
+
+/* ---- fp32 vector kernels ----------------------------------------------------------------- */
+
+static float dot_f32_avx2(const float *a, const float *b, int n) {
+    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 16 <= n; i += 16) {
+        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
+    }
+    for (; i + 8 <= n; i += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+    float s = hsum_ps(_mm256_add_ps(s0, s1));
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+static void matvec_f32_avx2(float *y, const float *W, const float *x, int rows, int cols) {
+    for (int r = 0; r < rows; r++) y[r] = dot_f32_avx2(W + (size_t)r * cols, x, cols);
+}
+
+static void axpy_f32_avx2(float *y, float a, const float *x, int n) {
+    __m256 va = _mm256_set1_ps(a);
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+    for (; i < n; i++) y[i] += a * x[i];
+}
+
+static void rmsnorm_avx2(float *out, const float *x, const float *w, int n, float eps) {
+    float ss = dot_f32_avx2(x, x, n);
+    __m256 inv = _mm256_set1_ps(1.0f / sqrtf(ss / (float)n + eps));
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), inv),
+                                                _mm256_loadu_ps(w + i)));
+    float invs = _mm256_cvtss_f32(inv);
+    for (; i < n; i++) out[i] = x[i] * invs * w[i];
+}
+
+static void softmax_avx2(float *x, int n) {
+    __m256 vmax = _mm256_set1_ps(-INFINITY);
+    int i = 0;
+    for (; i + 8 <= n; i += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(x + i));
+    float mx = hmax_ps(vmax);
+    for (; i < n; i++) mx = fmaxf(mx, x[i]);
+    __m256 vm = _mm256_set1_ps(mx), vsum = _mm256_setzero_ps();
+    for (i = 0; i + 8 <= n; i += 8) {
+        __m256 e = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(x + i), vm));
+        _mm256_storeu_ps(x + i, e);
+        vsum = _mm256_add_ps(vsum, e);
+    }
+    float sum = hsum_ps(vsum);
+    for (; i < n; i++) {
+        x[i] = expf(x[i] - mx);
+        sum += x[i];
+    }
+    __m256 inv = _mm256_set1_ps(1.0f / sum);
+    for (i = 0; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, _mm256_mul_ps(_mm256_loadu_ps(x + i), inv));
+    for (; i < n; i++) x[i] *= 1.0f / sum;
+}
+
+static void swiglu_avx2(float *out, const float *g, const float *u, int n) {
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(silu_ps(_mm256_loadu_ps(g + i)), _mm256_loadu_ps(u + i)));
+    for (; i < n; i++) out[i] = silu1(g[i]) * u[i];
+}
+
+static void rope_avx2(float *x, int n_heads, int head_dim, const float *cos, const float *sin) {
+    int half = head_dim / 2;
+    for (int h = 0; h < n_heads; h++) {
+        float *a = x + (size_t)h * head_dim, *b = a + half;
+        int j = 0;
+        for (; j + 8 <= half; j += 8) {
+            __m256 va = _mm256_loadu_ps(a + j), vb = _mm256_loadu_ps(b + j);
+            __m256 c = _mm256_loadu_ps(cos + j), s = _mm256_loadu_ps(sin + j);
+            _mm256_storeu_ps(a + j, _mm256_fmsub_ps(va, c, _mm256_mul_ps(vb, s)));
+            _mm256_storeu_ps(b + j, _mm256_fmadd_ps(va, s, _mm256_mul_ps(vb, c)));
+        }
+        for (; j < half; j++) {
+            float va = a[j], vb = b[j];
+            a[j] = va * cos[j] - vb * sin[j];
+            b[j] = va * sin[j] + vb * cos[j];
+        }
+    }
+}
+
+/* ---- attention ----------------------------------------------------------------------------- */
+
+/* Scores of NH query heads (sharing one kv head) against positions [0, n_pos): each K row is
+ * converted once and used by all NH heads. att_h[t] = scale * q_h . k_t. */
+INLINE void attn_scores(int NH, const float *q, const cf_half *K, float *att, int hd, int n_pos,
+                        float scale) {
+    for (int t = 0; t < n_pos; t++) {
+        const cf_half *kt = K + (size_t)t * hd;
+        __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+        for (int j = 0; j < hd; j += 8) {
+            __m256 kf = load_halves8(kt + j);
+            for (int h = 0; h < NH; h++)
+                acc[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q + (size_t)h * hd + j), kf, acc[h]);
+        }
+        for (int h = 0; h < NH; h++) att[(size_t)h * n_pos + t] = hsum_ps(acc[h]) * scale;
+    }
+}
+
+/* out_h = sum_t att_h[t] * v_t for NH heads; each V row converted once. */
+INLINE void attn_values(int NH, float *out, const cf_half *V, const float *att, int hd, int n_pos) {
+    for (int h = 0; h < NH; h++) memset(out + (size_t)h * hd, 0, sizeof(float) * (size_t)hd);
+    for (int t = 0; t < n_pos; t++) {
+        const cf_half *vt = V + (size_t)t * hd;
+        __m256 p[4];
+        for (int h = 0; h < NH; h++) p[h] = _mm256_broadcast_ss(att + (size_t)h * n_pos + t);
+        for (int j = 0; j < hd; j += 8) {
+            __m256 vf = load_halves8(vt + j);
+            for (int h = 0; h < NH; h++) {
+                float *o = out + (size_t)h * hd + j;
+                _mm256_storeu_ps(o, _mm256_fmadd_ps(p[h], vf, _mm256_loadu_ps(o)));
+            }
+        }
+    }
+}
+
+INLINE void attn_heads(int NH, float *out, const float *q, const cf_half *K, const cf_half *V,
+                       float *att, const cf_attn_shape *s) {
+    attn_scores(NH, q, K, att, s->head_dim, s->n_pos, s->scale);
+    for (int h = 0; h < NH; h++) softmax_avx2(att + (size_t)h * s->n_pos, s->n_pos);
+    attn_values(NH, out, V, att, s->head_dim, s->n_pos);
+}
+
+static void attention_avx2(float *out, const float *q, const cf_half *k, const cf_half *v,
+                           float *att, const cf_attn_shape *s, int h0, int h1) {
+    int hd = s->head_dim, group = s->n_heads / s->n_kv_heads;
+    if (hd % 8 != 0) {
+        cf_attention_ref(out, q, k, v, att, s, h0, h1);
+        return;
+    }
+    for (int h = h0; h < h1;) {
+        int kvh = h / group;
+        int nh = cf_min(cf_min(h1, (kvh + 1) * group) - h, 4); /* heads of this kv head, <= 4 */
+        size_t kv_off = (size_t)kvh * s->max_seq * hd;
+        float *o = out + (size_t)h * hd, *a = att + (size_t)(h - h0) * s->n_pos;
+        const float *qh = q + (size_t)h * hd;
+        /* constant NH per call so the per-head loops unroll and stay in registers */
+        switch (nh) {
+        case 1: attn_heads(1, o, qh, k + kv_off, v + kv_off, a, s); break;
+        case 2: attn_heads(2, o, qh, k + kv_off, v + kv_off, a, s); break;
+        case 3: attn_heads(3, o, qh, k + kv_off, v + kv_off, a, s); break;
+        default: attn_heads(4, o, qh, k + kv_off, v + kv_off, a, s); break;
+        }
+        h += nh;
+    }
+}
+
+/* ---- fp16 conversion ----------------------------------------------------------------------- */
+
+static void f16_to_f32_avx2(float *out, const cf_half *x, int n) {
+    int i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, load_halves8(x + i));
+    for (; i < n; i++) out[i] = cf_half_to_float(x[i]);
+}
+
+static void f32_to_f16_avx2(cf_half *out, const float *x, int n) {
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(out + i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+    for (; i < n; i++) out[i] = cf_float_to_half(x[i]);
+}
+
+/* ---- the table --------------------------------------------------------------------------- */
+
+static const cf_kernel_table TABLE_AVX2 = {
+    .name = "avx2",
+    .quantize_act = quantize_act_avx2,
+    .matvec = {[CF_Q4_0] = matvec_q4_0_avx2, [CF_Q4_1] = matvec_q4_1_avx2, [CF_Q8_0] = matvec_q8_0_avx2},
+    .rmsnorm = rmsnorm_avx2,
+    .matvec_f32 = matvec_f32_avx2,
+    .dot_f32 = dot_f32_avx2,
+    .axpy_f32 = axpy_f32_avx2,
+    .gate_up = {[CF_Q4_0] = gate_up_q4_0_avx2, [CF_Q4_1] = gate_up_q4_1_avx2, [CF_Q8_0] = gate_up_q8_0_avx2},
+    .softmax = softmax_avx2,
+    .rope = rope_avx2,
+    .attention = attention_avx2,
+    .embed_row = embed_row_avx2,
+    .swiglu = swiglu_avx2,
+    .f16_to_f32 = f16_to_f32_avx2,
+    .f32_to_f16 = f32_to_f16_avx2,
+};
+
+const cf_kernel_table *cf_kernels_avx2(void) { return &TABLE_AVX2; }

@@ -1,0 +1,79 @@
+/* kernels_internal.h — what the kernel files share and callers do not need: the walk over a
+ * tiled matrix (which bytes hold which row groups of which tile) and chunk geometry.
+ *
+ * The walk is the C statement of DESIGN.md "Tile layout":
+ *   for band (TR rows): for tile (TK cols): for group (8 rows; last may be short): for 32-block:
+ *     chunk = g scales d (Q4_1: then g mins m), then g rows of GGML quant bytes
+ * Only the matrix's last group can have g < 8 rows (TR is a multiple of 8), so every group
+ * before a given one in its band is a full 8 rows: that is what makes a group range of a tile
+ * one contiguous byte run, found with one multiplication.
+ */
+#ifndef CFLOW_KERNELS_INTERNAL_H
+#define CFLOW_KERNELS_INTERNAL_H
+
+#include "cflow.h"
+
+/* Prefetch distance in bytes for the tiled mat-vecs (0: off); set by cf_set_prefetch. */
+extern int cf_prefetch_bytes;
+
+static inline int cf_min(int a, int b) { return a < b ? a : b; }
+static inline int cf_max(int a, int b) { return a > b ? a : b; }
+
+/* Bytes of one row's quant payload in a block (after the scales): 16 nibble bytes or 32 int8. */
+static inline size_t cf_qs_bytes(int dtype) { return dtype == CF_Q8_0 ? 32 : 16; }
+/* Offset of the quant payload inside a chunk of g rows (the scales come first). */
+static inline size_t cf_chunk_qs_offset(int dtype, int g) {
+    return (size_t)g * (dtype == CF_Q4_1 ? 4 : 2);
+}
+
+/* One step of the walk: the share of one tile that belongs to groups [ga, gb). */
+typedef struct {
+    const uint8_t *ptr; /* first chunk of group ga in this tile; chunks follow contiguously */
+    int ga, gb;         /* global group indices */
+    int kb0, nkt;       /* the tile's first 32-block column and its number of 32-blocks */
+    /* walk state */
+    const cf_tiled *w;
+    int g0, g1, band, band_end, tile, n_tiles;
+} cf_span;
+
+static inline void cf_span_begin(cf_span *s, const cf_tiled *w, int g0, int g1) {
+    int gpb = w->tile_rows / CF_G; /* groups per band */
+    s->w = w;
+    s->g0 = g0;
+    s->g1 = g1;
+    s->n_tiles = (w->cols + w->tile_cols - 1) / w->tile_cols;
+    s->tile = -1;
+    s->band = g0 < g1 ? g0 / gpb : 0;
+    s->band_end = g0 < g1 ? (g1 - 1) / gpb + 1 : 0;
+}
+
+/* Advance to the next (band, tile); 0 when the range is exhausted. */
+static inline int cf_span_next(cf_span *s) {
+    const cf_tiled *w = s->w;
+    if (++s->tile == s->n_tiles) {
+        s->tile = 0;
+        s->band++;
+    }
+    if (s->band >= s->band_end) return 0;
+    size_t bb = cf_block_bytes(w->dtype);
+    int gpb = w->tile_rows / CF_G, nkb = w->cols / CF_QK;
+    int band_row0 = s->band * w->tile_rows;
+    int band_rows = cf_min(w->tile_rows, w->rows - band_row0);
+    int k0 = s->tile * w->tile_cols;
+    s->kb0 = k0 / CF_QK;
+    s->nkt = cf_min(w->tile_cols, w->cols - k0) / CF_QK;
+    s->ga = cf_max(s->g0, s->band * gpb);
+    s->gb = cf_min(s->g1, (s->band + 1) * gpb);
+    s->ptr = w->data + (size_t)band_row0 * nkb * bb /* bands above */
+             + (size_t)band_rows * s->kb0 * bb        /* tiles to the left */
+             + (size_t)(s->ga - s->band * gpb) * CF_G * s->nkt * bb; /* groups above */
+    return 1;
+}
+
+/* Scalar reference pieces the ISA files fall back to for shapes their fast paths skip. */
+/* out[r - g0*CF_G] = row r of W x for the rows of groups [g0, g1) (any group size). */
+void cf_matvec_groups_ref(const cf_tiled *w, const cf_act_q8 *x, float *out, int g0, int g1);
+void cf_attention_ref(float *out, const float *q, const cf_half *k, const cf_half *v, float *att,
+                      const cf_attn_shape *s, int h0, int h1);
+
+#endif /* CFLOW_KERNELS_INTERNAL_H */

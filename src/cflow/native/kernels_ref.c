@@ -1,0 +1,318 @@
+/* kernels_ref.c — the scalar reference of every kernel in cf_kernel_table, plus the shared
+ * scalar helpers (fp16 conversion, tile geometry, rope tables, top-k).
+ *
+ * These are the plain loops the ISA versions are tested against: one row, one block, one
+ * weight at a time, written to be read. Compiled for the baseline ISA (no -m flags), so they
+ * run anywhere and serve as the fallback and as CFLOW_ISA=ref.
+ */
+#include <math.h>
+#include <string.h>
+
+#include "cflow.h"
+#include "kernels_internal.h"
+
+/* ---- fp16 -------------------------------------------------------------------------------- */
+
+static inline uint32_t f32_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+
+static inline float f32_from_bits(uint32_t u) {
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+float cf_half_to_float(cf_half h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+    uint32_t e = (h >> 10) & 0x1f, m = h & 0x3ff;
+    if (e == 31) return f32_from_bits(sign | 0x7f800000u | (m << 13)); /* inf / nan */
+    if (e != 0) return f32_from_bits(sign | ((e + 112) << 23) | (m << 13));
+    if (m == 0) return f32_from_bits(sign);
+    /* Subnormal: shift the mantissa up until its leading one becomes the implicit bit. */
+    uint32_t ef = 113;
+    while (!(m & 0x400)) {
+        m <<= 1;
+        ef--;
+    }
+    return f32_from_bits(sign | (ef << 23) | ((m & 0x3ff) << 13));
+}
+
+/* Integer-only, so it rounds exactly like vcvtps2ph (nearest even) whatever the FP flags. */
+cf_half cf_float_to_half(float f) {
+    uint32_t x = f32_bits(f);
+    uint32_t sign = (x >> 16) & 0x8000;
+    uint32_t ax = x & 0x7fffffffu;
+    if (ax >= 0x7f800000u) /* inf stays inf; nan stays a quiet nan */
+        return (cf_half)(sign | (ax > 0x7f800000u ? 0x7e00 | ((ax >> 13) & 0x3ff) : 0x7c00));
+    if (ax >= 0x477ff000u) return (cf_half)(sign | 0x7c00); /* >= 65520 rounds to inf */
+    if (ax >= 0x38800000u) {                                  /* normal half */
+        uint32_t r = ax - 0x38000000u;                        /* rebias 127 -> 15 */
+        r += 0xfff + ((r >> 13) & 1);
+        return (cf_half)(sign | (r >> 13));
+    }
+    if (ax <= 0x33000000u) return (cf_half)sign; /* <= 2^-25 rounds to zero */
+    /* Subnormal half: value in units of 2^-24 is m * 2^(e - 126); round the shifted-out bits. */
+    uint32_t e = ax >> 23, m = (ax & 0x7fffff) | 0x800000;
+    uint32_t shift = 126 - e; /* 14..24 */
+    uint32_t q = m >> shift, rem = m & ((1u << shift) - 1), half = 1u << (shift - 1);
+    if (rem > half || (rem == half && (q & 1))) q++;
+    return (cf_half)(sign | q);
+}
+
+/* ---- tile geometry ----------------------------------------------------------------------- */
+
+size_t cf_block_bytes(int dtype) {
+    switch (dtype) {
+    case CF_F32: return 128;
+    case CF_F16: return 64;
+    case CF_Q4_0: return 18;
+    case CF_Q4_1: return 20;
+    case CF_Q8_0: return 34;
+    default: return 0;
+    }
+}
+
+size_t cf_tiled_bytes(const cf_tiled *w) {
+    /* Tiling only reorders blocks, so the size is that of the plain blocks. */
+    return (size_t)w->rows * (size_t)(w->cols / CF_QK) * cf_block_bytes(w->dtype);
+}
+
+/* ---- activation quantization ------------------------------------------------------------- */
+
+/* d = max|x| / 127, q = round_half_away(x * (1/d)) (0 where d = 0), s = d * sum(q): the
+ * definition in DESIGN.md and cflow.quant.quantize_act, bit for bit (multiply by the float32
+ * reciprocal, as ggml does, not divide). */
+static void quantize_act_ref(const float *x, cf_act_q8 *out) {
+    for (int b = 0; b < out->n / CF_QK; b++) {
+        const float *xb = x + b * CF_QK;
+        float amax = 0.0f;
+        for (int j = 0; j < CF_QK; j++) amax = fmaxf(amax, fabsf(xb[j]));
+        float d = amax / 127.0f;
+        float id = d != 0.0f ? 1.0f / d : 0.0f;
+        int sum = 0;
+        for (int j = 0; j < CF_QK; j++) {
+            int q = (int)roundf(xb[j] * id); /* roundf: half away from zero */
+            out->qs[b * CF_QK + j] = (int8_t)q;
+            sum += q;
+        }
+        out->d[b] = d;
+        out->s[b] = d * (float)sum;
+    }
+}
+
+/* ---- tiled mat-vec ----------------------------------------------------------------------- */
+
+/* Integer dot of one row's 32-block (GGML bytes `q`) with 32 activation int8s. */
+static int block_dot(int dtype, const uint8_t *q, const int8_t *xq) {
+    int sum = 0;
+    if (dtype == CF_Q8_0) {
+        for (int j = 0; j < CF_QK; j++) sum += (int8_t)q[j] * xq[j];
+    } else { /* Q4_0 / Q4_1: byte j holds weight j (low nibble) and weight j+16 (high) */
+        for (int j = 0; j < CF_QK / 2; j++) sum += (q[j] & 15) * xq[j] + (q[j] >> 4) * xq[j + 16];
+    }
+    return sum;
+}
+
+/* One chunk's contribution to row i of its group: the weight block of that row times the
+ * activation block kb, folded with the block's scales (the s trick for Q4_0's -8, Q4_1's m). */
+static float chunk_row_dot(int dtype, const uint8_t *chunk, int g, int i, const cf_act_q8 *x,
+                           int kb) {
+    const cf_half *scales = (const cf_half *)chunk; /* d[g] (then m[g] for Q4_1) */
+    float d = cf_half_to_float(scales[i]);
+    int isum = block_dot(dtype, chunk + cf_chunk_qs_offset(dtype, g) + (size_t)i * cf_qs_bytes(dtype),
+                         x->qs + (size_t)kb * CF_QK);
+    float dot = d * (x->d[kb] * (float)isum);
+    if (dtype == CF_Q4_0) dot -= 8.0f * d * x->s[kb];
+    if (dtype == CF_Q4_1) dot += cf_half_to_float(scales[g + i]) * x->s[kb];
+    return dot;
+}
+
+/* out[r - g0*8] for the rows of groups [g0, g1): walks bands, tiles, groups and blocks in the
+ * file's order (cf_tile_walk), so the reference also documents the layout. */
+void cf_matvec_groups_ref(const cf_tiled *w, const cf_act_q8 *x, float *out, int g0, int g1) {
+    size_t bb = cf_block_bytes(w->dtype);
+    int r0 = g0 * CF_G, r1 = cf_min(g1 * CF_G, w->rows);
+    for (int r = r0; r < r1; r++) out[r - r0] = 0.0f;
+    cf_span sp;
+    for (cf_span_begin(&sp, w, g0, g1); cf_span_next(&sp);) {
+        /* sp: one tile's groups [sp.ga, sp.gb) starting at sp.ptr, sp.nkt blocks per row */
+        const uint8_t *p = sp.ptr;
+        for (int gr = sp.ga; gr < sp.gb; gr++) {
+            int g = cf_min(CF_G, w->rows - gr * CF_G);
+            for (int kb = 0; kb < sp.nkt; kb++, p += (size_t)g * bb) {
+                for (int i = 0; i < g; i++)
+                    out[gr * CF_G + i - r0] += chunk_row_dot(w->dtype, p, g, i, x, sp.kb0 + kb);
+            }
+        }
+    }
+}
+
+static void matvec_ref(const cf_tiled *w, const cf_act_q8 *x, float *y, int g0, int g1) {
+    cf_matvec_groups_ref(w, x, y + (size_t)g0 * CF_G, g0, g1);
+}
+
+static inline float silu(float g) { return g / (1.0f + expf(-g)); }
+
+static void gate_up_ref(const cf_tiled *w, const cf_act_q8 *x, float *y, int p0, int p1) {
+    float gu[2 * CF_G]; /* gate[8] then up[8] of one pair */
+    for (int p = p0; p < p1; p++) {
+        cf_matvec_groups_ref(w, x, gu, 2 * p, 2 * p + 2);
+        for (int i = 0; i < CF_G; i++) y[p * CF_G + i] = silu(gu[i]) * gu[CF_G + i];
+    }
+}
+
+/* Row r, dequantized: find r's group in every tile of its band and expand its blocks. */
+static void embed_row_ref(const cf_tiled *w, int r, float *out) {
+    size_t bb = cf_block_bytes(w->dtype);
+    int gr = r / CF_G, i = r % CF_G, g = cf_min(CF_G, w->rows - gr * CF_G);
+    cf_span sp;
+    for (cf_span_begin(&sp, w, gr, gr + 1); cf_span_next(&sp);) {
+        for (int kb = 0; kb < sp.nkt; kb++) {
+            const uint8_t *chunk = sp.ptr + (size_t)kb * g * bb;
+            const cf_half *scales = (const cf_half *)chunk;
+            const uint8_t *q = chunk + cf_chunk_qs_offset(w->dtype, g) + (size_t)i * cf_qs_bytes(w->dtype);
+            float d = cf_half_to_float(scales[i]);
+            float *o = out + (size_t)(sp.kb0 + kb) * CF_QK;
+            if (w->dtype == CF_Q8_0) {
+                for (int j = 0; j < CF_QK; j++) o[j] = d * (float)(int8_t)q[j];
+            } else {
+                float m = w->dtype == CF_Q4_1 ? cf_half_to_float(scales[g + i]) : -8.0f * d;
+                for (int j = 0; j < CF_QK / 2; j++) {
+                    o[j] = d * (float)(q[j] & 15) + m;
+                    o[j + 16] = d * (float)(q[j] >> 4) + m;
+                }
+            }
+        }
+    }
+}
+
+/* ---- fp32 vector kernels ----------------------------------------------------------------- */
+
+static void rmsnorm_ref(float *out, const float *x, const float *w, int n, float eps) {
+    double ss = 0.0;
+    for (int i = 0; i < n; i++) ss += (double)x[i] * x[i];
+    float inv = (float)(1.0 / sqrt(ss / n + eps));
+    for (int i = 0; i < n; i++) out[i] = x[i] * inv * w[i];
+}
+
+static float dot_f32_ref(const float *a, const float *b, int n) {
+    double s = 0.0;
+    for (int i = 0; i < n; i++) s += (double)a[i] * b[i];
+    return (float)s;
+}
+
+static void matvec_f32_ref(float *y, const float *W, const float *x, int rows, int cols) {
+    for (int r = 0; r < rows; r++) y[r] = dot_f32_ref(W + (size_t)r * cols, x, cols);
+}
+
+static void axpy_f32_ref(float *y, float a, const float *x, int n) {
+    for (int i = 0; i < n; i++) y[i] += a * x[i];
+}
+
+static void softmax_ref(float *x, int n) {
+    float mx = x[0];
+    for (int i = 1; i < n; i++) mx = fmaxf(mx, x[i]);
+    double sum = 0.0;
+    for (int i = 0; i < n; i++) {
+        x[i] = expf(x[i] - mx);
+        sum += x[i];
+    }
+    float inv = (float)(1.0 / sum);
+    for (int i = 0; i < n; i++) x[i] *= inv;
+}
+
+static void swiglu_ref(float *out, const float *g, const float *u, int n) {
+    for (int i = 0; i < n; i++) out[i] = silu(g[i]) * u[i];
+}
+
+static void rope_ref(float *x, int n_heads, int head_dim, const float *cos, const float *sin) {
+    int half = head_dim / 2;
+    for (int h = 0; h < n_heads; h++) {
+        float *xh = x + (size_t)h * head_dim;
+        for (int j = 0; j < half; j++) {
+            float a = xh[j], b = xh[j + half];
+            xh[j] = a * cos[j] - b * sin[j];
+            xh[j + half] = a * sin[j] + b * cos[j];
+        }
+    }
+}
+
+void cf_attention_ref(float *out, const float *q, const cf_half *k, const cf_half *v,
+                          float *att, const cf_attn_shape *s, int h0, int h1) {
+    int hd = s->head_dim, group = s->n_heads / s->n_kv_heads;
+    for (int h = h0; h < h1; h++) {
+        const float *qh = q + (size_t)h * hd;
+        size_t kv_off = (size_t)(h / group) * s->max_seq * hd;
+        float *a = att + (size_t)(h - h0) * s->n_pos;
+        for (int t = 0; t < s->n_pos; t++) {
+            const cf_half *kt = k + kv_off + (size_t)t * hd;
+            float dot = 0.0f;
+            for (int j = 0; j < hd; j++) dot += qh[j] * cf_half_to_float(kt[j]);
+            a[t] = dot * s->scale;
+        }
+        softmax_ref(a, s->n_pos);
+        float *oh = out + (size_t)h * hd;
+        for (int j = 0; j < hd; j++) oh[j] = 0.0f;
+        for (int t = 0; t < s->n_pos; t++) {
+            const cf_half *vt = v + kv_off + (size_t)t * hd;
+            for (int j = 0; j < hd; j++) oh[j] += a[t] * cf_half_to_float(vt[j]);
+        }
+    }
+}
+
+static void f16_to_f32_ref(float *out, const cf_half *x, int n) {
+    for (int i = 0; i < n; i++) out[i] = cf_half_to_float(x[i]);
+}
+
+static void f32_to_f16_ref(cf_half *out, const float *x, int n) {
+    for (int i = 0; i < n; i++) out[i] = cf_float_to_half(x[i]);
+}
+
+/* ---- table-free helpers ------------------------------------------------------------------ */
+
+void cf_rope_table(float *cos_, float *sin_, int head_dim, int pos, float theta) {
+    for (int j = 0; j < head_dim / 2; j++) {
+        double angle = (double)pos * pow((double)theta, -2.0 * j / head_dim);
+        cos_[j] = (float)cos(angle);
+        sin_[j] = (float)sin(angle);
+    }
+}
+
+/* Selection by repeated scans: k and n are small (router logits), so O(n*k) beats sorting. */
+void cf_topk(const float *x, int n, int k, int *idx, float *val) {
+    for (int j = 0; j < k; j++) {
+        int best = -1;
+        for (int i = 0; i < n; i++) {
+            int taken = 0;
+            for (int t = 0; t < j && !taken; t++) taken = idx[t] == i;
+            if (!taken && (best < 0 || x[i] > x[best])) best = i;
+        }
+        idx[j] = best;
+        val[j] = x[best];
+    }
+}
+
+/* ---- the table --------------------------------------------------------------------------- */
+
+static const cf_kernel_table TABLE_REF = {
+    .name = "ref",
+    .quantize_act = quantize_act_ref,
+    .matvec = {[CF_Q4_0] = matvec_ref, [CF_Q4_1] = matvec_ref, [CF_Q8_0] = matvec_ref},
+    .rmsnorm = rmsnorm_ref,
+    .matvec_f32 = matvec_f32_ref,
+    .dot_f32 = dot_f32_ref,
+    .axpy_f32 = axpy_f32_ref,
+    .gate_up = {[CF_Q4_0] = gate_up_ref, [CF_Q4_1] = gate_up_ref, [CF_Q8_0] = gate_up_ref},
+    .softmax = softmax_ref,
+    .rope = rope_ref,
+    .attention = cf_attention_ref,
+    .embed_row = embed_row_ref,
+    .swiglu = swiglu_ref,
+    .f16_to_f32 = f16_to_f32_ref,
+    .f32_to_f16 = f32_to_f16_ref,
+};
+
+const cf_kernel_table *cf_kernels_ref(void) { return &TABLE_REF; }

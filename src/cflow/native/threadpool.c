@@ -1,0 +1,225 @@
+/* threadpool.c — a persistent pool of pthreads for the per-token path.
+ *
+ * cf_pool_run(fn, ctx) publishes (fn, ctx), bumps a generation counter and runs fn as thread 0
+ * on the caller; workers notice the new generation, run fn, and count down `pending`. Both
+ * sides spin first (a decode step issues hundreds of runs microseconds apart, and a futex
+ * round trip costs more than most of them) and sleep on a futex once a spin budget has passed,
+ * so an idle pool costs no CPU. Nothing is allocated per run.
+ *
+ * Lost wake-ups are impossible because each side publishes before it checks: the caller bumps
+ * `gen` then reads `sleepers`; a worker bumps `sleepers` then re-reads `gen` inside futex_wait.
+ * With sequentially consistent atomics at least one of them sees the other's write.
+ * The spin budget is CFLOW_SPIN_US microseconds (default 100).
+ */
+#define _GNU_SOURCE
+#include <limits.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "cflow.h"
+
+#ifdef __linux__
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+#define CACHE_LINE 64
+#define DEFAULT_SPIN_US 100
+
+typedef struct {
+    struct cf_pool *pool;
+    int ith;
+} worker_arg;
+
+struct cf_pool {
+    /* Each hot word on its own cache line: workers poll gen while the caller's thread 0
+     * and finishing workers hammer pending. */
+    _Alignas(CACHE_LINE) _Atomic uint32_t gen;
+    _Alignas(CACHE_LINE) _Atomic uint32_t pending;
+    _Alignas(CACHE_LINE) _Atomic int sleepers;  /* workers asleep (or about to be) on gen */
+    _Atomic int caller_sleeping;                 /* caller asleep (or about to be) on pending */
+    _Atomic int stop;
+    cf_task_fn fn;
+    void *ctx;
+    int n;
+    long spin_ns;
+    pthread_t *threads; /* [n - 1] */
+    worker_arg *args;   /* [n - 1] */
+#ifndef __linux__
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+#endif
+};
+
+/* ---- wait / wake on a 32-bit word --------------------------------------------------------- */
+
+#ifdef __linux__
+static void word_wait(cf_pool *p, _Atomic uint32_t *addr, uint32_t val) {
+    (void)p;
+    syscall(SYS_futex, (uint32_t *)addr, FUTEX_WAIT_PRIVATE, val, NULL, NULL, 0);
+}
+static void word_wake(cf_pool *p, _Atomic uint32_t *addr, int n) {
+    (void)p;
+    syscall(SYS_futex, (uint32_t *)addr, FUTEX_WAKE_PRIVATE, n, NULL, NULL, 0);
+}
+#else
+static void word_wait(cf_pool *p, _Atomic uint32_t *addr, uint32_t val) {
+    pthread_mutex_lock(&p->mu);
+    while (atomic_load(addr) == val) pthread_cond_wait(&p->cv, &p->mu);
+    pthread_mutex_unlock(&p->mu);
+}
+static void word_wake(cf_pool *p, _Atomic uint32_t *addr, int n) {
+    (void)addr;
+    (void)n;
+    pthread_mutex_lock(&p->mu);
+    pthread_cond_broadcast(&p->cv);
+    pthread_mutex_unlock(&p->mu);
+}
+#endif
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ volatile("yield");
+#endif
+}
+
+static long now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1000000000L + ts.tv_nsec;
+}
+
+/* Spin until *addr != val or the budget runs out; returns the last value seen. */
+static uint32_t spin_while_equal(const cf_pool *p, _Atomic uint32_t *addr, uint32_t val) {
+    long deadline = 0;
+    for (unsigned i = 0;; i++) {
+        uint32_t cur = atomic_load_explicit(addr, memory_order_acquire);
+        if (cur != val) return cur;
+        cpu_relax();
+        if ((i & 63) == 63) { /* read the clock rarely: it costs ~20 ns */
+            long t = now_ns();
+            if (deadline == 0) deadline = t + p->spin_ns;
+            else if (t > deadline) return val;
+        }
+    }
+}
+
+/* ---- workers ----------------------------------------------------------------------------- */
+
+static uint32_t wait_new_generation(cf_pool *p, uint32_t seen) {
+    uint32_t g = spin_while_equal(p, &p->gen, seen);
+    if (g != seen) return g;
+    atomic_fetch_add(&p->sleepers, 1);
+    while ((g = atomic_load(&p->gen)) == seen) word_wait(p, &p->gen, seen);
+    atomic_fetch_sub(&p->sleepers, 1);
+    return g;
+}
+
+static void *worker_main(void *arg) {
+    worker_arg *a = (worker_arg *)arg;
+    cf_pool *p = a->pool;
+    uint32_t seen = 0;
+    for (;;) {
+        seen = wait_new_generation(p, seen);
+        if (atomic_load(&p->stop)) break;
+        p->fn(p->ctx, a->ith, p->n);
+        if (atomic_fetch_sub(&p->pending, 1) == 1 && atomic_load(&p->caller_sleeping))
+            word_wake(p, &p->pending, 1);
+    }
+    return NULL;
+}
+
+/* The caller's side: spin until every worker has counted down, then sleep until the last one
+ * (which sees caller_sleeping) wakes us. A futex_wait on a stale count returns at once. */
+static void wait_all_done(cf_pool *p) {
+    long deadline = 0;
+    for (unsigned i = 0;; i++) {
+        if (atomic_load_explicit(&p->pending, memory_order_acquire) == 0) return;
+        cpu_relax();
+        if ((i & 63) == 63) {
+            long t = now_ns();
+            if (deadline == 0) deadline = t + p->spin_ns;
+            else if (t > deadline) break;
+        }
+    }
+    atomic_store(&p->caller_sleeping, 1);
+    uint32_t left;
+    while ((left = atomic_load(&p->pending)) != 0) word_wait(p, &p->pending, left);
+    atomic_store(&p->caller_sleeping, 0);
+}
+
+/* ---- public API -------------------------------------------------------------------------- */
+
+static long spin_budget_ns(void) {
+    const char *env = getenv("CFLOW_SPIN_US");
+    long us = env && *env ? atol(env) : DEFAULT_SPIN_US;
+    return (us < 0 ? 0 : us) * 1000L;
+}
+
+cf_pool *cf_pool_create(int n_threads) {
+    if (n_threads < 1) n_threads = 1;
+    cf_pool *p = NULL;
+    if (posix_memalign((void **)&p, CACHE_LINE, sizeof *p) != 0) return NULL;
+    memset(p, 0, sizeof *p);
+    p->n = n_threads;
+    p->spin_ns = spin_budget_ns();
+#ifndef __linux__
+    pthread_mutex_init(&p->mu, NULL);
+    pthread_cond_init(&p->cv, NULL);
+#endif
+    int nw = n_threads - 1;
+    p->threads = calloc((size_t)(nw > 0 ? nw : 1), sizeof *p->threads);
+    p->args = calloc((size_t)(nw > 0 ? nw : 1), sizeof *p->args);
+    if (!p->threads || !p->args) {
+        free(p->threads);
+        free(p->args);
+        free(p);
+        return NULL;
+    }
+    for (int i = 0; i < nw; i++) {
+        p->args[i] = (worker_arg){p, i + 1};
+        if (pthread_create(&p->threads[i], NULL, worker_main, &p->args[i]) != 0) {
+            p->n = i + 1; /* shut down the workers that did start */
+            cf_pool_free(p);
+            return NULL;
+        }
+    }
+    return p;
+}
+
+void cf_pool_free(cf_pool *p) {
+    if (!p) return;
+    atomic_store(&p->stop, 1);
+    atomic_fetch_add(&p->gen, 1);
+    word_wake(p, &p->gen, INT_MAX);
+    for (int i = 0; i < p->n - 1; i++) pthread_join(p->threads[i], NULL);
+#ifndef __linux__
+    pthread_mutex_destroy(&p->mu);
+    pthread_cond_destroy(&p->cv);
+#endif
+    free(p->threads);
+    free(p->args);
+    free(p);
+}
+
+int cf_pool_size(const cf_pool *p) { return p->n; }
+
+void cf_pool_run(cf_pool *p, cf_task_fn fn, void *ctx) {
+    if (p->n == 1) {
+        fn(ctx, 0, 1);
+        return;
+    }
+    p->fn = fn;
+    p->ctx = ctx;
+    atomic_store(&p->pending, (uint32_t)(p->n - 1));
+    atomic_fetch_add(&p->gen, 1); /* publishes fn, ctx, pending */
+    if (atomic_load(&p->sleepers) > 0) word_wake(p, &p->gen, INT_MAX);
+    fn(ctx, 0, p->n);
+    wait_all_done(p);
+}

@@ -1,0 +1,131 @@
+"""The per-token plan: which nodes of one decode step run when, and through which buffers.
+
+Owns the delay semantics on the runtime side. `build_plan(cfg)` compiles a config into a short
+list of ops that the C engine (native/engine.c) executes for every token; the engine itself knows
+nothing of delta_dense, delta_expert or moe_input, so this file and `cflow.model.ReferenceDecoder`
+are the two statements of SPEC §3 that the tests hold against each other.
+
+Buffers the ops name (all float32, one row per token of the call):
+
+    ring[H]      residual history, H = cfg.history_depth = max(dd, de) + 1; x_l lives in
+                 ring[l % H]. Layer l's dense FFN reads x_{l+1-dd} (clamped to x_0), at most
+                 dd layers old, and writing x_{l+1} evicts x_{l+1-H}, which nobody reads again.
+    h, f         h_l = x_l + attention, f_l = dense FFN output (of the layer being run)
+    pending[P+1] expert outputs waiting for their target layer t = l + de: slot t % P with
+                 P = de + 1 (a slot is consumed by layer t and then reused by target t + P);
+                 slot P collects outputs whose target is past the last layer ("late", added
+                 before the final norm).
+
+Ops (engine.h has the encoding):
+
+    embed            ring[0] = tok_emb[token]
+    attn(l)          h = x_l + Attn_l(norm(x_l))
+    dense(l)         f = FFN_l(norm(h or x_{l+1-dd}))
+    route(l)         moe_in = norm(h or h + f); choose the top-k experts
+    experts(l)       pending[slot(l + de)] += sum_k w_k expert_k(moe_in)
+    resid(l)         x_{l+1} = h + f + pending[l % P]; that slot is cleared
+    final            logits = lm_head(norm(x_L + pending[late]))
+
+The ops run in list order. Each op that reads weights is one node of `cflow.dag` (same names:
+"L3.attn", "L3.dense", "L3.router", "L3.experts", "embed", "lm_head"), and `Plan.stages` is
+`dag.schedule(cfg)`: nodes in one stage do not depend on each other. The C engine today runs
+one op at a time with all threads on each mat-vec (on few cores that already keeps the memory
+bus busy); running a stage's nodes side by side, or starting disk reads of the experts chosen
+by route(l) while attn(l+1).. run, needs only per-node h/f buffers and is what `stages` and the
+separate route/experts ops are for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from cflow.config import ModelConfig
+
+# Op kinds and operand codes; the numbers are the contract with native/engine.h.
+OP_KINDS = ("embed", "attn", "dense", "route", "experts", "resid", "final")
+OP_FIELDS = 5
+SRC_H, SRC_RING, SRC_HF = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class Op:
+    """One step of the plan. `a`, `b`, `c` are buffer operands, meaning per kind (see module doc)."""
+
+    kind: str
+    layer: int = 0
+    a: int = 0
+    b: int = 0
+    c: int = 0
+
+    @property
+    def node(self) -> str | None:
+        """The cflow.dag node this op realises (None for the residual update)."""
+        return {"embed": "embed", "final": "lm_head", "resid": None, "route": f"L{self.layer}.router"}.get(
+            self.kind, f"L{self.layer}.{self.kind}")
+
+    def describe(self) -> str:
+        a, b, c, l = self.a, self.b, self.c, self.layer
+        src = {SRC_H: "h", SRC_RING: f"ring[{b}]", SRC_HF: "h+f"}
+        if self.kind == "embed":
+            return f"ring[{a}] = tok_emb[token]"
+        if self.kind == "attn":
+            return f"h = ring[{a}] + attn{l}(norm(ring[{a}]))"
+        if self.kind == "dense":
+            return f"f = ffn{l}(norm({src[a]}))"
+        if self.kind == "route":
+            return f"moe_in = norm({src[a]}); top-k of router{l}"
+        if self.kind == "experts":
+            return f"pending[{a}] += experts{l}(moe_in)"
+        if self.kind == "resid":
+            parts = ["h"] + (["f"] if b else []) + ([f"pending[{c}]"] if c >= 0 else [])
+            return f"ring[{a}] = {' + '.join(parts)}" + (f"; pending[{c}] = 0" if c >= 0 else "")
+        return f"logits = lm_head(norm(ring[{a}]" + (f" + pending[{b}]" if b >= 0 else "") + "))"
+
+
+@dataclass(frozen=True)
+class Plan:
+    ops: tuple[Op, ...]
+    n_ring: int
+    n_pending: int
+    stages: tuple[tuple[str, ...], ...]  # cflow.dag.schedule(cfg): independent nodes per stage
+
+    def encode(self) -> np.ndarray:
+        """int32 [n_ops, OP_FIELDS]: the array the C engine takes."""
+        rows = [(OP_KINDS.index(o.kind), o.layer, o.a, o.b, o.c) for o in self.ops]
+        return np.ascontiguousarray(np.array(rows, dtype=np.int32).reshape(-1, OP_FIELDS))
+
+    def describe(self) -> str:
+        """One line per op, e.g. for `cflow analyze` or a failing test."""
+        return "\n".join(f"{i:4d}  {o.kind:<8} {o.describe()}" for i, o in enumerate(self.ops))
+
+
+def build_plan(cfg: ModelConfig) -> Plan:
+    """The op list for one forward pass of `cfg` (see the module docstring)."""
+    L, dd, de = cfg.n_layers, cfg.delta_dense, cfg.delta_expert
+    H = cfg.history_depth
+    P = de + 1
+    late = P
+    ops = [Op("embed", 0, 0)]
+    for l in range(L):
+        ops.append(Op("attn", l, l % H))
+        if cfg.has_dense:
+            if dd == 0:
+                ops.append(Op("dense", l, SRC_H))
+            else:
+                ops.append(Op("dense", l, SRC_RING, max(l + 1 - dd, 0) % H))
+        if cfg.has_moe:
+            post_dense = cfg.moe_input == "post_dense" and cfg.has_dense
+            ops.append(Op("route", l, SRC_HF if post_dense else SRC_H))
+            target = l + de
+            ops.append(Op("experts", l, target % P if target < L else late))
+        ops.append(Op("resid", l, (l + 1) % H, int(cfg.has_dense), l % P if cfg.has_moe else -1))
+    ops.append(Op("final", L - 1, L % H, late if cfg.has_moe else -1))
+    return Plan(tuple(ops), H, P + 1 if cfg.has_moe else 0, _stages(cfg))
+
+
+def _stages(cfg: ModelConfig) -> tuple[tuple[str, ...], ...]:
+    from cflow import dag
+
+    return tuple(tuple(s) for s in dag.schedule(cfg))

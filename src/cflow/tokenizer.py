@@ -1,0 +1,474 @@
+"""The runtime tokenizer: byte-level BPE and chat templates, rebuilt from a `.cflow` header.
+
+Owns the tokenizer dict of the file header (docs/DESIGN.md) and everything done with it at run
+time: encode, decode, streaming detokenization, and chat-template rendering. No torch and no
+transformers here; the BPE itself runs in HF `tokenizers` (a runtime dependency), which we build
+from the vocabulary and merges so the file stays self-contained.
+
+Choices:
+- The pre-tokenizer (how text is cut into words before BPE) is not part of the vocabulary; GGUF
+  names it in `tokenizer.ggml.pre` and we keep that name in the header (`pre`). `PRE_TOKENIZERS`
+  maps names to llama.cpp's regex splits (llama-vocab.cpp); an unknown name is an error rather
+  than a silent GPT-2 fallback, because a wrong split gives plausible-looking but wrong ids.
+- Special tokens are "added tokens": matched whole in the input before BPE, never split.
+- Decoding works on bytes: each id maps to the bytes it stands for, so the streaming
+  detokenizer can hold back an incomplete UTF-8 sequence until the token that completes it.
+- Chat templates are Jinja, rendered in a sandbox with the globals HF templates expect.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+import os
+from datetime import datetime
+from functools import lru_cache
+from typing import Any, Iterable, Iterator
+
+from cflow.errors import CflowError
+
+
+class TokenizerError(CflowError, ValueError):
+    """A tokenizer description is malformed or uses a feature cflow does not support."""
+
+
+class ChatTemplateError(CflowError, ValueError):
+    """A chat template failed to render (bad messages, or the template raised)."""
+
+
+# ---- byte-level spelling ---------------------------------------------------------------------
+@lru_cache(maxsize=1)
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map (every byte gets a visible char)."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
+        + list(range(ord("®"), ord("ÿ") + 1))
+    chars = keep[:]
+    n = 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            chars.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(keep, chars)}
+
+
+@lru_cache(maxsize=1)
+def unicode_to_bytes() -> dict[str, int]:
+    return {c: b for b, c in bytes_to_unicode().items()}
+
+
+def byte_level_spelling(token: str) -> str:
+    """`token` in the byte-level alphabet: unchanged if it already is, else its UTF-8 bytes spelled.
+
+    Some GGUF writers store a few tokens as raw text (e.g. a token of real spaces); BPE needs
+    every ordinary token spelled in the byte alphabet or its merges can never produce it.
+    """
+    alphabet = unicode_to_bytes()
+    if all(c in alphabet for c in token):
+        return token
+    table = bytes_to_unicode()
+    return "".join(table[b] for b in token.encode("utf-8"))
+
+
+# ---- pre-tokenizers --------------------------------------------------------------------------
+# llama.cpp's splits (src/llama-vocab.cpp), keyed by the `tokenizer.ggml.pre` names that use them.
+_GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+PRE_TOKENIZERS: dict[str, str] = {
+    # name -> kind; kinds are built in _pre_tokenizer()
+    "default": "gpt2", "gpt2": "gpt2", "gpt-2": "gpt2", "mpt": "gpt2", "olmo": "gpt2", "jais": "gpt2",
+    # each digit is its own word, then GPT-2's split (SmolLM2's tokenizer.json: Digits + ByteLevel)
+    "smollm": "digits", "starcoder": "digits", "refact": "digits", "command-r": "digits",
+    "codeshell": "digits", "exaone": "digits", "minerva": "digits",
+    "llama3": "llama3", "llama-v3": "llama3", "llama-bpe": "llama3", "falcon3": "llama3",
+    "dbrx": "llama3", "smaug-bpe": "llama3", "pixtral": "llama3",
+    "qwen2": "qwen2", "stablelm2": "qwen2", "deepseek-r1-qwen": "qwen2",
+}
+
+
+def _pre_tokenizer(pre: str | None):
+    from tokenizers import Regex, pre_tokenizers as pt
+
+    kind = PRE_TOKENIZERS.get(pre or "default")
+    if kind is None:
+        raise TokenizerError(
+            f"unsupported pre-tokenizer {pre!r}; supported: {sorted(PRE_TOKENIZERS)}. "
+            "Add its regex split to cflow.tokenizer.PRE_TOKENIZERS (see llama.cpp's llama-vocab.cpp).")
+    if kind == "gpt2":
+        return pt.ByteLevel(add_prefix_space=False, use_regex=True)
+    if kind == "digits":
+        return pt.Sequence([pt.Digits(individual_digits=True),
+                            pt.ByteLevel(add_prefix_space=False, use_regex=True)])
+    regex = _LLAMA3_REGEX if kind == "llama3" else _QWEN2_REGEX
+    return pt.Sequence([pt.Split(Regex(regex), behavior="isolated"),
+                        pt.ByteLevel(add_prefix_space=False, use_regex=False)])
+
+
+# ---- chat templates --------------------------------------------------------------------------
+# Used when the file carries no template: plain ChatML, as HF transformers used to default to.
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+# Tokens that end a turn in common chat formats; generation stops on them as well as on EOS.
+_END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
+
+
+def _raise_exception(message: str) -> None:
+    from jinja2.exceptions import TemplateError
+
+    raise TemplateError(message)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    # Jinja's own tojson escapes HTML characters, which changes prompts; HF overrides it like this.
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+@lru_cache(maxsize=16)
+def _compile_template(source: str):
+    from jinja2 import TemplateError
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    try:
+        return env.from_string(source)
+    except TemplateError as e:
+        raise ChatTemplateError(f"the chat template does not compile: {e}") from None
+
+
+# ---- the tokenizer ---------------------------------------------------------------------------
+class Tokenizer:
+    """Byte-level BPE built from a header dict (see docs/DESIGN.md).
+
+    >>> tok = Tokenizer(cflow_file.tokenizer)
+    >>> ids = tok.encode("Hello")            # list[int]
+    >>> tok.decode(ids)                      # "Hello"
+    """
+
+    def __init__(self, header: dict[str, Any]):
+        self.header = _validated(header)
+        h = self.header
+        self.vocab: list[str] = h["vocab"]
+        self.merges: list[str] = h["merges"]
+        self.bos_id: int | None = h["bos_id"]
+        self.eos_id: int | None = h["eos_id"]
+        self.add_bos: bool = h["add_bos"]
+        self.chat_template: str | None = h["chat_template"]
+        self.special: dict[str, int] = h["special"]
+        self.added: dict[str, int] = h.get("added") or {}
+        self.pre: str | None = h["pre"]
+        self._special_ids = frozenset(self.special.values())
+        self._bytes = self._token_bytes()
+        self._tk = self._build()
+
+    # ---- construction ------------------------------------------------------------------------
+    def _build(self):
+        from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models
+
+        vocab = {tok: i for i, tok in enumerate(self.vocab)}
+        merges = [_split_merge(m) for m in self.merges]
+        # llama.cpp's llama3 vocabularies look a whole word up before merging (ignore_merges).
+        whole_words = PRE_TOKENIZERS.get(self.pre or "default") == "llama3"
+        tk = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False,
+                                    ignore_merges=whole_words))
+        tk.pre_tokenizer = _pre_tokenizer(self.pre)
+        tk.decoder = decoders.ByteLevel()
+        # Added tokens are matched whole in the raw text, longest first, before any splitting.
+        tk.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in self.special])
+        if self.added:
+            tk.add_tokens([AddedToken(t, normalized=False, special=False) for t in self.added])
+        return tk
+
+    def _token_bytes(self) -> list[bytes]:
+        """The bytes each id decodes to: specials and added tokens as their text, others un-spelled."""
+        inv = unicode_to_bytes()
+        literal = {i: t for t, i in {**self.special, **self.added}.items()}
+        out = []
+        for i, tok in enumerate(self.vocab):
+            if i in literal:
+                out.append(literal[i].encode("utf-8"))
+            elif all(c in inv for c in tok):
+                out.append(bytes(inv[c] for c in tok))
+            else:
+                out.append(tok.encode("utf-8"))  # not byte-level spelled: take it literally
+        return out
+
+    @classmethod
+    def from_header(cls, header: dict[str, Any]) -> "Tokenizer":
+        return cls(header)
+
+    @classmethod
+    def from_hf_json(cls, path_or_str: str | os.PathLike, *, chat_template: str | None = None,
+                     bos: str | None = None, eos: str | None = None) -> "Tokenizer":
+        """A tokenizer saved by HF `tokenizers` (our trained byte-level BPE `tokenizer.json`).
+
+        `bos`/`eos` name the tokens when the JSON alone does not say (it has no such fields);
+        otherwise BOS comes from a post-processor that prepends a special token, and EOS from the
+        usual names.
+        """
+        return cls(hf_json_to_header(path_or_str, chat_template=chat_template, bos=bos, eos=eos))
+
+    def to_header(self) -> dict[str, Any]:
+        return dict(self.header)
+
+    # ---- properties --------------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return len(self.vocab)
+
+    @property
+    def stop_ids(self) -> frozenset[int]:
+        """Ids that end generation: EOS plus the end-of-turn specials the vocabulary has."""
+        ids = {self.special[t] for t in _END_OF_TURN if t in self.special}
+        if self.eos_id is not None:
+            ids.add(self.eos_id)
+        return frozenset(ids)
+
+    def is_special(self, token_id: int) -> bool:
+        return token_id in self._special_ids
+
+    # ---- encode / decode ---------------------------------------------------------------------
+    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        """Token ids of `text`; special tokens written in the text become their ids."""
+        if not isinstance(text, str):
+            raise TokenizerError(f"encode() takes a str, got {type(text).__name__}")
+        ids = self._tk.encode(text, add_special_tokens=False).ids
+        if (self.add_bos if add_bos is None else add_bos):
+            if self.bos_id is None:
+                raise TokenizerError("add_bos was requested but this tokenizer has no BOS token")
+            ids = [self.bos_id] + ids
+        return ids
+
+    def token_to_bytes(self, token_id: int) -> bytes:
+        self._check_id(token_id)
+        return self._bytes[token_id]
+
+    def token_to_piece(self, token_id: int) -> str:
+        """The text of one token; a piece that is part of a multi-byte character shows as U+FFFD."""
+        return self.token_to_bytes(token_id).decode("utf-8", errors="replace")
+
+    def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
+        parts = []
+        for i in ids:
+            self._check_id(i)
+            if not (skip_special and i in self._special_ids):
+                parts.append(self._bytes[i])
+        return b"".join(parts).decode("utf-8", errors="replace")
+
+    def decode_stream(self, ids: Iterable[int], skip_special: bool = False) -> Iterator[str]:
+        """Yield text as the ids arrive, each piece only once its UTF-8 characters are complete."""
+        stream = self.stream(skip_special=skip_special)
+        for i in ids:
+            text = stream.put(i)
+            if text:
+                yield text
+        tail = stream.flush()
+        if tail:
+            yield tail
+
+    def stream(self, skip_special: bool = False) -> "StreamDecoder":
+        return StreamDecoder(self, skip_special=skip_special)
+
+    def _check_id(self, token_id: int) -> None:
+        if not 0 <= token_id < len(self._bytes):
+            raise TokenizerError(f"token id {token_id} is outside the vocabulary (size {len(self._bytes)})")
+
+    # ---- chat --------------------------------------------------------------------------------
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tokenize: bool = False, **kwargs: Any) -> str | list[int]:
+        """Render `messages` with the file's chat template (ChatML when it has none).
+
+        Extra keyword arguments reach the template as variables (e.g. `tools=`). With
+        `tokenize=True` returns ids; no BOS is added because templates write their own.
+        """
+        _check_messages(messages)
+        template = _compile_template(self.chat_template or DEFAULT_CHAT_TEMPLATE)
+        names = {"bos_token": self.bos_id, "eos_token": self.eos_id}
+        variables = {k: (self.vocab[v] if v is not None else "") for k, v in names.items()}
+        variables.update(kwargs)
+        from jinja2 import TemplateError
+
+        try:
+            text = template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                   **variables)
+        except TemplateError as e:
+            raise ChatTemplateError(f"the chat template refused these messages: {e}") from None
+        return self.encode(text, add_bos=False) if tokenize else text
+
+
+class StreamDecoder:
+    """Incremental detokenizer: `put(id)` returns the newly completed text ('' while a character
+    is still incomplete); `flush()` returns what is left, invalid bytes as U+FFFD.
+
+    Concatenating every `put` and the final `flush` equals `Tokenizer.decode` of the same ids.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special: bool = False):
+        self._tok = tokenizer
+        self._skip = skip_special
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def put(self, token_id: int) -> str:
+        if self._skip and self._tok.is_special(token_id):
+            return ""
+        return self._utf8.decode(self._tok.token_to_bytes(token_id))
+
+    def flush(self) -> str:
+        return self._utf8.decode(b"", final=True)
+
+
+# ---- header validation and HF JSON import ----------------------------------------------------
+_HEADER_KEYS = ("model", "vocab", "merges", "bos_id", "eos_id", "add_bos", "chat_template", "special", "pre")
+
+
+def _validated(h: Any) -> dict[str, Any]:
+    if not isinstance(h, dict):
+        raise TokenizerError("the tokenizer header must be a JSON object; re-convert the model")
+    missing = [k for k in _HEADER_KEYS if k not in h]
+    if missing:
+        raise TokenizerError(f"the tokenizer header lacks {missing}; re-convert the model with this cflow")
+    if h["model"] != "bpe":
+        raise TokenizerError(f"tokenizer model {h['model']!r} is not supported; only byte-level 'bpe' is")
+    vocab, merges = h["vocab"], h["merges"]
+    if not (isinstance(vocab, list) and vocab and all(isinstance(t, str) for t in vocab)):
+        raise TokenizerError("tokenizer 'vocab' must be a non-empty list of strings")
+    if not (isinstance(merges, list) and all(isinstance(m, str) for m in merges)):
+        raise TokenizerError("tokenizer 'merges' must be a list of 'left right' strings")
+    n = len(vocab)
+    for key in ("bos_id", "eos_id"):
+        v = h[key]
+        if v is not None and not (isinstance(v, int) and 0 <= v < n):
+            raise TokenizerError(f"tokenizer {key} {v!r} is not a token id (vocabulary size {n})")
+    for key in ("special", "added"):
+        table = h.get(key) or {}
+        if not isinstance(table, dict):
+            raise TokenizerError(f"tokenizer {key!r} must map token text to id")
+        for t, i in table.items():
+            if not (isinstance(i, int) and 0 <= i < n and vocab[i] == t):
+                raise TokenizerError(f"tokenizer {key} token {t!r} -> {i!r} does not match the vocabulary")
+    if h["chat_template"] is not None and not isinstance(h["chat_template"], str):
+        raise TokenizerError("tokenizer 'chat_template' must be a string or null")
+    return h
+
+
+def _split_merge(m: str) -> tuple[str, str]:
+    parts = m.split(" ")
+    if len(parts) != 2 or not all(parts):
+        raise TokenizerError(f"merge {m!r} is not two tokens separated by one space")
+    return parts[0], parts[1]
+
+
+_BOS_NAMES = ("<|begin_of_text|>", "<s>", "<|bos|>", "<bos>")
+_EOS_NAMES = ("<|end_of_text|>", "</s>", "<|eos|>", "<eos>", "<|endoftext|>", "<|im_end|>")
+
+
+def _pre_name_of_hf(pre: dict | None) -> str:
+    """Which PRE_TOKENIZERS entry an HF pre_tokenizer JSON is, or TokenizerError."""
+    def is_bytelevel(p: dict, use_regex: bool) -> bool:
+        return (p.get("type") == "ByteLevel" and not p.get("add_prefix_space", False)
+                and bool(p.get("use_regex", True)) == use_regex)
+
+    if pre and is_bytelevel(pre, True):
+        return "gpt2"
+    if pre and pre.get("type") == "Sequence":
+        seq = pre.get("pretokenizers", [])
+        if (len(seq) == 2 and seq[0] == {"type": "Digits", "individual_digits": True}
+                and is_bytelevel(seq[1], True)):
+            return "smollm"
+        if len(seq) == 2 and seq[0].get("type") == "Split" and is_bytelevel(seq[1], False):
+            regex = seq[0].get("pattern", {}).get("Regex")
+            for name, r in (("llama3", _LLAMA3_REGEX), ("qwen2", _QWEN2_REGEX)):
+                if regex == r:
+                    return name
+    raise TokenizerError(
+        f"tokenizer.json uses a pre-tokenizer cflow cannot reproduce: {json.dumps(pre)[:200]}; "
+        "train it with tokenizers' ByteLevel(add_prefix_space=False)")
+
+
+def hf_json_to_header(path_or_str: str | os.PathLike, *, chat_template: str | None = None,
+                      bos: str | None = None, eos: str | None = None) -> dict[str, Any]:
+    """Header dict of an HF `tokenizers` byte-level BPE JSON (a path, or the JSON text itself)."""
+    text = str(path_or_str)
+    if not text.lstrip().startswith("{"):
+        try:
+            with open(text, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as e:
+            raise TokenizerError(f"cannot read tokenizer JSON {path_or_str}: {e.strerror}") from None
+    try:
+        j = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise TokenizerError(f"tokenizer JSON is not valid JSON: {e}") from None
+    model = j.get("model") or {}
+    if model.get("type") != "BPE":
+        raise TokenizerError(f"tokenizer.json model is {model.get('type')!r}; cflow supports byte-level BPE")
+    if (j.get("decoder") or {}).get("type") != "ByteLevel":
+        raise TokenizerError("tokenizer.json is not byte-level (its decoder is not ByteLevel)")
+    by_id = {i: t for t, i in model["vocab"].items()}
+    for a in j.get("added_tokens", []):
+        by_id[a["id"]] = a["content"]
+    n = len(by_id)
+    if sorted(by_id) != list(range(n)):
+        raise TokenizerError("tokenizer.json ids are not 0..n-1 without gaps")
+    vocab = [by_id[i] for i in range(n)]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    special = {a["content"]: a["id"] for a in j.get("added_tokens", []) if a.get("special")}
+    added = {a["content"]: a["id"] for a in j.get("added_tokens", []) if not a.get("special")}
+
+    bos_id = _bos_from_post_processor(j.get("post_processor"), special)
+    add_bos = bos_id is not None
+    if bos is not None:
+        bos_id = _named_id(bos, special, "bos")
+    elif bos_id is None:
+        bos_id = next((special[t] for t in _BOS_NAMES if t in special), None)
+    eos_id = (_named_id(eos, special, "eos") if eos is not None
+              else next((special[t] for t in _EOS_NAMES if t in special), None))
+    header = {"model": "bpe", "vocab": vocab, "merges": merges, "bos_id": bos_id, "eos_id": eos_id,
+              "add_bos": add_bos, "chat_template": chat_template, "special": special,
+              "pre": _pre_name_of_hf(j.get("pre_tokenizer"))}
+    if added:
+        header["added"] = added
+    return header
+
+
+def _named_id(name: str, special: dict[str, int], what: str) -> int:
+    if name not in special:
+        raise TokenizerError(f"{what} token {name!r} is not a special token of this tokenizer; "
+                             f"special tokens: {sorted(special)}")
+    return special[name]
+
+
+def _bos_from_post_processor(pp: dict | None, special: dict[str, int]) -> int | None:
+    """The id a TemplateProcessing post-processor puts first, if it puts a special token first."""
+    if not pp or pp.get("type") != "TemplateProcessing" or not pp.get("single"):
+        return None
+    first = pp["single"][0]
+    tok = first.get("SpecialToken", {}).get("id")
+    return special.get(tok) if tok else None
+
+
+def _check_messages(messages: Any) -> None:
+    # Content may be absent (e.g. a tool call); the template decides what it needs.
+    if not isinstance(messages, list):
+        raise ChatTemplateError("messages must be a list of {'role': ..., 'content': ...} dicts")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or "role" not in m:
+            raise ChatTemplateError(f"message {i} must be a dict with a 'role', got {m!r}")

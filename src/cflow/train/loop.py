@@ -1,0 +1,533 @@
+"""The training loop: AdamW, warmup + cosine, MoE auxiliary losses, eval, checkpoints, exact resume, DDP.
+
+Owns `TrainConfig` (every knob of a run that is not the architecture) and `train()`.
+- Loss = cross-entropy + lb_weight * load_balance + z_weight * router_z (the model's aux dict).
+- AdamW with decoupled weight decay on matrices only: norms (1-D) and the token embedding are not
+  decayed, since pulling them to zero shrinks the residual stream rather than regularising.
+- Learning rate: linear warmup over `warmup` steps, cosine decay to `min_lr_ratio * lr` at the
+  last step; the rate is a pure function of the step, so the schedule's state is the step.
+- Exact resume: the checkpoint holds weights, optimizer moments, the sampler's generator state,
+  torch's RNG and the step, so N/2 + resume + N/2 steps reproduce N straight steps loss for loss
+  (same thread count; CPU kernels are deterministic for a fixed thread count).
+- DDP: under torchrun (RANK / WORLD_SIZE in the environment) the loop joins a gloo process
+  group and wraps the model in DistributedDataParallel. Every rank draws the same global batch
+  and trains on its own slice, so gradients equal a single process's on the global batch. One
+  exception: the load-balancing loss is computed per rank (it is a product of per-rank means),
+  as in most data-parallel MoE training. Rank 0 logs and saves; evaluation is split over ranks.
+
+The library never prints: progress=True shows a tqdm bar (rank 0), a callable receives events.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from cflow.config import ModelConfig
+from cflow.errors import CflowError
+from cflow.train import checkpoint as ckpt
+from cflow.train import data as tdata
+
+LOG_FIELDS = ("step", "tokens", "lr", "loss", "ce", "load_balance", "router_z", "grad_norm",
+              "val_loss", "val_ppl", "val_acc", "elapsed_s", "tok_per_s")
+# These decide which batches a run sees: a resumed run must keep them.
+RESUME_FIXED = ("batch_size", "seq_len", "seed", "data", "val_fraction")
+
+
+class TrainError(CflowError):
+    """A training run is misconfigured (bad settings, resume mismatch, occupied output dir)."""
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 2000  # optimizer steps (ignored when tokens > 0)
+    tokens: int = 0  # token budget; > 0 sets steps = ceil(tokens / (batch_size * seq_len))
+    batch_size: int = 16  # global sequences per step, split across DDP ranks
+    seq_len: int = 256
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.1
+    warmup: int = 100
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0  # 0: no clipping
+    lb_weight: float = 0.01  # MoE load-balancing loss weight
+    z_weight: float = 0.001  # router z-loss weight
+    eval_every: int = 200  # 0: evaluate only at the end
+    eval_windows: int = 64  # validation windows (of seq_len tokens) per evaluation
+    save_every: int = 0  # 0: save only at the end (and when stopped early)
+    log_every: int = 10
+    seed: int = 1337
+    data: str | None = None  # None: shipped corpus; a .txt/.jsonl path; "tinystories[:N]"
+    val_fraction: float = tdata.DEFAULT_VAL_FRACTION
+    vocab_size: int = 0  # tokenizer vocabulary to train; 0: the model config's vocab_size
+    threads: int = 0  # torch threads per process; 0: CPU cores / local processes
+    cache_dir: str | None = None  # token and tokenizer cache; None: $CFLOW_CACHE or ~/.cache/cflow
+
+    def __post_init__(self) -> None:
+        def need(cond: bool, msg: str) -> None:
+            if not cond:
+                raise TrainError(msg)
+
+        need(self.steps > 0 or self.tokens > 0, f"steps must be positive, got {self.steps}")
+        need(self.tokens >= 0, f"tokens must be >= 0, got {self.tokens}")
+        need(self.batch_size > 0 and self.seq_len > 0, "batch_size and seq_len must be positive")
+        need(self.lr > 0 and 0 <= self.min_lr_ratio <= 1, "lr must be positive and min_lr_ratio in [0, 1]")
+        need(self.warmup >= 0 and self.weight_decay >= 0 and self.grad_clip >= 0,
+             "warmup, weight_decay and grad_clip must be >= 0")
+        need(self.lb_weight >= 0 and self.z_weight >= 0, "lb_weight and z_weight must be >= 0")
+        need(min(self.eval_every, self.save_every, self.threads) >= 0 and self.log_every > 0,
+             "eval_every, save_every and threads must be >= 0, log_every positive")
+        need(self.eval_windows > 0, "eval_windows must be positive")
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.seq_len
+
+    @property
+    def total_steps(self) -> int:
+        return math.ceil(self.tokens / self.tokens_per_step) if self.tokens > 0 else self.steps
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "TrainConfig":
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+@dataclass
+class TrainResult:
+    model: torch.nn.Module  # the trained module (unwrapped from DDP)
+    config: ModelConfig  # with vocab_size set to the tokenizer's
+    history: list[dict[str, float]]  # one row per step run in this call
+    evals: list[dict[str, float]]  # one row per evaluation
+    n_params: int
+    steps: int  # global step reached
+    tokens_seen: int
+    elapsed_s: float  # training time, summed over resumed segments
+    out_dir: Path | None = None
+    tokenizer_json: str = ""
+    rank: int = 0
+    world_size: int = 1
+
+
+# ---- schedule and optimizer ------------------------------------------------------------------
+def lr_at(step: int, tc: TrainConfig) -> float:
+    """Learning rate for the update made at 0-based `step`."""
+    total = tc.total_steps
+    if step < tc.warmup:
+        return tc.lr * (step + 1) / tc.warmup
+    min_lr = tc.lr * tc.min_lr_ratio
+    frac = min(1.0, (step - tc.warmup) / max(1, total - 1 - tc.warmup))
+    return min_lr + 0.5 * (tc.lr - min_lr) * (1.0 + math.cos(math.pi * frac))
+
+
+def make_optimizer(model: torch.nn.Module, tc: TrainConfig) -> torch.optim.AdamW:
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        (no_decay if p.dim() < 2 or name.startswith("tok_emb") else decay).append(p)
+    groups = [{"params": decay, "weight_decay": tc.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=tc.lr, betas=(tc.beta1, tc.beta2), eps=1e-8)
+
+
+def compute_loss(net: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, tc: TrainConfig):
+    """x, y int64 [B, T] -> (loss, ce, load_balance, router_z); loss = ce + weighted aux terms."""
+    logits, aux = net(x)  # [B, T, V]
+    ce = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
+    lb = aux.get("load_balance", torch.zeros(()))
+    rz = aux.get("router_z", torch.zeros(()))
+    return ce + tc.lb_weight * lb + tc.z_weight * rz, ce, lb, rz
+
+
+def count_params(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())  # parameters() counts a tied tensor once
+
+
+# ---- distributed -----------------------------------------------------------------------------
+@dataclass
+class _Dist:
+    rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    owns_group: bool = False
+
+    @property
+    def active(self) -> bool:
+        return self.world_size > 1
+
+    def barrier(self) -> None:
+        if self.active:
+            torch.distributed.barrier()
+
+    def mean(self, values: list[float]) -> list[float]:
+        if not self.active:
+            return values
+        t = torch.tensor(values, dtype=torch.float64)
+        torch.distributed.all_reduce(t)
+        return (t / self.world_size).tolist()
+
+
+def _init_distributed() -> _Dist:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return _Dist()
+    import torch.distributed as dist
+
+    owns = False
+    if not dist.is_initialized():
+        # gloo: CPU training; torchrun sets MASTER_ADDR/PORT, RANK and WORLD_SIZE.
+        dist.init_process_group("gloo")
+        owns = True
+    return _Dist(dist.get_rank(), dist.get_world_size(),
+                 int(os.environ.get("LOCAL_WORLD_SIZE", str(world))), owns)
+
+
+def _set_threads(tc: TrainConfig, d: _Dist) -> None:
+    n = tc.threads or max(1, (os.cpu_count() or 1) // d.local_world_size)
+    torch.set_num_threads(n)
+
+
+# ---- data and tokenizer ----------------------------------------------------------------------
+def _rank0_first(d: _Dist, fn: Callable[[], Any]) -> Any:
+    """Run `fn` on rank 0, then on the others: it fills a cache the others then hit."""
+    if d.rank == 0:
+        out = fn()
+        d.barrier()
+    else:
+        d.barrier()
+        out = fn()
+    return out
+
+
+def _prepare(cfg: ModelConfig, tc: TrainConfig, d: _Dist, tokenizer_json: str | None, progress: bool):
+    from cflow.train import bpe
+
+    corpus = tdata.open_corpus(tc.data)
+    if tokenizer_json is not None:
+        tok = bpe.tokenizer_from_str(tokenizer_json)
+    else:
+        vocab = tc.vocab_size or cfg.vocab_size
+        tok = _rank0_first(d, lambda: tdata.get_tokenizer(corpus, vocab, cache_dir=tc.cache_dir,
+                                                          val_fraction=tc.val_fraction, progress=progress))
+    data = _rank0_first(d, lambda: tdata.prepare_data(corpus, tok, cache_dir=tc.cache_dir,
+                                                      val_fraction=tc.val_fraction))
+    return corpus, tok, data
+
+
+# ---- evaluation ------------------------------------------------------------------------------
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, tokens: np.ndarray, tc: TrainConfig, d: _Dist | None = None) -> dict[str, float]:
+    """Validation loss, perplexity and top-1 accuracy over fixed, evenly spread windows."""
+    d = d or _Dist()
+    starts = tdata.eval_windows(tokens, tc.seq_len, tc.eval_windows)
+    sums = torch.zeros(3, dtype=torch.float64)  # [loss_sum, correct, count]
+    was_training = model.training
+    model.eval()
+    for x, y in tdata.eval_batches(tokens, starts, tc.seq_len, max(1, tc.batch_size // d.world_size),
+                                   d.rank, d.world_size):
+        xt, yt = torch.from_numpy(x), torch.from_numpy(y)  # [b, T]
+        logits, _ = model(xt)  # [b, T, V]
+        flat = logits.float().reshape(-1, logits.size(-1))
+        sums[0] += F.cross_entropy(flat, yt.reshape(-1), reduction="sum").item()
+        sums[1] += (flat.argmax(-1) == yt.reshape(-1)).sum().item()
+        sums[2] += yt.numel()
+    model.train(was_training)
+    if d.active:
+        torch.distributed.all_reduce(sums)
+    loss = (sums[0] / sums[2]).item()
+    return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0)), "val_acc": (sums[1] / sums[2]).item()}
+
+
+# ---- logging ---------------------------------------------------------------------------------
+class _CsvLog:
+    """Append-only CSV log at DIR/train_log.csv (rank 0); checkpoints carry a copy."""
+
+    def __init__(self, path: Path, truncate_after_step: int | None) -> None:
+        self.path = path
+        if truncate_after_step is not None and path.is_file():
+            # Rows past the checkpoint came from a run that died after it: they will be redone.
+            with open(path, newline="") as f:
+                rows = [r for r in csv.DictReader(f) if int(r["step"]) <= truncate_after_step]
+            self._rewrite(rows)
+        elif truncate_after_step is None and path.is_file():
+            path.unlink()
+        self.f = None
+        self.open()
+
+    def _rewrite(self, rows: list[dict]) -> None:
+        with open(self.path, "w", newline="") as f:
+            w = csv.DictWriter(f, LOG_FIELDS)
+            w.writeheader()
+            w.writerows(rows)
+
+    def open(self) -> None:
+        new = not self.path.is_file()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.f = open(self.path, "a", newline="")
+        self.w = csv.DictWriter(self.f, LOG_FIELDS, extrasaction="ignore")
+        if new:
+            self.w.writeheader()
+
+    def write(self, row: dict) -> None:
+        self.w.writerow({k: _fmt(row.get(k)) for k in LOG_FIELDS})
+        self.f.flush()
+
+    def close(self) -> None:
+        if self.f:
+            self.f.close()
+            self.f = None
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    return str(v)
+
+
+class _Progress:
+    def __init__(self, progress: bool | Callable[[dict], None], total: int, initial: int, enabled: bool,
+                 desc: str = "") -> None:
+        self.cb = progress if callable(progress) else None
+        self.bar = None
+        if progress is True and enabled:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, desc=desc)
+        self.enabled = enabled
+
+    def __call__(self, event: dict) -> None:
+        if not self.enabled:
+            return
+        if self.cb:
+            self.cb(event)
+        if self.bar is not None:
+            if event["event"] == "step":
+                self.bar.update(1)
+                self.bar.set_postfix(loss=f"{event['loss']:.3f}", tok_s=f"{event['tok_per_s']:.0f}", refresh=False)
+            elif event["event"] == "eval":
+                self.bar.write(f"step {event['step']}: val loss {event['val_loss']:.4f} "
+                               f"ppl {event['val_ppl']:.2f} acc {event['val_acc']:.3f}")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+# ---- the loop --------------------------------------------------------------------------------
+def train(cfg: ModelConfig, tc: TrainConfig, *, out_dir: str | os.PathLike | None = None, resume: bool = False,
+          overwrite: bool = False, progress: bool | Callable[[dict], None] = False,
+          until_step: int | None = None, meta: dict[str, Any] | None = None) -> TrainResult:
+    """Train `cfg` as `tc` says; checkpoints go to `out_dir` (rank 0).
+
+    resume: continue the checkpoint in out_dir exactly. until_step: stop once this global step is
+    reached (the schedule still spans tc.total_steps) and save there, as an interrupted run would.
+    """
+    from cflow.model import Transformer
+
+    d = _init_distributed()
+    try:
+        _set_threads(tc, d)
+        out = Path(out_dir) if out_dir is not None else None
+        state, tok_json = _check_out_dir(out, resume, overwrite, cfg, tc)
+        corpus, tok, data = _prepare(cfg, tc, d, tok_json, progress is True and d.rank == 0)
+        cfg = cfg.replace(vocab_size=tok.get_vocab_size()) if cfg.vocab_size != tok.get_vocab_size() else cfg
+        if tc.seq_len > cfg.max_seq_len:
+            raise TrainError(f"seq_len {tc.seq_len} exceeds the model's max_seq_len {cfg.max_seq_len}; "
+                             f"pass --set max_seq_len={tc.seq_len} or a shorter --seq-len")
+        if state is not None:
+            _check_resume(state, cfg, tc, data, out)
+
+        torch.manual_seed(tc.seed)
+        model = Transformer(cfg)
+        opt = make_optimizer(model, tc)
+        sampler = tdata.BatchSampler(data.train, tc.batch_size, tc.seq_len, tc.seed, d.rank, d.world_size)
+        step, elapsed0 = 0, 0.0
+        if state is not None:
+            ckpt.load_weights(model, state["weights"])
+            opt.load_state_dict(state["optimizer"])
+            sampler.load_state_dict(state["sampler"])
+            torch.set_rng_state(state["rng"]["torch"])
+            step, elapsed0 = int(state["step"]), float(state.get("elapsed_s", 0.0))
+
+        run = _Run(cfg, tc, d, model, opt, sampler, data, out, tok.to_str(), corpus.name, meta or {},
+                   progress, step, elapsed0, resume)
+        return run.loop(until_step)
+    finally:
+        if d.owns_group:
+            torch.distributed.destroy_process_group()
+
+
+def _check_out_dir(out: Path | None, resume: bool, overwrite: bool, cfg: ModelConfig, tc: TrainConfig):
+    if out is None:
+        if resume:
+            raise TrainError("resume needs the checkpoint directory (--out DIR)")
+        return None, None
+    if resume:
+        c = ckpt.load_checkpoint(out)
+        state = dict(c.train_state)
+        state["weights"], state["config"] = c.weights, c.config
+        return state, c.tokenizer_json
+    if ckpt.is_checkpoint(out) and not overwrite:
+        raise TrainError(f"{out} already holds a checkpoint; pass --resume to continue it, --overwrite to "
+                         "replace it, or choose another --out")
+    return None, None
+
+
+def _check_resume(state: dict, cfg: ModelConfig, tc: TrainConfig, data: tdata.TokenData, out: Path) -> None:
+    saved_cfg: ModelConfig = state["config"]
+    if saved_cfg != cfg:
+        a, b = saved_cfg.to_dict(), cfg.to_dict()
+        diff = {k: (a[k], b[k]) for k in a if a[k] != b[k] and k != "name"}
+        raise TrainError(f"cannot resume {out}: the model config differs from the checkpoint's "
+                         f"(checkpoint, now): {diff}")
+    saved_tc = state.get("train_config", {})
+    diff = {k: (saved_tc.get(k), getattr(tc, k)) for k in RESUME_FIXED if saved_tc.get(k) != getattr(tc, k)}
+    if diff:
+        raise TrainError(f"cannot resume {out} exactly: these settings differ from the checkpoint's "
+                         f"(checkpoint, now): {diff}; keep them as they were")
+    if state.get("data_key") not in (None, data.key):
+        raise TrainError(f"cannot resume {out}: the training data (or its tokenization) changed since the "
+                         "checkpoint was written")
+
+
+class _Run:
+    """The state of one training call; methods are the loop's steps."""
+
+    def __init__(self, cfg, tc, d, model, opt, sampler, data, out, tok_json, data_name, meta, progress,
+                 step, elapsed0, resumed) -> None:
+        self.cfg, self.tc, self.d = cfg, tc, d
+        self.model, self.opt, self.sampler, self.data = model, opt, sampler, data
+        self.out, self.tok_json, self.data_name, self.meta = out, tok_json, data_name, meta
+        self.step, self.elapsed0 = step, elapsed0
+        self.n_params = count_params(model)
+        self.total = tc.total_steps
+        self.history: list[dict] = []
+        self.evals: list[dict] = []
+        self.last_eval: dict = {}
+        self.log = None
+        if out is not None and d.rank == 0:
+            self.log = _CsvLog(out / ckpt.LOG_NAME, step if resumed else None)
+        self.progress = _Progress(progress, self.total, step, d.rank == 0, desc=cfg.name)
+        if d.active:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            # cflow.model runs every expert, even on zero tokens, so every parameter gets a
+            # gradient each step and DDP need not search the graph for unused ones.
+            self.net = DDP(model)
+        else:
+            self.net = model
+
+    def loop(self, until_step: int | None) -> TrainResult:
+        stop = self.total if until_step is None else min(self.total, until_step)
+        t_start = time.perf_counter()
+        t_win, win_steps = t_start, 0
+        try:
+            while self.step < stop:
+                row = self.train_step()
+                win_steps += 1
+                now = time.perf_counter()
+                row["elapsed_s"] = self.elapsed0 + now - t_start
+                row["tok_per_s"] = win_steps * self.tc.tokens_per_step / max(now - t_win, 1e-9)
+                if self.step % self.tc.log_every == 0:
+                    t_win, win_steps = now, 0
+                if (self.tc.eval_every and self.step % self.tc.eval_every == 0) or self.step == self.total:
+                    row.update(self.run_eval())
+                self.history.append(row)
+                if self.log and (self.step % self.tc.log_every == 0 or "val_loss" in row or self.step == stop):
+                    self.log.write(row)
+                self.progress({"event": "step", **row})
+                if self.out is not None and ((self.tc.save_every and self.step % self.tc.save_every == 0)
+                                             or self.step == stop):
+                    self.save(self.elapsed0 + time.perf_counter() - t_start)
+        finally:
+            self.progress.close()
+            if self.log:
+                self.log.close()
+        return TrainResult(self.model, self.cfg, self.history, self.evals, self.n_params, self.step,
+                           self.step * self.tc.tokens_per_step, self.elapsed0 + time.perf_counter() - t_start,
+                           self.out, self.tok_json, self.d.rank, self.d.world_size)
+
+    def train_step(self) -> dict:
+        tc = self.tc
+        lr = lr_at(self.step, tc)
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        x, y = self.sampler.next()
+        loss, ce, lb, rz = compute_loss(self.net, torch.from_numpy(x), torch.from_numpy(y), tc)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if tc.grad_clip > 0:
+            gnorm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), tc.grad_clip))
+        else:
+            gnorm = float(torch.linalg.vector_norm(torch.stack(
+                [p.grad.norm() for p in self.model.parameters() if p.grad is not None])))
+        self.opt.step()
+        self.step += 1
+        loss_v, ce_v, lb_v, rz_v = self.d.mean([loss.item(), ce.item(), lb.detach().item(), rz.detach().item()])
+        return {"step": self.step, "tokens": self.step * tc.tokens_per_step, "lr": lr, "loss": loss_v,
+                "ce": ce_v, "load_balance": lb_v, "router_z": rz_v, "grad_norm": gnorm}
+
+    def run_eval(self) -> dict:
+        m = evaluate(self.model, self.data.val, self.tc, self.d)
+        self.last_eval = {"step": self.step, "tokens": self.step * self.tc.tokens_per_step, **m}
+        self.evals.append(self.last_eval)
+        self.progress({"event": "eval", **self.last_eval})
+        return m
+
+    def save(self, elapsed: float) -> None:
+        if self.d.rank == 0:
+            state = {
+                "step": self.step,
+                "tokens_seen": self.step * self.tc.tokens_per_step,
+                "optimizer": self.opt.state_dict(),
+                "schedule": {"kind": "warmup_cosine", "step": self.step, "total_steps": self.total},
+                "rng": {"torch": torch.get_rng_state()},
+                "sampler": self.sampler.state_dict(),
+                "train_config": self.tc.to_dict(),
+                "data_key": self.data.key,
+                "world_size": self.d.world_size,
+                "elapsed_s": elapsed,
+            }
+            meta = {
+                **self.meta,
+                "preset": self.cfg.name,
+                "step": self.step,
+                "total_steps": self.total,
+                "tokens_seen": self.step * self.tc.tokens_per_step,
+                "params": self.n_params,
+                "eval": self.last_eval,
+                "data": self.data_name,
+                "train_tokens": int(len(self.data.train)),
+                "val_tokens": int(len(self.data.val)),
+                "train_config": self.tc.to_dict(),
+                "world_size": self.d.world_size,
+                "elapsed_s": round(elapsed, 3),
+            }
+            if self.log:
+                self.log.close()
+            ckpt.save_checkpoint(self.out, weights=ckpt.model_weights(self.model), config=self.cfg,
+                                 tokenizer_json=self.tok_json, train_state=state, meta=meta,
+                                 log_file=self.out / ckpt.LOG_NAME if self.log else None)
+            if self.log:
+                self.log.open()
+            self.progress({"event": "save", "step": self.step, "path": str(self.out)})
+        self.d.barrier()
+
+
+def resume_settings(out_dir: str | os.PathLike) -> tuple[ModelConfig, TrainConfig]:
+    """The model and train configs a checkpoint was trained with (what `--resume` continues)."""
+    c = ckpt.load_checkpoint(out_dir)
+    return c.config, TrainConfig.from_dict(c.train_state.get("train_config", {}))

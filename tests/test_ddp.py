@@ -1,0 +1,118 @@
+"""Data-parallel training: 2 gloo processes on 127.0.0.1 against one process on the same global batch."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from cflow.config import ModelConfig
+from cflow.train import checkpoint as ckpt
+from cflow.train import data as tdata
+from cflow.train.loop import TrainConfig, train
+
+WORLD = 2
+CFG = dict(vocab_size=320, d_model=32, n_layers=3, n_heads=2, n_kv_heads=1, d_ff=64, d_expert=32, max_seq_len=32)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, port: int, cfg: dict, tcs: list[dict], outs: list[str], result_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD))
+    # The worker owns the group, so one group serves both runs (train() joins an existing one).
+    torch.distributed.init_process_group("gloo")
+    try:
+        for i, (tc, out) in enumerate(zip(tcs, outs)):
+            res = train(ModelConfig.from_dict(cfg), TrainConfig.from_dict(tc), out_dir=out)
+            torch.save({"params": {n: p.detach().clone() for n, p in res.model.named_parameters()},
+                        "history": res.history, "evals": res.evals, "rank": res.rank, "world": res.world_size},
+                       Path(result_dir) / f"run{i}-rank{rank}.pt")
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ddp")
+    docs = tdata.open_corpus(None).documents()[:120]
+    (root / "c.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    base = TrainConfig(steps=6, batch_size=4, seq_len=32, lr=3e-3, warmup=2, eval_every=3, eval_windows=8,
+                       log_every=1, data=str(root / "c.jsonl"), vocab_size=320, threads=1,
+                       cache_dir=str(root / "cache"))
+    cfg = ModelConfig.from_name("arch2_4_combined", **CFG)
+    return root, cfg, base
+
+
+def test_ddp_two_processes_match_one(setup):
+    """Run 0: lb_weight = 0, so the loss is linear in the tokens and two ranks of 2 sequences must
+    reproduce one process of 4 (up to float summation order). Run 1: the default lb_weight, whose
+    balance term is computed per rank (documented in cflow.train.loop): ranks must still agree."""
+    root, cfg, base = setup
+    tc0 = TrainConfig.from_dict({**base.to_dict(), "lb_weight": 0.0})
+    tc1 = base
+    torch.set_num_threads(1)
+    single = train(cfg, tc0, out_dir=root / "single")  # also fills the data cache for the workers
+
+    outs = [str(root / "ddp0"), str(root / "ddp1")]
+    mp.spawn(_worker, args=(_free_port(), cfg.to_dict(), [tc0.to_dict(), tc1.to_dict()], outs, str(root)),
+             nprocs=WORLD, join=True)
+    runs = [[torch.load(root / f"run{i}-rank{r}.pt") for r in range(WORLD)] for i in range(2)]
+
+    for r0, r1 in runs:
+        assert (r0["rank"], r1["rank"], r0["world"]) == (0, 1, WORLD)
+        for name, p in r0["params"].items():
+            assert torch.equal(p, r1["params"][name]), f"ranks disagree on {name}"
+        assert [h["loss"] for h in r0["history"]] == [h["loss"] for h in r1["history"]]
+
+    ddp = runs[0][0]
+    for name, p in single.model.named_parameters():
+        diff = (p.detach() - ddp["params"][name]).abs().max().item()
+        assert diff < 5e-6, f"{name}: DDP differs from one process by {diff}"
+        assert not torch.equal(p.detach(), Transformer_init(cfg, base.seed)[name]), f"{name} never trained"
+    for hs, hd in zip(single.history, ddp["history"]):
+        assert hd["loss"] == pytest.approx(hs["loss"], rel=1e-5, abs=1e-6)
+    for es, ed in zip(single.evals, ddp["evals"]):
+        assert ed["val_loss"] == pytest.approx(es["val_loss"], rel=1e-5)
+        assert ed["val_acc"] == pytest.approx(es["val_acc"], abs=1e-9)
+
+    # Rank 0 saved one checkpoint per run, recording the world size.
+    for out in outs:
+        c = ckpt.load_checkpoint(out)
+        assert c.train_state["world_size"] == WORLD and c.train_state["step"] == 6
+    assert not list(root.glob("ddp*.tmp-*"))
+
+
+def Transformer_init(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
+    from cflow.model import Transformer
+
+    torch.manual_seed(seed)
+    return {n: p.detach() for n, p in Transformer(cfg).named_parameters()}
+
+
+@pytest.mark.slow
+def test_torchrun_cli(setup):
+    """`torchrun -m cflow train` end to end (slow: two fresh interpreters plus torchrun's agent)."""
+    root, cfg, base = setup
+    out = root / "torchrun"
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1] / "src"))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(_free_port()), "-m", "cflow", "train", "--preset", "arch2_4_combined",
+           *[a for k, v in CFG.items() for a in ("--set", f"{k}={v}")], "--steps", "4", "--batch-size", "4",
+           "--seq-len", "32", "--data", base.data, "--cache-dir", base.cache_dir, "--vocab-size", "320",
+           "--threads", "1", "--no-progress", "--out", str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("trained arch2_4_combined") == 1 and "x 2 processes" in proc.stdout
+    assert ckpt.load_checkpoint(out).train_state["world_size"] == 2

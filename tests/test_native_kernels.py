@@ -1,0 +1,370 @@
+"""The C kernels (cflow._native) against their oracles.
+
+Two chains, on odd sizes that hit every tail and ragged tile edge:
+- every kernel table ("ref", "avx2", ...) equals the numpy oracle (cflow.quant.matvec_q8_ref,
+  dequantize, float64 numpy math), so the layout has one definition: cflow.quant;
+- every ISA table equals the scalar "ref" table.
+Tests pass `isa=` explicitly, so they check every table this CPU can run whatever CFLOW_ISA
+says; the default table (CFLOW_ISA honoured) is covered too. Run the file under CFLOW_ISA=ref
+as well as without it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zlib
+
+import numpy as np
+import pytest
+
+from cflow import _native
+from cflow import quant as Q
+from cflow.errors import CflowError
+
+ISAS = _native.available_isas()  # "ref" first, best last
+FAST_ISAS = [i for i in ISAS if i != "ref"]
+ALL_ISAS = ISAS + [None]  # None: the default table
+
+# Tolerances, relative to the matching magnitude bound (sum of |terms|), all in float32 units.
+MATVEC_RTOL = 1e-5  # float32 accumulation over <= 48 blocks per row, 32 products per block
+VEC_RTOL = 1e-5  # rmsnorm / dot / axpy / rope / attention
+EXP_RTOL = 2e-6  # softmax, silu: one vector exp (~2 ulp) plus a division
+
+ROWS = [1, 3, 8, 31, 33, 255, 257, 1000]
+COLS = [32, 64, 288, 576, 992, 1536]
+NS = [1, 3, 31, 33, 255, 257, 1000]
+QDTYPES = ["q4_0", "q4_1", "q8_0"]
+
+
+def rng_for(*key) -> np.random.Generator:
+    """A generator seeded by the test's parameters (stable across runs, unlike hash())."""
+    return np.random.default_rng(zlib.crc32(repr(key).encode()))
+
+
+def random_tiled(rng, rows, cols, dtype, tile=Q.TILE):
+    w = rng.standard_normal((rows, cols), dtype=np.float32)
+    w[rng.random(rows) < 0.1] *= 100  # rows of very different scale
+    return Q.quantize_tiled(w, dtype, tile)
+
+
+def bound(tiled, dtype, rows, cols, x, tile=Q.TILE):
+    """sum_k |W[r,k]| * |x_q[k]|: the scale of row r's dot product, for relative errors."""
+    w = Q.dequantize(Q.untile_matrix(tiled, dtype, rows, cols, tile), dtype, cols).astype(np.float64)
+    qs, d, _ = Q.quantize_act(x)
+    xq = qs.astype(np.float64) * np.repeat(d.astype(np.float64), Q.QK)
+    return np.abs(w) @ np.abs(xq) + 1e-30
+
+
+def assert_close(got, want, scale, rtol, what):
+    err = np.abs(np.asarray(got, np.float64) - want) / scale
+    assert err.max() <= rtol, f"{what}: max relative error {err.max():.3g} > {rtol:g} at {err.argmax()}"
+
+
+# ---- activation quantization ---------------------------------------------------------------
+@pytest.mark.parametrize("n", [32, 64, 288, 992, 1536])
+@pytest.mark.parametrize("isa", ALL_ISAS)
+def test_quantize_act_bit_exact(isa, n):
+    rng = rng_for("qa", n)
+    x = (rng.standard_normal(n) * rng.choice([1e-3, 1.0, 300.0], n)).astype(np.float32)
+    x[:32] = 0.0  # an all-zero block: d = 0, q = 0
+    if n >= 64:  # a block with max 127, so 1/d = 1 and x lands on exact halves
+        x[32:64] = np.linspace(-15.5, 15.5, 32, dtype=np.float32)
+        x[63] = 127.0
+    want = Q.quantize_act(x)
+    got = _native.quantize_act(x, isa=isa)
+    for name, g, w in zip(("qs", "d", "s"), got, want):
+        assert g.dtype == w.dtype and np.array_equal(g, w), f"{name} differs from cflow.quant"
+
+
+# ---- tiled mat-vec ---------------------------------------------------------------------------
+@pytest.mark.parametrize("cols", COLS)
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("dtype", QDTYPES)
+def test_matvec_matches_oracle_and_ref(dtype, rows, cols):
+    rng = rng_for("mv", dtype, rows, cols)
+    t = random_tiled(rng, rows, cols, dtype)
+    x = rng.standard_normal(cols, dtype=np.float32)
+    want = Q.matvec_q8_ref(t, dtype, rows, cols, x)
+    scale = bound(t, dtype, rows, cols, x)
+    ref = _native.matvec(t, Q.DTYPE_IDS[dtype], rows, cols, x, isa="ref")
+    assert_close(ref, want, scale, MATVEC_RTOL, f"ref {dtype} {rows}x{cols}")
+    for isa in FAST_ISAS + [None]:
+        got = _native.matvec(t, Q.DTYPE_IDS[dtype], rows, cols, x, isa=isa)
+        assert_close(got, want, scale, MATVEC_RTOL, f"{isa} {dtype} {rows}x{cols} vs oracle")
+        assert_close(got, ref, scale, 2 * MATVEC_RTOL, f"{isa} {dtype} {rows}x{cols} vs ref")
+
+
+@pytest.mark.parametrize("tile", [(8, 32), (16, 64), (24, 96), (128, 256), (256, 512)])
+@pytest.mark.parametrize("dtype", QDTYPES)
+@pytest.mark.parametrize("isa", ISAS)
+def test_matvec_other_tile_shapes(isa, dtype, tile):
+    rows, cols = 61, 320  # ragged bands and tiles for every tile shape above
+    rng = rng_for("tile", dtype, tile)
+    t = random_tiled(rng, rows, cols, dtype, tile)
+    x = rng.standard_normal(cols, dtype=np.float32)
+    got = _native.matvec(t, Q.DTYPE_IDS[dtype], rows, cols, x, tile_rows=tile[0], tile_cols=tile[1], isa=isa)
+    assert_close(got, Q.matvec_q8_ref(t, dtype, rows, cols, x, tile), bound(t, dtype, rows, cols, x, tile),
+                 MATVEC_RTOL, f"{isa} {dtype} tile {tile}")
+
+
+@pytest.mark.parametrize("dtype", QDTYPES)
+@pytest.mark.parametrize("isa", ISAS)
+def test_matvec_group_ranges_write_only_their_rows(isa, dtype):
+    rows, cols = 203, 576  # 26 groups, the last one of 3 rows; 2 bands
+    rng = rng_for("range", dtype)
+    t = random_tiled(rng, rows, cols, dtype)
+    x = rng.standard_normal(cols, dtype=np.float32)
+    full = _native.matvec(t, Q.DTYPE_IDS[dtype], rows, cols, x, isa=isa)
+    for g0, g1 in [(0, 1), (3, 17), (15, 16), (16, 17), (25, 26), (7, 26), (5, 5)]:
+        part = _native.matvec(t, Q.DTYPE_IDS[dtype], rows, cols, x, isa=isa, g0=g0, g1=g1)
+        r0, r1 = g0 * 8, min(g1 * 8, rows)
+        assert np.array_equal(part[r0:r1], full[r0:r1]), f"rows of groups [{g0}, {g1}) differ"
+        assert not part[:r0].any() and not part[r1:].any(), "wrote outside its rows"
+
+
+def test_matvec_zero_and_extreme_activations():
+    rows, cols = 40, 256
+    rng = rng_for("extreme")
+    for dtype in QDTYPES:
+        t = random_tiled(rng, rows, cols, dtype)
+        for x in (np.zeros(cols, np.float32), np.full(cols, -3e4, np.float32),
+                  np.where(np.arange(cols) % 2, 1e-30, -1e4).astype(np.float32)):
+            want = Q.matvec_q8_ref(t, dtype, rows, cols, x)
+            for isa in ISAS:
+                got = _native.matvec(t, Q.DTYPE_IDS[dtype], rows, cols, x, isa=isa)
+                assert_close(got, want, bound(t, dtype, rows, cols, x), MATVEC_RTOL, f"{isa} {dtype}")
+
+
+def test_matvec_q8_0_weight_minus_128():
+    """GGML Q8_0 files may hold -128 (not produced by ggml's quantizer): |w| = 128 must work."""
+    rows, cols = 8, 64
+    blocks = Q.quantize(rng_for("m128").standard_normal((rows, cols), dtype=np.float32), "q8_0")
+    blocks.reshape(rows, 2, 34)[:, :, 2:] = np.uint8(0x80)  # every weight -128
+    t = Q.tile_matrix(blocks, "q8_0", rows, cols)
+    x = np.linspace(-5, 5, cols, dtype=np.float32)
+    want = Q.matvec_q8_ref(t, "q8_0", rows, cols, x)
+    for isa in ISAS:
+        got = _native.matvec(t, Q.DTYPE_IDS["q8_0"], rows, cols, x, isa=isa)
+        assert_close(got, want, bound(t, "q8_0", rows, cols, x), MATVEC_RTOL, isa)
+
+
+# ---- fused gate+up+SiLU --------------------------------------------------------------------
+def silu(v):
+    return v / (1.0 + np.exp(-v))
+
+
+@pytest.mark.parametrize("d_ff,cols,tile", [(8, 32, Q.TILE), (24, 64, Q.TILE), (72, 288, Q.TILE),
+                                            (1536, 576, Q.TILE), (40, 96, (8, 32)), (56, 320, (24, 64))])
+@pytest.mark.parametrize("dtype", QDTYPES)
+def test_gate_up_matches_oracle(dtype, d_ff, cols, tile):
+    rng = rng_for("gu", dtype, d_ff, cols, tile)
+    gate = Q.quantize(rng.standard_normal((d_ff, cols), dtype=np.float32), dtype)
+    up = Q.quantize(rng.standard_normal((d_ff, cols), dtype=np.float32), dtype)
+    rows = 2 * d_ff
+    t = Q.tile_matrix(Q.interleave_gate_up(gate, up), dtype, rows, cols, tile)
+    x = rng.standard_normal(cols, dtype=np.float32)
+    g, u = Q.deinterleave_gate_up(Q.matvec_q8_ref(t, dtype, rows, cols, x, tile))
+    gs, us = Q.deinterleave_gate_up(bound(t, dtype, rows, cols, x, tile))
+    want = silu(g) * u
+    # error of silu(g)*u from errors eg, eu: |silu'(g)| <= 1.1, so <= 1.1*eg*|u| + eu*|silu(g)|
+    scale = 1.1 * gs * np.abs(u) + us * np.abs(silu(g)) + np.abs(want) * EXP_RTOL / MATVEC_RTOL + 1e-30
+    ref = _native.gate_up(t, Q.DTYPE_IDS[dtype], rows, cols, x, tile_rows=tile[0], tile_cols=tile[1], isa="ref")
+    assert_close(ref, want, scale, MATVEC_RTOL, f"ref gate_up {dtype}")
+    for isa in FAST_ISAS + [None]:
+        got = _native.gate_up(t, Q.DTYPE_IDS[dtype], rows, cols, x, tile_rows=tile[0], tile_cols=tile[1], isa=isa)
+        assert_close(got, want, scale, MATVEC_RTOL, f"{isa} gate_up {dtype}")
+        assert_close(got, ref, scale, 2 * MATVEC_RTOL, f"{isa} gate_up vs ref {dtype}")
+        half = rows // 16 // 2  # a pair range writes only its outputs
+        part = _native.gate_up(t, Q.DTYPE_IDS[dtype], rows, cols, x, tile_rows=tile[0], tile_cols=tile[1],
+                               isa=isa, p0=half, p1=rows // 16)
+        assert np.array_equal(part[half * 8:], got[half * 8:]) and not part[:half * 8].any()
+
+
+# ---- embedding rows ------------------------------------------------------------------------
+@pytest.mark.parametrize("rows,cols,tile", [(1, 32, Q.TILE), (203, 576, Q.TILE), (61, 320, (24, 96)),
+                                            (1000, 1536, Q.TILE)])
+@pytest.mark.parametrize("dtype", QDTYPES)
+@pytest.mark.parametrize("isa", ISAS)
+def test_embed_row_equals_dequantize(isa, dtype, rows, cols, tile):
+    rng = rng_for("emb", dtype, rows, cols)
+    t = random_tiled(rng, rows, cols, dtype, tile)
+    dense = Q.dequantize(Q.untile_matrix(t, dtype, rows, cols, tile), dtype, cols)
+    for r in sorted({0, rows - 1, rows // 2, min(rows - 1, 7), min(rows - 1, 8)}):
+        got = _native.embed_row(t, Q.DTYPE_IDS[dtype], rows, cols, r, tile_rows=tile[0], tile_cols=tile[1], isa=isa)
+        assert np.array_equal(got, dense[r]), f"row {r} differs"  # exact: products fit in float32
+
+
+# ---- fp32 vector kernels -------------------------------------------------------------------
+@pytest.mark.parametrize("n", NS)
+@pytest.mark.parametrize("isa", ALL_ISAS)
+def test_vector_kernels(isa, n):
+    rng = rng_for("vec", n)
+    a = rng.standard_normal(n, dtype=np.float32) * 3
+    b = rng.standard_normal(n, dtype=np.float32)
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    scale = np.abs(a64) @ np.abs(b64)
+    assert abs(_native.dot(a, b, isa=isa) - a64 @ b64) <= VEC_RTOL * scale
+    got = _native.axpy(b, 0.37, a, isa=isa)
+    assert_close(got, b64 + 0.37 * a64, np.abs(b64) + 0.37 * np.abs(a64) + 1e-30, VEC_RTOL, "axpy")
+    w = rng.standard_normal(n, dtype=np.float32)
+    want = a64 / np.sqrt(np.mean(a64 * a64) + 1e-5) * w
+    got = _native.rmsnorm(a, w, 1e-5, isa=isa)
+    assert_close(got, want, np.abs(want) + 1e-30, VEC_RTOL, "rmsnorm")
+    e = np.exp(a64 - a64.max())
+    assert_close(_native.softmax(a, isa=isa), e / e.sum(), e / e.sum() + 1e-30, EXP_RTOL * 4, "softmax")
+    assert_close(_native.swiglu(a, b, isa=isa), silu(a64) * b64, np.abs(silu(a64) * b64) + 1e-30,
+                 EXP_RTOL, "swiglu")
+
+
+@pytest.mark.parametrize("rows,cols", [(1, 1), (3, 33), (8, 576), (64, 257)])
+@pytest.mark.parametrize("isa", ALL_ISAS)
+def test_matvec_f32(isa, rows, cols):
+    rng = rng_for("f32", rows, cols)
+    W = rng.standard_normal((rows, cols), dtype=np.float32)
+    x = rng.standard_normal(cols, dtype=np.float32)
+    W64, x64 = W.astype(np.float64), x.astype(np.float64)
+    assert_close(_native.matvec_f32(W, x, isa=isa), W64 @ x64, np.abs(W64) @ np.abs(x64), VEC_RTOL, "matvec_f32")
+
+
+def test_softmax_extremes():
+    x = np.array([-1e30, 0.0, 80.0, 80.0, -80.0, 1.0, 2.0, 3.0, 4.0], np.float32)
+    x64 = x.astype(np.float64)
+    e = np.exp(x64 - x64.max())
+    for isa in ISAS:
+        got = _native.softmax(x, isa=isa)
+        assert np.all(np.isfinite(got)) and abs(got.sum() - 1) < 1e-6
+        assert_close(got, e / e.sum(), e / e.sum() + 1e-30, EXP_RTOL * 4, isa)
+
+
+# ---- rope and attention --------------------------------------------------------------------
+def rope_oracle(x, n_heads, hd, pos, theta):
+    j = np.arange(hd // 2)
+    ang = pos * theta ** (-2.0 * j / hd)
+    c, s = np.cos(ang), np.sin(ang)
+    x = x.astype(np.float64).reshape(n_heads, hd)
+    a, b = x[:, : hd // 2], x[:, hd // 2:]
+    return np.concatenate([a * c - b * s, a * s + b * c], axis=1).reshape(-1)
+
+
+@pytest.mark.parametrize("n_heads,hd", [(1, 2), (3, 6), (9, 64), (4, 34), (2, 128)])
+@pytest.mark.parametrize("pos", [0, 1, 17, 2047])
+@pytest.mark.parametrize("isa", ALL_ISAS)
+def test_rope(isa, n_heads, hd, pos):
+    x = rng_for("rope", n_heads, hd).standard_normal(n_heads * hd, dtype=np.float32)
+    want = rope_oracle(x, n_heads, hd, pos, 10000.0)
+    pair = np.abs(x.astype(np.float64)).reshape(n_heads, 2, hd // 2).sum(axis=1)
+    scale = np.concatenate([pair, pair], axis=1).reshape(-1) + 1e-30
+    assert_close(_native.rope(x, n_heads, hd, pos, 10000.0, isa=isa), want, scale, VEC_RTOL, "rope")
+
+
+def attention_oracle(q, k, v, n_heads, n_kv, n_pos, scale):
+    hd = k.shape[2]
+    k64, v64 = k.astype(np.float64), v.astype(np.float64)
+    out = np.zeros((n_heads, hd))
+    bound = np.zeros((n_heads, hd))
+    for h in range(n_heads):
+        kv = h // (n_heads // n_kv)
+        s = k64[kv, :n_pos] @ q[h * hd:(h + 1) * hd].astype(np.float64) * scale
+        p = np.exp(s - s.max())
+        p /= p.sum()
+        out[h] = p @ v64[kv, :n_pos]
+        bound[h] = p @ np.abs(v64[kv, :n_pos]) * (1 + np.abs(s).max())  # score errors scale too
+    return out.reshape(-1), bound.reshape(-1) + 1e-30
+
+
+@pytest.mark.parametrize("n_heads,n_kv,hd", [(9, 3, 64), (4, 4, 32), (8, 1, 16), (6, 2, 24), (5, 1, 8),
+                                             (2, 1, 12)])
+@pytest.mark.parametrize("n_pos", [1, 7, 100])
+@pytest.mark.parametrize("isa", ALL_ISAS)
+def test_attention(isa, n_heads, n_kv, hd, n_pos):
+    rng = rng_for("attn", n_heads, n_kv, hd, n_pos)
+    max_seq = 128
+    q = rng.standard_normal(n_heads * hd, dtype=np.float32)
+    k = rng.standard_normal((n_kv, max_seq, hd)).astype(np.float16)
+    v = rng.standard_normal((n_kv, max_seq, hd)).astype(np.float16)
+    k[:, n_pos:] = np.float16(np.inf)  # positions past n_pos must never be read
+    v[:, n_pos:] = np.float16(np.nan)
+    scale = 1.0 / np.sqrt(hd)
+    want, b = attention_oracle(q, k, v, n_heads, n_kv, n_pos, scale)
+    got = _native.attention(q, k, v, n_heads, n_kv, n_pos, isa=isa)
+    assert_close(got, want, b, VEC_RTOL, f"attention {isa}")
+    pool = _native.Pool(3)
+    got_mt = _native.attention(q, k.view(np.uint16), v.view(np.uint16), n_heads, n_kv, n_pos, isa=isa, pool=pool)
+    assert np.array_equal(got_mt, got), "splitting heads over threads changed the result"
+
+
+# ---- top-k and fp16 ------------------------------------------------------------------------
+def test_topk():
+    rng = rng_for("topk")
+    for n, k in [(1, 1), (8, 2), (64, 8), (33, 33)]:
+        x = rng.standard_normal(n).astype(np.float32)
+        idx, val = _native.topk(x, k)
+        want = np.argsort(-x, kind="stable")[:k]
+        assert np.array_equal(idx, want) and np.array_equal(val, x[want])
+    idx, _ = _native.topk(np.array([1, 3, 3, 2, 3], np.float32), 3)
+    assert idx.tolist() == [1, 2, 4], "ties go to the lower index"
+
+
+@pytest.mark.parametrize("isa", ALL_ISAS)
+def test_f16_conversions_bit_exact(isa):
+    bits = np.arange(65536, dtype=np.uint32).astype(np.uint16)
+    want = bits.view(np.float16).astype(np.float32)
+    got = _native.f16_to_f32(bits, isa=isa)
+    nan = np.isnan(want)
+    assert np.array_equal(np.isnan(got), nan) and np.array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))
+    rng = rng_for("f16")
+    fin = np.unique(want[np.isfinite(want)].astype(np.float64))  # all finite halves, ascending
+    x = np.concatenate([
+        want[~nan],  # every half value round-trips
+        (fin[:-1] + np.diff(fin) / 2).astype(np.float32),  # every tie: must go to the even neighbour
+        rng.standard_normal(1001).astype(np.float32) * np.float32(2.0) ** rng.integers(-30, 18, 1001),
+        np.array([65504, 65519.99, 65520, -65520, 1e9, 2.0**-24, 2.0**-25, 2.0**-25 * 1.0001, 3 * 2.0**-26,
+                  5.96e-8, 6.1e-5, 6.097555e-5, np.inf, -np.inf, 0.0, -0.0], np.float32),
+    ]).astype(np.float32)
+    got = _native.f32_to_f16(x, isa=isa)
+    with np.errstate(over="ignore"):  # numpy warns on the values that become inf, as it should
+        want16 = x.astype(np.float16).view(np.uint16)
+    assert np.array_equal(got, want16), "fp32 -> fp16 must round to nearest even"
+    assert np.isnan(_native.f32_to_f16(np.array([np.nan] * 9, np.float32), isa=isa).view(np.float16)).all()
+
+
+# ---- dispatch and input checks -------------------------------------------------------------
+def test_dispatch_reports_tables():
+    assert ISAS[0] == "ref" and _native.isa() in ISAS
+    feats = _native.cpu_features()
+    if feats["avx2"] and feats["fma"] and feats["f16c"]:
+        assert "avx2" in ISAS
+    with pytest.raises(CflowError):
+        _native.dot(np.ones(3, np.float32), np.ones(3, np.float32), isa="no-such-isa")
+
+
+@pytest.mark.parametrize("env,want", [("ref", "ref"), ("auto", None), ("bogus", None)])
+def test_cflow_isa_environment_variable(env, want):
+    out = subprocess.run([sys.executable, "-c", "from cflow import _native; print(_native.isa())"],
+                         env={**os.environ, "CFLOW_ISA": env}, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == (want or ISAS[-1])
+
+
+def test_bad_input_raises_named_errors():
+    t = Q.quantize_tiled(np.ones((8, 64), np.float32), "q4_0")
+    x = np.ones(64, np.float32)
+    cases = [
+        lambda: _native.matvec(t[:-1], 2, 8, 64, x),  # wrong byte count
+        lambda: _native.matvec(t, 2, 8, 64, x[:32]),  # wrong x length
+        lambda: _native.matvec(t, 5, 8, 64, x),  # unknown dtype
+        lambda: _native.matvec(t, 2, 8, 60, x[:60]),  # cols not a multiple of 32
+        lambda: _native.matvec(t, 2, 8, 64, x, tile_rows=12),  # tile rows not a multiple of 8
+        lambda: _native.matvec(t, 2, 8, 64, x, g0=0, g1=2),  # group range past the end
+        lambda: _native.gate_up(t, 2, 8, 64, x),  # 8 rows cannot hold gate and up groups
+        lambda: _native.embed_row(t, 2, 8, 64, 8),
+        lambda: _native.quantize_act(np.ones(33, np.float32)),
+        lambda: _native.topk(x, 65),
+        lambda: _native.attention(np.ones(64, np.float32), np.ones((1, 4, 64), np.float32),
+                                  np.ones((1, 4, 64), np.float32), 1, 1, 1),  # fp32 caches
+    ]
+    for i, f in enumerate(cases):
+        with pytest.raises(CflowError) as e:
+            f()
+        assert isinstance(e.value, ValueError) and str(e.value), f"case {i}"

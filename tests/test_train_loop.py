@@ -1,0 +1,276 @@
+"""cflow.train.loop / checkpoint / compare and `cflow train`: learning, exact resume, files, errors."""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import math
+
+import pytest
+import torch
+
+from cflow.cli import main
+from cflow.config import PRESETS, ModelConfig
+from cflow.model import Transformer
+from cflow.train import checkpoint as ckpt
+from cflow.train import data as tdata
+from cflow.train.loop import TrainConfig, TrainError, compute_loss, lr_at, make_optimizer, train
+
+TINY = dict(vocab_size=320, d_model=32, n_layers=3, n_heads=2, n_kv_heads=1, d_ff=64, max_seq_len=32)
+TINY_MOE = dict(d_expert=32)
+TINY_SETS = [f"{k}={v}" for k, v in {**TINY, **TINY_MOE}.items()]
+
+
+def tiny_cfg(preset: str, **kw) -> ModelConfig:
+    over = dict(TINY, **({} if PRESETS[preset]["n_experts"] == 0 else TINY_MOE), **kw)
+    return ModelConfig.from_name(preset, **over)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # The tiny models gain nothing from threads, and the test machine is shared.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def corpus_file(tmp_path_factory) -> str:
+    docs = tdata.open_corpus(None).documents()[:120]
+    p = tmp_path_factory.mktemp("corpus") / "tiny.jsonl"
+    p.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    return str(p)
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("cache"))
+
+
+@pytest.fixture
+def tc(corpus_file, cache_dir) -> TrainConfig:
+    return TrainConfig(steps=10, batch_size=4, seq_len=32, lr=3e-3, warmup=2, eval_every=5, eval_windows=8,
+                       log_every=1, data=corpus_file, vocab_size=320, threads=1, cache_dir=cache_dir)
+
+
+# ---- schedule, optimizer, loss ---------------------------------------------------------------
+def test_lr_schedule_warmup_then_cosine_to_floor():
+    tc = TrainConfig(steps=50, lr=1e-2, warmup=5, min_lr_ratio=0.1)
+    lrs = [lr_at(s, tc) for s in range(50)]
+    assert lrs[:5] == pytest.approx([2e-3, 4e-3, 6e-3, 8e-3, 1e-2])
+    assert lrs[5] == pytest.approx(1e-2) and lrs[-1] == pytest.approx(1e-3)
+    assert all(a >= b for a, b in zip(lrs[5:], lrs[6:]))
+    assert lrs[27] == pytest.approx(1e-3 + 0.5 * 9e-3, rel=0.05)  # halfway down the cosine
+    assert TrainConfig(tokens=1000, batch_size=4, seq_len=32).total_steps == 8  # ceil(1000 / 128)
+
+
+def test_no_weight_decay_on_norms_and_embeddings():
+    model = Transformer(tiny_cfg("arch2_4_combined", tie_embeddings=False))
+    opt = make_optimizer(model, TrainConfig(weight_decay=0.1))
+    names = {id(p): n for n, p in model.named_parameters()}
+    decayed = {names[id(p)] for g in opt.param_groups if g["weight_decay"] > 0 for p in g["params"]}
+    plain = {names[id(p)] for g in opt.param_groups if g["weight_decay"] == 0 for p in g["params"]}
+    assert "tok_emb.weight" in plain and "norm.weight" in plain and "layers.0.attn_norm.weight" in plain
+    assert {"layers.0.attn.wq.weight", "layers.1.moe.w_gate", "lm_head.weight"} <= decayed
+    assert decayed.isdisjoint(plain) and len(decayed | plain) == len(list(model.parameters()))
+
+
+def test_loss_adds_weighted_aux_terms():
+    torch.manual_seed(0)
+    model = Transformer(tiny_cfg("arch1"))
+    x = torch.randint(0, 320, (2, 16))
+    y = torch.randint(0, 320, (2, 16))
+    tc = TrainConfig(lb_weight=0.5, z_weight=0.25)
+    loss, ce, lb, rz = compute_loss(model, x, y, tc)
+    logits, aux = model(x)
+    ref_ce = torch.nn.functional.cross_entropy(logits.reshape(-1, 320), y.reshape(-1))
+    assert ce.item() == pytest.approx(ref_ce.item(), rel=1e-6)
+    assert loss.item() == pytest.approx(ref_ce.item() + 0.5 * aux["load_balance"].item()
+                                        + 0.25 * aux["router_z"].item(), rel=1e-6)
+    assert lb.item() > 0.5 and rz.item() > 0  # balance loss is ~1 when roughly uniform
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_every_preset_overfits_a_tiny_batch(preset):
+    torch.manual_seed(0)
+    cfg = tiny_cfg(preset)
+    model = Transformer(cfg)
+    tc = TrainConfig(lr=1e-2, weight_decay=0.0)
+    opt = make_optimizer(model, tc)
+    seq = torch.randint(2, cfg.vocab_size, (3, 17))  # [B, T+1] random tokens: only memorising helps
+    x, y = seq[:, :-1], seq[:, 1:]
+    losses = []
+    for _ in range(60):
+        loss, ce, _, _ = compute_loss(model, x, y, tc)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(ce.item())
+    assert losses[0] == pytest.approx(math.log(cfg.vocab_size), rel=0.1)  # starts near uniform
+    assert losses[-1] < losses[0] / 8, f"{preset}: {losses[0]:.3f} -> {losses[-1]:.3f}"
+
+
+# ---- the loop: learning, checkpoint files, exact resume --------------------------------------
+def test_train_learns_and_writes_a_design_checkpoint(tc, tmp_path):
+    cfg = tiny_cfg("arch2_4_combined")
+    tc = dataclasses.replace(tc, steps=30, lr=1e-2, eval_every=10)
+    res = train(cfg, tc, out_dir=tmp_path / "run", meta={"command": "test"})
+    assert [e["step"] for e in res.evals] == [10, 20, 30]
+    losses = [e["val_loss"] for e in res.evals]
+    assert losses == sorted(losses, reverse=True) and losses[-1] < math.log(320) - 1.2  # uniform: ln V
+    assert res.evals[-1]["val_ppl"] == pytest.approx(math.exp(res.evals[-1]["val_loss"]))
+    assert 0 < res.evals[-1]["val_acc"] < 1
+    assert res.steps == 30 and res.tokens_seen == 30 * 4 * 32
+
+    out = tmp_path / "run"
+    assert ckpt.is_checkpoint(out) and (out / ckpt.LOG_NAME).is_file()
+    assert not list(tmp_path.glob("run.*"))  # no temporaries left
+    c = ckpt.load_checkpoint(out)
+    assert c.config == res.config and c.config.vocab_size == 320
+    names = set(c.weights)
+    assert "tok_emb.weight" in names and "lm_head.weight" not in names  # tied
+    assert {"layers.2.attn.wq.weight", "layers.2.ffn.w_gate.weight", "layers.2.moe.router.weight",
+            "layers.2.moe.w_down", "layers.2.moe_norm.weight", "norm.weight"} <= names
+    assert c.weights["layers.0.moe.w_gate"].shape == (4, 32, 32)
+    assert c.meta["tokens_seen"] == 3840 and c.meta["eval"]["step"] == 30 and c.meta["command"] == "test"
+    assert c.train_state["step"] == 30 and "optimizer" in c.train_state
+    # The saved weights reproduce the trained model exactly.
+    reloaded = Transformer.from_state(c.config, c.weights)
+    x = torch.randint(0, 320, (2, 32))
+    assert torch.equal(reloaded(x)[0], res.model(x)[0])
+    with open(out / ckpt.LOG_NAME) as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["step"]) for r in rows] == list(range(1, 31))
+    assert float(rows[9]["val_loss"]) == pytest.approx(res.evals[0]["val_loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize("preset", ["arch2_4_combined", "llama"])
+def test_resume_continues_exactly(tc, tmp_path, preset):
+    cfg = tiny_cfg(preset)
+    straight = train(cfg, tc, out_dir=tmp_path / "a")
+    first = train(cfg, tc, out_dir=tmp_path / "b", until_step=5)
+    assert first.steps == 5 and ckpt.load_checkpoint(tmp_path / "b").train_state["step"] == 5
+    second = train(cfg, tc, out_dir=tmp_path / "b", resume=True)
+    assert [r["step"] for r in second.history] == list(range(6, 11))
+    assert [r["loss"] for r in first.history + second.history] == [r["loss"] for r in straight.history]
+    assert [e["val_loss"] for e in second.evals] == [e["val_loss"] for e in straight.evals[1:]]
+    for (n, p), (_, q) in zip(straight.model.named_parameters(), second.model.named_parameters()):
+        assert torch.equal(p, q), n
+    with open(tmp_path / "b" / ckpt.LOG_NAME) as f:
+        assert [int(r["step"]) for r in csv.DictReader(f)] == list(range(1, 11))
+
+
+def test_resume_drops_log_rows_past_the_checkpoint(tc, tmp_path):
+    cfg = tiny_cfg("arch1")
+    train(cfg, dataclasses.replace(tc, save_every=4), out_dir=tmp_path / "r", until_step=4)
+    with open(tmp_path / "r" / ckpt.LOG_NAME, "a") as f:  # a run that died after logging step 5
+        f.write("5,640,0.003,9.9,9.9,1,1,1,,,,1,1\n")
+    train(cfg, tc, out_dir=tmp_path / "r", resume=True, until_step=6)
+    with open(tmp_path / "r" / ckpt.LOG_NAME) as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["step"]) for r in rows] == [1, 2, 3, 4, 5, 6] and float(rows[4]["loss"]) != 9.9
+
+
+def test_run_errors_are_named_and_helpful(tc, tmp_path):
+    cfg = tiny_cfg("arch1")
+    train(cfg, dataclasses.replace(tc, steps=2, eval_every=0), out_dir=tmp_path / "x")
+    with pytest.raises(TrainError, match="already holds a checkpoint"):
+        train(cfg, tc, out_dir=tmp_path / "x")
+    with pytest.raises(TrainError, match="batch_size"):
+        train(cfg, dataclasses.replace(tc, batch_size=8), out_dir=tmp_path / "x", resume=True)
+    with pytest.raises(TrainError, match="d_model"):
+        train(tiny_cfg("arch1", d_model=48), tc, out_dir=tmp_path / "x", resume=True)
+    with pytest.raises(ckpt.CheckpointError, match="does not exist"):
+        train(cfg, tc, out_dir=tmp_path / "nothing", resume=True)
+    with pytest.raises(TrainError, match="max_seq_len"):
+        train(cfg, dataclasses.replace(tc, seq_len=64), out_dir=None)
+    with pytest.raises(TrainError, match="steps must be positive"):
+        TrainConfig(steps=0)
+
+
+def test_checkpoint_save_is_atomic_and_recovers(tc, tmp_path, monkeypatch):
+    cfg = tiny_cfg("arch1")
+    res = train(cfg, dataclasses.replace(tc, steps=2, eval_every=0), out_dir=tmp_path / "c")
+    before = (tmp_path / "c" / "model.safetensors").read_bytes()
+
+    import safetensors.torch
+
+    def boom(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", boom)
+    with pytest.raises(OSError, match="disk full"):
+        ckpt.save_checkpoint(tmp_path / "c", weights=ckpt.model_weights(res.model), config=cfg,
+                             tokenizer_json=res.tokenizer_json)
+    monkeypatch.undo()
+    assert (tmp_path / "c" / "model.safetensors").read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]
+    # A crash between the two renames leaves only c.old-*: loading puts it back.
+    (tmp_path / "c").rename(tmp_path / "c.old-abc")
+    assert ckpt.load_checkpoint(tmp_path / "c").config == res.config
+
+
+# ---- CLI -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("bad,msg", [
+    (["--set", "not_a_field=3"], "unknown config key 'not_a_field'"),
+    (["--set", "d_model=wide"], "d_model='wide': expected a value of type int"),
+    (["--set", "tie_embeddings=maybe"], "tie_embeddings"),
+    (["--set", "d_model"], "must look like key=value"),
+    (["--set", "n_kv_heads=3"], "divisible by n_kv_heads"),
+])
+def test_cli_rejects_bad_overrides(capsys, tmp_path, bad, msg):
+    rc = main(["train", "--preset", "arch1", "--out", str(tmp_path / "o"), "--steps", "1", *bad])
+    err = capsys.readouterr().err
+    assert rc == 2 and msg in err and "Traceback" not in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_cli_train_then_resume(capsys, tmp_path, corpus_file, cache_dir):
+    common = ["--data", corpus_file, "--cache-dir", cache_dir, "--vocab-size", "320", "--batch-size", "4",
+              "--seq-len", "32", "--threads", "1", "--no-progress", "--eval-windows", "4"]
+    out = tmp_path / "cli"
+    rc = main(["train", "--preset", "arch4", *[a for s in TINY_SETS for a in ("--set", s)],
+               "--steps", "6", "--eval-every", "3", "--out", str(out), *common])
+    text = capsys.readouterr().out
+    assert rc == 0 and "trained arch4" in text and "validation: loss" in text
+    assert ckpt.load_checkpoint(out).config.d_model == 32
+    # --resume takes the saved settings; flags given override them (here: a longer run).
+    rc = main(["train", "--out", str(out), "--resume", "--steps", "8", "--no-progress"])
+    assert rc == 0 and "step 8" in capsys.readouterr().out
+    c = ckpt.load_checkpoint(out)
+    assert c.train_state["step"] == 8 and c.config.name == "arch4"
+
+
+def test_cli_help_lists_flags(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = capsys.readouterr().out
+    for flag in ("--preset", "--set", "--data", "--out", "--steps", "--tokens", "--batch-size", "--seq-len",
+                 "--lr", "--warmup", "--eval-every", "--save-every", "--resume", "--seed", "--lb-weight",
+                 "--z-weight", "--threads", "--vocab-size", "torchrun"):
+        assert flag in text
+
+
+# ---- comparison ------------------------------------------------------------------------------
+def test_compare_writes_table_json_and_plot(tc, tmp_path, capsys):
+    rc = main(["train", "compare", "--presets", "arch1", "arch5", "--tokens", "640",
+               *[a for s in TINY_SETS for a in ("--set", s)], "--data", tc.data, "--cache-dir", tc.cache_dir,
+               "--vocab-size", "320", "--batch-size", "4", "--seq-len", "32", "--threads", "1", "--warmup", "1",
+               "--eval-windows", "4", "--no-progress", "--out", str(tmp_path / "res"),
+               "--runs-dir", str(tmp_path / "runs")])
+    assert rc == 0 and "report:" in capsys.readouterr().out
+    md = (tmp_path / "res" / "train_compare.md").read_text()
+    rows = [line for line in md.splitlines() if line.startswith("| arch")]
+    assert [r.split("|")[1].strip() for r in rows] == ["arch1", "arch5"]
+    assert "cflow train compare" in md and "640 tokens per run" in md
+    data = json.loads((tmp_path / "res" / "train_compare.json").read_text())
+    a1, a5 = data["runs"]
+    assert a1["tokens"] == a5["tokens"] == 640 and a1["steps"] == 5
+    assert a5["params"] < a1["params"]  # arch5 shares 2 weight sets across 3 layers
+    assert a1["dag"]["critical_bytes"] == a1["dag"]["total_bytes"]  # arch1 is one sequential chain
+    assert a5["dag"]["critical_bytes"] < a5["dag"]["total_bytes"]
+    assert math.isfinite(a1["val_loss"]) and 0 <= a1["val_acc"] <= 1
+    png = (tmp_path / "res" / "train_compare_loss.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
