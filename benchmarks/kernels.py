@@ -9,7 +9,8 @@ GB/s = weight bytes / wall seconds per call; the last column divides by the call
 CPU seconds instead, which on a busy shared machine is the steadier number for 1 thread.
 Compare with `cflow.bench.bandwidth.read_bandwidth`.
 
-    python benchmarks/kernels.py [--dtypes q4_0 q4_1 q8_0] [--threads 1 2] [--seconds 0.3]
+    python benchmarks/kernels.py [--dtypes q4_0 q4_1 q8_0] [--threads 1 2] [--isa avx2]
+                                 [--seconds 0.3] [--prefetch 8192] [--no-cold]
 """
 
 from __future__ import annotations
@@ -77,9 +78,12 @@ def main() -> None:
     ap.add_argument("--isa", nargs="+", default=_native.available_isas())
     ap.add_argument("--seconds", type=float, default=0.3, help="time per measurement")
     ap.add_argument("--no-cold", action="store_true", help="skip the DRAM (cold cache) runs")
+    ap.add_argument("--prefetch", type=int, default=0, help="PREFETCHT0 distance in bytes (0: off)")
     args = ap.parse_args()
+    _native.set_prefetch(args.prefetch)
     t0 = time.time()
-    print(f"# kernel tables: {_native.available_isas()} (default {_native.isa()})")
+    print(f"# kernel tables: {_native.available_isas()} (default {_native.isa()}); "
+          f"prefetch {args.prefetch} bytes")
     print("| dtype | W [out x in] | MB | threads | isa | cache | us/call | GB/s | GB/s per thread-0 CPU s |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in run(args.dtypes, args.threads, args.isa, args.seconds, not args.no_cold):

@@ -150,6 +150,35 @@ def test_matvec_q8_0_weight_minus_128():
         assert_close(got, want, bound(t, "q8_0", rows, cols, x), MATVEC_RTOL, isa)
 
 
+@pytest.mark.parametrize("dtype", QDTYPES)
+def test_simd_tables_agree_bitwise(dtype):
+    """avx2 and avxvnni compute the same integer sums and the same float ops: identical bits."""
+    if len(FAST_ISAS) < 2:
+        pytest.skip(f"only {FAST_ISAS} on this CPU")
+    rows, cols = 257, 992
+    rng = rng_for("bitwise", dtype)
+    t = random_tiled(rng, rows, cols, dtype)
+    x = rng.standard_normal(cols, dtype=np.float32) * 50
+    outs = [_native.matvec(t, Q.DTYPE_IDS[dtype], rows, cols, x, isa=isa) for isa in FAST_ISAS]
+    assert all(np.array_equal(outs[0], o) for o in outs[1:])
+
+
+def test_prefetch_switch_keeps_results():
+    rows, cols = 300, 576
+    rng = rng_for("prefetch")
+    t = random_tiled(rng, rows, cols, "q4_0")
+    x = rng.standard_normal(cols, dtype=np.float32)
+    assert _native.get_prefetch() == 0, "prefetch must be off by default"
+    off = {isa: _native.matvec(t, 2, rows, cols, x, isa=isa) for isa in ISAS}
+    try:
+        _native.set_prefetch(1024)
+        assert _native.get_prefetch() == 1024
+        for isa in ISAS:
+            assert np.array_equal(_native.matvec(t, 2, rows, cols, x, isa=isa), off[isa])
+    finally:
+        _native.set_prefetch(0)
+
+
 # ---- fused gate+up+SiLU --------------------------------------------------------------------
 def silu(v):
     return v / (1.0 + np.exp(-v))

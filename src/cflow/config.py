@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -54,6 +55,7 @@ class ModelConfig:
     name: str = field(default="custom", compare=False)
 
     def __post_init__(self) -> None:
+        self._check_types()  # first: the derivations below do arithmetic on the fields
         # Derived fields are resolved here so every consumer sees concrete numbers.
         if self.head_dim == 0 and self.n_heads > 0 and self.d_model % self.n_heads == 0:
             object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
@@ -62,15 +64,30 @@ class ModelConfig:
         self.validate()
 
     # ---- validation -------------------------------------------------------------------------
+    def _check_types(self) -> None:
+        # JSON and hand-written dicts can carry any type; catch that before any comparison does.
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.type in ("int", int):
+                ok, what = isinstance(v, int) and not isinstance(v, bool), "an int"
+            elif f.type in ("float", float):
+                ok, what = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v), \
+                    "a finite number"
+                if ok:
+                    object.__setattr__(self, f.name, float(v))
+            elif f.type in ("bool", bool):
+                ok, what = isinstance(v, bool), "true or false"
+            else:
+                ok, what = isinstance(v, str), "a string"
+            if not ok:
+                raise ConfigError(f"{f.name} must be {what}, got {v!r} (config {self.name!r})")
+
     def validate(self) -> None:
         def need(cond: bool, msg: str) -> None:
             if not cond:
                 raise ConfigError(f"{msg} (config {self.name!r})")
 
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if f.type in ("int", int):
-                need(isinstance(v, int) and not isinstance(v, bool), f"{f.name} must be an int, got {v!r}")
+        self._check_types()
         need(self.vocab_size > 0, f"vocab_size must be positive, got {self.vocab_size}")
         need(self.d_model > 0, f"d_model must be positive, got {self.d_model}")
         need(self.n_layers > 0, f"n_layers must be positive, got {self.n_layers}")

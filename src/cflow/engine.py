@@ -30,7 +30,7 @@ import numpy as np
 from cflow import quant
 from cflow.errors import CflowError
 from cflow.sampling import Sampler, SamplingParams
-from cflow.scheduler import build_plan
+from cflow.scheduler import OP_FIELDS, build_plan
 
 DEFAULT_MAX_CTX = 4096
 DEFAULT_MAX_BATCH = 64  # prefill tokens per native call
@@ -155,6 +155,9 @@ def _native_module():
     if not hasattr(_native, "NativeEngine"):
         raise NativeMissingError("cflow._native was built without the decode engine; rebuild with "
                                  "`pip install -e .`")
+    if (_native.ENGINE_DESC_FIELDS, _native.ENGINE_OP_FIELDS) != (_DESC_FIELDS, OP_FIELDS):
+        raise NativeMissingError("cflow._native is older than this cflow (its engine tables differ); rebuild "
+                                 "with `pip install -e .`")
     return _native
 
 
@@ -173,11 +176,12 @@ class Engine:
         self.config = cf.config
         self.path = cf.path
         self.threads = int(threads) if threads else usable_threads()
+        # threads=None: decode picks its thread count from measurements (see ThreadTuner)
         if self.threads < 1:
             raise EngineError(f"threads must be >= 1, got {threads}")
         limit = self.config.max_seq_len
         self.n_ctx = int(n_ctx) if n_ctx else min(limit, DEFAULT_MAX_CTX)
-        if not 1 <= self.n_ctx:
+        if self.n_ctx < 1:
             raise EngineError(f"context size must be >= 1, got {n_ctx}")
         if self.n_ctx > limit:
             raise EngineError(f"context size {self.n_ctx} exceeds the model's max_seq_len {limit}; "
@@ -190,10 +194,14 @@ class Engine:
         except ValueError as e:
             raise EngineError(f"{cf.path}: {e}") from None
         self.tokenizer = Tokenizer(cf.tokenizer)
+        self.tuner = ThreadTuner(self.threads) if threads is None and self.threads > 1 else None
         self.isa: str = self._native.isa
         self._logits = np.zeros(self.config.vocab_size, np.float32)  # [V], reused every step
         self._cached: list[int] = []  # tokens whose K/V sit in the cache at positions 0..n-1
         self.last_timings = Timings()
+        self.last_prompt_len = 0  # prompt tokens of the last generation
+        self.last_finish_reason = ""  # "stop" or "length"
+        self.seed: int | None = None  # the sampling seed the last generation used
         self.load_s = 0.0
 
     # ---- loading ---------------------------------------------------------------------------------
@@ -275,6 +283,21 @@ class Engine:
             desc[k] = (t.offset, quant.DTYPE_IDS[t.dtype], rows, cols, tr, tc)
         return desc
 
+    def close(self) -> None:
+        """Free the engine's memory (KV cache, threads) and unmap the file; the Engine is unusable after."""
+        self.__dict__.pop("_native", None)
+        self.file.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"Engine({self.path!r}, {self.config.name}, threads={self.threads}, n_ctx={self.n_ctx}, "
+                f"isa={self.isa})")
+
     # ---- low level ------------------------------------------------------------------------------
     def reset(self) -> None:
         """Forget the sequence: the next call starts at position 0 (the KV cache is overwritten)."""
@@ -285,7 +308,15 @@ class Engine:
 
         The array is reused by the next call: copy it to keep it."""
         self._check_positions(pos, 1)
-        self._native.step(int(token), int(pos), self._logits)
+        if self.tuner is None:
+            self._native.step(int(token), int(pos), self._logits)
+        else:
+            n = self.tuner.pick()
+            if n != self._native.active_threads:
+                self._native.active_threads = n
+            t0 = time.perf_counter()
+            self._native.step(int(token), int(pos), self._logits)
+            self.tuner.record(n, time.perf_counter() - t0)
         del self._cached[pos:]
         self._cached.append(int(token))
         return self._logits
@@ -298,6 +329,8 @@ class Engine:
         if toks.min() < 0 or toks.max() >= self.config.vocab_size:
             raise EngineError(f"token ids must be in 0..{self.config.vocab_size - 1}")
         self._check_positions(pos0, toks.size)
+        if self.tuner is not None:
+            self._native.active_threads = self.tuner.best
         self._native.prefill(toks.astype(np.int32), int(pos0), self._logits)
         del self._cached[pos0:]
         self._cached.extend(int(t) for t in toks)
@@ -376,13 +409,14 @@ class Engine:
             if tok >= 0:
                 ids.append(tok)
             parts.append(piece)
-        return Completion("".join(parts), ids, self._last_prompt_len, self._last_finish, self.last_timings)
+        return Completion("".join(parts), ids, self.last_prompt_len, self.last_finish_reason, self.last_timings)
 
     def chat(self, messages: list[dict[str, Any]], max_tokens: int | None = 512, **kw: Any) -> Completion:
         """Answer a conversation with the file's chat template (non-streaming)."""
         return self.complete(self.chat_tokens(messages), max_tokens, **kw)
 
-    def chat_stream(self, messages: list[dict[str, Any]], max_tokens: int | None = 512, **kw: Any) -> Iterator[str]:
+    def chat_stream(self, messages: list[dict[str, Any]], max_tokens: int | None = 512,
+                    **kw: Any) -> Iterator[str]:
         """Stream the answer to a conversation, rendered with the file's chat template."""
         return self.generate(self.chat_tokens(messages), max_tokens, **kw)
 
@@ -395,7 +429,8 @@ class Engine:
         ids = [int(t) for t in prompt]
         bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
         if bad:
-            raise EngineError(f"prompt token ids {bad[:5]} are outside the vocabulary (0..{self.config.vocab_size - 1})")
+            raise EngineError(f"prompt token ids {bad[:5]} are outside the vocabulary "
+                              f"(0..{self.config.vocab_size - 1})")
         return ids
 
     def _run(self, prompt: str | Sequence[int], max_tokens: int | None, params: SamplingParams,
@@ -416,7 +451,7 @@ class Engine:
         detok = self.tokenizer.stream(skip_special=True)
         held = _StopMatcher(stop)
         tm = self.last_timings = Timings(load_s=self.load_s)
-        self._last_prompt_len, self._last_finish = len(ids), "length"
+        self.last_prompt_len, self.last_finish_reason = len(ids), "length"
         self.seed = sampler.seed
 
         t0 = time.perf_counter()
@@ -438,13 +473,13 @@ class Engine:
                 tm.sample_s += time.perf_counter() - ts
                 tm.gen_tokens += 1
                 if tok in stop_ids:
-                    self._last_finish = "stop"
+                    self.last_finish_reason = "stop"
                     break
                 history.append(tok)
                 text, hit = held.feed(detok.put(tok))
                 yield tok, text
                 if hit:
-                    self._last_finish = "stop"
+                    self.last_finish_reason = "stop"
                     break
                 if i + 1 < limit:
                     logits = self.step(tok, len(history) - 1)
@@ -454,6 +489,47 @@ class Engine:
                     yield -1, tail
         finally:
             tm.gen_s = time.perf_counter() - t_gen
+
+
+class ThreadTuner:
+    """Chooses how many of the engine's threads each decode step uses, from measured step times.
+
+    Why: a static split over threads needs every thread at every barrier (~150 per token). When
+    other processes take cores, a thread whose partner is descheduled waits at each one: on the
+    2-core machine shared with one busy process, 2 threads took 5.0 ms per token and 1 thread 3.3
+    ms; on an idle machine more threads win. So decode runs with the fastest count measured and
+    re-measures the others for a few steps every PROBE_EVERY steps. Outputs do not depend on the
+    count (each output row and head is computed identically by whichever thread gets it).
+    Only used when the caller did not fix the thread count.
+    """
+
+    PROBE_EVERY = 64
+    PROBE_STEPS = 3  # the first step of a probe only wakes the threads; it is not timed
+
+    def __init__(self, n: int) -> None:
+        self.choices = sorted({n, max(1, n // 2), 1})
+        self.best = n
+        self.seconds: dict[int, float] = {}  # choice -> smoothed seconds per step
+        self.steps = 0
+        self._probe, self._left = n, 0
+
+    def pick(self) -> int:
+        self.steps += 1
+        if not self._left and (self.steps == 8 or self.steps % self.PROBE_EVERY == 0):
+            others = [c for c in self.choices if c != self.best]
+            self._probe = others[(self.steps // self.PROBE_EVERY) % len(others)]
+            self._left = self.PROBE_STEPS
+        return self._probe if self._left else self.best
+
+    def record(self, used: int, seconds: float) -> None:
+        if self._left:
+            self._left -= 1
+            if self._left == self.PROBE_STEPS - 1:
+                return
+        old = self.seconds.get(used)
+        self.seconds[used] = seconds if old is None else 0.7 * old + 0.3 * seconds
+        if not self._left:
+            self.best = min(self.seconds, key=self.seconds.__getitem__)
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -17,8 +17,9 @@ The chain, each stage optional:
 top-p and min-p see probabilities *before* temperature, as in llama.cpp, so temperature only
 reshapes the draw among the survivors. At least one token always survives. Ties keep the lower id.
 
-Cost: a few argpartitions over the vocabulary, well under a millisecond for 50k tokens; a full
-sort only happens when top-k is off and the top 256 tokens do not already hold p of the mass.
+Cost (50k vocabulary): ~35 us per token with the defaults, ~4 us greedy. With top-k off, top-p
+looks at the best 256, then 4096 tokens, and sorts the whole vocabulary (~4 ms) only when even
+those do not hold p of the mass.
 """
 
 from __future__ import annotations
@@ -83,10 +84,11 @@ class SamplingParams:
 
 
 def apply_repeat_penalty(logits: np.ndarray, recent: Sequence[int], penalty: float) -> np.ndarray:
-    """A copy of logits [V] with the ids in `recent` penalised (see the module docstring)."""
-    out = np.array(logits, dtype=np.float32, copy=True)
+    """logits [V] with the ids in `recent` penalised (see the module docstring): a new array, or
+    `logits` itself when there is nothing to penalise (callers never modify it)."""
     if penalty == 1.0 or len(recent) == 0:
-        return out
+        return logits
+    out = np.array(logits, dtype=np.float32, copy=True)
     ids = np.unique(np.asarray(recent, dtype=np.int64))
     ids = ids[(ids >= 0) & (ids < out.size)]
     v = out[ids]
@@ -106,12 +108,21 @@ def top_k(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     if k <= 0 or k >= n:
         ids = np.arange(n)
         return _sorted_desc(ids, logits)
-    ids = np.argpartition(-logits, k - 1)[:k]
-    # argpartition may cut a tie at the boundary arbitrarily; include the whole tie, then trim.
-    kth = logits[ids].min()
-    ids = np.flatnonzero(logits >= kth)
+    # Every value >= the threshold is kept, so whole ties at the boundary survive until the trim.
+    ids = np.flatnonzero(logits >= _kth_bound(logits, k))
     ids, vals = _sorted_desc(ids, logits[ids])
     return ids[:k], vals[:k]
+
+
+def _kth_bound(x: np.ndarray, k: int, chunk: int = 1024) -> float:
+    """A value <= the k-th largest of x, cheaply: the k-th largest of per-chunk maxima is one (those
+    k maxima are k distinct elements at least that large). 4x faster than argpartition on a 50k
+    vocabulary, and the values above it are typically only a few times k."""
+    m = x.size // chunk
+    if m < k:
+        return float(np.partition(x, x.size - k)[x.size - k])
+    maxima = x[: m * chunk].reshape(m, chunk).max(axis=1)  # [m]
+    return float(np.partition(maxima, m - k)[m - k])
 
 
 def _softmax(x: np.ndarray) -> np.ndarray:
@@ -145,11 +156,14 @@ def _top_p_full(logits: np.ndarray, p: float) -> tuple[np.ndarray, np.ndarray]:
         return top_p(*top_k(logits, 0), p)
     mx = float(logits.max())
     total = np.exp(logits.astype(np.float64) - mx).sum()
-    ids, vals = top_k(logits, _PREFILTER)
-    head = np.cumsum(np.exp(vals.astype(np.float64) - mx)) / total
-    if head[-1] >= p:
-        keep = int(np.searchsorted(head, p, side="left")) + 1
-        return ids[:keep], vals[:keep]
+    for k in (_PREFILTER, 16 * _PREFILTER):
+        if k >= n:
+            break
+        ids, vals = top_k(logits, k)
+        head = np.cumsum(np.exp(vals.astype(np.float64) - mx)) / total
+        if head[-1] >= p:
+            keep = int(np.searchsorted(head, p, side="left")) + 1
+            return ids[:keep], vals[:keep]
     return top_p(*top_k(logits, 0), p)
 
 

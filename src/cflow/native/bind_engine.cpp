@@ -148,6 +148,10 @@ void cf_bind_engine(nb::module_ &m) {
         .def("reset_counters", [](NativeEngine &s) { cf_engine_reset_counters(s.e); })
         .def_prop_ro("n_ctx", [](const NativeEngine &s) { return cf_engine_n_ctx(s.e); })
         .def_prop_ro("threads", [](const NativeEngine &s) { return cf_engine_n_threads(s.e); })
+        .def_prop_rw(
+            "active_threads", [](const NativeEngine &s) { return cf_engine_active_threads(s.e); },
+            [](NativeEngine &s, int n) { cf_engine_set_active_threads(s.e, n); },
+            "threads the next calls use (1..threads); outputs do not depend on it")
         .def_prop_ro("max_batch", [](const NativeEngine &s) { return cf_engine_max_batch(s.e); })
         .def_prop_ro("isa", [](const NativeEngine &s) { return std::string(cf_engine_isa(s.e)); });
 }

@@ -161,8 +161,11 @@ typedef void (*cf_task_fn)(void *ctx, int ith, int nth);
 cf_pool *cf_pool_create(int n_threads); /* the caller counts as thread 0; NULL on failure */
 void cf_pool_free(cf_pool *pool);
 int cf_pool_size(const cf_pool *pool);
-/* Run fn(ctx, ith, nth) on every thread and wait for all (spin, then sleep when idle long).
- * One caller at a time; fn must not call cf_pool_run on the same pool. */
+/* Run the nth = cf_pool_size() shares fn(ctx, ith, nth), ith in [0, nth), and wait for all
+ * (spin, then sleep when idle long). Each share runs exactly once, on the caller or a worker
+ * (ith is the share, not a fixed OS thread: the caller takes over shares that no worker has
+ * picked up yet). Shares may synchronise with each other (barriers). One caller at a time;
+ * fn must not call cf_pool_run on the same pool. */
 void cf_pool_run(cf_pool *pool, cf_task_fn fn, void *ctx);
 
 /* ---- probe.c ----------------------------------------------------------------------------- */

@@ -103,13 +103,19 @@ const cf_kernel_table *cf_kernels_by_name(const char *name) {
     return NULL;
 }
 
-const char *const *cf_available_isas(void) {
-    static const char *names[9];
+static const char *g_names[9];
+static pthread_once_t g_names_once = PTHREAD_ONCE_INIT;
+
+static void names_init(void) {
     const cf_kernel_table *t[8];
     int n = candidate_tables(t);
-    for (int i = 0; i < n; i++) names[i] = t[i]->name;
-    names[n] = NULL;
-    return names;
+    for (int i = 0; i < n; i++) g_names[i] = t[i]->name;
+    g_names[n] = NULL;
+}
+
+const char *const *cf_available_isas(void) {
+    pthread_once(&g_names_once, names_init);
+    return g_names;
 }
 
 static const cf_kernel_table *g_table;

@@ -37,8 +37,10 @@
 // barrier
 
 /* Sense-counting spin barrier. Spinning keeps the wake-up latency in the 100 ns range, which
- * matters with ~200 barriers per token; after a while it yields so an oversubscribed machine
- * (more threads than free cores) degrades gracefully instead of burning whole time slices. */
+ * matters with ~150 barriers per token. After ~5 us it spins on sched_yield() instead: when
+ * another process takes a core, two of our threads may share one, and a waiter that keeps the
+ * core spinning would delay the very thread it waits for by a whole time slice at every barrier
+ * (measured: 80 ms instead of 4 ms per token). With nothing else runnable, yield returns at once. */
 typedef struct {
     atomic_int count;
     atomic_int phase;
@@ -54,7 +56,7 @@ static void barrier_wait(cf_barrier *b) {
         return;
     }
     for (int spins = 0; atomic_load_explicit(&b->phase, memory_order_acquire) == phase; spins++) {
-        if (spins < 20000) cf_cpu_relax();
+        if (spins < 200) cf_cpu_relax(); /* ~25 ns each on current x86 */
         else sched_yield();
     }
 }
@@ -113,6 +115,7 @@ struct cf_engine {
     cf_state s;
     cf_scratch *ts; /* [n_threads] */
     int n_threads, n_ctx, max_batch, kmax, hmax;
+    int active; /* threads a call uses (<= n_threads); the others return at once */
     int32_t *plan;
     int n_ops, n_ring, n_pending;
     const cf_kernel_table *k;
@@ -192,10 +195,12 @@ static void gate_up_rows(const cf_engine *e, const cf_tiled *w, const cf_act_q8 
 }
 
 /* One SwiGLU FFN (fused gate_up, then down) for tokens tok[0..n) whose quantized input is in
- * ts->act; out[t, own rows] = down(hid). Two barriers: gate_up -> down, down -> caller. When
- * `scale` is given, out[t] += scale[i] * result instead (expert outputs into a pending slot). */
+ * ts->act; out[t, own rows] = down(hid). When `scale` is given, out[t] += scale[i] * result
+ * instead (expert outputs into a pending slot). A barrier separates gate_up from down; the one
+ * after down is skipped when `tail` is 0: the caller's next step only touches this thread's own
+ * rows (the RESID op splits rows exactly like a [d, *] mat-vec does). */
 static void ffn(cf_engine *e, const cf_tiled *gate_up, const cf_tiled *down, int hdim,
-                const int *tok, int n, float *out, const float *scale, int ith, int nth) {
+                const int *tok, int n, float *out, const float *scale, int tail, int ith, int nth) {
     cf_state *s = &e->s;
     cf_scratch *ts = &e->ts[ith];
     int d = e->c.d, p0, p1;
@@ -217,7 +222,7 @@ static void ffn(cf_engine *e, const cf_tiled *gate_up, const cf_tiled *down, int
             for (int r = r0; r < r1; r++) o[r] += scale[i] * yy[r];
         }
     }
-    barrier_wait(&e->bar);
+    if (tail) barrier_wait(&e->bar);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -232,6 +237,23 @@ static void op_embed(cf_engine *e, int slot, int ith, int nth) {
     barrier_wait(&e->bar);
 }
 
+/* Heads [u0, u1) of token b's fused QKV output (q heads, then k heads, then v heads): rotate q and
+ * k; store k and v (fp16) in the cache at the token's position. */
+static void qkv_heads(cf_engine *e, size_t layer_kv, int b, int u0, int u1) {
+    const cf_config *c = &e->c;
+    int hd = c->hd, nh = c->n_heads, p = e->pos0 + b;
+    float *row = e->s.qkv + (size_t)b * (nh + 2 * c->n_kv) * hd;
+    const float *cs = e->s.rope + (size_t)b * hd;
+    for (int u = u0; u < u1; u++) {
+        float *v = row + (size_t)u * hd;
+        int kvh = u < nh + c->n_kv ? u - nh : u - nh - c->n_kv;
+        if (u < nh + c->n_kv) e->k->rope(v, 1, hd, cs, cs + hd / 2);
+        if (u < nh) continue;
+        cf_half *cache = u < nh + c->n_kv ? e->s.kcache : e->s.vcache;
+        e->k->f32_to_f16(cache + layer_kv + ((size_t)kvh * e->n_ctx + p) * hd, v, hd);
+    }
+}
+
 static void op_attn(cf_engine *e, int l, int slot, int ith, int nth) {
     const cf_config *c = &e->c;
     const cf_layer *w = &e->w.sets[l % c->n_unique];
@@ -241,33 +263,25 @@ static void op_attn(cf_engine *e, int l, int slot, int ith, int nth) {
     int qkv_dim = q_dim + 2 * kv_dim;
     const float *x = s->ring + (size_t)slot * e->max_batch * d;
 
-    // norm, quantize (every thread, private), fused QKV rows of this thread
+    // norm, quantize (every thread, private), then this thread's heads of the fused QKV
     for (int b = 0; b < B; b++) e->k->rmsnorm(ts->xb + (size_t)b * e->kmax, x + (size_t)b * d,
                                               w->attn_norm, d, c->norm_eps);
     quantize_rows(e, ts->xb, e->kmax, d, ts->act, NULL, B);
-    int g0, g1;
-    split_range(n_groups(&w->wqkv), ith, nth, 1, &g0, &g1);
-    matvec_rows(e, &w->wqkv, ts->act, s->qkv, qkv_dim, NULL, B, g0, g1);
-    barrier_wait(&e->bar);
-
-    // rotate q and k heads; append k, v (fp16) at each token's position
-    int per_tok = c->n_heads + c->n_kv, i0, i1;
     size_t layer_kv = (size_t)l * c->n_kv * e->n_ctx * hd;
-    split_range(B * per_tok, ith, nth, 1, &i0, &i1);
-    for (int i = i0; i < i1; i++) {
-        int b = i / per_tok, j = i % per_tok, p = e->pos0 + b;
-        float *row = s->qkv + (size_t)b * qkv_dim;
-        const float *cs = s->rope + (size_t)b * hd;
-        if (j < c->n_heads) {
-            e->k->rope(row + j * hd, 1, hd, cs, cs + hd / 2);
-            continue;
-        }
-        int kvh = j - c->n_heads;
-        float *k = row + q_dim + kvh * hd, *v = row + q_dim + kv_dim + kvh * hd;
-        e->k->rope(k, 1, hd, cs, cs + hd / 2);
-        size_t at = layer_kv + ((size_t)kvh * e->n_ctx + p) * hd;
-        e->k->f32_to_f16(s->kcache + at, k, hd);
-        e->k->f32_to_f16(s->vcache + at, v, hd);
+    int g0, g1, i0, i1, n_units = c->n_heads + 2 * c->n_kv; /* q heads, k heads, v heads */
+    if (hd % CF_G == 0) {
+        // Split by whole heads, so the thread that computes a head also rotates it and stores
+        // it in the cache: no barrier between the projection and RoPE.
+        int u0, u1, gph = hd / CF_G;
+        split_range(n_units, ith, nth, 1, &u0, &u1);
+        matvec_rows(e, &w->wqkv, ts->act, s->qkv, qkv_dim, NULL, B, u0 * gph, u1 * gph);
+        for (int b = 0; b < B; b++) qkv_heads(e, layer_kv, b, u0, u1);
+    } else {
+        split_range(n_groups(&w->wqkv), ith, nth, 1, &g0, &g1);
+        matvec_rows(e, &w->wqkv, ts->act, s->qkv, qkv_dim, NULL, B, g0, g1);
+        barrier_wait(&e->bar);
+        split_range(B * n_units, ith, nth, 1, &i0, &i1);
+        for (int i = i0; i < i1; i++) qkv_heads(e, layer_kv, i / n_units, i % n_units, i % n_units + 1);
     }
     barrier_wait(&e->bar);
 
@@ -302,7 +316,7 @@ static const float *op_source(const cf_engine *e, int kind, int slot) {
     return kind == CF_SRC_RING ? e->s.ring + (size_t)slot * e->max_batch * e->c.d : e->s.h;
 }
 
-static void op_dense(cf_engine *e, int l, int src_kind, int slot, int ith, int nth) {
+static void op_dense(cf_engine *e, int l, int src_kind, int slot, int tail, int ith, int nth) {
     const cf_layer *w = &e->w.sets[l % e->c.n_unique];
     cf_scratch *ts = &e->ts[ith];
     int d = e->c.d, B = e->B;
@@ -311,7 +325,7 @@ static void op_dense(cf_engine *e, int l, int src_kind, int slot, int ith, int n
                                               w->ffn_norm, d, e->c.norm_eps);
     quantize_rows(e, ts->xb, e->kmax, d, ts->act, NULL, B);
     if (ith == 0) e->cnt.dense += w->dense_bytes;
-    ffn(e, &w->gate_up, &w->down, e->c.d_ff, NULL, B, e->s.f, NULL, ith, nth);
+    ffn(e, &w->gate_up, &w->down, e->c.d_ff, NULL, B, e->s.f, NULL, tail, ith, nth);
 }
 
 /* Thread 0 normalises the MoE input, runs the router (f32) and fills per-expert token lists:
@@ -347,25 +361,29 @@ static void op_route(cf_engine *e, int l, int src_kind, int ith) {
     barrier_wait(&e->bar);
 }
 
-static void op_experts(cf_engine *e, int l, int pslot, int ith, int nth) {
+static void op_experts(cf_engine *e, int l, int pslot, int tail, int ith, int nth) {
     const cf_config *c = &e->c;
     const cf_layer *w = &e->w.sets[l % c->n_unique];
     cf_state *s = &e->s;
     float *out = s->pending + (size_t)pslot * e->max_batch * c->d;
     quantize_rows(e, s->moe_in, c->d, c->d, e->ts[ith].act, NULL, e->B);
-    for (int x = 0; x < c->n_experts; x++) {
+    int last = -1;
+    for (int x = 0; x < c->n_experts; x++)
+        if (s->exp_n[x]) last = x;
+    for (int x = 0; x <= last; x++) {
         int n = s->exp_n[x];
         if (!n) continue; // untouched: its tiles are never read
         if (ith == 0) e->cnt.experts += w->exp_bytes[x];
         const int *tok = s->exp_tok + (size_t)x * e->max_batch;
         ffn(e, &w->exp_gate_up[x], &w->exp_down[x], c->d_exp, tok, n, out,
-            s->exp_w + (size_t)x * e->max_batch, ith, nth);
+            s->exp_w + (size_t)x * e->max_batch, x < last || tail, ith, nth);
     }
 }
 
 static void op_resid(cf_engine *e, int slot, int add_f, int pslot, int ith, int nth) {
     cf_state *s = &e->s;
     int d = e->c.d, r0, r1;
+    // the same rows as this thread's share of a [d, *] mat-vec (wo, down): see ffn()
     split_range(d, ith, nth, CF_G, &r0, &r1);
     float *x = s->ring + (size_t)slot * e->max_batch * d;
     float *pend = pslot >= 0 ? s->pending + (size_t)pslot * e->max_batch * d : NULL;
@@ -402,15 +420,18 @@ static void op_final(cf_engine *e, int slot, int pslot, int ith, int nth) {
 
 static void forward_task(void *ctx, int ith, int nth) {
     cf_engine *e = ctx;
+    if (ith >= e->active) return;
+    nth = e->active;
     for (int i = 0; i < e->n_ops; i++) {
         const int32_t *op = e->plan + (size_t)i * CF_OP_FIELDS;
         int l = op[1], a = op[2], b = op[3], c = op[4];
+        int tail = i + 1 == e->n_ops || op[CF_OP_FIELDS] != CF_OP_RESID; /* barrier needed after */
         switch (op[0]) {
         case CF_OP_EMBED: op_embed(e, a, ith, nth); break;
         case CF_OP_ATTN: op_attn(e, l, a, ith, nth); break;
-        case CF_OP_DENSE: op_dense(e, l, a, b, ith, nth); break;
+        case CF_OP_DENSE: op_dense(e, l, a, b, tail, ith, nth); break;
         case CF_OP_ROUTE: op_route(e, l, a, ith); break;
-        case CF_OP_EXPERTS: op_experts(e, l, a, ith, nth); break;
+        case CF_OP_EXPERTS: op_experts(e, l, a, tail, ith, nth); break;
         case CF_OP_RESID: op_resid(e, a, b, c, ith, nth); break;
         case CF_OP_FINAL: op_final(e, a, b, ith, nth); break;
         }
@@ -431,7 +452,10 @@ static int forward(cf_engine *e, const int32_t *tokens, int B, int pos0, float *
     e->B = B;
     e->pos0 = pos0;
     e->logits = logits;
-    cf_pool_run(e->pool, forward_task, e);
+    if (e->active == 1)
+        forward_task(e, 0, 1); /* no need to wake the pool (sleeping workers take ~50 us) */
+    else
+        cf_pool_run(e->pool, forward_task, e);
     e->cnt.tokens += B;
     e->cnt.calls++;
     return 0;
@@ -483,6 +507,11 @@ void cf_engine_reset_counters(cf_engine *e) {
 }
 int cf_engine_n_ctx(const cf_engine *e) { return e->n_ctx; }
 int cf_engine_n_threads(const cf_engine *e) { return e->n_threads; }
+int cf_engine_active_threads(const cf_engine *e) { return e->active; }
+int cf_engine_set_active_threads(cf_engine *e, int n) {
+    e->active = e->bar.n = MIN(MAX(n, 1), e->n_threads);
+    return e->active;
+}
 int cf_engine_max_batch(const cf_engine *e) { return e->max_batch; }
 const char *cf_engine_isa(const cf_engine *e) { return e->k->name; }
 
@@ -491,16 +520,26 @@ const char *cf_engine_isa(const cf_engine *e) { return e->k->name; }
 
 static int check_config(const cf_config *c, char *err, size_t n) {
     const char *bad = NULL;
-    if (c->vocab <= 0 || c->d <= 0 || c->n_layers <= 0 || c->n_heads <= 0 || c->n_kv <= 0) bad = "sizes must be positive";
-    else if (c->hd <= 0 || c->hd % 2) bad = "head_dim must be positive and even";
-    else if (c->n_heads % c->n_kv) bad = "n_heads must be a multiple of n_kv_heads";
-    else if (c->d % CF_QK || (c->n_heads * c->hd) % CF_QK) bad = "d_model and n_heads*head_dim must be multiples of 32";
-    else if (c->d_ff < 0 || c->d_ff % CF_QK) bad = "d_ff must be a multiple of 32";
-    else if (c->n_experts < 0 || c->n_experts > 4096) bad = "n_experts out of range";
-    else if (c->n_experts && (c->top_k < 1 || c->top_k > c->n_experts || c->top_k > 64)) bad = "top_k must be in 1..min(n_experts, 64)";
-    else if (c->n_experts && (c->d_exp <= 0 || c->d_exp % CF_QK)) bad = "d_expert must be a positive multiple of 32";
-    else if (c->n_unique < 1 || c->n_unique > c->n_layers) bad = "n_unique_layers must be in 1..n_layers";
-    else if (!(c->norm_eps > 0) || !(c->rope_theta > 0)) bad = "norm_eps and rope_theta must be positive";
+    if (c->vocab <= 0 || c->d <= 0 || c->n_layers <= 0 || c->n_heads <= 0 || c->n_kv <= 0)
+        bad = "sizes must be positive";
+    else if (c->hd <= 0 || c->hd % 2)
+        bad = "head_dim must be positive and even";
+    else if (c->n_heads % c->n_kv)
+        bad = "n_heads must be a multiple of n_kv_heads";
+    else if (c->d % CF_QK || (c->n_heads * c->hd) % CF_QK)
+        bad = "d_model and n_heads*head_dim must be multiples of 32 (the block size)";
+    else if (c->d_ff < 0 || c->d_ff % CF_QK)
+        bad = "d_ff must be a multiple of 32 (it is the input width of w_down)";
+    else if (c->n_experts < 0 || c->n_experts > 4096)
+        bad = "n_experts must be in 0..4096";
+    else if (c->n_experts && (c->top_k < 1 || c->top_k > c->n_experts || c->top_k > 64))
+        bad = "top_k must be in 1..min(n_experts, 64)";
+    else if (c->n_experts && (c->d_exp <= 0 || c->d_exp % CF_QK))
+        bad = "d_expert must be a positive multiple of 32";
+    else if (c->n_unique < 1 || c->n_unique > c->n_layers)
+        bad = "n_unique_layers must be in 1..n_layers";
+    else if (!(c->norm_eps > 0) || !(c->rope_theta > 0))
+        bad = "norm_eps and rope_theta must be positive";
     if (bad) set_err(err, n, "bad model config: %s", bad);
     return bad ? -1 : 0;
 }
@@ -623,11 +662,18 @@ static int check_plan(const cf_engine *e, const int32_t *plan, int n_ops, char *
         else if (k == CF_OP_EMBED || k == CF_OP_ATTN) ok = ring_ok;
         else if (k == CF_OP_DENSE)
             ok = c->d_ff > 0 && (a == CF_SRC_H || (a == CF_SRC_RING && b >= 0 && b < e->n_ring));
-        else if (k == CF_OP_ROUTE) ok = c->n_experts > 0 && (a == CF_SRC_H || (a == CF_SRC_HF && c->d_ff > 0));
-        else if (k == CF_OP_EXPERTS) ok = c->n_experts > 0 && pend_ok;
-        else if (k == CF_OP_RESID) ok = ring_ok && (b == 0 || (b == 1 && c->d_ff > 0)) && cc >= -1 && cc < e->n_pending;
-        else if (k == CF_OP_FINAL) ok = ring_ok && b >= -1 && b < e->n_pending && i == n_ops - 1;
-        if (!ok) return set_err(err, n, "plan op %d {%d, %d, %d, %d, %d} is invalid for this model", i, k, l, a, b, cc), -1;
+        else if (k == CF_OP_ROUTE)
+            ok = c->n_experts > 0 && (a == CF_SRC_H || (a == CF_SRC_HF && c->d_ff > 0));
+        else if (k == CF_OP_EXPERTS)
+            ok = c->n_experts > 0 && pend_ok;
+        else if (k == CF_OP_RESID)
+            ok = ring_ok && (b == 0 || (b == 1 && c->d_ff > 0)) && cc >= -1 && cc < e->n_pending;
+        else if (k == CF_OP_FINAL)
+            ok = ring_ok && b >= -1 && b < e->n_pending && i == n_ops - 1;
+        if (!ok) {
+            set_err(err, n, "plan op %d {%d, %d, %d, %d, %d} is invalid for this model", i, k, l, a, b, cc);
+            return -1;
+        }
     }
     return 0;
 }
@@ -635,6 +681,14 @@ static int check_plan(const cf_engine *e, const int32_t *plan, int n_ops, char *
 static void *xcalloc(size_t count, size_t size, int *fail) {
     void *p = calloc(count ? count : 1, size);
     if (!p) *fail = 1;
+    return p;
+}
+
+/* A bump allocator over one per-thread block: each piece starts on its own cache line. */
+static size_t carve_size(size_t n) { return (n + 63) & ~(size_t)63; }
+static void *carve(uint8_t **m, size_t n) {
+    void *p = *m;
+    *m += carve_size(n);
     return p;
 }
 
@@ -665,27 +719,24 @@ static int alloc_state(cf_engine *e) {
     e->ts = xcalloc(e->n_threads, sizeof(cf_scratch), &fail);
     if (fail) return -1;
     size_t K = e->kmax, KB = K / CF_QK;
+    size_t xb = MAX(B, 2) * K * 4; /* two rows even when B = 1: op_final uses the second */
+    size_t scores = (size_t)c->n_heads * e->n_ctx * 4, act = K + 2 * KB * 4;
+    size_t bytes = 64 + carve_size(2 * B * sizeof(cf_act_q8)) + carve_size(xb) + carve_size(scores) +
+                   2 * B * carve_size(act);
     for (int t = 0; t < e->n_threads; t++) {
         cf_scratch *ts = &e->ts[t];
-        // xb needs two rows even when B = 1 (op_final uses the second)
-        size_t scores = (size_t)c->n_heads * e->n_ctx * 4;
-        size_t bytes = MAX(B, 2) * K * 4 + 2 * B * sizeof(cf_act_q8) + 2 * B * (K + 2 * KB * 4) + scores + 64;
         uint8_t *m = ts->mem = xcalloc(bytes, 1, &fail);
         if (fail) return -1;
-        ts->xb = (float *)m;
-        m += MAX(B, 2) * K * 4;
-        ts->scores = (float *)m;
-        m += scores;
-        cf_act_q8 *acts = (cf_act_q8 *)m;
-        m += 2 * B * sizeof(cf_act_q8);
+        m = (uint8_t *)(((uintptr_t)m + 63) & ~(uintptr_t)63);
+        cf_act_q8 *acts = carve(&m, 2 * B * sizeof(cf_act_q8));
         ts->act = acts;
         ts->act2 = acts + B;
+        ts->xb = carve(&m, xb);
+        ts->scores = carve(&m, scores);
         for (size_t i = 0; i < 2 * B; i++) {
-            acts[i].d = (float *)m;
-            acts[i].s = (float *)(m + KB * 4);
-            acts[i].qs = (int8_t *)(m + 2 * KB * 4);
-            acts[i].n = (int)K;
-            m += K + 2 * KB * 4;
+            uint8_t *a = carve(&m, act);
+            acts[i] = (cf_act_q8){.d = (float *)a, .s = (float *)(a + KB * 4), .qs = (int8_t *)(a + 2 * KB * 4),
+                                  .n = (int)K};
         }
     }
     return 0;
@@ -722,7 +773,7 @@ cf_engine *cf_engine_create(const cf_config *cfg, const uint8_t *buf, size_t buf
     e->n_ops = n_ops;
     e->hmax = MAX(cfg->d_ff, cfg->n_experts ? cfg->d_exp : 0);
     e->kmax = MAX(MAX(cfg->d, cfg->n_heads * cfg->hd), e->hmax);
-    e->bar.n = n_threads;
+    e->bar.n = e->active = n_threads;
     if (bind_weights(e, buf, buf_len, desc, n_desc, err, err_len) ||
         check_plan(e, plan, n_ops, err, err_len)) {
         cf_engine_free(e);

@@ -104,11 +104,16 @@ void cf_engine_counters(const cf_engine *e, cf_counters *out);
 /* Per (layer, expert) routing counts since the last reset: out[L * E]. */
 void cf_engine_expert_hits(const cf_engine *e, uint64_t *out);
 void cf_engine_reset_counters(cf_engine *e);
-/* Forget the KV cache (a new sequence starts at position 0). */
-void cf_engine_reset(cf_engine *e);
+/* There is no cache reset: a call at position p overwrites the K/V of p and reads only 0..p, so
+ * starting a new sequence is just calling again from position 0. */
 
 int cf_engine_n_ctx(const cf_engine *e);
 int cf_engine_n_threads(const cf_engine *e);
+/* Threads the next calls use, 1..n_threads (the pool keeps n_threads; results do not depend on
+ * this, since every output row and head is computed the same way whoever computes it). Returns
+ * the value set. Not while a call is running. */
+int cf_engine_set_active_threads(cf_engine *e, int n);
+int cf_engine_active_threads(const cf_engine *e);
 int cf_engine_max_batch(const cf_engine *e);
 const char *cf_engine_isa(const cf_engine *e);
 

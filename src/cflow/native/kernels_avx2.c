@@ -7,12 +7,15 @@
  *
  * Tiled mat-vec, per 32-block of a full 8-row group (DESIGN.md "Tile layout"):
  *   one vcvtph2ps turns the 8 rows' fp16 scales into a vector (lane i = row i);
- *   each row's integer dot with the int8 activation is maddubs (u8 x s8 -> s16 pairs) then madd
- *   with ones (-> 8 x s32); an hadd tree folds the 8 rows' vectors into one vector of 8 row sums;
+ *   Q4: one 32-byte load holds the nibbles of two adjacent rows; their u8 x s8 dot products with
+ *   the activation (maddubs + madd, or one vpdpbusd per nibble half with VNNI) leave 4 partial
+ *   sums per row, and three hadds + one permute fold the 4 row pairs into one vector of the 8
+ *   rows' sums. Q8_0 weights are signed, so maddubs gets |w| and sign(x, w), one row at a time;
  *   then one FMA applies d_w * d_x, and the block's s = d_x*sum(q_x) applies Q4_0's -8 or
- *   Q4_1's +m once per block instead of per weight. Q8_0 weights are signed, so the u8 x s8
- *   maddubs gets |w| and sign(x, w) instead.
- * A thread's share of a tile (a range of groups) is one contiguous run of bytes, read in order.
+ *   Q4_1's +m once per block instead of per weight.
+ * A thread's share of a tile (a range of groups) is one contiguous run of bytes, read in order,
+ * and every row is summed in the same order whatever the split, so results do not depend on
+ * the number of threads.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -20,6 +23,19 @@
 
 #include "cflow.h"
 #include "kernels_internal.h"
+
+/* kernels_avxvnni.c compiles this file again with -mavxvnni and CF_ISA_VNNI=1: the integer dot
+ * products then use vpdpbusd (u8 x s8 -> s32 in one instruction) instead of maddubs + madd. */
+#ifndef CF_ISA_VNNI
+#define CF_ISA_VNNI 0
+#endif
+#if CF_ISA_VNNI
+#define CF_TABLE_NAME "avxvnni"
+#define CF_TABLE_GETTER cf_kernels_avxvnni
+#else
+#define CF_TABLE_NAME "avx2"
+#define CF_TABLE_GETTER cf_kernels_avx2
+#endif
 
 #define INLINE static inline __attribute__((always_inline))
 
@@ -142,8 +158,12 @@ INLINE __m256i dot_q4_pair(const uint8_t *q, __m256i xa, __m256i xb) {
     const __m256i m4 = _mm256_set1_epi8(0x0f);
     __m256i v = _mm256_loadu_si256((const __m256i *)q);
     __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+#if CF_ISA_VNNI
+    return _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), lo, xa), hi, xb);
+#else
     __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xa), _mm256_maddubs_epi16(hi, xb));
     return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
+#endif
 }
 
 /* The 8 row sums of a Q4 block of a full group (nibbles at q, 16 bytes per row), in row order:
@@ -158,8 +178,12 @@ INLINE __m256i group_isum_q4(const uint8_t *q, __m256i xa, __m256i xb) {
  * operand unsigned (|w| <= 128, |pair sum| <= 2*128*127 fits int16). */
 INLINE __m256i dot_q8(const uint8_t *q, __m256i xq) {
     __m256i w = _mm256_loadu_si256((const __m256i *)q);
+#if CF_ISA_VNNI
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), _mm256_sign_epi8(w, w), _mm256_sign_epi8(xq, w));
+#else
     __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xq, w));
     return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
+#endif
 }
 
 INLINE __m256i group_isum_q8(const uint8_t *q, __m256i xq) {
@@ -473,8 +497,8 @@ static void f32_to_f16_avx2(cf_half *out, const float *x, int n) {
 
 /* ---- the table --------------------------------------------------------------------------- */
 
-static const cf_kernel_table TABLE_AVX2 = {
-    .name = "avx2",
+static const cf_kernel_table TABLE = {
+    .name = CF_TABLE_NAME,
     .quantize_act = quantize_act_avx2,
     .matvec = {[CF_Q4_0] = matvec_q4_0_avx2, [CF_Q4_1] = matvec_q4_1_avx2, [CF_Q8_0] = matvec_q8_0_avx2},
     .rmsnorm = rmsnorm_avx2,
@@ -491,4 +515,4 @@ static const cf_kernel_table TABLE_AVX2 = {
     .f32_to_f16 = f32_to_f16_avx2,
 };
 
-const cf_kernel_table *cf_kernels_avx2(void) { return &TABLE_AVX2; }
+const cf_kernel_table *CF_TABLE_GETTER(void) { return &TABLE; }

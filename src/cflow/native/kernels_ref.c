@@ -131,7 +131,7 @@ static float chunk_row_dot(int dtype, const uint8_t *chunk, int g, int i, const 
 }
 
 /* out[r - g0*8] for the rows of groups [g0, g1): walks bands, tiles, groups and blocks in the
- * file's order (cf_tile_walk), so the reference also documents the layout. */
+ * file's order (cf_span, kernels_internal.h); tests check it against cflow.quant. */
 void cf_matvec_groups_ref(const cf_tiled *w, const cf_act_q8 *x, float *out, int g0, int g1) {
     size_t bb = cf_block_bytes(w->dtype);
     int r0 = g0 * CF_G, r1 = cf_min(g1 * CF_G, w->rows);

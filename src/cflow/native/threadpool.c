@@ -1,14 +1,24 @@
 /* threadpool.c — a persistent pool of pthreads for the per-token path.
  *
- * cf_pool_run(fn, ctx) publishes (fn, ctx), bumps a generation counter and runs fn as thread 0
- * on the caller; workers notice the new generation, run fn, and count down `pending`. Both
- * sides spin first (a decode step issues hundreds of runs microseconds apart, and a futex
+ * cf_pool_run(fn, ctx) splits the call into nth shares fn(ctx, ith, nth), ith in [0, nth). The
+ * caller publishes (fn, ctx), bumps a generation counter and runs share 0 itself; workers
+ * notice the new generation and claim the remaining shares one at a time from an atomic
+ * counter. When the caller is done with share 0 it claims whatever shares are still unclaimed,
+ * so a worker that the OS has not scheduled yet (a busy or oversubscribed machine) delays the
+ * call by nothing instead of by a time slice. Each share runs exactly once, on some thread;
+ * shares may rely on running concurrently (barriers between shares are fine), because a thread
+ * only claims a further share after finishing one, and a share that waits at a barrier cannot
+ * finish before every share has been claimed.
+ *
+ * Both sides spin first (a decode step issues hundreds of runs microseconds apart, and a futex
  * round trip costs more than most of them) and sleep on a futex once a spin budget has passed,
  * so an idle pool costs no CPU. Nothing is allocated per run.
  *
  * Lost wake-ups are impossible because each side publishes before it checks: the caller bumps
  * `gen` then reads `sleepers`; a worker bumps `sleepers` then re-reads `gen` inside futex_wait.
- * With sequentially consistent atomics at least one of them sees the other's write.
+ * With sequentially consistent atomics at least one of them sees the other's write. The claim
+ * word carries the generation in its high half, so a late worker can never claim a share of a
+ * newer run with the older run's (fn, ctx).
  * The spin budget is CFLOW_SPIN_US microseconds (default 100).
  */
 #define _GNU_SOURCE
@@ -30,16 +40,12 @@
 #define CACHE_LINE 64
 #define DEFAULT_SPIN_US 100
 
-typedef struct {
-    struct cf_pool *pool;
-    int ith;
-} worker_arg;
-
 struct cf_pool {
     /* Each hot word on its own cache line: workers poll gen while the caller's thread 0
      * and finishing workers hammer pending. */
     _Alignas(CACHE_LINE) _Atomic uint32_t gen;
-    _Alignas(CACHE_LINE) _Atomic uint32_t pending;
+    _Alignas(CACHE_LINE) _Atomic uint64_t work;    /* gen << 32 | next unclaimed share */
+    _Alignas(CACHE_LINE) _Atomic uint32_t pending; /* shares 1..n-1 not finished yet */
     _Alignas(CACHE_LINE) _Atomic int sleepers;  /* workers asleep (or about to be) on gen */
     _Atomic int caller_sleeping;                 /* caller asleep (or about to be) on pending */
     _Atomic int stop;
@@ -48,7 +54,6 @@ struct cf_pool {
     int n;
     long spin_ns;
     pthread_t *threads; /* [n - 1] */
-    worker_arg *args;   /* [n - 1] */
 #ifndef __linux__
     pthread_mutex_t mu;
     pthread_cond_t cv;
@@ -121,16 +126,33 @@ static uint32_t wait_new_generation(cf_pool *p, uint32_t seen) {
     return g;
 }
 
+/* Claim the next share of run `g`; -1 when all are taken or the run is no longer current. */
+static int claim_share(cf_pool *p, uint32_t g) {
+    uint64_t w = atomic_load(&p->work);
+    for (;;) {
+        if ((uint32_t)(w >> 32) != g || (int)(uint32_t)w >= p->n) return -1;
+        if (atomic_compare_exchange_weak(&p->work, &w, w + 1)) return (int)(uint32_t)w;
+    }
+}
+
+/* Run every share of run `g` this thread can claim (fn and ctx belong to run g: the caller
+ * does not publish another run before all of g's shares are finished). */
+static void run_shares(cf_pool *p, uint32_t g) {
+    int ith;
+    while ((ith = claim_share(p, g)) >= 0) {
+        p->fn(p->ctx, ith, p->n);
+        if (atomic_fetch_sub(&p->pending, 1) == 1 && atomic_load(&p->caller_sleeping))
+            word_wake(p, &p->pending, 1);
+    }
+}
+
 static void *worker_main(void *arg) {
-    worker_arg *a = (worker_arg *)arg;
-    cf_pool *p = a->pool;
+    cf_pool *p = (cf_pool *)arg;
     uint32_t seen = 0;
     for (;;) {
         seen = wait_new_generation(p, seen);
         if (atomic_load(&p->stop)) break;
-        p->fn(p->ctx, a->ith, p->n);
-        if (atomic_fetch_sub(&p->pending, 1) == 1 && atomic_load(&p->caller_sleeping))
-            word_wake(p, &p->pending, 1);
+        run_shares(p, seen);
     }
     return NULL;
 }
@@ -175,16 +197,12 @@ cf_pool *cf_pool_create(int n_threads) {
 #endif
     int nw = n_threads - 1;
     p->threads = calloc((size_t)(nw > 0 ? nw : 1), sizeof *p->threads);
-    p->args = calloc((size_t)(nw > 0 ? nw : 1), sizeof *p->args);
-    if (!p->threads || !p->args) {
-        free(p->threads);
-        free(p->args);
+    if (!p->threads) {
         free(p);
         return NULL;
     }
     for (int i = 0; i < nw; i++) {
-        p->args[i] = (worker_arg){p, i + 1};
-        if (pthread_create(&p->threads[i], NULL, worker_main, &p->args[i]) != 0) {
+        if (pthread_create(&p->threads[i], NULL, worker_main, p) != 0) {
             p->n = i + 1; /* shut down the workers that did start */
             cf_pool_free(p);
             return NULL;
@@ -204,7 +222,6 @@ void cf_pool_free(cf_pool *p) {
     pthread_cond_destroy(&p->cv);
 #endif
     free(p->threads);
-    free(p->args);
     free(p);
 }
 
@@ -215,11 +232,14 @@ void cf_pool_run(cf_pool *p, cf_task_fn fn, void *ctx) {
         fn(ctx, 0, 1);
         return;
     }
+    uint32_t g = atomic_load(&p->gen) + 1;
     p->fn = fn;
     p->ctx = ctx;
     atomic_store(&p->pending, (uint32_t)(p->n - 1));
-    atomic_fetch_add(&p->gen, 1); /* publishes fn, ctx, pending */
+    atomic_store(&p->work, (uint64_t)g << 32 | 1); /* share 0 is the caller's */
+    atomic_store(&p->gen, g);                      /* publishes fn, ctx, pending, work */
     if (atomic_load(&p->sleepers) > 0) word_wake(p, &p->gen, INT_MAX);
     fn(ctx, 0, p->n);
+    run_shares(p, g); /* shares no worker has picked up yet */
     wait_all_done(p);
 }

@@ -1,0 +1,126 @@
+"""`cflow chat`: an interactive terminal conversation using the model file's chat template.
+
+Lines are read with readline (history kept in the cflow cache directory); the answer streams as
+it is generated. Commands: /exit (or Ctrl-D) quits, /reset forgets the conversation, /help.
+Ctrl-C stops the current answer (a second Ctrl-C at the prompt quits). When the conversation no
+longer fits the context, the oldest turns are dropped (the system prompt stays). Consecutive
+turns reuse the KV cache of the common prefix, so each answer only evaluates the new tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from cflow.cli.generate import add_model_flags, add_sampling_flags, load_engine, sampling_kwargs
+from cflow.engine import ContextOverflowError
+
+HELP = "commands: /exit (or Ctrl-D) quit, /reset start over, /help this text"
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "chat", help="chat with a model in the terminal",
+        description="An interactive conversation rendered with the model's chat template. " + HELP + ".",
+        epilog="example: cflow chat -m smollm2.cflow -sys \"You are a concise assistant.\"",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_flags(p)
+    p.add_argument("-sys", "--system", "--system-prompt", dest="system", default=None,
+                   help="a system prompt opening the conversation")
+    p.add_argument("-n", "--n-predict", type=int, default=-1,
+                   help="at most this many tokens per answer (default -1: until end of turn)")
+    add_sampling_flags(p)
+    p.add_argument("--perf", action="store_true", help="print tokens/s after each answer")
+    p.set_defaults(func=run)
+
+
+def _setup_readline():
+    try:
+        import readline
+    except ImportError:  # not on every platform; input() still works
+        return None
+    from cflow.engine import cache_dir
+
+    path = cache_dir() / "chat_history"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        readline.read_history_file(path)
+    except OSError:
+        pass
+    readline.set_history_length(1000)
+    return readline, path
+
+
+def _save_history(rl) -> None:
+    if rl is not None:
+        try:
+            rl[0].write_history_file(rl[1])
+        except OSError:
+            pass
+
+
+def _answer(eng, messages: list[dict], max_tokens: int | None, kw: dict) -> str:
+    """Stream one answer; drops the oldest turns while the conversation does not fit."""
+    while True:
+        try:
+            stream = eng.chat_stream(messages, max_tokens, **kw)
+            parts = []
+            try:
+                for piece in stream:
+                    sys.stdout.write(piece)
+                    sys.stdout.flush()
+                    parts.append(piece)
+            except KeyboardInterrupt:
+                sys.stdout.write(" [interrupted]")
+            sys.stdout.write("\n")
+            return "".join(parts)
+        except ContextOverflowError:
+            first = 1 if messages and messages[0]["role"] == "system" else 0
+            if len(messages) - first <= 1:
+                raise
+            del messages[first:first + 2]  # the oldest user turn and its answer
+            print(f"[the conversation is longer than the context ({eng.n_ctx} tokens): dropped the oldest "
+                  f"turn; -c raises the limit]", file=sys.stderr)
+
+
+def run(args: argparse.Namespace) -> int:
+    eng = load_engine(args)
+    kw = sampling_kwargs(args)
+    max_tokens = None if args.n_predict < 0 else args.n_predict
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    messages = list(system)
+    rl = _setup_readline()
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print(f"cflow chat: {eng.path} ({eng.threads} threads, context {eng.n_ctx}). {HELP}", file=sys.stderr)
+    try:
+        while True:
+            try:
+                line = input("> " if interactive else "")
+            except EOFError:
+                break
+            except KeyboardInterrupt:
+                print("", file=sys.stderr)
+                break
+            text = line.strip()
+            if not text:
+                continue
+            if text in ("/exit", "/quit"):
+                break
+            if text == "/reset":
+                messages = list(system)
+                print("[conversation cleared]", file=sys.stderr)
+                continue
+            if text == "/help":
+                print(HELP, file=sys.stderr)
+                continue
+            messages.append({"role": "user", "content": line})
+            reply = _answer(eng, messages, max_tokens, kw)
+            messages.append({"role": "assistant", "content": reply})
+            if args.perf:
+                t = eng.last_timings
+                print(f"[{t.prompt_tokens} prompt tokens at {t.prompt_tps:.1f} t/s, {t.gen_tokens} tokens at "
+                      f"{t.gen_tps:.1f} t/s]", file=sys.stderr)
+    finally:
+        _save_history(rl)
+    return 0

@@ -1,0 +1,165 @@
+"""cflow.sampling: each stage against a plain definition, the chain's order, seeds, statistics."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cflow.sampling import (Sampler, SamplingError, SamplingParams, apply_repeat_penalty, min_p, top_k,
+                            top_p)
+
+
+def logits_of(probs) -> np.ndarray:
+    return np.log(np.asarray(probs, dtype=np.float64)).astype(np.float32)
+
+
+def params(**kw) -> SamplingParams:
+    base = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.0, seed=0)
+    base.update(kw)
+    return SamplingParams(**base)
+
+
+# ---- stages against their definitions ----------------------------------------------------------
+@pytest.mark.parametrize("n", [1, 2, 3, 17, 1000])
+def test_top_k_is_the_k_largest_sorted(n):
+    rng = np.random.default_rng(n)
+    x = rng.normal(size=n).astype(np.float32)
+    for k in (0, 1, 2, 5, n, n + 3):
+        ids, vals = top_k(x, k)
+        want = np.argsort(-x, kind="stable")[: (n if k <= 0 else min(k, n))]
+        assert ids.tolist() == want.tolist() and np.array_equal(vals, x[want])
+
+
+def test_top_k_on_a_large_vocabulary_with_ties():
+    # 50k entries take the chunk-maxima shortcut; quantized values make many ties at the boundary
+    rng = np.random.default_rng(3)
+    x = np.round(rng.normal(size=50_000) * 4).astype(np.float32)
+    for k in (1, 7, 40, 100):
+        ids, vals = top_k(x, k)
+        want = np.lexsort((np.arange(x.size), -x))[:k]
+        assert ids.tolist() == want.tolist() and np.array_equal(vals, x[want])
+
+
+def test_top_k_ties_keep_lower_ids():
+    x = np.array([1.0, 3.0, 3.0, 0.0, 3.0], np.float32)
+    assert top_k(x, 2)[0].tolist() == [1, 2]
+
+
+def test_top_p_keeps_the_smallest_prefix_reaching_p():
+    p = np.array([0.5, 0.3, 0.15, 0.05])
+    ids, vals = top_k(logits_of(p), 0)
+    assert top_p(ids, vals, 0.5)[0].tolist() == [0]         # 0.5 reaches 0.5
+    assert top_p(ids, vals, 0.51)[0].tolist() == [0, 1]     # the crossing token is kept
+    assert top_p(ids, vals, 0.95)[0].tolist() == [0, 1, 2]
+    assert top_p(ids, vals, 0.96)[0].tolist() == [0, 1, 2, 3]
+    assert top_p(ids, vals, 1.0)[0].tolist() == [0, 1, 2, 3]
+
+
+def test_min_p_is_relative_to_the_top_token():
+    p = np.array([0.4, 0.3, 0.2, 0.1])
+    ids, vals = top_k(logits_of(p), 0)
+    assert min_p(ids, vals, 0.49)[0].tolist() == [0, 1, 2]  # keeps p >= 0.196
+    assert min_p(ids, vals, 0.51)[0].tolist() == [0, 1]     # keeps p >= 0.204
+    assert min_p(ids, vals, 1.0)[0].tolist() == [0]
+    assert min_p(ids, vals, 0.0)[0].tolist() == [0, 1, 2, 3]
+
+
+def test_repeat_penalty_divides_positive_and_multiplies_negative():
+    x = np.array([2.0, -2.0, 1.0, 0.5], np.float32)
+    y = apply_repeat_penalty(x, [0, 1, 1, 3, 99], 2.0)  # duplicates and out-of-range ids are harmless
+    assert y.tolist() == [1.0, -4.0, 1.0, 0.25]
+    assert x.tolist() == [2.0, -2.0, 1.0, 0.5]  # the input is not modified
+
+
+def test_repeat_last_n_window():
+    x = np.zeros(10, np.float32)
+    x[1], x[2] = 5.0, 5.5
+    s = Sampler(params(temperature=0, repeat_penalty=100.0, repeat_last_n=2))
+    assert s.sample(x, history=[2, 7, 7]) == 2   # 2 is outside the last 2 tokens
+    assert s.sample(x, history=[7, 2, 7]) == 1   # now it is inside and penalised
+    assert Sampler(params(temperature=0, repeat_penalty=100.0, repeat_last_n=0)).sample(x, [1, 2]) == 2  # off
+    x[3] = 1.0
+    long = [1, 2] + [7] * 100
+    assert Sampler(params(temperature=0, repeat_penalty=100.0, repeat_last_n=64)).sample(x, long) == 2
+    assert Sampler(params(temperature=0, repeat_penalty=100.0, repeat_last_n=-1)).sample(x, long) == 3
+
+
+def test_top_p_over_the_whole_vocabulary_matches_a_full_sort():
+    # top_k off: the sampler tries the top 256 first and must give what a full sort gives
+    rng = np.random.default_rng(0)
+    for scale in (0.5, 3.0, 10.0):
+        x = (rng.normal(size=5000) * scale).astype(np.float32)
+        for p in (0.3, 0.9, 0.999):
+            ids, _ = Sampler(params(top_p=p)).candidates(x)
+            want = top_p(*top_k(x, 0), p)[0]
+            assert ids.tolist() == want.tolist()
+
+
+# ---- the chain ---------------------------------------------------------------------------------
+def test_greedy_is_the_argmax_after_penalties():
+    x = np.array([0.1, 5.0, 4.9, -1.0], np.float32)
+    assert Sampler(params(temperature=0)).sample(x) == 1
+    assert Sampler(params(temperature=0, repeat_penalty=1.1)).sample(x, history=[1]) == 2
+
+
+def test_chain_order_top_p_and_min_p_see_probabilities_before_temperature():
+    # probs 0.5 / 0.3 / 0.2: top_p 0.7 keeps two tokens whatever the temperature
+    x = logits_of([0.5, 0.3, 0.2])
+    for t in (0.1, 1.0, 5.0):
+        ids, probs = Sampler(params(temperature=t, top_p=0.7)).probs(x)
+        assert ids.tolist() == [0, 1]
+    # temperature reshapes the draw among survivors: p0/p1 = (0.5/0.3)^(1/t)
+    ids, probs = Sampler(params(temperature=2.0, top_p=0.7)).probs(x)
+    assert probs[0] / probs[1] == pytest.approx((0.5 / 0.3) ** 0.5, rel=1e-6)
+    # top-k runs before top-p: with k=1 nothing else survives
+    assert Sampler(params(top_k=1, top_p=0.99)).probs(x)[0].tolist() == [0]
+
+
+def test_seed_reproduces_and_differs():
+    x = np.random.default_rng(1).normal(size=300).astype(np.float32)
+
+    def draws(seed):
+        s = Sampler(params(seed=seed))
+        return [s.sample(x) for _ in range(50)]
+
+    assert draws(7) == draws(7)
+    assert draws(7) != draws(8)
+    a, b = Sampler(params(seed=None)), Sampler(params(seed=-1))
+    assert a.seed != b.seed  # random seeds, reported so a run can be repeated
+
+
+def test_sampling_frequencies_follow_the_distribution():
+    # 4 tokens with probabilities 0.4 / 0.3 / 0.2 / 0.1: 20k draws, each frequency within 4 sigma
+    p = np.array([0.4, 0.3, 0.2, 0.1])
+    s = Sampler(params(seed=123))
+    n = 20000
+    counts = np.bincount([s.sample(logits_of(p)) for _ in range(n)], minlength=4)
+    sigma = np.sqrt(n * p * (1 - p))
+    assert (np.abs(counts - n * p) < 4 * sigma).all(), counts
+
+
+def test_temperature_and_filters_statistically():
+    p = np.array([0.4, 0.3, 0.2, 0.1])
+    n = 20000
+    # top_k=2 at temperature 1: only tokens 0 and 1, in ratio 4:3
+    s = Sampler(params(top_k=2, seed=5))
+    c = np.bincount([s.sample(logits_of(p)) for _ in range(n)], minlength=4)
+    assert c[2] == c[3] == 0 and c[0] / n == pytest.approx(4 / 7, abs=0.015)
+    # min_p=0.6: only tokens with p >= 0.24, i.e. 0 and 1
+    s = Sampler(params(min_p=0.6, seed=6))
+    c = np.bincount([s.sample(logits_of(p)) for _ in range(n)], minlength=4)
+    assert c[2] == c[3] == 0
+    # a low temperature concentrates the mass: t=0.25 turns 0.4:0.3 into (4/3)^4 = 3.16
+    s = Sampler(params(temperature=0.25, seed=7))
+    c = np.bincount([s.sample(logits_of(p)) for _ in range(n)], minlength=4)
+    q = p ** 4 / (p ** 4).sum()
+    assert np.abs(c / n - q).max() < 0.015
+
+
+@pytest.mark.parametrize("bad", [dict(temperature=-0.1), dict(top_k=-1), dict(top_p=0.0), dict(top_p=1.5),
+                                 dict(min_p=-0.1), dict(min_p=2.0), dict(repeat_penalty=0.0),
+                                 dict(repeat_last_n=-2), dict(temperature=float("nan")), dict(seed=-5),
+                                 dict(top_k=2.5)])
+def test_bad_values_are_named(bad):
+    with pytest.raises(SamplingError, match=next(iter(bad)).split("_")[0]):
+        params(**bad)
