@@ -16,7 +16,8 @@ from typing import Callable
 
 import numpy as np
 
-from cflow.bench.machine import machine_info, usable_cores
+from cflow.bench.machine import machine_info
+from cflow.engine import usable_threads
 from cflow.bench.runner import BenchRow, run_tests
 from cflow.errors import CflowError
 
@@ -31,10 +32,11 @@ class CflowRunner:
     def __init__(self, model: str | Path, threads: int, n_ctx: int, progress=None):
         from cflow.engine import Engine
 
-        self.engine = Engine.load(model, threads=threads, n_ctx=n_ctx, progress=progress)
+        self.engine = Engine.load(model, threads=threads, n_ctx=n_ctx, log=progress)
 
     def reset(self) -> None:
         self.engine.reset()
+        self.engine.reset_counters()
 
     def prefill(self, tokens: np.ndarray) -> None:
         self.engine.prefill(tokens)
@@ -42,8 +44,17 @@ class CflowRunner:
     def step(self, token: int, pos: int) -> int:
         return int(np.argmax(self.engine.step(token, pos)))
 
-    def weight_bytes_per_token(self) -> float:
-        return float(self.engine.weight_bytes_per_token())
+    def weight_bytes_per_token(self) -> float | None:
+        """Weight bytes the engine's own counters saw per token in the last test (KV reads excluded)."""
+        c = self.engine.counters()
+        if not c.get("tokens"):
+            return None
+        weights = sum(v for k, v in c.items() if k not in ("kv", "tokens", "calls"))
+        return weights / c["tokens"]
+
+
+def _counted_bytes(runner) -> float | None:
+    return runner.weight_bytes_per_token() if isinstance(runner, CflowRunner) else None
 
 
 @dataclass
@@ -114,7 +125,7 @@ def bench(model: str | Path, *, threads: list[int] | None = None, pp: int = 512,
         raise CflowError(f"unknown baseline {compare!r}; choose one of {BASELINES}")
     if reps < 1:
         raise CflowError(f"--reps must be >= 1, got {reps}")
-    threads = threads or [usable_cores()]
+    threads = threads or [usable_threads()]
     n_ctx = n_ctx or max(pp + 8, tg + 8, 256)
     report = BenchReport(model=model, machine=machine_info(), rows=[],
                          model_bytes=Path(model).stat().st_size)
@@ -129,9 +140,15 @@ def bench(model: str | Path, *, threads: list[int] | None = None, pp: int = 512,
 
             runners.append(LlamaCppRunner(model, t, n_ctx))
         vocab = runners[0].engine.config.vocab_size
-        report.rows += run_tests(
-            runners, t, pp=pp, tg=tg, reps=reps, vocab=vocab, warmup=warmup, progress=progress,
-            bytes_per_token=lambda r: r.weight_bytes_per_token() if isinstance(r, CflowRunner) else None)
+        rows = run_tests(runners, t, pp=pp, tg=tg, reps=reps, vocab=vocab, warmup=warmup,
+                         progress=progress, bytes_per_token=_counted_bytes)
+        # Both engines run the same weights (GGUF blocks are kept bit for bit), so the baseline's
+        # tg row reads the same bytes per token; its GB/s column uses cflow's count.
+        ours = {r.test: r.bytes_per_token for r in rows if r.engine == "cflow"}
+        for r in rows:
+            if r.bytes_per_token is None and r.test.startswith("tg"):
+                r.bytes_per_token = ours.get(r.test)
+        report.rows += rows
         report.machine["isa"] = runners[0].engine.isa
         for r in runners:
             if hasattr(r, "close"):

@@ -10,37 +10,7 @@ import platform
 import subprocess
 from functools import lru_cache
 
-
-def usable_cores() -> int:
-    """Cores this process may use: its CPU affinity, capped by a cgroup v2/v1 CPU quota."""
-    try:
-        n = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        n = os.cpu_count() or 1
-    quota = _cgroup_cpu_quota()
-    if quota is not None:
-        n = max(1, min(n, int(quota + 0.5)))
-    return n
-
-
-def _cgroup_cpu_quota() -> float | None:
-    try:  # cgroup v2: "max 100000" or "200000 100000"
-        with open("/sys/fs/cgroup/cpu.max") as f:
-            quota, period = f.read().split()[:2]
-        if quota != "max":
-            return int(quota) / int(period)
-    except (OSError, ValueError):
-        pass
-    try:  # cgroup v1
-        with open("/sys/fs/cgroup/cpu/cpu.cfs_quota_us") as f:
-            quota_us = int(f.read())
-        with open("/sys/fs/cgroup/cpu/cpu.cfs_period_us") as f:
-            period_us = int(f.read())
-        if quota_us > 0:
-            return quota_us / period_us
-    except (OSError, ValueError):
-        pass
-    return None
+from cflow.engine import usable_threads
 
 
 @lru_cache(maxsize=1)
@@ -85,7 +55,7 @@ def machine_info() -> dict:
         "cpu": cpu_model(),
         "machine": platform.machine(),
         "logical_cpus": os.cpu_count(),
-        "usable_cores": usable_cores(),
+        "usable_cores": usable_threads(),
         "features": sorted(f for f in ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx_vnni")
                            if f in cpu_flags()),
         "python": platform.python_version(),
