@@ -29,7 +29,7 @@ class CflowRunner:
 
     name = "cflow"
 
-    def __init__(self, model: str | Path, threads: int, n_ctx: int, progress=None):
+    def __init__(self, model: str | Path, threads: int, n_ctx: int | None, progress=None):
         from cflow.engine import Engine
 
         self.engine = Engine.load(model, threads=threads, n_ctx=n_ctx, log=progress)
@@ -64,6 +64,7 @@ class BenchReport:
     rows: list[BenchRow]
     bandwidth_gbs: dict[int, float] = field(default_factory=dict)  # threads -> measured read GB/s
     model_bytes: int | None = None
+    footprint: dict | None = None  # load time, time to first token, resident memory (fresh process)
     date: str = field(default_factory=lambda: _dt.datetime.now().isoformat(timespec="seconds"))
 
     def ratio(self, row: BenchRow) -> float | None:
@@ -79,6 +80,7 @@ class BenchReport:
             "model": self.model, "date": self.date, "machine": self.machine,
             "model_bytes": self.model_bytes,
             "bandwidth_gbs": {str(k): v for k, v in self.bandwidth_gbs.items()},
+            "footprint": self.footprint,
             "rows": [dict(r.to_dict(), ratio_cflow_over_this=self.ratio(r),
                           pct_of_probe=self._pct(r)) for r in self.rows],
         }
@@ -86,6 +88,22 @@ class BenchReport:
     def _pct(self, row: BenchRow) -> float | None:
         bw = self.bandwidth_gbs.get(row.threads)
         return 100.0 * row.effective_gbs / bw if (bw and row.effective_gbs) else None
+
+    def _footprint_lines(self) -> list[str]:
+        f = self.footprint
+        if not f:
+            return []
+        mb = 1e6
+        overhead = f["rss_after_first_token"] - f["file_bytes"] - f["kv_cache_bytes"]
+        return [
+            f"load {f['load_s']:.2f} s; time to first token {f['ttft_s'] * 1000:.0f} ms "
+            f"({f['prompt_tokens']}-token prompt, {f['threads']} threads)",
+            f"resident memory: {f['rss_before_load'] / mb:.0f} MB before load (Python, numpy, C core), "
+            f"{f['rss_after_load'] / mb:.0f} MB after load (mmap), {f['rss_after_first_token'] / mb:.0f} MB "
+            f"after the first token = file {f['file_bytes'] / mb:.1f} MB + KV cache "
+            f"{f['kv_cache_bytes'] / mb:.1f} MB (n_ctx {f['n_ctx']}) + {overhead / mb:.1f} MB, of which "
+            f"{(overhead - f['rss_before_load']) / mb:.1f} MB beyond the bare interpreter",
+        ]
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
@@ -96,8 +114,10 @@ class BenchReport:
             f"model: `{self.model}`" + (f" ({self.model_bytes / 1e6:.1f} MB)" if self.model_bytes else ""),
             f"machine: {m['cpu']}, {m['usable_cores']} usable cores, ISA {m.get('isa')}, "
             f"cflow {m['cflow']} ({m.get('commit') or 'no git'}), {self.date}",
-            "read bandwidth (cflow probe): " + ", ".join(
-                f"{t} thr {bw:.1f} GB/s" for t, bw in sorted(self.bandwidth_gbs.items())),
+            *(["read bandwidth (cflow probe): " + ", ".join(
+                f"{t} thr {bw:.1f} GB/s" for t, bw in sorted(self.bandwidth_gbs.items()))]
+              if self.bandwidth_gbs else []),
+            *self._footprint_lines(),
             "",
             "| engine | threads | test | t/s | weight MB/token | eff. GB/s | % of probe | cflow / this |",
             "|---|---:|---|---:|---:|---:|---:|---:|",
@@ -115,7 +135,7 @@ class BenchReport:
 
 def bench(model: str | Path, *, threads: list[int] | None = None, pp: int = 512, tg: int = 128,
           reps: int = 5, warmup: bool = True, compare: str | None = None, n_ctx: int | None = None,
-          probe: bool = True, progress: Callable[[str], None] | None = None) -> BenchReport:
+          probe: bool = True, footprint: bool = True, progress: Callable[[str], None] | None = None) -> BenchReport:
     from cflow.bench.bandwidth import read_bandwidth
 
     model = str(model)
@@ -126,9 +146,19 @@ def bench(model: str | Path, *, threads: list[int] | None = None, pp: int = 512,
     if reps < 1:
         raise CflowError(f"--reps must be >= 1, got {reps}")
     threads = threads or [usable_threads()]
-    n_ctx = n_ctx or max(pp + 8, tg + 8, 256)
+    # Loading once up front converts a .gguf into the cache and tells us the model's context limit.
+    with CflowRunner(model, threads[0], None, progress=progress).engine as eng:
+        max_ctx = eng.config.max_seq_len
+    n_ctx = n_ctx or min(max_ctx, max(pp, tg) + 8)  # like llama-bench: room for the test, no more
+    if max(pp, tg) > n_ctx:
+        raise CflowError(f"the test needs {max(pp, tg)} positions but the context is {n_ctx} "
+                         f"(model limit {max_ctx}); lower -p/-n")
     report = BenchReport(model=model, machine=machine_info(), rows=[],
                          model_bytes=Path(model).stat().st_size)
+    if footprint:
+        from cflow.bench.footprint import measure_in_subprocess
+
+        report.footprint = measure_in_subprocess(model, threads[-1])  # the default context a user gets
     for t in threads:
         if probe:
             report.bandwidth_gbs[t] = read_bandwidth(threads=t)

@@ -36,6 +36,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--compare", choices=["llama.cpp"], default=None,
                    help="also run this baseline on the same GGUF (needs `pip install 'cflow-lm[bench]'`)")
     p.add_argument("--no-probe", action="store_true", help="skip the read-bandwidth probe")
+    p.add_argument("--no-footprint", action="store_true",
+                   help="skip the load-time / first-token / resident-memory measurement")
     p.add_argument("-o", "--output", choices=["md", "json"], default="md", help="output format")
     p.add_argument("--out", type=Path, default=None, help="also write the report to this file")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
@@ -48,7 +50,8 @@ def run(args: argparse.Namespace) -> int:
     progress = None if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
     report = bench(args.model, threads=args.threads, pp=args.n_prompt, tg=args.n_gen,
                    reps=args.repetitions, warmup=not args.no_warmup, compare=args.compare,
-                   probe=not args.no_probe, progress=progress)
+                   probe=not args.no_probe, footprint=not args.no_footprint,
+                   progress=progress)
     text = report.to_json() if args.output == "json" else report.to_markdown()
     print(text)
     if args.out:

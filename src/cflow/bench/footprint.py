@@ -1,0 +1,65 @@
+"""Load time, time to first token and resident memory of one engine, measured in a fresh process.
+
+A fresh interpreter keeps the numbers honest: nothing else (a baseline, an earlier engine) sits in
+the address space. Run as `python -m cflow.bench.footprint MODEL THREADS N_CTX` (0: the engine's default
+context); it prints JSON.
+
+Resident memory is split the way users misread it least: the process before loading (Python,
+numpy, the C core), right after loading (mmap: almost nothing is paged in yet), and after the
+first token (every weight page touched once). The budget we hold ourselves to is
+file size + KV cache + < 50 MB.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+PROMPT = "Once upon a time, there was a little"
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def measure(model: str, threads: int, n_ctx: int | None = None) -> dict:
+    from cflow.engine import Engine
+
+    rss0 = _rss_bytes()
+    t0 = time.perf_counter()
+    eng = Engine.load(model, threads=threads, n_ctx=n_ctx)
+    load_s = time.perf_counter() - t0
+    rss_loaded = _rss_bytes()
+    cfg = eng.config
+    kv_bytes = 2 * cfg.n_layers * eng.n_ctx * cfg.kv_dim * 2  # K and V, fp16
+    t1 = time.perf_counter()
+    first = next(iter(eng.generate(PROMPT, max_tokens=1, temperature=0.0)), "")
+    ttft_s = time.perf_counter() - t1
+    return {
+        "model": model, "threads": threads, "n_ctx": eng.n_ctx,
+        "file_bytes": os.path.getsize(eng.path), "kv_cache_bytes": kv_bytes,
+        "load_s": load_s, "ttft_s": ttft_s, "prompt_tokens": eng.last_prompt_len,
+        "first_token": first,
+        "rss_before_load": rss0, "rss_after_load": rss_loaded, "rss_after_first_token": _rss_bytes(),
+    }
+
+
+def measure_in_subprocess(model: str, threads: int, n_ctx: int | None = None) -> dict:
+    out = subprocess.run([sys.executable, "-m", "cflow.bench.footprint", model, str(threads), str(n_ctx or 0)],
+                         capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        from cflow.errors import CflowError
+
+        raise CflowError(f"footprint measurement failed: {out.stderr.strip()[-500:]}")
+    return json.loads(out.stdout)
+
+
+if __name__ == "__main__":
+    print(json.dumps(measure(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]) or None)))

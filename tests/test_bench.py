@@ -1,0 +1,83 @@
+"""`cflow bench` end to end on a tiny model: the report has every row and column it promises,
+the byte counts come from the engine's counters, and bad requests give named errors.
+No timing is asserted: speed is measured by benchmarks, not tests."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cflow.bench import bench
+from cflow.bench.runner import BenchRow, synthetic_tokens
+from cflow.cli import main
+from cflow.errors import CflowError
+
+from test_engine import small_config, write_random_model
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bench") / "tiny.cflow"
+    cfg = small_config("arch2_4_combined", n_layers=3)
+    write_random_model(path, cfg, "q4_0", (32, 64))
+    return path, cfg
+
+
+def test_report_rows_and_counted_bytes(tiny_model):
+    path, cfg = tiny_model
+    rep = bench(path, threads=[1, 2], pp=16, tg=8, reps=2, probe=False, footprint=False)
+    assert [(r.engine, r.test, r.threads) for r in rep.rows] == [
+        ("cflow", "pp16", 1), ("cflow", "tg8", 1), ("cflow", "pp16", 2), ("cflow", "tg8", 2)]
+    for r in rep.rows:
+        assert len(r.samples_ts) == 2 and all(ts > 0 for ts in r.samples_ts)
+    tg = [r for r in rep.rows if r.test == "tg8"]
+    # Only the top-k experts are read, so a token reads less than the whole file's weights.
+    from cflow.engine import Engine
+
+    with Engine.load(path, threads=1) as eng:
+        expected = eng.weight_bytes_per_token()
+        all_experts = sum(t.nbytes for n, t in eng.file.tensors.items() if ".experts." in n)
+    for r in tg:
+        assert r.bytes_per_token is not None
+        # counted bytes: top_k of n_experts experts per layer, the routed mix may differ from the average
+        assert abs(r.bytes_per_token - expected) <= all_experts / cfg.n_experts * cfg.top_k * cfg.n_layers
+    md = rep.to_markdown()
+    assert "| cflow | 2 | tg8 |" in md and "weight MB/token" in md
+    d = json.loads(rep.to_json())
+    assert len(d["rows"]) == 4 and d["rows"][1]["effective_gbs"] > 0
+
+
+def test_ratio_is_ours_over_baseline():
+    rep = bench.__globals__["BenchReport"](model="m", machine={}, rows=[
+        BenchRow("cflow", "tg8", 2, 8, [300.0, 300.0]), BenchRow("llama.cpp", "tg8", 2, 8, [100.0, 100.0])])
+    assert rep.ratio(rep.rows[1]) == pytest.approx(3.0)
+    assert rep.ratio(rep.rows[0]) is None
+
+
+def test_footprint_in_a_fresh_process(tiny_model):
+    path, _ = tiny_model
+    rep = bench(path, threads=[1], pp=0, tg=4, reps=1, warmup=False, probe=False, footprint=True)
+    f = rep.footprint
+    assert f["file_bytes"] == path.stat().st_size
+    assert f["rss_after_first_token"] >= f["rss_before_load"] > 0
+    assert f["ttft_s"] > 0 and f["prompt_tokens"] > 0
+
+
+def test_synthetic_tokens_deterministic_and_in_range():
+    a, b = synthetic_tokens(100, 300), synthetic_tokens(100, 300)
+    assert (a == b).all() and a.min() >= 150 and a.max() < 300
+
+
+def test_bad_requests(tiny_model, tmp_path, capsys):
+    path, _ = tiny_model
+    with pytest.raises(CflowError, match="not found"):
+        bench(tmp_path / "missing.cflow")
+    with pytest.raises(CflowError, match="reps"):
+        bench(path, reps=0, probe=False, footprint=False)
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "-m", str(path), "-t", "0"])
+    assert e.value.code == 2
+    assert "positive integers" in capsys.readouterr().err
+    with pytest.raises(CflowError, match="unknown baseline"):
+        bench(path, compare="vllm", probe=False, footprint=False)
