@@ -76,6 +76,22 @@ def test_gguf_is_converted_once_into_the_cache(engine):
     assert eng.config.n_layers == 30 and eng.config.d_model == 576
 
 
+def test_unreadable_cached_conversion_is_converted_again(gguf, tmp_path, monkeypatch):
+    """A cache entry written by another cflow version (or damaged) is replaced, not fatal.
+    (A fresh cache dir: the module's engines keep their cached file mapped.)"""
+    from cflow.engine import _gguf_cache_path
+
+    monkeypatch.setenv("CFLOW_CACHE", str(tmp_path))
+    stale = _gguf_cache_path(gguf)
+    stale.parent.mkdir(parents=True, exist_ok=True)
+    stale.write_bytes(b"\x89CFLOW\r\n" + b"\0" * 64)  # the right magic, garbage after it
+    logs: list[str] = []
+    with Engine.load(gguf, threads=1, n_ctx=64, log=logs.append) as eng:
+        assert "unreadable" in logs[1] and "converting" in logs[2], logs
+        assert eng.config.n_layers == 30 and Path(eng.path) == stale
+    assert stale.stat().st_size > 90_000_000
+
+
 def test_greedy_continuation_is_sane(engine):
     eng = engine[0]
     c = eng.complete("The capital of France is", max_tokens=8, temperature=0)

@@ -226,12 +226,19 @@ class Engine:
         if p.is_dir():
             raise ModelFormatError(f"{p} is a directory; give a .cflow file (convert a checkpoint directory "
                                    f"with `cflow convert {p} OUT.cflow`)")
-        if _is_gguf(p):
-            p = cls._converted(p, progress, log)
+        gguf = p if _is_gguf(p) else None
+        if gguf is not None:
+            p = cls._converted(gguf, progress, log)
         try:
             cf = open_model(p, mmap=mmap, verify=verify)
         except FormatError as e:
-            raise ModelFormatError(f"{e} (the engine reads .cflow/.vflow files and .gguf files)") from None
+            if gguf is None:
+                raise ModelFormatError(f"{e} (the engine reads .cflow/.vflow files and .gguf files)") from None
+            # A cached conversion this cflow cannot read (written by another version): convert again.
+            if log:
+                log(f"cached conversion {p} is unreadable ({e}); converting again")
+            p.unlink(missing_ok=True)
+            cf = open_model(cls._converted(gguf, progress, log), mmap=mmap, verify=verify)
         eng = cls(cf, threads=threads, n_ctx=n_ctx, max_batch=max_batch)
         eng.load_s = time.perf_counter() - t0
         return eng
