@@ -122,7 +122,6 @@ def test_counters_account_for_the_whole_model_per_token(engine):
     assert 90e6 < touched < 100e6  # ~96 MB per token for SmolLM2-135M Q4_1 with a Q8_0 lm_head
 
 
-@pytest.mark.slow
 def test_teacher_forced_parity_with_hf_transformers(engine, gguf):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")

@@ -258,6 +258,51 @@ def test_failure_mid_write_leaves_old_file_and_no_temp(tmp_path):
     assert _dir_listing(tmp_path) == ["m.cflow"]
 
 
+_KILLED_WRITER = """
+import sys, time
+sys.path.insert(0, {tests!r})
+from test_fileformat import F, make_tensors, small_config, write
+cfg = small_config()
+tensors = make_tensors(cfg)
+
+def stall():
+    print("writing", flush=True)  # the preamble, header and earlier tensors are in the temp file
+    time.sleep(60)
+
+t = tensors[6]
+tensors[6] = F.TensorData(t.name, t.dtype, t.shape, t.layout, stall)
+write({out!r}, cfg, tensors)
+"""
+
+
+def test_killed_writer_leaves_no_output(tmp_path):
+    """SIGKILL mid-write (no cleanup runs): OUT never appears, an existing OUT is untouched."""
+    import signal
+    import subprocess
+
+    out = tmp_path / "m.cflow"
+    for existing in (False, True):
+        if existing:
+            write(out)
+        before = out.read_bytes() if existing else None
+        code = _KILLED_WRITER.format(tests=os.path.dirname(__file__), out=str(out))
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        try:
+            assert proc.stdout.readline().strip() == "writing"
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=30)
+        finally:
+            proc.kill()
+        assert proc.returncode == -signal.SIGKILL
+        if existing:
+            assert out.read_bytes() == before
+        else:
+            assert not out.exists()
+        # the only trace is the hidden temp file the killed process could not remove
+        assert all(n == "m.cflow" or (n.startswith(".m.cflow.") and n.endswith(".tmp"))
+                   for n in _dir_listing(tmp_path))
+
+
 def test_written_file_has_normal_permissions(tmp_path):
     write(tmp_path / "m.cflow")
     mask = os.umask(0)
