@@ -12,10 +12,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from cflow.cli.generate import add_model_flags, add_sampling_flags, load_engine, sampling_kwargs
+from cflow.cli.generate import add_model_flags, add_sampling_flags, check_flags, load_engine, sampling_kwargs
 from cflow.engine import ContextOverflowError
 
 HELP = "commands: /exit (or Ctrl-D) quit, /reset start over, /help this text"
+NO_TEMPLATE = ("cflow chat: this model has no chat template, so a plain ChatML default is used and replies "
+               "may be poor (instruction-tuned models such as SmolLM2 carry their own template)")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -84,7 +86,10 @@ def _answer(eng, messages: list[dict], max_tokens: int | None, kw: dict) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_flags(args)
     eng = load_engine(args)
+    if not eng.tokenizer.chat_template:
+        print(NO_TEMPLATE, file=sys.stderr)
     kw = sampling_kwargs(args)
     max_tokens = None if args.n_predict < 0 else args.n_predict
     system = [{"role": "system", "content": args.system}] if args.system else []

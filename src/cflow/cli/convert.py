@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from cflow.convert import QUANT_CHOICES, ConversionResult
+from cflow.errors import CflowError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -40,11 +42,22 @@ def run(args: argparse.Namespace) -> int:
     from cflow.convert import convert, parse_tile
 
     tile = parse_tile(args.tile)
-    with progress_bar(args.quiet) as progress:
-        result = convert(args.input, args.output, quant=args.quant, tile=tile, order=args.format,
-                         progress=progress)
+    try:
+        with progress_bar(args.quiet) as progress:
+            result = convert(args.input, args.output, quant=args.quant, tile=tile, order=args.format,
+                             progress=progress)
+    except OSError as e:
+        raise os_error(args.output, e) from None
     print(json.dumps(result.to_dict(), indent=2) if args.json else format_summary(result))
     return 0
+
+
+def os_error(output: str, e: OSError) -> CflowError:
+    """An OS failure while converting (unwritable output, full disk, unreadable input) as one line."""
+    name = os.fspath(e.filename) if e.filename else None
+    if name and os.path.dirname(os.path.abspath(name)) != os.path.dirname(os.path.abspath(output)):
+        return CflowError(f"{name}: {e.strerror or e}")  # not the output or its temp file: likely the input
+    return CflowError(f"cannot write {output}: {e.strerror or e}")
 
 
 class progress_bar:

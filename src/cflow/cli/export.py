@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from cflow.cli.convert import add_common_flags, format_summary, progress_bar
+from cflow.cli.convert import add_common_flags, format_summary, progress_bar, os_error
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -25,8 +25,11 @@ def run(args: argparse.Namespace) -> int:
     from cflow.convert.checkpoint import convert_checkpoint
 
     tile = parse_tile(args.tile)
-    with progress_bar(args.quiet) as progress:
-        result = convert_checkpoint(args.checkpoint, args.output, quant=args.quant, tile=tile,
-                                    order=order_for(args.output, None), progress=progress)
+    try:
+        with progress_bar(args.quiet) as progress:
+            result = convert_checkpoint(args.checkpoint, args.output, quant=args.quant, tile=tile,
+                                        order=order_for(args.output, None), progress=progress)
+    except OSError as e:
+        raise os_error(args.output, e) from None
     print(json.dumps(result.to_dict(), indent=2) if args.json else format_summary(result))
     return 0

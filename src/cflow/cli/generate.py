@@ -7,6 +7,7 @@ resolution (the built-in model when -m is absent) and the timing report on stder
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 from pathlib import Path
 from typing import Any
@@ -68,6 +69,26 @@ def sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 seed=None if args.seed == -1 else args.seed)
 
 
+# SamplingParams names its fields; the user typed flags.
+_FLAG_OF = {"temperature": "--temp", "top_k": "--top-k", "top_p": "--top-p", "min_p": "--min-p",
+            "repeat_penalty": "--repeat-penalty", "repeat_last_n": "--repeat-last-n", "seed": "-s/--seed"}
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """Reject bad -n / -c / sampling flags before the model loads or anything is printed."""
+    from cflow.sampling import SamplingError, SamplingParams
+
+    if args.n_predict < -1:
+        raise EngineError(f"-n must be >= 0, or -1 for no limit, got {args.n_predict}")
+    if args.ctx_size is not None and args.ctx_size < 0:
+        raise EngineError(f"-c must be >= 0 (0 = the default), got {args.ctx_size}")
+    try:
+        SamplingParams(**sampling_kwargs(args))
+    except SamplingError as e:
+        field = str(e).split(" ", 1)[0]
+        raise SamplingError(f"{_FLAG_OF[field]}: {e}" if field in _FLAG_OF else str(e)) from None
+
+
 def resolve_model(model: str | None) -> str:
     if model:
         return model
@@ -84,12 +105,14 @@ def load_engine(args: argparse.Namespace):
     from cflow.engine import Engine
 
     path = resolve_model(args.model)
-    if args.ctx_size is not None and args.ctx_size < 0:
-        raise EngineError(f"-c must be >= 0 (0 = the default), got {args.ctx_size}")
     log = lambda msg: print(f"cflow: {msg}", file=sys.stderr)  # noqa: E731
-    with progress_bar(quiet=False) as progress:
-        return Engine.load(path, threads=args.threads, n_ctx=args.ctx_size or None, mmap=not args.no_mmap,
-                           progress=progress, log=log)
+    try:
+        with progress_bar(quiet=False) as progress:
+            return Engine.load(path, threads=args.threads, n_ctx=args.ctx_size or None, mmap=not args.no_mmap,
+                               progress=progress, log=log)
+    except OSError as e:  # unreadable model, or a GGUF's cache copy that cannot be written
+        raise EngineError(f"cannot load {path}: {e.strerror or e}"
+                          + (f" ({e.filename})" if e.filename and e.filename != path else "")) from None
 
 
 def print_timings(eng, t, prompt_shown: int) -> None:
@@ -127,14 +150,17 @@ def read_prompt(args: argparse.Namespace) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_flags(args)
     prompt = read_prompt(args)
     eng = load_engine(args)
     out = sys.stdout
+    max_tokens = None if args.n_predict < 0 else args.n_predict
+    stream = eng.generate(prompt, max_tokens, stop=args.stop, **sampling_kwargs(args))
+    # The first step evaluates the prompt, so a prompt too long for the context fails before any output.
+    first = next(stream, "")
     if not args.no_display_prompt:
         out.write(prompt)
-        out.flush()
-    max_tokens = None if args.n_predict < 0 else args.n_predict
-    for piece in eng.generate(prompt, max_tokens, stop=args.stop, **sampling_kwargs(args)):
+    for piece in itertools.chain([first], stream):
         out.write(piece)
         out.flush()
     out.write("\n")

@@ -86,7 +86,12 @@ def _print_text(r: dict[str, Any]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    r = report(args.file, verify=args.verify)
+    from cflow.fileformat import FormatError
+
+    try:
+        r = report(args.file, verify=args.verify)
+    except OSError as e:  # e.g. no permission to read it
+        raise FormatError(f"cannot read {args.file}: {e.strerror or e}") from None
     if args.json:
         print(json.dumps(r, indent=2))
     else:

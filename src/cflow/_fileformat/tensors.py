@@ -1,0 +1,151 @@
+"""Which tensors a model of a given config stores, their shapes, and the orders they are laid out
+in: `.cflow` layer by layer, `.vflow` in the order `cflow.dag.schedule(cfg)` runs the decode step.
+Also the byte-accounting category of a tensor name and the expert a name belongs to."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+from cflow.config import ModelConfig
+from cflow._fileformat.errors import FormatError, MissingTensorError
+from cflow._fileformat.layout import TensorData
+
+
+def _layer_tensors(cfg: ModelConfig, i: int,
+                   experts: Iterable[int] | None = None) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
+    """Tensors of weight set i (and of the given experts, default all), grouped by the decode-step
+    node that reads them."""
+    d, p = cfg.d_model, f"layers.{i}."
+    groups: dict[str, list[tuple[str, tuple[int, ...]]]] = {
+        "attn": [(p + "attn_norm", (d,)), (p + "attn.wqkv", (cfg.q_dim + 2 * cfg.kv_dim, d)),
+                 (p + "attn.wo", (d, cfg.q_dim))],
+        "dense": [], "router": [], "experts": [],
+    }
+    if cfg.has_dense:
+        groups["dense"] = [(p + "ffn_norm", (d,)), (p + "ffn.w_gate_up", (2 * cfg.d_ff, d)),
+                           (p + "ffn.w_down", (d, cfg.d_ff))]
+    if cfg.has_moe:
+        groups["router"] = [(p + "moe_norm", (d,)), (p + "moe.router", (cfg.n_experts, d))]
+        for e in range(cfg.n_experts) if experts is None else experts:
+            q = f"{p}moe.experts.{e}."
+            groups["experts"] += [(q + "w_gate_up", (2 * cfg.d_expert, d)), (q + "w_down", (d, cfg.d_expert))]
+    return groups
+
+
+def expected_count(cfg: ModelConfig) -> int:
+    """How many tensors `model_tensors(cfg)` lists (computed without building it: a damaged header
+    may claim billions of layers)."""
+    per_layer = 3 + 3 * cfg.has_dense + (2 + 2 * cfg.n_experts) * cfg.has_moe
+    return 2 + cfg.n_unique_layers * per_layer + (not cfg.tie_embeddings)
+
+
+def expected_shape(cfg: ModelConfig, name: str) -> tuple[int, ...] | None:
+    """The shape the config implies for a canonical tensor name; None for any other name."""
+    if name in ("tok_emb", "lm_head", "norm"):
+        return model_tensors(cfg, layers=False).get(name)
+    parts = name.split(".")
+    i = _index(parts[1]) if len(parts) >= 3 and parts[0] == "layers" else None
+    if i is None or i >= cfg.n_unique_layers:
+        return None
+    key = expert_of(name)
+    experts = [key[1]] if key is not None and key[1] < cfg.n_experts else []
+    groups = _layer_tensors(cfg, i, experts)
+    return dict(sum(groups.values(), [])).get(name)
+
+
+def model_tensors(cfg: ModelConfig, layers: bool = True) -> dict[str, tuple[int, ...]]:
+    """The tensors a model of this config stores, name -> shape, in `.cflow` (layer-major) order
+    (layers=False: only the ones outside the layers)."""
+    out = {"tok_emb": (cfg.vocab_size, cfg.d_model)}
+    for i in range(cfg.n_unique_layers if layers else 0):
+        for group in _layer_tensors(cfg, i).values():
+            out.update(group)
+    out["norm"] = (cfg.d_model,)
+    if not cfg.tie_embeddings:
+        out["lm_head"] = (cfg.vocab_size, cfg.d_model)
+    return out
+
+
+def node_tensors(cfg: ModelConfig, node: str) -> list[str]:
+    """Tensor names one decode-step DAG node reads ("embed", "L{l}.attn", "L{l}.dense",
+    "L{l}.router", "L{l}.experts", "lm_head"); layer l reads weight set l % n_unique_layers."""
+    if node == "embed":
+        return ["tok_emb"]
+    if node == "lm_head":
+        return ["norm", "tok_emb" if cfg.tie_embeddings else "lm_head"]
+    layer, _, kind = node.partition(".")
+    l = _index(layer[1:]) if layer[:1] == "L" else None
+    if l is None or kind not in ("attn", "dense", "router", "experts"):
+        raise FormatError(f"unknown DAG node {node!r}; expected embed, L<l>.attn|dense|router|experts, lm_head")
+    return [n for n, _ in _layer_tensors(cfg, cfg.weight_layer(l))[kind]]
+
+
+def _flatten_nodes(obj: Any) -> list[str]:
+    # dag.schedule may return node names, node objects with .name, or stages (lists) of either.
+    if isinstance(obj, str):
+        return [obj]
+    if hasattr(obj, "name") and isinstance(obj.name, str):
+        return [obj.name]
+    for attr in ("stages", "nodes", "order"):
+        if hasattr(obj, attr) and not callable(getattr(obj, attr)):
+            return _flatten_nodes(getattr(obj, attr))
+    return [n for item in obj for n in _flatten_nodes(item)]
+
+
+def schedule_order(cfg: ModelConfig) -> list[str]:
+    """Tensor names in `.vflow` order: each at its first use in `cflow.dag.schedule(cfg)`."""
+    try:
+        from cflow import dag  # imported late: only vflow writing needs the scheduler
+    except ImportError as e:
+        raise FormatError(f"writing .vflow needs the scheduler (cflow.dag), which failed to import: {e}") from None
+
+    seen: dict[str, None] = {}
+    for node in _flatten_nodes(dag.schedule(cfg)):
+        for name in node_tensors(cfg, node):
+            seen.setdefault(name, None)
+    return list(seen)
+
+
+def _order_tensors(items: list[TensorData], cfg: ModelConfig, order: str) -> list[TensorData]:
+    canon = schedule_order(cfg) if order == "vflow" else list(model_tensors(cfg))
+    placed = set(canon)
+    canon += [n for n in model_tensors(cfg) if n not in placed]  # anything the schedule skipped
+    rank = {n: k for k, n in enumerate(canon)}
+    # Unknown names go last in the order given (sorted() is stable).
+    return sorted(items, key=lambda t: rank.get(t.name, len(rank)))
+
+
+def tensor_category(name: str) -> str:
+    """Byte-accounting category: embeddings, attention, dense, router, experts, norms, other."""
+    if name in ("tok_emb", "lm_head"):
+        return "embeddings"
+    if name == "norm" or name.endswith("_norm"):
+        return "norms"
+    for key, cat in ((".attn.", "attention"), (".ffn.", "dense"), (".moe.experts.", "experts"),
+                     (".moe.router", "router")):
+        if key in name:
+            return cat
+    return "other"
+
+
+def _index(s: str) -> int | None:
+    # a canonical decimal index ("0", "17"; not "07", "²" or "-1")
+    return int(s) if s.isascii() and s.isdigit() and str(int(s)) == s else None
+
+
+def expert_of(name: str) -> tuple[int, int] | None:
+    """(weight layer, expert) for `layers.{i}.moe.experts.{e}.*`, else None."""
+    parts = name.split(".")
+    if len(parts) >= 5 and parts[0] == "layers" and parts[2:4] == ["moe", "experts"]:
+        i, e = _index(parts[1]), _index(parts[4])
+        if i is not None and e is not None:
+            return i, e
+    return None
+
+
+def _check_complete(names: Iterable[str], shapes: dict[str, tuple[int, ...]]) -> None:
+    have = set(names)
+    missing = [n for n in shapes if n not in have]
+    if missing:
+        raise MissingTensorError(f"the model needs {len(missing)} tensor(s) the file does not hold, e.g. "
+                                 f"{missing[:3]}; re-convert the model")
