@@ -9,8 +9,12 @@ GB/s = weight bytes / wall seconds per call; the last column divides by the call
 CPU seconds instead, which on a busy shared machine is the steadier number for 1 thread.
 Compare with `cflow.bench.bandwidth.read_bandwidth`.
 
+With --batch B it instead times the prefill kernel: matmat (B activations, each weight block
+unpacked once) against B separate mat-vecs, hot matrices, 1 thread, in GMAC/s (both include
+quantizing the B activations, as the wrappers do).
+
     python benchmarks/kernels.py [--dtypes q4_0 q4_1 q8_0] [--threads 1 2] [--isa avx2]
-                                 [--seconds 0.3] [--prefetch 8192] [--no-cold]
+                                 [--seconds 0.3] [--prefetch 8192] [--no-cold] [--batch 64]
 """
 
 from __future__ import annotations
@@ -71,6 +75,34 @@ def run(dtypes: list[str], threads: list[int], isas: list[str], seconds: float, 
     return rows_out
 
 
+def best_time(fn, seconds: float) -> float:
+    """Best wall seconds of fn() over about `seconds` (at least 3 calls)."""
+    best, t_end, n = float("inf"), time.perf_counter() + seconds, 0
+    while n < 3 or time.perf_counter() < t_end:
+        t0 = time.perf_counter()
+        fn()
+        best, n = min(best, time.perf_counter() - t0), n + 1
+    return best
+
+
+def run_batch(dtypes: list[str], isas: list[str], B: int, seconds: float) -> list[dict]:
+    rng = np.random.default_rng(0)
+    out = []
+    for dtype in dtypes:
+        for rows, cols in SHAPES[:3]:  # the per-layer matrices; lm_head runs for one token only
+            t = make_tiled(rows, cols, dtype, rng)
+            X = rng.standard_normal((B, cols), dtype=np.float32)
+            dt = Q.DTYPE_IDS[dtype]
+            for isa in isas:
+                s = seconds / (10 if isa == "ref" else 1)
+                mm = best_time(lambda: _native.matmat(t, dt, rows, cols, X, isa=isa), s)
+                mv = best_time(lambda: [_native.matvec(t, dt, rows, cols, x, isa=isa) for x in X], s)
+                macs = rows * cols * B
+                out.append(dict(dtype=dtype, shape=f"{rows}x{cols}", isa=isa, mm=macs / mm / 1e9,
+                                mv=macs / mv / 1e9))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dtypes", nargs="+", default=["q4_0", "q4_1", "q8_0"], choices=list(Q.QUANT_DTYPES))
@@ -79,9 +111,17 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=0.3, help="time per measurement")
     ap.add_argument("--no-cold", action="store_true", help="skip the DRAM (cold cache) runs")
     ap.add_argument("--prefetch", type=int, default=0, help="PREFETCHT0 distance in bytes (0: off)")
+    ap.add_argument("--batch", type=int, default=0, help="time matmat with this many activations instead")
     args = ap.parse_args()
     _native.set_prefetch(args.prefetch)
     t0 = time.time()
+    if args.batch > 0:
+        print(f"| dtype | W [out x in] | isa | matmat GMAC/s (B={args.batch}) | {args.batch} x matvec GMAC/s |")
+        print("|---|---|---|---|---|")
+        for r in run_batch(args.dtypes, args.isa, args.batch, args.seconds):
+            print(f"| {r['dtype']} | {r['shape']} | {r['isa']} | {r['mm']:.1f} | {r['mv']:.1f} |")
+        print(f"# {time.time() - t0:.0f} s")
+        return
     print(f"# kernel tables: {_native.available_isas()} (default {_native.isa()}); "
           f"prefetch {args.prefetch} bytes")
     print("| dtype | W [out x in] | MB | threads | isa | cache | us/call | GB/s | GB/s per thread-0 CPU s |")

@@ -179,6 +179,89 @@ def test_prefetch_switch_keeps_results():
         _native.set_prefetch(0)
 
 
+# ---- batched mat-mat (prefill) ---------------------------------------------------------------
+MM_BATCHES = [1, 2, 3, 4, 5, 8, 13]
+
+
+@pytest.mark.parametrize("cols", [32, 288, 576, 1536])
+@pytest.mark.parametrize("rows", [1, 3, 8, 31, 33, 257])
+@pytest.mark.parametrize("dtype", QDTYPES)
+def test_matmat_matches_oracle_and_matvec(dtype, rows, cols):
+    """Every table's matmat equals cflow.quant per activation, and its own matvec bit for bit
+    (same integer sums, same float operations per row), for every batch size."""
+    rng = rng_for("mm", dtype, rows, cols)
+    t = random_tiled(rng, rows, cols, dtype)
+    X = rng.standard_normal((max(MM_BATCHES), cols), dtype=np.float32)
+    X[1] *= 1e3  # activations of very different scale in one batch
+    want = np.stack([Q.matvec_q8_ref(t, dtype, rows, cols, x) for x in X])
+    scale = np.stack([bound(t, dtype, rows, cols, x) for x in X])
+    for isa in ALL_ISAS:
+        mv = np.stack([_native.matvec(t, Q.DTYPE_IDS[dtype], rows, cols, x, isa=isa) for x in X])
+        for B in MM_BATCHES:
+            got = _native.matmat(t, Q.DTYPE_IDS[dtype], rows, cols, X[:B], isa=isa)
+            assert got.shape == (B, rows)
+            assert_close(got, want[:B], scale[:B], MATVEC_RTOL, f"{isa} matmat {dtype} {rows}x{cols} B={B}")
+            assert np.array_equal(got, mv[:B]), f"{isa} matmat differs from matvec, B={B}"
+
+
+@pytest.mark.parametrize("tile", [(8, 32), (24, 96), (16, 544), (256, 1024)])
+@pytest.mark.parametrize("dtype", QDTYPES)
+@pytest.mark.parametrize("isa", ISAS)
+def test_matmat_tile_shapes_and_ranges(isa, dtype, tile):
+    """Ragged bands and tiles, tiles wider than the unpack buffer (> 16 blocks: the other Q4
+    path), and group ranges that write only their rows."""
+    rows, cols = 203, 1088  # 26 groups, the last one of 3 rows
+    rng = rng_for("mm-tile", dtype, tile)
+    t = random_tiled(rng, rows, cols, dtype, tile)
+    X = rng.standard_normal((7, cols), dtype=np.float32)
+    kw = dict(tile_rows=tile[0], tile_cols=tile[1], isa=isa)
+    mv = np.stack([_native.matvec(t, Q.DTYPE_IDS[dtype], rows, cols, x, **kw) for x in X])
+    want = np.stack([Q.matvec_q8_ref(t, dtype, rows, cols, x, tile) for x in X])
+    scale = np.stack([bound(t, dtype, rows, cols, x, tile) for x in X])
+    full = _native.matmat(t, Q.DTYPE_IDS[dtype], rows, cols, X, **kw)
+    assert_close(full, want, scale, MATVEC_RTOL, f"{isa} {dtype} tile {tile}")
+    assert np.array_equal(full, mv)
+    pool = _native.Pool(3)
+    assert np.array_equal(_native.matmat(t, Q.DTYPE_IDS[dtype], rows, cols, X, pool=pool, **kw), full)
+    for g0, g1 in [(0, 1), (3, 17), (15, 16), (25, 26), (7, 26), (5, 5)]:
+        part = _native.matmat(t, Q.DTYPE_IDS[dtype], rows, cols, X, g0=g0, g1=g1, **kw)
+        r0, r1 = g0 * 8, min(g1 * 8, rows)
+        assert np.array_equal(part[:, r0:r1], full[:, r0:r1]), f"rows of groups [{g0}, {g1}) differ"
+        assert not part[:, :r0].any() and not part[:, r1:].any(), "wrote outside its rows"
+
+
+@pytest.mark.parametrize("d_ff,cols,tile", [(8, 32, Q.TILE), (72, 288, Q.TILE), (1536, 576, Q.TILE),
+                                            (40, 96, (8, 32)), (56, 1088, (24, 1024))])
+@pytest.mark.parametrize("dtype", QDTYPES)
+def test_gate_up_mm_equals_gate_up(dtype, d_ff, cols, tile):
+    """The batched fused SwiGLU front half equals the one-activation kernel bit for bit, for
+    batches that do and do not fill its activation chunks, and for pair ranges."""
+    rng = rng_for("gumm", dtype, d_ff, cols, tile)
+    rows = 2 * d_ff
+    t = random_tiled(rng, rows, cols, dtype, tile)
+    X = rng.standard_normal((70, cols), dtype=np.float32)  # 70 = 64 + 6: a partial chunk
+    kw = dict(tile_rows=tile[0], tile_cols=tile[1])
+    for isa in ALL_ISAS:
+        one = np.stack([_native.gate_up(t, Q.DTYPE_IDS[dtype], rows, cols, x, isa=isa, **kw) for x in X])
+        for B in (1, 3, 64, 70):
+            got = _native.gate_up_mm(t, Q.DTYPE_IDS[dtype], rows, cols, X[:B], isa=isa, **kw)
+            assert np.array_equal(got, one[:B]), f"{isa} gate_up_mm {dtype} B={B}"
+        n_pairs = rows // 16
+        part = _native.gate_up_mm(t, Q.DTYPE_IDS[dtype], rows, cols, X, isa=isa, p0=n_pairs // 2, **kw)
+        h = n_pairs // 2 * 8
+        assert np.array_equal(part[:, h:], one[:, h:]) and not part[:, :h].any()
+
+
+def test_matmat_bad_input():
+    t = Q.quantize_tiled(np.ones((16, 64), np.float32), "q4_0")
+    for f in (lambda: _native.matmat(t, 2, 16, 64, np.ones((2, 32), np.float32)),  # wrong width
+              lambda: _native.matmat(t, 2, 16, 64, np.ones((0, 64), np.float32)),  # no rows
+              lambda: _native.matmat(t, 2, 16, 64, np.ones((2, 64), np.float32), g0=1, g1=3),
+              lambda: _native.gate_up_mm(t, 2, 16, 64, np.ones((2, 64), np.float32), p0=0, p1=2)):
+        with pytest.raises(CflowError):
+            f()
+
+
 # ---- fused gate+up+SiLU --------------------------------------------------------------------
 def silu(v):
     return v / (1.0 + np.exp(-v))
@@ -319,9 +402,13 @@ def test_attention(isa, n_heads, n_kv, hd, n_pos):
     want, b = attention_oracle(q, k, v, n_heads, n_kv, n_pos, scale)
     got = _native.attention(q, k, v, n_heads, n_kv, n_pos, isa=isa)
     assert_close(got, want, b, VEC_RTOL, f"attention {isa}")
-    pool = _native.Pool(3)
-    got_mt = _native.attention(q, k.view(np.uint16), v.view(np.uint16), n_heads, n_kv, n_pos, isa=isa, pool=pool)
-    assert np.array_equal(got_mt, got), "splitting heads over threads changed the result"
+    # head ranges that cut GQA groups (2 and 4 threads over 9 heads in 3 groups) must give the
+    # same bits: a group processed together (K and V rows read once) computes each head as alone
+    for n in (2, 3, 4):
+        pool = _native.Pool(n)
+        got_mt = _native.attention(q, k.view(np.uint16), v.view(np.uint16), n_heads, n_kv, n_pos, isa=isa,
+                                   pool=pool)
+        assert np.array_equal(got_mt, got), f"splitting heads over {n} threads changed the result"
 
 
 # ---- top-k and fp16 ------------------------------------------------------------------------

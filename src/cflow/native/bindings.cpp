@@ -225,6 +225,72 @@ Out<float> gate_up(In1<uint8_t> tiled, int dtype, int rows, int cols, In1<float>
     return y;
 }
 
+// Quantized copies of the rows of X [B, cols], and the table's views of them.
+struct ActQ8Batch {
+    std::vector<ActQ8> rows;
+    std::vector<cf_act_q8> views;
+    ActQ8Batch(const cf_kernel_table *t, const float *X, int B, int cols) {
+        rows.reserve(B);
+        for (int b = 0; b < B; b++) {
+            rows.emplace_back(cols);
+            t->quantize_act(X + (size_t)b * cols, &rows.back().view);
+            views.push_back(rows.back().view);
+        }
+    }
+};
+
+// 2-D result [B, n] as a numpy array.
+Out<float> new_matrix(size_t B, size_t n) {
+    float *data = new float[B * n > 0 ? B * n : 1]();
+    nb::capsule owner(data, [](void *p) noexcept { delete[] static_cast<float *>(p); });
+    return Out<float>(data, {B, n}, owner);
+}
+
+Out<float> matmat(In1<uint8_t> tiled, int dtype, int rows, int cols, In2<float> X, int tile_rows, int tile_cols,
+                  std::optional<std::string> isa, Pool *pool, int g0, int g1) {
+    const cf_kernel_table *t = table(isa);
+    cf_tiled w = tiled_view(tiled.data(), tiled.size(), dtype, rows, cols, tile_rows, tile_cols);
+    check_len(X.shape(1), cols, "each row of X");
+    int B = (int)X.shape(0), ng = cf_n_groups(&w);
+    if (B < 1) bad_input("X has no rows; pass at least one activation");
+    if (g1 < 0) g1 = ng;
+    if (g0 < 0 || g0 > g1 || g1 > ng)
+        bad_input("row-group range [" + std::to_string(g0) + ", " + std::to_string(g1) + ") is outside [0, " + std::to_string(ng) + "]");
+    auto y = new_matrix(B, rows);
+    float *yp = y.data();
+    const float *xp = X.data();
+    {
+        nb::gil_scoped_release rel;
+        ActQ8Batch a(t, xp, B, cols);
+        cf_matmat_fn fn = t->matmat[dtype];
+        parallel_ranges(pool, g1 - g0, [&](int lo, int hi) { fn(&w, a.views.data(), B, yp, rows, g0 + lo, g0 + hi); });
+    }
+    return y;
+}
+
+Out<float> gate_up_mm(In1<uint8_t> tiled, int dtype, int rows, int cols, In2<float> X, int tile_rows, int tile_cols,
+                      std::optional<std::string> isa, Pool *pool, int p0, int p1) {
+    const cf_kernel_table *t = table(isa);
+    cf_tiled w = tiled_view(tiled.data(), tiled.size(), dtype, rows, cols, tile_rows, tile_cols);
+    check_len(X.shape(1), cols, "each row of X");
+    if (rows % (2 * CF_G)) bad_input("gate/up matrix has " + std::to_string(rows) + " rows; it needs 2*d_ff rows with d_ff a multiple of 8");
+    int B = (int)X.shape(0), np = rows / (2 * CF_G);
+    if (B < 1) bad_input("X has no rows; pass at least one activation");
+    if (p1 < 0) p1 = np;
+    if (p0 < 0 || p0 > p1 || p1 > np)
+        bad_input("pair range [" + std::to_string(p0) + ", " + std::to_string(p1) + ") is outside [0, " + std::to_string(np) + "]");
+    auto y = new_matrix(B, rows / 2);
+    float *yp = y.data();
+    const float *xp = X.data();
+    {
+        nb::gil_scoped_release rel;
+        ActQ8Batch a(t, xp, B, cols);
+        cf_gate_up_mm_fn fn = t->gate_up_mm[dtype];
+        parallel_ranges(pool, p1 - p0, [&](int lo, int hi) { fn(&w, a.views.data(), B, yp, rows / 2, p0 + lo, p0 + hi); });
+    }
+    return y;
+}
+
 Out<float> embed_row(In1<uint8_t> tiled, int dtype, int rows, int cols, int r, int tile_rows, int tile_cols,
                      std::optional<std::string> isa) {
     const cf_kernel_table *t = table(isa);
@@ -447,6 +513,13 @@ NB_MODULE(_native, m) {
     m.def("gate_up", &gate_up, arg("tiled"), arg("dtype"), arg("rows"), arg("cols"), arg("x"), arg("tile_rows") = 128,
           arg("tile_cols") = 256, arg("isa") = none, arg("pool") = none, arg("p0") = 0, arg("p1") = -1,
           "silu(gate x) * (up x) from an interleaved [2*d_ff, d] tiled matrix; returns d_ff values.");
+    m.def("matmat", &matmat, arg("tiled"), arg("dtype"), arg("rows"), arg("cols"), arg("X"), arg("tile_rows") = 128,
+          arg("tile_cols") = 256, arg("isa") = none, arg("pool") = none, arg("g0") = 0, arg("g1") = -1,
+          "Y[b] = W X[b] for the B rows of X [B, cols] with the batched (prefill) kernel; returns [B, rows], "
+          "rows of groups [g0, g1) only (others stay 0).");
+    m.def("gate_up_mm", &gate_up_mm, arg("tiled"), arg("dtype"), arg("rows"), arg("cols"), arg("X"), arg("tile_rows") = 128,
+          arg("tile_cols") = 256, arg("isa") = none, arg("pool") = none, arg("p0") = 0, arg("p1") = -1,
+          "gate_up for the B rows of X [B, cols] with the batched kernel; returns [B, d_ff].");
     m.def("embed_row", &embed_row, arg("tiled"), arg("dtype"), arg("rows"), arg("cols"), arg("r"),
           arg("tile_rows") = 128, arg("tile_cols") = 256, arg("isa") = none);
     m.def("bench_matvec", &bench_matvec, arg("buf"), arg("copies"), arg("dtype"), arg("rows"), arg("cols"), arg("x"),

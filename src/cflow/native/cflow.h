@@ -92,6 +92,14 @@ typedef void (*cf_matvec_fn)(const cf_tiled *w, const cf_act_q8 *x, float *y, in
  * d_ff entries. */
 typedef void (*cf_gate_up_fn)(const cf_tiled *w, const cf_act_q8 *x, float *y, int p0, int p1);
 
+/* The batched (prefill) forms: B activations xs[0..B) against the same rows, so each weight block
+ * is unpacked once and used B times. y[b*ldy + r] equals what matvec (gate_up) writes to y[r]
+ * for xs[b] — bit for bit within one table — for the same ranges; other entries are untouched. */
+typedef void (*cf_matmat_fn)(const cf_tiled *w, const cf_act_q8 *xs, int B, float *y, int ldy,
+                             int g0, int g1);
+typedef void (*cf_gate_up_mm_fn)(const cf_tiled *w, const cf_act_q8 *xs, int B, float *y,
+                                 int ldy, int p0, int p1);
+
 typedef struct {
     const char *name; /* "ref", "avx2", ... */
     void (*quantize_act)(const float *x, cf_act_q8 *out);      /* out->n must be set */
@@ -116,6 +124,9 @@ typedef struct {
     void (*swiglu)(float *out, const float *g, const float *u, int n);
     void (*f16_to_f32)(float *out, const cf_half *x, int n);
     void (*f32_to_f16)(cf_half *out, const float *x, int n); /* round to nearest even */
+
+    cf_matmat_fn matmat[16];         /* indexed by cf_dtype */
+    cf_gate_up_mm_fn gate_up_mm[16]; /* indexed by cf_dtype */
 } cf_kernel_table;
 
 /* The table chosen for this CPU (set up on first use; CFLOW_ISA=ref|avx2 overrides). */

@@ -7,9 +7,11 @@
  * writes only its own output rows; the small serial pieces (RMSNorm, activation quantization) are
  * done redundantly by every thread into private scratch, which costs less than a barrier.
  *
- * Prefill runs the same code with B > 1: a thread's row range is walked one tile band at a time,
- * and each band (<= 128 rows, a few tens of KiB) is applied to all B activations while it sits in
- * L2, so weights come from DRAM once per batch instead of once per token.
+ * Prefill runs the same code with B > 1 through the batched kernels (matmat, gate_up_mm): a
+ * thread's share of each tile is read once and every weight block is unpacked once for all B
+ * activations, so weights come from DRAM once per batch and cost one decode per batch. The
+ * tokens routed to an expert are gathered (their activation descriptors, not the data) so they
+ * take the batched kernels too.
  *
  * Nothing on the per-token path allocates. Names: see engine.h.
  */
@@ -118,6 +120,7 @@ typedef struct {
     float *xb;        /* [B, kmax] normalised activations */
     cf_act_q8 *act;   /* [B] quantized input of the current mat-vec */
     cf_act_q8 *act2;  /* [B] quantized FFN hidden (experts keep act for the next expert) */
+    cf_act_q8 *gather; /* [B] descriptors of the tokens routed to one expert (views of act) */
     float *scores;    /* [n_heads, n_ctx] attention scores */
     void *mem;        /* one allocation behind all of the above */
 } cf_scratch;
@@ -215,12 +218,20 @@ static void band_loop(cf_matvec_fn fn, const cf_tiled *w, const cf_act_q8 *act, 
  * the range is walked one tile band at a time so the band is reused from L2 across tokens. */
 static void matvec_rows(const cf_engine *e, const cf_tiled *w, const cf_act_q8 *act, float *y,
                         int ystride, const int *tok, int n, int g0, int g1) {
+    if (!tok && n > 1) { /* contiguous tokens: the batched kernel unpacks each block once */
+        if (g0 < g1) e->k->matmat[w->dtype](w, act, n, y, ystride, g0, g1);
+        return;
+    }
     band_loop(e->k->matvec[w->dtype], w, act, y, ystride, tok, n, g0, g1, w->tile_rows / CF_G);
 }
 
 /* hid[t, 8p..8p+8) = silu(gate) * up for the group pairs [p0, p1) of an interleaved gate_up. */
 static void gate_up_rows(const cf_engine *e, const cf_tiled *w, const cf_act_q8 *act, float *hid,
                          int hstride, const int *tok, int n, int p0, int p1) {
+    if (!tok && n > 1) {
+        if (p0 < p1) e->k->gate_up_mm[w->dtype](w, act, n, hid, hstride, p0, p1);
+        return;
+    }
     band_loop(e->k->gate_up[w->dtype], w, act, hid, hstride, tok, n, p0, p1,
               MAX(1, w->tile_rows / (2 * CF_G)));
 }
@@ -235,21 +246,30 @@ static void ffn(cf_engine *e, const cf_tiled *gate_up, const cf_tiled *down, int
     cf_state *s = &e->s;
     cf_scratch *ts = &e->ts[ith];
     int d = e->c.d, p0, p1;
+    const cf_act_q8 *in = ts->act;
+    const int *rows = tok; /* which rows of hid and y hold token tok[i] (NULL: row i) */
+    if (tok && n > 1 && scale) {
+        // Several routed tokens: gather their activation descriptors so the batched kernels
+        // apply; hid and y (scratch) then hold them in compact rows 0..n-1.
+        for (int i = 0; i < n; i++) ts->gather[i] = ts->act[tok[i]];
+        in = ts->gather;
+        rows = NULL;
+    }
     split_range(hdim / CF_G, ith, nth, 1, &p0, &p1);
-    gate_up_rows(e, gate_up, ts->act, s->hid, e->hmax, tok, n, p0, p1);
+    gate_up_rows(e, gate_up, in, s->hid, e->hmax, rows, n, p0, p1);
     barrier_wait(&e->bar);
 
-    quantize_rows(e, s->hid, e->hmax, hdim, ts->act2, tok, n);
+    quantize_rows(e, s->hid, e->hmax, hdim, ts->act2, rows, n);
     int g0, g1;
     split_range(n_groups(down), ith, nth, 1, &g0, &g1);
     float *dst = scale ? s->y : out;
-    matvec_rows(e, down, ts->act2, dst, d, tok, n, g0, g1);
+    matvec_rows(e, down, ts->act2, dst, d, rows, n, g0, g1);
     if (scale) {
         int r0 = g0 * CF_G, r1 = MIN(g1 * CF_G, d);
         for (int i = 0; i < n; i++) {
             int t = tok ? tok[i] : i;
             float *o = out + (size_t)t * d;
-            const float *yy = s->y + (size_t)t * d;
+            const float *yy = s->y + (size_t)(rows ? rows[i] : i) * d;
             for (int r = r0; r < r1; r++) o[r] += scale[i] * yy[r];
         }
     }
@@ -752,16 +772,17 @@ static int alloc_state(cf_engine *e) {
     size_t K = e->kmax, KB = K / CF_QK;
     size_t xb = MAX(B, 2) * K * 4; /* two rows even when B = 1: op_final uses the second */
     size_t scores = (size_t)c->n_heads * e->n_ctx * 4, act = K + 2 * KB * 4;
-    size_t bytes = 64 + carve_size(2 * B * sizeof(cf_act_q8)) + carve_size(xb) + carve_size(scores) +
+    size_t bytes = 64 + carve_size(3 * B * sizeof(cf_act_q8)) + carve_size(xb) + carve_size(scores) +
                    2 * B * carve_size(act);
     for (int t = 0; t < e->n_threads; t++) {
         cf_scratch *ts = &e->ts[t];
         uint8_t *m = ts->mem = xcalloc(bytes, 1, &fail);
         if (fail) return -1;
         m = (uint8_t *)(((uintptr_t)m + 63) & ~(uintptr_t)63);
-        cf_act_q8 *acts = carve(&m, 2 * B * sizeof(cf_act_q8));
+        cf_act_q8 *acts = carve(&m, 3 * B * sizeof(cf_act_q8));
         ts->act = acts;
         ts->act2 = acts + B;
+        ts->gather = acts + 2 * B;
         ts->xb = carve(&m, xb);
         ts->scores = carve(&m, scores);
         for (size_t i = 0; i < 2 * B; i++) {
@@ -790,7 +811,9 @@ cf_engine *cf_engine_create(const cf_config *cfg, const uint8_t *buf, size_t buf
     e->k = cf_kernels();
     int dts[] = {CF_Q4_0, CF_Q4_1, CF_Q8_0}, missing = !e->k->attention || !e->k->embed_row ||
         !e->k->rope || !e->k->softmax || !e->k->f32_to_f16;
-    for (int i = 0; i < 3; i++) missing |= !e->k->matvec[dts[i]] || !e->k->gate_up[dts[i]];
+    for (int i = 0; i < 3; i++)
+        missing |= !e->k->matvec[dts[i]] || !e->k->gate_up[dts[i]] || !e->k->matmat[dts[i]] ||
+                    !e->k->gate_up_mm[dts[i]];
     if (missing) {
         set_err(err, err_len, "kernel table '%s' lacks kernels the engine needs", e->k->name);
         free(e);

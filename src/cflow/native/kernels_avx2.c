@@ -16,6 +16,12 @@
  * A thread's share of a tile (a range of groups) is one contiguous run of bytes, read in order,
  * and every row is summed in the same order whatever the split, so results do not depend on
  * the number of threads.
+ *
+ * Tiled mat-mat (prefill, B activations): a Q4 block is transposed once (4x4 dword shuffles) so
+ * that lane i of each vector holds 4 bytes of row i; one vpdpbusd (or maddubs) against 4
+ * activation bytes broadcast to all lanes then adds to every row's own lane, so no horizontal
+ * fold is needed per activation, and the unpacked blocks of 4 groups serve all B activations
+ * from L1. Per row the float operations are the mat-vec's, so matmat == B mat-vecs bit for bit.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -154,16 +160,27 @@ static void quantize_act_avx2(const float *x, cf_act_q8 *out) {
  * hi = [row a w16..31 | row b w16..31]; against xa = x0..15 in both lanes and xb = x16..31 in
  * both lanes, maddubs + add (|sum of 4 products| <= 4*15*127, fits int16) + madd leave
  * [row a: 4 x s32 | row b: 4 x s32]. */
-INLINE __m256i dot_q4_pair(const uint8_t *q, __m256i xa, __m256i xb) {
-    const __m256i m4 = _mm256_set1_epi8(0x0f);
-    __m256i v = _mm256_loadu_si256((const __m256i *)q);
-    __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+INLINE __m256i dot_q4_pair_unpacked(__m256i lo, __m256i hi, __m256i xa, __m256i xb) {
 #if CF_ISA_VNNI
     return _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), lo, xa), hi, xb);
 #else
     __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xa), _mm256_maddubs_epi16(hi, xb));
     return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
 #endif
+}
+
+/* The two rows' nibbles at q as bytes 0..15: *lo = weights 0..15, *hi = weights 16..31. */
+INLINE void unpack_q4_pair(const uint8_t *q, __m256i *lo, __m256i *hi) {
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    __m256i v = _mm256_loadu_si256((const __m256i *)q);
+    *lo = _mm256_and_si256(v, m4);
+    *hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+}
+
+INLINE __m256i dot_q4_pair(const uint8_t *q, __m256i xa, __m256i xb) {
+    __m256i lo, hi;
+    unpack_q4_pair(q, &lo, &hi);
+    return dot_q4_pair_unpacked(lo, hi, xa, xb);
 }
 
 /* The 8 row sums of a Q4 block of a full group (nibbles at q, 16 bytes per row), in row order:
@@ -265,6 +282,257 @@ DEFINE_MATVEC(matvec_q4_0_avx2, CF_Q4_0)
 DEFINE_MATVEC(matvec_q4_1_avx2, CF_Q4_1)
 DEFINE_MATVEC(matvec_q8_0_avx2, CF_Q8_0)
 
+/* ---- tiled mat-mat (prefill): each weight block decoded once for many activations -------- */
+
+/* Two paths. Q4 tiles of <= MM_KT blocks (the default 256 columns): q4_groups_mm unpacks up to
+ * MM_GB groups of a tile into an L1 buffer once and runs every activation over it. Q8_0, and
+ * Q4 tiles wider than the buffer: group_dot_mm, MM_NB activations per pass over one group. */
+#ifndef MM_NB
+#define MM_NB 4 /* 8 weight vectors + 4 accumulators + scales nearly fill the 16 ymm registers */
+#endif
+#if MM_NB < 3 || MM_NB > 6
+#error "MM_NB must be 3..6"
+#endif
+
+/* Rows of a transposed Q4 block, lane by lane (see load_q4_block_t). */
+#define MM_ROW_ORDER _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7)
+/* Lane i of this permutation of a transposed-order vector holds row i again. */
+#define MM_ROW_UNDO _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)
+
+/* A full group's Q4 block (8 rows x 16 nibble bytes at q), transposed so that one vpdpbusd
+ * against 4 broadcast activation bytes gives each row's partial sum in its own 32-bit lane: no
+ * horizontal fold per activation. Each pair load holds rows (2j | 2j+1); a 4x4 dword transpose
+ * within the 128-bit lanes of the 4 loads leaves R_k = bytes 4k..4k+3 of rows
+ * [0 2 4 6 | 1 3 5 7] (MM_ROW_ORDER). v[k] = low nibbles of R_k (weights 4k..4k+3) and
+ * v[4+k] = high nibbles (weights 16+4k..16+4k+3), so v[t] pairs with activation dword t. */
+INLINE void load_q4_block_t(const uint8_t *q, __m256i v[8]) {
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    __m256i a = _mm256_loadu_si256((const __m256i *)q), b = _mm256_loadu_si256((const __m256i *)(q + 32));
+    __m256i c = _mm256_loadu_si256((const __m256i *)(q + 64)), d = _mm256_loadu_si256((const __m256i *)(q + 96));
+    __m256i t0 = _mm256_unpacklo_epi32(a, b), t1 = _mm256_unpacklo_epi32(c, d);
+    __m256i t2 = _mm256_unpackhi_epi32(a, b), t3 = _mm256_unpackhi_epi32(c, d);
+    __m256i r[4] = {_mm256_unpacklo_epi64(t0, t1), _mm256_unpackhi_epi64(t0, t1),
+                    _mm256_unpacklo_epi64(t2, t3), _mm256_unpackhi_epi64(t2, t3)};
+    for (int k = 0; k < 4; k++) {
+        v[k] = _mm256_and_si256(r[k], m4);
+        v[4 + k] = _mm256_and_si256(_mm256_srli_epi16(r[k], 4), m4);
+    }
+}
+
+/* The 8 row sums (MM_ROW_ORDER lanes) of a transposed Q4 block against 32 activation int8s. */
+INLINE __m256i isum_q4_t(const __m256i v[8], const int8_t *xk) {
+    const int32_t *x4 = (const int32_t *)xk; /* 8 dwords of 4 int8 each */
+#if CF_ISA_VNNI
+    /* two chains halve the dependent vpdpbusd latency */
+    __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+    for (int t = 0; t < 8; t += 2) {
+        s0 = _mm256_dpbusd_avx_epi32(s0, v[t], _mm256_set1_epi32(x4[t]));
+        s1 = _mm256_dpbusd_avx_epi32(s1, v[t + 1], _mm256_set1_epi32(x4[t + 1]));
+    }
+    return _mm256_add_epi32(s0, s1);
+#else
+    /* each int16 lane sums 8 pairs of 2 products: |16 * 15 * 127| = 30480 fits int16 */
+    __m256i s = _mm256_maddubs_epi16(v[0], _mm256_set1_epi32(x4[0]));
+    for (int t = 1; t < 8; t++) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(v[t], _mm256_set1_epi32(x4[t])));
+    return _mm256_madd_epi16(s, _mm256_set1_epi16(1));
+#endif
+}
+
+/* acc[b] (lane i = row i) = the tile's share of W[8 rows] . xs[b] for b < NB. Each row sees
+ * exactly the float operations of group_dot (Q4 lanes run in MM_ROW_ORDER and are put back at
+ * the end), so the values are the mat-vec's bit for bit, but every Q4 block is loaded,
+ * transposed, unpacked and its scales converted once for all NB activations. */
+INLINE void group_dot_mm(int NB, int dtype, const uint8_t *p, int nkt, const cf_act_q8 *xs,
+                         int kb0, __m256 *acc) {
+    const int8_t *xq[MM_NB];
+    const float *xd[MM_NB], *xsum[MM_NB];
+    for (int b = 0; b < NB; b++) {
+        acc[b] = _mm256_setzero_ps();
+        xq[b] = xs[b].qs + (size_t)kb0 * CF_QK;
+        xd[b] = xs[b].d + kb0;
+        xsum[b] = xs[b].s + kb0;
+    }
+    for (int kb = 0; kb < nkt; kb++) {
+        if (dtype == CF_Q8_0) { /* signed weights: the sign trick needs each x; share d only */
+            __m256 d = load_halves8(p);
+            for (int b = 0; b < NB; b++) {
+                __m256i xv = _mm256_loadu_si256((const __m256i *)(xq[b] + kb * CF_QK));
+                __m256i isum = group_isum_q8(p + 16, xv);
+                __m256 bd = _mm256_broadcast_ss(xd[b] + kb);
+                acc[b] = _mm256_fmadd_ps(d, _mm256_mul_ps(_mm256_cvtepi32_ps(isum), bd), acc[b]);
+            }
+            p += 272;
+            continue;
+        }
+        const int q41 = dtype == CF_Q4_1;
+        __m256 d = _mm256_permutevar8x32_ps(load_halves8(p), MM_ROW_ORDER);
+        __m256 m = q41 ? _mm256_permutevar8x32_ps(load_halves8(p + 16), MM_ROW_ORDER) : _mm256_setzero_ps();
+        __m256i v[8];
+        load_q4_block_t(p + (q41 ? 32 : 16), v);
+        for (int b = 0; b < NB; b++) {
+            __m256 fsum = _mm256_cvtepi32_ps(isum_q4_t(v, xq[b] + kb * CF_QK));
+            __m256 bd = _mm256_broadcast_ss(xd[b] + kb);
+            if (q41) {
+                acc[b] = _mm256_fmadd_ps(d, _mm256_mul_ps(fsum, bd), acc[b]);
+                acc[b] = _mm256_fmadd_ps(m, _mm256_broadcast_ss(xsum[b] + kb), acc[b]);
+            } else {
+                __m256 neg8s = _mm256_mul_ps(_mm256_broadcast_ss(xsum[b] + kb), _mm256_set1_ps(-8.0f));
+                acc[b] = _mm256_fmadd_ps(d, _mm256_fmadd_ps(fsum, bd, neg8s), acc[b]);
+            }
+        }
+        p += q41 ? 160 : 144;
+    }
+    if (dtype != CF_Q8_0)
+        for (int b = 0; b < NB; b++) acc[b] = _mm256_permutevar8x32_ps(acc[b], MM_ROW_UNDO);
+}
+
+#ifndef MM_GB
+#define MM_GB 6 /* Q4 groups unpacked together (6 accumulators + 8 activation dwords in registers;
+                 * measured ~4% faster than 4 on Zen 5, SmolLM2 shapes) */
+#endif
+#if MM_GB < 4 || MM_GB > 6
+#error "MM_GB must be 4..6"
+#endif
+#define MM_KT 16 /* most blocks per tile row the unpacked buffer holds (tile_cols <= 512):
+                  * MM_GB * 16 * 256 B = 24 KiB of transposed nibbles, in L1 */
+
+/* The 8 row sums (MM_ROW_ORDER lanes) of transposed block v against activation dwords xb[8]
+ * (each broadcast to all lanes). */
+INLINE __m256i isum_q4_tx(const __m256i *v, const __m256i *xb) {
+#if CF_ISA_VNNI
+    __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+    for (int t = 0; t < 8; t += 2) {
+        s0 = _mm256_dpbusd_avx_epi32(s0, v[t], xb[t]);
+        s1 = _mm256_dpbusd_avx_epi32(s1, v[t + 1], xb[t + 1]);
+    }
+    return _mm256_add_epi32(s0, s1);
+#else
+    __m256i s = _mm256_maddubs_epi16(v[0], xb[0]); /* int16 bound: see isum_q4_t */
+    for (int t = 1; t < 8; t++) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(v[t], xb[t]));
+    return _mm256_madd_epi16(s, _mm256_set1_epi16(1));
+#endif
+}
+
+/* NG (<= MM_GB) full Q4 groups of one tile (the first at p, group_bytes apart; nkt <= MM_KT
+ * blocks) against all B activations: the groups' blocks are transposed, unpacked and their
+ * scales converted ONCE into an L1 buffer, then each activation's 8 broadcast dwords per block
+ * serve all NG groups. out + b*ldo: the first group's 8 rows of activation b (+= the tile's
+ * share). Per row the float operations are group_dot's, so the results are the mat-vec's. */
+INLINE void q4_groups_mm(int NG, int dtype, const uint8_t *p, size_t group_bytes, int nkt,
+                         const cf_act_q8 *xs, int B, int kb0, float *out, int ldo) {
+    const int q41 = dtype == CF_Q4_1;
+    const size_t chunk = q41 ? 160 : 144;
+    __m256i V[MM_GB * MM_KT * 8]; /* [group][block][8]: 16 KiB */
+    __m256 D[MM_GB * MM_KT], M[MM_GB * MM_KT];
+    for (int g = 0; g < NG; g++)
+        for (int kb = 0; kb < nkt; kb++) {
+            const uint8_t *c = p + g * group_bytes + kb * chunk;
+            int i = g * MM_KT + kb;
+            D[i] = _mm256_permutevar8x32_ps(load_halves8(c), MM_ROW_ORDER);
+            if (q41) M[i] = _mm256_permutevar8x32_ps(load_halves8(c + 16), MM_ROW_ORDER);
+            load_q4_block_t(c + (q41 ? 32 : 16), &V[(size_t)i * 8]);
+        }
+    for (int b = 0; b < B; b++) {
+        const int8_t *xq = xs[b].qs + (size_t)kb0 * CF_QK;
+        const float *xd = xs[b].d + kb0, *xsum = xs[b].s + kb0;
+        __m256 acc[MM_GB];
+        for (int g = 0; g < NG; g++) acc[g] = _mm256_setzero_ps();
+        for (int kb = 0; kb < nkt; kb++) {
+            const int32_t *x4 = (const int32_t *)(xq + kb * CF_QK);
+            __m256i xb[8];
+            for (int t = 0; t < 8; t++) xb[t] = _mm256_set1_epi32(x4[t]);
+            __m256 bd = _mm256_broadcast_ss(xd + kb), bs = _mm256_broadcast_ss(xsum + kb);
+            __m256 neg8s = _mm256_mul_ps(bs, _mm256_set1_ps(-8.0f));
+            for (int g = 0; g < NG; g++) {
+                int i = g * MM_KT + kb;
+                __m256 fsum = _mm256_cvtepi32_ps(isum_q4_tx(&V[(size_t)i * 8], xb));
+                if (q41) {
+                    acc[g] = _mm256_fmadd_ps(D[i], _mm256_mul_ps(fsum, bd), acc[g]);
+                    acc[g] = _mm256_fmadd_ps(M[i], bs, acc[g]);
+                } else {
+                    acc[g] = _mm256_fmadd_ps(D[i], _mm256_fmadd_ps(fsum, bd, neg8s), acc[g]);
+                }
+            }
+        }
+        for (int g = 0; g < NG; g++) {
+            float *o = out + (size_t)b * ldo + g * CF_G;
+            _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), _mm256_permutevar8x32_ps(acc[g], MM_ROW_UNDO)));
+        }
+    }
+}
+
+/* out[b*ldo + r - g0*8] for the rows of groups [g0, g1) and activations b < B. Walks each tile
+ * share once (band, tile, group, as the mat-vec does) and runs all B activations over a group's
+ * chunks while they sit in L1; the short last group goes through the reference. */
+INLINE void matmat_groups(int dtype, const cf_tiled *w, const cf_act_q8 *xs, int B, float *out,
+                          int ldo, int g0, int g1) {
+    int g1_full = cf_min(g1, w->rows / CF_G);
+    size_t bb = cf_block_bytes(dtype);
+    if (g0 < g1_full) {
+        for (int b = 0; b < B; b++)
+            memset(out + (size_t)b * ldo, 0, sizeof(float) * (size_t)(g1_full - g0) * CF_G);
+        cf_span sp;
+        for (cf_span_begin(&sp, w, g0, g1_full); cf_span_next(&sp);) {
+            const uint8_t *p = sp.ptr;
+            size_t group_bytes = (size_t)CF_G * sp.nkt * bb;
+            for (int gr = sp.ga; gr < sp.gb; gr++, p += group_bytes) {
+                float *o = out + (size_t)(gr - g0) * CF_G;
+                if (dtype != CF_Q8_0 && sp.nkt <= MM_KT) { /* up to MM_GB groups at once */
+                    int ng = cf_min(MM_GB, sp.gb - gr);
+#define GB_CASE(N) case N: q4_groups_mm(N, dtype, p, group_bytes, sp.nkt, xs, B, sp.kb0, o, ldo); break
+                    switch (ng) { /* constant NG per call: the group loop unrolls into registers */
+                    GB_CASE(1); GB_CASE(2); GB_CASE(3); GB_CASE(4);
+#if MM_GB > 4
+                    GB_CASE(5); GB_CASE(6);
+#endif
+                    }
+#undef GB_CASE
+                    gr += ng - 1;
+                    p += (size_t)(ng - 1) * group_bytes;
+                    continue;
+                }
+                for (int b0 = 0; b0 < B; b0 += MM_NB) {
+                    __m256 acc[MM_NB];
+                    int nb = cf_min(MM_NB, B - b0);
+                    /* constant NB per call so the activation loop unrolls into registers */
+#define MM_CASE(N) case N: group_dot_mm(N, dtype, p, sp.nkt, xs + b0, sp.kb0, acc); break
+                    switch (nb) {
+                    MM_CASE(1); MM_CASE(2); MM_CASE(3);
+#if MM_NB >= 4
+                    MM_CASE(4);
+#endif
+#if MM_NB >= 5
+                    MM_CASE(5);
+#endif
+#if MM_NB >= 6
+                    MM_CASE(6);
+#endif
+                    }
+#undef MM_CASE
+                    for (int b = 0; b < nb; b++) {
+                        float *ob = o + (size_t)(b0 + b) * ldo;
+                        _mm256_storeu_ps(ob, _mm256_add_ps(_mm256_loadu_ps(ob), acc[b]));
+                    }
+                }
+            }
+        }
+    }
+    if (g1 > g1_full && g1 > g0) {
+        int gs = cf_max(g0, g1_full);
+        for (int b = 0; b < B; b++)
+            cf_matvec_groups_ref(w, &xs[b], out + (size_t)b * ldo + (size_t)(gs - g0) * CF_G, gs, g1);
+    }
+}
+
+#define DEFINE_MATMAT(NAME, DT)                                                                \
+    static void NAME(const cf_tiled *w, const cf_act_q8 *xs, int B, float *y, int ldy, int g0,  \
+                     int g1) {                                                                 \
+        matmat_groups(DT, w, xs, B, y + (size_t)g0 * CF_G, ldy, g0, g1);                       \
+    }
+DEFINE_MATMAT(matmat_q4_0_avx2, CF_Q4_0)
+DEFINE_MATMAT(matmat_q4_1_avx2, CF_Q4_1)
+DEFINE_MATMAT(matmat_q8_0_avx2, CF_Q8_0)
+
 /* ---- fused gate+up+SiLU ------------------------------------------------------------------ */
 
 #define GATE_UP_CHUNK 32 /* pairs per pass: gate/up outputs of 512 floats stay in L1 */
@@ -284,6 +552,46 @@ INLINE void gate_up(int dtype, const cf_tiled *w, const cf_act_q8 *x, float *y, 
         p = pe;
     }
 }
+
+#define GATE_UP_MM_NB 64    /* activations per pass (the engine's default batch): each Q4
+                             * block is unpacked once per 64 */
+#define GATE_UP_MM_PAIRS 8 /* pairs per pass: the gate/up scratch is 64 x 128 floats, 32 KiB */
+
+/* gate_up for B activations: passes of pairs cut at band edges like gate_up's (a row's sum
+ * depends only on its tiles' order, so any pass size gives the mat-vec's values), each pass run
+ * for GATE_UP_MM_NB activations at a time through matmat_groups. */
+INLINE void gate_up_mm(int dtype, const cf_tiled *w, const cf_act_q8 *xs, int B, float *y,
+                       int ldy, int p0, int p1) {
+    enum { LD = 2 * CF_G * GATE_UP_MM_PAIRS };
+    float gu[GATE_UP_MM_NB * LD]; /* [b][pair][gate 8, up 8] */
+    int gpb = w->tile_rows / CF_G;
+    for (int p = p0; p < p1;) {
+        int band_end_pair = ((2 * p) / gpb + 1) * gpb / 2;
+        int pe = cf_min(cf_min(p1, p + GATE_UP_MM_PAIRS), cf_max(p + 1, band_end_pair));
+        for (int b0 = 0; b0 < B; b0 += GATE_UP_MM_NB) {
+            int nb = cf_min(GATE_UP_MM_NB, B - b0);
+            matmat_groups(dtype, w, xs + b0, nb, gu, LD, 2 * p, 2 * pe);
+            for (int b = 0; b < nb; b++) {
+                const float *gb = gu + (size_t)b * LD;
+                float *yb = y + (size_t)(b0 + b) * ldy;
+                for (int j = 0; j < pe - p; j++) {
+                    __m256 g = _mm256_loadu_ps(gb + 16 * j), u = _mm256_loadu_ps(gb + 16 * j + 8);
+                    _mm256_storeu_ps(yb + (size_t)(p + j) * CF_G, _mm256_mul_ps(silu_ps(g), u));
+                }
+            }
+        }
+        p = pe;
+    }
+}
+
+#define DEFINE_GATE_UP_MM(NAME, DT)                                                            \
+    static void NAME(const cf_tiled *w, const cf_act_q8 *xs, int B, float *y, int ldy, int p0,  \
+                     int p1) {                                                                 \
+        gate_up_mm(DT, w, xs, B, y, ldy, p0, p1);                                              \
+    }
+DEFINE_GATE_UP_MM(gate_up_mm_q4_0_avx2, CF_Q4_0)
+DEFINE_GATE_UP_MM(gate_up_mm_q4_1_avx2, CF_Q4_1)
+DEFINE_GATE_UP_MM(gate_up_mm_q8_0_avx2, CF_Q8_0)
 
 #define DEFINE_GATE_UP(NAME, DT)                                                               \
     static void NAME(const cf_tiled *w, const cf_act_q8 *x, float *y, int p0, int p1) {        \
@@ -513,6 +821,9 @@ static const cf_kernel_table TABLE = {
     .swiglu = swiglu_avx2,
     .f16_to_f32 = f16_to_f32_avx2,
     .f32_to_f16 = f32_to_f16_avx2,
+    .matmat = {[CF_Q4_0] = matmat_q4_0_avx2, [CF_Q4_1] = matmat_q4_1_avx2, [CF_Q8_0] = matmat_q8_0_avx2},
+    .gate_up_mm = {[CF_Q4_0] = gate_up_mm_q4_0_avx2, [CF_Q4_1] = gate_up_mm_q4_1_avx2,
+                   [CF_Q8_0] = gate_up_mm_q8_0_avx2},
 };
 
 const cf_kernel_table *CF_TABLE_GETTER(void) { return &TABLE; }

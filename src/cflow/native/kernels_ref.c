@@ -164,6 +164,17 @@ static void gate_up_ref(const cf_tiled *w, const cf_act_q8 *x, float *y, int p0,
     }
 }
 
+/* The batched forms, as B single-activation calls: the definition the ISA versions must match. */
+static void matmat_ref(const cf_tiled *w, const cf_act_q8 *xs, int B, float *y, int ldy, int g0,
+                       int g1) {
+    for (int b = 0; b < B; b++) matvec_ref(w, &xs[b], y + (size_t)b * ldy, g0, g1);
+}
+
+static void gate_up_mm_ref(const cf_tiled *w, const cf_act_q8 *xs, int B, float *y, int ldy,
+                           int p0, int p1) {
+    for (int b = 0; b < B; b++) gate_up_ref(w, &xs[b], y + (size_t)b * ldy, p0, p1);
+}
+
 /* Row r, dequantized: find r's group in every tile of its band and expand its blocks. */
 static void embed_row_ref(const cf_tiled *w, int r, float *out) {
     size_t bb = cf_block_bytes(w->dtype);
@@ -313,6 +324,8 @@ static const cf_kernel_table TABLE_REF = {
     .swiglu = swiglu_ref,
     .f16_to_f32 = f16_to_f32_ref,
     .f32_to_f16 = f32_to_f16_ref,
+    .matmat = {[CF_Q4_0] = matmat_ref, [CF_Q4_1] = matmat_ref, [CF_Q8_0] = matmat_ref},
+    .gate_up_mm = {[CF_Q4_0] = gate_up_mm_ref, [CF_Q4_1] = gate_up_mm_ref, [CF_Q8_0] = gate_up_mm_ref},
 };
 
 const cf_kernel_table *cf_kernels_ref(void) { return &TABLE_REF; }
