@@ -94,15 +94,17 @@ class BenchReport:
         if not f:
             return []
         mb = 1e6
-        overhead = f["rss_after_first_token"] - f["file_bytes"] - f["kv_cache_bytes"]
+        rest = f["rss_after_first_token"] - f["file_bytes"]
         return [
             f"load {f['load_s']:.2f} s; time to first token {f['ttft_s'] * 1000:.0f} ms "
             f"({f['prompt_tokens']}-token prompt, {f['threads']} threads)",
-            f"resident memory: {f['rss_before_load'] / mb:.0f} MB before load (Python, numpy, C core), "
-            f"{f['rss_after_load'] / mb:.0f} MB after load (mmap), {f['rss_after_first_token'] / mb:.0f} MB "
-            f"after the first token = file {f['file_bytes'] / mb:.1f} MB + KV cache "
-            f"{f['kv_cache_bytes'] / mb:.1f} MB (n_ctx {f['n_ctx']}) + {overhead / mb:.1f} MB, of which "
-            f"{(overhead - f['rss_before_load']) / mb:.1f} MB beyond the bare interpreter",
+            f"resident memory: {f['rss_before_load'] / mb:.0f} MB before load (Python, numpy, C core); "
+            f"{f['rss_after_load'] / mb:.0f} MB after load (mmap: weights not paged in yet); "
+            f"{f['rss_after_first_token'] / mb:.0f} MB after the first token = file {f['file_bytes'] / mb:.1f} MB "
+            f"(every weight page touched) + {rest / mb:.1f} MB, of which "
+            f"{(rest - f['rss_before_load']) / mb:.1f} MB beyond the bare interpreter (tokenizer, buffers, "
+            f"KV pages used so far; the KV cache reserves {f['kv_cache_bytes'] / mb:.1f} MB for n_ctx "
+            f"{f['n_ctx']}, resident only as the context fills)",
         ]
 
     def to_json(self) -> str:
