@@ -9,15 +9,15 @@ from typing import Any
 
 from cflow import quant
 from cflow.config import ConfigError, ModelConfig
-from cflow._fileformat.errors import (BadMagicError, DuplicateTensorError, ExpertTableError, FileTooShortError,
+from cflow.fileformat.errors import (BadMagicError, DuplicateTensorError, ExpertTableError, FileTooShortError,
                                       FlagsError, FormatError, HeaderDecodeError, HeaderSchemaError,
                                       HeaderTooLargeError, InvalidConfigError, MisalignedOffsetError,
                                       MissingTensorError, OverlapError, ShapeMismatchError,
                                       TensorOutOfBoundsError, TrailingDataError, TruncatedFileError,
                                       UnknownDtypeError, UnknownLayoutError, UnsupportedVersionError)
-from cflow._fileformat.layout import (_MAX_INT, ALIGN, CHECKSUM_ALGO, CHECKSUM_HEX, FLAG_VFLOW, KNOWN_FLAGS, MAGIC,
+from cflow.fileformat.layout import (_MAX_INT, ALIGN, CHECKSUM_ALGO, CHECKSUM_HEX, FLAG_VFLOW, KNOWN_FLAGS, MAGIC,
                                       MAX_HEADER_BYTES, ORDERS, PREAMBLE, VERSION, TensorEntry, _is_int, _tile_ok)
-from cflow._fileformat.tensors import _check_complete, expected_count, expected_shape, expert_of, model_tensors
+from cflow.fileformat.tensors import _check_complete, expected_count, expected_shape, expert_of, model_tensors
 
 
 def _get(d: dict, key: str, types: type, where: str) -> Any:

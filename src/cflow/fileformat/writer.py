@@ -12,13 +12,13 @@ import numpy as np
 
 from cflow import quant
 from cflow.config import ConfigError, ModelConfig
-from cflow._fileformat.errors import (DuplicateTensorError, FormatError, HeaderSchemaError, HeaderTooLargeError,
+from cflow.fileformat.errors import (DuplicateTensorError, FormatError, HeaderSchemaError, HeaderTooLargeError,
                                       InvalidConfigError, ShapeMismatchError, UnknownDtypeError,
                                       UnknownLayoutError)
-from cflow._fileformat.layout import (ALIGN, CHECKSUM_ALGO, CHECKSUM_HEX, FLAG_VFLOW, MAGIC, MAX_HEADER_BYTES,
+from cflow.fileformat.layout import (ALIGN, CHECKSUM_ALGO, CHECKSUM_HEX, FLAG_VFLOW, MAGIC, MAX_HEADER_BYTES,
                                       ORDERS, PREAMBLE, VERSION, ProgressFn, TensorData, WriteSummary, _align,
                                       _checksum, _descriptor, _tile_ok)
-from cflow._fileformat.tensors import _check_complete, _order_tensors, expert_of, model_tensors
+from cflow.fileformat.tensors import _check_complete, _order_tensors, expert_of, model_tensors
 from cflow.fsutil import atomic_open
 
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 from cflow.config import ModelConfig
-from cflow._fileformat.errors import FormatError, MissingTensorError
-from cflow._fileformat.layout import TensorData
+from cflow.fileformat.errors import FormatError, MissingTensorError
+from cflow.fileformat.layout import TensorData
 
 
 def _layer_tensors(cfg: ModelConfig, i: int,

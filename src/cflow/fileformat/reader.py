@@ -1,4 +1,4 @@
-"""Reading a container: `open_model` validates the file (cflow._fileformat.validate) and returns a
+"""Reading a container: `open_model` validates the file (cflow.fileformat.validate) and returns a
 `CflowFile` whose tensors are read-only views of the mapped bytes; `read_header` and `summarize`
 serve tools such as `cflow inspect`."""
 
@@ -10,11 +10,11 @@ import numpy as np
 
 from cflow import quant
 from cflow.config import ModelConfig
-from cflow._fileformat.errors import (ChecksumError, FormatError, HeaderSchemaError, MissingTensorError,
+from cflow.fileformat.errors import (ChecksumError, FormatError, HeaderSchemaError, MissingTensorError,
                                       TruncatedFileError)
-from cflow._fileformat.layout import ALIGN, PREAMBLE, VERSION, TensorEntry, _checksum, _descriptor
-from cflow._fileformat.tensors import tensor_category
-from cflow._fileformat.validate import (_check_config, _check_entry, _check_experts, _check_overlaps, _check_top,
+from cflow.fileformat.layout import ALIGN, PREAMBLE, VERSION, TensorEntry, _checksum, _descriptor
+from cflow.fileformat.tensors import tensor_category
+from cflow.fileformat.validate import (_check_config, _check_entry, _check_experts, _check_overlaps, _check_top,
                                         _parse_header, _read_preamble)
 
 

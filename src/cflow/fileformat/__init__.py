@@ -14,8 +14,8 @@ decode step. Either way each expert's tensors are contiguous, so one expert is o
 Writes are atomic (temp file beside the target, fsync, rename). The reader validates everything
 before handing out a byte, and each failure is its own `FormatError` subclass.
 
-This module is the public face; the code lives in `cflow._fileformat`, one module per concern, and
-everything is imported from here (`from cflow.fileformat import ...`):
+The package re-exports every public name (`from cflow.fileformat import ...`); the code is one
+module per concern:
     errors    the FormatError hierarchy
     layout    constants, TensorData / TensorEntry / WriteSummary, checksums
     tensors   canonical tensor names and shapes, .cflow / .vflow orders, categories
@@ -26,20 +26,20 @@ everything is imported from here (`from cflow.fileformat import ...`):
 No torch here: the runtime imports this module.
 """
 
-from cflow._fileformat.errors import (BadMagicError, ChecksumError, DuplicateTensorError, ExpertTableError,
+from cflow.fileformat.errors import (BadMagicError, ChecksumError, DuplicateTensorError, ExpertTableError,
                                       FileTooShortError, FlagsError, FormatError, HeaderDecodeError,
                                       HeaderSchemaError, HeaderTooLargeError, InvalidConfigError,
                                       MisalignedOffsetError, MissingTensorError, OverlapError, ShapeMismatchError,
                                       TensorOutOfBoundsError, TrailingDataError, TruncatedFileError,
                                       UnknownDtypeError, UnknownLayoutError, UnsupportedVersionError)
-from cflow._fileformat.layout import (ALIGN, CHECKSUM_ALGO, CHECKSUM_HEX, FLAG_VFLOW, KNOWN_FLAGS, MAGIC,
+from cflow.fileformat.layout import (ALIGN, CHECKSUM_ALGO, CHECKSUM_HEX, FLAG_VFLOW, KNOWN_FLAGS, MAGIC,
                                       MAX_HEADER_BYTES, ORDERS, PREAMBLE, VERSION, ProgressFn, TensorData,
                                       TensorEntry, WriteSummary, _align)  # noqa: F401 (_align: tests)
-from cflow._fileformat.reader import CflowFile, open_model, read_header, summarize
-from cflow._fileformat.tensors import (expected_count, expected_shape, expert_of, model_tensors, node_tensors,
+from cflow.fileformat.reader import CflowFile, open_model, read_header, summarize
+from cflow.fileformat.tensors import (expected_count, expected_shape, expert_of, model_tensors, node_tensors,
                                        schedule_order, tensor_category)
-from cflow._fileformat.validate import EXPERT_KEYS, HEADER_KEYS, TENSOR_KEYS
-from cflow._fileformat.writer import write_model
+from cflow.fileformat.validate import EXPERT_KEYS, HEADER_KEYS, TENSOR_KEYS
+from cflow.fileformat.writer import write_model
 
 __all__ = [
     "FormatError", "FileTooShortError", "BadMagicError", "UnsupportedVersionError", "FlagsError",
