@@ -412,15 +412,29 @@ def test_attention(isa, n_heads, n_kv, hd, n_pos):
 
 
 # ---- top-k and fp16 ------------------------------------------------------------------------
-def test_topk():
+@pytest.mark.parametrize("isa", ALL_ISAS)
+def test_topk(isa):
     rng = rng_for("topk")
-    for n, k in [(1, 1), (8, 2), (64, 8), (33, 33)]:
+    # odd sizes around the 8-wide vector body and its tail; the stack-copy limit (256) and past it
+    for n, k in [(1, 1), (3, 2), (7, 7), (8, 2), (9, 4), (31, 5), (33, 33), (64, 8), (256, 3), (300, 6)]:
         x = rng.standard_normal(n).astype(np.float32)
-        idx, val = _native.topk(x, k)
+        idx, val = _native.topk(x, k, isa=isa)
         want = np.argsort(-x, kind="stable")[:k]
-        assert np.array_equal(idx, want) and np.array_equal(val, x[want])
-    idx, _ = _native.topk(np.array([1, 3, 3, 2, 3], np.float32), 3)
+        assert np.array_equal(idx, want) and np.array_equal(val, x[want]), (n, k)
+        ref_idx, _ = _native.topk(x, k, isa="ref")
+        assert np.array_equal(idx, ref_idx)
+    # ties go to the lower index, also across the vector body and the tail
+    idx, _ = _native.topk(np.array([1, 3, 3, 2, 3], np.float32), 3, isa=isa)
     assert idx.tolist() == [1, 2, 4], "ties go to the lower index"
+    x = np.zeros(19, np.float32)
+    x[[2, 9, 17]] = 5.0
+    assert _native.topk(x, 4, isa=isa)[0].tolist() == [2, 9, 17, 0]
+    # infinities are ordinary values; all remaining -inf still picks the lowest untaken index
+    x = np.full(12, -np.inf, np.float32)
+    x[[4, 10]] = [np.inf, 1.0]
+    assert _native.topk(x, 4, isa=isa)[0].tolist() == [4, 10, 0, 1]
+    with pytest.raises(ValueError, match="NaN"):
+        _native.topk(np.array([1.0, np.nan], np.float32), 1, isa=isa)
 
 
 @pytest.mark.parametrize("isa", ALL_ISAS)

@@ -427,11 +427,14 @@ Out<float> attention(In1<float> q, AnyIn k, AnyIn v, int n_heads, int n_kv_heads
     return out;
 }
 
-std::tuple<Out<int32_t>, Out<float>> topk(In1<float> x, int k) {
+std::tuple<Out<int32_t>, Out<float>> topk(In1<float> x, int k, std::optional<std::string> isa) {
     if (k < 1 || (size_t)k > x.size()) bad_input("k=" + std::to_string(k) + " must be in [1, len(x)]");
+    for (size_t i = 0; i < x.size(); i++)
+        if (x.data()[i] != x.data()[i]) bad_input("x holds NaN at index " + std::to_string(i));
+    const cf_kernel_table *t = table(isa);
     auto idx = new_array<int32_t>(k);
     auto val = new_array<float>(k);
-    cf_topk(x.data(), (int)x.size(), k, idx.data(), val.data());
+    t->topk(x.data(), (int)x.size(), k, idx.data(), val.data());
     return {idx, val};
 }
 
@@ -535,7 +538,7 @@ NB_MODULE(_native, m) {
     m.def("attention", &attention, arg("q"), arg("k"), arg("v"), arg("n_heads"), arg("n_kv_heads"), arg("n_pos"),
           arg("scale") = none, arg("isa") = none, arg("pool") = none,
           "One query over fp16 caches k, v [n_kv_heads, max_seq, head_dim] (positions [0, n_pos)).");
-    m.def("topk", &topk, arg("x"), arg("k"));
+    m.def("topk", &topk, arg("x"), arg("k"), arg("isa") = nb::none());
     m.def("f32_to_f16", &f32_to_f16, arg("x"), arg("isa") = none, "fp16 bits (uint16), round to nearest even.");
     m.def("f16_to_f32", &f16_to_f32, arg("h"), arg("isa") = none);
 

@@ -127,6 +127,9 @@ typedef struct {
 
     cf_matmat_fn matmat[16];         /* indexed by cf_dtype */
     cf_gate_up_mm_fn gate_up_mm[16]; /* indexed by cf_dtype */
+    /* The k largest of x[0..n), largest first (ties: lower index first); 1 <= k <= n; x has no
+     * NaN. The router's expert choice; cf_topk is the reference. */
+    void (*topk)(const float *x, int n, int k, int *idx, float *val);
 } cf_kernel_table;
 
 /* The table chosen for this CPU (set up on first use; CFLOW_ISA=ref|avx2 overrides). */
@@ -158,7 +161,8 @@ int cf_get_prefetch(void);
 /* Small scalar routines that need no table. */
 /* cos/sin[j] = cos/sin(pos * theta^(-2j/head_dim)) for j < head_dim/2 (computed in double). */
 void cf_rope_table(float *cos, float *sin, int head_dim, int pos, float theta);
-/* The k largest of x[0..n), largest first (ties: lower index first); k <= n. */
+/* The k largest of x[0..n), largest first (ties: lower index first); k <= n. The reference
+ * of the table's topk (kernels_ref.c). */
 void cf_topk(const float *x, int n, int k, int *idx, float *val);
 
 /* Scalar helpers shared by all kernel files. */

@@ -398,7 +398,7 @@ static void op_route(cf_engine *e, int l, int src_kind, int ith) {
             e->k->softmax(pr, E);
             int chosen[64];
             float val[64], wsum = 0.0f;
-            cf_topk(pr, E, c->top_k, chosen, val);
+            e->k->topk(pr, E, c->top_k, chosen, val);
             for (int k = 0; k < c->top_k; k++) wsum += val[k];
             for (int k = 0; k < c->top_k; k++) {
                 int x = chosen[k], n = s->exp_n[x]++;
@@ -810,7 +810,7 @@ cf_engine *cf_engine_create(const cf_config *cfg, const uint8_t *buf, size_t buf
     e->c = *cfg;
     e->k = cf_kernels();
     int dts[] = {CF_Q4_0, CF_Q4_1, CF_Q8_0}, missing = !e->k->attention || !e->k->embed_row ||
-        !e->k->rope || !e->k->softmax || !e->k->f32_to_f16;
+        !e->k->rope || !e->k->softmax || !e->k->f32_to_f16 || !e->k->topk;
     for (int i = 0; i < 3; i++)
         missing |= !e->k->matvec[dts[i]] || !e->k->gate_up[dts[i]] || !e->k->matmat[dts[i]] ||
                     !e->k->gate_up_mm[dts[i]];

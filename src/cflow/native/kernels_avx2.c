@@ -803,6 +803,43 @@ static void f32_to_f16_avx2(cf_half *out, const float *x, int n) {
     for (; i < n; i++) out[i] = cf_float_to_half(x[i]);
 }
 
+/* ---- top-k --------------------------------------------------------------------------------- */
+
+/* k passes of a vector max over a private copy, each taken entry replaced by NaN: the max below
+ * has the loaded vector first, so NaN lanes never win, and an equality scan finds the lowest
+ * index holding the max, as the reference's strict ">" does. Inputs are NaN-free (contract). */
+#define TOPK_MAX_N 256
+static void topk_avx2(const float *x, int n, int k, int *idx, float *val) {
+    if (n > TOPK_MAX_N) { /* routers have far fewer experts; no stack copy for the rare case */
+        cf_topk(x, n, k, idx, val);
+        return;
+    }
+    float buf[TOPK_MAX_N];
+    memcpy(buf, x, (size_t)n * sizeof(float));
+    for (int j = 0; j < k; j++) {
+        __m256 m = _mm256_set1_ps(-INFINITY);
+        int i = 0;
+        for (; i + 8 <= n; i += 8) m = _mm256_max_ps(_mm256_loadu_ps(buf + i), m);
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+        float best = _mm_cvtss_f32(h);
+        for (; i < n; i++)
+            if (buf[i] > best) best = buf[i];
+        int bi = -1;
+        const __m256 vb = _mm256_set1_ps(best);
+        for (i = 0; i + 8 <= n && bi < 0; i += 8) {
+            int mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(buf + i), vb, _CMP_EQ_OQ));
+            if (mask) bi = i + __builtin_ctz((unsigned)mask);
+        }
+        for (; i < n && bi < 0; i++)
+            if (buf[i] == best) bi = i;
+        idx[j] = bi;
+        val[j] = x[bi];
+        buf[bi] = NAN;
+    }
+}
+
 /* ---- the table --------------------------------------------------------------------------- */
 
 static const cf_kernel_table TABLE = {
@@ -824,6 +861,7 @@ static const cf_kernel_table TABLE = {
     .matmat = {[CF_Q4_0] = matmat_q4_0_avx2, [CF_Q4_1] = matmat_q4_1_avx2, [CF_Q8_0] = matmat_q8_0_avx2},
     .gate_up_mm = {[CF_Q4_0] = gate_up_mm_q4_0_avx2, [CF_Q4_1] = gate_up_mm_q4_1_avx2,
                    [CF_Q8_0] = gate_up_mm_q8_0_avx2},
+    .topk = topk_avx2,
 };
 
 const cf_kernel_table *CF_TABLE_GETTER(void) { return &TABLE; }

@@ -319,6 +319,7 @@ static const cf_kernel_table TABLE_REF = {
     .gate_up = {[CF_Q4_0] = gate_up_ref, [CF_Q4_1] = gate_up_ref, [CF_Q8_0] = gate_up_ref},
     .softmax = softmax_ref,
     .rope = rope_ref,
+    .topk = cf_topk,
     .attention = cf_attention_ref,
     .embed_row = embed_row_ref,
     .swiglu = swiglu_ref,
