@@ -64,6 +64,14 @@ def test_footprint_in_a_fresh_process(tiny_model):
     assert f["ttft_s"] > 0 and f["prompt_tokens"] > 0
 
 
+def test_cli_json_output(tiny_model, capsys):
+    path, _ = tiny_model
+    assert main(["bench", "-m", str(path), "-t", "1", "-p", "8", "-n", "4", "-r", "1", "--no-probe",
+                 "--no-footprint", "-q", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert [r["test"] for r in d["rows"]] == ["pp8", "tg4"] and d["machine"]["usable_cores"] >= 1
+
+
 def test_synthetic_tokens_deterministic_and_in_range():
     a, b = synthetic_tokens(100, 300), synthetic_tokens(100, 300)
     assert (a == b).all() and a.min() >= 150 and a.max() < 300

@@ -38,7 +38,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-probe", action="store_true", help="skip the read-bandwidth probe")
     p.add_argument("--no-footprint", action="store_true",
                    help="skip the load-time / first-token / resident-memory measurement")
-    p.add_argument("-o", "--output", choices=["md", "json"], default="md", help="output format")
+    p.add_argument("-o", "--output", choices=["md", "json"], default="md", help="output format (default md)")
+    p.add_argument("--json", action="store_true", help="same as -o json")
     p.add_argument("--out", type=Path, default=None, help="also write the report to this file")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
     p.set_defaults(func=run)
@@ -52,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
                    reps=args.repetitions, warmup=not args.no_warmup, compare=args.compare,
                    probe=not args.no_probe, footprint=not args.no_footprint,
                    progress=progress)
-    text = report.to_json() if args.output == "json" else report.to_markdown()
+    text = report.to_json() if args.json or args.output == "json" else report.to_markdown()
     print(text)
     if args.out:
         from cflow.fsutil import atomic_write_text
