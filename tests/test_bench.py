@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from cflow.bench import bench
+from cflow.bench import BenchReport, bench
 from cflow.bench.runner import BenchRow, synthetic_tokens
 from cflow.cli import main
 from cflow.errors import CflowError
@@ -49,7 +49,7 @@ def test_report_rows_and_counted_bytes(tiny_model):
 
 
 def test_ratio_is_ours_over_baseline():
-    rep = bench.__globals__["BenchReport"](model="m", machine={}, rows=[
+    rep = BenchReport(model="m", machine={}, rows=[
         BenchRow("cflow", "tg8", 2, 8, [300.0, 300.0]), BenchRow("llama.cpp", "tg8", 2, 8, [100.0, 100.0])])
     assert rep.ratio(rep.rows[1]) == pytest.approx(3.0)
     assert rep.ratio(rep.rows[0]) is None

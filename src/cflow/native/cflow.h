@@ -183,6 +183,14 @@ int cf_pool_size(const cf_pool *pool);
  * fn must not call cf_pool_run on the same pool. */
 void cf_pool_run(cf_pool *pool, cf_task_fn fn, void *ctx);
 
+#ifndef __cplusplus
+#include <stdatomic.h>
+/* Sleep while *addr == val, and wake up to n sleepers of addr: a futex on Linux. Elsewhere the
+ * wait only yields, so callers re-check in a loop (the pool and the engine's barrier both do). */
+void cf_word_wait(_Atomic uint32_t *addr, uint32_t val);
+void cf_word_wake(_Atomic uint32_t *addr, int n);
+#endif
+
 /* ---- probe.c ----------------------------------------------------------------------------- */
 /* Best-of-`reps` read bandwidth in GB/s over `nbytes`; negative if it cannot allocate. */
 double cf_read_bandwidth(size_t nbytes, int n_threads, int reps);

@@ -17,8 +17,8 @@
  */
 #include "engine.h"
 
+#include <limits.h>
 #include <math.h>
-#include <sched.h>
 #include <stdarg.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -48,39 +48,22 @@
  * any, so the uncontended path makes no system call. */
 typedef struct {
     atomic_int count;
-    atomic_uint phase;
+    _Atomic uint32_t phase;
     atomic_int sleepers;
     int n;
 } cf_barrier;
 
 #define BARRIER_SPIN 2000 /* pause iterations: tens of microseconds */
 
-#ifdef __linux__
-#include <linux/futex.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-static void futex_wait_word(atomic_uint *addr, unsigned val) {
-    syscall(SYS_futex, (unsigned *)addr, FUTEX_WAIT_PRIVATE, val, NULL, NULL, 0);
-}
-static void futex_wake_all(atomic_uint *addr) {
-    syscall(SYS_futex, (unsigned *)addr, FUTEX_WAKE_PRIVATE, 0x7fffffff, NULL, NULL, 0);
-}
-#else
-static void futex_wait_word(atomic_uint *addr, unsigned val) {
-    if (atomic_load(addr) == val) sched_yield();
-}
-static void futex_wake_all(atomic_uint *addr) { (void)addr; }
-#endif
-
 static void barrier_wait(cf_barrier *b) {
     if (b->n <= 1) return;
-    unsigned phase = atomic_load_explicit(&b->phase, memory_order_acquire);
+    uint32_t phase = atomic_load_explicit(&b->phase, memory_order_acquire);
     if (atomic_fetch_add_explicit(&b->count, 1, memory_order_acq_rel) == b->n - 1) {
         atomic_store_explicit(&b->count, 0, memory_order_relaxed);
         /* seq_cst on both sides: either a sleeper's increment is seen here, or its futex_wait
          * sees the new phase and returns at once. */
         atomic_fetch_add(&b->phase, 1);
-        if (atomic_load(&b->sleepers) > 0) futex_wake_all(&b->phase);
+        if (atomic_load(&b->sleepers) > 0) cf_word_wake(&b->phase, INT_MAX);
         return;
     }
     for (int spins = 0; atomic_load_explicit(&b->phase, memory_order_acquire) == phase; spins++) {
@@ -89,7 +72,7 @@ static void barrier_wait(cf_barrier *b) {
             continue;
         }
         atomic_fetch_add(&b->sleepers, 1);
-        futex_wait_word(&b->phase, phase);
+        cf_word_wait(&b->phase, phase);
         atomic_fetch_sub(&b->sleepers, 1);
     }
 }

@@ -24,6 +24,7 @@
 #define _GNU_SOURCE
 #include <limits.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
@@ -63,15 +64,29 @@ struct cf_pool {
 /* ---- wait / wake on a 32-bit word --------------------------------------------------------- */
 
 #ifdef __linux__
+void cf_word_wait(_Atomic uint32_t *addr, uint32_t val) {
+    syscall(SYS_futex, (uint32_t *)addr, FUTEX_WAIT_PRIVATE, val, NULL, NULL, 0);
+}
+void cf_word_wake(_Atomic uint32_t *addr, int n) {
+    syscall(SYS_futex, (uint32_t *)addr, FUTEX_WAKE_PRIVATE, n, NULL, NULL, 0);
+}
 static void word_wait(cf_pool *p, _Atomic uint32_t *addr, uint32_t val) {
     (void)p;
-    syscall(SYS_futex, (uint32_t *)addr, FUTEX_WAIT_PRIVATE, val, NULL, NULL, 0);
+    cf_word_wait(addr, val);
 }
 static void word_wake(cf_pool *p, _Atomic uint32_t *addr, int n) {
     (void)p;
-    syscall(SYS_futex, (uint32_t *)addr, FUTEX_WAKE_PRIVATE, n, NULL, NULL, 0);
+    cf_word_wake(addr, n);
 }
 #else
+void cf_word_wait(_Atomic uint32_t *addr, uint32_t val) {
+    if (atomic_load(addr) == val) sched_yield();
+}
+void cf_word_wake(_Atomic uint32_t *addr, int n) {
+    (void)addr;
+    (void)n;
+}
+/* The pool has a mutex and condition variable to sleep on where there is no futex. */
 static void word_wait(cf_pool *p, _Atomic uint32_t *addr, uint32_t val) {
     pthread_mutex_lock(&p->mu);
     while (atomic_load(addr) == val) pthread_cond_wait(&p->cv, &p->mu);
