@@ -1,4 +1,5 @@
-"""Atomic file writes: write to a temporary file beside the target, fsync, rename into place.
+"""Files on disk: atomic writes (temp file beside the target, fsync, rename into place), durable
+renames, and where cflow keeps its caches.
 
 A crash or an exception mid-write leaves the old file (or nothing) and no temporary behind.
 """
@@ -50,6 +51,13 @@ def fsync_dir(directory: str | os.PathLike) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def cache_dir() -> Path:
+    """Root of cflow's caches (converted GGUFs, tokenizers, token files): $CFLOW_CACHE, else
+    ~/.cache/cflow."""
+    env = os.environ.get("CFLOW_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "cflow"
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
