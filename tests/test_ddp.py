@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -16,7 +17,8 @@ import torch.multiprocessing as mp
 from cflow.config import ModelConfig
 from cflow.train import checkpoint as ckpt
 from cflow.train import data as tdata
-from cflow.train.loop import TrainConfig, train
+from cflow.train import loop
+from cflow.train.loop import TrainConfig, TrainInterrupted, train
 
 WORLD = 2
 CFG = dict(vocab_size=320, d_model=32, n_layers=3, n_heads=2, n_kv_heads=1, d_ff=64, d_expert=32, max_seq_len=32)
@@ -99,6 +101,39 @@ def Transformer_init(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
 
     torch.manual_seed(seed)
     return {n: p.detach() for n, p in Transformer(cfg).named_parameters()}
+
+
+def _stop_worker(rank: int, port: int, cfg: dict, tc: dict, out: str, result_dir: str) -> None:
+    """Train until SIGTERM reaches rank 1 alone, after its step 2; record where each rank stopped."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD))
+    real = loop._Run.train_step
+
+    def train_step(self):
+        row = real(self)
+        if self.d.rank == 1 and self.step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return row
+
+    loop._Run.train_step = train_step  # this process is the worker's own: nothing to undo
+    try:
+        train(ModelConfig.from_dict(cfg), TrainConfig.from_dict(tc), out_dir=out)
+        outcome = {"stopped": False}
+    except TrainInterrupted as e:
+        outcome = {"stopped": True, "step": e.step, "signum": e.signum, "saved_step": e.saved_step}
+    torch.save(outcome, Path(result_dir) / f"stop-rank{rank}.pt")
+
+
+def test_ddp_signal_to_one_rank_stops_all_at_the_same_step(setup):
+    root, cfg, base = setup
+    out = root / "ddp-stopped"
+    mp.spawn(_stop_worker, args=(_free_port(), cfg.to_dict(), base.to_dict(), str(out), str(root)),
+             nprocs=WORLD, join=True)
+    outcomes = [torch.load(root / f"stop-rank{r}.pt") for r in range(WORLD)]
+    assert outcomes == [{"stopped": True, "step": 2, "signum": signal.SIGTERM, "saved_step": 2}] * WORLD
+    c = ckpt.load_checkpoint(out)  # rank 0 saved, at the step every rank stopped at
+    assert c.train_state["step"] == 2 and c.train_state["world_size"] == WORLD
+    assert not list(root.glob("ddp-stopped.*"))
 
 
 @pytest.mark.slow

@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 import random
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cflow import fsutil
 from cflow.train import bpe
 from cflow.train import data as tdata
 from cflow.train.data import BatchSampler, DataError
@@ -175,11 +177,34 @@ def test_tokenizer_cache(corpus_file, tmp_path, monkeypatch):
     assert bpe.tokenizer_hash(t1) == bpe.tokenizer_hash(t2)
 
 
-def test_cache_dir_follows_environment(tmp_path, monkeypatch):
+def test_cache_dir_follows_environment(corpus_file, tok, tmp_path, monkeypatch):
+    # Without a cache_dir, tokenizers and tokens go where every cflow cache goes: fsutil.cache_dir().
     monkeypatch.setenv("CFLOW_CACHE", str(tmp_path / "c"))
-    assert tdata.default_cache_dir() == tmp_path / "c"
+    assert fsutil.cache_dir() == tmp_path / "c"
+    corpus = tdata.open_corpus(corpus_file)
+    tdata.get_tokenizer(corpus, VOCAB)
+    data = tdata.prepare_data(corpus, tok)
+    assert len(list((tmp_path / "c" / "tokenizers").glob("*.json"))) == 1
+    assert (tmp_path / "c" / "tokens" / data.key[:24] / "meta.json").is_file()
     monkeypatch.delenv("CFLOW_CACHE")
-    assert tdata.default_cache_dir().parts[-2:] == (".cache", "cflow")
+    assert fsutil.cache_dir().parts[-2:] == (".cache", "cflow")
+
+
+@pytest.mark.parametrize("where", ["proc", "under-a-file"])
+def test_unwritable_cache_fails_before_any_tokenizing(corpus_file, tok, tmp_path, monkeypatch, where):
+    # Both fail for root too (chmod would not stop it).
+    if where == "proc":
+        cache, reason = Path("/proc/cflow-test"), "No such file or directory"
+    else:
+        (tmp_path / "a-file").write_text("a regular file: nothing can be created under it")
+        cache, reason = tmp_path / "a-file" / "cache", "Not a directory"
+    corpus = tdata.open_corpus(corpus_file)
+    monkeypatch.setattr(bpe, "train_bpe", lambda *a, **k: pytest.fail("trained a tokenizer it cannot keep"))
+    with pytest.raises(fsutil.WriteError, match=rf"^cannot write {cache}/tokenizers/\w+\.json: {reason}$"):
+        tdata.get_tokenizer(corpus, VOCAB, cache_dir=cache)
+    monkeypatch.setattr(tdata, "_write_tokens", lambda *a, **k: pytest.fail("tokenized into a cache it cannot write"))
+    with pytest.raises(fsutil.WriteError, match=rf"^cannot write {cache}/tokens/\w+: {reason}$"):
+        tdata.prepare_data(corpus, tok, cache_dir=cache)
 
 
 # ---- sampler ---------------------------------------------------------------------------------

@@ -6,15 +6,23 @@ import csv
 import dataclasses
 import json
 import math
+import os
+import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
 
+from cflow import fsutil
 from cflow.cli import main
 from cflow.config import PRESETS, ModelConfig
+from cflow.errors import CflowError
 from cflow.model import Transformer
 from cflow.train import checkpoint as ckpt
+from cflow.train import compare as tcompare
 from cflow.train import data as tdata
+from cflow.train import loop
 from cflow.train.loop import TrainConfig, TrainError, compute_loss, lr_at, make_optimizer, train
 
 TINY = dict(vocab_size=320, d_model=32, n_layers=3, n_heads=2, n_kv_heads=1, d_ff=64, max_seq_len=32)
@@ -201,7 +209,7 @@ def test_checkpoint_save_is_atomic_and_recovers(tc, tmp_path, monkeypatch):
         raise OSError("disk full")
 
     monkeypatch.setattr(safetensors.torch, "save_file", boom)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(fsutil.WriteError, match=f"^cannot write {tmp_path / 'c'}: disk full$"):
         ckpt.save_checkpoint(tmp_path / "c", weights=ckpt.model_weights(res.model), config=cfg,
                              tokenizer_json=res.tokenizer_json)
     monkeypatch.undo()
@@ -210,6 +218,106 @@ def test_checkpoint_save_is_atomic_and_recovers(tc, tmp_path, monkeypatch):
     # A crash between the two renames leaves only c.old-*: loading puts it back.
     (tmp_path / "c").rename(tmp_path / "c.old-abc")
     assert ckpt.load_checkpoint(tmp_path / "c").config == res.config
+
+
+def test_interrupt_between_the_renames_puts_the_previous_checkpoint_back(tc, tmp_path, monkeypatch):
+    cfg = tiny_cfg("arch1")
+    res = train(cfg, dataclasses.replace(tc, steps=2, eval_every=0), out_dir=tmp_path / "c")
+    before = (tmp_path / "c" / "model.safetensors").read_bytes()
+    real_rename, renames = os.rename, []
+
+    def rename(src, dst):  # a second Ctrl-C lands after c -> c.old-*, before c.tmp-* -> c
+        renames.append(dst)
+        if len(renames) == 2:
+            raise KeyboardInterrupt
+        real_rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", rename)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.save_checkpoint(tmp_path / "c", weights=ckpt.model_weights(res.model), config=cfg,
+                             tokenizer_json=res.tokenizer_json)
+    monkeypatch.undo()
+    assert ckpt.is_checkpoint(tmp_path / "c") and sorted(p.name for p in tmp_path.iterdir()) == ["c"]
+    assert (tmp_path / "c" / "model.safetensors").read_bytes() == before
+
+
+def test_checkpoints_are_periodic_by_default(capsys):
+    assert TrainConfig().save_every == 200
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    assert "Ctrl-C/SIGTERM (default 200)" in " ".join(capsys.readouterr().out.split())
+
+
+# ---- locations that cannot be written: one line, before any training ------------------------
+def _not_a_directory(tmp_path):
+    (tmp_path / "a-file").write_text("a regular file, so nothing can be created under it, even by root")
+    return tmp_path / "a-file" / "run", "Not a directory"
+
+
+UNWRITABLE = {  # name -> (tmp_path -> (path, the reason the OS gives)); each fails for root as well
+    "proc": lambda tmp_path: (Path("/proc/cflow-test/run"), "No such file or directory"),
+    "under-a-file": _not_a_directory,
+}
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """A directory on a read-only tmpfs (chmod does not stop root; a read-only mount does)."""
+    d = tmp_path / "ro"
+    d.mkdir()
+    if not shutil.which("mount") or subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(d)],
+                                                   capture_output=True).returncode:
+        pytest.skip("cannot mount a read-only tmpfs here")
+    yield d
+    subprocess.run(["umount", str(d)], check=True)
+
+
+@pytest.mark.parametrize("where", sorted(UNWRITABLE))
+def test_unwritable_out_fails_before_training(tc, tmp_path, monkeypatch, where):
+    out, reason = UNWRITABLE[where](tmp_path)
+    monkeypatch.setattr(loop, "_prepare", lambda *a: pytest.fail("prepared data for a run it cannot save"))
+    with pytest.raises(fsutil.WriteError, match=f"^cannot write {out}: {reason}$") as info:
+        train(tiny_cfg("arch1"), tc, out_dir=out)
+    assert isinstance(info.value, CflowError) and isinstance(info.value, OSError)
+
+
+def _cli_error(capsys, out: Path, corpus_file: str, cache_dir: str) -> str:
+    """Run a tiny `cflow train --out OUT` that must fail with status 2; return its stderr."""
+    rc = main(["train", "--preset", "arch1", *[a for s in TINY_SETS for a in ("--set", s)], "--steps", "2",
+               "--data", corpus_file, "--cache-dir", cache_dir, "--vocab-size", "320", "--batch-size", "4",
+               "--seq-len", "32", "--threads", "1", "--no-progress", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    return err
+
+
+def test_cli_read_only_out_is_one_line(capsys, read_only_dir, corpus_file, cache_dir):
+    out = read_only_dir / "run"
+    err = _cli_error(capsys, out, corpus_file, cache_dir)
+    assert err == f"cflow train: error: cannot write {out}: Read-only file system\n"
+
+
+@pytest.mark.parametrize("where", sorted(UNWRITABLE))
+def test_cli_unwritable_out_is_one_line(capsys, tmp_path, corpus_file, cache_dir, where):
+    out, reason = UNWRITABLE[where](tmp_path)
+    assert _cli_error(capsys, out, corpus_file, cache_dir) == f"cflow train: error: cannot write {out}: {reason}\n"
+
+
+def test_compare_checks_its_directories_before_training(tmp_path, monkeypatch):
+    monkeypatch.setattr(tcompare, "train", lambda *a, **k: pytest.fail("trained for a report it cannot write"))
+    report, reason = _not_a_directory(tmp_path)
+    with pytest.raises(fsutil.WriteError, match=f"^cannot write {report}/train_compare.md: {reason}$"):
+        tcompare.compare(["arch1"], tokens=640, out_dir=report, runs_dir=tmp_path / "runs")
+    with pytest.raises(fsutil.WriteError, match=f"^cannot write {report}/arch1: {reason}$"):
+        tcompare.compare(["arch1"], tokens=640, out_dir=tmp_path / "res", runs_dir=report)
+
+
+def test_loss_plot_that_cannot_be_written_is_a_write_error(tmp_path):
+    pytest.importorskip("matplotlib")
+    s = tcompare.RunSummary("arch1", 1, 2, 256, 5.0, 148.4, 0.1, 1.0, 256.0, None, curve=[(128, 5.5), (256, 5.0)])
+    path, reason = _not_a_directory(tmp_path)
+    with pytest.raises(fsutil.WriteError, match=f"^cannot write {path}/loss.png: {reason}$"):
+        tcompare.plot_losses([s], path / "loss.png")
 
 
 # ---- CLI -------------------------------------------------------------------------------------

@@ -1,16 +1,28 @@
 """Files on disk: atomic writes (temp file beside the target, fsync, rename into place), durable
-renames, and where cflow keeps its caches.
+renames, where cflow keeps its caches, and how a write that the file system refuses is reported.
 
 A crash or an exception mid-write leaves the old file (or nothing) and no temporary behind.
+`writing(path)` turns an OSError into WriteError, one line `cannot write PATH: REASON`, and
+`check_writable(path)` raises it up front, before a long job that would only fail at its end.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import tempfile
 from pathlib import Path
 from typing import IO, Iterator
+
+from cflow.errors import CflowError
+
+
+class WriteError(CflowError, OSError):
+    """A file or directory cflow must write cannot be written (read-only, missing, not a directory, full).
+
+    Also an OSError, so code that already catches OSError around a write keeps working.
+    """
 
 
 @contextlib.contextmanager
@@ -42,15 +54,46 @@ def _umask() -> int:
 def fsync_dir(directory: str | os.PathLike) -> None:
     """Make a rename inside `directory` durable (best effort where directories can't be opened)."""
     try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
+        fsync_file(directory)
     except OSError:
         pass
+
+
+def fsync_file(path: str | os.PathLike) -> None:
+    """Flush a file written by someone else's writer (safetensors, shutil) to disk; errors raise."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
     finally:
         os.close(fd)
+
+
+@contextlib.contextmanager
+def writing(path: str | os.PathLike) -> Iterator[None]:
+    """Report an OSError raised inside the block as WriteError: `cannot write PATH: REASON`."""
+    try:
+        yield
+    except WriteError:
+        raise  # an inner block already named the path
+    except OSError as e:
+        raise WriteError(f"cannot write {path}: {e.strerror or e}") from e
+
+
+def check_writable(path: str | os.PathLike) -> None:
+    """Raise WriteError now if `path` (a file or directory to create or replace) cannot be written.
+
+    Creates the missing parents and a throwaway file beside `path` (and inside it, when it is an
+    existing directory), so a read-only or impossible location fails before hours of work.
+    """
+    path = Path(path)
+    with writing(path):
+        for d in (path.parent, path) if path.is_dir() else (path.parent,):
+            if d.exists() and not d.is_dir():  # mkdir would say "File exists", which misleads
+                raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(d))
+            d.mkdir(parents=True, exist_ok=True)
+            fd, probe = tempfile.mkstemp(prefix=".cflow-probe-", dir=d)
+            os.close(fd)
+            os.unlink(probe)
 
 
 def cache_dir() -> Path:

@@ -1,7 +1,9 @@
 """`cflow train` (one preset, optionally under torchrun) and `cflow train compare` (the family, claim T1).
 
 Parses flags into a ModelConfig (preset + `--set key=value` overrides, validated by
-ModelConfig.with_overrides) and a TrainConfig, then calls cflow.train; prints the outcome.
+ModelConfig.with_overrides) and a TrainConfig, then calls cflow.train; prints the outcome. A run
+stopped by Ctrl-C or SIGTERM (cflow.train.loop.TrainInterrupted) prints where its checkpoint is
+and how to continue, and exits 130 / 143 as a process killed by that signal would.
 """
 
 from __future__ import annotations
@@ -11,8 +13,12 @@ import dataclasses
 import shlex
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from cflow.config import PRESETS
+
+if TYPE_CHECKING:
+    from cflow.train.loop import TrainInterrupted
 
 DEFAULT_PRESET = "arch2_4_combined"
 
@@ -27,6 +33,8 @@ examples:
   cflow export runs/a24 a24.cflow                           # then run it with cflow generate
 
 --batch-size is the global batch: under torchrun each process takes batch_size / world_size.
+Ctrl-C (or SIGTERM) finishes the current step, saves a checkpoint there and exits (130 / 143);
+continue it with --resume. A second Ctrl-C quits at once and keeps the previous checkpoint.
 """
 
 # flag dest -> TrainConfig field (identical names); None defaults mean "not given".
@@ -50,22 +58,36 @@ def _add_hparams(p: argparse.ArgumentParser, *, budget: bool) -> None:
         b = g.add_mutually_exclusive_group()
         b.add_argument("--steps", type=int, help="optimizer steps (default 2000)")
         b.add_argument("--tokens", type=int, help="token budget instead of --steps")
-    g.add_argument("--batch-size", type=int, help="global sequences per step (default 16)")
-    g.add_argument("--seq-len", type=int, help="tokens per sequence (default 256; at most max_seq_len)")
-    g.add_argument("--lr", type=float, help="peak learning rate (default 2e-3)")
-    g.add_argument("--min-lr-ratio", type=float, help="final lr as a fraction of the peak (default 0.1)")
-    g.add_argument("--warmup", type=int, help="linear warmup steps (default 100)")
-    g.add_argument("--weight-decay", type=float, help="AdamW decay of matrices (default 0.1)")
-    g.add_argument("--grad-clip", type=float, help="gradient norm clip, 0 disables (default 1.0)")
-    g.add_argument("--lb-weight", type=float, help="MoE load-balancing loss weight (default 0.01)")
-    g.add_argument("--z-weight", type=float, help="router z-loss weight (default 0.001)")
-    g.add_argument("--seed", type=int, help="seed of init and batch sampling (default 1337)")
+    _add_flags(g, _OPT_FLAGS)
     g = p.add_argument_group("eval, checkpoints, machine")
-    g.add_argument("--eval-every", type=int, help="steps between evaluations, 0: only at the end (default 200)")
-    g.add_argument("--eval-windows", type=int, help="validation windows per evaluation (default 64)")
-    g.add_argument("--log-every", type=int, help="steps between CSV log rows (default 10)")
-    g.add_argument("--threads", type=int, help="torch threads per process (default: cores / processes)")
+    _add_flags(g, _MACHINE_FLAGS)
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+# (flag, type, help) of TrainConfig fields that need no more than a type; defaults: TrainConfig's.
+_OPT_FLAGS = (
+    ("--batch-size", int, "global sequences per step (default 16)"),
+    ("--seq-len", int, "tokens per sequence (default 256; at most max_seq_len)"),
+    ("--lr", float, "peak learning rate (default 2e-3)"),
+    ("--min-lr-ratio", float, "final lr as a fraction of the peak (default 0.1)"),
+    ("--warmup", int, "linear warmup steps (default 100)"),
+    ("--weight-decay", float, "AdamW decay of matrices (default 0.1)"),
+    ("--grad-clip", float, "gradient norm clip, 0 disables (default 1.0)"),
+    ("--lb-weight", float, "MoE load-balancing loss weight (default 0.01)"),
+    ("--z-weight", float, "router z-loss weight (default 0.001)"),
+    ("--seed", int, "seed of init and batch sampling (default 1337)"),
+)
+_MACHINE_FLAGS = (
+    ("--eval-every", int, "steps between evaluations, 0: only at the end (default 200)"),
+    ("--eval-windows", int, "validation windows per evaluation (default 64)"),
+    ("--log-every", int, "steps between CSV log rows (default 10)"),
+    ("--threads", int, "torch threads per process (default: cores / processes)"),
+)
+
+
+def _add_flags(g: argparse._ArgumentGroup, flags: tuple[tuple[str, type, str], ...]) -> None:
+    for flag, typ, text in flags:
+        g.add_argument(flag, type=typ, help=text)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -82,7 +104,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="continue the checkpoint in --out with its saved settings; flags given override them "
                    "(a new --steps/--tokens reshapes the cosine from the current step on)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing checkpoint in --out")
-    p.add_argument("--save-every", type=int, help="steps between checkpoints, 0: only at the end (default 0)")
+    p.add_argument("--save-every", type=int, help="steps between checkpoints, 0: only at the end and on "
+                   "Ctrl-C/SIGTERM (default 200)")
     _add_hparams(p, budget=True)
     p.set_defaults(func=run)
 
@@ -135,7 +158,7 @@ def _command(args: argparse.Namespace) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from cflow.config import ModelConfig
-    from cflow.train.loop import TrainConfig, resume_settings, train
+    from cflow.train.loop import TrainConfig, TrainInterrupted, resume_settings, train
 
     if args.resume:
         if args.out is None:
@@ -153,8 +176,11 @@ def run(args: argparse.Namespace) -> int:
         tc = TrainConfig(**_given(args))
     cfg = cfg.with_overrides(args.overrides)
     out = args.out or Path("runs") / cfg.name
-    res = train(cfg, tc, out_dir=out, resume=args.resume, overwrite=args.overwrite,
-                progress=not args.no_progress, meta={"command": _command(args)})
+    try:
+        res = train(cfg, tc, out_dir=out, resume=args.resume, overwrite=args.overwrite,
+                    progress=not args.no_progress, meta={"command": _command(args)})
+    except TrainInterrupted as e:
+        return _report_interrupt(e)
     if res.rank == 0:
         ev = res.evals[-1] if res.evals else {}
         print(f"trained {cfg.name}: {res.n_params:,} parameters, step {res.steps}, {res.tokens_seen:,} tokens, "
@@ -166,18 +192,40 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _report_interrupt(e: TrainInterrupted) -> int:
+    """Say (rank 0) where the interrupted run's checkpoint is and how to continue it."""
+    if e.rank == 0:
+        head = f"cflow train: {e.signal_name}: stopped at step {e.step} of {e.total}"
+        if e.saved:
+            print(f"{head}; checkpoint saved to {e.out_dir}", file=sys.stderr)
+        elif e.saved_step is not None:
+            print(f"{head} without saving; {e.out_dir} holds the checkpoint of step {e.saved_step}", file=sys.stderr)
+        else:
+            print(f"{head} without saving; there is no checkpoint to resume", file=sys.stderr)
+        if e.saved_step is not None:
+            print(f"cflow train: continue with: cflow train --out {shlex.quote(str(e.out_dir))} --resume",
+                  file=sys.stderr)
+    return e.exit_status
+
+
 def run_compare(args: argparse.Namespace) -> int:
     from cflow.train.compare import DEFAULT_PRESETS, REPORT, compare
-    from cflow.train.loop import TrainConfig
+    from cflow.train.loop import TrainConfig, TrainInterrupted
 
     given = _given(args)
     given.pop("tokens", None)
     base = TrainConfig(**given)
     presets = args.presets or list(DEFAULT_PRESETS)
     progress = not args.no_progress
-    summaries = compare(presets, base=base, tokens=args.tokens, minutes_per_run=args.minutes_per_run,
-                        overrides=args.overrides, runs_dir=args.runs_dir, out_dir=args.out,
-                        command=_command(args), progress=progress)
+    try:
+        summaries = compare(presets, base=base, tokens=args.tokens, minutes_per_run=args.minutes_per_run,
+                            overrides=args.overrides, runs_dir=args.runs_dir, out_dir=args.out,
+                            command=_command(args), progress=progress)
+    except TrainInterrupted as e:
+        # compare starts every run afresh (--overwrite), so there is nothing to resume: say what is left.
+        print(f"cflow train compare: {e.signal_name}: stopped during the run in {e.out_dir} at step {e.step}; "
+              f"no report written", file=sys.stderr)
+        return e.exit_status
     for s in summaries:
         print(f"{s.preset:18s} params {s.params:>10,}  val loss {s.val_loss:.4f}  ppl {s.val_ppl:8.2f}  "
               f"acc {s.val_acc:.4f}  ({s.tokens:,} tokens, {s.train_s:.1f} s)")

@@ -9,8 +9,9 @@
 
 A checkpoint is written whole into `DIR.tmp-*` and then renamed into place, so DIR is always a
 complete checkpoint. Linux cannot atomically swap two directories with rename(2), so replacing an
-existing DIR takes two renames (DIR -> DIR.old-*, tmp -> DIR); a crash between them leaves only
-DIR.old-*, which `load_checkpoint` (and the next save) recovers.
+existing DIR takes two renames (DIR -> DIR.old-*, tmp -> DIR); an exception (a second Ctrl-C)
+between them puts DIR.old-* back, and a crash there leaves only DIR.old-*, which `load_checkpoint`
+(and the next save) recovers. An OSError while saving is a `cflow.fsutil.WriteError` naming DIR.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 
 from cflow.config import ModelConfig
 from cflow.errors import CflowError
+from cflow.fsutil import fsync_dir, fsync_file, writing
 
 FILES = ("model.safetensors", "config.json", "tokenizer.json", "train_state.pt", "meta.json")
 LOG_NAME = "train_log.csv"
@@ -81,42 +83,43 @@ def save_checkpoint(out_dir: str | os.PathLike, *, weights: dict[str, torch.Tens
     from safetensors.torch import save_file
 
     out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    _recover(out)
-    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
-    try:
-        save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt", "producer": "cflow.train"})
-        (tmp / "config.json").write_text(config.to_json() + "\n")
-        (tmp / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
-        torch.save(train_state or {}, tmp / "train_state.pt")
-        (tmp / "meta.json").write_text(json.dumps(meta or {}, indent=2, sort_keys=True, default=str) + "\n")
-        if log_file is not None and Path(log_file).is_file():
-            shutil.copyfile(log_file, tmp / LOG_NAME)
-        for f in tmp.iterdir():  # the data must be on disk before the rename makes it visible
-            _fsync(f)
-        _swap_into_place(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with writing(out):
+        out.parent.mkdir(parents=True, exist_ok=True)
+        _recover(out)
+        tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
+        try:
+            save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt", "producer": "cflow.train"})
+            (tmp / "config.json").write_text(config.to_json() + "\n")
+            (tmp / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
+            torch.save(train_state or {}, tmp / "train_state.pt")
+            (tmp / "meta.json").write_text(json.dumps(meta or {}, indent=2, sort_keys=True, default=str) + "\n")
+            if log_file is not None and Path(log_file).is_file():
+                shutil.copyfile(log_file, tmp / LOG_NAME)
+            for f in tmp.iterdir():  # the data must be on disk before the rename makes it visible
+                fsync_file(f)
+            fsync_dir(tmp)
+            _swap_into_place(tmp, out)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     return out
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _swap_into_place(tmp: Path, out: Path) -> None:
     if not out.exists():
         os.rename(tmp, out)
+        fsync_dir(out.parent)
         return
     old = Path(tempfile.mkdtemp(prefix=out.name + ".old-", dir=out.parent))
     os.rmdir(old)  # only its unique name is wanted
     os.rename(out, old)
-    os.rename(tmp, out)
+    try:
+        os.rename(tmp, out)
+    except BaseException:  # a second Ctrl-C lands here: the previous checkpoint goes back in place
+        if not out.exists():
+            os.rename(old, out)
+        raise
+    fsync_dir(out.parent)
     shutil.rmtree(old, ignore_errors=True)
 
 

@@ -14,6 +14,9 @@ same compute and same bytes streamed per token). `overrides` changes every prese
 
 Budget: `tokens` (the same for all: a fair quality comparison) or `minutes_per_run` (the same
 wall time: each preset's step count comes from timing a few steps of it first).
+
+The report directory and the runs directory are checked writable before the first run; a write
+that fails later is a `cflow.fsutil.WriteError` naming the file.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import torch
 
 from cflow.config import ModelConfig
 from cflow.errors import CflowError
-from cflow.fsutil import atomic_write_text
+from cflow.fsutil import atomic_write_text, check_writable, writing
 from cflow.train.loop import TrainConfig, TrainResult, train
 
 DEFAULT_PRESETS = ("arch1", "arch2", "arch3", "arch4", "arch2_4_combined", "arch5")
@@ -73,6 +76,8 @@ def compare(presets: tuple[str, ...] | list[str] = DEFAULT_PRESETS, *, base: Tra
     base = base or TrainConfig()
     configs = [ModelConfig.from_name(p).with_overrides(list(overrides)) for p in presets]
     runs, out = Path(runs_dir), Path(out_dir)
+    for path in [out / REPORT, *(runs / c.name for c in configs)]:  # before hours of training, not after
+        check_writable(path)
     summaries = []
     for cfg in configs:
         if tokens is not None:
@@ -138,14 +143,17 @@ def _summarize(cfg: ModelConfig, res: TrainResult, tc: TrainConfig) -> RunSummar
 # ---- report ----------------------------------------------------------------------------------
 def write_report(summaries: list[RunSummary], out: Path, *, base: TrainConfig, tokens: int | None,
                  minutes_per_run: float | None, overrides: list[str], command: str | None) -> Path:
-    out.mkdir(parents=True, exist_ok=True)
+    with writing(out):
+        out.mkdir(parents=True, exist_ok=True)
     plot_ok = plot_losses(summaries, out / PLOT)
-    atomic_write_text(out / JSON_REPORT, json.dumps(
-        {"command": command, "base": base.to_dict(), "tokens": tokens, "minutes_per_run": minutes_per_run,
-         "overrides": overrides, "runs": [dataclasses.asdict(s) for s in summaries]}, indent=1) + "\n")
-    atomic_write_text(out / REPORT, render_markdown(summaries, base=base, tokens=tokens,
-                                                    minutes_per_run=minutes_per_run, overrides=overrides,
-                                                    command=command, plot=PLOT if plot_ok else None))
+    with writing(out / JSON_REPORT):
+        atomic_write_text(out / JSON_REPORT, json.dumps(
+            {"command": command, "base": base.to_dict(), "tokens": tokens, "minutes_per_run": minutes_per_run,
+             "overrides": overrides, "runs": [dataclasses.asdict(s) for s in summaries]}, indent=1) + "\n")
+    with writing(out / REPORT):
+        atomic_write_text(out / REPORT, render_markdown(summaries, base=base, tokens=tokens,
+                                                        minutes_per_run=minutes_per_run, overrides=overrides,
+                                                        command=command, plot=PLOT if plot_ok else None))
     return out / REPORT
 
 
@@ -222,9 +230,12 @@ def plot_losses(summaries: list[RunSummary], path: Path) -> bool:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    try:
+        with writing(path):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fig.savefig(path, dpi=120)
+    finally:
+        plt.close(fig)
     return True
 
 

@@ -12,7 +12,9 @@ Owns everything between "a corpus" and "a batch of token ids":
   every document, memory-mapped at run time. The cache key hashes the corpus fingerprint (file
   contents, or path+size+mtime for very large files), the tokenizer JSON and the split, so a
   change in any of them re-tokenizes. Cache entries are written to a temporary directory and
-  renamed into place, so a crash or a concurrent writer never leaves a half-written entry.
+  renamed into place, so a crash or a concurrent writer never leaves a half-written entry. The
+  cache lives in `cflow.fsutil.cache_dir()` unless a directory is given; a cache that cannot be
+  written raises `cflow.fsutil.WriteError` before any tokenizing is done.
 - `BatchSampler` draws random windows with a seeded numpy generator whose state can be saved
   and restored (exact resume). Every rank draws the same global batch and keeps its own disjoint
   slice, so a DDP run sees exactly the batches of a single-process run.
@@ -34,8 +36,8 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from cflow import fsutil
 from cflow.errors import CflowError
-from cflow.fsutil import atomic_write_text
 from cflow.train import bpe
 
 SHIPPED_CORPUS = "stories-smollm2.jsonl"
@@ -58,11 +60,6 @@ class Corpus:
     name: str
     fingerprint: str  # changes whenever the documents may have changed
     documents: Callable[[], list[str]]
-
-
-def default_cache_dir() -> Path:
-    env = os.environ.get("CFLOW_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "cflow"
 
 
 def shipped_corpus_path() -> Path:
@@ -220,15 +217,17 @@ def split_documents(docs: list[str], val_fraction: float = DEFAULT_VAL_FRACTION)
 def get_tokenizer(corpus: Corpus, vocab_size: int, *, cache_dir: str | os.PathLike | None = None,
                   val_fraction: float = DEFAULT_VAL_FRACTION, progress: bool = False):
     """The BPE tokenizer for `corpus`: loaded from the cache, or trained on its training split."""
-    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    cache = Path(cache_dir) if cache_dir is not None else fsutil.cache_dir()
     key = _hash_key({"corpus": corpus.fingerprint, "vocab_size": vocab_size, "val_fraction": val_fraction,
                      "specials": list(bpe.SPECIAL_TOKENS), "format": _CACHE_FORMAT})
     path = cache / "tokenizers" / f"{key[:24]}.json"
     if path.is_file():
         return bpe.load_tokenizer(path)
+    fsutil.check_writable(path)  # before training the tokenizer, not after
     train_docs, _ = split_documents(corpus.documents(), val_fraction)
     tok = bpe.train_bpe(train_docs, vocab_size, progress=progress)
-    atomic_write_text(path, tok.to_str())
+    with fsutil.writing(path):
+        fsutil.atomic_write_text(path, tok.to_str())
     return tok
 
 
@@ -252,25 +251,26 @@ def token_dtype(vocab_size: int) -> np.dtype:
 def prepare_data(corpus: Corpus, tokenizer, *, cache_dir: str | os.PathLike | None = None,
                  val_fraction: float = DEFAULT_VAL_FRACTION) -> TokenData:
     """Tokenize `corpus` once (cached under cache_dir/tokens/KEY) and memory-map the result."""
-    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    cache = Path(cache_dir) if cache_dir is not None else fsutil.cache_dir()
     vocab_size = tokenizer.get_vocab_size()
     eos_id = tokenizer.token_to_id(bpe.EOS)
     key = _hash_key({"corpus": corpus.fingerprint, "tokenizer": bpe.tokenizer_hash(tokenizer),
                      "val_fraction": val_fraction, "format": _CACHE_FORMAT})
     entry = cache / "tokens" / key[:24]
     if not (entry / "meta.json").is_file():
-        _build_entry(entry, corpus, tokenizer, val_fraction)
+        train_docs, val_docs = split_documents(corpus.documents(), val_fraction)
+        with fsutil.writing(entry):
+            _build_entry(entry, corpus.name, train_docs, val_docs, tokenizer)
     return _open_entry(entry, key, eos_id, vocab_size)
 
 
-def _build_entry(entry: Path, corpus: Corpus, tokenizer, val_fraction: float) -> None:
-    train_docs, val_docs = split_documents(corpus.documents(), val_fraction)
+def _build_entry(entry: Path, corpus_name: str, train_docs: list[str], val_docs: list[str], tokenizer) -> None:
     dtype = token_dtype(tokenizer.get_vocab_size())
     eos_id = tokenizer.token_to_id(bpe.EOS)
     entry.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=entry.name + ".tmp-", dir=entry.parent))
     try:
-        meta = {"corpus": corpus.name, "dtype": dtype.name, "eos_id": eos_id, "format": _CACHE_FORMAT}
+        meta = {"corpus": corpus_name, "dtype": dtype.name, "eos_id": eos_id, "format": _CACHE_FORMAT}
         for split, docs in (("train", train_docs), ("val", val_docs)):
             meta[f"{split}_docs"] = len(docs)
             meta[f"{split}_tokens"] = _write_tokens(tmp / f"{split}.bin", docs, tokenizer, dtype, eos_id)

@@ -14,6 +14,13 @@ Owns `TrainConfig` (every knob of a run that is not the architecture) and `train
   and trains on its own slice, so gradients equal a single process's on the global batch. One
   exception: the load-balancing loss is computed per rank (it is a product of per-rank means),
   as in most data-parallel MoE training. Rank 0 logs and saves; evaluation is split over ranks.
+- Checkpoints: every `save_every` steps (default 200), at the end, and on SIGINT/SIGTERM: the
+  first signal lets the current step finish, saves there and raises TrainInterrupted (the CLI
+  exits 130 / 143); a second one abandons the save, which leaves the previous checkpoint whole.
+  Under DDP the ranks agree on the stop each step (an all-reduce), so all stop at the same step
+  whichever rank was signalled; torchrun forwards a Ctrl-C to every worker once.
+- Writes: `out_dir` is checked writable before any data is prepared; an OSError while writing the
+  log or a checkpoint is a `cflow.fsutil.WriteError` (`cannot write PATH: REASON`).
 
 The library never prints: progress=True shows a tqdm bar (rank 0), a callable receives events.
 """
@@ -23,6 +30,8 @@ from __future__ import annotations
 import csv
 import math
 import os
+import signal
+import threading
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -32,6 +41,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from cflow import fsutil
 from cflow.config import ModelConfig
 from cflow.errors import CflowError
 from cflow.train import checkpoint as ckpt
@@ -45,6 +55,25 @@ RESUME_FIXED = ("batch_size", "seq_len", "seed", "data", "val_fraction")
 
 class TrainError(CflowError):
     """A training run is misconfigured (bad settings, resume mismatch, occupied output dir)."""
+
+
+class TrainInterrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM stopped training; `saved_step` is the step of the checkpoint now in `out_dir`.
+
+    A KeyboardInterrupt, so a caller looping over runs (compare) stops too, and `except Exception`
+    does not swallow it. `saved`: the checkpoint holds the step training stopped at (False after a
+    second signal abandoned the save, or without out_dir).
+    """
+
+    def __init__(self, signum: int, step: int, total: int, out_dir: Path | None, saved_step: int | None,
+                 rank: int = 0) -> None:
+        self.signum, self.step, self.total, self.out_dir, self.saved_step = signum, step, total, out_dir, saved_step
+        self.rank = rank
+        self.signal_name = signal.Signals(signum).name
+        self.saved = saved_step == step  # the checkpoint holds exactly where training stopped
+        self.exit_status = 128 + signum  # what a shell reports for a process stopped by this signal
+        where = f"the checkpoint in {out_dir} is step {saved_step}" if saved_step is not None else "no checkpoint"
+        super().__init__(f"{self.signal_name} at step {step} of {total}; {where}")
 
 
 @dataclass
@@ -64,7 +93,10 @@ class TrainConfig:
     z_weight: float = 0.001  # router z-loss weight
     eval_every: int = 200  # 0: evaluate only at the end
     eval_windows: int = 64  # validation windows (of seq_len tokens) per evaluation
-    save_every: int = 0  # 0: save only at the end (and when stopped early)
+    # Periodic checkpoints bound the work a crash or kill -9 loses; 200 steps is the default
+    # eval interval, so each periodic checkpoint carries a fresh evaluation. 0: only at the end
+    # (and on SIGINT/SIGTERM).
+    save_every: int = 200
     log_every: int = 10
     seed: int = 1337
     data: str | None = None  # None: shipped corpus; a .txt/.jsonl path; "tinystories[:N]"
@@ -177,6 +209,39 @@ class _Dist:
         torch.distributed.all_reduce(t)
         return (t / self.world_size).tolist()
 
+    def max(self, value: int) -> int:
+        if not self.active:
+            return value
+        t = torch.tensor([value], dtype=torch.int64)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        return int(t.item())
+
+
+class _StopSignals:
+    """While active (main thread only): the first SIGINT/SIGTERM is recorded in `signum` for the loop
+    to act on at the next step boundary; a second raises KeyboardInterrupt at once."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.signum = 0
+        self._old: dict[int, Any] = {}
+
+    def __enter__(self) -> "_StopSignals":
+        if threading.current_thread() is threading.main_thread():  # signal.signal works only there
+            self._old = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, old in self._old.items():
+            signal.signal(s, old if old is not None else signal.SIG_DFL)  # None: set outside Python
+        self._old = {}
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.signum:
+            raise KeyboardInterrupt  # asked twice: quit now; an interrupted save keeps the old checkpoint
+        self.signum = signum
+
 
 def _init_distributed() -> _Dist:
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -261,27 +326,30 @@ class _CsvLog:
                 rows = [r for r in csv.DictReader(f) if int(r["step"]) <= truncate_after_step]
             self._rewrite(rows)
         elif truncate_after_step is None and path.is_file():
-            path.unlink()
+            with fsutil.writing(path):
+                path.unlink()
         self.f = None
         self.open()
 
     def _rewrite(self, rows: list[dict]) -> None:
-        with open(self.path, "w", newline="") as f:
+        with fsutil.writing(self.path), open(self.path, "w", newline="") as f:
             w = csv.DictWriter(f, LOG_FIELDS)
             w.writeheader()
             w.writerows(rows)
 
     def open(self) -> None:
         new = not self.path.is_file()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.f = open(self.path, "a", newline="")
-        self.w = csv.DictWriter(self.f, LOG_FIELDS, extrasaction="ignore")
-        if new:
-            self.w.writeheader()
+        with fsutil.writing(self.path):
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.f = open(self.path, "a", newline="")
+            self.w = csv.DictWriter(self.f, LOG_FIELDS, extrasaction="ignore")
+            if new:
+                self.w.writeheader()
 
     def write(self, row: dict) -> None:
-        self.w.writerow({k: _fmt(row.get(k)) for k in LOG_FIELDS})
-        self.f.flush()
+        with fsutil.writing(self.path):
+            self.w.writerow({k: _fmt(row.get(k)) for k in LOG_FIELDS})
+            self.f.flush()
 
     def close(self) -> None:
         if self.f:
@@ -320,6 +388,10 @@ class _Progress:
             elif event["event"] == "eval":
                 self.bar.write(f"step {event['step']}: val loss {event['val_loss']:.4f} "
                                f"ppl {event['val_ppl']:.2f} acc {event['val_acc']:.3f}")
+            elif event["event"] == "stop":
+                self.bar.write(f"{event['signal']}: stopping at step {event['step']}"
+                               + (" and saving a checkpoint (Ctrl-C again to quit without it)"
+                                  if event["save"] else ""))
 
     def close(self) -> None:
         if self.bar is not None:
@@ -342,6 +414,8 @@ def train(cfg: ModelConfig, tc: TrainConfig, *, out_dir: str | os.PathLike | Non
         _set_threads(tc, d)
         out = Path(out_dir) if out_dir is not None else None
         state, tok_json = _check_out_dir(out, resume, overwrite, cfg, tc)
+        if out is not None and d.rank == 0:
+            fsutil.check_writable(out)  # now, not after the tokenizer and the first save_every steps
         corpus, tok, data = _prepare(cfg, tc, d, tok_json, progress is True and d.rank == 0)
         cfg = cfg.replace(vocab_size=tok.get_vocab_size()) if cfg.vocab_size != tok.get_vocab_size() else cfg
         if tc.seq_len > cfg.max_seq_len:
@@ -375,6 +449,8 @@ def _check_out_dir(out: Path | None, resume: bool, overwrite: bool, cfg: ModelCo
         if resume:
             raise TrainError("resume needs the checkpoint directory (--out DIR)")
         return None, None
+    if out.exists() and not out.is_dir():
+        raise TrainError(f"{out} is a file, not a checkpoint directory; choose another --out")
     if resume:
         c = ckpt.load_checkpoint(out)
         state = dict(c.train_state)
@@ -417,6 +493,8 @@ class _Run:
         self.history: list[dict] = []
         self.evals: list[dict] = []
         self.last_eval: dict = {}
+        self.saved_step = step if resumed else None  # step of the checkpoint in `out` that this run wrote or resumed
+        self.signals = _StopSignals()
         self.log = None
         if out is not None and d.rank == 0:
             self.log = _CsvLog(out / ckpt.LOG_NAME, step if resumed else None)
@@ -432,33 +510,54 @@ class _Run:
 
     def loop(self, until_step: int | None) -> TrainResult:
         stop = self.total if until_step is None else min(self.total, until_step)
-        t_start = time.perf_counter()
-        t_win, win_steps = t_start, 0
-        try:
-            while self.step < stop:
-                row = self.train_step()
-                win_steps += 1
-                now = time.perf_counter()
-                row["elapsed_s"] = self.elapsed0 + now - t_start
-                row["tok_per_s"] = win_steps * self.tc.tokens_per_step / max(now - t_win, 1e-9)
-                if self.step % self.tc.log_every == 0:
-                    t_win, win_steps = now, 0
-                if (self.tc.eval_every and self.step % self.tc.eval_every == 0) or self.step == self.total:
-                    row.update(self.run_eval())
-                self.history.append(row)
-                if self.log and (self.step % self.tc.log_every == 0 or "val_loss" in row or self.step == stop):
-                    self.log.write(row)
-                self.progress({"event": "step", **row})
-                if self.out is not None and ((self.tc.save_every and self.step % self.tc.save_every == 0)
-                                             or self.step == stop):
-                    self.save(self.elapsed0 + time.perf_counter() - t_start)
-        finally:
-            self.progress.close()
-            if self.log:
-                self.log.close()
+        self.t_start = time.perf_counter()
+        self.t_win, self.win_steps = self.t_start, 0
+        signum = 0
+        with self.signals:
+            try:
+                while self.step < stop and not signum:
+                    signum = self.one_step(stop)
+            except KeyboardInterrupt:  # a second signal: the save (if under way) was abandoned
+                raise self.interrupted(self.signals.signum or signal.SIGINT) from None
+            finally:
+                self.progress.close()
+                if self.log:
+                    self.log.close()
+        if signum:
+            raise self.interrupted(signum)
         return TrainResult(self.model, self.cfg, self.history, self.evals, self.n_params, self.step,
-                           self.step * self.tc.tokens_per_step, self.elapsed0 + time.perf_counter() - t_start,
+                           self.step * self.tc.tokens_per_step, self.elapsed0 + time.perf_counter() - self.t_start,
                            self.out, self.tok_json, self.d.rank, self.d.world_size)
+
+    def one_step(self, stop: int) -> int:
+        """Train a step; evaluate, log and save as due. Returns the stop signal all ranks agreed on (0: none)."""
+        tc = self.tc
+        row = self.train_step()
+        self.win_steps += 1
+        now = time.perf_counter()
+        row["elapsed_s"] = self.elapsed0 + now - self.t_start
+        row["tok_per_s"] = self.win_steps * tc.tokens_per_step / max(now - self.t_win, 1e-9)
+        if self.step % tc.log_every == 0:
+            self.t_win, self.win_steps = now, 0
+        if (tc.eval_every and self.step % tc.eval_every == 0) or self.step == self.total:
+            row.update(self.run_eval())
+        # Checked after the eval, so a signal during it still stops here; agreed over the ranks,
+        # so they all stop (and save) at the same step whichever of them was signalled.
+        signum = self.d.max(self.signals.signum)
+        last = self.step == stop or bool(signum)
+        self.history.append(row)
+        if self.log and (self.step % tc.log_every == 0 or "val_loss" in row or last):
+            self.log.write(row)
+        self.progress({"event": "step", **row})
+        if signum:
+            self.progress({"event": "stop", "signal": signal.Signals(signum).name, "step": self.step,
+                           "save": self.out is not None})
+        if self.out is not None and ((tc.save_every and self.step % tc.save_every == 0) or last):
+            self.save(self.elapsed0 + time.perf_counter() - self.t_start)
+        return signum
+
+    def interrupted(self, signum: int) -> TrainInterrupted:
+        return TrainInterrupted(signum, self.step, self.total, self.out, self.saved_step, self.d.rank)
 
     def train_step(self) -> dict:
         tc = self.tc
@@ -525,6 +624,7 @@ class _Run:
                 self.log.open()
             self.progress({"event": "save", "step": self.step, "path": str(self.out)})
         self.d.barrier()
+        self.saved_step = self.step
 
 
 def resume_settings(out_dir: str | os.PathLike) -> tuple[ModelConfig, TrainConfig]:
