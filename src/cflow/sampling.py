@@ -9,7 +9,8 @@ The chain, each stage optional:
   penalty when positive and multiplied by it when negative (llama.cpp / CTRL).
 - top-k (k > 0): keep the k highest logits.
 - top-p (p < 1): softmax over what is left; keep the smallest prefix, by descending
-  probability, whose mass reaches p (the token that crosses p is kept).
+  probability, whose cumulative probability is >= p (llama.cpp's rule: the token that crosses
+  p is kept, and a prefix landing exactly on p is enough).
 - min-p (p > 0): keep tokens whose probability is at least p times the top token's.
 - temperature: divide the surviving logits by it, softmax, draw with a seeded numpy Generator.
   temperature <= 0 is greedy: the argmax after the penalty, no randomness.
@@ -131,7 +132,7 @@ def _softmax(x: np.ndarray) -> np.ndarray:
 
 
 def top_p(ids: np.ndarray, vals: np.ndarray, p: float) -> tuple[np.ndarray, np.ndarray]:
-    """Smallest best-first prefix whose probability mass reaches p (ids/vals sorted best first)."""
+    """Smallest best-first prefix whose cumulative probability is >= p (ids/vals sorted best first)."""
     if p >= 1.0 or ids.size <= 1:
         return ids, vals
     cum = np.cumsum(_softmax(vals))

@@ -1,9 +1,12 @@
 """The runtime tokenizer: byte-level BPE and chat templates, rebuilt from a `.cflow` header.
 
-Owns the tokenizer dict of the file header (docs/DESIGN.md) and everything done with it at run
-time: encode, decode, streaming detokenization, and chat-template rendering. No torch and no
-transformers here; the BPE itself runs in HF `tokenizers` (a runtime dependency), which we build
-from the vocabulary and merges so the file stays self-contained.
+Owns the tokenizer dict of the file header (docs/DESIGN.md): its validation, and everything done
+with it at run time: encode, decode, streaming detokenization, chat-template rendering, and the
+token-id range check (`check_token_ids`). No torch and no transformers here; the BPE itself runs
+in HF `tokenizers` (a runtime dependency), which we build from the vocabulary and merges so the
+file stays self-contained. Making a header from foreign descriptions (an HF tokenizer.json, a
+GGUF vocabulary) is the converters' job: `cflow.convert.hf_tokenizer`. `TokenizerError` is the
+one error of both sides and of tokenizer training (`cflow.train.bpe`).
 
 Choices:
 - The pre-tokenizer (how text is cut into words before BPE) is not part of the vocabulary; GGUF
@@ -20,16 +23,18 @@ from __future__ import annotations
 
 import codecs
 import json
-import os
 from datetime import datetime
 from functools import lru_cache
 from typing import Any, Iterable, Iterator
+
+import numpy as np
 
 from cflow.errors import CflowError
 
 
 class TokenizerError(CflowError, ValueError):
-    """A tokenizer description is malformed or uses a feature cflow does not support."""
+    """A tokenizer cannot be built, trained, loaded or used as asked: a malformed description, a
+    feature cflow does not support, or a token id outside the vocabulary."""
 
 
 class ChatTemplateError(CflowError, ValueError):
@@ -57,19 +62,6 @@ def unicode_to_bytes() -> dict[str, int]:
     return {c: b for b, c in bytes_to_unicode().items()}
 
 
-def byte_level_spelling(token: str) -> str:
-    """`token` in the byte-level alphabet: unchanged if it already is, else its UTF-8 bytes spelled.
-
-    Some GGUF writers store a few tokens as raw text (e.g. a token of real spaces); BPE needs
-    every ordinary token spelled in the byte alphabet or its merges can never produce it.
-    """
-    alphabet = unicode_to_bytes()
-    if all(c in alphabet for c in token):
-        return token
-    table = bytes_to_unicode()
-    return "".join(table[b] for b in token.encode("utf-8"))
-
-
 # ---- pre-tokenizers --------------------------------------------------------------------------
 # llama.cpp's splits (src/llama-vocab.cpp), keyed by the `tokenizer.ggml.pre` names that use them.
 _GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
@@ -77,6 +69,9 @@ _LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# The kinds that are a regex split (then ByteLevel without its own regex), by kind name; the HF
+# JSON importer recognises a tokenizer.json's Split by these exact strings.
+SPLIT_REGEXES: dict[str, str] = {"llama3": _LLAMA3_REGEX, "qwen2": _QWEN2_REGEX}
 
 PRE_TOKENIZERS: dict[str, str] = {
     # name -> kind; kinds are built in _pre_tokenizer()
@@ -103,8 +98,7 @@ def _pre_tokenizer(pre: str | None):
     if kind == "digits":
         return pt.Sequence([pt.Digits(individual_digits=True),
                             pt.ByteLevel(add_prefix_space=False, use_regex=True)])
-    regex = _LLAMA3_REGEX if kind == "llama3" else _QWEN2_REGEX
-    return pt.Sequence([pt.Split(Regex(regex), behavior="isolated"),
+    return pt.Sequence([pt.Split(Regex(SPLIT_REGEXES[kind]), behavior="isolated"),
                         pt.ByteLevel(add_prefix_space=False, use_regex=False)])
 
 
@@ -211,21 +205,6 @@ class Tokenizer:
                 out.append(tok.encode("utf-8"))  # not byte-level spelled: take it literally
         return out
 
-    @classmethod
-    def from_header(cls, header: dict[str, Any]) -> "Tokenizer":
-        return cls(header)
-
-    @classmethod
-    def from_hf_json(cls, path_or_str: str | os.PathLike, *, chat_template: str | None = None,
-                     bos: str | None = None, eos: str | None = None) -> "Tokenizer":
-        """A tokenizer saved by HF `tokenizers` (our trained byte-level BPE `tokenizer.json`).
-
-        `bos`/`eos` name the tokens when the JSON alone does not say (it has no such fields);
-        otherwise BOS comes from a post-processor that prepends a special token, and EOS from the
-        usual names.
-        """
-        return cls(hf_json_to_header(path_or_str, chat_template=chat_template, bos=bos, eos=eos))
-
     def to_header(self) -> dict[str, Any]:
         return dict(self.header)
 
@@ -258,19 +237,15 @@ class Tokenizer:
         return ids
 
     def token_to_bytes(self, token_id: int) -> bytes:
-        self._check_id(token_id)
-        return self._bytes[token_id]
+        return self._bytes[self.check_ids((token_id,))[0]]
 
     def token_to_piece(self, token_id: int) -> str:
         """The text of one token; a piece that is part of a multi-byte character shows as U+FFFD."""
         return self.token_to_bytes(token_id).decode("utf-8", errors="replace")
 
     def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
-        parts = []
-        for i in ids:
-            self._check_id(i)
-            if not (skip_special and i in self._special_ids):
-                parts.append(self._bytes[i])
+        parts = [self._bytes[i] for i in self.check_ids(ids)
+                 if not (skip_special and i in self._special_ids)]
         return b"".join(parts).decode("utf-8", errors="replace")
 
     def decode_stream(self, ids: Iterable[int], skip_special: bool = False) -> Iterator[str]:
@@ -287,9 +262,9 @@ class Tokenizer:
     def stream(self, skip_special: bool = False) -> "StreamDecoder":
         return StreamDecoder(self, skip_special=skip_special)
 
-    def _check_id(self, token_id: int) -> None:
-        if not 0 <= token_id < len(self._bytes):
-            raise TokenizerError(f"token id {token_id} is outside the vocabulary (size {len(self._bytes)})")
+    def check_ids(self, ids: Iterable[int] | np.ndarray) -> list[int]:
+        """`ids` as Python ints, or TokenizerError when one is not a token id of this vocabulary."""
+        return check_token_ids(ids, len(self._bytes))
 
     # ---- chat --------------------------------------------------------------------------------
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
@@ -335,7 +310,28 @@ class StreamDecoder:
         return self._utf8.decode(b"", final=True)
 
 
-# ---- header validation and HF JSON import ----------------------------------------------------
+# ---- token ids and header validation ---------------------------------------------------------
+def check_token_ids(ids: Iterable[int] | np.ndarray, vocab_size: int, *,
+                    error: type[Exception] = TokenizerError) -> list[int]:
+    """`ids` (any iterable or array of integers) as a list of Python ints; raises `error` naming
+    the first offenders when one is not an integer in 0..vocab_size-1.
+
+    The one token-id range check: the tokenizer uses it, and the engine and the reference model
+    can pass their own error class so callers see the error of the API they called.
+    """
+    if not isinstance(ids, np.ndarray):
+        ids = list(ids)  # a generator would otherwise become a 0-d object array
+    arr = np.asarray(ids).reshape(-1)
+    if arr.size == 0:
+        return []
+    if arr.dtype.kind not in "iu":  # floats, bools, strings, ints too large for int64 (object)
+        raise error(f"token ids must be integers, got {arr.dtype} values such as {arr[:3].tolist()}")
+    bad = arr[(arr < 0) | (arr >= vocab_size)]
+    if bad.size:
+        raise error(f"token ids {bad[:5].tolist()} are outside the vocabulary (0..{vocab_size - 1})")
+    return arr.tolist()
+
+
 _HEADER_KEYS = ("model", "vocab", "merges", "bos_id", "eos_id", "add_bos", "chat_template", "special", "pre")
 
 
@@ -374,95 +370,6 @@ def _split_merge(m: str) -> tuple[str, str]:
     if len(parts) != 2 or not all(parts):
         raise TokenizerError(f"merge {m!r} is not two tokens separated by one space")
     return parts[0], parts[1]
-
-
-_BOS_NAMES = ("<|begin_of_text|>", "<s>", "<|bos|>", "<bos>")
-_EOS_NAMES = ("<|end_of_text|>", "</s>", "<|eos|>", "<eos>", "<|endoftext|>", "<|im_end|>")
-
-
-def _pre_name_of_hf(pre: dict | None) -> str:
-    """Which PRE_TOKENIZERS entry an HF pre_tokenizer JSON is, or TokenizerError."""
-    def is_bytelevel(p: dict, use_regex: bool) -> bool:
-        return (p.get("type") == "ByteLevel" and not p.get("add_prefix_space", False)
-                and bool(p.get("use_regex", True)) == use_regex)
-
-    if pre and is_bytelevel(pre, True):
-        return "gpt2"
-    if pre and pre.get("type") == "Sequence":
-        seq = pre.get("pretokenizers", [])
-        if (len(seq) == 2 and seq[0] == {"type": "Digits", "individual_digits": True}
-                and is_bytelevel(seq[1], True)):
-            return "smollm"
-        if len(seq) == 2 and seq[0].get("type") == "Split" and is_bytelevel(seq[1], False):
-            regex = seq[0].get("pattern", {}).get("Regex")
-            for name, r in (("llama3", _LLAMA3_REGEX), ("qwen2", _QWEN2_REGEX)):
-                if regex == r:
-                    return name
-    raise TokenizerError(
-        f"tokenizer.json uses a pre-tokenizer cflow cannot reproduce: {json.dumps(pre)[:200]}; "
-        "train it with tokenizers' ByteLevel(add_prefix_space=False)")
-
-
-def hf_json_to_header(path_or_str: str | os.PathLike, *, chat_template: str | None = None,
-                      bos: str | None = None, eos: str | None = None) -> dict[str, Any]:
-    """Header dict of an HF `tokenizers` byte-level BPE JSON (a path, or the JSON text itself)."""
-    text = str(path_or_str)
-    if not text.lstrip().startswith("{"):
-        try:
-            with open(text, encoding="utf-8") as f:
-                text = f.read()
-        except OSError as e:
-            raise TokenizerError(f"cannot read tokenizer JSON {path_or_str}: {e.strerror}") from None
-    try:
-        j = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise TokenizerError(f"tokenizer JSON is not valid JSON: {e}") from None
-    model = j.get("model") or {}
-    if model.get("type") != "BPE":
-        raise TokenizerError(f"tokenizer.json model is {model.get('type')!r}; cflow supports byte-level BPE")
-    if (j.get("decoder") or {}).get("type") != "ByteLevel":
-        raise TokenizerError("tokenizer.json is not byte-level (its decoder is not ByteLevel)")
-    by_id = {i: t for t, i in model["vocab"].items()}
-    for a in j.get("added_tokens", []):
-        by_id[a["id"]] = a["content"]
-    n = len(by_id)
-    if sorted(by_id) != list(range(n)):
-        raise TokenizerError("tokenizer.json ids are not 0..n-1 without gaps")
-    vocab = [by_id[i] for i in range(n)]
-    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
-    special = {a["content"]: a["id"] for a in j.get("added_tokens", []) if a.get("special")}
-    added = {a["content"]: a["id"] for a in j.get("added_tokens", []) if not a.get("special")}
-
-    bos_id = _bos_from_post_processor(j.get("post_processor"), special)
-    add_bos = bos_id is not None
-    if bos is not None:
-        bos_id = _named_id(bos, special, "bos")
-    elif bos_id is None:
-        bos_id = next((special[t] for t in _BOS_NAMES if t in special), None)
-    eos_id = (_named_id(eos, special, "eos") if eos is not None
-              else next((special[t] for t in _EOS_NAMES if t in special), None))
-    header = {"model": "bpe", "vocab": vocab, "merges": merges, "bos_id": bos_id, "eos_id": eos_id,
-              "add_bos": add_bos, "chat_template": chat_template, "special": special,
-              "pre": _pre_name_of_hf(j.get("pre_tokenizer"))}
-    if added:
-        header["added"] = added
-    return header
-
-
-def _named_id(name: str, special: dict[str, int], what: str) -> int:
-    if name not in special:
-        raise TokenizerError(f"{what} token {name!r} is not a special token of this tokenizer; "
-                             f"special tokens: {sorted(special)}")
-    return special[name]
-
-
-def _bos_from_post_processor(pp: dict | None, special: dict[str, int]) -> int | None:
-    """The id a TemplateProcessing post-processor puts first, if it puts a special token first."""
-    if not pp or pp.get("type") != "TemplateProcessing" or not pp.get("single"):
-        return None
-    first = pp["single"][0]
-    tok = first.get("SpecialToken", {}).get("id")
-    return special.get(tok) if tok else None
 
 
 def _check_messages(messages: Any) -> None:

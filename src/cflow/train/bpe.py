@@ -21,7 +21,7 @@ import hashlib
 from pathlib import Path
 from typing import Iterable
 
-from cflow.errors import CflowError
+from cflow.tokenizer import TokenizerError  # the one tokenizer error, shared with the runtime
 
 BOS = "<|bos|>"
 EOS = "<|eos|>"
@@ -29,10 +29,6 @@ SPECIAL_TOKENS = (BOS, EOS)
 DEFAULT_VOCAB_SIZE = 4096
 # 256 byte symbols plus the special tokens: the smallest vocabulary that can encode everything.
 MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
-
-
-class TokenizerError(CflowError):
-    """A tokenizer cannot be trained or loaded as asked."""
 
 
 def _tokenizers():
