@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 from cflow.bench.perplexity import evaluate_windows
-from cflow.engine import Engine
+from cflow.runtime import Engine
 from cflow.train import bpe
 from cflow.train.data import eval_windows, open_corpus, prepare_data
 

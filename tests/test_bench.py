@@ -33,7 +33,7 @@ def test_report_rows_and_counted_bytes(tiny_model):
         assert len(r.samples_ts) == 2 and all(ts > 0 for ts in r.samples_ts)
     tg = [r for r in rep.rows if r.test == "tg8"]
     # Only the top-k experts are read, so a token reads less than the whole file's weights.
-    from cflow.engine import Engine
+    from cflow.runtime import Engine
 
     with Engine.load(path, threads=1) as eng:
         expected = eng.weight_bytes_per_token()
@@ -84,8 +84,77 @@ def test_bad_requests(tiny_model, tmp_path, capsys):
     with pytest.raises(CflowError, match="reps"):
         bench(path, reps=0, probe=False, footprint=False)
     with pytest.raises(SystemExit) as e:
-        main(["bench", "-m", str(path), "-t", "0"])
+        main(["bench", "-m", str(path), "-t", "1,x"])
     assert e.value.code == 2
-    assert "positive integers" in capsys.readouterr().err
+    assert "comma-separated integers" in capsys.readouterr().err
     with pytest.raises(CflowError, match="unknown baseline"):
         bench(path, compare="vllm", probe=False, footprint=False)
+
+
+def test_threads_zero_means_every_usable_core(tiny_model):
+    from cflow.runtime import usable_threads
+
+    rep = bench(tiny_model[0], threads=[0], pp=0, tg=2, reps=1, warmup=False, probe=False, footprint=False)
+    assert [r.threads for r in rep.rows] == [usable_threads()]
+
+
+def test_tg_runs_every_step_whatever_the_token(tiny_model, capsys):
+    from cflow.bench.runner import time_tg
+
+    class AlwaysEos:  # a model whose every next token is its end-of-text id
+        name, steps = "eos", 0
+
+        def reset(self):
+            self.steps = 0
+
+        def step(self, token, pos):
+            self.steps += 1
+            return 0
+
+    r = AlwaysEos()
+    time_tg(r, 16, first_token=5)
+    assert r.steps == 16
+    # llama.cpp's --ignore-eos is accepted and documented: tg never stops at end of text anyway
+    assert main(["bench", "-m", str(tiny_model[0]), "-t", "1", "-p", "0", "-n", "4", "-r", "1", "--no-probe",
+                 "--no-footprint", "-q", "--json", "--ignore-eos"]) == 0
+    assert json.loads(capsys.readouterr().out)["rows"][0]["n_tokens"] == 4
+
+
+def test_no_verify_skips_the_checksum_check(tiny_model, tmp_path, monkeypatch, capsys):
+    from cflow.fileformat import open_model
+
+    monkeypatch.setenv("CFLOW_CACHE", str(tmp_path / "cache"))  # no verdict cached for the copy
+    path, _ = tiny_model
+    with open_model(path) as cf:
+        norm = next(e for e in cf.tensors.values() if e.dtype == "f32" and e.name.endswith("norm"))
+    data = bytearray(path.read_bytes())
+    data[norm.offset] ^= 0x01  # the lowest mantissa bit of one norm weight: still a working model
+    bad = tmp_path / "damaged.cflow"
+    bad.write_bytes(bytes(data))
+    argv = ["bench", "-m", str(bad), "-t", "1", "-p", "0", "-n", "2", "-r", "1", "--no-probe", "-q", "--json"]
+    assert main(argv) == 2
+    assert "damaged" in capsys.readouterr().err
+    assert main([*argv, "--no-verify"]) == 0  # the footprint's fresh process skips it too
+    assert json.loads(capsys.readouterr().out)["footprint"]["file_bytes"] == bad.stat().st_size
+
+
+def test_machine_features_are_what_the_dispatcher_probed():
+    from cflow import _native
+    from cflow.bench.machine import machine_info
+
+    probed = _native.cpu_features()
+    assert machine_info()["features"] == sorted(k for k, present in probed.items() if present)
+
+
+def test_counted_bytes_are_cross_checked_against_the_tensor_table(tiny_model):
+    from cflow.runtime import Engine
+    from cflow.runtime.files import format_size
+
+    path, _ = tiny_model
+    rep = bench(path, threads=[1], pp=0, tg=4, reps=1, warmup=False, probe=False, footprint=False)
+    with Engine.load(path, threads=1) as eng:
+        assert rep.table_bytes_per_token == eng.weight_bytes_per_token()
+    md = rep.to_markdown()
+    assert f"the tensor table says {format_size(rep.table_bytes_per_token)}" in md
+    assert f"({format_size(path.stat().st_size)})" in md.splitlines()[0]  # decimal sizes, as everywhere
+    assert json.loads(rep.to_json())["table_bytes_per_token"] == rep.table_bytes_per_token

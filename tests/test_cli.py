@@ -19,19 +19,21 @@ from pathlib import Path
 import pytest
 
 from cflow.cli import COMMANDS, main
-from cflow.cli.generate import DEFAULT_MODEL
+from cflow.runtime import DEFAULT_MODEL
 
 PROMPT = "Once upon a time"
 needs_builtin = pytest.mark.skipif(not DEFAULT_MODEL.is_file(), reason="the built-in model is not installed")
 
 # Flags each subcommand's --help must mention (the ones a user reaches for first).
 KEY_FLAGS = {
-    "generate": ["--model", "--n-predict", "--ctx-size", "--temp", "--top-k", "--top-p", "--seed", "--threads"],
-    "chat": ["--model", "--system", "--n-predict", "--temp", "--seed"],
-    "bench": ["-m", "-p", "-n", "-t"],
+    "generate": ["--model", "--n-predict", "--ctx-size", "--temp", "--top-k", "--top-p", "--seed", "--threads",
+                 "--ignore-eos", "--no-verify", "--json"],
+    "chat": ["--model", "--system", "--n-predict", "--temp", "--seed", "--no-verify"],
+    "bench": ["-m", "-p", "-n", "-t", "--ignore-eos", "--no-verify", "--out"],
     "convert": ["--quant", "--tile", "--format", "--json"],
     "inspect": ["--verify", "--json"],
-    "analyze": ["--preset", "--quant", "--json"],
+    "cache": ["MATCH", "--json"],
+    "analyze": ["--preset", "--quant", "--json", "--dot", "--plan"],
     "train": ["--preset", "--out", "--steps"],
     "export": ["--quant", "--tile", "--json"],
 }
@@ -130,7 +132,7 @@ def _bad_flag_cases(tmp: Path) -> list[tuple[list[str], list[str]]]:
     text = tmp / "notes.txt"
     text.write_text("These are my notes, not a model file.\n" * 4)
     return [
-        (["-n", "-2"], ["-n must be >= 0"]),
+        (["-n", "-2"], ["-n: must be >= 0"]),
         (["--temp", "-1"], ["--temp: temperature must be >= 0"]),
         (["--top-p", "2"], ["--top-p: top_p must be in (0, 1]"]),
         (["--top-k", "-1"], ["--top-k"]),
@@ -139,7 +141,7 @@ def _bad_flag_cases(tmp: Path) -> list[tuple[list[str], list[str]]]:
         (["-m", str(text)], ["not a cflow model file"]),
         (["-m", str(tmp)], ["is a directory"]),
         (["-c", "100000"], ["100000", "max_seq_len"]),
-        (["-c", "-3"], ["-c must be >= 0"]),
+        (["-c", "-3"], ["-c: must be >= 0"]),
         (["-f", str(tmp / "nope.txt")], ["cannot read the prompt file"]),
         (["-n", "many"], ["argument -n/--n-predict", "invalid int value"]),  # argparse's own
     ]
@@ -291,7 +293,8 @@ def test_convert_and_export_errors_are_one_line(tmp_path, checkpoint, capsys):
         (["convert", ckpt, str(empty)], ["is a directory"]),  # found before any work, nothing left behind
         (["convert", ckpt, str(tmp_path / "o.cflow"), "--tile", "3x5"], ["3x5", "ROWSxCOLS"]),
         (["export", str(empty), str(tmp_path / "o.cflow")], ["not a cflow training checkpoint"]),
-        (["export", ckpt, "/proc/cflow-test/o.cflow"], ["No such file or directory"]),  # unwritable place
+        (["export", ckpt, "/proc/cflow-test/o.cflow"],  # unwritable place
+         ["cannot write /proc/cflow-test/o.cflow: No such file or directory"]),
     ]
     for argv, needles in cases:
         assert main(argv) == 2, argv

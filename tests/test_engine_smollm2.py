@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cflow.engine import Engine
+from cflow.runtime import Engine
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MARGIN = 0.5       # logits: HF's top-1 must lead its top-2 by this much for an argmax comparison
@@ -71,7 +71,7 @@ def engine(gguf, tmp_path_factory):
 def test_gguf_is_converted_once_into_the_cache(engine):
     eng, again, logs, cache = engine
     assert "converting" in logs[0] and "using" in logs[1], logs
-    files = list(cache.glob("*.cflow"))
+    files = list((cache / "gguf").glob("*.cflow"))
     assert len(files) == 1 and Path(eng.path) == files[0] == Path(again.path)
     assert eng.config.n_layers == 30 and eng.config.d_model == 576
 
@@ -79,15 +79,15 @@ def test_gguf_is_converted_once_into_the_cache(engine):
 def test_unreadable_cached_conversion_is_converted_again(gguf, tmp_path, monkeypatch):
     """A cache entry written by another cflow version (or damaged) is replaced, not fatal.
     (A fresh cache dir: the module's engines keep their cached file mapped.)"""
-    from cflow.engine import _gguf_cache_path
+    from cflow.runtime import files
 
     monkeypatch.setenv("CFLOW_CACHE", str(tmp_path))
-    stale = _gguf_cache_path(gguf)
+    stale = files.cached_path(gguf, files.content_key(gguf))
     stale.parent.mkdir(parents=True, exist_ok=True)
     stale.write_bytes(b"\x89CFLOW\r\n" + b"\0" * 64)  # the right magic, garbage after it
     logs: list[str] = []
     with Engine.load(gguf, threads=1, n_ctx=64, log=logs.append) as eng:
-        assert "unreadable" in logs[1] and "converting" in logs[2], logs
+        assert "unusable" in logs[1] and "converting" in logs[2], logs
         assert eng.config.n_layers == 30 and Path(eng.path) == stale
     assert stale.stat().st_size > 90_000_000
 

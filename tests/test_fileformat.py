@@ -16,6 +16,7 @@ from cflow import fileformat as F
 from cflow import quant as Q
 from cflow.config import ModelConfig
 from cflow.errors import CflowError
+from cflow.fileformat.layout import align_up
 
 TOKENIZER = {"model": "bpe", "vocab": ["a", "b", "Ġc", "<|im_start|>"], "merges": ["a b"], "bos_id": None,
              "eos_id": 3, "add_bos": False, "chat_template": "{{ messages }}", "special": {"<|im_start|>": 3},
@@ -99,7 +100,7 @@ def _check_experts_contiguous(path, cfg):
             gu = cf.tensors[f"layers.{i}.moe.experts.{e}.w_gate_up"]
             dn = cf.tensors[f"layers.{i}.moe.experts.{e}.w_down"]
             assert off == gu.offset and off % F.ALIGN == 0
-            assert dn.offset == F._align(gu.offset + gu.nbytes)  # nothing else in between
+            assert dn.offset == align_up(gu.offset + gu.nbytes)  # nothing else in between
             assert off + n == dn.offset + dn.nbytes
 
 

@@ -15,7 +15,7 @@ __all__ = ["ModelConfig", "ConfigError", "PRESETS", "Engine", "__version__"]
 
 def __getattr__(name: str):
     if name == "Engine":
-        from cflow.engine import Engine
+        from cflow.runtime import Engine
 
         return Engine
     raise AttributeError(f"module 'cflow' has no attribute {name!r}")

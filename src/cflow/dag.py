@@ -50,6 +50,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from cflow import weights
 from cflow.config import ModelConfig
 from cflow.errors import CflowError
 from cflow.quant import BLOCK
@@ -59,29 +60,6 @@ KINDS = ("embed", "attn", "dense", "router", "experts", "lm_head", "join")
 CATEGORY = {"embed": "embeddings", "lm_head": "embeddings", "attn": "attention", "dense": "dense",
             "router": "experts", "experts": "experts", "join": None}
 CATEGORIES = ("attention", "dense", "experts", "embeddings")
-
-# A geometry under which arch2_4_combined's critical path is exactly half of the sequential
-# schedule at q4_0: 8,999,680 -> 4,499,840 bytes/token, i.e. the paper's "9.00 -> 4.50 MB/token"
-# to its printed precision (MB = 10^6 B). Exactly 9,000,000 is out of reach under this byte
-# accounting: with f32 norms every node's size is fixed modulo 9, and no integer geometry with
-# 32-multiple dimensions up to d_model 2048 hits it (nor 9 MiB).
-# Why it is exactly half. With delta_dense=1 the attention and the dense FFN of layer l both read
-# x_l, so one layer step costs P = max(attn, dense) = dense here. With delta_expert=2 the expert
-# branch of layer l (attn -> router -> experts, S bytes) has until x_{l+3}, so it stays off the
-# chain while S <= 3P; only the last layer's branch extends the chain, by S - P. So
-#   total    = e + L * (dense + S)        (e = embed + lm_head bytes)
-#   critical = e + L * P + (S - P)
-# and critical == total / 2  <=>  (L - 2) * (S - P) == e. Here (d_model 320, 13 layers, GQA 10/2
-# heads, d_ff 480, 4 experts top-1 of d_expert 384, vocab 5663): attn 139,520 B, dense 260,480 B,
-# router 6,400 B, experts 207,360 B, so S - P = 92,800 B and 11 * 92,800 == 1,020,800 == e
-# (embed 180 B + lm_head 1,020,620 B). tests/test_dag.py checks it.
-HALF_GEOMETRY: dict[str, Any] = dict(
-    vocab_size=5663, d_model=320, n_layers=13, n_heads=10, n_kv_heads=2, d_ff=480,
-    n_experts=4, top_k=1, d_expert=384, delta_dense=1, delta_expert=2, moe_input="post_attn",
-    tie_embeddings=True,
-)
-HALF_QUANT = "q4_0"
-
 
 class DagError(CflowError, ValueError):
     """The DAG cannot be built for this config/quantization."""
@@ -106,26 +84,23 @@ def matrix_bytes(rows: int, cols: int, quant: str) -> int:
 
 
 def node_bytes(cfg: ModelConfig, kind: str, quant: str) -> int:
-    """Weight bytes one decode step reads for a node of `kind` (0 for joins)."""
-    d = cfg.d_model
-    norm = matrix_bytes(1, d, "f32")
-    if kind == "embed":
-        return matrix_bytes(1, d, quant)
-    if kind == "attn":
-        qkv = matrix_bytes(cfg.q_dim + 2 * cfg.kv_dim, d, quant)
-        return norm + qkv + matrix_bytes(d, cfg.q_dim, quant)
-    if kind == "dense":
-        return norm + matrix_bytes(2 * cfg.d_ff, d, quant) + matrix_bytes(d, cfg.d_ff, quant)
-    if kind == "router":
-        return norm + matrix_bytes(cfg.n_experts, d, "f32")
-    if kind == "experts":
-        one = matrix_bytes(2 * cfg.d_expert, d, quant) + matrix_bytes(d, cfg.d_expert, quant)
-        return cfg.top_k * one
-    if kind == "lm_head":
-        return norm + matrix_bytes(cfg.vocab_size, d, quant)
+    """Weight bytes one decode step reads for a node of `kind` (0 for joins), from the tensor
+    table (cflow.weights) at `quant` (norms and the router stay f32)."""
     if kind == "join":
         return 0
-    raise DagError(f"unknown node kind {kind!r}")
+    if kind not in weights.NODE_KINDS:
+        raise DagError(f"unknown node kind {kind!r}")
+    if kind == "embed":
+        return matrix_bytes(1, cfg.d_model, quant)  # one row of tok_emb
+
+    def size(w: weights.Weight) -> int:
+        rows, cols = (1, w.shape[0]) if len(w.shape) == 1 else w.shape
+        return matrix_bytes(rows, cols, "f32" if w.plain else quant)
+
+    ws = weights.node_weights(cfg, kind)
+    if kind == "experts":  # top_k experts of one weight set, all the same size here
+        return cfg.top_k * sum(size(w) for w in ws if w.expert == 0)
+    return sum(size(w) for w in ws)
 
 
 # ---- the graph -------------------------------------------------------------------------------

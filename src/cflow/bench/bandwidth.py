@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from cflow.errors import CflowError
 
-DEFAULT_BYTES = 1 << 30  # 1 GiB: far beyond any L3 this runs on
+DEFAULT_BYTES = 1 << 30  # 1.07 GB: far beyond any L3 this runs on
 
 
 def read_bandwidth(threads: int = 1, nbytes: int = DEFAULT_BYTES, reps: int = 5) -> float:
@@ -14,6 +14,8 @@ def read_bandwidth(threads: int = 1, nbytes: int = DEFAULT_BYTES, reps: int = 5)
 
     gbs = _native.read_bandwidth(nbytes, threads, reps)
     if gbs < 0:
-        raise CflowError(f"could not allocate {nbytes / 2**20:.0f} MiB for the bandwidth probe; "
+        from cflow.runtime.files import format_size
+
+        raise CflowError(f"could not allocate {format_size(nbytes)} for the bandwidth probe; "
                          "pass a smaller size")
     return gbs

@@ -1,8 +1,8 @@
 """Load time, time to first token and resident memory of one engine, measured in a fresh process.
 
 A fresh interpreter keeps the numbers honest: nothing else (a baseline, an earlier engine) sits in
-the address space. Run as `python -m cflow.bench.footprint MODEL THREADS N_CTX` (0: the engine's default
-context); it prints JSON.
+the address space. `measure_in_subprocess` starts one (`python -c`) that calls `measure` and hands the
+result back as JSON on its stdout; this module itself prints nothing.
 
 Resident memory is split the way users misread it least: the process before loading (Python,
 numpy, the C core), right after loading (mmap: almost nothing is paged in yet), and after the
@@ -29,12 +29,12 @@ def _rss_bytes() -> int:
     return 0
 
 
-def measure(model: str, threads: int, n_ctx: int | None = None) -> dict:
-    from cflow.engine import Engine
+def measure(model: str, threads: int, n_ctx: int | None = None, verify: bool = True) -> dict:
+    from cflow.runtime import Engine
 
     rss0 = _rss_bytes()
     t0 = time.perf_counter()
-    eng = Engine.load(model, threads=threads, n_ctx=n_ctx)
+    eng = Engine.load(model, threads=threads, n_ctx=n_ctx, verify=verify)
     load_s = time.perf_counter() - t0
     rss_loaded = _rss_bytes()
     cfg = eng.config
@@ -51,15 +51,17 @@ def measure(model: str, threads: int, n_ctx: int | None = None) -> dict:
     }
 
 
-def measure_in_subprocess(model: str, threads: int, n_ctx: int | None = None) -> dict:
-    out = subprocess.run([sys.executable, "-m", "cflow.bench.footprint", model, str(threads), str(n_ctx or 0)],
-                         capture_output=True, text=True, check=False)
+# The child's whole program: its arguments arrive as a JSON list on stdin, its result leaves as JSON.
+_CHILD = ("import json, sys; from cflow.bench.footprint import measure; "
+          "print(json.dumps(measure(*json.load(sys.stdin))))")
+
+
+def measure_in_subprocess(model: str, threads: int, n_ctx: int | None = None, verify: bool = True) -> dict:
+    """`measure` in a fresh interpreter."""
+    args = json.dumps([str(model), int(threads), n_ctx, bool(verify)])
+    out = subprocess.run([sys.executable, "-c", _CHILD], input=args, capture_output=True, text=True, check=False)
     if out.returncode != 0:
         from cflow.errors import CflowError
 
         raise CflowError(f"footprint measurement failed: {out.stderr.strip()[-500:]}")
-    return json.loads(out.stdout)
-
-
-if __name__ == "__main__":
-    print(json.dumps(measure(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]) or None)))
+    return json.loads(out.stdout.strip().splitlines()[-1])

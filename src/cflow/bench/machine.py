@@ -1,4 +1,5 @@
-"""What machine and build a benchmark ran on: CPU model, usable cores, ISA features, versions.
+"""What machine and build a benchmark ran on: CPU model, usable cores, ISA features (as the C core's
+dispatcher probed them), versions.
 
 Stamped on every benchmark result so numbers from different runs are never compared blindly.
 """
@@ -10,7 +11,7 @@ import platform
 import subprocess
 from functools import lru_cache
 
-from cflow.engine import usable_threads
+from cflow.runtime import usable_threads
 
 
 @lru_cache(maxsize=1)
@@ -25,16 +26,14 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-@lru_cache(maxsize=1)
-def cpu_flags() -> frozenset[str]:
+def cpu_features() -> list[str]:
+    """The ISA features the C core's dispatcher probed (what chooses its kernels), those present."""
     try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
+        from cflow import _native
+
+        return sorted(name for name, present in _native.cpu_features().items() if present)
+    except (ImportError, AttributeError):  # no compiled core: no kernels to choose either
+        return []
 
 
 def _git_commit() -> str | None:
@@ -56,8 +55,7 @@ def machine_info() -> dict:
         "machine": platform.machine(),
         "logical_cpus": os.cpu_count(),
         "usable_cores": usable_threads(),
-        "features": sorted(f for f in ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx_vnni")
-                           if f in cpu_flags()),
+        "features": cpu_features(),
         "python": platform.python_version(),
         "cflow": __version__,
         "commit": _git_commit(),

@@ -1,7 +1,10 @@
-"""The `cflow` command line: one module per subcommand, each exposing `register(subparsers)`.
+"""The `cflow` command line: one module per subcommand, each exposing `register(subparsers)`;
+what several share (flags, model loading, errors, writing files) is in cflow.cli.common.
 
 A subcommand module only parses flags and calls the library; errors derived from `CflowError`
-(and ConfigError) are printed as one clear line and exit with status 2, never as a traceback.
+are printed as one clear line and exit with status 2, never as a traceback. An error that names
+the flag behind it (`flag`, on the runtime's errors and the CLI's UsageError) is shown after it:
+`cflow generate: error: -c: ...`.
 """
 
 from __future__ import annotations
@@ -13,10 +16,9 @@ import sys
 
 from cflow import __version__
 from cflow.errors import CflowError
-from cflow.config import ConfigError
 
 # Subcommand modules, in the order `cflow --help` lists them.
-COMMANDS = ["generate", "chat", "bench", "convert", "inspect", "analyze", "train", "export"]
+COMMANDS = ["generate", "chat", "bench", "convert", "inspect", "cache", "analyze", "train", "export"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,14 +31,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"cflow {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMANDS:
-        try:
-            mod = importlib.import_module(f"cflow.cli.{name}")
-        except ModuleNotFoundError as e:
-            if e.name == f"cflow.cli.{name}":
-                continue  # not written yet
-            raise
-        mod.register(sub)
+        importlib.import_module(f"cflow.cli.{name}").register(sub)
     return parser
+
+
+def error_line(e: CflowError) -> str:
+    """The message, after the flag that caused it when the error names one."""
+    flag = getattr(e, "flag", None)
+    return f"{flag}: {e}" if flag else str(e)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,8 +49,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     try:
         return int(args.func(args) or 0)
-    except (CflowError, ConfigError) as e:
-        print(f"cflow {args.command}: error: {e}", file=sys.stderr)
+    except CflowError as e:
+        print(f"cflow {args.command}: error: {error_line(e)}", file=sys.stderr)
         return 2
     except BrokenPipeError:
         # The reader went away (e.g. `cflow inspect ... | head`): exit quietly like other CLI tools.

@@ -6,27 +6,34 @@ import argparse
 import json
 from pathlib import Path
 
-from cflow.config import PRESETS, ConfigError, ModelConfig
+from cflow.config import PRESETS, ModelConfig
 from cflow.dag import CATEGORIES, QUANTS, Report, analyze, build_dag, to_dot
-from cflow.fsutil import atomic_write_text
+from cflow.cli.common import FileError, UsageError, add_command, check_writable, write_text
+
+
+HELP = """\
+bytes per token, critical path and slack of one decode step
+
+Build the dependency DAG of one decode step (attention, dense FFN, router, the top-k experts,
+lm_head; edges from the delta_dense / delta_expert delays) and report the weight bytes read per
+token, the critical path (the bytes that must stream one after another even when independent
+nodes overlap), their ratio, the split by category and each node's slack. This is arithmetic,
+not a measurement. The delays never shrink the total bytes per token; they shorten the chain,
+which lets the runtime overlap work.
+
+--plan also prints the op list the engine runs per token (cflow.runtime.plan). MB = 10^6 bytes.
+
+examples:
+  cflow analyze --preset arch2_4_combined
+  cflow analyze --preset arch1 --set n_layers=12 --set d_model=256 --quant q8_0
+  cflow analyze --config runs/arch4/config.json --json
+  cflow analyze --config smollm2.cflow --plan
+  cflow analyze --preset arch5 --dot arch5.dot   # then: dot -Tsvg arch5.dot > arch5.svg
+"""
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "analyze", help="bytes per token, critical path and slack of one decode step",
-        description="Build the dependency DAG of one decode step (attention, dense FFN, router, the\n"
-        "top-k experts, lm_head; edges from the delta_dense / delta_expert delays) and report the\n"
-        "weight bytes read per token, the critical path (the bytes that must stream one after\n"
-        "another even when independent nodes overlap), their ratio, the split by category and each\n"
-        "node's slack. This is arithmetic, not a measurement. The delays never shrink the total\n"
-        "bytes per token; they shorten the chain, which lets the runtime overlap work.\n"
-        "MB = 10^6 bytes.",
-        epilog="examples:\n"
-        "  cflow analyze --preset arch2_4_combined\n"
-        "  cflow analyze --preset arch1 --set n_layers=12 --set d_model=256 --quant q8_0\n"
-        "  cflow analyze --config runs/arch4/config.json --json\n"
-        "  cflow analyze --preset arch5 --dot arch5.dot   # then: dot -Tsvg arch5.dot > arch5.svg",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = add_command(sub, "analyze", HELP)
     p.add_argument("--preset", choices=sorted(PRESETS), metavar="NAME",
                    help=f"start from a named architecture ({', '.join(sorted(PRESETS))})")
     p.add_argument("--config", metavar="FILE",
@@ -38,12 +45,15 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="weight format the bytes are counted in (default q4_0; norms and router are f32)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.add_argument("--dot", metavar="FILE", help="also write the DAG as Graphviz source (critical path in red)")
+    p.add_argument("--plan", action="store_true",
+                   help="also print the engine's op plan for one token: one line per op, with the ring and "
+                   "pending buffers the delays use (in --json: a \"plan\" list)")
     p.set_defaults(func=run)
 
 
 def load_config(preset: str | None, config: str | None, overrides: list[str]) -> ModelConfig:
     if (preset is None) == (config is None):
-        raise ConfigError("give exactly one of --preset NAME or --config FILE")
+        raise UsageError("give exactly one of --preset NAME or --config FILE")
     if preset is not None:
         cfg = ModelConfig.from_name(preset)
     else:
@@ -60,23 +70,39 @@ def _config_from_path(path: Path) -> ModelConfig:
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
-        raise ConfigError(f"config file {str(path)!r} does not exist; pass a config.json, a checkpoint "
-                          f"directory or a .cflow file")
-    return ModelConfig.from_json(path.read_text())
+        raise UsageError(f"config file {str(path)!r} does not exist; pass a config.json, a checkpoint "
+                         f"directory or a .cflow file", flag="--config")
+    try:
+        return ModelConfig.from_json(path.read_text())
+    except OSError as e:
+        raise FileError(f"cannot read {path}: {e.strerror or e}") from None
 
 
 def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.preset, args.config, args.overrides)
-    report = analyze(cfg, args.quant)
     if args.dot:
-        atomic_write_text(args.dot, to_dot(build_dag(cfg, args.quant)))
+        check_writable(args.dot)
+    report = analyze(cfg, args.quant)
+    plan = _plan_lines(cfg) if args.plan else None
+    if args.dot:
+        write_text(args.dot, to_dot(build_dag(cfg, args.quant)))
     if args.json:
-        print(json.dumps(report.to_dict(), indent=2))
-    else:
-        print_report(report, cfg)
-        if args.dot:
-            print(f"\nwrote {args.dot}")
+        print(json.dumps(dict(report.to_dict(), **({"plan": plan} if plan is not None else {})), indent=2))
+        return 0
+    print_report(report, cfg)
+    if plan is not None:
+        print(f"\nop plan for one token ({len(plan)} ops; ring[i]: residual history, pending[i]: expert "
+              f"outputs waiting for their delayed layer)")
+        print("\n".join(plan))
+    if args.dot:
+        print(f"\nwrote {args.dot}")
     return 0
+
+
+def _plan_lines(cfg: ModelConfig) -> list[str]:
+    from cflow.runtime.plan import build_plan
+
+    return build_plan(cfg).describe().splitlines()
 
 
 def _mb(n: int) -> str:

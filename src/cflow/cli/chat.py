@@ -12,20 +12,31 @@ from __future__ import annotations
 import argparse
 import sys
 
-from cflow.cli.generate import add_model_flags, add_sampling_flags, check_flags, load_engine, sampling_kwargs
-from cflow.engine import ContextOverflowError
+from cflow.cli.common import (UsageError, add_command, add_model_flags, add_sampling_flags, check_model_flags,
+                              check_sampling, load_engine, sampling_kwargs)
+from cflow.runtime import ContextOverflowError
 
-HELP = "commands: /exit (or Ctrl-D) quit, /reset start over, /help this text"
+IN_CHAT_HELP = "commands: /exit (or Ctrl-D) quit, /reset start over, /help this text"
 NO_TEMPLATE = ("cflow chat: this model has no chat template, so a plain ChatML default is used and replies "
                "may be poor (instruction-tuned models such as SmolLM2 carry their own template)")
 
 
+HELP = """\
+chat with a model in the terminal
+
+An interactive conversation rendered with the model's chat template. Commands: /exit (or
+Ctrl-D) quits, /reset starts over, /help lists them. Without a terminal, each line of stdin is one
+user turn.
+
+examples:
+  cflow chat -m smollm2.cflow -sys "You are a concise assistant."
+  cflow chat -m SmolLM2-135M-Instruct.Q4_1.gguf --temp 0 --perf
+  printf 'Hi!\\nWhat is 2+2?\\n' | cflow chat -m smollm2.cflow -n 32
+"""
+
+
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "chat", help="chat with a model in the terminal",
-        description="An interactive conversation rendered with the model's chat template. " + HELP + ".",
-        epilog="example: cflow chat -m smollm2.cflow -sys \"You are a concise assistant.\"",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = add_command(sub, "chat", HELP)
     add_model_flags(p)
     p.add_argument("-sys", "--system", "--system-prompt", dest="system", default=None,
                    help="a system prompt opening the conversation")
@@ -41,7 +52,7 @@ def _setup_readline():
         import readline
     except ImportError:  # not on every platform; input() still works
         return None
-    from cflow.engine import cache_dir
+    from cflow.fsutil import cache_dir
 
     path = cache_dir() / "chat_history"
     try:
@@ -86,18 +97,22 @@ def _answer(eng, messages: list[dict], max_tokens: int | None, kw: dict) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    check_flags(args)
+    kw = sampling_kwargs(args)
+    check_model_flags(args)
+    check_sampling(kw)
+    if sys.stdin is None:  # the shell closed it (`cflow chat <&-`): there is nothing to read turns from
+        raise UsageError("stdin is closed, so there is no conversation to read; run cflow chat in a terminal, "
+                         "or pipe the user turns into it, one per line")
     eng = load_engine(args)
     if not eng.tokenizer.chat_template:
         print(NO_TEMPLATE, file=sys.stderr)
-    kw = sampling_kwargs(args)
     max_tokens = None if args.n_predict < 0 else args.n_predict
     system = [{"role": "system", "content": args.system}] if args.system else []
     messages = list(system)
     rl = _setup_readline()
     interactive = sys.stdin.isatty()
     if interactive:
-        print(f"cflow chat: {eng.path} ({eng.threads} threads, context {eng.n_ctx}). {HELP}", file=sys.stderr)
+        print(f"cflow chat: {eng.path} ({eng.threads} threads, context {eng.n_ctx}). {IN_CHAT_HELP}", file=sys.stderr)
     try:
         while True:
             try:
@@ -117,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
                 print("[conversation cleared]", file=sys.stderr)
                 continue
             if text == "/help":
-                print(HELP, file=sys.stderr)
+                print(IN_CHAT_HELP, file=sys.stderr)
                 continue
             messages.append({"role": "user", "content": line})
             reply = _answer(eng, messages, max_tokens, kw)

@@ -1,27 +1,36 @@
-"""`cflow convert IN OUT`: a GGUF file or a training checkpoint directory -> .cflow / .vflow."""
+"""`cflow convert IN OUT`: a GGUF file or a training checkpoint directory -> .cflow / .vflow; and the
+flags and summary `cflow export` shares with it."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import sys
 
+from cflow.cli.common import FileError, add_command, cannot_write, check_writable, progress_bar
 from cflow.convert import QUANT_CHOICES, ConversionResult
-from cflow.errors import CflowError
+from cflow.runtime.files import format_size
+
+
+HELP = """\
+convert a GGUF file or a training checkpoint into a .cflow/.vflow file
+
+Convert a Llama-family GGUF file (llama.cpp) or a cflow training checkpoint directory into
+cflow's tiled model file. GGUF Q4_0/Q4_1/Q8_0 tensors are copied bit for bit whatever --quant
+says: cflow never requantizes them, and when --quant is given the summary lists the tensors that
+kept another type. Every other weight is quantized to --quant and the error this introduces is
+reported. Sizes are decimal: MB = 10^6 bytes.
+
+examples:
+  cflow convert SmolLM2-135M-Instruct.Q4_1.gguf smollm2.cflow
+  cflow convert runs/arch2_4 arch2_4.vflow --quant q8_0
+"""
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "convert", help="convert a GGUF file or a training checkpoint into a .cflow/.vflow file",
-        description="Convert a Llama-family GGUF file (llama.cpp) or a cflow training checkpoint directory "
-        "into cflow's tiled model file. GGUF Q4_0/Q4_1/Q8_0 tensors are copied bit for bit; every other "
-        "weight is quantized to --quant and the error this introduces is reported.",
-        epilog="examples: cflow convert SmolLM2-135M-Instruct.Q4_1.gguf smollm2.cflow\n"
-        "          cflow convert runs/arch2_4 arch2_4.vflow --quant q8_0",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = add_command(sub, "convert", HELP)
     p.add_argument("input", help="a .gguf file or a checkpoint directory (cflow train --out DIR)")
-    p.add_argument("output", help="the model file to write (.cflow or .vflow)")
+    p.add_argument("output", help="the model file to write (.cflow or .vflow; not .gguf: it is not a GGUF)")
     add_common_flags(p, quant_default=None)
     p.add_argument("--format", choices=["cflow", "vflow"], default=None,
                    help="data order: layer by layer (cflow) or in decode-schedule order (vflow); "
@@ -31,71 +40,90 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def add_common_flags(p: argparse.ArgumentParser, quant_default: str | None) -> None:
     p.add_argument("--quant", choices=QUANT_CHOICES, default=quant_default,
-                   help="format for weights that need quantizing (default q4_0; GGUF Q4_0/Q4_1/Q8_0 "
-                   "tensors keep their own format)")
+                   help="format for weights that need quantizing (default q4_0); GGUF Q4_0/Q4_1/Q8_0 "
+                   "tensors keep their own format bit for bit")
     p.add_argument("--tile", default="128x256", help="tile geometry ROWSxCOLS (default 128x256)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
 
 
 def run(args: argparse.Namespace) -> int:
-    from cflow.convert import convert, parse_tile
+    from cflow.convert import convert, detect_input, parse_tile
 
+    kind = detect_input(args.input)
     tile = parse_tile(args.tile)
-    try:
-        with progress_bar(args.quiet) as progress:
-            result = convert(args.input, args.output, quant=args.quant, tile=tile, order=args.format,
-                             progress=progress)
-    except OSError as e:
-        raise os_error(args.output, e) from None
-    print(json.dumps(result.to_dict(), indent=2) if args.json else format_summary(result))
+    result = write_model_file(args, lambda progress: convert(
+        args.input, args.output, quant=args.quant, tile=tile, order=args.format, progress=progress))
+    # --quant given for a GGUF whose Q4_0/Q4_1/Q8_0 blocks were kept as they are: say so
+    kept = kept_gguf_types(args.output, args.quant) if kind == "gguf" and args.quant else {}
+    print_result(args, result, kept={"quant": args.quant, "tensors": kept} if kept else None)
     return 0
 
 
-def os_error(output: str, e: OSError) -> CflowError:
+def write_model_file(args: argparse.Namespace, make) -> ConversionResult:
+    """Run a converter `make(progress)` that writes args.output, failing early and as one line when
+    the output cannot be written."""
+    from cflow.convert import order_for
+
+    order_for(args.output, getattr(args, "format", None))  # a .gguf name or a --format conflict: before any work
+    check_writable(args.output)
+    try:
+        with progress_bar(args.quiet) as progress:
+            return make(progress)
+    except OSError as e:
+        raise os_error(args.output, e) from None
+
+
+def print_result(args: argparse.Namespace, result: ConversionResult, kept: dict | None = None) -> None:
+    if args.json:
+        print(json.dumps(dict(result.to_dict(), **({"kept_gguf_types": kept} if kept else {})), indent=2))
+        return
+    print(format_summary(result))
+    if kept:
+        print(f"note: {kept_note(kept['quant'], kept['tensors'])}")
+
+
+def kept_gguf_types(output: str, quant: str) -> dict[str, list[str]]:
+    """Tensors of the written file whose type is not `quant`, by type: GGUF blocks copied as they
+    are (cflow.convert.common.Encoder.target keeps Q4_0/Q4_1/Q8_0 sources; a fused matrix takes the
+    type holding most of its weights)."""
+    from cflow.fileformat import open_model
+
+    kept: dict[str, list[str]] = {}
+    with open_model(output) as cf:
+        for t in sorted(cf.tensors.values(), key=lambda t: t.offset):
+            if t.layout == "tiled" and t.dtype != quant:
+                kept.setdefault(t.dtype, []).append(t.name)
+    return kept
+
+
+def kept_note(quant: str, kept: dict[str, list[str]]) -> str:
+    n = sum(len(v) for v in kept.values())
+    parts = [f"{dtype}: " + ", ".join(names[:3]) + (f", ... ({len(names)} in all)" if len(names) > 3 else "")
+             for dtype, names in sorted(kept.items())]
+    return (f"--quant {quant} was not applied to {n} tensor(s) that keep their GGUF type ({'; '.join(parts)}). "
+            f"cflow copies GGUF Q4_0/Q4_1/Q8_0 blocks bit for bit and never requantizes them; --quant applies "
+            f"only to weights that need quantizing (F16, F32, BF16, K-quants). For {quant} throughout, convert "
+            f"an F16/F32 GGUF")
+
+
+def os_error(output: str, e: OSError) -> FileError:
     """An OS failure while converting (unwritable output, full disk, unreadable input) as one line."""
     name = os.fspath(e.filename) if e.filename else None
     if name and os.path.dirname(os.path.abspath(name)) != os.path.dirname(os.path.abspath(output)):
-        return CflowError(f"{name}: {e.strerror or e}")  # not the output or its temp file: likely the input
-    return CflowError(f"cannot write {output}: {e.strerror or e}")
-
-
-class progress_bar:
-    """A tqdm bar over bytes written, as the writer's progress(done, total, name) callback."""
-
-    def __init__(self, quiet: bool):
-        self.quiet, self.bar = quiet, None
-
-    def __enter__(self):
-        return None if self.quiet else self.update
-
-    def update(self, done: int, total: int, name: str) -> None:
-        if self.bar is None:
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="writing",
-                            file=sys.stderr, leave=False)
-        self.bar.set_postfix_str(name, refresh=False)
-        self.bar.update(done - self.bar.n)
-
-    def __exit__(self, *exc: object) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
-def _mib(n: int) -> str:
-    return f"{n / 2**20:,.2f} MiB"
+        return FileError(f"{name}: {e.strerror or e}")  # not the output or its temp file: likely the input
+    return cannot_write(output, e)
 
 
 def format_summary(r: ConversionResult) -> str:
     c = r.config
-    lines = [f"wrote {r.output} ({_mib(r.file_bytes)}) from {r.source} in {r.seconds:.1f} s",
+    lines = [f"wrote {r.output} ({format_size(r.file_bytes)}) from {r.source} in {r.seconds:.1f} s",
              f"model: {c.name}, {c.n_layers} layers, d={c.d_model}, heads {c.n_heads}/{c.n_kv_heads}, "
              f"vocab {c.vocab_size}" + (f", {c.n_experts} experts top-{c.top_k}" if c.has_moe else ""),
              "bytes by category:"]
     total = sum(r.bytes_by_category.values()) or 1
     for cat, n in sorted(r.bytes_by_category.items(), key=lambda kv: -kv[1]):
-        lines.append(f"  {cat:<11} {_mib(n):>14}  {100 * n / total:5.1f}%")
+        lines.append(f"  {cat:<11} {format_size(n):>10}  {100 * n / total:5.1f}%")
     q = r.report
     n_all = q.lossless_weights + q.requantized_weights
     if q.requantized_weights == 0:

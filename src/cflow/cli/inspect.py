@@ -6,14 +6,26 @@ import argparse
 import json
 from typing import Any
 
+from cflow.cli.common import FileError, add_command
+from cflow.runtime.files import format_size
+
+
+HELP = """\
+show the config, tensors, byte split and expert table of a .cflow/.vflow file
+
+Validate a model file (magic, version, header, offsets, sizes, alignment) and show its config,
+data order, tensor table, bytes by category and expert offset table. Every problem is reported
+as a named error with what to do about it. Sizes are decimal: MB = 10^6 bytes.
+
+examples:
+  cflow inspect smollm2.cflow --verify
+  cflow inspect smollm2.cflow --json | jq '.tensors[] | select(.dtype == "q8_0") | .name'
+  cflow cache                      # where converted GGUFs are, to inspect them
+"""
+
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "inspect", help="show the config, tensors, byte split and expert table of a .cflow/.vflow file",
-        description="Validate a model file (magic, version, header, offsets, sizes, alignment) and show "
-        "its config, data order, tensor table, bytes by category and expert offset table. Every "
-        "problem is reported as a named error with what to do about it.",
-        epilog="example: cflow inspect smollm2.cflow --verify")
+    p = add_command(sub, "inspect", HELP)
     p.add_argument("file", help="a .cflow or .vflow model file")
     p.add_argument("--verify", action="store_true", help="also check every tensor's checksum (reads all bytes)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
@@ -44,7 +56,7 @@ def report(path: str, verify: bool = False) -> dict[str, Any]:
     return out
 
 
-def _mb(n: int) -> str:
+def _mb(n: int) -> str:  # the tensor table's MB column
     return f"{n / 1e6:.3f}"
 
 
@@ -52,9 +64,9 @@ def _print_text(r: dict[str, Any]) -> None:
     print(f"file      {r['path']}")
     order = "stage order" if r["order"] == "vflow" else "layer by layer"
     print(f"format    cflow v{r['version']}, order {r['order']} ({order}), "
-          f"{_mb(r['file_bytes'])} MB, header {r['header_bytes']} B, data from byte {r['data_start']}")
+          f"{format_size(r['file_bytes'])}, header {format_size(r['header_bytes'])}, data from byte {r['data_start']}")
     print(f"tiles     {r['tile'][0]}x{r['tile'][1]}, alignment {'ok' if r['aligned'] else 'BROKEN'} (4096), "
-          f"padding {_mb(r['padding_bytes'])} MB, "
+          f"padding {format_size(r['padding_bytes'])}, "
           f"checksums {'verified' if r['verified'] else 'not checked (--verify)'}")
     cfg = r["config"]
     print("config    " + ", ".join(f"{k}={v}" for k, v in cfg.items()))
@@ -75,23 +87,21 @@ def _print_text(r: dict[str, Any]) -> None:
     total = sum(r["bytes_by_category"].values()) or 1
     print("bytes by category")
     for cat, n in sorted(r["bytes_by_category"].items(), key=lambda kv: -kv[1]):
-        print(f"  {cat:<11} {_mb(n):>10} MB  {100 * n / total:5.1f}%")
+        print(f"  {cat:<11} {format_size(n):>10}  {100 * n / total:5.1f}%")
     ex = r["experts"]
     if ex["count"]:
         print(f"experts   {ex['count']} blocks over {ex['layers']} layer(s), "
-              f"{_mb(ex['min_bytes'])}–{_mb(ex['max_bytes'])} "
-              f"MB each, {_mb(ex['total_bytes'])} MB in all, each one aligned contiguous read")
+              f"{format_size(ex['min_bytes'])}–{format_size(ex['max_bytes'])} each, "
+              f"{format_size(ex['total_bytes'])} in all, each one aligned contiguous read")
     else:
         print("experts   none")
 
 
 def run(args: argparse.Namespace) -> int:
-    from cflow.fileformat import FormatError
-
     try:
         r = report(args.file, verify=args.verify)
     except OSError as e:  # e.g. no permission to read it
-        raise FormatError(f"cannot read {args.file}: {e.strerror or e}") from None
+        raise FileError(f"cannot read {args.file}: {e.strerror or e}") from None
     if args.json:
         print(json.dumps(r, indent=2))
     else:

@@ -42,8 +42,13 @@ def detect_input(src: str | os.PathLike) -> str:
 
 
 def order_for(dst: str | os.PathLike, order: str | None) -> str:
-    """The data order: the one given, else the output's extension (.vflow -> vflow), else cflow."""
-    implied = _EXT_ORDER.get(Path(dst).suffix.lower())
+    """The data order: the one given, else the output's extension (.vflow -> vflow), else cflow.
+    A .gguf output name is refused: the file would not be a GGUF."""
+    suffix = Path(dst).suffix.lower()
+    if suffix == ".gguf":  # a .cflow file under a GGUF name would mislead every tool that opens it
+        raise ConvertError(f"output {dst} is named .gguf, but cflow writes its own format, not GGUF; name it "
+                           f"{Path(dst).with_suffix('.cflow')} (or .vflow for decode-schedule order)")
+    implied = _EXT_ORDER.get(suffix)
     if order is None:
         return implied or "cflow"
     if order not in ("cflow", "vflow"):
@@ -59,7 +64,8 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, quant: str | None
     """Convert a GGUF file or a checkpoint directory into a .cflow/.vflow file.
 
     `quant` is the format for weights that must be (re)quantized: default q4_0. For GGUF input,
-    Q4_0/Q4_1/Q8_0 tensors keep their own format bit for bit whatever `quant` says.
+    Q4_0/Q4_1/Q8_0 tensors keep their own format bit for bit whatever `quant` says (`cflow convert`
+    says which did when --quant was given).
     """
     kind = detect_input(src)
     order = order_for(dst, order)

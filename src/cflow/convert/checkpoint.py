@@ -23,6 +23,7 @@ import numpy as np
 from cflow.config import ConfigError, ModelConfig
 from cflow.convert.common import (ByteCounter, ConversionResult, ConvertError, Encoder, Source,
                                   check_quant)
+from cflow.convert.hf_tokenizer import hf_json_to_header
 from cflow.quant import TILE
 from cflow.tokenizer import Tokenizer, TokenizerError
 
@@ -92,7 +93,7 @@ def read_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.
     weights = read_weights(p / "model.safetensors")
     check_weights(cfg, weights)
     try:
-        tok = Tokenizer.from_hf_json(p / "tokenizer.json").to_header()
+        tok = Tokenizer(hf_json_to_header(p / "tokenizer.json")).to_header()
     except TokenizerError as e:
         raise CheckpointFormatError(f"{p / 'tokenizer.json'}: {e}") from None
     if len(tok["vocab"]) > cfg.vocab_size:

@@ -27,8 +27,9 @@ import numpy as np
 
 from cflow.config import ConfigError, ModelConfig
 from cflow.convert.common import ByteCounter, ConversionResult, ConvertError, Encoder, Source, check_quant
+from cflow.convert.hf_tokenizer import byte_level_spelling
 from cflow.quant import TILE, row_bytes
-from cflow.tokenizer import Tokenizer, TokenizerError, byte_level_spelling, unicode_to_bytes
+from cflow.tokenizer import Tokenizer, TokenizerError, unicode_to_bytes
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 _NATIVE = {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q8_0": "q8_0"}

@@ -34,7 +34,7 @@ from cflow.fileformat.errors import (BadMagicError, ChecksumError, DuplicateTens
                                       UnknownDtypeError, UnknownLayoutError, UnsupportedVersionError)
 from cflow.fileformat.layout import (ALIGN, CHECKSUM_ALGO, CHECKSUM_HEX, FLAG_VFLOW, KNOWN_FLAGS, MAGIC,
                                       MAX_HEADER_BYTES, ORDERS, PREAMBLE, VERSION, ProgressFn, TensorData,
-                                      TensorEntry, WriteSummary, _align)  # noqa: F401 (_align: tests)
+                                      TensorEntry, WriteSummary)
 from cflow.fileformat.reader import CflowFile, open_model, read_header, summarize
 from cflow.fileformat.tensors import (expected_count, expected_shape, expert_of, model_tensors, node_tensors,
                                        schedule_order, tensor_category)

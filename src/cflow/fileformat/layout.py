@@ -28,7 +28,7 @@ MAX_HEADER_BYTES = 256 << 20
 ORDERS = ("cflow", "vflow")
 CHECKSUM_ALGO = "xxh3_64"
 CHECKSUM_HEX = 16  # hex digits of the digest
-_MAX_INT = (1 << 63) - 1  # every size and offset must fit an int64 (the C core's off_t)
+MAX_INT = (1 << 63) - 1  # every size and offset must fit an int64 (the C core's off_t)
 
 ProgressFn = Callable[[int, int, str], None]  # (bytes written, total bytes, tensor name)
 
@@ -70,26 +70,26 @@ class WriteSummary:
     n_experts: int
 
 
-def _descriptor(name: str, dtype: str, shape: Sequence[int], layout: str, meta: dict) -> bytes:
+def checksum_descriptor(name: str, dtype: str, shape: Sequence[int], layout: str, meta: dict) -> bytes:
     d = {"name": name, "dtype": dtype, "shape": list(shape), "layout": layout, "meta": meta}
     return json.dumps(d, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
 
 
-def _checksum(desc: bytes, data: np.ndarray | memoryview) -> str:
+def tensor_checksum(desc: bytes, data: np.ndarray | memoryview) -> str:
     h = xxhash.xxh3_64()
     h.update(desc)
     h.update(data)
     return f"{CHECKSUM_ALGO}:{h.hexdigest()}"
 
 
-def _align(n: int) -> int:
+def align_up(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def _is_int(v: Any) -> bool:
+def is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _tile_ok(tile: Sequence[int]) -> bool:
-    return (len(tile) == 2 and all(_is_int(t) for t in tile) and 0 < tile[0] <= 1 << 20 and tile[0] % quant.G == 0
+def tile_ok(tile: Sequence[int]) -> bool:
+    return (len(tile) == 2 and all(is_int(t) for t in tile) and 0 < tile[0] <= 1 << 20 and tile[0] % quant.G == 0
             and 0 < tile[1] <= 1 << 20 and tile[1] % quant.QK == 0)

@@ -12,10 +12,10 @@ from cflow import quant
 from cflow.config import ModelConfig
 from cflow.fileformat.errors import (ChecksumError, FormatError, HeaderSchemaError, MissingTensorError,
                                       TruncatedFileError)
-from cflow.fileformat.layout import ALIGN, PREAMBLE, VERSION, TensorEntry, _checksum, _descriptor
+from cflow.fileformat.layout import ALIGN, PREAMBLE, VERSION, TensorEntry, tensor_checksum, checksum_descriptor
 from cflow.fileformat.tensors import tensor_category
-from cflow.fileformat.validate import (_check_config, _check_entry, _check_experts, _check_overlaps, _check_top,
-                                        _parse_header, _read_preamble)
+from cflow.fileformat.validate import (check_config, check_entry, check_experts, check_overlaps, check_top,
+                                        parse_header, read_preamble)
 
 
 class CflowFile:
@@ -60,7 +60,7 @@ class CflowFile:
     def verify(self) -> None:
         """Recompute every tensor's checksum; raise ChecksumError on the first mismatch."""
         for e in self.tensors.values():
-            got = _checksum(_descriptor(e.name, e.dtype, e.shape, e.layout, e.meta), self.array(e.name))
+            got = tensor_checksum(checksum_descriptor(e.name, e.dtype, e.shape, e.layout, e.meta), self.array(e.name))
             if got != e.checksum:
                 raise ChecksumError(f"tensor {e.name!r}: checksum {got} does not match {e.checksum}; the file is "
                                     "corrupted, download or convert it again")
@@ -102,7 +102,7 @@ def open_model(path: str | os.PathLike, *, verify: bool = False, mmap: bool = Tr
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             head = f.read(PREAMBLE.size)
-            flags, header_len = _read_preamble(head, size)
+            flags, header_len = read_preamble(head, size)
             text = f.read(header_len)
     except FileNotFoundError:
         raise FormatError(f"no such file: {path}") from None
@@ -110,17 +110,17 @@ def open_model(path: str | os.PathLike, *, verify: bool = False, mmap: bool = Tr
         raise FormatError(f"{path} is a directory, not a model file") from None
     if len(text) != header_len:
         raise TruncatedFileError(f"{path} changed while reading its header")
-    h = _parse_header(text)
-    order, file_bytes, tile = _check_top(h, flags, size)
+    h = parse_header(text)
+    order, file_bytes, tile = check_top(h, flags, size)
     data_start = PREAMBLE.size + header_len
     entries: dict[str, TensorEntry] = {}
     for name, e in h["tensors"].items():
         if not name:
             raise HeaderSchemaError("a tensor has an empty name; the file is damaged")
-        entries[name] = _check_entry(name, e, data_start, file_bytes)
-    _check_overlaps(entries)
-    experts = _check_experts(h["experts"], entries, data_start, file_bytes)
-    cfg = _check_config(h, entries, require_complete)
+        entries[name] = check_entry(name, e, data_start, file_bytes)
+    check_overlaps(entries)
+    experts = check_experts(h["experts"], entries, data_start, file_bytes)
+    cfg = check_config(h, entries, require_complete)
     cf = CflowFile(path, h, entries, cfg, experts, order, tile, header_len, _load_buffer(path, size, mmap))
     if verify:
         try:
@@ -135,8 +135,8 @@ def read_header(path: str | os.PathLike) -> dict:
     """The raw header dict after the preamble checks only (for tools that show damaged files)."""
     with open(os.fspath(path), "rb") as f:
         size = os.fstat(f.fileno()).st_size
-        _, header_len = _read_preamble(f.read(PREAMBLE.size), size)
-        return _parse_header(f.read(header_len))
+        _, header_len = read_preamble(f.read(PREAMBLE.size), size)
+        return parse_header(f.read(header_len))
 
 
 def summarize(cf: CflowFile) -> dict:

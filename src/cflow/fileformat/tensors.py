@@ -1,47 +1,26 @@
-"""Which tensors a model of a given config stores, their shapes, and the orders they are laid out
-in: `.cflow` layer by layer, `.vflow` in the order `cflow.dag.schedule(cfg)` runs the decode step.
-Also the byte-accounting category of a tensor name and the expert a name belongs to."""
+"""The file's view of the tensor table (`cflow.weights` states it): name -> shape lookups for
+validation, the orders tensors are laid out in (`.cflow` layer by layer, `.vflow` in the order
+`cflow.dag.schedule(cfg)` runs the decode step), the byte-accounting category of a tensor name and
+the expert a name belongs to."""
 
 from __future__ import annotations
 
 from typing import Any, Iterable
 
+from cflow import weights
 from cflow.config import ModelConfig
 from cflow.fileformat.errors import FormatError, MissingTensorError
 from cflow.fileformat.layout import TensorData
 
 
-def _layer_tensors(cfg: ModelConfig, i: int,
-                   experts: Iterable[int] | None = None) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
-    """Tensors of weight set i (and of the given experts, default all), grouped by the decode-step
-    node that reads them."""
-    d, p = cfg.d_model, f"layers.{i}."
-    groups: dict[str, list[tuple[str, tuple[int, ...]]]] = {
-        "attn": [(p + "attn_norm", (d,)), (p + "attn.wqkv", (cfg.q_dim + 2 * cfg.kv_dim, d)),
-                 (p + "attn.wo", (d, cfg.q_dim))],
-        "dense": [], "router": [], "experts": [],
-    }
-    if cfg.has_dense:
-        groups["dense"] = [(p + "ffn_norm", (d,)), (p + "ffn.w_gate_up", (2 * cfg.d_ff, d)),
-                           (p + "ffn.w_down", (d, cfg.d_ff))]
-    if cfg.has_moe:
-        groups["router"] = [(p + "moe_norm", (d,)), (p + "moe.router", (cfg.n_experts, d))]
-        for e in range(cfg.n_experts) if experts is None else experts:
-            q = f"{p}moe.experts.{e}."
-            groups["experts"] += [(q + "w_gate_up", (2 * cfg.d_expert, d)), (q + "w_down", (d, cfg.d_expert))]
-    return groups
-
-
 def expected_count(cfg: ModelConfig) -> int:
-    """How many tensors `model_tensors(cfg)` lists (computed without building it: a damaged header
-    may claim billions of layers)."""
-    per_layer = 3 + 3 * cfg.has_dense + (2 + 2 * cfg.n_experts) * cfg.has_moe
-    return 2 + cfg.n_unique_layers * per_layer + (not cfg.tie_embeddings)
+    """How many tensors `model_tensors(cfg)` lists (see `cflow.weights.count`)."""
+    return weights.count(cfg)
 
 
 def expected_shape(cfg: ModelConfig, name: str) -> tuple[int, ...] | None:
     """The shape the config implies for a canonical tensor name; None for any other name."""
-    if name in ("tok_emb", "lm_head", "norm"):
+    if name in weights.GLOBAL_NAMES:
         return model_tensors(cfg, layers=False).get(name)
     parts = name.split(".")
     i = _index(parts[1]) if len(parts) >= 3 and parts[0] == "layers" else None
@@ -49,35 +28,28 @@ def expected_shape(cfg: ModelConfig, name: str) -> tuple[int, ...] | None:
         return None
     key = expert_of(name)
     experts = [key[1]] if key is not None and key[1] < cfg.n_experts else []
-    groups = _layer_tensors(cfg, i, experts)
-    return dict(sum(groups.values(), [])).get(name)
+    return {w.name: w.shape for w in weights.layer_weights(cfg, i, experts)}.get(name)
 
 
 def model_tensors(cfg: ModelConfig, layers: bool = True) -> dict[str, tuple[int, ...]]:
     """The tensors a model of this config stores, name -> shape, in `.cflow` (layer-major) order
     (layers=False: only the ones outside the layers)."""
-    out = {"tok_emb": (cfg.vocab_size, cfg.d_model)}
-    for i in range(cfg.n_unique_layers if layers else 0):
-        for group in _layer_tensors(cfg, i).values():
-            out.update(group)
-    out["norm"] = (cfg.d_model,)
-    if not cfg.tie_embeddings:
-        out["lm_head"] = (cfg.vocab_size, cfg.d_model)
-    return out
+    if layers:
+        return {w.name: w.shape for w in weights.model_weights(cfg)}
+    head, tail = weights.global_weights(cfg)
+    return {w.name: w.shape for w in head + tail}
 
 
 def node_tensors(cfg: ModelConfig, node: str) -> list[str]:
     """Tensor names one decode-step DAG node reads ("embed", "L{l}.attn", "L{l}.dense",
     "L{l}.router", "L{l}.experts", "lm_head"); layer l reads weight set l % n_unique_layers."""
-    if node == "embed":
-        return ["tok_emb"]
-    if node == "lm_head":
-        return ["norm", "tok_emb" if cfg.tie_embeddings else "lm_head"]
+    if node in ("embed", "lm_head"):
+        return [w.name for w in weights.node_weights(cfg, node)]
     layer, _, kind = node.partition(".")
     l = _index(layer[1:]) if layer[:1] == "L" else None
     if l is None or kind not in ("attn", "dense", "router", "experts"):
         raise FormatError(f"unknown DAG node {node!r}; expected embed, L<l>.attn|dense|router|experts, lm_head")
-    return [n for n, _ in _layer_tensors(cfg, cfg.weight_layer(l))[kind]]
+    return [w.name for w in weights.node_weights(cfg, kind, cfg.weight_layer(l))]
 
 
 def _flatten_nodes(obj: Any) -> list[str]:
@@ -106,7 +78,7 @@ def schedule_order(cfg: ModelConfig) -> list[str]:
     return list(seen)
 
 
-def _order_tensors(items: list[TensorData], cfg: ModelConfig, order: str) -> list[TensorData]:
+def order_tensors(items: list[TensorData], cfg: ModelConfig, order: str) -> list[TensorData]:
     canon = schedule_order(cfg) if order == "vflow" else list(model_tensors(cfg))
     placed = set(canon)
     canon += [n for n in model_tensors(cfg) if n not in placed]  # anything the schedule skipped
@@ -143,7 +115,7 @@ def expert_of(name: str) -> tuple[int, int] | None:
     return None
 
 
-def _check_complete(names: Iterable[str], shapes: dict[str, tuple[int, ...]]) -> None:
+def check_complete(names: Iterable[str], shapes: dict[str, tuple[int, ...]]) -> None:
     have = set(names)
     missing = [n for n in shapes if n not in have]
     if missing:

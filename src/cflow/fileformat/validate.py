@@ -15,9 +15,9 @@ from cflow.fileformat.errors import (BadMagicError, DuplicateTensorError, Expert
                                       MissingTensorError, OverlapError, ShapeMismatchError,
                                       TensorOutOfBoundsError, TrailingDataError, TruncatedFileError,
                                       UnknownDtypeError, UnknownLayoutError, UnsupportedVersionError)
-from cflow.fileformat.layout import (_MAX_INT, ALIGN, CHECKSUM_ALGO, CHECKSUM_HEX, FLAG_VFLOW, KNOWN_FLAGS, MAGIC,
-                                      MAX_HEADER_BYTES, ORDERS, PREAMBLE, VERSION, TensorEntry, _is_int, _tile_ok)
-from cflow.fileformat.tensors import _check_complete, expected_count, expected_shape, expert_of, model_tensors
+from cflow.fileformat.layout import (MAX_INT, ALIGN, CHECKSUM_ALGO, CHECKSUM_HEX, FLAG_VFLOW, KNOWN_FLAGS, MAGIC,
+                                      MAX_HEADER_BYTES, ORDERS, PREAMBLE, VERSION, TensorEntry, is_int, tile_ok)
+from cflow.fileformat.tensors import check_complete, expected_count, expected_shape, expert_of, model_tensors
 
 
 def _get(d: dict, key: str, types: type, where: str) -> Any:
@@ -25,7 +25,7 @@ def _get(d: dict, key: str, types: type, where: str) -> Any:
         raise HeaderSchemaError(f"{where}: missing key {key!r}; the file is damaged or not a cflow file")
     v = d[key]
     if types is int:
-        ok = _is_int(v)
+        ok = is_int(v)
     elif types is bool:
         ok = isinstance(v, bool)
     else:
@@ -38,7 +38,7 @@ def _get(d: dict, key: str, types: type, where: str) -> Any:
 
 def _get_count(d: dict, key: str, where: str) -> int:
     v = _get(d, key, int, where)
-    if not 0 <= v <= _MAX_INT:
+    if not 0 <= v <= MAX_INT:
         raise HeaderSchemaError(f"{where}: {key}={v} is out of range; the file is damaged")
     return v
 
@@ -64,7 +64,7 @@ def _reject_constant(name: str) -> None:
     raise HeaderDecodeError(f"the header contains {name}, which is not JSON; the file is damaged")
 
 
-def _read_preamble(raw: bytes, size: int) -> tuple[int, int]:
+def read_preamble(raw: bytes, size: int) -> tuple[int, int]:
     if size < PREAMBLE.size:
         raise FileTooShortError(f"the file is {size} bytes, shorter than the {PREAMBLE.size}-byte preamble; "
                                 "it is empty or cut short, download or convert it again")
@@ -96,7 +96,7 @@ def _read_preamble(raw: bytes, size: int) -> tuple[int, int]:
     return flags, header_len
 
 
-def _parse_header(text: bytes) -> dict:
+def parse_header(text: bytes) -> dict:
     try:
         s = text.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -124,7 +124,7 @@ TENSOR_KEYS = {"dtype", "shape", "layout", "offset", "nbytes", "checksum", "meta
 EXPERT_KEYS = {"layer", "expert", "offset", "nbytes"}
 
 
-def _check_top(h: dict, flags: int, size: int) -> tuple[str, int, tuple[int, int]]:
+def check_top(h: dict, flags: int, size: int) -> tuple[str, int, tuple[int, int]]:
     _only_keys(h, HEADER_KEYS, "header")
     if _get(h, "format", str, "header") != "cflow":
         raise HeaderSchemaError(f"header format is {h['format']!r}, expected 'cflow'")
@@ -155,12 +155,12 @@ def _check_top(h: dict, flags: int, size: int) -> tuple[str, int, tuple[int, int
     if _get(q, "checksum", str, "quant") != CHECKSUM_ALGO:
         raise HeaderSchemaError(f"checksum algorithm {q['checksum']!r} is not {CHECKSUM_ALGO!r}")
     tile = _get(q, "tile", list, "quant")
-    if not _tile_ok(tile):
+    if not tile_ok(tile):
         raise HeaderSchemaError(f"quant tile {tile!r} must be two positive multiples of ({quant.G}, {quant.QK})")
     return order, file_bytes, (tile[0], tile[1])
 
 
-def _check_entry(name: str, e: Any, data_start: int, file_bytes: int) -> TensorEntry:
+def check_entry(name: str, e: Any, data_start: int, file_bytes: int) -> TensorEntry:
     where = f"tensor {name!r}"
     if not isinstance(e, dict):
         raise HeaderSchemaError(f"{where}: entry must be an object")
@@ -172,7 +172,7 @@ def _check_entry(name: str, e: Any, data_start: int, file_bytes: int) -> TensorE
     if layout not in quant.LAYOUTS:
         raise UnknownLayoutError(f"{where}: unknown layout {layout!r} (known: {list(quant.LAYOUTS)})")
     shape = _get(e, "shape", list, where)
-    if len(shape) > 8 or not all(_is_int(s) and 0 <= s <= _MAX_INT for s in shape):
+    if len(shape) > 8 or not all(is_int(s) and 0 <= s <= MAX_INT for s in shape):
         raise HeaderSchemaError(f"{where}: shape {shape!r} must be at most 8 non-negative integers")
     offset, nbytes = _get_count(e, "offset", where), _get_count(e, "nbytes", where)
     checksum, meta = _get(e, "checksum", str, where), _get(e, "meta", dict, where)
@@ -195,7 +195,7 @@ def _check_entry(name: str, e: Any, data_start: int, file_bytes: int) -> TensorE
     return TensorEntry(name, dtype, tuple(shape), layout, offset, nbytes, checksum, meta)
 
 
-def _check_overlaps(entries: dict[str, TensorEntry]) -> None:
+def check_overlaps(entries: dict[str, TensorEntry]) -> None:
     prev: TensorEntry | None = None
     for e in sorted(entries.values(), key=lambda e: (e.offset, e.nbytes)):
         if prev is not None and e.offset < prev.offset + prev.nbytes:
@@ -204,7 +204,7 @@ def _check_overlaps(entries: dict[str, TensorEntry]) -> None:
             prev = e
 
 
-def _check_experts(raw: list, entries: dict[str, TensorEntry], data_start: int,
+def check_experts(raw: list, entries: dict[str, TensorEntry], data_start: int,
                    file_bytes: int) -> dict[tuple[int, int], tuple[int, int]]:
     table: dict[tuple[int, int], tuple[int, int]] = {}
     for k, x in enumerate(raw):
@@ -236,7 +236,7 @@ def _check_experts(raw: list, entries: dict[str, TensorEntry], data_start: int,
     return table
 
 
-def _check_config(h: dict, entries: dict[str, TensorEntry], require_complete: bool) -> ModelConfig:
+def check_config(h: dict, entries: dict[str, TensorEntry], require_complete: bool) -> ModelConfig:
     try:
         cfg = ModelConfig.from_dict(h["config"])
     except (ConfigError, TypeError, ValueError) as e:
@@ -251,5 +251,5 @@ def _check_config(h: dict, entries: dict[str, TensorEntry], require_complete: bo
         if n > len(entries):
             raise MissingTensorError(f"the config needs {n} tensors but the file holds {len(entries)}; "
                                      "the file is damaged or incomplete, convert it again")
-        _check_complete(entries, model_tensors(cfg))
+        check_complete(entries, model_tensors(cfg))
     return cfg

@@ -16,9 +16,9 @@ from cflow.fileformat.errors import (DuplicateTensorError, FormatError, HeaderSc
                                       InvalidConfigError, ShapeMismatchError, UnknownDtypeError,
                                       UnknownLayoutError)
 from cflow.fileformat.layout import (ALIGN, CHECKSUM_ALGO, CHECKSUM_HEX, FLAG_VFLOW, MAGIC, MAX_HEADER_BYTES,
-                                      ORDERS, PREAMBLE, VERSION, ProgressFn, TensorData, WriteSummary, _align,
-                                      _checksum, _descriptor, _tile_ok)
-from cflow.fileformat.tensors import _check_complete, _order_tensors, expert_of, model_tensors
+                                      ORDERS, PREAMBLE, VERSION, ProgressFn, TensorData, WriteSummary, align_up,
+                                      tensor_checksum, checksum_descriptor, tile_ok)
+from cflow.fileformat.tensors import check_complete, order_tensors, expert_of, model_tensors
 from cflow.fsutil import atomic_open
 
 
@@ -69,7 +69,7 @@ def _layout_plan(items: list[TensorData], sizes: dict[str, int], data_start: int
     offsets, pos = {}, data_start
     for t in items:
         offsets[t.name] = pos
-        pos = _align(pos + sizes[t.name])
+        pos = align_up(pos + sizes[t.name])
     return offsets, pos  # file ends padded to ALIGN so an O_DIRECT read of the last block stays inside
 
 
@@ -112,7 +112,7 @@ def write_model(path: str | os.PathLike, *, config: dict | ModelConfig, tokenize
     except ConfigError as e:
         raise InvalidConfigError(f"cannot write a model with an invalid config: {e}") from None
     tile = (int(tile[0]), int(tile[1]))
-    if not _tile_ok(tile):
+    if not tile_ok(tile):
         raise FormatError(f"tile must be positive multiples of ({quant.G}, {quant.QK}), got {tile}")
     shapes = model_tensors(cfg)
     items, sizes = [], {}
@@ -124,8 +124,8 @@ def write_model(path: str | os.PathLike, *, config: dict | ModelConfig, tokenize
         sizes[t.name] = _check_tensor(t, cfg, shapes)
         items.append(t)
     if require_complete:
-        _check_complete(sizes, shapes)
-    items = _order_tensors(items, cfg, order)
+        check_complete(sizes, shapes)
+    items = order_tensors(items, cfg, order)
     cfg_dict, metadata = cfg.to_dict(), dict(metadata or {})
 
     # The header holds offsets that depend on the header's own length: iterate to a fixed point.
@@ -138,7 +138,7 @@ def write_model(path: str | os.PathLike, *, config: dict | ModelConfig, tokenize
         header = _build_header(cfg_dict, tokenizer, metadata, order, tile, entries,
                                _expert_table(items, offsets, sizes), end)
         text = _dumps(header)
-        need = _align(PREAMBLE.size + len(text))
+        need = align_up(PREAMBLE.size + len(text))
         if need <= data_start:
             break
         data_start = need
@@ -157,7 +157,7 @@ def write_model(path: str | os.PathLike, *, config: dict | ModelConfig, tokenize
             arr = _tensor_bytes(t, sizes[t.name])
             f.seek(offsets[t.name])
             f.write(memoryview(arr))
-            checks[t.name] = _checksum(_descriptor(t.name, t.dtype, t.shape, t.layout, t.meta), arr)
+            checks[t.name] = tensor_checksum(checksum_descriptor(t.name, t.dtype, t.shape, t.layout, t.meta), arr)
             done += arr.size
             if progress is not None:
                 progress(done, total, t.name)

@@ -1,4 +1,5 @@
-// bind_engine.cpp — the decode engine (engine.c) as `cflow._native.NativeEngine`.
+// bind_engine.cpp — the decode engine (engine.c) as `cflow._native.NativeEngine`, and the
+// engine's contracts by name (engine.h's name tables as _native.OP_KINDS, LAYER_SLOTS, ...).
 //
 // Thin on purpose: arrays in, arrays out, no copies. The file buffer (usually a read-only numpy
 // view of the mmap) is held by the object for the engine's life; logits are written straight into
@@ -6,9 +7,12 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include <cstring>
+#include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "engine.h"
 
@@ -48,16 +52,21 @@ struct NativeEngine {
     Bytes buf;  // keeps the mapped file alive
     int vocab = 0, n_layers = 0, n_experts = 0;
 
-    NativeEngine(Bytes buffer, const nb::dict &cfg, Desc desc, Plan plan, int n_ring, int n_pending,
-                 int threads, int n_ctx, int max_batch)
+    NativeEngine(Bytes buffer, const nb::dict &cfg, Desc desc, const std::vector<std::string> &names,
+                 Plan plan, int n_ring, int n_pending, int threads, int n_ctx, int max_batch)
         : buf(buffer) {
         cf_config c = config_from(cfg);
         if (desc.shape(1) != CF_DESC_FIELDS || plan.shape(1) != CF_OP_FIELDS)
             throw nb::value_error("descriptor or plan array has the wrong width");
+        if (names.size() != desc.shape(0))
+            throw nb::value_error(("names has " + std::to_string(names.size()) + " entries, the descriptor has " +
+                                   std::to_string(desc.shape(0)) + " rows; give one tensor name per row").c_str());
+        std::vector<const char *> name_ptrs;
+        for (const std::string &s : names) name_ptrs.push_back(s.c_str());
         char err[512] = {0};
-        e = cf_engine_create(&c, buf.data(), buf.shape(0), desc.data(), (int)desc.shape(0),
-                             plan.data(), (int)plan.shape(0), n_ring, n_pending, threads, n_ctx,
-                             max_batch, err, sizeof err);
+        e = cf_engine_create(&c, buf.data(), buf.shape(0), desc.data(), name_ptrs.data(),
+                             (int)desc.shape(0), plan.data(), (int)plan.shape(0), n_ring, n_pending,
+                             threads, n_ctx, max_batch, err, sizeof err);
         if (!e) throw nb::value_error(err);
         vocab = c.vocab;
         n_layers = c.n_layers;
@@ -100,15 +109,7 @@ struct NativeEngine {
         cf_counters c;
         cf_engine_counters(e, &c);
         nb::dict d;
-        d["attn"] = c.attn;
-        d["dense"] = c.dense;
-        d["router"] = c.router;
-        d["experts"] = c.experts;
-        d["embed"] = c.embed;
-        d["lm_head"] = c.lm_head;
-        d["kv"] = c.kv;
-        d["tokens"] = c.tokens;
-        d["calls"] = c.calls;
+        for (int i = 0; i < CF_COUNTERS; i++) d[cf_counter_names[i]] = c.n[i];
         return d;
     }
 
@@ -127,15 +128,73 @@ struct NativeEngine {
     }
 };
 
+// ---- contracts by name ---------------------------------------------------------------------
+
+// The n names of a C name table, in enum order. A NULL entry is an enum value engine.c (or
+// formats.c) gave no name: refuse to import rather than hand Python a table with a hole.
+std::vector<std::string> table_names(const char *const *table, int n, const char *what) {
+    std::vector<std::string> v;
+    for (int i = 0; i < n; i++) {
+        if (!table[i]) throw std::runtime_error(std::string(what) + "[" + std::to_string(i) + "] has no name");
+        v.emplace_back(table[i]);
+    }
+    return v;
+}
+
+nb::tuple as_tuple(const std::vector<std::string> &v) { return nb::tuple(nb::cast(v)); }
+
+nb::dict as_index(const std::vector<std::string> &v) {
+    nb::dict d;
+    for (size_t i = 0; i < v.size(); i++) d[v[i].c_str()] = (int)i;
+    return d;
+}
+
+void bind_contracts(nb::module_ &m) {
+    m.attr("OP_KINDS") = as_tuple(table_names(cf_op_kind_names, CF_OP_KINDS, "cf_op_kind_names"));
+    m.attr("OP_FIELDS") = (int)CF_OP_FIELDS;
+    m.attr("SOURCES") = as_index(table_names(cf_src_names, CF_SRC_KINDS, "cf_src_names"));
+    m.attr("DESC_FIELDS") = as_tuple(table_names(cf_desc_field_names, CF_DESC_FIELDS, "cf_desc_field_names"));
+    m.attr("GLOBAL_TENSORS") = as_tuple(table_names(cf_global_names, CF_T_GLOBAL, "cf_global_names"));
+    m.attr("LAYER_SLOTS") = as_tuple(table_names(cf_slot_names, CF_SLOTS_PER_SET, "cf_slot_names"));
+    m.attr("EXPERT_SLOTS") = as_tuple(table_names(cf_expert_slot_names, CF_EXPERT_SLOTS, "cf_expert_slot_names"));
+    m.attr("COUNTER_NAMES") = as_tuple(table_names(cf_counter_names, CF_COUNTERS, "cf_counter_names"));
+    // dtype ids are GGML's, with holes: names by id where the core has one
+    nb::dict ids;
+    std::vector<std::string> dtypes;
+    for (int i = 0; i < CF_DTYPE_IDS; i++)
+        if (cf_dtype_names[i]) {
+            ids[cf_dtype_names[i]] = i;
+            dtypes.emplace_back(cf_dtype_names[i]);
+        }
+    m.attr("DTYPE_IDS") = ids;
+    m.attr("DTYPES") = as_tuple(dtypes);
+    // the enum counts, by their C names, so tests can hold the tuples against the enums
+    nb::dict counts;
+    counts["CF_OP_KINDS"] = (int)CF_OP_KINDS;
+    counts["CF_SRC_KINDS"] = (int)CF_SRC_KINDS;
+    counts["CF_DESC_FIELDS"] = (int)CF_DESC_FIELDS;
+    counts["CF_T_GLOBAL"] = (int)CF_T_GLOBAL;
+    counts["CF_SLOTS_PER_SET"] = (int)CF_SLOTS_PER_SET;
+    counts["CF_EXPERT_SLOTS"] = (int)CF_EXPERT_SLOTS;
+    counts["CF_COUNTERS"] = (int)CF_COUNTERS;
+    counts["CF_DTYPE_IDS"] = (int)CF_DTYPE_IDS;
+    m.attr("ENUM_COUNTS") = counts;
+    // the older names of two of the above (cflow.engine checks them)
+    m.attr("ENGINE_DESC_FIELDS") = (int)CF_DESC_FIELDS;
+    m.attr("ENGINE_OP_FIELDS") = (int)CF_OP_FIELDS;
+}
+
 }  // namespace
 
 void cf_bind_engine(nb::module_ &m) {
-    m.attr("ENGINE_DESC_FIELDS") = (int)CF_DESC_FIELDS;
-    m.attr("ENGINE_OP_FIELDS") = (int)CF_OP_FIELDS;
+    bind_contracts(m);
     nb::class_<NativeEngine>(m, "NativeEngine",
-                             "The C decode engine over one mapped .cflow file (see cflow.engine).")
-        .def(nb::init<Bytes, const nb::dict &, Desc, Plan, int, int, int, int, int>(),
-             nb::arg("buffer"), nb::arg("config"), nb::arg("desc"), nb::arg("plan"),
+                             "The C decode engine over one mapped .cflow file (see cflow.runtime.engine).\n"
+                             "names[i] is the tensor name of descriptor row i; the engine checks each against "
+                             "its own (GLOBAL_TENSORS, then per weight set LAYER_SLOTS and EXPERT_SLOTS).")
+        .def(nb::init<Bytes, const nb::dict &, Desc, const std::vector<std::string> &, Plan, int, int, int, int,
+                      int>(),
+             nb::arg("buffer"), nb::arg("config"), nb::arg("desc"), nb::arg("names"), nb::arg("plan"),
              nb::arg("n_ring"), nb::arg("n_pending"), nb::arg("threads"), nb::arg("n_ctx"),
              nb::arg("max_batch"))
         .def("step", &NativeEngine::step, nb::arg("token"), nb::arg("pos"), nb::arg("logits"),

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "cflow.h"
+#include "util.h"
 
 namespace nb = nanobind;
 
@@ -128,7 +129,7 @@ template <typename F> void parallel_ranges(Pool *pool, int n, F &&fn) {
     cf_pool_run(pool->p, [](void *c, int ith, int nth) {
         Ctx *x = static_cast<Ctx *>(c);
         int lo, hi;
-        cf_split(x->n, ith, nth, &lo, &hi);
+        cf_split_range(x->n, ith, nth, 1, &lo, &hi);
         if (lo < hi) (*x->fn)(lo, hi);
     }, &ctx);
 }
@@ -180,26 +181,42 @@ std::tuple<Out<int8_t>, Out<float>, Out<float>> quantize_act(In1<float> x, std::
     return {qs, d, s};
 }
 
+// [lo, hi) of n units (hi < 0: up to n), or KernelInputError naming the unit.
+void check_range(int &lo, int &hi, int n, const char *unit) {
+    if (hi < 0) hi = n;
+    if (lo < 0 || lo > hi || hi > n)
+        bad_input(std::string(unit) + " range [" + std::to_string(lo) + ", " + std::to_string(hi) + ") is outside [0, " +
+                  std::to_string(n) + "]");
+}
+
+// Pairs of row groups (gate group, up group) of an interleaved gate/up matrix of `rows` rows.
+int gate_up_pairs(int rows) {
+    if (rows % (2 * CF_G)) bad_input("gate/up matrix has " + std::to_string(rows) + " rows; it needs 2*d_ff rows with d_ff a multiple of 8");
+    return rows / (2 * CF_G);
+}
+
+// y[n_out] from a one-activation tiled kernel (matvec and gate_up share a signature) over units
+// [u0, u1), split over the pool; x is quantized first, as the engine does.
+Out<float> run_matvec(const cf_kernel_table *t, cf_matvec_fn fn, const cf_tiled &w, const float *x, size_t n_out,
+                      Pool *pool, int u0, int u1) {
+    auto y = new_array<float>(n_out);
+    float *yp = y.data();
+    {
+        nb::gil_scoped_release rel;
+        ActQ8 a(w.cols);
+        t->quantize_act(x, &a.view);
+        parallel_ranges(pool, u1 - u0, [&](int lo, int hi) { fn(&w, &a.view, yp, u0 + lo, u0 + hi); });
+    }
+    return y;
+}
+
 Out<float> matvec(In1<uint8_t> tiled, int dtype, int rows, int cols, In1<float> x, int tile_rows, int tile_cols,
                   std::optional<std::string> isa, Pool *pool, int g0, int g1) {
     const cf_kernel_table *t = table(isa);
     cf_tiled w = tiled_view(tiled.data(), tiled.size(), dtype, rows, cols, tile_rows, tile_cols);
     check_len(x.size(), cols, "x");
-    int ng = cf_n_groups(&w);
-    if (g1 < 0) g1 = ng;
-    if (g0 < 0 || g0 > g1 || g1 > ng)
-        bad_input("row-group range [" + std::to_string(g0) + ", " + std::to_string(g1) + ") is outside [0, " + std::to_string(ng) + "]");
-    auto y = new_array<float>(rows);
-    float *yp = y.data();
-    const float *xp = x.data();
-    {
-        nb::gil_scoped_release rel;
-        ActQ8 a(cols);
-        t->quantize_act(xp, &a.view);
-        cf_matvec_fn fn = t->matvec[dtype];
-        parallel_ranges(pool, g1 - g0, [&](int lo, int hi) { fn(&w, &a.view, yp, g0 + lo, g0 + hi); });
-    }
-    return y;
+    check_range(g0, g1, cf_n_groups(&w), "row-group");
+    return run_matvec(t, t->matvec[dtype], w, x.data(), rows, pool, g0, g1);
 }
 
 Out<float> gate_up(In1<uint8_t> tiled, int dtype, int rows, int cols, In1<float> x, int tile_rows, int tile_cols,
@@ -207,22 +224,8 @@ Out<float> gate_up(In1<uint8_t> tiled, int dtype, int rows, int cols, In1<float>
     const cf_kernel_table *t = table(isa);
     cf_tiled w = tiled_view(tiled.data(), tiled.size(), dtype, rows, cols, tile_rows, tile_cols);
     check_len(x.size(), cols, "x");
-    if (rows % (2 * CF_G)) bad_input("gate/up matrix has " + std::to_string(rows) + " rows; it needs 2*d_ff rows with d_ff a multiple of 8");
-    int np = rows / (2 * CF_G);
-    if (p1 < 0) p1 = np;
-    if (p0 < 0 || p0 > p1 || p1 > np)
-        bad_input("pair range [" + std::to_string(p0) + ", " + std::to_string(p1) + ") is outside [0, " + std::to_string(np) + "]");
-    auto y = new_array<float>(rows / 2);
-    float *yp = y.data();
-    const float *xp = x.data();
-    {
-        nb::gil_scoped_release rel;
-        ActQ8 a(cols);
-        t->quantize_act(xp, &a.view);
-        cf_gate_up_fn fn = t->gate_up[dtype];
-        parallel_ranges(pool, p1 - p0, [&](int lo, int hi) { fn(&w, &a.view, yp, p0 + lo, p0 + hi); });
-    }
-    return y;
+    check_range(p0, p1, gate_up_pairs(rows), "pair");
+    return run_matvec(t, t->gate_up[dtype], w, x.data(), rows / 2, pool, p0, p1);
 }
 
 // Quantized copies of the rows of X [B, cols], and the table's views of them.
@@ -239,11 +242,22 @@ struct ActQ8Batch {
     }
 };
 
-// 2-D result [B, n] as a numpy array.
-Out<float> new_matrix(size_t B, size_t n) {
-    float *data = new float[B * n > 0 ? B * n : 1]();
+// Y [B, n_out] from a batched tiled kernel (matmat and gate_up_mm share a signature) over units
+// [u0, u1), split over the pool.
+Out<float> run_matmat(const cf_kernel_table *t, cf_matmat_fn fn, const cf_tiled &w, const In2<float> &X,
+                      size_t n_out, Pool *pool, int u0, int u1) {
+    size_t B = X.shape(0);
+    if (B < 1) bad_input("X has no rows; pass at least one activation");
+    float *data = new float[B * n_out > 0 ? B * n_out : 1]();
     nb::capsule owner(data, [](void *p) noexcept { delete[] static_cast<float *>(p); });
-    return Out<float>(data, {B, n}, owner);
+    Out<float> y(data, {B, n_out}, owner);
+    const float *xp = X.data();
+    {
+        nb::gil_scoped_release rel;
+        ActQ8Batch a(t, xp, (int)B, w.cols);
+        parallel_ranges(pool, u1 - u0, [&](int lo, int hi) { fn(&w, a.views.data(), (int)B, data, (int)n_out, u0 + lo, u0 + hi); });
+    }
+    return y;
 }
 
 Out<float> matmat(In1<uint8_t> tiled, int dtype, int rows, int cols, In2<float> X, int tile_rows, int tile_cols,
@@ -251,21 +265,8 @@ Out<float> matmat(In1<uint8_t> tiled, int dtype, int rows, int cols, In2<float> 
     const cf_kernel_table *t = table(isa);
     cf_tiled w = tiled_view(tiled.data(), tiled.size(), dtype, rows, cols, tile_rows, tile_cols);
     check_len(X.shape(1), cols, "each row of X");
-    int B = (int)X.shape(0), ng = cf_n_groups(&w);
-    if (B < 1) bad_input("X has no rows; pass at least one activation");
-    if (g1 < 0) g1 = ng;
-    if (g0 < 0 || g0 > g1 || g1 > ng)
-        bad_input("row-group range [" + std::to_string(g0) + ", " + std::to_string(g1) + ") is outside [0, " + std::to_string(ng) + "]");
-    auto y = new_matrix(B, rows);
-    float *yp = y.data();
-    const float *xp = X.data();
-    {
-        nb::gil_scoped_release rel;
-        ActQ8Batch a(t, xp, B, cols);
-        cf_matmat_fn fn = t->matmat[dtype];
-        parallel_ranges(pool, g1 - g0, [&](int lo, int hi) { fn(&w, a.views.data(), B, yp, rows, g0 + lo, g0 + hi); });
-    }
-    return y;
+    check_range(g0, g1, cf_n_groups(&w), "row-group");
+    return run_matmat(t, t->matmat[dtype], w, X, rows, pool, g0, g1);
 }
 
 Out<float> gate_up_mm(In1<uint8_t> tiled, int dtype, int rows, int cols, In2<float> X, int tile_rows, int tile_cols,
@@ -273,22 +274,8 @@ Out<float> gate_up_mm(In1<uint8_t> tiled, int dtype, int rows, int cols, In2<flo
     const cf_kernel_table *t = table(isa);
     cf_tiled w = tiled_view(tiled.data(), tiled.size(), dtype, rows, cols, tile_rows, tile_cols);
     check_len(X.shape(1), cols, "each row of X");
-    if (rows % (2 * CF_G)) bad_input("gate/up matrix has " + std::to_string(rows) + " rows; it needs 2*d_ff rows with d_ff a multiple of 8");
-    int B = (int)X.shape(0), np = rows / (2 * CF_G);
-    if (B < 1) bad_input("X has no rows; pass at least one activation");
-    if (p1 < 0) p1 = np;
-    if (p0 < 0 || p0 > p1 || p1 > np)
-        bad_input("pair range [" + std::to_string(p0) + ", " + std::to_string(p1) + ") is outside [0, " + std::to_string(np) + "]");
-    auto y = new_matrix(B, rows / 2);
-    float *yp = y.data();
-    const float *xp = X.data();
-    {
-        nb::gil_scoped_release rel;
-        ActQ8Batch a(t, xp, B, cols);
-        cf_gate_up_mm_fn fn = t->gate_up_mm[dtype];
-        parallel_ranges(pool, p1 - p0, [&](int lo, int hi) { fn(&w, a.views.data(), B, yp, rows / 2, p0 + lo, p0 + hi); });
-    }
-    return y;
+    check_range(p0, p1, gate_up_pairs(rows), "pair");
+    return run_matmat(t, t->gate_up_mm[dtype], w, X, rows / 2, pool, p0, p1);
 }
 
 Out<float> embed_row(In1<uint8_t> tiled, int dtype, int rows, int cols, int r, int tile_rows, int tile_cols,
@@ -350,35 +337,12 @@ Out<float> matvec_f32(In2<float> W, In1<float> x, std::optional<std::string> isa
     return y;
 }
 
-float dot(In1<float> a, In1<float> b, std::optional<std::string> isa) {
-    const cf_kernel_table *t = table(isa);
-    check_len(b.size(), a.size(), "b");
-    return t->dot_f32(a.data(), b.data(), (int)a.size());
-}
-
-Out<float> axpy(In1<float> y, float a, In1<float> x, std::optional<std::string> isa) {
-    const cf_kernel_table *t = table(isa);
-    check_len(x.size(), y.size(), "x");
-    auto out = new_array<float>(y.size());
-    std::memcpy(out.data(), y.data(), sizeof(float) * y.size());
-    t->axpy_f32(out.data(), a, x.data(), (int)y.size());
-    return out;
-}
-
 Out<float> softmax(In1<float> x, std::optional<std::string> isa) {
     const cf_kernel_table *t = table(isa);
     if (x.size() == 0) bad_input("softmax of an empty vector");
     auto out = new_array<float>(x.size());
     std::memcpy(out.data(), x.data(), sizeof(float) * x.size());
     t->softmax(out.data(), (int)x.size());
-    return out;
-}
-
-Out<float> swiglu(In1<float> g, In1<float> u, std::optional<std::string> isa) {
-    const cf_kernel_table *t = table(isa);
-    check_len(u.size(), g.size(), "u");
-    auto out = new_array<float>(g.size());
-    t->swiglu(out.data(), g.data(), u.data(), (int)g.size());
     return out;
 }
 
@@ -445,11 +409,13 @@ Out<uint16_t> f32_to_f16(In1<float> x, std::optional<std::string> isa) {
     return out;
 }
 
-Out<float> f16_to_f32(AnyIn h, std::optional<std::string> isa) {
-    const cf_kernel_table *t = table(isa);
+// cf_half_to_float over an array: the conversion the reference kernels (and the ISA kernels'
+// scalar tails) read every fp16 scale and cached K/V value with. Not in the kernel table: the
+// engine never converts whole fp16 arrays.
+Out<float> f16_to_f32(AnyIn h) {
     const cf_half *hp = half_data(h, "input");
     auto out = new_array<float>(h.size());
-    t->f16_to_f32(out.data(), hp, (int)h.size());
+    for (size_t i = 0; i < h.size(); i++) out.data()[i] = cf_half_to_float(hp[i]);
     return out;
 }
 
@@ -509,30 +475,29 @@ NB_MODULE(_native, m) {
         .def("run_latency", &pool_run_latency, arg("n_calls"), "Seconds per empty run.");
 
     m.def("quantize_act", &quantize_act, arg("x"), arg("isa") = none);
-    m.def("matvec", &matvec, arg("tiled"), arg("dtype"), arg("rows"), arg("cols"), arg("x"), arg("tile_rows") = 128,
-          arg("tile_cols") = 256, arg("isa") = none, arg("pool") = none, arg("g0") = 0, arg("g1") = -1,
-          "y = W x for a tiled quantized W (x is quantized to int8 per 32-block first); rows of "
-          "groups [g0, g1) only (others stay 0).");
-    m.def("gate_up", &gate_up, arg("tiled"), arg("dtype"), arg("rows"), arg("cols"), arg("x"), arg("tile_rows") = 128,
-          arg("tile_cols") = 256, arg("isa") = none, arg("pool") = none, arg("p0") = 0, arg("p1") = -1,
-          "silu(gate x) * (up x) from an interleaved [2*d_ff, d] tiled matrix; returns d_ff values.");
-    m.def("matmat", &matmat, arg("tiled"), arg("dtype"), arg("rows"), arg("cols"), arg("X"), arg("tile_rows") = 128,
-          arg("tile_cols") = 256, arg("isa") = none, arg("pool") = none, arg("g0") = 0, arg("g1") = -1,
-          "Y[b] = W X[b] for the B rows of X [B, cols] with the batched (prefill) kernel; returns [B, rows], "
-          "rows of groups [g0, g1) only (others stay 0).");
-    m.def("gate_up_mm", &gate_up_mm, arg("tiled"), arg("dtype"), arg("rows"), arg("cols"), arg("X"), arg("tile_rows") = 128,
-          arg("tile_cols") = 256, arg("isa") = none, arg("pool") = none, arg("p0") = 0, arg("p1") = -1,
-          "gate_up for the B rows of X [B, cols] with the batched kernel; returns [B, d_ff].");
+    // The four tiled kernels take one argument list: the matrix, x (or X), the tile, the table,
+    // a pool, and the unit range (row groups g0, g1 or gate/up pairs p0, p1; -1: to the end).
+    auto def_tiled = [&](const char *name, auto fn, const char *x, const char *lo, const char *hi, const char *doc) {
+        m.def(name, fn, arg("tiled"), arg("dtype"), arg("rows"), arg("cols"), arg(x), arg("tile_rows") = 128,
+              arg("tile_cols") = 256, arg("isa") = none, arg("pool") = none, arg(lo) = 0, arg(hi) = -1, doc);
+    };
+    def_tiled("matvec", &matvec, "x", "g0", "g1",
+              "y = W x for a tiled quantized W (x is quantized to int8 per 32-block first); rows of "
+              "groups [g0, g1) only (others stay 0).");
+    def_tiled("gate_up", &gate_up, "x", "p0", "p1",
+              "silu(gate x) * (up x) from an interleaved [2*d_ff, d] tiled matrix; returns d_ff values.");
+    def_tiled("matmat", &matmat, "X", "g0", "g1",
+              "Y[b] = W X[b] for the B rows of X [B, cols] with the batched (prefill) kernel; returns [B, rows], "
+              "rows of groups [g0, g1) only (others stay 0).");
+    def_tiled("gate_up_mm", &gate_up_mm, "X", "p0", "p1",
+              "gate_up for the B rows of X [B, cols] with the batched kernel; returns [B, d_ff].");
     m.def("embed_row", &embed_row, arg("tiled"), arg("dtype"), arg("rows"), arg("cols"), arg("r"),
           arg("tile_rows") = 128, arg("tile_cols") = 256, arg("isa") = none);
     m.def("bench_matvec", &bench_matvec, arg("buf"), arg("copies"), arg("dtype"), arg("rows"), arg("cols"), arg("x"),
           arg("tile_rows") = 128, arg("tile_cols") = 256, arg("isa") = none, arg("pool") = none, arg("iters") = 100);
     m.def("rmsnorm", &rmsnorm, arg("x"), arg("w"), arg("eps") = 1e-5f, arg("isa") = none);
     m.def("matvec_f32", &matvec_f32, arg("W"), arg("x"), arg("isa") = none);
-    m.def("dot", &dot, arg("a"), arg("b"), arg("isa") = none);
-    m.def("axpy", &axpy, arg("y"), arg("a"), arg("x"), arg("isa") = none, "Returns y + a*x (y is not modified).");
     m.def("softmax", &softmax, arg("x"), arg("isa") = none);
-    m.def("swiglu", &swiglu, arg("g"), arg("u"), arg("isa") = none);
     m.def("rope_table", &rope_table, arg("head_dim"), arg("pos"), arg("theta"));
     m.def("rope", &rope, arg("x"), arg("n_heads"), arg("head_dim"), arg("pos"), arg("theta"), arg("isa") = none);
     m.def("attention", &attention, arg("q"), arg("k"), arg("v"), arg("n_heads"), arg("n_kv_heads"), arg("n_pos"),
@@ -540,7 +505,7 @@ NB_MODULE(_native, m) {
           "One query over fp16 caches k, v [n_kv_heads, max_seq, head_dim] (positions [0, n_pos)).");
     m.def("topk", &topk, arg("x"), arg("k"), arg("isa") = nb::none());
     m.def("f32_to_f16", &f32_to_f16, arg("x"), arg("isa") = none, "fp16 bits (uint16), round to nearest even.");
-    m.def("f16_to_f32", &f16_to_f32, arg("h"), arg("isa") = none);
+    m.def("f16_to_f32", &f16_to_f32, arg("h"), "fp16 bits (or float16) to float32 with the scalar cf_half_to_float.");
 
     cf_bind_engine(m);
 }

@@ -1,6 +1,8 @@
 /* cflow.h — the C core's shared definitions: block formats, tile geometry, the kernel table,
  * the thread pool. Every kernel has a scalar `_ref` version (kernels_ref.c) and may have ISA
  * versions (kernels_avx2.c, ...); dispatch.c fills `cf_kernels` once from a CPU-feature probe.
+ * The table holds exactly the kernels the engine calls (engine.c checks they are all there);
+ * the bindings reach nothing else through it.
  *
  * Layout contracts are described in docs/DESIGN.md ("Tile layout"); the Python twin is
  * cflow/quant.py. Keep both in step: tests check one against the other.
@@ -30,9 +32,16 @@ enum cf_dtype {
     CF_Q4_0 = 2,
     CF_Q4_1 = 3,
     CF_Q8_0 = 8,
+    CF_DTYPE_IDS, /* one past the largest id: the size of tables indexed by dtype */
 };
+/* cf_dtype_names[id]: "f32", "f16", "q4_0", "q4_1", "q8_0" (cflow.quant.DTYPE_IDS's keys); NULL
+ * for GGML ids the core does not run. Exported to Python as _native.DTYPE_IDS (formats.c). */
+extern const char *const cf_dtype_names[CF_DTYPE_IDS];
 
 typedef uint16_t cf_half;
+/* fp16 <-> fp32 one value at a time (formats.c). */
+float cf_half_to_float(cf_half h);
+cf_half cf_float_to_half(float f); /* round to nearest even, like F16C */
 
 /* Tile geometry: row groups of CF_G rows are interleaved inside a tile (see DESIGN.md). */
 #define CF_G 8
@@ -57,17 +66,12 @@ typedef struct {
 } cf_tiled;
 
 /* Bytes of one 32-block of `dtype` for one row (18, 20, 34; 128 for F32; 64 for F16); 0 if the
- * dtype is unknown. */
+ * dtype is unknown (formats.c). */
 size_t cf_block_bytes(int dtype);
-/* Total bytes of a tiled matrix. */
+/* Total bytes of a tiled matrix (formats.c). */
 size_t cf_tiled_bytes(const cf_tiled *w);
 /* Number of row groups of a tiled matrix: ceil(rows / CF_G). */
 static inline int cf_n_groups(const cf_tiled *w) { return (w->rows + CF_G - 1) / CF_G; }
-/* Even split of [0, n) over nth workers: worker ith gets [*lo, *hi). */
-static inline void cf_split(int n, int ith, int nth, int *lo, int *hi) {
-    *lo = (int)((int64_t)n * ith / nth);
-    *hi = (int)((int64_t)n * (ith + 1) / nth);
-}
 
 /* One query's attention over a KV cache.
  * Cache layout (fp16, F16C-convertible): k, v [n_kv_heads][max_seq][head_dim]; positions
@@ -103,13 +107,11 @@ typedef void (*cf_gate_up_mm_fn)(const cf_tiled *w, const cf_act_q8 *xs, int B, 
 typedef struct {
     const char *name; /* "ref", "avx2", ... */
     void (*quantize_act)(const float *x, cf_act_q8 *out);      /* out->n must be set */
-    cf_matvec_fn matvec[16];                                   /* indexed by cf_dtype */
+    cf_matvec_fn matvec[CF_DTYPE_IDS];                         /* indexed by cf_dtype */
     void (*rmsnorm)(float *out, const float *x, const float *w, int n, float eps);
     void (*matvec_f32)(float *y, const float *W, const float *x, int rows, int cols); /* row-major */
-    float (*dot_f32)(const float *a, const float *b, int n);
-    void (*axpy_f32)(float *y, float a, const float *x, int n); /* y += a*x */
 
-    cf_gate_up_fn gate_up[16]; /* indexed by cf_dtype */
+    cf_gate_up_fn gate_up[CF_DTYPE_IDS]; /* indexed by cf_dtype */
     /* x[0..n) = softmax(x), in place (max-subtracted). */
     void (*softmax)(float *x, int n);
     /* Rotary embedding, "half" convention, in place on n_heads heads of head_dim each:
@@ -120,13 +122,11 @@ typedef struct {
                       float *att, const cf_attn_shape *shape, int h0, int h1);
     /* Row r of a tiled matrix, dequantized to fp32 (the embedding lookup): out[cols]. */
     void (*embed_row)(const cf_tiled *w, int r, float *out);
-    /* out[i] = silu(g[i]) * u[i]. */
-    void (*swiglu)(float *out, const float *g, const float *u, int n);
-    void (*f16_to_f32)(float *out, const cf_half *x, int n);
-    void (*f32_to_f16)(cf_half *out, const float *x, int n); /* round to nearest even */
+    /* K and V into the fp16 cache; round to nearest even (cf_float_to_half is the reference). */
+    void (*f32_to_f16)(cf_half *out, const float *x, int n);
 
-    cf_matmat_fn matmat[16];         /* indexed by cf_dtype */
-    cf_gate_up_mm_fn gate_up_mm[16]; /* indexed by cf_dtype */
+    cf_matmat_fn matmat[CF_DTYPE_IDS];         /* indexed by cf_dtype */
+    cf_gate_up_mm_fn gate_up_mm[CF_DTYPE_IDS]; /* indexed by cf_dtype */
     /* The k largest of x[0..n), largest first (ties: lower index first); 1 <= k <= n; x has no
      * NaN. The router's expert choice; cf_topk is the reference. */
     void (*topk)(const float *x, int n, int k, int *idx, float *val);
@@ -164,10 +164,6 @@ void cf_rope_table(float *cos, float *sin, int head_dim, int pos, float theta);
 /* The k largest of x[0..n), largest first (ties: lower index first); k <= n. The reference
  * of the table's topk (kernels_ref.c). */
 void cf_topk(const float *x, int n, int k, int *idx, float *val);
-
-/* Scalar helpers shared by all kernel files. */
-float cf_half_to_float(cf_half h);
-cf_half cf_float_to_half(float f); /* round to nearest even, like F16C */
 
 /* ---- thread pool ------------------------------------------------------------------------- */
 typedef struct cf_pool cf_pool;

@@ -25,15 +25,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#define cf_cpu_relax() _mm_pause()
-#else
-#define cf_cpu_relax() ((void)0)
-#endif
-
-#define MIN(a, b) ((a) < (b) ? (a) : (b))
-#define MAX(a, b) ((a) > (b) ? (a) : (b))
+#include "util.h"
 
 // ---------------------------------------------------------------------------------------------
 // barrier
@@ -158,15 +150,6 @@ static void set_err(char *err, size_t n, const char *fmt, ...) {
 // ---------------------------------------------------------------------------------------------
 // small ops (plain C: cheap next to the mat-vecs)
 
-static inline void split_range(int n, int ith, int nth, int align, int *lo, int *hi) {
-    int units = (n + align - 1) / align;
-    int u0 = (int)((int64_t)units * ith / nth), u1 = (int)((int64_t)units * (ith + 1) / nth);
-    *lo = MIN(u0 * align, n);
-    *hi = MIN(u1 * align, n);
-}
-
-static inline int n_groups(const cf_tiled *w) { return (w->rows + CF_G - 1) / CF_G; }
-
 static void quantize_rows(const cf_engine *e, const float *x, int stride, int K, cf_act_q8 *act,
                           const int *tok, int n) {
     for (int i = 0; i < n; i++) {
@@ -188,7 +171,7 @@ static void band_loop(cf_matvec_fn fn, const cf_tiled *w, const cf_act_q8 *act, 
         return;
     }
     for (int a = u0; a < u1;) {
-        int b = MIN((a / band + 1) * band, u1);
+        int b = cf_min((a / band + 1) * band, u1);
         for (int i = 0; i < n; i++) {
             int t = tok ? tok[i] : i;
             fn(w, &act[t], y + (size_t)t * ystride, a, b);
@@ -216,7 +199,7 @@ static void gate_up_rows(const cf_engine *e, const cf_tiled *w, const cf_act_q8 
         return;
     }
     band_loop(e->k->gate_up[w->dtype], w, act, hid, hstride, tok, n, p0, p1,
-              MAX(1, w->tile_rows / (2 * CF_G)));
+              cf_max(1, w->tile_rows / (2 * CF_G)));
 }
 
 /* One SwiGLU FFN (fused gate_up, then down) for tokens tok[0..n) whose quantized input is in
@@ -238,17 +221,17 @@ static void ffn(cf_engine *e, const cf_tiled *gate_up, const cf_tiled *down, int
         in = ts->gather;
         rows = NULL;
     }
-    split_range(hdim / CF_G, ith, nth, 1, &p0, &p1);
+    cf_split_range(hdim / CF_G, ith, nth, 1, &p0, &p1);
     gate_up_rows(e, gate_up, in, s->hid, e->hmax, rows, n, p0, p1);
     barrier_wait(&e->bar);
 
     quantize_rows(e, s->hid, e->hmax, hdim, ts->act2, rows, n);
     int g0, g1;
-    split_range(n_groups(down), ith, nth, 1, &g0, &g1);
+    cf_split_range(cf_n_groups(down), ith, nth, 1, &g0, &g1);
     float *dst = scale ? s->y : out;
     matvec_rows(e, down, ts->act2, dst, d, rows, n, g0, g1);
     if (scale) {
-        int r0 = g0 * CF_G, r1 = MIN(g1 * CF_G, d);
+        int r0 = g0 * CF_G, r1 = cf_min(g1 * CF_G, d);
         for (int i = 0; i < n; i++) {
             int t = tok ? tok[i] : i;
             float *o = out + (size_t)t * d;
@@ -264,10 +247,11 @@ static void ffn(cf_engine *e, const cf_tiled *gate_up, const cf_tiled *down, int
 
 static void op_embed(cf_engine *e, int slot, int ith, int nth) {
     int d = e->c.d, b0, b1;
-    split_range(e->B, ith, nth, 1, &b0, &b1);
+    cf_split_range(e->B, ith, nth, 1, &b0, &b1);
     float *x = e->s.ring + (size_t)slot * e->max_batch * d;
     for (int b = b0; b < b1; b++) e->k->embed_row(&e->w.tok_emb, e->tokens[b], x + (size_t)b * d);
-    if (ith == 0) e->cnt.embed += (uint64_t)e->B * (d / CF_QK) * cf_block_bytes(e->w.tok_emb.dtype);
+    if (ith == 0)
+        e->cnt.n[CF_CNT_EMBED] += (uint64_t)e->B * (d / CF_QK) * cf_block_bytes(e->w.tok_emb.dtype);
     barrier_wait(&e->bar);
 }
 
@@ -307,22 +291,22 @@ static void op_attn(cf_engine *e, int l, int slot, int ith, int nth) {
         // Split by whole heads, so the thread that computes a head also rotates it and stores
         // it in the cache: no barrier between the projection and RoPE.
         int u0, u1, gph = hd / CF_G;
-        split_range(n_units, ith, nth, 1, &u0, &u1);
+        cf_split_range(n_units, ith, nth, 1, &u0, &u1);
         matvec_rows(e, &w->wqkv, ts->act, s->qkv, qkv_dim, NULL, B, u0 * gph, u1 * gph);
         for (int b = 0; b < B; b++) qkv_heads(e, layer_kv, b, u0, u1);
     } else {
-        split_range(n_groups(&w->wqkv), ith, nth, 1, &g0, &g1);
+        cf_split_range(cf_n_groups(&w->wqkv), ith, nth, 1, &g0, &g1);
         matvec_rows(e, &w->wqkv, ts->act, s->qkv, qkv_dim, NULL, B, g0, g1);
         barrier_wait(&e->bar);
-        split_range(B * n_units, ith, nth, 1, &i0, &i1);
+        cf_split_range(B * n_units, ith, nth, 1, &i0, &i1);
         for (int i = i0; i < i1; i++) qkv_heads(e, layer_kv, i / n_units, i % n_units, i % n_units + 1);
     }
     barrier_wait(&e->bar);
 
     // attention: this thread's (token, head) items, one kernel call per token
-    split_range(B * c->n_heads, ith, nth, 1, &i0, &i1);
+    cf_split_range(B * c->n_heads, ith, nth, 1, &i0, &i1);
     for (int i = i0; i < i1;) {
-        int b = i / c->n_heads, h0 = i % c->n_heads, h1 = MIN(c->n_heads, h0 + i1 - i);
+        int b = i / c->n_heads, h0 = i % c->n_heads, h1 = cf_min(c->n_heads, h0 + i1 - i);
         cf_attn_shape sh = {.n_heads = c->n_heads, .n_kv_heads = c->n_kv, .head_dim = hd,
                             .max_seq = e->n_ctx, .n_pos = e->pos0 + b + 1,
                             .scale = 1.0f / sqrtf((float)hd)};
@@ -334,14 +318,15 @@ static void op_attn(cf_engine *e, int l, int slot, int ith, int nth) {
 
     // output projection into h, plus the residual, for this thread's rows
     quantize_rows(e, s->att, q_dim, q_dim, ts->act, NULL, B);
-    split_range(n_groups(&w->wo), ith, nth, 1, &g0, &g1);
+    cf_split_range(cf_n_groups(&w->wo), ith, nth, 1, &g0, &g1);
     matvec_rows(e, &w->wo, ts->act, s->h, d, NULL, B, g0, g1);
-    int r1 = MIN(g1 * CF_G, d);
+    int r1 = cf_min(g1 * CF_G, d);
     for (int b = 0; b < B; b++)
         for (int r = g0 * CF_G; r < r1; r++) s->h[(size_t)b * d + r] += x[(size_t)b * d + r];
     if (ith == 0) {
-        e->cnt.attn += w->attn_bytes;
-        for (int b = 0; b < B; b++) e->cnt.kv += (uint64_t)(e->pos0 + b + 1) * 2 * kv_dim * sizeof(cf_half);
+        e->cnt.n[CF_CNT_ATTN] += w->attn_bytes;
+        for (int b = 0; b < B; b++)
+            e->cnt.n[CF_CNT_KV] += (uint64_t)(e->pos0 + b + 1) * 2 * kv_dim * sizeof(cf_half);
     }
     barrier_wait(&e->bar);
 }
@@ -358,7 +343,7 @@ static void op_dense(cf_engine *e, int l, int src_kind, int slot, int tail, int 
     for (int b = 0; b < B; b++) e->k->rmsnorm(ts->xb + (size_t)b * e->kmax, src + (size_t)b * d,
                                               w->ffn_norm, d, e->c.norm_eps);
     quantize_rows(e, ts->xb, e->kmax, d, ts->act, NULL, B);
-    if (ith == 0) e->cnt.dense += w->dense_bytes;
+    if (ith == 0) e->cnt.n[CF_CNT_DENSE] += w->dense_bytes;
     ffn(e, &w->gate_up, &w->down, e->c.d_ff, NULL, B, e->s.f, NULL, tail, ith, nth);
 }
 
@@ -390,7 +375,7 @@ static void op_route(cf_engine *e, int l, int src_kind, int ith) {
                 e->hits[(size_t)l * E + x]++;
             }
         }
-        e->cnt.router += w->router_bytes;
+        e->cnt.n[CF_CNT_ROUTER] += w->router_bytes;
     }
     barrier_wait(&e->bar);
 }
@@ -407,7 +392,7 @@ static void op_experts(cf_engine *e, int l, int pslot, int tail, int ith, int nt
     for (int x = 0; x <= last; x++) {
         int n = s->exp_n[x];
         if (!n) continue; // untouched: its tiles are never read
-        if (ith == 0) e->cnt.experts += w->exp_bytes[x];
+        if (ith == 0) e->cnt.n[CF_CNT_EXPERTS] += w->exp_bytes[x];
         const int *tok = s->exp_tok + (size_t)x * e->max_batch;
         ffn(e, &w->exp_gate_up[x], &w->exp_down[x], c->d_exp, tok, n, out,
             s->exp_w + (size_t)x * e->max_batch, x < last || tail, ith, nth);
@@ -418,7 +403,7 @@ static void op_resid(cf_engine *e, int slot, int add_f, int pslot, int ith, int 
     cf_state *s = &e->s;
     int d = e->c.d, r0, r1;
     // the same rows as this thread's share of a [d, *] mat-vec (wo, down): see ffn()
-    split_range(d, ith, nth, CF_G, &r0, &r1);
+    cf_split_range(d, ith, nth, CF_G, &r0, &r1);
     float *x = s->ring + (size_t)slot * e->max_batch * d;
     float *pend = pslot >= 0 ? s->pending + (size_t)pslot * e->max_batch * d : NULL;
     for (int b = 0; b < e->B; b++) {
@@ -447,9 +432,9 @@ static void op_final(cf_engine *e, int slot, int pslot, int ith, int nth) {
     e->k->rmsnorm(ts->xb, z, e->w.norm, d, e->c.norm_eps);
     quantize_rows(e, ts->xb, e->kmax, d, ts->act, NULL, 1);
     int g0, g1;
-    split_range(n_groups(&e->w.lm_head), ith, nth, 1, &g0, &g1);
+    cf_split_range(cf_n_groups(&e->w.lm_head), ith, nth, 1, &g0, &g1);
     matvec_rows(e, &e->w.lm_head, ts->act, e->logits, 0, NULL, 1, g0, g1);
-    if (ith == 0) e->cnt.lm_head += cf_tiled_bytes(&e->w.lm_head);
+    if (ith == 0) e->cnt.n[CF_CNT_LM_HEAD] += (uint64_t)d * sizeof(float) + cf_tiled_bytes(&e->w.lm_head);
 }
 
 static void forward_task(void *ctx, int ith, int nth) {
@@ -490,8 +475,8 @@ static int forward(cf_engine *e, const int32_t *tokens, int B, int pos0, float *
         forward_task(e, 0, 1); /* no need to wake the pool (sleeping workers take ~50 us) */
     else
         cf_pool_run(e->pool, forward_task, e);
-    e->cnt.tokens += B;
-    e->cnt.calls++;
+    e->cnt.n[CF_CNT_TOKENS] += B;
+    e->cnt.n[CF_CNT_CALLS]++;
     return 0;
 }
 
@@ -524,7 +509,7 @@ int cf_step(cf_engine *e, int token, int pos, float *logits) {
 int cf_prefill(cf_engine *e, const int32_t *tokens, int n, int pos0, float *logits_last) {
     if (check_call(e, tokens, n, pos0)) return -1;
     for (int i = 0; i < n; i += e->max_batch) {
-        int B = MIN(e->max_batch, n - i);
+        int B = cf_min(e->max_batch, n - i);
         if (forward(e, tokens + i, B, pos0 + i, i + B == n ? logits_last : NULL)) return -1;
     }
     return 0;
@@ -543,11 +528,53 @@ int cf_engine_n_ctx(const cf_engine *e) { return e->n_ctx; }
 int cf_engine_n_threads(const cf_engine *e) { return e->n_threads; }
 int cf_engine_active_threads(const cf_engine *e) { return e->active; }
 int cf_engine_set_active_threads(cf_engine *e, int n) {
-    e->active = e->bar.n = MIN(MAX(n, 1), e->n_threads);
+    e->active = e->bar.n = cf_min(cf_max(n, 1), e->n_threads);
     return e->active;
 }
 int cf_engine_max_batch(const cf_engine *e) { return e->max_batch; }
 const char *cf_engine_isa(const cf_engine *e) { return e->k->name; }
+
+// ---------------------------------------------------------------------------------------------
+// names: the one definition of each contract with Python (engine.h), exported by bind_engine.cpp
+
+const char *const cf_desc_field_names[CF_DESC_FIELDS] = {
+    [CF_DESC_OFFSET] = "offset", [CF_DESC_DTYPE] = "dtype", [CF_DESC_ROWS] = "rows",
+    [CF_DESC_COLS] = "cols", [CF_DESC_TR] = "tile_rows", [CF_DESC_TC] = "tile_cols",
+};
+const char *const cf_global_names[CF_T_GLOBAL] = {
+    [CF_T_TOK_EMB] = "tok_emb", [CF_T_NORM] = "norm", [CF_T_LM_HEAD] = "lm_head",
+};
+const char *const cf_slot_names[CF_SLOTS_PER_SET] = {
+    [CF_S_ATTN_NORM] = "attn_norm", [CF_S_WQKV] = "attn.wqkv", [CF_S_WO] = "attn.wo",
+    [CF_S_FFN_NORM] = "ffn_norm", [CF_S_GATE_UP] = "ffn.w_gate_up", [CF_S_DOWN] = "ffn.w_down",
+    [CF_S_MOE_NORM] = "moe_norm", [CF_S_ROUTER] = "moe.router",
+};
+const char *const cf_expert_slot_names[CF_EXPERT_SLOTS] = {
+    [CF_E_GATE_UP] = "w_gate_up", [CF_E_DOWN] = "w_down",
+};
+const char *const cf_op_kind_names[CF_OP_KINDS] = {
+    [CF_OP_EMBED] = "embed", [CF_OP_ATTN] = "attn", [CF_OP_DENSE] = "dense",
+    [CF_OP_ROUTE] = "route", [CF_OP_EXPERTS] = "experts", [CF_OP_RESID] = "resid",
+    [CF_OP_FINAL] = "final",
+};
+const char *const cf_src_names[CF_SRC_KINDS] = {
+    [CF_SRC_H] = "h", [CF_SRC_RING] = "ring", [CF_SRC_HF] = "hf",
+};
+const char *const cf_counter_names[CF_COUNTERS] = {
+    [CF_CNT_ATTN] = "attn", [CF_CNT_DENSE] = "dense", [CF_CNT_ROUTER] = "router",
+    [CF_CNT_EXPERTS] = "experts", [CF_CNT_EMBED] = "embed", [CF_CNT_LM_HEAD] = "lm_head",
+    [CF_CNT_KV] = "kv", [CF_CNT_TOKENS] = "tokens", [CF_CNT_CALLS] = "calls",
+};
+
+int cf_desc_name(int n_experts, int row, char *out, size_t n) {
+    if (row < CF_T_GLOBAL) return snprintf(out, n, "%s", cf_global_names[row]);
+    int per_set = CF_SLOTS_PER_SET + CF_EXPERT_SLOTS * n_experts;
+    int set = (row - CF_T_GLOBAL) / per_set, slot = (row - CF_T_GLOBAL) % per_set;
+    if (slot < CF_SLOTS_PER_SET) return snprintf(out, n, "layers.%d.%s", set, cf_slot_names[slot]);
+    slot -= CF_SLOTS_PER_SET;
+    return snprintf(out, n, "layers.%d.moe.experts.%d.%s", set, slot / CF_EXPERT_SLOTS,
+                    cf_expert_slot_names[slot % CF_EXPERT_SLOTS]);
+}
 
 // ---------------------------------------------------------------------------------------------
 // construction: validate the config, the tensor table and the plan, then allocate everything
@@ -578,11 +605,14 @@ static int check_config(const cf_config *c, char *err, size_t n) {
     return bad ? -1 : 0;
 }
 
-/* Fill one tensor from its descriptor row, checking shape, dtype, layout and bounds. */
-static int bind_tensor(const int64_t *row, const char *what, int rows, int cols, int want_f32,
+/* Fill one tensor from descriptor row i, checking shape, dtype, layout and bounds. */
+static int bind_tensor(const int64_t *desc, int n_experts, int i, int rows, int cols, int want_f32,
                        const uint8_t *buf, size_t buf_len, cf_tiled *t, const float **f32,
                        char *err, size_t n) {
+    const int64_t *row = desc + (size_t)i * CF_DESC_FIELDS;
     int64_t off = row[CF_DESC_OFFSET], dt = row[CF_DESC_DTYPE];
+    char what[96];
+    cf_desc_name(n_experts, i, what, sizeof what);
     if (dt < 0) {
         set_err(err, n, "tensor %s is missing from the file; re-convert the model", what);
         return -1;
@@ -625,61 +655,68 @@ static int bind_tensor(const int64_t *row, const char *what, int rows, int cols,
     return 0;
 }
 
+/* Check that the caller named every descriptor row as we do (a cflow built against other tables
+ * would otherwise bind, say, ffn_norm as attn_norm: same shape, no other error), then fill every
+ * tensor from its row. */
 static int bind_weights(cf_engine *e, const uint8_t *buf, size_t len, const int64_t *desc,
-                        int n_desc, char *err, size_t n) {
+                        const char *const *names, int n_desc, char *err, size_t n) {
     const cf_config *c = &e->c;
     int E = c->n_experts, q_dim = c->n_heads * c->hd, kv_dim = c->n_kv * c->hd;
     if (n_desc != cf_desc_count(E, c->n_unique)) {
         set_err(err, n, "tensor table has %d rows, the config needs %d", n_desc, cf_desc_count(E, c->n_unique));
         return -1;
     }
-#define ROW(i) (desc + (size_t)(i) * CF_DESC_FIELDS)
-#define BIND(i, what, r, k, f32, t, fp) \
-    if (bind_tensor(ROW(i), what, r, k, f32, buf, len, t, fp, err, n)) return -1
+    char name[96];
+    for (int i = 0; i < n_desc; i++) {
+        cf_desc_name(E, i, name, sizeof name);
+        if (strcmp(names[i], name) != 0) {
+            set_err(err, n, "descriptor row %d is named '%s', the engine expects '%s' there (cflow "
+                    "and its compiled core disagree; rebuild with `pip install -e .`)", i, names[i], name);
+            return -1;
+        }
+    }
+#define BIND(i, r, k, f32, t, fp) \
+    if (bind_tensor(desc, E, i, r, k, f32, buf, len, t, fp, err, n)) return -1
     cf_tiled dummy;
     const float *fdummy;
-    BIND(CF_T_TOK_EMB, "tok_emb", c->vocab, c->d, 0, &e->w.tok_emb, &fdummy);
-    BIND(CF_T_NORM, "norm", 1, c->d, 1, &dummy, &e->w.norm);
+    BIND(CF_T_TOK_EMB, c->vocab, c->d, 0, &e->w.tok_emb, &fdummy);
+    BIND(CF_T_NORM, 1, c->d, 1, &dummy, &e->w.norm);
     if (c->tie_embeddings) e->w.lm_head = e->w.tok_emb;
-    else BIND(CF_T_LM_HEAD, "lm_head", c->vocab, c->d, 0, &e->w.lm_head, &fdummy);
+    else BIND(CF_T_LM_HEAD, c->vocab, c->d, 0, &e->w.lm_head, &fdummy);
     e->w.sets = calloc(c->n_unique, sizeof *e->w.sets);
     if (!e->w.sets) return set_err(err, n, "out of memory"), -1;
-    char name[96];
+    const uint64_t norm_bytes = (uint64_t)c->d * sizeof(float);
     for (int i = 0; i < c->n_unique; i++) {
         cf_layer *L = &e->w.sets[i];
-#define SET(slot, what, r, k, f32, t, fp) \
-    snprintf(name, sizeof name, "layers.%d.%s", i, what); \
-    BIND(cf_desc_index(E, i, slot), name, r, k, f32, t, fp)
-        SET(CF_S_ATTN_NORM, "attn_norm", 1, c->d, 1, &dummy, &L->attn_norm);
-        SET(CF_S_WQKV, "attn.wqkv", q_dim + 2 * kv_dim, c->d, 0, &L->wqkv, &fdummy);
-        SET(CF_S_WO, "attn.wo", c->d, q_dim, 0, &L->wo, &fdummy);
-        L->attn_bytes = cf_tiled_bytes(&L->wqkv) + cf_tiled_bytes(&L->wo);
+#define SET(slot, r, k, f32, t, fp) BIND(cf_desc_index(E, i, slot), r, k, f32, t, fp)
+        SET(CF_S_ATTN_NORM, 1, c->d, 1, &dummy, &L->attn_norm);
+        SET(CF_S_WQKV, q_dim + 2 * kv_dim, c->d, 0, &L->wqkv, &fdummy);
+        SET(CF_S_WO, c->d, q_dim, 0, &L->wo, &fdummy);
+        /* the counters count every weight byte a node reads, its f32 norm included (cflow.weights) */
+        L->attn_bytes = norm_bytes + cf_tiled_bytes(&L->wqkv) + cf_tiled_bytes(&L->wo);
         if (c->d_ff) {
-            SET(CF_S_FFN_NORM, "ffn_norm", 1, c->d, 1, &dummy, &L->ffn_norm);
-            SET(CF_S_GATE_UP, "ffn.w_gate_up", 2 * c->d_ff, c->d, 0, &L->gate_up, &fdummy);
-            SET(CF_S_DOWN, "ffn.w_down", c->d, c->d_ff, 0, &L->down, &fdummy);
-            L->dense_bytes = cf_tiled_bytes(&L->gate_up) + cf_tiled_bytes(&L->down);
+            SET(CF_S_FFN_NORM, 1, c->d, 1, &dummy, &L->ffn_norm);
+            SET(CF_S_GATE_UP, 2 * c->d_ff, c->d, 0, &L->gate_up, &fdummy);
+            SET(CF_S_DOWN, c->d, c->d_ff, 0, &L->down, &fdummy);
+            L->dense_bytes = norm_bytes + cf_tiled_bytes(&L->gate_up) + cf_tiled_bytes(&L->down);
         }
         if (!E) continue;
-        SET(CF_S_MOE_NORM, "moe_norm", 1, c->d, 1, &dummy, &L->moe_norm);
-        SET(CF_S_ROUTER, "moe.router", E, c->d, 1, &dummy, &L->router);
-        L->router_bytes = (uint64_t)E * c->d * 4;
+        SET(CF_S_MOE_NORM, 1, c->d, 1, &dummy, &L->moe_norm);
+        SET(CF_S_ROUTER, E, c->d, 1, &dummy, &L->router);
+        L->router_bytes = norm_bytes + (uint64_t)E * c->d * 4;
         L->exp_gate_up = calloc(E, sizeof(cf_tiled));
         L->exp_down = calloc(E, sizeof(cf_tiled));
         L->exp_bytes = calloc(E, sizeof(uint64_t));
         if (!L->exp_gate_up || !L->exp_down || !L->exp_bytes) return set_err(err, n, "out of memory"), -1;
         for (int x = 0; x < E; x++) {
-            char what[64];
-            snprintf(what, sizeof what, "moe.experts.%d.w_gate_up", x);
-            SET(CF_SLOTS_PER_SET + 2 * x, what, 2 * c->d_exp, c->d, 0, &L->exp_gate_up[x], &fdummy);
-            snprintf(what, sizeof what, "moe.experts.%d.w_down", x);
-            SET(CF_SLOTS_PER_SET + 2 * x + 1, what, c->d, c->d_exp, 0, &L->exp_down[x], &fdummy);
+            int s0 = CF_SLOTS_PER_SET + CF_EXPERT_SLOTS * x;
+            SET(s0 + CF_E_GATE_UP, 2 * c->d_exp, c->d, 0, &L->exp_gate_up[x], &fdummy);
+            SET(s0 + CF_E_DOWN, c->d, c->d_exp, 0, &L->exp_down[x], &fdummy);
             L->exp_bytes[x] = cf_tiled_bytes(&L->exp_gate_up[x]) + cf_tiled_bytes(&L->exp_down[x]);
         }
 #undef SET
     }
 #undef BIND
-#undef ROW
     return 0;
 }
 
@@ -753,7 +790,8 @@ static int alloc_state(cf_engine *e) {
     e->ts = xcalloc(e->n_threads, sizeof(cf_scratch), &fail);
     if (fail) return -1;
     size_t K = e->kmax, KB = K / CF_QK;
-    size_t xb = MAX(B, 2) * K * 4; /* two rows even when B = 1: op_final uses the second */
+    /* two rows even when B = 1: op_final uses the second */
+    size_t xb = (size_t)cf_max(e->max_batch, 2) * K * 4;
     size_t scores = (size_t)c->n_heads * e->n_ctx * 4, act = K + 2 * KB * 4;
     size_t bytes = 64 + carve_size(3 * B * sizeof(cf_act_q8)) + carve_size(xb) + carve_size(scores) +
                    2 * B * carve_size(act);
@@ -778,7 +816,8 @@ static int alloc_state(cf_engine *e) {
 }
 
 cf_engine *cf_engine_create(const cf_config *cfg, const uint8_t *buf, size_t buf_len,
-                            const int64_t *desc, int n_desc, const int32_t *plan, int n_ops,
+                            const int64_t *desc, const char *const *names, int n_desc,
+                            const int32_t *plan, int n_ops,
                             int n_ring, int n_pending, int n_threads, int n_ctx, int max_batch,
                             char *err, size_t err_len) {
     if (check_config(cfg, err, err_len)) return NULL;
@@ -792,8 +831,10 @@ cf_engine *cf_engine_create(const cf_config *cfg, const uint8_t *buf, size_t buf
     if (!e) return set_err(err, err_len, "out of memory"), NULL;
     e->c = *cfg;
     e->k = cf_kernels();
-    int dts[] = {CF_Q4_0, CF_Q4_1, CF_Q8_0}, missing = !e->k->attention || !e->k->embed_row ||
-        !e->k->rope || !e->k->softmax || !e->k->f32_to_f16 || !e->k->topk;
+    // every entry of the table: it holds exactly what the engine calls (cflow.h)
+    int dts[] = {CF_Q4_0, CF_Q4_1, CF_Q8_0}, missing = !e->k->quantize_act || !e->k->rmsnorm ||
+        !e->k->matvec_f32 || !e->k->softmax || !e->k->rope || !e->k->attention ||
+        !e->k->embed_row || !e->k->f32_to_f16 || !e->k->topk;
     for (int i = 0; i < 3; i++)
         missing |= !e->k->matvec[dts[i]] || !e->k->gate_up[dts[i]] || !e->k->matmat[dts[i]] ||
                     !e->k->gate_up_mm[dts[i]];
@@ -808,10 +849,10 @@ cf_engine *cf_engine_create(const cf_config *cfg, const uint8_t *buf, size_t buf
     e->n_ring = n_ring;
     e->n_pending = n_pending;
     e->n_ops = n_ops;
-    e->hmax = MAX(cfg->d_ff, cfg->n_experts ? cfg->d_exp : 0);
-    e->kmax = MAX(MAX(cfg->d, cfg->n_heads * cfg->hd), e->hmax);
+    e->hmax = cf_max(cfg->d_ff, cfg->n_experts ? cfg->d_exp : 0);
+    e->kmax = cf_max(cf_max(cfg->d, cfg->n_heads * cfg->hd), e->hmax);
     e->bar.n = e->active = n_threads;
-    if (bind_weights(e, buf, buf_len, desc, n_desc, err, err_len) ||
+    if (bind_weights(e, buf, buf_len, desc, names, n_desc, err, err_len) ||
         check_plan(e, plan, n_ops, err, err_len)) {
         cf_engine_free(e);
         return NULL;

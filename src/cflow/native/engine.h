@@ -1,11 +1,11 @@
 /* engine.h — the decode engine: one forward call per token (or per prefill batch) over the
  * tiled weights of a .cflow file mapped in memory.
  *
- * The engine does not know the architecture's delays. Python (cflow/scheduler.py) compiles the
- * config into a *plan*: a short list of ops per layer (attention, dense FFN, router, experts,
+ * The engine does not know the architecture's delays. Python (cflow/runtime/plan.py) compiles
+ * the config into a *plan*: a short list of ops per layer (attention, dense FFN, router, experts,
  * residual update) that name the buffers they read and write. The engine validates the plan once
- * and then runs it for every token, so the delay semantics have one definition (scheduler.py)
- * and the C side stays a plain executor.
+ * and then runs it for every token, so the delay semantics have one definition (plan.py) and the
+ * C side stays a plain executor.
  *
  * Short names used throughout (llama2.c style):
  *   d       model width                      B     tokens in one call (1 for decode, <= max_batch)
@@ -34,25 +34,43 @@ typedef struct {
     float rope_theta, norm_eps;
 } cf_config;
 
+/* ---- contracts with Python ---------------------------------------------------------------------
+ * Every code Python hands over (descriptor fields and row order, op kinds, sources) and every
+ * name it gets back (counters) is an enum here with a name table beside it, indexed by the enum
+ * (engine.c, designated initializers). bind_engine.cpp exports the tables (_native.OP_KINDS,
+ * LAYER_SLOTS, ...) and Python looks codes up by those names, so each contract is written down
+ * once, here; a table entry left out shows up as a NULL the bindings refuse at import. */
+
 /* ---- tensor descriptors (what Python hands over) ----------------------------------------------
  * The weights are described by a flat table of CF_DESC_FIELDS int64 per tensor, in the order of
- * cf_desc_index() below; a tensor that does not exist has dtype -1. F32 tensors (norms, router)
- * are row-major [rows, cols]; quantized ones are tiled (tile_rows x tile_cols, DESIGN.md). */
+ * cf_desc_index() below, and by each row's tensor name (cf_desc_name(), checked at creation); a
+ * tensor that does not exist has dtype -1. F32 tensors (norms, router) are row-major [rows, cols];
+ * quantized ones are tiled (tile_rows x tile_cols, DESIGN.md). */
 enum { CF_DESC_OFFSET, CF_DESC_DTYPE, CF_DESC_ROWS, CF_DESC_COLS, CF_DESC_TR, CF_DESC_TC,
        CF_DESC_FIELDS };
+extern const char *const cf_desc_field_names[CF_DESC_FIELDS]; /* "offset", "dtype", ... */
 
-/* Global tensors first, then per weight set: CF_SLOTS_PER_SET fixed slots + 2 per expert. */
+/* Global tensors first, then per weight set: CF_SLOTS_PER_SET fixed slots, then per expert
+ * CF_EXPERT_SLOTS slots. Names: "tok_emb"; "layers.{set}.attn_norm";
+ * "layers.{set}.moe.experts.{e}.w_gate_up" (the .cflow tensor names, DESIGN.md). */
 enum { CF_T_TOK_EMB, CF_T_NORM, CF_T_LM_HEAD, CF_T_GLOBAL };
 enum { CF_S_ATTN_NORM, CF_S_WQKV, CF_S_WO, CF_S_FFN_NORM, CF_S_GATE_UP, CF_S_DOWN, CF_S_MOE_NORM,
        CF_S_ROUTER, CF_SLOTS_PER_SET };
-/* Row of the descriptor table for slot `slot` of weight set `set` (expert e: slot
- * CF_SLOTS_PER_SET + 2e for gate_up, +1 for down). */
+enum { CF_E_GATE_UP, CF_E_DOWN, CF_EXPERT_SLOTS };
+extern const char *const cf_global_names[CF_T_GLOBAL];
+extern const char *const cf_slot_names[CF_SLOTS_PER_SET];
+extern const char *const cf_expert_slot_names[CF_EXPERT_SLOTS];
+
+/* Row of the descriptor table for slot `slot` of weight set `set` (expert e's slot s:
+ * CF_SLOTS_PER_SET + CF_EXPERT_SLOTS * e + s). */
 static inline int cf_desc_index(int n_experts, int set, int slot) {
-    return CF_T_GLOBAL + set * (CF_SLOTS_PER_SET + 2 * n_experts) + slot;
+    return CF_T_GLOBAL + set * (CF_SLOTS_PER_SET + CF_EXPERT_SLOTS * n_experts) + slot;
 }
 static inline int cf_desc_count(int n_experts, int n_unique) {
-    return CF_T_GLOBAL + n_unique * (CF_SLOTS_PER_SET + 2 * n_experts);
+    return CF_T_GLOBAL + n_unique * (CF_SLOTS_PER_SET + CF_EXPERT_SLOTS * n_experts);
 }
+/* The tensor name of descriptor row `row` into out[n] (truncated to fit); returns its length. */
+int cf_desc_name(int n_experts, int row, char *out, size_t n);
 
 /* ---- the plan ----------------------------------------------------------------------------------
  * CF_OP_FIELDS int32 per op: {kind, layer, a, b, c}. Buffers: a ring of residuals (ring slots),
@@ -71,23 +89,32 @@ static inline int cf_desc_count(int n_experts, int n_unique) {
  */
 enum { CF_OP_EMBED, CF_OP_ATTN, CF_OP_DENSE, CF_OP_ROUTE, CF_OP_EXPERTS, CF_OP_RESID,
        CF_OP_FINAL, CF_OP_KINDS };
-enum { CF_SRC_H = 0, CF_SRC_RING = 1, CF_SRC_HF = 2 };
+enum { CF_SRC_H = 0, CF_SRC_RING = 1, CF_SRC_HF = 2, CF_SRC_KINDS };
 #define CF_OP_FIELDS 5
+extern const char *const cf_op_kind_names[CF_OP_KINDS]; /* "embed", "attn", ... */
+extern const char *const cf_src_names[CF_SRC_KINDS];    /* "h", "ring", "hf" */
 
-/* Bytes of weights touched, by category, since the last reset (plus KV-cache bytes read). */
+/* ---- counters ----------------------------------------------------------------------------------
+ * Bytes of weights touched, by category, since the last reset (plus KV-cache bytes read), then
+ * tokens processed (prefill + decode) and forward calls; n[CF_CNT_ATTN] is named
+ * cf_counter_names[CF_CNT_ATTN] ("attn"), the key NativeEngine.counters() returns it under. */
+enum { CF_CNT_ATTN, CF_CNT_DENSE, CF_CNT_ROUTER, CF_CNT_EXPERTS, CF_CNT_EMBED, CF_CNT_LM_HEAD,
+       CF_CNT_KV, CF_CNT_TOKENS, CF_CNT_CALLS, CF_COUNTERS };
+extern const char *const cf_counter_names[CF_COUNTERS];
 typedef struct {
-    uint64_t attn, dense, router, experts, embed, lm_head, kv;
-    uint64_t tokens;     /* tokens processed (prefill + decode) */
-    uint64_t calls;      /* forward calls */
+    uint64_t n[CF_COUNTERS];
 } cf_counters;
 
 typedef struct cf_engine cf_engine;
 
-/* Create an engine over `buf[0:buf_len]` (kept by the caller for the engine's life). Returns NULL
- * and writes a message to err on bad input (descriptor or plan inconsistent with the config,
- * tensors outside the buffer, out of memory). */
+/* Create an engine over `buf[0:buf_len]` (kept by the caller for the engine's life). names[i]
+ * is the tensor name the caller put in descriptor row i; it must be cf_desc_name()'s, so a
+ * caller built against other tables is refused instead of binding the wrong tensors. Returns
+ * NULL and writes a message to err on bad input (names, descriptor or plan inconsistent with
+ * the config, tensors outside the buffer, out of memory). */
 cf_engine *cf_engine_create(const cf_config *cfg, const uint8_t *buf, size_t buf_len,
-                            const int64_t *desc, int n_desc, const int32_t *plan, int n_ops,
+                            const int64_t *desc, const char *const *names, int n_desc,
+                            const int32_t *plan, int n_ops,
                             int n_ring, int n_pending, int n_threads, int n_ctx, int max_batch,
                             char *err, size_t err_len);
 void cf_engine_free(cf_engine *e);

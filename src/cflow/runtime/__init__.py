@@ -1,0 +1,19 @@
+"""The runtime: run a converted model on the C core. No torch here (SPEC §11).
+
+    engine     Engine: load (verify, GGUF cache), prefill, step, counters
+    generate   the generation loop, stop strings, Timings, Completion
+    plan       the per-token op plan (the delay semantics on the runtime side)
+    abi        the boundary with cflow._native: descriptor and plan encoded by name
+    threads    usable cores, thread-count checks, the decode thread tuner
+    files      the GGUF conversion cache and checksum verdicts on disk
+    errors     the runtime's named errors
+"""
+
+from cflow.runtime.engine import DEFAULT_MODEL, Engine
+from cflow.runtime.errors import (ContextOverflowError, CorruptModelError, EngineError, ModelFormatError,
+                                  ModelNotFoundError, NativeMissingError)
+from cflow.runtime.generate import Completion, Timings
+from cflow.runtime.threads import usable_threads
+
+__all__ = ["Engine", "DEFAULT_MODEL", "Completion", "Timings", "usable_threads", "EngineError", "ModelNotFoundError",
+           "ModelFormatError", "ContextOverflowError", "CorruptModelError", "NativeMissingError"]

@@ -1,0 +1,137 @@
+"""The weights of a model: one table of every tensor a config implies, and the bytes a token reads.
+
+This is the single statement of the model's tensors (SPEC §5, docs/DESIGN.md). The converters
+build tensors by these names, the file format validates shapes against them and orders them, the
+engine binds them (checked by name against the C core's own table), and the DAG and the benchmark
+count bytes from them:
+
+    name                               shape              node      stored
+    tok_emb                            [vocab, d]         embed     quantized (one row per token)
+    layers.{i}.attn_norm               [d]                attn      f32
+    layers.{i}.attn.wqkv               [q + 2 kv, d]      attn      quantized (wq, wk, wv fused)
+    layers.{i}.attn.wo                 [d, q]             attn      quantized
+    layers.{i}.ffn_norm                [d]                dense     f32      (d_ff > 0)
+    layers.{i}.ffn.w_gate_up           [2 d_ff, d]        dense     quantized (gate, up interleaved)
+    layers.{i}.ffn.w_down              [d, d_ff]          dense     quantized
+    layers.{i}.moe_norm                [d]                router    f32      (n_experts > 0)
+    layers.{i}.moe.router              [E, d]             router    f32
+    layers.{i}.moe.experts.{e}.w_gate_up [2 d_exp, d]     experts   quantized
+    layers.{i}.moe.experts.{e}.w_down  [d, d_exp]         experts   quantized
+    norm                               [d]                lm_head   f32
+    lm_head                            [vocab, d]         lm_head   quantized (absent when tied)
+
+`i` is a weight set (0..n_unique_layers-1); layer l reads set l % n_unique_layers. Ordered as
+`.cflow` stores them: embeddings, each set, then the final norm and lm_head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterable, Iterator
+
+from cflow.config import ModelConfig
+
+NODE_KINDS = ("embed", "attn", "dense", "router", "experts", "lm_head")
+GLOBAL_NAMES = ("tok_emb", "norm", "lm_head")
+LAYER_SLOTS = ("attn_norm", "attn.wqkv", "attn.wo", "ffn_norm", "ffn.w_gate_up", "ffn.w_down", "moe_norm",
+               "moe.router")
+EXPERT_SLOTS = ("w_gate_up", "w_down")
+
+
+@dataclass(frozen=True)
+class Weight:
+    """One tensor of the table."""
+
+    name: str
+    shape: tuple[int, ...]
+    node: str  # the decode-step DAG node kind that reads it (NODE_KINDS)
+    plain: bool  # stored f32 (norms, router); otherwise quantized at the model's quant
+    set: int | None = None  # weight set, for tensors inside the layers
+    expert: int | None = None
+
+
+def layer_name(i: int, slot: str) -> str:
+    return f"layers.{i}.{slot}"
+
+
+def expert_name(i: int, e: int, slot: str) -> str:
+    return f"layers.{i}.moe.experts.{e}.{slot}"
+
+
+def layer_weights(cfg: ModelConfig, i: int, experts: Iterable[int] | None = None) -> list[Weight]:
+    """Tensors of weight set i (and of the given experts, default all), in `.cflow` order."""
+    d, p = cfg.d_model, f"layers.{i}."
+    out = [Weight(p + "attn_norm", (d,), "attn", True, i),
+           Weight(p + "attn.wqkv", (cfg.q_dim + 2 * cfg.kv_dim, d), "attn", False, i),
+           Weight(p + "attn.wo", (d, cfg.q_dim), "attn", False, i)]
+    if cfg.has_dense:
+        out += [Weight(p + "ffn_norm", (d,), "dense", True, i),
+                Weight(p + "ffn.w_gate_up", (2 * cfg.d_ff, d), "dense", False, i),
+                Weight(p + "ffn.w_down", (d, cfg.d_ff), "dense", False, i)]
+    if cfg.has_moe:
+        out += [Weight(p + "moe_norm", (d,), "router", True, i),
+                Weight(p + "moe.router", (cfg.n_experts, d), "router", True, i)]
+        for e in range(cfg.n_experts) if experts is None else experts:
+            out += [Weight(expert_name(i, e, "w_gate_up"), (2 * cfg.d_expert, d), "experts", False, i, e),
+                    Weight(expert_name(i, e, "w_down"), (d, cfg.d_expert), "experts", False, i, e)]
+    return out
+
+
+def global_weights(cfg: ModelConfig) -> tuple[list[Weight], list[Weight]]:
+    """(the tensors before the layers, the tensors after them)."""
+    head = [Weight("tok_emb", (cfg.vocab_size, cfg.d_model), "embed", False)]
+    tail = [Weight("norm", (cfg.d_model,), "lm_head", True)]
+    if not cfg.tie_embeddings:
+        tail.append(Weight("lm_head", (cfg.vocab_size, cfg.d_model), "lm_head", False))
+    return head, tail
+
+
+def model_weights(cfg: ModelConfig) -> Iterator[Weight]:
+    """Every tensor a model of this config stores, in `.cflow` (layer-major) order."""
+    head, tail = global_weights(cfg)
+    yield from head
+    for i in range(cfg.n_unique_layers):
+        yield from layer_weights(cfg, i)
+    yield from tail
+
+
+def count(cfg: ModelConfig) -> int:
+    """How many tensors `model_weights(cfg)` yields, computed without building it (a damaged
+    header may claim billions of layers)."""
+    per_set = 3 + 3 * cfg.has_dense + (2 + 2 * cfg.n_experts) * cfg.has_moe
+    return 2 + cfg.n_unique_layers * per_set + (not cfg.tie_embeddings)
+
+
+def node_weights(cfg: ModelConfig, kind: str, weight_set: int = 0) -> list[Weight]:
+    """The tensors one node of `kind` reads (for layer nodes: of the given weight set). `embed`
+    reads one row of tok_emb and `lm_head` reads tok_emb itself when embeddings are tied."""
+    if kind == "embed":
+        return global_weights(cfg)[0]
+    if kind == "lm_head":
+        head, tail = global_weights(cfg)
+        return tail + (head if cfg.tie_embeddings else [])
+    return [w for w in layer_weights(cfg, weight_set) if w.node == kind]
+
+
+# ---- bytes per token -------------------------------------------------------------------------
+def token_bytes(cfg: ModelConfig, size: Callable[[Weight], int]) -> dict[str, float]:
+    """Weight bytes one decode step reads, by node kind, with `size(w)` the stored bytes of a
+    tensor: every layer streams its weight set once; embed reads one row of tok_emb; a MoE layer
+    reads top_k experts (their average size, since experts may differ in dtype). KV-cache reads
+    are not weights and are not counted here (the engine's counters report them separately)."""
+    out = dict.fromkeys(NODE_KINDS, 0.0)
+    emb = global_weights(cfg)[0][0]
+    out["embed"] = size(emb) / cfg.vocab_size
+    out["lm_head"] = float(sum(size(w) for w in node_weights(cfg, "lm_head")))
+    for layer in range(cfg.n_layers):
+        ws = layer_weights(cfg, cfg.weight_layer(layer))
+        for w in ws:
+            if w.node != "experts":
+                out[w.node] += size(w)
+        if cfg.has_moe:
+            per = [0] * cfg.n_experts
+            for w in ws:
+                if w.expert is not None:
+                    per[w.expert] += size(w)
+            out["experts"] += cfg.top_k * sum(per) / cfg.n_experts
+    return out

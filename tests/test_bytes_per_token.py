@@ -1,0 +1,47 @@
+"""Weight bytes per token, counted three ways that must agree: the DAG's analytic count from the
+tensor table at a quantization (cflow.dag), the engine's analytic count from the file's own tensor
+sizes (Engine.weight_bytes_per_token, also through cflow.weights), and the C engine's counters,
+which measure what a decode step actually touched."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torch")
+
+from test_engine import small_config, write_random_model  # noqa: E402
+
+from cflow import dag, weights  # noqa: E402
+from cflow.runtime import Engine  # noqa: E402
+
+WEIGHT_COUNTERS = ("attn", "dense", "router", "experts", "embed", "lm_head")
+
+
+@pytest.mark.parametrize("preset,tied", [("llama", True), ("llama", False), ("arch1", False),
+                                         ("arch2_4_combined", False), ("arch5", True)])
+def test_dag_engine_and_counters_agree(tmp_path, preset, tied):
+    cfg = small_config(preset, tied=tied)
+    path = tmp_path / "m.cflow"
+    write_random_model(path, cfg, "q4_0", (64, 64))
+    eng = Engine.load(path, threads=1)
+    eng.prefill([3, 4])
+    eng.reset_counters()
+    eng.step(5, 2)
+    c = eng.counters()
+    measured = sum(c[k] for k in WEIGHT_COUNTERS)
+    analytic = dag.analyze(cfg, "q4_0").total_bytes
+    assert measured == analytic == eng.weight_bytes_per_token()
+    # and node by node: what the counters call a category is what the table puts on that node
+    by_node = weights.token_bytes(cfg, lambda w: eng.file.tensors[w.name].nbytes)
+    for kind in WEIGHT_COUNTERS:  # the counters are named after the DAG's node kinds
+        assert c[kind] == by_node[kind], kind
+
+
+def test_table_is_what_the_file_holds(tmp_path):
+    cfg = small_config("arch2_4_combined", tied=False)
+    path = tmp_path / "m.cflow"
+    write_random_model(path, cfg, "q8_0", (64, 64))
+    eng = Engine.load(path, threads=1)
+    table = {w.name: w.shape for w in weights.model_weights(cfg)}
+    assert table == {n: tuple(e.shape) for n, e in eng.file.tensors.items()}
+    assert len(table) == weights.count(cfg)

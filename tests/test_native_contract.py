@@ -1,0 +1,169 @@
+"""The contracts between Python and the C engine, as the compiled core exports them.
+
+Each contract (op kinds, plan sources, descriptor fields and row order, tensor names, dtype ids,
+counter names) is one enum with one name table beside it in native/engine.h / engine.c (dtypes:
+cflow.h / formats.c); cflow._native exports the tables and Python looks codes up by name. These
+tests pin the exported names, hold them against the enums' counts, against cflow.quant and the
+.cflow tensor names (cflow.fileformat.model_tensors), and check that NativeEngine refuses a
+descriptor whose rows are named otherwise than the engine expects, even when every shape fits.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cflow import _native
+from cflow import quant as Q
+from cflow.config import ModelConfig
+from cflow.fileformat import model_tensors
+
+EXPECTED = {
+    "OP_KINDS": ("embed", "attn", "dense", "route", "experts", "resid", "final"),
+    "DESC_FIELDS": ("offset", "dtype", "rows", "cols", "tile_rows", "tile_cols"),
+    "GLOBAL_TENSORS": ("tok_emb", "norm", "lm_head"),
+    "LAYER_SLOTS": ("attn_norm", "attn.wqkv", "attn.wo", "ffn_norm", "ffn.w_gate_up", "ffn.w_down", "moe_norm",
+                    "moe.router"),
+    "EXPERT_SLOTS": ("w_gate_up", "w_down"),
+    "COUNTER_NAMES": ("attn", "dense", "router", "experts", "embed", "lm_head", "kv", "tokens", "calls"),
+}
+# export -> the C enum count it must have as many entries as
+ENUM_OF = {"OP_KINDS": "CF_OP_KINDS", "SOURCES": "CF_SRC_KINDS", "DESC_FIELDS": "CF_DESC_FIELDS",
+           "GLOBAL_TENSORS": "CF_T_GLOBAL", "LAYER_SLOTS": "CF_SLOTS_PER_SET", "EXPERT_SLOTS": "CF_EXPERT_SLOTS",
+           "COUNTER_NAMES": "CF_COUNTERS"}
+TILE = (16, 32)  # small tiles: several bands and tiles even in this tiny model
+
+
+# ---- the exported names ----------------------------------------------------------------------
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_name_tables(name):
+    got = getattr(_native, name)
+    assert isinstance(got, tuple) and got == EXPECTED[name]
+
+
+def test_codes():
+    assert _native.SOURCES == {"h": 0, "ring": 1, "hf": 2}
+    assert _native.OP_FIELDS == 5 and isinstance(_native.OP_FIELDS, int)
+    assert (_native.ENGINE_OP_FIELDS, _native.ENGINE_DESC_FIELDS) == (_native.OP_FIELDS, len(_native.DESC_FIELDS))
+
+
+def test_tables_match_the_enum_counts():
+    counts = _native.ENUM_COUNTS
+    for export, enum in ENUM_OF.items():
+        assert len(getattr(_native, export)) == counts[enum], export
+    assert sorted(_native.SOURCES.values()) == list(range(counts["CF_SRC_KINDS"]))
+    assert max(_native.DTYPE_IDS.values()) < counts["CF_DTYPE_IDS"]
+
+
+def test_dtype_ids_are_cflow_quants():
+    assert _native.DTYPE_IDS == Q.DTYPE_IDS
+    assert _native.DTYPES == tuple(sorted(Q.DTYPE_IDS, key=Q.DTYPE_IDS.get))
+
+
+# ---- a tiny engine built straight from the exported names -----------------------------------
+def tiny_config(tied: bool) -> ModelConfig:
+    return ModelConfig.from_name("arch2", vocab_size=50, d_model=64, n_layers=3, n_heads=2, n_kv_heads=1,
+                                 d_ff=64, n_experts=3, top_k=2, d_expert=32, n_unique_layers=2, max_seq_len=32,
+                                 tie_embeddings=tied)
+
+
+def row_names(cfg: ModelConfig) -> list[str]:
+    """Descriptor row names by the rule the exports state: globals, then per weight set its slots,
+    then per expert the expert slots."""
+    names = [*_native.GLOBAL_TENSORS]
+    for i in range(cfg.n_unique_layers):
+        names += [f"layers.{i}.{s}" for s in _native.LAYER_SLOTS]
+        for e in range(cfg.n_experts):
+            names += [f"layers.{i}.moe.experts.{e}.{s}" for s in _native.EXPERT_SLOTS]
+    return names
+
+
+def build_weights(cfg: ModelConfig):
+    """(buffer, desc, row names) for random weights: norms and routers f32 rows, matrices q8_0 tiled."""
+    F = {f: k for k, f in enumerate(_native.DESC_FIELDS)}
+    shapes = model_tensors(cfg)
+    names = row_names(cfg)
+    rng = np.random.default_rng(0)
+    desc = np.full((len(names), len(F)), -1, np.int64)
+    chunks, offset = [], 0
+    for k, name in enumerate(names):
+        if name not in shapes:
+            continue  # lm_head of a tied model: the row stays, dtype -1
+        rows, cols = (1, shapes[name][0]) if len(shapes[name]) == 1 else shapes[name]
+        w = rng.standard_normal((rows, cols), dtype=np.float32) * 0.2
+        if name.endswith(("norm", "router")):
+            w += name.endswith("norm")  # norm weights near 1
+            data, dtype, tile = w.view(np.uint8).reshape(-1), "f32", (0, 0)
+        else:
+            data, dtype, tile = Q.quantize_tiled(w, "q8_0", TILE), "q8_0", TILE
+        row = desc[k]
+        row[F["offset"]], row[F["dtype"]], row[F["rows"]], row[F["cols"]] = offset, _native.DTYPE_IDS[dtype], rows, cols
+        row[F["tile_rows"]], row[F["tile_cols"]] = tile
+        pad = -len(data) % 64
+        chunks += [data, np.zeros(pad, np.uint8)]
+        offset += len(data) + pad
+    return np.concatenate(chunks), desc, names
+
+
+def plan_for(cfg: ModelConfig) -> np.ndarray:
+    """A valid plan (not any preset's delays): per layer attention, dense FFN, router on h + f,
+    experts into pending slot 0, residual update; encoded with the exported codes."""
+    K, S = {k: i for i, k in enumerate(_native.OP_KINDS)}, _native.SOURCES
+    ops = [(K["embed"], 0, 0, 0, 0)]
+    for l in range(cfg.n_layers):
+        ops += [(K["attn"], l, 0, 0, 0), (K["dense"], l, S["h"], 0, 0), (K["route"], l, S["hf"], 0, 0),
+                (K["experts"], l, 0, 0, 0), (K["resid"], l, 0, 1, 0)]
+    ops.append((K["final"], 0, 0, -1, 0))
+    return np.array(ops, np.int32).reshape(-1, _native.OP_FIELDS)
+
+
+def make_engine(cfg: ModelConfig, buf, desc, names, threads: int = 2):
+    return _native.NativeEngine(buf, cfg.to_dict(), desc, names, plan_for(cfg), 1, 1, threads, 16, 4)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_row_names_are_the_file_formats(tied):
+    """Every tensor a .cflow file of the config holds has its descriptor row, under its name."""
+    cfg = tiny_config(tied)
+    names = row_names(cfg)
+    assert len(names) == len(set(names))
+    assert set(model_tensors(cfg)) == set(names) - ({"lm_head"} if tied else set())
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_engine_accepts_the_canonical_names_and_runs(tied):
+    cfg = tiny_config(tied)
+    buf, desc, names = build_weights(cfg)
+    eng = make_engine(cfg, buf, desc, names)
+    logits = np.zeros(cfg.vocab_size, np.float32)
+    eng.prefill(np.array([1, 7, 49, 3, 0, 11], np.int32), 0, logits)  # two batches of max_batch 4
+    eng.step(5, 6, logits)
+    assert np.isfinite(logits).all() and logits.any()
+    counters = eng.counters()
+    assert tuple(counters) == _native.COUNTER_NAMES
+    assert (counters["tokens"], counters["calls"]) == (7, 3)
+
+
+def test_swapped_names_are_refused():
+    """attn_norm and ffn_norm have the same shape [1, d]: only the names tell the rows apart."""
+    cfg = tiny_config(True)
+    buf, desc, names = build_weights(cfg)
+    a, b = names.index("layers.0.attn_norm"), names.index("layers.0.ffn_norm")
+    names[a], names[b] = names[b], names[a]
+    desc[[a, b]] = desc[[b, a]]  # the rows follow their names: every shape still fits
+    with pytest.raises(ValueError) as e:
+        make_engine(cfg, buf, desc, names)
+    msg = str(e.value)
+    assert msg == (f"descriptor row {a} is named 'layers.0.ffn_norm', the engine expects 'layers.0.attn_norm' there "
+                   "(cflow and its compiled core disagree; rebuild with `pip install -e .`)")
+
+
+def test_names_must_cover_every_row():
+    cfg = tiny_config(True)
+    buf, desc, names = build_weights(cfg)
+    with pytest.raises(ValueError, match="names has"):
+        make_engine(cfg, buf, desc, names[:-1])
+    names[-1] = "layers.1.moe.experts.2.w_up"
+    with pytest.raises(ValueError, match=r"descriptor row \d+ is named 'layers.1.moe.experts.2.w_up', the engine "
+                                         r"expects 'layers.1.moe.experts.2.w_down' there"):
+        make_engine(cfg, buf, desc, names)
