@@ -20,7 +20,7 @@ from cflow import quant  # noqa: E402
 from cflow.config import PRESETS, ModelConfig  # noqa: E402
 from cflow.convert import ConvertError, convert  # noqa: E402
 from cflow.convert.checkpoint import CheckpointFormatError, convert_checkpoint  # noqa: E402
-from cflow.convert.common import split_fused, tensor_values  # noqa: E402
+from cflow.convert.encoder import split_fused, tensor_values  # noqa: E402
 from cflow.fileformat import ALIGN, model_tensors, open_model  # noqa: E402
 from cflow.tokenizer import Tokenizer  # noqa: E402
 

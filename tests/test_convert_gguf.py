@@ -14,7 +14,7 @@ import pytest
 
 from cflow import quant
 from cflow.convert import ConvertError, convert
-from cflow.convert.common import split_fused, tensor_values
+from cflow.convert.encoder import split_fused, tensor_values
 from cflow.convert.gguf import (GGUFError, GGUFModel, UnsupportedArchitectureError, gguf_tokenizer,
                                 permute_qk_index, unpermute_qk_index)
 from cflow.fileformat import open_model

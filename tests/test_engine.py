@@ -38,7 +38,7 @@ torch = pytest.importorskip("torch")
 
 from cflow.config import ModelConfig  # noqa: E402
 from cflow.convert.checkpoint import checkpoint_tensors  # noqa: E402
-from cflow.convert.common import Encoder, split_fused, tensor_values  # noqa: E402
+from cflow.convert.encoder import Encoder, split_fused, tensor_values  # noqa: E402
 from cflow.runtime import (ContextOverflowError, Engine, EngineError, ModelFormatError,  # noqa: E402
                           ModelNotFoundError)
 from cflow.fileformat import open_model, write_model  # noqa: E402

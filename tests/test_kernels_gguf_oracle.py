@@ -31,7 +31,7 @@ from gguf import GGMLQuantizationType as GT  # noqa: E402
 from gguf.quants import dequantize as gguf_dequantize  # noqa: E402
 from gguf.quants import quantize as gguf_quantize  # noqa: E402
 
-from cflow.convert.common import Encoder  # noqa: E402
+from cflow.convert.encoder import Encoder  # noqa: E402
 from cflow.convert.gguf import GGUFModel  # noqa: E402
 
 GGML = {"q4_0": GT.Q4_0, "q4_1": GT.Q4_1, "q8_0": GT.Q8_0}  # the type ids are the kernels' too

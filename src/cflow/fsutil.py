@@ -79,14 +79,17 @@ def writing(path: str | os.PathLike) -> Iterator[None]:
         raise WriteError(f"cannot write {path}: {e.strerror or e}") from e
 
 
-def check_writable(path: str | os.PathLike) -> None:
-    """Raise WriteError now if `path` (a file or directory to create or replace) cannot be written.
+def check_writable(path: str | os.PathLike, *, file: bool = False) -> None:
+    """Raise WriteError now if `path` (a file or directory to create or replace; file=True: a file,
+    so an existing directory there is an error) cannot be written.
 
     Creates the missing parents and a throwaway file beside `path` (and inside it, when it is an
     existing directory), so a read-only or impossible location fails before hours of work.
     """
     path = Path(path)
     with writing(path):
+        if file and path.is_dir():
+            raise IsADirectoryError(errno.EISDIR, "it is a directory; give a file name inside it")
         for d in (path.parent, path) if path.is_dir() else (path.parent,):
             if d.exists() and not d.is_dir():  # mkdir would say "File exists", which misleads
                 raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(d))

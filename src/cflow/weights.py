@@ -49,6 +49,16 @@ class Weight:
     set: int | None = None  # weight set, for tensors inside the layers
     expert: int | None = None
 
+    @property
+    def fused(self) -> str | None:
+        """"qkv" (wq, wk, wv rows) or "gate_up" (gate and up interleaved), else None."""
+        return "qkv" if self.name.endswith("attn.wqkv") else "gate_up" if self.name.endswith("w_gate_up") else None
+
+    @property
+    def slot(self) -> str:
+        """The name inside its weight set ("attn.wqkv", "moe.experts.3.w_down"), or the whole name."""
+        return self.name.split(".", 2)[2] if self.set is not None else self.name
+
 
 def layer_name(i: int, slot: str) -> str:
     return f"layers.{i}.{slot}"

@@ -8,7 +8,8 @@ from pathlib import Path
 
 from cflow.config import PRESETS, ModelConfig
 from cflow.dag import CATEGORIES, QUANTS, Report, analyze, build_dag, to_dot
-from cflow.cli.common import FileError, UsageError, add_command, check_writable, write_text
+from cflow.cli.common import FileError, UsageError, add_command, write_text
+from cflow.fsutil import check_writable
 
 
 HELP = """\
@@ -81,7 +82,7 @@ def _config_from_path(path: Path) -> ModelConfig:
 def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.preset, args.config, args.overrides)
     if args.dot:
-        check_writable(args.dot)
+        check_writable(args.dot, file=True)
     report = analyze(cfg, args.quant)
     plan = _plan_lines(cfg) if args.plan else None
     if args.dot:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from cflow.cli.common import UsageError, add_command, add_verify_flag, check_writable, load_error, write_text
+from cflow.cli.common import UsageError, add_command, add_verify_flag, load_error, write_text
+from cflow.fsutil import check_writable
 
 
 def _thread_list(text: str) -> list[int]:
@@ -69,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
         if n < 0:
             raise UsageError(f"must be >= 0 (0 skips the test), got {n}", flag=flag)
     if args.out:
-        check_writable(args.out)  # before minutes of measuring, not after
+        check_writable(args.out, file=True)  # before minutes of measuring, not after
     progress = None if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
     try:
         report = bench(args.model, threads=args.threads, pp=args.n_prompt, tg=args.n_gen,

@@ -14,15 +14,12 @@ Owns:
 from __future__ import annotations
 
 import argparse
-import contextlib
-import errno
 import os
 import sys
-import tempfile
-from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from cflow.errors import CflowError
+from cflow.fsutil import WriteError, writing
 from cflow.runtime import DEFAULT_MODEL
 
 
@@ -61,38 +58,9 @@ def add_command(sub: argparse._SubParsersAction, name: str, text: str) -> argpar
 
 
 # ---- writing files -------------------------------------------------------------------------------
-def cannot_write(path: str | os.PathLike, e: OSError) -> FileError:
-    return FileError(f"cannot write {os.fspath(path)}: {e.strerror or e}")
-
-
-def check_writable(path: str | os.PathLike) -> None:
-    """Fail now, not after minutes of work, when `path` cannot be written the way
-    cflow.fsutil.atomic_open writes it: a temporary file in the nearest existing folder (missing
-    folders below it are created), renamed into place. Root ignores permission bits, so only a
-    real attempt tells; the probe file is removed at once."""
-    p = Path(os.path.abspath(path))
-    if p.is_dir():
-        raise FileError(f"cannot write {os.fspath(path)}: it is a directory; give a file name inside it")
-    folder = p.parent
-    while not folder.exists() and folder != folder.parent:
-        folder = folder.parent
-    if not folder.is_dir():
-        raise cannot_write(path, OSError(errno.ENOTDIR, os.strerror(errno.ENOTDIR)))
-    try:
-        fd, probe = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".probe", dir=folder)
-    except OSError as e:
-        raise cannot_write(path, e) from None
-    os.close(fd)
-    os.unlink(probe)
-
-
-@contextlib.contextmanager
-def writing(path: str | os.PathLike) -> Iterator[None]:
-    """Turn an OSError raised while writing `path` (full disk, vanished folder) into one line."""
-    try:
-        yield
-    except OSError as e:
-        raise cannot_write(path, e) from None
+# "cannot write PATH: reason" has one definition, for the library and the CLI: cflow.fsutil.
+def cannot_write(path: str | os.PathLike, e: OSError) -> WriteError:
+    return WriteError(f"cannot write {os.fspath(path)}: {e.strerror or e}")
 
 
 def write_text(path: str | os.PathLike, text: str) -> None:

@@ -7,7 +7,8 @@ import argparse
 import json
 import os
 
-from cflow.cli.common import FileError, add_command, cannot_write, check_writable, progress_bar
+from cflow.cli.common import FileError, add_command, cannot_write, progress_bar
+from cflow.fsutil import check_writable
 from cflow.convert import QUANT_CHOICES, ConversionResult
 from cflow.runtime.files import format_size
 
@@ -66,7 +67,7 @@ def write_model_file(args: argparse.Namespace, make) -> ConversionResult:
     from cflow.convert import order_for
 
     order_for(args.output, getattr(args, "format", None))  # a .gguf name or a --format conflict: before any work
-    check_writable(args.output)
+    check_writable(args.output, file=True)
     try:
         with progress_bar(args.quiet) as progress:
             return make(progress)
@@ -85,7 +86,7 @@ def print_result(args: argparse.Namespace, result: ConversionResult, kept: dict 
 
 def kept_gguf_types(output: str, quant: str) -> dict[str, list[str]]:
     """Tensors of the written file whose type is not `quant`, by type: GGUF blocks copied as they
-    are (cflow.convert.common.Encoder.target keeps Q4_0/Q4_1/Q8_0 sources; a fused matrix takes the
+    are (cflow.convert.encoder.Encoder.target keeps Q4_0/Q4_1/Q8_0 sources; a fused matrix takes the
     type holding most of its weights)."""
     from cflow.fileformat import open_model
 

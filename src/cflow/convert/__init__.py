@@ -6,7 +6,7 @@
 
 `convert` picks the converter from the input (a `.gguf` file, or a checkpoint directory) and the
 data order from the output's extension unless `order` is given. The per-source modules
-(`cflow.convert.gguf`, `cflow.convert.checkpoint`) do the mapping; `cflow.convert.common` encodes.
+(`cflow.convert.gguf`, `cflow.convert.checkpoint`) do the mapping; `cflow.convert.encoder` encodes.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from cflow.convert.common import (QUANT_CHOICES, ConversionResult, ConvertError, QuantReport,
+from cflow.convert.encoder import (QUANT_CHOICES, ConversionResult, ConvertError, QuantReport,
                                   parse_tile)
 from cflow.quant import TILE
 

@@ -20,12 +20,14 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from cflow import weights
 from cflow.config import ConfigError, ModelConfig
-from cflow.convert.common import (ByteCounter, ConversionResult, ConvertError, Encoder, Source,
-                                  check_quant)
+from cflow.convert.encoder import (ConversionResult, ConvertError, Encoder, Source, check_quant, encode_model,
+                                   write_conversion)
 from cflow.convert.hf_tokenizer import hf_json_to_header
 from cflow.quant import TILE
 from cflow.tokenizer import Tokenizer, TokenizerError
+from cflow.weights import Weight
 
 NEEDED = ("model.safetensors", "config.json", "tokenizer.json")
 
@@ -35,25 +37,34 @@ class CheckpointFormatError(ConvertError):
 
 
 # ---- reading ---------------------------------------------------------------------------------
+# Checkpoint parameter names (the PyTorch reference's, docs/DESIGN.md) of the parts of each tensor
+# of the table (cflow.weights), per layer slot; an expert's parts are rows [e] of stacked parameters.
+_CKPT_PARTS = {"attn_norm": ("attn_norm.weight",), "attn.wqkv": ("attn.wq.weight", "attn.wk.weight", "attn.wv.weight"),
+               "attn.wo": ("attn.wo.weight",), "ffn_norm": ("ffn_norm.weight",),
+               "ffn.w_gate_up": ("ffn.w_gate.weight", "ffn.w_up.weight"), "ffn.w_down": ("ffn.w_down.weight",),
+               "moe_norm": ("moe_norm.weight",), "moe.router": ("moe.router.weight",),
+               "w_gate_up": ("moe.w_gate", "moe.w_up"), "w_down": ("moe.w_down",)}
+
+
+def _parts(cfg: ModelConfig, w: Weight) -> list[tuple[str, tuple[int, ...]]]:
+    """(checkpoint parameter, the part's shape) for each part of `w`, in fused order."""
+    if w.set is None:
+        return [(w.name + ".weight", w.shape)]
+    rows, cols = (w.shape + (0,))[:2]
+    split = {"qkv": (cfg.q_dim, cfg.kv_dim, cfg.kv_dim), "gate_up": (rows // 2, rows // 2)}.get(w.fused or "")
+    slot = w.slot.rsplit(".", 1)[1] if w.expert is not None else w.slot
+    names = [f"layers.{w.set}.{n}" for n in _CKPT_PARTS[slot]]
+    shapes = [(r, cols) for r in split] if split else [w.shape]
+    return list(zip(names, shapes))
+
+
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every parameter name of docs/DESIGN.md with its shape, for this config."""
-    d, q, kv = cfg.d_model, cfg.q_dim, cfg.kv_dim
-    out: dict[str, tuple[int, ...]] = {"tok_emb.weight": (cfg.vocab_size, d), "norm.weight": (d,)}
-    if not cfg.tie_embeddings:
-        out["lm_head.weight"] = (cfg.vocab_size, d)
-    for i in range(cfg.n_unique_layers):
-        p = f"layers.{i}."
-        out.update({p + "attn_norm.weight": (d,), p + "attn.wq.weight": (q, d),
-                    p + "attn.wk.weight": (kv, d), p + "attn.wv.weight": (kv, d),
-                    p + "attn.wo.weight": (d, q)})
-        if cfg.has_dense:
-            f = cfg.d_ff
-            out.update({p + "ffn_norm.weight": (d,), p + "ffn.w_gate.weight": (f, d),
-                        p + "ffn.w_up.weight": (f, d), p + "ffn.w_down.weight": (d, f)})
-        if cfg.has_moe:
-            E, x = cfg.n_experts, cfg.d_expert
-            out.update({p + "moe_norm.weight": (d,), p + "moe.router.weight": (E, d),
-                        p + "moe.w_gate": (E, x, d), p + "moe.w_up": (E, x, d), p + "moe.w_down": (E, d, x)})
+    """Every parameter name of docs/DESIGN.md with its shape, for this config (experts' parameters
+    are stacked [E, ...])."""
+    out: dict[str, tuple[int, ...]] = {}
+    for w in weights.model_weights(cfg):
+        for name, shape in _parts(cfg, w):
+            out[name] = (cfg.n_experts, *shape) if w.expert is not None else shape
     return out
 
 
@@ -90,8 +101,8 @@ def read_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.
         cfg = ModelConfig.from_json((p / "config.json").read_text())
     except ConfigError as e:
         raise CheckpointFormatError(f"{p / 'config.json'}: {e}") from None
-    weights = read_weights(p / "model.safetensors")
-    check_weights(cfg, weights)
+    params = read_weights(p / "model.safetensors")
+    check_weights(cfg, params)
     try:
         tok = Tokenizer(hf_json_to_header(p / "tokenizer.json")).to_header()
     except TokenizerError as e:
@@ -99,53 +110,37 @@ def read_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.
     if len(tok["vocab"]) > cfg.vocab_size:
         raise CheckpointFormatError(f"{p}: the tokenizer has {len(tok['vocab'])} tokens but the model "
                                     f"only {cfg.vocab_size} embeddings")
-    return cfg, weights, tok
+    return cfg, params, tok
 
 
-def check_weights(cfg: ModelConfig, weights: dict[str, np.ndarray]) -> None:
+def check_weights(cfg: ModelConfig, params: dict[str, np.ndarray]) -> None:
     want = expected_shapes(cfg)
-    missing = sorted(set(want) - set(weights))
-    extra = sorted(set(weights) - set(want))
+    missing = sorted(set(want) - set(params))
+    extra = sorted(set(params) - set(want))
     if missing or extra:
         raise CheckpointFormatError(f"checkpoint weights do not match its config.json: missing {missing[:5]}, "
                                     f"unexpected {extra[:5]}")
     for name, shape in want.items():
-        if tuple(weights[name].shape) != shape:
-            raise CheckpointFormatError(f"checkpoint tensor {name} has shape {tuple(weights[name].shape)}, "
+        if tuple(params[name].shape) != shape:
+            raise CheckpointFormatError(f"checkpoint tensor {name} has shape {tuple(params[name].shape)}, "
                                         f"its config implies {shape}")
 
 
 # ---- mapping onto .cflow tensors -------------------------------------------------------------
-def _src(name: str, w: np.ndarray) -> Source:
-    return Source(name, "float32", w.shape[0], w.shape[1], values=w)
-
-
 def checkpoint_tensors(cfg: ModelConfig, w: dict[str, np.ndarray], enc: Encoder) -> Iterator[Any]:
-    """TensorData in .cflow order: embeddings, then each stored layer, then the final norm/lm_head."""
-    yield enc.matrix("tok_emb", _src("tok_emb.weight", w["tok_emb.weight"]))
-    for i in range(cfg.n_unique_layers):
-        p = o = f"layers.{i}."  # checkpoint prefix, .cflow prefix (the same today)
-        yield enc.vector(o + "attn_norm", w[p + "attn_norm.weight"])
-        yield enc.qkv(o + "attn.wqkv", *(_src(p + f"attn.{m}.weight", w[p + f"attn.{m}.weight"])
-                                         for m in ("wq", "wk", "wv")))
-        yield enc.matrix(o + "attn.wo", _src(p + "attn.wo.weight", w[p + "attn.wo.weight"]))
-        if cfg.has_dense:
-            yield enc.vector(o + "ffn_norm", w[p + "ffn_norm.weight"])
-            yield enc.gate_up(o + "ffn.w_gate_up", _src(p + "ffn.w_gate.weight", w[p + "ffn.w_gate.weight"]),
-                              _src(p + "ffn.w_up.weight", w[p + "ffn.w_up.weight"]))
-            yield enc.matrix(o + "ffn.w_down", _src(p + "ffn.w_down.weight", w[p + "ffn.w_down.weight"]))
-        if cfg.has_moe:
-            yield enc.vector(o + "moe_norm", w[p + "moe_norm.weight"])
-            yield enc.vector(o + "moe.router", w[p + "moe.router.weight"])
-            for e in range(cfg.n_experts):
-                x = f"{o}moe.experts.{e}."
-                # gate_up then down, back to back: the writer keeps one expert's tiles contiguous
-                yield enc.gate_up(x + "w_gate_up", _src(f"{p}moe.w_gate[{e}]", w[p + "moe.w_gate"][e]),
-                                  _src(f"{p}moe.w_up[{e}]", w[p + "moe.w_up"][e]))
-                yield enc.matrix(x + "w_down", _src(f"{p}moe.w_down[{e}]", w[p + "moe.w_down"][e]))
-    yield enc.vector("norm", w["norm.weight"])
-    if not cfg.tie_embeddings:
-        yield enc.matrix("lm_head", _src("lm_head.weight", w["lm_head.weight"]))
+    """TensorData in .cflow order: embeddings, then each stored layer, then the final norm/lm_head.
+    Each expert's gate_up then down come back to back, so its tiles are contiguous in the file."""
+
+    def parts(t: Weight) -> Any:
+        srcs = []
+        for name, _ in _parts(cfg, t):
+            values, origin = (w[name], name) if t.expert is None else (w[name][t.expert], f"{name}[{t.expert}]")
+            if t.plain:
+                return values
+            srcs.append(Source(origin, "float32", values.shape[0], values.shape[1], values=values))
+        return srcs
+
+    return encode_model(cfg, enc, parts)
 
 
 def _read_meta(path: Path) -> dict[str, Any]:
@@ -160,19 +155,13 @@ def _read_meta(path: Path) -> dict[str, Any]:
 def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, quant: str = "q4_0",
                        tile: tuple[int, int] = TILE, order: str = "cflow", progress=None) -> ConversionResult:
     """Quantize a training checkpoint directory into a .cflow/.vflow file."""
-    from cflow.fileformat import write_model
-
     t0 = time.perf_counter()
     check_quant(quant)
-    cfg, weights, tok = read_checkpoint(src)
+    cfg, params, tok = read_checkpoint(src)
     enc = Encoder(quant, tile)
-    counter = ByteCounter()
     train_meta = _read_meta(Path(src) / "meta.json")
     metadata = {"source": {"format": "cflow-checkpoint", "dir": Path(src).name,
                            "preset": train_meta.get("preset")},
                 "converter": "cflow.convert.checkpoint"}
-    summary = write_model(dst, config=cfg.to_dict(), tokenizer=tok,
-                          tensors=counter(checkpoint_tensors(cfg, weights, enc)), order=order, tile=tile,
-                          metadata=metadata, progress=progress)
-    return ConversionResult(str(src), str(dst), cfg, counter.by_category, os.path.getsize(dst),
-                            time.perf_counter() - t0, enc.report, summary)
+    return write_conversion(src, dst, cfg, tok, checkpoint_tensors(cfg, params, enc), enc, metadata, order=order,
+                            tile=tile, progress=progress, started=t0)

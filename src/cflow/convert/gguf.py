@@ -2,7 +2,7 @@
 
 Owns reading a GGUF file (through the `gguf` package's GGUFReader, memory-mapped): its
 hyperparameters -> ModelConfig, its tokenizer -> the header dict of cflow.tokenizer, and its
-tensors -> `Source`s that cflow.convert.common encodes.
+tensors -> `Source`s that cflow.convert.encoder encodes.
 
 Choices:
 - Only `general.architecture == "llama"` (Llama, SmolLM, TinyLlama, Mistral-without-SWA ...);
@@ -26,10 +26,12 @@ from typing import Any, Iterator
 import numpy as np
 
 from cflow.config import ConfigError, ModelConfig
-from cflow.convert.common import ByteCounter, ConversionResult, ConvertError, Encoder, Source, check_quant
+from cflow.convert.encoder import (ConversionResult, ConvertError, Encoder, Source, check_quant, encode_model,
+                                   write_conversion)
 from cflow.convert.hf_tokenizer import byte_level_spelling
 from cflow.quant import TILE, row_bytes
 from cflow.tokenizer import Tokenizer, TokenizerError, unicode_to_bytes
+from cflow.weights import Weight
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 _NATIVE = {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q8_0": "q8_0"}
@@ -212,32 +214,37 @@ def _head_dim(rows: int, n_heads: int) -> int:
 
 
 # ---- conversion ------------------------------------------------------------------------------
+# GGUF names of the parts of each tensor of the table (cflow.weights), per layer slot.
+_GGUF_PARTS = {"attn_norm": ("attn_norm",), "attn.wqkv": ("attn_q", "attn_k", "attn_v"),
+               "attn.wo": ("attn_output",), "ffn_norm": ("ffn_norm",), "ffn.w_gate_up": ("ffn_gate", "ffn_up"),
+               "ffn.w_down": ("ffn_down",)}
+_GGUF_GLOBAL = {"tok_emb": "token_embd.weight", "norm": "output_norm.weight", "lm_head": "output.weight"}
+
+
 def gguf_tensors(g: GGUFModel, cfg: ModelConfig, enc: Encoder) -> Iterator[Any]:
     """TensorData in .cflow order: embeddings, then layer by layer, then the final norm/lm_head."""
     _check_tensor_names(g, cfg)
-    yield enc.matrix("tok_emb", g.source("token_embd.weight"))
-    for i in range(cfg.n_layers):
-        b = f"blk.{i}."
-        q = g.source(b + "attn_q.weight")
-        k = g.source(b + "attn_k.weight")
-        _check_rows(q, cfg.q_dim)
-        _check_rows(k, cfg.kv_dim)
-        q = q.take_rows(unpermute_qk_index(q.rows, cfg.n_heads))
-        k = k.take_rows(unpermute_qk_index(k.rows, cfg.n_kv_heads))
-        yield enc.vector(f"layers.{i}.attn_norm", g.vector(b + "attn_norm.weight"))
-        yield enc.qkv(f"layers.{i}.attn.wqkv", q, k, g.source(b + "attn_v.weight"))
-        yield enc.matrix(f"layers.{i}.attn.wo", g.source(b + "attn_output.weight"))
-        yield enc.vector(f"layers.{i}.ffn_norm", g.vector(b + "ffn_norm.weight"))
-        yield enc.gate_up(f"layers.{i}.ffn.w_gate_up", g.source(b + "ffn_gate.weight"),
-                          g.source(b + "ffn_up.weight"))
-        yield enc.matrix(f"layers.{i}.ffn.w_down", g.source(b + "ffn_down.weight"))
-    yield enc.vector("norm", g.vector("output_norm.weight"))
-    if not cfg.tie_embeddings:
-        yield enc.matrix("lm_head", g.source("output.weight"))
+
+    def parts(w: Weight) -> Any:
+        if w.set is None:
+            name = _GGUF_GLOBAL[w.name]
+            return g.vector(name) if w.plain else [g.source(name)]
+        names = [f"blk.{w.set}.{n}.weight" for n in _GGUF_PARTS[w.slot]]
+        if w.plain:
+            return g.vector(names[0])
+        srcs = [g.source(n) for n in names]
+        if w.fused == "qkv":  # llama.cpp stores Q and K rows permuted for its RoPE: undo it
+            q, k, v = srcs
+            _check_rows(q, cfg.q_dim)
+            _check_rows(k, cfg.kv_dim)
+            srcs = [q.take_rows(unpermute_qk_index(q.rows, cfg.n_heads)),
+                    k.take_rows(unpermute_qk_index(k.rows, cfg.n_kv_heads)), v]
+        return srcs
+
+    return encode_model(cfg, enc, parts)
 
 
-_PER_LAYER = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate",
-              "ffn_up", "ffn_down")
+_PER_LAYER = tuple(n for names in _GGUF_PARTS.values() for n in names)
 # Present in some llama GGUFs and safe to drop: precomputed RoPE tables the runtime recomputes.
 _IGNORED_SUFFIXES = ("attn_rot_embd",)
 
@@ -270,8 +277,6 @@ def convert_gguf(src: str | os.PathLike, dst: str | os.PathLike, *, quant: str =
     `quant` applies only to tensors that are not already Q4_0/Q4_1/Q8_0 (those stay bit-exact).
     `progress`, if given, is passed to the writer (see cflow.fileformat.write_model).
     """
-    from cflow.fileformat import write_model
-
     t0 = time.perf_counter()
     check_quant(quant)
     g = GGUFModel(src)
@@ -282,15 +287,11 @@ def convert_gguf(src: str | os.PathLike, dst: str | os.PathLike, *, quant: str =
         raise GGUFError(f"{g.path.name}: the tokenizer has {len(tok['vocab'])} tokens but the "
                         f"embedding has {cfg.vocab_size} rows")
     enc = Encoder(quant, tile)
-    counter = ByteCounter()
     metadata = {"source": {"format": "gguf", "file": g.path.name,
                            "name": g.get("general.name"), "file_type": g.get("general.file_type")},
                 "converter": "cflow.convert.gguf"}
-    summary = write_model(dst, config=cfg.to_dict(), tokenizer=tok,
-                          tensors=counter(gguf_tensors(g, cfg, enc)), order=order, tile=tile,
-                          metadata=metadata, progress=progress)
-    return ConversionResult(str(src), str(dst), cfg, counter.by_category, os.path.getsize(dst),
-                            time.perf_counter() - t0, enc.report, summary)
+    return write_conversion(src, dst, cfg, tok, gguf_tensors(g, cfg, enc), enc, metadata, order=order, tile=tile,
+                            progress=progress, started=t0)
 
 
 __all__ = ["GGUFModel", "GGUFError", "UnsupportedArchitectureError", "SUPPORTED_ARCHITECTURES",

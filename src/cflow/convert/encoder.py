@@ -9,19 +9,22 @@ Owns the step between "a source hands us weight matrices" and "the writer gets T
 - measuring the error every re-quantization introduces (`QuantReport`);
 - the summary a converter returns (`ConversionResult`), with bytes by category.
 
-Converters (gguf.py, checkpoint.py) only map their source's names and shapes onto `Source`s and
-call `Encoder`. No torch here.
+Converters (gguf.py, checkpoint.py) only map each tensor of the table (cflow.weights) onto their
+source's `Source`s; `encode_model` walks the table and `write_conversion` writes the file. No
+torch here.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from cflow import quant
+from cflow import quant, weights
 from cflow.errors import CflowError
 
 QUANT_CHOICES = ("q4_0", "q4_1", "q8_0")
@@ -273,6 +276,36 @@ def split_fused(values: np.ndarray, meta: dict) -> list[np.ndarray]:
     if kind == "gate_up":
         return list(quant.deinterleave_gate_up(values))
     return [values]
+
+
+# ---- the whole model -------------------------------------------------------------------------
+def encode_model(cfg: Any, enc: Encoder, parts: Callable[[weights.Weight], Any]) -> Iterator[Any]:
+    """TensorData for every tensor of the table, in `.cflow` order. `parts(w)` is what a converter
+    has for one tensor: the float values of a plain one (norms, router), [q, k, v] Sources for
+    attn.wqkv, [gate, up] for a w_gate_up, [matrix] for any other."""
+    for w in weights.model_weights(cfg):
+        p = parts(w)
+        if w.plain:
+            yield enc.vector(w.name, p)
+        elif w.fused == "qkv":
+            yield enc.qkv(w.name, *p)
+        elif w.fused == "gate_up":
+            yield enc.gate_up(w.name, *p)
+        else:
+            yield enc.matrix(w.name, *p)
+
+
+def write_conversion(src: Any, dst: Any, cfg: Any, tokenizer: dict, tensors: Iterator[Any], enc: Encoder,
+                     metadata: dict, *, order: str, tile: Sequence[int], progress: Any,
+                     started: float) -> "ConversionResult":
+    """Write the converted file and sum up what it holds and what it cost."""
+    from cflow.fileformat import write_model
+
+    counter = ByteCounter()
+    summary = write_model(dst, config=cfg.to_dict(), tokenizer=tokenizer, tensors=counter(tensors), order=order,
+                          tile=tile, metadata=metadata, progress=progress)
+    return ConversionResult(str(src), str(dst), cfg, counter.by_category, os.path.getsize(dst),
+                            time.perf_counter() - started, enc.report, summary)
 
 
 # ---- summary -----------------------------------------------------------------------------
