@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from cflow.cli import main
-from cflow.cli.common import FileError, check_writable
+from cflow.fsutil import WriteError, check_writable
 from cflow.runtime import DEFAULT_MODEL
 
 from test_cli import cflow, needs_builtin, one_error_line
@@ -73,11 +73,11 @@ def test_convert_unwritable_output(tmp_path, under_a_file, capsys):
 
 
 def test_check_writable_leaves_nothing_behind(tmp_path):
-    check_writable(tmp_path / "a.txt")
+    check_writable(tmp_path / "a.txt", file=True)
     check_writable(tmp_path / "not" / "yet" / "a.txt")  # atomic writes create missing folders
     assert os.listdir(tmp_path) == []
-    with pytest.raises(FileError, match="is a directory"):
-        check_writable(tmp_path)
+    with pytest.raises(WriteError, match="is a directory"):
+        check_writable(tmp_path, file=True)
 
 
 def test_write_failure_after_the_check_is_still_one_line(tmp_path, monkeypatch, capsys):

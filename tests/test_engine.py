@@ -228,6 +228,25 @@ def test_prefill_equals_steps(model):
     assert rel_err(a.step(7, len(toks)), b.step(7, len(toks))) < 1e-5
 
 
+@pytest.mark.parametrize("dtype", ["q4_0", "q4_1", "q8_0"])
+def test_wide_tiles_prefill_equals_steps(tmp_path, dtype):
+    # Tiles wider than 512 columns take their own batched (prefill) kernel path; the variants above
+    # have narrow matrices, so this model has a 640-wide w_down stored in 1024-column tiles.
+    cfg = small_config("llama", tied=False, d_ff=640)
+    path = tmp_path / "m.cflow"
+    write_random_model(path, cfg, dtype, (64, 1024))
+    toks = prompt_tokens(cfg, 13, seed=5)
+    a = Engine.load(path, threads=2, max_batch=8)
+    b = Engine.load(path, threads=2)
+    la = a.prefill(toks).copy()
+    for pos, t in enumerate(toks):
+        lb = b.step(t, pos)
+    assert rel_err(la, lb) < 1e-5
+    ref = ReferenceDecoder(dequantized_model(path))
+    ref_last = [ref.step(t) for t in toks][-1].numpy()
+    assert rel_err(la, ref_last) <= MAX_TOL
+
+
 def test_thread_counts_agree(model):
     preset, path, threads, _ = model
     cfg = open_model(path).config

@@ -32,7 +32,8 @@ DEFAULT = _native.isa()  # the table this process, and so tests/test_engine.py, 
 OTHERS = [isa for isa in _native.available_isas() if isa != DEFAULT]
 ENGINE_TESTS = [f"tests/test_engine.py::{test}[{variant}]"
                 for test in ("test_logits_close_to_float_reference", "test_prefill_equals_steps")
-                for variant in ("llama", "arch1", "arch2")]
+                for variant in ("llama", "arch1", "arch2")] + [
+    f"tests/test_engine.py::test_wide_tiles_prefill_equals_steps[{dtype}]" for dtype in ("q4_0", "q4_1", "q8_0")]
 
 # Runs in the subprocess: report the table this very process uses, then the tests, in-process.
 _RUNNER = ("import sys, pytest\n"

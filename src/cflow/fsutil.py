@@ -81,22 +81,26 @@ def writing(path: str | os.PathLike) -> Iterator[None]:
 
 def check_writable(path: str | os.PathLike, *, file: bool = False) -> None:
     """Raise WriteError now if `path` (a file or directory to create or replace; file=True: a file,
-    so an existing directory there is an error) cannot be written.
-
-    Creates the missing parents and a throwaway file beside `path` (and inside it, when it is an
-    existing directory), so a read-only or impossible location fails before hours of work.
+    so an existing directory there is an error) cannot be written, so a read-only or impossible
+    location fails before minutes of work. Root ignores permission bits, so only a real attempt
+    tells: a throwaway file is created and removed in the nearest existing folder (inside `path`
+    when it is an existing directory). Nothing is left behind; missing folders are not created.
     """
-    path = Path(path)
+    path = Path(os.path.abspath(path))
     with writing(path):
-        if file and path.is_dir():
-            raise IsADirectoryError(errno.EISDIR, "it is a directory; give a file name inside it")
-        for d in (path.parent, path) if path.is_dir() else (path.parent,):
-            if d.exists() and not d.is_dir():  # mkdir would say "File exists", which misleads
-                raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(d))
-            d.mkdir(parents=True, exist_ok=True)
-            fd, probe = tempfile.mkstemp(prefix=".cflow-probe-", dir=d)
-            os.close(fd)
-            os.unlink(probe)
+        if path.is_dir():
+            if file:
+                raise IsADirectoryError(errno.EISDIR, "it is a directory; give a file name inside it")
+            folder = path
+        else:
+            folder = path.parent
+            while not folder.exists() and folder != folder.parent:
+                folder = folder.parent
+        if not folder.is_dir():  # mkdir would say "File exists", which misleads
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(folder))
+        fd, probe = tempfile.mkstemp(prefix=".cflow-probe-", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
 
 
 def cache_dir() -> Path:

@@ -180,8 +180,7 @@ void bind_contracts(nb::module_ &m) {
     counts["CF_DTYPE_IDS"] = (int)CF_DTYPE_IDS;
     m.attr("ENUM_COUNTS") = counts;
     // the older names of two of the above (cflow.engine checks them)
-    m.attr("ENGINE_DESC_FIELDS") = (int)CF_DESC_FIELDS;
-    m.attr("ENGINE_OP_FIELDS") = (int)CF_OP_FIELDS;
+    m.attr("MAX_THREADS") = (int)CF_MAX_THREADS;
 }
 
 }  // namespace

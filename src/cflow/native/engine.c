@@ -821,7 +821,7 @@ cf_engine *cf_engine_create(const cf_config *cfg, const uint8_t *buf, size_t buf
                             int n_ring, int n_pending, int n_threads, int n_ctx, int max_batch,
                             char *err, size_t err_len) {
     if (check_config(cfg, err, err_len)) return NULL;
-    if (n_threads < 1 || n_threads > 512 || n_ctx < 1 || max_batch < 1 || max_batch > 4096 ||
+    if (n_threads < 1 || n_threads > CF_MAX_THREADS || n_ctx < 1 || max_batch < 1 || max_batch > 4096 ||
         n_ring < 1 || n_ring > 64 || n_pending < 0 || n_pending > 64) {
         set_err(err, err_len, "bad engine sizes: threads %d, n_ctx %d, max_batch %d, ring %d, "
                 "pending %d", n_threads, n_ctx, max_batch, n_ring, n_pending);

@@ -105,6 +105,10 @@ typedef struct {
     uint64_t n[CF_COUNTERS];
 } cf_counters;
 
+/* Threads an engine may have: its pool and per-thread scratch are sized per thread, and beyond
+ * this a spin-barrier engine only waits (Python checks against it: _native.MAX_THREADS). */
+#define CF_MAX_THREADS 512
+
 typedef struct cf_engine cf_engine;
 
 /* Create an engine over `buf[0:buf_len]` (kept by the caller for the engine's life). names[i]

@@ -37,7 +37,6 @@ from cflow.tokenizer import check_token_ids
 DEFAULT_MAX_CTX = 4096
 DEFAULT_MAX_BATCH = 64  # prefill tokens per native call
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "models" / "default.cflow"
-MAX_THREADS = 512  # the C engine's pool limit (engine.c cf_engine_create)
 
 
 def _is_gguf(path: Path) -> bool:
@@ -60,7 +59,7 @@ class Engine:
         self.config = cf.config
         self.path = cf.path
         # threads None/0: every usable core, and decode picks its count from measurements (ThreadTuner)
-        self.threads = resolve_threads(threads, MAX_THREADS)
+        self.threads = resolve_threads(threads, native.MAX_THREADS)
         limit = self.config.max_seq_len
         self.n_ctx = int(n_ctx) if n_ctx else min(limit, DEFAULT_MAX_CTX)
         if self.n_ctx < 1:
