@@ -411,6 +411,14 @@ def test_context_overflow_names_the_limit_and_flag(llama_path):
         eng.complete(list(range(20)), max_tokens=1)
     with pytest.raises(ContextOverflowError):
         eng.prefill(list(range(17)))
+    with pytest.raises(ContextOverflowError, match="raise the context") as e:
+        eng.complete(list(range(20)), max_tokens=1)
+    assert e.value.flag == "-c"
+    # at the model's own limit, "raise it with -c" would send the user in a circle
+    top = Engine.load(llama_path, threads=1, n_ctx=eng.config.max_seq_len)
+    with pytest.raises(ContextOverflowError, match="already the model's maximum") as e:
+        top.complete(list(range(eng.config.max_seq_len + 1)), max_tokens=1)
+    assert "raise the context" not in str(e.value)
     # generation that reaches the end of the context stops with "length"
     c = eng.complete(list(range(10)), max_tokens=100, temperature=0)
     assert c.finish_reason in ("length", "stop") and 10 + len(c.tokens) <= 17

@@ -1,4 +1,4 @@
-"""GGUF (llama.cpp) Llama-family models -> `.cflow`.
+"""GGUF (llama.cpp) Llama-family models, dense and Mixtral-style MoE -> `.cflow`.
 
 Owns reading a GGUF file (through the `gguf` package's GGUFReader, memory-mapped): its
 hyperparameters -> ModelConfig, its tokenizer -> the header dict of cflow.tokenizer, and its
@@ -7,6 +7,18 @@ tensors -> `Source`s that cflow.convert.encoder encodes.
 Choices:
 - Only `general.architecture == "llama"` (Llama, SmolLM, TinyLlama, Mistral-without-SWA ...);
   anything else is a named error listing what is supported, never a best-effort guess.
+- Mixture-of-experts llama files (Mixtral and its merges: `llama.expert_count` > 0) become
+  config `mixtral`: no dense FFN (d_ff = 0), E experts of hidden size feed_forward_length, top_k =
+  expert_used_count, no delays, the MoE reading h = x + attention (moe_input "post_attn"), which is
+  llama.cpp's graph: x' = h + MoE(rmsnorm(h) * ffn_norm). Routing is llama.cpp's for this
+  architecture and cflow's own: softmax over all E router logits, top-k, the k weights
+  renormalised to sum to 1. Per layer: `ffn_norm` -> moe_norm, `ffn_gate_inp` [E, d] -> router
+  (stored F32 whatever its GGUF type), and expert e's slice of the 3-D `ffn_{gate,up,down}_exps`
+  (ggml ne = [d, d_exp, E] for gate/up, [d_exp, d, E] for down: expert e's rows are one
+  contiguous block of the tensor) -> experts.{e}.w_gate_up / w_down. The older per-expert layout
+  (`ffn_gate.{e}` / `ffn_up.{e}` / `ffn_down.{e}`, 2-D each) is read too. Shared experts and
+  other MoE architectures (qwen2moe, deepseek2, ...) are refused by the architecture check or
+  by the tensor-name check, never dropped.
 - Q4_0 / Q4_1 / Q8_0 tensors go into tiles bit for bit (cflow's formats are GGML's). Every other
   type (F16, F32, BF16, K-quants ...) is dequantized with `gguf.quants.dequantize` and quantized
   to --quant; the introduced error is measured and reported.
@@ -78,28 +90,47 @@ class GGUFModel:
     def architecture(self) -> str:
         return self.require("general.architecture")
 
-    def source(self, name: str) -> Source:
-        """The tensor `name` as a Source: blocks when its type is native, values otherwise."""
+    def source(self, name: str, expert: int | None = None) -> Source:
+        """The tensor `name` as a Source: blocks when its type is native, values otherwise.
+
+        `expert`: the tensor is a 3-D expert stack (ggml ne = [cols, rows, E]) and the Source is
+        expert `expert`'s [rows, cols] slice; its rows are one contiguous run of the tensor."""
         from gguf import GGMLQuantizationType
 
         t = self.tensors.get(name)
         if t is None:
             raise GGUFError(f"{self.path.name} lacks the tensor {name!r}")
-        # ggml lists dims innermost first: shape [cols, rows] for a matrix.
+        # ggml lists dims innermost first: shape [cols, rows] for a matrix, [cols, rows, E] for
+        # an expert stack; the reader's t.data has the numpy (outermost first) shape.
         dims = [int(x) for x in t.shape]
-        cols, rows = dims[0], int(np.prod(dims[1:]))
+        origin = name
+        if expert is None:
+            cols, rows = dims[0], int(np.prod(dims[1:]))
+        else:
+            if len(dims) != 3:
+                raise GGUFError(f"{self.path.name}: {name} has shape {dims}; an expert stack is 3-D "
+                                "[inputs, outputs, experts]")
+            cols, rows, n = dims
+            if not 0 <= expert < n:
+                raise GGUFError(f"{self.path.name}: {name} holds {n} experts, not expert {expert}")
+            origin = f"{name}[{expert}]"
         qtype = GGMLQuantizationType(t.tensor_type)
+
+        def data(t=t, n=1 if expert is None else dims[2]) -> np.ndarray:
+            a = np.asarray(t.data)
+            return a.reshape(n, rows, -1)[expert] if expert is not None else a
+
         if qtype.name in _NATIVE:
             dtype = _NATIVE[qtype.name]
-            blocks = np.asarray(t.data).reshape(rows, row_bytes(dtype, cols))
-            return Source(name, qtype.name, rows, cols, dtype, blocks=blocks)
+            blocks = data().reshape(rows, row_bytes(dtype, cols))
+            return Source(origin, qtype.name, rows, cols, dtype, blocks=blocks)
 
-        def values(t=t, qtype=qtype) -> np.ndarray:
+        def values(qtype=qtype) -> np.ndarray:
             from gguf.quants import dequantize
 
-            return dequantize(np.asarray(t.data), qtype).astype(np.float32).reshape(rows, cols)
+            return dequantize(data(), qtype).astype(np.float32).reshape(rows, cols)
 
-        return Source(name, qtype.name, rows, cols, values=values)
+        return Source(origin, qtype.name, rows, cols, values=values)
 
     def vector(self, name: str) -> np.ndarray:
         s = self.source(name)
@@ -108,16 +139,31 @@ class GGUFModel:
 
 # ---- hyperparameters -------------------------------------------------------------------------
 def gguf_config(g: GGUFModel) -> ModelConfig:
-    """ModelConfig of a llama-architecture GGUF (SmolLM2-135M: 30 layers, d=576, heads 9/3)."""
+    """ModelConfig of a llama-architecture GGUF (SmolLM2-135M: 30 layers, d=576, heads 9/3), dense
+    (name "llama") or mixture-of-experts (name "mixtral": see the module docstring)."""
     arch = g.architecture
     if arch not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedArchitectureError(
             f"{g.path.name} is a {arch!r} model; cflow converts GGUF architectures "
             f"{list(SUPPORTED_ARCHITECTURES)} (Llama family: Llama 2/3, SmolLM, TinyLlama, ...)")
     p = f"{arch}."
-    if (g.get(p + "expert_count") or 0) > 0:
-        raise GGUFError(f"{g.path.name} is a mixture-of-experts Llama (Mixtral-style); cflow's GGUF "
-                        "converter supports dense Llama models only")
+    n_experts = int(g.get(p + "expert_count") or 0)
+    ffn = int(g.require(p + "feed_forward_length"))
+    if n_experts > 0:
+        if int(g.get(p + "expert_shared_count") or 0) > 0:
+            raise GGUFError(f"{g.path.name} has shared experts ({p}expert_shared_count); cflow's MoE has "
+                            "routed experts only")
+        top_k = g.get(p + "expert_used_count")
+        if top_k is None:
+            raise GGUFError(f"{g.path.name} has {n_experts} experts but no {p}expert_used_count "
+                            "(experts per token); the file is incomplete")
+        # Mixtral's converter writes the expert hidden size as feed_forward_length; a few newer
+        # ones also write expert_feed_forward_length, which then wins.
+        moe = dict(d_ff=0, n_experts=n_experts, top_k=int(top_k),
+                   d_expert=int(g.get(p + "expert_feed_forward_length") or ffn),
+                   delta_dense=0, delta_expert=0, moe_input="post_attn", name="mixtral")
+    else:
+        moe = dict(d_ff=ffn, name="llama")
     scaling = g.get(p + "rope.scaling.type")
     if (scaling not in (None, "none")) or "rope_freqs.weight" in g.tensors:
         raise GGUFError(f"{g.path.name} uses RoPE scaling ({scaling or 'rope_freqs'}); cflow implements "
@@ -143,11 +189,10 @@ def gguf_config(g: GGUFModel) -> ModelConfig:
         return ModelConfig(
             vocab_size=vocab, d_model=d, n_layers=int(g.require(p + "block_count")),
             n_heads=n_heads, n_kv_heads=n_kv, head_dim=head_dim,
-            d_ff=int(g.require(p + "feed_forward_length")),
             rope_theta=float(g.get(p + "rope.freq_base") or 10000.0),
             norm_eps=float(g.get(p + "attention.layer_norm_rms_epsilon") or 1e-5),
             max_seq_len=int(g.get(p + "context_length") or 2048),
-            tie_embeddings="output.weight" not in g.tensors, name="llama")
+            tie_embeddings="output.weight" not in g.tensors, **moe)
     except ConfigError as e:
         raise GGUFError(f"{g.path.name}: its hyperparameters do not form a valid model: {e}") from None
 
@@ -219,16 +264,45 @@ _GGUF_PARTS = {"attn_norm": ("attn_norm",), "attn.wqkv": ("attn_q", "attn_k", "a
                "attn.wo": ("attn_output",), "ffn_norm": ("ffn_norm",), "ffn.w_gate_up": ("ffn_gate", "ffn_up"),
                "ffn.w_down": ("ffn_down",)}
 _GGUF_GLOBAL = {"tok_emb": "token_embd.weight", "norm": "output_norm.weight", "lm_head": "output.weight"}
+# A MoE layer (Mixtral): the norm before the MoE is the file's ffn_norm, the router ffn_gate_inp,
+# and each expert's gate/up/down either a slice of a 3-D stack ("merged", what convert_hf_to_gguf
+# writes today) or one 2-D tensor per expert ("split", older files).
+_GGUF_MOE = {"moe_norm": "ffn_norm", "moe.router": "ffn_gate_inp"}
+_EXPERT_PARTS = {"w_gate_up": ("ffn_gate", "ffn_up"), "w_down": ("ffn_down",)}
+
+
+def _expert_sources(g: GGUFModel, layer: int, expert: int, slot: str, layout: str) -> list[Source]:
+    if layout == "merged":
+        return [g.source(f"blk.{layer}.{n}_exps.weight", expert) for n in _EXPERT_PARTS[slot]]
+    return [g.source(f"blk.{layer}.{n}.{expert}.weight") for n in _EXPERT_PARTS[slot]]
+
+
+def moe_layout(g: GGUFModel) -> str:
+    """"merged" (3-D ffn_*_exps stacks) or "split" (2-D ffn_*.{e} per expert), from layer 0."""
+    return "merged" if "blk.0.ffn_gate_exps.weight" in g.tensors else "split"
 
 
 def gguf_tensors(g: GGUFModel, cfg: ModelConfig, enc: Encoder) -> Iterator[Any]:
     """TensorData in .cflow order: embeddings, then layer by layer, then the final norm/lm_head."""
     _check_tensor_names(g, cfg)
+    layout = moe_layout(g) if cfg.has_moe else None
 
     def parts(w: Weight) -> Any:
         if w.set is None:
             name = _GGUF_GLOBAL[w.name]
             return g.vector(name) if w.plain else [g.source(name)]
+        if w.expert is not None:
+            srcs = _expert_sources(g, w.set, w.expert, w.slot.rsplit(".", 1)[1], layout)
+            for s in srcs:  # the encoder checks that the parts agree; the config says how large
+                _check_shape(s, (w.shape[0] // len(srcs), w.shape[1]))
+            return srcs
+        if w.slot in _GGUF_MOE:
+            name = f"blk.{w.set}.{_GGUF_MOE[w.slot]}.weight"
+            if w.slot == "moe_norm":
+                return g.vector(name)
+            router = g.source(name)
+            _check_shape(router, w.shape)
+            return router.floats()  # [E, d], stored F32
         names = [f"blk.{w.set}.{n}.weight" for n in _GGUF_PARTS[w.slot]]
         if w.plain:
             return g.vector(names[0])
@@ -244,7 +318,8 @@ def gguf_tensors(g: GGUFModel, cfg: ModelConfig, enc: Encoder) -> Iterator[Any]:
     return encode_model(cfg, enc, parts)
 
 
-_PER_LAYER = tuple(n for names in _GGUF_PARTS.values() for n in names)
+_ATTN = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output")
+_DENSE = ("ffn_norm", "ffn_gate", "ffn_up", "ffn_down")
 # Present in some llama GGUFs and safe to drop: precomputed RoPE tables the runtime recomputes.
 _IGNORED_SUFFIXES = ("attn_rot_embd",)
 
@@ -253,16 +328,34 @@ def _check_tensor_names(g: GGUFModel, cfg: ModelConfig) -> None:
     expected = {"token_embd.weight", "output_norm.weight"}
     if not cfg.tie_embeddings:
         expected.add("output.weight")
+    layout = moe_layout(g) if cfg.has_moe else None
     for i in range(cfg.n_layers):
-        expected |= {f"blk.{i}.{n}.weight" for n in _PER_LAYER}
+        expected |= {f"blk.{i}.{n}.weight" for n in _ATTN}
+        if cfg.has_dense:
+            expected |= {f"blk.{i}.{n}.weight" for n in _DENSE}
+        if cfg.has_moe:
+            expected |= {f"blk.{i}.{n}.weight" for n in _GGUF_MOE.values()}
+            if layout == "merged":
+                expected |= {f"blk.{i}.{n}_exps.weight" for n in ("ffn_gate", "ffn_up", "ffn_down")}
+            else:
+                expected |= {f"blk.{i}.{n}.{e}.weight" for n in ("ffn_gate", "ffn_up", "ffn_down")
+                             for e in range(cfg.n_experts)}
     missing = sorted(expected - set(g.tensors))
     extra = sorted(n for n in set(g.tensors) - expected if not any(s in n for s in _IGNORED_SUFFIXES))
     if missing:
         raise GGUFError(f"{g.path.name} lacks tensors {missing[:6]}{' ...' if len(missing) > 6 else ''}; "
-                        "is it a complete llama model?")
+                        f"is it a complete {cfg.name} model?")
     if extra:
         raise GGUFError(f"{g.path.name} has tensors cflow does not know how to use: {extra[:6]}; "
                         "converting would silently drop them")
+    if layout == "merged":
+        for i in range(cfg.n_layers):
+            for n in ("ffn_gate", "ffn_up", "ffn_down"):
+                shape = [int(x) for x in g.tensors[f"blk.{i}.{n}_exps.weight"].shape]
+                if len(shape) != 3 or shape[2] != cfg.n_experts:
+                    raise GGUFError(f"{g.path.name}: blk.{i}.{n}_exps.weight has shape {shape}; "
+                                    f"{cfg.n_experts} experts (llama.expert_count) need [inputs, outputs, "
+                                    f"{cfg.n_experts}]")
 
 
 def _check_rows(s: Source, rows: int) -> None:
@@ -270,9 +363,15 @@ def _check_rows(s: Source, rows: int) -> None:
         raise GGUFError(f"{s.origin} has {s.rows} rows, the config implies {rows}")
 
 
+def _check_shape(s: Source, shape: tuple[int, ...]) -> None:
+    if (s.rows, s.cols) != tuple(shape):
+        raise GGUFError(f"{s.origin} is [{s.rows}, {s.cols}] (outputs, inputs); the config implies "
+                        f"{list(shape)}")
+
+
 def convert_gguf(src: str | os.PathLike, dst: str | os.PathLike, *, quant: str = "q4_0",
                  tile: tuple[int, int] = TILE, order: str = "cflow", progress=None) -> ConversionResult:
-    """Convert a llama GGUF file into a .cflow/.vflow file.
+    """Convert a llama GGUF file (dense or Mixtral-style MoE) into a .cflow/.vflow file.
 
     `quant` applies only to tensors that are not already Q4_0/Q4_1/Q8_0 (those stay bit-exact).
     `progress`, if given, is passed to the writer (see cflow.fileformat.write_model).
@@ -287,13 +386,17 @@ def convert_gguf(src: str | os.PathLike, dst: str | os.PathLike, *, quant: str =
         raise GGUFError(f"{g.path.name}: the tokenizer has {len(tok['vocab'])} tokens but the "
                         f"embedding has {cfg.vocab_size} rows")
     enc = Encoder(quant, tile)
-    metadata = {"source": {"format": "gguf", "file": g.path.name,
-                           "name": g.get("general.name"), "file_type": g.get("general.file_type")},
+    source = {"format": "gguf", "file": g.path.name, "name": g.get("general.name"),
+              "file_type": g.get("general.file_type"), "architecture": g.architecture,
+              "family": cfg.name}
+    if cfg.has_moe:
+        source["expert_layout"] = moe_layout(g)
+    metadata = {"source": source,
                 "converter": "cflow.convert.gguf"}
     return write_conversion(src, dst, cfg, tok, gguf_tensors(g, cfg, enc), enc, metadata, order=order, tile=tile,
                             progress=progress, started=t0)
 
 
 __all__ = ["GGUFModel", "GGUFError", "UnsupportedArchitectureError", "SUPPORTED_ARCHITECTURES",
-           "gguf_config", "gguf_tokenizer", "gguf_tensors", "permute_qk_index", "unpermute_qk_index",
-           "convert_gguf"]
+           "gguf_config", "gguf_tokenizer", "gguf_tensors", "moe_layout", "permute_qk_index",
+           "unpermute_qk_index", "convert_gguf"]
