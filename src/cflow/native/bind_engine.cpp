@@ -4,6 +4,11 @@
 // Thin on purpose: arrays in, arrays out, no copies. The file buffer (usually a read-only numpy
 // view of the mmap) is held by the object for the engine's life; logits are written straight into
 // a numpy array the caller preallocates. step() and prefill() release the GIL.
+//
+// Experts on disk: `experts` is a dict {"path": str, "span": int64 [n_unique * E, 2] (the file's
+// expert table: offset, bytes), "budget": int, "io": "async" | "sync", "io_threads": int,
+// "direct": bool}. A call that fails on expert I/O or a changed file raises OSError; bad input
+// raises ValueError.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
@@ -15,6 +20,7 @@
 #include <vector>
 
 #include "engine.h"
+#include "experts.h"
 
 namespace nb = nanobind;
 
@@ -25,6 +31,7 @@ using Desc = nb::ndarray<const int64_t, nb::ndim<2>, nb::c_contig, nb::device::c
 using Plan = nb::ndarray<const int32_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
 using Tokens = nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 using Logits = nb::ndarray<float, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using Spans = nb::ndarray<const int64_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
 
 cf_config config_from(const nb::dict &d) {
     auto i = [&](const char *k) { return nb::cast<int>(d[k]); };
@@ -53,9 +60,30 @@ struct NativeEngine {
     int vocab = 0, n_layers = 0, n_experts = 0;
 
     NativeEngine(Bytes buffer, const nb::dict &cfg, Desc desc, const std::vector<std::string> &names,
-                 Plan plan, int n_ring, int n_pending, int threads, int n_ctx, int max_batch)
+                 Plan plan, int n_ring, int n_pending, int threads, int n_ctx, int max_batch, int n_moe,
+                 nb::object experts)
         : buf(buffer) {
         cf_config c = config_from(cfg);
+        cf_disk_experts disk{};
+        std::string path, io;
+        Spans span;
+        if (!experts.is_none()) {
+            nb::dict x = nb::cast<nb::dict>(experts);
+            path = nb::cast<std::string>(x["path"]);
+            span = nb::cast<Spans>(x["span"]);
+            io = nb::cast<std::string>(x["io"]);
+            if (io != "async" && io != "sync") throw nb::value_error("experts['io'] must be 'async' or 'sync'");
+            size_t keys = (size_t)c.n_unique * (size_t)(c.n_experts > 0 ? c.n_experts : 0);
+            if (span.shape(0) != keys || span.shape(1) != 2)
+                throw nb::value_error(("experts['span'] must have shape [" + std::to_string(keys) +
+                                       ", 2]: (offset, bytes) per weight set and expert").c_str());
+            disk.path = path.c_str();
+            disk.span = span.data();
+            disk.budget = nb::cast<int64_t>(x["budget"]);
+            disk.async = io == "async";
+            disk.n_io = nb::cast<int>(x["io_threads"]);
+            disk.direct = nb::cast<bool>(x["direct"]) ? 1 : 0;
+        }
         if (desc.shape(1) != CF_DESC_FIELDS || plan.shape(1) != CF_OP_FIELDS)
             throw nb::value_error("descriptor or plan array has the wrong width");
         if (names.size() != desc.shape(0))
@@ -65,14 +93,59 @@ struct NativeEngine {
         for (const std::string &s : names) name_ptrs.push_back(s.c_str());
         char err[512] = {0};
         e = cf_engine_create(&c, buf.data(), buf.shape(0), desc.data(), name_ptrs.data(),
-                             (int)desc.shape(0), plan.data(), (int)plan.shape(0), n_ring, n_pending,
-                             threads, n_ctx, max_batch, err, sizeof err);
+                             (int)desc.shape(0), plan.data(), (int)plan.shape(0), n_ring, n_pending, n_moe,
+                             threads, n_ctx, max_batch, experts.is_none() ? nullptr : &disk, err, sizeof err);
         if (!e) throw nb::value_error(err);
         vocab = c.vocab;
         n_layers = c.n_layers;
         n_experts = c.n_experts;
     }
     ~NativeEngine() { cf_engine_free(e); }
+
+    // A failed call: OSError for expert I/O or a changed file (the caller names the file), else
+    // ValueError.
+    [[noreturn]] void raise_call_error() const {
+        if (cf_engine_error_kind(e) == CF_ERR_IO) {
+            PyErr_SetString(PyExc_OSError, cf_engine_error(e));
+            throw nb::python_error();
+        }
+        throw nb::value_error(cf_engine_error(e));
+    }
+
+    nb::object expert_cache() const {
+        cf_expert_cache_info x;
+        if (!cf_engine_expert_cache(e, &x)) return nb::none();
+        nb::dict d;
+        d["slots"] = x.n_slots;
+        d["slot_bytes"] = x.slot_bytes;
+        d["cache_bytes"] = x.cache_bytes;
+        d["min_slots"] = x.min_slots;
+        d["layers_in_flight"] = x.inflight;
+        d["io"] = x.async ? "async" : "sync";
+        d["io_threads"] = x.n_io;
+        d["read"] = x.direct ? "O_DIRECT" : "buffered";
+        return d;
+    }
+
+    nb::list expert_resident() const {
+        cf_expert_cache_info x;
+        nb::list out;
+        if (!cf_engine_expert_cache(e, &x)) return out;
+        std::vector<int> keys((size_t)x.n_slots + 1);
+        int n = cf_engine_expert_resident(e, keys.data());
+        for (int i = 0; i < n; i++) out.append(nb::make_tuple(keys[i] / n_experts, keys[i] % n_experts));
+        return out;
+    }
+
+    void inject_io_fault(int64_t after, const std::string &kind) {
+        for (int k = 0; k < CF_XFAULT_KINDS; k++)
+            if (kind == cf_xfault_names[k]) {
+                if (cf_engine_inject_io_fault(e, after, k))
+                    throw nb::value_error("fault injection needs experts on disk and after >= 0");
+                return;
+            }
+        throw nb::value_error("fault kind must be 'none', 'eio' or 'short'");
+    }
 
     float *logits_ptr(Logits &logits) {
         if (logits.shape(0) != (size_t)vocab)
@@ -87,7 +160,7 @@ struct NativeEngine {
             nb::gil_scoped_release nogil;
             rc = cf_step(e, token, pos, out);
         }
-        if (rc) throw nb::value_error(cf_engine_error(e));
+        if (rc) raise_call_error();
     }
 
     void prefill(Tokens tokens, int pos0, nb::object logits_obj) {
@@ -102,7 +175,7 @@ struct NativeEngine {
             nb::gil_scoped_release nogil;
             rc = cf_prefill(e, tokens.data(), (int)tokens.shape(0), pos0, out);
         }
-        if (rc) throw nb::value_error(cf_engine_error(e));
+        if (rc) raise_call_error();
     }
 
     nb::dict counters() const {
@@ -181,6 +254,13 @@ void bind_contracts(nb::module_ &m) {
     m.attr("ENUM_COUNTS") = counts;
     // the older names of two of the above (cflow.engine checks them)
     m.attr("MAX_THREADS") = (int)CF_MAX_THREADS;
+    m.attr("IO_FAULTS") = as_tuple(table_names(cf_xfault_names, CF_XFAULT_KINDS, "cf_xfault_names"));
+    m.def("plan_inflight", [](Plan plan, int n_moe) {
+        if (plan.shape(1) != CF_OP_FIELDS) throw nb::value_error("plan array has the wrong width");
+        return cf_plan_inflight(plan.data(), (int)plan.shape(0), n_moe);
+    }, nb::arg("plan"), nb::arg("n_moe"),
+    "layers in flight in an encoded plan (routes not yet followed by their experts op); -1 if the "
+    "plan pairs routes and experts wrongly. The expert cache must hold top_k times this many.");
 }
 
 }  // namespace
@@ -192,10 +272,10 @@ void cf_bind_engine(nb::module_ &m) {
                              "names[i] is the tensor name of descriptor row i; the engine checks each against "
                              "its own (GLOBAL_TENSORS, then per weight set LAYER_SLOTS and EXPERT_SLOTS).")
         .def(nb::init<Bytes, const nb::dict &, Desc, const std::vector<std::string> &, Plan, int, int, int, int,
-                      int>(),
+                      int, int, nb::object>(),
              nb::arg("buffer"), nb::arg("config"), nb::arg("desc"), nb::arg("names"), nb::arg("plan"),
              nb::arg("n_ring"), nb::arg("n_pending"), nb::arg("threads"), nb::arg("n_ctx"),
-             nb::arg("max_batch"))
+             nb::arg("max_batch"), nb::arg("n_moe") = 1, nb::arg("experts") = nb::none())
         .def("step", &NativeEngine::step, nb::arg("token"), nb::arg("pos"), nb::arg("logits"),
              "Run one token at position pos; write next-token logits into `logits` (float32[vocab]).")
         .def("prefill", &NativeEngine::prefill, nb::arg("tokens"), nb::arg("pos0"),
@@ -204,6 +284,13 @@ void cf_bind_engine(nb::module_ &m) {
         .def("counters", &NativeEngine::counters, "Bytes touched by category since reset_counters().")
         .def("expert_hits", &NativeEngine::expert_hits, "Routing counts per [layer][expert].")
         .def("reset_counters", [](NativeEngine &s) { cf_engine_reset_counters(s.e); })
+        .def_prop_ro("expert_cache", &NativeEngine::expert_cache,
+                     "the expert cache (slots, slot_bytes, cache_bytes, min_slots, layers_in_flight, io, "
+                     "io_threads, read); None when the experts are in RAM")
+        .def("expert_resident", &NativeEngine::expert_resident,
+             "(layer, expert) of every expert the cache holds now")
+        .def("_inject_io_fault", &NativeEngine::inject_io_fault, nb::arg("after"), nb::arg("kind"),
+             "test only: the read `after` reads from now fails once ('eio', 'short'; 'none' disarms)")
         .def_prop_ro("n_ctx", [](const NativeEngine &s) { return cf_engine_n_ctx(s.e); })
         .def_prop_ro("threads", [](const NativeEngine &s) { return cf_engine_n_threads(s.e); })
         .def_prop_rw(

@@ -24,7 +24,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
+#include "experts.h"
 #include "util.h"
 
 // ---------------------------------------------------------------------------------------------
@@ -104,7 +106,7 @@ typedef struct {
     float *ring;       /* [n_ring, B, d] residual history */
     float *h, *f;      /* [B, d] x + attention; dense FFN output */
     float *pending;    /* [n_pending, B, d] expert outputs waiting for their layer */
-    float *moe_in;     /* [B, d] normalised MoE input */
+    float *moe_in;     /* [n_moe, B, d] normalised MoE input, per moe slot */
     float *qkv;        /* [B, q_dim + 2 kv_dim] */
     float *att;        /* [B, q_dim] attention output (pre wo) */
     float *hid;        /* [B, hmax] silu(gate) * up */
@@ -113,9 +115,15 @@ typedef struct {
     cf_half *kcache;   /* [L, n_kv, n_ctx, hd] fp16, rotated keys */
     cf_half *vcache;   /* [L, n_kv, n_ctx, hd] fp16 */
     float *rlogits;    /* [B, E] router probabilities */
-    int *exp_tok;      /* [E, B] tokens routed to each expert */
-    float *exp_w;      /* [E, B] their renormalised weights */
-    int *exp_n;        /* [E] */
+    /* the routing of each moe slot */
+    int *exp_tok;      /* [n_moe, E, B] tokens routed to each expert */
+    float *exp_w;      /* [n_moe, E, B] their renormalised weights */
+    int *exp_n;        /* [n_moe, E] */
+    /* experts on disk only */
+    int *exp_list;     /* [n_moe, E] the chosen experts, ascending (the order of the sums) */
+    int *exp_cnt;      /* [n_moe] how many */
+    int *exp_pre;      /* [n_moe] leading entries of exp_list the route acquired */
+    int *exp_slot;     /* [n_moe, E] cache slot of each acquired expert */
 } cf_state;
 
 struct cf_engine {
@@ -126,7 +134,7 @@ struct cf_engine {
     int n_threads, n_ctx, max_batch, kmax, hmax;
     int active; /* threads a call uses (<= n_threads); the others return at once */
     int32_t *plan;
-    int n_ops, n_ring, n_pending;
+    int n_ops, n_ring, n_pending, n_moe, inflight;
     const cf_kernel_table *k;
     cf_pool *pool;
     cf_barrier bar;
@@ -136,7 +144,17 @@ struct cf_engine {
     float *logits;
     cf_counters cnt;
     uint64_t *hits; /* [L, E] */
-    char err[256];
+    /* experts on disk (xs NULL: in RAM) */
+    cf_xstore *xs;
+    int xasync;
+    const uint8_t *buf;  /* the weights buffer: tensor offsets are pointers into it */
+    int64_t *xrel;       /* [n_unique * E][2] gate_up, down offsets inside the expert's span */
+    int *xwave;          /* [E] slots a wave must read (thread 0) */
+    int wave_end;        /* published by thread 0 before a barrier (op_experts_disk) */
+    uint64_t disk_base;  /* cf_xstore_bytes_read at the last counter reset */
+    int failed;          /* CF_ERR_* of the call in flight; set by thread 0 */
+    int err_kind;
+    char err[512];
 };
 
 static void set_err(char *err, size_t n, const char *fmt, ...) {
@@ -347,20 +365,75 @@ static void op_dense(cf_engine *e, int l, int src_kind, int slot, int tail, int 
     ffn(e, &w->gate_up, &w->down, e->c.d_ff, NULL, B, e->s.f, NULL, tail, ith, nth);
 }
 
+// ---------------------------------------------------------------------------------------------
+// experts on disk (experts.h): acquiring cache slots, waves, waiting for bytes
+
+static uint64_t clock_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+/* Thread 0: pin cache slots for the chosen experts list[i0..) of moe slot ms, at most `max`, and
+ * stop at the first that finds no evictable slot; the missing ones are queued for the readers
+ * (async) or read here (sync). Returns the index after the last one acquired. */
+static int acquire_wave(cf_engine *e, int set, int ms, int i0, int max) {
+    cf_state *s = &e->s;
+    int E = e->c.n_experts, n = s->exp_cnt[ms], nm = 0, i = i0;
+    const int *list = s->exp_list + (size_t)ms * E;
+    int *slot = s->exp_slot + (size_t)ms * E;
+    for (; i < n && i - i0 < max; i++) {
+        int miss, sl = cf_xstore_acquire(e->xs, set * E + list[i], &miss);
+        if (sl < 0) break;
+        slot[list[i]] = sl;
+        e->cnt.n[miss ? CF_CNT_CACHE_MISSES : CF_CNT_CACHE_HITS]++;
+        if (miss) e->xwave[nm++] = sl;
+    }
+    if (e->xasync) {
+        cf_xstore_submit(e->xs, e->xwave, nm);
+    } else if (nm) { /* sync: read, then compute; the reading is the stall */
+        uint64_t t0 = clock_ns();
+        for (int j = 0; j < nm; j++) cf_xstore_read_now(e->xs, e->xwave[j]);
+        e->cnt.n[CF_CNT_IO_STALL_NS] += clock_ns() - t0;
+    }
+    return i;
+}
+
+/* Thread 0, after the route of layer l into moe slot ms: list the chosen experts in ascending order
+ * (the order their outputs are summed in RAM too, so results are bit for bit the same) and, with
+ * async I/O, pin and start reading up to top_k of them now: their bytes arrive while the layers up
+ * to the experts op run. top_k per layer in flight is what the smallest cache guarantees; a batch
+ * that routes to more experts reads the rest in waves (op_experts_disk). */
+static void route_disk(cf_engine *e, int l, int ms) {
+    cf_state *s = &e->s;
+    int E = e->c.n_experts, n = 0;
+    const int *cnt = s->exp_n + (size_t)ms * E;
+    int *list = s->exp_list + (size_t)ms * E;
+    for (int x = 0; x < E; x++)
+        if (cnt[x]) list[n++] = x;
+    s->exp_cnt[ms] = n;
+    s->exp_pre[ms] = e->xasync ? acquire_wave(e, l % e->c.n_unique, ms, 0, e->c.top_k) : 0;
+}
+
+// ---------------------------------------------------------------------------------------------
+// the MoE ops
+
 /* Thread 0 normalises the MoE input, runs the router (f32) and fills per-expert token lists:
  * softmax over all E logits, top-k, the k weights renormalised to sum to 1. */
-static void op_route(cf_engine *e, int l, int src_kind, int ith) {
+static void op_route(cf_engine *e, int l, int src_kind, int ms, int ith) {
     const cf_config *c = &e->c;
     const cf_layer *w = &e->w.sets[l % c->n_unique];
     cf_state *s = &e->s;
     if (ith == 0) {
         int d = c->d, E = c->n_experts;
-        float *z = e->ts[0].xb;
-        memset(s->exp_n, 0, E * sizeof *s->exp_n);
+        size_t B = e->max_batch;
+        float *z = e->ts[0].xb, *moe_in = s->moe_in + (size_t)ms * B * d, *exp_w = s->exp_w + (size_t)ms * E * B;
+        int *exp_n = s->exp_n + (size_t)ms * E, *exp_tok = s->exp_tok + (size_t)ms * E * B;
+        memset(exp_n, 0, E * sizeof *exp_n);
         for (int b = 0; b < e->B; b++) {
             const float *hb = s->h + (size_t)b * d;
             for (int i = 0; i < d; i++) z[i] = hb[i] + (src_kind == CF_SRC_HF ? s->f[(size_t)b * d + i] : 0.0f);
-            float *mi = s->moe_in + (size_t)b * d, *pr = s->rlogits + (size_t)b * E;
+            float *mi = moe_in + (size_t)b * d, *pr = s->rlogits + (size_t)b * E;
             e->k->rmsnorm(mi, z, w->moe_norm, d, c->norm_eps);
             e->k->matvec_f32(pr, w->router, mi, E, d);
             e->k->softmax(pr, E);
@@ -369,34 +442,96 @@ static void op_route(cf_engine *e, int l, int src_kind, int ith) {
             e->k->topk(pr, E, c->top_k, chosen, val);
             for (int k = 0; k < c->top_k; k++) wsum += val[k];
             for (int k = 0; k < c->top_k; k++) {
-                int x = chosen[k], n = s->exp_n[x]++;
-                s->exp_tok[(size_t)x * e->max_batch + n] = b;
-                s->exp_w[(size_t)x * e->max_batch + n] = val[k] / wsum;
+                int x = chosen[k], n = exp_n[x]++;
+                exp_tok[(size_t)x * B + n] = b;
+                exp_w[(size_t)x * B + n] = val[k] / wsum;
                 e->hits[(size_t)l * E + x]++;
             }
         }
         e->cnt.n[CF_CNT_ROUTER] += w->router_bytes;
+        if (e->xs) route_disk(e, l, ms);
     }
     barrier_wait(&e->bar);
 }
 
-static void op_experts(cf_engine *e, int l, int pslot, int tail, int ith, int nth) {
+static void op_experts(cf_engine *e, int l, int pslot, int ms, int tail, int ith, int nth) {
     const cf_config *c = &e->c;
     const cf_layer *w = &e->w.sets[l % c->n_unique];
     cf_state *s = &e->s;
-    float *out = s->pending + (size_t)pslot * e->max_batch * c->d;
-    quantize_rows(e, s->moe_in, c->d, c->d, e->ts[ith].act, NULL, e->B);
+    size_t B = e->max_batch;
+    const int *exp_n = s->exp_n + (size_t)ms * c->n_experts;
+    const int *exp_tok = s->exp_tok + (size_t)ms * c->n_experts * B;
+    const float *exp_w = s->exp_w + (size_t)ms * c->n_experts * B;
+    float *out = s->pending + (size_t)pslot * B * c->d;
+    quantize_rows(e, s->moe_in + (size_t)ms * B * c->d, c->d, c->d, e->ts[ith].act, NULL, e->B);
     int last = -1;
     for (int x = 0; x < c->n_experts; x++)
-        if (s->exp_n[x]) last = x;
+        if (exp_n[x]) last = x;
     for (int x = 0; x <= last; x++) {
-        int n = s->exp_n[x];
+        int n = exp_n[x];
         if (!n) continue; // untouched: its tiles are never read
         if (ith == 0) e->cnt.n[CF_CNT_EXPERTS] += w->exp_bytes[x];
-        const int *tok = s->exp_tok + (size_t)x * e->max_batch;
-        ffn(e, &w->exp_gate_up[x], &w->exp_down[x], c->d_exp, tok, n, out,
-            s->exp_w + (size_t)x * e->max_batch, x < last || tail, ith, nth);
+        ffn(e, &w->exp_gate_up[x], &w->exp_down[x], c->d_exp, exp_tok + (size_t)x * B, n, out,
+            exp_w + (size_t)x * B, x < last || tail, ith, nth);
     }
+}
+
+/* op_experts with the experts' bytes in cache slots. The chosen experts run in ascending order,
+ * as in RAM (summing in another order would change the last bits). The route acquired a first
+ * wave; whenever the loop reaches an expert without a slot, thread 0 acquires the next wave
+ * (every slot that can be evicted) and publishes its end before a barrier, so every thread makes
+ * the same decisions. Each expert is waited for on its slot's word (bytes of later experts keep
+ * arriving meanwhile), used, and unpinned. A failed read is seen by every thread on the same word,
+ * so all leave together and the call returns -1. Returns 0 or -1. */
+static int op_experts_disk(cf_engine *e, int l, int pslot, int ms, int tail, int ith, int nth) {
+    const cf_config *c = &e->c;
+    int E = c->n_experts, set = l % c->n_unique;
+    const cf_layer *w = &e->w.sets[set];
+    cf_state *s = &e->s;
+    size_t B = e->max_batch;
+    const int *exp_n = s->exp_n + (size_t)ms * E, *list = s->exp_list + (size_t)ms * E;
+    const int *slot = s->exp_slot + (size_t)ms * E;
+    const int *exp_tok = s->exp_tok + (size_t)ms * E * B;
+    const float *exp_w = s->exp_w + (size_t)ms * E * B;
+    float *out = s->pending + (size_t)pslot * B * c->d;
+    quantize_rows(e, s->moe_in + (size_t)ms * B * c->d, c->d, c->d, e->ts[ith].act, NULL, e->B);
+    int n = s->exp_cnt[ms], covered = s->exp_pre[ms];
+    for (int i = 0; i < n; i++) {
+        int x = list[i], key = set * E + x;
+        if (i == covered) {
+            if (ith == 0) {
+                e->wave_end = acquire_wave(e, set, ms, i, n);
+                if (e->wave_end == i) { /* cannot happen while the plan check holds */
+                    snprintf(e->err, sizeof e->err, "expert cache exhausted at layer %d: every slot is pinned "
+                             "(this is a bug in cflow; please report it)", l);
+                    e->failed = CF_ERR_IO;
+                }
+            }
+            barrier_wait(&e->bar);
+            if (e->wave_end == i) return -1;
+            covered = e->wave_end;
+        }
+        int sl = slot[x];
+        if (cf_xstore_wait(e->xs, sl, ith == 0 ? &e->cnt.n[CF_CNT_IO_STALL_NS] : NULL)) {
+            if (ith == 0) {
+                cf_xstore_error(e->xs, sl, e->err, sizeof e->err);
+                e->failed = CF_ERR_IO;
+            }
+            return -1;
+        }
+        const uint8_t *data = cf_xstore_data(e->xs, sl);
+        cf_tiled gu = w->exp_gate_up[x], dn = w->exp_down[x];
+        gu.data = data + e->xrel[2 * key];
+        dn.data = data + e->xrel[2 * key + 1];
+        if (ith == 0) e->cnt.n[CF_CNT_EXPERTS] += w->exp_bytes[x];
+        ffn(e, &gu, &dn, c->d_exp, exp_tok + (size_t)x * B, exp_n[x], out, exp_w + (size_t)x * B,
+            i + 1 < n || tail, ith, nth);
+        /* Unpinning is safe before the other threads finish this expert: the slot is only reused
+         * by a later acquire of thread 0, and those come after a barrier (the one ending this ffn,
+         * unless it is the op's last expert; then the RESID/next op's). */
+        if (ith == 0) cf_xstore_release(e->xs, sl);
+    }
+    return 0;
 }
 
 static void op_resid(cf_engine *e, int slot, int add_f, int pslot, int ith, int nth) {
@@ -449,8 +584,11 @@ static void forward_task(void *ctx, int ith, int nth) {
         case CF_OP_EMBED: op_embed(e, a, ith, nth); break;
         case CF_OP_ATTN: op_attn(e, l, a, ith, nth); break;
         case CF_OP_DENSE: op_dense(e, l, a, b, tail, ith, nth); break;
-        case CF_OP_ROUTE: op_route(e, l, a, ith); break;
-        case CF_OP_EXPERTS: op_experts(e, l, a, tail, ith, nth); break;
+        case CF_OP_ROUTE: op_route(e, l, a, b, ith); break;
+        case CF_OP_EXPERTS:
+            if (!e->xs) op_experts(e, l, a, b, tail, ith, nth);
+            else if (op_experts_disk(e, l, a, b, tail, ith, nth)) return; /* every thread leaves */
+            break;
         case CF_OP_RESID: op_resid(e, a, b, c, ith, nth); break;
         case CF_OP_FINAL: op_final(e, a, b, ith, nth); break;
         }
@@ -467,6 +605,11 @@ static int forward(cf_engine *e, const int32_t *tokens, int B, int pos0, float *
         cf_rope_table(cs, cs + c->hd / 2, c->hd, pos0 + b, c->rope_theta);
     }
     memset(e->s.pending, 0, (size_t)e->n_pending * e->max_batch * c->d * sizeof(float));
+    e->failed = CF_ERR_NONE;
+    if (e->xs && cf_xstore_begin(e->xs, e->err, sizeof e->err)) {
+        e->err_kind = CF_ERR_IO;
+        return -1;
+    }
     e->tokens = tokens;
     e->B = B;
     e->pos0 = pos0;
@@ -475,12 +618,17 @@ static int forward(cf_engine *e, const int32_t *tokens, int B, int pos0, float *
         forward_task(e, 0, 1); /* no need to wake the pool (sleeping workers take ~50 us) */
     else
         cf_pool_run(e->pool, forward_task, e);
+    if (e->failed) {
+        e->err_kind = e->failed;
+        return -1;
+    }
     e->cnt.n[CF_CNT_TOKENS] += B;
     e->cnt.n[CF_CNT_CALLS]++;
     return 0;
 }
 
 static int check_call(cf_engine *e, const int32_t *tokens, int n, int pos0) {
+    e->err_kind = CF_ERR_INPUT; /* what a failure below is; cleared when the checks pass */
     if (n < 1) {
         set_err(e->err, sizeof e->err, "no tokens to process");
         return -1;
@@ -497,6 +645,7 @@ static int check_call(cf_engine *e, const int32_t *tokens, int n, int pos0) {
                     "(0..%d)", tokens[i], i, e->c.vocab - 1);
             return -1;
         }
+    e->err_kind = CF_ERR_NONE;
     return 0;
 }
 
@@ -516,12 +665,17 @@ int cf_prefill(cf_engine *e, const int32_t *tokens, int n, int pos0, float *logi
 }
 
 const char *cf_engine_error(const cf_engine *e) { return e->err; }
-void cf_engine_counters(const cf_engine *e, cf_counters *out) { *out = e->cnt; }
+int cf_engine_error_kind(const cf_engine *e) { return e->err_kind; }
+void cf_engine_counters(const cf_engine *e, cf_counters *out) {
+    *out = e->cnt;
+    if (e->xs) out->n[CF_CNT_DISK_BYTES] = cf_xstore_bytes_read(e->xs) - e->disk_base;
+}
 void cf_engine_expert_hits(const cf_engine *e, uint64_t *out) {
     memcpy(out, e->hits, (size_t)e->c.n_layers * e->c.n_experts * sizeof *out);
 }
 void cf_engine_reset_counters(cf_engine *e) {
     memset(&e->cnt, 0, sizeof e->cnt);
+    if (e->xs) e->disk_base = cf_xstore_bytes_read(e->xs);
     memset(e->hits, 0, (size_t)e->c.n_layers * e->c.n_experts * sizeof *e->hits);
 }
 int cf_engine_n_ctx(const cf_engine *e) { return e->n_ctx; }
@@ -533,6 +687,30 @@ int cf_engine_set_active_threads(cf_engine *e, int n) {
 }
 int cf_engine_max_batch(const cf_engine *e) { return e->max_batch; }
 const char *cf_engine_isa(const cf_engine *e) { return e->k->name; }
+
+int cf_engine_expert_cache(const cf_engine *e, cf_expert_cache_info *out) {
+    memset(out, 0, sizeof *out);
+    out->inflight = e->inflight;
+    out->min_slots = e->c.top_k * e->inflight;
+    if (!e->xs) return 0;
+    cf_xstore_info xi;
+    cf_xstore_get_info(e->xs, &xi);
+    out->n_slots = xi.n_slots;
+    out->async = xi.async;
+    out->n_io = xi.n_io;
+    out->direct = xi.direct;
+    out->slot_bytes = xi.slot_bytes;
+    out->cache_bytes = xi.cache_bytes;
+    return 1;
+}
+int cf_engine_expert_resident(const cf_engine *e, int *keys) {
+    return e->xs ? cf_xstore_resident(e->xs, keys) : 0;
+}
+int cf_engine_inject_io_fault(cf_engine *e, int64_t after, int kind) {
+    if (!e->xs || kind < 0 || kind >= CF_XFAULT_KINDS || after < 0) return -1;
+    cf_xstore_inject_fault(e->xs, after, kind);
+    return 0;
+}
 
 // ---------------------------------------------------------------------------------------------
 // names: the one definition of each contract with Python (engine.h), exported by bind_engine.cpp
@@ -564,6 +742,8 @@ const char *const cf_counter_names[CF_COUNTERS] = {
     [CF_CNT_ATTN] = "attn", [CF_CNT_DENSE] = "dense", [CF_CNT_ROUTER] = "router",
     [CF_CNT_EXPERTS] = "experts", [CF_CNT_EMBED] = "embed", [CF_CNT_LM_HEAD] = "lm_head",
     [CF_CNT_KV] = "kv", [CF_CNT_TOKENS] = "tokens", [CF_CNT_CALLS] = "calls",
+    [CF_CNT_DISK_BYTES] = "disk_bytes", [CF_CNT_CACHE_HITS] = "cache_hits",
+    [CF_CNT_CACHE_MISSES] = "cache_misses", [CF_CNT_IO_STALL_NS] = "io_stall_ns",
 };
 
 int cf_desc_name(int n_experts, int row, char *out, size_t n) {
@@ -728,15 +908,15 @@ static int check_plan(const cf_engine *e, const int32_t *plan, int n_ops, char *
         const int32_t *op = plan + (size_t)i * CF_OP_FIELDS;
         int k = op[0], l = op[1], a = op[2], b = op[3], cc = op[4];
         int ring_ok = a >= 0 && a < e->n_ring, ok = 1;
-        int pend_ok = a >= 0 && a < e->n_pending;
+        int pend_ok = a >= 0 && a < e->n_pending, moe_ok = b >= 0 && b < e->n_moe;
         if (k < 0 || k >= CF_OP_KINDS || l < 0 || l >= c->n_layers) ok = 0;
         else if (k == CF_OP_EMBED || k == CF_OP_ATTN) ok = ring_ok;
         else if (k == CF_OP_DENSE)
             ok = c->d_ff > 0 && (a == CF_SRC_H || (a == CF_SRC_RING && b >= 0 && b < e->n_ring));
         else if (k == CF_OP_ROUTE)
-            ok = c->n_experts > 0 && (a == CF_SRC_H || (a == CF_SRC_HF && c->d_ff > 0));
+            ok = c->n_experts > 0 && (a == CF_SRC_H || (a == CF_SRC_HF && c->d_ff > 0)) && moe_ok;
         else if (k == CF_OP_EXPERTS)
-            ok = c->n_experts > 0 && pend_ok;
+            ok = c->n_experts > 0 && pend_ok && moe_ok;
         else if (k == CF_OP_RESID)
             ok = ring_ok && (b == 0 || (b == 1 && c->d_ff > 0)) && cc >= -1 && cc < e->n_pending;
         else if (k == CF_OP_FINAL)
@@ -746,7 +926,32 @@ static int check_plan(const cf_engine *e, const int32_t *plan, int n_ops, char *
             return -1;
         }
     }
+    if (cf_plan_inflight(plan, n_ops, e->n_moe) < 0)
+        return set_err(err, n, "plan pairs its route and experts ops wrongly: each route(l) needs one "
+                       "experts(l) on the same moe slot, with no other route into that slot between"), -1;
     return 0;
+}
+
+int cf_plan_inflight(const int32_t *plan, int n_ops, int n_moe) {
+    int owner[64], live = 0, most = 0; /* owner[slot]: the layer whose routing the slot holds */
+    if (n_moe < 1 || n_moe > 64) return -1;
+    for (int m = 0; m < n_moe; m++) owner[m] = -1;
+    for (int i = 0; i < n_ops; i++) {
+        const int32_t *op = plan + (size_t)i * CF_OP_FIELDS;
+        int l = op[1], b = op[3];
+        if (op[0] != CF_OP_ROUTE && op[0] != CF_OP_EXPERTS) continue;
+        if (b < 0 || b >= n_moe) return -1;
+        if (op[0] == CF_OP_ROUTE) {
+            if (owner[b] >= 0) return -1; /* would overwrite a routing whose experts have not run */
+            owner[b] = l;
+            most = cf_max(most, ++live);
+        } else {
+            if (owner[b] != l) return -1;
+            owner[b] = -1;
+            live--;
+        }
+    }
+    return live ? -1 : most;
 }
 
 static void *xcalloc(size_t count, size_t size, int *fail) {
@@ -767,13 +972,13 @@ static int alloc_state(cf_engine *e) {
     const cf_config *c = &e->c;
     cf_state *s = &e->s;
     size_t B = e->max_batch, d = c->d, q_dim = (size_t)c->n_heads * c->hd, kv_dim = (size_t)c->n_kv * c->hd;
-    size_t E = c->n_experts, kv = (size_t)c->n_layers * kv_dim * e->n_ctx;
+    size_t E = c->n_experts, kv = (size_t)c->n_layers * kv_dim * e->n_ctx, M = e->n_moe;
     int fail = 0;
     s->ring = xcalloc(e->n_ring * B * d, sizeof(float), &fail);
     s->h = xcalloc(B * d, sizeof(float), &fail);
     s->f = xcalloc(B * d, sizeof(float), &fail);
     s->pending = xcalloc(e->n_pending * B * d, sizeof(float), &fail);
-    s->moe_in = xcalloc(B * d, sizeof(float), &fail);
+    s->moe_in = xcalloc(M * B * d, sizeof(float), &fail);
     s->qkv = xcalloc(B * (q_dim + 2 * kv_dim), sizeof(float), &fail);
     s->att = xcalloc(B * q_dim, sizeof(float), &fail);
     s->hid = xcalloc(B * e->hmax, sizeof(float), &fail);
@@ -783,9 +988,13 @@ static int alloc_state(cf_engine *e) {
     s->kcache = xcalloc(kv, sizeof(cf_half), &fail);
     s->vcache = xcalloc(kv, sizeof(cf_half), &fail);
     s->rlogits = xcalloc(B * E, sizeof(float), &fail);
-    s->exp_tok = xcalloc(E * B, sizeof(int), &fail);
-    s->exp_w = xcalloc(E * B, sizeof(float), &fail);
-    s->exp_n = xcalloc(E, sizeof(int), &fail);
+    s->exp_tok = xcalloc(M * E * B, sizeof(int), &fail);
+    s->exp_w = xcalloc(M * E * B, sizeof(float), &fail);
+    s->exp_n = xcalloc(M * E, sizeof(int), &fail);
+    s->exp_list = xcalloc(M * E, sizeof(int), &fail);
+    s->exp_cnt = xcalloc(M, sizeof(int), &fail);
+    s->exp_pre = xcalloc(M, sizeof(int), &fail);
+    s->exp_slot = xcalloc(M * E, sizeof(int), &fail);
     e->hits = xcalloc((size_t)c->n_layers * E, sizeof(uint64_t), &fail);
     e->ts = xcalloc(e->n_threads, sizeof(cf_scratch), &fail);
     if (fail) return -1;
@@ -815,16 +1024,58 @@ static int alloc_state(cf_engine *e) {
     return 0;
 }
 
+/* Experts on disk: check that each expert's span (the file's expert table) holds its two tensors,
+ * keep their offsets inside the span, and open the cache (experts.h). */
+static int open_disk_experts(cf_engine *e, const cf_disk_experts *dx, char *err, size_t n) {
+    const cf_config *c = &e->c;
+    int E = c->n_experts, n_keys = c->n_unique * E;
+    if (!E) return set_err(err, n, "this model has no experts; there is nothing to keep on disk"), -1;
+    e->xrel = calloc((size_t)n_keys * 2, sizeof *e->xrel);
+    e->xwave = calloc(E, sizeof *e->xwave);
+    int64_t *off = malloc(sizeof(int64_t) * n_keys), *len = malloc(sizeof(int64_t) * n_keys);
+    if (!e->xrel || !e->xwave || !off || !len) {
+        free(off);
+        free(len);
+        return set_err(err, n, "out of memory"), -1;
+    }
+    int bad = -1;
+    for (int k = 0; k < n_keys && bad < 0; k++) {
+        const cf_layer *L = &e->w.sets[k / E];
+        const cf_tiled *t[2] = {&L->exp_gate_up[k % E], &L->exp_down[k % E]};
+        off[k] = dx->span[2 * k];
+        len[k] = dx->span[2 * k + 1];
+        for (int j = 0; j < 2; j++) {
+            int64_t at = (int64_t)(t[j]->data - e->buf);
+            e->xrel[2 * k + j] = at - off[k];
+            if (at < off[k] || at + (int64_t)cf_tiled_bytes(t[j]) > off[k] + len[k]) bad = k;
+        }
+    }
+    if (bad >= 0) {
+        set_err(err, n, "the expert table says expert %d of layer %d spans %lld bytes at offset %lld, which do "
+                "not hold its tensors; the file is inconsistent: re-convert it", bad % E, bad / E,
+                (long long)len[bad], (long long)off[bad]);
+    } else {
+        cf_xstore_opts o = {.path = dx->path, .n_keys = n_keys, .n_experts = E, .offset = off, .nbytes = len,
+                            .budget = dx->budget, .min_slots = c->top_k * e->inflight, .async = dx->async,
+                            .n_io = dx->n_io, .direct = dx->direct};
+        e->xs = cf_xstore_open(&o, err, n);
+        e->xasync = dx->async ? 1 : 0;
+    }
+    free(off);
+    free(len);
+    return e->xs ? 0 : -1;
+}
+
 cf_engine *cf_engine_create(const cf_config *cfg, const uint8_t *buf, size_t buf_len,
                             const int64_t *desc, const char *const *names, int n_desc,
                             const int32_t *plan, int n_ops,
-                            int n_ring, int n_pending, int n_threads, int n_ctx, int max_batch,
-                            char *err, size_t err_len) {
+                            int n_ring, int n_pending, int n_moe, int n_threads, int n_ctx,
+                            int max_batch, const cf_disk_experts *disk, char *err, size_t err_len) {
     if (check_config(cfg, err, err_len)) return NULL;
     if (n_threads < 1 || n_threads > CF_MAX_THREADS || n_ctx < 1 || max_batch < 1 || max_batch > 4096 ||
-        n_ring < 1 || n_ring > 64 || n_pending < 0 || n_pending > 64) {
+        n_ring < 1 || n_ring > 64 || n_pending < 0 || n_pending > 64 || n_moe < 1 || n_moe > 64) {
         set_err(err, err_len, "bad engine sizes: threads %d, n_ctx %d, max_batch %d, ring %d, "
-                "pending %d", n_threads, n_ctx, max_batch, n_ring, n_pending);
+                "pending %d, moe slots %d", n_threads, n_ctx, max_batch, n_ring, n_pending, n_moe);
         return NULL;
     }
     cf_engine *e = calloc(1, sizeof *e);
@@ -848,12 +1099,19 @@ cf_engine *cf_engine_create(const cf_config *cfg, const uint8_t *buf, size_t buf
     e->max_batch = max_batch;
     e->n_ring = n_ring;
     e->n_pending = n_pending;
+    e->n_moe = n_moe;
+    e->buf = buf;
     e->n_ops = n_ops;
     e->hmax = cf_max(cfg->d_ff, cfg->n_experts ? cfg->d_exp : 0);
     e->kmax = cf_max(cf_max(cfg->d, cfg->n_heads * cfg->hd), e->hmax);
     e->bar.n = e->active = n_threads;
     if (bind_weights(e, buf, buf_len, desc, names, n_desc, err, err_len) ||
         check_plan(e, plan, n_ops, err, err_len)) {
+        cf_engine_free(e);
+        return NULL;
+    }
+    e->inflight = cf_plan_inflight(plan, n_ops, n_moe);
+    if (disk && open_disk_experts(e, disk, err, err_len)) {
         cf_engine_free(e);
         return NULL;
     }
@@ -871,6 +1129,9 @@ cf_engine *cf_engine_create(const cf_config *cfg, const uint8_t *buf, size_t buf
 void cf_engine_free(cf_engine *e) {
     if (!e) return;
     if (e->pool) cf_pool_free(e->pool);
+    cf_xstore_free(e->xs); /* joins its readers: nothing writes into our memory after this */
+    free(e->xrel);
+    free(e->xwave);
     if (e->w.sets) {
         for (int i = 0; i < e->c.n_unique; i++) {
             free(e->w.sets[i].exp_gate_up);
@@ -881,7 +1142,8 @@ void cf_engine_free(cf_engine *e) {
     }
     cf_state *s = &e->s;
     void *bufs[] = {s->ring, s->h, s->f, s->pending, s->moe_in, s->qkv, s->att, s->hid, s->y,
-                    s->rope, s->kcache, s->vcache, s->rlogits, s->exp_tok, s->exp_w, s->exp_n, e->hits, e->plan};
+                    s->rope, s->kcache, s->vcache, s->rlogits, s->exp_tok, s->exp_w, s->exp_n,
+                    s->exp_list, s->exp_cnt, s->exp_pre, s->exp_slot, e->hits, e->plan};
     for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) free(bufs[i]);
     if (e->ts)
         for (int t = 0; t < e->n_threads; t++) free(e->ts[t].mem);

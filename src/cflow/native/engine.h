@@ -74,18 +74,23 @@ int cf_desc_name(int n_experts, int row, char *out, size_t n);
 
 /* ---- the plan ----------------------------------------------------------------------------------
  * CF_OP_FIELDS int32 per op: {kind, layer, a, b, c}. Buffers: a ring of residuals (ring slots),
- * h (x + attention), f (dense FFN output), moe_in (the normalised MoE input), pending expert
- * outputs (pending slots). Per kind:
+ * h (x + attention), f (dense FFN output), a ring of routings (moe slots: the normalised MoE input
+ * moe_in and the chosen experts' token lists), pending expert outputs (pending slots). Per kind:
  *   EMBED   a = ring slot                    ring[a] = tok_emb[token]
  *   ATTN    a = ring slot                    h = ring[a] + Attn_l(norm(ring[a]))
  *   DENSE   a = source (SRC_H | SRC_RING), b = ring slot if SRC_RING
  *                                            f = FFN_l(norm(src))
- *   ROUTE   a = source (SRC_H | SRC_HF)      moe_in = norm(src); choose top_k experts
- *   EXPERTS a = pending slot                 pending[a] += sum_k w_k * expert_k(moe_in)
+ *   ROUTE   a = source (SRC_H | SRC_HF), b = moe slot
+ *                                            moe_in[b] = norm(src); choose top_k experts
+ *   EXPERTS a = pending slot, b = moe slot   pending[a] += sum_k w_k * expert_k(moe_in[b])
  *   RESID   a = ring slot out, b = 1 to add f, c = pending slot to add and clear (-1: none)
  *                                            ring[a] = h + f + pending[c]
  *   FINAL   a = ring slot, b = pending slot to add (-1: none)
  *                                            logits = lm_head(norm(ring[a] + pending[b]))
+ * Every ROUTE(l) is followed by one EXPERTS(l) on the same moe slot, and no other ROUTE writes
+ * that slot in between. The routes between a ROUTE and its EXPERTS (itself included) are the
+ * layers in flight; with experts on disk, each pins top_k cache slots at most, so the cache must
+ * hold top_k x (the most layers in flight) experts.
  */
 enum { CF_OP_EMBED, CF_OP_ATTN, CF_OP_DENSE, CF_OP_ROUTE, CF_OP_EXPERTS, CF_OP_RESID,
        CF_OP_FINAL, CF_OP_KINDS };
@@ -99,7 +104,10 @@ extern const char *const cf_src_names[CF_SRC_KINDS];    /* "h", "ring", "hf" */
  * tokens processed (prefill + decode) and forward calls; n[CF_CNT_ATTN] is named
  * cf_counter_names[CF_CNT_ATTN] ("attn"), the key NativeEngine.counters() returns it under. */
 enum { CF_CNT_ATTN, CF_CNT_DENSE, CF_CNT_ROUTER, CF_CNT_EXPERTS, CF_CNT_EMBED, CF_CNT_LM_HEAD,
-       CF_CNT_KV, CF_CNT_TOKENS, CF_CNT_CALLS, CF_COUNTERS };
+       CF_CNT_KV, CF_CNT_TOKENS, CF_CNT_CALLS,
+       /* experts on disk (all 0 when they are in RAM): bytes read from the file, experts found in
+        * the cache / read, nanoseconds thread 0 waited for expert bytes (sync: spent reading) */
+       CF_CNT_DISK_BYTES, CF_CNT_CACHE_HITS, CF_CNT_CACHE_MISSES, CF_CNT_IO_STALL_NS, CF_COUNTERS };
 extern const char *const cf_counter_names[CF_COUNTERS];
 typedef struct {
     uint64_t n[CF_COUNTERS];
@@ -111,6 +119,24 @@ typedef struct {
 
 typedef struct cf_engine cf_engine;
 
+/* ---- experts on disk ---------------------------------------------------------------------------
+ * NULL to cf_engine_create: experts are read from the buffer like every other weight. Otherwise
+ * the engine never touches their bytes in the buffer (which may then hold anything there) and
+ * reads them from `path` through an expert cache of `budget` bytes (experts.h). */
+typedef struct {
+    const char *path;     /* the model file */
+    const int64_t *span;  /* [n_unique * E][2]: file offset and bytes of expert (set, e), the file's
+                           * expert table; each must contain the expert's two tensors */
+    int64_t budget;       /* bytes of cache slots */
+    int async;            /* 1: reads start when the route has chosen (reader threads); 0: the
+                           * experts op reads, then computes */
+    int n_io;             /* reader threads (async) */
+    int direct;           /* 1: O_DIRECT where the filesystem takes it */
+} cf_disk_experts;
+
+/* What a failed call ran into (cf_engine_error_kind): bad input, or expert I/O / the file. */
+enum { CF_ERR_NONE, CF_ERR_INPUT, CF_ERR_IO };
+
 /* Create an engine over `buf[0:buf_len]` (kept by the caller for the engine's life). names[i]
  * is the tensor name the caller put in descriptor row i; it must be cf_desc_name()'s, so a
  * caller built against other tables is refused instead of binding the wrong tensors. Returns
@@ -119,8 +145,8 @@ typedef struct cf_engine cf_engine;
 cf_engine *cf_engine_create(const cf_config *cfg, const uint8_t *buf, size_t buf_len,
                             const int64_t *desc, const char *const *names, int n_desc,
                             const int32_t *plan, int n_ops,
-                            int n_ring, int n_pending, int n_threads, int n_ctx, int max_batch,
-                            char *err, size_t err_len);
+                            int n_ring, int n_pending, int n_moe, int n_threads, int n_ctx,
+                            int max_batch, const cf_disk_experts *disk, char *err, size_t err_len);
 void cf_engine_free(cf_engine *e);
 
 /* One token at position pos; logits[vocab] receives the next-token logits. The KV cache must hold
@@ -131,6 +157,7 @@ int cf_step(cf_engine *e, int token, int pos, float *logits);
 int cf_prefill(cf_engine *e, const int32_t *tokens, int n, int pos0, float *logits_last);
 
 const char *cf_engine_error(const cf_engine *e);
+int cf_engine_error_kind(const cf_engine *e); /* CF_ERR_* of the last failed call */
 void cf_engine_counters(const cf_engine *e, cf_counters *out);
 /* Per (layer, expert) routing counts since the last reset: out[L * E]. */
 void cf_engine_expert_hits(const cf_engine *e, uint64_t *out);
@@ -147,6 +174,20 @@ int cf_engine_set_active_threads(cf_engine *e, int n);
 int cf_engine_active_threads(const cf_engine *e);
 int cf_engine_max_batch(const cf_engine *e);
 const char *cf_engine_isa(const cf_engine *e);
+
+/* Experts on disk: the cache's geometry (0 when experts are in RAM), the (set * E + e) keys of
+ * the experts it holds now (into keys[n_slots]; returns how many), the most layers in flight,
+ * and a test-only fault on the read `after` reads from now (kind: CF_XFAULT_*, experts.h). */
+typedef struct {
+    int n_slots, min_slots, inflight, async, n_io, direct;
+    int64_t slot_bytes, cache_bytes;
+} cf_expert_cache_info;
+int cf_engine_expert_cache(const cf_engine *e, cf_expert_cache_info *out);
+int cf_engine_expert_resident(const cf_engine *e, int *keys);
+int cf_engine_inject_io_fault(cf_engine *e, int64_t after, int kind);
+/* Layers in flight in a plan (see "the plan" above); -1 if the plan pairs routes and experts
+ * wrongly. The minimum cache is top_k times this many experts. */
+int cf_plan_inflight(const int32_t *plan, int n_ops, int n_moe);
 
 #ifdef __cplusplus
 }

@@ -1,0 +1,446 @@
+/* experts.c — the expert cache and its readers (experts.h has the design).
+ *
+ * Eviction: LFU with aging, ties broken by recency. Why not plain LRU: a decode step visits the
+ * layers in a cycle, so between two uses of layer l's experts every other layer's experts are
+ * touched once. With a cache smaller than the experts one token touches, LRU evicts exactly the
+ * expert the cycle needs next and almost never hits; counting uses keeps the experts the router
+ * favours (routing is skewed) and lets a rarely used newcomer be the next one out. Counts halve
+ * every AGE_PER_KEY x n_keys accesses, so a shift in what the text routes to is followed within
+ * tens of tokens. Measured on a routing trace in the report of this change
+ * (cflow.runtime.experts.simulate replays a trace through both policies).
+ *
+ * A victim is the first EMPTY (or FAILED) slot, else the unpinned READY slot with the lowest
+ * (count, last use). Finding it scans the slots: O(n_slots) per miss, next to a read of
+ * megabytes that is nothing.
+ */
+#define _GNU_SOURCE
+#include "experts.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "cflow.h"
+#include "util.h"
+
+#define AGE_PER_KEY 4  /* counts halve every AGE_PER_KEY x n_keys accesses */
+#define WAIT_SPIN 256  /* pause iterations (a few us) before a waiter sleeps: reads take longer */
+
+enum { XS_EMPTY, XS_LOADING, XS_READY, XS_FAILED };
+
+typedef struct {
+    /* the word waiters sleep on, alone on its cache line: readers write it, every thread polls it */
+    _Alignas(64) _Atomic uint32_t state;
+    _Atomic uint32_t waiters; /* threads asleep on state (or about to be) */
+    int key;                  /* -1: none */
+    int pins;                 /* in-flight layers that need it (thread 0 only) */
+    uint64_t last_use;        /* tick of the last acquire */
+    /* the last read's outcome, written by the reader before state */
+    int err_no; /* errno; 0 with got < want: a short read */
+    int64_t got, want;
+    uint8_t *data;
+} xslot;
+
+struct cf_xstore {
+    char *path;
+    int fd, direct, async, n_keys, n_experts;
+    int64_t *off, *len; /* [n_keys] span offset, read length (nbytes rounded up to 4096) */
+    int *slot_of;       /* [n_keys] slot holding the key, -1 */
+    uint32_t *freq;     /* [n_keys] aged use counts */
+    xslot *slots;
+    int n_slots;
+    size_t slot_bytes, mem_bytes;
+    uint8_t *mem;
+    uint64_t tick, accesses, age_period;
+    off_t size0; /* the file as loaded: a change means it was rewritten under us */
+    struct timespec mtime0;
+    /* readers */
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int *queue, q_head, q_len, stop;
+    pthread_t *io;
+    int n_io;
+    _Atomic uint64_t bytes_read;
+    _Atomic int64_t reads, fault_at;
+    _Atomic int fault_kind;
+};
+
+const char *const cf_xfault_names[CF_XFAULT_KINDS] = {
+    [CF_XFAULT_NONE] = "none", [CF_XFAULT_EIO] = "eio", [CF_XFAULT_SHORT] = "short",
+};
+
+static void set_err(char *err, size_t n, const char *fmt, ...) {
+    if (!err || !n) return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err, n, fmt, ap);
+    va_end(ap);
+}
+
+static uint64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+static int64_t round_up(int64_t n) { return (n + CF_XALIGN - 1) / CF_XALIGN * CF_XALIGN; }
+
+// ---------------------------------------------------------------------------------------------
+// reading one expert
+
+/* Read slot's span: the whole rounded length or fail. Any thread (a reader, or thread 0 in sync
+ * mode); publishes the outcome through state and wakes whoever sleeps on it. */
+static void do_read(cf_xstore *xs, int slot) {
+    xslot *s = &xs->slots[slot];
+    int key = s->key; /* set before the slot was queued; the queue's mutex orders it */
+    int64_t off = xs->off[key], want = xs->len[key], got = 0;
+    int err = 0, fault = CF_XFAULT_NONE;
+    if (atomic_fetch_add(&xs->reads, 1) == atomic_load(&xs->fault_at))
+        fault = atomic_exchange(&xs->fault_kind, CF_XFAULT_NONE);
+    if (fault == CF_XFAULT_EIO) {
+        err = EIO;
+    } else {
+        int64_t limit = fault == CF_XFAULT_SHORT ? want / 2 / CF_XALIGN * CF_XALIGN : want;
+        while (got < limit) {
+            ssize_t r = pread(xs->fd, s->data + got, (size_t)(limit - got), off + got);
+            if (r < 0 && errno == EINTR) continue;
+            if (r < 0) {
+                err = errno;
+                break;
+            }
+            if (r == 0) break; /* end of file: the file shrank */
+            got += r;
+            if (xs->direct && r % CF_XALIGN) break; /* O_DIRECT stops at EOF mid-block */
+        }
+    }
+    /* buffered reads leave pages in the page cache: drop them, the cache slot is the copy */
+    if (!xs->direct) posix_fadvise(xs->fd, off, want, POSIX_FADV_DONTNEED);
+    atomic_fetch_add(&xs->bytes_read, (uint64_t)got);
+    s->err_no = err;
+    s->got = got;
+    s->want = want;
+    /* seq_cst store then load, against the waiter's seq_cst increment then futex check: either
+     * we see the waiter and wake it, or its futex_wait sees the new state and returns */
+    atomic_store(&s->state, err || got != want ? XS_FAILED : XS_READY);
+    if (atomic_load(&s->waiters)) cf_word_wake(&s->state, INT_MAX);
+}
+
+static void *reader_main(void *arg) {
+    cf_xstore *xs = arg;
+    for (;;) {
+        pthread_mutex_lock(&xs->mu);
+        while (!xs->q_len && !xs->stop) pthread_cond_wait(&xs->cv, &xs->mu);
+        if (!xs->q_len) { /* stop, and nothing left to read */
+            pthread_mutex_unlock(&xs->mu);
+            return NULL;
+        }
+        int slot = xs->queue[xs->q_head];
+        xs->q_head = (xs->q_head + 1) % xs->n_slots;
+        xs->q_len--;
+        pthread_mutex_unlock(&xs->mu);
+        do_read(xs, slot);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// the cache (thread 0)
+
+static int pick_victim(const cf_xstore *xs) {
+    int best = -1;
+    for (int i = 0; i < xs->n_slots; i++) {
+        const xslot *v = &xs->slots[i];
+        uint32_t st = atomic_load_explicit(&v->state, memory_order_relaxed);
+        if (v->pins || st == XS_LOADING) continue;
+        if (v->key < 0 || st == XS_FAILED) return i;
+        const xslot *b = best >= 0 ? &xs->slots[best] : NULL;
+        if (!b || xs->freq[v->key] < xs->freq[b->key] ||
+            (xs->freq[v->key] == xs->freq[b->key] && v->last_use < b->last_use))
+            best = i;
+    }
+    return best;
+}
+
+int cf_xstore_acquire(cf_xstore *xs, int key, int *miss) {
+    int s = xs->slot_of[key];
+    *miss = 0;
+    if (s < 0) {
+        if ((s = pick_victim(xs)) < 0) return -1;
+        xslot *v = &xs->slots[s];
+        if (v->key >= 0) xs->slot_of[v->key] = -1;
+        v->key = key;
+        xs->slot_of[key] = s;
+        atomic_store_explicit(&v->state, XS_LOADING, memory_order_relaxed);
+        *miss = 1;
+    }
+    xs->freq[key]++;
+    if (++xs->accesses >= xs->age_period) {
+        for (int k = 0; k < xs->n_keys; k++) xs->freq[k] >>= 1;
+        xs->accesses = 0;
+    }
+    xs->slots[s].last_use = ++xs->tick;
+    xs->slots[s].pins++;
+    return s;
+}
+
+void cf_xstore_release(cf_xstore *xs, int slot) {
+    if (xs->slots[slot].pins > 0) xs->slots[slot].pins--;
+}
+
+void cf_xstore_submit(cf_xstore *xs, const int *slots, int n) {
+    if (n <= 0) return;
+    pthread_mutex_lock(&xs->mu);
+    for (int i = 0; i < n; i++) /* never full: a slot is queued at most once (it is LOADING) */
+        xs->queue[(xs->q_head + xs->q_len++) % xs->n_slots] = slots[i];
+    pthread_mutex_unlock(&xs->mu);
+    if (n == 1) pthread_cond_signal(&xs->cv);
+    else pthread_cond_broadcast(&xs->cv);
+}
+
+void cf_xstore_read_now(cf_xstore *xs, int slot) { do_read(xs, slot); }
+
+int cf_xstore_wait(cf_xstore *xs, int slot, uint64_t *stall_ns) {
+    xslot *s = &xs->slots[slot];
+    uint32_t st = atomic_load_explicit(&s->state, memory_order_acquire);
+    if (st != XS_LOADING) return st == XS_READY ? 0 : -1;
+    uint64_t t0 = stall_ns ? now_ns() : 0;
+    for (int spins = 0; (st = atomic_load_explicit(&s->state, memory_order_acquire)) == XS_LOADING; spins++) {
+        if (spins < WAIT_SPIN) {
+            cf_cpu_relax();
+            continue;
+        }
+        atomic_fetch_add(&s->waiters, 1);
+        cf_word_wait(&s->state, XS_LOADING);
+        atomic_fetch_sub(&s->waiters, 1);
+    }
+    if (stall_ns) *stall_ns += now_ns() - t0;
+    return st == XS_READY ? 0 : -1;
+}
+
+const uint8_t *cf_xstore_data(const cf_xstore *xs, int slot) { return xs->slots[slot].data; }
+
+int cf_xstore_begin(cf_xstore *xs, char *err, size_t n) {
+    for (int i = 0; i < xs->n_slots; i++) {
+        xslot *s = &xs->slots[i];
+        /* only a failed call leaves reads in flight: let them land before the slot is reused */
+        if (atomic_load(&s->state) == XS_LOADING) {
+            if (xs->async) cf_xstore_wait(xs, i, NULL);
+            else atomic_store(&s->state, XS_FAILED); /* acquired, never read */
+        }
+        s->pins = 0;
+        if (atomic_load(&s->state) == XS_FAILED) {
+            if (s->key >= 0) xs->slot_of[s->key] = -1;
+            s->key = -1;
+            atomic_store(&s->state, XS_EMPTY);
+        }
+    }
+    struct stat st;
+    if (fstat(xs->fd, &st) != 0) {
+        set_err(err, n, "cannot stat %s: %s", xs->path, strerror(errno));
+        return -1;
+    }
+    if (st.st_size != xs->size0 || st.st_mtim.tv_sec != xs->mtime0.tv_sec ||
+        st.st_mtim.tv_nsec != xs->mtime0.tv_nsec) {
+        set_err(err, n, "%s changed on disk since it was loaded (%lld bytes then, %lld now); its experts "
+                "can no longer be read consistently: load the model again", xs->path, (long long)xs->size0,
+                (long long)st.st_size);
+        return -1;
+    }
+    return 0;
+}
+
+void cf_xstore_error(const cf_xstore *xs, int slot, char *out, size_t n) {
+    const xslot *s = &xs->slots[slot];
+    int key = s->key;
+    int set = key / xs->n_experts, e = key % xs->n_experts;
+    long long off = (long long)xs->off[key];
+    if (s->err_no)
+        set_err(out, n, "reading expert %d of layer %d (%lld bytes at offset %lld) from %s failed: %s", e,
+                set, (long long)s->want, off, xs->path, strerror(s->err_no));
+    else
+        set_err(out, n, "reading expert %d of layer %d from %s returned %lld of %lld bytes at offset %lld: "
+                "the file is shorter than when it was loaded (truncated or rewritten while running?); "
+                "load the model again", e, set, xs->path, (long long)s->got, (long long)s->want, off);
+}
+
+void cf_xstore_get_info(const cf_xstore *xs, cf_xstore_info *out) {
+    *out = (cf_xstore_info){.n_slots = xs->n_slots, .async = xs->async, .n_io = xs->n_io,
+                            .direct = xs->direct, .slot_bytes = (int64_t)xs->slot_bytes,
+                            .cache_bytes = (int64_t)xs->mem_bytes};
+}
+
+uint64_t cf_xstore_bytes_read(const cf_xstore *xs) {
+    return atomic_load(&((cf_xstore *)xs)->bytes_read);
+}
+
+int cf_xstore_resident(const cf_xstore *xs, int *keys) {
+    int n = 0;
+    for (int i = 0; i < xs->n_slots; i++)
+        if (atomic_load(&((xslot *)&xs->slots[i])->state) == XS_READY) keys[n++] = xs->slots[i].key;
+    return n;
+}
+
+void cf_xstore_inject_fault(cf_xstore *xs, int64_t after, int kind) {
+    atomic_store(&xs->fault_kind, kind);
+    atomic_store(&xs->fault_at, kind == CF_XFAULT_NONE ? -1 : atomic_load(&xs->reads) + after);
+}
+
+// ---------------------------------------------------------------------------------------------
+// open / free
+
+/* Is O_DIRECT usable on this file? One aligned read answers it: some filesystems accept the
+ * flag at open and refuse the reads (EINVAL). */
+static int probe_direct(int fd, uint8_t *buf, int64_t off) {
+    ssize_t r;
+    do r = pread(fd, buf, CF_XALIGN, off);
+    while (r < 0 && errno == EINTR);
+    return r < 0 ? -errno : 0;
+}
+
+cf_xstore *cf_xstore_open(const cf_xstore_opts *o, char *err, size_t n) {
+    if (o->n_keys < 1 || o->n_experts < 1 || o->budget < 0 || o->min_slots < 1) {
+        set_err(err, n, "bad expert store options");
+        return NULL;
+    }
+    int64_t largest = 0;
+    for (int k = 0; k < o->n_keys; k++) {
+        if (o->offset[k] < 0 || o->offset[k] % CF_XALIGN || o->nbytes[k] <= 0) {
+            set_err(err, n, "expert %d of layer %d has span (%lld, %lld bytes); expert spans must start on "
+                    "a 4096-byte boundary (re-convert the model)", k % o->n_experts, k / o->n_experts,
+                    (long long)o->offset[k], (long long)o->nbytes[k]);
+            return NULL;
+        }
+        if (o->nbytes[k] > largest) largest = o->nbytes[k];
+    }
+    int64_t slot_bytes = round_up(largest), slots = o->budget / slot_bytes;
+    if (slots > o->n_keys) slots = o->n_keys; /* room for every expert: more would stay empty */
+    if (slots < o->min_slots) {
+        set_err(err, n, "an expert cache of %lld bytes holds %lld experts of %lld bytes; this model needs at "
+                "least %d (top_k x layers in flight), %lld bytes: raise the expert cache budget", (long long)o->budget,
+                (long long)slots, (long long)slot_bytes, o->min_slots, (long long)o->min_slots * slot_bytes);
+        return NULL;
+    }
+    cf_xstore *xs = calloc(1, sizeof *xs);
+    if (!xs) return set_err(err, n, "out of memory"), NULL;
+    xs->fd = -1;
+    xs->mem = MAP_FAILED;
+    xs->n_keys = o->n_keys;
+    xs->n_experts = o->n_experts;
+    xs->n_slots = (int)slots;
+    xs->slot_bytes = (size_t)slot_bytes;
+    xs->mem_bytes = (size_t)slots * (size_t)slot_bytes;
+    xs->async = o->async ? 1 : 0;
+    xs->age_period = (uint64_t)AGE_PER_KEY * o->n_keys;
+    atomic_store(&xs->fault_at, -1);
+    pthread_mutex_init(&xs->mu, NULL);
+    pthread_cond_init(&xs->cv, NULL);
+    xs->path = strdup(o->path ? o->path : "?");
+    xs->off = malloc(sizeof(int64_t) * o->n_keys);
+    xs->len = malloc(sizeof(int64_t) * o->n_keys);
+    xs->slot_of = malloc(sizeof(int) * o->n_keys);
+    xs->freq = calloc(o->n_keys, sizeof(uint32_t));
+    xs->slots = calloc((size_t)slots, sizeof(xslot));
+    xs->queue = calloc((size_t)slots, sizeof(int));
+    if (!xs->path || !xs->off || !xs->len || !xs->slot_of || !xs->freq || !xs->slots || !xs->queue) {
+        cf_xstore_free(xs);
+        return set_err(err, n, "out of memory"), NULL;
+    }
+    // lazily backed: a slot costs memory once it is first filled
+    xs->mem = mmap(NULL, xs->mem_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (xs->mem == MAP_FAILED) {
+        set_err(err, n, "cannot reserve %lld bytes for the expert cache: %s; give a smaller budget",
+                (long long)xs->mem_bytes, strerror(errno));
+        cf_xstore_free(xs);
+        return NULL;
+    }
+    for (int i = 0; i < xs->n_slots; i++) {
+        xs->slots[i].key = -1;
+        xs->slots[i].data = xs->mem + (size_t)i * xs->slot_bytes;
+    }
+
+    xs->direct = o->direct ? 1 : 0;
+    if (xs->direct) {
+        xs->fd = open(xs->path, O_RDONLY | O_CLOEXEC | O_DIRECT);
+        if (xs->fd < 0 && errno != EINVAL) goto open_failed;
+        if (xs->fd >= 0 && probe_direct(xs->fd, xs->mem, o->offset[0]) == -EINVAL) {
+            close(xs->fd);
+            xs->fd = -1;
+        }
+        if (xs->fd < 0) xs->direct = 0; /* the filesystem refuses O_DIRECT: buffered reads */
+    }
+    if (xs->fd < 0) {
+        xs->fd = open(xs->path, O_RDONLY | O_CLOEXEC);
+        if (xs->fd < 0) goto open_failed;
+        posix_fadvise(xs->fd, 0, 0, POSIX_FADV_RANDOM); /* exact reads: no readahead */
+    }
+    madvise(xs->mem, CF_XALIGN, MADV_DONTNEED); /* the probe's page: not resident until used */
+    struct stat st;
+    if (fstat(xs->fd, &st) != 0) goto open_failed;
+    xs->size0 = st.st_size;
+    xs->mtime0 = st.st_mtim;
+    for (int k = 0; k < o->n_keys; k++) {
+        xs->off[k] = o->offset[k];
+        xs->len[k] = round_up(o->nbytes[k]);
+        xs->slot_of[k] = -1;
+        if (xs->off[k] + xs->len[k] > (int64_t)st.st_size) {
+            set_err(err, n, "expert %d of layer %d (%lld bytes at %lld, read rounded to 4096) runs past the end "
+                    "of %s (%lld bytes); the file is truncated", k % o->n_experts, k / o->n_experts,
+                    (long long)o->nbytes[k], (long long)o->offset[k], xs->path, (long long)st.st_size);
+            cf_xstore_free(xs);
+            return NULL;
+        }
+    }
+    if (xs->async) {
+        int want = cf_min(cf_max(o->n_io, 1), 16);
+        xs->io = calloc((size_t)want, sizeof *xs->io);
+        if (!xs->io) {
+            cf_xstore_free(xs);
+            return set_err(err, n, "out of memory"), NULL;
+        }
+        for (; xs->n_io < want; xs->n_io++)
+            if (pthread_create(&xs->io[xs->n_io], NULL, reader_main, xs) != 0) break;
+        if (!xs->n_io) {
+            cf_xstore_free(xs);
+            return set_err(err, n, "cannot start the expert reader threads"), NULL;
+        }
+    }
+    return xs;
+
+open_failed:
+    set_err(err, n, "cannot read experts from %s: %s", xs->path, strerror(errno));
+    cf_xstore_free(xs);
+    return NULL;
+}
+
+void cf_xstore_free(cf_xstore *xs) {
+    if (!xs) return;
+    if (xs->n_io) {
+        pthread_mutex_lock(&xs->mu);
+        xs->stop = 1;
+        pthread_mutex_unlock(&xs->mu);
+        pthread_cond_broadcast(&xs->cv);
+        for (int i = 0; i < xs->n_io; i++) pthread_join(xs->io[i], NULL);
+    }
+    if (xs->fd >= 0) close(xs->fd);
+    if (xs->mem != MAP_FAILED && xs->mem) munmap(xs->mem, xs->mem_bytes);
+    pthread_mutex_destroy(&xs->mu);
+    pthread_cond_destroy(&xs->cv);
+    free(xs->io);
+    free(xs->path);
+    free(xs->off);
+    free(xs->len);
+    free(xs->slot_of);
+    free(xs->freq);
+    free(xs->slots);
+    free(xs->queue);
+    free(xs);
+}
