@@ -16,6 +16,10 @@ is really a memory number (tmpfs, or a file someone keeps mapped) is visible as 
 
     python -m cflow.bench.disk [PATH] [--size 1G] [--chunk 8M] [--random-chunk 4M,16M,64M] [--json]
 
+O_DIRECT bypasses this machine's page cache, not a hypervisor's: in a VM, a file written or read
+moments ago may come back from the host's cache, faster than the disk. The first pass over a file
+left alone for a while is the honest cold number; repeat passes show the spread.
+
 GB/s are decimal (10^9 bytes per second), as everywhere in cflow. One thread by default (queue
 depth 1); `threads=N` keeps N reads in flight (a pread thread pool, as the engine's loader does).
 """

@@ -32,12 +32,35 @@ def _quiet_stderr():
         os.close(fd)
 
 
+@contextlib.contextmanager
+def _repacking(llama_cpp, on: bool):
+    """llama.cpp repacks Q4_0 weights into an anonymous copy at load (its "extra buffer types").
+    Under a memory limit that copy cannot fit, so memory-limited runs turn it off, as llama.cpp's
+    `--no-repack` does; the binding has no argument for it, so its default params are wrapped."""
+    if on:
+        yield
+        return
+    lib = llama_cpp.llama_cpp
+    real = lib.llama_model_default_params
+
+    def params():
+        p = real()
+        p.use_extra_bufts = False
+        return p
+
+    lib.llama_model_default_params = params
+    try:
+        yield
+    finally:
+        lib.llama_model_default_params = real
+
+
 class LlamaCppRunner:
     """pp/tg runner over llama-cpp-python with the same interface as the cflow runner."""
 
     name = "llama.cpp"
 
-    def __init__(self, gguf_path: str, threads: int, n_ctx: int):
+    def __init__(self, gguf_path: str, threads: int, n_ctx: int, *, repack: bool = True):
         try:
             import llama_cpp
         except ImportError:
@@ -49,7 +72,7 @@ class LlamaCppRunner:
                 f"--compare llama.cpp needs the model as a .gguf file (got {gguf_path}); pass the GGUF "
                 "and cflow converts it for its own side")
         self._llama_cpp = llama_cpp
-        with _quiet_stderr():
+        with _quiet_stderr(), _repacking(llama_cpp, repack):
             self.llm = llama_cpp.Llama(model_path=str(gguf_path), n_threads=threads, n_threads_batch=threads,
                                        n_ctx=n_ctx, n_batch=512, n_ubatch=512, verbose=False,
                                        logits_all=False)

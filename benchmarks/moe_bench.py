@@ -1,0 +1,242 @@
+"""MoE decode side by side with llama.cpp, in RAM and under a memory limit (issue #10, claims C3/C5).
+
+Every measurement runs in a fresh child process, optionally inside a cgroup-v1 memory limit
+(/sys/fs/cgroup/memory; root), after the page cache is dropped for cold runs. The same limit holds
+for cflow and llama.cpp. A child loads the model, prefills a short prompt and decodes greedily,
+then reports tokens/s, the bytes it read from the block device (/proc/self/io), its peak resident
+memory, and for cflow the engine's counters (expert bytes, disk bytes, cache hits, I/O stalls).
+In the same run: the memory read probe and the disk read probe, so every number has its bound.
+
+    python benchmarks/moe_bench.py --gguf moe.gguf [--cflow moe-pn.cflow] --limits 1,0.5 \
+        --budgets 0.25,0.5,1 --io sync,async --tokens 32 --out docs/results/moe
+
+llama.cpp runs with repacking off under a limit (its repacked copy of the weights cannot fit
+there; `--no-repack`) and with its default in RAM. Writes OUT.md, OUT.json and OUT.png (tok/s
+against the expert-cache budget for cflow sync, cflow async and llama.cpp).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
+
+# Runs in the child: load, prefill, decode; print one JSON line.
+CHILD = r"""
+import json, os, resource, sys, time
+import numpy as np
+spec = json.loads(sys.argv[1])
+
+def disk_read():
+    with open("/proc/self/io") as f:
+        return int(next(l for l in f if l.startswith("read_bytes:")).split()[1])
+
+prompt = list(range(1, 1 + spec["prompt"]))
+out = {"engine": spec["engine"]}
+t0 = time.perf_counter()
+if spec["engine"] == "cflow":
+    from cflow.runtime import Engine
+    eng = Engine.load(spec["model"], threads=spec["threads"], n_ctx=spec["prompt"] + spec["tokens"] + 8,
+                      verify=False, **spec.get("load", {}))
+    out["load_s"] = time.perf_counter() - t0
+    logits = eng.prefill(prompt)
+    tok, pos = int(np.argmax(logits)), len(prompt)
+    eng.reset_counters()
+    d0, t1 = disk_read(), time.perf_counter()
+    for _ in range(spec["tokens"]):
+        tok = int(np.argmax(eng.step(tok, pos)))
+        pos += 1
+    dt = time.perf_counter() - t1
+    out["counters"] = eng.counters()
+else:
+    from cflow.bench.llamacpp import LlamaCppRunner
+    r = LlamaCppRunner(spec["model"], spec["threads"], spec["prompt"] + spec["tokens"] + 8,
+                       repack=spec.get("repack", True))
+    out["load_s"] = time.perf_counter() - t0
+    r.prefill(np.array(prompt))
+    tok, pos = 1, len(prompt)
+    d0, t1 = disk_read(), time.perf_counter()
+    for _ in range(spec["tokens"]):
+        tok = r.step(tok, pos)
+        pos += 1
+    dt = time.perf_counter() - t1
+out["tok_s"] = spec["tokens"] / dt
+out["disk_bytes_per_token"] = (disk_read() - d0) / spec["tokens"]
+out["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print("RESULT " + json.dumps(out))
+"""
+
+
+# ---- the machine -----------------------------------------------------------------------------
+def drop_caches() -> None:
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3\n")
+
+
+class MemoryLimit:
+    """A cgroup-v1 memory limit for one child process (page cache included, as the kernel counts it)."""
+
+    def __init__(self, nbytes: int | None) -> None:
+        self.nbytes = nbytes
+        self.path = CGROUP_ROOT / f"cflow-bench-{os.getpid()}"
+
+    def __enter__(self) -> "MemoryLimit":
+        if self.nbytes is not None:
+            if not CGROUP_ROOT.is_dir():
+                sys.exit(f"no cgroup-v1 memory controller at {CGROUP_ROOT}: cannot limit memory here")
+            self.path.mkdir(exist_ok=True)
+            (self.path / "memory.limit_in_bytes").write_text(str(self.nbytes))
+        return self
+
+    def join(self) -> None:  # runs in the child between fork and exec
+        if self.nbytes is not None:
+            (self.path / "cgroup.procs").write_text(str(os.getpid()))
+
+    def __exit__(self, *exc: object) -> None:
+        if self.nbytes is not None:
+            for _ in range(50):  # the child may take a moment to leave
+                try:
+                    self.path.rmdir()
+                    return
+                except OSError:
+                    time.sleep(0.1)
+
+
+def run_child(spec: dict, limit: int | None, cold: bool, timeout: float) -> dict:
+    if cold:
+        drop_caches()
+    with MemoryLimit(limit) as cg:
+        try:
+            p = subprocess.run([sys.executable, "-c", CHILD, json.dumps(spec)], capture_output=True, text=True,
+                               timeout=timeout, preexec_fn=cg.join)
+        except subprocess.TimeoutExpired:
+            return {**spec, "error": f"timed out after {timeout:.0f} s"}
+    line = next((l for l in p.stdout.splitlines() if l.startswith("RESULT ")), None)
+    if p.returncode != 0 or line is None:
+        return {**spec, "error": (p.stderr.strip().splitlines() or [f"exit {p.returncode}"])[-1][:300]}
+    return {**spec, **json.loads(line[len("RESULT "):])}
+
+
+# ---- the report ------------------------------------------------------------------------------
+def fmt_row(r: dict, file_bytes: int) -> str:
+    lim = "RAM" if r["limit"] is None else f"{r['limit'] / file_bytes:.0%} of file"
+    what = r["engine"] + (f" {r['label']}" if r.get("label") else "")
+    if "error" in r:
+        return f"| {what} | {lim} | – | – | – | – | {r['error']} |"
+    c = r.get("counters", {})
+    hits, misses = c.get("expert_cache_hits"), c.get("expert_cache_misses")
+    rate = f"{hits / (hits + misses):.0%}" if hits is not None and misses is not None and hits + misses else "–"
+    return (f"| {what} | {lim} | {r['tok_s']:.2f} | {r['disk_bytes_per_token'] / 1e6:.1f} | {rate} | "
+            f"{r['peak_rss_bytes'] / 1e9:.2f} | |")
+
+
+def plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for label in sorted({r.get("label", "") for r in results if r["engine"] == "cflow" and "budget" in r}):
+        pts = sorted((r["budget"], r["tok_s"]) for r in results
+                     if r["engine"] == "cflow" and r.get("label") == label and "tok_s" in r and "budget" in r)
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=f"cflow {label}")
+    base = [r for r in results if r["engine"] == "llama.cpp" and "tok_s" in r and r["limit"] is not None]
+    for r in base:
+        ax.axhline(r["tok_s"], ls="--", color="gray")
+        ax.text(0.02, r["tok_s"], f"llama.cpp, limit {r['limit'] / 1e9:.1f} GB", va="bottom", fontsize=8,
+                transform=ax.get_yaxis_transform())
+    ax.set_xlabel("expert cache budget (fraction of all experts)")
+    ax.set_ylabel("decode tok/s")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gguf", required=True, help="a Mixtral-layout GGUF (both engines run it)")
+    ap.add_argument("--cflow", help="also run this pipeline-native .cflow (e.g. arch2_4_combined) with cflow")
+    ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("--limits", default="1,0.5",
+                    help="memory limits as fractions of the GGUF's size; 0 = no limit (default 1,0.5)")
+    ap.add_argument("--budgets", default="0.25,0.5,1",
+                    help="cflow expert-cache budgets as fractions of all experts' bytes (disk mode)")
+    ap.add_argument("--io", default="sync,async", help="cflow expert I/O modes to compare")
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--prompt", type=int, default=8)
+    ap.add_argument("--warm", action="store_true", help="keep the page cache between runs (default: cold)")
+    ap.add_argument("--timeout", type=float, default=1800, help="seconds per child run")
+    ap.add_argument("--out", default="docs/results/moe", help="OUT.md, OUT.json, OUT.png")
+    args = ap.parse_args(argv)
+
+    from cflow.bench.bandwidth import read_bandwidth
+    from cflow.fileformat import open_model
+    from cflow.runtime import Engine
+
+    gguf = Path(args.gguf).resolve()
+    file_bytes = gguf.stat().st_size
+    # the converted file (cflow runs the GGUF through its cache) and its experts' total bytes
+    with Engine.load(gguf, threads=1, n_ctx=16) as eng:
+        converted = eng.path
+    with open_model(converted) as cf:
+        expert_bytes = sum(n for _, n in cf.experts.values())
+    machine = {"memory_read_gbs": read_bandwidth(args.threads)}
+    try:
+        from cflow.bench import disk
+
+        machine["disk_read_gbs"] = disk.probe(converted).gbs
+    except (ImportError, AttributeError) as e:
+        machine["disk_read_gbs"] = None
+        print(f"(no disk probe: {e})", file=sys.stderr)
+
+    limits = [None if float(x) == 0 else int(float(x) * file_bytes) for x in args.limits.split(",")]
+    results: list[dict] = []
+    for limit in limits:
+        runs = [dict(engine="llama.cpp", model=str(gguf), repack=limit is None, label="")]
+        if limit is None:
+            runs.append(dict(engine="cflow", model=str(converted), label="ram", load={"experts": "ram"}))
+        for io in args.io.split(","):
+            for b in (float(x) for x in args.budgets.split(",")):
+                runs.append(dict(engine="cflow", model=str(converted), label=f"disk {io}", budget=b,
+                                 load={"experts": "disk", "expert_cache": max(1, int(b * expert_bytes)),
+                                       "expert_io": io}))
+        if args.cflow:
+            runs.append(dict(engine="cflow", model=str(Path(args.cflow).resolve()), label="pipeline-native",
+                             load={"experts": "auto"}))
+        for spec in runs:
+            spec.update(threads=args.threads, tokens=args.tokens, prompt=args.prompt, limit=limit)
+            r = run_child(spec, limit, cold=not args.warm, timeout=args.timeout)
+            results.append(r)
+            print(fmt_row(r, file_bytes), flush=True)
+
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    report = {"gguf": str(gguf), "file_bytes": file_bytes, "expert_bytes": expert_bytes, "machine": machine,
+              "threads": args.threads, "tokens": args.tokens, "cold": not args.warm, "results": results}
+    out.with_suffix(".json").write_text(json.dumps(report, indent=1))
+    lines = [f"# MoE decode: cflow vs llama.cpp ({gguf.name}, {file_bytes / 1e9:.2f} GB, experts "
+             f"{expert_bytes / 1e9:.2f} GB)", "",
+             f"Command: `python benchmarks/moe_bench.py {' '.join(argv if argv is not None else sys.argv[1:])}`", "",
+             f"Memory read probe {machine['memory_read_gbs']:.1f} GB/s; disk read probe "
+             + (f"{machine['disk_read_gbs']:.2f} GB/s" if machine["disk_read_gbs"] else "n/a")
+             + f"; {args.threads} threads; {'cold' if not args.warm else 'warm'} page cache per run.", "",
+             "| engine | memory | tok/s | disk MB/token | expert cache hits | peak RSS GB | note |",
+             "|---|---|---:|---:|---:|---:|---|"]
+    lines += [fmt_row(r, file_bytes) for r in results]
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    plot(results, out.with_suffix(".png"))
+    print(f"wrote {out.with_suffix('.md')}, .json, .png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
