@@ -8,6 +8,7 @@
     runner      the pp/tg measurement loop and BenchRow, shared by every engine
     llamacpp    llama.cpp through llama-cpp-python, the baseline
     bandwidth   the machine's read bandwidth, measured by the C core
+    disk        the disk's cold read bandwidth (sequential, and random at expert-sized chunks)
     footprint   load time, time to first token and resident memory, in a fresh process
     machine     the machine and build stamp on every result
     perplexity  teacher-forced perplexity through the engine
