@@ -47,6 +47,9 @@ MIXED = {
     "blk.0.ffn_down.weight": T.Q5_0,
     "token_embd.weight": T.F16, "output.weight": T.Q4_0,
 }
+# What write_gguf writes by default: MIXED without the one format cflow has no kernel for (Q5_0),
+# so the file loads without an explicit --quant. The `mixed` fixture adds Q5_0 back.
+LOADABLE = {**MIXED, "blk.0.ffn_down.weight": T.Q8_0}
 
 
 def hf_weights(seed: int = 0) -> dict[str, np.ndarray]:
@@ -68,7 +71,7 @@ def hf_weights(seed: int = 0) -> dict[str, np.ndarray]:
 def write_gguf(path: Path, *, arch: str = "llama", types: dict | None = None, tied: bool = False,
                drop: tuple[str, ...] = (), extra: tuple[str, ...] = (), tokenizer_model: str = "gpt2") -> dict:
     """Write a tiny GGUF; returns the GGUF-order float weights it was made from."""
-    types = {**MIXED, **(types or {})}
+    types = {**LOADABLE, **(types or {})}
     w = hf_weights()
     if tied:
         del w["output.weight"]
@@ -136,7 +139,7 @@ def file_blocks(f, name: str) -> list[np.ndarray]:
 @pytest.fixture(scope="module")
 def mixed(tmp_path_factory):
     d = tmp_path_factory.mktemp("mixed")
-    write_gguf(d / "m.gguf")
+    write_gguf(d / "m.gguf", types=MIXED)
     result = convert(d / "m.gguf", d / "m.cflow", quant="q8_0")
     return d / "m.gguf", result, open_model(d / "m.cflow", verify=True)
 
@@ -332,6 +335,32 @@ def test_cli_convert(tmp_path, capsys):
     assert main(["convert", str(tmp_path / "c.gguf"), str(tmp_path / "e.cflow"), "--tile", "100x256"]) == 2
     assert "tile" in capsys.readouterr().err
     assert main(["convert", str(tmp_path / "missing"), str(tmp_path / "e.cflow")]) == 2
+
+
+def test_formats_without_a_kernel_are_never_requantized_silently(tmp_path, capsys, monkeypatch):
+    """A Q5_0 tensor (like the K-quants) has no cflow kernel: converting it means re-quantizing,
+    which loses precision a second time, so it happens only when --quant is given."""
+    from cflow.cli import main
+    from cflow.convert.encoder import NotNativeError
+    from cflow.runtime import Engine
+
+    src = tmp_path / "q5.gguf"
+    write_gguf(src, types={"blk.0.ffn_down.weight": T.Q5_0})
+    with pytest.raises(NotNativeError, match=r"blk\.0\.ffn_down\.weight is Q5_0.*--quant q8_0"):
+        convert(src, tmp_path / "a.cflow")
+    assert not (tmp_path / "a.cflow").exists()
+    monkeypatch.setenv("CFLOW_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(NotNativeError):
+        Engine.load(src)  # the engine's own conversion follows the same rule
+    assert not list((tmp_path / "cache").rglob("*.cflow"))
+    capsys.readouterr()
+    assert main(["convert", str(src), str(tmp_path / "b.cflow")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Q5_0" in err[0] and "--quant q8_0" in err[0]
+    # asked for explicitly: converted, and the error it introduces is printed
+    assert main(["convert", str(src), str(tmp_path / "b.cflow"), "--quant", "q8_0"]) == 0
+    out = capsys.readouterr().out
+    assert "RMS" in out and open_model(tmp_path / "b.cflow").tensors["layers.0.ffn.w_down"].dtype == "q8_0"
 
 
 # ---- the real model --------------------------------------------------------------------------

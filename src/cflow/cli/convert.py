@@ -19,12 +19,16 @@ convert a GGUF file or a training checkpoint into a .cflow/.vflow file
 Convert a Llama-family GGUF file (llama.cpp) or a cflow training checkpoint directory into
 cflow's tiled model file. GGUF Q4_0/Q4_1/Q8_0 tensors are copied bit for bit whatever --quant
 says: cflow never requantizes them, and when --quant is given the summary lists the tensors that
-kept another type. Every other weight is quantized to --quant and the error this introduces is
-reported. Sizes are decimal: MB = 10^6 bytes.
+kept another type. F32/F16/BF16 weights are quantized to --quant (default q4_0) and the error
+this introduces is reported. GGUF tensors in a quantized format cflow has no kernel for yet
+(K-quants such as Q4_K/Q6_K, Q5_0, Q5_1, IQ*) would have to be re-quantized, losing precision a
+second time: cflow refuses them unless --quant is given, and then reports the error. Sizes are
+decimal: MB = 10^6 bytes.
 
 examples:
   cflow convert SmolLM2-135M-Instruct.Q4_1.gguf smollm2.cflow
   cflow convert runs/arch2_4 arch2_4.vflow --quant q8_0
+  cflow convert model.Q4_K_M.gguf model.cflow --quant q8_0   # re-quantizes the K-quant tensors
 """
 
 
@@ -42,7 +46,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 def add_common_flags(p: argparse.ArgumentParser, quant_default: str | None) -> None:
     p.add_argument("--quant", choices=QUANT_CHOICES, default=quant_default,
                    help="format for weights that need quantizing (default q4_0); GGUF Q4_0/Q4_1/Q8_0 "
-                   "tensors keep their own format bit for bit")
+                   "tensors keep their own format bit for bit; given explicitly, also re-quantizes GGUF "
+                   "tensors in formats cflow has no kernel for (refused otherwise)")
     p.add_argument("--tile", default="128x256", help="tile geometry ROWSxCOLS (default 128x256)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")

@@ -63,19 +63,21 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, quant: str | None
             tile: tuple[int, int] = TILE, order: str | None = None, progress=None) -> ConversionResult:
     """Convert a GGUF file or a checkpoint directory into a .cflow/.vflow file.
 
-    `quant` is the format for weights that must be (re)quantized: default q4_0. For GGUF input,
+    `quant` is the format for weights that must be quantized: default q4_0. For GGUF input,
     Q4_0/Q4_1/Q8_0 tensors keep their own format bit for bit whatever `quant` says (`cflow convert`
-    says which did when --quant was given).
+    says which did when --quant was given), float tensors are quantized to `quant`, and tensors in
+    another quantized format (K-quants, Q5_0, ...) are re-quantized only when `quant` is given
+    explicitly; otherwise NotNativeError names the tensor and says what to do.
     """
     kind = detect_input(src)
     order = order_for(dst, order)
-    quant = quant or "q4_0"
+    explicit, quant = quant is not None, quant or "q4_0"
     if Path(dst).resolve() == Path(src).resolve():
         raise ConvertError("the output path is the input path; choose another output file")
     if kind == "gguf":
         from cflow.convert.gguf import convert_gguf
 
-        return convert_gguf(src, dst, quant=quant, tile=tile, order=order, progress=progress)
+        return convert_gguf(src, dst, quant=quant, tile=tile, order=order, progress=progress, requantize=explicit)
     from cflow.convert.checkpoint import convert_checkpoint
 
     return convert_checkpoint(src, dst, quant=quant, tile=tile, order=order, progress=progress)

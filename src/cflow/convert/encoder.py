@@ -28,12 +28,18 @@ from cflow import quant, weights
 from cflow.errors import CflowError
 
 QUANT_CHOICES = ("q4_0", "q4_1", "q8_0")
+# Source formats that are plain numbers: quantizing them is the normal first quantization.
+FLOAT_SOURCES = ("F32", "F16", "BF16", "F64", "FLOAT32", "FLOAT16", "BFLOAT16")
 # Higher is more precise; breaks ties when fused parts disagree on their dtype.
 _PRECISION = {"q4_0": 0, "q4_1": 1, "q8_0": 2}
 
 
 class ConvertError(CflowError, ValueError):
     """A conversion input is missing, malformed or uses something cflow does not support."""
+
+
+class NotNativeError(ConvertError):
+    """A source tensor is quantized in a format cflow cannot run, and re-quantizing was not asked for."""
 
 
 def check_quant(q: str) -> str:
@@ -157,14 +163,26 @@ class QuantReport:
 class Encoder:
     """Turns Sources into TensorData in the DESIGN.md layouts, recording what re-quantizing cost."""
 
-    def __init__(self, quant_dtype: str, tile: Sequence[int] = quant.TILE, report: QuantReport | None = None):
+    def __init__(self, quant_dtype: str, tile: Sequence[int] = quant.TILE, report: QuantReport | None = None,
+                 *, requantize: bool = True):
         self.quant = check_quant(quant_dtype)
         self.tile = tuple(tile)
         self.report = report if report is not None else QuantReport()
+        # False: a source already quantized in a format cflow does not run (K-quants, Q5_0, ...) is
+        # refused instead of silently re-quantized (it would lose precision a second time).
+        self.requantize = requantize
 
     def target(self, src: Source) -> str:
         """The dtype a matrix is stored in on its own: its own blocks' dtype, else --quant."""
-        return src.dtype if src.blocks is not None and src.dtype in QUANT_CHOICES else self.quant
+        if src.blocks is not None and src.dtype in QUANT_CHOICES:
+            return src.dtype
+        if not self.requantize and src.src_dtype.upper() not in FLOAT_SOURCES:
+            raise NotNativeError(
+                f"{src.origin} is {src.src_dtype}, a format cflow has no kernel for (it runs Q4_0, Q4_1 and Q8_0 "
+                f"blocks as they are). Converting means re-quantizing, which loses precision, so cflow does it "
+                f"only when asked: `cflow convert MODEL.gguf OUT.cflow --quant q8_0` (q8_0 loses least; the "
+                f"summary prints the error it introduces), or use a Q4_0/Q8_0 GGUF of this model")
+        return self.quant
 
     def blocks(self, tensor: str, src: Source, dtype: str) -> np.ndarray:
         """GGML bytes [rows, row_bytes] of `src` in `dtype`: bit-exact when it already is, else

@@ -370,10 +370,12 @@ def _check_shape(s: Source, shape: tuple[int, ...]) -> None:
 
 
 def convert_gguf(src: str | os.PathLike, dst: str | os.PathLike, *, quant: str = "q4_0",
-                 tile: tuple[int, int] = TILE, order: str = "cflow", progress=None) -> ConversionResult:
+                 tile: tuple[int, int] = TILE, order: str = "cflow", progress=None,
+                 requantize: bool = True) -> ConversionResult:
     """Convert a llama GGUF file (dense or Mixtral-style MoE) into a .cflow/.vflow file.
 
-    `quant` applies only to tensors that are not already Q4_0/Q4_1/Q8_0 (those stay bit-exact).
+    `quant` applies only to tensors that are not already Q4_0/Q4_1/Q8_0 (those stay bit-exact);
+    requantize=False refuses tensors in other quantized formats (NotNativeError) instead.
     `progress`, if given, is passed to the writer (see cflow.fileformat.write_model).
     """
     t0 = time.perf_counter()
@@ -385,7 +387,7 @@ def convert_gguf(src: str | os.PathLike, dst: str | os.PathLike, *, quant: str =
     if len(tok["vocab"]) != cfg.vocab_size:
         raise GGUFError(f"{g.path.name}: the tokenizer has {len(tok['vocab'])} tokens but the "
                         f"embedding has {cfg.vocab_size} rows")
-    enc = Encoder(quant, tile)
+    enc = Encoder(quant, tile, requantize=requantize)
     source = {"format": "gguf", "file": g.path.name, "name": g.get("general.name"),
               "file_type": g.get("general.file_type"), "architecture": g.architecture,
               "family": cfg.name}
