@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -101,6 +102,16 @@ def check_writable(path: str | os.PathLike, *, file: bool = False) -> None:
         fd, probe = tempfile.mkstemp(prefix=".cflow-probe-", dir=folder)
         os.close(fd)
         os.unlink(probe)
+
+
+def read_json_dict(path: str | os.PathLike) -> dict:
+    """A JSON object from `path`, or {} when the file is missing, unreadable or not an object:
+    for bookkeeping files whose loss only costs redone work."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def cache_dir() -> Path:

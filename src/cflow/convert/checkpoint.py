@@ -12,7 +12,6 @@ Reading uses safetensors' numpy loader; torch is only touched for bf16 checkpoin
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
@@ -25,6 +24,7 @@ from cflow.config import ConfigError, ModelConfig
 from cflow.convert.encoder import (ConversionResult, ConvertError, Encoder, Source, check_quant, encode_model,
                                    write_conversion)
 from cflow.convert.hf_tokenizer import hf_json_to_header
+from cflow.fsutil import read_json_dict
 from cflow.quant import TILE
 from cflow.tokenizer import Tokenizer, TokenizerError
 from cflow.weights import Weight
@@ -143,15 +143,6 @@ def checkpoint_tensors(cfg: ModelConfig, w: dict[str, np.ndarray], enc: Encoder)
     return encode_model(cfg, enc, parts)
 
 
-def _read_meta(path: Path) -> dict[str, Any]:
-    # meta.json is informational only; a missing or odd one must not block an export
-    try:
-        meta = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return meta if isinstance(meta, dict) else {}
-
-
 def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, quant: str = "q4_0",
                        tile: tuple[int, int] = TILE, order: str = "cflow", progress=None) -> ConversionResult:
     """Quantize a training checkpoint directory into a .cflow/.vflow file."""
@@ -159,7 +150,7 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, quant:
     check_quant(quant)
     cfg, params, tok = read_checkpoint(src)
     enc = Encoder(quant, tile)
-    train_meta = _read_meta(Path(src) / "meta.json")
+    train_meta = read_json_dict(Path(src) / "meta.json")  # informational: a missing one is fine
     metadata = {"source": {"format": "cflow-checkpoint", "dir": Path(src).name,
                            "preset": train_meta.get("preset")},
                 "converter": "cflow.convert.checkpoint"}

@@ -28,7 +28,7 @@ from typing import Any, Callable
 import xxhash
 
 from cflow.errors import CflowError
-from cflow.fsutil import atomic_write_text, cache_dir
+from cflow.fsutil import atomic_write_text, cache_dir, read_json_dict
 
 DEFAULT_CACHE_MAX = 20 * 1000**3
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
@@ -62,14 +62,6 @@ def stat_key(path: Path) -> str:
     return f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}"
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
 def _write_json(path: Path, data: dict[str, Any]) -> None:
     # Best effort: a read-only cache only means the work is redone next time.
     try:
@@ -85,14 +77,14 @@ def _verdicts_path() -> Path:
 
 def is_verified(path: Path) -> bool:
     try:
-        return stat_key(path) in _read_json(_verdicts_path())
+        return stat_key(path) in read_json_dict(_verdicts_path())
     except OSError:
         return False
 
 
 def mark_verified(path: Path) -> None:
     vpath = _verdicts_path()
-    data = _read_json(vpath)
+    data = read_json_dict(vpath)
     data = {k: v for k, v in data.items() if _still_exists(k)}  # forget deleted files
     data[stat_key(path)] = time.time()
     _write_json(vpath, data)
@@ -125,7 +117,7 @@ def content_key(src: Path, progress: Callable[[int, int], None] | None = None) -
     from cflow import __version__
 
     memo_path = gguf_dir() / "keys.json"
-    memo = _read_json(memo_path)
+    memo = read_json_dict(memo_path)
     skey = stat_key(src)
     if skey in memo.get("keys", {}):
         return memo["keys"][skey]
@@ -159,7 +151,7 @@ def cached_path(src: Path, key: str) -> Path:
 def touch(entry_path: Path, source: Path) -> None:
     """Record a use of a cached conversion (its recency orders eviction)."""
     memo_path = gguf_dir() / "keys.json"
-    memo = _read_json(memo_path)
+    memo = read_json_dict(memo_path)
     memo.setdefault("used", {})[entry_path.name] = {"t": time.time(), "source": str(source)}
     _write_json(memo_path, memo)
 
@@ -167,7 +159,7 @@ def touch(entry_path: Path, source: Path) -> None:
 def entries() -> list[CacheEntry]:
     """The cached conversions, most recently used first."""
     d = gguf_dir()
-    used = _read_json(d / "keys.json").get("used", {})
+    used = read_json_dict(d / "keys.json").get("used", {})
     out = []
     # cflow 0.1 kept conversions in the cache root: list them too, so they can be cleared
     found = [p for root in (d, cache_dir()) if root.is_dir() for p in root.glob("*.cflow")]
