@@ -36,6 +36,7 @@ KEY_FLAGS = {
     "analyze": ["--preset", "--quant", "--json", "--dot", "--plan"],
     "train": ["--preset", "--out", "--steps"],
     "export": ["--quant", "--tile", "--json"],
+    "serve": ["--model", "--port", "--host", "--parallel", "--api-key", "--ctx-size", "--threads"],
 }
 
 

@@ -18,7 +18,7 @@ from cflow import __version__
 from cflow.errors import CflowError
 
 # Subcommand modules, in the order `cflow --help` lists them.
-COMMANDS = ["generate", "chat", "bench", "convert", "inspect", "cache", "analyze", "train", "export"]
+COMMANDS = ["generate", "chat", "serve", "bench", "convert", "inspect", "cache", "analyze", "train", "export"]
 
 
 def build_parser() -> argparse.ArgumentParser:

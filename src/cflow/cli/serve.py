@@ -1,0 +1,179 @@
+"""`cflow serve`: an OpenAI-compatible HTTP server (cflow.serve), llama-server's flag names.
+
+The server listens at once and loads the model in the background (GET /health answers 503
+until it is ready); a model that fails to load ends the command with the error, exit status 2.
+Needs the serve extra (Starlette + uvicorn): pip install "cflow-lm[serve]".
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+from typing import Any
+
+from cflow.cli.common import (UsageError, add_command, add_model_flags, add_sampling_flags, check_model_flags,
+                              check_sampling, expert_kwargs, load_error, log, progress_bar, sampling_kwargs)
+
+HELP = """\
+serve the model over HTTP (OpenAI-compatible API)
+
+An OpenAI-compatible server: POST /v1/completions and /v1/chat/completions (streamed as
+server-sent events with "stream": true), GET /v1/models, /health (503 while the model loads)
+and /metrics (Prometheus). Up to --parallel requests decode together, each in its own slot of
+-c / --parallel context tokens; more wait in a queue of --max-queue, and beyond it a request
+gets 429 with Retry-After. The sampling flags set the defaults a request's own fields override.
+Needs the serve extra: pip install "cflow-lm[serve]".
+
+examples:
+  cflow serve -m SmolLM2-135M-Instruct.Q4_1.gguf --port 8080 --parallel 4
+  cflow serve -m smollm2.cflow -c 8192 -np 8 --api-key secret --host 0.0.0.0
+  curl -s localhost:8080/v1/chat/completions -H 'Content-Type: application/json' \\
+       -d '{"messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 32}'
+"""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = add_command(sub, "serve", HELP)
+    add_model_flags(p)
+    for action in p._actions:  # -c means the whole KV context here, shared by the slots (llama-server)
+        if "-c" in action.option_strings:
+            action.help = ("context tokens for all slots together, split evenly between the --parallel slots "
+                           "(llama-server's rule); default 0: each slot gets min(the model's max_seq_len, 4096)")
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for "
+                   "every interface)")
+    g.add_argument("--port", type=int, default=8080, help="port to listen on (default 8080; 0 = any free port, "
+                   "printed at startup)")
+    g.add_argument("-np", "--parallel", type=int, default=4, metavar="N",
+                   help="sequences decoded together, each in its own KV-cache slot (default 4)")
+    g.add_argument("--max-queue", type=int, default=256, metavar="N",
+                   help="requests that may wait for a slot; beyond them: 429 with Retry-After (default 256)")
+    g.add_argument("-b", "--batch-size", type=int, default=64, metavar="N",
+                   help="prompt tokens evaluated per scheduler step, between the decode steps of the running "
+                   "streams: a long prompt joins in chunks of N (default 64)")
+    g.add_argument("--api-key", default=os.environ.get("CFLOW_API_KEY") or None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on every route but /health (default: $CFLOW_API_KEY; "
+                   "none: open)")
+    g.add_argument("-a", "--alias", default=None, metavar="NAME",
+                   help="the model's name in /v1/models and the 'model' field (default: the file's name)")
+    g.add_argument("-n", "--n-predict", type=int, default=-1,
+                   help="default max_tokens of a request (default -1: until end of text or the slot's context)")
+    g.add_argument("--verbose", action="store_true", help="log every request (uvicorn's access log)")
+    add_sampling_flags(p)
+    p.set_defaults(func=run)
+
+
+def _check(args: argparse.Namespace) -> None:
+    check_model_flags(args)
+    if args.parallel < 1:
+        raise UsageError(f"must be >= 1, got {args.parallel}", flag="--parallel")
+    if args.ctx_size and args.ctx_size // args.parallel < 2:
+        raise UsageError(f"-c {args.ctx_size} leaves {args.ctx_size // args.parallel} tokens per slot with "
+                         f"--parallel {args.parallel}; give at least 2 per slot", flag="-c")
+    if not 0 <= args.port <= 65535:
+        raise UsageError(f"must be in 0..65535, got {args.port}", flag="--port")
+    if args.max_queue < 0:
+        raise UsageError(f"must be >= 0, got {args.max_queue}", flag="--max-queue")
+    if args.batch_size < 1:
+        raise UsageError(f"must be >= 1, got {args.batch_size}", flag="-b")
+    if args.model is not None and not os.path.exists(args.model):  # fail before listening
+        raise UsageError(f"model file {args.model} does not exist; give a .cflow/.vflow or .gguf file", flag="-m")
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, kind, proto, _, addr = infos[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as e:
+        raise UsageError(f"cannot listen on {host}: {e.strerror or e}", flag="--host") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        raise UsageError(f"cannot listen on {host}:{port}: {e.strerror or e}", flag="--port") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def model_name(args: argparse.Namespace) -> tuple[str, tuple[str, ...]]:
+    """The served name and the other names a request's 'model' may use (the path, the file name)."""
+    from cflow.runtime import DEFAULT_MODEL
+
+    path = args.model or str(DEFAULT_MODEL)
+    base = os.path.basename(path)
+    stem = base.rsplit(".", 1)[0] if "." in base else base
+    name = args.alias or base
+    return name, tuple(n for n in {path, base, stem, name} if n)
+
+
+def run(args: argparse.Namespace) -> int:
+    kw = sampling_kwargs(args)
+    _check(args)
+    check_sampling(kw)
+    try:
+        import uvicorn
+
+        from cflow.serve.app import create_app
+    except ImportError as e:
+        raise UsageError(f"cflow serve needs the serve extra ({e.name or e} is missing): "
+                         f"pip install \"cflow-lm[serve]\"") from None
+    from cflow.runtime import EngineError
+    from cflow.sampling import SamplingParams
+    from cflow.serve.backend import EngineSlots
+    from cflow.serve.batch import BatchGenerator
+    from cflow.serve.protocol import Defaults
+
+    per_slot = args.ctx_size // args.parallel if args.ctx_size else None
+
+    def load() -> BatchGenerator:
+        try:
+            with progress_bar() as progress:
+                backend = EngineSlots.load(args.model, n_slots=args.parallel, threads=args.threads, n_ctx=per_slot,
+                                           mmap=not args.no_mmap, verify=not args.no_verify, progress=progress,
+                                           log=log, **expert_kwargs(args))
+        except EngineError as e:
+            if getattr(e, "flag", None) == "-c" and per_slot:
+                raise EngineError(f"{e} (cflow serve's -c is the context of all {args.parallel} slots together: "
+                                  f"{per_slot} tokens per slot here)", flag="-c") from None
+            raise
+        except OSError as e:
+            raise load_error(args.model, e) from None
+        return BatchGenerator(backend, prefill_chunk=args.batch_size, max_queue=args.max_queue)
+
+    failure: list[BaseException] = []
+    server: Any = None
+
+    def on_ready(gen: BatchGenerator) -> None:
+        b = gen.backend
+        log(f"ready: {b.path}, {gen.n_slots} slot(s) x {gen.n_ctx} tokens, {b.threads} threads"
+            f"{'' if not args.api_key else ', API key required'}")
+
+    def on_load_error(e: BaseException) -> None:
+        failure.append(e)
+        if server is not None:
+            server.should_exit = True
+
+    name, aliases = model_name(args)
+    defaults = Defaults(SamplingParams(**kw), None if args.n_predict < 0 else args.n_predict)
+    app = create_app(load, model_name=name, aliases=aliases, api_key=args.api_key, defaults=defaults,
+                     on_ready=on_ready, on_load_error=on_load_error)
+    sock = _listen(args.host, args.port)
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    log(f"listening on http://{shown}:{port} (model {name}: loading)")
+    sys.stderr.flush()
+    config = uvicorn.Config(app, log_level="info" if args.verbose else "warning", access_log=args.verbose,
+                            timeout_graceful_shutdown=3, lifespan="on")
+    server = uvicorn.Server(config)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+    if failure:
+        raise failure[0]
+    return 0

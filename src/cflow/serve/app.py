@@ -1,0 +1,448 @@
+"""The HTTP layer of `cflow serve`: an ASGI app (Starlette) over a BatchGenerator.
+
+Why Starlette + uvicorn: it is the stack the Python OpenAI-compatible servers are built on (vLLM,
+SGLang and llama-cpp-python's server use FastAPI, which is Starlette plus pydantic), so its
+streaming, keep-alive and HTTP parsing are well exercised; uvicorn (h11, or httptools when
+installed) parses HTTP, limits headers and answers malformed requests with 400 before they
+reach us. ASGI gives a handler the raw `receive` channel, so a client that disconnects is seen
+at once, mid-stream or while a non-streamed answer is being generated, and its sequence is
+cancelled. We use Starlette without FastAPI: requests are checked by cflow.serve.protocol (strict
+types, OpenAI-shaped 400s; pydantic would answer 422 and coerce "1" to 1), and the extra stays
+two small pure-Python packages. aiohttp would do as well, but brings its own HTTP stack and
+client, and is rarer among these servers.
+
+Concurrency: one event loop handles every connection; the model runs in the generator's worker
+thread; events come back through `loop.call_soon_threadsafe` onto a per-request asyncio.Queue.
+Prompts are tokenized in a worker thread, so a long prompt does not hold up other streams.
+
+Routes (each also without the /v1 prefix, as llama-server):
+    POST /v1/completions, POST /v1/chat/completions    (stream: true -> server-sent events, then [DONE])
+    GET  /v1/models, GET /health (503 while loading), GET /metrics (Prometheus text)
+With an API key every route but /health needs `Authorization: Bearer KEY` (401 otherwise).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import sys
+import threading
+import time
+import traceback
+from typing import Any, Callable
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse as _StarletteJSON
+from starlette.responses import Response
+from starlette.routing import Route
+
+from cflow.errors import CflowError
+from cflow.runtime.errors import ContextOverflowError
+from cflow.serve import protocol as P
+from cflow.serve.batch import BatchGenerator, Failed, Finished, GeneratorClosedError, Piece, QueueFullError
+from cflow.serve.metrics import Metrics
+
+MAX_BODY = 8 * 1024 * 1024     # bytes; far above any context's worth of text
+PUBLIC = ("/health", "/v1/health")
+
+
+class ClientGone(Exception):
+    pass
+
+
+def _json_bytes(obj: Any) -> bytes:
+    try:
+        return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate a client sent, echoed in an error message: escape it
+        return json.dumps(obj, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
+class JSONResponse(_StarletteJSON):
+    """Starlette's JSONResponse, compact, and safe for any str a client could make us echo."""
+
+    def render(self, content: Any) -> bytes:
+        return _json_bytes(content)
+
+
+def _sse(obj: Any) -> bytes:
+    return b"data: " + _json_bytes(obj) + b"\n\n"
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+class Server:
+    """The app's state: the generator (None while loading), metrics, settings. `app` is the ASGI app."""
+
+    def __init__(self, load: Callable[[], BatchGenerator], *, model_name: str, aliases: tuple[str, ...] = (),
+                 api_key: str | None = None, defaults: P.Defaults | None = None,
+                 on_ready: Callable[[BatchGenerator], None] | None = None,
+                 on_load_error: Callable[[BaseException], None] | None = None) -> None:
+        self._load = load
+        self.model_name = model_name
+        self.names = frozenset((model_name, *aliases))
+        self.api_key = api_key.encode("utf-8") if api_key else None
+        self.defaults = defaults or P.Defaults()
+        self.metrics = Metrics()
+        self.gen: BatchGenerator | None = None
+        self.load_error: BaseException | None = None
+        self._on_ready, self._on_load_error = on_ready, on_load_error
+        self._loader: threading.Thread | None = None
+        self._closed = False
+        self.created = int(time.time())
+        routes = []
+        for prefix in ("/v1", ""):
+            routes += [Route(f"{prefix}/completions", self.completions, methods=["POST"]),
+                       Route(f"{prefix}/chat/completions", self.chat_completions, methods=["POST"]),
+                       Route(f"{prefix}/models", self.models, methods=["GET"]),
+                       Route(f"{prefix}/health", self.health, methods=["GET"])]
+        routes.append(Route("/metrics", self.metrics_text, methods=["GET"]))
+        inner = Starlette(routes=routes, lifespan=self._lifespan,
+                          exception_handlers={HTTPException: self._http_error, Exception: self._server_error})
+        self.app = _Guard(inner, self)
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+    def start_loading(self) -> None:
+        """Load the model in a background thread (GET /health answers 503 until it is ready)."""
+        if self._loader is None:
+            self._loader = threading.Thread(target=self._load_model, name="cflow-load", daemon=True)
+            self._loader.start()
+
+    def _load_model(self) -> None:
+        try:
+            gen = self._load()
+        except BaseException as e:  # reported by /health and the on_load_error callback
+            self.load_error = e
+            if self._on_load_error:
+                self._on_load_error(e)
+            return
+        if self._closed:
+            gen.close()
+            return
+        gen.metrics = self.metrics
+        self.gen = gen
+        if self._on_ready:
+            self._on_ready(gen)
+
+    def close(self) -> None:
+        """Stop the generator (running and queued requests end); a load still running is dropped."""
+        self._closed = True
+        if self.gen is not None:
+            self.gen.close()
+            self.gen = None
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, app: Any):
+        self.start_loading()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(self.close)
+
+    # ---- plain routes --------------------------------------------------------------------------
+    def _unavailable(self) -> Response:
+        msg = "Loading model" if self.load_error is None else f"the model failed to load: {self.load_error}"
+        return JSONResponse({"error": {"code": 503, "message": msg, "type": "unavailable_error"}}, 503)
+
+    async def health(self, request: Request) -> Response:
+        if self.gen is None:
+            return self._unavailable()
+        g = self.gen
+        return JSONResponse({"status": "ok", "slots_idle": g.n_slots - g.running, "slots_processing": g.running,
+                             "queue": g.queue_depth})
+
+    async def models(self, request: Request) -> Response:
+        if self.gen is None:
+            return self._unavailable()
+        b = self.gen.backend
+        meta = {"n_ctx_slot": self.gen.n_ctx, "n_slots": self.gen.n_slots, "n_vocab": b.vocab_size}
+        return JSONResponse({"object": "list", "data": [{"id": self.model_name, "object": "model",
+                                                         "created": self.created, "owned_by": "cflow",
+                                                         "meta": meta}]})
+
+    async def metrics_text(self, request: Request) -> Response:
+        return Response(self.metrics.render(self.gen, loading=self.gen is None and self.load_error is None),
+                        media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    # ---- errors --------------------------------------------------------------------------------
+    def _error(self, e: P.BadRequest, headers: dict[str, str] | None = None) -> Response:
+        if e.status == 400:
+            self.metrics.rejected("bad_request")
+        return JSONResponse(e.body(), e.status, headers=headers)
+
+    async def _http_error(self, request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        code = exc.status_code
+        kind = "not_found_error" if code == 404 else "invalid_request_error"
+        return JSONResponse(P.error_body(f"{request.method} {request.url.path}: {exc.detail}", kind, None, code),
+                            code, headers=getattr(exc, "headers", None))
+
+    async def _server_error(self, request: Request, exc: Exception) -> Response:
+        traceback.print_exception(exc, file=sys.stderr)
+        return JSONResponse(P.error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error", None, 500),
+                            500)
+
+    # ---- generation ----------------------------------------------------------------------------
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, "completion")
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, "chat")
+
+    async def _generate(self, request: Request, kind: str) -> Any:
+        endpoint = "chat_completions" if kind == "chat" else "completions"
+        try:
+            gen = self.gen
+            if gen is None:
+                raise P.BadRequest("the model is still loading; retry shortly" if self.load_error is None else
+                                   f"the model failed to load: {self.load_error}", None, "model_loading",
+                                   status=503, type_="unavailable_error")
+            body = await self._read_json(request)
+            spec = (P.parse_chat if kind == "chat" else P.parse_completion)(body, self.defaults, self.names)
+            ids = await self._tokens(gen, spec)
+            loop = asyncio.get_running_loop()
+            queue: asyncio.Queue = asyncio.Queue()
+
+            def sink(ev: Any) -> None:
+                loop.call_soon_threadsafe(queue.put_nowait, ev)
+
+            try:
+                job = gen.submit(ids, sink, max_tokens=spec.max_tokens, params=spec.params, stop=spec.stop,
+                                 ignore_eos=spec.ignore_eos, logprobs=spec.logprobs)
+            except QueueFullError as e:
+                return self._error(P.BadRequest(str(e), None, "rate_limit_exceeded", status=429,
+                                                type_="rate_limit_error"), {"Retry-After": str(e.retry_after)})
+            except GeneratorClosedError as e:
+                raise P.BadRequest(str(e), None, "shutting_down", status=503, type_="unavailable_error") from None
+            except ContextOverflowError as e:
+                raise P.BadRequest(str(e), "messages" if kind == "chat" else "prompt",
+                                   "context_length_exceeded") from None
+            except CflowError as e:
+                raise P.BadRequest(str(e), "prompt", "invalid_value") from None
+        except P.BadRequest as e:
+            return self._error(e)
+        except ClientGone:
+            return _nothing
+        call = _Call(self, gen, job, queue, spec, endpoint, len(ids))
+        if spec.stream:
+            return call.stream
+        return await call.collect(request.receive)
+
+    async def _read_json(self, request: Request) -> Any:
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > MAX_BODY:
+            raise P.BadRequest(f"the request body is larger than {MAX_BODY} bytes", None, "body_too_large",
+                               status=413)
+        parts, size = [], 0
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > MAX_BODY:
+                    raise P.BadRequest(f"the request body is larger than {MAX_BODY} bytes", None, "body_too_large",
+                                       status=413)
+                parts.append(chunk)
+        except ClientDisconnect:
+            raise ClientGone() from None
+        raw = b"".join(parts)
+        if not raw.strip():
+            raise P.BadRequest("the request body is empty; send a JSON object", None, "invalid_json")
+        try:
+            return json.loads(raw, parse_constant=_reject_constant)
+        except (ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+            raise P.BadRequest(f"the request body is not valid JSON: {str(e)[:200]}", None, "invalid_json") from None
+
+    async def _tokens(self, gen: BatchGenerator, spec: P.GenSpec) -> list[int]:
+        backend = gen.backend
+
+        def work() -> list[int]:
+            if spec.kind == "chat":
+                return backend.chat_tokens(spec.messages)
+            return backend.encode(spec.prompt)
+
+        try:
+            return await asyncio.to_thread(work)
+        except CflowError as e:
+            raise P.BadRequest(str(e), "messages" if spec.kind == "chat" else "prompt", "invalid_value") from None
+        except Exception as e:  # the tokenizer refusing the text (e.g. unpaired surrogates)
+            raise P.BadRequest(f"cannot tokenize the {'messages' if spec.kind == 'chat' else 'prompt'}: "
+                               f"{type(e).__name__}: {str(e)[:200]}", None, "invalid_value") from None
+
+
+class _Call:
+    """One admitted request: turns the job's events into a JSON answer or a server-sent event stream,
+    and cancels the job when the client goes away."""
+
+    def __init__(self, server: Server, gen: BatchGenerator, job: Any, queue: asyncio.Queue, spec: P.GenSpec,
+                 endpoint: str, n_prompt: int) -> None:
+        self.server, self.job, self.queue, self.spec, self.endpoint = server, job, queue, spec, endpoint
+        self.kind = spec.kind
+        self.rid, self.created, self.model = P.new_id(spec.kind), P.now(), server.model_name
+        self.n_prompt = n_prompt
+        self.logprobs = P.LogprobsBuilder(gen.backend.tokenizer, spec.kind) if spec.logprobs is not None else None
+        self.result = "cancelled"
+
+    async def _events(self, receive: Callable[[], Any]):
+        """Yield lists of the events available now; raise ClientGone when the client disconnects."""
+        watcher = asyncio.ensure_future(_disconnected(receive))
+        try:
+            while True:
+                if self.queue.empty():
+                    getter = asyncio.ensure_future(self.queue.get())
+                    done, _ = await asyncio.wait({getter, watcher}, return_when=asyncio.FIRST_COMPLETED)
+                    if getter not in done:
+                        getter.cancel()
+                        raise ClientGone()
+                    batch = [getter.result()]
+                else:
+                    batch = []
+                while not self.queue.empty():
+                    batch.append(self.queue.get_nowait())
+                yield batch
+                if isinstance(batch[-1], (Finished, Failed)):
+                    return
+        finally:
+            watcher.cancel()
+
+    def _done(self) -> None:
+        self.job.cancel()  # a no-op when it finished
+        self.server.metrics.request_done(self.endpoint, self.result)
+
+    # ---- not streamed ------------------------------------------------------------------------
+    async def collect(self, receive: Callable[[], Any]) -> Response:
+        parts: list[str] = []
+        pieces: list[Piece] = []
+        end: Any = None
+        try:
+            async for batch in self._events(receive):
+                for ev in batch:
+                    if isinstance(ev, Piece):
+                        parts.append(ev.text)
+                        pieces.append(ev)
+                    else:
+                        end = ev
+        except ClientGone:
+            return _nothing  # nobody is there to read an answer
+        finally:
+            if end is not None:
+                self.result = end.reason if isinstance(end, Finished) else "error"
+            self._done()
+        if isinstance(end, Failed):
+            return _failure(end.error)
+        parts.append(end.tail)
+        lp = self.logprobs.entries(pieces) if self.logprobs else None
+        return JSONResponse(P.completion_object(self.kind, self.rid, self.created, self.model, "".join(parts),
+                                                end.reason, P.usage(end.prompt_tokens, end.completion_tokens,
+                                                                    end.cached_tokens), lp))
+
+    # ---- streamed ------------------------------------------------------------------------------
+    async def stream(self, scope: Any, receive: Callable[[], Any], send: Callable[[Any], Any]) -> None:
+        """The ASGI app of a `stream: true` answer (server-sent events)."""
+        k, rid, created, model = self.kind, self.rid, self.created, self.model
+        inc = self.spec.include_usage
+        try:
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"text/event-stream; charset=utf-8"),
+                                    (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]})
+            if k == "chat":
+                await send({"type": "http.response.body", "more_body": True,
+                            "body": _sse(P.chunk_object(k, rid, created, model, "", None, None, inc, role=True))})
+            async for batch in self._events(receive):
+                out = []
+                for ev in batch:
+                    if isinstance(ev, Piece):
+                        if ev.text or self.logprobs:
+                            lp = self.logprobs.entries([ev]) if self.logprobs else None
+                            out.append(_sse(P.chunk_object(k, rid, created, model, ev.text, None, lp, inc)))
+                    elif isinstance(ev, Finished):
+                        self.result = ev.reason
+                        if ev.tail:
+                            out.append(_sse(P.chunk_object(k, rid, created, model, ev.tail, None, None, inc)))
+                        out.append(_sse(P.chunk_object(k, rid, created, model, None if k == "chat" else "",
+                                                       ev.reason, None, inc)))
+                        if inc:
+                            out.append(_sse(P.usage_chunk(k, rid, created, model, P.usage(
+                                ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens))))
+                        out.append(b"data: [DONE]\n\n")
+                    else:
+                        self.result = "error"
+                        status, body = _failure_body(ev.error)
+                        out.append(_sse(body))
+                if out:
+                    await send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except (ClientGone, OSError):
+            pass  # the client went away: the job is cancelled below
+        finally:
+            self._done()
+
+
+async def _nothing(scope: Any, receive: Any, send: Any) -> None:
+    """The response to a client that has gone away: none (uvicorn sends nothing to a closed connection)."""
+
+
+async def _disconnected(receive: Callable[[], Any]) -> None:
+    while True:
+        message = await receive()
+        if message.get("type") == "http.disconnect":
+            return
+
+
+def _failure_body(e: BaseException) -> tuple[int, dict[str, Any]]:
+    if isinstance(e, GeneratorClosedError):
+        return 503, P.error_body(str(e), "unavailable_error", None, 503)
+    return 500, P.error_body(f"generation failed: {e}", "server_error", None, 500)
+
+
+def _failure(e: BaseException) -> Response:
+    status, body = _failure_body(e)
+    return JSONResponse(body, status)
+
+
+class _Guard:
+    """ASGI middleware: the API key check (401) and the count of responses by status code."""
+
+    def __init__(self, app: Any, server: Server) -> None:
+        self.app, self.server = app, server
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        metrics = self.server.metrics
+        key = self.server.api_key
+        if key is not None and scope.get("path") not in PUBLIC:
+            token = b""
+            for name, value in scope.get("headers", ()):
+                if name == b"authorization":
+                    scheme, _, token = value.partition(b" ")
+                    if scheme.lower() != b"bearer":
+                        token = b""
+                    token = token.strip()
+                    break
+            if not hmac.compare_digest(token, key):
+                metrics.rejected("unauthorized")
+                metrics.response(401)
+                msg = "Invalid API key" if token else "Missing API key: send 'Authorization: Bearer KEY'"
+                resp = JSONResponse(P.error_body(msg, "invalid_request_error", None, "invalid_api_key"), 401,
+                                    headers={"WWW-Authenticate": "Bearer"})
+                await resp(scope, receive, send)
+                return
+
+        async def counted(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                metrics.response(message["status"])
+            await send(message)
+
+        await self.app(scope, receive, counted)
+
+
+def create_app(load: Callable[[], BatchGenerator], **kw: Any) -> Any:
+    """The ASGI app; `kw` as Server's. The app's `.server` is the Server."""
+    server = Server(load, **kw)
+    server.app.server = server
+    return server.app

@@ -1,0 +1,132 @@
+"""The model side of batched generation: `BatchBackend`, n independent KV-cache slots over one set
+of weights, and `EngineSlots`, today's implementation of it (one `cflow.runtime.Engine` per slot).
+
+The scheduler (cflow.serve.batch) calls exactly two things per iteration, always from one thread:
+
+    prefill(slot, tokens, pos0) -> logits [V]
+        Evaluate `tokens` at positions pos0 .. pos0+len-1 of `slot`'s sequence; return the logits
+        after the last one. Positions 0 .. pos0-1 of that slot hold K/V written by earlier calls
+        (prefill or step_batch) for this slot; everything at pos0 and after is overwritten, so
+        pos0 = 0 starts a new sequence and 0 < pos0 reuses a cached prefix.
+    step_batch(slot_ids, tokens, positions) -> logits [B, V]
+        One decode step for B different slots at once: row i is the logits after `tokens[i]` ran
+        at `positions[i]` of slot `slot_ids[i]` (same cache rule as prefill). The slots in one call
+        are distinct; B is 1 .. n_slots.
+
+Both may return arrays the next call reuses (callers copy what they keep). Both raise
+`cflow.runtime.EngineError` for a bad position or token (the slot then keeps positions < the
+failed call's first position) and must be bit-exact per row: a row's logits do not depend on
+which other slots share the call, so batched and single-sequence greedy decoding agree token for
+token. The true batched C step (one pass over the weights for all B rows) implements this same
+interface; `EngineSlots` below loops over one Engine per slot and is the reference for it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Protocol, Sequence, runtime_checkable
+
+import numpy as np
+
+
+@runtime_checkable
+class BatchBackend(Protocol):
+    """n_slots KV-cache slots of n_ctx positions each, over one model (see the module docstring)."""
+
+    n_slots: int
+    n_ctx: int              # positions per slot
+    vocab_size: int
+    path: Any               # the model file (named in error messages)
+    tokenizer: Any          # cflow.tokenizer.Tokenizer: stop_ids, stream(), token_to_piece()
+
+    def encode(self, prompt: str | Sequence[int], add_bos: bool | None = None) -> list[int]:
+        """Token ids of a text prompt, or a list of ids checked against the vocabulary (thread-safe)."""
+        ...
+
+    def chat_tokens(self, messages: list[dict[str, Any]]) -> list[int]:
+        """A conversation rendered with the model's chat template, generation prompt added (thread-safe)."""
+        ...
+
+    def prefill(self, slot: int, tokens: Sequence[int], pos0: int) -> np.ndarray:
+        ...
+
+    def step_batch(self, slot_ids: Sequence[int], tokens: Sequence[int], positions: Sequence[int]) -> np.ndarray:
+        ...
+
+    def close(self) -> None:
+        ...
+
+
+class EngineSlots:
+    """BatchBackend with one Engine per slot: each has its own KV cache and thread pool, and all
+    share the weights (one mapping of the file). `step_batch` runs the slots' steps one after the
+    other, so it reads the weights B times; the batched C step will read them once."""
+
+    def __init__(self, engines: Sequence[Any]) -> None:
+        if not engines:
+            raise ValueError("EngineSlots needs at least one engine")
+        self.engines = list(engines)
+        first = self.engines[0]
+        self.n_slots = len(self.engines)
+        self.n_ctx = min(e.n_ctx for e in self.engines)
+        self.vocab_size = first.config.vocab_size
+        self.config = first.config
+        self.path = first.path
+        self.threads = first.threads
+        self.tokenizer = first.tokenizer
+        self.load_s = first.load_s
+        self._out = np.zeros((self.n_slots, self.vocab_size), np.float32)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike | None = None, n_slots: int = 1, threads: int | None = None,
+             n_ctx: int | None = None, **load_kw: Any) -> "EngineSlots":
+        """Load the model once (Engine.load: GGUF conversion, verification, `load_kw` as there) and
+        give it `n_slots` slots of `n_ctx` positions each (default: Engine's default context). The
+        extra slots are Engines over the first one's open file, so they share its mapping of the
+        weights (with mmap=False only the first slot copies them)."""
+        from cflow.runtime import Engine
+
+        if int(n_slots) < 1:
+            raise ValueError(f"n_slots must be >= 1, got {n_slots}")
+        first = Engine.load(path, threads=threads, n_ctx=n_ctx, **load_kw)
+        engines = [first]
+        try:
+            extra = {k: load_kw[k] for k in ("max_batch", "experts", "expert_cache", "expert_io") if k in load_kw}
+            for _ in range(int(n_slots) - 1):
+                # the same open file: one mapping of the weights serves every slot
+                engines.append(Engine(first.file, threads=threads, n_ctx=first.n_ctx, **extra))
+        except BaseException:
+            for e in engines:
+                e.close()
+            raise
+        return cls(engines)
+
+    # ---- tokens (thread-safe: the tokenizer only) --------------------------------------------
+    def encode(self, prompt: str | Sequence[int], add_bos: bool | None = None) -> list[int]:
+        return self.engines[0].encode(prompt, add_bos)
+
+    def chat_tokens(self, messages: list[dict[str, Any]]) -> list[int]:
+        return self.engines[0].chat_tokens(messages)
+
+    # ---- the two model calls (one thread) ----------------------------------------------------
+    def prefill(self, slot: int, tokens: Sequence[int], pos0: int) -> np.ndarray:
+        return self.engines[slot].prefill(tokens, pos0)
+
+    def step_batch(self, slot_ids: Sequence[int], tokens: Sequence[int], positions: Sequence[int]) -> np.ndarray:
+        b = len(slot_ids)
+        if not (b == len(tokens) == len(positions)) or not 1 <= b <= self.n_slots:
+            raise ValueError(f"step_batch takes 1..{self.n_slots} (slot, token, position) triples, got "
+                             f"{len(slot_ids)}, {len(tokens)}, {len(positions)}")
+        if len(set(slot_ids)) != b:
+            raise ValueError(f"step_batch: a slot appears twice in {list(slot_ids)}")
+        out = self._out[:b]
+        for i in range(b):
+            out[i] = self.engines[slot_ids[i]].step(tokens[i], positions[i])
+        return out
+
+    def close(self) -> None:
+        for e in self.engines:
+            e.close()
+
+    def __repr__(self) -> str:
+        return f"EngineSlots({self.path!r}, {self.n_slots} slots x {self.n_ctx} tokens, threads={self.threads})"

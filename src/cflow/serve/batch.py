@@ -1,0 +1,526 @@
+"""Batched generation: many sequences decode together over one model, each in its own KV-cache
+slot of a BatchBackend (cflow.serve.backend). The server is a thin layer over this; it is usable
+on its own:
+
+    from cflow.serve import BatchGenerator
+    with BatchGenerator.load(path, parallel=4, threads=2) as gen:
+        for c in gen.complete_many(["Once upon a time", "The capital of France is"], 32, temperature=0):
+            print(c.text, c.finish_reason)
+
+One worker thread owns the backend (engines are not thread-safe) and loops:
+
+1. admit queued requests into free slots, first come first served; a request goes to the free slot
+   whose cached tokens share the longest prefix with its prompt, and only the rest is evaluated;
+2. evaluate up to `prefill_chunk` prompt tokens, the oldest admitted prompts first (a long prompt
+   takes several iterations, so running streams wait at most one chunk between their tokens);
+   a prompt fully evaluated samples its first token there;
+3. one decode step for every sequence that has a token to feed: ONE `backend.step_batch` call;
+   each row sampled with the sequence's own Sampler (seeded per request, so a seed reproduces
+   whatever else runs beside it), detokenized as a stream, checked against its stop ids and
+   stop strings; a finished or cancelled sequence leaves its slot at once, the others go on.
+
+Results reach the caller as events through the job's `sink`, called from the worker thread:
+`Piece` per generated token, then exactly one `Finished` or `Failed`. The sink must not block
+(the server's pushes onto an asyncio queue with call_soon_threadsafe). The generation rules are
+those of cflow.runtime.generate.run (same Sampler, StopMatcher, stream detokenizer, stop ids,
+context limit), so greedy output equals `Engine.complete` token for token.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import math
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from cflow.errors import CflowError
+from cflow.runtime.errors import ContextOverflowError, EngineError
+from cflow.runtime.generate import Completion, StopMatcher, Timings, check_finite, common_prefix
+from cflow.sampling import Sampler, SamplingParams
+
+DEFAULT_PREFILL_CHUNK = 64   # prompt tokens per scheduler iteration
+DEFAULT_MAX_QUEUE = 256      # requests waiting for a slot before submit() refuses
+
+
+class QueueFullError(CflowError):
+    """Every slot is busy and the wait queue is full; `retry_after` estimates when to try again (s)."""
+
+    def __init__(self, message: str, retry_after: int) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class GeneratorClosedError(CflowError):
+    """The generator is shut down (or shutting down): no new requests."""
+
+
+# ---- events ------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class Piece:
+    """One generated token: the text it made visible (may be '': an incomplete UTF-8 character,
+    or text held back while it may be the start of a stop string) and, when asked for, its
+    log-probability and the top alternatives [(id, logprob)] under the model's raw distribution."""
+
+    token: int
+    text: str
+    logprob: float | None = None
+    top: list[tuple[int, float]] | None = None
+
+
+@dataclass(slots=True)
+class Finished:
+    """The end of a job. reason: "stop" (end-of-text or a stop string), "length" (max_tokens or the
+    end of the slot's context) or "cancelled". `tail` is text to show after the last Piece."""
+
+    reason: str
+    tail: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0        # prompt tokens whose K/V were reused from the slot's previous job
+    queue_s: float = 0.0          # submit -> admitted into a slot
+    ttft_s: float = 0.0           # submit -> first token (0 when none)
+    prompt_s: float = 0.0
+    gen_s: float = 0.0
+    seed: int | None = None
+
+
+@dataclass(slots=True)
+class Failed:
+    """The job failed inside the generator (e.g. the model produced non-finite logits)."""
+
+    error: BaseException
+
+
+Event = Piece | Finished | Failed
+
+
+# ---- jobs --------------------------------------------------------------------------------------
+@dataclass(eq=False)
+class Job:
+    """One request: built by BatchGenerator.submit. `cancel()` from any thread."""
+
+    id: int
+    prompt: list[int]
+    max_tokens: int | None
+    params: SamplingParams
+    stop: list[str]
+    ignore_eos: bool
+    logprobs: int | None          # None: off; n >= 0: the chosen token's logprob and the top n
+    sink: Callable[[Event], None]
+    t_submit: float = field(default_factory=time.perf_counter)
+    cancelled: bool = False
+    done: bool = False
+    _gen: Any = field(default=None, repr=False)
+
+    def cancel(self) -> None:
+        """Stop generating for this job and free its slot (a no-op once it has finished)."""
+        if not self.cancelled and not self.done:
+            self.cancelled = True
+            if self._gen is not None:
+                self._gen._cancel(self)
+
+
+@dataclass(eq=False)
+class _Seq:
+    """A job in a slot: the state of cflow.runtime.generate.run, kept across iterations."""
+
+    job: Job
+    slot: int
+    t_admit: float
+    sampler: Sampler | None = None
+    detok: Any = None
+    held: StopMatcher | None = None
+    stop_ids: frozenset[int] = frozenset()
+    history: list[int] = field(default_factory=list)
+    fed: int = 0                  # prompt tokens whose K/V are in the slot
+    limit: int = 0                # tokens this sequence may generate
+    cached: int = 0               # of which reused from the slot's previous job
+    count: int = 0                # tokens sampled
+    next_token: int = -1          # sampled, not yet run through the model (-1: none)
+    t_first: float = 0.0
+    t_prefilled: float = 0.0
+
+
+# ---- the generator ---------------------------------------------------------------------------
+class BatchGenerator:
+    """Runs jobs on a BatchBackend from one worker thread (see the module docstring)."""
+
+    def __init__(self, backend: Any, *, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+                 max_queue: int = DEFAULT_MAX_QUEUE, metrics: Any = None, own_backend: bool = True) -> None:
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        if max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, got {max_queue}")
+        self.backend = backend
+        self.n_slots = int(backend.n_slots)
+        self.n_ctx = int(backend.n_ctx)
+        self.prefill_chunk = int(prefill_chunk)
+        self.max_queue = int(max_queue)
+        self.metrics = metrics
+        self._own_backend = own_backend
+        self._stop_ids = frozenset(backend.tokenizer.stop_ids)
+        self._cond = threading.Condition()
+        self._pending: collections.deque[Job] = collections.deque()
+        self._slots: list[_Seq | None] = [None] * self.n_slots
+        self._slot_tokens: list[list[int]] = [[] for _ in range(self.n_slots)]  # K/V held per slot
+        self._order: list[_Seq] = []      # admitted sequences, oldest first
+        self._ids = itertools.count(1)
+        self._closing = False
+        self._service_s = 1.0             # EMA of a job's time in a slot (for Retry-After)
+        self.last_batch = 0               # sequences in the last decode step
+        self._thread = threading.Thread(target=self._loop, name="cflow-batch", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def load(cls, path: Any = None, *, parallel: int = 4, threads: int | None = None, n_ctx: int | None = None,
+             prefill_chunk: int = DEFAULT_PREFILL_CHUNK, max_queue: int = DEFAULT_MAX_QUEUE,
+             **load_kw: Any) -> "BatchGenerator":
+        """`parallel` slots of `n_ctx` positions each over the model at `path` (EngineSlots.load)."""
+        from cflow.serve.backend import EngineSlots
+
+        return cls(EngineSlots.load(path, n_slots=parallel, threads=threads, n_ctx=n_ctx, **load_kw),
+                   prefill_chunk=prefill_chunk, max_queue=max_queue)
+
+    # ---- the caller's side -------------------------------------------------------------------
+    @property
+    def queue_depth(self) -> int:
+        """Requests waiting for a slot."""
+        return max(0, len(self._pending) - (self.n_slots - self.running))
+
+    @property
+    def running(self) -> int:
+        return sum(s is not None for s in self._slots)
+
+    def retry_after(self) -> int:
+        """Seconds until a queued request can expect a slot (an estimate, at least 1)."""
+        waves = (len(self._pending) + 1) / self.n_slots
+        return int(min(60, max(1, math.ceil(self._service_s * waves))))
+
+    def submit(self, prompt: Sequence[int], sink: Callable[[Event], None], *, max_tokens: int | None = None,
+               params: SamplingParams | None = None, stop: Sequence[str] | str = (), ignore_eos: bool = False,
+               logprobs: int | None = None) -> Job:
+        """Queue a job for the token ids `prompt`; events go to `sink` (called from the worker thread).
+
+        Raises ContextOverflowError when the prompt does not fit a slot, EngineError for an empty
+        prompt or bad ids, QueueFullError when the wait queue is full, GeneratorClosedError after close()."""
+        ids = [int(t) for t in prompt]
+        if not ids:
+            raise EngineError("the prompt is empty (no tokens); give some text")
+        bad = [t for t in ids if not 0 <= t < self.backend.vocab_size]
+        if bad:
+            raise EngineError(f"token ids {bad[:5]} are outside the vocabulary (0..{self.backend.vocab_size - 1})")
+        if len(ids) >= self.n_ctx:
+            raise ContextOverflowError(f"the prompt has {len(ids)} tokens but a slot's context holds {self.n_ctx}; "
+                                       f"shorten the prompt", flag="-c")
+        if max_tokens is not None and max_tokens < 0:
+            raise EngineError(f"max_tokens must be >= 0 (or None for no limit), got {max_tokens}")
+        stops = [s for s in ([stop] if isinstance(stop, str) else list(stop)) if s]
+        job = Job(next(self._ids), ids, max_tokens, params or SamplingParams(), stops, bool(ignore_eos),
+                  logprobs, sink, _gen=self)
+        with self._cond:
+            if self._closing:
+                raise GeneratorClosedError("the generator is shutting down")
+            waiting = len(self._pending) + 1 - (self.n_slots - self.running)  # after this one
+            if waiting > self.max_queue:
+                ra = self.retry_after()
+                if self.metrics:
+                    self.metrics.rejected("queue_full")
+                raise QueueFullError(f"all {self.n_slots} slots are busy and {len(self._pending)} requests are "
+                                     f"waiting (the queue holds {self.max_queue}); retry in about {ra} s", ra)
+            self._pending.append(job)
+            self._cond.notify()
+        return job
+
+    def complete_many(self, prompts: Sequence[str | Sequence[int]], max_tokens: int | None = 128, *,
+                      stop: Sequence[str] | str = (), ignore_eos: bool = False, add_bos: bool | None = None,
+                      **sampling: Any) -> list[Completion]:
+        """Run every prompt concurrently (batched over the slots); return a Completion each, in
+        order. `sampling`: SamplingParams' fields; with a `seed`, prompt i uses seed + i. More
+        prompts than the queue holds are submitted as earlier ones finish."""
+        import queue
+
+        seed = sampling.pop("seed", None)
+        params = [SamplingParams(**sampling, seed=None if seed is None or seed == -1 else seed + i)
+                  for i in range(len(prompts))]
+        ids = [self.backend.encode(p, add_bos) for p in prompts]
+        results: queue.SimpleQueue = queue.SimpleQueue()
+        jobs: list[Job] = []
+        parts: list[list[str]] = [[] for _ in prompts]
+        toks: list[list[int]] = [[] for _ in prompts]
+        out: list[Completion | None] = [None] * len(prompts)
+        done = 0
+        try:
+            while done < len(prompts):
+                while len(jobs) < len(prompts):  # submit what the queue takes
+                    i = len(jobs)
+                    try:
+                        jobs.append(self.submit(ids[i], lambda ev, i=i: results.put((i, ev)), max_tokens=max_tokens,
+                                                params=params[i], stop=stop, ignore_eos=ignore_eos))
+                    except QueueFullError:
+                        if len(jobs) == done:
+                            raise
+                        break
+                i, ev = results.get()
+                if isinstance(ev, Piece):
+                    parts[i].append(ev.text)
+                    toks[i].append(ev.token)
+                elif isinstance(ev, Finished):
+                    parts[i].append(ev.tail)
+                    t = Timings(prompt_tokens=ev.prompt_tokens - ev.cached_tokens, prompt_s=ev.prompt_s,
+                                gen_tokens=ev.completion_tokens, gen_s=ev.gen_s, reused_tokens=ev.cached_tokens)
+                    out[i] = Completion("".join(parts[i]), toks[i], ev.prompt_tokens, ev.reason, t)
+                    done += 1
+                else:
+                    raise ev.error
+        finally:
+            for j in jobs:
+                j.cancel()
+        return out  # type: ignore[return-value]
+
+    def close(self) -> None:
+        """Stop the worker; queued and running jobs end with Failed(GeneratorClosedError)."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join()
+        if self._own_backend:
+            self.backend.close()
+
+    def __enter__(self) -> "BatchGenerator":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _cancel(self, job: Job) -> None:
+        with self._cond:
+            try:
+                self._pending.remove(job)
+            except ValueError:  # running (the worker reaps it) or finished
+                self._cond.notify()
+                return
+            job.done = True
+        if self.metrics:
+            self.metrics.finished("cancelled", time.perf_counter() - job.t_submit)
+        self._deliver(job, Finished("cancelled", "", len(job.prompt), 0, queue_s=time.perf_counter() - job.t_submit))
+
+    # ---- the worker --------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closing and not self._pending and not self._order:
+                    self._cond.wait()
+                if self._closing:
+                    break
+                admitted = self._admit()
+            try:
+                for seq in admitted:
+                    self._start(seq)
+                self._reap()
+                self._prefill()
+                self._decode()
+            except BaseException as e:  # a bug must not stop the server: fail what runs, go on
+                traceback.print_exc(file=sys.stderr)
+                for seq in list(self._order):
+                    self._end(seq, Failed(e))
+        closed = GeneratorClosedError("the server is shutting down")
+        for seq in list(self._order):
+            self._end(seq, Failed(closed))
+        with self._cond:
+            pending, self._pending = list(self._pending), collections.deque()
+        for job in pending:
+            self._deliver(job, Failed(closed))
+
+    def _admit(self) -> list[_Seq]:
+        """(Under the lock.) Move queued jobs into free slots (a cancelled one is reaped next)."""
+        out = []
+        while self._pending:
+            job = self._pending[0]
+            free = [i for i, s in enumerate(self._slots) if s is None]
+            if not free:
+                break
+            self._pending.popleft()
+            slot = max(free, key=lambda i: (common_prefix(self._slot_tokens[i], job.prompt), -i))
+            seq = _Seq(job, slot, time.perf_counter())
+            self._slots[slot] = seq
+            self._order.append(seq)
+            out.append(seq)
+        return out
+
+    def _start(self, seq: _Seq) -> None:
+        job = seq.job
+        try:
+            seq.sampler = Sampler(job.params)
+        except BaseException as e:
+            self._end(seq, Failed(e))
+            return
+        tok = self.backend.tokenizer
+        seq.detok = tok.stream(skip_special=True)
+        seq.held = StopMatcher(job.stop)
+        seq.stop_ids = frozenset() if job.ignore_eos else self._stop_ids
+        seq.history = list(job.prompt)
+        n = len(job.prompt)
+        keep = min(common_prefix(self._slot_tokens[seq.slot], job.prompt), n - 1)
+        del self._slot_tokens[seq.slot][keep:]
+        seq.fed = seq.cached = keep
+        # Every sampled token but the last runs through the model; the context bounds both (as run()).
+        seq.limit = self.n_ctx - n + 1
+        if job.max_tokens is not None:
+            seq.limit = min(seq.limit, job.max_tokens)
+        if self.metrics:
+            self.metrics.admitted(seq.t_admit - job.t_submit, n, keep)
+        if seq.limit <= 0:  # max_tokens 0: nothing to generate, nothing to evaluate
+            self._end(seq, self._finished(seq, "length", ""))
+
+    def _reap(self) -> None:
+        for seq in list(self._order):
+            if seq.job.cancelled:
+                self._end(seq, self._finished(seq, "cancelled", ""))
+
+    def _prefill(self) -> None:
+        budget = self.prefill_chunk
+        for seq in list(self._order):
+            if budget <= 0:
+                break
+            n = len(seq.job.prompt)
+            if seq.fed >= n or seq.job.done:
+                continue
+            k = min(budget, n - seq.fed)
+            chunk = seq.job.prompt[seq.fed:seq.fed + k]
+            t0 = time.perf_counter()
+            try:
+                logits = self.backend.prefill(seq.slot, chunk, seq.fed)
+                if seq.fed + k == n:
+                    check_finite(self.backend, logits, "for the prompt")
+            except Exception as e:
+                del self._slot_tokens[seq.slot][seq.fed:]
+                self._end(seq, Failed(e))
+                continue
+            self._slot_tokens[seq.slot].extend(chunk)
+            seq.fed += k
+            budget -= k
+            if self.metrics:
+                self.metrics.prompt_evaluated(k, time.perf_counter() - t0)
+            if seq.fed == n:
+                seq.t_prefilled = time.perf_counter()
+                self._sample(seq, logits)
+
+    def _decode(self) -> None:
+        batch = [s for s in self._order if s.next_token >= 0 and not s.job.done]
+        self.last_batch = len(batch)
+        if not batch:
+            return
+        slots = [s.slot for s in batch]
+        tokens = [s.next_token for s in batch]
+        positions = [len(s.history) - 1 for s in batch]
+        t0 = time.perf_counter()
+        try:
+            logits = self.backend.step_batch(slots, tokens, positions)
+        except Exception as e:
+            for s in batch:  # what the failed call wrote is unknown: forget those slots' caches
+                self._slot_tokens[s.slot].clear()
+                self._end(s, Failed(e))
+            return
+        if self.metrics:
+            self.metrics.decode_step(len(batch), time.perf_counter() - t0)
+        for i, s in enumerate(batch):
+            self._slot_tokens[s.slot].append(tokens[i])
+            s.next_token = -1
+            row = logits[i]
+            try:
+                check_finite(self.backend, row, f"at position {positions[i]}")
+            except Exception as e:
+                self._end(s, Failed(e))
+                continue
+            self._sample(s, row)
+
+    def _sample(self, seq: _Seq, logits: np.ndarray) -> None:
+        """Sample the next token of `seq` from `logits` [V] and deliver it (generate.run's rules)."""
+        job = seq.job
+        tok = seq.sampler.sample(logits, seq.history)
+        seq.count += 1
+        if seq.count == 1:
+            seq.t_first = time.perf_counter()
+            if self.metrics:
+                self.metrics.first_token(seq.t_first - job.t_submit)
+        if tok in seq.stop_ids:
+            self._finish(seq, "stop")
+            return
+        seq.history.append(tok)
+        text, hit = seq.held.feed(seq.detok.put(tok))
+        lp = top = None
+        if job.logprobs is not None:
+            lp, top = token_logprobs(logits, tok, job.logprobs)
+        if self.metrics:
+            self.metrics.generated(1)
+        if not self._deliver(job, Piece(tok, text, lp, top)):
+            self._end(seq, self._finished(seq, "cancelled", ""))
+        elif hit:
+            self._end(seq, self._finished(seq, "stop", ""))
+        elif seq.count >= seq.limit:
+            self._finish(seq, "length")
+        else:
+            seq.next_token = tok
+
+    def _finish(self, seq: _Seq, reason: str) -> None:
+        tail, _ = seq.held.feed(seq.detok.flush(), final=True)
+        self._end(seq, self._finished(seq, reason, tail))
+
+    def _finished(self, seq: _Seq, reason: str, tail: str) -> Finished:
+        job, now = seq.job, time.perf_counter()
+        generated = len(seq.history) - len(job.prompt) if seq.history else 0
+        t_pre = seq.t_prefilled or now
+        return Finished(reason, tail, len(job.prompt), generated, seq.cached, queue_s=seq.t_admit - job.t_submit,
+                        ttft_s=seq.t_first - job.t_submit if seq.t_first else 0.0,
+                        prompt_s=t_pre - seq.t_admit, gen_s=now - t_pre if seq.t_prefilled else 0.0,
+                        seed=seq.sampler.seed if seq.sampler is not None else None)
+
+    def _end(self, seq: _Seq, event: Event) -> None:
+        """Deliver the last event of `seq` and free its slot."""
+        job = seq.job
+        if job.done:
+            return
+        job.done = True
+        seq.next_token = -1
+        if self._slots[seq.slot] is seq:
+            self._slots[seq.slot] = None
+        if seq in self._order:
+            self._order.remove(seq)
+        in_slot = time.perf_counter() - seq.t_admit
+        self._service_s = 0.8 * self._service_s + 0.2 * in_slot
+        if self.metrics:
+            self.metrics.finished(event.reason if isinstance(event, Finished) else "error",
+                                  time.perf_counter() - job.t_submit)
+        self._deliver(job, event)
+
+    def _deliver(self, job: Job, event: Event) -> bool:
+        """Hand an event to the job's sink; False when the sink is gone (the job is then cancelled)."""
+        try:
+            job.sink(event)
+            return True
+        except Exception:
+            job.cancelled = True
+            return False
+
+
+def token_logprobs(logits: np.ndarray, token: int, n: int) -> tuple[float, list[tuple[int, float]]]:
+    """log p(token) under softmax(logits) (the model's distribution, before sampling filters) and
+    the n most likely (id, logprob), best first."""
+    x = logits.astype(np.float64)
+    m = x.max()
+    lse = m + math.log(np.exp(x - m).sum())
+    top: list[tuple[int, float]] = []
+    if n > 0:
+        n = min(n, x.size)
+        idx = np.argpartition(-x, n - 1)[:n] if n < x.size else np.arange(x.size)
+        idx = idx[np.lexsort((idx, -x[idx]))]
+        top = [(int(i), float(x[i] - lse)) for i in idx]
+    return float(x[token] - lse), top

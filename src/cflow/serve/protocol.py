@@ -1,0 +1,351 @@
+"""The OpenAI wire format: request bodies checked and turned into a `GenSpec`, and the response and
+stream-chunk objects built from the batch generator's events. No HTTP here (cflow.serve.app).
+
+Every check raises `BadRequest` with the message, the parameter and an OpenAI error code, which
+the server returns as 400 `{"error": {"message", "type": "invalid_request_error", "param", "code"}}`.
+Types are checked strictly (a string where a number belongs is an error, not coerced); unknown
+fields are ignored, as OpenAI's and llama-server's are; fields we cannot honour (n > 1, echo,
+logit_bias, presence/frequency penalties, tools) are refused rather than silently ignored.
+
+Sampling fields: temperature, top_p, top_k, min_p, repeat_penalty (or repetition_penalty),
+repeat_last_n, seed, stop, max_tokens (or max_completion_tokens, or llama-server's n_predict),
+ignore_eos (llama-server); logprobs (completions: an int, the number of alternatives; chat: a bool,
+with top_logprobs). Absent fields take the server's defaults (`cflow serve --temp ...`).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from cflow.sampling import SamplingError, SamplingParams
+
+MAX_STOP = 16             # stop strings per request
+MAX_STOP_CHARS = 128      # characters per stop string (the stop matcher's cost per token grows with it)
+MAX_LOGPROBS = 20         # alternatives per token
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class BadRequest(Exception):
+    """A request the server refuses (400 unless `status` says otherwise)."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None, status: int = 400,
+                 type_: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.message, self.param, self.code, self.status, self.type = message, param, code, status, type_
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: str | int | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+@dataclass
+class Defaults:
+    """What a request gets for the fields it leaves out."""
+
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    max_tokens: int | None = None    # None: until end of text or the end of the slot's context
+
+
+@dataclass
+class GenSpec:
+    """A checked generation request."""
+
+    kind: str                               # "completion" | "chat"
+    params: SamplingParams
+    max_tokens: int | None
+    stop: list[str]
+    stream: bool
+    include_usage: bool
+    ignore_eos: bool
+    logprobs: int | None                    # None: off; n: the chosen token's logprob and n alternatives
+    prompt: str | list[int] | None = None   # completions
+    messages: list[dict[str, Any]] | None = None   # chat, normalized to {"role", "content": str}
+    model: str | None = None
+
+
+# ---- typed field access ------------------------------------------------------------------------
+_MISSING = object()
+
+
+def _field(body: dict[str, Any], name: str, kind: str, default: Any = None) -> Any:
+    """body[name] checked to be of `kind` (int, number, bool, str, object, array); null or absent: default."""
+    v = body.get(name, _MISSING)
+    if v is _MISSING or v is None:
+        return default
+    ok = {"int": isinstance(v, int) and not isinstance(v, bool),
+          "number": isinstance(v, (int, float)) and not isinstance(v, bool),
+          "bool": isinstance(v, bool),
+          "str": isinstance(v, str),
+          "object": isinstance(v, dict),
+          "array": isinstance(v, list)}[kind]
+    if not ok:
+        want = {"int": "an integer", "number": "a number", "bool": "a boolean", "str": "a string",
+                "object": "an object", "array": "an array"}[kind]
+        raise BadRequest(f"'{name}' must be {want}, got {_json_type(v)}", name, "invalid_type")
+    if kind == "number" and not math.isfinite(v):
+        raise BadRequest(f"'{name}' must be a finite number", name, "invalid_value")
+    return v
+
+
+def _json_type(v: Any) -> str:
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array",
+            dict: "an object"}.get(type(v), type(v).__name__)
+
+
+def _range(name: str, v: Any, lo: float | None = None, hi: float | None = None) -> None:
+    if v is None:
+        return
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        span = f"between {lo} and {hi}" if lo is not None and hi is not None else (
+            f">= {lo}" if lo is not None else f"<= {hi}")
+        raise BadRequest(f"'{name}' must be {span}, got {v}", name, "invalid_value")
+
+
+# ---- the fields both endpoints share ---------------------------------------------------------
+def _common(body: dict[str, Any], defaults: Defaults, names: frozenset[str], kind: str) -> dict[str, Any]:
+    model = _field(body, "model", "str")
+    if model is not None and names and model not in names:
+        raise BadRequest(f"the model '{model}' does not exist here; this server serves '{sorted(names)[0]}' "
+                         f"(GET /v1/models)", "model", "model_not_found")
+    n = _field(body, "n", "int", 1)
+    if n != 1:
+        raise BadRequest("only n = 1 is supported (send n requests instead)", "n", "unsupported_value")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if _field(body, name, "number", 0) != 0:
+            raise BadRequest(f"'{name}' is not supported (use repeat_penalty)", name, "unsupported_parameter")
+    if _field(body, "logit_bias", "object"):
+        raise BadRequest("'logit_bias' is not supported", "logit_bias", "unsupported_parameter")
+
+    # max_tokens and its other names
+    mt: Any = _MISSING
+    for name in ("max_tokens", "max_completion_tokens", "n_predict"):
+        v = _field(body, name, "int", _MISSING)
+        if v is not _MISSING:
+            if name == "n_predict" and v == -1:
+                v = None
+            else:
+                _range(name, v, 0)
+            mt = v
+            break
+    max_tokens = defaults.max_tokens if mt is _MISSING else mt
+
+    # sampling: each value checked by SamplingParams, so the message names the field
+    sampling: dict[str, Any] = {}
+    for name, kind_ in (("temperature", "number"), ("top_p", "number"), ("top_k", "int"), ("min_p", "number"),
+                        ("repeat_last_n", "int")):
+        v = _field(body, name, kind_)
+        if v is not None:
+            sampling[name] = v
+    rp = _field(body, "repeat_penalty", "number")
+    rp2 = _field(body, "repetition_penalty", "number")
+    if rp is not None or rp2 is not None:
+        sampling["repeat_penalty"] = rp if rp is not None else rp2
+    seed = _field(body, "seed", "int")
+    if seed is not None:
+        _range("seed", seed, -1, 2**64 - 1)
+        sampling["seed"] = None if seed == -1 else seed
+    for name, v in sampling.items():
+        try:
+            SamplingParams(**{name: v})
+        except SamplingError as e:
+            param = "repeat_penalty" if name == "repeat_penalty" and rp is not None else (
+                "repetition_penalty" if name == "repeat_penalty" else name)
+            raise BadRequest(str(e), param, "invalid_value") from None
+    base = {f.name: getattr(defaults.sampling, f.name) for f in fields(SamplingParams)}
+    params = SamplingParams(**{**base, **sampling})  # seed -1 in the request: None, a fresh one
+
+    stop = body.get("stop")
+    if stop is None:
+        stops: list[str] = []
+    elif isinstance(stop, str):
+        stops = [stop]
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        if len(stop) > MAX_STOP:
+            raise BadRequest(f"at most {MAX_STOP} stop strings, got {len(stop)}", "stop", "invalid_value")
+        stops = list(stop)
+    else:
+        raise BadRequest("'stop' must be a string or an array of strings", "stop", "invalid_type")
+    if any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise BadRequest(f"a stop string may have at most {MAX_STOP_CHARS} characters", "stop", "invalid_value")
+
+    stream = _field(body, "stream", "bool", False)
+    so = _field(body, "stream_options", "object", {})
+    include_usage = _field(so, "include_usage", "bool", False) if so else False
+    if include_usage and not stream:
+        raise BadRequest("'stream_options' is only allowed when 'stream' is true", "stream_options",
+                         "invalid_value")
+
+    if kind == "chat":
+        if _field(body, "logprobs", "bool", False):
+            tl = _field(body, "top_logprobs", "int", 0)
+            _range("top_logprobs", tl, 0, MAX_LOGPROBS)
+            logprobs = tl
+        else:
+            if _field(body, "top_logprobs", "int") is not None:
+                raise BadRequest("'top_logprobs' needs 'logprobs': true", "top_logprobs", "invalid_value")
+            logprobs = None
+        if _field(body, "tools", "array"):
+            raise BadRequest("tools (function calling) are not supported", "tools", "unsupported_parameter")
+        rf = _field(body, "response_format", "object")
+        if rf and rf.get("type", "text") != "text":
+            raise BadRequest("only the 'text' response_format is supported", "response_format",
+                             "unsupported_value")
+    else:
+        logprobs = _field(body, "logprobs", "int")
+        _range("logprobs", logprobs, 0, MAX_LOGPROBS)
+        if _field(body, "echo", "bool", False):
+            raise BadRequest("'echo' is not supported", "echo", "unsupported_parameter")
+        if _field(body, "suffix", "str"):
+            raise BadRequest("'suffix' (insertion) is not supported", "suffix", "unsupported_parameter")
+        if _field(body, "best_of", "int", 1) != 1:
+            raise BadRequest("only best_of = 1 is supported", "best_of", "unsupported_value")
+
+    return dict(params=params, max_tokens=max_tokens, stop=stops, stream=stream, include_usage=include_usage,
+                ignore_eos=_field(body, "ignore_eos", "bool", False), logprobs=logprobs, model=model)
+
+
+def parse_completion(body: Any, defaults: Defaults, names: frozenset[str] = frozenset()) -> GenSpec:
+    """POST /v1/completions. prompt: a string, an array of token ids, or an array holding one of those."""
+    body = _object(body)
+    if "prompt" not in body:
+        raise BadRequest("'prompt' is required", "prompt", "missing_required_parameter")
+    p = body["prompt"]
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+        p = p[0]  # a batch of one
+    if isinstance(p, list):
+        if not p:
+            raise BadRequest("'prompt' is empty", "prompt", "invalid_value")
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+            raise BadRequest("'prompt' must be a string or an array of token ids (several prompts in one request "
+                             "are not supported: send one request each)", "prompt", "invalid_type")
+    elif not isinstance(p, str):
+        raise BadRequest(f"'prompt' must be a string or an array of token ids, got {_json_type(p)}", "prompt",
+                         "invalid_type")
+    return GenSpec("completion", prompt=p, **_common(body, defaults, names, "completion"))
+
+
+def parse_chat(body: Any, defaults: Defaults, names: frozenset[str] = frozenset()) -> GenSpec:
+    """POST /v1/chat/completions. messages: [{"role", "content": a string or text parts}]."""
+    body = _object(body)
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise BadRequest("'messages' must be a non-empty array of {role, content} objects", "messages",
+                         "invalid_type" if "messages" in body else "missing_required_parameter")
+    out = []
+    for i, m in enumerate(msgs):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise BadRequest(f"{where} must be an object, got {_json_type(m)}", where, "invalid_type")
+        role = m.get("role")
+        if role not in ROLES:
+            raise BadRequest(f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}"[:300], f"{where}.role",
+                             "invalid_value")
+        out.append({"role": "system" if role == "developer" else role,
+                    "content": _content(m.get("content"), f"{where}.content")})
+    return GenSpec("chat", messages=out, **_common(body, defaults, names, "chat"))
+
+
+def _content(c: Any, where: str) -> str:
+    if c is None or isinstance(c, str):
+        return c or ""
+    if isinstance(c, list):
+        parts = []
+        for j, part in enumerate(c):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise BadRequest(f"{where}[{j}] must be a text part {{\"type\": \"text\", \"text\": ...}} (only text "
+                                 f"is supported)", f"{where}[{j}]", "invalid_value")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise BadRequest(f"{where} must be a string or an array of text parts, got {_json_type(c)}", where,
+                     "invalid_type")
+
+
+def _object(body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise BadRequest(f"the request body must be a JSON object, got {_json_type(body)}", None, "invalid_type")
+    return body
+
+
+# ---- responses ---------------------------------------------------------------------------------
+def new_id(kind: str) -> str:
+    return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached: int = 0) -> dict[str, Any]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+class LogprobsBuilder:
+    """Collects per-token logprobs and renders them the way each endpoint does."""
+
+    def __init__(self, tokenizer: Any, kind: str) -> None:
+        self.tok, self.kind = tokenizer, kind
+        self.offset = 0
+
+    def entries(self, pieces: list[Any]) -> Any:
+        """The logprobs object for these Piece events (one stream chunk, or the whole answer)."""
+        if self.kind == "chat":
+            return {"content": [self._chat_entry(p) for p in pieces], "refusal": None}
+        tokens, lps, tops, offsets = [], [], [], []
+        for p in pieces:
+            s = self.tok.token_to_piece(p.token)
+            tokens.append(s)
+            lps.append(p.logprob)
+            tops.append({self.tok.token_to_piece(i): lp for i, lp in (p.top or [])})
+            offsets.append(self.offset)
+            self.offset += len(s)
+        return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def _chat_entry(self, p: Any) -> dict[str, Any]:
+        def one(i: int, lp: float) -> dict[str, Any]:
+            return {"token": self.tok.token_to_piece(i), "logprob": lp, "bytes": list(self.tok.token_to_bytes(i))}
+
+        return {**one(p.token, p.logprob), "top_logprobs": [one(i, lp) for i, lp in (p.top or [])]}
+
+
+def completion_object(kind: str, rid: str, created: int, model: str, text: str, finish: str,
+                      usage_: dict[str, Any], logprobs: Any = None) -> dict[str, Any]:
+    if kind == "chat":
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                  "finish_reason": finish}
+        return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": [choice],
+                "usage": usage_}
+    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+    return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice],
+            "usage": usage_}
+
+
+def chunk_object(kind: str, rid: str, created: int, model: str, text: str | None, finish: str | None,
+                 logprobs: Any = None, include_usage: bool = False, role: bool = False) -> dict[str, Any]:
+    """One streamed chunk (text None: no content field, for the chat's final chunk)."""
+    if kind == "chat":
+        delta: dict[str, Any] = {}
+        if role:
+            delta["role"] = "assistant"
+        if text is not None:
+            delta["content"] = text
+        out = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+               "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+    else:
+        out = {"id": rid, "object": "text_completion", "created": created, "model": model,
+               "choices": [{"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}]}
+    if include_usage:
+        out["usage"] = None
+    return out
+
+
+def usage_chunk(kind: str, rid: str, created: int, model: str, usage_: dict[str, Any]) -> dict[str, Any]:
+    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": usage_}
+
+
+def now() -> int:
+    return int(time.time())
