@@ -64,6 +64,23 @@ from cflow.tokenizer import bytes_to_unicode
 
 QUANTS = ("q4_0", "q4_1", "q8_0")
 GAIN = 0.5  # weight std = GAIN / sqrt(inputs): a unit-RMS input gives outputs of RMS ~GAIN
+# Why some tensors differ. With every matrix at GAIN, random attention returns about the running
+# mean of V and the residual soon forgets the token: every token then routes to the same experts,
+# and an expert cache of any size hits ~100% (measured: 64/64 tokens on the same 2 experts). So
+# embeddings get elements of std 1 (a unit-RMS row, like trained models) and the projections that
+# write into the residual (wo, the FFN and expert down) a small gain, so each token's own
+# embedding stays visible and routing varies by token and layer, as in a trained model.
+EMBED_STD = 1.0
+RESIDUAL_WRITE_GAIN = 0.05
+
+
+def tensor_gain(name: str, cols: int) -> float:
+    """The GAIN of one tensor (GGUF or .cflow name): weight std = gain / sqrt(cols)."""
+    if name in ("token_embd.weight", "tok_emb"):
+        return EMBED_STD * math.sqrt(cols)
+    if any(k in name for k in ("attn_output", "attn.wo", "ffn_down", "w_down")):
+        return RESIDUAL_WRITE_GAIN
+    return GAIN
 # std of the integer part of a random block: Q4 nibbles (q - 8, or q - 7.5 for Q4_1) and Q8 int8
 _Q_STD = {"q4_0": math.sqrt((16 ** 2 - 1) / 12), "q4_1": math.sqrt((16 ** 2 - 1) / 12),
           "q8_0": math.sqrt((256 ** 2 - 1) / 12)}
@@ -267,10 +284,10 @@ def tensor_rng(seed: int, name: str, *more: int) -> np.random.Generator:
     return np.random.Generator(np.random.SFC64(np.random.SeedSequence([seed, zlib.crc32(name.encode()), *more])))
 
 
-def scale_tables(q: str, cols: int) -> tuple[np.ndarray, np.ndarray | None]:
-    """256 fp16 scales (as uint16) spread +-25% around the one giving weight std GAIN/sqrt(cols);
+def scale_tables(q: str, cols: int, gain: float = GAIN) -> tuple[np.ndarray, np.ndarray | None]:
+    """256 fp16 scales (as uint16) spread +-25% around the one giving weight std gain/sqrt(cols);
     and for Q4_1 the matching mins (-7.5 d, so the weights are centred)."""
-    base = GAIN / math.sqrt(cols) / _Q_STD[q]
+    base = gain / math.sqrt(cols) / _Q_STD[q]
     d = (base * np.linspace(0.75, 1.25, 256)).astype(np.float16)
     m = (-7.5 * d.astype(np.float32)).astype(np.float16).view(np.uint16) if q == "q4_1" else None
     return d.view(np.uint16), m
@@ -281,37 +298,37 @@ def _random_bytes(rng: np.random.Generator, nbytes: int) -> np.ndarray:
     return words.view(np.uint8)[:nbytes]
 
 
-def _set_scales(u16: np.ndarray, q: str, cols: int, width: int) -> None:
+def _set_scales(u16: np.ndarray, q: str, cols: int, width: int, gain: float = GAIN) -> None:
     """Overwrite the scale fields of random blocks: u16 rows are blocks (width 1) or 8-row tile
     chunks (width 8), their first `width` uint16 the d's, then (Q4_1) `width` m's."""
-    d_lut, m_lut = scale_tables(q, cols)
+    d_lut, m_lut = scale_tables(q, cols, gain)
     idx = u16[:, :width] & 0xFF  # the random scale bits pick a table entry
     u16[:, :width] = d_lut[idx]
     if m_lut is not None:
         u16[:, width:2 * width] = m_lut[idx]
 
 
-def random_rows(rng: np.random.Generator, q: str, rows: int, cols: int) -> np.ndarray:
+def random_rows(rng: np.random.Generator, q: str, rows: int, cols: int, gain: float = GAIN) -> np.ndarray:
     """Random GGML blocks [rows, row_bytes] (GGUF row order)."""
     rb = quant.row_bytes(q, cols)
     data = _random_bytes(rng, rows * rb)
     B = quant.block_bytes(q)
-    _set_scales(data.view(np.uint16).reshape(-1, B // 2), q, cols, 1)
+    _set_scales(data.view(np.uint16).reshape(-1, B // 2), q, cols, 1, gain)
     return data.reshape(rows, rb)
 
 
 def random_tiled(rng: np.random.Generator, q: str, rows: int, cols: int,
-                 tile: tuple[int, int] = quant.TILE) -> np.ndarray:
+                 tile: tuple[int, int] = quant.TILE, gain: float = GAIN) -> np.ndarray:
     """Random weights in cflow's tile layout (flat uint8). When every row group is full (rows a
     multiple of 8) the layout is a run of 8-row chunks, each `8 x block` bytes with the 8 scales
     first (docs/DESIGN.md "Tile layout"): random bytes with those scales set are a random tiled
     matrix, made at memory speed. Otherwise the blocks are made in row order and tiled."""
     if rows % quant.G:
-        blocks = random_rows(rng, q, rows, cols)
+        blocks = random_rows(rng, q, rows, cols, gain)
         return LIVE.track(quant.tile_matrix(blocks, q, rows, cols, tile))
     data = _random_bytes(rng, rows * quant.row_bytes(q, cols))
     chunk = quant.G * quant.block_bytes(q)
-    _set_scales(data.view(np.uint16).reshape(-1, chunk // 2), q, cols, quant.G)
+    _set_scales(data.view(np.uint16).reshape(-1, chunk // 2), q, cols, quant.G, gain)
     return data
 
 
@@ -487,10 +504,11 @@ def _gguf_pieces(t: GgufTensor, q: str, seed: int) -> Iterator[np.ndarray]:
     elif t.kind == "router":
         yield router_values(tensor_rng(seed, t.name), *t.shape).view(np.uint8).reshape(-1)
     elif t.kind == "matrix":
-        yield random_rows(tensor_rng(seed, t.name), q, t.rows, t.cols).reshape(-1)
+        yield random_rows(tensor_rng(seed, t.name), q, t.rows, t.cols, tensor_gain(t.name, t.cols)).reshape(-1)
     else:
         for e in range(t.shape[0]):
-            yield random_rows(tensor_rng(seed, t.name, e), q, t.rows, t.cols).reshape(-1)
+            yield random_rows(tensor_rng(seed, t.name, e), q, t.rows, t.cols,
+                              tensor_gain(t.name, t.cols)).reshape(-1)
 
 
 def cflow_tensors(g: Geometry, q: str = "q4_0", seed: int = 0,
@@ -515,7 +533,8 @@ def cflow_tensors(g: Geometry, q: str = "q4_0", seed: int = 0,
             meta = {}
         # Gate and up rows (q, k and v rows) all have `cols` inputs, so one scale table serves the
         # fused matrix and random bytes in the tiled order are a random fused matrix.
-        make = (lambda w=w, rows=rows, cols=cols: random_tiled(tensor_rng(seed, w.name), q, rows, cols, tile))
+        make = (lambda w=w, rows=rows, cols=cols: random_tiled(tensor_rng(seed, w.name), q, rows, cols, tile,
+                                                               tensor_gain(w.name, cols)))
         yield TensorData(w.name, q, w.shape, "tiled", make, meta)
 
 

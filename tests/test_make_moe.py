@@ -104,12 +104,29 @@ def test_gguf_values_are_sane_and_follow_the_seed(files):
         x = t[name]
         w = gguf.quants.dequantize(np.asarray(x.data), x.tensor_type)
         assert np.isfinite(w).all()
-        assert w.std() == pytest.approx(mm.GAIN / np.sqrt(cols), rel=0.1), name
+        assert w.std() == pytest.approx(mm.tensor_gain(name, cols) / np.sqrt(cols), rel=0.1), name
     # expert e of a 3-D tensor is its own stream: regenerate expert 3 alone
     x = t["blk.0.ffn_down_exps.weight"]
     e3 = np.asarray(x.data).reshape(4, -1)[3]
     np.testing.assert_array_equal(
-        e3, mm.random_rows(mm.tensor_rng(0, "blk.0.ffn_down_exps.weight", 3), "q4_0", 128, 384).reshape(-1))
+        e3, mm.random_rows(mm.tensor_rng(0, "blk.0.ffn_down_exps.weight", 3), "q4_0", 128, 384,
+                           mm.tensor_gain("blk.0.ffn_down_exps.weight", 384)).reshape(-1))
+
+
+def test_routing_varies_by_token_and_layer(files):
+    """An expert-cache benchmark means nothing if every token picks the same experts (what random
+    weights at one gain do: attention averages the tokens away). Every layer must spread its
+    choices over the experts."""
+    from cflow.runtime import Engine
+
+    d, _, _ = files
+    with Engine.load(d / "m.cflow", threads=1, n_ctx=128) as eng:
+        eng.reset_counters()
+        eng.prefill([int(t) for t in np.random.default_rng(0).integers(0, 300, 64)])
+        hits = np.array(eng.expert_hits())  # [layer, expert]
+    share = hits / hits.sum(axis=1, keepdims=True)
+    assert (hits > 0).all(), hits  # every expert of every layer is chosen by some token
+    assert share.max() < 0.4, hits  # top-2 of 4: a uniform router gives 0.25 each
 
 
 def test_tokenizer_is_a_consistent_byte_level_bpe(files):
@@ -200,11 +217,11 @@ def test_cflow_verifies_and_runs(files):
         assert len(out.tokens) == 6
 
 
-def _check_blocks(blocks: np.ndarray, q: str, cols: int) -> None:
+def _check_blocks(blocks: np.ndarray, q: str, cols: int, gain: float = mm.GAIN) -> None:
     B = quant.block_bytes(q)
     b = blocks.reshape(-1, B)
     d = b[:, 0:2].copy().view(np.uint16).ravel()
-    lut, m_lut = mm.scale_tables(q, cols)
+    lut, m_lut = mm.scale_tables(q, cols, gain)
     assert np.isin(d, lut).all()                       # every block's scale is one of the table's
     assert len(np.unique(d)) > min(100, d.size // 4)   # and they vary
     if q == "q4_1":
@@ -212,7 +229,7 @@ def _check_blocks(blocks: np.ndarray, q: str, cols: int) -> None:
         np.testing.assert_array_equal(m, m_lut[np.searchsorted(lut, d)])
     w = quant.dequantize(blocks, q, cols)
     assert np.isfinite(w).all()
-    assert w.std() == pytest.approx(mm.GAIN / np.sqrt(cols), rel=0.1)
+    assert w.std() == pytest.approx(gain / np.sqrt(cols), rel=0.1)
 
 
 @pytest.mark.parametrize("q", ["q4_0", "q4_1", "q8_0"])
@@ -229,7 +246,8 @@ def test_cflow_tensors_hold_valid_blocks(files):
     for name in ("tok_emb", "lm_head", "layers.0.attn.wqkv", "layers.1.ffn.w_down",
                  "layers.2.moe.experts.1.w_gate_up", "layers.2.moe.experts.1.w_down"):
         e = f.tensors[name]
-        _check_blocks(quant.untile_matrix(f.array(name), e.dtype, *e.shape, f.tile), e.dtype, e.shape[1])
+        _check_blocks(quant.untile_matrix(f.array(name), e.dtype, *e.shape, f.tile), e.dtype, e.shape[1],
+                      mm.tensor_gain(name, e.shape[1]))
     np.testing.assert_array_equal(f.plain("layers.0.moe_norm"), np.ones(128, np.float32))
 
 
