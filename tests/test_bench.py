@@ -158,3 +158,20 @@ def test_counted_bytes_are_cross_checked_against_the_tensor_table(tiny_model):
     assert f"the tensor table says {format_size(rep.table_bytes_per_token)}" in md
     assert f"({format_size(path.stat().st_size)})" in md.splitlines()[0]  # decimal sizes, as everywhere
     assert json.loads(rep.to_json())["table_bytes_per_token"] == rep.table_bytes_per_token
+
+
+def test_cli_bench_reports_the_disk_tier(tiny_model, capsys):
+    """`cflow bench --experts disk` runs the experts from the file through the bounded cache and
+    the JSON rows carry the disk counters the issue names."""
+    path, cfg = tiny_model
+    assert main(["bench", "-m", str(path), "-t", "1", "-p", "0", "-n", "6", "-r", "1", "--no-probe",
+                 "--no-footprint", "--experts", "disk", "--expert-cache", "1G", "--expert-io", "sync",
+                 "--json", "-q"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    tg = [r for r in rows if r["test"] == "tg6"][0]
+    assert tg["disk_bytes_per_token"] >= 0 and 0 <= tg["expert_cache_hit_rate"] <= 1
+    assert tg["io_stall_ms_per_token"] >= 0
+    # in RAM there is no disk tier to report
+    assert main(["bench", "-m", str(path), "-t", "1", "-p", "0", "-n", "2", "-r", "1", "--no-probe",
+                 "--no-footprint", "--experts", "ram", "--json", "-q"]) == 0
+    assert json.loads(capsys.readouterr().out)["rows"][0].get("disk_bytes_per_token") is None

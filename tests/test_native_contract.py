@@ -25,12 +25,14 @@ EXPECTED = {
     "LAYER_SLOTS": ("attn_norm", "attn.wqkv", "attn.wo", "ffn_norm", "ffn.w_gate_up", "ffn.w_down", "moe_norm",
                     "moe.router"),
     "EXPERT_SLOTS": ("w_gate_up", "w_down"),
-    "COUNTER_NAMES": ("attn", "dense", "router", "experts", "embed", "lm_head", "kv", "tokens", "calls"),
+    "COUNTER_NAMES": ("attn", "dense", "router", "experts", "embed", "lm_head", "kv", "tokens", "calls",
+                      "disk_bytes", "cache_hits", "cache_misses", "io_stall_ns"),
+    "IO_FAULTS": ("none", "eio", "short"),
 }
 # export -> the C enum count it must have as many entries as
 ENUM_OF = {"OP_KINDS": "CF_OP_KINDS", "SOURCES": "CF_SRC_KINDS", "DESC_FIELDS": "CF_DESC_FIELDS",
            "GLOBAL_TENSORS": "CF_T_GLOBAL", "LAYER_SLOTS": "CF_SLOTS_PER_SET", "EXPERT_SLOTS": "CF_EXPERT_SLOTS",
-           "COUNTER_NAMES": "CF_COUNTERS"}
+           "COUNTER_NAMES": "CF_COUNTERS", "IO_FAULTS": "CF_XFAULT_KINDS"}
 TILE = (16, 32)  # small tiles: several bands and tiles even in this tiny model
 
 

@@ -5,7 +5,9 @@ The cflow side loads the model through Engine (a .gguf is converted once into th
 llama.cpp side (optional) runs the original .gguf with the same threads, interleaved in one run.
 Weight bytes per token come from the engine, never from arithmetic here: what a row reports is
 the C engine's own count (`Engine.counters()`); the tensor table's figure
-(`Engine.weight_bytes_per_token()`) is shown beside it as a cross-check.
+(`Engine.weight_bytes_per_token()`) is shown beside it as a cross-check. With experts on disk
+(`experts="disk"`, or "auto" choosing it) the tg rows also report what the expert cache did, from
+the same counters: disk_bytes_per_token, expert_cache_hit_rate, io_stall_ms_per_token.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from cflow.runtime import usable_threads
 from cflow.runtime.files import format_size
 
 BASELINES = ("llama.cpp",)
+WEIGHT_COUNTERS = ("attn", "dense", "router", "experts", "embed", "lm_head")  # Engine.counters() keys
 
 
 class CflowRunner:
@@ -32,10 +35,12 @@ class CflowRunner:
 
     name = "cflow"
 
-    def __init__(self, model: str | Path, threads: int, n_ctx: int | None, progress=None, verify: bool = True):
+    def __init__(self, model: str | Path, threads: int, n_ctx: int | None, progress=None, verify: bool = True,
+                 experts: str = "auto", expert_cache: int | str | None = None, expert_io: str = "async"):
         from cflow.runtime import Engine
 
-        self.engine = Engine.load(model, threads=threads, n_ctx=n_ctx, verify=verify, log=progress)
+        self.engine = Engine.load(model, threads=threads, n_ctx=n_ctx, verify=verify, log=progress, experts=experts,
+                                  expert_cache=expert_cache, expert_io=expert_io)
 
     def reset(self) -> None:
         self.engine.reset()
@@ -52,12 +57,18 @@ class CflowRunner:
         c = self.engine.counters()
         if not c.get("tokens"):
             return None
-        weights = sum(v for k, v in c.items() if k not in ("kv", "tokens", "calls"))
+        weights = sum(c[k] for k in WEIGHT_COUNTERS)
         return weights / c["tokens"]
 
-
-def _counted_bytes(runner) -> float | None:
-    return runner.weight_bytes_per_token() if isinstance(runner, CflowRunner) else None
+    def expert_stats(self) -> dict | None:
+        """What the disk expert cache did per token in the last test; None with experts in RAM."""
+        c = self.engine.counters()
+        if self.engine.expert_cache is None or not c.get("tokens"):
+            return None
+        looked = c["cache_hits"] + c["cache_misses"]
+        return {"disk_bytes_per_token": c["disk_bytes"] / c["tokens"],
+                "expert_cache_hit_rate": c["cache_hits"] / looked if looked else None,
+                "io_stall_ms_per_token": c["io_stall_ns"] / 1e6 / c["tokens"]}
 
 
 @dataclass
@@ -71,6 +82,8 @@ class BenchReport:
     # the tensor table's weight bytes per token (Engine.weight_bytes_per_token): a cross-check of the
     # counted bytes in the rows (MoE: top_k experts of average size, so routing moves the count a little)
     table_bytes_per_token: float | None = None
+    experts: dict | None = None  # disk residency: Engine.expert_cache plus why (None: experts in RAM)
+    expert_rows: dict[str, dict] = field(default_factory=dict)  # "threads:test" -> CflowRunner.expert_stats()
     date: str = field(default_factory=lambda: _dt.datetime.now().isoformat(timespec="seconds"))
 
     def ratio(self, row: BenchRow) -> float | None:
@@ -86,10 +99,30 @@ class BenchReport:
             "model": self.model, "date": self.date, "machine": self.machine,
             "model_bytes": self.model_bytes, "table_bytes_per_token": self.table_bytes_per_token,
             "bandwidth_gbs": {str(k): v for k, v in self.bandwidth_gbs.items()},
-            "footprint": self.footprint,
-            "rows": [dict(r.to_dict(), ratio_cflow_over_this=self.ratio(r),
-                          pct_of_probe=self._pct(r)) for r in self.rows],
+            "footprint": self.footprint, "experts": self.experts,
+            "rows": [dict(r.to_dict(), ratio_cflow_over_this=self.ratio(r), pct_of_probe=self._pct(r),
+                          **self._expert_fields(r)) for r in self.rows],
         }
+
+    def _expert_fields(self, row: BenchRow) -> dict:
+        if self.experts is None or row.engine != "cflow":
+            return {}
+        keys = ("disk_bytes_per_token", "expert_cache_hit_rate", "io_stall_ms_per_token")
+        got = self.expert_rows.get(f"{row.threads}:{row.test}") or {}
+        return {k: got.get(k) for k in keys}
+
+    def _expert_lines(self) -> list[str]:
+        x = self.experts
+        if not x:
+            return []
+        lines = [f"experts on disk: cache {format_size(x['cache_bytes'])} ({x['slots']} slots of "
+                 f"{format_size(x['slot_bytes'])}), {x['read']} reads, {x['io']} I/O; {x['reason']}"]
+        for key, st in sorted(self.expert_rows.items()):
+            rate = st["expert_cache_hit_rate"]
+            lines.append(f"  {key.split(':')[0]} thr {key.split(':')[1]}: {format_size(st['disk_bytes_per_token'])}/token "
+                         f"from disk, hit rate {'–' if rate is None else f'{100 * rate:.1f}%'}, I/O stall "
+                         f"{st['io_stall_ms_per_token']:.3f} ms/token")
+        return lines
 
     def _pct(self, row: BenchRow) -> float | None:
         bw = self.bandwidth_gbs.get(row.threads)
@@ -133,6 +166,7 @@ class BenchReport:
                 f"{t} thr {bw:.1f} GB/s" for t, bw in sorted(self.bandwidth_gbs.items()))]
               if self.bandwidth_gbs else []),
             *self._bytes_line(),
+            *self._expert_lines(),
             *self._footprint_lines(),
             "",
             "| engine | threads | test | t/s | weight MB/token | eff. GB/s | % of probe | cflow / this |",
@@ -152,10 +186,12 @@ class BenchReport:
 def bench(model: str | Path, *, threads: list[int] | None = None, pp: int = 512, tg: int = 128,
           reps: int = 5, warmup: bool = True, compare: str | None = None, n_ctx: int | None = None,
           probe: bool = True, footprint: bool = True, verify: bool = True,
-          progress: Callable[[str], None] | None = None) -> BenchReport:
+          progress: Callable[[str], None] | None = None, experts: str = "auto",
+          expert_cache: int | str | None = None, expert_io: str = "async") -> BenchReport:
     """Run the suite. threads: the counts to test (default: every usable core; 0 also means that);
     the tg test always runs exactly `tg` decode steps, whatever token comes (EOS included), like
-    llama-bench; verify=False skips the checksum check of the model's first use."""
+    llama-bench; verify=False skips the checksum check of the model's first use. experts,
+    expert_cache, expert_io: where cflow keeps a MoE model's experts (Engine.load)."""
     from cflow.bench.bandwidth import read_bandwidth
 
     model = str(model)
@@ -167,7 +203,8 @@ def bench(model: str | Path, *, threads: list[int] | None = None, pp: int = 512,
         raise CflowError(f"--reps must be >= 1, got {reps}")
     threads = [t or usable_threads() for t in threads] if threads else [usable_threads()]
     # Loading once up front converts a .gguf into the cache and tells us the model's context limit.
-    with CflowRunner(model, threads[0], None, progress=progress, verify=verify).engine as eng:
+    xkw = dict(experts=experts, expert_cache=expert_cache, expert_io=expert_io)
+    with CflowRunner(model, threads[0], None, progress=progress, verify=verify, **xkw).engine as eng:
         max_ctx = eng.config.max_seq_len
         table_bytes = eng.weight_bytes_per_token()
     n_ctx = n_ctx or min(max_ctx, max(pp, tg) + 8)  # like llama-bench: room for the test, no more
@@ -186,14 +223,30 @@ def bench(model: str | Path, *, threads: list[int] | None = None, pp: int = 512,
             report.bandwidth_gbs[t] = read_bandwidth(threads=t)
             if progress:
                 progress(f"read bandwidth with {t} thread(s): {report.bandwidth_gbs[t]:.1f} GB/s")
-        runners = [CflowRunner(model, t, n_ctx, progress=progress, verify=verify)]
+        runners = [CflowRunner(model, t, n_ctx, progress=progress, verify=verify, **xkw)]
+        cache = runners[0].engine.expert_cache
+        if cache is not None:
+            report.experts = dict(cache, reason=runners[0].engine.residency.reason)
+        stats: dict[str, dict] = {}
+
+        def counted(runner, t=t):
+            if not isinstance(runner, CflowRunner):
+                return None
+            st = runner.expert_stats()
+            if st is not None:
+                stats[str(t)] = st  # the tg test just ran (run_tests asks after each tg test)
+            return runner.weight_bytes_per_token()
+
         if compare == "llama.cpp":
             from cflow.bench.llamacpp import LlamaCppRunner
 
             runners.append(LlamaCppRunner(model, t, n_ctx))
         vocab = runners[0].engine.config.vocab_size
         rows = run_tests(runners, t, pp=pp, tg=tg, reps=reps, vocab=vocab, warmup=warmup,
-                         progress=progress, bytes_per_token=_counted_bytes)
+                         progress=progress, bytes_per_token=counted)
+        for r in rows:
+            if r.engine == "cflow" and r.test.startswith("tg") and str(t) in stats:
+                report.expert_rows[f"{t}:{r.test}"] = stats[str(t)]
         # Both engines run the same weights (GGUF blocks are kept bit for bit), so the baseline's
         # tg row reads the same bytes per token; its GB/s column uses cflow's count.
         ours = {r.test: r.bytes_per_token for r in rows if r.engine == "cflow"}

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from cflow.cli.common import UsageError, add_command, add_verify_flag, load_error, write_text
+from cflow.cli.common import (UsageError, add_command, add_expert_flags, add_verify_flag, expert_kwargs, load_error,
+                              write_text)
 from cflow.fsutil import check_writable
 
 
@@ -39,7 +40,8 @@ examples:
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = add_command(sub, "bench", HELP)
-    p.add_argument("-m", "--model", required=True, help="a .cflow file, or a .gguf (converted once into the cache)")
+    p.add_argument("-m", "--model", help="a .cflow file, or a .gguf (converted once into the cache); required "
+                   "unless running `cflow bench claims`")
     p.add_argument("-t", "--threads", type=_thread_list, default=None, metavar="N[,N...]",
                    help="thread counts to test, comma-separated; 0 = every usable core (the default)")
     p.add_argument("-p", "--n-prompt", type=int, default=512, help="prompt tokens for the pp test (0 skips it)")
@@ -55,16 +57,65 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-footprint", action="store_true",
                    help="skip the load-time / first-token / resident-memory measurement")
     add_verify_flag(p)
+    add_expert_flags(p)
     p.add_argument("-o", "--output", choices=["md", "json"], default="md", help="output format (default md)")
     p.add_argument("--json", action="store_true", help="same as -o json")
     p.add_argument("--out", metavar="FILE", default=None,
                    help="also write the report to this file (checked before the benchmark starts)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
     p.set_defaults(func=run)
+    actions = p.add_subparsers(dest="bench_action", metavar="claims", title="the paper's claims",
+                               description="`cflow bench claims --help`: re-measure every claim of the paper")
+    c = add_command(actions, "claims", CLAIMS_HELP)
+    c.add_argument("--out", default="docs/claims", metavar="DIR",
+                   help="report directory: report.md, report.json and the plots (default docs/claims)")
+    c.add_argument("--quick", action="store_true",
+                   help="smoke test: tiny models, few repetitions, one thread; timing verdicts are inconclusive")
+    c.add_argument("--only", default=None, metavar="C1,C3,...", help="run only these claims (default: all)")
+    c.add_argument("-t", "--threads", type=int, default=None, metavar="N",
+                   help="threads (default: every usable core; 1 with --quick)")
+    c.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
+    c.set_defaults(func=run_claims)
+
+
+CLAIMS_HELP = """\
+re-measure the paper's claims (C1-C8, T1) and write a report with a verdict for each
+
+Run each claim's experiment (SPEC §8) and write DIR/report.md (per claim: what the paper says with its
+number, what this machine shows, the commands, the verdict confirmed / refuted / inconclusive with the
+reason), DIR/report.json (the data) and PNG plots. The full run wants an idle machine and an hour or
+more (training, cachegrind, side-by-side runs against llama.cpp); --quick is a smoke test of a couple
+of minutes whose timing verdicts are inconclusive by design. Progress lines go to stderr.
+
+examples:
+  cflow bench claims --out docs/claims
+  cflow bench claims --quick --out /tmp/claims
+  cflow bench claims --only C1,C2,C3 --out /tmp/claims
+"""
+
+
+def run_claims(args: argparse.Namespace) -> int:
+    from cflow.bench.claims.runner import parse_only, run_claims as run_all
+
+    if args.threads is not None and args.threads < 1:
+        raise UsageError(f"must be >= 1, got {args.threads}", flag="-t")
+    try:
+        parse_only(args.only)
+    except ValueError as e:
+        raise UsageError(str(e), flag="--only") from None
+    progress = None if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
+    results = run_all(args.out, quick=args.quick, only=args.only, threads=args.threads, progress=progress)
+    for r in results:
+        print(f"{r.id:3} {r.verdict:13} {r.title}")
+    print(f"report: {args.out}/report.md")
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
     from cflow.bench import bench
+
+    if not args.model:
+        raise UsageError("a model is required: -m FILE (a .cflow or .gguf); or `cflow bench claims`", flag="-m")
 
     for flag, n in (("-p", args.n_prompt), ("-n", args.n_gen)):
         if n < 0:
@@ -76,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
         report = bench(args.model, threads=args.threads, pp=args.n_prompt, tg=args.n_gen,
                        reps=args.repetitions, warmup=not args.no_warmup, compare=args.compare,
                        probe=not args.no_probe, footprint=not args.no_footprint, verify=not args.no_verify,
-                       progress=progress)
+                       progress=progress, **expert_kwargs(args))
     except OSError as e:  # the model unreadable, or the cache a .gguf is converted into unwritable
         raise load_error(args.model, e) from None
     text = report.to_json() if args.json or args.output == "json" else report.to_markdown()

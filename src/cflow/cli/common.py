@@ -5,8 +5,9 @@ Owns:
   names the flag, the way the runtime's errors do) and `FileError` (a file a command was told to
   read or write cannot be);
 - `add_command`: a subcommand declared from one help text (summary, description, examples);
-- the model flags (-m -t -c --no-mmap --no-verify), loading the engine with the conversion progress
-  bar, and the timing report on stderr;
+- the model flags (-m -t -c --no-mmap --no-verify, and --experts --expert-cache --expert-io for
+  mixture-of-experts models), loading the engine with the conversion progress bar, and the timing
+  report on stderr;
 - the sampling flags (llama.cpp's names) and their checks, done before the model loads;
 - writes that fail as one line (`cannot write PATH: <strerror>`), checked before long work.
 """
@@ -89,6 +90,24 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="context size in tokens (default 0: min(the model's max_seq_len, 4096))")
     p.add_argument("--no-mmap", action="store_true", help="read the model into memory instead of mapping it")
     add_verify_flag(p)
+    add_expert_flags(p)
+
+
+def add_expert_flags(p: argparse.ArgumentParser) -> None:
+    """Where a mixture-of-experts model keeps its experts (cflow.runtime.experts). Dense models accept
+    the flags; --experts disk is refused for them (they have no experts)."""
+    g = p.add_argument_group("experts (mixture-of-experts models)")
+    g.add_argument("--experts", choices=["auto", "ram", "disk"], default="auto",
+                   help="ram: every expert in memory; disk: dense weights in memory, experts read from the file "
+                   "as the router picks them, into a bounded cache; auto (default): disk when the model does not "
+                   "fit the memory this process may use (MemAvailable, cgroup limit), with a line saying why")
+    g.add_argument("--expert-cache", default=None, metavar="SIZE",
+                   help="bytes the expert cache may hold with --experts disk, e.g. 2G, 512MiB (default: what memory "
+                   "leaves after the dense weights and KV cache; at least top_k experts per layer in flight, the "
+                   "minimum is in the error when it is too small)")
+    g.add_argument("--expert-io", choices=["async", "sync"], default="async",
+                   help="async (default): read a layer's chosen experts as soon as its router has chosen, on "
+                   "reader threads, while compute goes on; sync: read, then compute (for comparison)")
 
 
 def check_model_flags(args: argparse.Namespace) -> None:
@@ -141,9 +160,17 @@ def load_engine(args: argparse.Namespace):
     try:
         with progress_bar() as progress:
             return Engine.load(args.model, threads=args.threads, n_ctx=args.ctx_size or None,
-                               mmap=not args.no_mmap, verify=not args.no_verify, progress=progress, log=log)
+                               mmap=not args.no_mmap, verify=not args.no_verify, progress=progress, log=log,
+                               **expert_kwargs(args))
     except OSError as e:
         raise load_error(args.model, e) from None
+
+
+def expert_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """Engine.load's experts / expert_cache / expert_io from the expert flags (defaults where a
+    command has none of them)."""
+    return dict(experts=getattr(args, "experts", "auto"), expert_cache=getattr(args, "expert_cache", None),
+                expert_io=getattr(args, "expert_io", "async"))
 
 
 def load_error(model: str | None, e: OSError) -> FileError:
@@ -175,6 +202,14 @@ def print_timings(eng, t, prompt_shown: int) -> None:
     print(line("prompt eval time", t.prompt_s * 1e3, t.prompt_tokens, "tokens"), file=err)
     print(line("eval time", t.gen_s * 1e3, t.gen_tokens, "runs"), file=err)
     print(f"cflow: {'sampling time':>16} = {t.sample_s * 1e3:10.2f} ms", file=err)
+    cache = getattr(eng, "expert_cache", None)
+    if cache:  # experts on disk: what the cache did since the model loaded
+        c = eng.counters()
+        looked, n = c["cache_hits"] + c["cache_misses"], max(c["tokens"], 1)
+        rate = f"{100 * c['cache_hits'] / looked:.1f}%" if looked else "-"
+        print(f"cflow: {'experts on disk':>16} = {c['disk_bytes'] / 1e6:10.2f} MB read ({c['disk_bytes'] / n / 1e6:.2f} MB "
+              f"per token), cache hits {rate} of {looked} ({cache['slots']} slots, {cache['read']}, {cache['io']} I/O), "
+              f"I/O stall {c['io_stall_ns'] / 1e6:.2f} ms", file=err)
     total = (t.load_s + t.prompt_s + t.gen_s) * 1e3
     print(f"cflow: {'total time':>16} = {total:10.2f} ms / {prompt_shown + t.gen_tokens:5d} tokens", file=err)
 

@@ -137,10 +137,10 @@ struct NativeEngine {
         return out;
     }
 
-    void inject_io_fault(int64_t after, const std::string &kind) {
+    void inject_io_fault(int64_t after, const std::string &kind, int delay_ms) {
         for (int k = 0; k < CF_XFAULT_KINDS; k++)
             if (kind == cf_xfault_names[k]) {
-                if (cf_engine_inject_io_fault(e, after, k))
+                if (cf_engine_inject_io_fault(e, after, k, delay_ms * 1000))
                     throw nb::value_error("fault injection needs experts on disk and after >= 0");
                 return;
             }
@@ -251,6 +251,7 @@ void bind_contracts(nb::module_ &m) {
     counts["CF_EXPERT_SLOTS"] = (int)CF_EXPERT_SLOTS;
     counts["CF_COUNTERS"] = (int)CF_COUNTERS;
     counts["CF_DTYPE_IDS"] = (int)CF_DTYPE_IDS;
+    counts["CF_XFAULT_KINDS"] = (int)CF_XFAULT_KINDS;
     m.attr("ENUM_COUNTS") = counts;
     // the older names of two of the above (cflow.engine checks them)
     m.attr("MAX_THREADS") = (int)CF_MAX_THREADS;
@@ -290,7 +291,9 @@ void cf_bind_engine(nb::module_ &m) {
         .def("expert_resident", &NativeEngine::expert_resident,
              "(layer, expert) of every expert the cache holds now")
         .def("_inject_io_fault", &NativeEngine::inject_io_fault, nb::arg("after"), nb::arg("kind"),
-             "test only: the read `after` reads from now fails once ('eio', 'short'; 'none' disarms)")
+             nb::arg("delay_ms") = 0,
+             "test only: the read `after` reads from now fails once ('eio', 'short'; 'none' disarms), "
+             "delay_ms after it starts")
         .def_prop_ro("n_ctx", [](const NativeEngine &s) { return cf_engine_n_ctx(s.e); })
         .def_prop_ro("threads", [](const NativeEngine &s) { return cf_engine_n_threads(s.e); })
         .def_prop_rw(

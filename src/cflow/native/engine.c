@@ -13,6 +13,11 @@
  * tokens routed to an expert are gathered (their activation descriptors, not the data) so they
  * take the batched kernels too.
  *
+ * Experts may live on disk instead (cf_disk_experts, experts.h): then the route op, on thread 0,
+ * pins cache slots for the chosen experts and queues the reads of the missing ones, and the experts
+ * op waits on each slot's word for the expert it needs next. With experts in RAM that costs one
+ * pointer test per MoE op; nothing else on that path changes.
+ *
  * Nothing on the per-token path allocates. Names: see engine.h.
  */
 #include "engine.h"
@@ -412,6 +417,7 @@ static void route_disk(cf_engine *e, int l, int ms) {
     for (int x = 0; x < E; x++)
         if (cnt[x]) list[n++] = x;
     s->exp_cnt[ms] = n;
+    cf_xstore_visit(e->xs, l % e->c.n_unique, list, n);
     s->exp_pre[ms] = e->xasync ? acquire_wave(e, l % e->c.n_unique, ms, 0, e->c.top_k) : 0;
 }
 
@@ -706,9 +712,9 @@ int cf_engine_expert_cache(const cf_engine *e, cf_expert_cache_info *out) {
 int cf_engine_expert_resident(const cf_engine *e, int *keys) {
     return e->xs ? cf_xstore_resident(e->xs, keys) : 0;
 }
-int cf_engine_inject_io_fault(cf_engine *e, int64_t after, int kind) {
+int cf_engine_inject_io_fault(cf_engine *e, int64_t after, int kind, int delay_us) {
     if (!e->xs || kind < 0 || kind >= CF_XFAULT_KINDS || after < 0) return -1;
-    cf_xstore_inject_fault(e->xs, after, kind);
+    cf_xstore_inject_fault(e->xs, after, kind, delay_us);
     return 0;
 }
 

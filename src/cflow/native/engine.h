@@ -177,14 +177,15 @@ const char *cf_engine_isa(const cf_engine *e);
 
 /* Experts on disk: the cache's geometry (0 when experts are in RAM), the (set * E + e) keys of
  * the experts it holds now (into keys[n_slots]; returns how many), the most layers in flight,
- * and a test-only fault on the read `after` reads from now (kind: CF_XFAULT_*, experts.h). */
+ * and a test-only fault on the read `after` reads from now (kind: CF_XFAULT_*, experts.h), which
+ * fails `delay_us` after it starts. */
 typedef struct {
     int n_slots, min_slots, inflight, async, n_io, direct;
     int64_t slot_bytes, cache_bytes;
 } cf_expert_cache_info;
 int cf_engine_expert_cache(const cf_engine *e, cf_expert_cache_info *out);
 int cf_engine_expert_resident(const cf_engine *e, int *keys);
-int cf_engine_inject_io_fault(cf_engine *e, int64_t after, int kind);
+int cf_engine_inject_io_fault(cf_engine *e, int64_t after, int kind, int delay_us);
 /* Layers in flight in a plan (see "the plan" above); -1 if the plan pairs routes and experts
  * wrongly. The minimum cache is top_k times this many experts. */
 int cf_plan_inflight(const int32_t *plan, int n_ops, int n_moe);

@@ -1,16 +1,22 @@
 /* experts.c — the expert cache and its readers (experts.h has the design).
  *
- * Eviction: LFU with aging, ties broken by recency. Why not plain LRU: a decode step visits the
- * layers in a cycle, so between two uses of layer l's experts every other layer's experts are
- * touched once. With a cache smaller than the experts one token touches, LRU evicts exactly the
- * expert the cycle needs next and almost never hits; counting uses keeps the experts the router
- * favours (routing is skewed) and lets a rarely used newcomer be the next one out. Counts halve
- * every AGE_PER_KEY x n_keys accesses, so a shift in what the text routes to is followed within
- * tens of tokens. Measured on a routing trace in the report of this change
- * (cflow.runtime.experts.simulate replays a trace through both policies).
+ * Eviction: recency-weighted frequency on each layer's own clock ("layer LRFU"). Every expert has
+ * a score; each time a layer routes (cf_xstore_visit), the scores of that layer's E experts halve
+ * and the chosen ones gain VISIT_SCORE. So a score is sum over the layer's past routings of
+ * 2^-(routings since), counted for the routings that chose it: an expert its layer chose last time
+ * outranks every expert it did not (>= 1 against < 1), and among those, use further back breaks
+ * the tie. The victim is the lowest score, ties broken by global recency.
+ *
+ * Why the layer's clock and not a global one: a decode step visits the layers in a cycle, so
+ * between two uses of layer l's experts every other layer's are touched once. Plain LRU (global
+ * clock) then evicts exactly what the cycle needs next whenever the cache holds less than one
+ * token's experts (hit rate 0), and a global LFU misses that routing persists from token to token.
+ * Measured on a routing trace of the built-in model (cflow.runtime.experts.simulate replays a
+ * trace through this policy, LRU, a global LFU and Belady's optimum): equal to or above LRU at
+ * every budget, and well above it below one token's experts.
  *
  * A victim is the first EMPTY (or FAILED) slot, else the unpinned READY slot with the lowest
- * (count, last use). Finding it scans the slots: O(n_slots) per miss, next to a read of
+ * (score, last use). Finding it scans the slots: O(n_slots) per miss, next to a read of
  * megabytes that is nothing.
  */
 #define _GNU_SOURCE
@@ -33,7 +39,7 @@
 #include "cflow.h"
 #include "util.h"
 
-#define AGE_PER_KEY 4  /* counts halve every AGE_PER_KEY x n_keys accesses */
+#define VISIT_SCORE (1u << 16) /* a routing's weight; halves every routing of the layer after */
 #define WAIT_SPIN 256  /* pause iterations (a few us) before a waiter sleeps: reads take longer */
 
 enum { XS_EMPTY, XS_LOADING, XS_READY, XS_FAILED };
@@ -56,12 +62,12 @@ struct cf_xstore {
     int fd, direct, async, n_keys, n_experts;
     int64_t *off, *len; /* [n_keys] span offset, read length (nbytes rounded up to 4096) */
     int *slot_of;       /* [n_keys] slot holding the key, -1 */
-    uint32_t *freq;     /* [n_keys] aged use counts */
+    uint32_t *score;    /* [n_keys] recency-weighted use, on the layer's clock (cf_xstore_visit) */
     xslot *slots;
     int n_slots;
     size_t slot_bytes, mem_bytes;
     uint8_t *mem;
-    uint64_t tick, accesses, age_period;
+    uint64_t tick;
     off_t size0; /* the file as loaded: a change means it was rewritten under us */
     struct timespec mtime0;
     /* readers */
@@ -70,9 +76,11 @@ struct cf_xstore {
     int *queue, q_head, q_len, stop;
     pthread_t *io;
     int n_io;
+    pid_t pid;       /* the process the readers run in */
+    int inline_io;   /* 1: no readers here (a forked child): submit reads in the caller */
     _Atomic uint64_t bytes_read;
     _Atomic int64_t reads, fault_at;
-    _Atomic int fault_kind;
+    _Atomic int fault_kind, fault_delay_us;
 };
 
 const char *const cf_xfault_names[CF_XFAULT_KINDS] = {
@@ -105,8 +113,10 @@ static void do_read(cf_xstore *xs, int slot) {
     int key = s->key; /* set before the slot was queued; the queue's mutex orders it */
     int64_t off = xs->off[key], want = xs->len[key], got = 0;
     int err = 0, fault = CF_XFAULT_NONE;
-    if (atomic_fetch_add(&xs->reads, 1) == atomic_load(&xs->fault_at))
+    if (atomic_fetch_add(&xs->reads, 1) == atomic_load(&xs->fault_at)) {
         fault = atomic_exchange(&xs->fault_kind, CF_XFAULT_NONE);
+        if (fault && atomic_load(&xs->fault_delay_us)) usleep((useconds_t)atomic_load(&xs->fault_delay_us));
+    }
     if (fault == CF_XFAULT_EIO) {
         err = EIO;
     } else {
@@ -163,8 +173,8 @@ static int pick_victim(const cf_xstore *xs) {
         if (v->pins || st == XS_LOADING) continue;
         if (v->key < 0 || st == XS_FAILED) return i;
         const xslot *b = best >= 0 ? &xs->slots[best] : NULL;
-        if (!b || xs->freq[v->key] < xs->freq[b->key] ||
-            (xs->freq[v->key] == xs->freq[b->key] && v->last_use < b->last_use))
+        if (!b || xs->score[v->key] < xs->score[b->key] ||
+            (xs->score[v->key] == xs->score[b->key] && v->last_use < b->last_use))
             best = i;
     }
     return best;
@@ -182,14 +192,15 @@ int cf_xstore_acquire(cf_xstore *xs, int key, int *miss) {
         atomic_store_explicit(&v->state, XS_LOADING, memory_order_relaxed);
         *miss = 1;
     }
-    xs->freq[key]++;
-    if (++xs->accesses >= xs->age_period) {
-        for (int k = 0; k < xs->n_keys; k++) xs->freq[k] >>= 1;
-        xs->accesses = 0;
-    }
     xs->slots[s].last_use = ++xs->tick;
     xs->slots[s].pins++;
     return s;
+}
+
+void cf_xstore_visit(cf_xstore *xs, int set, const int *chosen, int n) {
+    uint32_t *sc = xs->score + (size_t)set * xs->n_experts;
+    for (int x = 0; x < xs->n_experts; x++) sc[x] >>= 1;
+    for (int i = 0; i < n; i++) sc[chosen[i]] += VISIT_SCORE; /* < 2 x VISIT_SCORE: no overflow */
 }
 
 void cf_xstore_release(cf_xstore *xs, int slot) {
@@ -198,6 +209,10 @@ void cf_xstore_release(cf_xstore *xs, int slot) {
 
 void cf_xstore_submit(cf_xstore *xs, const int *slots, int n) {
     if (n <= 0) return;
+    if (xs->inline_io) {
+        for (int i = 0; i < n; i++) do_read(xs, slots[i]);
+        return;
+    }
     pthread_mutex_lock(&xs->mu);
     for (int i = 0; i < n; i++) /* never full: a slot is queued at most once (it is LOADING) */
         xs->queue[(xs->q_head + xs->q_len++) % xs->n_slots] = slots[i];
@@ -229,12 +244,17 @@ int cf_xstore_wait(cf_xstore *xs, int slot, uint64_t *stall_ns) {
 const uint8_t *cf_xstore_data(const cf_xstore *xs, int slot) { return xs->slots[slot].data; }
 
 int cf_xstore_begin(cf_xstore *xs, char *err, size_t n) {
+    /* A forked child has none of the readers (threads do not survive fork, and one may have held
+     * the queue's lock): it reads in the calling thread, and reads the parent had in flight will
+     * never land here. */
+    int forked = xs->async && !xs->inline_io && getpid() != xs->pid;
+    if (forked) xs->inline_io = 1;
     for (int i = 0; i < xs->n_slots; i++) {
         xslot *s = &xs->slots[i];
         /* only a failed call leaves reads in flight: let them land before the slot is reused */
         if (atomic_load(&s->state) == XS_LOADING) {
-            if (xs->async) cf_xstore_wait(xs, i, NULL);
-            else atomic_store(&s->state, XS_FAILED); /* acquired, never read */
+            if (xs->async && !forked) cf_xstore_wait(xs, i, NULL);
+            else atomic_store(&s->state, XS_FAILED); /* acquired, never read (here) */
         }
         s->pins = 0;
         if (atomic_load(&s->state) == XS_FAILED) {
@@ -289,7 +309,8 @@ int cf_xstore_resident(const cf_xstore *xs, int *keys) {
     return n;
 }
 
-void cf_xstore_inject_fault(cf_xstore *xs, int64_t after, int kind) {
+void cf_xstore_inject_fault(cf_xstore *xs, int64_t after, int kind, int delay_us) {
+    atomic_store(&xs->fault_delay_us, delay_us < 0 ? 0 : delay_us);
     atomic_store(&xs->fault_kind, kind);
     atomic_store(&xs->fault_at, kind == CF_XFAULT_NONE ? -1 : atomic_load(&xs->reads) + after);
 }
@@ -339,7 +360,6 @@ cf_xstore *cf_xstore_open(const cf_xstore_opts *o, char *err, size_t n) {
     xs->slot_bytes = (size_t)slot_bytes;
     xs->mem_bytes = (size_t)slots * (size_t)slot_bytes;
     xs->async = o->async ? 1 : 0;
-    xs->age_period = (uint64_t)AGE_PER_KEY * o->n_keys;
     atomic_store(&xs->fault_at, -1);
     pthread_mutex_init(&xs->mu, NULL);
     pthread_cond_init(&xs->cv, NULL);
@@ -347,10 +367,14 @@ cf_xstore *cf_xstore_open(const cf_xstore_opts *o, char *err, size_t n) {
     xs->off = malloc(sizeof(int64_t) * o->n_keys);
     xs->len = malloc(sizeof(int64_t) * o->n_keys);
     xs->slot_of = malloc(sizeof(int) * o->n_keys);
-    xs->freq = calloc(o->n_keys, sizeof(uint32_t));
-    xs->slots = calloc((size_t)slots, sizeof(xslot));
+    xs->score = calloc(o->n_keys, sizeof(uint32_t));
+    /* the slots' state words sit on their own cache lines: calloc does not align to 64 */
+    if (posix_memalign((void **)&xs->slots, 64, (size_t)slots * sizeof(xslot)) == 0)
+        memset(xs->slots, 0, (size_t)slots * sizeof(xslot));
+    else
+        xs->slots = NULL;
     xs->queue = calloc((size_t)slots, sizeof(int));
-    if (!xs->path || !xs->off || !xs->len || !xs->slot_of || !xs->freq || !xs->slots || !xs->queue) {
+    if (!xs->path || !xs->off || !xs->len || !xs->slot_of || !xs->score || !xs->slots || !xs->queue) {
         cf_xstore_free(xs);
         return set_err(err, n, "out of memory"), NULL;
     }
@@ -399,6 +423,7 @@ cf_xstore *cf_xstore_open(const cf_xstore_opts *o, char *err, size_t n) {
             return NULL;
         }
     }
+    xs->pid = getpid();
     if (xs->async) {
         int want = cf_min(cf_max(o->n_io, 1), 16);
         xs->io = calloc((size_t)want, sizeof *xs->io);
@@ -423,7 +448,7 @@ open_failed:
 
 void cf_xstore_free(cf_xstore *xs) {
     if (!xs) return;
-    if (xs->n_io) {
+    if (xs->n_io && !xs->inline_io) { /* (a forked child has no readers to stop) */
         pthread_mutex_lock(&xs->mu);
         xs->stop = 1;
         pthread_mutex_unlock(&xs->mu);
@@ -439,7 +464,7 @@ void cf_xstore_free(cf_xstore *xs) {
     free(xs->off);
     free(xs->len);
     free(xs->slot_of);
-    free(xs->freq);
+    free(xs->score);
     free(xs->slots);
     free(xs->queue);
     free(xs);

@@ -15,7 +15,8 @@
  *   pins      a slot is pinned from the route that chose its expert until the experts op that used
  *             it; pinned and LOADING slots are never evicted. A call never pins more than
  *             top_k x (layers in flight) slots at a time, which is the smallest cache accepted.
- *   policy    LFU with aging, ties by recency (see experts.c: why not plain LRU).
+ *   policy    recency-weighted frequency on each layer's own clock, ties by recency (experts.c
+ *             says why; cflow.runtime.experts.simulate is its Python twin).
  *   I/O       async: a queue and n_io pread threads (not the compute pool; they sleep in the
  *             kernel); sync: the caller reads, then computes (the baseline the async mode beats).
  *             O_DIRECT where the filesystem takes it, else buffered pread with readahead off and
@@ -57,7 +58,8 @@ typedef struct {
 } cf_xstore_info;
 
 /* Test-only fault injection (cf_xstore_inject_fault): the read with index `after` (0-based,
- * counting from the call) fails once, as an I/O error or as a short read. */
+ * counting from the call) fails once, as an I/O error or as a short read, after `delay_us`
+ * microseconds (so the threads waiting for it are asleep, not spinning, when it fails). */
 enum { CF_XFAULT_NONE, CF_XFAULT_EIO, CF_XFAULT_SHORT, CF_XFAULT_KINDS };
 extern const char *const cf_xfault_names[CF_XFAULT_KINDS]; /* "none", "eio", "short" */
 
@@ -73,6 +75,8 @@ void cf_xstore_free(cf_xstore *xs); /* finishes queued reads, joins the readers 
  * message when it is not. */
 int cf_xstore_begin(cf_xstore *xs, char *err, size_t n);
 
+/* A layer using weight set `set` routed to experts chosen[0..n): the policy's clock for that set. */
+void cf_xstore_visit(cf_xstore *xs, int set, const int *chosen, int n);
 /* Pin key's slot, choosing and claiming a victim when it is not cached (*miss = 1: the slot is
  * LOADING and must be submitted or read). -1 when every slot is pinned or loading. */
 int cf_xstore_acquire(cf_xstore *xs, int key, int *miss);
@@ -92,7 +96,7 @@ void cf_xstore_get_info(const cf_xstore *xs, cf_xstore_info *out);
 uint64_t cf_xstore_bytes_read(const cf_xstore *xs); /* since open, every reader together */
 /* Keys of READY slots into keys[n_slots]; returns how many. */
 int cf_xstore_resident(const cf_xstore *xs, int *keys);
-void cf_xstore_inject_fault(cf_xstore *xs, int64_t after, int kind);
+void cf_xstore_inject_fault(cf_xstore *xs, int64_t after, int kind, int delay_us);
 
 #ifdef __cplusplus
 }

@@ -5,6 +5,7 @@
     plan       the per-token op plan (the delay semantics on the runtime side)
     abi        the boundary with cflow._native: descriptor and plan encoded by name
     threads    usable cores, thread-count checks, the decode thread tuner
+    experts    where a MoE model's experts live (RAM or disk with a byte budget) and why
     files      the GGUF conversion cache and checksum verdicts on disk
     errors     the runtime's named errors
 """
@@ -12,8 +13,9 @@
 from cflow.runtime.engine import DEFAULT_MODEL, Engine
 from cflow.runtime.errors import (ContextOverflowError, CorruptModelError, EngineError, ModelFormatError,
                                   ModelNotFoundError, NativeMissingError)
+from cflow.runtime.experts import ExpertIOError
 from cflow.runtime.generate import Completion, Timings
 from cflow.runtime.threads import usable_threads
 
 __all__ = ["Engine", "DEFAULT_MODEL", "Completion", "Timings", "usable_threads", "EngineError", "ModelNotFoundError",
-           "ModelFormatError", "ContextOverflowError", "CorruptModelError", "NativeMissingError"]
+           "ModelFormatError", "ContextOverflowError", "CorruptModelError", "NativeMissingError", "ExpertIOError"]

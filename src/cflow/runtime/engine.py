@@ -10,7 +10,8 @@ Owns: loading (mmap by default; checksums verified on a file's first use; a .ggu
 into the cache of cflow.runtime.files), the thread-count and context defaults, the KV-cache prefix
 reuse between calls, and the native step. One native call per token: `step()` runs the whole
 forward pass in C and writes the logits into a numpy array that is reused. The generation loop is
-cflow.runtime.generate, the op plan cflow.runtime.plan, the encoding for C cflow.runtime.abi.
+cflow.runtime.generate, the op plan cflow.runtime.plan, the encoding for C cflow.runtime.abi, where
+a MoE model keeps its experts (RAM, or disk through a bounded cache) cflow.runtime.experts.
 
 No torch here (SPEC §11): running a converted model needs numpy, tokenizers and the C core.
 """
@@ -26,6 +27,7 @@ import numpy as np
 
 from cflow import weights
 from cflow.runtime import abi, files
+from cflow.runtime import experts as xp
 from cflow.runtime.errors import (ContextOverflowError, CorruptModelError, EngineError, ModelFormatError,
                                   ModelNotFoundError)
 from cflow.runtime.generate import Completion, Timings, common_prefix, run
@@ -51,7 +53,12 @@ class Engine:
     """A loaded model ready to generate. Not thread-safe: one generation at a time per Engine."""
 
     def __init__(self, cf: Any, *, threads: int | None = None, n_ctx: int | None = None,
-                 max_batch: int = DEFAULT_MAX_BATCH) -> None:
+                 max_batch: int = DEFAULT_MAX_BATCH, experts: str = "auto", expert_cache: int | str | None = None,
+                 expert_io: str = "async", expert_delay: bool = True, mmap: bool = True,
+                 log: Callable[[str], None] | None = None) -> None:
+        """An engine over an open CflowFile. experts / expert_cache / expert_io / expert_delay: see
+        Engine.load and cflow.runtime.experts; mmap=False copies the weights the engine reads out of
+        a mapped file (with experts on disk: all but the experts)."""
         from cflow.tokenizer import Tokenizer
 
         native = abi.native_module()
@@ -67,14 +74,33 @@ class Engine:
         if self.n_ctx > limit:
             raise EngineError(f"context size {self.n_ctx} exceeds the model's max_seq_len {limit}; "
                               f"use -c {limit} or less", flag="-c")
-        self.plan = build_plan(self.config)
+        # where the experts live: decided before the plan, which depends on it
+        # (async reads: experts(l) waits until resid(l + delta_expert) needs it, so the reads overlap
+        # the layers between; that keeps delta_expert + 1 layers' experts pinned at once)
+        sizes = None
+        if self.config.has_moe:
+            disk_plan = build_plan(self.config, delay_experts=expert_delay and expert_io == "async")
+            sizes = xp.model_sizes(cf, self.n_ctx, xp.plan_inflight(disk_plan, native))
+        self.residency = xp.decide(sizes, experts=experts, expert_cache=expert_cache, expert_io=expert_io)
+        disk = self.residency.mode == "disk"
+        self.plan = build_plan(self.config, delay_experts=disk and expert_delay and expert_io == "async")
+        buffer = cf.buffer
+        if not mmap and isinstance(getattr(buffer, "base", None), np.memmap):  # opened mapped: copy
+            buffer = xp.dense_copy(cf, skip_experts=disk)
+        options = None
+        if disk:
+            xp.drop_expert_pages(cf)
+            options = xp.native_options(cf, self.residency, xp.plan_inflight(self.plan, native))
         desc, names = abi.descriptor(cf, native)
         try:
-            self._native = native.NativeEngine(cf.buffer, self.config.to_dict(), desc, names,
+            self._native = native.NativeEngine(buffer, self.config.to_dict(), desc, names,
                                                abi.encode_plan(self.plan, native), self.plan.n_ring,
-                                               self.plan.n_pending, self.threads, self.n_ctx, int(max_batch))
+                                               self.plan.n_pending, self.threads, self.n_ctx, int(max_batch),
+                                               self.plan.n_moe, options)
         except ValueError as e:
             raise EngineError(f"{cf.path}: {e}") from None
+        if disk and log:
+            log(xp.describe(self.residency, self._native.expert_cache))
         self.tokenizer = Tokenizer(cf.tokenizer)
         self.tuner = ThreadTuner(self.threads) if not threads and self.threads > 1 else None
         self.isa: str = self._native.isa
@@ -91,7 +117,9 @@ class Engine:
     def load(cls, path: str | os.PathLike | None = None, threads: int | None = None, n_ctx: int | None = None,
              mmap: bool = True, *, max_batch: int = DEFAULT_MAX_BATCH, verify: bool = True,
              progress: Callable[[int, int, str], None] | None = None,
-             log: Callable[[str], None] | None = None) -> "Engine":
+             log: Callable[[str], None] | None = None, experts: str = "auto",
+             expert_cache: int | str | None = None, expert_io: str = "async",
+             expert_delay: bool = True) -> "Engine":
         """Load a .cflow/.vflow file, or a .gguf (converted once into the cache; `log` is told);
         no path: the built-in model.
 
@@ -99,6 +127,15 @@ class Engine:
         mmap=False reads the file into memory instead of mapping it. verify: check the checksums
         on the file's first use (cached by path, size, mtime and inode; False skips).
         `progress(done, total, name)` follows a conversion.
+
+        Mixture-of-experts models (cflow.runtime.experts): experts="ram" keeps every expert in memory;
+        "disk" reads experts from the file as the router chooses them, into a cache of at most
+        `expert_cache` bytes (an int, or "2G"; default: what memory leaves); "auto" (default) is
+        disk when the model does not fit the memory this process may use (`log` is told why).
+        expert_io="async" starts a layer's reads as soon as its router has chosen; "sync" reads,
+        then computes. With async reads and delta_expert > 0 the experts of layer l run just before
+        layer l + delta_expert needs them, so their reads overlap the layers between (expert_delay=
+        False runs them right after the router, for comparison); results are the same bit for bit.
         """
         from cflow.fileformat import ChecksumError, FormatError, open_model
 
@@ -113,8 +150,10 @@ class Engine:
         gguf = p if _is_gguf(p) else None
         if gguf is not None:
             p = cls._converted(gguf, progress, log)
+        # experts may go to disk: open mapped (the engine copies what it needs for mmap=False)
+        mapped = mmap or experts != "ram"
         try:
-            cf = open_model(p, mmap=mmap)
+            cf = open_model(p, mmap=mapped)
             if verify and not files.is_verified(p):
                 cls._verify(cf)
         except FormatError as e:
@@ -127,8 +166,14 @@ class Engine:
             if log:
                 log(f"cached conversion {p} is unusable ({e}); converting again")
             p.unlink(missing_ok=True)
-            cf = open_model(cls._converted(gguf, progress, log), mmap=mmap)
-        eng = cls(cf, threads=threads, n_ctx=n_ctx, max_batch=max_batch)
+            cf = open_model(cls._converted(gguf, progress, log), mmap=mapped)
+        try:
+            eng = cls(cf, threads=threads, n_ctx=n_ctx, max_batch=max_batch, experts=experts,
+                      expert_cache=expert_cache, expert_io=expert_io, expert_delay=expert_delay, mmap=mmap,
+                      log=log)
+        except BaseException:
+            cf.close()
+            raise
         eng.load_s = time.perf_counter() - t0
         return eng
 
@@ -187,15 +232,18 @@ class Engine:
 
         The array is reused by the next call: copy it to keep it."""
         self._check_positions(pos, 1)
-        if self.tuner is None:
-            self._native.step(int(token), int(pos), self._logits)
-        else:
-            n = self.tuner.pick()
-            if n != self._native.active_threads:
-                self._native.active_threads = n
-            t0 = time.perf_counter()
-            self._native.step(int(token), int(pos), self._logits)
-            self.tuner.record(n, time.perf_counter() - t0)
+        try:
+            if self.tuner is None:
+                self._native.step(int(token), int(pos), self._logits)
+            else:
+                n = self.tuner.pick()
+                if n != self._native.active_threads:
+                    self._native.active_threads = n
+                t0 = time.perf_counter()
+                self._native.step(int(token), int(pos), self._logits)
+                self.tuner.record(n, time.perf_counter() - t0)
+        except (OSError, ValueError) as e:
+            raise self._failed(e, pos) from None
         del self._cached[pos:]
         self._cached.append(int(token))
         return self._logits
@@ -209,10 +257,21 @@ class Engine:
         self._check_positions(pos0, toks.size)
         if self.tuner is not None:
             self._native.active_threads = self.tuner.best
-        self._native.prefill(toks.astype(np.int32), int(pos0), self._logits)
+        try:
+            self._native.prefill(toks.astype(np.int32), int(pos0), self._logits)
+        except (OSError, ValueError) as e:
+            raise self._failed(e, pos0) from None
         del self._cached[pos0:]
         self._cached.extend(int(t) for t in toks)
         return self._logits
+
+    def _failed(self, e: Exception, pos0: int) -> EngineError:
+        """The error a failed native call raises. The cache keeps positions before pos0 (a call
+        writes K/V only at its own positions), so the sequence can go on from there."""
+        del self._cached[pos0:]
+        if isinstance(e, OSError):  # expert I/O, or the file changed: the message names the file
+            return xp.ExpertIOError(str(e))
+        return EngineError(f"{self.path}: {e}")
 
     def _check_positions(self, pos0: int, n: int) -> None:
         if pos0 < 0 or pos0 > len(self._cached):
@@ -234,8 +293,22 @@ class Engine:
         return self.prefill(toks[keep:], keep)
 
     def counters(self) -> dict[str, int]:
-        """Weight bytes touched by category since reset_counters(), plus kv bytes, tokens, calls."""
+        """Weight bytes touched by category since reset_counters(), plus kv bytes, tokens, calls; with
+        experts on disk also disk_bytes (read from the file), cache_hits, cache_misses (experts found
+        in / read into the cache) and io_stall_ns (time the step waited for expert bytes)."""
         return dict(self._native.counters())
+
+    @property
+    def expert_cache(self) -> dict[str, Any] | None:
+        """With experts on disk: slots, slot_bytes, cache_bytes (<= budget), budget, min_slots,
+        layers_in_flight, io ("async" | "sync"), io_threads, read ("O_DIRECT" | "buffered"). None
+        when the experts are in RAM."""
+        c = self._native.expert_cache
+        return None if c is None else dict(c, budget=self.residency.budget)
+
+    def expert_resident(self) -> list[tuple[int, int]]:
+        """(layer, expert) of every expert the disk cache holds now ([] in RAM)."""
+        return [tuple(k) for k in self._native.expert_resident()]
 
     def expert_hits(self) -> list[list[int]]:
         """Routing counts [layer][expert] since reset_counters()."""

@@ -15,18 +15,28 @@ Buffers the ops name (all float32, one row per token of the call):
                  P = de + 1 (a slot is consumed by layer t and then reused by target t + P);
                  slot P collects outputs whose target is past the last layer ("late", added
                  before the final norm).
+    moe[M]       routings: layer l's normalised MoE input and chosen experts, slot l % M. M = 1
+                 unless the experts are delayed (below): then M = de + 1.
 
 Ops (engine.h has the encoding; cflow.runtime.abi turns a Plan into it by name):
 
     embed            ring[0] = tok_emb[token]
     attn(l)          h = x_l + Attn_l(norm(x_l))
     dense(l)         f = FFN_l(norm(h or x_{l+1-dd}))
-    route(l)         moe_in = norm(h or h + f); choose the top-k experts
-    experts(l)       pending[slot(l + de)] += sum_k w_k expert_k(moe_in)
+    route(l)         moe[l % M] = norm(h or h + f) and its top-k experts
+    experts(l)       pending[slot(l + de)] += sum_k w_k expert_k(moe[l % M])
     resid(l)         x_{l+1} = h + f + pending[l % P]; that slot is cleared
     final            logits = lm_head(norm(x_L + pending[late]))
 
-The ops run in list order. Each op that reads weights is one node of `cflow.dag` (same names:
+The ops run in list order. experts(l) normally follows route(l). With `delay_experts` (experts on
+disk with async reads: cflow.runtime.engine) it is placed just before resid(l + de), the first op
+that needs its output (before final when l + de is past the last layer): the reads route(l)
+started then overlap the attention and dense FFN of layers l+1..l+de. The results are the same bit
+for bit: each pending slot receives the same terms in the same order. Up to de + 1 routings are
+then alive at once, hence M = de + 1 moe slots; the C core counts the layers in flight from the plan
+(cf_plan_inflight) and sizes the smallest expert cache from it.
+
+Each op that reads weights is one node of `cflow.dag` (same names:
 "L3.attn", "L3.dense", "L3.router", "L3.experts", "embed", "lm_head"), and `Plan.stages` is
 `dag.schedule(cfg)`: nodes in one stage do not depend on each other. The C engine today runs
 one op at a time with all threads on each mat-vec (on few cores that already keeps the memory
@@ -52,8 +62,8 @@ class Op:
 
     kind: str
     layer: int = 0
-    a: int = 0
-    b: int = 0
+    a: int = 0  # route: the moe slot it writes
+    b: int = 0  # experts: the moe slot it reads
     c: int = 0
     src: str | None = None
 
@@ -73,9 +83,9 @@ class Op:
         if self.kind == "dense":
             return f"f = ffn{l}(norm({src}))"
         if self.kind == "route":
-            return f"moe_in = norm({src}); top-k of router{l}"
+            return f"moe_in = norm({src}); top-k of router{l}" + (f" -> moe[{a}]" if a else "")
         if self.kind == "experts":
-            return f"pending[{a}] += experts{l}(moe_in)"
+            return f"pending[{a}] += experts{l}(moe_in" + (f" of moe[{b}])" if b else ")")
         if self.kind == "resid":
             parts = ["h"] + (["f"] if b else []) + ([f"pending[{c}]"] if c >= 0 else [])
             return f"ring[{a}] = {' + '.join(parts)}" + (f"; pending[{c}] = 0" if c >= 0 else "")
@@ -88,18 +98,27 @@ class Plan:
     n_ring: int
     n_pending: int
     stages: tuple[tuple[str, ...], ...]  # cflow.dag.schedule(cfg): independent nodes per stage
+    n_moe: int = 1  # routing slots (de + 1 when the experts are delayed)
 
     def describe(self) -> str:
         """One line per op (`cflow analyze --plan`, failing tests)."""
         return "\n".join(f"{i:4d}  {o.kind:<8} {o.describe()}" for i, o in enumerate(self.ops))
 
 
-def build_plan(cfg: ModelConfig) -> Plan:
-    """The op list for one forward pass of `cfg` (see the module docstring)."""
+def build_plan(cfg: ModelConfig, delay_experts: bool = False) -> Plan:
+    """The op list for one forward pass of `cfg` (see the module docstring). delay_experts: place
+    experts(l) just before the op that first needs its output instead of right after route(l)."""
     L, dd, de = cfg.n_layers, cfg.delta_dense, cfg.delta_expert
     H = cfg.history_depth
     P = de + 1
     late = P
+    delay = delay_experts and cfg.has_moe and de > 0
+    M = de + 1 if delay else 1
+
+    def experts(l: int) -> Op:
+        target = l + de
+        return Op("experts", l, target % P if target < L else late, l % M)
+
     ops = [Op("embed", 0, 0)]
     for l in range(L):
         ops.append(Op("attn", l, l % H))
@@ -110,12 +129,16 @@ def build_plan(cfg: ModelConfig) -> Plan:
                 ops.append(Op("dense", l, max(l + 1 - dd, 0) % H, src="ring"))
         if cfg.has_moe:
             post_dense = cfg.moe_input == "post_dense" and cfg.has_dense
-            ops.append(Op("route", l, src="hf" if post_dense else "h"))
-            target = l + de
-            ops.append(Op("experts", l, target % P if target < L else late))
+            ops.append(Op("route", l, l % M, src="hf" if post_dense else "h"))
+            if not delay:
+                ops.append(experts(l))
+            elif l - de >= 0:  # the experts whose output this layer's residual update adds
+                ops.append(experts(l - de))
         ops.append(Op("resid", l, (l + 1) % H, int(cfg.has_dense), l % P if cfg.has_moe else -1))
+    if delay:  # outputs whose target is past the last layer: before the final norm
+        ops += [experts(l) for l in range(max(L - de, 0), L)]
     ops.append(Op("final", L - 1, L % H, late if cfg.has_moe else -1))
-    return Plan(tuple(ops), H, P + 1 if cfg.has_moe else 0, _stages(cfg))
+    return Plan(tuple(ops), H, P + 1 if cfg.has_moe else 0, _stages(cfg), M)
 
 
 def _stages(cfg: ModelConfig) -> tuple[tuple[str, ...], ...]:

@@ -1,0 +1,343 @@
+"""C2: the tile layout cuts L1-d read misses ~7.3x against a row-major layout.
+
+The paper measured hardware counters on a Xeon E5-2650. Here `perf` is tried first; where the
+machine exposes no hardware cache events (this VM: `perf stat -e L1-dcache-load-misses` says
+<not supported>), `valgrind --tool=cachegrind` simulates the L1 of this CPU and of the paper's
+Xeon on `benchmarks/c2_tiles.c`: one Q4_0 matrix stored twice (cflow's tiles, GGML's row-major
+blocks), multiplied by one activation with the same arithmetic in both layouts, the outputs
+checked against cflow.quant's reference and against each other (bit for bit). Two arithmetics
+are measured because the result hinges on them: cflow's int8 activations (K bytes + scales) and
+float activations (4K bytes), which a row-major kernel re-reads for every row.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import struct
+import subprocess
+from pathlib import Path
+
+import numpy as np
+
+from cflow import quant
+from cflow.bench.claims.core import (CONFIRMED, INCONCLUSIVE, REFUTED, ClaimResult, Context, Table, pyplot, save,
+                                     shell)
+from cflow.bench.claims.models import benchmark_file
+
+ID, TITLE = "C2", "L1-d read misses: tile layout vs row-major"
+PAPER = ("the tile-streaming layout (128x256 Q4 tiles, ~18 KB, in consumption order) cuts L1-d read misses "
+         "7.29x against a row-major baseline on a Xeon E5-2650, measured with hardware performance counters")
+PAPER_NUMBER = "7.29x fewer L1-d read misses"
+PAPER_RATIO = 7.29
+MAGIC = 0x31543243
+TILE = quant.TILE
+ARITHS = ("q8", "f32")
+LAYOUTS = ("tiled", "rows")
+# (size, ways, line) of each level cachegrind simulates
+XEON_E5_2650 = {"I1": (32768, 8, 64), "D1": (32768, 8, 64), "LL": (20 * 1024 * 1024, 20, 64)}
+
+
+class C2Unavailable(RuntimeError):
+    pass
+
+
+def host_caches() -> dict[str, tuple[int, int, int]] | None:
+    """This CPU's L1i, L1d and last level as (size, ways, line), from sysfs."""
+    base = Path("/sys/devices/system/cpu/cpu0/cache")
+    found: dict[str, tuple[int, int, int]] = {}
+    try:
+        for idx in sorted(base.glob("index*")):
+            level = int((idx / "level").read_text())
+            kind = (idx / "type").read_text().strip()
+            size = (idx / "size").read_text().strip()
+            n = int(size[:-1]) * {"K": 1024, "M": 1 << 20}[size[-1]] if size[-1] in "KM" else int(size)
+            ways = int((idx / "ways_of_associativity").read_text())
+            line = int((idx / "coherency_line_size").read_text())
+            key = {(1, "Data"): "D1", (1, "Instruction"): "I1"}.get((level, kind))
+            if key:
+                found[key] = (n, ways, line)
+            elif kind == "Unified" and level >= found.get("_lvl", (0,))[0]:
+                found["LL"] = (n, ways, line)
+                found["_lvl"] = (level, 0, 0)
+    except (OSError, ValueError, KeyError):
+        return None
+    found.pop("_lvl", None)
+    return found if {"D1", "I1", "LL"} <= set(found) else None
+
+
+def _valid(c: tuple[int, int, int]) -> bool:
+    size, ways, line = c
+    sets = size // (ways * line) if ways and line else 0
+    return sets > 0 and sets * ways * line == size and sets & (sets - 1) == 0
+
+
+def cache_flags(caches: dict[str, tuple[int, int, int]] | None) -> list[str]:
+    if not caches or not all(_valid(caches[k]) for k in ("I1", "D1", "LL")):
+        return []  # cachegrind's own choice
+    return [f"--{k}={','.join(map(str, caches[k]))}" for k in ("I1", "D1", "LL")]
+
+
+def perf_hw_events() -> tuple[bool, str]:
+    """Whether `perf stat` can count L1-d load misses here, and what it said."""
+    exe = shutil.which("perf")
+    if not exe:
+        return False, "perf is not installed"
+    try:
+        r = subprocess.run([exe, "stat", "-x,", "-e", "L1-dcache-load-misses", "true"], capture_output=True,
+                           text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError) as e:
+        return False, f"perf failed: {e}"
+    text = (r.stderr or "") + (r.stdout or "")
+    if "not supported" in text or "not counted" in text:
+        return False, ("`perf stat -e L1-dcache-load-misses` reports <not supported>: this machine exposes no hardware "
+                       "cache events (a VM without a virtual PMU)")
+    if r.returncode != 0:
+        return False, f"`perf stat -e L1-dcache-load-misses` failed: {text.strip()[-200:]}"
+    return True, "hardware cache events available"
+
+
+def compile_driver(work: Path) -> tuple[Path, list[str]]:
+    src = benchmark_file("c2_tiles.c")
+    if src is None:
+        raise C2Unavailable("benchmarks/c2_tiles.c is not beside this package (it ships with the source checkout)")
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        raise C2Unavailable("no C compiler (cc) to build benchmarks/c2_tiles.c")
+    exe = work / "c2_tiles"
+    argv = [cc, "-O2", "-std=c11", "-o", str(exe), str(src), "-lm"]
+    r = subprocess.run(argv, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise C2Unavailable(f"compiling c2_tiles.c failed: {r.stderr.strip()[-400:]}")
+    return exe, ["cc", "-O2", "-std=c11", "-o", "c2_tiles", "benchmarks/c2_tiles.c", "-lm"]
+
+
+def write_input(path: Path, rows: int, cols: int, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((rows, cols), dtype=np.float32) / np.float32(np.sqrt(cols))
+    blocks = quant.quantize(w, "q4_0")
+    tiled = quant.tile_matrix(blocks, "q4_0", rows, cols, TILE)
+    x = rng.standard_normal(cols, dtype=np.float32)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<6IQ", MAGIC, rows, cols, TILE[0], TILE[1], 0, blocks.size))
+        f.write(tiled.tobytes())
+        f.write(blocks.tobytes())
+        f.write(x.tobytes())
+    return {"blocks": blocks, "tiled": tiled, "x": x}
+
+
+def check_outputs(ys: dict[tuple[str, str], np.ndarray], inp: dict, rows: int, cols: int) -> dict:
+    """The driver computes what cflow.quant says it should, and both layouts agree bit for bit."""
+    ref = {"q8": quant.matvec_q8_ref(inp["tiled"], "q4_0", rows, cols, inp["x"], TILE),
+           "f32": quant.dequantize(inp["blocks"], "q4_0", cols).astype(np.float64) @ inp["x"].astype(np.float64)}
+    out = {}
+    for arith in ARITHS:
+        a, b = ys[("tiled", arith)], ys[("rows", arith)]
+        err = float(np.abs(a - ref[arith]).max() / max(np.abs(ref[arith]).max(), 1e-30))
+        out[arith] = {"rel_err_vs_reference": err, "layouts_bit_identical": bool(np.array_equal(a, b))}
+        if err > 1e-4 or not out[arith]["layouts_bit_identical"]:
+            raise RuntimeError(f"c2_tiles {arith}: outputs wrong (rel err {err:.2e}, identical "
+                               f"{out[arith]['layouts_bit_identical']})")
+    return out
+
+
+def parse_cachegrind(path: Path, fn: str) -> dict[str, int]:
+    """The per-function totals of `fn` in a cachegrind output file."""
+    events: list[str] = []
+    tot: dict[str, int] | None = None
+    current = None
+    for line in path.read_text().splitlines():
+        if line.startswith("events:"):
+            events = line.split()[1:]
+            tot = dict.fromkeys(events, 0)
+        elif line.startswith("fn="):
+            current = line[3:]
+        elif line.startswith(("fl=", "summary:", "totals:")):
+            current = None
+        elif current == fn and line and line[0].isdigit() and tot is not None:
+            nums = [int(v) for v in line.split()[1:]]
+            for k, v in zip(events, nums):
+                tot[k] += v
+    if not tot or not any(tot.values()):
+        raise RuntimeError(f"no counts for {fn} in {path.name}")
+    return tot
+
+
+def run_cachegrind(exe: Path, inp: Path, layout: str, arith: str, flags: list[str],
+                   work: Path) -> tuple[dict, list[str]]:
+    vg = shutil.which("valgrind")
+    cg = work / f"cg.{layout}.{arith}.out"
+    y = work / f"y.{layout}.{arith}"
+    argv = [vg, "--tool=cachegrind", "--cache-sim=yes", *flags, f"--cachegrind-out-file={cg}", str(exe), str(inp),
+            layout, arith, "1", str(y)]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=1800)
+    if r.returncode != 0:
+        raise RuntimeError(f"cachegrind failed: {r.stderr.strip()[-400:]}")
+    counts = parse_cachegrind(cg, f"mv_{arith}_{layout}")
+    counts["_y"] = np.fromfile(y, np.float32)
+    shown = ["valgrind", "--tool=cachegrind", "--cache-sim=yes", *flags, "./c2_tiles", inp.name, layout, arith, "1",
+             "y.out"]
+    return counts, shown
+
+
+def run_perf(exe: Path, inp: Path, layout: str, arith: str, reps: int, work: Path) -> dict:
+    """L1-d load misses per mat-vec from hardware counters: (reps runs - 0 runs) / reps."""
+    def count(n: int) -> float:
+        r = subprocess.run(["perf", "stat", "-x,", "-e", "L1-dcache-load-misses,L1-dcache-loads", str(exe), str(inp),
+                            layout, arith, str(n), os.devnull], capture_output=True, text=True, timeout=600)
+        vals = {}
+        for line in r.stderr.splitlines():
+            parts = line.split(",")
+            if len(parts) > 2 and parts[0].strip().isdigit():
+                vals[parts[2]] = float(parts[0])
+        return vals.get("L1-dcache-load-misses", float("nan"))
+
+    return {"l1d_load_misses_per_matvec": (count(reps) - count(0)) / reps}
+
+
+def run(ctx: Context) -> ClaimResult:
+    res = ClaimResult(ID, TITLE, paper=PAPER, paper_number=PAPER_NUMBER, commands=[ctx.rerun(ID)])
+    vg = shutil.which("valgrind")
+    hw, hw_msg = perf_hw_events()
+    res.data["perf"] = {"hardware_events": hw, "message": hw_msg}
+    res.notes.append(f"Hardware counters: {hw_msg}." + ("" if hw else " So the misses below come from cachegrind's "
+                     "simulation of the caches named in each row, which counts every load of the kernel exactly "
+                     "(deterministic: one run is enough)."))
+    if not vg and not hw:
+        res.verdict, res.measured = INCONCLUSIVE, "failed"
+        res.reason = "neither valgrind (`apt-get install valgrind`) nor hardware cache counters are available here"
+        res.ours = "not measurable on this machine"
+        return res
+    try:
+        exe, cc_cmd = compile_driver(ctx.work)
+    except C2Unavailable as e:
+        res.verdict, res.reason, res.measured, res.ours = INCONCLUSIVE, str(e), "failed", "not measured"
+        return res
+    shapes = [(256, 8192), (256, 14336)] if ctx.quick else [(512, 2048), (512, 5632), (512, 8192), (512, 14336)]
+    host = host_caches()
+    machines = [("this CPU", host), ("Xeon E5-2650 (the paper's)", XEON_E5_2650)]
+    rows_t, results = [], []
+    commands = res.commands + [shell(cc_cmd)]
+    for R, K in shapes:
+        inp = ctx.work / f"c2_{R}x{K}.bin"
+        data = write_input(inp, R, K)
+        for mname, caches in (machines if vg else []):
+            flags = cache_flags(caches)
+            counts = {}
+            for layout in LAYOUTS:
+                for arith in ARITHS:
+                    counts[(layout, arith)], shown = run_cachegrind(exe, inp, layout, arith, flags, ctx.work)
+                    if (R, K) == shapes[-1] and mname == machines[0][0] and arith == "f32":
+                        commands.append(shell(shown))
+            check = check_outputs({k: v.pop("_y") for k, v in counts.items()}, data, R, K)
+            d1 = caches["D1"] if caches else None
+            for arith in ARITHS:
+                t, r_ = counts[("tiled", arith)], counts[("rows", arith)]
+                ratio = r_["D1mr"] / max(t["D1mr"], 1)
+                act = K * 4 if arith == "f32" else K + K // 32 * 4
+                entry = {"rows": R, "cols": K, "caches": mname, "D1": d1, "arith": arith, "activation_bytes": act,
+                         "tiled": {k: v for k, v in t.items()}, "rows_major": {k: v for k, v in r_.items()},
+                         "ratio_rows_over_tiled": ratio, "check": check[arith],
+                         "weight_lines": R * (K // 32) * 18 // 64}
+                results.append(entry)
+                rows_t.append([f"{R}x{K}", mname + (f" (L1d {d1[0] // 1024} KiB, {d1[1]}-way)" if d1 else ""),
+                               "int8 (cflow)" if arith == "q8" else "f32", f"{act / 1024:.1f} KiB",
+                               f"{t['D1mr']:,}", f"{r_['D1mr']:,}", f"**{ratio:.2f}x**",
+                               f"{r_['Ir'] / t['Ir']:.2f}", f"{entry['weight_lines']:,}"])
+                ctx.log(ID, f"{R}x{K} {mname} {arith}: D1 read misses tiled {t['D1mr']:,} rows {r_['D1mr']:,} "
+                            f"-> {ratio:.2f}x")
+    perf_rows = []
+    if hw:
+        for R, K in shapes:
+            inp = ctx.work / f"c2_{R}x{K}.bin"
+            for arith in ARITHS:
+                pt = run_perf(exe, inp, "tiled", arith, 20, ctx.work)["l1d_load_misses_per_matvec"]
+                pr = run_perf(exe, inp, "rows", arith, 20, ctx.work)["l1d_load_misses_per_matvec"]
+                perf_rows.append([f"{R}x{K}", arith, f"{pt:,.0f}", f"{pr:,.0f}", f"{pr / pt:.2f}x"])
+        res.tables.append(Table("Hardware counters (perf stat, L1-dcache-load-misses per mat-vec)",
+                                ["matrix", "activation", "tiled", "row-major", "row-major / tiled"], perf_rows))
+    res.data["cachegrind"] = results
+    res.data["shapes"] = shapes
+    res.commands = commands
+    if not results:  # hardware counters only
+        res.verdict, res.measured = INCONCLUSIVE, "partial"
+        res.reason = "valgrind is not installed: only the hardware-counter table above, without the simulated Xeon L1"
+        res.ours = "see the hardware-counter table"
+        return res
+    res.tables.append(Table(
+        "L1-d read misses of one Q4_0 mat-vec (cachegrind D1mr of the kernel function alone; same weights, same "
+        "activation, outputs bit-identical between layouts)",
+        ["matrix (rows x inputs)", "simulated caches", "activation", "activation size", "tiled misses",
+         "row-major misses", "row-major / tiled", "instructions row-major / tiled", "weight cache lines"], rows_t))
+    # what the numbers say
+    f32 = [e for e in results if e["arith"] == "f32"]
+    q8 = [e for e in results if e["arith"] == "q8"]
+    best_f32 = max(f32, key=lambda e: e["ratio_rows_over_tiled"])
+    q8_max = max(e["ratio_rows_over_tiled"] for e in q8)
+    big = best_f32
+    res.ours_number = (f"{big['ratio_rows_over_tiled']:.2f}x (f32 activation, {big['rows']}x{big['cols']}); "
+                       f"{q8_max:.2f}x at most with cflow's int8 activation")
+    res.ours = (f"cachegrind: row-major / tiled L1-d read misses = {big['ratio_rows_over_tiled']:.2f}x with float "
+                f"activations at {big['rows']}x{big['cols']} ({big['caches']}), where the "
+                f"{big['activation_bytes'] // 1024} KiB activation overflows L1d and a row-major kernel re-reads it "
+                f"for every row; with cflow's own int8 activations the ratio is {q8_max:.2f}x at most over the "
+                f"shapes measured, since the activation stays in L1 either way and both layouts then miss once per "
+                f"weight line.")
+    close = abs(big["ratio_rows_over_tiled"] / PAPER_RATIO - 1) <= 0.35
+    if close:
+        res.verdict = CONFIRMED
+        res.reason = (f"the paper's magnitude is reproduced ({big['ratio_rows_over_tiled']:.2f}x vs 7.29x) in the "
+                      f"regime where it can arise: a row-major kernel whose activation vector does not fit in L1d "
+                      f"(float activations, {big['cols']} inputs). It is a property of activation size vs L1, not "
+                      f"of the layout alone: with cflow's int8 activations the layouts miss alike ({q8_max:.2f}x), "
+                      f"and for matrices whose activation fits in L1 so do float kernels.")
+    elif big["ratio_rows_over_tiled"] >= 2:
+        res.verdict = INCONCLUSIVE
+        res.reason = (f"tiles cut misses by up to {big['ratio_rows_over_tiled']:.2f}x where the activation overflows "
+                      f"L1d, not the paper's 7.29x; with int8 activations {q8_max:.2f}x")
+    else:
+        res.verdict = REFUTED
+        res.reason = f"no geometry measured shows a large reduction (at most {big['ratio_rows_over_tiled']:.2f}x)"
+    if ctx.quick:
+        res.reason += (" (Quick run: two matrix shapes of 256 rows; cachegrind is exact, so the numbers stand, and the "
+                       "full run adds shapes.)")
+    res.notes.append(
+        "How to read it: both layouts hold exactly the same bytes, so each weight cache line is missed once either "
+        "way (the 'weight cache lines' column is that floor). The difference is the activation: the tiled kernel "
+        "reads a 256-input slice (1 KiB as f32, 288 B as int8) for 128 rows before moving on, the row-major kernel "
+        "sweeps the whole activation once per row. When that sweep is larger than L1d, LRU evicts it before the next "
+        "row needs it and every row pays for it again; the ratio then approaches (activation lines + weight lines "
+        "per row) / weight lines per row. The paper's 7.29x matches that regime; cflow quantizes activations to "
+        "int8 (about 1.1 bytes per input), which keeps them in L1 for any K up to ~40k on this CPU, so its tiles "
+        "earn their keep elsewhere (one SIMD load feeds 8 rows, a thread's share is one contiguous run, a tile "
+        "stays in L2).")
+    res.notes.append("The paper's machine (Xeon E5-2650, 32 KiB 8-way L1d) is simulated too: cachegrind models the "
+                     "cache geometry, not the CPU's hardware prefetchers, which hide some misses from timing but not "
+                     "from the counters the paper read.")
+    if pyplot() is not None:
+        plt = pyplot()
+        fig, ax = plt.subplots(figsize=(8, 4.5))
+        for arith, marker in (("f32", "o"), ("q8", "s")):
+            for mname, ls in (("this CPU", "-"), ("Xeon E5-2650 (the paper's)", "--")):
+                pts = sorted((e["cols"], e["ratio_rows_over_tiled"]) for e in results
+                             if e["arith"] == arith and e["caches"] == mname)
+                if pts:
+                    xs, ys = zip(*pts)
+                    ax.plot(xs, ys, ls, marker=marker,
+                            label=f"{'float' if arith == 'f32' else 'int8 (cflow)'} activation, {mname}")
+        ax.axhline(PAPER_RATIO, color="k", ls=":", lw=1, label="paper: 7.29x")
+        ax.axhline(1.0, color="0.6", lw=0.8)
+        ax.set_xlabel("inputs per row (K)")
+        ax.set_ylabel("L1-d read misses, row-major / tiled")
+        ks = sorted({e["cols"] for e in results})
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ks)
+        ax.set_xticklabels([str(k) for k in ks])
+        ax.minorticks_off()
+        ax.set_title("Tile layout vs row-major: L1-d read-miss ratio (cachegrind)")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+        save(fig, ctx.out / "c2_l1_misses.png")
+        res.plots.append(("c2_l1_misses.png", "Row-major / tiled L1-d read misses against the row length K: the "
+                                              "ratio jumps once a row's activation no longer fits in L1d."))
+    return res

@@ -1,0 +1,483 @@
+"""Expert residency: where a mixture-of-experts model keeps its experts while it runs.
+
+    Engine.load(path, experts="auto", expert_cache=None, expert_io="async")
+
+    experts="ram"    every expert stays in the file's mapping, like every other weight
+    experts="disk"   dense weights (attention, norms, routers, embeddings, lm_head, dense FFN) stay
+                     in the mapping; experts are read from the file as the router chooses them, into
+                     an expert cache of at most `expert_cache` bytes (native/experts.h)
+    experts="auto"   (default) disk when the model file and its KV cache do not fit the memory this
+                     process may use, else ram; the reason is kept in Engine.residency.reason and a
+                     disk choice is logged
+
+    expert_cache     bytes (int) or a size ("2G", "512MiB": cflow.runtime.files.parse_size);
+                     None: what memory leaves after the dense weights, the KV cache and HEADROOM,
+                     at least the minimum and at most every expert
+    expert_io        "async": the reads of a layer's chosen experts start as soon as its router has
+                     chosen, on reader threads, and the experts op waits only for the expert it
+                     needs next; with delta_expert = de > 0 that op also moves to just before layer
+                     l + de's residual update (cflow.runtime.plan, delay_experts), so the reads
+                     overlap de layers of attention and dense FFN (expert_delay=False: not moved);
+                     "sync": the experts op reads, then computes (the baseline)
+
+The memory this process may use (`probe_memory`) is the smallest of MemAvailable (/proc/meminfo) and
+the room under its cgroup's memory limit (v2 memory.max, v1 memory.limit_in_bytes, minus what the
+group uses, less its inactive page cache), over the group and its ancestors.
+
+The cache holds whole experts in slots of the largest expert's size rounded up to 4096 bytes; it
+never takes more than the budget. Every layer in flight pins its top_k experts until they ran, so
+the smallest budget is top_k x (layers in flight) slots; a smaller one is refused with the
+minimum. Dense models have no experts: "ram" and "auto" change nothing and "disk" is refused.
+
+Reads use O_DIRECT where the filesystem takes it, else buffered pread with readahead off and the
+pages dropped after each read; set CFLOW_EXPERT_DIRECT=0 to force the buffered path (the engine
+reports which it uses: Engine.expert_cache["read"]).
+
+Also here: `simulate`, which replays a routing trace through the cache's eviction policy ("lrfu":
+recency-weighted frequency on each layer's own clock, the C core's, native/experts.c) or an
+alternative (LRU; a global LFU with aging; Belady's optimum for reference), and `routing_trace`,
+which records the experts an engine chooses per token.
+"""
+
+from __future__ import annotations
+
+import mmap as _mmap
+import os
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from cflow.runtime.errors import EngineError
+from cflow.runtime.files import format_size, parse_size
+
+MODES = ("ram", "disk", "auto")
+IO_MODES = ("async", "sync")
+ALIGN = 4096
+VISIT_SCORE = 1 << 16  # native/experts.c: a routing's weight in a score, halved each routing of the layer
+AGE_PER_KEY = 4  # the "lfu" alternative: counts halve every AGE_PER_KEY x n_keys accesses
+NO_LIMIT = 1 << 60  # cgroup limits at or above this mean "none"
+
+
+def headroom(available: int) -> int:
+    """Memory left free besides the weights, cache and KV cache: the interpreter, tokenizer, scratch,
+    and other processes' growth. 10% of what is available, at least 256 MiB."""
+    return max(256 << 20, available // 10)
+
+
+class ExpertIOError(EngineError):
+    """Reading an expert from the model file failed (I/O error, short read), or the file changed on
+    disk while the engine ran. The message names the file; load the model again."""
+
+
+# ---- how much memory this process may use ----------------------------------------------------------
+@dataclass(frozen=True)
+class MemoryProbe:
+    available: int | None  # bytes this process may still use; None: cannot tell
+    source: str  # where that figure comes from
+
+
+def probe_memory(root: str | os.PathLike = "/") -> MemoryProbe:
+    """The smallest of MemAvailable and the room under every cgroup memory limit that applies.
+    `root` lets tests point at a fake /proc and /sys tree."""
+    root = Path(root)
+    found: list[tuple[int, str]] = []
+    avail = _meminfo_available(root / "proc/meminfo")
+    if avail is not None:
+        found.append((avail, "MemAvailable in /proc/meminfo"))
+    found += _cgroup_rooms(root)
+    if not found:
+        return MemoryProbe(None, "no /proc/meminfo and no cgroup limit")
+    room, source = min(found)
+    return MemoryProbe(max(room, 0), source)
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except OSError:
+        return None
+
+
+def _meminfo_available(path: Path) -> int | None:
+    for line in (_read(path) or "").splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return None
+
+
+def _stat_value(text: str | None, key: str) -> int:
+    for line in (text or "").splitlines():
+        k, _, v = line.partition(" ")
+        if k == key:
+            return int(v)
+    return 0
+
+
+def _cgroup_rooms(root: Path) -> list[tuple[int, str]]:
+    """(room, description) for each cgroup memory limit on this process's path, v2 and v1."""
+    rooms = []
+    for line in (_read(root / "proc/self/cgroup") or "").splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        hid, controllers, rel = parts
+        if hid == "0" and controllers == "":  # v2: memory.max, memory.current
+            base = root / "sys/fs/cgroup"
+            files = ("memory.max", "memory.current", "memory.stat", "inactive_file")
+        elif "memory" in controllers.split(","):  # v1
+            base = root / "sys/fs/cgroup/memory"
+            files = ("memory.limit_in_bytes", "memory.usage_in_bytes", "memory.stat", "total_inactive_file")
+        else:
+            continue
+        for d in _ancestors(base, rel):
+            limit = (_read(d / files[0]) or "").strip()
+            if not limit or limit == "max" or not limit.isdigit() or int(limit) >= NO_LIMIT:
+                continue
+            used = (_read(d / files[1]) or "0").strip()
+            used = int(used) if used.isdigit() else 0
+            used -= _stat_value(_read(d / files[2]), files[3])  # page cache the group can drop
+            rooms.append((int(limit) - max(used, 0), f"cgroup {files[0]} {format_size(int(limit))} ({d})"))
+    return rooms
+
+
+def _ancestors(base: Path, rel: str) -> list[Path]:
+    """The group's directory and its parents up to the mount; just the mount when the group's path
+    is not visible (a container sees its own group as the root)."""
+    out, p = [], base / rel.strip("/")
+    while True:
+        if p.is_dir():
+            out.append(p)
+        if p == base or base not in p.parents:
+            break
+        p = p.parent
+    return out or [base]
+
+
+# ---- the decision ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ModelSizes:
+    """What the decision needs to know about a model file."""
+
+    file_bytes: int
+    expert_bytes: int  # the experts' spans, summed
+    slot_bytes: int  # the largest expert rounded up to 4096: one cache slot
+    n_keys: int  # weight sets x experts
+    top_k: int
+    inflight: int  # layers whose experts a step may pin at once
+    kv_bytes: int  # the KV cache at the engine's context
+
+    @property
+    def min_slots(self) -> int:
+        return self.top_k * self.inflight
+
+    @property
+    def dense_bytes(self) -> int:
+        return self.file_bytes - self.expert_bytes
+
+    @property
+    def min_cache(self) -> int:
+        return self.min_slots * self.slot_bytes
+
+    @property
+    def full_cache(self) -> int:
+        return self.n_keys * self.slot_bytes
+
+
+def model_sizes(cf: Any, n_ctx: int, inflight: int) -> ModelSizes:
+    cfg = cf.config
+    spans = list(cf.experts.values())
+    kv = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * n_ctx * 2  # K and V, fp16
+    largest = max((n for _, n in spans), default=0)
+    return ModelSizes(file_bytes=int(cf.buffer.size), expert_bytes=sum(n for _, n in spans),
+                      slot_bytes=-(-largest // ALIGN) * ALIGN, n_keys=len(spans), top_k=cfg.top_k,
+                      inflight=max(inflight, 1), kv_bytes=kv)
+
+
+@dataclass(frozen=True)
+class Residency:
+    mode: str  # "ram" | "disk"
+    io: str  # "async" | "sync" (disk only)
+    budget: int | None  # expert cache bytes (disk only)
+    reason: str  # why this mode and budget, in words
+
+
+def parse_cache(value: int | str | None) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise EngineError(f"expert_cache must be a byte count or a size like '2G', got {value!r}", flag="--expert-cache")
+    try:
+        n = value if isinstance(value, int) else parse_size(value)
+    except ValueError as e:
+        raise EngineError(str(e), flag="--expert-cache") from None
+    if n < 0:
+        raise EngineError(f"the expert cache cannot be negative ({n})", flag="--expert-cache")
+    return n
+
+
+def decide(sizes: ModelSizes | None, *, experts: str = "auto", expert_cache: int | str | None = None,
+           expert_io: str = "async", memory: MemoryProbe | None = None) -> Residency:
+    """Where the experts live and how large their cache is. sizes None: a model without experts.
+    `memory` defaults to probe_memory() (read only when needed)."""
+    if experts not in MODES:
+        raise EngineError(f"experts must be one of {', '.join(MODES)}, got {experts!r}", flag="--experts")
+    if expert_io not in IO_MODES:
+        raise EngineError(f"expert_io must be one of {', '.join(IO_MODES)}, got {expert_io!r}", flag="--expert-io")
+    budget = parse_cache(expert_cache)
+    if sizes is None:
+        if experts == "disk":
+            raise EngineError("this model has no experts (a dense model): there is nothing to keep on disk; "
+                              "drop --experts disk", flag="--experts")
+        return Residency("ram", expert_io, None, "a dense model: no experts")
+    mode, why = experts, f"asked for experts={experts}"
+    if experts == "auto":
+        memory = memory or probe_memory()
+        need = sizes.file_bytes + sizes.kv_bytes
+        if memory.available is None:
+            mode, why = "ram", f"cannot tell how much memory this process may use ({memory.source})"
+        elif need + headroom(memory.available) <= memory.available:
+            mode, why = "ram", (f"the model file ({format_size(sizes.file_bytes)}) and KV cache fit the "
+                                f"{format_size(memory.available)} this process may use ({memory.source})")
+        else:
+            mode, why = "disk", (f"the model file ({format_size(sizes.file_bytes)}) and KV cache "
+                                 f"({format_size(sizes.kv_bytes)}) do not fit the {format_size(memory.available)} "
+                                 f"this process may use ({memory.source})")
+    if mode == "ram":
+        return Residency("ram", expert_io, None, why)
+    if budget is None:
+        memory = memory or probe_memory()
+        if memory.available is None:
+            budget, how = sizes.full_cache, "every expert (free memory unknown)"
+        else:
+            room = memory.available - sizes.dense_bytes - sizes.kv_bytes - headroom(memory.available)
+            budget = min(max(room, sizes.min_cache), sizes.full_cache)
+            how = ("every expert" if budget == sizes.full_cache else
+                   "the minimum: memory is tight" if budget == sizes.min_cache else
+                   "what memory leaves after the dense weights, KV cache and headroom")
+        why += f"; expert cache {format_size(budget)}, {how}"
+    elif budget < sizes.min_cache:
+        raise EngineError(f"an expert cache of {budget} bytes is too small for this model: a step pins up to "
+                          f"{sizes.min_slots} experts at once (top_k {sizes.top_k} x {sizes.inflight} layer(s) in "
+                          f"flight) of {sizes.slot_bytes} bytes each, so it needs at least {sizes.min_cache} bytes "
+                          f"({format_size(sizes.min_cache)}); raise the expert cache", flag="--expert-cache")
+    else:
+        why += f"; expert cache {format_size(budget)}"
+    return Residency("disk", expert_io, budget, why)
+
+
+def direct_io_wanted() -> bool:
+    """O_DIRECT unless CFLOW_EXPERT_DIRECT=0 (tests and benchmarks of the buffered path)."""
+    return os.environ.get("CFLOW_EXPERT_DIRECT", "1").strip() not in ("0", "no", "false", "off")
+
+
+def io_threads(top_k: int, inflight: int) -> int:
+    """Reader threads: enough for every read a layer's route submits at once, 2 to 4 (they sleep in
+    the kernel, not on a core, but each in-flight read needs one)."""
+    return min(4, max(2, top_k * max(inflight, 1)))
+
+
+def plan_inflight(plan: Any, native: Any) -> int:
+    """Layers whose experts a step may pin at once under `plan` (the C core counts them)."""
+    from cflow.runtime.abi import encode_plan
+
+    return int(native.plan_inflight(encode_plan(plan, native), plan.n_moe))
+
+
+def native_options(cf: Any, res: Residency, inflight: int) -> dict:
+    """The `experts` argument of NativeEngine for a disk residency."""
+    cfg = cf.config
+    span = np.array([cf.experts[(i, x)] for i in range(cfg.n_unique_layers) for x in range(cfg.n_experts)],
+                    np.int64).reshape(-1, 2)
+    return {"path": os.fspath(cf.path), "span": np.ascontiguousarray(span), "budget": int(res.budget),
+            "io": res.io, "io_threads": io_threads(cfg.top_k, inflight), "direct": direct_io_wanted()}
+
+
+# ---- the weights buffer ---------------------------------------------------------------------------
+def dense_copy(cf: Any, skip_experts: bool = True) -> np.ndarray:
+    """The file's bytes in anonymous memory (mmap=False), with every expert span left as zero pages
+    (never touched, so never resident) when the experts are on disk. Read with pread, not through
+    the file's mapping, so the bytes are not resident twice."""
+    size = int(cf.buffer.size)
+    buf = np.zeros(size, np.uint8)  # calloc: pages are mapped as they are written
+    view = memoryview(buf)
+    spans = (sorted(cf.experts.values()) if skip_experts else []) + [(size, 0)]
+    fd = os.open(cf.path, os.O_RDONLY)
+    try:
+        pos = 0
+        for off, n in spans:
+            while pos < off:
+                got = os.preadv(fd, [view[pos:off]], pos)
+                if got <= 0:
+                    raise EngineError(f"{cf.path} ended at byte {pos}, its header says {size}: the file changed "
+                                      f"while loading; load it again")
+                pos += got
+            pos = max(pos, off + n)
+    finally:
+        os.close(fd)
+    buf.flags.writeable = False
+    return buf
+
+
+def drop_expert_pages(cf: Any) -> None:
+    """Best effort: unmap the experts' pages from this process and drop them from the page cache
+    (verifying a file's checksums reads every byte; with experts on disk only the cache should hold
+    them). Measured on a 372 MB model: the mapping then holds only dense pages."""
+    spans = list(cf.experts.values())
+    mm = getattr(getattr(cf.buffer, "base", None), "_mmap", None)
+    page = _mmap.PAGESIZE
+    try:
+        if mm is not None and hasattr(mm, "madvise") and hasattr(_mmap, "MADV_DONTNEED"):
+            for off, n in spans:
+                start = off - off % page
+                length = -(-(off + n - start) // page) * page
+                mm.madvise(_mmap.MADV_DONTNEED, start, length)
+        if hasattr(os, "posix_fadvise"):
+            fd = os.open(cf.path, os.O_RDONLY)
+            try:
+                for off, n in spans:
+                    os.posix_fadvise(fd, off, n, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+    except (OSError, ValueError):
+        pass
+
+
+# ---- policies on a routing trace ------------------------------------------------------------------
+POLICIES = ("lrfu", "lru", "lfu", "opt")
+
+
+def routing_trace(engine: Any, tokens: Sequence[int], pos0: int = 0) -> list[list[list[int]]]:
+    """Decode `tokens` one at a time from position pos0 and record, per step and layer, the experts
+    the router chose (ascending): trace[step][layer] = [e, ...]."""
+    cfg = engine.config
+    trace = []
+    prev = np.array(engine.expert_hits())
+    for i, t in enumerate(tokens):
+        engine.step(int(t), pos0 + i)
+        now = np.array(engine.expert_hits())
+        d = now - prev
+        prev = now
+        trace.append([[int(x) for x in np.nonzero(d[l])[0]] for l in range(cfg.n_layers)])
+    return trace
+
+
+@dataclass
+class SimResult:
+    hits: int = 0
+    misses: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        n = self.hits + self.misses
+        return self.hits / n if n else 0.0
+
+
+def simulate(trace: Sequence[Sequence[Sequence[int]]], n_slots: int, policy: str = "lrfu", *, n_experts: int,
+             n_unique: int | None = None, inflight: int = 1) -> SimResult:
+    """Replay a decode routing trace (routing_trace) through a cache of n_slots experts, the way the
+    engine acquires and pins them: each layer's experts are acquired together (ascending) and stay
+    pinned until `inflight` - 1 later layers have been acquired (1: released right away); nothing is
+    pinned across steps. Policies (the victim is the lowest key, ties by least recent use):
+      "lrfu"  the C core's, exactly (the engine's counters must match it): when a layer routes, its
+              experts' scores halve and the chosen ones gain VISIT_SCORE; evict the lowest score
+      "lru"   least recently used
+      "lfu"   use counts, halved every AGE_PER_KEY x n_keys accesses (a global clock)
+      "opt"   Belady's: evict the one used furthest in the future (an upper bound)"""
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {POLICIES}")
+    n_layers = len(trace[0]) if trace else 0
+    n_unique = n_unique or n_layers
+    n_keys = n_unique * n_experts
+    seq = [(l % n_unique) * n_experts + x for step in trace for l, xs in enumerate(step) for x in xs]
+    next_use = [0] * len(seq)  # for opt: index of the key's next access
+    last_seen: dict[int, int] = {}
+    for i in range(len(seq) - 1, -1, -1):
+        next_use[i] = last_seen.get(seq[i], len(seq))
+        last_seen[seq[i]] = i
+    slot_key = [-1] * n_slots
+    slot_of: dict[int, int] = {}
+    pins = [0] * n_slots
+    last_use = [0] * n_slots
+    nxt = [0] * n_slots
+    freq = [0] * n_keys  # lfu: counts; lrfu: scores
+    tick = accesses = 0
+    age = AGE_PER_KEY * n_keys
+    r = SimResult()
+    i = 0
+    for step in trace:
+        held: deque[list[int]] = deque()
+        for l, xs in enumerate(step):
+            if policy == "lrfu":  # the layer's clock ticks (cf_xstore_visit)
+                base = (l % n_unique) * n_experts
+                for x in range(n_experts):
+                    freq[base + x] >>= 1
+                for x in xs:
+                    freq[base + x] += VISIT_SCORE
+            group = []
+            for x in xs:
+                key = (l % n_unique) * n_experts + x
+                s = slot_of.get(key)
+                if s is None:
+                    r.misses += 1
+                    s = _victim(policy, slot_key, pins, freq, last_use, nxt)
+                    if s < 0:
+                        raise ValueError(f"{n_slots} slots cannot hold the experts pinned at once")
+                    if slot_key[s] >= 0:
+                        del slot_of[slot_key[s]]
+                    slot_key[s] = key
+                    slot_of[key] = s
+                else:
+                    r.hits += 1
+                if policy == "lfu":
+                    freq[key] += 1
+                    accesses += 1
+                    if accesses >= age:
+                        freq = [f >> 1 for f in freq]
+                        accesses = 0
+                tick += 1
+                last_use[s] = tick
+                nxt[s] = next_use[i]
+                i += 1
+                pins[s] += 1
+                group.append(s)
+            held.append(group)
+            if len(held) >= inflight:
+                for s in held.popleft():
+                    pins[s] -= 1
+        for g in held:
+            for s in g:
+                pins[s] -= 1
+    return r
+
+
+def _victim(policy: str, slot_key: list[int], pins: list[int], freq: list[int], last_use: list[int],
+            nxt: list[int]) -> int:
+    best = -1
+    for s, key in enumerate(slot_key):
+        if pins[s]:
+            continue
+        if key < 0:
+            return s
+        if best < 0:
+            best = s
+        elif policy in ("lfu", "lrfu"):
+            if (freq[key], last_use[s]) < (freq[slot_key[best]], last_use[best]):
+                best = s
+        elif policy == "lru":
+            if last_use[s] < last_use[best]:
+                best = s
+        elif nxt[s] > nxt[best]:
+            best = s
+    return best
+
+
+def describe(res: Residency, cache: dict | None) -> str:
+    """One line for logs: where the experts are and why."""
+    if res.mode == "ram" or not cache:
+        return f"experts in RAM: {res.reason}"
+    return (f"experts on disk: {res.reason}; {cache['slots']} slots of {format_size(cache['slot_bytes'])} "
+            f"({format_size(cache['cache_bytes'])}), {cache['read']} reads, {cache['io']} I/O")
+
