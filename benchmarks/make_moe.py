@@ -285,10 +285,14 @@ def tensor_rng(seed: int, name: str, *more: int) -> np.random.Generator:
 
 
 def scale_tables(q: str, cols: int, gain: float = GAIN) -> tuple[np.ndarray, np.ndarray | None]:
-    """256 fp16 scales (as uint16) spread +-25% around the one giving weight std gain/sqrt(cols);
+    """256 fp16 scales (as uint16) spread +-25% around the one giving weight std gain/sqrt(cols), half
+    of them negative;
     and for Q4_1 the matching mins (-7.5 d, so the weights are centred)."""
     base = gain / math.sqrt(cols) / _Q_STD[q]
-    d = (base * np.linspace(0.75, 1.25, 256)).astype(np.float16)
+    # Half the scales negative: random Q4_0 nibbles (q - 8) and Q8_0 bytes average -0.5, so with
+    # positive scales every row would share a bias (-0.5 d sum(x)); over layers those biases add
+    # into one vector common to every token, and the routers stop telling tokens apart.
+    d = (base * np.linspace(0.75, 1.25, 256) * np.where(np.arange(256) % 2, -1.0, 1.0)).astype(np.float16)
     m = (-7.5 * d.astype(np.float32)).astype(np.float16).view(np.uint16) if q == "q4_1" else None
     return d.view(np.uint16), m
 
