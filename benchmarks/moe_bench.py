@@ -131,7 +131,8 @@ def run_child(spec: dict, limit: int | None, cold: bool, timeout: float) -> dict
 # ---- the report ------------------------------------------------------------------------------
 def fmt_row(r: dict, file_bytes: int) -> str:
     lim = "RAM" if r["limit"] is None else f"{r['limit'] / file_bytes:.0%} of file"
-    what = r["engine"] + (f" {r['label']}" if r.get("label") else "")
+    what = r["engine"] + (f" {r['label']}" if r.get("label") else "") + (
+        f", cache {r['budget']:.0%} of experts" if "budget" in r else "")
     if "error" in r:
         return f"| {what} | {lim} | – | – | – | – | {r['error']} |"
     c = r.get("counters", {})
