@@ -194,6 +194,10 @@ def main(argv: list[str] | None = None) -> int:
         converted, vocab = eng.path, eng.config.vocab_size
     with open_model(converted) as cf:
         expert_bytes = sum(n for _, n in cf.experts.values())
+    pn_expert_bytes = 0
+    if args.cflow:
+        with open_model(args.cflow) as cf:
+            pn_expert_bytes = sum(n for _, n in cf.experts.values())
     machine = {"memory_read_gbs": read_bandwidth(args.threads)}
     try:
         from cflow.bench import disk
@@ -214,9 +218,14 @@ def main(argv: list[str] | None = None) -> int:
                 runs.append(dict(engine="cflow", model=str(converted), label=f"disk {io}", budget=b,
                                  load={"experts": "disk", "expert_cache": max(1, int(b * expert_bytes)),
                                        "expert_io": io}))
-        if args.cflow:
-            runs.append(dict(engine="cflow", model=str(Path(args.cflow).resolve()), label="pipeline-native",
-                             load={"experts": "auto"}))
+        if args.cflow:  # the pipeline-native model: its experts land 2 layers later, so async can overlap
+            pn = str(Path(args.cflow).resolve())
+            runs.append(dict(engine="cflow", model=pn, label="pipeline-native auto", load={"experts": "auto"}))
+            for io in args.io.split(","):
+                for b in (float(x) for x in args.budgets.split(",")):
+                    runs.append(dict(engine="cflow", model=pn, label=f"pipeline-native disk {io}", budget=b,
+                                     load={"experts": "disk", "expert_cache": max(1, int(b * pn_expert_bytes)),
+                                           "expert_io": io}))
         for spec in runs:
             spec.update(threads=args.threads, tokens=args.tokens, prompt=args.prompt, limit=limit, vocab=vocab)
             r = run_child(spec, limit, cold=not args.warm, timeout=args.timeout)
