@@ -212,10 +212,10 @@ def main(argv: list[str] | None = None) -> int:
     for limit in limits:
         runs = [dict(engine="llama.cpp", model=str(gguf), repack=limit is None, label="")]
         if limit is None:
-            runs.append(dict(engine="cflow", model=str(converted), label="ram", load={"experts": "ram"}))
+            runs.append(dict(engine="cflow", model=str(converted), label="Mixtral-layout ram", load={"experts": "ram"}))
         for io in args.io.split(","):
             for b in (float(x) for x in args.budgets.split(",")):
-                runs.append(dict(engine="cflow", model=str(converted), label=f"disk {io}", budget=b,
+                runs.append(dict(engine="cflow", model=str(converted), label=f"Mixtral-layout disk {io}", budget=b,
                                  load={"experts": "disk", "expert_cache": max(1, int(b * expert_bytes)),
                                        "expert_io": io}))
         if args.cflow:  # the pipeline-native model: its experts land 2 layers later, so async can overlap
