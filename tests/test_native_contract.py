@@ -169,3 +169,23 @@ def test_names_must_cover_every_row():
     with pytest.raises(ValueError, match=r"descriptor row \d+ is named 'layers.1.moe.experts.2.w_up', the engine "
                                          r"expects 'layers.1.moe.experts.2.w_down' there"):
         make_engine(cfg, buf, desc, names)
+
+
+def test_sequences_are_a_trailing_keyword():
+    """n_seq (KV-cache slots for step_batch) defaults to 1, so the old positional call is unchanged;
+    step_batch writes [B, vocab] rows and counts one call for the B tokens."""
+    cfg = tiny_config(False)
+    buf, desc, names = build_weights(cfg)
+    assert make_engine(cfg, buf, desc, names).n_seq == 1
+    eng = _native.NativeEngine(buf, cfg.to_dict(), desc, names, plan_for(cfg), 1, 1, 2, 16, 4, n_seq=3)
+    assert eng.n_seq == 3
+    i32 = lambda *v: np.array(v, np.int32)  # noqa: E731
+    eng.prefill(i32(1, 7), 0, None, 2)
+    eng.reset_counters()
+    rows = np.zeros((3, cfg.vocab_size), np.float32)
+    eng.step_batch(i32(2, 0), i32(5, 9), i32(2, 0), rows)
+    assert np.isfinite(rows[:2]).all() and rows[:2].any() and not rows[2].any()
+    assert (eng.counters()["tokens"], eng.counters()["calls"]) == (2, 1)
+    for bad in (0, -1, 5000):
+        with pytest.raises(ValueError, match="sequences"):
+            _native.NativeEngine(buf, cfg.to_dict(), desc, names, plan_for(cfg), 1, 1, 2, 16, 4, n_seq=bad)

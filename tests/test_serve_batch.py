@@ -47,10 +47,23 @@ def gen4():
         yield g
 
 
-def test_engine_slots_is_a_batch_backend(gen4):
-    assert isinstance(gen4.backend, EngineSlots) and isinstance(gen4.backend, BatchBackend)
-    assert gen4.n_slots == 4 and len({id(e) for e in gen4.backend.engines}) == 4
-    assert len({id(e.file) for e in gen4.backend.engines}) == 1  # one mapping of the weights
+def test_default_backend_is_one_batched_engine(gen4):
+    from cflow.serve.backend import EngineBatch
+
+    assert isinstance(gen4.backend, EngineBatch) and isinstance(gen4.backend, BatchBackend)
+    assert gen4.n_slots == 4 and gen4.backend.engine.n_seq == 4
+
+
+def test_engine_slots_is_a_batch_backend():
+    # the reference backend: one Engine per slot over one mapping of the weights
+    from cflow.runtime import DEFAULT_MODEL
+
+    b = EngineSlots.load(DEFAULT_MODEL, n_slots=3, threads=1)
+    try:
+        assert isinstance(b, BatchBackend) and b.n_slots == 3 and len({id(e) for e in b.engines}) == 3
+        assert len({id(e.file) for e in b.engines}) == 1
+    finally:
+        b.close()
 
 
 def test_batched_greedy_equals_engine_complete(engine, gen4):

@@ -124,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
                          f"pip install \"cflow-lm[serve]\"") from None
     from cflow.runtime import EngineError
     from cflow.sampling import SamplingParams
-    from cflow.serve.backend import EngineSlots
+    from cflow.serve.backend import load_backend
     from cflow.serve.batch import BatchGenerator
     from cflow.serve.protocol import Defaults
 
@@ -133,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
     def load() -> BatchGenerator:
         try:
             with progress_bar() as progress:
-                backend = EngineSlots.load(args.model, n_slots=args.parallel, threads=args.threads, n_ctx=per_slot,
+                backend = load_backend(args.model, n_slots=args.parallel, threads=args.threads, n_ctx=per_slot,
                                            mmap=not args.no_mmap, verify=not args.no_verify, progress=progress,
                                            log=log, **expert_kwargs(args))
         except EngineError as e:

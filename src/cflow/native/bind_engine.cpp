@@ -3,7 +3,9 @@
 //
 // Thin on purpose: arrays in, arrays out, no copies. The file buffer (usually a read-only numpy
 // view of the mmap) is held by the object for the engine's life; logits are written straight into
-// a numpy array the caller preallocates. step() and prefill() release the GIL.
+// a numpy array the caller preallocates. step(), prefill() and step_batch() release the GIL.
+// n_seq (a trailing keyword, default 1) gives the engine that many KV caches: prefill(..., seq)
+// fills one, step_batch advances several in one pass over the weights (cf_step_batch).
 //
 // Experts on disk: `experts` is a dict {"path": str, "span": int64 [n_unique * E, 2] (the file's
 // expert table: offset, bytes), "budget": int, "io": "async" | "sync", "io_threads": int,
@@ -31,6 +33,8 @@ using Desc = nb::ndarray<const int64_t, nb::ndim<2>, nb::c_contig, nb::device::c
 using Plan = nb::ndarray<const int32_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
 using Tokens = nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 using Logits = nb::ndarray<float, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using Logits2 = nb::ndarray<float, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+using Ints = nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 using Spans = nb::ndarray<const int64_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
 
 cf_config config_from(const nb::dict &d) {
@@ -61,7 +65,7 @@ struct NativeEngine {
 
     NativeEngine(Bytes buffer, const nb::dict &cfg, Desc desc, const std::vector<std::string> &names,
                  Plan plan, int n_ring, int n_pending, int threads, int n_ctx, int max_batch, int n_moe,
-                 nb::object experts)
+                 nb::object experts, int n_seq)
         : buf(buffer) {
         cf_config c = config_from(cfg);
         cf_disk_experts disk{};
@@ -94,7 +98,7 @@ struct NativeEngine {
         char err[512] = {0};
         e = cf_engine_create(&c, buf.data(), buf.shape(0), desc.data(), name_ptrs.data(),
                              (int)desc.shape(0), plan.data(), (int)plan.shape(0), n_ring, n_pending, n_moe,
-                             threads, n_ctx, max_batch, experts.is_none() ? nullptr : &disk, err, sizeof err);
+                             threads, n_ctx, max_batch, n_seq, experts.is_none() ? nullptr : &disk, err, sizeof err);
         if (!e) throw nb::value_error(err);
         vocab = c.vocab;
         n_layers = c.n_layers;
@@ -163,7 +167,7 @@ struct NativeEngine {
         if (rc) raise_call_error();
     }
 
-    void prefill(Tokens tokens, int pos0, nb::object logits_obj) {
+    void prefill(Tokens tokens, int pos0, nb::object logits_obj, int seq) {
         float *out = nullptr;
         Logits logits;
         if (!logits_obj.is_none()) {
@@ -173,7 +177,24 @@ struct NativeEngine {
         int rc;
         {
             nb::gil_scoped_release nogil;
-            rc = cf_prefill(e, tokens.data(), (int)tokens.shape(0), pos0, out);
+            rc = cf_prefill_seq(e, seq, tokens.data(), (int)tokens.shape(0), pos0, out);
+        }
+        if (rc) raise_call_error();
+    }
+
+    void step_batch(Ints seqs, Tokens tokens, Ints positions, Logits2 logits) {
+        size_t B = seqs.shape(0);
+        if (tokens.shape(0) != B || positions.shape(0) != B)
+            throw nb::value_error(("step_batch: seqs, tokens and positions must have the same length, got " +
+                                   std::to_string(B) + ", " + std::to_string(tokens.shape(0)) + ", " +
+                                   std::to_string(positions.shape(0))).c_str());
+        if (logits.shape(0) < B || logits.shape(1) != (size_t)vocab)
+            throw nb::value_error(("step_batch: logits must be float32 [>= " + std::to_string(B) + ", " +
+                                   std::to_string(vocab) + "]").c_str());
+        int rc;
+        {
+            nb::gil_scoped_release nogil;
+            rc = cf_step_batch(e, seqs.data(), tokens.data(), positions.data(), (int)B, logits.data());
         }
         if (rc) raise_call_error();
     }
@@ -273,15 +294,20 @@ void cf_bind_engine(nb::module_ &m) {
                              "names[i] is the tensor name of descriptor row i; the engine checks each against "
                              "its own (GLOBAL_TENSORS, then per weight set LAYER_SLOTS and EXPERT_SLOTS).")
         .def(nb::init<Bytes, const nb::dict &, Desc, const std::vector<std::string> &, Plan, int, int, int, int,
-                      int, int, nb::object>(),
+                      int, int, nb::object, int>(),
              nb::arg("buffer"), nb::arg("config"), nb::arg("desc"), nb::arg("names"), nb::arg("plan"),
              nb::arg("n_ring"), nb::arg("n_pending"), nb::arg("threads"), nb::arg("n_ctx"),
-             nb::arg("max_batch"), nb::arg("n_moe") = 1, nb::arg("experts") = nb::none())
+             nb::arg("max_batch"), nb::arg("n_moe") = 1, nb::arg("experts") = nb::none(), nb::arg("n_seq") = 1)
         .def("step", &NativeEngine::step, nb::arg("token"), nb::arg("pos"), nb::arg("logits"),
              "Run one token at position pos; write next-token logits into `logits` (float32[vocab]).")
         .def("prefill", &NativeEngine::prefill, nb::arg("tokens"), nb::arg("pos0"),
-             nb::arg("logits") = nb::none(),
-             "Run tokens (int32) at positions pos0..; logits of the last one go into `logits`.")
+             nb::arg("logits") = nb::none(), nb::arg("seq") = 0,
+             "Run tokens (int32) at positions pos0.. of sequence `seq`; logits of the last one go into `logits`.")
+        .def("step_batch", &NativeEngine::step_batch, nb::arg("seqs"), nb::arg("tokens"), nb::arg("positions"),
+             nb::arg("logits"),
+             "One decode step for B distinct sequences (int32 arrays of B): row b runs tokens[b] at "
+             "positions[b] of sequence seqs[b]; its logits go into logits[b] (float32 [>= B, vocab]). "
+             "Rows are bit-identical to running each alone.")
         .def("counters", &NativeEngine::counters, "Bytes touched by category since reset_counters().")
         .def("expert_hits", &NativeEngine::expert_hits, "Routing counts per [layer][expert].")
         .def("reset_counters", [](NativeEngine &s) { cf_engine_reset_counters(s.e); })
@@ -301,5 +327,6 @@ void cf_bind_engine(nb::module_ &m) {
             [](NativeEngine &s, int n) { cf_engine_set_active_threads(s.e, n); },
             "threads the next calls use (1..threads); outputs do not depend on it")
         .def_prop_ro("max_batch", [](const NativeEngine &s) { return cf_engine_max_batch(s.e); })
+        .def_prop_ro("n_seq", [](const NativeEngine &s) { return cf_engine_n_seq(s.e); })
         .def_prop_ro("isa", [](const NativeEngine &s) { return std::string(cf_engine_isa(s.e)); });
 }

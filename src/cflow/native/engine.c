@@ -13,6 +13,13 @@
  * tokens routed to an expert are gathered (their activation descriptors, not the data) so they
  * take the batched kernels too.
  *
+ * Several sequences (cf_step_batch): the engine holds n_seq KV caches, and each row of a call
+ * carries its own sequence slot and position (rseq, rpos), so one pass advances B different
+ * sequences: the same batched kernels as prefill read each weight tile once for all rows, RoPE,
+ * the K/V store and attention use the row's own position and cache, and op_final writes every
+ * row's logits. Nothing else changes: every op is already row-local, which is what makes a row's
+ * result independent of the other rows (engine.h).
+ *
  * Experts may live on disk instead (cf_disk_experts, experts.h): then the route op, on thread 0,
  * pins cache slots for the chosen experts and queues the reads of the missing ones, and the experts
  * op waits on each slot's word for the expert it needs next. With experts in RAM that costs one
@@ -117,8 +124,8 @@ typedef struct {
     float *hid;        /* [B, hmax] silu(gate) * up */
     float *y;          /* [B, d] expert down-projection output */
     float *rope;       /* [B, hd] cos[hd/2] then sin[hd/2] for each token's position */
-    cf_half *kcache;   /* [L, n_kv, n_ctx, hd] fp16, rotated keys */
-    cf_half *vcache;   /* [L, n_kv, n_ctx, hd] fp16 */
+    cf_half *kcache;   /* [n_seq, L, n_kv, n_ctx, hd] fp16, rotated keys */
+    cf_half *vcache;   /* [n_seq, L, n_kv, n_ctx, hd] fp16 */
     float *rlogits;    /* [B, E] router probabilities */
     /* the routing of each moe slot */
     int *exp_tok;      /* [n_moe, E, B] tokens routed to each expert */
@@ -137,6 +144,8 @@ struct cf_engine {
     cf_state s;
     cf_scratch *ts; /* [n_threads] */
     int n_threads, n_ctx, max_batch, kmax, hmax;
+    int n_seq;      /* KV-cache slots: sequence s owns kcache/vcache[s] */
+    size_t seq_kv;  /* halves per sequence slot: L * n_kv * n_ctx * hd */
     int active; /* threads a call uses (<= n_threads); the others return at once */
     int32_t *plan;
     int n_ops, n_ring, n_pending, n_moe, inflight;
@@ -145,8 +154,11 @@ struct cf_engine {
     cf_barrier bar;
     /* the call in flight */
     const int32_t *tokens;
-    int B, pos0;
+    int B;
+    int *rseq, *rpos; /* [max_batch] each row's sequence slot and position */
+    int all_logits;   /* 1: logits [B, vocab] for every row; 0: [vocab] for the last row only */
     float *logits;
+    int *seen;        /* [n_seq] scratch of cf_step_batch's duplicate check */
     cf_counters cnt;
     uint64_t *hits; /* [L, E] */
     /* experts on disk (xs NULL: in RAM) */
@@ -282,7 +294,8 @@ static void op_embed(cf_engine *e, int slot, int ith, int nth) {
  * k; store k and v (fp16) in the cache at the token's position. */
 static void qkv_heads(cf_engine *e, size_t layer_kv, int b, int u0, int u1) {
     const cf_config *c = &e->c;
-    int hd = c->hd, nh = c->n_heads, p = e->pos0 + b;
+    int hd = c->hd, nh = c->n_heads, p = e->rpos[b];
+    size_t base = (size_t)e->rseq[b] * e->seq_kv + layer_kv; /* the row's own sequence slot */
     float *row = e->s.qkv + (size_t)b * (nh + 2 * c->n_kv) * hd;
     const float *cs = e->s.rope + (size_t)b * hd;
     for (int u = u0; u < u1; u++) {
@@ -291,7 +304,7 @@ static void qkv_heads(cf_engine *e, size_t layer_kv, int b, int u0, int u1) {
         if (u < nh + c->n_kv) e->k->rope(v, 1, hd, cs, cs + hd / 2);
         if (u < nh) continue;
         cf_half *cache = u < nh + c->n_kv ? e->s.kcache : e->s.vcache;
-        e->k->f32_to_f16(cache + layer_kv + ((size_t)kvh * e->n_ctx + p) * hd, v, hd);
+        e->k->f32_to_f16(cache + base + ((size_t)kvh * e->n_ctx + p) * hd, v, hd);
     }
 }
 
@@ -331,10 +344,11 @@ static void op_attn(cf_engine *e, int l, int slot, int ith, int nth) {
     for (int i = i0; i < i1;) {
         int b = i / c->n_heads, h0 = i % c->n_heads, h1 = cf_min(c->n_heads, h0 + i1 - i);
         cf_attn_shape sh = {.n_heads = c->n_heads, .n_kv_heads = c->n_kv, .head_dim = hd,
-                            .max_seq = e->n_ctx, .n_pos = e->pos0 + b + 1,
+                            .max_seq = e->n_ctx, .n_pos = e->rpos[b] + 1,
                             .scale = 1.0f / sqrtf((float)hd)};
+        size_t base = (size_t)e->rseq[b] * e->seq_kv + layer_kv; /* row b sees only its sequence */
         e->k->attention(s->att + (size_t)b * q_dim, s->qkv + (size_t)b * qkv_dim,
-                        s->kcache + layer_kv, s->vcache + layer_kv, ts->scores, &sh, h0, h1);
+                        s->kcache + base, s->vcache + base, ts->scores, &sh, h0, h1);
         i += h1 - h0;
     }
     barrier_wait(&e->bar);
@@ -349,7 +363,7 @@ static void op_attn(cf_engine *e, int l, int slot, int ith, int nth) {
     if (ith == 0) {
         e->cnt.n[CF_CNT_ATTN] += w->attn_bytes;
         for (int b = 0; b < B; b++)
-            e->cnt.n[CF_CNT_KV] += (uint64_t)(e->pos0 + b + 1) * 2 * kv_dim * sizeof(cf_half);
+            e->cnt.n[CF_CNT_KV] += (uint64_t)(e->rpos[b] + 1) * 2 * kv_dim * sizeof(cf_half);
     }
     barrier_wait(&e->bar);
 }
@@ -562,20 +576,27 @@ static void op_resid(cf_engine *e, int slot, int add_f, int pslot, int ith, int 
     barrier_wait(&e->bar);
 }
 
+/* Logits of the last row (prefill) or of every row (cf_step_batch: logits is [B, vocab]). Each
+ * row is normed, quantized and multiplied on its own; matmat equals matvec per row bit for bit
+ * (cflow.h), so a row's logits do not depend on the other rows of the call. */
 static void op_final(cf_engine *e, int slot, int pslot, int ith, int nth) {
     if (!e->logits) return;
     cf_scratch *ts = &e->ts[ith];
-    int d = e->c.d, b = e->B - 1;
-    const float *x = e->s.ring + ((size_t)slot * e->max_batch + b) * d;
-    float *z = ts->xb + e->kmax; /* second row of the scratch: xb[0] receives the norm */
-    for (int i = 0; i < d; i++)
-        z[i] = x[i] + (pslot >= 0 ? e->s.pending[((size_t)pslot * e->max_batch + b) * d + i] : 0.0f);
-    e->k->rmsnorm(ts->xb, z, e->w.norm, d, e->c.norm_eps);
-    quantize_rows(e, ts->xb, e->kmax, d, ts->act, NULL, 1);
+    int d = e->c.d, b0 = e->all_logits ? 0 : e->B - 1, nb = e->B - b0;
+    float *z = ts->xb + (size_t)e->max_batch * e->kmax; /* the scratch's extra row */
+    for (int i = 0; i < nb; i++) {
+        size_t b = (size_t)(b0 + i);
+        const float *x = e->s.ring + ((size_t)slot * e->max_batch + b) * d;
+        const float *pd = pslot >= 0 ? e->s.pending + ((size_t)pslot * e->max_batch + b) * d : NULL;
+        for (int j = 0; j < d; j++) z[j] = x[j] + (pd ? pd[j] : 0.0f);
+        e->k->rmsnorm(ts->xb + (size_t)i * e->kmax, z, e->w.norm, d, e->c.norm_eps);
+    }
+    quantize_rows(e, ts->xb, e->kmax, d, ts->act, NULL, nb);
     int g0, g1;
     cf_split_range(cf_n_groups(&e->w.lm_head), ith, nth, 1, &g0, &g1);
-    matvec_rows(e, &e->w.lm_head, ts->act, e->logits, 0, NULL, 1, g0, g1);
-    if (ith == 0) e->cnt.n[CF_CNT_LM_HEAD] += (uint64_t)d * sizeof(float) + cf_tiled_bytes(&e->w.lm_head);
+    matvec_rows(e, &e->w.lm_head, ts->act, e->logits, e->c.vocab, NULL, nb, g0, g1);
+    if (ith == 0)
+        e->cnt.n[CF_CNT_LM_HEAD] += (uint64_t)d * sizeof(float) + cf_tiled_bytes(&e->w.lm_head);
 }
 
 static void forward_task(void *ctx, int ith, int nth) {
@@ -604,11 +625,13 @@ static void forward_task(void *ctx, int ith, int nth) {
 // ---------------------------------------------------------------------------------------------
 // calls
 
-static int forward(cf_engine *e, const int32_t *tokens, int B, int pos0, float *logits) {
+/* One pass over the plan for rows 0..B-1, whose sequence slots and positions the caller put in
+ * e->rseq / e->rpos. */
+static int forward(cf_engine *e, const int32_t *tokens, int B, float *logits, int all_logits) {
     const cf_config *c = &e->c;
     for (int b = 0; b < B; b++) {
         float *cs = e->s.rope + (size_t)b * c->hd;
-        cf_rope_table(cs, cs + c->hd / 2, c->hd, pos0 + b, c->rope_theta);
+        cf_rope_table(cs, cs + c->hd / 2, c->hd, e->rpos[b], c->rope_theta);
     }
     memset(e->s.pending, 0, (size_t)e->n_pending * e->max_batch * c->d * sizeof(float));
     e->failed = CF_ERR_NONE;
@@ -618,8 +641,8 @@ static int forward(cf_engine *e, const int32_t *tokens, int B, int pos0, float *
     }
     e->tokens = tokens;
     e->B = B;
-    e->pos0 = pos0;
     e->logits = logits;
+    e->all_logits = all_logits;
     if (e->active == 1)
         forward_task(e, 0, 1); /* no need to wake the pool (sleeping workers take ~50 us) */
     else
@@ -633,12 +656,27 @@ static int forward(cf_engine *e, const int32_t *tokens, int B, int pos0, float *
     return 0;
 }
 
-static int check_call(cf_engine *e, const int32_t *tokens, int n, int pos0) {
+static int check_token(cf_engine *e, int token, int i) {
+    if (token >= 0 && token < e->c.vocab) return 0;
+    set_err(e->err, sizeof e->err, "token id %d at index %d is outside the vocabulary (0..%d)", token, i,
+            e->c.vocab - 1);
+    return -1;
+}
+
+static int check_seq(cf_engine *e, int seq, int i) {
+    if (seq >= 0 && seq < e->n_seq) return 0;
+    set_err(e->err, sizeof e->err, "sequence slot %d at index %d does not exist (the engine has %d: 0..%d)",
+            seq, i, e->n_seq, e->n_seq - 1);
+    return -1;
+}
+
+static int check_call(cf_engine *e, int seq, const int32_t *tokens, int n, int pos0) {
     e->err_kind = CF_ERR_INPUT; /* what a failure below is; cleared when the checks pass */
     if (n < 1) {
         set_err(e->err, sizeof e->err, "no tokens to process");
         return -1;
     }
+    if (check_seq(e, seq, 0)) return -1;
     if (pos0 < 0 || (int64_t)pos0 + n > e->n_ctx) {
         set_err(e->err, sizeof e->err,
                 "positions %d..%d do not fit the context of %d tokens; load the model with a "
@@ -646,26 +684,70 @@ static int check_call(cf_engine *e, const int32_t *tokens, int n, int pos0) {
         return -1;
     }
     for (int i = 0; i < n; i++)
-        if (tokens[i] < 0 || tokens[i] >= e->c.vocab) {
-            set_err(e->err, sizeof e->err, "token id %d at index %d is outside the vocabulary "
-                    "(0..%d)", tokens[i], i, e->c.vocab - 1);
-            return -1;
-        }
+        if (check_token(e, tokens[i], i)) return -1;
     e->err_kind = CF_ERR_NONE;
     return 0;
 }
 
 int cf_step(cf_engine *e, int token, int pos, float *logits) {
     int32_t t = token;
-    if (check_call(e, &t, 1, pos)) return -1;
-    return forward(e, &t, 1, pos, logits);
+    if (check_call(e, 0, &t, 1, pos)) return -1;
+    e->rseq[0] = 0;
+    e->rpos[0] = pos;
+    return forward(e, &t, 1, logits, 0);
+}
+
+int cf_prefill_seq(cf_engine *e, int seq, const int32_t *tokens, int n, int pos0, float *logits_last) {
+    if (check_call(e, seq, tokens, n, pos0)) return -1;
+    for (int i = 0; i < n; i += e->max_batch) {
+        int B = cf_min(e->max_batch, n - i);
+        for (int b = 0; b < B; b++) {
+            e->rseq[b] = seq;
+            e->rpos[b] = pos0 + i + b;
+        }
+        if (forward(e, tokens + i, B, i + B == n ? logits_last : NULL, 0)) return -1;
+    }
+    return 0;
 }
 
 int cf_prefill(cf_engine *e, const int32_t *tokens, int n, int pos0, float *logits_last) {
-    if (check_call(e, tokens, n, pos0)) return -1;
-    for (int i = 0; i < n; i += e->max_batch) {
-        int B = cf_min(e->max_batch, n - i);
-        if (forward(e, tokens + i, B, pos0 + i, i + B == n ? logits_last : NULL)) return -1;
+    return cf_prefill_seq(e, 0, tokens, n, pos0, logits_last);
+}
+
+int cf_step_batch(cf_engine *e, const int *seq, const int32_t *tokens, const int *pos, int B, float *logits) {
+    e->err_kind = CF_ERR_INPUT;
+    if (B < 1 || B > e->n_seq) {
+        set_err(e->err, sizeof e->err, "a batched step takes 1..%d rows (one per sequence slot), got %d",
+                e->n_seq, B);
+        return -1;
+    }
+    int bad = 0;
+    for (int b = 0; b < B && !bad; b++) {
+        if (check_seq(e, seq[b], b) || check_token(e, tokens[b], b)) bad = 1;
+        else if (pos[b] < 0 || pos[b] >= e->n_ctx) {
+            set_err(e->err, sizeof e->err, "position %d of row %d does not fit the context of %d tokens; "
+                    "load the model with a larger context (n_ctx / -c)", pos[b], b, e->n_ctx);
+            bad = 1;
+        } else if (e->seen[seq[b]]) {
+            set_err(e->err, sizeof e->err, "sequence slot %d appears twice in one batched step (rows %d and %d)",
+                    seq[b], e->seen[seq[b]] - 1, b);
+            bad = 1;
+        } else {
+            e->seen[seq[b]] = b + 1;
+        }
+    }
+    for (int b = 0; b < B; b++)
+        if (seq[b] >= 0 && seq[b] < e->n_seq) e->seen[seq[b]] = 0;
+    if (bad) return -1;
+    e->err_kind = CF_ERR_NONE;
+    /* rows are independent, so more rows than a call holds simply take several calls */
+    for (int i = 0; i < B; i += e->max_batch) {
+        int nb = cf_min(e->max_batch, B - i);
+        for (int b = 0; b < nb; b++) {
+            e->rseq[b] = seq[i + b];
+            e->rpos[b] = pos[i + b];
+        }
+        if (forward(e, tokens + i, nb, logits ? logits + (size_t)i * e->c.vocab : NULL, 1)) return -1;
     }
     return 0;
 }
@@ -692,6 +774,7 @@ int cf_engine_set_active_threads(cf_engine *e, int n) {
     return e->active;
 }
 int cf_engine_max_batch(const cf_engine *e) { return e->max_batch; }
+int cf_engine_n_seq(const cf_engine *e) { return e->n_seq; }
 const char *cf_engine_isa(const cf_engine *e) { return e->k->name; }
 
 int cf_engine_expert_cache(const cf_engine *e, cf_expert_cache_info *out) {
@@ -978,7 +1061,9 @@ static int alloc_state(cf_engine *e) {
     const cf_config *c = &e->c;
     cf_state *s = &e->s;
     size_t B = e->max_batch, d = c->d, q_dim = (size_t)c->n_heads * c->hd, kv_dim = (size_t)c->n_kv * c->hd;
-    size_t E = c->n_experts, kv = (size_t)c->n_layers * kv_dim * e->n_ctx, M = e->n_moe;
+    size_t E = c->n_experts, M = e->n_moe;
+    e->seq_kv = (size_t)c->n_layers * kv_dim * e->n_ctx;
+    size_t kv = e->seq_kv * e->n_seq;
     int fail = 0;
     s->ring = xcalloc(e->n_ring * B * d, sizeof(float), &fail);
     s->h = xcalloc(B * d, sizeof(float), &fail);
@@ -1002,11 +1087,14 @@ static int alloc_state(cf_engine *e) {
     s->exp_pre = xcalloc(M, sizeof(int), &fail);
     s->exp_slot = xcalloc(M * E, sizeof(int), &fail);
     e->hits = xcalloc((size_t)c->n_layers * E, sizeof(uint64_t), &fail);
+    e->rseq = xcalloc(B, sizeof(int), &fail);
+    e->rpos = xcalloc(B, sizeof(int), &fail);
+    e->seen = xcalloc(e->n_seq, sizeof(int), &fail);
     e->ts = xcalloc(e->n_threads, sizeof(cf_scratch), &fail);
     if (fail) return -1;
     size_t K = e->kmax, KB = K / CF_QK;
-    /* two rows even when B = 1: op_final uses the second */
-    size_t xb = (size_t)cf_max(e->max_batch, 2) * K * 4;
+    /* one row more than a call's tokens: op_final sums each row's input there */
+    size_t xb = (size_t)(e->max_batch + 1) * K * 4;
     size_t scores = (size_t)c->n_heads * e->n_ctx * 4, act = K + 2 * KB * 4;
     size_t bytes = 64 + carve_size(3 * B * sizeof(cf_act_q8)) + carve_size(xb) + carve_size(scores) +
                    2 * B * carve_size(act);
@@ -1076,12 +1164,15 @@ cf_engine *cf_engine_create(const cf_config *cfg, const uint8_t *buf, size_t buf
                             const int64_t *desc, const char *const *names, int n_desc,
                             const int32_t *plan, int n_ops,
                             int n_ring, int n_pending, int n_moe, int n_threads, int n_ctx,
-                            int max_batch, const cf_disk_experts *disk, char *err, size_t err_len) {
+                            int max_batch, int n_seq, const cf_disk_experts *disk, char *err,
+                            size_t err_len) {
     if (check_config(cfg, err, err_len)) return NULL;
     if (n_threads < 1 || n_threads > CF_MAX_THREADS || n_ctx < 1 || max_batch < 1 || max_batch > 4096 ||
-        n_ring < 1 || n_ring > 64 || n_pending < 0 || n_pending > 64 || n_moe < 1 || n_moe > 64) {
+        n_ring < 1 || n_ring > 64 || n_pending < 0 || n_pending > 64 || n_moe < 1 || n_moe > 64 ||
+        n_seq < 1 || n_seq > CF_MAX_SEQ) {
         set_err(err, err_len, "bad engine sizes: threads %d, n_ctx %d, max_batch %d, ring %d, "
-                "pending %d, moe slots %d", n_threads, n_ctx, max_batch, n_ring, n_pending, n_moe);
+                "pending %d, moe slots %d, sequences %d (1..%d)", n_threads, n_ctx, max_batch, n_ring,
+                n_pending, n_moe, n_seq, CF_MAX_SEQ);
         return NULL;
     }
     cf_engine *e = calloc(1, sizeof *e);
@@ -1103,6 +1194,7 @@ cf_engine *cf_engine_create(const cf_config *cfg, const uint8_t *buf, size_t buf
     e->n_threads = n_threads;
     e->n_ctx = n_ctx;
     e->max_batch = max_batch;
+    e->n_seq = n_seq;
     e->n_ring = n_ring;
     e->n_pending = n_pending;
     e->n_moe = n_moe;
@@ -1123,8 +1215,9 @@ cf_engine *cf_engine_create(const cf_config *cfg, const uint8_t *buf, size_t buf
     }
     e->plan = malloc((size_t)n_ops * CF_OP_FIELDS * sizeof *plan);
     if (!e->plan || alloc_state(e) || !(e->pool = cf_pool_create(n_threads))) {
-        set_err(err, err_len, "out of memory (KV cache for n_ctx=%d needs %.1f MiB; try a smaller "
-                "context)", n_ctx, 2.0 * cfg->n_layers * cfg->n_kv * cfg->hd * n_ctx * 2 / 1048576.0);
+        set_err(err, err_len, "out of memory (KV cache for %d sequence(s) of n_ctx=%d needs %.1f MiB; try a "
+                "smaller context)", n_seq, n_ctx,
+                2.0 * cfg->n_layers * cfg->n_kv * cfg->hd * n_ctx * 2 * n_seq / 1048576.0);
         cf_engine_free(e);
         return NULL;
     }
@@ -1149,7 +1242,8 @@ void cf_engine_free(cf_engine *e) {
     cf_state *s = &e->s;
     void *bufs[] = {s->ring, s->h, s->f, s->pending, s->moe_in, s->qkv, s->att, s->hid, s->y,
                     s->rope, s->kcache, s->vcache, s->rlogits, s->exp_tok, s->exp_w, s->exp_n,
-                    s->exp_list, s->exp_cnt, s->exp_pre, s->exp_slot, e->hits, e->plan};
+                    s->exp_list, s->exp_cnt, s->exp_pre, s->exp_slot, e->hits, e->plan,
+                    e->rseq, e->rpos, e->seen};
     for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) free(bufs[i]);
     if (e->ts)
         for (int t = 0; t < e->n_threads; t++) free(e->ts[t].mem);

@@ -12,6 +12,15 @@
  *   hd      head dim                         q_dim = n_heads * hd, kv_dim = n_kv * hd
  *   d_ff    dense FFN hidden size            d_exp expert FFN hidden size, E experts, top_k
  *   L       layers; layer l uses weight set l % n_unique
+ *   n_seq   KV-cache slots (sequences); a call's row b belongs to one of them
+ *
+ * Sequences: an engine holds n_seq independent KV caches over one set of weights (sequence s owns
+ * halves [s][L][n_kv][n_ctx][hd]; n_seq = 1 is the single-sequence layout). cf_step_batch advances
+ * B different sequences, each at its own position, in one pass over the weights: every mat-vec
+ * becomes the batched kernel over the B rows, attention runs per row over that row's own sequence.
+ * Every op is row-local (norms, activation quantization, the router and the expert sums per row;
+ * matmat equals matvec per row bit for bit, cflow.h), so a row's logits do not depend on how many
+ * or which other rows share the call, nor on cf_step vs cf_step_batch vs cf_prefill.
  */
 #ifndef CFLOW_ENGINE_H
 #define CFLOW_ENGINE_H
@@ -116,6 +125,8 @@ typedef struct {
 /* Threads an engine may have: its pool and per-thread scratch are sized per thread, and beyond
  * this a spin-barrier engine only waits (Python checks against it: _native.MAX_THREADS). */
 #define CF_MAX_THREADS 512
+/* KV-cache slots an engine may have (each costs L x n_ctx x kv_dim x 2 fp16 halves, mapped lazily). */
+#define CF_MAX_SEQ 4096
 
 typedef struct cf_engine cf_engine;
 
@@ -141,20 +152,31 @@ enum { CF_ERR_NONE, CF_ERR_INPUT, CF_ERR_IO };
  * is the tensor name the caller put in descriptor row i; it must be cf_desc_name()'s, so a
  * caller built against other tables is refused instead of binding the wrong tensors. Returns
  * NULL and writes a message to err on bad input (names, descriptor or plan inconsistent with
- * the config, tensors outside the buffer, out of memory). */
+ * the config, tensors outside the buffer, out of memory). n_seq (1..CF_MAX_SEQ) KV caches of n_ctx
+ * positions each: 1 for a single-sequence engine. */
 cf_engine *cf_engine_create(const cf_config *cfg, const uint8_t *buf, size_t buf_len,
                             const int64_t *desc, const char *const *names, int n_desc,
                             const int32_t *plan, int n_ops,
                             int n_ring, int n_pending, int n_moe, int n_threads, int n_ctx,
-                            int max_batch, const cf_disk_experts *disk, char *err, size_t err_len);
+                            int max_batch, int n_seq, const cf_disk_experts *disk, char *err,
+                            size_t err_len);
 void cf_engine_free(cf_engine *e);
 
-/* One token at position pos; logits[vocab] receives the next-token logits. The KV cache must hold
- * positions 0..pos-1 from earlier calls. Returns 0, or -1 with cf_engine_error() set. */
+/* One token of sequence 0 at position pos; logits[vocab] receives the next-token logits. The KV
+ * cache must hold positions 0..pos-1 from earlier calls. Returns 0, or -1 with cf_engine_error()
+ * set. */
 int cf_step(cf_engine *e, int token, int pos, float *logits);
-/* n tokens at positions pos0.., in batches of max_batch; logits_last[vocab] (may be NULL) gets the
- * logits after the last token. */
+/* n tokens of sequence `seq` at positions pos0.., in batches of max_batch; logits_last[vocab] (may
+ * be NULL) gets the logits after the last token. cf_prefill is sequence 0. */
+int cf_prefill_seq(cf_engine *e, int seq, const int32_t *tokens, int n, int pos0, float *logits_last);
 int cf_prefill(cf_engine *e, const int32_t *tokens, int n, int pos0, float *logits_last);
+/* One decode step for B distinct sequences: row b runs tokens[b] at position pos[b] of sequence
+ * seq[b] (attending to that sequence's positions 0..pos[b], writing its K/V at pos[b]);
+ * logits[b * vocab ..] (logits may be NULL) gets its next-token logits. 1 <= B <= n_seq; rows
+ * beyond max_batch take further passes (rows are independent). Bad input (a sequence out of range
+ * or twice, a position outside the context, a token outside the vocabulary) fails before anything
+ * runs; a failure while running leaves each sequence's positions before pos[b] intact. */
+int cf_step_batch(cf_engine *e, const int *seq, const int32_t *tokens, const int *pos, int B, float *logits);
 
 const char *cf_engine_error(const cf_engine *e);
 int cf_engine_error_kind(const cf_engine *e); /* CF_ERR_* of the last failed call */
@@ -173,6 +195,7 @@ int cf_engine_n_threads(const cf_engine *e);
 int cf_engine_set_active_threads(cf_engine *e, int n);
 int cf_engine_active_threads(const cf_engine *e);
 int cf_engine_max_batch(const cf_engine *e);
+int cf_engine_n_seq(const cf_engine *e);
 const char *cf_engine_isa(const cf_engine *e);
 
 /* Experts on disk: the cache's geometry (0 when experts are in RAM), the (set * E + e) keys of

@@ -460,6 +460,87 @@ INLINE void q4_groups_mm(int NG, int dtype, const uint8_t *p, size_t group_bytes
     }
 }
 
+#if CF_ISA_VNNI
+/* Q8_0 through q8_groups_mm from this many activations on; below it the per-activation
+ * group_dot_mm is faster (the transposition costs ~5 activations' dots; measured, SmolLM2's
+ * 49152 x 576 lm_head on Zen 5: B = 4 0.75x, B = 8 1.2x, B >= 12 ~2x). Either path gives the
+ * mat-vec's values, so the choice never changes a result. */
+#define MM_Q8T_MIN_B 8
+/* A full group's Q8_0 block (8 rows x 32 int8 at q), transposed (an 8x8 dword transpose) so that
+ * lane i of v[t] holds bytes 4t..4t+3 of row i, in row order, and offset by +128 (XOR 0x80) so
+ * the weights are the unsigned operand of vpdpbusd. */
+INLINE void load_q8_block_t(const uint8_t *q, __m256i v[8]) {
+    __m256i a[8], t[8], u[8];
+    for (int r = 0; r < 8; r++) a[r] = _mm256_loadu_si256((const __m256i *)(q + 32 * r));
+    for (int r = 0; r < 8; r += 2) {
+        t[r] = _mm256_unpacklo_epi32(a[r], a[r + 1]);     /* dwords 0,1 | 4,5 of rows r, r+1 */
+        t[r + 1] = _mm256_unpackhi_epi32(a[r], a[r + 1]); /* dwords 2,3 | 6,7 */
+    }
+    for (int h = 0; h < 8; h += 4) { /* rows h..h+3 */
+        u[h] = _mm256_unpacklo_epi64(t[h], t[h + 2]);         /* dword 0 | 4 */
+        u[h + 1] = _mm256_unpackhi_epi64(t[h], t[h + 2]);     /* dword 1 | 5 */
+        u[h + 2] = _mm256_unpacklo_epi64(t[h + 1], t[h + 3]); /* dword 2 | 6 */
+        u[h + 3] = _mm256_unpackhi_epi64(t[h + 1], t[h + 3]); /* dword 3 | 7 */
+    }
+    const __m256i x80 = _mm256_set1_epi8((char)0x80);
+    for (int k = 0; k < 4; k++) {
+        v[k] = _mm256_xor_si256(_mm256_permute2x128_si256(u[k], u[4 + k], 0x20), x80);
+        v[4 + k] = _mm256_xor_si256(_mm256_permute2x128_si256(u[k], u[4 + k], 0x31), x80);
+    }
+}
+
+/* q4_groups_mm for Q8_0 (VNNI only: the u8 x s8 products of weights + 128 need vpdpbusd's int32
+ * accumulation, maddubs would saturate): each group's blocks are transposed once for all B
+ * activations; a row's integer sum is sum((w + 128) x) - 128 sum(x), exactly group_isum_q8's, and
+ * the float operations are group_dot's, so the results are the mat-vec's bit for bit. */
+INLINE void q8_groups_mm(int NG, const uint8_t *p, size_t group_bytes, int nkt, const cf_act_q8 *xs, int B,
+                         int kb0, float *out, int ldo) {
+    __m256i V[MM_GB * MM_KT * 8];
+    __m256 D[MM_GB * MM_KT];
+    for (int g = 0; g < NG; g++)
+        for (int kb = 0; kb < nkt; kb++) {
+            const uint8_t *c = p + g * group_bytes + kb * 272;
+            int i = g * MM_KT + kb;
+            D[i] = load_halves8(c);
+            load_q8_block_t(c + 16, &V[(size_t)i * 8]);
+        }
+    const __m256i ones = _mm256_set1_epi8(1);
+    for (int b = 0; b < B; b++) {
+        const int8_t *xq = xs[b].qs + (size_t)kb0 * CF_QK;
+        const float *xd = xs[b].d + kb0;
+        __m256 acc[MM_GB];
+        for (int g = 0; g < NG; g++) acc[g] = _mm256_setzero_ps();
+        for (int kb = 0; kb < nkt; kb++) {
+            const int32_t *x4 = (const int32_t *)(xq + kb * CF_QK);
+            __m256i xb[8];
+            for (int t = 0; t < 8; t++) xb[t] = _mm256_set1_epi32(x4[t]);
+            /* 128 * sum(x), in every lane */
+            __m256i s4 = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), ones,
+                                                 _mm256_loadu_si256((const __m256i *)(xq + kb * CF_QK)));
+            __m128i s2 = _mm_add_epi32(_mm256_castsi256_si128(s4), _mm256_extracti128_si256(s4, 1));
+            s2 = _mm_add_epi32(s2, _mm_shuffle_epi32(s2, 0x4e));
+            s2 = _mm_add_epi32(s2, _mm_shuffle_epi32(s2, 0xb1));
+            __m256i corr = _mm256_slli_epi32(_mm256_broadcastd_epi32(s2), 7);
+            __m256 bd = _mm256_broadcast_ss(xd + kb);
+            for (int g = 0; g < NG; g++) {
+                const __m256i *v = &V[(size_t)(g * MM_KT + kb) * 8];
+                __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+                for (int t = 0; t < 8; t += 2) {
+                    s0 = _mm256_dpbusd_avx_epi32(s0, v[t], xb[t]);
+                    s1 = _mm256_dpbusd_avx_epi32(s1, v[t + 1], xb[t + 1]);
+                }
+                __m256i isum = _mm256_sub_epi32(_mm256_add_epi32(s0, s1), corr);
+                acc[g] = _mm256_fmadd_ps(D[g * MM_KT + kb], _mm256_mul_ps(_mm256_cvtepi32_ps(isum), bd), acc[g]);
+            }
+        }
+        for (int g = 0; g < NG; g++) {
+            float *o = out + (size_t)b * ldo + g * CF_G;
+            _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), acc[g]));
+        }
+    }
+}
+#endif
+
 /* out[b*ldo + r - g0*8] for the rows of groups [g0, g1) and activations b < B. Walks each tile
  * share once (band, tile, group, as the mat-vec does) and runs all B activations over a group's
  * chunks while they sit in L1; the short last group goes through the reference. */
@@ -476,6 +557,22 @@ INLINE void matmat_groups(int dtype, const cf_tiled *w, const cf_act_q8 *xs, int
             size_t group_bytes = (size_t)CF_G * sp.nkt * bb;
             for (int gr = sp.ga; gr < sp.gb; gr++, p += group_bytes) {
                 float *o = out + (size_t)(gr - g0) * CF_G;
+#if CF_ISA_VNNI
+                if (dtype == CF_Q8_0 && sp.nkt <= MM_KT && B >= MM_Q8T_MIN_B) { /* Q8_0 transposed */
+                    int ng = cf_min(MM_GB, sp.gb - gr);
+#define GB8_CASE(N) case N: q8_groups_mm(N, p, group_bytes, sp.nkt, xs, B, sp.kb0, o, ldo); break
+                    switch (ng) {
+                    GB8_CASE(1); GB8_CASE(2); GB8_CASE(3); GB8_CASE(4);
+#if MM_GB > 4
+                    GB8_CASE(5); GB8_CASE(6);
+#endif
+                    }
+#undef GB8_CASE
+                    gr += ng - 1;
+                    p += (size_t)(ng - 1) * group_bytes;
+                    continue;
+                }
+#endif
                 if (dtype != CF_Q8_0 && sp.nkt <= MM_KT) { /* up to MM_GB groups at once */
                     int ng = cf_min(MM_GB, sp.gb - gr);
 #define GB_CASE(N) case N: q4_groups_mm(N, dtype, p, group_bytes, sp.nkt, xs, B, sp.kb0, o, ldo); break

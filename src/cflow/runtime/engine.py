@@ -13,6 +13,11 @@ forward pass in C and writes the logits into a numpy array that is reused. The g
 cflow.runtime.generate, the op plan cflow.runtime.plan, the encoding for C cflow.runtime.abi, where
 a MoE model keeps its experts (RAM, or disk through a bounded cache) cflow.runtime.experts.
 
+Several sequences: Engine.load(..., n_seq=N) keeps N KV caches; `prefill(tokens, pos0, seq=s)` fills
+one and `step_batch(seqs, tokens, positions)` advances several in one pass over the weights (the C
+core's cf_step_batch), each row bit-identical to that sequence running alone. The server's
+backend (cflow.serve.backend.EngineBatch) is built on it.
+
 No torch here (SPEC §11): running a converted model needs numpy, tokenizers and the C core.
 """
 
@@ -55,10 +60,11 @@ class Engine:
     def __init__(self, cf: Any, *, threads: int | None = None, n_ctx: int | None = None,
                  max_batch: int = DEFAULT_MAX_BATCH, experts: str = "auto", expert_cache: int | str | None = None,
                  expert_io: str = "async", expert_delay: bool = True, mmap: bool = True,
-                 log: Callable[[str], None] | None = None) -> None:
+                 log: Callable[[str], None] | None = None, n_seq: int = 1) -> None:
         """An engine over an open CflowFile. experts / expert_cache / expert_io / expert_delay: see
         Engine.load and cflow.runtime.experts; mmap=False copies the weights the engine reads out of
-        a mapped file (with experts on disk: all but the experts)."""
+        a mapped file (with experts on disk: all but the experts). n_seq: KV-cache slots (sequences)
+        of n_ctx positions each, for step_batch; the single-sequence calls use sequence 0."""
         from cflow.tokenizer import Tokenizer
 
         native = abi.native_module()
@@ -71,6 +77,9 @@ class Engine:
         self.n_ctx = int(n_ctx) if n_ctx else min(limit, DEFAULT_MAX_CTX)
         if self.n_ctx < 1:
             raise EngineError(f"context size must be >= 1, got {n_ctx}", flag="-c")
+        if int(n_seq) < 1:
+            raise EngineError(f"n_seq (sequences, KV-cache slots) must be >= 1, got {n_seq}")
+        self.n_seq = int(n_seq)
         if self.n_ctx > limit:
             raise EngineError(f"context size {self.n_ctx} exceeds the model's max_seq_len {limit}; "
                               f"use -c {limit} or less", flag="-c")
@@ -80,7 +89,8 @@ class Engine:
         sizes = None
         if self.config.has_moe:
             disk_plan = build_plan(self.config, delay_experts=expert_delay and expert_io == "async")
-            sizes = xp.model_sizes(cf, self.n_ctx, xp.plan_inflight(disk_plan, native))
+            sizes = xp.model_sizes(cf, self.n_ctx * self.n_seq,  # every sequence's KV cache
+                                    xp.plan_inflight(disk_plan, native))
         self.residency = xp.decide(sizes, experts=experts, expert_cache=expert_cache, expert_io=expert_io)
         disk = self.residency.mode == "disk"
         self.plan = build_plan(self.config, delay_experts=disk and expert_delay and expert_io == "async")
@@ -96,7 +106,7 @@ class Engine:
             self._native = native.NativeEngine(buffer, self.config.to_dict(), desc, names,
                                                abi.encode_plan(self.plan, native), self.plan.n_ring,
                                                self.plan.n_pending, self.threads, self.n_ctx, int(max_batch),
-                                               self.plan.n_moe, options)
+                                               self.plan.n_moe, options, self.n_seq)
         except ValueError as e:
             raise EngineError(f"{cf.path}: {e}") from None
         if disk and log:
@@ -105,7 +115,9 @@ class Engine:
         self.tuner = ThreadTuner(self.threads) if not threads and self.threads > 1 else None
         self.isa: str = self._native.isa
         self._logits = np.zeros(self.config.vocab_size, np.float32)  # [V], reused every step
-        self._cached: list[int] = []  # tokens whose K/V sit in the cache at positions 0..n-1
+        # per sequence: the tokens whose K/V sit in its cache at positions 0..n-1
+        self._seqs: list[list[int]] = [[] for _ in range(self.n_seq)]
+        self._batch_logits = np.zeros((self.n_seq, self.config.vocab_size), np.float32)  # step_batch's
         self.last_timings = Timings()
         self.last_prompt_len = 0  # prompt tokens of the last generation
         self.last_finish_reason = ""  # "stop" or "length"
@@ -119,7 +131,7 @@ class Engine:
              progress: Callable[[int, int, str], None] | None = None,
              log: Callable[[str], None] | None = None, experts: str = "auto",
              expert_cache: int | str | None = None, expert_io: str = "async",
-             expert_delay: bool = True) -> "Engine":
+             expert_delay: bool = True, n_seq: int = 1) -> "Engine":
         """Load a .cflow/.vflow file, or a .gguf (converted once into the cache; `log` is told);
         no path: the built-in model.
 
@@ -136,6 +148,9 @@ class Engine:
         then computes. With async reads and delta_expert > 0 the experts of layer l run just before
         layer l + delta_expert needs them, so their reads overlap the layers between (expert_delay=
         False runs them right after the router, for comparison); results are the same bit for bit.
+
+        n_seq: independent sequences (KV-cache slots of n_ctx positions each) that `step_batch`
+        advances together in one pass over the weights; memory grows by one KV cache per sequence.
         """
         from cflow.fileformat import ChecksumError, FormatError, open_model
 
@@ -170,7 +185,7 @@ class Engine:
         try:
             eng = cls(cf, threads=threads, n_ctx=n_ctx, max_batch=max_batch, experts=experts,
                       expert_cache=expert_cache, expert_io=expert_io, expert_delay=expert_delay, mmap=mmap,
-                      log=log)
+                      log=log, n_seq=n_seq)
         except BaseException:
             cf.close()
             raise
@@ -223,12 +238,30 @@ class Engine:
                 f"isa={self.isa})")
 
     # ---- low level ------------------------------------------------------------------------------
-    def reset(self) -> None:
-        """Forget the sequence: the next call starts at position 0 (the KV cache is overwritten)."""
-        self._cached = []
+    @property
+    def _cached(self) -> list[int]:
+        """Sequence 0's cached tokens (the single-sequence calls' sequence)."""
+        return self._seqs[0]
+
+    def cached(self, seq: int = 0) -> list[int]:
+        """The tokens whose K/V sequence `seq` holds at positions 0..n-1 (a copy)."""
+        return list(self._seqs[self._seq_index(seq)])
+
+    def reset(self, seq: int | None = None) -> None:
+        """Forget a sequence (None: every one): its next call starts at position 0 (the KV cache is
+        overwritten)."""
+        for i in range(self.n_seq) if seq is None else (self._seq_index(seq),):
+            self._seqs[i].clear()
+
+    def _seq_index(self, seq: int) -> int:
+        if isinstance(seq, bool) or not isinstance(seq, (int, np.integer)) or not 0 <= seq < self.n_seq:
+            raise EngineError(f"sequence {seq!r} does not exist: this engine has {self.n_seq} "
+                              f"(0..{self.n_seq - 1}; Engine.load(..., n_seq=N) for more)")
+        return int(seq)
 
     def step(self, token: int, pos: int) -> np.ndarray:
-        """Run one token at position `pos` (0..pos-1 must be in the cache); return the logits [V].
+        """Run one token of sequence 0 at position `pos` (0..pos-1 must be in the cache); return the
+        logits [V].
 
         The array is reused by the next call: copy it to keep it."""
         self._check_positions(pos, 1)
@@ -248,35 +281,75 @@ class Engine:
         self._cached.append(int(token))
         return self._logits
 
-    def prefill(self, tokens: Sequence[int] | np.ndarray, pos0: int = 0) -> np.ndarray:
-        """Run `tokens` at positions pos0.. in batches; return the logits after the last [V]."""
+    def step_batch(self, seqs: Sequence[int], tokens: Sequence[int], positions: Sequence[int]) -> np.ndarray:
+        """One decode step for B distinct sequences in one pass over the weights: row b runs
+        tokens[b] at positions[b] of sequence seqs[b] (its positions 0..positions[b]-1 must be in
+        its cache); return the logits [B, V]. Row b is bit for bit what that sequence gives alone
+        (step_batch with B = 1, or step/prefill for sequence 0): no row depends on the others.
+
+        The array is reused by the next call: copy what you keep."""
+        b = len(seqs)
+        if not (b == len(tokens) == len(positions)) or not 1 <= b <= self.n_seq:
+            raise EngineError(f"step_batch takes 1..{self.n_seq} (sequence, token, position) triples, got "
+                              f"{len(seqs)}, {len(tokens)}, {len(positions)}")
+        sq = [self._seq_index(s) for s in seqs]
+        if len(set(sq)) != b:
+            raise EngineError(f"step_batch: a sequence appears twice in {sq}")
+        toks = check_token_ids(tokens, self.config.vocab_size, error=EngineError)
+        pos = [int(p) for p in positions]
+        for s, p in zip(sq, pos):
+            self._check_positions(p, 1, s)
+        if self.tuner is not None:  # a batch is prefill-like: the count measured best for decode
+            self._native.active_threads = self.tuner.best
+        out = self._batch_logits[:b]
+        try:
+            self._native.step_batch(np.asarray(sq, np.int32), np.asarray(toks, np.int32), np.asarray(pos, np.int32),
+                                    out)
+        except (OSError, ValueError) as e:
+            for s, p in zip(sq, pos):
+                del self._seqs[s][p:]
+            raise self._failed(e, None) from None
+        for s, p, t in zip(sq, pos, toks):
+            cached = self._seqs[s]
+            del cached[p:]
+            cached.append(t)
+        return out
+
+    def prefill(self, tokens: Sequence[int] | np.ndarray, pos0: int = 0, seq: int = 0) -> np.ndarray:
+        """Run `tokens` at positions pos0.. of sequence `seq` in batches; return the logits after the
+        last [V]."""
+        s = self._seq_index(seq)
         toks = np.ascontiguousarray(np.asarray(tokens, dtype=np.int64).ravel())
         if toks.size == 0:
             raise EngineError("prefill needs at least one token")
         check_token_ids(toks, self.config.vocab_size, error=EngineError)
-        self._check_positions(pos0, toks.size)
+        self._check_positions(pos0, toks.size, s)
         if self.tuner is not None:
             self._native.active_threads = self.tuner.best
         try:
-            self._native.prefill(toks.astype(np.int32), int(pos0), self._logits)
+            self._native.prefill(toks.astype(np.int32), int(pos0), self._logits, s)
         except (OSError, ValueError) as e:
-            raise self._failed(e, pos0) from None
-        del self._cached[pos0:]
-        self._cached.extend(int(t) for t in toks)
+            raise self._failed(e, pos0, s) from None
+        cached = self._seqs[s]
+        del cached[pos0:]
+        cached.extend(int(t) for t in toks)
         return self._logits
 
-    def _failed(self, e: Exception, pos0: int) -> EngineError:
+    def _failed(self, e: Exception, pos0: int | None, seq: int = 0) -> EngineError:
         """The error a failed native call raises. The cache keeps positions before pos0 (a call
         writes K/V only at its own positions), so the sequence can go on from there."""
-        del self._cached[pos0:]
+        if pos0 is not None:
+            del self._seqs[seq][pos0:]
         if isinstance(e, OSError):  # expert I/O, or the file changed: the message names the file
             return xp.ExpertIOError(str(e))
         return EngineError(f"{self.path}: {e}")
 
-    def _check_positions(self, pos0: int, n: int) -> None:
-        if pos0 < 0 or pos0 > len(self._cached):
-            raise EngineError(f"position {pos0} skips positions the cache does not hold "
-                              f"(it holds {len(self._cached)} tokens); call reset() to start over")
+    def _check_positions(self, pos0: int, n: int, seq: int = 0) -> None:
+        held = len(self._seqs[seq])
+        if pos0 < 0 or pos0 > held:
+            where = "" if self.n_seq == 1 else f" of sequence {seq}"
+            raise EngineError(f"position {pos0} skips positions the cache{where} does not hold "
+                              f"(it holds {held} tokens); call reset() to start over")
         if pos0 + n > self.n_ctx:
             raise ContextOverflowError(f"{pos0 + n} tokens do not fit the context of {self.n_ctx}; "
                                        f"load the model with a larger context (-c / n_ctx, up to "

@@ -1,5 +1,8 @@
 """The model side of batched generation: `BatchBackend`, n independent KV-cache slots over one set
-of weights, and `EngineSlots`, today's implementation of it (one `cflow.runtime.Engine` per slot).
+of weights, and its two implementations: `EngineBatch` (one `cflow.runtime.Engine` with n_seq = n
+sequences; a decode step of B slots is ONE pass over the weights, the C core's cf_step_batch) and
+`EngineSlots` (one Engine per slot, stepped one after the other: B passes; the reference).
+`load_backend` picks EngineBatch unless told otherwise.
 
 The scheduler (cflow.serve.batch) calls exactly two things per iteration, always from one thread:
 
@@ -18,7 +21,8 @@ Both may return arrays the next call reuses (callers copy what they keep). Both 
 failed call's first position) and must be bit-exact per row: a row's logits do not depend on
 which other slots share the call, so batched and single-sequence greedy decoding agree token for
 token. The true batched C step (one pass over the weights for all B rows) implements this same
-interface; `EngineSlots` below loops over one Engine per slot and is the reference for it.
+interface (`EngineBatch`); `EngineSlots` below loops over one Engine per slot and is the
+reference for it.
 """
 
 from __future__ import annotations
@@ -130,3 +134,63 @@ class EngineSlots:
 
     def __repr__(self) -> str:
         return f"EngineSlots({self.path!r}, {self.n_slots} slots x {self.n_ctx} tokens, threads={self.threads})"
+
+
+class EngineBatch:
+    """BatchBackend over ONE Engine with n_seq = n_slots KV caches: `step_batch` advances every slot
+    of the call in one pass over the weights (the batched mat-mat kernels read each weight tile once
+    for all B rows; attention runs per row over that slot's own cache). Rows are bit-identical to
+    the slot running alone (engine.h: every op is row-local and matmat equals matvec per row), so
+    greedy output does not depend on which slots share a step. One thread pool serves all slots."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.n_slots = int(engine.n_seq)
+        self.n_ctx = engine.n_ctx
+        self.vocab_size = engine.config.vocab_size
+        self.config = engine.config
+        self.path = engine.path
+        self.threads = engine.threads
+        self.tokenizer = engine.tokenizer
+        self.load_s = engine.load_s
+
+    @classmethod
+    def load(cls, path: str | os.PathLike | None = None, n_slots: int = 1, threads: int | None = None,
+             n_ctx: int | None = None, **load_kw: Any) -> "EngineBatch":
+        """Load the model (Engine.load: GGUF conversion, verification, `load_kw` as there) with
+        `n_slots` sequences of `n_ctx` positions each (default: Engine's default context)."""
+        from cflow.runtime import Engine
+
+        if int(n_slots) < 1:
+            raise ValueError(f"n_slots must be >= 1, got {n_slots}")
+        return cls(Engine.load(path, threads=threads, n_ctx=n_ctx, n_seq=int(n_slots), **load_kw))
+
+    # ---- tokens (thread-safe: the tokenizer only) --------------------------------------------
+    def encode(self, prompt: str | Sequence[int], add_bos: bool | None = None) -> list[int]:
+        return self.engine.encode(prompt, add_bos)
+
+    def chat_tokens(self, messages: list[dict[str, Any]]) -> list[int]:
+        return self.engine.chat_tokens(messages)
+
+    # ---- the two model calls (one thread) ----------------------------------------------------
+    def prefill(self, slot: int, tokens: Sequence[int], pos0: int) -> np.ndarray:
+        return self.engine.prefill(tokens, pos0, seq=slot)
+
+    def step_batch(self, slot_ids: Sequence[int], tokens: Sequence[int], positions: Sequence[int]) -> np.ndarray:
+        return self.engine.step_batch(slot_ids, tokens, positions)
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def __repr__(self) -> str:
+        return f"EngineBatch({self.path!r}, {self.n_slots} slots x {self.n_ctx} tokens, threads={self.threads})"
+
+
+def load_backend(path: str | os.PathLike | None = None, n_slots: int = 1, threads: int | None = None,
+                 n_ctx: int | None = None, *, batched: bool = True, **load_kw: Any) -> EngineBatch | EngineSlots:
+    """The default backend for `n_slots` slots: EngineBatch (one pass over the weights per decode
+    step), or EngineSlots (one Engine per slot, the reference) with batched=False. Arguments as
+    EngineSlots.load."""
+    if batched:
+        return EngineBatch.load(path, n_slots=n_slots, threads=threads, n_ctx=n_ctx, **load_kw)
+    return EngineSlots.load(path, n_slots=n_slots, threads=threads, n_ctx=n_ctx, **load_kw)

@@ -182,10 +182,11 @@ class BatchGenerator:
     def load(cls, path: Any = None, *, parallel: int = 4, threads: int | None = None, n_ctx: int | None = None,
              prefill_chunk: int = DEFAULT_PREFILL_CHUNK, max_queue: int = DEFAULT_MAX_QUEUE,
              **load_kw: Any) -> "BatchGenerator":
-        """`parallel` slots of `n_ctx` positions each over the model at `path` (EngineSlots.load)."""
-        from cflow.serve.backend import EngineSlots
+        """`parallel` slots of `n_ctx` positions each over the model at `path` (serve.backend.load_backend:
+        one engine whose decode step advances every slot in one pass over the weights)."""
+        from cflow.serve.backend import load_backend
 
-        return cls(EngineSlots.load(path, n_slots=parallel, threads=threads, n_ctx=n_ctx, **load_kw),
+        return cls(load_backend(path, n_slots=parallel, threads=threads, n_ctx=n_ctx, **load_kw),
                    prefill_chunk=prefill_chunk, max_queue=max_queue)
 
     # ---- the caller's side -------------------------------------------------------------------
