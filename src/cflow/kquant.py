@@ -93,18 +93,6 @@ def kquant_nbytes(dtype: str, shape: Sequence[int]) -> int:
     return prod(shape[:-1]) * row_bytes_k(dtype, shape[-1])
 
 
-def _check_blocks(blocks: np.ndarray, dtype: str, cols: int) -> np.ndarray:
-    blocks = np.asarray(blocks)
-    if blocks.dtype != np.uint8:
-        raise QuantError(f"encoded blocks must be uint8, got {blocks.dtype}")
-    rb = row_bytes_k(dtype, cols)
-    if blocks.ndim == 1 and rb and blocks.size % rb == 0:
-        blocks = blocks.reshape(-1, rb)
-    if blocks.ndim != 2 or blocks.shape[1] != rb:
-        raise QuantError(f"{dtype} rows of {cols} columns take {rb} bytes, got array of shape {blocks.shape}")
-    return np.ascontiguousarray(blocks)
-
-
 def _field(b: np.ndarray, dtype: str, name: str) -> np.ndarray:
     o, s = GGML_FIELDS[dtype][name]
     return b[..., o:o + s]
@@ -161,7 +149,7 @@ def dequantize_k(blocks: np.ndarray, dtype: str, cols: int) -> np.ndarray:
     Q5_0 d*(q-16); Q5_1 d*q + m)."""
     if dtype in quant.QUANT_DTYPES:
         return quant.dequantize(blocks, dtype, cols)
-    blocks = _check_blocks(blocks, dtype, cols)
+    blocks = quant.check_blocks(blocks, dtype, cols, row_bytes_k)
     R = blocks.shape[0]
     qb, bb = KBLOCK[dtype]
     b = blocks.reshape(R * (cols // qb), bb)
@@ -219,7 +207,7 @@ def tile_kquant(blocks: np.ndarray, dtype: str, rows: int, cols: int, tile: Sequ
     if dtype in quant.QUANT_DTYPES:
         return quant.tile_matrix(blocks, dtype, rows, cols, tile)
     TR, TK = check_tile_k(dtype, tile)
-    blocks = _check_blocks(blocks, dtype, cols)
+    blocks = quant.check_blocks(blocks, dtype, cols, row_bytes_k)
     if blocks.shape[0] != rows:
         raise QuantError(f"expected {rows} rows of blocks, got {blocks.shape[0]}")
     qb, B = KBLOCK[dtype]
@@ -274,7 +262,7 @@ def untile_kquant(tiled: np.ndarray, dtype: str, rows: int, cols: int, tile: Seq
 def tile_kquant_loops(blocks: np.ndarray, dtype: str, rows: int, cols: int, tile: Sequence[int] = TILE) -> np.ndarray:
     """The tile rule as a literal loop nest (docs/kquants.md): slow, the reference for tests."""
     TR, TK = check_tile_k(dtype, tile)
-    blocks = _check_blocks(blocks, dtype, cols)
+    blocks = quant.check_blocks(blocks, dtype, cols, row_bytes_k)
     qb, B = block_geometry(dtype)
     fields = _tile_fields(dtype) if dtype in KBLOCK else quant._fields(dtype)
     out = bytearray()
@@ -305,18 +293,11 @@ def quantize_act_k(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return q.reshape(-1), d, bsums
 
 
-def _check_x(x: np.ndarray, cols: int) -> np.ndarray:
-    x = np.asarray(x)
-    if x.shape != (cols,):
-        raise QuantError(f"x must have shape ({cols},), got {x.shape}")
-    return x
-
-
 # ---- the mat-vec oracles ------------------------------------------------------------------------
 def matvec_k_ref(tiled: np.ndarray, dtype: str, rows: int, cols: int, x: np.ndarray,
                  tile: Sequence[int] = TILE) -> np.ndarray:
     """The numerical oracle: dequantized weights (float64) times x (float64) -> y [rows]."""
-    x = _check_x(x, cols).astype(np.float64)
+    x = quant.check_vector(x, cols).astype(np.float64)
     w = dequantize_k(untile_kquant(tiled, dtype, rows, cols, tile), dtype, cols).astype(np.float64)
     return w @ x
 
@@ -359,7 +340,7 @@ def matvec_k_q8_ref(tiled: np.ndarray, dtype: str, rows: int, cols: int, x: np.n
     if dtype in quant.QUANT_DTYPES:
         return quant.matvec_q8_ref(tiled, dtype, rows, cols, x, tile)
     check_kdtype(dtype)
-    x = _check_x(x, cols)
+    x = quant.check_vector(x, cols)
     blocks = untile_kquant(tiled, dtype, rows, cols, tile)
     qb, B = KBLOCK[dtype]
     nb = cols // qb

@@ -166,11 +166,13 @@ def quantize(w: np.ndarray, dtype: str) -> np.ndarray:
     return enc(b).reshape(R, row_bytes(dtype, K))
 
 
-def _check_blocks(blocks: np.ndarray, dtype: str, cols: int) -> np.ndarray:
+def check_blocks(blocks: np.ndarray, dtype: str, cols: int, row_bytes_of=None) -> np.ndarray:
+    """`blocks` as contiguous uint8 [R, row_bytes] rows of `dtype` (a flat array is reshaped);
+    `row_bytes_of(dtype, cols)` gives a format's row size (default: this module's formats)."""
     blocks = np.asarray(blocks)
     if blocks.dtype != np.uint8:
         raise QuantError(f"encoded blocks must be uint8, got {blocks.dtype}")
-    rb = row_bytes(dtype, cols)
+    rb = (row_bytes_of or row_bytes)(dtype, cols)
     if blocks.ndim == 1 and rb and blocks.size % rb == 0:
         blocks = blocks.reshape(-1, rb)
     if blocks.ndim != 2 or blocks.shape[1] != rb:
@@ -180,7 +182,7 @@ def _check_blocks(blocks: np.ndarray, dtype: str, cols: int) -> np.ndarray:
 
 def dequantize(blocks: np.ndarray, dtype: str, cols: int) -> np.ndarray:
     """Decode GGML bytes [R, row_bytes] to float32 [R, cols]."""
-    blocks = _check_blocks(blocks, dtype, cols)
+    blocks = check_blocks(blocks, dtype, cols)
     R = blocks.shape[0]
     if dtype in _ELEM_BYTES:
         return from_plain(blocks, dtype, (R, cols)).astype(np.float32)
@@ -265,7 +267,7 @@ def _band_rows(rb: int) -> list[tuple[int, int, int]]:
 def tile_matrix(blocks: np.ndarray, dtype: str, rows: int, cols: int, tile: Sequence[int] = TILE) -> np.ndarray:
     """Rearrange GGML row blocks [rows, row_bytes] into the tile layout (flat uint8, same size)."""
     TR, TK = _check_tile(tile)
-    blocks = _check_blocks(blocks, dtype, cols)
+    blocks = check_blocks(blocks, dtype, cols)
     if blocks.shape[0] != rows:
         raise QuantError(f"expected {rows} rows of blocks, got {blocks.shape[0]}")
     if cols % QK:
@@ -321,7 +323,7 @@ def untile_matrix(tiled: np.ndarray, dtype: str, rows: int, cols: int, tile: Seq
 def tile_matrix_loops(blocks: np.ndarray, dtype: str, rows: int, cols: int, tile: Sequence[int] = TILE) -> np.ndarray:
     """The tile layout written as DESIGN.md's literal loop nest: slow, the reference for tests."""
     TR, TK = _check_tile(tile)
-    blocks = _check_blocks(blocks, dtype, cols)
+    blocks = check_blocks(blocks, dtype, cols)
     B = block_bytes(dtype)
     out = bytearray()
     for r0, r1 in _split(rows, TR):
@@ -382,7 +384,8 @@ def quantize_act(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return q.reshape(-1), d, s
 
 
-def _check_x(x: np.ndarray, cols: int) -> np.ndarray:
+def check_vector(x: np.ndarray, cols: int) -> np.ndarray:
+    """`x` as an array, checked to be the [cols] input vector of a mat-vec."""
     x = np.asarray(x)
     if x.shape != (cols,):
         raise QuantError(f"x must have shape ({cols},), got {x.shape}")
@@ -392,7 +395,7 @@ def _check_x(x: np.ndarray, cols: int) -> np.ndarray:
 def matvec_ref(tiled: np.ndarray, dtype: str, rows: int, cols: int, x: np.ndarray,
                tile: Sequence[int] = TILE) -> np.ndarray:
     """The numerical oracle: dequantized weights (float64) times x (float64) -> y [rows]."""
-    x = _check_x(x, cols).astype(np.float64)
+    x = check_vector(x, cols).astype(np.float64)
     w = dequantize(untile_matrix(tiled, dtype, rows, cols, tile), dtype, cols).astype(np.float64)
     return w @ x
 
@@ -404,7 +407,7 @@ def matvec_q8_ref(tiled: np.ndarray, dtype: str, rows: int, cols: int, x: np.nda
     and Q4_1's +m are applied once per block through s = d_x * sum(q_x)."""
     if dtype not in QUANT_DTYPES:
         raise QuantError(f"matvec_q8_ref covers {list(QUANT_DTYPES)}, got {dtype!r}")
-    qx, dx, sx = quantize_act(_check_x(x, cols))
+    qx, dx, sx = quantize_act(check_vector(x, cols))
     nkb = cols // QK
     b = untile_matrix(tiled, dtype, rows, cols, tile).reshape(rows, nkb, BLOCK[dtype][1])
     dw = b[..., 0:2].copy().view(np.float16).astype(np.float64)[..., 0]  # [rows, nkb]

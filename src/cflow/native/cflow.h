@@ -185,6 +185,9 @@ void cf_pool_run(cf_pool *pool, cf_task_fn fn, void *ctx);
  * wait only yields, so callers re-check in a loop (the pool and the engine's barrier both do). */
 void cf_word_wait(_Atomic uint32_t *addr, uint32_t val);
 void cf_word_wake(_Atomic uint32_t *addr, int n);
+/* Wait while *word == val: spin `spin` rounds (cheap when the wait is short), then sleep on the
+ * word, counted in *sleepers so that a waker makes the system call only when someone sleeps. */
+void cf_word_wait_spin(_Atomic uint32_t *word, uint32_t val, int spin, _Atomic uint32_t *sleepers);
 #endif
 
 /* ---- probe.c ----------------------------------------------------------------------------- */

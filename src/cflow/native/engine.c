@@ -55,7 +55,7 @@
 typedef struct {
     atomic_int count;
     _Atomic uint32_t phase;
-    atomic_int sleepers;
+    _Atomic uint32_t sleepers;
     int n;
 } cf_barrier;
 
@@ -72,15 +72,7 @@ static void barrier_wait(cf_barrier *b) {
         if (atomic_load(&b->sleepers) > 0) cf_word_wake(&b->phase, INT_MAX);
         return;
     }
-    for (int spins = 0; atomic_load_explicit(&b->phase, memory_order_acquire) == phase; spins++) {
-        if (spins < BARRIER_SPIN) {
-            cf_cpu_relax();
-            continue;
-        }
-        atomic_fetch_add(&b->sleepers, 1);
-        cf_word_wait(&b->phase, phase);
-        atomic_fetch_sub(&b->sleepers, 1);
-    }
+    cf_word_wait_spin(&b->phase, phase, BARRIER_SPIN, &b->sleepers);
 }
 
 // ---------------------------------------------------------------------------------------------

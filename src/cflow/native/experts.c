@@ -228,15 +228,8 @@ int cf_xstore_wait(cf_xstore *xs, int slot, uint64_t *stall_ns) {
     uint32_t st = atomic_load_explicit(&s->state, memory_order_acquire);
     if (st != XS_LOADING) return st == XS_READY ? 0 : -1;
     uint64_t t0 = stall_ns ? now_ns() : 0;
-    for (int spins = 0; (st = atomic_load_explicit(&s->state, memory_order_acquire)) == XS_LOADING; spins++) {
-        if (spins < WAIT_SPIN) {
-            cf_cpu_relax();
-            continue;
-        }
-        atomic_fetch_add(&s->waiters, 1);
-        cf_word_wait(&s->state, XS_LOADING);
-        atomic_fetch_sub(&s->waiters, 1);
-    }
+    cf_word_wait_spin(&s->state, XS_LOADING, WAIT_SPIN, &s->waiters);
+    st = atomic_load_explicit(&s->state, memory_order_acquire);
     if (stall_ns) *stall_ns += now_ns() - t0;
     return st == XS_READY ? 0 : -1;
 }

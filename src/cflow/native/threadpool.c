@@ -102,6 +102,18 @@ static void word_wake(cf_pool *p, _Atomic uint32_t *addr, int n) {
 }
 #endif
 
+void cf_word_wait_spin(_Atomic uint32_t *word, uint32_t val, int spin, _Atomic uint32_t *sleepers) {
+    for (int spins = 0; atomic_load_explicit(word, memory_order_acquire) == val; spins++) {
+        if (spins < spin) {
+            cf_cpu_relax();
+            continue;
+        }
+        atomic_fetch_add(sleepers, 1);
+        cf_word_wait(word, val);
+        atomic_fetch_sub(sleepers, 1);
+    }
+}
+
 static long now_ns(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);

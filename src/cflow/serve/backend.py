@@ -61,6 +61,16 @@ class BatchBackend(Protocol):
         ...
 
 
+def _describe(backend: Any, engine: Any) -> None:
+    """The facts a backend states about its model, taken from one of its engines."""
+    backend.vocab_size = engine.config.vocab_size
+    backend.config = engine.config
+    backend.path = engine.path
+    backend.threads = engine.threads
+    backend.tokenizer = engine.tokenizer
+    backend.load_s = engine.load_s
+
+
 class EngineSlots:
     """BatchBackend with one Engine per slot: each has its own KV cache and thread pool, and all
     share the weights (one mapping of the file). `step_batch` runs the slots' steps one after the
@@ -73,12 +83,7 @@ class EngineSlots:
         first = self.engines[0]
         self.n_slots = len(self.engines)
         self.n_ctx = min(e.n_ctx for e in self.engines)
-        self.vocab_size = first.config.vocab_size
-        self.config = first.config
-        self.path = first.path
-        self.threads = first.threads
-        self.tokenizer = first.tokenizer
-        self.load_s = first.load_s
+        _describe(self, first)
         self._out = np.zeros((self.n_slots, self.vocab_size), np.float32)
 
     @classmethod
@@ -147,12 +152,7 @@ class EngineBatch:
         self.engine = engine
         self.n_slots = int(engine.n_seq)
         self.n_ctx = engine.n_ctx
-        self.vocab_size = engine.config.vocab_size
-        self.config = engine.config
-        self.path = engine.path
-        self.threads = engine.threads
-        self.tokenizer = engine.tokenizer
-        self.load_s = engine.load_s
+        _describe(self, engine)
 
     @classmethod
     def load(cls, path: str | os.PathLike | None = None, n_slots: int = 1, threads: int | None = None,
