@@ -324,6 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=300, help="per-read timeout, s")
     p.add_argument("--ready-timeout", type=float, default=300, help="seconds a spawned server may take to load")
     p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--plot", default=None, metavar="FILE.png",
+                   help="also plot aggregate tok/s and TTFT p50 against concurrency, one line per server")
     p.add_argument("--verbose", action="store_true", help="show spawned servers' output")
     args = p.parse_args(argv)
     args.concurrency = [int(x) for x in args.concurrency.split(",") if x]
@@ -357,7 +359,31 @@ def main(argv: list[str] | None = None) -> int:
         print(table(name, levels) + "\n")
     if args.out:
         Path(args.out).write_text(json.dumps({k: [asdict(lv) for lv in v] for k, v in results.items()}, indent=1))
+    if args.plot:
+        plot({k: [asdict(lv) for lv in v] for k, v in results.items()}, args.plot)
     return 0
+
+
+def plot(results: dict, path: str) -> None:
+    """Throughput and first-token latency against concurrent streams, one line per server."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    for name, levels in results.items():
+        c = [lv["concurrency"] for lv in levels]
+        a.plot(c, [lv["agg_tps"] for lv in levels], marker="o", label=name)
+        b.plot(c, [lv["ttft_p50_ms"] for lv in levels], marker="o", label=name)
+    for ax, what in ((a, "aggregate decode tok/s"), (b, "time to first token, p50 (ms)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent streams")
+        ax.set_ylabel(what)
+        ax.legend()
+    b.set_yscale("log")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":
