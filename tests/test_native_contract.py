@@ -28,11 +28,14 @@ EXPECTED = {
     "COUNTER_NAMES": ("attn", "dense", "router", "experts", "embed", "lm_head", "kv", "tokens", "calls",
                       "disk_bytes", "cache_hits", "cache_misses", "io_stall_ns"),
     "IO_FAULTS": ("none", "eio", "short"),
+    "PROFILE_KINDS": ("setup", "embed", "norm", "attn.qkv", "attn.cache", "attn.wo", "dense.gate_up", "dense.down",
+                      "route", "experts.gate_up", "experts.down", "experts.io", "resid", "lm_head", "wait"),
 }
 # export -> the C enum count it must have as many entries as
 ENUM_OF = {"OP_KINDS": "CF_OP_KINDS", "SOURCES": "CF_SRC_KINDS", "DESC_FIELDS": "CF_DESC_FIELDS",
            "GLOBAL_TENSORS": "CF_T_GLOBAL", "LAYER_SLOTS": "CF_SLOTS_PER_SET", "EXPERT_SLOTS": "CF_EXPERT_SLOTS",
-           "COUNTER_NAMES": "CF_COUNTERS", "IO_FAULTS": "CF_XFAULT_KINDS"}
+           "COUNTER_NAMES": "CF_COUNTERS", "IO_FAULTS": "CF_XFAULT_KINDS",
+           "PROFILE_KINDS": "CF_PROF_KINDS"}
 TILE = (16, 32)  # small tiles: several bands and tiles even in this tiny model
 
 

@@ -12,6 +12,9 @@
     footprint   load time, time to first token and resident memory, in a fresh process
     machine     the machine and build stamp on every result
     perplexity  teacher-forced perplexity through the engine
+    profile     per-op time per thread for a decode step and a prefill batch (`cflow bench --profile`),
+                as a table and a Chrome trace
+    claims      the paper's claims re-measured (`cflow bench claims`)
 """
 
 from cflow.bench.runner import BenchRow

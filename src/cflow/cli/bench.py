@@ -35,6 +35,7 @@ The tg test runs exactly -n decode steps, each feeding back the most likely toke
 examples:
   cflow bench -m SmolLM2-135M-Instruct.Q4_1.gguf -t 1,2 --compare llama.cpp
   cflow bench -m smollm2.cflow -p 0 -n 64 -r 3 --json --out tg64.json
+  cflow bench -m smollm2.cflow -t 1,2 --profile --trace trace.json
 """
 
 
@@ -63,6 +64,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", metavar="FILE", default=None,
                    help="also write the report to this file (checked before the benchmark starts)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
+    p.add_argument("--profile", action="store_true",
+                   help="instead of the pp/tg tests, show where the time goes: per-op time of a decode step "
+                   "(-n steps) and of a prefill batch (-p prompt tokens) per thread, barrier waits included, "
+                   "with bytes and GB/s per op")
+    p.add_argument("--trace", metavar="FILE.json", default=None,
+                   help="with --profile: also write a Chrome trace (one track per thread, every op of every "
+                   "layer) that Perfetto (ui.perfetto.dev) and chrome://tracing open")
     p.set_defaults(func=run)
     actions = p.add_subparsers(dest="bench_action", metavar="claims", title="the paper's claims",
                                description="`cflow bench claims --help`: re-measure every claim of the paper")
@@ -120,9 +128,17 @@ def run(args: argparse.Namespace) -> int:
     for flag, n in (("-p", args.n_prompt), ("-n", args.n_gen)):
         if n < 0:
             raise UsageError(f"must be >= 0 (0 skips the test), got {n}", flag=flag)
+    if args.trace and not args.profile:
+        raise UsageError("--trace writes the profile's trace: add --profile", flag="--trace")
+    if args.profile and args.n_prompt + args.n_gen == 0:
+        raise UsageError("nothing to profile: -p and -n are both 0", flag="--profile")
     if args.out:
         check_writable(args.out, file=True)  # before minutes of measuring, not after
+    if args.trace:
+        check_writable(args.trace, file=True)
     progress = None if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
+    if args.profile:
+        return _run_profile(args, progress)
     try:
         report = bench(args.model, threads=args.threads, pp=args.n_prompt, tg=args.n_gen,
                        reps=args.repetitions, warmup=not args.no_warmup, compare=args.compare,
@@ -134,4 +150,30 @@ def run(args: argparse.Namespace) -> int:
     print(text)
     if args.out:
         write_text(args.out, text + "\n")
+    return 0
+
+
+def _run_profile(args: argparse.Namespace, progress) -> int:
+    import json
+
+    from cflow.bench.profile import profile_model, write_trace
+
+    if args.compare:
+        raise UsageError("--profile measures cflow alone; drop --compare", flag="--compare")
+    try:
+        profiles = profile_model(args.model, threads=args.threads, steps=args.n_gen, prefill=args.n_prompt,
+                                 verify=not args.no_verify, progress=progress, **expert_kwargs(args))
+    except OSError as e:
+        raise load_error(args.model, e) from None
+    if args.json or args.output == "json":
+        text = json.dumps({"profiles": [p.to_dict() for p in profiles]}, indent=2)
+    else:
+        text = "\n\n".join(p.to_markdown() for p in profiles)
+    print(text)
+    if args.out:
+        write_text(args.out, text + "\n")
+    if args.trace:
+        write_trace(args.trace, profiles)
+        if progress:
+            progress(f"trace: {args.trace} (open it in https://ui.perfetto.dev or chrome://tracing)")
     return 0

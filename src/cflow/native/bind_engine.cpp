@@ -17,6 +17,7 @@
 #include <nanobind/stl/vector.h>
 
 #include <cstring>
+#include <new>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -207,6 +208,25 @@ struct NativeEngine {
         return d;
     }
 
+    // Profiling (engine.h): the raw records as bytes, which cflow.runtime.engine views with numpy
+    // dtypes of the same layout (int64 t0, t1; int32 kind, layer / rows, pad).
+    void profile_start(int calls) {
+        if (calls < 1) throw nb::value_error("profile_start: calls must be >= 1");
+        if (cf_engine_profile_start(e, calls)) throw std::bad_alloc();
+    }
+
+    nb::bytes profile_events(int thread) const {
+        const cf_prof_event *ev;
+        int n = cf_engine_profile_events(e, thread, &ev);
+        return nb::bytes(reinterpret_cast<const char *>(ev), n > 0 ? (size_t)n * sizeof *ev : 0);
+    }
+
+    nb::bytes profile_calls() const {
+        const cf_prof_call *c;
+        int n = cf_engine_profile_calls(e, &c);
+        return nb::bytes(reinterpret_cast<const char *>(c), n > 0 ? (size_t)n * sizeof *c : 0);
+    }
+
     nb::list expert_hits() const {
         size_t n = (size_t)n_layers * n_experts;
         uint64_t *tmp = new uint64_t[n ? n : 1];
@@ -252,6 +272,7 @@ void bind_contracts(nb::module_ &m) {
     m.attr("LAYER_SLOTS") = as_tuple(table_names(cf_slot_names, CF_SLOTS_PER_SET, "cf_slot_names"));
     m.attr("EXPERT_SLOTS") = as_tuple(table_names(cf_expert_slot_names, CF_EXPERT_SLOTS, "cf_expert_slot_names"));
     m.attr("COUNTER_NAMES") = as_tuple(table_names(cf_counter_names, CF_COUNTERS, "cf_counter_names"));
+    m.attr("PROFILE_KINDS") = as_tuple(table_names(cf_prof_kind_names, CF_PROF_KINDS, "cf_prof_kind_names"));
     // dtype ids are GGML's, with holes: names by id where the core has one
     nb::dict ids;
     std::vector<std::string> dtypes;
@@ -271,6 +292,7 @@ void bind_contracts(nb::module_ &m) {
     counts["CF_SLOTS_PER_SET"] = (int)CF_SLOTS_PER_SET;
     counts["CF_EXPERT_SLOTS"] = (int)CF_EXPERT_SLOTS;
     counts["CF_COUNTERS"] = (int)CF_COUNTERS;
+    counts["CF_PROF_KINDS"] = (int)CF_PROF_KINDS;
     counts["CF_DTYPE_IDS"] = (int)CF_DTYPE_IDS;
     counts["CF_XFAULT_KINDS"] = (int)CF_XFAULT_KINDS;
     m.attr("ENUM_COUNTS") = counts;
@@ -311,6 +333,20 @@ void cf_bind_engine(nb::module_ &m) {
         .def("counters", &NativeEngine::counters, "Bytes touched by category since reset_counters().")
         .def("expert_hits", &NativeEngine::expert_hits, "Routing counts per [layer][expert].")
         .def("reset_counters", [](NativeEngine &s) { cf_engine_reset_counters(s.e); })
+        .def("profile_start", &NativeEngine::profile_start, nb::arg("calls"),
+             "record per-thread phase timings for the next `calls` forward calls (buffers allocated now; "
+             "a step is one call, a prefill one per max_batch tokens)")
+        .def("profile_stop", [](NativeEngine &s) { cf_engine_profile_stop(s.e); },
+             "stop recording (what was recorded stays readable)")
+        .def("profile_free", [](NativeEngine &s) { cf_engine_profile_free(s.e); }, "stop and free the buffers")
+        .def_prop_ro("profiling", [](const NativeEngine &s) { return cf_engine_profiling(s.e) != 0; })
+        .def("profile_events", &NativeEngine::profile_events, nb::arg("thread"),
+             "thread's events as bytes of {int64 t0, t1 (CLOCK_MONOTONIC ns); int32 kind, layer}")
+        .def("profile_calls", &NativeEngine::profile_calls,
+             "the profiled calls as bytes of {int64 t0, t1; int32 rows, pad}")
+        .def_prop_ro("profile_dropped", [](const NativeEngine &s) { return cf_engine_profile_dropped(s.e); })
+        .def_prop_ro("profile_events_per_call",
+                     [](const NativeEngine &s) { return cf_engine_profile_events_per_call(s.e); })
         .def_prop_ro("expert_cache", &NativeEngine::expert_cache,
                      "the expert cache (slots, slot_bytes, cache_bytes, min_slots, layers_in_flight, io, "
                      "io_threads, read); None when the experts are in RAM")

@@ -25,6 +25,11 @@
  * op waits on each slot's word for the expert it needs next. With experts in RAM that costs one
  * pointer test per MoE op; nothing else on that path changes.
  *
+ * Profiling (cf_engine_profile_start, engine.h): every phase boundary calls ph() and every barrier
+ * goes through sync_threads(), which with profiling on cut each thread's walk into contiguous
+ * timestamped segments (op phases and waits) in buffers allocated when profiling starts; with it
+ * off each is one branch on e->prof_on.
+ *
  * Nothing on the per-token path allocates. Names: see engine.h.
  */
 #include "engine.h"
@@ -164,7 +169,67 @@ struct cf_engine {
     int failed;          /* CF_ERR_* of the call in flight; set by thread 0 */
     int err_kind;
     char err[512];
+    /* profiling (engine.h): prof_on is read by every thread, written only between calls */
+    int prof_on;
+    struct cf_prof_thread *prof; /* [n_threads], NULL until the first profile_start */
+    cf_prof_call *prof_calls;    /* [prof_calls_cap] */
+    int prof_cap, prof_calls_cap, prof_ncalls;
+    int64_t prof_dropped_calls;
 };
+
+// ---------------------------------------------------------------------------------------------
+// profiling: each thread cuts its walk of the plan into contiguous segments (engine.h)
+
+/* One thread's events, on cache lines of its own (every mark writes here). */
+typedef struct cf_prof_thread {
+    _Alignas(64) cf_prof_event *ev;
+    int n;           /* events stored */
+    int kind, layer; /* the open segment (kind -1: none) */
+    int64_t last;    /* when it opened */
+    int64_t dropped;
+} cf_prof_thread;
+
+static uint64_t clock_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+/* Close thread ith's open segment (if any) and open one of `kind` (-1: none) at `layer` (-1: the
+ * same layer). Returns the timestamp. */
+__attribute__((noinline, cold)) static int64_t prof_mark(cf_engine *e, int ith, int kind, int layer) {
+    cf_prof_thread *p = &e->prof[ith];
+    int64_t now = (int64_t)clock_ns();
+    if (p->kind >= 0) {
+        if (p->n < e->prof_cap) p->ev[p->n++] = (cf_prof_event){p->last, now, p->kind, p->layer};
+        else p->dropped++;
+    }
+    p->kind = kind;
+    if (layer >= 0) p->layer = layer;
+    p->last = now;
+    return now;
+}
+
+/* A phase boundary: free when profiling is off (one branch on the flag). */
+static inline void ph(cf_engine *e, int ith, int kind, int layer) {
+    if (__builtin_expect(e->prof_on, 0)) prof_mark(e, ith, kind, layer);
+}
+
+/* The barrier between phases; profiled as a CF_PK_WAIT segment, after which a segment of `next`
+ * opens (-1: the next op opens its own). */
+static void sync_threads(cf_engine *e, int ith, int next) {
+    if (e->bar.n > 1) {
+        ph(e, ith, CF_PK_WAIT, -1);
+        barrier_wait(&e->bar);
+    }
+    if (next >= 0) ph(e, ith, next, -1);
+}
+
+/* Open a segment on thread ith, discarding whatever a failed call left open. */
+__attribute__((cold)) static int64_t prof_open(cf_engine *e, int ith, int kind, int layer) {
+    e->prof[ith].kind = -1;
+    return prof_mark(e, ith, kind, layer);
+}
 
 static void set_err(char *err, size_t n, const char *fmt, ...) {
     if (!err || !n) return;
@@ -235,7 +300,7 @@ static void gate_up_rows(const cf_engine *e, const cf_tiled *w, const cf_act_q8 
  * after down is skipped when `tail` is 0: the caller's next step only touches this thread's own
  * rows (the RESID op splits rows exactly like a [d, *] mat-vec does). */
 static void ffn(cf_engine *e, const cf_tiled *gate_up, const cf_tiled *down, int hdim,
-                const int *tok, int n, float *out, const float *scale, int tail, int ith, int nth) {
+                const int *tok, int n, float *out, const float *scale, int tail, int pk, int ith, int nth) {
     cf_state *s = &e->s;
     cf_scratch *ts = &e->ts[ith];
     int d = e->c.d, p0, p1;
@@ -248,9 +313,10 @@ static void ffn(cf_engine *e, const cf_tiled *gate_up, const cf_tiled *down, int
         in = ts->gather;
         rows = NULL;
     }
+    ph(e, ith, pk, -1); /* pk: the gate_up phase; pk + 1 the down phase */
     cf_split_range(hdim / CF_G, ith, nth, 1, &p0, &p1);
     gate_up_rows(e, gate_up, in, s->hid, e->hmax, rows, n, p0, p1);
-    barrier_wait(&e->bar);
+    sync_threads(e, ith, pk + 1);
 
     quantize_rows(e, s->hid, e->hmax, hdim, ts->act2, rows, n);
     int g0, g1;
@@ -266,7 +332,7 @@ static void ffn(cf_engine *e, const cf_tiled *gate_up, const cf_tiled *down, int
             for (int r = r0; r < r1; r++) o[r] += scale[i] * yy[r];
         }
     }
-    if (tail) barrier_wait(&e->bar);
+    if (tail) sync_threads(e, ith, -1);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -274,12 +340,13 @@ static void ffn(cf_engine *e, const cf_tiled *gate_up, const cf_tiled *down, int
 
 static void op_embed(cf_engine *e, int slot, int ith, int nth) {
     int d = e->c.d, b0, b1;
+    ph(e, ith, CF_PK_EMBED, 0);
     cf_split_range(e->B, ith, nth, 1, &b0, &b1);
     float *x = e->s.ring + (size_t)slot * e->max_batch * d;
     for (int b = b0; b < b1; b++) e->k->embed_row(&e->w.tok_emb, e->tokens[b], x + (size_t)b * d);
     if (ith == 0)
         e->cnt.n[CF_CNT_EMBED] += (uint64_t)e->B * (d / CF_QK) * cf_block_bytes(e->w.tok_emb.dtype);
-    barrier_wait(&e->bar);
+    sync_threads(e, ith, -1);
 }
 
 /* Heads [u0, u1) of token b's fused QKV output (q heads, then k heads, then v heads): rotate q and
@@ -310,9 +377,11 @@ static void op_attn(cf_engine *e, int l, int slot, int ith, int nth) {
     const float *x = s->ring + (size_t)slot * e->max_batch * d;
 
     // norm, quantize (every thread, private), then this thread's heads of the fused QKV
+    ph(e, ith, CF_PK_NORM, l);
     for (int b = 0; b < B; b++) e->k->rmsnorm(ts->xb + (size_t)b * e->kmax, x + (size_t)b * d,
                                               w->attn_norm, d, c->norm_eps);
     quantize_rows(e, ts->xb, e->kmax, d, ts->act, NULL, B);
+    ph(e, ith, CF_PK_QKV, l);
     size_t layer_kv = (size_t)l * c->n_kv * e->n_ctx * hd;
     int g0, g1, i0, i1, n_units = c->n_heads + 2 * c->n_kv; /* q heads, k heads, v heads */
     if (hd % CF_G == 0) {
@@ -325,11 +394,11 @@ static void op_attn(cf_engine *e, int l, int slot, int ith, int nth) {
     } else {
         cf_split_range(cf_n_groups(&w->wqkv), ith, nth, 1, &g0, &g1);
         matvec_rows(e, &w->wqkv, ts->act, s->qkv, qkv_dim, NULL, B, g0, g1);
-        barrier_wait(&e->bar);
+        sync_threads(e, ith, CF_PK_QKV);
         cf_split_range(B * n_units, ith, nth, 1, &i0, &i1);
         for (int i = i0; i < i1; i++) qkv_heads(e, layer_kv, i / n_units, i % n_units, i % n_units + 1);
     }
-    barrier_wait(&e->bar);
+    sync_threads(e, ith, CF_PK_ATTN);
 
     // attention: this thread's (token, head) items, one kernel call per token
     cf_split_range(B * c->n_heads, ith, nth, 1, &i0, &i1);
@@ -343,7 +412,7 @@ static void op_attn(cf_engine *e, int l, int slot, int ith, int nth) {
                         s->kcache + base, s->vcache + base, ts->scores, &sh, h0, h1);
         i += h1 - h0;
     }
-    barrier_wait(&e->bar);
+    sync_threads(e, ith, CF_PK_WO);
 
     // output projection into h, plus the residual, for this thread's rows
     quantize_rows(e, s->att, q_dim, q_dim, ts->act, NULL, B);
@@ -357,7 +426,7 @@ static void op_attn(cf_engine *e, int l, int slot, int ith, int nth) {
         for (int b = 0; b < B; b++)
             e->cnt.n[CF_CNT_KV] += (uint64_t)(e->rpos[b] + 1) * 2 * kv_dim * sizeof(cf_half);
     }
-    barrier_wait(&e->bar);
+    sync_threads(e, ith, -1);
 }
 
 static const float *op_source(const cf_engine *e, int kind, int slot) {
@@ -369,21 +438,16 @@ static void op_dense(cf_engine *e, int l, int src_kind, int slot, int tail, int 
     cf_scratch *ts = &e->ts[ith];
     int d = e->c.d, B = e->B;
     const float *src = op_source(e, src_kind, slot);
+    ph(e, ith, CF_PK_NORM, l);
     for (int b = 0; b < B; b++) e->k->rmsnorm(ts->xb + (size_t)b * e->kmax, src + (size_t)b * d,
                                               w->ffn_norm, d, e->c.norm_eps);
     quantize_rows(e, ts->xb, e->kmax, d, ts->act, NULL, B);
     if (ith == 0) e->cnt.n[CF_CNT_DENSE] += w->dense_bytes;
-    ffn(e, &w->gate_up, &w->down, e->c.d_ff, NULL, B, e->s.f, NULL, tail, ith, nth);
+    ffn(e, &w->gate_up, &w->down, e->c.d_ff, NULL, B, e->s.f, NULL, tail, CF_PK_DENSE_GATE_UP, ith, nth);
 }
 
 // ---------------------------------------------------------------------------------------------
 // experts on disk (experts.h): acquiring cache slots, waves, waiting for bytes
-
-static uint64_t clock_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
-}
 
 /* Thread 0: pin cache slots for the chosen experts list[i0..) of moe slot ms, at most `max`, and
  * stop at the first that finds no evictable slot; the missing ones are queued for the readers
@@ -436,6 +500,7 @@ static void op_route(cf_engine *e, int l, int src_kind, int ms, int ith) {
     const cf_config *c = &e->c;
     const cf_layer *w = &e->w.sets[l % c->n_unique];
     cf_state *s = &e->s;
+    ph(e, ith, CF_PK_ROUTE, l);
     if (ith == 0) {
         int d = c->d, E = c->n_experts;
         size_t B = e->max_batch;
@@ -463,7 +528,7 @@ static void op_route(cf_engine *e, int l, int src_kind, int ms, int ith) {
         e->cnt.n[CF_CNT_ROUTER] += w->router_bytes;
         if (e->xs) route_disk(e, l, ms);
     }
-    barrier_wait(&e->bar);
+    sync_threads(e, ith, -1);
 }
 
 static void op_experts(cf_engine *e, int l, int pslot, int ms, int tail, int ith, int nth) {
@@ -475,6 +540,7 @@ static void op_experts(cf_engine *e, int l, int pslot, int ms, int tail, int ith
     const int *exp_tok = s->exp_tok + (size_t)ms * c->n_experts * B;
     const float *exp_w = s->exp_w + (size_t)ms * c->n_experts * B;
     float *out = s->pending + (size_t)pslot * B * c->d;
+    ph(e, ith, CF_PK_NORM, l);
     quantize_rows(e, s->moe_in + (size_t)ms * B * c->d, c->d, c->d, e->ts[ith].act, NULL, e->B);
     int last = -1;
     for (int x = 0; x < c->n_experts; x++)
@@ -484,7 +550,7 @@ static void op_experts(cf_engine *e, int l, int pslot, int ms, int tail, int ith
         if (!n) continue; // untouched: its tiles are never read
         if (ith == 0) e->cnt.n[CF_CNT_EXPERTS] += w->exp_bytes[x];
         ffn(e, &w->exp_gate_up[x], &w->exp_down[x], c->d_exp, exp_tok + (size_t)x * B, n, out,
-            exp_w + (size_t)x * B, x < last || tail, ith, nth);
+            exp_w + (size_t)x * B, x < last || tail, CF_PK_EXP_GATE_UP, ith, nth);
     }
 }
 
@@ -506,11 +572,13 @@ static int op_experts_disk(cf_engine *e, int l, int pslot, int ms, int tail, int
     const int *exp_tok = s->exp_tok + (size_t)ms * E * B;
     const float *exp_w = s->exp_w + (size_t)ms * E * B;
     float *out = s->pending + (size_t)pslot * B * c->d;
+    ph(e, ith, CF_PK_NORM, l);
     quantize_rows(e, s->moe_in + (size_t)ms * B * c->d, c->d, c->d, e->ts[ith].act, NULL, e->B);
     int n = s->exp_cnt[ms], covered = s->exp_pre[ms];
     for (int i = 0; i < n; i++) {
         int x = list[i], key = set * E + x;
         if (i == covered) {
+            ph(e, ith, CF_PK_EXP_IO, -1);
             if (ith == 0) {
                 e->wave_end = acquire_wave(e, set, ms, i, n);
                 if (e->wave_end == i) { /* cannot happen while the plan check holds */
@@ -519,11 +587,12 @@ static int op_experts_disk(cf_engine *e, int l, int pslot, int ms, int tail, int
                     e->failed = CF_ERR_IO;
                 }
             }
-            barrier_wait(&e->bar);
+            sync_threads(e, ith, -1);
             if (e->wave_end == i) return -1;
             covered = e->wave_end;
         }
         int sl = slot[x];
+        ph(e, ith, CF_PK_EXP_IO, -1);
         if (cf_xstore_wait(e->xs, sl, ith == 0 ? &e->cnt.n[CF_CNT_IO_STALL_NS] : NULL)) {
             if (ith == 0) {
                 cf_xstore_error(e->xs, sl, e->err, sizeof e->err);
@@ -537,7 +606,7 @@ static int op_experts_disk(cf_engine *e, int l, int pslot, int ms, int tail, int
         dn.data = data + e->xrel[2 * key + 1];
         if (ith == 0) e->cnt.n[CF_CNT_EXPERTS] += w->exp_bytes[x];
         ffn(e, &gu, &dn, c->d_exp, exp_tok + (size_t)x * B, exp_n[x], out, exp_w + (size_t)x * B,
-            i + 1 < n || tail, ith, nth);
+            i + 1 < n || tail, CF_PK_EXP_GATE_UP, ith, nth);
         /* Unpinning is safe before the other threads finish this expert: the slot is only reused
          * by a later acquire of thread 0, and those come after a barrier (the one ending this ffn,
          * unless it is the op's last expert; then the RESID/next op's). */
@@ -546,9 +615,10 @@ static int op_experts_disk(cf_engine *e, int l, int pslot, int ms, int tail, int
     return 0;
 }
 
-static void op_resid(cf_engine *e, int slot, int add_f, int pslot, int ith, int nth) {
+static void op_resid(cf_engine *e, int l, int slot, int add_f, int pslot, int ith, int nth) {
     cf_state *s = &e->s;
     int d = e->c.d, r0, r1;
+    ph(e, ith, CF_PK_RESID, l);
     // the same rows as this thread's share of a [d, *] mat-vec (wo, down): see ffn()
     cf_split_range(d, ith, nth, CF_G, &r0, &r1);
     float *x = s->ring + (size_t)slot * e->max_batch * d;
@@ -565,7 +635,7 @@ static void op_resid(cf_engine *e, int slot, int add_f, int pslot, int ith, int 
             x[o + r] = v;
         }
     }
-    barrier_wait(&e->bar);
+    sync_threads(e, ith, -1);
 }
 
 /* Logits of the last row (prefill) or of every row (cf_step_batch: logits is [B, vocab]). Each
@@ -574,6 +644,7 @@ static void op_resid(cf_engine *e, int slot, int add_f, int pslot, int ith, int 
 static void op_final(cf_engine *e, int slot, int pslot, int ith, int nth) {
     if (!e->logits) return;
     cf_scratch *ts = &e->ts[ith];
+    ph(e, ith, CF_PK_NORM, e->c.n_layers); /* the final norm: "layer" n_layers */
     int d = e->c.d, b0 = e->all_logits ? 0 : e->B - 1, nb = e->B - b0;
     float *z = ts->xb + (size_t)e->max_batch * e->kmax; /* the scratch's extra row */
     for (int i = 0; i < nb; i++) {
@@ -584,6 +655,7 @@ static void op_final(cf_engine *e, int slot, int pslot, int ith, int nth) {
         e->k->rmsnorm(ts->xb + (size_t)i * e->kmax, z, e->w.norm, d, e->c.norm_eps);
     }
     quantize_rows(e, ts->xb, e->kmax, d, ts->act, NULL, nb);
+    ph(e, ith, CF_PK_LM_HEAD, 0);
     int g0, g1;
     cf_split_range(cf_n_groups(&e->w.lm_head), ith, nth, 1, &g0, &g1);
     matvec_rows(e, &e->w.lm_head, ts->act, e->logits, e->c.vocab, NULL, nb, g0, g1);
@@ -595,6 +667,7 @@ static void forward_task(void *ctx, int ith, int nth) {
     cf_engine *e = ctx;
     if (ith >= e->active) return;
     nth = e->active;
+    if (e->prof_on && ith) e->prof[ith].kind = -1; /* thread 0's call opened in forward() */
     for (int i = 0; i < e->n_ops; i++) {
         const int32_t *op = e->plan + (size_t)i * CF_OP_FIELDS;
         int l = op[1], a = op[2], b = op[3], c = op[4];
@@ -608,10 +681,12 @@ static void forward_task(void *ctx, int ith, int nth) {
             if (!e->xs) op_experts(e, l, a, b, tail, ith, nth);
             else if (op_experts_disk(e, l, a, b, tail, ith, nth)) return; /* every thread leaves */
             break;
-        case CF_OP_RESID: op_resid(e, a, b, c, ith, nth); break;
+        case CF_OP_RESID: op_resid(e, l, a, b, c, ith, nth); break;
         case CF_OP_FINAL: op_final(e, a, b, ith, nth); break;
         }
     }
+    /* thread 0 goes on to join the others (closed in forward()); the others are done */
+    ph(e, ith, ith == 0 && nth > 1 ? CF_PK_WAIT : -1, -1);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -621,6 +696,7 @@ static void forward_task(void *ctx, int ith, int nth) {
  * e->rseq / e->rpos. */
 static int forward(cf_engine *e, const int32_t *tokens, int B, float *logits, int all_logits) {
     const cf_config *c = &e->c;
+    int64_t pt0 = e->prof_on ? prof_open(e, 0, CF_PK_SETUP, 0) : 0;
     for (int b = 0; b < B; b++) {
         float *cs = e->s.rope + (size_t)b * c->hd;
         cf_rope_table(cs, cs + c->hd / 2, c->hd, e->rpos[b], c->rope_theta);
@@ -628,6 +704,7 @@ static int forward(cf_engine *e, const int32_t *tokens, int B, float *logits, in
     memset(e->s.pending, 0, (size_t)e->n_pending * e->max_batch * c->d * sizeof(float));
     e->failed = CF_ERR_NONE;
     if (e->xs && cf_xstore_begin(e->xs, e->err, sizeof e->err)) {
+        if (e->prof_on) e->prof[0].kind = -1;
         e->err_kind = CF_ERR_IO;
         return -1;
     }
@@ -639,6 +716,11 @@ static int forward(cf_engine *e, const int32_t *tokens, int B, float *logits, in
         forward_task(e, 0, 1); /* no need to wake the pool (sleeping workers take ~50 us) */
     else
         cf_pool_run(e->pool, forward_task, e);
+    if (e->prof_on) {
+        int64_t pt1 = prof_mark(e, 0, -1, -1);
+        if (e->prof_ncalls < e->prof_calls_cap) e->prof_calls[e->prof_ncalls++] = (cf_prof_call){pt0, pt1, B, 0};
+        else e->prof_dropped_calls++;
+    }
     if (e->failed) {
         e->err_kind = e->failed;
         return -1;
@@ -794,6 +876,92 @@ int cf_engine_inject_io_fault(cf_engine *e, int64_t after, int kind, int delay_u
 }
 
 // ---------------------------------------------------------------------------------------------
+// profiling (engine.h)
+
+/* Upper bound of the events one call records on one thread, from the plan: every phase and
+ * barrier an op can pass, with the most experts a batch can route to, each possibly its own wave. */
+int cf_engine_profile_events_per_call(const cf_engine *e) {
+    int64_t n = 4; /* setup, the join */
+    int nx = cf_min(e->c.n_experts, e->c.top_k * e->max_batch);
+    for (int i = 0; i < e->n_ops; i++) {
+        switch (e->plan[(size_t)i * CF_OP_FIELDS]) {
+        case CF_OP_EMBED: n += 2; break;
+        case CF_OP_ATTN: n += 10; break;  /* norm, qkv, (wait, qkv), wait, attn, wait, wo, wait */
+        case CF_OP_DENSE: n += 5; break;  /* norm, gate_up, wait, down, wait */
+        case CF_OP_ROUTE: n += 2; break;
+        case CF_OP_EXPERTS: n += 1 + 8 * (int64_t)nx; break; /* io, wave wait, io, gate_up, wait, down, wait */
+        case CF_OP_RESID: n += 2; break;
+        case CF_OP_FINAL: n += 2; break;
+        }
+    }
+    return n > INT_MAX / 2 ? INT_MAX / 2 : (int)n;
+}
+
+void cf_engine_profile_free(cf_engine *e) {
+    e->prof_on = 0;
+    if (e->prof)
+        for (int t = 0; t < e->n_threads; t++) free(e->prof[t].ev);
+    free(e->prof);
+    free(e->prof_calls);
+    e->prof = NULL;
+    e->prof_calls = NULL;
+    e->prof_cap = e->prof_calls_cap = e->prof_ncalls = 0;
+    e->prof_dropped_calls = 0;
+}
+
+int cf_engine_profile_start(cf_engine *e, int calls) {
+    cf_engine_profile_free(e);
+    if (calls < 1) calls = 1;
+    int64_t cap = (int64_t)calls * cf_engine_profile_events_per_call(e);
+    if (cap > INT_MAX) cap = INT_MAX;
+    size_t sz = (size_t)e->n_threads * sizeof(cf_prof_thread);
+    e->prof = aligned_alloc(64, (sz + 63) & ~(size_t)63);
+    e->prof_calls = calloc((size_t)calls, sizeof(cf_prof_call));
+    if (!e->prof || !e->prof_calls) {
+        free(e->prof);
+        e->prof = NULL;
+        cf_engine_profile_free(e);
+        return -1;
+    }
+    memset(e->prof, 0, sz);
+    int fail = 0;
+    for (int t = 0; t < e->n_threads; t++) {
+        e->prof[t].kind = -1;
+        /* touched now, so the first events do not fault pages in on the token path */
+        e->prof[t].ev = calloc((size_t)cap, sizeof(cf_prof_event));
+        if (!e->prof[t].ev) fail = 1;
+        else memset(e->prof[t].ev, 0, (size_t)cap * sizeof(cf_prof_event));
+    }
+    if (fail) {
+        cf_engine_profile_free(e);
+        return -1;
+    }
+    e->prof_cap = (int)cap;
+    e->prof_calls_cap = calls;
+    e->prof_on = 1;
+    return 0;
+}
+
+void cf_engine_profile_stop(cf_engine *e) { e->prof_on = 0; }
+int cf_engine_profiling(const cf_engine *e) { return e->prof_on; }
+int cf_engine_profile_events(const cf_engine *e, int ith, const cf_prof_event **out) {
+    *out = NULL;
+    if (!e->prof || ith < 0 || ith >= e->n_threads) return 0;
+    *out = e->prof[ith].ev;
+    return e->prof[ith].n;
+}
+int cf_engine_profile_calls(const cf_engine *e, const cf_prof_call **out) {
+    *out = e->prof_calls;
+    return e->prof_ncalls;
+}
+int64_t cf_engine_profile_dropped(const cf_engine *e) {
+    int64_t n = e->prof_dropped_calls;
+    if (e->prof)
+        for (int t = 0; t < e->n_threads; t++) n += e->prof[t].dropped;
+    return n;
+}
+
+// ---------------------------------------------------------------------------------------------
 // names: the one definition of each contract with Python (engine.h), exported by bind_engine.cpp
 
 const char *const cf_desc_field_names[CF_DESC_FIELDS] = {
@@ -815,6 +983,13 @@ const char *const cf_op_kind_names[CF_OP_KINDS] = {
     [CF_OP_EMBED] = "embed", [CF_OP_ATTN] = "attn", [CF_OP_DENSE] = "dense",
     [CF_OP_ROUTE] = "route", [CF_OP_EXPERTS] = "experts", [CF_OP_RESID] = "resid",
     [CF_OP_FINAL] = "final",
+};
+const char *const cf_prof_kind_names[CF_PROF_KINDS] = {
+    [CF_PK_SETUP] = "setup", [CF_PK_EMBED] = "embed", [CF_PK_NORM] = "norm", [CF_PK_QKV] = "attn.qkv",
+    [CF_PK_ATTN] = "attn.cache", [CF_PK_WO] = "attn.wo", [CF_PK_DENSE_GATE_UP] = "dense.gate_up",
+    [CF_PK_DENSE_DOWN] = "dense.down", [CF_PK_ROUTE] = "route", [CF_PK_EXP_GATE_UP] = "experts.gate_up",
+    [CF_PK_EXP_DOWN] = "experts.down", [CF_PK_EXP_IO] = "experts.io", [CF_PK_RESID] = "resid",
+    [CF_PK_LM_HEAD] = "lm_head", [CF_PK_WAIT] = "wait",
 };
 const char *const cf_src_names[CF_SRC_KINDS] = {
     [CF_SRC_H] = "h", [CF_SRC_RING] = "ring", [CF_SRC_HF] = "hf",
@@ -1220,6 +1395,7 @@ cf_engine *cf_engine_create(const cf_config *cfg, const uint8_t *buf, size_t buf
 void cf_engine_free(cf_engine *e) {
     if (!e) return;
     if (e->pool) cf_pool_free(e->pool);
+    cf_engine_profile_free(e);
     cf_xstore_free(e->xs); /* joins its readers: nothing writes into our memory after this */
     free(e->xrel);
     free(e->xwave);

@@ -130,6 +130,48 @@ typedef struct {
 
 typedef struct cf_engine cf_engine;
 
+/* ---- profiling ---------------------------------------------------------------------------------
+ * Off by default, and then it costs one predictable branch on a flag per phase of an op (no clock
+ * read, no store). cf_engine_profile_start(e, calls) allocates, once, per-thread event buffers
+ * sized from the plan for `calls` forward calls (each cf_step is one call; cf_prefill_seq one per
+ * batch of max_batch tokens; cf_step_batch one per max_batch rows) and turns it on; nothing is
+ * allocated on the token path afterwards. Each thread then cuts its walk of the plan into
+ * contiguous segments, one CLOCK_MONOTONIC read per boundary: the phases of each op (norm and
+ * int8 quantization of an op's input, the QKV mat-vec with RoPE and the K/V store, attention over
+ * the cache, wo, the FFN's gate_up and down, ...) and every barrier wait between them, as
+ * cf_prof_event {t0, t1, kind, layer} (ns; kind a CF_PK_* below, named cf_prof_kind_names).
+ * Thread 0's segments tile its whole call, from the call's start (CF_PK_SETUP: RoPE table, clearing,
+ * starting the pool) to the return (CF_PK_WAIT at the end: joining the other threads); the
+ * calls are recorded too (cf_prof_call: the same first and last timestamps, and B rows). Events
+ * past the buffers are counted (dropped), not stored. Results do not change: profiling only reads
+ * the clock. Not while a call is running. */
+enum { CF_PK_SETUP, CF_PK_EMBED, CF_PK_NORM, CF_PK_QKV, CF_PK_ATTN, CF_PK_WO, CF_PK_DENSE_GATE_UP,
+       CF_PK_DENSE_DOWN, CF_PK_ROUTE, CF_PK_EXP_GATE_UP, CF_PK_EXP_DOWN, CF_PK_EXP_IO, CF_PK_RESID,
+       CF_PK_LM_HEAD, CF_PK_WAIT, CF_PROF_KINDS };
+extern const char *const cf_prof_kind_names[CF_PROF_KINDS]; /* "setup", "embed", "norm", ... */
+typedef struct {
+    int64_t t0, t1;  /* CLOCK_MONOTONIC ns */
+    int32_t kind;    /* CF_PK_* */
+    int32_t layer;   /* the plan op's layer (0 for embed, lm_head and setup; n_layers for the final norm) */
+} cf_prof_event;
+typedef struct {
+    int64_t t0, t1;  /* the call's first and last timestamps (thread 0's first and last event) */
+    int32_t rows;    /* B */
+    int32_t pad;
+} cf_prof_call;
+/* Returns 0, or -1 (out of memory; profiling stays off). Replaces what an earlier start recorded. */
+int cf_engine_profile_start(cf_engine *e, int calls);
+void cf_engine_profile_stop(cf_engine *e);   /* stops recording; the events stay readable */
+void cf_engine_profile_free(cf_engine *e);   /* stops and frees the buffers */
+int cf_engine_profiling(const cf_engine *e);
+/* Events thread `ith` recorded (its count; *out points into the engine's buffer), the calls, and
+ * how many events did not fit. */
+int cf_engine_profile_events(const cf_engine *e, int ith, const cf_prof_event **out);
+int cf_engine_profile_calls(const cf_engine *e, const cf_prof_call **out);
+int64_t cf_engine_profile_dropped(const cf_engine *e);
+/* Events one forward call records per thread at most (from the plan): the sizing of the buffers. */
+int cf_engine_profile_events_per_call(const cf_engine *e);
+
 /* ---- experts on disk ---------------------------------------------------------------------------
  * NULL to cf_engine_create: experts are read from the buffer like every other weight. Otherwise
  * the engine never touches their bytes in the buffer (which may then hold anything there) and
