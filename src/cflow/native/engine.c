@@ -272,6 +272,42 @@ static void band_loop(cf_matvec_fn fn, const cf_tiled *w, const cf_act_q8 *act, 
     }
 }
 
+
+/* Split of n units over nth threads like cf_split_range, but with the larger pieces first (when
+ * n is not a multiple of nth, the first threads get one more unit, not the last). */
+static void split_big_first(int n, int ith, int nth, int *lo, int *hi) {
+    int a, b;
+    cf_split_range(n, nth - 1 - ith, nth, 1, &a, &b);
+    *lo = n - b;
+    *hi = n - a;
+}
+
+/* Row groups of a [d, *] mat-vec (wo, down) that thread ith owns: at most two ranges, returned
+ * in lo/hi, their number returned. The whole SPLIT_BAND-group bands that divide evenly over the
+ * threads are shared out as whole bands; the groups after them (a part band, or bands left over)
+ * are split evenly by groups. So no thread's share starts inside a tile band except in the
+ * leftover, which every thread has a piece of. With rows a plain split would cut mid-band
+ * (d = 576 = 4.5 bands at 2 threads: bands 0-1 + 4 groups vs 12 groups + bands 3-4), the thread
+ * with the later rows ran ~45% longer on equal bytes; this evens it out. A function of
+ * (ng, ith, nth) only: the RESID op calls it for the same rows as a [d, *] mat-vec (see ffn()).
+ * SPLIT_BAND is the default tile_rows / CF_G; for other tilings only the speed differs. */
+enum { SPLIT_BAND = 16 };
+static int d_split(int ng, int ith, int nth, int lo[2], int hi[2]) {
+    int nb = ng / SPLIT_BAND / nth * nth; /* whole bands shared evenly */
+    int b0, b1, r0, r1, k = 0;
+    cf_split_range(nb, ith, nth, 1, &b0, &b1);
+    cf_split_range(ng - nb * SPLIT_BAND, ith, nth, 1, &r0, &r1);
+    if (b0 < b1) {
+        lo[k] = b0 * SPLIT_BAND;
+        hi[k++] = b1 * SPLIT_BAND;
+    }
+    if (r0 < r1) {
+        lo[k] = nb * SPLIT_BAND + r0;
+        hi[k++] = nb * SPLIT_BAND + r1;
+    }
+    return k;
+}
+
 /* y[t, rows of groups g0..g1) = W x_t for the n tokens in tok (NULL: 0..n-1). With several tokens
  * the range is walked one tile band at a time so the band is reused from L2 across tokens. */
 static void matvec_rows(const cf_engine *e, const cf_tiled *w, const cf_act_q8 *act, float *y,
@@ -319,11 +355,11 @@ static void ffn(cf_engine *e, const cf_tiled *gate_up, const cf_tiled *down, int
     sync_threads(e, ith, pk + 1);
 
     quantize_rows(e, s->hid, e->hmax, hdim, ts->act2, rows, n);
-    int g0, g1;
-    cf_split_range(cf_n_groups(down), ith, nth, 1, &g0, &g1);
+    int glo[2], ghi[2], np = d_split(cf_n_groups(down), ith, nth, glo, ghi);
     float *dst = scale ? s->y : out;
-    matvec_rows(e, down, ts->act2, dst, d, rows, n, g0, g1);
-    if (scale) {
+    for (int q = 0; q < np; q++) matvec_rows(e, down, ts->act2, dst, d, rows, n, glo[q], ghi[q]);
+    for (int q = 0; q < np && scale; q++) {
+        int g0 = glo[q], g1 = ghi[q];
         int r0 = g0 * CF_G, r1 = cf_min(g1 * CF_G, d);
         for (int i = 0; i < n; i++) {
             int t = tok ? tok[i] : i;
@@ -388,7 +424,8 @@ static void op_attn(cf_engine *e, int l, int slot, int ith, int nth) {
         // Split by whole heads, so the thread that computes a head also rotates it and stores
         // it in the cache: no barrier between the projection and RoPE.
         int u0, u1, gph = hd / CF_G;
-        cf_split_range(n_units, ith, nth, 1, &u0, &u1);
+        // Larger shares first: the thread with the later rows streams them slower (d_split).
+        split_big_first(n_units, ith, nth, &u0, &u1);
         matvec_rows(e, &w->wqkv, ts->act, s->qkv, qkv_dim, NULL, B, u0 * gph, u1 * gph);
         for (int b = 0; b < B; b++) qkv_heads(e, layer_kv, b, u0, u1);
     } else {
@@ -416,11 +453,13 @@ static void op_attn(cf_engine *e, int l, int slot, int ith, int nth) {
 
     // output projection into h, plus the residual, for this thread's rows
     quantize_rows(e, s->att, q_dim, q_dim, ts->act, NULL, B);
-    cf_split_range(cf_n_groups(&w->wo), ith, nth, 1, &g0, &g1);
-    matvec_rows(e, &w->wo, ts->act, s->h, d, NULL, B, g0, g1);
-    int r1 = cf_min(g1 * CF_G, d);
-    for (int b = 0; b < B; b++)
-        for (int r = g0 * CF_G; r < r1; r++) s->h[(size_t)b * d + r] += x[(size_t)b * d + r];
+    int glo[2], ghi[2], np = d_split(cf_n_groups(&w->wo), ith, nth, glo, ghi);
+    for (int q = 0; q < np; q++) matvec_rows(e, &w->wo, ts->act, s->h, d, NULL, B, glo[q], ghi[q]);
+    for (int q = 0; q < np; q++) {
+        int r0 = glo[q] * CF_G, r1 = cf_min(ghi[q] * CF_G, d);
+        for (int b = 0; b < B; b++)
+            for (int r = r0; r < r1; r++) s->h[(size_t)b * d + r] += x[(size_t)b * d + r];
+    }
     if (ith == 0) {
         e->cnt.n[CF_CNT_ATTN] += w->attn_bytes;
         for (int b = 0; b < B; b++)
@@ -617,22 +656,25 @@ static int op_experts_disk(cf_engine *e, int l, int pslot, int ms, int tail, int
 
 static void op_resid(cf_engine *e, int l, int slot, int add_f, int pslot, int ith, int nth) {
     cf_state *s = &e->s;
-    int d = e->c.d, r0, r1;
+    int d = e->c.d;
     ph(e, ith, CF_PK_RESID, l);
-    // the same rows as this thread's share of a [d, *] mat-vec (wo, down): see ffn()
-    cf_split_range(d, ith, nth, CF_G, &r0, &r1);
+    // the same rows as this thread's share of a [d, *] mat-vec (wo, down): d_split, see ffn()
+    int glo[2], ghi[2], np = d_split((d + CF_G - 1) / CF_G, ith, nth, glo, ghi);
     float *x = s->ring + (size_t)slot * e->max_batch * d;
     float *pend = pslot >= 0 ? s->pending + (size_t)pslot * e->max_batch * d : NULL;
-    for (int b = 0; b < e->B; b++) {
-        size_t o = (size_t)b * d;
-        for (int r = r0; r < r1; r++) {
-            float v = s->h[o + r];
-            if (add_f) v += s->f[o + r];
-            if (pend) {
-                v += pend[o + r];
-                pend[o + r] = 0.0f;
+    for (int q = 0; q < np; q++) {
+        int r0 = glo[q] * CF_G, r1 = cf_min(ghi[q] * CF_G, d);
+        for (int b = 0; b < e->B; b++) {
+            size_t o = (size_t)b * d;
+            for (int r = r0; r < r1; r++) {
+                float v = s->h[o + r];
+                if (add_f) v += s->f[o + r];
+                if (pend) {
+                    v += pend[o + r];
+                    pend[o + r] = 0.0f;
+                }
+                x[o + r] = v;
             }
-            x[o + r] = v;
         }
     }
     sync_threads(e, ith, -1);
