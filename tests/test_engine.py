@@ -38,7 +38,7 @@ torch = pytest.importorskip("torch")
 
 from cflow.config import ModelConfig  # noqa: E402
 from cflow.convert.checkpoint import checkpoint_tensors  # noqa: E402
-from cflow.convert.encoder import Encoder, split_fused, tensor_values  # noqa: E402
+from cflow.convert.encoder import Encoder  # noqa: E402
 from cflow.runtime import (ContextOverflowError, Engine, EngineError, ModelFormatError,  # noqa: E402
                           ModelNotFoundError)
 from cflow.fileformat import open_model, write_model  # noqa: E402
@@ -108,37 +108,7 @@ def write_random_model(path, cfg: ModelConfig, dtype: str, tile, seed: int = 0, 
 
 def dequantized_model(path) -> Transformer:
     """The Transformer whose weights are exactly the .cflow file's, dequantized."""
-    cf = open_model(path)
-    cfg = cf.config
-
-    def val(name: str) -> np.ndarray:
-        e = cf.tensors[name]
-        return tensor_values(e.dtype, e.shape, e.layout, cf.array(name), cf.tile)
-
-    def parts(name: str) -> list[np.ndarray]:
-        return split_fused(val(name), cf.tensors[name].meta)
-
-    sd = {"tok_emb.weight": val("tok_emb"), "norm.weight": val("norm")}
-    if not cfg.tie_embeddings:
-        sd["lm_head.weight"] = val("lm_head")
-    for i in range(cfg.n_unique_layers):
-        p = f"layers.{i}."
-        sd[p + "attn_norm.weight"] = val(p + "attn_norm")
-        sd[p + "attn.wq.weight"], sd[p + "attn.wk.weight"], sd[p + "attn.wv.weight"] = parts(p + "attn.wqkv")
-        sd[p + "attn.wo.weight"] = val(p + "attn.wo")
-        if cfg.has_dense:
-            sd[p + "ffn_norm.weight"] = val(p + "ffn_norm")
-            sd[p + "ffn.w_gate.weight"], sd[p + "ffn.w_up.weight"] = parts(p + "ffn.w_gate_up")
-            sd[p + "ffn.w_down.weight"] = val(p + "ffn.w_down")
-        if cfg.has_moe:
-            sd[p + "moe_norm.weight"] = val(p + "moe_norm")
-            sd[p + "moe.router.weight"] = val(p + "moe.router")
-            ex = [parts(f"{p}moe.experts.{e}.w_gate_up") + [val(f"{p}moe.experts.{e}.w_down")]
-                  for e in range(cfg.n_experts)]
-            for j, key in enumerate(("moe.w_gate", "moe.w_up", "moe.w_down")):
-                sd[p + key] = np.stack([x[j] for x in ex])
-    cf.close()
-    return Transformer.from_state(cfg, {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in sd.items()})
+    return Transformer.from_cflow(path)
 
 
 # ---- fixtures --------------------------------------------------------------------------------

@@ -64,44 +64,10 @@ def compare_logits(ours: np.ndarray, ref: np.ndarray, margin: float, margin_in_s
 
 
 def _dequantized(path):
-    """The Transformer whose weights are exactly the .cflow file's, dequantized (as tests/test_engine.py)."""
-    import torch
-
-    from cflow.convert.encoder import split_fused, tensor_values
-    from cflow.fileformat import open_model
+    """The Transformer whose weights are exactly the .cflow file's, dequantized."""
     from cflow.model import Transformer
 
-    cf = open_model(path)
-    cfg = cf.config
-
-    def val(name):
-        e = cf.tensors[name]
-        return tensor_values(e.dtype, e.shape, e.layout, cf.array(name), cf.tile)
-
-    def parts(name):
-        return split_fused(val(name), cf.tensors[name].meta)
-
-    sd = {"tok_emb.weight": val("tok_emb"), "norm.weight": val("norm")}
-    if not cfg.tie_embeddings:
-        sd["lm_head.weight"] = val("lm_head")
-    for i in range(cfg.n_unique_layers):
-        p = f"layers.{i}."
-        sd[p + "attn_norm.weight"] = val(p + "attn_norm")
-        sd[p + "attn.wq.weight"], sd[p + "attn.wk.weight"], sd[p + "attn.wv.weight"] = parts(p + "attn.wqkv")
-        sd[p + "attn.wo.weight"] = val(p + "attn.wo")
-        if cfg.has_dense:
-            sd[p + "ffn_norm.weight"] = val(p + "ffn_norm")
-            sd[p + "ffn.w_gate.weight"], sd[p + "ffn.w_up.weight"] = parts(p + "ffn.w_gate_up")
-            sd[p + "ffn.w_down.weight"] = val(p + "ffn.w_down")
-        if cfg.has_moe:
-            sd[p + "moe_norm.weight"] = val(p + "moe_norm")
-            sd[p + "moe.router.weight"] = val(p + "moe.router")
-            ex = [parts(f"{p}moe.experts.{e}.w_gate_up") + [val(f"{p}moe.experts.{e}.w_down")]
-                  for e in range(cfg.n_experts)]
-            for j, key in enumerate(("moe.w_gate", "moe.w_up", "moe.w_down")):
-                sd[p + key] = np.stack([x[j] for x in ex])
-    cf.close()
-    return Transformer.from_state(cfg, {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in sd.items()})
+    return Transformer.from_cflow(path)
 
 
 def reference_parity(ctx: Context, preset: str, steps: int) -> dict:
