@@ -188,18 +188,6 @@ def _tile_fields(dtype: str) -> list[tuple[int, int]]:
     return [GGML_FIELDS[dtype][f] for f in TILE_FIELDS[dtype]]
 
 
-def _unpack_chunks(flat: np.ndarray, nb: int, r: int, tb: int, g: int, fields: list[tuple[int, int]]) -> np.ndarray:
-    # inverse of quant._pack_groups for fields in any order: (nb, r*tb*B) -> (nb, r, tb, B)
-    B = sum(s for _, s in fields)
-    x = flat.reshape(nb, r // g, tb, g * B)
-    y = np.empty((nb, r // g, tb, g, B), np.uint8)
-    o_chunk = 0
-    for o, s in fields:
-        y[..., o:o + s] = x[..., o_chunk:o_chunk + g * s].reshape(nb, r // g, tb, g, s)
-        o_chunk += g * s
-    return y.transpose(0, 1, 3, 2, 4).reshape(nb, r, tb, B)
-
-
 def tile_kquant(blocks: np.ndarray, dtype: str, rows: int, cols: int, tile: Sequence[int] = TILE) -> np.ndarray:
     """GGML row blocks [rows, row_bytes] -> the tile layout (flat uint8, same size): bands of TR
     rows, tiles of TK inputs, row groups of 8; one chunk per (group, block) holds the group's
@@ -211,21 +199,7 @@ def tile_kquant(blocks: np.ndarray, dtype: str, rows: int, cols: int, tile: Sequ
     if blocks.shape[0] != rows:
         raise QuantError(f"expected {rows} rows of blocks, got {blocks.shape[0]}")
     qb, B = KBLOCK[dtype]
-    fields, nkb = _tile_fields(dtype), cols // qb
-    b3 = blocks.reshape(rows, nkb, B)
-    out: list[np.ndarray] = []
-    n_full = rows // TR
-    for r0, nbands, rb in ((0, n_full, TR), (n_full * TR, 1 if rows % TR else 0, rows % TR)):
-        if nbands == 0:
-            continue
-        band = b3[r0:r0 + nbands * rb].reshape(nbands, rb, nkb, B)
-        per_tile = []
-        for k0, k1 in quant._split(nkb, TK // qb):
-            sub = band[:, :, k0:k1]
-            parts = [quant._pack_groups(sub[:, a:a + n], g, fields) for a, n, g in quant._band_rows(rb)]
-            per_tile.append(np.concatenate(parts, axis=1))
-        out.append(np.concatenate(per_tile, axis=1).reshape(-1))
-    return np.concatenate(out) if out else np.zeros(0, np.uint8)
+    return quant.tile_blocks(blocks.reshape(rows, cols // qb, B), TR, TK // qb, _tile_fields(dtype))
 
 
 def untile_kquant(tiled: np.ndarray, dtype: str, rows: int, cols: int, tile: Sequence[int] = TILE) -> np.ndarray:
@@ -238,25 +212,9 @@ def untile_kquant(tiled: np.ndarray, dtype: str, rows: int, cols: int, tile: Seq
     if tiled.dtype != np.uint8 or tiled.size != rows * rbytes:
         raise QuantError(f"a tiled {dtype} [{rows}, {cols}] matrix is {rows * rbytes} uint8 bytes, "
                          f"got {tiled.size} of {tiled.dtype}")
-    tiled = tiled.reshape(-1)
     qb, B = KBLOCK[dtype]
-    fields, nkb = _tile_fields(dtype), cols // qb
-    out = np.empty((rows, nkb, B), np.uint8)
-    n_full, pos = rows // TR, 0
-    for r0, nbands, rb in ((0, n_full, TR), (n_full * TR, 1 if rows % TR else 0, rows % TR)):
-        if nbands == 0:
-            continue
-        band_bytes = rb * nkb * B
-        bands = tiled[pos:pos + nbands * band_bytes].reshape(nbands, band_bytes)
-        dst = out[r0:r0 + nbands * rb].reshape(nbands, rb, nkb, B)
-        o = 0
-        for k0, k1 in quant._split(nkb, TK // qb):
-            for a, n, g in quant._band_rows(rb):
-                nbytes = n * (k1 - k0) * B
-                dst[:, a:a + n, k0:k1] = _unpack_chunks(bands[:, o:o + nbytes], nbands, n, k1 - k0, g, fields)
-                o += nbytes
-        pos += nbands * band_bytes
-    return out.reshape(rows, rbytes)
+    return quant.untile_blocks(tiled.reshape(-1), rows, cols // qb, B, TR, TK // qb,
+                               _tile_fields(dtype)).reshape(rows, rbytes)
 
 
 def tile_kquant_loops(blocks: np.ndarray, dtype: str, rows: int, cols: int, tile: Sequence[int] = TILE) -> np.ndarray:
@@ -264,11 +222,11 @@ def tile_kquant_loops(blocks: np.ndarray, dtype: str, rows: int, cols: int, tile
     TR, TK = check_tile_k(dtype, tile)
     blocks = quant.check_blocks(blocks, dtype, cols, row_bytes_k)
     qb, B = block_geometry(dtype)
-    fields = _tile_fields(dtype) if dtype in KBLOCK else quant._fields(dtype)
+    fields = _tile_fields(dtype) if dtype in KBLOCK else quant.block_fields(dtype)
     out = bytearray()
-    for r0, r1 in quant._split(rows, TR):
-        for k0, k1 in quant._split(cols // qb, TK // qb):
-            for g0, g1 in quant._split(r1 - r0, G):
+    for r0, r1 in quant.split_steps(rows, TR):
+        for k0, k1 in quant.split_steps(cols // qb, TK // qb):
+            for g0, g1 in quant.split_steps(r1 - r0, G):
                 for kb in range(k0, k1):
                     for o, s in fields:
                         for r in range(r0 + g0, r0 + g1):
@@ -288,7 +246,7 @@ def quantize_act_k(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         raise QuantError(f"a K-quant activation is a vector whose length is a multiple of {QK_K}, got shape {x.shape}")
     b = x.reshape(-1, QK_K)
     d = (np.abs(b).max(axis=1) / np.float32(127)).astype(np.float32)
-    q = round_half_away(b * quant._inv(d)[:, None]).astype(np.int8)
+    q = round_half_away(b * quant.inverse_or_zero(d)[:, None]).astype(np.int8)
     bsums = q.reshape(-1, 16).astype(np.int32).sum(axis=1).astype(np.int16)
     return q.reshape(-1), d, bsums
 

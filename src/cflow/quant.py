@@ -123,7 +123,8 @@ def _unpack_nibbles(qs: np.ndarray) -> np.ndarray:
     return np.concatenate([qs & np.uint8(0x0F), qs >> np.uint8(4)], axis=1)
 
 
-def _inv(d: np.ndarray) -> np.ndarray:
+def inverse_or_zero(d: np.ndarray) -> np.ndarray:
+    """1/d, and 0 where d is 0 (an all-zero block quantizes to zeros)."""
     with np.errstate(divide="ignore"):
         return np.where(d == 0, np.float32(0), np.float32(1) / d).astype(np.float32)
 
@@ -132,7 +133,7 @@ def _quantize_q4_0(b: np.ndarray) -> np.ndarray:
     # ggml quantize_row_q4_0_ref: d = (value of max |x|) / -8, q = min(15, (int8)(x/d + 8.5))
     imax = np.abs(b).argmax(axis=1)[:, None]
     d = (np.take_along_axis(b, imax, axis=1) / np.float32(-8)).astype(np.float32)
-    q = np.trunc(b * _inv(d) + np.float32(8.5)).astype(np.int32).clip(0, 15).astype(np.uint8)
+    q = np.trunc(b * inverse_or_zero(d) + np.float32(8.5)).astype(np.int32).clip(0, 15).astype(np.uint8)
     return np.concatenate([d.astype(np.float16).view(np.uint8), _pack_nibbles(q)], axis=1)
 
 
@@ -140,7 +141,7 @@ def _quantize_q4_1(b: np.ndarray) -> np.ndarray:
     # ggml quantize_row_q4_1_ref: d = (max - min) / 15, q = min(15, (int8)((x - min)/d + 0.5))
     mn = b.min(axis=1, keepdims=True)
     d = ((b.max(axis=1, keepdims=True) - mn) / np.float32(15)).astype(np.float32)
-    q = np.trunc((b - mn) * _inv(d) + np.float32(0.5)).astype(np.int32).clip(0, 15).astype(np.uint8)
+    q = np.trunc((b - mn) * inverse_or_zero(d) + np.float32(0.5)).astype(np.int32).clip(0, 15).astype(np.uint8)
     return np.concatenate(
         [d.astype(np.float16).view(np.uint8), mn.astype(np.float16).view(np.uint8), _pack_nibbles(q)], axis=1
     )
@@ -149,7 +150,7 @@ def _quantize_q4_1(b: np.ndarray) -> np.ndarray:
 def _quantize_q8_0(b: np.ndarray) -> np.ndarray:
     # ggml quantize_row_q8_0_ref: d = max|x| / 127, q = roundf(x * (1/d))
     d = (np.abs(b).max(axis=1, keepdims=True) / np.float32(127)).astype(np.float32)
-    q = round_half_away(b * _inv(d)).astype(np.int8)
+    q = round_half_away(b * inverse_or_zero(d)).astype(np.int8)
     return np.concatenate([d.astype(np.float16).view(np.uint8), q.view(np.uint8)], axis=1)
 
 
@@ -226,11 +227,13 @@ def _check_tile(tile: Sequence[int]) -> tuple[int, int]:
     return TR, TK
 
 
-def _split(n: int, step: int) -> list[tuple[int, int]]:
+def split_steps(n: int, step: int) -> list[tuple[int, int]]:
+    """[0, n) cut into consecutive (start, end) pieces of `step` (the last may be shorter)."""
     return [(a, min(a + step, n)) for a in range(0, n, step)]
 
 
-def _fields(dtype: str) -> list[tuple[int, int]]:
+def block_fields(dtype: str) -> list[tuple[int, int]]:
+    """(offset, bytes) of each field of a `dtype` block, in GGML order (scales first)."""
     out, o = [], 0
     for s in BLOCK_FIELDS[dtype]:
         out.append((o, s))
@@ -247,14 +250,14 @@ def _pack_groups(sub: np.ndarray, g: int, fields: list[tuple[int, int]]) -> np.n
 
 
 def _unpack_groups(flat: np.ndarray, nb: int, r: int, tb: int, g: int, fields: list[tuple[int, int]]) -> np.ndarray:
-    # inverse of _pack_groups: (nb, r*tb*B) -> (nb, r, tb, B)
+    # inverse of _pack_groups, for fields stored in any order: (nb, r*tb*B) -> (nb, r, tb, B)
     B = sum(s for _, s in fields)
     x = flat.reshape(nb, r // g, tb, g * B)
-    parts, o_chunk = [], 0
-    for _, s in fields:
-        parts.append(x[..., o_chunk:o_chunk + g * s].reshape(nb, r // g, tb, g, s))
+    y = np.empty((nb, r // g, tb, g, B), np.uint8)
+    o_chunk = 0
+    for o, s in fields:
+        y[..., o:o + s] = x[..., o_chunk:o_chunk + g * s].reshape(nb, r // g, tb, g, s)
         o_chunk += g * s
-    y = np.concatenate(parts, axis=4)  # (nb, ng, tb, g, B)
     return y.transpose(0, 1, 3, 2, 4).reshape(nb, r, tb, B)
 
 
@@ -262,6 +265,50 @@ def _band_rows(rb: int) -> list[tuple[int, int, int]]:
     # (start, rows, group size) of the full-group part and the short last group of a band of rb rows
     full = rb // G * G
     return [(a, n, g) for a, n, g in ((0, full, G), (full, rb - full, rb - full)) if n > 0]
+
+
+def _bands(rows: int, TR: int) -> list[tuple[int, int, int]]:
+    # (first row, number of bands, rows per band): the full bands together, then the short one
+    n_full = rows // TR
+    return [(r0, nb, rb) for r0, nb, rb in ((0, n_full, TR), (n_full * TR, 1 if rows % TR else 0, rows % TR))
+            if nb > 0]
+
+
+def tile_blocks(b3: np.ndarray, TR: int, tile_blocks_per_row: int, fields: list[tuple[int, int]]) -> np.ndarray:
+    """The tile rule over blocks of any format: b3 [rows, blocks per row, B] -> flat uint8. Bands
+    of TR rows, tiles of `tile_blocks_per_row` blocks, row groups of 8; a chunk per (group, block)
+    holds the group's blocks field by field, in the order `fields` ((offset, bytes) in the block)
+    lists them. Full bands are identical in shape, so they are packed together."""
+    rows, nkb, B = b3.shape
+    out: list[np.ndarray] = []
+    for r0, nbands, rb in _bands(rows, TR):
+        band = b3[r0:r0 + nbands * rb].reshape(nbands, rb, nkb, B)
+        per_tile = []
+        for k0, k1 in split_steps(nkb, tile_blocks_per_row):
+            sub = band[:, :, k0:k1]
+            parts = [_pack_groups(sub[:, a:a + n], g, fields) for a, n, g in _band_rows(rb)]
+            per_tile.append(np.concatenate(parts, axis=1))
+        out.append(np.concatenate(per_tile, axis=1).reshape(-1))
+    return np.concatenate(out) if out else np.zeros(0, np.uint8)
+
+
+def untile_blocks(tiled: np.ndarray, rows: int, nkb: int, B: int, TR: int, tile_blocks_per_row: int,
+                  fields: list[tuple[int, int]]) -> np.ndarray:
+    """Inverse of `tile_blocks`: flat uint8 -> [rows, nkb, B]."""
+    out = np.empty((rows, nkb, B), np.uint8)
+    pos = 0
+    for r0, nbands, rb in _bands(rows, TR):
+        band_bytes = rb * nkb * B
+        bands = tiled[pos:pos + nbands * band_bytes].reshape(nbands, band_bytes)
+        dst = out[r0:r0 + nbands * rb].reshape(nbands, rb, nkb, B)
+        o = 0
+        for k0, k1 in split_steps(nkb, tile_blocks_per_row):
+            for a, n, g in _band_rows(rb):
+                nbytes = n * (k1 - k0) * B
+                dst[:, a:a + n, k0:k1] = _unpack_groups(bands[:, o:o + nbytes], nbands, n, k1 - k0, g, fields)
+                o += nbytes
+        pos += nbands * band_bytes
+    return out
 
 
 def tile_matrix(blocks: np.ndarray, dtype: str, rows: int, cols: int, tile: Sequence[int] = TILE) -> np.ndarray:
@@ -272,22 +319,8 @@ def tile_matrix(blocks: np.ndarray, dtype: str, rows: int, cols: int, tile: Sequ
         raise QuantError(f"expected {rows} rows of blocks, got {blocks.shape[0]}")
     if cols % QK:
         raise QuantError(f"a tiled matrix needs a multiple of {QK} columns, got {cols}")
-    fields, B, nkb = _fields(dtype), block_bytes(dtype), cols // QK
-    b3 = blocks.reshape(rows, nkb, B)
-    out: list[np.ndarray] = []
-    n_full = rows // TR
-    # Full bands are identical in shape, so they are packed together: (n_full, band_bytes).
-    for r0, nbands, rb in ((0, n_full, TR), (n_full * TR, 1 if rows % TR else 0, rows % TR)):
-        if nbands == 0:
-            continue
-        band = b3[r0:r0 + nbands * rb].reshape(nbands, rb, nkb, B)
-        per_tile = []
-        for k0, k1 in _split(nkb, TK // QK):
-            sub = band[:, :, k0:k1]
-            parts = [_pack_groups(sub[:, a:a + n], g, fields) for a, n, g in _band_rows(rb)]
-            per_tile.append(np.concatenate(parts, axis=1))
-        out.append(np.concatenate(per_tile, axis=1).reshape(-1))
-    return np.concatenate(out) if out else np.zeros(0, np.uint8)
+    B, nkb = block_bytes(dtype), cols // QK
+    return tile_blocks(blocks.reshape(rows, nkb, B), TR, TK // QK, block_fields(dtype))
 
 
 def untile_matrix(tiled: np.ndarray, dtype: str, rows: int, cols: int, tile: Sequence[int] = TILE) -> np.ndarray:
@@ -300,24 +333,8 @@ def untile_matrix(tiled: np.ndarray, dtype: str, rows: int, cols: int, tile: Seq
                          f"got {tiled.size} of {tiled.dtype}")
     if cols % QK:
         raise QuantError(f"a tiled matrix needs a multiple of {QK} columns, got {cols}")
-    tiled = tiled.reshape(-1)
-    fields, B, nkb = _fields(dtype), block_bytes(dtype), cols // QK
-    out = np.empty((rows, nkb, B), np.uint8)
-    n_full, pos = rows // TR, 0
-    for r0, nbands, rb in ((0, n_full, TR), (n_full * TR, 1 if rows % TR else 0, rows % TR)):
-        if nbands == 0:
-            continue
-        band_bytes = rb * nkb * B
-        bands = tiled[pos:pos + nbands * band_bytes].reshape(nbands, band_bytes)
-        dst = out[r0:r0 + nbands * rb].reshape(nbands, rb, nkb, B)
-        o = 0
-        for k0, k1 in _split(nkb, TK // QK):
-            for a, n, g in _band_rows(rb):
-                nbytes = n * (k1 - k0) * B
-                dst[:, a:a + n, k0:k1] = _unpack_groups(bands[:, o:o + nbytes], nbands, n, k1 - k0, g, fields)
-                o += nbytes
-        pos += nbands * band_bytes
-    return out.reshape(rows, rb_bytes)
+    B, nkb = block_bytes(dtype), cols // QK
+    return untile_blocks(tiled.reshape(-1), rows, nkb, B, TR, TK // QK, block_fields(dtype)).reshape(rows, rb_bytes)
 
 
 def tile_matrix_loops(blocks: np.ndarray, dtype: str, rows: int, cols: int, tile: Sequence[int] = TILE) -> np.ndarray:
@@ -326,11 +343,11 @@ def tile_matrix_loops(blocks: np.ndarray, dtype: str, rows: int, cols: int, tile
     blocks = check_blocks(blocks, dtype, cols)
     B = block_bytes(dtype)
     out = bytearray()
-    for r0, r1 in _split(rows, TR):
-        for k0, k1 in _split(cols // QK, TK // QK):
-            for g0, g1 in _split(r1 - r0, G):
+    for r0, r1 in split_steps(rows, TR):
+        for k0, k1 in split_steps(cols // QK, TK // QK):
+            for g0, g1 in split_steps(r1 - r0, G):
                 for kb in range(k0, k1):
-                    for o, s in _fields(dtype):
+                    for o, s in block_fields(dtype):
                         for r in range(r0 + g0, r0 + g1):
                             out += blocks[r, kb * B + o:kb * B + o + s].tobytes()
     return np.frombuffer(bytes(out), np.uint8)
@@ -379,7 +396,7 @@ def quantize_act(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         raise QuantError(f"an activation is a vector whose length is a multiple of {QK}, got shape {x.shape}")
     b = x.reshape(-1, QK)
     d = (np.abs(b).max(axis=1) / np.float32(127)).astype(np.float32)
-    q = round_half_away(b * _inv(d)[:, None]).astype(np.int8)
+    q = round_half_away(b * inverse_or_zero(d)[:, None]).astype(np.int8)
     s = (d * q.astype(np.int32).sum(axis=1).astype(np.float32)).astype(np.float32)
     return q.reshape(-1), d, s
 
