@@ -68,6 +68,30 @@ def hf_weights(seed: int = 0) -> dict[str, np.ndarray]:
             .astype(np.float32) for n, s in shapes.items()}
 
 
+def add_tiny_tokenizer(wr: "gguf.GGUFWriter", model: str = "gpt2") -> None:
+    """The tiny byte-level BPE tokenizer (with specials and a chat template) of the test GGUFs."""
+    wr.add_tokenizer_model(model)
+    wr.add_tokenizer_pre("smollm")
+    vocab = tiny_vocab()
+    wr.add_token_list(vocab)
+    wr.add_token_types([3] * len(SPECIALS) + [1] * (len(vocab) - len(SPECIALS)))
+    wr.add_token_merges(MERGES)
+    wr.add_bos_token_id(1)
+    wr.add_eos_token_id(2)
+    wr.add_add_bos_token(False)
+    wr.add_chat_template(TEMPLATE)
+
+
+def add_tensor(wr: "gguf.GGUFWriter", name: str, x: np.ndarray, t) -> None:
+    """Float weights `x` stored as GGML type `t` (F32, F16, or quantized by gguf.quants)."""
+    if t == T.F32:
+        wr.add_tensor(name, x)
+    elif t == T.F16:
+        wr.add_tensor(name, x.astype(np.float16))
+    else:
+        wr.add_tensor(name, gguf.quants.quantize(x, t), raw_dtype=t)
+
+
 def write_gguf(path: Path, *, arch: str = "llama", types: dict | None = None, tied: bool = False,
                drop: tuple[str, ...] = (), extra: tuple[str, ...] = (), tokenizer_model: str = "gpt2") -> dict:
     """Write a tiny GGUF; returns the GGUF-order float weights it was made from."""
@@ -88,26 +112,12 @@ def write_gguf(path: Path, *, arch: str = "llama", types: dict | None = None, ti
     wr.add_rope_freq_base(50000.0)
     wr.add_layer_norm_rms_eps(1e-6)
     wr.add_rope_dimension_count(HD)
-    wr.add_tokenizer_model(tokenizer_model)
-    wr.add_tokenizer_pre("smollm")
-    vocab = tiny_vocab()
-    wr.add_token_list(vocab)
-    wr.add_token_types([3] * len(SPECIALS) + [1] * (len(vocab) - len(SPECIALS)))
-    wr.add_token_merges(MERGES)
-    wr.add_bos_token_id(1)
-    wr.add_eos_token_id(2)
-    wr.add_add_bos_token(False)
-    wr.add_chat_template(TEMPLATE)
+    add_tiny_tokenizer(wr, tokenizer_model)
     for name, x in w.items():
         if name in drop:
             continue
         t = types.get(name, T.F32 if x.ndim == 1 else T.Q8_0)
-        if t == T.F32:
-            wr.add_tensor(name, x)
-        elif t == T.F16:
-            wr.add_tensor(name, x.astype(np.float16))
-        else:
-            wr.add_tensor(name, gguf.quants.quantize(x, t), raw_dtype=t)
+        add_tensor(wr, name, x, t)
     for name in extra:
         wr.add_tensor(name, np.ones(D, np.float32))
     wr.write_header_to_file()

@@ -42,7 +42,7 @@ from cflow.fileformat import open_model
 gguf = pytest.importorskip("gguf")
 torch = pytest.importorskip("torch")
 
-from test_convert_gguf import MERGES, SPECIALS, TEMPLATE, llama_cpp_permute, tiny_vocab  # noqa: E402
+from test_convert_gguf import add_tensor, add_tiny_tokenizer, llama_cpp_permute, tiny_vocab  # noqa: E402
 from test_engine import MARGIN, MAX_TOL, MEDIAN_TOL  # noqa: E402
 
 T = gguf.GGMLQuantizationType
@@ -132,26 +132,11 @@ def write_moe_gguf(path: Path, *, layout: str = "merged", n_experts: int = E, to
             wr.add_expert_used_count(top_k)
         if shared:
             wr.add_expert_shared_count(shared)
-    wr.add_tokenizer_model("gpt2")
-    wr.add_tokenizer_pre("smollm")
-    vocab = tiny_vocab()
-    wr.add_token_list(vocab)
-    wr.add_token_types([3] * len(SPECIALS) + [1] * (len(vocab) - len(SPECIALS)))
-    wr.add_token_merges(MERGES)
-    wr.add_bos_token_id(1)
-    wr.add_eos_token_id(2)
-    wr.add_add_bos_token(False)
-    wr.add_chat_template(TEMPLATE)
+    add_tiny_tokenizer(wr)
 
     def add(name: str, x: np.ndarray, t) -> None:
-        if name in drop:
-            return
-        if t == T.F32:
-            wr.add_tensor(name, x)
-        elif t == T.F16:
-            wr.add_tensor(name, x.astype(np.float16))
-        else:
-            wr.add_tensor(name, gguf.quants.quantize(x, t), raw_dtype=t)
+        if name not in drop:
+            add_tensor(wr, name, x, t)
 
     for name, x in w.items():
         t = tensor_type(name)
