@@ -382,6 +382,19 @@ def _diag(order: list[str], k: int) -> Iterator[tuple[str, str]]:
     yield order[k], order[k]
 
 
+def add_tokenizer(wr: Any, vocab: int) -> None:
+    """Write the byte-level BPE tokenizer of `tokenizer_parts(vocab)` into a GGUFWriter's metadata."""
+    tokens, types, merges = tokenizer_parts(vocab)
+    wr.add_tokenizer_model("gpt2")
+    wr.add_tokenizer_pre("gpt-2")
+    wr.add_token_list(tokens)
+    wr.add_token_types(types)
+    wr.add_token_merges(merges)
+    wr.add_bos_token_id(0)
+    wr.add_eos_token_id(0)
+    wr.add_add_bos_token(False)
+
+
 def cflow_tokenizer(vocab: int) -> dict[str, Any]:
     tokens, _, merges = tokenizer_parts(vocab)
     return {"model": "bpe", "vocab": tokens, "merges": merges, "bos_id": 0, "eos_id": 0, "add_bos": False,
@@ -456,15 +469,7 @@ def write_gguf(path: str | os.PathLike, g: Geometry, q: str = "q4_0", seed: int 
         wr.add_vocab_size(g.vocab)
         wr.add_file_type(int(ftype))
         wr.add_quantization_version(gguf.GGML_QUANT_VERSION)
-        tokens, types, merges = tokenizer_parts(g.vocab)
-        wr.add_tokenizer_model("gpt2")
-        wr.add_tokenizer_pre("gpt-2")
-        wr.add_token_list(tokens)
-        wr.add_token_types(types)
-        wr.add_token_merges(merges)
-        wr.add_bos_token_id(0)
-        wr.add_eos_token_id(0)
-        wr.add_add_bos_token(False)
+        add_tokenizer(wr, g.vocab)
         wr.add_chat_template(CHAT_TEMPLATE)
         for t in tensors:
             if t.kind in ("norm", "router"):

@@ -208,15 +208,7 @@ def write_dense_gguf(path: str | os.PathLike, *, layers: int, d_model: int, d_ff
     wr.add_file_type(int({"q4_0": gguf.LlamaFileType.MOSTLY_Q4_0, "q4_1": gguf.LlamaFileType.MOSTLY_Q4_1,
                           "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[quant]))
     wr.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    tokens, types, merges = mm.tokenizer_parts(vocab)
-    wr.add_tokenizer_model("gpt2")
-    wr.add_tokenizer_pre("gpt-2")
-    wr.add_token_list(tokens)
-    wr.add_token_types(types)
-    wr.add_token_merges(merges)
-    wr.add_bos_token_id(0)
-    wr.add_eos_token_id(0)
-    wr.add_add_bos_token(False)
+    mm.add_tokenizer(wr, vocab)
     for name, shape, kind in tensors:
         if kind == "n":
             wr.add_tensor_info(name, shape, np.dtype(np.float32), nbytes(shape, kind))
