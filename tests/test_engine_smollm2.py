@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from cflow.bench.claims.c7_parity import PROMPTS  # the prompts claim C7 measures parity on too
 from cflow.runtime import Engine
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -29,16 +30,6 @@ AGREEMENT = 0.99   # share of those positions where the engine must pick HF's to
 # is amplified; the bounds leave some room above that.
 MEAN_REL = 0.08    # mean over positions of mean|dlogit| / std(logits)
 MAX_REL = 1.0      # max over positions of max|dlogit| / std(logits)
-
-PROMPTS = [
-    "The capital of France is Paris. The capital of Germany is Berlin. The capital of Italy is",
-    "Once upon a time, there was a little girl named Lily. She loved to play outside in the sunshine. "
-    "One day, she saw a big",
-    "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
-    "Water boils at 100 degrees Celsius. Ice melts at 0 degrees Celsius. The human body temperature is about",
-    "<|im_start|>user\nWhat is the largest planet in the solar system?<|im_end|>\n<|im_start|>assistant\n",
-    "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,",
-]
 
 
 def _gguf() -> Path:
