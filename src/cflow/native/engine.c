@@ -189,17 +189,11 @@ typedef struct cf_prof_thread {
     int64_t dropped;
 } cf_prof_thread;
 
-static uint64_t clock_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
-}
-
 /* Close thread ith's open segment (if any) and open one of `kind` (-1: none) at `layer` (-1: the
  * same layer). Returns the timestamp. */
 __attribute__((noinline, cold)) static int64_t prof_mark(cf_engine *e, int ith, int kind, int layer) {
     cf_prof_thread *p = &e->prof[ith];
-    int64_t now = (int64_t)clock_ns();
+    int64_t now = (int64_t)cf_now_ns();
     if (p->kind >= 0) {
         if (p->n < e->prof_cap) p->ev[p->n++] = (cf_prof_event){p->last, now, p->kind, p->layer};
         else p->dropped++;
@@ -229,14 +223,6 @@ static void sync_threads(cf_engine *e, int ith, int next) {
 __attribute__((cold)) static int64_t prof_open(cf_engine *e, int ith, int kind, int layer) {
     e->prof[ith].kind = -1;
     return prof_mark(e, ith, kind, layer);
-}
-
-static void set_err(char *err, size_t n, const char *fmt, ...) {
-    if (!err || !n) return;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, n, fmt, ap);
-    va_end(ap);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -506,9 +492,9 @@ static int acquire_wave(cf_engine *e, int set, int ms, int i0, int max) {
     if (e->xasync) {
         cf_xstore_submit(e->xs, e->xwave, nm);
     } else if (nm) { /* sync: read, then compute; the reading is the stall */
-        uint64_t t0 = clock_ns();
+        uint64_t t0 = cf_now_ns();
         for (int j = 0; j < nm; j++) cf_xstore_read_now(e->xs, e->xwave[j]);
-        e->cnt.n[CF_CNT_IO_STALL_NS] += clock_ns() - t0;
+        e->cnt.n[CF_CNT_IO_STALL_NS] += cf_now_ns() - t0;
     }
     return i;
 }
@@ -774,14 +760,14 @@ static int forward(cf_engine *e, const int32_t *tokens, int B, float *logits, in
 
 static int check_token(cf_engine *e, int token, int i) {
     if (token >= 0 && token < e->c.vocab) return 0;
-    set_err(e->err, sizeof e->err, "token id %d at index %d is outside the vocabulary (0..%d)", token, i,
+    cf_set_err(e->err, sizeof e->err, "token id %d at index %d is outside the vocabulary (0..%d)", token, i,
             e->c.vocab - 1);
     return -1;
 }
 
 static int check_seq(cf_engine *e, int seq, int i) {
     if (seq >= 0 && seq < e->n_seq) return 0;
-    set_err(e->err, sizeof e->err, "sequence slot %d at index %d does not exist (the engine has %d: 0..%d)",
+    cf_set_err(e->err, sizeof e->err, "sequence slot %d at index %d does not exist (the engine has %d: 0..%d)",
             seq, i, e->n_seq, e->n_seq - 1);
     return -1;
 }
@@ -789,12 +775,12 @@ static int check_seq(cf_engine *e, int seq, int i) {
 static int check_call(cf_engine *e, int seq, const int32_t *tokens, int n, int pos0) {
     e->err_kind = CF_ERR_INPUT; /* what a failure below is; cleared when the checks pass */
     if (n < 1) {
-        set_err(e->err, sizeof e->err, "no tokens to process");
+        cf_set_err(e->err, sizeof e->err, "no tokens to process");
         return -1;
     }
     if (check_seq(e, seq, 0)) return -1;
     if (pos0 < 0 || (int64_t)pos0 + n > e->n_ctx) {
-        set_err(e->err, sizeof e->err,
+        cf_set_err(e->err, sizeof e->err,
                 "positions %d..%d do not fit the context of %d tokens; load the model with a "
                 "larger context (n_ctx / -c)", pos0, pos0 + n - 1, e->n_ctx);
         return -1;
@@ -833,7 +819,7 @@ int cf_prefill(cf_engine *e, const int32_t *tokens, int n, int pos0, float *logi
 int cf_step_batch(cf_engine *e, const int *seq, const int32_t *tokens, const int *pos, int B, float *logits) {
     e->err_kind = CF_ERR_INPUT;
     if (B < 1 || B > e->n_seq) {
-        set_err(e->err, sizeof e->err, "a batched step takes 1..%d rows (one per sequence slot), got %d",
+        cf_set_err(e->err, sizeof e->err, "a batched step takes 1..%d rows (one per sequence slot), got %d",
                 e->n_seq, B);
         return -1;
     }
@@ -841,11 +827,11 @@ int cf_step_batch(cf_engine *e, const int *seq, const int32_t *tokens, const int
     for (int b = 0; b < B && !bad; b++) {
         if (check_seq(e, seq[b], b) || check_token(e, tokens[b], b)) bad = 1;
         else if (pos[b] < 0 || pos[b] >= e->n_ctx) {
-            set_err(e->err, sizeof e->err, "position %d of row %d does not fit the context of %d tokens; "
+            cf_set_err(e->err, sizeof e->err, "position %d of row %d does not fit the context of %d tokens; "
                     "load the model with a larger context (n_ctx / -c)", pos[b], b, e->n_ctx);
             bad = 1;
         } else if (e->seen[seq[b]]) {
-            set_err(e->err, sizeof e->err, "sequence slot %d appears twice in one batched step (rows %d and %d)",
+            cf_set_err(e->err, sizeof e->err, "sequence slot %d appears twice in one batched step (rows %d and %d)",
                     seq[b], e->seen[seq[b]] - 1, b);
             bad = 1;
         } else {
@@ -1079,7 +1065,7 @@ static int check_config(const cf_config *c, char *err, size_t n) {
         bad = "n_unique_layers must be in 1..n_layers";
     else if (!(c->norm_eps > 0) || !(c->rope_theta > 0))
         bad = "norm_eps and rope_theta must be positive";
-    if (bad) set_err(err, n, "bad model config: %s", bad);
+    if (bad) cf_set_err(err, n, "bad model config: %s", bad);
     return bad ? -1 : 0;
 }
 
@@ -1092,30 +1078,30 @@ static int bind_tensor(const int64_t *desc, int n_experts, int i, int rows, int 
     char what[96];
     cf_desc_name(n_experts, i, what, sizeof what);
     if (dt < 0) {
-        set_err(err, n, "tensor %s is missing from the file; re-convert the model", what);
+        cf_set_err(err, n, "tensor %s is missing from the file; re-convert the model", what);
         return -1;
     }
     if (row[CF_DESC_ROWS] != rows || row[CF_DESC_COLS] != cols) {
-        set_err(err, n, "tensor %s has shape [%lld, %lld], the config needs [%d, %d]", what,
+        cf_set_err(err, n, "tensor %s has shape [%lld, %lld], the config needs [%d, %d]", what,
                 (long long)row[CF_DESC_ROWS], (long long)row[CF_DESC_COLS], rows, cols);
         return -1;
     }
     size_t nbytes;
     if (want_f32) {
         if (dt != CF_F32) {
-            set_err(err, n, "tensor %s must be F32 (dtype id 0), got dtype id %lld", what, (long long)dt);
+            cf_set_err(err, n, "tensor %s must be F32 (dtype id 0), got dtype id %lld", what, (long long)dt);
             return -1;
         }
         nbytes = (size_t)rows * cols * 4;
     } else {
         int64_t tr = row[CF_DESC_TR], tc = row[CF_DESC_TC];
         if (dt != CF_Q4_0 && dt != CF_Q4_1 && dt != CF_Q8_0) {
-            set_err(err, n, "tensor %s has dtype id %lld; the engine runs Q4_0, Q4_1 or Q8_0 "
+            cf_set_err(err, n, "tensor %s has dtype id %lld; the engine runs Q4_0, Q4_1 or Q8_0 "
                     "matrices (re-convert with one of those)", what, (long long)dt);
             return -1;
         }
         if (tr <= 0 || tr % CF_G || tr > 1 << 20 || tc <= 0 || tc % CF_QK || tc > 1 << 20 || cols % CF_QK) {
-            set_err(err, n, "tensor %s has tile %lldx%lld; tile rows must be a multiple of %d and "
+            cf_set_err(err, n, "tensor %s has tile %lldx%lld; tile rows must be a multiple of %d and "
                     "tile columns and matrix columns multiples of %d", what, (long long)tr,
                     (long long)tc, CF_G, CF_QK);
             return -1;
@@ -1124,7 +1110,7 @@ static int bind_tensor(const int64_t *desc, int n_experts, int i, int rows, int 
         *t = (cf_tiled){.dtype = (int)dt, .rows = rows, .cols = cols, .tile_rows = (int)tr, .tile_cols = (int)tc};
     }
     if (off < 0 || (uint64_t)off > buf_len || nbytes > buf_len - (size_t)off || (want_f32 && off % 4)) {
-        set_err(err, n, "tensor %s (offset %lld, %zu bytes) lies outside the %zu-byte file or is "
+        cf_set_err(err, n, "tensor %s (offset %lld, %zu bytes) lies outside the %zu-byte file or is "
                 "misaligned; the file is truncated or corrupt", what, (long long)off, nbytes, buf_len);
         return -1;
     }
@@ -1141,14 +1127,14 @@ static int bind_weights(cf_engine *e, const uint8_t *buf, size_t len, const int6
     const cf_config *c = &e->c;
     int E = c->n_experts, q_dim = c->n_heads * c->hd, kv_dim = c->n_kv * c->hd;
     if (n_desc != cf_desc_count(E, c->n_unique)) {
-        set_err(err, n, "tensor table has %d rows, the config needs %d", n_desc, cf_desc_count(E, c->n_unique));
+        cf_set_err(err, n, "tensor table has %d rows, the config needs %d", n_desc, cf_desc_count(E, c->n_unique));
         return -1;
     }
     char name[96];
     for (int i = 0; i < n_desc; i++) {
         cf_desc_name(E, i, name, sizeof name);
         if (strcmp(names[i], name) != 0) {
-            set_err(err, n, "descriptor row %d is named '%s', the engine expects '%s' there (cflow "
+            cf_set_err(err, n, "descriptor row %d is named '%s', the engine expects '%s' there (cflow "
                     "and its compiled core disagree; rebuild with `pip install -e .`)", i, names[i], name);
             return -1;
         }
@@ -1162,7 +1148,7 @@ static int bind_weights(cf_engine *e, const uint8_t *buf, size_t len, const int6
     if (c->tie_embeddings) e->w.lm_head = e->w.tok_emb;
     else BIND(CF_T_LM_HEAD, c->vocab, c->d, 0, &e->w.lm_head, &fdummy);
     e->w.sets = calloc(c->n_unique, sizeof *e->w.sets);
-    if (!e->w.sets) return set_err(err, n, "out of memory"), -1;
+    if (!e->w.sets) return cf_set_err(err, n, "out of memory"), -1;
     const uint64_t norm_bytes = (uint64_t)c->d * sizeof(float);
     for (int i = 0; i < c->n_unique; i++) {
         cf_layer *L = &e->w.sets[i];
@@ -1185,7 +1171,7 @@ static int bind_weights(cf_engine *e, const uint8_t *buf, size_t len, const int6
         L->exp_gate_up = calloc(E, sizeof(cf_tiled));
         L->exp_down = calloc(E, sizeof(cf_tiled));
         L->exp_bytes = calloc(E, sizeof(uint64_t));
-        if (!L->exp_gate_up || !L->exp_down || !L->exp_bytes) return set_err(err, n, "out of memory"), -1;
+        if (!L->exp_gate_up || !L->exp_down || !L->exp_bytes) return cf_set_err(err, n, "out of memory"), -1;
         for (int x = 0; x < E; x++) {
             int s0 = CF_SLOTS_PER_SET + CF_EXPERT_SLOTS * x;
             SET(s0 + CF_E_GATE_UP, 2 * c->d_exp, c->d, 0, &L->exp_gate_up[x], &fdummy);
@@ -1201,7 +1187,7 @@ static int bind_weights(cf_engine *e, const uint8_t *buf, size_t len, const int6
 static int check_plan(const cf_engine *e, const int32_t *plan, int n_ops, char *err, size_t n) {
     const cf_config *c = &e->c;
     if (n_ops < 2 || plan[0] != CF_OP_EMBED || plan[(size_t)(n_ops - 1) * CF_OP_FIELDS] != CF_OP_FINAL)
-        return set_err(err, n, "plan must start with EMBED and end with FINAL"), -1;
+        return cf_set_err(err, n, "plan must start with EMBED and end with FINAL"), -1;
     for (int i = 0; i < n_ops; i++) {
         const int32_t *op = plan + (size_t)i * CF_OP_FIELDS;
         int k = op[0], l = op[1], a = op[2], b = op[3], cc = op[4];
@@ -1220,12 +1206,12 @@ static int check_plan(const cf_engine *e, const int32_t *plan, int n_ops, char *
         else if (k == CF_OP_FINAL)
             ok = ring_ok && b >= -1 && b < e->n_pending && i == n_ops - 1;
         if (!ok) {
-            set_err(err, n, "plan op %d {%d, %d, %d, %d, %d} is invalid for this model", i, k, l, a, b, cc);
+            cf_set_err(err, n, "plan op %d {%d, %d, %d, %d, %d} is invalid for this model", i, k, l, a, b, cc);
             return -1;
         }
     }
     if (cf_plan_inflight(plan, n_ops, e->n_moe) < 0)
-        return set_err(err, n, "plan pairs its route and experts ops wrongly: each route(l) needs one "
+        return cf_set_err(err, n, "plan pairs its route and experts ops wrongly: each route(l) needs one "
                        "experts(l) on the same moe slot, with no other route into that slot between"), -1;
     return 0;
 }
@@ -1332,14 +1318,14 @@ static int alloc_state(cf_engine *e) {
 static int open_disk_experts(cf_engine *e, const cf_disk_experts *dx, char *err, size_t n) {
     const cf_config *c = &e->c;
     int E = c->n_experts, n_keys = c->n_unique * E;
-    if (!E) return set_err(err, n, "this model has no experts; there is nothing to keep on disk"), -1;
+    if (!E) return cf_set_err(err, n, "this model has no experts; there is nothing to keep on disk"), -1;
     e->xrel = calloc((size_t)n_keys * 2, sizeof *e->xrel);
     e->xwave = calloc(E, sizeof *e->xwave);
     int64_t *off = malloc(sizeof(int64_t) * n_keys), *len = malloc(sizeof(int64_t) * n_keys);
     if (!e->xrel || !e->xwave || !off || !len) {
         free(off);
         free(len);
-        return set_err(err, n, "out of memory"), -1;
+        return cf_set_err(err, n, "out of memory"), -1;
     }
     int bad = -1;
     for (int k = 0; k < n_keys && bad < 0; k++) {
@@ -1354,7 +1340,7 @@ static int open_disk_experts(cf_engine *e, const cf_disk_experts *dx, char *err,
         }
     }
     if (bad >= 0) {
-        set_err(err, n, "the expert table says expert %d of layer %d spans %lld bytes at offset %lld, which do "
+        cf_set_err(err, n, "the expert table says expert %d of layer %d spans %lld bytes at offset %lld, which do "
                 "not hold its tensors; the file is inconsistent: re-convert it", bad % E, bad / E,
                 (long long)len[bad], (long long)off[bad]);
     } else {
@@ -1379,13 +1365,13 @@ cf_engine *cf_engine_create(const cf_config *cfg, const uint8_t *buf, size_t buf
     if (n_threads < 1 || n_threads > CF_MAX_THREADS || n_ctx < 1 || max_batch < 1 || max_batch > 4096 ||
         n_ring < 1 || n_ring > 64 || n_pending < 0 || n_pending > 64 || n_moe < 1 || n_moe > 64 ||
         n_seq < 1 || n_seq > CF_MAX_SEQ) {
-        set_err(err, err_len, "bad engine sizes: threads %d, n_ctx %d, max_batch %d, ring %d, "
+        cf_set_err(err, err_len, "bad engine sizes: threads %d, n_ctx %d, max_batch %d, ring %d, "
                 "pending %d, moe slots %d, sequences %d (1..%d)", n_threads, n_ctx, max_batch, n_ring,
                 n_pending, n_moe, n_seq, CF_MAX_SEQ);
         return NULL;
     }
     cf_engine *e = calloc(1, sizeof *e);
-    if (!e) return set_err(err, err_len, "out of memory"), NULL;
+    if (!e) return cf_set_err(err, err_len, "out of memory"), NULL;
     e->c = *cfg;
     e->k = cf_kernels();
     // every entry of the table: it holds exactly what the engine calls (cflow.h)
@@ -1396,7 +1382,7 @@ cf_engine *cf_engine_create(const cf_config *cfg, const uint8_t *buf, size_t buf
         missing |= !e->k->matvec[dts[i]] || !e->k->gate_up[dts[i]] || !e->k->matmat[dts[i]] ||
                     !e->k->gate_up_mm[dts[i]];
     if (missing) {
-        set_err(err, err_len, "kernel table '%s' lacks kernels the engine needs", e->k->name);
+        cf_set_err(err, err_len, "kernel table '%s' lacks kernels the engine needs", e->k->name);
         free(e);
         return NULL;
     }
@@ -1424,7 +1410,7 @@ cf_engine *cf_engine_create(const cf_config *cfg, const uint8_t *buf, size_t buf
     }
     e->plan = malloc((size_t)n_ops * CF_OP_FIELDS * sizeof *plan);
     if (!e->plan || alloc_state(e) || !(e->pool = cf_pool_create(n_threads))) {
-        set_err(err, err_len, "out of memory (KV cache for %d sequence(s) of n_ctx=%d needs %.1f MiB; try a "
+        cf_set_err(err, err_len, "out of memory (KV cache for %d sequence(s) of n_ctx=%d needs %.1f MiB; try a "
                 "smaller context)", n_seq, n_ctx,
                 2.0 * cfg->n_layers * cfg->n_kv * cfg->hd * n_ctx * 2 * n_seq / 1048576.0);
         cf_engine_free(e);

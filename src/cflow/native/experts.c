@@ -87,20 +87,6 @@ const char *const cf_xfault_names[CF_XFAULT_KINDS] = {
     [CF_XFAULT_NONE] = "none", [CF_XFAULT_EIO] = "eio", [CF_XFAULT_SHORT] = "short",
 };
 
-static void set_err(char *err, size_t n, const char *fmt, ...) {
-    if (!err || !n) return;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, n, fmt, ap);
-    va_end(ap);
-}
-
-static uint64_t now_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
-}
-
 static int64_t round_up(int64_t n) { return (n + CF_XALIGN - 1) / CF_XALIGN * CF_XALIGN; }
 
 // ---------------------------------------------------------------------------------------------
@@ -227,10 +213,10 @@ int cf_xstore_wait(cf_xstore *xs, int slot, uint64_t *stall_ns) {
     xslot *s = &xs->slots[slot];
     uint32_t st = atomic_load_explicit(&s->state, memory_order_acquire);
     if (st != XS_LOADING) return st == XS_READY ? 0 : -1;
-    uint64_t t0 = stall_ns ? now_ns() : 0;
+    uint64_t t0 = stall_ns ? cf_now_ns() : 0;
     cf_word_wait_spin(&s->state, XS_LOADING, WAIT_SPIN, &s->waiters);
     st = atomic_load_explicit(&s->state, memory_order_acquire);
-    if (stall_ns) *stall_ns += now_ns() - t0;
+    if (stall_ns) *stall_ns += cf_now_ns() - t0;
     return st == XS_READY ? 0 : -1;
 }
 
@@ -258,12 +244,12 @@ int cf_xstore_begin(cf_xstore *xs, char *err, size_t n) {
     }
     struct stat st;
     if (fstat(xs->fd, &st) != 0) {
-        set_err(err, n, "cannot stat %s: %s", xs->path, strerror(errno));
+        cf_set_err(err, n, "cannot stat %s: %s", xs->path, strerror(errno));
         return -1;
     }
     if (st.st_size != xs->size0 || st.st_mtim.tv_sec != xs->mtime0.tv_sec ||
         st.st_mtim.tv_nsec != xs->mtime0.tv_nsec) {
-        set_err(err, n, "%s changed on disk since it was loaded (%lld bytes then, %lld now); its experts "
+        cf_set_err(err, n, "%s changed on disk since it was loaded (%lld bytes then, %lld now); its experts "
                 "can no longer be read consistently: load the model again", xs->path, (long long)xs->size0,
                 (long long)st.st_size);
         return -1;
@@ -277,10 +263,10 @@ void cf_xstore_error(const cf_xstore *xs, int slot, char *out, size_t n) {
     int set = key / xs->n_experts, e = key % xs->n_experts;
     long long off = (long long)xs->off[key];
     if (s->err_no)
-        set_err(out, n, "reading expert %d of layer %d (%lld bytes at offset %lld) from %s failed: %s", e,
+        cf_set_err(out, n, "reading expert %d of layer %d (%lld bytes at offset %lld) from %s failed: %s", e,
                 set, (long long)s->want, off, xs->path, strerror(s->err_no));
     else
-        set_err(out, n, "reading expert %d of layer %d from %s returned %lld of %lld bytes at offset %lld: "
+        cf_set_err(out, n, "reading expert %d of layer %d from %s returned %lld of %lld bytes at offset %lld: "
                 "the file is shorter than when it was loaded (truncated or rewritten while running?); "
                 "load the model again", e, set, xs->path, (long long)s->got, (long long)s->want, off);
 }
@@ -322,13 +308,13 @@ static int probe_direct(int fd, uint8_t *buf, int64_t off) {
 
 cf_xstore *cf_xstore_open(const cf_xstore_opts *o, char *err, size_t n) {
     if (o->n_keys < 1 || o->n_experts < 1 || o->budget < 0 || o->min_slots < 1) {
-        set_err(err, n, "bad expert store options");
+        cf_set_err(err, n, "bad expert store options");
         return NULL;
     }
     int64_t largest = 0;
     for (int k = 0; k < o->n_keys; k++) {
         if (o->offset[k] < 0 || o->offset[k] % CF_XALIGN || o->nbytes[k] <= 0) {
-            set_err(err, n, "expert %d of layer %d has span (%lld, %lld bytes); expert spans must start on "
+            cf_set_err(err, n, "expert %d of layer %d has span (%lld, %lld bytes); expert spans must start on "
                     "a 4096-byte boundary (re-convert the model)", k % o->n_experts, k / o->n_experts,
                     (long long)o->offset[k], (long long)o->nbytes[k]);
             return NULL;
@@ -338,13 +324,13 @@ cf_xstore *cf_xstore_open(const cf_xstore_opts *o, char *err, size_t n) {
     int64_t slot_bytes = round_up(largest), slots = o->budget / slot_bytes;
     if (slots > o->n_keys) slots = o->n_keys; /* room for every expert: more would stay empty */
     if (slots < o->min_slots) {
-        set_err(err, n, "an expert cache of %lld bytes holds %lld experts of %lld bytes; this model needs at "
+        cf_set_err(err, n, "an expert cache of %lld bytes holds %lld experts of %lld bytes; this model needs at "
                 "least %d (top_k x layers in flight), %lld bytes: raise the expert cache budget", (long long)o->budget,
                 (long long)slots, (long long)slot_bytes, o->min_slots, (long long)o->min_slots * slot_bytes);
         return NULL;
     }
     cf_xstore *xs = calloc(1, sizeof *xs);
-    if (!xs) return set_err(err, n, "out of memory"), NULL;
+    if (!xs) return cf_set_err(err, n, "out of memory"), NULL;
     xs->fd = -1;
     xs->mem = MAP_FAILED;
     xs->n_keys = o->n_keys;
@@ -369,12 +355,12 @@ cf_xstore *cf_xstore_open(const cf_xstore_opts *o, char *err, size_t n) {
     xs->queue = calloc((size_t)slots, sizeof(int));
     if (!xs->path || !xs->off || !xs->len || !xs->slot_of || !xs->score || !xs->slots || !xs->queue) {
         cf_xstore_free(xs);
-        return set_err(err, n, "out of memory"), NULL;
+        return cf_set_err(err, n, "out of memory"), NULL;
     }
     // lazily backed: a slot costs memory once it is first filled
     xs->mem = mmap(NULL, xs->mem_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (xs->mem == MAP_FAILED) {
-        set_err(err, n, "cannot reserve %lld bytes for the expert cache: %s; give a smaller budget",
+        cf_set_err(err, n, "cannot reserve %lld bytes for the expert cache: %s; give a smaller budget",
                 (long long)xs->mem_bytes, strerror(errno));
         cf_xstore_free(xs);
         return NULL;
@@ -409,7 +395,7 @@ cf_xstore *cf_xstore_open(const cf_xstore_opts *o, char *err, size_t n) {
         xs->len[k] = round_up(o->nbytes[k]);
         xs->slot_of[k] = -1;
         if (xs->off[k] + xs->len[k] > (int64_t)st.st_size) {
-            set_err(err, n, "expert %d of layer %d (%lld bytes at %lld, read rounded to 4096) runs past the end "
+            cf_set_err(err, n, "expert %d of layer %d (%lld bytes at %lld, read rounded to 4096) runs past the end "
                     "of %s (%lld bytes); the file is truncated", k % o->n_experts, k / o->n_experts,
                     (long long)o->nbytes[k], (long long)o->offset[k], xs->path, (long long)st.st_size);
             cf_xstore_free(xs);
@@ -422,19 +408,19 @@ cf_xstore *cf_xstore_open(const cf_xstore_opts *o, char *err, size_t n) {
         xs->io = calloc((size_t)want, sizeof *xs->io);
         if (!xs->io) {
             cf_xstore_free(xs);
-            return set_err(err, n, "out of memory"), NULL;
+            return cf_set_err(err, n, "out of memory"), NULL;
         }
         for (; xs->n_io < want; xs->n_io++)
             if (pthread_create(&xs->io[xs->n_io], NULL, reader_main, xs) != 0) break;
         if (!xs->n_io) {
             cf_xstore_free(xs);
-            return set_err(err, n, "cannot start the expert reader threads"), NULL;
+            return cf_set_err(err, n, "cannot start the expert reader threads"), NULL;
         }
     }
     return xs;
 
 open_failed:
-    set_err(err, n, "cannot read experts from %s: %s", xs->path, strerror(errno));
+    cf_set_err(err, n, "cannot read experts from %s: %s", xs->path, strerror(errno));
     cf_xstore_free(xs);
     return NULL;
 }

@@ -6,6 +6,7 @@
 #include <time.h>
 
 #include "cflow.h"
+#include "util.h"
 
 typedef struct {
     const uint64_t *buf;
@@ -31,12 +32,6 @@ static void probe_task(void *p, int ith, int nth) {
     if (ith < 64) ctx->sums[ith] = a0 + a1 + a2 + a3 + a4 + a5 + a6 + a7;
 }
 
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
 /* Best-of-`reps` read bandwidth in GB/s over a buffer of `nbytes` (choose >> last-level cache),
  * the best of a plain read loop and one that prefetches 4 KiB ahead: which one the memory system
  * rewards depends on the machine and the thread count (here: plain wins on 1 thread, prefetch
@@ -55,9 +50,9 @@ double cf_read_bandwidth(size_t nbytes, int n_threads, int reps) {
     double best = 0.0;
     for (int r = 0; r < 2 * (reps < 1 ? 1 : reps); r++) {
         ctx.prefetch = r & 1;
-        double t0 = now_s();
+        double t0 = (1e-9 * (double)cf_now_ns());
         cf_pool_run(pool, probe_task, &ctx);
-        double dt = now_s() - t0;
+        double dt = (1e-9 * (double)cf_now_ns()) - t0;
         double gbs = (double)(n_words * sizeof(uint64_t)) / dt / 1e9;
         if (gbs > best) best = gbs;
     }

@@ -114,12 +114,6 @@ void cf_word_wait_spin(_Atomic uint32_t *word, uint32_t val, int spin, _Atomic u
     }
 }
 
-static long now_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec * 1000000000L + ts.tv_nsec;
-}
-
 /* Spin until *addr != val or the budget runs out; returns the last value seen. */
 static uint32_t spin_while_equal(const cf_pool *p, _Atomic uint32_t *addr, uint32_t val) {
     long deadline = 0;
@@ -128,7 +122,7 @@ static uint32_t spin_while_equal(const cf_pool *p, _Atomic uint32_t *addr, uint3
         if (cur != val) return cur;
         cf_cpu_relax();
         if ((i & 63) == 63) { /* read the clock rarely: it costs ~20 ns */
-            long t = now_ns();
+            long t = (long)cf_now_ns();
             if (deadline == 0) deadline = t + p->spin_ns;
             else if (t > deadline) return val;
         }
@@ -185,7 +179,7 @@ static void wait_all_done(cf_pool *p) {
         if (atomic_load_explicit(&p->pending, memory_order_acquire) == 0) return;
         cf_cpu_relax();
         if ((i & 63) == 63) {
-            long t = now_ns();
+            long t = (long)cf_now_ns();
             if (deadline == 0) deadline = t + p->spin_ns;
             else if (t > deadline) break;
         }

@@ -1,12 +1,17 @@
 /* util.h — the small scalar helpers every C file of the core shares: integer min/max, the split
- * of a range over threads, the spin-wait hint and the scalar SiLU. One definition each, static
- * inline so they cost nothing; C and C++ (bindings.cpp splits ranges the engine's way too).
+ * of a range over threads, the spin-wait hint, the scalar SiLU, the monotonic clock and the
+ * error-message writer. One definition each, static inline so they cost nothing; C and C++
+ * (bindings.cpp splits ranges the engine's way too).
  */
 #ifndef CFLOW_UTIL_H
 #define CFLOW_UTIL_H
 
 #include <math.h>
+#include <stdarg.h>
+#include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
+#include <time.h>
 
 static inline int cf_min(int a, int b) { return a < b ? a : b; }
 static inline int cf_max(int a, int b) { return a > b ? a : b; }
@@ -33,5 +38,21 @@ static inline void cf_cpu_relax(void) {
 
 /* silu(g) = g * sigmoid(g), the SwiGLU gate; the scalar definition the vector ones match. */
 static inline float cf_silu(float g) { return g / (1.0f + expf(-g)); }
+
+/* Monotonic time in nanoseconds (profiling, I/O stall accounting, spin deadlines). */
+static inline uint64_t cf_now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+/* printf into a caller's error buffer (err may be NULL: the message is dropped). */
+__attribute__((format(printf, 3, 4))) static inline void cf_set_err(char *err, size_t n, const char *fmt, ...) {
+    if (!err || !n) return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err, n, fmt, ap);
+    va_end(ap);
+}
 
 #endif /* CFLOW_UTIL_H */
