@@ -38,13 +38,13 @@ torch = pytest.importorskip("torch")
 
 from cflow.config import ModelConfig  # noqa: E402
 from cflow.convert.checkpoint import checkpoint_tensors  # noqa: E402
+from cflow.bench.claims.models import small_config, tokenizer_header  # noqa: E402
 from cflow.convert.encoder import Encoder  # noqa: E402
 from cflow.runtime import (ContextOverflowError, Engine, EngineError, ModelFormatError,  # noqa: E402
                           ModelNotFoundError)
 from cflow.fileformat import open_model, write_model  # noqa: E402
 from cflow.model import ReferenceDecoder, Transformer  # noqa: E402
 from cflow.sampling import SamplingError  # noqa: E402
-from cflow.tokenizer import bytes_to_unicode  # noqa: E402
 
 # preset -> (weight format, tile (rows, cols), threads, tied embeddings)
 VARIANTS = {
@@ -64,24 +64,6 @@ STEPS = 64
 
 
 # ---- building models -------------------------------------------------------------------------
-def tokenizer_header(vocab_size: int, eos: int | None = None) -> dict:
-    base = list(bytes_to_unicode().values())
-    vocab = (base + [f"w{i}" for i in range(vocab_size)])[:vocab_size]
-    return {"model": "bpe", "vocab": vocab, "merges": [], "bos_id": None, "eos_id": eos, "add_bos": False,
-            "chat_template": None, "special": {}, "pre": None}
-
-
-def small_config(preset: str, tied: bool = True, **kw) -> ModelConfig:
-    base = dict(vocab_size=300, d_model=96, n_layers=5, n_heads=3, n_kv_heads=1, d_ff=160, max_seq_len=96,
-                tie_embeddings=tied)
-    if preset != "llama":
-        base.update(n_experts=4, top_k=2, d_expert=96)
-    if preset == "arch5":
-        base["n_unique_layers"] = 2
-    base.update(kw)
-    return ModelConfig.from_name(preset, **base)
-
-
 def planted_next(t: int, vocab_size: int) -> int:
     return (t + 37) % vocab_size  # 37 is coprime to the test vocabulary (300): a 300-token cycle
 

@@ -24,7 +24,7 @@ import math
 import numpy as np
 
 from cflow.bench.claims.core import CONFIRMED, INCONCLUSIVE, REFUTED, ClaimResult, Context, Table, pyplot, save
-from cflow.bench.claims.models import SMOLLM2_MISSING, smollm2_gguf, write_random_model
+from cflow.bench.claims.models import SMOLLM2_MISSING, small_config, smollm2_gguf, write_random_model
 
 ID, TITLE = "C7", "Numerical parity with the references"
 PAPER = "the paper's runtime (written in Rust) achieves numerical parity with the PyTorch references"
@@ -73,18 +73,11 @@ def _dequantized(path):
 def reference_parity(ctx: Context, preset: str, steps: int) -> dict:
     import torch
 
-    from cflow.config import ModelConfig
     from cflow.model import ReferenceDecoder, Transformer
     from cflow.runtime import Engine
 
     dtype, tile, tied = VARIANTS[preset]
-    base = dict(vocab_size=300, d_model=96, n_layers=5, n_heads=3, n_kv_heads=1, d_ff=160, max_seq_len=96,
-                tie_embeddings=tied)
-    if preset != "llama":
-        base.update(n_experts=4, top_k=2, d_expert=96)
-    if preset == "arch5":
-        base["n_unique_layers"] = 2
-    cfg = ModelConfig.from_name(preset, **base)
+    cfg = small_config(preset, tied)
     torch.manual_seed(0)
     m = Transformer(cfg)
     with torch.no_grad():

@@ -35,6 +35,19 @@ def tokenizer_header(vocab_size: int, eos: int | None = None) -> dict:
             "chat_template": None, "special": {}, "pre": None}
 
 
+def small_config(preset: str, tied: bool = True, **kw) -> ModelConfig:
+    """The small random-weight models the engine is tested on (tests/test_engine.py) and claim C7
+    measures: 5 layers of d 96, 3/1 heads, vocabulary 300; the MoE presets add 4 experts, top-2."""
+    base = dict(vocab_size=300, d_model=96, n_layers=5, n_heads=3, n_kv_heads=1, d_ff=160, max_seq_len=96,
+                tie_embeddings=tied)
+    if preset != "llama":
+        base.update(n_experts=4, top_k=2, d_expert=96)
+    if preset == "arch5":
+        base["n_unique_layers"] = 2
+    base.update(kw)
+    return ModelConfig.from_name(preset, **base)
+
+
 def random_params(cfg: ModelConfig, seed: int = 0, gain: float = 1.0) -> dict[str, np.ndarray]:
     """Float32 weights under the PyTorch reference's parameter names (docs/DESIGN.md): matrices of
     standard deviation gain/sqrt(inputs), embeddings of 1, norms 1, routers of std 1/sqrt(d) x 2 (so
