@@ -44,12 +44,14 @@ def tiny_vocab() -> list[str]:
 MIXED = {
     "blk.0.attn_q.weight": T.Q4_1, "blk.0.attn_k.weight": T.Q4_1, "blk.0.attn_v.weight": T.Q8_0,
     "blk.0.attn_output.weight": T.BF16, "blk.0.ffn_gate.weight": T.F16, "blk.0.ffn_up.weight": T.Q4_0,
-    "blk.0.ffn_down.weight": T.Q5_0,
+    "blk.0.ffn_down.weight": T.IQ4_NL,
+    "blk.1.attn_output.weight": T.Q5_0, "blk.1.ffn_down.weight": T.Q5_1,
     "token_embd.weight": T.F16, "output.weight": T.Q4_0,
 }
-# What write_gguf writes by default: MIXED without the one format cflow has no kernel for (Q5_0),
-# so the file loads without an explicit --quant. The `mixed` fixture adds Q5_0 back.
-LOADABLE = {**MIXED, "blk.0.ffn_down.weight": T.Q8_0}
+# What write_gguf writes by default: MIXED without what needs an explicit --quant (IQ4_NL, a format
+# cflow has no kernel for, and gate/up in two formats, which one tiled matrix cannot hold), so the
+# file loads without --quant. The `mixed` fixture adds both back.
+LOADABLE = {**MIXED, "blk.0.ffn_down.weight": T.Q8_0, "blk.0.ffn_up.weight": T.F16}
 
 
 def hf_weights(seed: int = 0) -> dict[str, np.ndarray]:
@@ -88,6 +90,12 @@ def add_tensor(wr: "gguf.GGUFWriter", name: str, x: np.ndarray, t) -> None:
         wr.add_tensor(name, x)
     elif t == T.F16:
         wr.add_tensor(name, x.astype(np.float16))
+    elif t == T.IQ4_NL:  # gguf cannot quantize it: any valid blocks will do (d per block, 4-bit indices)
+        b = x.reshape(-1, 32)
+        d = (np.abs(b).max(axis=1, keepdims=True) / 127).astype(np.float16)
+        idx = np.clip(np.round(b / np.maximum(d.astype(np.float32), 1e-8) / 16) + 8, 0, 15).astype(np.uint8)
+        blocks = np.concatenate([d.view(np.uint8), idx[:, :16] | (idx[:, 16:] << 4)], axis=1)
+        wr.add_tensor(name, blocks.reshape(x.shape[0], -1), raw_dtype=t)
     else:
         wr.add_tensor(name, gguf.quants.quantize(x, t), raw_dtype=t)
 
@@ -173,12 +181,17 @@ def test_lossless_tensors_are_bit_exact(mixed):
     src, _, f = mixed
     g = GGUFModel(src)
     raw = lambda n: np.asarray(g.tensors[n].data).reshape(int(g.tensors[n].shape[1]), -1)  # noqa: E731
-    q, k, _ = file_blocks(f, "layers.0.attn.wqkv")
-    assert f.tensors["layers.0.attn.wqkv"].dtype == "q4_1"
+    # q, k in Q4_1 and v in Q8_0: stored as three tensors, each bit for bit
+    assert "layers.0.attn.wqkv" not in f.tensors and "layers.1.attn.wqkv" in f.tensors
+    assert [f.tensors[f"layers.0.attn.{p}"].dtype for p in ("wq", "wk", "wv")] == ["q4_1", "q4_1", "q8_0"]
+    (q,), (k,), (v,) = (file_blocks(f, f"layers.0.attn.{p}") for p in ("wq", "wk", "wv"))
     assert np.array_equal(q, raw("blk.0.attn_q.weight")[unpermute_qk_index(D, HEADS)])
     assert np.array_equal(k, raw("blk.0.attn_k.weight")[unpermute_qk_index(KV_HEADS * HD, KV_HEADS)])
-    for name, gname in [("layers.1.attn.wo", "blk.1.attn_output.weight"), ("lm_head", "output.weight"),
-                        ("layers.1.ffn.w_down", "blk.1.ffn_down.weight")]:
+    assert np.array_equal(v, raw("blk.0.attn_v.weight"))
+    for name, gname, dtype in [("layers.1.attn.wo", "blk.1.attn_output.weight", "q5_0"),
+                               ("lm_head", "output.weight", "q4_0"),
+                               ("layers.1.ffn.w_down", "blk.1.ffn_down.weight", "q5_1")]:
+        assert f.tensors[name].dtype == dtype, name
         assert np.array_equal(file_blocks(f, name)[0], raw(gname)), name
     gate, up = file_blocks(f, "layers.1.ffn.w_gate_up")
     assert np.array_equal(gate, raw("blk.1.ffn_gate.weight")) and np.array_equal(up, raw("blk.1.ffn_up.weight"))
@@ -186,12 +199,12 @@ def test_lossless_tensors_are_bit_exact(mixed):
 
 
 def test_requantized_tensors_match_reference(mixed):
-    """Non-native types (F16, BF16, Q5_0) go to --quant; the odd part of a fused matrix goes to
-    the dtype holding most weights (ties: the more precise)."""
+    """Types without a kernel (F16, BF16, IQ4_NL) go to --quant; the odd part of a fused gate/up
+    goes to the dtype holding most weights (ties: the more precise). q/k/v are never re-quantized."""
     src, result, f = mixed
     g = GGUFModel(src)
-    _, _, v = file_values(f, "layers.0.attn.wqkv")
-    assert np.array_equal(v, roundtrip(gguf_floats(g, "blk.0.attn_v.weight"), "q4_1"))
+    (v,) = file_values(f, "layers.0.attn.wv")
+    assert np.array_equal(v, gguf_floats(g, "blk.0.attn_v.weight"))
     gate, up = file_values(f, "layers.0.ffn.w_gate_up")
     assert f.tensors["layers.0.ffn.w_gate_up"].dtype == "q8_0"
     assert np.array_equal(gate, roundtrip(gguf_floats(g, "blk.0.ffn_gate.weight"), "q8_0"))
@@ -206,23 +219,22 @@ def test_report_counts_and_errors(mixed):
     src, r, f = mixed
     rep = r.report
     got = {(e.origin, e.src_dtype, e.dst_dtype) for e in rep.errors}
-    assert got == {("blk.0.attn_v.weight", "Q8_0", "q4_1"), ("blk.0.attn_output.weight", "BF16", "q8_0"),
+    assert got == {("blk.0.attn_output.weight", "BF16", "q8_0"),
                    ("blk.0.ffn_gate.weight", "F16", "q8_0"), ("blk.0.ffn_up.weight", "Q4_0", "q8_0"),
-                   ("blk.0.ffn_down.weight", "Q5_0", "q8_0"), ("token_embd.weight", "F16", "q8_0")}
+                   ("blk.0.ffn_down.weight", "IQ4_NL", "q8_0"), ("token_embd.weight", "F16", "q8_0")}
     V = len(tiny_vocab())
     total = V * D * 2 + LAYERS * (D * D * 2 + 2 * KV_HEADS * HD * D + 3 * FF * D)
     assert rep.lossless_weights + rep.requantized_weights == total
-    assert len(rep.notes) == 2 and "attn_v" in rep.notes[0] and "ffn_up" in rep.notes[1]
+    assert len(rep.notes) == 1 and "ffn_up" in rep.notes[0]
     by = {e.origin: e for e in rep.errors}
     assert 0 < by["blk.0.ffn_gate.weight"].rms_rel < 0.01            # F16 -> Q8_0: small
-    assert 0.05 < by["blk.0.attn_v.weight"].rms_rel < 0.2            # Q8_0 -> Q4_1: 4-bit error
     assert rep.max_rel == max(e.max_rel for e in rep.errors)
     # the reported numbers are the real difference between the file and the source
     g = GGUFModel(src)
-    ref = gguf_floats(g, "blk.0.attn_v.weight").astype(np.float64)
-    diff = file_values(f, "layers.0.attn.wqkv")[2] - ref
-    assert by["blk.0.attn_v.weight"].rms_rel == pytest.approx(np.sqrt((diff ** 2).sum() / (ref ** 2).sum()), rel=1e-9)
-    assert by["blk.0.attn_v.weight"].max_rel == pytest.approx(np.abs(diff).max() / np.abs(ref).max(), rel=1e-9)
+    ref = gguf_floats(g, "blk.0.ffn_down.weight").astype(np.float64)
+    diff = file_values(f, "layers.0.ffn.w_down")[0] - ref
+    assert by["blk.0.ffn_down.weight"].rms_rel == pytest.approx(np.sqrt((diff ** 2).sum() / (ref ** 2).sum()), rel=1e-9)
+    assert by["blk.0.ffn_down.weight"].max_rel == pytest.approx(np.abs(diff).max() / np.abs(ref).max(), rel=1e-9)
     sq = sum(e.sq_err for e in rep.errors) / sum(e.sq_ref for e in rep.errors)
     assert rep.rms_rel == pytest.approx(np.sqrt(sq)) and 0 < rep.rms_rel < 0.2
     assert set(r.bytes_by_category) == {"embeddings", "attention", "dense", "norms"}
@@ -236,7 +248,7 @@ def test_q_k_rows_are_in_half_rope_order(mixed):
     q, k, _ = file_values(f, "layers.1.attn.wqkv")  # layer 1: Q/K stored as Q8_0
     assert np.array_equal(q, roundtrip(w["blk.1.attn_q.weight"], "q8_0"))
     assert np.array_equal(k, roundtrip(w["blk.1.attn_k.weight"], "q8_0"))
-    q0, k0, _ = file_values(f, "layers.0.attn.wqkv")
+    (q0,), (k0,) = file_values(f, "layers.0.attn.wq"), file_values(f, "layers.0.attn.wk")
     assert np.array_equal(q0, roundtrip(w["blk.0.attn_q.weight"], "q4_1"))
     assert np.array_equal(k0, roundtrip(w["blk.0.attn_k.weight"], "q4_1"))
 
@@ -348,15 +360,16 @@ def test_cli_convert(tmp_path, capsys):
 
 
 def test_formats_without_a_kernel_are_never_requantized_silently(tmp_path, capsys, monkeypatch):
-    """A Q5_0 tensor (like the K-quants) has no cflow kernel: converting it means re-quantizing,
-    which loses precision a second time, so it happens only when --quant is given."""
+    """An IQ4_NL tensor (like Q2_K, Q3_K and the other I-quants) has no cflow kernel: converting it
+    means re-quantizing, which loses precision a second time, so it happens only when --quant is
+    given."""
     from cflow.cli import main
     from cflow.convert.encoder import NotNativeError
     from cflow.runtime import Engine
 
     src = tmp_path / "q5.gguf"
-    write_gguf(src, types={"blk.0.ffn_down.weight": T.Q5_0})
-    with pytest.raises(NotNativeError, match=r"blk\.0\.ffn_down\.weight is Q5_0.*--quant q8_0"):
+    write_gguf(src, types={"blk.0.ffn_down.weight": T.IQ4_NL})
+    with pytest.raises(NotNativeError, match=r"blk\.0\.ffn_down\.weight is IQ4_NL.*--quant q8_0"):
         convert(src, tmp_path / "a.cflow")
     assert not (tmp_path / "a.cflow").exists()
     monkeypatch.setenv("CFLOW_CACHE", str(tmp_path / "cache"))
@@ -366,11 +379,27 @@ def test_formats_without_a_kernel_are_never_requantized_silently(tmp_path, capsy
     capsys.readouterr()
     assert main(["convert", str(src), str(tmp_path / "b.cflow")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "Q5_0" in err[0] and "--quant q8_0" in err[0]
+    assert len(err) == 1 and "IQ4_NL" in err[0] and "--quant q8_0" in err[0]
     # asked for explicitly: converted, and the error it introduces is printed
     assert main(["convert", str(src), str(tmp_path / "b.cflow"), "--quant", "q8_0"]) == 0
     out = capsys.readouterr().out
     assert "RMS" in out and open_model(tmp_path / "b.cflow").tensors["layers.0.ffn.w_down"].dtype == "q8_0"
+
+
+def test_gate_and_up_in_two_formats_are_not_requantized_silently(tmp_path):
+    """One tiled gate/up matrix has one dtype: parts in two formats are re-quantized only when
+    asked (q, k, v in two formats are stored apart instead, losslessly)."""
+    from cflow.convert.encoder import NotNativeError
+
+    src = tmp_path / "gu.gguf"
+    write_gguf(src, types={"blk.0.ffn_up.weight": T.Q8_0})  # gate stays F16, so goes to q4_0
+    with pytest.raises(NotNativeError, match=r"different formats \(blk\.0\.ffn_gate\.weight \(q4_0\), "
+                                             r"blk\.0\.ffn_up\.weight \(q8_0\)\).*--quant q8_0"):
+        convert(src, tmp_path / "a.cflow")
+    assert not (tmp_path / "a.cflow").exists()
+    r = convert(src, tmp_path / "b.cflow", quant="q4_1")
+    assert open_model(tmp_path / "b.cflow").tensors["layers.0.ffn.w_gate_up"].dtype == "q8_0"  # tie: precision
+    assert any("ffn_gate" in n for n in r.report.notes)
 
 
 # ---- the real model --------------------------------------------------------------------------

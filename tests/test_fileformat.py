@@ -435,7 +435,7 @@ CRAFTED = {
     "bad_config": (lambda r: edit(r, lambda h: h["config"].update(n_kv_heads=2)), F.InvalidConfigError),
     "config_unknown_key": (lambda r: edit(r, lambda h: h["config"].update(foo=1)), F.InvalidConfigError),
     "config_bad_type": (lambda r: edit(r, lambda h: h["config"].update(rope_theta="x")), F.InvalidConfigError),
-    "dtype": (lambda r: edit(r, lambda h: _tensor(h).update(dtype="q5_k")), F.UnknownDtypeError),
+    "dtype": (lambda r: edit(r, lambda h: _tensor(h).update(dtype="q3_k")), F.UnknownDtypeError),
     "layout": (lambda r: edit(r, lambda h: _tensor(h).update(layout="cols")), F.UnknownLayoutError),
     "nbytes": (lambda r: edit(r, lambda h: _tensor(h).update(nbytes=_tensor(h)["nbytes"] + 1)),
                F.ShapeMismatchError),

@@ -129,7 +129,7 @@ def test_floats_requantized_by_the_converter_equal_ggml(gguf_file, src, dtype, s
 
 def test_fused_qkv_from_gguf_blocks(gguf_file):
     parts = ["attn_q", "attn_k", "attn_v"]
-    td = Encoder("q4_0", (16, 64)).qkv("wqkv", *(gguf_file.source(p) for p in parts))
+    (td,) = Encoder("q4_0", (16, 64)).qkv("attn.wqkv", *(gguf_file.source(p) for p in parts))
     assert td.dtype == "q4_1" and td.shape == (40, 96)
     w = np.concatenate([gguf_dequantize(gguf_blocks(gguf_file, p), GT.Q4_1) for p in parts])
     check_matvec(td.data(), "q4_1", 40, 96, (16, 64), w, lossless_x(96, "qkv"), "fused q|k|v")

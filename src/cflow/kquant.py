@@ -36,8 +36,8 @@ KBLOCK: dict[str, tuple[int, int]] = {
     "q5_0": (32, 22), "q5_1": (32, 24),
     "q4_k": (256, 144), "q5_k": (256, 176), "q6_k": (256, 210),
 }
-# GGML type ids (gguf.GGMLQuantizationType).
-KDTYPE_IDS: dict[str, int] = {"q5_0": 6, "q5_1": 7, "q4_k": 12, "q5_k": 13, "q6_k": 14}
+# GGML type ids (gguf.GGMLQuantizationType): cflow.quant's registry holds them.
+KDTYPE_IDS: dict[str, int] = quant.KQUANT_IDS
 KDTYPES = tuple(KBLOCK)
 K_SUPER = ("q4_k", "q5_k", "q6_k")  # the super-block (256) formats
 # Every quantized dtype this module handles (the existing ones delegate to cflow.quant).

@@ -304,6 +304,7 @@ class Transformer(nn.Module):
 
         from cflow.convert.encoder import split_fused, tensor_values
         from cflow.fileformat import open_model
+        from cflow.weights import QKV_PARTS
 
         cf = open_model(path)
         cfg = cf.config
@@ -321,7 +322,9 @@ class Transformer(nn.Module):
         for i in range(cfg.n_unique_layers):
             p = f"layers.{i}."
             sd[p + "attn_norm.weight"] = val(p + "attn_norm")
-            sd[p + "attn.wq.weight"], sd[p + "attn.wk.weight"], sd[p + "attn.wv.weight"] = parts(p + "attn.wqkv")
+            by_parts = p + QKV_PARTS[0] in cf.tensors  # q, k, v stored apart (cflow.weights)
+            qkv = [val(p + s) for s in QKV_PARTS] if by_parts else parts(p + "attn.wqkv")
+            sd[p + "attn.wq.weight"], sd[p + "attn.wk.weight"], sd[p + "attn.wv.weight"] = qkv
             sd[p + "attn.wo.weight"] = val(p + "attn.wo")
             if cfg.has_dense:
                 sd[p + "ffn_norm.weight"] = val(p + "ffn_norm")

@@ -4,6 +4,9 @@ cflow (writer, reader, C kernels, tests) is checked against.
 Owns, in one place:
 - the block formats (GGML semantics and type ids, bit-exact with ggml-quants.c's `_ref`
   quantizers): Q4_0, Q4_1, Q8_0, plus F16/F32 pass-through;
+- the registry of every dtype a file may store (`DTYPE_IDS`), including the K-quant family that
+  cflow runs as it is but never produces (Q4_K, Q5_K, Q6_K, Q5_0, Q5_1: layouts in cflow.kquant,
+  to which sizes, decoding and tiling delegate);
 - the tile layout of a weight matrix (docs/DESIGN.md "Tile layout"): row bands of TR rows, tiles
   of TK inputs, row groups of G=8 rows whose blocks are stored struct-of-arrays (scales first);
 - the fused-matrix row arrangements (`fuse_qkv`, `interleave_gate_up`);
@@ -32,10 +35,15 @@ TILE = (128, 256)  # default (TR rows, TK inputs)
 
 # dtype -> (weights per block, bytes per block); the quantized formats of the DESIGN contract.
 BLOCK: dict[str, tuple[int, int]] = {"q4_0": (32, 18), "q4_1": (32, 20), "q8_0": (32, 34)}
+# GGML types a file may hold and the engine runs as they are, but that cflow never produces itself:
+# the K-quants and the 32-block Q5_0 / Q5_1 llama.cpp writes beside them. Their byte and tile
+# layouts are defined in cflow.kquant (docs/kquants.md); the functions below delegate to it.
+KQUANT_IDS: dict[str, int] = {"q5_0": 6, "q5_1": 7, "q4_k": 12, "q5_k": 13, "q6_k": 14}
 # GGML type ids (also the C enum cf_dtype).
-DTYPE_IDS: dict[str, int] = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q8_0": 8}
+DTYPE_IDS: dict[str, int] = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q8_0": 8, **KQUANT_IDS}
 DTYPES = tuple(DTYPE_IDS)
-QUANT_DTYPES = tuple(BLOCK)
+QUANT_DTYPES = tuple(BLOCK)  # the formats `quantize` produces
+STORED_QUANT = QUANT_DTYPES + tuple(KQUANT_IDS)  # every quantized format a file may store
 LAYOUTS = ("rows", "tiled")
 
 # Fields of one 32-weight block, in GGML byte order, as byte widths. A tile chunk stores each
@@ -63,8 +71,17 @@ def check_dtype(dtype: str) -> str:
 
 
 def block_bytes(dtype: str) -> int:
-    """Bytes of one 32-weight block (18, 20, 34; 64 for f16; 128 for f32)."""
-    return sum(BLOCK_FIELDS[check_dtype(dtype)])
+    """Bytes of one 32-weight block (18, 20, 34; 64 for f16; 128 for f32); the K-quant formats'
+    blocks are in cflow.kquant (`block_geometry`)."""
+    if check_dtype(dtype) in KQUANT_IDS:
+        raise QuantError(f"{dtype} is not a 32-weight block format; see cflow.kquant.block_geometry")
+    return sum(BLOCK_FIELDS[dtype])
+
+
+def _kquant():
+    # imported late: cflow.kquant builds on this module
+    from cflow import kquant
+    return kquant
 
 
 def row_bytes(dtype: str, cols: int) -> int:
@@ -72,6 +89,8 @@ def row_bytes(dtype: str, cols: int) -> int:
     check_dtype(dtype)
     if dtype in _ELEM_BYTES:
         return cols * _ELEM_BYTES[dtype]
+    if dtype in KQUANT_IDS:
+        return _kquant().row_bytes_k(dtype, cols)
     if cols % QK:
         raise QuantError(f"{dtype} rows need a multiple of {QK} columns, got {cols}")
     return cols // QK * BLOCK[dtype][1]
@@ -157,6 +176,9 @@ def _quantize_q8_0(b: np.ndarray) -> np.ndarray:
 def quantize(w: np.ndarray, dtype: str) -> np.ndarray:
     """Encode a float matrix [R, K] as GGML bytes [R, row_bytes(dtype, K)] (bit-exact with ggml)."""
     check_dtype(dtype)
+    if dtype in KQUANT_IDS:
+        raise QuantError(f"cflow does not quantize to {dtype} (it runs {dtype} blocks from GGUF files as they "
+                         f"are); quantize to one of {list(QUANT_DTYPES)}")
     if dtype in _ELEM_BYTES:
         w = np.asarray(w)
         if w.ndim != 2:
@@ -183,6 +205,8 @@ def check_blocks(blocks: np.ndarray, dtype: str, cols: int, row_bytes_of=None) -
 
 def dequantize(blocks: np.ndarray, dtype: str, cols: int) -> np.ndarray:
     """Decode GGML bytes [R, row_bytes] to float32 [R, cols]."""
+    if dtype in KQUANT_IDS:
+        return _kquant().dequantize_k(blocks, dtype, cols)
     blocks = check_blocks(blocks, dtype, cols)
     R = blocks.shape[0]
     if dtype in _ELEM_BYTES:
@@ -313,6 +337,8 @@ def untile_blocks(tiled: np.ndarray, rows: int, nkb: int, B: int, TR: int, tile_
 
 def tile_matrix(blocks: np.ndarray, dtype: str, rows: int, cols: int, tile: Sequence[int] = TILE) -> np.ndarray:
     """Rearrange GGML row blocks [rows, row_bytes] into the tile layout (flat uint8, same size)."""
+    if dtype in KQUANT_IDS:
+        return _kquant().tile_kquant(blocks, dtype, rows, cols, tile)
     TR, TK = _check_tile(tile)
     blocks = check_blocks(blocks, dtype, cols)
     if blocks.shape[0] != rows:
@@ -325,6 +351,8 @@ def tile_matrix(blocks: np.ndarray, dtype: str, rows: int, cols: int, tile: Sequ
 
 def untile_matrix(tiled: np.ndarray, dtype: str, rows: int, cols: int, tile: Sequence[int] = TILE) -> np.ndarray:
     """Inverse of `tile_matrix`: flat tiled bytes -> GGML row blocks [rows, row_bytes]."""
+    if dtype in KQUANT_IDS:
+        return _kquant().untile_kquant(tiled, dtype, rows, cols, tile)
     TR, TK = _check_tile(tile)
     tiled = np.asarray(tiled)
     rb_bytes = row_bytes(dtype, cols)

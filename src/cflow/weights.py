@@ -9,6 +9,8 @@ count bytes from them:
     tok_emb                            [vocab, d]         embed     quantized (one row per token)
     layers.{i}.attn_norm               [d]                attn      f32
     layers.{i}.attn.wqkv               [q + 2 kv, d]      attn      quantized (wq, wk, wv fused)
+      or layers.{i}.attn.wq / wk / wv  [q, d] [kv, d] [kv, d]       the same rows as three tensors,
+                                                                    when their dtypes differ
     layers.{i}.attn.wo                 [d, q]             attn      quantized
     layers.{i}.ffn_norm                [d]                dense     f32      (d_ff > 0)
     layers.{i}.ffn.w_gate_up           [2 d_ff, d]        dense     quantized (gate, up interleaved)
@@ -22,12 +24,17 @@ count bytes from them:
 
 `i` is a weight set (0..n_unique_layers-1); layer l reads set l % n_unique_layers. Ordered as
 `.cflow` stores them: embeddings, each set, then the final norm and lm_head.
+
+A tiled matrix has one dtype. GGUF K-quant files often store attn_v in another type than attn_q
+and attn_k (Q4_K_M: Q6_K or Q8_0 beside Q4_K / Q5_0); cflow keeps every block as it is, so such a
+weight set stores its projection as the three parts (`split_qkv`), and the engine runs them as
+three mat-vecs into the same q|k|v rows.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Collection, Iterable, Iterator
 
 from cflow.config import ModelConfig
 
@@ -36,6 +43,7 @@ GLOBAL_NAMES = ("tok_emb", "norm", "lm_head")
 LAYER_SLOTS = ("attn_norm", "attn.wqkv", "attn.wo", "ffn_norm", "ffn.w_gate_up", "ffn.w_down", "moe_norm",
                "moe.router")
 EXPERT_SLOTS = ("w_gate_up", "w_down")
+QKV_PARTS = ("attn.wq", "attn.wk", "attn.wv")  # attn.wqkv stored by parts (see above)
 
 
 @dataclass(frozen=True)
@@ -68,12 +76,28 @@ def expert_name(i: int, e: int, slot: str) -> str:
     return f"layers.{i}.moe.experts.{e}.{slot}"
 
 
-def layer_weights(cfg: ModelConfig, i: int, experts: Iterable[int] | None = None) -> list[Weight]:
-    """Tensors of weight set i (and of the given experts, default all), in `.cflow` order."""
+def split_qkv_sets(names: Iterable[str]) -> frozenset[int]:
+    """The weight sets whose names include the by-parts projection (`layers.{i}.attn.wq`)."""
+    out = set()
+    for n in names:
+        head, _, slot = n.rpartition(".attn.")
+        if slot == "wq" and head.startswith("layers.") and head[7:].isdigit():
+            out.add(int(head[7:]))
+    return frozenset(out)
+
+
+def layer_weights(cfg: ModelConfig, i: int, experts: Iterable[int] | None = None,
+                  split_qkv: bool = False) -> list[Weight]:
+    """Tensors of weight set i (and of the given experts, default all), in `.cflow` order;
+    split_qkv: the projection as its three parts instead of attn.wqkv."""
     d, p = cfg.d_model, f"layers.{i}."
-    out = [Weight(p + "attn_norm", (d,), "attn", True, i),
-           Weight(p + "attn.wqkv", (cfg.q_dim + 2 * cfg.kv_dim, d), "attn", False, i),
-           Weight(p + "attn.wo", (d, cfg.q_dim), "attn", False, i)]
+    out = [Weight(p + "attn_norm", (d,), "attn", True, i)]
+    if split_qkv:
+        out += [Weight(p + part, (rows, d), "attn", False, i)
+                for part, rows in zip(QKV_PARTS, (cfg.q_dim, cfg.kv_dim, cfg.kv_dim))]
+    else:
+        out.append(Weight(p + "attn.wqkv", (cfg.q_dim + 2 * cfg.kv_dim, d), "attn", False, i))
+    out.append(Weight(p + "attn.wo", (d, cfg.q_dim), "attn", False, i))
     if cfg.has_dense:
         out += [Weight(p + "ffn_norm", (d,), "dense", True, i),
                 Weight(p + "ffn.w_gate_up", (2 * cfg.d_ff, d), "dense", False, i),
@@ -96,23 +120,24 @@ def global_weights(cfg: ModelConfig) -> tuple[list[Weight], list[Weight]]:
     return head, tail
 
 
-def model_weights(cfg: ModelConfig) -> Iterator[Weight]:
-    """Every tensor a model of this config stores, in `.cflow` (layer-major) order."""
+def model_weights(cfg: ModelConfig, split_qkv: Collection[int] = ()) -> Iterator[Weight]:
+    """Every tensor a model of this config stores, in `.cflow` (layer-major) order; the weight
+    sets in `split_qkv` store their projection by parts."""
     head, tail = global_weights(cfg)
     yield from head
     for i in range(cfg.n_unique_layers):
-        yield from layer_weights(cfg, i)
+        yield from layer_weights(cfg, i, split_qkv=i in split_qkv)
     yield from tail
 
 
-def count(cfg: ModelConfig) -> int:
-    """How many tensors `model_weights(cfg)` yields, computed without building it (a damaged
-    header may claim billions of layers)."""
+def count(cfg: ModelConfig, n_split_qkv: int = 0) -> int:
+    """How many tensors `model_weights(cfg)` yields (with `n_split_qkv` sets stored by parts),
+    computed without building it (a damaged header may claim billions of layers)."""
     per_set = 3 + 3 * cfg.has_dense + (2 + 2 * cfg.n_experts) * cfg.has_moe
-    return 2 + cfg.n_unique_layers * per_set + (not cfg.tie_embeddings)
+    return 2 + cfg.n_unique_layers * per_set + (not cfg.tie_embeddings) + 2 * n_split_qkv
 
 
-def node_weights(cfg: ModelConfig, kind: str, weight_set: int = 0) -> list[Weight]:
+def node_weights(cfg: ModelConfig, kind: str, weight_set: int = 0, split_qkv: Collection[int] = ()) -> list[Weight]:
     """The tensors one node of `kind` reads (for layer nodes: of the given weight set). `embed`
     reads one row of tok_emb and `lm_head` reads tok_emb itself when embeddings are tied."""
     if kind == "embed":
@@ -120,11 +145,11 @@ def node_weights(cfg: ModelConfig, kind: str, weight_set: int = 0) -> list[Weigh
     if kind == "lm_head":
         head, tail = global_weights(cfg)
         return tail + (head if cfg.tie_embeddings else [])
-    return [w for w in layer_weights(cfg, weight_set) if w.node == kind]
+    return [w for w in layer_weights(cfg, weight_set, split_qkv=weight_set in split_qkv) if w.node == kind]
 
 
 # ---- bytes per token -------------------------------------------------------------------------
-def token_bytes(cfg: ModelConfig, size: Callable[[Weight], int]) -> dict[str, float]:
+def token_bytes(cfg: ModelConfig, size: Callable[[Weight], int], split_qkv: Collection[int] = ()) -> dict[str, float]:
     """Weight bytes one decode step reads, by node kind, with `size(w)` the stored bytes of a
     tensor: every layer streams its weight set once; embed reads one row of tok_emb; a MoE layer
     reads top_k experts (their average size, since experts may differ in dtype). KV-cache reads
@@ -134,7 +159,7 @@ def token_bytes(cfg: ModelConfig, size: Callable[[Weight], int]) -> dict[str, fl
     out["embed"] = size(emb) / cfg.vocab_size
     out["lm_head"] = float(sum(size(w) for w in node_weights(cfg, "lm_head")))
     for layer in range(cfg.n_layers):
-        ws = layer_weights(cfg, cfg.weight_layer(layer))
+        ws = layer_weights(cfg, cfg.weight_layer(layer), split_qkv=cfg.weight_layer(layer) in split_qkv)
         for w in ws:
             if w.node != "experts":
                 out[w.node] += size(w)

@@ -34,6 +34,8 @@ from typing import Any
 
 import numpy as np
 
+from cflow import weights
+
 EVENT_DTYPE = np.dtype([("t0", "<i8"), ("t1", "<i8"), ("kind", "<i4"), ("layer", "<i4")])
 CALL_DTYPE = np.dtype([("t0", "<i8"), ("t1", "<i8"), ("rows", "<i4"), ("pad", "<i4")])
 # kinds whose segments are not tied to one layer of the plan (named without "L{layer}" in traces)
@@ -232,7 +234,7 @@ def _table_bytes(eng: Any) -> dict[str, float]:
     for layer in range(cfg.n_layers):
         p = f"layers.{cfg.weight_layer(layer)}."
         out["norm"] += size(p + "attn_norm") + size(p + "ffn_norm") + size(p + "moe_norm")
-        out["attn.qkv"] += size(p + "attn.wqkv")
+        out["attn.qkv"] += size(p + "attn.wqkv") + sum(size(p + part) for part in weights.QKV_PARTS)
         out["attn.wo"] += size(p + "attn.wo")
         out["dense.gate_up"] += size(p + "ffn.w_gate_up")
         out["dense.down"] += size(p + "ffn.w_down")

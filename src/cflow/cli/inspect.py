@@ -35,14 +35,16 @@ def register(sub: argparse._SubParsersAction) -> None:
 def report(path: str, verify: bool = False) -> dict[str, Any]:
     """Everything `inspect` shows, as one JSON-serializable dict."""
     from cflow import fileformat as F
+    from cflow import weights
 
     with F.open_model(path, verify=verify, mmap=True, require_complete=False) as cf:
         out = F.summarize(cf)
         out["verified"] = verify
         out["config"] = cf.config.to_dict()
         # a config claiming far more tensors than the file holds is reported by count, not listed
-        n_expected = F.expected_count(cf.config)
-        out["missing_tensors"] = ([n for n in F.model_tensors(cf.config) if n not in cf.tensors]
+        split = weights.split_qkv_sets(cf.tensors)
+        n_expected = F.expected_count(cf.config, split)
+        out["missing_tensors"] = ([n for n in F.model_tensors(cf.config, split_qkv=split) if n not in cf.tensors]
                                   if n_expected <= 10 * len(cf.tensors) + 1000 else [f"{n_expected} expected"])
         out["tokenizer"] = {"model": cf.tokenizer.get("model"), "vocab": len(cf.tokenizer.get("vocab") or []),
                             "merges": len(cf.tokenizer.get("merges") or []),

@@ -1,11 +1,13 @@
 """Encoding a model's weights into `.cflow` tensors, shared by every converter.
 
 Owns the step between "a source hands us weight matrices" and "the writer gets TensorData":
-- which dtype each matrix is stored in (blocks already in Q4_0/Q4_1/Q8_0 pass through bit for bit;
-  anything else is quantized to the requested format);
+- which dtype each matrix is stored in (blocks already in a format the engine runs (Q4_0, Q4_1,
+  Q8_0, Q4_K, Q5_K, Q6_K, Q5_0, Q5_1) pass through bit for bit; float weights are quantized to the
+  requested format; other quantized formats are refused unless re-quantizing was asked for);
 - the fused layouts of docs/DESIGN.md (q|k|v rows; gate/up interleaved per 8-row group), including
   the honest handling of fused parts that arrive in different dtypes (a tiled matrix has one dtype:
-  the odd part is re-quantized to the dtype that holds most of the weights, and that is reported);
+  q, k, v are then stored as three tensors, cflow.weights.QKV_PARTS, losslessly; gate and up,
+  which llama.cpp never quantizes differently, are re-quantized only when asked, and reported);
 - measuring the error every re-quantization introduces (`QuantReport`);
 - the summary a converter returns (`ConversionResult`), with bytes by category.
 
@@ -27,11 +29,11 @@ import numpy as np
 from cflow import quant, weights
 from cflow.errors import CflowError
 
-QUANT_CHOICES = ("q4_0", "q4_1", "q8_0")
+QUANT_CHOICES = quant.QUANT_DTYPES  # what --quant may produce: q4_0, q4_1, q8_0
 # Source formats that are plain numbers: quantizing them is the normal first quantization.
 FLOAT_SOURCES = ("F32", "F16", "BF16", "F64", "FLOAT32", "FLOAT16", "BFLOAT16")
-# Higher is more precise; breaks ties when fused parts disagree on their dtype.
-_PRECISION = {"q4_0": 0, "q4_1": 1, "q8_0": 2}
+# Higher is more precise (bits per weight); breaks ties when fused parts disagree on their dtype.
+_PRECISION = {"q4_0": 0, "q4_1": 1, "q4_k": 2, "q5_0": 3, "q5_1": 4, "q5_k": 5, "q6_k": 6, "q8_0": 7}
 
 
 class ConvertError(CflowError, ValueError):
@@ -69,7 +71,7 @@ def parse_tile(text: str | Sequence[int]) -> tuple[int, int]:
 class Source:
     """One weight matrix [rows, cols] as the input holds it.
 
-    Either `blocks` (GGML bytes [rows, row_bytes] in `dtype`, one of QUANT_CHOICES: kept
+    Either `blocks` (GGML bytes [rows, row_bytes] in `dtype`, one of quant.STORED_QUANT: kept
     losslessly) or `values` (float32 [rows, cols], or a callable producing it on demand).
     """
     origin: str                    # the source's own name, for reports (e.g. "blk.0.attn_q.weight")
@@ -174,14 +176,15 @@ class Encoder:
 
     def target(self, src: Source) -> str:
         """The dtype a matrix is stored in on its own: its own blocks' dtype, else --quant."""
-        if src.blocks is not None and src.dtype in QUANT_CHOICES:
+        if src.blocks is not None and src.dtype in quant.STORED_QUANT:
             return src.dtype
         if not self.requantize and src.src_dtype.upper() not in FLOAT_SOURCES:
+            runs = ", ".join(d.upper() for d in quant.STORED_QUANT)
             raise NotNativeError(
-                f"{src.origin} is {src.src_dtype}, a format cflow has no kernel for (it runs Q4_0, Q4_1 and Q8_0 "
-                f"blocks as they are). Converting means re-quantizing, which loses precision, so cflow does it "
-                f"only when asked: `cflow convert MODEL.gguf OUT.cflow --quant q8_0` (q8_0 loses least; the "
-                f"summary prints the error it introduces), or use a Q4_0/Q8_0 GGUF of this model")
+                f"{src.origin} is {src.src_dtype}, a format cflow has no kernel for (it runs {runs} blocks as "
+                f"they are). Converting means re-quantizing, which loses precision, so cflow does it only when "
+                f"asked: `cflow convert MODEL.gguf OUT.cflow --quant q8_0` (q8_0 loses least; the summary "
+                f"prints the error it introduces), or use a Q4_K_M/Q8_0 GGUF of this model")
         return self.quant
 
     def blocks(self, tensor: str, src: Source, dtype: str) -> np.ndarray:
@@ -196,10 +199,18 @@ class Encoder:
         return out
 
     def unify(self, tensor: str, parts: Sequence[Source]) -> str:
-        """One dtype for a fused matrix: the one holding most weights; ties go to precision."""
+        """One dtype for a fused matrix: the one holding most weights; ties go to precision.
+        Re-quantizing a part that arrives in another format happens only when the encoder may
+        re-quantize (--quant given); otherwise it is refused."""
         targets = [self.target(p) for p in parts]
         if len(set(targets)) == 1:
             return targets[0]
+        if not self.requantize:
+            found = ", ".join(f"{p.origin} ({t})" for p, t in zip(parts, targets))
+            raise NotNativeError(
+                f"{tensor}: its parts arrive in different formats ({found}) and a fused tiled matrix has one "
+                f"dtype; cflow re-quantizes only when asked: convert with --quant q8_0 (the summary prints the "
+                f"error it introduces)")
         weight = {t: 0 for t in targets}
         for p, t in zip(parts, targets):
             weight[t] += p.rows * p.cols
@@ -219,13 +230,19 @@ class Encoder:
         return self._tiled(name, dtype, src.rows, src.cols, meta or {},
                            lambda: self.blocks(name, src, dtype))
 
-    def qkv(self, name: str, q: Source, k: Source, v: Source):
-        """Rows of wq, wk, wv in one tiled matrix [q_dim + 2*kv_dim, d]."""
+    def qkv(self, name: str, q: Source, k: Source, v: Source) -> list:
+        """Rows of wq, wk, wv in one tiled matrix [q_dim + 2*kv_dim, d]; or, when the three arrive
+        in different formats (Q4_K_M's attn_v in Q6_K beside Q4_K q and k), the three as they are,
+        named by cflow.weights.QKV_PARTS (lossless, where fusing would re-quantize)."""
         _same_cols(name, (q, k, v))
-        dtype = self.unify(name, (q, k, v))
-        return self._tiled(name, dtype, q.rows + k.rows + v.rows, q.cols,
-                           {"fused": "qkv", "splits": [q.rows, k.rows, v.rows]},
-                           lambda: quant.fuse_qkv(*(self.blocks(name, s, dtype) for s in (q, k, v))))
+        targets = [self.target(s) for s in (q, k, v)]
+        if len(set(targets)) > 1:
+            base = name[: -len("attn.wqkv")]
+            return [self.matrix(base + part, s) for part, s in zip(weights.QKV_PARTS, (q, k, v))]
+        dtype = targets[0]
+        return [self._tiled(name, dtype, q.rows + k.rows + v.rows, q.cols,
+                            {"fused": "qkv", "splits": [q.rows, k.rows, v.rows]},
+                            lambda: quant.fuse_qkv(*(self.blocks(name, s, dtype) for s in (q, k, v))))]
 
     def gate_up(self, name: str, gate: Source, up: Source):
         """gate and up interleaved per 8-row group in one tiled matrix [2*d_ff, d]."""
@@ -306,7 +323,7 @@ def encode_model(cfg: Any, enc: Encoder, parts: Callable[[weights.Weight], Any])
         if w.plain:
             yield enc.vector(w.name, p)
         elif w.fused == "qkv":
-            yield enc.qkv(w.name, *p)
+            yield from enc.qkv(w.name, *p)
         elif w.fused == "gate_up":
             yield enc.gate_up(w.name, *p)
         else:

@@ -41,12 +41,12 @@ from cflow.config import ConfigError, ModelConfig
 from cflow.convert.encoder import (ConversionResult, ConvertError, Encoder, Source, check_quant, encode_model,
                                    write_conversion)
 from cflow.convert.hf_tokenizer import byte_level_spelling
-from cflow.quant import TILE, row_bytes
+from cflow.quant import STORED_QUANT, TILE, row_bytes
 from cflow.tokenizer import Tokenizer, TokenizerError, unicode_to_bytes
 from cflow.weights import Weight
 
 SUPPORTED_ARCHITECTURES = ("llama",)
-_NATIVE = {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q8_0": "q8_0"}
+_NATIVE = {d.upper(): d for d in STORED_QUANT}  # GGML type name -> the dtype its blocks keep
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
 
 

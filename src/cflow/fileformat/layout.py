@@ -93,3 +93,17 @@ def is_int(v: Any) -> bool:
 def tile_ok(tile: Sequence[int]) -> bool:
     return (len(tile) == 2 and all(is_int(t) for t in tile) and 0 < tile[0] <= 1 << 20 and tile[0] % quant.G == 0
             and 0 < tile[1] <= 1 << 20 and tile[1] % quant.QK == 0)
+
+
+def tile_problem(dtype: str, layout: str, tile: Sequence[int]) -> str | None:
+    """Why a tensor of `dtype` cannot be tiled with `tile` (a K-quant tile holds whole 256-weight
+    super-blocks, so its TK must be a multiple of 256), or None."""
+    if layout != "tiled" or dtype not in quant.KQUANT_IDS:
+        return None
+    from cflow import kquant  # late: only files with K-quant tensors need it
+
+    try:
+        kquant.check_tile_k(dtype, tile)
+    except quant.QuantError as e:
+        return str(e)
+    return None

@@ -117,7 +117,7 @@ def open_model(path: str | os.PathLike, *, verify: bool = False, mmap: bool = Tr
     for name, e in h["tensors"].items():
         if not name:
             raise HeaderSchemaError("a tensor has an empty name; the file is damaged")
-        entries[name] = check_entry(name, e, data_start, file_bytes)
+        entries[name] = check_entry(name, e, data_start, file_bytes, tile)
     check_overlaps(entries)
     experts = check_experts(h["experts"], entries, data_start, file_bytes)
     cfg = check_config(h, entries, require_complete)

@@ -5,7 +5,7 @@ the expert a name belongs to."""
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Collection, Iterable
 
 from cflow import weights
 from cflow.config import ModelConfig
@@ -13,9 +13,9 @@ from cflow.fileformat.errors import FormatError, MissingTensorError
 from cflow.fileformat.layout import TensorData
 
 
-def expected_count(cfg: ModelConfig) -> int:
-    """How many tensors `model_tensors(cfg)` lists (see `cflow.weights.count`)."""
-    return weights.count(cfg)
+def expected_count(cfg: ModelConfig, split_qkv: Collection[int] = ()) -> int:
+    """How many tensors `model_tensors(cfg, split_qkv=...)` lists (see `cflow.weights.count`)."""
+    return weights.count(cfg, len(split_qkv))
 
 
 def expected_shape(cfg: ModelConfig, name: str) -> tuple[int, ...] | None:
@@ -28,19 +28,21 @@ def expected_shape(cfg: ModelConfig, name: str) -> tuple[int, ...] | None:
         return None
     key = expert_of(name)
     experts = [key[1]] if key is not None and key[1] < cfg.n_experts else []
-    return {w.name: w.shape for w in weights.layer_weights(cfg, i, experts)}.get(name)
+    fused_or_parts = weights.layer_weights(cfg, i, experts) + weights.layer_weights(cfg, i, [], split_qkv=True)
+    return {w.name: w.shape for w in fused_or_parts}.get(name)
 
 
-def model_tensors(cfg: ModelConfig, layers: bool = True) -> dict[str, tuple[int, ...]]:
+def model_tensors(cfg: ModelConfig, layers: bool = True, split_qkv: Collection[int] = ()) -> dict[str, tuple[int, ...]]:
     """The tensors a model of this config stores, name -> shape, in `.cflow` (layer-major) order
-    (layers=False: only the ones outside the layers)."""
+    (layers=False: only the ones outside the layers; split_qkv: the weight sets whose projection
+    is stored by parts, `cflow.weights.split_qkv_sets`)."""
     if layers:
-        return {w.name: w.shape for w in weights.model_weights(cfg)}
+        return {w.name: w.shape for w in weights.model_weights(cfg, split_qkv)}
     head, tail = weights.global_weights(cfg)
     return {w.name: w.shape for w in head + tail}
 
 
-def node_tensors(cfg: ModelConfig, node: str) -> list[str]:
+def node_tensors(cfg: ModelConfig, node: str, split_qkv: Collection[int] = ()) -> list[str]:
     """Tensor names one decode-step DAG node reads ("embed", "L{l}.attn", "L{l}.dense",
     "L{l}.router", "L{l}.experts", "lm_head"); layer l reads weight set l % n_unique_layers."""
     if node in ("embed", "lm_head"):
@@ -49,7 +51,7 @@ def node_tensors(cfg: ModelConfig, node: str) -> list[str]:
     l = _index(layer[1:]) if layer[:1] == "L" else None
     if l is None or kind not in ("attn", "dense", "router", "experts"):
         raise FormatError(f"unknown DAG node {node!r}; expected embed, L<l>.attn|dense|router|experts, lm_head")
-    return [w.name for w in weights.node_weights(cfg, kind, cfg.weight_layer(l))]
+    return [w.name for w in weights.node_weights(cfg, kind, cfg.weight_layer(l), split_qkv)]
 
 
 def _flatten_nodes(obj: Any) -> list[str]:
@@ -64,7 +66,7 @@ def _flatten_nodes(obj: Any) -> list[str]:
     return [n for item in obj for n in _flatten_nodes(item)]
 
 
-def schedule_order(cfg: ModelConfig) -> list[str]:
+def schedule_order(cfg: ModelConfig, split_qkv: Collection[int] = ()) -> list[str]:
     """Tensor names in `.vflow` order: each at its first use in `cflow.dag.schedule(cfg)`."""
     try:
         from cflow import dag  # imported late: only vflow writing needs the scheduler
@@ -73,15 +75,16 @@ def schedule_order(cfg: ModelConfig) -> list[str]:
 
     seen: dict[str, None] = {}
     for node in _flatten_nodes(dag.schedule(cfg)):
-        for name in node_tensors(cfg, node):
+        for name in node_tensors(cfg, node, split_qkv):
             seen.setdefault(name, None)
     return list(seen)
 
 
 def order_tensors(items: list[TensorData], cfg: ModelConfig, order: str) -> list[TensorData]:
-    canon = schedule_order(cfg) if order == "vflow" else list(model_tensors(cfg))
+    split = weights.split_qkv_sets(t.name for t in items)
+    canon = schedule_order(cfg, split) if order == "vflow" else list(model_tensors(cfg, split_qkv=split))
     placed = set(canon)
-    canon += [n for n in model_tensors(cfg) if n not in placed]  # anything the schedule skipped
+    canon += [n for n in model_tensors(cfg, split_qkv=split) if n not in placed]  # anything the schedule skipped
     rank = {n: k for k, n in enumerate(canon)}
     # Unknown names go last in the order given (sorted() is stable).
     return sorted(items, key=lambda t: rank.get(t.name, len(rank)))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from cflow import quant
+from cflow import quant, weights
 from cflow.config import ConfigError, ModelConfig
 from cflow.fileformat.errors import (BadMagicError, DuplicateTensorError, ExpertTableError, FileTooShortError,
                                       FlagsError, FormatError, HeaderDecodeError, HeaderSchemaError,
@@ -16,7 +16,8 @@ from cflow.fileformat.errors import (BadMagicError, DuplicateTensorError, Expert
                                       TensorOutOfBoundsError, TrailingDataError, TruncatedFileError,
                                       UnknownDtypeError, UnknownLayoutError, UnsupportedVersionError)
 from cflow.fileformat.layout import (MAX_INT, ALIGN, CHECKSUM_ALGO, CHECKSUM_HEX, FLAG_VFLOW, KNOWN_FLAGS, MAGIC,
-                                      MAX_HEADER_BYTES, ORDERS, PREAMBLE, VERSION, TensorEntry, is_int, tile_ok)
+                                      MAX_HEADER_BYTES, ORDERS, PREAMBLE, VERSION, TensorEntry, is_int, tile_ok,
+                                      tile_problem)
 from cflow.fileformat.tensors import check_complete, expected_count, expected_shape, expert_of, model_tensors
 
 
@@ -160,7 +161,8 @@ def check_top(h: dict, flags: int, size: int) -> tuple[str, int, tuple[int, int]
     return order, file_bytes, (tile[0], tile[1])
 
 
-def check_entry(name: str, e: Any, data_start: int, file_bytes: int) -> TensorEntry:
+def check_entry(name: str, e: Any, data_start: int, file_bytes: int,
+                tile: tuple[int, int] = quant.TILE) -> TensorEntry:
     where = f"tensor {name!r}"
     if not isinstance(e, dict):
         raise HeaderSchemaError(f"{where}: entry must be an object")
@@ -184,6 +186,9 @@ def check_entry(name: str, e: Any, data_start: int, file_bytes: int) -> TensorEn
         expect = quant.tensor_nbytes(dtype, shape, layout)
     except quant.QuantError as err:
         raise ShapeMismatchError(f"{where}: {err}; the file is damaged") from None
+    problem = tile_problem(dtype, layout, tile)
+    if problem:
+        raise ShapeMismatchError(f"{where}: {problem}; the file is damaged")
     if expect != nbytes:
         raise ShapeMismatchError(f"{where}: {dtype} {tuple(shape)} {layout} takes {expect} bytes, the table says "
                                  f"{nbytes}; the file is damaged, convert it again")
@@ -247,9 +252,10 @@ def check_config(h: dict, entries: dict[str, TensorEntry], require_complete: boo
             raise ShapeMismatchError(f"tensor {name!r} has shape {e.shape} but the config needs {want}; "
                                      "the file is damaged")
     if require_complete:
-        n = expected_count(cfg)
+        split = weights.split_qkv_sets(entries)
+        n = expected_count(cfg, split)
         if n > len(entries):
             raise MissingTensorError(f"the config needs {n} tensors but the file holds {len(entries)}; "
                                      "the file is damaged or incomplete, convert it again")
-        check_complete(entries, model_tensors(cfg))
+        check_complete(entries, model_tensors(cfg, split_qkv=split))
     return cfg

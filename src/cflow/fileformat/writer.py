@@ -10,19 +10,19 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from cflow import quant
+from cflow import quant, weights
 from cflow.config import ConfigError, ModelConfig
 from cflow.fileformat.errors import (DuplicateTensorError, FormatError, HeaderSchemaError, HeaderTooLargeError,
                                       InvalidConfigError, ShapeMismatchError, UnknownDtypeError,
                                       UnknownLayoutError)
 from cflow.fileformat.layout import (ALIGN, CHECKSUM_ALGO, CHECKSUM_HEX, FLAG_VFLOW, MAGIC, MAX_HEADER_BYTES,
                                       ORDERS, PREAMBLE, VERSION, ProgressFn, TensorData, WriteSummary, align_up,
-                                      tensor_checksum, checksum_descriptor, tile_ok)
-from cflow.fileformat.tensors import check_complete, order_tensors, expert_of, model_tensors
+                                      tensor_checksum, checksum_descriptor, tile_ok, tile_problem)
+from cflow.fileformat.tensors import check_complete, expected_shape, order_tensors, expert_of, model_tensors
 from cflow.fsutil import atomic_open
 
 
-def _check_tensor(t: TensorData, cfg: ModelConfig, shapes: dict[str, tuple[int, ...]]) -> int:
+def _check_tensor(t: TensorData, cfg: ModelConfig) -> int:
     if not isinstance(t.name, str) or not t.name:
         raise HeaderSchemaError(f"tensor names must be non-empty strings, got {t.name!r}")
     if t.dtype not in quant.DTYPE_IDS:
@@ -33,7 +33,7 @@ def _check_tensor(t: TensorData, cfg: ModelConfig, shapes: dict[str, tuple[int, 
         nbytes = quant.tensor_nbytes(t.dtype, t.shape, t.layout)
     except quant.QuantError as e:
         raise ShapeMismatchError(f"tensor {t.name!r}: {e}") from None
-    want = shapes.get(t.name)
+    want = expected_shape(cfg, t.name)
     if want is not None and tuple(t.shape) != want:
         raise ShapeMismatchError(f"tensor {t.name!r} has shape {tuple(t.shape)} but the config needs "
                                  f"{want}; convert with the matching config")
@@ -114,17 +114,20 @@ def write_model(path: str | os.PathLike, *, config: dict | ModelConfig, tokenize
     tile = (int(tile[0]), int(tile[1]))
     if not tile_ok(tile):
         raise FormatError(f"tile must be positive multiples of ({quant.G}, {quant.QK}), got {tile}")
-    shapes = model_tensors(cfg)
     items, sizes = [], {}
     for t in tensors:  # consumes a generator; data callables are not called yet
         meta = _json_roundtrip(t.meta or {}, f"tensor {t.name!r} meta")  # exactly what a reader will see
         t = TensorData(t.name, t.dtype, tuple(int(s) for s in t.shape), t.layout, t.data, meta)
         if t.name in sizes:
             raise DuplicateTensorError(f"tensor {t.name!r} was given twice; names must be unique")
-        sizes[t.name] = _check_tensor(t, cfg, shapes)
+        sizes[t.name] = _check_tensor(t, cfg)
+        problem = tile_problem(t.dtype, t.layout, tile)
+        if problem:
+            raise FormatError(f"tensor {t.name!r}: {problem}; write the file with a tile whose columns are "
+                              f"a multiple of 256 (the default 128x256 is)")
         items.append(t)
     if require_complete:
-        check_complete(sizes, shapes)
+        check_complete(sizes, model_tensors(cfg, split_qkv=weights.split_qkv_sets(sizes)))
     items = order_tensors(items, cfg, order)
     cfg_dict, metadata = cfg.to_dict(), dict(metadata or {})
 

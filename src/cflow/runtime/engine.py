@@ -403,8 +403,8 @@ class Engine:
         """Weight bytes one decode step reads (the file's own tensor sizes through the tensor table,
         cflow.weights.token_bytes; MoE layers count top_k experts of average size)."""
         t = self.file.tensors
-        return float(sum(weights.token_bytes(self.config, lambda w: t[w.name].nbytes if w.name in t else 0)
-                         .values()))
+        return float(sum(weights.token_bytes(self.config, lambda w: t[w.name].nbytes if w.name in t else 0,
+                                             weights.split_qkv_sets(t)).values()))
 
     # ---- generation -----------------------------------------------------------------------------
     def generate(self, prompt: str | Sequence[int], max_tokens: int | None = 128, *,
