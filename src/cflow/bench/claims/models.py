@@ -180,14 +180,16 @@ def conversion_cache(path: str | os.PathLike) -> Iterator[None]:
 def write_dense_gguf(path: str | os.PathLike, *, layers: int, d_model: int, d_ff: int, heads: int,
                      kv_heads: int, vocab: int, quant: str = "q4_0", seed: int = 0, ctx: int = 2048) -> Path:
     """A random-weight Llama GGUF (dense, e.g. TinyLlama-1.1B's geometry), written with the gguf
-    package and make_moe's random blocks and tokenizer (full runs, from a source checkout)."""
+    package and make_moe's random blocks and tokenizer (full runs, from a source checkout).
+    quant "f16": float weights of make_moe's per-tensor std (the source llama.cpp's quantizer turns
+    into K-quant files, benchmarks/quants.py)."""
     import gguf
 
     mm = load_benchmark("make_moe")
     if mm is None:
         raise FileNotFoundError("benchmarks/make_moe.py is not beside this package (a source checkout has it)")
     T = gguf.GGMLQuantizationType
-    qtype = {"q4_0": T.Q4_0, "q4_1": T.Q4_1, "q8_0": T.Q8_0}[quant]
+    qtype = {"q4_0": T.Q4_0, "q4_1": T.Q4_1, "q8_0": T.Q8_0, "f16": T.F16}[quant]
     hd = d_model // heads
     kv = kv_heads * hd
     tensors: list[tuple[str, tuple[int, ...], str]] = [("token_embd.weight", (vocab, d_model), "m")]
@@ -204,6 +206,13 @@ def write_dense_gguf(path: str | os.PathLike, *, layers: int, d_model: int, d_ff
     def nbytes(shape: tuple[int, ...], kind: str) -> int:
         return 4 * shape[0] if kind == "n" else shape[0] * q.row_bytes(quant, shape[1])
 
+    def matrix(name: str, rows: int, cols: int) -> np.ndarray:
+        rng = mm.tensor_rng(seed, name)
+        if quant == "f16":
+            std = mm.GAIN / np.sqrt(cols)  # the std random_rows gives the quantized files
+            return (rng.standard_normal((rows, cols), dtype=np.float32) * np.float32(std)).astype(np.float16)
+        return mm.random_rows(rng, quant, rows, cols)
+
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     wr = gguf.GGUFWriter(str(tmp), "llama")
@@ -219,7 +228,7 @@ def write_dense_gguf(path: str | os.PathLike, *, layers: int, d_model: int, d_ff
     wr.add_layer_norm_rms_eps(1e-5)
     wr.add_vocab_size(vocab)
     wr.add_file_type(int({"q4_0": gguf.LlamaFileType.MOSTLY_Q4_0, "q4_1": gguf.LlamaFileType.MOSTLY_Q4_1,
-                          "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[quant]))
+                          "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "f16": gguf.LlamaFileType.MOSTLY_F16}[quant]))
     wr.add_quantization_version(gguf.GGML_QUANT_VERSION)
     mm.add_tokenizer(wr, vocab)
     for name, shape, kind in tensors:
@@ -236,7 +245,7 @@ def write_dense_gguf(path: str | os.PathLike, *, layers: int, d_model: int, d_ff
         if kind == "n":
             f.write(np.ones(shape, np.float32).tobytes())
         else:
-            f.write(memoryview(mm.random_rows(mm.tensor_rng(seed, name), quant, shape[0], shape[1]).reshape(-1)))
+            f.write(memoryview(matrix(name, shape[0], shape[1]).reshape(-1).view(np.uint8)))
         wr.write_padding(f, nbytes(shape, kind))
     f.flush()
     os.fsync(f.fileno())
