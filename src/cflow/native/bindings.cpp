@@ -71,14 +71,20 @@ void check_len(size_t got, size_t want, const char *what) {
         bad_input(std::string(what) + " has " + std::to_string(got) + " elements, expected " + std::to_string(want));
 }
 
-// A cf_tiled view of a numpy byte buffer, after checking the geometry against DESIGN.md.
+// A cf_tiled view of a numpy byte buffer, after checking the geometry against DESIGN.md (and
+// docs/kquants.md: the K-quants' blocks, rows and tiles are 256 weights wide).
 cf_tiled tiled_view(const uint8_t *data, size_t size, int dtype, int rows, int cols, int tile_rows, int tile_cols) {
-    if (dtype != CF_Q4_0 && dtype != CF_Q4_1 && dtype != CF_Q8_0)
-        bad_input("tiled dtype id " + std::to_string(dtype) + " is not a quantized type; use 2 (q4_0), 3 (q4_1) or 8 (q8_0)");
-    if (rows < 1 || cols < 1 || cols % CF_QK)
-        bad_input("matrix shape [" + std::to_string(rows) + ", " + std::to_string(cols) + "] is invalid; rows >= 1 and cols a positive multiple of 32");
-    if (tile_rows < CF_G || tile_rows % CF_G || tile_cols < CF_QK || tile_cols % CF_QK)
-        bad_input("tile " + std::to_string(tile_rows) + "x" + std::to_string(tile_cols) + " is invalid; rows a multiple of 8, cols a multiple of 32");
+    if (dtype < 0 || dtype >= CF_DTYPE_IDS || dtype == CF_F32 || dtype == CF_F16 || !cf_dtype_names[dtype])
+        bad_input("tiled dtype id " + std::to_string(dtype) + " is not a quantized type; use 2 (q4_0), 3 (q4_1), "
+                  "6 (q5_0), 7 (q5_1), 8 (q8_0), 12 (q4_k), 13 (q5_k) or 14 (q6_k)");
+    int qb = cf_block_weights(dtype);
+    std::string qbs = std::to_string(qb);
+    if (rows < 1 || cols < 1 || cols % qb)
+        bad_input("matrix shape [" + std::to_string(rows) + ", " + std::to_string(cols) + "] is invalid for " +
+                  cf_dtype_names[dtype] + "; rows >= 1 and cols a positive multiple of " + qbs);
+    if (tile_rows < CF_G || tile_rows % CF_G || tile_cols < qb || tile_cols % qb)
+        bad_input("tile " + std::to_string(tile_rows) + "x" + std::to_string(tile_cols) + " is invalid for " +
+                  cf_dtype_names[dtype] + "; rows a multiple of 8, cols a multiple of " + qbs);
     cf_tiled w{data, dtype, rows, cols, tile_rows, tile_cols};
     if (size != cf_tiled_bytes(&w))
         bad_input("tiled buffer has " + std::to_string(size) + " bytes; a [" + std::to_string(rows) + ", " +
@@ -86,12 +92,22 @@ cf_tiled tiled_view(const uint8_t *data, size_t size, int dtype, int rows, int c
     return w;
 }
 
-// Owned buffers of a quantized activation vector.
+// Owned buffers of a quantized activation vector: the 32-block fields, and the 256-block ones
+// when n allows them (n % 256 == 0).
 struct ActQ8 {
-    std::vector<int8_t> qs;
-    std::vector<float> d, s;
+    std::vector<int8_t> qs, qk;
+    std::vector<float> d, s, dk;
+    std::vector<int16_t> bsums;
     cf_act_q8 view;
-    explicit ActQ8(int n) : qs(n), d(n / CF_QK), s(n / CF_QK), view{qs.data(), d.data(), s.data(), n} {}
+    explicit ActQ8(int n)
+        : qs(n), qk(n % CF_QK_K ? 0 : n), d(n / CF_QK), s(n / CF_QK), dk(n % CF_QK_K ? 0 : n / CF_QK_K),
+          bsums(n % CF_QK_K ? 0 : n / 16),
+          view{qs.data(), d.data(), s.data(), n, qk.data(), dk.data(), bsums.data()} {}
+    // x in the format the kernels of `dtype` read (cflow.h, cf_act_q8), as the engine will
+    void quantize(const cf_kernel_table *t, int dtype, const float *x) {
+        if (cf_is_kquant(dtype)) t->quantize_act_k(x, &view);
+        else t->quantize_act(x, &view);
+    }
 };
 
 const cf_half *half_data(const AnyIn &a, const char *what) {
@@ -170,6 +186,23 @@ double pool_run_latency(Pool &pool, int n_calls) {
 
 // ---- kernels ---------------------------------------------------------------------------------
 
+// The K-quant kernels' activation: (qk int8 [n], dk float32 [n/256], bsums int16 [n/16]).
+std::tuple<Out<int8_t>, Out<float>, Out<int16_t>> quantize_act_k(In1<float> x, std::optional<std::string> isa) {
+    const cf_kernel_table *t = table(isa);
+    if (x.size() % CF_QK_K) bad_input("K-quant activation length " + std::to_string(x.size()) + " is not a multiple of 256");
+    int n = (int)x.size();
+    auto qk = new_array<int8_t>(n);
+    auto dk = new_array<float>(n / CF_QK_K);
+    auto bsums = new_array<int16_t>(n / 16);
+    cf_act_q8 a{};
+    a.n = n;
+    a.qk = qk.data();
+    a.dk = dk.data();
+    a.bsums = bsums.data();
+    t->quantize_act_k(x.data(), &a);
+    return {qk, dk, bsums};
+}
+
 std::tuple<Out<int8_t>, Out<float>, Out<float>> quantize_act(In1<float> x, std::optional<std::string> isa) {
     const cf_kernel_table *t = table(isa);
     if (x.size() % CF_QK) bad_input("activation length " + std::to_string(x.size()) + " is not a multiple of 32");
@@ -204,7 +237,7 @@ Out<float> run_matvec(const cf_kernel_table *t, cf_matvec_fn fn, const cf_tiled 
     {
         nb::gil_scoped_release rel;
         ActQ8 a(w.cols);
-        t->quantize_act(x, &a.view);
+        a.quantize(t, w.dtype, x);
         parallel_ranges(pool, u1 - u0, [&](int lo, int hi) { fn(&w, &a.view, yp, u0 + lo, u0 + hi); });
     }
     return y;
@@ -232,11 +265,11 @@ Out<float> gate_up(In1<uint8_t> tiled, int dtype, int rows, int cols, In1<float>
 struct ActQ8Batch {
     std::vector<ActQ8> rows;
     std::vector<cf_act_q8> views;
-    ActQ8Batch(const cf_kernel_table *t, const float *X, int B, int cols) {
+    ActQ8Batch(const cf_kernel_table *t, int dtype, const float *X, int B, int cols) {
         rows.reserve(B);
         for (int b = 0; b < B; b++) {
             rows.emplace_back(cols);
-            t->quantize_act(X + (size_t)b * cols, &rows.back().view);
+            rows.back().quantize(t, dtype, X + (size_t)b * cols);
             views.push_back(rows.back().view);
         }
     }
@@ -254,7 +287,7 @@ Out<float> run_matmat(const cf_kernel_table *t, cf_matmat_fn fn, const cf_tiled 
     const float *xp = X.data();
     {
         nb::gil_scoped_release rel;
-        ActQ8Batch a(t, xp, (int)B, w.cols);
+        ActQ8Batch a(t, w.dtype, xp, (int)B, w.cols);
         parallel_ranges(pool, u1 - u0, [&](int lo, int hi) { fn(&w, a.views.data(), (int)B, data, (int)n_out, u0 + lo, u0 + hi); });
     }
     return y;
@@ -307,7 +340,7 @@ std::tuple<double, double> bench_matvec(In1<uint8_t> buf, int copies, int dtype,
     std::vector<float> y(rows);
     nb::gil_scoped_release rel;
     ActQ8 a(cols);
-    t->quantize_act(x.data(), &a.view);
+    a.quantize(t, dtype, x.data());
     cf_matvec_fn fn = t->matvec[dtype];
     int ng = cf_n_groups(&w);
     double c0 = thread_cpu_s();
@@ -475,6 +508,8 @@ NB_MODULE(_native, m) {
         .def("run_latency", &pool_run_latency, arg("n_calls"), "Seconds per empty run.");
 
     m.def("quantize_act", &quantize_act, arg("x"), arg("isa") = none);
+    m.def("quantize_act_k", &quantize_act_k, arg("x"), arg("isa") = none,
+          "The K-quant kernels' activation: (qk int8 [n], dk float32 [n/256], bsums int16 [n/16]).");
     // The four tiled kernels take one argument list: the matrix, x (or X), the tile, the table,
     // a pool, and the unit range (row groups g0, g1 or gate/up pairs p0, p1; -1: to the end).
     auto def_tiled = [&](const char *name, auto fn, const char *x, const char *lo, const char *hi, const char *doc) {
@@ -482,7 +517,8 @@ NB_MODULE(_native, m) {
               arg("tile_cols") = 256, arg("isa") = none, arg("pool") = none, arg(lo) = 0, arg(hi) = -1, doc);
     };
     def_tiled("matvec", &matvec, "x", "g0", "g1",
-              "y = W x for a tiled quantized W (x is quantized to int8 per 32-block first); rows of "
+              "y = W x for a tiled quantized W (x is quantized first in the format of W's dtype: int8 per "
+              "32-block, or per 256-block with sums for the K-quants); rows of "
               "groups [g0, g1) only (others stay 0).");
     def_tiled("gate_up", &gate_up, "x", "p0", "p1",
               "silu(gate x) * (up x) from an interleaved [2*d_ff, d] tiled matrix; returns d_ff values.");

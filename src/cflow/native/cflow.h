@@ -24,19 +24,34 @@ extern "C" {
 #endif
 
 /* ---- block formats (GGML semantics, GGML type ids) -------------------------------------- */
-#define CF_QK 32 /* weights per block */
+#define CF_QK 32   /* weights per block of the 32-block formats (and per activation block) */
+#define CF_QK_K 256 /* weights per super-block of the K-quants (Q4_K, Q5_K, Q6_K) */
 
 enum cf_dtype {
     CF_F32 = 0,
     CF_F16 = 1,
     CF_Q4_0 = 2,
     CF_Q4_1 = 3,
+    CF_Q5_0 = 6,
+    CF_Q5_1 = 7,
     CF_Q8_0 = 8,
+    CF_Q4_K = 12,
+    CF_Q5_K = 13,
+    CF_Q6_K = 14,
     CF_DTYPE_IDS, /* one past the largest id: the size of tables indexed by dtype */
 };
-/* cf_dtype_names[id]: "f32", "f16", "q4_0", "q4_1", "q8_0" (cflow.quant.DTYPE_IDS's keys); NULL
- * for GGML ids the core does not run. Exported to Python as _native.DTYPE_IDS (formats.c). */
+/* cf_dtype_names[id]: "f32", "f16", "q4_0", "q4_1", "q8_0" (cflow.quant.DTYPE_IDS's keys) and
+ * "q5_0", "q5_1", "q4_k", "q5_k", "q6_k" (cflow.kquant.KDTYPE_IDS's); NULL for GGML ids the core
+ * does not run. Exported to Python as _native.DTYPE_IDS (formats.c). The layouts of the K-quant
+ * dtypes and their tiles: docs/kquants.md, Python twin cflow/kquant.py. */
 extern const char *const cf_dtype_names[CF_DTYPE_IDS];
+
+/* The K-quants (256-weight super-blocks, read with the 256-block activation fields below). */
+static inline int cf_is_kquant(int dtype) {
+    return dtype == CF_Q4_K || dtype == CF_Q5_K || dtype == CF_Q6_K;
+}
+/* Weights per block of `dtype`: 256 for the K-quants, 32 otherwise (F32/F16 count in 32s). */
+static inline int cf_block_weights(int dtype) { return cf_is_kquant(dtype) ? CF_QK_K : CF_QK; }
 
 typedef uint16_t cf_half;
 /* fp16 <-> fp32 one value at a time (formats.c). */
@@ -46,27 +61,38 @@ cf_half cf_float_to_half(float f); /* round to nearest even, like F16C */
 /* Tile geometry: row groups of CF_G rows are interleaved inside a tile (see DESIGN.md). */
 #define CF_G 8
 
-/* An activation vector quantized to int8 per 32-block: x[i] ~= d[b] * qs[i], with
- * s[b] = d[b] * sum(qs in block b). Buffers are owned by the caller (no allocation in kernels). */
+/* An activation vector quantized to int8, in one or both of two formats. Buffers are owned by
+ * the caller (no allocation in kernels).
+ *   32-block (quantize_act): x[i] ~= d[b] * qs[i], s[b] = d[b] * sum(qs in block b), b = i / 32.
+ *     Read by the Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 kernels.
+ *   256-block (quantize_act_k; n a multiple of 256): x[i] ~= dk[b] * qk[i], b = i / 256, and
+ *     bsums[j] = sum(qk[16j .. 16j+15]) (cflow.kquant.quantize_act_k, docs/kquants.md). Read by
+ *     the Q4_K, Q5_K and Q6_K kernels.
+ * A kernel reads only its dtype's fields; the others may be NULL. A caller quantizes x once per
+ * format that the matrices it feeds need. */
 typedef struct {
     int8_t *qs; /* [n] */
     float *d;   /* [n / 32] */
     float *s;   /* [n / 32] */
-    int n;      /* multiple of 32 */
+    int n;      /* multiple of 32 (of 256 for the 256-block fields) */
+    int8_t *qk;     /* [n] */
+    float *dk;      /* [n / 256] */
+    int16_t *bsums; /* [n / 16] */
 } cf_act_q8;
 
 /* A tiled weight matrix W[rows, cols] living in caller-owned memory (usually an mmap). */
 typedef struct {
     const uint8_t *data;
-    int dtype;     /* CF_Q4_0, CF_Q4_1 or CF_Q8_0 */
+    int dtype;     /* CF_Q4_0, CF_Q4_1, CF_Q5_0, CF_Q5_1, CF_Q8_0, CF_Q4_K, CF_Q5_K or CF_Q6_K */
     int rows;
-    int cols;      /* multiple of 32 */
+    int cols;      /* multiple of cf_block_weights(dtype) */
     int tile_rows; /* TR, multiple of CF_G (default 128) */
-    int tile_cols; /* TK, multiple of 32 (default 256) */
+    int tile_cols; /* TK, multiple of cf_block_weights(dtype) (default 256) */
 } cf_tiled;
 
-/* Bytes of one 32-block of `dtype` for one row (18, 20, 34; 128 for F32; 64 for F16); 0 if the
- * dtype is unknown (formats.c). */
+/* Bytes of one block of `dtype` (cf_block_weights weights) for one row: 18, 20, 22, 24, 34 for
+ * Q4_0, Q4_1, Q5_0, Q5_1, Q8_0; 144, 176, 210 for Q4_K, Q5_K, Q6_K; 128 for F32 and 64 for F16
+ * (per 32 weights); 0 if the dtype is unknown (formats.c). */
 size_t cf_block_bytes(int dtype);
 /* Total bytes of a tiled matrix (formats.c). */
 size_t cf_tiled_bytes(const cf_tiled *w);
@@ -130,6 +156,9 @@ typedef struct {
     /* The k largest of x[0..n), largest first (ties: lower index first); 1 <= k <= n; x has no
      * NaN. The router's expert choice; cf_topk is the reference. */
     void (*topk)(const float *x, int n, int k, int *idx, float *val);
+    /* The 256-block activation fields: out->qk, out->dk, out->bsums from x[0..out->n), n a
+     * multiple of 256; bit for bit cflow.kquant.quantize_act_k. The K-quant kernels' input. */
+    void (*quantize_act_k)(const float *x, cf_act_q8 *out);
 } cf_kernel_table;
 
 /* The table chosen for this CPU (set up on first use; CFLOW_ISA=ref|avx2 overrides). */

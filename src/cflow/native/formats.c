@@ -11,9 +11,12 @@
 
 /* ---- dtypes ------------------------------------------------------------------------------ */
 
-/* Names as cflow.quant.DTYPE_IDS spells them; NULL where GGML has an id the core does not run. */
+/* Names as cflow.quant.DTYPE_IDS and cflow.kquant.KDTYPE_IDS spell them; NULL where GGML has an
+ * id the core does not run. */
 const char *const cf_dtype_names[CF_DTYPE_IDS] = {
-    [CF_F32] = "f32", [CF_F16] = "f16", [CF_Q4_0] = "q4_0", [CF_Q4_1] = "q4_1", [CF_Q8_0] = "q8_0",
+    [CF_F32] = "f32",   [CF_F16] = "f16",   [CF_Q4_0] = "q4_0", [CF_Q4_1] = "q4_1",
+    [CF_Q5_0] = "q5_0", [CF_Q5_1] = "q5_1", [CF_Q8_0] = "q8_0", [CF_Q4_K] = "q4_k",
+    [CF_Q5_K] = "q5_k", [CF_Q6_K] = "q6_k",
 };
 
 /* ---- tile geometry ----------------------------------------------------------------------- */
@@ -24,14 +27,19 @@ size_t cf_block_bytes(int dtype) {
     case CF_F16: return 64;
     case CF_Q4_0: return 18;
     case CF_Q4_1: return 20;
+    case CF_Q5_0: return 22;
+    case CF_Q5_1: return 24;
     case CF_Q8_0: return 34;
+    case CF_Q4_K: return 144;
+    case CF_Q5_K: return 176;
+    case CF_Q6_K: return 210;
     default: return 0;
     }
 }
 
 size_t cf_tiled_bytes(const cf_tiled *w) {
     /* Tiling only reorders blocks, so the size is that of the plain blocks. */
-    return (size_t)w->rows * (size_t)(w->cols / CF_QK) * cf_block_bytes(w->dtype);
+    return (size_t)w->rows * (size_t)(w->cols / cf_block_weights(w->dtype)) * cf_block_bytes(w->dtype);
 }
 
 /* ---- fp16 -------------------------------------------------------------------------------- */

@@ -207,8 +207,12 @@ INLINE __m256i group_isum_q8(const uint8_t *q, __m256i xq) {
                        dot_q8(q + 128, xq), dot_q8(q + 160, xq), dot_q8(q + 192, xq), dot_q8(q + 224, xq));
 }
 
+/* Q5_0, Q5_1 and the K-quants: kq_group_dot, kq_matmat_groups, quantize_act_k_avx2. */
+#include "kernels_kquant_avx2.c"
+
 /* acc (lane i = row i) += W[8 rows, tile blocks] . x[tile blocks] for one group's chunks at p. */
 INLINE __m256 group_dot(int dtype, const uint8_t *p, int nkt, const cf_act_q8 *x, int kb0) {
+    if (KQ_DTYPE(dtype)) return kq_group_dot(dtype, p, nkt, x, kb0);
     __m256 acc = _mm256_setzero_ps();
     const int8_t *xq = x->qs + (size_t)kb0 * CF_QK;
     const float *xd = x->d + kb0, *xs = x->s + kb0;
@@ -280,6 +284,11 @@ INLINE void matvec_groups(int dtype, const cf_tiled *w, const cf_act_q8 *x, floa
 DEFINE_MATVEC(matvec_q4_0_avx2, CF_Q4_0)
 DEFINE_MATVEC(matvec_q4_1_avx2, CF_Q4_1)
 DEFINE_MATVEC(matvec_q8_0_avx2, CF_Q8_0)
+DEFINE_MATVEC(matvec_q5_0_avx2, CF_Q5_0)
+DEFINE_MATVEC(matvec_q5_1_avx2, CF_Q5_1)
+DEFINE_MATVEC(matvec_q4_k_avx2, CF_Q4_K)
+DEFINE_MATVEC(matvec_q5_k_avx2, CF_Q5_K)
+DEFINE_MATVEC(matvec_q6_k_avx2, CF_Q6_K)
 
 /* ---- tiled mat-mat (prefill): each weight block decoded once for many activations -------- */
 
@@ -546,6 +555,10 @@ INLINE void q8_groups_mm(int NG, const uint8_t *p, size_t group_bytes, int nkt, 
  * chunks while they sit in L1; the short last group goes through the reference. */
 INLINE void matmat_groups(int dtype, const cf_tiled *w, const cf_act_q8 *xs, int B, float *out,
                           int ldo, int g0, int g1) {
+    if (KQ_DTYPE(dtype)) {
+        kq_matmat_groups(dtype, w, xs, B, out, ldo, g0, g1);
+        return;
+    }
     int g1_full = cf_min(g1, w->rows / CF_G);
     size_t bb = cf_block_bytes(dtype);
     if (g0 < g1_full) {
@@ -628,6 +641,11 @@ INLINE void matmat_groups(int dtype, const cf_tiled *w, const cf_act_q8 *xs, int
 DEFINE_MATMAT(matmat_q4_0_avx2, CF_Q4_0)
 DEFINE_MATMAT(matmat_q4_1_avx2, CF_Q4_1)
 DEFINE_MATMAT(matmat_q8_0_avx2, CF_Q8_0)
+DEFINE_MATMAT(matmat_q5_0_avx2, CF_Q5_0)
+DEFINE_MATMAT(matmat_q5_1_avx2, CF_Q5_1)
+DEFINE_MATMAT(matmat_q4_k_avx2, CF_Q4_K)
+DEFINE_MATMAT(matmat_q5_k_avx2, CF_Q5_K)
+DEFINE_MATMAT(matmat_q6_k_avx2, CF_Q6_K)
 
 /* ---- fused gate+up+SiLU ------------------------------------------------------------------ */
 
@@ -688,6 +706,11 @@ INLINE void gate_up_mm(int dtype, const cf_tiled *w, const cf_act_q8 *xs, int B,
 DEFINE_GATE_UP_MM(gate_up_mm_q4_0_avx2, CF_Q4_0)
 DEFINE_GATE_UP_MM(gate_up_mm_q4_1_avx2, CF_Q4_1)
 DEFINE_GATE_UP_MM(gate_up_mm_q8_0_avx2, CF_Q8_0)
+DEFINE_GATE_UP_MM(gate_up_mm_q5_0_avx2, CF_Q5_0)
+DEFINE_GATE_UP_MM(gate_up_mm_q5_1_avx2, CF_Q5_1)
+DEFINE_GATE_UP_MM(gate_up_mm_q4_k_avx2, CF_Q4_K)
+DEFINE_GATE_UP_MM(gate_up_mm_q5_k_avx2, CF_Q5_K)
+DEFINE_GATE_UP_MM(gate_up_mm_q6_k_avx2, CF_Q6_K)
 
 #define DEFINE_GATE_UP(NAME, DT)                                                               \
     static void NAME(const cf_tiled *w, const cf_act_q8 *x, float *y, int p0, int p1) {        \
@@ -696,10 +719,19 @@ DEFINE_GATE_UP_MM(gate_up_mm_q8_0_avx2, CF_Q8_0)
 DEFINE_GATE_UP(gate_up_q4_0_avx2, CF_Q4_0)
 DEFINE_GATE_UP(gate_up_q4_1_avx2, CF_Q4_1)
 DEFINE_GATE_UP(gate_up_q8_0_avx2, CF_Q8_0)
+DEFINE_GATE_UP(gate_up_q5_0_avx2, CF_Q5_0)
+DEFINE_GATE_UP(gate_up_q5_1_avx2, CF_Q5_1)
+DEFINE_GATE_UP(gate_up_q4_k_avx2, CF_Q4_K)
+DEFINE_GATE_UP(gate_up_q5_k_avx2, CF_Q5_K)
+DEFINE_GATE_UP(gate_up_q6_k_avx2, CF_Q6_K)
 
 /* ---- embedding row ----------------------------------------------------------------------- */
 
 static void embed_row_avx2(const cf_tiled *w, int r, float *out) {
+    if (KQ_DTYPE(w->dtype)) { /* one row per token, off the hot path: the reference's bits */
+        cf_embed_row_ref(w, r, out);
+        return;
+    }
     size_t bb = cf_block_bytes(w->dtype);
     int gr = r / CF_G, i = r % CF_G, g = cf_min(CF_G, w->rows - gr * CF_G);
     size_t qs_bytes = cf_qs_bytes(w->dtype), qs_off = cf_chunk_qs_offset(w->dtype, g);
@@ -917,22 +949,27 @@ static void topk_avx2(const float *x, int n, int k, int *idx, float *val) {
 
 /* ---- the table --------------------------------------------------------------------------- */
 
+#define ALL_QDTYPES(PRE)                                                                       \
+    {[CF_Q4_0] = PRE##_q4_0_avx2, [CF_Q4_1] = PRE##_q4_1_avx2, [CF_Q5_0] = PRE##_q5_0_avx2,      \
+     [CF_Q5_1] = PRE##_q5_1_avx2, [CF_Q8_0] = PRE##_q8_0_avx2, [CF_Q4_K] = PRE##_q4_k_avx2,      \
+     [CF_Q5_K] = PRE##_q5_k_avx2, [CF_Q6_K] = PRE##_q6_k_avx2}
+
 static const cf_kernel_table TABLE = {
     .name = CF_TABLE_NAME,
     .quantize_act = quantize_act_avx2,
-    .matvec = {[CF_Q4_0] = matvec_q4_0_avx2, [CF_Q4_1] = matvec_q4_1_avx2, [CF_Q8_0] = matvec_q8_0_avx2},
+    .matvec = ALL_QDTYPES(matvec),
     .rmsnorm = rmsnorm_avx2,
     .matvec_f32 = matvec_f32_avx2,
-    .gate_up = {[CF_Q4_0] = gate_up_q4_0_avx2, [CF_Q4_1] = gate_up_q4_1_avx2, [CF_Q8_0] = gate_up_q8_0_avx2},
+    .gate_up = ALL_QDTYPES(gate_up),
     .softmax = softmax_avx2,
     .rope = rope_avx2,
     .attention = attention_avx2,
     .embed_row = embed_row_avx2,
     .f32_to_f16 = f32_to_f16_avx2,
-    .matmat = {[CF_Q4_0] = matmat_q4_0_avx2, [CF_Q4_1] = matmat_q4_1_avx2, [CF_Q8_0] = matmat_q8_0_avx2},
-    .gate_up_mm = {[CF_Q4_0] = gate_up_mm_q4_0_avx2, [CF_Q4_1] = gate_up_mm_q4_1_avx2,
-                   [CF_Q8_0] = gate_up_mm_q8_0_avx2},
+    .matmat = ALL_QDTYPES(matmat),
+    .gate_up_mm = ALL_QDTYPES(gate_up_mm),
     .topk = topk_avx2,
+    .quantize_act_k = quantize_act_k_avx2,
 };
 
 const cf_kernel_table *CF_TABLE_GETTER(void) { return &TABLE; }

@@ -3,9 +3,11 @@
  * only cflow.h, util.h and formats.c (cf_block_bytes), never a kernel file; the reference
  * pieces the ISA files fall back to are declared in kernels_ref.h.
  *
- * The walk is the C statement of DESIGN.md "Tile layout":
- *   for band (TR rows): for tile (TK cols): for group (8 rows; last may be short): for 32-block:
- *     chunk = g scales d (Q4_1: then g mins m), then g rows of GGML quant bytes
+ * The walk is the C statement of DESIGN.md "Tile layout" (docs/kquants.md for the K-quants):
+ *   for band (TR rows): for tile (TK cols): for group (8 rows; last may be short): for block
+ *   (32 weights, or a 256-weight super-block for the K-quants):
+ *     chunk = the block's fields one after another, g rows of each (cf_tile_fields): g scales d
+ *     (Q4_1: then g mins m), then g rows of GGML quant bytes; the K-quants' scales first too
  * Only the matrix's last group can have g < 8 rows (TR is a multiple of 8), so every group
  * before a given one in its band is a full 8 rows: that is what makes a group range of a tile
  * one contiguous byte run, found with one multiplication.
@@ -26,11 +28,38 @@ static inline size_t cf_chunk_qs_offset(int dtype, int g) {
     return (size_t)g * (dtype == CF_Q4_1 ? 4 : 2);
 }
 
+/* The fields of one block in a tile chunk of g rows, in chunk order (cflow.kquant.TILE_FIELDS):
+ * field f of row i is the `size` bytes at chunk + g * tile + i * size, and at offset `ggml` of
+ * the row's GGML block. For the 32-block formats Q5_0 / Q5_1 and the K-quants. */
+typedef struct {
+    int n;
+    struct {
+        uint8_t ggml, tile, size;
+    } f[5];
+} cf_kfields;
+
+static inline const cf_kfields *cf_tile_fields(int dtype) {
+    static const cf_kfields q5_0 = {3, {{0, 0, 2}, {2, 2, 4}, {6, 6, 16}}};             /* d qh qs */
+    static const cf_kfields q5_1 = {4, {{0, 0, 2}, {2, 2, 2}, {4, 4, 4}, {8, 8, 16}}};  /* d m qh qs */
+    static const cf_kfields q4_k = {4, {{0, 0, 2}, {2, 2, 2}, {4, 4, 12}, {16, 16, 128}}}; /* d dmin scales qs */
+    static const cf_kfields q5_k = {5, {{0, 0, 2}, {2, 2, 2}, {4, 4, 12}, {16, 16, 32}, {48, 48, 128}}}; /* + qh */
+    static const cf_kfields q6_k = {4, {{208, 0, 2}, {192, 2, 16}, {0, 18, 128}, {128, 146, 64}}}; /* d scales ql qh */
+    switch (dtype) {
+    case CF_Q5_0: return &q5_0;
+    case CF_Q5_1: return &q5_1;
+    case CF_Q4_K: return &q4_k;
+    case CF_Q5_K: return &q5_k;
+    case CF_Q6_K: return &q6_k;
+    default: return NULL;
+    }
+}
+
 /* One step of the walk: the share of one tile that belongs to groups [ga, gb). */
 typedef struct {
     const uint8_t *ptr; /* first chunk of group ga in this tile; chunks follow contiguously */
     int ga, gb;         /* global group indices */
-    int kb0, nkt;       /* the tile's first 32-block column and its number of 32-blocks */
+    int kb0, nkt;       /* the tile's first block column and its number of blocks (blocks of
+                         * cf_block_weights(dtype) weights: 32, or 256 for the K-quants) */
     /* walk state */
     const cf_tiled *w;
     int g0, g1, band, band_end, tile, n_tiles;
@@ -56,12 +85,13 @@ static inline int cf_span_next(cf_span *s) {
     }
     if (s->band >= s->band_end) return 0;
     size_t bb = cf_block_bytes(w->dtype);
-    int gpb = w->tile_rows / CF_G, nkb = w->cols / CF_QK;
+    int qb = cf_block_weights(w->dtype);
+    int gpb = w->tile_rows / CF_G, nkb = w->cols / qb;
     int band_row0 = s->band * w->tile_rows;
     int band_rows = cf_min(w->tile_rows, w->rows - band_row0);
     int k0 = s->tile * w->tile_cols;
-    s->kb0 = k0 / CF_QK;
-    s->nkt = cf_min(w->tile_cols, w->cols - k0) / CF_QK;
+    s->kb0 = k0 / qb;
+    s->nkt = cf_min(w->tile_cols, w->cols - k0) / qb;
     s->ga = cf_max(s->g0, s->band * gpb);
     s->gb = cf_min(s->g1, (s->band + 1) * gpb);
     s->ptr = w->data + (size_t)band_row0 * nkb * bb /* bands above */

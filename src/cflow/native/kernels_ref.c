@@ -53,6 +53,11 @@ static int block_dot(int dtype, const uint8_t *q, const int8_t *xq) {
  * activation block kb, folded with the block's scales (the s trick for Q4_0's -8, Q4_1's m). */
 static float chunk_row_dot(int dtype, const uint8_t *chunk, int g, int i, const cf_act_q8 *x,
                            int kb) {
+    if (cf_tile_fields(dtype)) { /* Q5_0, Q5_1 and the K-quants: kernels_kquant_ref.c */
+        uint8_t blk[CF_KBLOCK_MAX];
+        cf_kq_gather(dtype, chunk, g, i, blk);
+        return cf_kq_block_dot(dtype, blk, x, kb);
+    }
     const cf_half *scales = (const cf_half *)chunk; /* d[g] (then m[g] for Q4_1) */
     float d = cf_half_to_float(scales[i]);
     int isum = block_dot(dtype, chunk + cf_chunk_qs_offset(dtype, g) + (size_t)i * cf_qs_bytes(dtype),
@@ -107,13 +112,20 @@ static void gate_up_mm_ref(const cf_tiled *w, const cf_act_q8 *xs, int B, float 
 }
 
 /* Row r, dequantized: find r's group in every tile of its band and expand its blocks. */
-static void embed_row_ref(const cf_tiled *w, int r, float *out) {
+void cf_embed_row_ref(const cf_tiled *w, int r, float *out) {
     size_t bb = cf_block_bytes(w->dtype);
+    int qb = cf_block_weights(w->dtype);
     int gr = r / CF_G, i = r % CF_G, g = cf_min(CF_G, w->rows - gr * CF_G);
     cf_span sp;
     for (cf_span_begin(&sp, w, gr, gr + 1); cf_span_next(&sp);) {
         for (int kb = 0; kb < sp.nkt; kb++) {
             const uint8_t *chunk = sp.ptr + (size_t)kb * g * bb;
+            if (cf_tile_fields(w->dtype)) {
+                uint8_t blk[CF_KBLOCK_MAX];
+                cf_kq_gather(w->dtype, chunk, g, i, blk);
+                cf_kq_dequant_block(w->dtype, blk, out + (size_t)(sp.kb0 + kb) * qb);
+                continue;
+            }
             const cf_half *scales = (const cf_half *)chunk;
             const uint8_t *q = chunk + cf_chunk_qs_offset(w->dtype, g) + (size_t)i * cf_qs_bytes(w->dtype);
             float d = cf_half_to_float(scales[i]);
@@ -227,21 +239,27 @@ void cf_topk(const float *x, int n, int k, int *idx, float *val) {
 
 /* ---- the table --------------------------------------------------------------------------- */
 
+/* Every quantized dtype runs through the same walk (chunk_row_dot picks the block format). */
+#define CF_ALL_QDTYPES(FN)                                                                     \
+    {[CF_Q4_0] = FN, [CF_Q4_1] = FN, [CF_Q5_0] = FN, [CF_Q5_1] = FN, [CF_Q8_0] = FN,            \
+     [CF_Q4_K] = FN, [CF_Q5_K] = FN, [CF_Q6_K] = FN}
+
 static const cf_kernel_table TABLE_REF = {
     .name = "ref",
     .quantize_act = quantize_act_ref,
-    .matvec = {[CF_Q4_0] = matvec_ref, [CF_Q4_1] = matvec_ref, [CF_Q8_0] = matvec_ref},
+    .matvec = CF_ALL_QDTYPES(matvec_ref),
     .rmsnorm = rmsnorm_ref,
     .matvec_f32 = matvec_f32_ref,
-    .gate_up = {[CF_Q4_0] = gate_up_ref, [CF_Q4_1] = gate_up_ref, [CF_Q8_0] = gate_up_ref},
+    .gate_up = CF_ALL_QDTYPES(gate_up_ref),
     .softmax = softmax_ref,
     .rope = rope_ref,
     .topk = cf_topk,
     .attention = cf_attention_ref,
-    .embed_row = embed_row_ref,
+    .embed_row = cf_embed_row_ref,
     .f32_to_f16 = f32_to_f16_ref,
-    .matmat = {[CF_Q4_0] = matmat_ref, [CF_Q4_1] = matmat_ref, [CF_Q8_0] = matmat_ref},
-    .gate_up_mm = {[CF_Q4_0] = gate_up_mm_ref, [CF_Q4_1] = gate_up_mm_ref, [CF_Q8_0] = gate_up_mm_ref},
+    .matmat = CF_ALL_QDTYPES(matmat_ref),
+    .gate_up_mm = CF_ALL_QDTYPES(gate_up_mm_ref),
+    .quantize_act_k = cf_quantize_act_k_ref,
 };
 
 const cf_kernel_table *cf_kernels_ref(void) { return &TABLE_REF; }

@@ -1,0 +1,346 @@
+/* kernels_kquant_avx2.c — the AVX2 kernels of Q5_0, Q5_1 and the K-quants (Q4_K, Q5_K, Q6_K),
+ * and the 256-block activation quantizer. Not compiled alone: kernels_avx2.c includes it, so the
+ * avx2 and avxvnni tables both get it with their own flags and it shares that file's helpers
+ * (group_dot and matmat_groups hand these dtypes to kq_group_dot / kq_matmat_groups).
+ *
+ * Every full 8-row group of a tile is handled in two steps:
+ *   unpack  one block (a 32-block of Q5_x, a 256-weight super-block of a K-quant) of the 8 rows
+ *           into unsigned bytes in weight order, and the scales into int16 vectors;
+ *   dot     the unpacked group against one activation: per sub-block u8 x s8 maddubs, the
+ *           sub-block scale applied in integer (madd with the int16 scale), summed over the
+ *           super-block in int32; then one float FMA per row and super-block (Q4_K / Q5_K: a
+ *           second for the mins, whose integer part sum_s m_s * bsum_s needs no weights at all).
+ * The mat-vec keeps the unpacked group in registers (one activation); the mat-mat unpacks it
+ * once into an L1 buffer and runs up to KQ_NB activations over it. Both form the same exact
+ * integers and apply the same float operations in the same order, so matmat == B mat-vecs bit
+ * for bit. The integer bounds (no int16 saturation, no int32 overflow) are in docs/kquants.md.
+ *
+ * The K-quants' sub-block scales need the int16 stage (madd), so the VNNI table keeps maddubs
+ * there; Q5_0 / Q5_1 use vpdpbusd like Q4_0 (dot_q4_pair_unpacked).
+ * Q6_K's field starts inside a chunk are not 32-byte aligned: every load is unaligned.
+ */
+
+#define KQ_DTYPE(dt) ((dt) == CF_Q5_0 || (dt) == CF_Q5_1 || cf_is_kquant(dt))
+
+/* ---- the 256-block activation ------------------------------------------------------------ */
+
+/* cf_quantize_act_k_ref's arithmetic, vectorised: the same max, reciprocal and rounding, so
+ * the same bits. */
+static void quantize_act_k_avx2(const float *x, cf_act_q8 *out) {
+    const __m256 sign_mask = _mm256_set1_ps(-0.0f);
+    for (int b = 0; b < out->n / CF_QK_K; b++) {
+        const float *xb = x + (size_t)b * CF_QK_K;
+        __m256 amax = _mm256_setzero_ps();
+        for (int i = 0; i < CF_QK_K; i += 8)
+            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_mask, _mm256_loadu_ps(xb + i)));
+        float d = hmax_ps(amax) / 127.0f;
+        __m256 id = _mm256_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
+        for (int k = 0; k < CF_QK_K / 32; k++) {
+            __m256i q[4];
+            for (int i = 0; i < 4; i++)
+                q[i] = _mm256_cvtps_epi32(round_half_away(_mm256_mul_ps(_mm256_loadu_ps(xb + 32 * k + 8 * i), id)));
+            out->bsums[(size_t)b * 16 + 2 * k] = (int16_t)hsum_epi32(_mm256_add_epi32(q[0], q[1]));
+            out->bsums[(size_t)b * 16 + 2 * k + 1] = (int16_t)hsum_epi32(_mm256_add_epi32(q[2], q[3]));
+            __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+            p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            _mm256_storeu_si256((__m256i *)(out->qk + (size_t)b * CF_QK_K + 32 * k), p);
+        }
+        out->dk[b] = d;
+    }
+}
+
+/* ---- unpacking one block of a full group --------------------------------------------------- */
+
+/* The 8 row sums of 4 row-pair vectors [row 2j: 4 x s32 | row 2j+1: 4 x s32], in row order
+ * (three hadds leave [r0 r2 r4 r6 | r1 r3 r5 r7], one permute sorts). */
+INLINE __m256i fold_pairs(__m256i p0, __m256i p1, __m256i p2, __m256i p3) {
+    __m256i a = _mm256_hadd_epi32(p0, p1), b = _mm256_hadd_epi32(p2, p3);
+    return _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(a, b), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+/* Q5_0 / Q5_1, one 32-block of 8 rows: v[2j], v[2j+1] = rows (2j | 2j+1), weights 0..15 and
+ * 16..31 (unpack_q4_pair's arrangement), with the 5th bit from the rows' qh words. */
+typedef struct {
+    __m256 d, m;
+    __m256i v[8];
+} q5_group;
+
+/* 0x10 in byte k of each 128-bit lane where bit (k + 16*half) of that lane's qh word is set
+ * (lane 0: row a, lane 1: row b); ggml's bytes_from_bits trick. */
+INLINE __m256i q5_high_bits(__m256i h, int half) {
+    const __m256i shuf = half ? _mm256_setr_epi8(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3,
+                                                 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3)
+                              : _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                                 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    __m256i bytes = _mm256_or_si256(_mm256_shuffle_epi8(h, shuf), _mm256_set1_epi64x(0x7fbfdfeff7fbfdfeLL));
+    return _mm256_and_si256(_mm256_cmpeq_epi8(bytes, _mm256_set1_epi8(-1)), _mm256_set1_epi8(0x10));
+}
+
+/* chunk (g = 8): Q5_0 d[8] | qh[8][4] | qs[8][16] (176 B); Q5_1 d[8] | m[8] | qh | qs (192 B). */
+INLINE void q5_unpack(int dtype, const uint8_t *c, q5_group *G) {
+    const int q51 = dtype == CF_Q5_1;
+    const uint8_t *qh = c + (q51 ? 32 : 16), *qs = qh + 32;
+    G->d = load_halves8(c);
+    G->m = q51 ? load_halves8(c + 16) : _mm256_setzero_ps();
+    for (int j = 0; j < 4; j++) {
+        uint32_t ha, hb;
+        memcpy(&ha, qh + 8 * j, 4);
+        memcpy(&hb, qh + 8 * j + 4, 4);
+        __m256i h = _mm256_setr_epi32((int)ha, (int)ha, (int)ha, (int)ha, (int)hb, (int)hb, (int)hb, (int)hb);
+        __m256i lo, hi;
+        unpack_q4_pair(qs + 32 * j, &lo, &hi);
+        G->v[2 * j] = _mm256_or_si256(lo, q5_high_bits(h, 0));
+        G->v[2 * j + 1] = _mm256_or_si256(hi, q5_high_bits(h, 1));
+    }
+}
+
+/* The 8 rows' integer dots with activation block xk (u8 0..31 x s8: maddubs pair sums <= 7874,
+ * two added <= 15748, fit int16). */
+INLINE __m256i q5_isum(const q5_group *G, const int8_t *xk) {
+    __m256i xa = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)xk));
+    __m256i xb = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(xk + 16)));
+    return fold_pairs(dot_q4_pair_unpacked(G->v[0], G->v[1], xa, xb), dot_q4_pair_unpacked(G->v[2], G->v[3], xa, xb),
+                      dot_q4_pair_unpacked(G->v[4], G->v[5], xa, xb), dot_q4_pair_unpacked(G->v[6], G->v[7], xa, xb));
+}
+
+/* acc += the block's share: Q5_0 d * (isum * dx - 16 s), Q5_1 d * (isum * dx) + m * s. */
+INLINE __m256 q5_update(int dtype, const q5_group *G, const cf_act_q8 *x, int kb, __m256 acc) {
+    __m256 fsum = _mm256_cvtepi32_ps(q5_isum(G, x->qs + (size_t)kb * CF_QK));
+    __m256 bd = _mm256_broadcast_ss(x->d + kb), bs = _mm256_broadcast_ss(x->s + kb);
+    if (dtype == CF_Q5_1) {
+        acc = _mm256_fmadd_ps(G->d, _mm256_mul_ps(fsum, bd), acc);
+        return _mm256_fmadd_ps(G->m, bs, acc);
+    }
+    __m256 neg16s = _mm256_mul_ps(bs, _mm256_set1_ps(-16.0f));
+    return _mm256_fmadd_ps(G->d, _mm256_fmadd_ps(fsum, bd, neg16s), acc);
+}
+
+/* One row of a K-quant super-block: q[t] = weights 32t .. 32t+31 (unsigned), and its scales as
+ * int16: Q4_K / Q5_K sc = the 8 sub-block scales in both 128-bit lanes, m = the 8 mins;
+ * Q6_K sc / sc2 = scales 0..7 / 8..15 in both lanes, s16 = all 16 (lane 0: 0..7, lane 1: 8..15). */
+typedef struct {
+    __m256i q[8];
+    __m256i sc, sc2, s16;
+    __m128i m;
+} kq_row;
+
+typedef struct {
+    __m256 d, dmin;
+    kq_row r[8];
+} kq_group;
+
+/* Q4_K / Q5_K's 12 packed bytes -> bytes 0..7 = 6-bit scales, 8..15 = 6-bit mins (ggml's
+ * get_scale_min_k4 for all 8 at once, four 32-bit words at a time). */
+INLINE __m128i scale_min_k4_x8(const uint8_t *s) {
+    uint32_t u[4];
+    memcpy(u, s, 12);
+    const uint32_t km1 = 0x3f3f3f3f, km2 = 0x0f0f0f0f, km3 = 0x03030303;
+    u[3] = ((u[2] >> 4) & km2) | (((u[1] >> 6) & km3) << 4);
+    uint32_t m_lo = u[1] & km1;
+    u[1] = (u[2] & km2) | (((u[0] >> 6) & km3) << 4);
+    u[2] = m_lo;
+    u[0] &= km1;
+    return _mm_setr_epi32((int)u[0], (int)u[1], (int)u[2], (int)u[3]);
+}
+
+/* Row i of a full group's super-block chunk c (g = 8, offsets: docs/kquants.md, tile layout):
+ *   Q4_K d[8]@0 dmin[8]@16 scales[8][12]@32 qs[8][128]@128                 (1152 B)
+ *   Q5_K d[8]@0 dmin[8]@16 scales[8][12]@32 qh[8][32]@128 qs[8][128]@384   (1408 B)
+ *   Q6_K d[8]@0 scales[8][16]@16 ql[8][128]@144 qh[8][64]@1168             (1680 B) */
+INLINE void kq_unpack_row(int dtype, const uint8_t *c, int i, kq_row *R) {
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    if (dtype == CF_Q6_K) {
+        const uint8_t *sc = c + 16 + 16 * i, *ql = c + 144 + 128 * i, *qh = c + 1168 + 64 * i;
+        const __m256i m2 = _mm256_set1_epi8(3);
+        for (int h = 0; h < 2; h++) { /* weight 128h + 32s + l: ql[64h + 32(s&1) + l], qh[32h + l] bits 2s.. */
+            __m256i l0 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h));
+            __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h + 32));
+            __m256i hb = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
+            __m256i lo4[4] = {_mm256_and_si256(l0, m4), _mm256_and_si256(l1, m4),
+                              _mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(_mm256_srli_epi16(l1, 4), m4)};
+            for (int s = 0; s < 4; s++) {
+                __m256i hi2 = _mm256_and_si256(_mm256_srli_epi16(hb, 2 * s), m2);
+                R->q[4 * h + s] = _mm256_or_si256(lo4[s], _mm256_slli_epi16(hi2, 4));
+            }
+        }
+        R->sc = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)sc)));
+        R->sc2 = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(sc + 8))));
+        R->s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
+        R->m = _mm_setzero_si128();
+        return;
+    }
+    const int q5k = dtype == CF_Q5_K;
+    const uint8_t *qs = c + (q5k ? 384 : 128) + 128 * i;
+    __m128i smin = scale_min_k4_x8(c + 32 + 12 * i);
+    R->sc = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(smin));
+    R->m = _mm_cvtepu8_epi16(_mm_srli_si128(smin, 8));
+    R->sc2 = R->s16 = _mm256_setzero_si256();
+    __m256i hb = q5k ? _mm256_loadu_si256((const __m256i *)(c + 128 + 32 * i)) : _mm256_setzero_si256();
+    const __m256i one = _mm256_set1_epi8(1);
+    for (int k = 0; k < 4; k++) { /* run k: sub-block 2k in the low nibbles, 2k+1 in the high */
+        __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * k));
+        __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+        if (q5k) { /* bit s of qh[l]: the 5th bit of weight 32s + l */
+            lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * k), one), 4));
+            hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * k + 1), one), 4));
+        }
+        R->q[2 * k] = lo;
+        R->q[2 * k + 1] = hi;
+    }
+}
+
+INLINE void kq_unpack(int dtype, const uint8_t *c, kq_group *G) {
+    G->d = load_halves8(c);
+    G->dmin = dtype == CF_Q6_K ? _mm256_setzero_ps() : load_halves8(c + 16);
+    for (int i = 0; i < CF_G; i++) kq_unpack_row(dtype, c, i, &G->r[i]);
+}
+
+/* ---- the integer dot products of one super-block ------------------------------------------- */
+
+/* int16 lane j of v in every int16 lane (per 128-bit lane: lane 0 takes j0, lane 1 takes j1). */
+INLINE __m256i bcast16(__m256i v, int j0, int j1) {
+    int b0 = (2 * j0 + 1) << 8 | 2 * j0, b1 = (2 * j1 + 1) << 8 | 2 * j1;
+    return _mm256_shuffle_epi8(v, _mm256_setr_epi16((short)b0, (short)b0, (short)b0, (short)b0, (short)b0, (short)b0,
+                                                    (short)b0, (short)b0, (short)b1, (short)b1, (short)b1, (short)b1,
+                                                    (short)b1, (short)b1, (short)b1, (short)b1));
+}
+
+/* Row R's sum_qd over one super-block as 8 int32 partials. Q4_K / Q5_K: sum_t sc_t * dot_t over
+ * the 8 sub-blocks of 32 (maddubs pair sums <= 2*31*127, times sc <= 63 in madd). Q6_K: 16
+ * sub-blocks of 16 (q[t] covers sub-blocks 2t, 2t+1, one per 128-bit lane; pair sums <= 16002),
+ * minus 32 * sum_s sc_s * bsums[s], so the weights' -32 never enters the byte products. */
+INLINE __m256i kq_row_qd(int dtype, const kq_row *R, const int8_t *xq, __m256i bs16) {
+    __m256i acc = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int t = 0; t < 8; t++) {
+        __m256i p = _mm256_maddubs_epi16(R->q[t], _mm256_loadu_si256((const __m256i *)(xq + 32 * t)));
+        __m256i scale = dtype == CF_Q6_K ? bcast16(t < 4 ? R->sc : R->sc2, 2 * (t & 3), 2 * (t & 3) + 1)
+                                         : bcast16(R->sc, t, t);
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, scale));
+    }
+    if (dtype == CF_Q6_K) acc = _mm256_sub_epi32(acc, _mm256_slli_epi32(_mm256_madd_epi16(R->s16, bs16), 5));
+    return acc;
+}
+
+/* acc (lane i = row i) += one super-block of the 8 rows, given their sum_qd partials r[i] and
+ * (Q4_K / Q5_K) mins m[i], against activation x's block kb:
+ *   y += (d dx) sum_qd - (dmin dx) sum_mb       (Q6_K: no mins)
+ * The one place these float operations are written: mat-vec and mat-mat both end here. */
+INLINE __m256 kq_finish(int dtype, __m256 d, __m256 dmin, const __m256i *r, const __m128i *m,
+                        const cf_act_q8 *x, int kb, __m256 acc) {
+    __m256i qd = hsum8_epi32(r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7]);
+    __m256 dx = _mm256_broadcast_ss(x->dk + kb);
+    acc = _mm256_fmadd_ps(_mm256_mul_ps(d, dx), _mm256_cvtepi32_ps(qd), acc);
+    if (dtype != CF_Q6_K) {
+        /* the sums of each 32 activations (|.| <= 4064, fit int16), one madd per row */
+        const int16_t *bs = x->bsums + (size_t)kb * (CF_QK_K / 16);
+        __m128i b32 = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)bs), _mm_loadu_si128((const __m128i *)(bs + 8)));
+        __m256i mp[4];
+        for (int j = 0; j < 4; j++)
+            mp[j] = _mm256_set_m128i(_mm_madd_epi16(m[2 * j + 1], b32), _mm_madd_epi16(m[2 * j], b32));
+        __m256i mb = fold_pairs(mp[0], mp[1], mp[2], mp[3]);
+        acc = _mm256_fnmadd_ps(_mm256_mul_ps(dmin, dx), _mm256_cvtepi32_ps(mb), acc);
+    }
+    return acc;
+}
+
+INLINE __m256i act_bsums(const cf_act_q8 *x, int kb) {
+    return _mm256_loadu_si256((const __m256i *)(x->bsums + (size_t)kb * (CF_QK_K / 16)));
+}
+
+/* The mat-mat's step: an unpacked group against one activation. */
+INLINE __m256 kq_update(int dtype, const kq_group *G, const cf_act_q8 *x, int kb, __m256 acc) {
+    const int8_t *xq = x->qk + (size_t)kb * CF_QK_K;
+    __m256i bs16 = act_bsums(x, kb);
+    __m256i r[CF_G];
+    __m128i m[CF_G];
+    for (int i = 0; i < CF_G; i++) {
+        r[i] = kq_row_qd(dtype, &G->r[i], xq, bs16);
+        m[i] = G->r[i].m;
+    }
+    return kq_finish(dtype, G->d, G->dmin, r, m, x, kb, acc);
+}
+
+/* The mat-vec's step: each row unpacked and used at once (nothing kept but its partials). */
+INLINE __m256 kq_update_rows(int dtype, const uint8_t *c, const cf_act_q8 *x, int kb, __m256 acc) {
+    const int8_t *xq = x->qk + (size_t)kb * CF_QK_K;
+    __m256i bs16 = act_bsums(x, kb);
+    __m256i r[CF_G];
+    __m128i m[CF_G];
+    for (int i = 0; i < CF_G; i++) {
+        kq_row R;
+        kq_unpack_row(dtype, c, i, &R);
+        r[i] = kq_row_qd(dtype, &R, xq, bs16);
+        m[i] = R.m;
+    }
+    __m256 d = load_halves8(c), dmin = dtype == CF_Q6_K ? _mm256_setzero_ps() : load_halves8(c + 16);
+    return kq_finish(dtype, d, dmin, r, m, x, kb, acc);
+}
+
+/* ---- mat-vec: group_dot for these dtypes ---------------------------------------------------- */
+
+INLINE __m256 kq_group_dot(int dtype, const uint8_t *p, int nkt, const cf_act_q8 *x, int kb0) {
+    __m256 acc = _mm256_setzero_ps();
+    size_t chunk = (size_t)CF_G * cf_block_bytes(dtype);
+    for (int kb = 0; kb < nkt; kb++, p += chunk) {
+        if (dtype == CF_Q5_0 || dtype == CF_Q5_1) {
+            q5_group G;
+            q5_unpack(dtype, p, &G);
+            acc = q5_update(dtype, &G, x, kb0 + kb, acc);
+        } else {
+            acc = kq_update_rows(dtype, p, x, kb0 + kb, acc);
+        }
+    }
+    return acc;
+}
+
+/* ---- mat-mat: each block unpacked once for up to KQ_NB activations ------------------------- */
+
+#define KQ_NB 16 /* activations per pass: their accumulators (512 B) stay in L1 beside the
+                  * unpacked super-block (~3 KiB) */
+
+/* out[b*ldo + r - g0*8] for groups [g0, g1) and b < B; the short last group through the
+ * reference, as in matvec_groups. Per (group, tile) each activation's accumulator sees exactly
+ * kq_group_dot's operations, so the results are the mat-vec's bit for bit. */
+INLINE void kq_matmat_groups(int dtype, const cf_tiled *w, const cf_act_q8 *xs, int B, float *out,
+                             int ldo, int g0, int g1) {
+    int g1_full = cf_min(g1, w->rows / CF_G);
+    size_t chunk = (size_t)CF_G * cf_block_bytes(dtype);
+    if (g0 < g1_full) {
+        for (int b = 0; b < B; b++)
+            memset(out + (size_t)b * ldo, 0, sizeof(float) * (size_t)(g1_full - g0) * CF_G);
+        cf_span sp;
+        for (cf_span_begin(&sp, w, g0, g1_full); cf_span_next(&sp);) {
+            const uint8_t *p = sp.ptr;
+            for (int gr = sp.ga; gr < sp.gb; gr++, p += sp.nkt * chunk) {
+                float *o = out + (size_t)(gr - g0) * CF_G;
+                for (int b0 = 0; b0 < B; b0 += KQ_NB) {
+                    int nb = cf_min(KQ_NB, B - b0);
+                    __m256 acc[KQ_NB];
+                    for (int b = 0; b < nb; b++) acc[b] = _mm256_setzero_ps();
+                    for (int kb = 0; kb < sp.nkt; kb++) {
+                        const uint8_t *c = p + kb * chunk;
+                        if (dtype == CF_Q5_0 || dtype == CF_Q5_1) {
+                            q5_group G;
+                            q5_unpack(dtype, c, &G);
+                            for (int b = 0; b < nb; b++) acc[b] = q5_update(dtype, &G, &xs[b0 + b], sp.kb0 + kb, acc[b]);
+                        } else {
+                            kq_group G;
+                            kq_unpack(dtype, c, &G);
+                            for (int b = 0; b < nb; b++) acc[b] = kq_update(dtype, &G, &xs[b0 + b], sp.kb0 + kb, acc[b]);
+                        }
+                    }
+                    for (int b = 0; b < nb; b++) {
+                        float *ob = o + (size_t)(b0 + b) * ldo;
+                        _mm256_storeu_ps(ob, _mm256_add_ps(_mm256_loadu_ps(ob), acc[b]));
+                    }
+                }
+            }
+        }
+    }
+    if (g1 > g1_full && g1 > g0) {
+        int gs = cf_max(g0, g1_full);
+        for (int b = 0; b < B; b++)
+            cf_matvec_groups_ref(w, &xs[b], out + (size_t)b * ldo + (size_t)(gs - g0) * CF_G, gs, g1);
+    }
+}
