@@ -25,7 +25,7 @@ EXPECTED = {
     "DESC_FIELDS": ("offset", "dtype", "rows", "cols", "tile_rows", "tile_cols"),
     "GLOBAL_TENSORS": ("tok_emb", "norm", "lm_head"),
     "LAYER_SLOTS": ("attn_norm", "attn.wqkv", "attn.wo", "ffn_norm", "ffn.w_gate_up", "ffn.w_down", "moe_norm",
-                    "moe.router"),
+                    "moe.router", "attn.wq", "attn.wk", "attn.wv"),
     "EXPERT_SLOTS": ("w_gate_up", "w_down"),
     "COUNTER_NAMES": ("attn", "dense", "router", "experts", "embed", "lm_head", "kv", "tokens", "calls",
                       "disk_bytes", "cache_hits", "cache_misses", "io_stall_ns"),
@@ -133,11 +133,14 @@ def make_engine(cfg: ModelConfig, buf, desc, names, threads: int = 2):
 
 @pytest.mark.parametrize("tied", [True, False])
 def test_row_names_are_the_file_formats(tied):
-    """Every tensor a .cflow file of the config holds has its descriptor row, under its name."""
+    """Every tensor a .cflow file of the config holds has its descriptor row, under its name (q|k|v
+    fused, or stored by parts)."""
     cfg = tiny_config(tied)
     names = row_names(cfg)
     assert len(names) == len(set(names))
-    assert set(model_tensors(cfg)) == set(names) - ({"lm_head"} if tied else set())
+    sets = range(cfg.n_unique_layers)
+    fused, parts = set(model_tensors(cfg)), set(model_tensors(cfg, split_qkv=sets))
+    assert fused | parts == set(names) - ({"lm_head"} if tied else set())
 
 
 @pytest.mark.parametrize("tied", [True, False])

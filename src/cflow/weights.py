@@ -41,7 +41,7 @@ from cflow.config import ModelConfig
 NODE_KINDS = ("embed", "attn", "dense", "router", "experts", "lm_head")
 GLOBAL_NAMES = ("tok_emb", "norm", "lm_head")
 LAYER_SLOTS = ("attn_norm", "attn.wqkv", "attn.wo", "ffn_norm", "ffn.w_gate_up", "ffn.w_down", "moe_norm",
-               "moe.router")
+               "moe.router")  # (plus QKV_PARTS below, the by-parts form of attn.wqkv)
 EXPERT_SLOTS = ("w_gate_up", "w_down")
 QKV_PARTS = ("attn.wq", "attn.wk", "attn.wv")  # attn.wqkv stored by parts (see above)
 

@@ -17,18 +17,19 @@ HELP = """\
 convert a GGUF file or a training checkpoint into a .cflow/.vflow file
 
 Convert a Llama-family GGUF file (llama.cpp) or a cflow training checkpoint directory into
-cflow's tiled model file. GGUF Q4_0/Q4_1/Q8_0 tensors are copied bit for bit whatever --quant
-says: cflow never requantizes them, and when --quant is given the summary lists the tensors that
-kept another type. F32/F16/BF16 weights are quantized to --quant (default q4_0) and the error
-this introduces is reported. GGUF tensors in a quantized format cflow has no kernel for yet
-(K-quants such as Q4_K/Q6_K, Q5_0, Q5_1, IQ*) would have to be re-quantized, losing precision a
-second time: cflow refuses them unless --quant is given, and then reports the error. Sizes are
-decimal: MB = 10^6 bytes.
+cflow's tiled model file. GGUF tensors in a format the engine runs (Q4_0, Q4_1, Q8_0, and the
+K-quant files' Q4_K, Q5_K, Q6_K, Q5_0, Q5_1) are copied bit for bit whatever --quant says: cflow
+never requantizes them, and when --quant is given the summary lists the tensors that kept another
+type. F32/F16/BF16 weights are quantized to --quant (default q4_0) and the error this introduces
+is reported. GGUF tensors in a quantized format cflow has no kernel for (Q2_K, Q3_K, IQ*, ...)
+would have to be re-quantized, losing precision a second time: cflow refuses them unless --quant
+is given, and then reports the error. Sizes are decimal: MB = 10^6 bytes.
 
 examples:
   cflow convert SmolLM2-135M-Instruct.Q4_1.gguf smollm2.cflow
+  cflow convert model.Q4_K_M.gguf model.cflow                # every tensor keeps its type
   cflow convert runs/arch2_4 arch2_4.vflow --quant q8_0
-  cflow convert model.Q4_K_M.gguf model.cflow --quant q8_0   # re-quantizes the K-quant tensors
+  cflow convert model.Q3_K_M.gguf model.cflow --quant q8_0   # re-quantizes what has no kernel
 """
 
 
@@ -91,8 +92,7 @@ def print_result(args: argparse.Namespace, result: ConversionResult, kept: dict 
 
 def kept_gguf_types(output: str, quant: str) -> dict[str, list[str]]:
     """Tensors of the written file whose type is not `quant`, by type: GGUF blocks copied as they
-    are (cflow.convert.encoder.Encoder.target keeps Q4_0/Q4_1/Q8_0 sources; a fused matrix takes the
-    type holding most of its weights)."""
+    are (cflow.convert.encoder.Encoder.target keeps every type the engine runs)."""
     from cflow.fileformat import open_model
 
     kept: dict[str, list[str]] = {}
@@ -108,9 +108,9 @@ def kept_note(quant: str, kept: dict[str, list[str]]) -> str:
     parts = [f"{dtype}: " + ", ".join(names[:3]) + (f", ... ({len(names)} in all)" if len(names) > 3 else "")
              for dtype, names in sorted(kept.items())]
     return (f"--quant {quant} was not applied to {n} tensor(s) that keep their GGUF type ({'; '.join(parts)}). "
-            f"cflow copies GGUF Q4_0/Q4_1/Q8_0 blocks bit for bit and never requantizes them; --quant applies "
-            f"only to weights that need quantizing (F16, F32, BF16, K-quants). For {quant} throughout, convert "
-            f"an F16/F32 GGUF")
+            f"cflow copies GGUF blocks it has kernels for (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, Q5_0, Q5_1) bit "
+            f"for bit and never requantizes them; --quant applies only to weights that need quantizing (F16, "
+            f"F32, BF16, and types without a kernel such as Q3_K). For {quant} throughout, convert an F16/F32 GGUF")
 
 
 def os_error(output: str, e: OSError) -> FileError:

@@ -87,6 +87,9 @@ typedef struct {
     const float *attn_norm, *ffn_norm, *moe_norm; /* [d] */
     const float *router;                          /* [E, d] row-major */
     cf_tiled wqkv;                                /* [q_dim + 2 kv_dim, d] */
+    cf_tiled wq, wk, wv;                          /* its three parts, when stored apart (qkv_split) */
+    int qkv_split;                                /* 1: q, k, v are three matrices (their dtypes differ) */
+    int qkv_fmt, exp_fmt;                         /* activation formats the projection / experts read */
     cf_tiled wo;                                  /* [d, q_dim] */
     cf_tiled gate_up;                             /* [2 d_ff, d], gate/up interleaved per group */
     cf_tiled down;                                /* [d, d_ff] */
@@ -228,12 +231,18 @@ __attribute__((cold)) static int64_t prof_open(cf_engine *e, int ith, int kind, 
 // ---------------------------------------------------------------------------------------------
 // small ops (plain C: cheap next to the mat-vecs)
 
+/* Activation formats (cflow.h cf_act_q8): the 32-block one most dtypes read, the 256-block one
+ * of the K-quants. A vector is quantized once per format the matrices it feeds need. */
+enum { ACT_Q8 = 1, ACT_Q8K = 2 };
+static inline int act_fmt(const cf_tiled *w) { return cf_is_kquant(w->dtype) ? ACT_Q8K : ACT_Q8; }
+
 static void quantize_rows(const cf_engine *e, const float *x, int stride, int K, cf_act_q8 *act,
-                          const int *tok, int n) {
+                          const int *tok, int n, int fmt) {
     for (int i = 0; i < n; i++) {
         int t = tok ? tok[i] : i;
         act[t].n = K;
-        e->k->quantize_act(x + (size_t)t * stride, &act[t]);
+        if (fmt & ACT_Q8) e->k->quantize_act(x + (size_t)t * stride, &act[t]);
+        if (fmt & ACT_Q8K) e->k->quantize_act_k(x + (size_t)t * stride, &act[t]);
     }
 }
 
@@ -340,7 +349,7 @@ static void ffn(cf_engine *e, const cf_tiled *gate_up, const cf_tiled *down, int
     gate_up_rows(e, gate_up, in, s->hid, e->hmax, rows, n, p0, p1);
     sync_threads(e, ith, pk + 1);
 
-    quantize_rows(e, s->hid, e->hmax, hdim, ts->act2, rows, n);
+    quantize_rows(e, s->hid, e->hmax, hdim, ts->act2, rows, n, act_fmt(down));
     int glo[2], ghi[2], np = d_split(cf_n_groups(down), ith, nth, glo, ghi);
     float *dst = scale ? s->y : out;
     for (int q = 0; q < np; q++) matvec_rows(e, down, ts->act2, dst, d, rows, n, glo[q], ghi[q]);
@@ -367,7 +376,8 @@ static void op_embed(cf_engine *e, int slot, int ith, int nth) {
     float *x = e->s.ring + (size_t)slot * e->max_batch * d;
     for (int b = b0; b < b1; b++) e->k->embed_row(&e->w.tok_emb, e->tokens[b], x + (size_t)b * d);
     if (ith == 0)
-        e->cnt.n[CF_CNT_EMBED] += (uint64_t)e->B * (d / CF_QK) * cf_block_bytes(e->w.tok_emb.dtype);
+        e->cnt.n[CF_CNT_EMBED] += (uint64_t)e->B * (d / cf_block_weights(e->w.tok_emb.dtype)) *
+                                  cf_block_bytes(e->w.tok_emb.dtype);
     sync_threads(e, ith, -1);
 }
 
@@ -389,6 +399,21 @@ static void qkv_heads(cf_engine *e, size_t layer_kv, int b, int u0, int u1) {
     }
 }
 
+/* Row groups [g0, g1) of the q|k|v projection for the B tokens into s->qkv: one mat-vec over the
+ * fused matrix, or the pieces of [g0, g1) that fall in each of its three parts. */
+static void qkv_rows(const cf_engine *e, const cf_layer *w, const cf_act_q8 *act, int B, int g0, int g1) {
+    int qkv_dim = (e->c.n_heads + 2 * e->c.n_kv) * e->c.hd;
+    if (!w->qkv_split) {
+        matvec_rows(e, &w->wqkv, act, e->s.qkv, qkv_dim, NULL, B, g0, g1);
+        return;
+    }
+    const cf_tiled *part[3] = {&w->wq, &w->wk, &w->wv};
+    for (int k = 0, p0 = 0; k < 3; p0 += cf_n_groups(part[k]), k++) { /* p0: the part's first group */
+        int a = cf_max(g0, p0), b = cf_min(g1, p0 + cf_n_groups(part[k]));
+        if (a < b) matvec_rows(e, part[k], act, e->s.qkv + (size_t)p0 * CF_G, qkv_dim, NULL, B, a - p0, b - p0);
+    }
+}
+
 static void op_attn(cf_engine *e, int l, int slot, int ith, int nth) {
     const cf_config *c = &e->c;
     const cf_layer *w = &e->w.sets[l % c->n_unique];
@@ -402,7 +427,7 @@ static void op_attn(cf_engine *e, int l, int slot, int ith, int nth) {
     ph(e, ith, CF_PK_NORM, l);
     for (int b = 0; b < B; b++) e->k->rmsnorm(ts->xb + (size_t)b * e->kmax, x + (size_t)b * d,
                                               w->attn_norm, d, c->norm_eps);
-    quantize_rows(e, ts->xb, e->kmax, d, ts->act, NULL, B);
+    quantize_rows(e, ts->xb, e->kmax, d, ts->act, NULL, B, w->qkv_fmt);
     ph(e, ith, CF_PK_QKV, l);
     size_t layer_kv = (size_t)l * c->n_kv * e->n_ctx * hd;
     int g0, g1, i0, i1, n_units = c->n_heads + 2 * c->n_kv; /* q heads, k heads, v heads */
@@ -412,11 +437,11 @@ static void op_attn(cf_engine *e, int l, int slot, int ith, int nth) {
         int u0, u1, gph = hd / CF_G;
         // Larger shares first: the thread with the later rows streams them slower (d_split).
         split_big_first(n_units, ith, nth, &u0, &u1);
-        matvec_rows(e, &w->wqkv, ts->act, s->qkv, qkv_dim, NULL, B, u0 * gph, u1 * gph);
+        qkv_rows(e, w, ts->act, B, u0 * gph, u1 * gph);
         for (int b = 0; b < B; b++) qkv_heads(e, layer_kv, b, u0, u1);
     } else {
-        cf_split_range(cf_n_groups(&w->wqkv), ith, nth, 1, &g0, &g1);
-        matvec_rows(e, &w->wqkv, ts->act, s->qkv, qkv_dim, NULL, B, g0, g1);
+        cf_split_range(qkv_dim / CF_G + (qkv_dim % CF_G != 0), ith, nth, 1, &g0, &g1);
+        qkv_rows(e, w, ts->act, B, g0, g1);
         sync_threads(e, ith, CF_PK_QKV);
         cf_split_range(B * n_units, ith, nth, 1, &i0, &i1);
         for (int i = i0; i < i1; i++) qkv_heads(e, layer_kv, i / n_units, i % n_units, i % n_units + 1);
@@ -438,7 +463,7 @@ static void op_attn(cf_engine *e, int l, int slot, int ith, int nth) {
     sync_threads(e, ith, CF_PK_WO);
 
     // output projection into h, plus the residual, for this thread's rows
-    quantize_rows(e, s->att, q_dim, q_dim, ts->act, NULL, B);
+    quantize_rows(e, s->att, q_dim, q_dim, ts->act, NULL, B, act_fmt(&w->wo));
     int glo[2], ghi[2], np = d_split(cf_n_groups(&w->wo), ith, nth, glo, ghi);
     for (int q = 0; q < np; q++) matvec_rows(e, &w->wo, ts->act, s->h, d, NULL, B, glo[q], ghi[q]);
     for (int q = 0; q < np; q++) {
@@ -466,7 +491,7 @@ static void op_dense(cf_engine *e, int l, int src_kind, int slot, int tail, int 
     ph(e, ith, CF_PK_NORM, l);
     for (int b = 0; b < B; b++) e->k->rmsnorm(ts->xb + (size_t)b * e->kmax, src + (size_t)b * d,
                                               w->ffn_norm, d, e->c.norm_eps);
-    quantize_rows(e, ts->xb, e->kmax, d, ts->act, NULL, B);
+    quantize_rows(e, ts->xb, e->kmax, d, ts->act, NULL, B, act_fmt(&w->gate_up));
     if (ith == 0) e->cnt.n[CF_CNT_DENSE] += w->dense_bytes;
     ffn(e, &w->gate_up, &w->down, e->c.d_ff, NULL, B, e->s.f, NULL, tail, CF_PK_DENSE_GATE_UP, ith, nth);
 }
@@ -566,7 +591,7 @@ static void op_experts(cf_engine *e, int l, int pslot, int ms, int tail, int ith
     const float *exp_w = s->exp_w + (size_t)ms * c->n_experts * B;
     float *out = s->pending + (size_t)pslot * B * c->d;
     ph(e, ith, CF_PK_NORM, l);
-    quantize_rows(e, s->moe_in + (size_t)ms * B * c->d, c->d, c->d, e->ts[ith].act, NULL, e->B);
+    quantize_rows(e, s->moe_in + (size_t)ms * B * c->d, c->d, c->d, e->ts[ith].act, NULL, e->B, w->exp_fmt);
     int last = -1;
     for (int x = 0; x < c->n_experts; x++)
         if (exp_n[x]) last = x;
@@ -598,7 +623,7 @@ static int op_experts_disk(cf_engine *e, int l, int pslot, int ms, int tail, int
     const float *exp_w = s->exp_w + (size_t)ms * E * B;
     float *out = s->pending + (size_t)pslot * B * c->d;
     ph(e, ith, CF_PK_NORM, l);
-    quantize_rows(e, s->moe_in + (size_t)ms * B * c->d, c->d, c->d, e->ts[ith].act, NULL, e->B);
+    quantize_rows(e, s->moe_in + (size_t)ms * B * c->d, c->d, c->d, e->ts[ith].act, NULL, e->B, w->exp_fmt);
     int n = s->exp_cnt[ms], covered = s->exp_pre[ms];
     for (int i = 0; i < n; i++) {
         int x = list[i], key = set * E + x;
@@ -682,7 +707,7 @@ static void op_final(cf_engine *e, int slot, int pslot, int ith, int nth) {
         for (int j = 0; j < d; j++) z[j] = x[j] + (pd ? pd[j] : 0.0f);
         e->k->rmsnorm(ts->xb + (size_t)i * e->kmax, z, e->w.norm, d, e->c.norm_eps);
     }
-    quantize_rows(e, ts->xb, e->kmax, d, ts->act, NULL, nb);
+    quantize_rows(e, ts->xb, e->kmax, d, ts->act, NULL, nb, act_fmt(&e->w.lm_head));
     ph(e, ith, CF_PK_LM_HEAD, 0);
     int g0, g1;
     cf_split_range(cf_n_groups(&e->w.lm_head), ith, nth, 1, &g0, &g1);
@@ -1002,7 +1027,8 @@ const char *const cf_global_names[CF_T_GLOBAL] = {
 const char *const cf_slot_names[CF_SLOTS_PER_SET] = {
     [CF_S_ATTN_NORM] = "attn_norm", [CF_S_WQKV] = "attn.wqkv", [CF_S_WO] = "attn.wo",
     [CF_S_FFN_NORM] = "ffn_norm", [CF_S_GATE_UP] = "ffn.w_gate_up", [CF_S_DOWN] = "ffn.w_down",
-    [CF_S_MOE_NORM] = "moe_norm", [CF_S_ROUTER] = "moe.router",
+    [CF_S_MOE_NORM] = "moe_norm", [CF_S_ROUTER] = "moe.router", [CF_S_WQ] = "attn.wq", [CF_S_WK] = "attn.wk",
+    [CF_S_WV] = "attn.wv",
 };
 const char *const cf_expert_slot_names[CF_EXPERT_SLOTS] = {
     [CF_E_GATE_UP] = "w_gate_up", [CF_E_DOWN] = "w_down",
@@ -1095,18 +1121,19 @@ static int bind_tensor(const int64_t *desc, int n_experts, int i, int rows, int 
         nbytes = (size_t)rows * cols * 4;
     } else {
         int64_t tr = row[CF_DESC_TR], tc = row[CF_DESC_TC];
-        if (dt != CF_Q4_0 && dt != CF_Q4_1 && dt != CF_Q8_0) {
-            cf_set_err(err, n, "tensor %s has dtype id %lld; the engine runs Q4_0, Q4_1 or Q8_0 "
-                    "matrices (re-convert with one of those)", what, (long long)dt);
+        if (dt <= CF_F16 || dt >= CF_DTYPE_IDS || !cf_dtype_names[dt]) {
+            cf_set_err(err, n, "tensor %s has dtype id %lld; the engine runs Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, "
+                    "Q4_K, Q5_K or Q6_K matrices (re-convert the model)", what, (long long)dt);
             return -1;
         }
-        if (tr <= 0 || tr % CF_G || tr > 1 << 20 || tc <= 0 || tc % CF_QK || tc > 1 << 20 || cols % CF_QK) {
-            cf_set_err(err, n, "tensor %s has tile %lldx%lld; tile rows must be a multiple of %d and "
-                    "tile columns and matrix columns multiples of %d", what, (long long)tr,
-                    (long long)tc, CF_G, CF_QK);
+        int qb = cf_block_weights((int)dt); /* a tile holds whole blocks */
+        if (tr <= 0 || tr % CF_G || tr > 1 << 20 || tc <= 0 || tc % qb || tc > 1 << 20 || cols % qb) {
+            cf_set_err(err, n, "tensor %s (%s) has tile %lldx%lld; tile rows must be a multiple of %d and "
+                    "tile columns and matrix columns multiples of %d", what, cf_dtype_names[dt], (long long)tr,
+                    (long long)tc, CF_G, qb);
             return -1;
         }
-        nbytes = (size_t)rows * (cols / CF_QK) * cf_block_bytes((int)dt);
+        nbytes = (size_t)rows * (cols / qb) * cf_block_bytes((int)dt);
         *t = (cf_tiled){.dtype = (int)dt, .rows = rows, .cols = cols, .tile_rows = (int)tr, .tile_cols = (int)tc};
     }
     if (off < 0 || (uint64_t)off > buf_len || nbytes > buf_len - (size_t)off || (want_f32 && off % 4)) {
@@ -1154,10 +1181,26 @@ static int bind_weights(cf_engine *e, const uint8_t *buf, size_t len, const int6
         cf_layer *L = &e->w.sets[i];
 #define SET(slot, r, k, f32, t, fp) BIND(cf_desc_index(E, i, slot), r, k, f32, t, fp)
         SET(CF_S_ATTN_NORM, 1, c->d, 1, &dummy, &L->attn_norm);
-        SET(CF_S_WQKV, q_dim + 2 * kv_dim, c->d, 0, &L->wqkv, &fdummy);
+        /* q|k|v fused, or its three parts when the file stores them apart (cflow.weights) */
+        L->qkv_split = desc[(size_t)cf_desc_index(E, i, CF_S_WQKV) * CF_DESC_FIELDS + CF_DESC_DTYPE] < 0 &&
+                       desc[(size_t)cf_desc_index(E, i, CF_S_WQ) * CF_DESC_FIELDS + CF_DESC_DTYPE] >= 0;
+        if (L->qkv_split) {
+            if (q_dim % CF_G || kv_dim % CF_G)
+                return cf_set_err(err, n, "weight set %d stores q, k, v apart, which needs q_dim and kv_dim "
+                                  "multiples of %d (got %d, %d)", i, CF_G, q_dim, kv_dim), -1;
+            SET(CF_S_WQ, q_dim, c->d, 0, &L->wq, &fdummy);
+            SET(CF_S_WK, kv_dim, c->d, 0, &L->wk, &fdummy);
+            SET(CF_S_WV, kv_dim, c->d, 0, &L->wv, &fdummy);
+            L->qkv_fmt = act_fmt(&L->wq) | act_fmt(&L->wk) | act_fmt(&L->wv);
+        } else {
+            SET(CF_S_WQKV, q_dim + 2 * kv_dim, c->d, 0, &L->wqkv, &fdummy);
+            L->qkv_fmt = act_fmt(&L->wqkv);
+        }
         SET(CF_S_WO, c->d, q_dim, 0, &L->wo, &fdummy);
         /* the counters count every weight byte a node reads, its f32 norm included (cflow.weights) */
-        L->attn_bytes = norm_bytes + cf_tiled_bytes(&L->wqkv) + cf_tiled_bytes(&L->wo);
+        L->attn_bytes = norm_bytes + cf_tiled_bytes(&L->wo) +
+                        (L->qkv_split ? cf_tiled_bytes(&L->wq) + cf_tiled_bytes(&L->wk) + cf_tiled_bytes(&L->wv)
+                                      : cf_tiled_bytes(&L->wqkv));
         if (c->d_ff) {
             SET(CF_S_FFN_NORM, 1, c->d, 1, &dummy, &L->ffn_norm);
             SET(CF_S_GATE_UP, 2 * c->d_ff, c->d, 0, &L->gate_up, &fdummy);
@@ -1177,6 +1220,7 @@ static int bind_weights(cf_engine *e, const uint8_t *buf, size_t len, const int6
             SET(s0 + CF_E_GATE_UP, 2 * c->d_exp, c->d, 0, &L->exp_gate_up[x], &fdummy);
             SET(s0 + CF_E_DOWN, c->d, c->d_exp, 0, &L->exp_down[x], &fdummy);
             L->exp_bytes[x] = cf_tiled_bytes(&L->exp_gate_up[x]) + cf_tiled_bytes(&L->exp_down[x]);
+            L->exp_fmt |= act_fmt(&L->exp_gate_up[x]);
         }
 #undef SET
     }
@@ -1287,10 +1331,11 @@ static int alloc_state(cf_engine *e) {
     e->seen = xcalloc(e->n_seq, sizeof(int), &fail);
     e->ts = xcalloc(e->n_threads, sizeof(cf_scratch), &fail);
     if (fail) return -1;
-    size_t K = e->kmax, KB = K / CF_QK;
+    size_t K = e->kmax, KB = K / CF_QK, KK = (K + CF_QK_K - 1) / CF_QK_K, KS = (K / 16 * 2 + 3) / 4 * 4;
     /* one row more than a call's tokens: op_final sums each row's input there */
     size_t xb = (size_t)(e->max_batch + 1) * K * 4;
-    size_t scores = (size_t)c->n_heads * e->n_ctx * 4, act = K + 2 * KB * 4;
+    /* per activation: d, s (32-block); dk, bsums (256-block); qs; qk */
+    size_t scores = (size_t)c->n_heads * e->n_ctx * 4, act = 2 * KB * 4 + KK * 4 + KS + 2 * K;
     size_t bytes = 64 + carve_size(3 * B * sizeof(cf_act_q8)) + carve_size(xb) + carve_size(scores) +
                    2 * B * carve_size(act);
     for (int t = 0; t < e->n_threads; t++) {
@@ -1306,8 +1351,10 @@ static int alloc_state(cf_engine *e) {
         ts->scores = carve(&m, scores);
         for (size_t i = 0; i < 2 * B; i++) {
             uint8_t *a = carve(&m, act);
-            acts[i] = (cf_act_q8){.d = (float *)a, .s = (float *)(a + KB * 4), .qs = (int8_t *)(a + 2 * KB * 4),
-                                  .n = (int)K};
+            uint8_t *k = a + 2 * KB * 4; /* the 256-block fields */
+            acts[i] = (cf_act_q8){.d = (float *)a, .s = (float *)(a + KB * 4), .dk = (float *)k,
+                                  .bsums = (int16_t *)(k + KK * 4), .qs = (int8_t *)(k + KK * 4 + KS),
+                                  .qk = (int8_t *)(k + KK * 4 + KS + K), .n = (int)K};
         }
     }
     return 0;
