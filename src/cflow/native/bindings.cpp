@@ -92,6 +92,13 @@ cf_tiled tiled_view(const uint8_t *data, size_t size, int dtype, int rows, int c
     return w;
 }
 
+// The table's kernel for a dtype, or KernelInputError if that table has none (never a NULL call).
+template <typename Fn> Fn kernel(const cf_kernel_table *t, Fn const (&fns)[CF_DTYPE_IDS], int dtype, const char *what) {
+    if (!fns[dtype])
+        bad_input(std::string("kernel table '") + t->name + "' has no " + what + " kernel for " + cf_dtype_names[dtype]);
+    return fns[dtype];
+}
+
 // Owned buffers of a quantized activation vector: the 32-block fields, and the 256-block ones
 // when n allows them (n % 256 == 0).
 struct ActQ8 {
@@ -249,7 +256,7 @@ Out<float> matvec(In1<uint8_t> tiled, int dtype, int rows, int cols, In1<float> 
     cf_tiled w = tiled_view(tiled.data(), tiled.size(), dtype, rows, cols, tile_rows, tile_cols);
     check_len(x.size(), cols, "x");
     check_range(g0, g1, cf_n_groups(&w), "row-group");
-    return run_matvec(t, t->matvec[dtype], w, x.data(), rows, pool, g0, g1);
+    return run_matvec(t, kernel(t, t->matvec, dtype, "matvec"), w, x.data(), rows, pool, g0, g1);
 }
 
 Out<float> gate_up(In1<uint8_t> tiled, int dtype, int rows, int cols, In1<float> x, int tile_rows, int tile_cols,
@@ -258,7 +265,7 @@ Out<float> gate_up(In1<uint8_t> tiled, int dtype, int rows, int cols, In1<float>
     cf_tiled w = tiled_view(tiled.data(), tiled.size(), dtype, rows, cols, tile_rows, tile_cols);
     check_len(x.size(), cols, "x");
     check_range(p0, p1, gate_up_pairs(rows), "pair");
-    return run_matvec(t, t->gate_up[dtype], w, x.data(), rows / 2, pool, p0, p1);
+    return run_matvec(t, kernel(t, t->gate_up, dtype, "gate_up"), w, x.data(), rows / 2, pool, p0, p1);
 }
 
 // Quantized copies of the rows of X [B, cols], and the table's views of them.
@@ -299,7 +306,7 @@ Out<float> matmat(In1<uint8_t> tiled, int dtype, int rows, int cols, In2<float> 
     cf_tiled w = tiled_view(tiled.data(), tiled.size(), dtype, rows, cols, tile_rows, tile_cols);
     check_len(X.shape(1), cols, "each row of X");
     check_range(g0, g1, cf_n_groups(&w), "row-group");
-    return run_matmat(t, t->matmat[dtype], w, X, rows, pool, g0, g1);
+    return run_matmat(t, kernel(t, t->matmat, dtype, "matmat"), w, X, rows, pool, g0, g1);
 }
 
 Out<float> gate_up_mm(In1<uint8_t> tiled, int dtype, int rows, int cols, In2<float> X, int tile_rows, int tile_cols,
@@ -308,7 +315,7 @@ Out<float> gate_up_mm(In1<uint8_t> tiled, int dtype, int rows, int cols, In2<flo
     cf_tiled w = tiled_view(tiled.data(), tiled.size(), dtype, rows, cols, tile_rows, tile_cols);
     check_len(X.shape(1), cols, "each row of X");
     check_range(p0, p1, gate_up_pairs(rows), "pair");
-    return run_matmat(t, t->gate_up_mm[dtype], w, X, rows / 2, pool, p0, p1);
+    return run_matmat(t, kernel(t, t->gate_up_mm, dtype, "gate_up_mm"), w, X, rows / 2, pool, p0, p1);
 }
 
 Out<float> embed_row(In1<uint8_t> tiled, int dtype, int rows, int cols, int r, int tile_rows, int tile_cols,
@@ -341,7 +348,7 @@ std::tuple<double, double> bench_matvec(In1<uint8_t> buf, int copies, int dtype,
     nb::gil_scoped_release rel;
     ActQ8 a(cols);
     a.quantize(t, dtype, x.data());
-    cf_matvec_fn fn = t->matvec[dtype];
+    cf_matvec_fn fn = kernel(t, t->matvec, dtype, "matvec");
     int ng = cf_n_groups(&w);
     double c0 = thread_cpu_s();
     auto t0 = std::chrono::steady_clock::now();
