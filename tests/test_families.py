@@ -1,6 +1,7 @@
 """The GGUF families beyond Llama, end to end: Qwen2 (q/k/v biases, NEOX RoPE, tied embeddings),
 Qwen3 (per-head RMSNorm of q and k before RoPE, head_dim != d_model / n_heads) and Mistral (arch
-"llama" carrying `llama.attention.sliding_window`), plus cflow's own sliding-window attention.
+"llama" carrying `llama.attention.sliding_window`), a llama file with q/k/v biases (permuted with
+Q/K, as convert_hf_to_gguf.py does), plus cflow's own sliding-window attention.
 
 Each GGUF is written here with gguf.GGUFWriter the way convert_hf_to_gguf.py writes that family
 (Q/K rows permuted for llama only; weights Q8_0, norms and biases F32; d 256, 2 layers, GQA 4/2),
@@ -51,8 +52,11 @@ T = gguf.GGMLQuantizationType
 D, HEADS, KV_HEADS, LAYERS, FF, CTX = 256, 4, 2, 2, 512, 64
 EPS, THETA = 1e-6, 1e6
 WINDOW, STEPS = 8, 32
-FAMILIES = ("qwen2", "qwen3", "mistral")
-ARCH = {"qwen2": "qwen2", "qwen3": "qwen3", "mistral": "llama"}
+# llama_bias: a llama file with q/k/v biases (llama.cpp reads them as optional), permuted with Q/K
+FAMILIES = ("qwen2", "qwen3", "mistral", "llama_bias")
+ARCH = {"qwen2": "qwen2", "qwen3": "qwen3", "mistral": "llama", "llama_bias": "llama"}
+BIASED = ("qwen2", "llama_bias")
+PERMUTED = ("mistral", "llama_bias")
 
 
 def head_dim(family: str) -> int:
@@ -83,7 +87,7 @@ def family_weights(family: str, seed: int = 0) -> dict[str, np.ndarray]:
                   b + "attn_output.weight": mat(D, q, gain=0.5), b + "ffn_norm.weight": norm(),
                   b + "ffn_gate.weight": mat(FF, D), b + "ffn_up.weight": mat(FF, D),
                   b + "ffn_down.weight": mat(D, FF, gain=0.5)})
-        if family == "qwen2":
+        if family in BIASED:
             w.update({b + "attn_q.bias": (0.5 * rng.standard_normal(q)).astype(np.float32),
                       b + "attn_k.bias": (0.5 * rng.standard_normal(kv)).astype(np.float32),
                       b + "attn_v.bias": (0.3 * rng.standard_normal(kv)).astype(np.float32)})
@@ -95,10 +99,12 @@ def family_weights(family: str, seed: int = 0) -> dict[str, np.ndarray]:
 def write_family_gguf(path: Path, family: str, seed: int = 0) -> None:
     w = family_weights(family, seed)
     hd = head_dim(family)
-    if family == "mistral":  # a LlamaModel in convert_hf_to_gguf.py: Q and K permuted (biases too)
+    if family in PERMUTED:  # a LlamaModel in convert_hf_to_gguf.py: Q and K permuted, biases too
         for i in range(LAYERS):
-            w[f"blk.{i}.attn_q.weight"] = llama_cpp_permute(w[f"blk.{i}.attn_q.weight"], HEADS)
-            w[f"blk.{i}.attn_k.weight"] = llama_cpp_permute(w[f"blk.{i}.attn_k.weight"], KV_HEADS)
+            for n, heads in (("q", HEADS), ("k", KV_HEADS)):
+                for kind in ("weight", "bias"):
+                    if f"blk.{i}.attn_{n}.{kind}" in w:
+                        w[f"blk.{i}.attn_{n}.{kind}"] = llama_cpp_permute(w[f"blk.{i}.attn_{n}.{kind}"], heads)
     wr = gguf.GGUFWriter(str(path), ARCH[family])
     wr.add_name(f"tiny-{family}")
     wr.add_block_count(LAYERS)
@@ -128,7 +134,7 @@ def expected_config(family: str, window: int = 0) -> ModelConfig:
     return ModelConfig(vocab_size=len(tiny_vocab()), d_model=D, n_layers=LAYERS, n_heads=HEADS, n_kv_heads=KV_HEADS,
                        head_dim=head_dim(family), d_ff=FF, n_experts=0, top_k=0, d_expert=0, rope_theta=THETA,
                        norm_eps=float(np.float32(EPS)), max_seq_len=CTX, tie_embeddings=family == "qwen2",
-                       qkv_bias=family == "qwen2", qk_norm=family == "qwen3", sliding_window=window,
+                       qkv_bias=family in BIASED, qk_norm=family == "qwen3", sliding_window=window,
                        name=ARCH[family])
 
 
@@ -137,7 +143,7 @@ def reference_state(path: Path, family: str, drop: str = "") -> dict[str, np.nda
     the biases or leaves the q/k norms out (the controls; the latter for a config without qk_norm)."""
     g = GGUFModel(path)
     v = lambda n: gguf_values(g, n)  # noqa: E731
-    qk = (lambda x, h: unpermute(x, h)) if family == "mistral" else (lambda x, h: x)
+    qk = (lambda x, h: unpermute(x, h)) if family in PERMUTED else (lambda x, h: x)
     sd = {"tok_emb.weight": v("token_embd.weight"), "norm.weight": v("output_norm.weight")}
     if family != "qwen2":
         sd["lm_head.weight"] = v("output.weight")
@@ -149,9 +155,10 @@ def reference_state(path: Path, family: str, drop: str = "") -> dict[str, np.nda
                    p + "attn.wv.weight": v(b + "attn_v.weight"), p + "attn.wo.weight": v(b + "attn_output.weight"),
                    p + "ffn_norm.weight": v(b + "ffn_norm.weight"), p + "ffn.w_gate.weight": v(b + "ffn_gate.weight"),
                    p + "ffn.w_up.weight": v(b + "ffn_up.weight"), p + "ffn.w_down.weight": v(b + "ffn_down.weight")})
-        if family == "qwen2":
-            for n in "qkv":
-                sd[p + f"attn.w{n}.bias"] = v(b + f"attn_{n}.bias") * (drop != "bias")
+        if family in BIASED:
+            for n, heads in (("q", HEADS), ("k", KV_HEADS), ("v", None)):
+                x = v(b + f"attn_{n}.bias")
+                sd[p + f"attn.w{n}.bias"] = (qk(x, heads) if heads else x) * (drop != "bias")
         if family == "qwen3" and drop != "qk_norm":
             for n in "qk":
                 sd[p + f"attn.{n}_norm.weight"] = v(b + f"attn_{n}_norm.weight")
@@ -215,30 +222,31 @@ def test_config_and_metadata(family_run):
     assert source["architecture"] == ARCH[family]
     assert source.get("sliding_window_ignored") == (WINDOW if family == "mistral" else None)
     names = set(f.tensors)
-    assert ("layers.1.attn.qkv_bias" in names) == (family == "qwen2")
+    assert ("layers.1.attn.qkv_bias" in names) == (family in BIASED)
     assert ("layers.1.attn.q_norm" in names) == ("layers.1.attn.k_norm" in names) == (family == "qwen3")
     f.close()
 
 
 def test_biases_and_norms_are_the_gguf_values(family_run):
-    """bq | bk | bv fused in that order (not permuted: qwen2 is NEOX), q/k norms as stored."""
+    """bq | bk | bv fused in that order, un-permuted with Q/K for llama only (qwen2 is NEOX); q/k
+    norms as stored."""
     family, src, dst, _, _ = family_run
     if family == "mistral":
         pytest.skip("no biases or q/k norms in this family")
-    g, f = GGUFModel(src), open_model(dst)
+    sd, f = reference_state(src, family), open_model(dst)
 
     def stored(name):
         e = f.tensors[name]
         return tensor_values(e.dtype, e.shape, e.layout, f.array(name), f.tile)
 
     for i in range(LAYERS):
-        if family == "qwen2":
-            want = np.concatenate([gguf_values(g, f"blk.{i}.attn_{n}.bias") for n in "qkv"])
-            np.testing.assert_array_equal(stored(f"layers.{i}.attn.qkv_bias"), want)
+        p = f"layers.{i}."
+        if family in BIASED:
+            want = np.concatenate([sd[p + f"attn.w{n}.bias"] for n in "qkv"])
+            np.testing.assert_array_equal(stored(p + "attn.qkv_bias"), want)
         else:
             for n in "qk":
-                np.testing.assert_array_equal(stored(f"layers.{i}.attn.{n}_norm"),
-                                              gguf_values(g, f"blk.{i}.attn_{n}_norm.weight"))
+                np.testing.assert_array_equal(stored(p + f"attn.{n}_norm"), sd[p + f"attn.{n}_norm.weight"])
     f.close()
 
 
@@ -280,7 +288,7 @@ def test_reference_matches_llama_cpp_and_needs_the_feature(family_run, llama_cpp
         # the file's sliding window (8 < 32 positions) is ignored by llama.cpp; honouring it is far
         windowed = reference_logits(cfg.replace(sliding_window=WINDOW), reference_state(src, family), toks)
         assert far(windowed, llama_cpp_run)
-    elif family == "qwen2":
+    elif family in BIASED:
         assert far(reference_logits(cfg, reference_state(src, family, drop="bias"), toks), llama_cpp_run)
     else:
         assert far(reference_logits(cfg.replace(qk_norm=False), reference_state(src, family, drop="qk_norm"), toks),
@@ -294,9 +302,12 @@ def test_transformers_loads_the_gguf(family_run):
     transformers = pytest.importorskip("transformers")
     try:
         hf = transformers.AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name,
-                                                               torch_dtype=torch.float32)
+                                                               dtype=torch.float32)
     except Exception as e:  # an architecture this transformers cannot load from GGUF
         pytest.skip(f"transformers cannot load this {family} GGUF: {type(e).__name__}: {e}")
+    if family in BIASED and hf.model.layers[0].self_attn.q_proj.bias is None:
+        pytest.skip(f"transformers loads this {family} GGUF without its q/k/v biases "
+                    "(its GGUF config for arch llama has no attention_bias)")
     with torch.no_grad():
         want = hf(torch.tensor([toks])).logits[0].double().numpy()
     check(got, want, moe=False)

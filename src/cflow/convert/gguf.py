@@ -329,15 +329,15 @@ def gguf_tensors(g: GGUFModel, cfg: ModelConfig, enc: Encoder) -> Iterator[Any]:
             return srcs
         if w.slot in _GGUF_VECTORS:
             names = [f"blk.{w.set}.{n}" for n in _GGUF_VECTORS[w.slot]]
+            sizes = [cfg.q_dim, cfg.kv_dim, cfg.kv_dim] if w.slot == "attn.qkv_bias" else [cfg.head_dim]
             parts = [g.vector(n) for n in names]
+            for name, part, size in zip(names, parts, sizes):
+                if part.size != size:
+                    raise GGUFError(f"{g.path.name}: {name} holds {part.size} values, the config implies {size}")
             if w.slot == "attn.qkv_bias" and g.architecture in _PERMUTED_QK:  # permuted like the rows
                 parts[0] = parts[0][unpermute_qk_index(cfg.q_dim, cfg.n_heads)]
                 parts[1] = parts[1][unpermute_qk_index(cfg.kv_dim, cfg.n_kv_heads)]
-            v = np.concatenate(parts)
-            if v.shape != w.shape:
-                raise GGUFError(f"{g.path.name}: {' + '.join(names)} hold {v.size} values, the config implies "
-                                f"{w.shape[0]}")
-            return v
+            return np.concatenate(parts)
         if w.slot in _GGUF_MOE:
             name = f"blk.{w.set}.{_GGUF_MOE[w.slot]}.weight"
             if w.slot == "moe_norm":
