@@ -17,10 +17,12 @@ from cflow.runtime import Engine  # noqa: E402
 WEIGHT_COUNTERS = ("attn", "dense", "router", "experts", "embed", "lm_head")
 
 
-@pytest.mark.parametrize("preset,tied", [("llama", True), ("llama", False), ("arch1", False),
-                                         ("arch2_4_combined", False), ("arch5", True)])
-def test_dag_engine_and_counters_agree(tmp_path, preset, tied):
-    cfg = small_config(preset, tied=tied)
+@pytest.mark.parametrize("preset,tied,options", [("llama", True, False), ("llama", False, False), ("arch1", False, False),
+                                                 ("arch2_4_combined", False, False), ("arch5", True, False),
+                                                 ("llama", True, True), ("arch5", False, True)])
+def test_dag_engine_and_counters_agree(tmp_path, preset, tied, options):
+    # options: the attention options of the Qwen families (bias and q/k norms are weights too)
+    cfg = small_config(preset, tied=tied).replace(qkv_bias=options, qk_norm=options)
     path = tmp_path / "m.cflow"
     write_random_model(path, cfg, "q4_0", (64, 64))
     eng = Engine.load(path, threads=1)

@@ -69,16 +69,19 @@ def planted_next(t: int, vocab_size: int) -> int:
 
 
 def write_random_model(path, cfg: ModelConfig, dtype: str, tile, seed: int = 0, eos: int | None = None,
-                       plant: bool = False) -> None:
+                       plant: bool = False, spread: float = 0.0) -> None:
     """Random weights (default init x GAIN). plant=True (untied only) sets lm_head[next(t)] = tok_emb[t],
     so the model's argmax is planted_next(current token) by a wide margin while the layers still
-    shift every logit: greedy decoding has no near-ties, so it can be compared token for token."""
+    shift every logit: greedy decoding has no near-ties, so it can be compared token for token.
+    spread > 0: biases (init 0) ~ N(0, spread) and norm weights (init 1) get +N(0, spread) too."""
     torch.manual_seed(seed)
     m = Transformer(cfg)
     with torch.no_grad():
         for name, p in m.named_parameters():
             if not name.endswith("norm.weight"):
                 p.mul_(GAIN)
+            if spread and name.endswith(("norm.weight", ".bias")):
+                p.add_(spread * torch.randn_like(p))
         if plant:
             V = cfg.vocab_size
             nxt = torch.tensor([planted_next(t, V) for t in range(V)])

@@ -25,7 +25,7 @@ EXPECTED = {
     "DESC_FIELDS": ("offset", "dtype", "rows", "cols", "tile_rows", "tile_cols"),
     "GLOBAL_TENSORS": ("tok_emb", "norm", "lm_head"),
     "LAYER_SLOTS": ("attn_norm", "attn.wqkv", "attn.wo", "ffn_norm", "ffn.w_gate_up", "ffn.w_down", "moe_norm",
-                    "moe.router", "attn.wq", "attn.wk", "attn.wv"),
+                    "moe.router", "attn.qkv_bias", "attn.q_norm", "attn.k_norm", "attn.wq", "attn.wk", "attn.wv"),
     "EXPERT_SLOTS": ("w_gate_up", "w_down"),
     "COUNTER_NAMES": ("attn", "dense", "router", "experts", "embed", "lm_head", "kv", "tokens", "calls",
                       "disk_bytes", "cache_hits", "cache_misses", "io_stall_ns"),
@@ -101,7 +101,7 @@ def build_weights(cfg: ModelConfig):
             continue  # lm_head of a tied model: the row stays, dtype -1
         rows, cols = (1, shapes[name][0]) if len(shapes[name]) == 1 else shapes[name]
         w = rng.standard_normal((rows, cols), dtype=np.float32) * 0.2
-        if name.endswith(("norm", "router")):
+        if name.endswith(("norm", "router", "bias")):
             w += name.endswith("norm")  # norm weights near 1
             data, dtype, tile = w.view(np.uint8).reshape(-1), "f32", (0, 0)
         else:
@@ -132,15 +132,19 @@ def make_engine(cfg: ModelConfig, buf, desc, names, threads: int = 2):
 
 
 @pytest.mark.parametrize("tied", [True, False])
-def test_row_names_are_the_file_formats(tied):
+@pytest.mark.parametrize("options", [False, True])
+def test_row_names_are_the_file_formats(tied, options):
     """Every tensor a .cflow file of the config holds has its descriptor row, under its name (q|k|v
-    fused, or stored by parts)."""
-    cfg = tiny_config(tied)
+    fused, or stored by parts); the rows left over are exactly those of what the config turns off
+    (tied lm_head, attention options)."""
+    cfg = tiny_config(tied).replace(qkv_bias=options, qk_norm=options)
     names = row_names(cfg)
     assert len(names) == len(set(names))
+    unused = {"lm_head"} if tied else set()
+    if not options:
+        unused |= {f"layers.{i}.attn.{s}" for i in range(cfg.n_unique_layers) for s in ("qkv_bias", "q_norm", "k_norm")}
     sets = range(cfg.n_unique_layers)
-    fused, parts = set(model_tensors(cfg)), set(model_tensors(cfg, split_qkv=sets))
-    assert fused | parts == set(names) - ({"lm_head"} if tied else set())
+    assert set(model_tensors(cfg)) | set(model_tensors(cfg, split_qkv=sets)) == set(names) - unused
 
 
 @pytest.mark.parametrize("tied", [True, False])

@@ -13,6 +13,9 @@ Layer l of the family computes (x_l = residual entering layer l):
     x_{l+1} = h_l + f_l + sum(m_j for j + delta_expert == l)
 
 Expert outputs whose target layer lies past the last layer are added before the final norm.
+Attention options of the imported families (all off by default, so older files load unchanged):
+qkv_bias (Qwen2), qk_norm (Qwen3) and sliding_window (a query at position p attends to
+positions max(0, p - W + 1)..p).
 """
 
 from __future__ import annotations
@@ -52,6 +55,9 @@ class ModelConfig:
     norm_eps: float = 1e-5
     max_seq_len: int = 512
     tie_embeddings: bool = True
+    qkv_bias: bool = False  # q, k and v projections add a bias (Qwen2)
+    qk_norm: bool = False  # per-head RMSNorm on q and on k before RoPE (Qwen3)
+    sliding_window: int = 0  # 0: full causal attention; W: each query sees its last W positions
     name: str = field(default="custom", compare=False)
 
     def __post_init__(self) -> None:
@@ -116,6 +122,7 @@ class ModelConfig:
         need(self.rope_theta > 0, f"rope_theta must be positive, got {self.rope_theta}")
         need(self.norm_eps > 0, f"norm_eps must be positive, got {self.norm_eps}")
         need(self.max_seq_len > 0, f"max_seq_len must be positive, got {self.max_seq_len}")
+        need(self.sliding_window >= 0, f"sliding_window must be >= 0 (0: none), got {self.sliding_window}")
 
     # ---- derived quantities -----------------------------------------------------------------
     @property

@@ -3,7 +3,7 @@
 Owns the node names every delay-aware consumer shares (the .vflow writer, the scheduler):
 
     embed            one row of tok_emb                       (x_0)
-    L{l}.attn        attn_norm + wq, wk, wv, wo of layer l
+    L{l}.attn        attn_norm + wq, wk, wv, wo of layer l (+ qkv_bias, q_norm, k_norm when set)
     L{l}.dense       ffn_norm + w_gate, w_up, w_down          (when d_ff > 0)
     L{l}.router      moe_norm + router [E, d]                 (when n_experts > 0)
     L{l}.experts     the top_k active experts' gate, up, down (when n_experts > 0)

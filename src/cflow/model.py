@@ -21,6 +21,8 @@ Conventions the C engine must share:
 - RMSNorm: x * rsqrt(mean(x^2) + eps) * weight, computed in float32.
 - Rotary ("half" / GPT-NeoX / HF Llama): pairs (x[j], x[j + hd/2]) rotate by angle
   pos * theta^(-2j/hd); angles are computed in float64, then cos/sin rounded to float32.
+- Family options: the q/k/v bias is added before anything else; qk_norm is RMSNorm over each
+  head's hd values (same eps), before RoPE; a sliding window W masks keys older than p - W + 1.
 - GQA: query head h reads kv head h // (n_heads / n_kv_heads); scores are scaled by 1/sqrt(hd).
 - SwiGLU: w_down(silu(w_gate x) * w_up x).
 - Router: softmax over all E logits (float32), top-k, the k weights renormalised to sum to 1.
@@ -79,27 +81,41 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class Attention(nn.Module):
-    """Grouped-query causal self-attention with rotary embeddings (training path: whole sequence)."""
+    """Grouped-query causal self-attention with rotary embeddings (training path: whole sequence).
+    Options of the imported families: biases on q, k, v (qkv_bias), a per-head RMSNorm of q and
+    of k before RoPE (qk_norm), and a sliding window of the last W positions (sliding_window)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.nh, self.nkv, self.hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.wq = nn.Linear(cfg.d_model, cfg.q_dim, bias=False)
-        self.wk = nn.Linear(cfg.d_model, cfg.kv_dim, bias=False)
-        self.wv = nn.Linear(cfg.d_model, cfg.kv_dim, bias=False)
+        self.window = cfg.sliding_window
+        self.wq = nn.Linear(cfg.d_model, cfg.q_dim, bias=cfg.qkv_bias)
+        self.wk = nn.Linear(cfg.d_model, cfg.kv_dim, bias=cfg.qkv_bias)
+        self.wv = nn.Linear(cfg.d_model, cfg.kv_dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.q_dim, cfg.d_model, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, self.nh, self.hd).transpose(1, 2)  # [B, nh, T, hd]
         k = self.wk(x).view(B, T, self.nkv, self.hd).transpose(1, 2)  # [B, nkv, T, hd]
         v = self.wv(x).view(B, T, self.nkv, self.hd).transpose(1, 2)  # [B, nkv, T, hd]
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         rep = self.nh // self.nkv
         # repeat_interleave: query head h reads kv head h // rep (HF Llama's repeat_kv).
         k = k.repeat_interleave(rep, dim=1)  # [B, nh, T, hd]
         v = v.repeat_interleave(rep, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, nh, T, hd]
+        if self.window:
+            t = torch.arange(T, device=x.device)
+            ago = t[:, None] - t[None, :]  # [T, T] query position minus key position
+            mask = (ago >= 0) & (ago < self.window)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, nh, T, hd]
         return self.wo(y.transpose(1, 2).reshape(B, T, self.nh * self.hd))
 
 
@@ -215,11 +231,13 @@ class Transformer(nn.Module):
     def reset_parameters(self, std: float = 0.02) -> None:
         """Normal(0, std) weights; projections into the residual stream (wo, w_down, expert
         w_down) get std / sqrt(2 * n_layers) so the residual variance does not grow with depth
-        (GPT-2). Norm weights are 1."""
+        (GPT-2). Norm weights are 1, biases 0."""
         resid_std = std / math.sqrt(2 * self.cfg.n_layers)
         for name, p in self.named_parameters():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
             elif name.endswith(("attn.wo.weight", "ffn.w_down.weight", "moe.w_down")):
                 p.normal_(0.0, resid_std)
             else:
@@ -325,6 +343,13 @@ class Transformer(nn.Module):
             by_parts = p + QKV_PARTS[0] in cf.tensors  # q, k, v stored apart (cflow.weights)
             qkv = [val(p + s) for s in QKV_PARTS] if by_parts else parts(p + "attn.wqkv")
             sd[p + "attn.wq.weight"], sd[p + "attn.wk.weight"], sd[p + "attn.wv.weight"] = qkv
+            if cfg.qkv_bias:
+                b = val(p + "attn.qkv_bias")
+                sd[p + "attn.wq.bias"], sd[p + "attn.wk.bias"], sd[p + "attn.wv.bias"] = np.split(
+                    b, [cfg.q_dim, cfg.q_dim + cfg.kv_dim])
+            if cfg.qk_norm:
+                sd[p + "attn.q_norm.weight"] = val(p + "attn.q_norm")
+                sd[p + "attn.k_norm.weight"] = val(p + "attn.k_norm")
             sd[p + "attn.wo.weight"] = val(p + "attn.wo")
             if cfg.has_dense:
                 sd[p + "ffn_norm.weight"] = val(p + "ffn_norm")
@@ -368,9 +393,11 @@ class ReferenceDecoder:
         x  = ring[l % H]
         xn = rmsnorm(x, W.attn_norm)
         q = W.wq xn; k = W.wk xn; v = W.wv xn                         # [nh*hd], [nkv*hd] x2
+        (qkv_bias: + W.bq, W.bk, W.bv; qk_norm: rmsnorm each q head by W.q_norm, each k head by W.k_norm)
+        t0 = max(0, p - sliding_window + 1) when sliding_window > 0, else 0
         rotate q and k per head at position p ("half" convention); store k, v at k/v_cache[l, p]
         for head h: g = h // (nh/nkv)
-          s[t] = q_h . k_cache[l, t, g] / sqrt(hd), t = 0..p;  o_h = sum_t softmax(s)[t] v_cache[l, t, g]
+          s[t] = q_h . k_cache[l, t, g] / sqrt(hd), t = t0..p;  o_h = sum_t softmax(s)[t] v_cache[l, t, g]
         h = x + W.wo o
         f = 0
         if dense: u = h if dd == 0 else ring[max(l + 1 - dd, 0) % H]   # x_{l+1-dd}, clamped to x_0
@@ -453,19 +480,26 @@ class ReferenceDecoder:
     def _attention(self, W: dict[str, Tensor], layer: int, xn: Tensor) -> Tensor:
         cfg, p = self.cfg, self.pos
         nh, nkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        q = (W["attn.wq.weight"] @ xn).view(nh, hd)
-        k = (W["attn.wk.weight"] @ xn).view(nkv, hd)
-        v = (W["attn.wv.weight"] @ xn).view(nkv, hd)
+        q = W["attn.wq.weight"] @ xn
+        k = W["attn.wk.weight"] @ xn
+        v = W["attn.wv.weight"] @ xn
+        if cfg.qkv_bias:
+            q, k, v = q + W["attn.wq.bias"], k + W["attn.wk.bias"], v + W["attn.wv.bias"]
+        q, k, v = q.view(nh, hd), k.view(nkv, hd), v.view(nkv, hd)
+        if cfg.qk_norm:  # per head, before RoPE
+            q = torch.stack([_rmsnorm(h, W["attn.q_norm.weight"], cfg.norm_eps) for h in q])
+            k = torch.stack([_rmsnorm(h, W["attn.k_norm.weight"], cfg.norm_eps) for h in k])
         cos, sin = self.cos[p : p + 1], self.sin[p : p + 1]  # [1, hd/2]
         self.k_cache[layer, p] = apply_rope(k, cos, sin)
         self.v_cache[layer, p] = v
         q = apply_rope(q, cos, sin)
         o = torch.empty(nh, hd)
         rep = nh // nkv
+        first = max(0, p - cfg.sliding_window + 1) if cfg.sliding_window else 0
         for head in range(nh):
-            keys = self.k_cache[layer, : p + 1, head // rep]  # [p+1, hd]
-            vals = self.v_cache[layer, : p + 1, head // rep]  # [p+1, hd]
-            att = (keys @ q[head] / math.sqrt(hd)).softmax(dim=0)  # [p+1]
+            keys = self.k_cache[layer, first : p + 1, head // rep]  # [n, hd]
+            vals = self.v_cache[layer, first : p + 1, head // rep]  # [n, hd]
+            att = (keys @ q[head] / math.sqrt(hd)).softmax(dim=0)  # [n]
             o[head] = att @ vals
         return W["attn.wo.weight"] @ o.flatten()
 

@@ -11,6 +11,9 @@ count bytes from them:
     layers.{i}.attn.wqkv               [q + 2 kv, d]      attn      quantized (wq, wk, wv fused)
       or layers.{i}.attn.wq / wk / wv  [q, d] [kv, d] [kv, d]       the same rows as three tensors,
                                                                     when their dtypes differ
+    layers.{i}.attn.qkv_bias           [q + 2 kv]         attn      f32      (qkv_bias: bq, bk, bv)
+    layers.{i}.attn.q_norm             [hd]               attn      f32      (qk_norm)
+    layers.{i}.attn.k_norm             [hd]               attn      f32      (qk_norm)
     layers.{i}.attn.wo                 [d, q]             attn      quantized
     layers.{i}.ffn_norm                [d]                dense     f32      (d_ff > 0)
     layers.{i}.ffn.w_gate_up           [2 d_ff, d]        dense     quantized (gate, up interleaved)
@@ -40,8 +43,8 @@ from cflow.config import ModelConfig
 
 NODE_KINDS = ("embed", "attn", "dense", "router", "experts", "lm_head")
 GLOBAL_NAMES = ("tok_emb", "norm", "lm_head")
-LAYER_SLOTS = ("attn_norm", "attn.wqkv", "attn.wo", "ffn_norm", "ffn.w_gate_up", "ffn.w_down", "moe_norm",
-               "moe.router")  # (plus QKV_PARTS below, the by-parts form of attn.wqkv)
+LAYER_SLOTS = ("attn_norm", "attn.wqkv", "attn.qkv_bias", "attn.q_norm", "attn.k_norm", "attn.wo", "ffn_norm",
+               "ffn.w_gate_up", "ffn.w_down", "moe_norm", "moe.router")  # (plus QKV_PARTS, attn.wqkv by parts)
 EXPERT_SLOTS = ("w_gate_up", "w_down")
 QKV_PARTS = ("attn.wq", "attn.wk", "attn.wv")  # attn.wqkv stored by parts (see above)
 
@@ -97,6 +100,11 @@ def layer_weights(cfg: ModelConfig, i: int, experts: Iterable[int] | None = None
                 for part, rows in zip(QKV_PARTS, (cfg.q_dim, cfg.kv_dim, cfg.kv_dim))]
     else:
         out.append(Weight(p + "attn.wqkv", (cfg.q_dim + 2 * cfg.kv_dim, d), "attn", False, i))
+    if cfg.qkv_bias:
+        out.append(Weight(p + "attn.qkv_bias", (cfg.q_dim + 2 * cfg.kv_dim,), "attn", True, i))
+    if cfg.qk_norm:
+        out += [Weight(p + "attn.q_norm", (cfg.head_dim,), "attn", True, i),
+                Weight(p + "attn.k_norm", (cfg.head_dim,), "attn", True, i)]
     out.append(Weight(p + "attn.wo", (d, cfg.q_dim), "attn", False, i))
     if cfg.has_dense:
         out += [Weight(p + "ffn_norm", (d,), "dense", True, i),
@@ -133,7 +141,7 @@ def model_weights(cfg: ModelConfig, split_qkv: Collection[int] = ()) -> Iterator
 def count(cfg: ModelConfig, n_split_qkv: int = 0) -> int:
     """How many tensors `model_weights(cfg)` yields (with `n_split_qkv` sets stored by parts),
     computed without building it (a damaged header may claim billions of layers)."""
-    per_set = 3 + 3 * cfg.has_dense + (2 + 2 * cfg.n_experts) * cfg.has_moe
+    per_set = 3 + cfg.qkv_bias + 2 * cfg.qk_norm + 3 * cfg.has_dense + (2 + 2 * cfg.n_experts) * cfg.has_moe
     return 2 + cfg.n_unique_layers * per_set + (not cfg.tie_embeddings) + 2 * n_split_qkv
 
 

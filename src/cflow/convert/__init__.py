@@ -1,4 +1,4 @@
-"""Converters into `.cflow` / `.vflow`: GGUF Llama-family files and our training checkpoints.
+"""Converters into `.cflow` / `.vflow`: GGUF files (llama, qwen2, qwen3) and our training checkpoints.
 
     from cflow.convert import convert
     result = convert("SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2.cflow")

@@ -40,6 +40,8 @@ class CheckpointFormatError(ConvertError):
 # Checkpoint parameter names (the PyTorch reference's, docs/DESIGN.md) of the parts of each tensor
 # of the table (cflow.weights), per layer slot; an expert's parts are rows [e] of stacked parameters.
 _CKPT_PARTS = {"attn_norm": ("attn_norm.weight",), "attn.wqkv": ("attn.wq.weight", "attn.wk.weight", "attn.wv.weight"),
+               "attn.qkv_bias": ("attn.wq.bias", "attn.wk.bias", "attn.wv.bias"),
+               "attn.q_norm": ("attn.q_norm.weight",), "attn.k_norm": ("attn.k_norm.weight",),
                "attn.wo": ("attn.wo.weight",), "ffn_norm": ("ffn_norm.weight",),
                "ffn.w_gate_up": ("ffn.w_gate.weight", "ffn.w_up.weight"), "ffn.w_down": ("ffn.w_down.weight",),
                "moe_norm": ("moe_norm.weight",), "moe.router": ("moe.router.weight",),
@@ -54,6 +56,8 @@ def _parts(cfg: ModelConfig, w: Weight) -> list[tuple[str, tuple[int, ...]]]:
     split = {"qkv": (cfg.q_dim, cfg.kv_dim, cfg.kv_dim), "gate_up": (rows // 2, rows // 2)}.get(w.fused or "")
     slot = w.slot.rsplit(".", 1)[1] if w.expert is not None else w.slot
     names = [f"layers.{w.set}.{n}" for n in _CKPT_PARTS[slot]]
+    if slot == "attn.qkv_bias":  # bq | bk | bv, stored as one vector
+        return list(zip(names, [(cfg.q_dim,), (cfg.kv_dim,), (cfg.kv_dim,)]))
     shapes = [(r, cols) for r in split] if split else [w.shape]
     return list(zip(names, shapes))
 
@@ -135,10 +139,9 @@ def checkpoint_tensors(cfg: ModelConfig, w: dict[str, np.ndarray], enc: Encoder)
         srcs = []
         for name, _ in _parts(cfg, t):
             values, origin = (w[name], name) if t.expert is None else (w[name][t.expert], f"{name}[{t.expert}]")
-            if t.plain:
-                return values
-            srcs.append(Source(origin, "float32", values.shape[0], values.shape[1], values=values))
-        return srcs
+            srcs.append(values if t.plain else
+                        Source(origin, "float32", values.shape[0], values.shape[1], values=values))
+        return np.concatenate(srcs) if t.plain else srcs  # a plain tensor of parts: the bias bq | bk | bv
 
     return encode_model(cfg, enc, parts)
 

@@ -1,12 +1,20 @@
-"""GGUF (llama.cpp) Llama-family models, dense and Mixtral-style MoE -> `.cflow`.
+"""GGUF (llama.cpp) Llama, Qwen2 and Qwen3 models, dense (and Mixtral-style MoE) -> `.cflow`.
 
 Owns reading a GGUF file (through the `gguf` package's GGUFReader, memory-mapped): its
 hyperparameters -> ModelConfig, its tokenizer -> the header dict of cflow.tokenizer, and its
 tensors -> `Source`s that cflow.convert.encoder encodes.
 
 Choices:
-- Only `general.architecture == "llama"` (Llama, SmolLM, TinyLlama, Mistral-without-SWA ...);
-  anything else is a named error listing what is supported, never a best-effort guess.
+- `general.architecture` "llama" (Llama, SmolLM, TinyLlama, Mistral, Mixtral ...), "qwen2"
+  (Qwen2 / Qwen2.5: q/k/v biases -> attn.qkv_bias) and "qwen3" (dense Qwen3: per-head RMSNorm of q
+  and k -> attn.q_norm / attn.k_norm, head_dim from attention.key_length). Anything else is a
+  named error listing what is supported, never a best-effort guess; the MoE Qwen/OLMoE families
+  and `mistral3` (YaRN RoPE scaling and attention temperature) are named as not yet supported.
+- Sliding windows: `{arch}.attention.sliding_window` is honoured exactly where llama.cpp honours
+  it, and for these three architectures llama.cpp ignores it (their graphs build a plain causal
+  KV cache; Mistral 7B v0.1 GGUFs carry it as arch "llama"). So cflow ignores it too, to give
+  llama.cpp's results on the same file, and records the ignored value in the file's metadata
+  (source.sliding_window_ignored). A .cflow config can still set sliding_window itself.
 - Mixture-of-experts llama files (Mixtral and its merges: `llama.expert_count` > 0) become
   config `mixtral`: no dense FFN (d_ff = 0), E experts of hidden size feed_forward_length, top_k =
   expert_used_count, no delays, the MoE reading h = x + attention (moe_input "post_attn"), which is
@@ -22,10 +30,11 @@ Choices:
 - Q4_0 / Q4_1 / Q8_0 tensors go into tiles bit for bit (cflow's formats are GGML's). Every other
   type (F16, F32, BF16, K-quants ...) is dequantized with `gguf.quants.dequantize` and quantized
   to --quant; the introduced error is measured and reported.
-- convert_hf_to_gguf.py stores Q and K with the rows of each head permuted for ggml's
-  adjacent-pair RoPE:  W_gguf = W.reshape(H, 2, hd/2, K).swapaxes(1, 2).reshape(W.shape)
-  (H = n_heads for Q, n_kv_heads for K). We invert it so the runtime uses the "half" (NeoX / HF)
-  convention everywhere. It moves whole rows, so it is lossless on blocks.
+- convert_hf_to_gguf.py stores a llama file's Q and K (weights and biases) with the rows of each
+  head permuted for ggml's adjacent-pair RoPE:  W_gguf = W.reshape(H, 2, hd/2, K).swapaxes(1, 2)
+  .reshape(W.shape) (H = n_heads for Q, n_kv_heads for K). We invert it so the runtime uses the
+  "half" (NeoX / HF) convention everywhere. It moves whole rows, so it is lossless on blocks.
+  Qwen2 and Qwen3 files are not permuted: llama.cpp runs them with NEOX RoPE, which is cflow's.
 """
 
 from __future__ import annotations
@@ -45,7 +54,15 @@ from cflow.quant import STORED_QUANT, TILE, row_bytes
 from cflow.tokenizer import Tokenizer, TokenizerError, unicode_to_bytes
 from cflow.weights import Weight
 
-SUPPORTED_ARCHITECTURES = ("llama",)
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+# Architectures whose Q/K rows convert_hf_to_gguf permutes for ggml's adjacent-pair ("NORM") RoPE;
+# the others listed above use NEOX RoPE, the "half" convention cflow runs, and are stored as is.
+_PERMUTED_QK = ("llama",)
+# Known architectures cflow does not run yet, with what is missing.
+_NOT_YET = {"qwen2moe": "Qwen2-MoE (shared expert with its own gate)",
+            "qwen3moe": "Qwen3-MoE (many small experts)",
+            "olmoe": "OLMoE (mixture of experts with q/k norms)",
+            "mistral3": "mistral3 (YaRN RoPE scaling and attention temperature)"}
 _NATIVE = {d.upper(): d for d in STORED_QUANT}  # GGML type name -> the dtype its blocks keep
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
 
@@ -139,17 +156,26 @@ class GGUFModel:
 
 # ---- hyperparameters -------------------------------------------------------------------------
 def gguf_config(g: GGUFModel) -> ModelConfig:
-    """ModelConfig of a llama-architecture GGUF (SmolLM2-135M: 30 layers, d=576, heads 9/3), dense
-    (name "llama") or mixture-of-experts (name "mixtral": see the module docstring)."""
+    """ModelConfig of a llama, qwen2 or qwen3 GGUF (SmolLM2-135M: 30 layers, d=576, heads 9/3), dense
+    (named after the architecture) or llama mixture-of-experts (name "mixtral": see the module
+    docstring)."""
     arch = g.architecture
+    if arch in _NOT_YET:
+        raise UnsupportedArchitectureError(
+            f"{g.path.name} is a {arch!r} model: {_NOT_YET[arch]} is not yet supported by cflow; it "
+            f"converts GGUF architectures {list(SUPPORTED_ARCHITECTURES)}")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedArchitectureError(
             f"{g.path.name} is a {arch!r} model; cflow converts GGUF architectures "
-            f"{list(SUPPORTED_ARCHITECTURES)} (Llama family: Llama 2/3, SmolLM, TinyLlama, ...)")
+            f"{list(SUPPORTED_ARCHITECTURES)} (Llama 2/3, SmolLM, TinyLlama, Mistral, Mixtral, Qwen2, "
+            "Qwen2.5, dense Qwen3)")
     p = f"{arch}."
     n_experts = int(g.get(p + "expert_count") or 0)
     ffn = int(g.require(p + "feed_forward_length"))
     if n_experts > 0:
+        if arch != "llama":
+            raise UnsupportedArchitectureError(f"{g.path.name} is a {arch!r} model with {n_experts} experts; "
+                                               "cflow runs mixture-of-experts GGUFs of architecture 'llama' only")
         if int(g.get(p + "expert_shared_count") or 0) > 0:
             raise GGUFError(f"{g.path.name} has shared experts ({p}expert_shared_count); cflow's MoE has "
                             "routed experts only")
@@ -163,7 +189,7 @@ def gguf_config(g: GGUFModel) -> ModelConfig:
                    d_expert=int(g.get(p + "expert_feed_forward_length") or ffn),
                    delta_dense=0, delta_expert=0, moe_input="post_attn", name="mixtral")
     else:
-        moe = dict(d_ff=ffn, name="llama")
+        moe = dict(d_ff=ffn, name=arch)
     scaling = g.get(p + "rope.scaling.type")
     if (scaling not in (None, "none")) or "rope_freqs.weight" in g.tensors:
         raise GGUFError(f"{g.path.name} uses RoPE scaling ({scaling or 'rope_freqs'}); cflow implements "
@@ -192,7 +218,9 @@ def gguf_config(g: GGUFModel) -> ModelConfig:
             rope_theta=float(g.get(p + "rope.freq_base") or 10000.0),
             norm_eps=float(g.get(p + "attention.layer_norm_rms_epsilon") or 1e-5),
             max_seq_len=int(g.get(p + "context_length") or 2048),
-            tie_embeddings="output.weight" not in g.tensors, **moe)
+            tie_embeddings="output.weight" not in g.tensors,
+            qkv_bias="blk.0.attn_q.bias" in g.tensors, qk_norm="blk.0.attn_q_norm.weight" in g.tensors,
+            sliding_window=0, **moe)  # llama.cpp ignores these archs' sliding_window (module docstring)
     except ConfigError as e:
         raise GGUFError(f"{g.path.name}: its hyperparameters do not form a valid model: {e}") from None
 
@@ -263,6 +291,9 @@ def _head_dim(rows: int, n_heads: int) -> int:
 _GGUF_PARTS = {"attn_norm": ("attn_norm",), "attn.wqkv": ("attn_q", "attn_k", "attn_v"),
                "attn.wo": ("attn_output",), "ffn_norm": ("ffn_norm",), "ffn.w_gate_up": ("ffn_gate", "ffn_up"),
                "ffn.w_down": ("ffn_down",)}
+# Plain tensors of the attention options, concatenated from these GGUF tensors (bq | bk | bv).
+_GGUF_VECTORS = {"attn.qkv_bias": ("attn_q.bias", "attn_k.bias", "attn_v.bias"),
+                 "attn.q_norm": ("attn_q_norm.weight",), "attn.k_norm": ("attn_k_norm.weight",)}
 _GGUF_GLOBAL = {"tok_emb": "token_embd.weight", "norm": "output_norm.weight", "lm_head": "output.weight"}
 # A MoE layer (Mixtral): the norm before the MoE is the file's ffn_norm, the router ffn_gate_inp,
 # and each expert's gate/up/down either a slice of a 3-D stack ("merged", what convert_hf_to_gguf
@@ -296,6 +327,17 @@ def gguf_tensors(g: GGUFModel, cfg: ModelConfig, enc: Encoder) -> Iterator[Any]:
             for s in srcs:  # the encoder checks that the parts agree; the config says how large
                 _check_shape(s, (w.shape[0] // len(srcs), w.shape[1]))
             return srcs
+        if w.slot in _GGUF_VECTORS:
+            names = [f"blk.{w.set}.{n}" for n in _GGUF_VECTORS[w.slot]]
+            sizes = [cfg.q_dim, cfg.kv_dim, cfg.kv_dim] if w.slot == "attn.qkv_bias" else [cfg.head_dim]
+            parts = [g.vector(n) for n in names]
+            for name, part, size in zip(names, parts, sizes):
+                if part.size != size:
+                    raise GGUFError(f"{g.path.name}: {name} holds {part.size} values, the config implies {size}")
+            if w.slot == "attn.qkv_bias" and g.architecture in _PERMUTED_QK:  # permuted like the rows
+                parts[0] = parts[0][unpermute_qk_index(cfg.q_dim, cfg.n_heads)]
+                parts[1] = parts[1][unpermute_qk_index(cfg.kv_dim, cfg.n_kv_heads)]
+            return np.concatenate(parts)
         if w.slot in _GGUF_MOE:
             name = f"blk.{w.set}.{_GGUF_MOE[w.slot]}.weight"
             if w.slot == "moe_norm":
@@ -307,7 +349,7 @@ def gguf_tensors(g: GGUFModel, cfg: ModelConfig, enc: Encoder) -> Iterator[Any]:
         if w.plain:
             return g.vector(names[0])
         srcs = [g.source(n) for n in names]
-        if w.fused == "qkv":  # llama.cpp stores Q and K rows permuted for its RoPE: undo it
+        if w.fused == "qkv" and g.architecture in _PERMUTED_QK:  # Q, K rows permuted for ggml RoPE: undo
             q, k, v = srcs
             _check_rows(q, cfg.q_dim)
             _check_rows(k, cfg.kv_dim)
@@ -331,6 +373,10 @@ def _check_tensor_names(g: GGUFModel, cfg: ModelConfig) -> None:
     layout = moe_layout(g) if cfg.has_moe else None
     for i in range(cfg.n_layers):
         expected |= {f"blk.{i}.{n}.weight" for n in _ATTN}
+        if cfg.qkv_bias:
+            expected |= {f"blk.{i}.{n}" for n in _GGUF_VECTORS["attn.qkv_bias"]}
+        if cfg.qk_norm:
+            expected |= {f"blk.{i}.{n}" for n in _GGUF_VECTORS["attn.q_norm"] + _GGUF_VECTORS["attn.k_norm"]}
         if cfg.has_dense:
             expected |= {f"blk.{i}.{n}.weight" for n in _DENSE}
         if cfg.has_moe:
@@ -372,7 +418,7 @@ def _check_shape(s: Source, shape: tuple[int, ...]) -> None:
 def convert_gguf(src: str | os.PathLike, dst: str | os.PathLike, *, quant: str = "q4_0",
                  tile: tuple[int, int] = TILE, order: str = "cflow", progress=None,
                  requantize: bool = True) -> ConversionResult:
-    """Convert a llama GGUF file (dense or Mixtral-style MoE) into a .cflow/.vflow file.
+    """Convert a llama / qwen2 / qwen3 GGUF file (dense, or Mixtral-style MoE) into a .cflow/.vflow file.
 
     `quant` applies only to tensors that are not already Q4_0/Q4_1/Q8_0 (those stay bit-exact);
     requantize=False refuses tensors in other quantized formats (NotNativeError) instead.
@@ -393,6 +439,9 @@ def convert_gguf(src: str | os.PathLike, dst: str | os.PathLike, *, quant: str =
               "family": cfg.name}
     if cfg.has_moe:
         source["expert_layout"] = moe_layout(g)
+    window = g.get(f"{g.architecture}.attention.sliding_window")
+    if window:
+        source["sliding_window_ignored"] = int(window)
     metadata = {"source": source,
                 "converter": "cflow.convert.gguf"}
     return write_conversion(src, dst, cfg, tok, gguf_tensors(g, cfg, enc), enc, metadata, order=order, tile=tile,

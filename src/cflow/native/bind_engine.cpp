@@ -56,6 +56,9 @@ cf_config config_from(const nb::dict &d) {
     c.tie_embeddings = nb::cast<bool>(d["tie_embeddings"]) ? 1 : 0;
     c.rope_theta = f("rope_theta");
     c.norm_eps = f("norm_eps");
+    c.qkv_bias = nb::cast<bool>(d["qkv_bias"]) ? 1 : 0;
+    c.qk_norm = nb::cast<bool>(d["qk_norm"]) ? 1 : 0;
+    c.sliding_window = i("sliding_window");
     return c;
 }
 

@@ -86,6 +86,8 @@ static void barrier_wait(cf_barrier *b) {
 typedef struct {
     const float *attn_norm, *ffn_norm, *moe_norm; /* [d] */
     const float *router;                          /* [E, d] row-major */
+    const float *qkv_bias;                        /* [q_dim + 2 kv_dim] or NULL */
+    const float *q_norm, *k_norm;                 /* [hd] or NULL */
     cf_tiled wqkv;                                /* [q_dim + 2 kv_dim, d] */
     cf_tiled wq, wk, wv;                          /* its three parts, when stored apart (qkv_split) */
     int qkv_split;                                /* 1: q, k, v are three matrices (their dtypes differ) */
@@ -381,9 +383,10 @@ static void op_embed(cf_engine *e, int slot, int ith, int nth) {
     sync_threads(e, ith, -1);
 }
 
-/* Heads [u0, u1) of token b's fused QKV output (q heads, then k heads, then v heads): rotate q and
- * k; store k and v (fp16) in the cache at the token's position. */
-static void qkv_heads(cf_engine *e, size_t layer_kv, int b, int u0, int u1) {
+/* Heads [u0, u1) of token b's fused QKV output (q heads, then k heads, then v heads): add the
+ * bias, normalise q and k heads (qk_norm), rotate them; store k and v (fp16) in the cache at the
+ * token's position. */
+static void qkv_heads(cf_engine *e, const cf_layer *w, size_t layer_kv, int b, int u0, int u1) {
     const cf_config *c = &e->c;
     int hd = c->hd, nh = c->n_heads, p = e->rpos[b];
     size_t base = (size_t)e->rseq[b] * e->seq_kv + layer_kv; /* the row's own sequence slot */
@@ -392,7 +395,12 @@ static void qkv_heads(cf_engine *e, size_t layer_kv, int b, int u0, int u1) {
     for (int u = u0; u < u1; u++) {
         float *v = row + (size_t)u * hd;
         int kvh = u < nh + c->n_kv ? u - nh : u - nh - c->n_kv;
-        if (u < nh + c->n_kv) e->k->rope(v, 1, hd, cs, cs + hd / 2);
+        if (w->qkv_bias)
+            for (int i = 0; i < hd; i++) v[i] += w->qkv_bias[(size_t)u * hd + i];
+        if (u < nh + c->n_kv) {
+            if (w->q_norm) e->k->rmsnorm(v, v, u < nh ? w->q_norm : w->k_norm, hd, c->norm_eps);
+            e->k->rope(v, 1, hd, cs, cs + hd / 2);
+        }
         if (u < nh) continue;
         cf_half *cache = u < nh + c->n_kv ? e->s.kcache : e->s.vcache;
         e->k->f32_to_f16(cache + base + ((size_t)kvh * e->n_ctx + p) * hd, v, hd);
@@ -412,6 +420,12 @@ static void qkv_rows(const cf_engine *e, const cf_layer *w, const cf_act_q8 *act
         int a = cf_max(g0, p0), b = cf_min(g1, p0 + cf_n_groups(part[k]));
         if (a < b) matvec_rows(e, part[k], act, e->s.qkv + (size_t)p0 * CF_G, qkv_dim, NULL, B, a - p0, b - p0);
     }
+}
+
+/* First cached position row b attends to: the sliding window keeps the last W. */
+static int attn_first(const cf_engine *e, int b) {
+    int W = e->c.sliding_window;
+    return W > 0 && e->rpos[b] >= W ? e->rpos[b] - W + 1 : 0;
 }
 
 static void op_attn(cf_engine *e, int l, int slot, int ith, int nth) {
@@ -438,24 +452,25 @@ static void op_attn(cf_engine *e, int l, int slot, int ith, int nth) {
         // Larger shares first: the thread with the later rows streams them slower (d_split).
         split_big_first(n_units, ith, nth, &u0, &u1);
         qkv_rows(e, w, ts->act, B, u0 * gph, u1 * gph);
-        for (int b = 0; b < B; b++) qkv_heads(e, layer_kv, b, u0, u1);
+        for (int b = 0; b < B; b++) qkv_heads(e, w, layer_kv, b, u0, u1);
     } else {
         cf_split_range(qkv_dim / CF_G + (qkv_dim % CF_G != 0), ith, nth, 1, &g0, &g1);
         qkv_rows(e, w, ts->act, B, g0, g1);
         sync_threads(e, ith, CF_PK_QKV);
         cf_split_range(B * n_units, ith, nth, 1, &i0, &i1);
-        for (int i = i0; i < i1; i++) qkv_heads(e, layer_kv, i / n_units, i % n_units, i % n_units + 1);
+        for (int i = i0; i < i1; i++) qkv_heads(e, w, layer_kv, i / n_units, i % n_units, i % n_units + 1);
     }
     sync_threads(e, ith, CF_PK_ATTN);
 
     // attention: this thread's (token, head) items, one kernel call per token
     cf_split_range(B * c->n_heads, ith, nth, 1, &i0, &i1);
     for (int i = i0; i < i1;) {
-        int b = i / c->n_heads, h0 = i % c->n_heads, h1 = cf_min(c->n_heads, h0 + i1 - i);
+        int b = i / c->n_heads, h0 = i % c->n_heads, h1 = cf_min(c->n_heads, h0 + i1 - i), t0 = attn_first(e, b);
         cf_attn_shape sh = {.n_heads = c->n_heads, .n_kv_heads = c->n_kv, .head_dim = hd,
-                            .max_seq = e->n_ctx, .n_pos = e->rpos[b] + 1,
+                            .max_seq = e->n_ctx, .n_pos = e->rpos[b] + 1 - t0,
                             .scale = 1.0f / sqrtf((float)hd)};
-        size_t base = (size_t)e->rseq[b] * e->seq_kv + layer_kv; /* row b sees only its sequence */
+        /* row b sees only its sequence, from position t0 on */
+        size_t base = (size_t)e->rseq[b] * e->seq_kv + layer_kv + (size_t)t0 * hd;
         e->k->attention(s->att + (size_t)b * q_dim, s->qkv + (size_t)b * qkv_dim,
                         s->kcache + base, s->vcache + base, ts->scores, &sh, h0, h1);
         i += h1 - h0;
@@ -474,7 +489,7 @@ static void op_attn(cf_engine *e, int l, int slot, int ith, int nth) {
     if (ith == 0) {
         e->cnt.n[CF_CNT_ATTN] += w->attn_bytes;
         for (int b = 0; b < B; b++)
-            e->cnt.n[CF_CNT_KV] += (uint64_t)(e->rpos[b] + 1) * 2 * kv_dim * sizeof(cf_half);
+            e->cnt.n[CF_CNT_KV] += (uint64_t)(e->rpos[b] + 1 - attn_first(e, b)) * 2 * kv_dim * sizeof(cf_half);
     }
     sync_threads(e, ith, -1);
 }
@@ -1027,7 +1042,8 @@ const char *const cf_global_names[CF_T_GLOBAL] = {
 const char *const cf_slot_names[CF_SLOTS_PER_SET] = {
     [CF_S_ATTN_NORM] = "attn_norm", [CF_S_WQKV] = "attn.wqkv", [CF_S_WO] = "attn.wo",
     [CF_S_FFN_NORM] = "ffn_norm", [CF_S_GATE_UP] = "ffn.w_gate_up", [CF_S_DOWN] = "ffn.w_down",
-    [CF_S_MOE_NORM] = "moe_norm", [CF_S_ROUTER] = "moe.router", [CF_S_WQ] = "attn.wq", [CF_S_WK] = "attn.wk",
+    [CF_S_MOE_NORM] = "moe_norm", [CF_S_ROUTER] = "moe.router", [CF_S_QKV_BIAS] = "attn.qkv_bias",
+    [CF_S_Q_NORM] = "attn.q_norm", [CF_S_K_NORM] = "attn.k_norm", [CF_S_WQ] = "attn.wq", [CF_S_WK] = "attn.wk",
     [CF_S_WV] = "attn.wv",
 };
 const char *const cf_expert_slot_names[CF_EXPERT_SLOTS] = {
@@ -1091,6 +1107,8 @@ static int check_config(const cf_config *c, char *err, size_t n) {
         bad = "n_unique_layers must be in 1..n_layers";
     else if (!(c->norm_eps > 0) || !(c->rope_theta > 0))
         bad = "norm_eps and rope_theta must be positive";
+    else if ((c->qkv_bias | c->qk_norm) & ~1 || c->sliding_window < 0)
+        bad = "qkv_bias and qk_norm must be 0 or 1, sliding_window >= 0";
     if (bad) cf_set_err(err, n, "bad model config: %s", bad);
     return bad ? -1 : 0;
 }
@@ -1197,10 +1215,20 @@ static int bind_weights(cf_engine *e, const uint8_t *buf, size_t len, const int6
             L->qkv_fmt = act_fmt(&L->wqkv);
         }
         SET(CF_S_WO, c->d, q_dim, 0, &L->wo, &fdummy);
-        /* the counters count every weight byte a node reads, its f32 norm included (cflow.weights) */
+        /* the counters count every weight byte a node reads, its f32 norms and bias included
+         * (cflow.weights) */
         L->attn_bytes = norm_bytes + cf_tiled_bytes(&L->wo) +
                         (L->qkv_split ? cf_tiled_bytes(&L->wq) + cf_tiled_bytes(&L->wk) + cf_tiled_bytes(&L->wv)
                                       : cf_tiled_bytes(&L->wqkv));
+        if (c->qkv_bias) {
+            SET(CF_S_QKV_BIAS, 1, q_dim + 2 * kv_dim, 1, &dummy, &L->qkv_bias);
+            L->attn_bytes += (uint64_t)(q_dim + 2 * kv_dim) * sizeof(float);
+        }
+        if (c->qk_norm) {
+            SET(CF_S_Q_NORM, 1, c->hd, 1, &dummy, &L->q_norm);
+            SET(CF_S_K_NORM, 1, c->hd, 1, &dummy, &L->k_norm);
+            L->attn_bytes += 2 * (uint64_t)c->hd * sizeof(float);
+        }
         if (c->d_ff) {
             SET(CF_S_FFN_NORM, 1, c->d, 1, &dummy, &L->ffn_norm);
             SET(CF_S_GATE_UP, 2 * c->d_ff, c->d, 0, &L->gate_up, &fdummy);

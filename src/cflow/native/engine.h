@@ -41,6 +41,9 @@ typedef struct {
     int n_unique;                  /* weight sets; layer l uses l % n_unique */
     int tie_embeddings;            /* lm_head is tok_emb */
     float rope_theta, norm_eps;
+    int qkv_bias;                  /* 1: q, k, v add the set's attn.qkv_bias (Qwen2) */
+    int qk_norm;                   /* 1: RMSNorm of each q and k head (attn.q_norm/k_norm [hd]) before RoPE */
+    int sliding_window;            /* 0: full causal; W: position p attends to max(0, p-W+1)..p */
 } cf_config;
 
 /* ---- contracts with Python ---------------------------------------------------------------------
@@ -64,7 +67,7 @@ extern const char *const cf_desc_field_names[CF_DESC_FIELDS]; /* "offset", "dtyp
  * "layers.{set}.moe.experts.{e}.w_gate_up" (the .cflow tensor names, DESIGN.md). */
 enum { CF_T_TOK_EMB, CF_T_NORM, CF_T_LM_HEAD, CF_T_GLOBAL };
 enum { CF_S_ATTN_NORM, CF_S_WQKV, CF_S_WO, CF_S_FFN_NORM, CF_S_GATE_UP, CF_S_DOWN, CF_S_MOE_NORM,
-       CF_S_ROUTER, CF_S_WQ, CF_S_WK, CF_S_WV, CF_SLOTS_PER_SET };
+       CF_S_ROUTER, CF_S_QKV_BIAS, CF_S_Q_NORM, CF_S_K_NORM, CF_S_WQ, CF_S_WK, CF_S_WV, CF_SLOTS_PER_SET };
 enum { CF_E_GATE_UP, CF_E_DOWN, CF_EXPERT_SLOTS };
 extern const char *const cf_global_names[CF_T_GLOBAL];
 extern const char *const cf_slot_names[CF_SLOTS_PER_SET];

@@ -1,0 +1,422 @@
+"""The GGUF families beyond Llama, end to end: Qwen2 (q/k/v biases, NEOX RoPE, tied embeddings),
+Qwen3 (per-head RMSNorm of q and k before RoPE, head_dim != d_model / n_heads) and Mistral (arch
+"llama" carrying `llama.attention.sliding_window`), a llama file with q/k/v biases (permuted with
+Q/K, as convert_hf_to_gguf.py does), plus cflow's own sliding-window attention.
+
+Each GGUF is written here with gguf.GGUFWriter the way convert_hf_to_gguf.py writes that family
+(Q/K rows permuted for llama only; weights Q8_0, norms and biases F32; d 256, 2 layers, GQA 4/2),
+converted with cflow, and run by the C engine teacher-forced. Oracles:
+- llama.cpp (llama-cpp-python) on the same GGUF;
+- the PyTorch reference (cflow.model.ReferenceDecoder) over weights taken from the GGUF alone
+  (gguf.quants.dequantize; Q/K un-permuted here for llama), with a config written here, not
+  derived by the converter;
+- HF transformers loading the GGUF (`from_pretrained(dir, gguf_file=...)`; it cannot load a Qwen3
+  GGUF whose head_dim differs from d / n_heads, so that one is skipped with the reason and its
+  Qwen3ForCausalLM runs on the reference's weights instead), and transformers' MistralForCausalLM
+  with the same sliding window for cflow's windowed attention.
+Tolerances are test_moe_llamacpp's dense ones (max|dlogit| / std(logits) per position: median
+<= 4%, every position <= 7%, argmax equal where the oracle's top-1 margin exceeds 0.2 std).
+Controls: the reference without the feature a family adds (biases, q/k norms, the window) must
+miss llama.cpp / the windowed engine by far, so each comparison sees the feature.
+
+Sliding window: llama.cpp's llama, qwen2 and qwen3 graphs build a plain causal KV cache and never
+read `<arch>.attention.sliding_window`, so cflow ignores it on import too (recorded in the file's
+metadata) and matches llama.cpp on the Mistral file. The window itself (sliding_window in the
+config) is run on a context of 32 with W = 8 against the reference and transformers.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cflow.config import ModelConfig
+from cflow.convert import convert
+from cflow.convert.encoder import Encoder, tensor_values, write_conversion
+from cflow.convert.gguf import (GGUFModel, UnsupportedArchitectureError, gguf_config, gguf_tensors,
+                                gguf_tokenizer)
+from cflow.fileformat import open_model
+
+gguf = pytest.importorskip("gguf")
+torch = pytest.importorskip("torch")
+
+from test_convert_gguf import add_tensor, add_tiny_tokenizer, llama_cpp_permute, tiny_vocab  # noqa: E402
+from test_convert_gguf_moe import compare, gguf_values, teacher_forced, tokens, unpermute  # noqa: E402
+
+# Skips this module when llama_cpp is not importable: its tolerances are written against it.
+from test_moe_llamacpp import MEDIAN_TOL, check, llama_cpp_logits  # noqa: E402
+
+T = gguf.GGMLQuantizationType
+D, HEADS, KV_HEADS, LAYERS, FF, CTX = 256, 4, 2, 2, 512, 64
+EPS, THETA = 1e-6, 1e6
+WINDOW, STEPS = 8, 32
+# llama_bias: a llama file with q/k/v biases (llama.cpp reads them as optional), permuted with Q/K
+FAMILIES = ("qwen2", "qwen3", "mistral", "llama_bias")
+ARCH = {"qwen2": "qwen2", "qwen3": "qwen3", "mistral": "llama", "llama_bias": "llama"}
+BIASED = ("qwen2", "llama_bias")
+PERMUTED = ("mistral", "llama_bias")
+
+
+def head_dim(family: str) -> int:
+    return 96 if family == "qwen3" else D // HEADS  # Qwen3's key_length differs from d / n_heads
+
+
+def family_weights(family: str, seed: int = 0) -> dict[str, np.ndarray]:
+    """HF-order float weights under GGUF names (Q/K not permuted). Scales as test_convert_gguf_moe's
+    (every layer moves the logits; engine rounding in the 2-3% regime); biases large enough that
+    dropping them moves the logits by far more than the tolerance."""
+    rng = np.random.default_rng(seed)
+    V, hd = len(tiny_vocab()), head_dim(family)
+    q, kv = HEADS * hd, KV_HEADS * hd
+
+    def mat(*shape, gain=1.0):
+        return (gain * rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
+
+    def norm(n=D, spread=0.1):
+        return (1.0 + spread * rng.standard_normal(n)).astype(np.float32)
+
+    w = {"token_embd.weight": rng.standard_normal((V, D)).astype(np.float32), "output_norm.weight": norm()}
+    if family != "qwen2":  # Qwen2.5's small models tie the embeddings
+        w["output.weight"] = mat(V, D)
+    for i in range(LAYERS):
+        b = f"blk.{i}."
+        w.update({b + "attn_norm.weight": norm(), b + "attn_q.weight": mat(q, D, gain=0.6),
+                  b + "attn_k.weight": mat(kv, D, gain=0.6), b + "attn_v.weight": mat(kv, D),
+                  b + "attn_output.weight": mat(D, q, gain=0.5), b + "ffn_norm.weight": norm(),
+                  b + "ffn_gate.weight": mat(FF, D), b + "ffn_up.weight": mat(FF, D),
+                  b + "ffn_down.weight": mat(D, FF, gain=0.5)})
+        if family in BIASED:
+            w.update({b + "attn_q.bias": (0.5 * rng.standard_normal(q)).astype(np.float32),
+                      b + "attn_k.bias": (0.5 * rng.standard_normal(kv)).astype(np.float32),
+                      b + "attn_v.bias": (0.3 * rng.standard_normal(kv)).astype(np.float32)})
+        if family == "qwen3":
+            w.update({b + "attn_q_norm.weight": norm(hd, 0.3), b + "attn_k_norm.weight": norm(hd, 0.3)})
+    return w
+
+
+def write_family_gguf(path: Path, family: str, seed: int = 0) -> None:
+    w = family_weights(family, seed)
+    hd = head_dim(family)
+    if family in PERMUTED:  # a LlamaModel in convert_hf_to_gguf.py: Q and K permuted, biases too
+        for i in range(LAYERS):
+            for n, heads in (("q", HEADS), ("k", KV_HEADS)):
+                for kind in ("weight", "bias"):
+                    if f"blk.{i}.attn_{n}.{kind}" in w:
+                        w[f"blk.{i}.attn_{n}.{kind}"] = llama_cpp_permute(w[f"blk.{i}.attn_{n}.{kind}"], heads)
+    wr = gguf.GGUFWriter(str(path), ARCH[family])
+    wr.add_name(f"tiny-{family}")
+    wr.add_block_count(LAYERS)
+    wr.add_context_length(CTX)
+    wr.add_embedding_length(D)
+    wr.add_feed_forward_length(FF)
+    wr.add_head_count(HEADS)
+    wr.add_head_count_kv(KV_HEADS)
+    wr.add_rope_freq_base(THETA)
+    wr.add_layer_norm_rms_eps(EPS)
+    wr.add_rope_dimension_count(hd)
+    if family == "qwen3":
+        wr.add_key_length(hd)
+        wr.add_value_length(hd)
+    if family == "mistral":
+        wr.add_sliding_window(WINDOW)
+    add_tiny_tokenizer(wr)
+    for name, x in w.items():
+        add_tensor(wr, name, x, T.F32 if x.ndim == 1 else T.Q8_0)
+    wr.write_header_to_file()
+    wr.write_kv_data_to_file()
+    wr.write_tensors_to_file()
+    wr.close()
+
+
+def expected_config(family: str, window: int = 0) -> ModelConfig:
+    return ModelConfig(vocab_size=len(tiny_vocab()), d_model=D, n_layers=LAYERS, n_heads=HEADS, n_kv_heads=KV_HEADS,
+                       head_dim=head_dim(family), d_ff=FF, n_experts=0, top_k=0, d_expert=0, rope_theta=THETA,
+                       norm_eps=float(np.float32(EPS)), max_seq_len=CTX, tie_embeddings=family == "qwen2",
+                       qkv_bias=family in BIASED, qk_norm=family == "qwen3", sliding_window=window,
+                       name=ARCH[family])
+
+
+def reference_state(path: Path, family: str, drop: str = "") -> dict[str, np.ndarray]:
+    """The PyTorch reference's parameters from the GGUF alone; `drop` ("bias", "qk_norm") zeroes
+    the biases or leaves the q/k norms out (the controls; the latter for a config without qk_norm)."""
+    g = GGUFModel(path)
+    v = lambda n: gguf_values(g, n)  # noqa: E731
+    qk = (lambda x, h: unpermute(x, h)) if family in PERMUTED else (lambda x, h: x)
+    sd = {"tok_emb.weight": v("token_embd.weight"), "norm.weight": v("output_norm.weight")}
+    if family != "qwen2":
+        sd["lm_head.weight"] = v("output.weight")
+    for i in range(LAYERS):
+        b, p = f"blk.{i}.", f"layers.{i}."
+        sd.update({p + "attn_norm.weight": v(b + "attn_norm.weight"),
+                   p + "attn.wq.weight": qk(v(b + "attn_q.weight"), HEADS),
+                   p + "attn.wk.weight": qk(v(b + "attn_k.weight"), KV_HEADS),
+                   p + "attn.wv.weight": v(b + "attn_v.weight"), p + "attn.wo.weight": v(b + "attn_output.weight"),
+                   p + "ffn_norm.weight": v(b + "ffn_norm.weight"), p + "ffn.w_gate.weight": v(b + "ffn_gate.weight"),
+                   p + "ffn.w_up.weight": v(b + "ffn_up.weight"), p + "ffn.w_down.weight": v(b + "ffn_down.weight")})
+        if family in BIASED:
+            for n, heads in (("q", HEADS), ("k", KV_HEADS), ("v", None)):
+                x = v(b + f"attn_{n}.bias")
+                sd[p + f"attn.w{n}.bias"] = (qk(x, heads) if heads else x) * (drop != "bias")
+        if family == "qwen3" and drop != "qk_norm":
+            for n in "qk":
+                sd[p + f"attn.{n}_norm.weight"] = v(b + f"attn_{n}_norm.weight")
+    return sd
+
+
+def reference_logits(cfg: ModelConfig, sd: dict[str, np.ndarray], toks: list[int]) -> np.ndarray:
+    from cflow.model import ReferenceDecoder, Transformer
+
+    ref = ReferenceDecoder(Transformer.from_state(cfg, {k: torch.from_numpy(np.ascontiguousarray(x))
+                                                         for k, x in sd.items()}))
+    return teacher_forced(lambda t, pos: ref.step(t).numpy(), toks)
+
+
+def engine_logits(path: Path, toks: list[int]) -> np.ndarray:
+    from cflow.runtime import Engine
+
+    return teacher_forced(Engine.load(path, threads=1).step, toks)
+
+
+def write_windowed(src: Path, dst: Path, window: int) -> None:
+    """src converted as `convert` does, with the config's sliding_window set to `window`."""
+    g = GGUFModel(src)
+    cfg = gguf_config(g).replace(sliding_window=window)
+    enc = Encoder("q8_0")
+    write_conversion(src, dst, cfg, gguf_tokenizer(g), gguf_tensors(g, cfg, enc), enc, {"source": {}},
+                     order="cflow", tile=(128, 256), progress=None, started=0.0)
+
+
+def far(got: np.ndarray, want: np.ndarray) -> bool:
+    errs, _, _ = compare(got, want)
+    return bool(np.median(errs) > 3 * MEDIAN_TOL)
+
+
+# ---- fixtures --------------------------------------------------------------------------------
+@pytest.fixture(scope="module", params=FAMILIES)
+def family_run(request, tmp_path_factory):
+    """(family, gguf path, cflow path, tokens, engine logits)."""
+    family = request.param
+    d = tmp_path_factory.mktemp(family)
+    src, dst = d / f"{family}.gguf", d / f"{family}.cflow"
+    write_family_gguf(src, family)
+    convert(src, dst)
+    toks = tokens(STEPS, seed=7)
+    return family, src, dst, toks, engine_logits(dst, toks)
+
+
+@pytest.fixture(scope="module")
+def llama_cpp_run(family_run):
+    family, src, _, toks, _ = family_run
+    return llama_cpp_logits(src, toks)
+
+
+# ---- import ----------------------------------------------------------------------------------
+def test_config_and_metadata(family_run):
+    family, src, dst, _, _ = family_run
+    assert gguf_config(GGUFModel(src)) == expected_config(family)
+    f = open_model(dst)
+    assert f.config == expected_config(family)
+    source = f.header["metadata"]["source"]
+    assert source["architecture"] == ARCH[family]
+    assert source.get("sliding_window_ignored") == (WINDOW if family == "mistral" else None)
+    names = set(f.tensors)
+    assert ("layers.1.attn.qkv_bias" in names) == (family in BIASED)
+    assert ("layers.1.attn.q_norm" in names) == ("layers.1.attn.k_norm" in names) == (family == "qwen3")
+    f.close()
+
+
+def test_biases_and_norms_are_the_gguf_values(family_run):
+    """bq | bk | bv fused in that order, un-permuted with Q/K for llama only (qwen2 is NEOX); q/k
+    norms as stored."""
+    family, src, dst, _, _ = family_run
+    if family == "mistral":
+        pytest.skip("no biases or q/k norms in this family")
+    sd, f = reference_state(src, family), open_model(dst)
+
+    def stored(name):
+        e = f.tensors[name]
+        return tensor_values(e.dtype, e.shape, e.layout, f.array(name), f.tile)
+
+    for i in range(LAYERS):
+        p = f"layers.{i}."
+        if family in BIASED:
+            want = np.concatenate([sd[p + f"attn.w{n}.bias"] for n in "qkv"])
+            np.testing.assert_array_equal(stored(p + "attn.qkv_bias"), want)
+        else:
+            for n in "qk":
+                np.testing.assert_array_equal(stored(p + f"attn.{n}_norm"), sd[p + f"attn.{n}_norm.weight"])
+    f.close()
+
+
+@pytest.mark.parametrize("arch, match", [("qwen2moe", "Qwen2-MoE.*not yet supported"),
+                                         ("qwen3moe", "Qwen3-MoE.*not yet supported"),
+                                         ("olmoe", "OLMoE.*not yet supported"),
+                                         ("mistral3", "mistral3.*not yet supported"),
+                                         ("gemma2", "'gemma2' model; cflow converts GGUF architectures")])
+def test_refused_architectures(tmp_path, arch, match):
+    wr = gguf.GGUFWriter(str(tmp_path / "m.gguf"), arch)
+    add_tiny_tokenizer(wr)
+    wr.add_tensor("token_embd.weight", np.zeros((len(tiny_vocab()), 32), np.float32))
+    wr.write_header_to_file()
+    wr.write_kv_data_to_file()
+    wr.write_tensors_to_file()
+    wr.close()
+    with pytest.raises(UnsupportedArchitectureError, match=match):
+        convert(tmp_path / "m.gguf", tmp_path / "m.cflow")
+    assert not (tmp_path / "m.cflow").exists()
+
+
+# ---- the engine against the oracles ----------------------------------------------------------
+def test_engine_matches_reference(family_run):
+    family, src, _, toks, got = family_run
+    check(got, reference_logits(expected_config(family), reference_state(src, family), toks), moe=False)
+
+
+def test_engine_matches_llama_cpp(family_run, llama_cpp_run):
+    check(family_run[4], llama_cpp_run, moe=False)
+
+
+def test_reference_matches_llama_cpp_and_needs_the_feature(family_run, llama_cpp_run):
+    """llama.cpp and the float reference agree; without the family's feature they do not (the
+    NEOX/permuted RoPE choice is covered too: a wrong one fails test_engine_matches_llama_cpp)."""
+    family, src, _, toks, _ = family_run
+    cfg = expected_config(family)
+    check(reference_logits(cfg, reference_state(src, family), toks), llama_cpp_run, moe=False)
+    if family == "mistral":
+        # the file's sliding window (8 < 32 positions) is ignored by llama.cpp; honouring it is far
+        windowed = reference_logits(cfg.replace(sliding_window=WINDOW), reference_state(src, family), toks)
+        assert far(windowed, llama_cpp_run)
+    elif family in BIASED:
+        assert far(reference_logits(cfg, reference_state(src, family, drop="bias"), toks), llama_cpp_run)
+    else:
+        assert far(reference_logits(cfg.replace(qk_norm=False), reference_state(src, family, drop="qk_norm"), toks),
+                   llama_cpp_run)
+
+
+def test_transformers_loads_the_gguf(family_run):
+    """HF transformers' own GGUF loader (dequantize, Q/K un-permuted for llama, its modelling code)
+    as a third oracle; it reads the Mistral file as a Llama, without a window, as llama.cpp does."""
+    family, src, _, toks, got = family_run
+    transformers = pytest.importorskip("transformers")
+    try:
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name,
+                                                               dtype=torch.float32)
+    except Exception as e:  # an architecture this transformers cannot load from GGUF
+        pytest.skip(f"transformers cannot load this {family} GGUF: {type(e).__name__}: {e}")
+    if family in BIASED and hf.model.layers[0].self_attn.q_proj.bias is None:
+        pytest.skip(f"transformers loads this {family} GGUF without its q/k/v biases "
+                    "(its GGUF config for arch llama has no attention_bias)")
+    with torch.no_grad():
+        want = hf(torch.tensor([toks])).logits[0].double().numpy()
+    check(got, want, moe=False)
+
+
+# ---- sliding window --------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def window_run(tmp_path_factory):
+    d = tmp_path_factory.mktemp("window")
+    src, dst = d / "mistral.gguf", d / "mistral-w8.cflow"
+    write_family_gguf(src, "mistral", seed=3)
+    write_windowed(src, dst, WINDOW)
+    toks = tokens(STEPS, seed=11)
+    return src, dst, toks, engine_logits(dst, toks)
+
+
+def test_sliding_window_matches_reference(window_run, tmp_path):
+    src, dst, toks, got = window_run
+    cfg = expected_config("mistral", WINDOW)
+    assert open_model(dst).config == cfg
+    sd = reference_state(src, "mistral")
+    check(got, reference_logits(cfg, sd, toks), moe=False)
+    # the whole-sequence (training) path masks the same keys as the token-by-token one
+    from cflow.model import Transformer
+
+    tm = Transformer.from_state(cfg, {k: torch.from_numpy(np.ascontiguousarray(x)) for k, x in sd.items()})
+    with torch.no_grad():
+        check(got, tm(torch.tensor([toks]))[0][0].double().numpy(), moe=False)
+    # control: the same file without the window agrees before position W and is far after it
+    write_windowed(src, tmp_path / "full.cflow", 0)
+    full = engine_logits(tmp_path / "full.cflow", toks)
+    np.testing.assert_array_equal(full[:WINDOW], got[:WINDOW])
+    assert far(full[WINDOW:], got[WINDOW:])
+
+
+def test_sliding_window_prefill_equals_steps(window_run):
+    """The batched path (prefill, rows at different positions) applies the window per row."""
+    from test_engine import rel_err
+
+    from cflow.runtime import Engine
+
+    _, dst, toks, got = window_run
+    eng = Engine.load(dst, threads=2)
+    for n in (WINDOW - 1, WINDOW + 3, STEPS):
+        assert rel_err(eng.prefill(toks[:n]), got[n - 1]) < 1e-5
+
+
+def test_sliding_window_matches_transformers(window_run):
+    """transformers' Mistral (eager attention, sliding_window = W) on the reference's weights."""
+    transformers = pytest.importorskip("transformers")
+    src, _, toks, got = window_run
+    hc = transformers.MistralConfig(sliding_window=WINDOW, **hf_config_kwargs("mistral"))
+    check(got, hf_logits(transformers.MistralForCausalLM(hc), reference_state(src, "mistral"), toks), moe=False)
+
+
+def test_qwen3_matches_transformers_modelling(family_run):
+    """transformers cannot load a Qwen3 GGUF whose head_dim differs from d / n_heads (its GGUF config
+    mapping drops key_length), so its Qwen3 modelling code runs on the reference's weights instead."""
+    transformers = pytest.importorskip("transformers")
+    family, src, _, toks, got = family_run
+    if family != "qwen3":
+        pytest.skip("Qwen3 only")
+    hc = transformers.Qwen3Config(**hf_config_kwargs("qwen3"))
+    check(got, hf_logits(transformers.Qwen3ForCausalLM(hc), reference_state(src, "qwen3"), toks), moe=False)
+
+
+def hf_config_kwargs(family: str) -> dict:
+    return dict(vocab_size=len(tiny_vocab()), hidden_size=D, intermediate_size=FF, num_hidden_layers=LAYERS,
+                num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=head_dim(family),
+                max_position_embeddings=CTX, rms_norm_eps=EPS, rope_theta=THETA, tie_word_embeddings=family == "qwen2",
+                attn_implementation="eager")
+
+
+def hf_logits(hf, sd: dict[str, np.ndarray], toks: list[int]) -> np.ndarray:
+    """Logits [n, V] of a transformers Llama-like model loaded (strictly) with the reference's weights."""
+    names = {"attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+             "attn.wo.weight": "self_attn.o_proj.weight", "ffn.w_gate.weight": "mlp.gate_proj.weight",
+             "ffn.w_up.weight": "mlp.up_proj.weight", "ffn.w_down.weight": "mlp.down_proj.weight",
+             "attn.q_norm.weight": "self_attn.q_norm.weight", "attn.k_norm.weight": "self_attn.k_norm.weight"}
+    for n in "qkv":
+        names |= {f"attn.w{n}.weight": f"self_attn.{n}_proj.weight", f"attn.w{n}.bias": f"self_attn.{n}_proj.bias"}
+    state = {"model.embed_tokens.weight": sd["tok_emb.weight"], "model.norm.weight": sd["norm.weight"],
+             "lm_head.weight": sd.get("lm_head.weight", sd["tok_emb.weight"])}
+    for key, x in sd.items():
+        if key.startswith("layers."):
+            _, i, ours = key.split(".", 2)
+            state[f"model.layers.{i}.{names[ours]}"] = x
+    hf = hf.float().eval()
+    hf.load_state_dict({k: torch.from_numpy(np.ascontiguousarray(x)) for k, x in state.items()}, strict=True)
+    with torch.no_grad():
+        return hf(torch.tensor([toks])).logits[0].double().numpy()
+
+
+# ---- every option on both QKV paths of the engine ----------------------------------------------
+@pytest.mark.parametrize("n_heads, n_kv_heads", [(4, 2), (8, 2)])  # hd 24: head-split path; hd 12: the other
+def test_all_options_against_the_dequantized_reference(tmp_path, n_heads, n_kv_heads):
+    """A random model with biases, q/k norms and a window of 5, against the reference on the file's own
+    dequantized weights, teacher-forced (steps) and through prefill."""
+    from test_engine import dequantized_model, prompt_tokens, rel_err, small_config, write_random_model
+
+    from cflow.model import ReferenceDecoder
+    from cflow.runtime import Engine
+
+    cfg = small_config("llama", tied=False, n_heads=n_heads, n_kv_heads=n_kv_heads).replace(
+        qkv_bias=True, qk_norm=True, sliding_window=5)
+    path = tmp_path / "m.cflow"
+    write_random_model(path, cfg, "q8_0", (64, 64), spread=0.5)
+    ref = ReferenceDecoder(dequantized_model(path))
+    toks = prompt_tokens(cfg, 24, seed=4)
+    got = teacher_forced(Engine.load(path, threads=2).step, toks)
+    check(got, teacher_forced(lambda t, pos: ref.step(t).numpy(), toks), moe=False)
+    assert rel_err(Engine.load(path, threads=2, max_batch=5).prefill(toks), got[-1]) < 1e-5
