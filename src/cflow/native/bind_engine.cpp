@@ -9,7 +9,8 @@
 //
 // Experts on disk: `experts` is a dict {"path": str, "span": int64 [n_unique * E, 2] (the file's
 // expert table: offset, bytes), "budget": int, "io": "async" | "sync", "io_threads": int,
-// "direct": bool}. A call that fails on expert I/O or a changed file raises OSError; bad input
+// "direct": bool, "prefetch": bool (optional, default False: speculative prefetch of the next
+// layer's experts, engine.c)}. A call that fails on expert I/O or a changed file raises OSError; bad input
 // raises ValueError.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
@@ -88,6 +89,7 @@ struct NativeEngine {
             disk.async = io == "async";
             disk.n_io = nb::cast<int>(x["io_threads"]);
             disk.direct = nb::cast<bool>(x["direct"]) ? 1 : 0;
+            disk.speculate = x.contains("prefetch") && nb::cast<bool>(x["prefetch"]) ? 1 : 0;
         }
         if (desc.shape(1) != CF_DESC_FIELDS || plan.shape(1) != CF_OP_FIELDS)
             throw nb::value_error("descriptor or plan array has the wrong width");
@@ -129,6 +131,8 @@ struct NativeEngine {
         d["io"] = x.async ? "async" : "sync";
         d["io_threads"] = x.n_io;
         d["read"] = x.direct ? "O_DIRECT" : "buffered";
+        d["prefetch"] = x.speculate ? "next-layer" : "off";
+        d["prefetch_slots"] = x.spec_slots;
         return d;
     }
 
@@ -349,7 +353,7 @@ void cf_bind_engine(nb::module_ &m) {
                      [](const NativeEngine &s) { return cf_engine_profile_events_per_call(s.e); })
         .def_prop_ro("expert_cache", &NativeEngine::expert_cache,
                      "the expert cache (slots, slot_bytes, cache_bytes, min_slots, layers_in_flight, io, "
-                     "io_threads, read); None when the experts are in RAM")
+                     "io_threads, read, prefetch, prefetch_slots); None when the experts are in RAM")
         .def("expert_resident", &NativeEngine::expert_resident,
              "(layer, expert) of every expert the cache holds now")
         .def("_inject_io_fault", &NativeEngine::inject_io_fault, nb::arg("after"), nb::arg("kind"),

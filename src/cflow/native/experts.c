@@ -50,6 +50,7 @@ typedef struct {
     _Atomic uint32_t waiters; /* threads asleep on state (or about to be) */
     int key;                  /* -1: none */
     int pins;                 /* in-flight layers that need it (thread 0 only) */
+    int spec;                 /* 1: filled by a speculative read that no acquire has used yet */
     uint64_t last_use;        /* tick of the last acquire */
     /* the last read's outcome, written by the reader before state */
     int err_no; /* errno; 0 with got < want: a short read */
@@ -166,21 +167,47 @@ static int pick_victim(const cf_xstore *xs) {
     return best;
 }
 
+/* Evict the victim and hand its slot to key, LOADING; -1 when every slot is pinned or loading. */
+static int claim(cf_xstore *xs, int key, int spec) {
+    int s = pick_victim(xs);
+    if (s < 0) return -1;
+    xslot *v = &xs->slots[s];
+    if (v->key >= 0) xs->slot_of[v->key] = -1;
+    v->key = key;
+    v->spec = spec;
+    xs->slot_of[key] = s;
+    atomic_store_explicit(&v->state, XS_LOADING, memory_order_relaxed);
+    return s;
+}
+
 int cf_xstore_acquire(cf_xstore *xs, int key, int *miss) {
     int s = xs->slot_of[key];
     *miss = 0;
     if (s < 0) {
-        if ((s = pick_victim(xs)) < 0) return -1;
-        xslot *v = &xs->slots[s];
-        if (v->key >= 0) xs->slot_of[v->key] = -1;
-        v->key = key;
-        xs->slot_of[key] = s;
-        atomic_store_explicit(&v->state, XS_LOADING, memory_order_relaxed);
+        if ((s = claim(xs, key, 0)) < 0) return -1;
         *miss = 1;
+    } else if (xs->slots[s].spec) {
+        xs->slots[s].spec = 0;
+        *miss = 2;
     }
     xs->slots[s].last_use = ++xs->tick;
     xs->slots[s].pins++;
     return s;
+}
+
+int cf_xstore_lookup(const cf_xstore *xs, int key) { return xs->slot_of[key]; }
+
+int cf_xstore_prefetch(cf_xstore *xs, int key) {
+    if (xs->slot_of[key] >= 0) return -1;
+    int s = claim(xs, key, 1);
+    if (s < 0) return -1;
+    xs->slots[s].last_use = ++xs->tick;
+    xs->slots[s].pins++;
+    return s;
+}
+
+int cf_xstore_loading(const cf_xstore *xs, int slot) {
+    return atomic_load_explicit(&((xslot *)&xs->slots[slot])->state, memory_order_relaxed) == XS_LOADING;
 }
 
 void cf_xstore_visit(cf_xstore *xs, int set, const int *chosen, int n) {
@@ -230,15 +257,19 @@ int cf_xstore_begin(cf_xstore *xs, char *err, size_t n) {
     if (forked) xs->inline_io = 1;
     for (int i = 0; i < xs->n_slots; i++) {
         xslot *s = &xs->slots[i];
-        /* only a failed call leaves reads in flight: let them land before the slot is reused */
+        /* A pinned read in flight was left by a failed call: let it land, so the call starts
+         * with every pinned slot settled. An unpinned one is a speculative read nobody needed:
+         * it cannot be evicted while LOADING, so it may land whenever (no call waits for it). */
         if (atomic_load(&s->state) == XS_LOADING) {
-            if (xs->async && !forked) cf_xstore_wait(xs, i, NULL);
-            else atomic_store(&s->state, XS_FAILED); /* acquired, never read (here) */
+            if (forked) atomic_store(&s->state, XS_FAILED); /* its reader is in the parent */
+            else if (xs->async && s->pins) cf_xstore_wait(xs, i, NULL);
+            else if (!xs->async) atomic_store(&s->state, XS_FAILED); /* acquired, never read */
         }
         s->pins = 0;
         if (atomic_load(&s->state) == XS_FAILED) {
             if (s->key >= 0) xs->slot_of[s->key] = -1;
             s->key = -1;
+            s->spec = 0;
             atomic_store(&s->state, XS_EMPTY);
         }
     }

@@ -15,6 +15,11 @@
  *   pins      a slot is pinned from the route that chose its expert until the experts op that used
  *             it; pinned and LOADING slots are never evicted. A call never pins more than
  *             top_k x (layers in flight) slots at a time, which is the smallest cache accepted.
+ *   prefetch  speculation (engine.c, route_disk) claims slots for experts a route has not chosen
+ *             yet (cf_xstore_prefetch): pinned and LOADING like a miss, and marked until an acquire
+ *             uses the bytes (*miss = 2 then: read for this use, but early). The engine keeps its
+ *             own count of the slots speculation holds or still has reads in flight for, within the
+ *             slots beyond the minimum, so the plan's own pins always fit.
  *   policy    recency-weighted frequency on each layer's own clock, ties by recency (experts.c
  *             says why; cflow.runtime.experts.simulate is its Python twin).
  *   I/O       async: a queue and n_io pread threads (not the compute pool; they sleep in the
@@ -70,16 +75,25 @@ typedef struct cf_xstore cf_xstore;
 cf_xstore *cf_xstore_open(const cf_xstore_opts *o, char *err, size_t n);
 void cf_xstore_free(cf_xstore *xs); /* finishes queued reads, joins the readers */
 
-/* Start of an engine call: waits out reads a failed call left in flight, unpins everything,
- * frees FAILED slots, and checks the file is still the one loaded (size and mtime). -1 and a
- * message when it is not. */
+/* Start of an engine call: waits out reads a failed call left in flight (pinned slots), unpins
+ * everything, frees FAILED slots, and checks the file is still the one loaded (size and mtime). -1
+ * and a message when it is not. Unpinned reads in flight (speculation nobody waited for) go on
+ * landing: they are not evictable until then, and no call waits for them. */
 int cf_xstore_begin(cf_xstore *xs, char *err, size_t n);
 
 /* A layer using weight set `set` routed to experts chosen[0..n): the policy's clock for that set. */
 void cf_xstore_visit(cf_xstore *xs, int set, const int *chosen, int n);
 /* Pin key's slot, choosing and claiming a victim when it is not cached (*miss = 1: the slot is
- * LOADING and must be submitted or read). -1 when every slot is pinned or loading. */
+ * LOADING and must be submitted or read; 2: a speculative read, landed or not, brought the expert
+ * and nothing had used it yet; 0: cached). -1 when every slot is pinned or loading. */
 int cf_xstore_acquire(cf_xstore *xs, int key, int *miss);
+/* Speculation. The slot holding key (whatever its state), or -1 when it is not cached. */
+int cf_xstore_lookup(const cf_xstore *xs, int key);
+/* Claim and pin a victim for key, which must not be cached (cf_xstore_lookup < 0), LOADING and
+ * marked speculative: submit it like a miss, release it like any pin. -1 when no slot can be evicted. */
+int cf_xstore_prefetch(cf_xstore *xs, int key);
+/* Is the slot's read still in flight (it cannot be evicted until it lands)? */
+int cf_xstore_loading(const cf_xstore *xs, int slot);
 void cf_xstore_release(cf_xstore *xs, int slot);
 /* Queue reads of LOADING slots for the readers (one lock for all). */
 void cf_xstore_submit(cf_xstore *xs, const int *slots, int n);
