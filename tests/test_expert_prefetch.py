@@ -129,9 +129,7 @@ def test_counters_add_up_per_step(models, name, extra, monkeypatch):
     direct = eng.expert_cache["read"] == "O_DIRECT"
     spare = eng.expert_cache["prefetch_slots"]
     eng.prefill(tokens(cfg, 4))
-    settle(eng)
-    eng.reset_counters()
-    io_start = kernel_read_bytes()
+    start, io_start = settle(eng), kernel_read_bytes()
     spec_reads = 0
     for i, t in enumerate(tokens(cfg, 24, seed=5)):
         c0 = eng.counters()
@@ -145,13 +143,13 @@ def test_counters_add_up_per_step(models, name, extra, monkeypatch):
         assert d["cache_hits"] + d["cache_misses"] == cfg.n_layers * cfg.top_k
         # every read is a demand miss or a speculative read; speculative reads nobody waited for
         # may still be landing (disk_bytes counts a read when it lands), at most one per spare slot
-        late = reads_started(c1) * span - c1["disk_bytes"]
+        late = (reads_started(c1) - reads_started(start)) * span - (c1["disk_bytes"] - start["disk_bytes"])
         assert late % span == 0 and 0 <= late <= spare * span
         spec_reads += d["prefetch_reads"]
     c = settle(eng)
     assert c["disk_bytes"] == reads_started(c) * span
     if direct and io_start is not None:  # the kernel saw exactly these reads: no readahead, no re-reads
-        assert kernel_read_bytes() - io_start == c["disk_bytes"]
+        assert kernel_read_bytes() - io_start == c["disk_bytes"] - start["disk_bytes"]
     assert c["prefetch_used"] <= c["prefetch_reads"]  # since the load: each read is used at most once as such
     assert spec_reads > 0
     rate = xp.prediction_hit_rate(c)
