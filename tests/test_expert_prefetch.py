@@ -15,7 +15,10 @@ What is held against what:
   choice and the hits are sum_l |chosen(l) & chosen(l+1)| of the routing trace (and > 0);
 - failures: an injected I/O error or short read on any of the first reads, speculative or not,
   ends in ExpertIOError naming the file or in exact logits, never a hang, and decoding goes on
-  exactly; a forked child (no reader threads) still computes the same logits.
+  exactly; a forked child (no reader threads) still computes the same logits;
+- the async readers (io_uring where the kernel offers it, pread threads, and the threads after the
+  kernel refused io_uring_setup): the same logits and the same clean failure. (The whole of
+  test_experts_disk.py also passes with CFLOW_EXPERT_READER=threads and =uring-refused.)
 """
 
 from __future__ import annotations
@@ -304,3 +307,42 @@ def test_cli_and_bench_report_the_prediction_hit_rate(models, capsys):
     r = bench(path, threads=[1], pp=0, tg=8, reps=1, warmup=False, probe=False, footprint=False,
               experts="disk", expert_cache="400k", expert_prefetch="off")
     assert r.to_dict()["rows"][0]["expert_prediction_hit_rate"] is None
+
+
+# ---- the async readers: io_uring, pread threads, and the fallback -----------------------------------
+@pytest.mark.parametrize("reader", ["auto", "threads", "uring-refused"])
+def test_readers_same_logits_and_clean_failures(models, reader, monkeypatch):
+    """io_uring where the kernel offers it (auto), the pread threads, and the threads again after the
+    kernel refused io_uring_setup (as where a container blocks it): the same logits, with prefetch
+    on; a failed read of an expert the first layer needs ends in ExpertIOError, then all goes on."""
+    monkeypatch.setenv("CFLOW_EXPERT_READER", reader)
+    path = models["arch1"]
+    eng = load(path, min_slots(path) + 3)
+    c = eng.expert_cache
+    if reader == "auto":  # io_uring, or the threads with the kernel's reason
+        assert c["reader"] == "io_uring" and c["reader_note"] == "" or \
+            c["reader"] == "threads" and "io_uring" in c["reader_note"]
+    elif reader == "threads":
+        assert c["reader"] == "threads" and c["reader_note"] == ""
+    else:
+        assert c["reader"] == "threads" and "io_uring_setup: Invalid argument" in c["reader_note"]
+    assert all(np.array_equal(a, b) for a, b in zip(within(60, run, eng), ram_run(path)))
+    eng.close()
+
+    ram = Engine.load(path, threads=1, experts="ram")
+    t = tokens(ram.config, 1, seed=9)[0]
+    want = ram.step(t, 0).copy()
+    eng = load(path, min_slots(path) + 3)
+    # a cold cache: the first read started is one of layer 0's own experts, needed at once
+    eng._native._inject_io_fault(0, "eio", 20)
+    with pytest.raises(xp.ExpertIOError, match="Input/output error") as e:
+        within(30, eng.step, t, 0)
+    assert str(path) in str(e.value)
+    assert np.array_equal(within(30, eng.step, t, 0), want)
+    eng.close()  # joins the readers: every read in flight lands first
+
+
+def test_bad_reader_is_refused(models, monkeypatch):
+    monkeypatch.setenv("CFLOW_EXPERT_READER", "carrier-pigeon")
+    with pytest.raises(EngineError, match="CFLOW_EXPERT_READER"):
+        load(models["arch1"], 10**6)

@@ -1016,6 +1016,8 @@ int cf_engine_expert_cache(const cf_engine *e, cf_expert_cache_info *out) {
     out->cache_bytes = xi.cache_bytes;
     out->speculate = e->xspec;
     out->spec_slots = e->spec_room;
+    out->uring = xi.uring;
+    out->reader_note = xi.note;
     return 1;
 }
 int cf_engine_expert_resident(const cf_engine *e, int *keys) {
@@ -1472,7 +1474,7 @@ static int open_disk_experts(cf_engine *e, const cf_disk_experts *dx, char *err,
     } else {
         cf_xstore_opts o = {.path = dx->path, .n_keys = n_keys, .n_experts = E, .offset = off, .nbytes = len,
                             .budget = dx->budget, .min_slots = c->top_k * e->inflight, .async = dx->async,
-                            .n_io = dx->n_io, .direct = dx->direct};
+                            .n_io = dx->n_io, .direct = dx->direct, .reader = dx->reader};
         e->xs = cf_xstore_open(&o, err, n);
         e->xasync = dx->async ? 1 : 0;
     }

@@ -193,6 +193,8 @@ typedef struct {
     int speculate;        /* 1 (async only): at route(l), predict layer l+1's experts from route(l)'s
                            * input and start their reads (engine.c, "speculative prefetch"); off by
                            * itself when the cache has no slot beyond the minimum */
+    int reader;           /* async: CF_XREADER_* (experts.h): io_uring where the kernel offers it, else
+                           * pread threads */
 } cf_disk_experts;
 
 /* What a failed call ran into (cf_engine_error_kind): bad input, or expert I/O / the file. */
@@ -256,6 +258,8 @@ typedef struct {
     int n_slots, min_slots, inflight, async, n_io, direct;
     int speculate;  /* speculative prefetch on, in spec_slots = n_slots - min_slots slots at most */
     int spec_slots;
+    int uring;                /* the async reads go through io_uring (else pread threads) */
+    const char *reader_note;  /* why not, where io_uring was wanted ("" otherwise); the engine's */
     int64_t slot_bytes, cache_bytes;
 } cf_expert_cache_info;
 int cf_engine_expert_cache(const cf_engine *e, cf_expert_cache_info *out);

@@ -22,8 +22,10 @@
  *             slots beyond the minimum, so the plan's own pins always fit.
  *   policy    recency-weighted frequency on each layer's own clock, ties by recency (experts.c
  *             says why; cflow.runtime.experts.simulate is its Python twin).
- *   I/O       async: a queue and n_io pread threads (not the compute pool; they sleep in the
- *             kernel); sync: the caller reads, then computes (the baseline the async mode beats).
+ *   I/O       async: io_uring where the kernel offers it (uring.h: thread 0 submits, one reaper
+ *             thread takes completions), else a queue and n_io pread threads (not the compute pool;
+ *             they sleep in the kernel); sync: the caller reads, then computes (the baseline the
+ *             async mode beats). Both async readers publish through the same slot states.
  *             O_DIRECT where the filesystem takes it, else buffered pread with readahead off and
  *             posix_fadvise(DONTNEED) after each read, so the page cache does not keep a second
  *             copy of what the cache holds.
@@ -55,10 +57,19 @@ typedef struct {
     int async;             /* 1: reader threads; 0: cf_xstore_read_now in the caller */
     int n_io;              /* reader threads when async (1..16) */
     int direct;            /* 1: O_DIRECT where the filesystem takes it; 0: buffered pread */
+    int reader;            /* async: CF_XREADER_* */
 } cf_xstore_opts;
+
+/* Which async reader: io_uring where the kernel offers it, else pread threads (AUTO); the threads
+ * (THREADS); or, for tests, an io_uring setup the kernel refuses, so the fallback runs as it does
+ * where io_uring is blocked (URING_REFUSED). */
+enum { CF_XREADER_AUTO, CF_XREADER_THREADS, CF_XREADER_URING_REFUSED, CF_XREADER_KINDS };
+extern const char *const cf_xreader_names[CF_XREADER_KINDS]; /* "auto", "threads", "uring-refused" */
 
 typedef struct {
     int n_slots, async, n_io, direct;
+    int uring;         /* 1: the async reads go through io_uring */
+    const char *note;  /* why not, where io_uring was wanted ("" otherwise); lives as long as the store */
     int64_t slot_bytes, cache_bytes;
 } cf_xstore_info;
 

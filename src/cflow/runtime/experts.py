@@ -39,7 +39,10 @@ minimum. Dense models have no experts: "ram" and "auto" change nothing and "disk
 
 Reads use O_DIRECT where the filesystem takes it, else buffered pread with readahead off and the
 pages dropped after each read; set CFLOW_EXPERT_DIRECT=0 to force the buffered path (the engine
-reports which it uses: Engine.expert_cache["read"]).
+reports which it uses: Engine.expert_cache["read"]). Async reads go through io_uring where the
+kernel offers it (raw syscalls, Linux >= 5.11), else through a pool of pread threads, e.g. where a
+container blocks io_uring (Engine.expert_cache["reader"], and "reader_note" says why not);
+CFLOW_EXPERT_READER=threads forces the threads (uring-refused: a refused io_uring, for tests).
 
 Also here: `simulate`, which replays a routing trace through the cache's eviction policy ("lrfu":
 recency-weighted frequency on each layer's own clock, the C core's, native/experts.c) or an
@@ -296,6 +299,15 @@ def direct_io_wanted() -> bool:
     return os.environ.get("CFLOW_EXPERT_DIRECT", "1").strip() not in ("0", "no", "false", "off")
 
 
+def reader_wanted(native: Any) -> str:
+    """CFLOW_EXPERT_READER: "auto" (default: io_uring where the kernel offers it, else pread threads),
+    "threads", or "uring-refused" (tests: the fallback path)."""
+    want = os.environ.get("CFLOW_EXPERT_READER", "auto").strip() or "auto"
+    if want not in native.EXPERT_READERS:
+        raise EngineError(f"CFLOW_EXPERT_READER must be one of {', '.join(native.EXPERT_READERS)}, got {want!r}")
+    return want
+
+
 def io_threads(top_k: int, inflight: int) -> int:
     """Reader threads: enough for every read a layer's route submits at once, 2 to 4 (they sleep in
     the kernel, not on a core, but each in-flight read needs one)."""
@@ -311,12 +323,14 @@ def plan_inflight(plan: Any, native: Any) -> int:
 
 def native_options(cf: Any, res: Residency, inflight: int) -> dict:
     """The `experts` argument of NativeEngine for a disk residency."""
+    from cflow.runtime.abi import native_module
+
     cfg = cf.config
     span = np.array([cf.experts[(i, x)] for i in range(cfg.n_unique_layers) for x in range(cfg.n_experts)],
                     np.int64).reshape(-1, 2)
     return {"path": os.fspath(cf.path), "span": np.ascontiguousarray(span), "budget": int(res.budget),
             "io": res.io, "io_threads": io_threads(cfg.top_k, inflight), "direct": direct_io_wanted(),
-            "prefetch": res.prefetch}
+            "prefetch": res.prefetch, "reader": reader_wanted(native_module())}
 
 
 # ---- the weights buffer ---------------------------------------------------------------------------
@@ -504,7 +518,8 @@ def describe(res: Residency, cache: dict | None) -> str:
         return f"experts in RAM: {res.reason}"
     return (f"experts on disk: {res.reason}; {cache['slots']} slots of {format_size(cache['slot_bytes'])} "
             f"({format_size(cache['cache_bytes'])}), {cache['read']} reads, {cache['io']} I/O"
-            + prefetch_note(res, cache))
+            + (f" ({cache['reader']})" if cache["io"] == "async" else "")
+            + (f" [{cache['reader_note']}]" if cache.get("reader_note") else "") + prefetch_note(res, cache))
 
 
 def prefetch_note(res: Residency, cache: dict) -> str:
