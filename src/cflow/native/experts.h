@@ -31,8 +31,8 @@
  *             copy of what the cache holds.
  *
  * Threading: every function except cf_xstore_wait is called by one compute thread at a time
- * (thread 0 of the engine's pool, or the caller between calls); the reader threads touch only a
- * slot's state, its read result and the queue.
+ * (thread 0 of the engine's pool, or the caller between calls); the reader threads (or the
+ * io_uring reaper) touch only a slot's state, its read result and the queue (the ring).
  */
 #ifndef CFLOW_EXPERTS_H
 #define CFLOW_EXPERTS_H
