@@ -532,9 +532,9 @@ static int acquire_wave(cf_engine *e, int set, int ms, int i0, int max) {
 // plan"), the smallest cache accepted. Speculation gets only the n_slots - min_slots beyond that
 // (off when there are none), counted in spec_slot: every slot it pins, and every slot whose
 // speculative read is still in flight after the pin is gone (a LOADING slot cannot be evicted).
-// So at every acquire at most min_slots - 1 plan pins + spec_room slots are not evictable: the
-// plan's acquires never fail, speculation never waits for a slot and never evicts a pinned or
-// loading one. At route(l+1) the speculative pins are dropped after its first wave is pinned: the
+// So whenever the plan needs a slot (each of a route's first top_k, the first of a wave) at most
+// min_slots - 1 of its own pins and spec_room other slots are not evictable: the plan's acquires
+// never fail, speculation never waits for a slot and never evicts a pinned or loading one. At route(l+1) the speculative pins are dropped after its first wave is pinned: the
 // experts it chose sit in their slots (their acquire counts a cache miss and prefetch_used), the
 // others stay cached at a low score (their layer never chose them), evicted first. Results are
 // bit for bit those without speculation: it only changes which bytes are read when.
