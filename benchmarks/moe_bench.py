@@ -8,7 +8,11 @@ memory, and for cflow the engine's counters (expert bytes, disk bytes, cache hit
 In the same run: the memory read probe and the disk read probe, so every number has its bound.
 
     python benchmarks/moe_bench.py --gguf moe.gguf [--cflow moe-pn.cflow] --limits 1,0.5 \
-        --budgets 0.25,0.5,1 --io sync,async --tokens 32 --out docs/results/moe
+        --budgets 0.25,0.5,1 --io sync,async [--prefetch off,next-layer] --tokens 32 --out docs/results/moe
+
+--prefetch runs each async disk configuration once per speculative-prefetch mode (Engine.load's
+expert_prefetch; default "auto": on for the delay-free Mixtral layout, off for the pipeline-native
+model) and reports the prediction hit rate beside the cache hits.
 
 llama.cpp runs with repacking off under a limit (its repacked copy of the weights cannot fit
 there; `--no-repack`) and with its default in RAM. Writes OUT.md, OUT.json and OUT.png (tok/s
@@ -134,11 +138,12 @@ def fmt_row(r: dict, file_bytes: int) -> str:
     what = r["engine"] + (f" {r['label']}" if r.get("label") else "") + (
         f", cache {r['budget']:.0%} of experts" if "budget" in r else "")
     if "error" in r:
-        return f"| {what} | {lim} | – | – | – | – | {r['error']} |"
+        return f"| {what} | {lim} | – | – | – | – | – | {r['error']} |"
     c = r.get("counters", {})
     hits, misses = c.get("cache_hits"), c.get("cache_misses")
     rate = f"{hits / (hits + misses):.0%}" if hits is not None and misses is not None and hits + misses else "–"
-    return (f"| {what} | {lim} | {r['tok_s']:.2f} | {r['disk_bytes_per_token'] / 1e6:.1f} | {rate} | "
+    pred = f"{c['expert_predict_hits'] / c['expert_predicted']:.0%}" if c.get("expert_predicted") else "–"
+    return (f"| {what} | {lim} | {r['tok_s']:.2f} | {r['disk_bytes_per_token'] / 1e6:.1f} | {rate} | {pred} | "
             f"{r['peak_rss_bytes'] / 1e9:.2f} | |")
 
 
@@ -176,6 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budgets", default="0.25,0.5,1",
                     help="cflow expert-cache budgets as fractions of all experts' bytes (disk mode)")
     ap.add_argument("--io", default="sync,async", help="cflow expert I/O modes to compare")
+    ap.add_argument("--prefetch", default="auto",
+                    help="speculative prefetch modes for the async disk runs (auto, off, next-layer; e.g. "
+                    "off,next-layer to compare)")
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--prompt", type=int, default=8)
     ap.add_argument("--warm", action="store_true", help="keep the page cache between runs (default: cold)")
@@ -208,24 +216,32 @@ def main(argv: list[str] | None = None) -> int:
         print(f"(no disk probe: {e})", file=sys.stderr)
 
     limits = [None if float(x) == 0 else int(float(x) * file_bytes) for x in args.limits.split(",")]
+    # (io, prefetch) per disk configuration: prefetch needs async reads, so sync runs once ("auto" is
+    # off with sync reads)
+    prefetch = args.prefetch.split(",")
+    modes = [(io, pf) for io in args.io.split(",") for pf in (prefetch if io == "async" else ["auto"])]
+
+    def pf_label(pf: str) -> str:  # the labels of earlier runs when prefetch is left alone
+        return f" prefetch {pf}" if pf != "auto" else ""
+
     results: list[dict] = []
     for limit in limits:
         runs = [dict(engine="llama.cpp", model=str(gguf), repack=limit is None, label="")]
         if limit is None:
             runs.append(dict(engine="cflow", model=str(converted), label="Mixtral-layout ram", load={"experts": "ram"}))
-        for io in args.io.split(","):
+        for io, pf in modes:
             for b in (float(x) for x in args.budgets.split(",")):
-                runs.append(dict(engine="cflow", model=str(converted), label=f"Mixtral-layout disk {io}", budget=b,
-                                 load={"experts": "disk", "expert_cache": max(1, int(b * expert_bytes)),
-                                       "expert_io": io}))
+                runs.append(dict(engine="cflow", model=str(converted), label=f"Mixtral-layout disk {io}{pf_label(pf)}",
+                                 budget=b, load={"experts": "disk", "expert_cache": max(1, int(b * expert_bytes)),
+                                                 "expert_io": io, "expert_prefetch": pf}))
         if args.cflow:  # the pipeline-native model: its experts land 2 layers later, so async can overlap
             pn = str(Path(args.cflow).resolve())
             runs.append(dict(engine="cflow", model=pn, label="pipeline-native auto", load={"experts": "auto"}))
-            for io in args.io.split(","):
+            for io, pf in modes:
                 for b in (float(x) for x in args.budgets.split(",")):
-                    runs.append(dict(engine="cflow", model=pn, label=f"pipeline-native disk {io}", budget=b,
-                                     load={"experts": "disk", "expert_cache": max(1, int(b * pn_expert_bytes)),
-                                           "expert_io": io}))
+                    runs.append(dict(engine="cflow", model=pn, label=f"pipeline-native disk {io}{pf_label(pf)}",
+                                     budget=b, load={"experts": "disk", "expert_cache": max(1, int(b * pn_expert_bytes)),
+                                                     "expert_io": io, "expert_prefetch": pf}))
         for spec in runs:
             spec.update(threads=args.threads, tokens=args.tokens, prompt=args.prompt, limit=limit, vocab=vocab)
             r = run_child(spec, limit, cold=not args.warm, timeout=args.timeout)
@@ -243,8 +259,8 @@ def main(argv: list[str] | None = None) -> int:
              f"Memory read probe {machine['memory_read_gbs']:.1f} GB/s; disk read probe "
              + (f"{machine['disk_read_gbs']:.2f} GB/s" if machine["disk_read_gbs"] else "n/a")
              + f"; {args.threads} threads; {'cold' if not args.warm else 'warm'} page cache per run.", "",
-             "| engine | memory | tok/s | disk MB/token | expert cache hits | peak RSS GB | note |",
-             "|---|---|---:|---:|---:|---:|---|"]
+             "| engine | memory | tok/s | disk MB/token | expert cache hits | prediction hits | peak RSS GB | note |",
+             "|---|---|---:|---:|---:|---:|---:|---|"]
     lines += [fmt_row(r, file_bytes) for r in results]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     plot(results, out.with_suffix(".png"))

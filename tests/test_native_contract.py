@@ -28,8 +28,10 @@ EXPECTED = {
                     "moe.router", "attn.qkv_bias", "attn.q_norm", "attn.k_norm", "attn.wq", "attn.wk", "attn.wv"),
     "EXPERT_SLOTS": ("w_gate_up", "w_down"),
     "COUNTER_NAMES": ("attn", "dense", "router", "experts", "embed", "lm_head", "kv", "tokens", "calls",
-                      "disk_bytes", "cache_hits", "cache_misses", "io_stall_ns"),
+                      "disk_bytes", "cache_hits", "cache_misses", "io_stall_ns", "expert_predicted",
+                      "expert_predict_hits", "prefetch_reads", "prefetch_used"),
     "IO_FAULTS": ("none", "eio", "short"),
+    "EXPERT_READERS": ("auto", "threads", "uring-refused"),
     "PROFILE_KINDS": ("setup", "embed", "norm", "attn.qkv", "attn.cache", "attn.wo", "dense.gate_up", "dense.down",
                       "route", "experts.gate_up", "experts.down", "experts.io", "resid", "lm_head", "wait"),
 }
@@ -37,6 +39,7 @@ EXPECTED = {
 ENUM_OF = {"OP_KINDS": "CF_OP_KINDS", "SOURCES": "CF_SRC_KINDS", "DESC_FIELDS": "CF_DESC_FIELDS",
            "GLOBAL_TENSORS": "CF_T_GLOBAL", "LAYER_SLOTS": "CF_SLOTS_PER_SET", "EXPERT_SLOTS": "CF_EXPERT_SLOTS",
            "COUNTER_NAMES": "CF_COUNTERS", "IO_FAULTS": "CF_XFAULT_KINDS",
+           "EXPERT_READERS": "CF_XREADER_KINDS",
            "PROFILE_KINDS": "CF_PROF_KINDS"}
 TILE = (16, 32)  # small tiles: several bands and tiles even in this tiny model
 

@@ -7,7 +7,8 @@ Weight bytes per token come from the engine, never from arithmetic here: what a 
 the C engine's own count (`Engine.counters()`); the tensor table's figure
 (`Engine.weight_bytes_per_token()`) is shown beside it as a cross-check. With experts on disk
 (`experts="disk"`, or "auto" choosing it) the tg rows also report what the expert cache did, from
-the same counters: disk_bytes_per_token, expert_cache_hit_rate, io_stall_ms_per_token.
+the same counters: disk_bytes_per_token, expert_cache_hit_rate, io_stall_ms_per_token, and with
+speculative prefetch expert_prediction_hit_rate (share of predicted experts the next layer chose).
 """
 
 from __future__ import annotations
@@ -36,11 +37,12 @@ class CflowRunner:
     name = "cflow"
 
     def __init__(self, model: str | Path, threads: int, n_ctx: int | None, progress=None, verify: bool = True,
-                 experts: str = "auto", expert_cache: int | str | None = None, expert_io: str = "async"):
+                 experts: str = "auto", expert_cache: int | str | None = None, expert_io: str = "async",
+                 expert_prefetch: str = "auto"):
         from cflow.runtime import Engine
 
         self.engine = Engine.load(model, threads=threads, n_ctx=n_ctx, verify=verify, log=progress, experts=experts,
-                                  expert_cache=expert_cache, expert_io=expert_io)
+                                  expert_cache=expert_cache, expert_io=expert_io, expert_prefetch=expert_prefetch)
 
     def reset(self) -> None:
         self.engine.reset()
@@ -65,10 +67,13 @@ class CflowRunner:
         c = self.engine.counters()
         if self.engine.expert_cache is None or not c.get("tokens"):
             return None
+        from cflow.runtime.experts import prediction_hit_rate
+
         looked = c["cache_hits"] + c["cache_misses"]
         return {"disk_bytes_per_token": c["disk_bytes"] / c["tokens"],
                 "expert_cache_hit_rate": c["cache_hits"] / looked if looked else None,
-                "io_stall_ms_per_token": c["io_stall_ns"] / 1e6 / c["tokens"]}
+                "io_stall_ms_per_token": c["io_stall_ns"] / 1e6 / c["tokens"],
+                "expert_prediction_hit_rate": prediction_hit_rate(c)}
 
 
 @dataclass
@@ -107,7 +112,7 @@ class BenchReport:
     def _expert_fields(self, row: BenchRow) -> dict:
         if self.experts is None or row.engine != "cflow":
             return {}
-        keys = ("disk_bytes_per_token", "expert_cache_hit_rate", "io_stall_ms_per_token")
+        keys = ("disk_bytes_per_token", "expert_cache_hit_rate", "io_stall_ms_per_token", "expert_prediction_hit_rate")
         got = self.expert_rows.get(f"{row.threads}:{row.test}") or {}
         return {k: got.get(k) for k in keys}
 
@@ -116,12 +121,14 @@ class BenchReport:
         if not x:
             return []
         lines = [f"experts on disk: cache {format_size(x['cache_bytes'])} ({x['slots']} slots of "
-                 f"{format_size(x['slot_bytes'])}), {x['read']} reads, {x['io']} I/O; {x['reason']}"]
+                 f"{format_size(x['slot_bytes'])}), {x['read']} reads, {x['io']} I/O, prefetch "
+                 f"{x.get('prefetch', 'off')}; {x['reason']}"]
         for key, st in sorted(self.expert_rows.items()):
-            rate = st["expert_cache_hit_rate"]
+            rate, pred = st["expert_cache_hit_rate"], st.get("expert_prediction_hit_rate")
             lines.append(f"  {key.split(':')[0]} thr {key.split(':')[1]}: {format_size(st['disk_bytes_per_token'])}/token "
                          f"from disk, hit rate {'–' if rate is None else f'{100 * rate:.1f}%'}, I/O stall "
-                         f"{st['io_stall_ms_per_token']:.3f} ms/token")
+                         f"{st['io_stall_ms_per_token']:.3f} ms/token"
+                         + ("" if pred is None else f", prediction hit rate {100 * pred:.1f}%"))
         return lines
 
     def _pct(self, row: BenchRow) -> float | None:
@@ -187,11 +194,12 @@ def bench(model: str | Path, *, threads: list[int] | None = None, pp: int = 512,
           reps: int = 5, warmup: bool = True, compare: str | None = None, n_ctx: int | None = None,
           probe: bool = True, footprint: bool = True, verify: bool = True,
           progress: Callable[[str], None] | None = None, experts: str = "auto",
-          expert_cache: int | str | None = None, expert_io: str = "async") -> BenchReport:
+          expert_cache: int | str | None = None, expert_io: str = "async",
+          expert_prefetch: str = "auto") -> BenchReport:
     """Run the suite. threads: the counts to test (default: every usable core; 0 also means that);
     the tg test always runs exactly `tg` decode steps, whatever token comes (EOS included), like
     llama-bench; verify=False skips the checksum check of the model's first use. experts,
-    expert_cache, expert_io: where cflow keeps a MoE model's experts (Engine.load)."""
+    expert_cache, expert_io, expert_prefetch: where cflow keeps a MoE model's experts (Engine.load)."""
     from cflow.bench.bandwidth import read_bandwidth
 
     model = str(model)
@@ -203,7 +211,7 @@ def bench(model: str | Path, *, threads: list[int] | None = None, pp: int = 512,
         raise CflowError(f"--reps must be >= 1, got {reps}")
     threads = [t or usable_threads() for t in threads] if threads else [usable_threads()]
     # Loading once up front converts a .gguf into the cache and tells us the model's context limit.
-    xkw = dict(experts=experts, expert_cache=expert_cache, expert_io=expert_io)
+    xkw = dict(experts=experts, expert_cache=expert_cache, expert_io=expert_io, expert_prefetch=expert_prefetch)
     with CflowRunner(model, threads[0], None, progress=progress, verify=verify, **xkw).engine as eng:
         max_ctx = eng.config.max_seq_len
         table_bytes = eng.weight_bytes_per_token()

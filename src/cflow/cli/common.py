@@ -5,9 +5,9 @@ Owns:
   names the flag, the way the runtime's errors do) and `FileError` (a file a command was told to
   read or write cannot be);
 - `add_command`: a subcommand declared from one help text (summary, description, examples);
-- the model flags (-m -t -c --no-mmap --no-verify, and --experts --expert-cache --expert-io for
-  mixture-of-experts models), loading the engine with the conversion progress bar, and the timing
-  report on stderr;
+- the model flags (-m -t -c --no-mmap --no-verify, and --experts --expert-cache --expert-io
+  --expert-prefetch for mixture-of-experts models), loading the engine with the conversion
+  progress bar, and the timing report on stderr;
 - the sampling flags (llama.cpp's names) and their checks, done before the model loads;
 - writes that fail as one line (`cannot write PATH: <strerror>`), checked before long work.
 """
@@ -108,6 +108,11 @@ def add_expert_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--expert-io", choices=["async", "sync"], default="async",
                    help="async (default): read a layer's chosen experts as soon as its router has chosen, on "
                    "reader threads, while compute goes on; sync: read, then compute (for comparison)")
+    g.add_argument("--expert-prefetch", choices=["auto", "off", "next-layer"], default="auto",
+                   help="next-layer: when a layer's router has chosen, also predict the next layer's experts "
+                   "(its router on this layer's input) and start reading them early, in cache slots beyond the "
+                   "minimum (async I/O only; same results bit for bit); auto (default): next-layer for models "
+                   "without an expert delay (delta_expert 0, e.g. Mixtral), whose reads nothing else hides")
 
 
 def check_model_flags(args: argparse.Namespace) -> None:
@@ -167,10 +172,11 @@ def load_engine(args: argparse.Namespace):
 
 
 def expert_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """Engine.load's experts / expert_cache / expert_io from the expert flags (defaults where a
-    command has none of them)."""
+    """Engine.load's experts / expert_cache / expert_io / expert_prefetch from the expert flags
+    (defaults where a command has none of them)."""
     return dict(experts=getattr(args, "experts", "auto"), expert_cache=getattr(args, "expert_cache", None),
-                expert_io=getattr(args, "expert_io", "async"))
+                expert_io=getattr(args, "expert_io", "async"),
+                expert_prefetch=getattr(args, "expert_prefetch", "auto"))
 
 
 def load_error(model: str | None, e: OSError) -> FileError:
@@ -210,6 +216,13 @@ def print_timings(eng, t, prompt_shown: int) -> None:
         print(f"cflow: {'experts on disk':>16} = {c['disk_bytes'] / 1e6:10.2f} MB read ({c['disk_bytes'] / n / 1e6:.2f} MB "
               f"per token), cache hits {rate} of {looked} ({cache['slots']} slots, {cache['read']}, {cache['io']} I/O), "
               f"I/O stall {c['io_stall_ns'] / 1e6:.2f} ms", file=err)
+        if cache.get("prefetch") == "next-layer":
+            from cflow.runtime.experts import prediction_hit_rate
+
+            hit = prediction_hit_rate(c)
+            print(f"cflow: {'expert prefetch':>16} = predicted {c['expert_predicted']} experts, "
+                  f"{'-' if hit is None else f'{100 * hit:.1f}%'} chosen by the next layer; {c['prefetch_reads']} reads "
+                  f"started early, {c['prefetch_used']} of them used", file=err)
     total = (t.load_s + t.prompt_s + t.gen_s) * 1e3
     print(f"cflow: {'total time':>16} = {total:10.2f} ms / {prompt_shown + t.gen_tokens:5d} tokens", file=err)
 

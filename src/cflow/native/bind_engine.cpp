@@ -9,7 +9,9 @@
 //
 // Experts on disk: `experts` is a dict {"path": str, "span": int64 [n_unique * E, 2] (the file's
 // expert table: offset, bytes), "budget": int, "io": "async" | "sync", "io_threads": int,
-// "direct": bool}. A call that fails on expert I/O or a changed file raises OSError; bad input
+// "direct": bool, "prefetch": bool (optional, default False: speculative prefetch of the next
+// layer's experts, engine.c), "reader": "auto" | "threads" | "uring-refused" (optional, default
+// "auto": io_uring where the kernel offers it; the last one is for tests, experts.h)}. A call that fails on expert I/O or a changed file raises OSError; bad input
 // raises ValueError.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
@@ -91,6 +93,16 @@ struct NativeEngine {
             disk.async = io == "async";
             disk.n_io = nb::cast<int>(x["io_threads"]);
             disk.direct = nb::cast<bool>(x["direct"]) ? 1 : 0;
+            disk.speculate = x.contains("prefetch") && nb::cast<bool>(x["prefetch"]) ? 1 : 0;
+            if (x.contains("reader")) {
+                std::string r = nb::cast<std::string>(x["reader"]);
+                disk.reader = -1;
+                for (int k = 0; k < CF_XREADER_KINDS; k++)
+                    if (r == cf_xreader_names[k]) disk.reader = k;
+                if (disk.reader < 0)
+                    throw nb::value_error(("experts['reader'] must be one of _native.EXPERT_READERS, got '" + r +
+                                           "'").c_str());
+            }
         }
         if (desc.shape(1) != CF_DESC_FIELDS || plan.shape(1) != CF_OP_FIELDS)
             throw nb::value_error("descriptor or plan array has the wrong width");
@@ -132,6 +144,10 @@ struct NativeEngine {
         d["io"] = x.async ? "async" : "sync";
         d["io_threads"] = x.n_io;
         d["read"] = x.direct ? "O_DIRECT" : "buffered";
+        d["prefetch"] = x.speculate ? "next-layer" : "off";
+        d["prefetch_slots"] = x.spec_slots;
+        d["reader"] = x.async ? (x.uring ? "io_uring" : "threads") : "caller";
+        d["reader_note"] = x.reader_note ? x.reader_note : "";
         return d;
     }
 
@@ -298,10 +314,12 @@ void bind_contracts(nb::module_ &m) {
     counts["CF_PROF_KINDS"] = (int)CF_PROF_KINDS;
     counts["CF_DTYPE_IDS"] = (int)CF_DTYPE_IDS;
     counts["CF_XFAULT_KINDS"] = (int)CF_XFAULT_KINDS;
+    counts["CF_XREADER_KINDS"] = (int)CF_XREADER_KINDS;
     m.attr("ENUM_COUNTS") = counts;
     // the older names of two of the above (cflow.engine checks them)
     m.attr("MAX_THREADS") = (int)CF_MAX_THREADS;
     m.attr("IO_FAULTS") = as_tuple(table_names(cf_xfault_names, CF_XFAULT_KINDS, "cf_xfault_names"));
+    m.attr("EXPERT_READERS") = as_tuple(table_names(cf_xreader_names, CF_XREADER_KINDS, "cf_xreader_names"));
     m.def("plan_inflight", [](Plan plan, int n_moe) {
         if (plan.shape(1) != CF_OP_FIELDS) throw nb::value_error("plan array has the wrong width");
         return cf_plan_inflight(plan.data(), (int)plan.shape(0), n_moe);
@@ -352,7 +370,7 @@ void cf_bind_engine(nb::module_ &m) {
                      [](const NativeEngine &s) { return cf_engine_profile_events_per_call(s.e); })
         .def_prop_ro("expert_cache", &NativeEngine::expert_cache,
                      "the expert cache (slots, slot_bytes, cache_bytes, min_slots, layers_in_flight, io, "
-                     "io_threads, read); None when the experts are in RAM")
+                     "io_threads, read, prefetch, prefetch_slots, reader, reader_note); None when the experts are in RAM")
         .def("expert_resident", &NativeEngine::expert_resident,
              "(layer, expert) of every expert the cache holds now")
         .def("_inject_io_fault", &NativeEngine::inject_io_fault, nb::arg("after"), nb::arg("kind"),

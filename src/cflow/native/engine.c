@@ -23,7 +23,8 @@
  * Experts may live on disk instead (cf_disk_experts, experts.h): then the route op, on thread 0,
  * pins cache slots for the chosen experts and queues the reads of the missing ones, and the experts
  * op waits on each slot's word for the expert it needs next. With experts in RAM that costs one
- * pointer test per MoE op; nothing else on that path changes.
+ * pointer test per MoE op; nothing else on that path changes. Optionally the route also predicts
+ * the next layer's experts and starts their reads (speculative prefetch, below route_disk).
  *
  * Profiling (cf_engine_profile_start, engine.h): every phase boundary calls ph() and every barrier
  * goes through sync_threads(), which with profiling on cut each thread's walk into contiguous
@@ -170,6 +171,15 @@ struct cf_engine {
     int64_t *xrel;       /* [n_unique * E][2] gate_up, down offsets inside the expert's span */
     int *xwave;          /* [E] slots a wave must read (thread 0) */
     int wave_end;        /* published by thread 0 before a barrier (op_experts_disk) */
+    /* speculative prefetch (thread 0; "speculative prefetch" below) */
+    int xspec;           /* on */
+    int spec_room;       /* slots speculation may occupy: n_slots - min_slots */
+    int *spec_slot;      /* [spec_room] slots it pins, or whose read it started and is in flight */
+    uint8_t *spec_held;  /* [spec_room] 1: pinned for the predicted layer */
+    int n_spec;
+    int pred_layer;      /* the layer pred_mark predicts; -1: none */
+    uint8_t *pred_mark;  /* [E] experts predicted for pred_layer */
+    int *pred_votes;     /* [E] rows whose prediction chose each expert */
     uint64_t disk_base;  /* cf_xstore_bytes_read at the last counter reset */
     int failed;          /* CF_ERR_* of the call in flight; set by thread 0 */
     int err_kind;
@@ -527,7 +537,8 @@ static int acquire_wave(cf_engine *e, int set, int ms, int i0, int max) {
         if (sl < 0) break;
         slot[list[i]] = sl;
         e->cnt.n[miss ? CF_CNT_CACHE_MISSES : CF_CNT_CACHE_HITS]++;
-        if (miss) e->xwave[nm++] = sl;
+        if (miss == 2) e->cnt.n[CF_CNT_PREFETCH_USED]++; /* read early by speculation */
+        if (miss == 1) e->xwave[nm++] = sl;
     }
     if (e->xasync) {
         cf_xstore_submit(e->xs, e->xwave, nm);
@@ -539,12 +550,118 @@ static int acquire_wave(cf_engine *e, int set, int ms, int i0, int max) {
     return i;
 }
 
+// ---------------------------------------------------------------------------------------------
+// speculative prefetch: at route(l), predict layer l+1's experts and start their reads
+//
+// With delta_expert = 0 (plain Mixtral) experts(l) follows route(l) at once, so a layer's reads
+// overlap only each other and that layer's expert compute. Speculation starts layer l+1's reads
+// one layer earlier: right after route(l) has queued its own reads (they go first), thread 0
+// predicts route(l+1)'s choice and queues reads of the predicted experts the cache lacks, which
+// then overlap experts(l) and attn(l+1).
+//
+// What is predicted from what: route(l+1) will normalise h_{l+1} = x_{l+1} + attn(x_{l+1}) with
+// x_{l+1} = h_l + f_l + experts_l(...), none of which exists yet. The latest vector that does is
+// route(l)'s own input z_l (h_l, or h_l + f_l with moe_input post_dense): the prediction is the
+// top_k of softmax(router_{l+1}(rmsnorm(z_l) * moe_norm_{l+1})), computed as route does (so two
+// layers sharing a weight set predict exactly what the first chose: tested). The
+// residual stream changes little from one layer to the next, so this often picks the same
+// experts (issue 10; measured by the predict counters). With B rows, the union of the rows' top_k
+// is predicted, and reads start for the most-voted first.
+//
+// Slots: the plan's own pins never exceed min_slots = top_k x layers in flight (engine.h, "the
+// plan"), the smallest cache accepted. Speculation gets only the n_slots - min_slots beyond that
+// (off when there are none), counted in spec_slot: every slot it pins, and every slot whose
+// speculative read is still in flight after the pin is gone (a LOADING slot cannot be evicted).
+// So whenever the plan needs a slot (each of a route's first top_k, the first of a wave) at most
+// min_slots - 1 of its own pins and spec_room other slots are not evictable: the plan's acquires
+// never fail, speculation never waits for a slot and never evicts a pinned or loading one. At route(l+1) the speculative pins are dropped after its first wave is pinned: the
+// experts it chose sit in their slots (their acquire counts a cache miss and prefetch_used), the
+// others stay cached at a low score (their layer never chose them), evicted first. Results are
+// bit for bit those without speculation: it only changes which bytes are read when.
+
+/* Thread 0, when a call starts: cf_xstore_begin dropped every pin (a failed call may have left
+ * some); reads still in flight stay counted until they land. */
+static void spec_begin(cf_engine *e) {
+    if (!e->xspec) return;
+    memset(e->spec_held, 0, (size_t)e->spec_room);
+    memset(e->pred_mark, 0, (size_t)e->c.n_experts);
+    e->pred_layer = -1;
+}
+
+/* Thread 0: drop the speculative pins; forget the slots whose reads have landed. */
+static void spec_release(cf_engine *e) {
+    int k = 0;
+    for (int i = 0; i < e->n_spec; i++) {
+        int sl = e->spec_slot[i];
+        if (e->spec_held[i]) cf_xstore_release(e->xs, sl);
+        if (cf_xstore_loading(e->xs, sl)) {
+            e->spec_slot[k] = sl;
+            e->spec_held[k++] = 0;
+        }
+    }
+    e->n_spec = k;
+}
+
+/* Thread 0, at route(l): how many of the experts predicted for l it chose (cnt: its routing). */
+static void spec_score(cf_engine *e, int l, const int *cnt) {
+    if (e->pred_layer != l) return;
+    for (int x = 0; x < e->c.n_experts; x++) {
+        if (e->pred_mark[x] && cnt[x]) e->cnt.n[CF_CNT_PREDICT_HITS]++;
+        e->pred_mark[x] = 0;
+    }
+    e->pred_layer = -1;
+}
+
+/* Thread 0, after route(l)'s own reads are queued: predict route(l+1) and start the reads. */
+static void spec_predict(cf_engine *e, int l, int src_kind) {
+    const cf_config *c = &e->c;
+    cf_state *s = &e->s;
+    int E = c->n_experts, d = c->d, set = (l + 1) % c->n_unique, most = 0, n_pred = 0, nm = 0;
+    const cf_layer *w = &e->w.sets[set];
+    float *z = e->ts[0].xb, *zn = z + e->kmax, *pr = s->rlogits; /* free once route(l) is done */
+    int *votes = e->pred_votes, chosen[64];
+    float val[64];
+    memset(votes, 0, (size_t)E * sizeof *votes);
+    for (int b = 0; b < e->B; b++) {
+        const float *hb = s->h + (size_t)b * d;
+        for (int i = 0; i < d; i++) z[i] = hb[i] + (src_kind == CF_SRC_HF ? s->f[(size_t)b * d + i] : 0.0f);
+        e->k->rmsnorm(zn, z, w->moe_norm, d, c->norm_eps);
+        e->k->matvec_f32(pr, w->router, zn, E, d);
+        e->k->softmax(pr, E);
+        e->k->topk(pr, E, c->top_k, chosen, val);
+        for (int k = 0; k < c->top_k; k++) most = cf_max(most, ++votes[chosen[k]]);
+    }
+    for (int x = 0; x < E; x++) {
+        e->pred_mark[x] = votes[x] > 0;
+        n_pred += votes[x] > 0;
+    }
+    e->pred_layer = l + 1;
+    e->cnt.n[CF_CNT_PREDICTED] += (uint64_t)n_pred;
+    int room = e->spec_room - e->n_spec;
+    for (int v = most; v > 0 && room > 0; v--)
+        for (int x = 0; x < E && room > 0; x++) {
+            if (votes[x] != v || cf_xstore_lookup(e->xs, set * E + x) >= 0) continue; /* cached or coming */
+            int sl = cf_xstore_prefetch(e->xs, set * E + x);
+            if (sl < 0) { /* cannot happen within spec_room (above); stop rather than spin */
+                room = 0;
+                break;
+            }
+            e->spec_slot[e->n_spec] = sl;
+            e->spec_held[e->n_spec++] = 1;
+            e->xwave[nm++] = sl;
+            room--;
+        }
+    e->cnt.n[CF_CNT_PREFETCH_READS] += (uint64_t)nm;
+    cf_xstore_submit(e->xs, e->xwave, nm);
+}
+
 /* Thread 0, after the route of layer l into moe slot ms: list the chosen experts in ascending order
  * (the order their outputs are summed in RAM too, so results are bit for bit the same) and, with
  * async I/O, pin and start reading up to top_k of them now: their bytes arrive while the layers up
  * to the experts op run. top_k per layer in flight is what the smallest cache guarantees; a batch
- * that routes to more experts reads the rest in waves (op_experts_disk). */
-static void route_disk(cf_engine *e, int l, int ms) {
+ * that routes to more experts reads the rest in waves (op_experts_disk). With speculation, then
+ * predict layer l+1 (above). */
+static void route_disk(cf_engine *e, int l, int ms, int src_kind) {
     cf_state *s = &e->s;
     int E = e->c.n_experts, n = 0;
     const int *cnt = s->exp_n + (size_t)ms * E;
@@ -554,6 +671,10 @@ static void route_disk(cf_engine *e, int l, int ms) {
     s->exp_cnt[ms] = n;
     cf_xstore_visit(e->xs, l % e->c.n_unique, list, n);
     s->exp_pre[ms] = e->xasync ? acquire_wave(e, l % e->c.n_unique, ms, 0, e->c.top_k) : 0;
+    if (!e->xspec) return;
+    spec_score(e, l, cnt);
+    spec_release(e); /* after the first wave: the chosen ones are pinned by it now */
+    if (l + 1 < e->c.n_layers) spec_predict(e, l, src_kind);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -591,7 +712,7 @@ static void op_route(cf_engine *e, int l, int src_kind, int ms, int ith) {
             }
         }
         e->cnt.n[CF_CNT_ROUTER] += w->router_bytes;
-        if (e->xs) route_disk(e, l, ms);
+        if (e->xs) route_disk(e, l, ms, src_kind);
     }
     sync_threads(e, ith, -1);
 }
@@ -776,6 +897,7 @@ static int forward(cf_engine *e, const int32_t *tokens, int B, float *logits, in
         e->err_kind = CF_ERR_IO;
         return -1;
     }
+    spec_begin(e);
     e->tokens = tokens;
     e->B = B;
     e->logits = logits;
@@ -932,6 +1054,10 @@ int cf_engine_expert_cache(const cf_engine *e, cf_expert_cache_info *out) {
     out->direct = xi.direct;
     out->slot_bytes = xi.slot_bytes;
     out->cache_bytes = xi.cache_bytes;
+    out->speculate = e->xspec;
+    out->spec_slots = e->spec_room;
+    out->uring = xi.uring;
+    out->reader_note = xi.note;
     return 1;
 }
 int cf_engine_expert_resident(const cf_engine *e, int *keys) {
@@ -1070,6 +1196,8 @@ const char *const cf_counter_names[CF_COUNTERS] = {
     [CF_CNT_KV] = "kv", [CF_CNT_TOKENS] = "tokens", [CF_CNT_CALLS] = "calls",
     [CF_CNT_DISK_BYTES] = "disk_bytes", [CF_CNT_CACHE_HITS] = "cache_hits",
     [CF_CNT_CACHE_MISSES] = "cache_misses", [CF_CNT_IO_STALL_NS] = "io_stall_ns",
+    [CF_CNT_PREDICTED] = "expert_predicted", [CF_CNT_PREDICT_HITS] = "expert_predict_hits",
+    [CF_CNT_PREFETCH_READS] = "prefetch_reads", [CF_CNT_PREFETCH_USED] = "prefetch_used",
 };
 
 int cf_desc_name(int n_experts, int row, char *out, size_t n) {
@@ -1421,13 +1549,28 @@ static int open_disk_experts(cf_engine *e, const cf_disk_experts *dx, char *err,
     } else {
         cf_xstore_opts o = {.path = dx->path, .n_keys = n_keys, .n_experts = E, .offset = off, .nbytes = len,
                             .budget = dx->budget, .min_slots = c->top_k * e->inflight, .async = dx->async,
-                            .n_io = dx->n_io, .direct = dx->direct};
+                            .n_io = dx->n_io, .direct = dx->direct, .reader = dx->reader};
         e->xs = cf_xstore_open(&o, err, n);
         e->xasync = dx->async ? 1 : 0;
     }
     free(off);
     free(len);
-    return e->xs ? 0 : -1;
+    if (!e->xs) return -1;
+    cf_xstore_info xi;
+    cf_xstore_get_info(e->xs, &xi);
+    /* speculation needs reads that run beside compute, and slots beyond the plan's own */
+    if (dx->speculate && e->xasync && xi.n_slots > c->top_k * e->inflight) {
+        e->spec_room = xi.n_slots - c->top_k * e->inflight;
+        e->spec_slot = calloc((size_t)e->spec_room, sizeof *e->spec_slot);
+        e->spec_held = calloc((size_t)e->spec_room, 1);
+        e->pred_mark = calloc((size_t)E, 1);
+        e->pred_votes = calloc((size_t)E, sizeof *e->pred_votes);
+        if (!e->spec_slot || !e->spec_held || !e->pred_mark || !e->pred_votes)
+            return cf_set_err(err, n, "out of memory"), -1;
+        e->xspec = 1;
+        e->pred_layer = -1;
+    }
+    return 0;
 }
 
 cf_engine *cf_engine_create(const cf_config *cfg, const uint8_t *buf, size_t buf_len,
@@ -1502,6 +1645,10 @@ void cf_engine_free(cf_engine *e) {
     cf_xstore_free(e->xs); /* joins its readers: nothing writes into our memory after this */
     free(e->xrel);
     free(e->xwave);
+    free(e->spec_slot);
+    free(e->spec_held);
+    free(e->pred_mark);
+    free(e->pred_votes);
     if (e->w.sets) {
         for (int i = 0; i < e->c.n_unique; i++) {
             free(e->w.sets[i].exp_gate_up);

@@ -37,6 +37,7 @@
 #include <unistd.h>
 
 #include "cflow.h"
+#include "uring.h"
 #include "util.h"
 
 #define VISIT_SCORE (1u << 16) /* a routing's weight; halves every routing of the layer after */
@@ -50,10 +51,12 @@ typedef struct {
     _Atomic uint32_t waiters; /* threads asleep on state (or about to be) */
     int key;                  /* -1: none */
     int pins;                 /* in-flight layers that need it (thread 0 only) */
+    int spec;                 /* 1: filled by a speculative read that no acquire has used yet */
     uint64_t last_use;        /* tick of the last acquire */
     /* the last read's outcome, written by the reader before state */
     int err_no; /* errno; 0 with got < want: a short read */
     int64_t got, want;
+    int fault;  /* io_uring: the injected fault its submission drew (CF_XFAULT_*) */
     uint8_t *data;
 } xslot;
 
@@ -77,6 +80,14 @@ struct cf_xstore {
     pthread_t *io;
     int n_io;
     pid_t pid;       /* the process the readers run in */
+    /* io_uring (uring = 1) instead of the pread threads: thread 0 queues reads under ring_mu, one
+     * reaper thread takes the completions and publishes them as a reader thread would */
+    int uring, reaper_on, ring_broken;
+    cf_uring ring;
+    pthread_mutex_t ring_mu;
+    pthread_t reaper;
+    _Atomic int ring_inflight, ring_stop;
+    char note[160]; /* why the readers are threads where io_uring was wanted ("" otherwise) */
     int inline_io;   /* 1: no readers here (a forked child): submit reads in the caller */
     _Atomic uint64_t bytes_read;
     _Atomic int64_t reads, fault_at;
@@ -86,39 +97,43 @@ struct cf_xstore {
 const char *const cf_xfault_names[CF_XFAULT_KINDS] = {
     [CF_XFAULT_NONE] = "none", [CF_XFAULT_EIO] = "eio", [CF_XFAULT_SHORT] = "short",
 };
+const char *const cf_xreader_names[CF_XREADER_KINDS] = {
+    [CF_XREADER_AUTO] = "auto", [CF_XREADER_THREADS] = "threads", [CF_XREADER_URING_REFUSED] = "uring-refused",
+};
 
 static int64_t round_up(int64_t n) { return (n + CF_XALIGN - 1) / CF_XALIGN * CF_XALIGN; }
 
 // ---------------------------------------------------------------------------------------------
 // reading one expert
 
-/* Read slot's span: the whole rounded length or fail. Any thread (a reader, or thread 0 in sync
- * mode); publishes the outcome through state and wakes whoever sleeps on it. */
-static void do_read(cf_xstore *xs, int slot) {
+/* The injected fault the read starting now draws (test-only; CF_XFAULT_NONE almost always). */
+static int draw_fault(cf_xstore *xs) {
+    if (atomic_fetch_add(&xs->reads, 1) != atomic_load(&xs->fault_at)) return CF_XFAULT_NONE;
+    return atomic_exchange(&xs->fault_kind, CF_XFAULT_NONE);
+}
+
+static int64_t fault_limit(int fault, int64_t want) {
+    return fault == CF_XFAULT_SHORT ? want / 2 / CF_XALIGN * CF_XALIGN : want;
+}
+
+/* pread slot's bytes [*got, limit) of the span at off, until done, an error (returned) or the end
+ * of the file. */
+static int read_rest(const cf_xstore *xs, uint8_t *buf, int64_t off, int64_t limit, int64_t *got) {
+    while (*got < limit) {
+        ssize_t r = pread(xs->fd, buf + *got, (size_t)(limit - *got), off + *got);
+        if (r < 0 && errno == EINTR) continue;
+        if (r < 0) return errno;
+        if (r == 0) break; /* end of file: the file shrank */
+        *got += r;
+        if (xs->direct && r % CF_XALIGN) break; /* O_DIRECT stops at EOF mid-block */
+    }
+    return 0;
+}
+
+/* The outcome of slot's read: through state, waking whoever sleeps on it. */
+static void publish(cf_xstore *xs, int slot, int err, int64_t got) {
     xslot *s = &xs->slots[slot];
-    int key = s->key; /* set before the slot was queued; the queue's mutex orders it */
-    int64_t off = xs->off[key], want = xs->len[key], got = 0;
-    int err = 0, fault = CF_XFAULT_NONE;
-    if (atomic_fetch_add(&xs->reads, 1) == atomic_load(&xs->fault_at)) {
-        fault = atomic_exchange(&xs->fault_kind, CF_XFAULT_NONE);
-        if (fault && atomic_load(&xs->fault_delay_us)) usleep((useconds_t)atomic_load(&xs->fault_delay_us));
-    }
-    if (fault == CF_XFAULT_EIO) {
-        err = EIO;
-    } else {
-        int64_t limit = fault == CF_XFAULT_SHORT ? want / 2 / CF_XALIGN * CF_XALIGN : want;
-        while (got < limit) {
-            ssize_t r = pread(xs->fd, s->data + got, (size_t)(limit - got), off + got);
-            if (r < 0 && errno == EINTR) continue;
-            if (r < 0) {
-                err = errno;
-                break;
-            }
-            if (r == 0) break; /* end of file: the file shrank */
-            got += r;
-            if (xs->direct && r % CF_XALIGN) break; /* O_DIRECT stops at EOF mid-block */
-        }
-    }
+    int64_t off = xs->off[s->key], want = xs->len[s->key];
     /* buffered reads leave pages in the page cache: drop them, the cache slot is the copy */
     if (!xs->direct) posix_fadvise(xs->fd, off, want, POSIX_FADV_DONTNEED);
     atomic_fetch_add(&xs->bytes_read, (uint64_t)got);
@@ -129,6 +144,113 @@ static void do_read(cf_xstore *xs, int slot) {
      * we see the waiter and wake it, or its futex_wait sees the new state and returns */
     atomic_store(&s->state, err || got != want ? XS_FAILED : XS_READY);
     if (atomic_load(&s->waiters)) cf_word_wake(&s->state, INT_MAX);
+}
+
+/* Read slot's span: the whole rounded length or fail. Any thread (a reader, or thread 0 in sync
+ * mode). */
+static void do_read(cf_xstore *xs, int slot) {
+    xslot *s = &xs->slots[slot];
+    int key = s->key; /* set before the slot was queued; the queue's mutex orders it */
+    int64_t got = 0;
+    int err = 0, fault = draw_fault(xs);
+    if (fault && atomic_load(&xs->fault_delay_us)) usleep((useconds_t)atomic_load(&xs->fault_delay_us));
+    if (fault == CF_XFAULT_EIO) err = EIO;
+    else err = read_rest(xs, s->data, xs->off[key], fault_limit(fault, xs->len[key]), &got);
+    publish(xs, slot, err, got);
+}
+
+// ---------------------------------------------------------------------------------------------
+// io_uring: thread 0 queues, the reaper publishes
+
+#define RING_STOP UINT64_MAX /* the no-op that wakes the reaper to stop */
+
+#define REAPER_TICK_NS 20000000 /* the reaper looks at ring_stop at least this often */
+
+/* Queue the reads of slots[0..n) and hand them to the kernel (thread 0), or the stop token
+ * (cf_xstore_free, stop = 1). An injected fault is drawn here, in submission order: an I/O error
+ * reads nothing (a no-op), a short read asks for half. The submission queue holds n_slots + 1
+ * entries and is empty between calls, so it never fills. Should the kernel refuse to take them
+ * (never seen), the ring is left alone from then on: reads are done in the caller. */
+static void ring_queue(cf_xstore *xs, const int *slots, int n, int stop) {
+    pthread_mutex_lock(&xs->ring_mu);
+    for (int i = 0; i < n; i++) {
+        xslot *s = &xs->slots[slots[i]];
+        s->fault = draw_fault(xs);
+        unsigned len = (unsigned)(s->fault == CF_XFAULT_EIO ? 0 : fault_limit(s->fault, xs->len[s->key]));
+        atomic_fetch_add(&xs->ring_inflight, 1);
+        cf_uring_read(&xs->ring, xs->fd, s->data, len, (uint64_t)xs->off[s->key], (uint64_t)slots[i]);
+    }
+    if (stop) cf_uring_read(&xs->ring, -1, NULL, 0, 0, RING_STOP);
+    int left = cf_uring_submit(&xs->ring), unsent = left - stop; /* the token is queued last */
+    if (left) {
+        xs->ring_broken = 1;
+        xs->inline_io = 1;
+    }
+    pthread_mutex_unlock(&xs->ring_mu);
+    /* the kernel never saw these: nothing else writes their slots */
+    for (int i = n - (unsent > 0 ? unsent : 0); i < n; i++) {
+        atomic_fetch_sub(&xs->ring_inflight, 1);
+        do_read(xs, slots[i]);
+    }
+}
+
+/* The reaper: slot's read completed with res (bytes, or -errno). */
+static void ring_done(cf_xstore *xs, int slot, int32_t res) {
+    xslot *s = &xs->slots[slot];
+    int64_t limit = fault_limit(s->fault, xs->len[s->key]), got = res > 0 ? res : 0;
+    int err = res < 0 ? -res : 0;
+    if (s->fault && atomic_load(&xs->fault_delay_us)) usleep((useconds_t)atomic_load(&xs->fault_delay_us));
+    if (s->fault == CF_XFAULT_EIO) err = EIO;
+    else if (!err && got > 0 && got < limit && !(xs->direct && got % CF_XALIGN)) /* stopped early: finish */
+        err = read_rest(xs, s->data, xs->off[s->key], limit, &got);
+    publish(xs, slot, err, got);
+    atomic_fetch_sub(&xs->ring_inflight, 1); /* after publishing: cf_xstore_free waits for 0 */
+}
+
+static void *reaper_main(void *arg) {
+    cf_xstore *xs = arg;
+    for (;;) {
+        uint64_t user;
+        int32_t res;
+        while (cf_uring_next(&xs->ring, &user, &res))
+            if (user != RING_STOP) ring_done(xs, (int)user, res);
+        if (atomic_load(&xs->ring_stop) && atomic_load(&xs->ring_inflight) == 0) return NULL;
+        if (cf_uring_wait(&xs->ring, REAPER_TICK_NS) < 0) usleep(REAPER_TICK_NS / 1000); /* poll instead */
+    }
+}
+
+/* Readers on io_uring, if the kernel offers it and one real read through it works; else -1 and
+ * the reason in xs->note (the caller starts pread threads). */
+static int open_ring(cf_xstore *xs, int refuse) {
+    char why[128];
+    if (xs->n_slots + 1 > 32768) {
+        snprintf(xs->note, sizeof xs->note, "io_uring not used (more than 32767 slots): pread threads");
+        return -1;
+    }
+    if (cf_uring_open(&xs->ring, (unsigned)xs->n_slots + 1, refuse, why, sizeof why)) {
+        snprintf(xs->note, sizeof xs->note, "io_uring unavailable (%s): pread threads", why);
+        return -1;
+    }
+    /* a kernel may set the ring up and still refuse the read (IORING_OP_READ is Linux 5.6) */
+    int32_t res = -ETIMEDOUT;
+    uint64_t user;
+    cf_uring_read(&xs->ring, xs->fd, xs->mem, CF_XALIGN, (uint64_t)xs->off[0], 0);
+    if (cf_uring_submit(&xs->ring) == 0)
+        for (int t = 0; t < 250 && !cf_uring_next(&xs->ring, &user, &res); t++) cf_uring_wait(&xs->ring, REAPER_TICK_NS);
+    madvise(xs->mem, CF_XALIGN, MADV_DONTNEED);
+    if (res <= 0) {
+        snprintf(xs->note, sizeof xs->note, "io_uring read failed (%s): pread threads",
+                 strerror(res < 0 ? -res : EIO));
+        cf_uring_close(&xs->ring);
+        return -1;
+    }
+    if (pthread_create(&xs->reaper, NULL, reaper_main, xs) != 0) {
+        snprintf(xs->note, sizeof xs->note, "cannot start the io_uring reaper thread: pread threads");
+        cf_uring_close(&xs->ring);
+        return -1;
+    }
+    xs->reaper_on = xs->uring = 1;
+    return 0;
 }
 
 static void *reader_main(void *arg) {
@@ -166,21 +288,47 @@ static int pick_victim(const cf_xstore *xs) {
     return best;
 }
 
+/* Evict the victim and hand its slot to key, LOADING; -1 when every slot is pinned or loading. */
+static int claim(cf_xstore *xs, int key, int spec) {
+    int s = pick_victim(xs);
+    if (s < 0) return -1;
+    xslot *v = &xs->slots[s];
+    if (v->key >= 0) xs->slot_of[v->key] = -1;
+    v->key = key;
+    v->spec = spec;
+    xs->slot_of[key] = s;
+    atomic_store_explicit(&v->state, XS_LOADING, memory_order_relaxed);
+    return s;
+}
+
 int cf_xstore_acquire(cf_xstore *xs, int key, int *miss) {
     int s = xs->slot_of[key];
     *miss = 0;
     if (s < 0) {
-        if ((s = pick_victim(xs)) < 0) return -1;
-        xslot *v = &xs->slots[s];
-        if (v->key >= 0) xs->slot_of[v->key] = -1;
-        v->key = key;
-        xs->slot_of[key] = s;
-        atomic_store_explicit(&v->state, XS_LOADING, memory_order_relaxed);
+        if ((s = claim(xs, key, 0)) < 0) return -1;
         *miss = 1;
+    } else if (xs->slots[s].spec) {
+        xs->slots[s].spec = 0;
+        *miss = 2;
     }
     xs->slots[s].last_use = ++xs->tick;
     xs->slots[s].pins++;
     return s;
+}
+
+int cf_xstore_lookup(const cf_xstore *xs, int key) { return xs->slot_of[key]; }
+
+int cf_xstore_prefetch(cf_xstore *xs, int key) {
+    if (xs->slot_of[key] >= 0) return -1;
+    int s = claim(xs, key, 1);
+    if (s < 0) return -1;
+    xs->slots[s].last_use = ++xs->tick;
+    xs->slots[s].pins++;
+    return s;
+}
+
+int cf_xstore_loading(const cf_xstore *xs, int slot) {
+    return atomic_load_explicit(&((xslot *)&xs->slots[slot])->state, memory_order_relaxed) == XS_LOADING;
 }
 
 void cf_xstore_visit(cf_xstore *xs, int set, const int *chosen, int n) {
@@ -197,6 +345,10 @@ void cf_xstore_submit(cf_xstore *xs, const int *slots, int n) {
     if (n <= 0) return;
     if (xs->inline_io) {
         for (int i = 0; i < n; i++) do_read(xs, slots[i]);
+        return;
+    }
+    if (xs->uring) {
+        ring_queue(xs, slots, n, 0);
         return;
     }
     pthread_mutex_lock(&xs->mu);
@@ -230,15 +382,19 @@ int cf_xstore_begin(cf_xstore *xs, char *err, size_t n) {
     if (forked) xs->inline_io = 1;
     for (int i = 0; i < xs->n_slots; i++) {
         xslot *s = &xs->slots[i];
-        /* only a failed call leaves reads in flight: let them land before the slot is reused */
+        /* A pinned read in flight was left by a failed call: let it land, so the call starts
+         * with every pinned slot settled. An unpinned one is a speculative read nobody needed:
+         * it cannot be evicted while LOADING, so it may land whenever (no call waits for it). */
         if (atomic_load(&s->state) == XS_LOADING) {
-            if (xs->async && !forked) cf_xstore_wait(xs, i, NULL);
-            else atomic_store(&s->state, XS_FAILED); /* acquired, never read (here) */
+            if (forked) atomic_store(&s->state, XS_FAILED); /* its reader is in the parent */
+            else if (xs->async && s->pins) cf_xstore_wait(xs, i, NULL);
+            else if (!xs->async) atomic_store(&s->state, XS_FAILED); /* acquired, never read */
         }
         s->pins = 0;
         if (atomic_load(&s->state) == XS_FAILED) {
             if (s->key >= 0) xs->slot_of[s->key] = -1;
             s->key = -1;
+            s->spec = 0;
             atomic_store(&s->state, XS_EMPTY);
         }
     }
@@ -272,9 +428,9 @@ void cf_xstore_error(const cf_xstore *xs, int slot, char *out, size_t n) {
 }
 
 void cf_xstore_get_info(const cf_xstore *xs, cf_xstore_info *out) {
-    *out = (cf_xstore_info){.n_slots = xs->n_slots, .async = xs->async, .n_io = xs->n_io,
-                            .direct = xs->direct, .slot_bytes = (int64_t)xs->slot_bytes,
-                            .cache_bytes = (int64_t)xs->mem_bytes};
+    *out = (cf_xstore_info){.n_slots = xs->n_slots, .async = xs->async, .n_io = xs->uring ? 1 : xs->n_io,
+                            .direct = xs->direct, .uring = xs->uring && !xs->ring_broken, .note = xs->note,
+                            .slot_bytes = (int64_t)xs->slot_bytes, .cache_bytes = (int64_t)xs->mem_bytes};
 }
 
 uint64_t cf_xstore_bytes_read(const cf_xstore *xs) {
@@ -332,6 +488,7 @@ cf_xstore *cf_xstore_open(const cf_xstore_opts *o, char *err, size_t n) {
     cf_xstore *xs = calloc(1, sizeof *xs);
     if (!xs) return cf_set_err(err, n, "out of memory"), NULL;
     xs->fd = -1;
+    xs->ring.fd = -1;
     xs->mem = MAP_FAILED;
     xs->n_keys = o->n_keys;
     xs->n_experts = o->n_experts;
@@ -341,6 +498,7 @@ cf_xstore *cf_xstore_open(const cf_xstore_opts *o, char *err, size_t n) {
     xs->async = o->async ? 1 : 0;
     atomic_store(&xs->fault_at, -1);
     pthread_mutex_init(&xs->mu, NULL);
+    pthread_mutex_init(&xs->ring_mu, NULL);
     pthread_cond_init(&xs->cv, NULL);
     xs->path = strdup(o->path ? o->path : "?");
     xs->off = malloc(sizeof(int64_t) * o->n_keys);
@@ -403,6 +561,8 @@ cf_xstore *cf_xstore_open(const cf_xstore_opts *o, char *err, size_t n) {
         }
     }
     xs->pid = getpid();
+    if (xs->async && o->reader != CF_XREADER_THREADS && open_ring(xs, o->reader == CF_XREADER_URING_REFUSED) == 0)
+        return xs;
     if (xs->async) {
         int want = cf_min(cf_max(o->n_io, 1), 16);
         xs->io = calloc((size_t)want, sizeof *xs->io);
@@ -427,6 +587,12 @@ open_failed:
 
 void cf_xstore_free(cf_xstore *xs) {
     if (!xs) return;
+    if (xs->reaper_on && getpid() == xs->pid) { /* (a forked child has no reaper to stop) */
+        atomic_store(&xs->ring_stop, 1);
+        if (!xs->ring_broken) ring_queue(xs, NULL, 0, 1); /* wakes it now; else it sees the flag within a tick */
+        pthread_join(xs->reaper, NULL);                   /* after every read in flight has landed */
+    }
+    cf_uring_close(&xs->ring);
     if (xs->n_io && !xs->inline_io) { /* (a forked child has no readers to stop) */
         pthread_mutex_lock(&xs->mu);
         xs->stop = 1;
@@ -437,6 +603,7 @@ void cf_xstore_free(cf_xstore *xs) {
     if (xs->fd >= 0) close(xs->fd);
     if (xs->mem != MAP_FAILED && xs->mem) munmap(xs->mem, xs->mem_bytes);
     pthread_mutex_destroy(&xs->mu);
+    pthread_mutex_destroy(&xs->ring_mu);
     pthread_cond_destroy(&xs->cv);
     free(xs->io);
     free(xs->path);

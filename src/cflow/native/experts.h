@@ -15,17 +15,24 @@
  *   pins      a slot is pinned from the route that chose its expert until the experts op that used
  *             it; pinned and LOADING slots are never evicted. A call never pins more than
  *             top_k x (layers in flight) slots at a time, which is the smallest cache accepted.
+ *   prefetch  speculation (engine.c, route_disk) claims slots for experts a route has not chosen
+ *             yet (cf_xstore_prefetch): pinned and LOADING like a miss, and marked until an acquire
+ *             uses the bytes (*miss = 2 then: read for this use, but early). The engine keeps its
+ *             own count of the slots speculation holds or still has reads in flight for, within the
+ *             slots beyond the minimum, so the plan's own pins always fit.
  *   policy    recency-weighted frequency on each layer's own clock, ties by recency (experts.c
  *             says why; cflow.runtime.experts.simulate is its Python twin).
- *   I/O       async: a queue and n_io pread threads (not the compute pool; they sleep in the
- *             kernel); sync: the caller reads, then computes (the baseline the async mode beats).
+ *   I/O       async: io_uring where the kernel offers it (uring.h: thread 0 submits, one reaper
+ *             thread takes completions), else a queue and n_io pread threads (not the compute pool;
+ *             they sleep in the kernel); sync: the caller reads, then computes (the baseline the
+ *             async mode beats). Both async readers publish through the same slot states.
  *             O_DIRECT where the filesystem takes it, else buffered pread with readahead off and
  *             posix_fadvise(DONTNEED) after each read, so the page cache does not keep a second
  *             copy of what the cache holds.
  *
  * Threading: every function except cf_xstore_wait is called by one compute thread at a time
- * (thread 0 of the engine's pool, or the caller between calls); the reader threads touch only a
- * slot's state, its read result and the queue.
+ * (thread 0 of the engine's pool, or the caller between calls); the reader threads (or the
+ * io_uring reaper) touch only a slot's state, its read result and the queue (the ring).
  */
 #ifndef CFLOW_EXPERTS_H
 #define CFLOW_EXPERTS_H
@@ -50,10 +57,19 @@ typedef struct {
     int async;             /* 1: reader threads; 0: cf_xstore_read_now in the caller */
     int n_io;              /* reader threads when async (1..16) */
     int direct;            /* 1: O_DIRECT where the filesystem takes it; 0: buffered pread */
+    int reader;            /* async: CF_XREADER_* */
 } cf_xstore_opts;
+
+/* Which async reader: io_uring where the kernel offers it, else pread threads (AUTO); the threads
+ * (THREADS); or, for tests, an io_uring setup the kernel refuses, so the fallback runs as it does
+ * where io_uring is blocked (URING_REFUSED). */
+enum { CF_XREADER_AUTO, CF_XREADER_THREADS, CF_XREADER_URING_REFUSED, CF_XREADER_KINDS };
+extern const char *const cf_xreader_names[CF_XREADER_KINDS]; /* "auto", "threads", "uring-refused" */
 
 typedef struct {
     int n_slots, async, n_io, direct;
+    int uring;         /* 1: the async reads go through io_uring */
+    const char *note;  /* why not, where io_uring was wanted ("" otherwise); lives as long as the store */
     int64_t slot_bytes, cache_bytes;
 } cf_xstore_info;
 
@@ -70,16 +86,25 @@ typedef struct cf_xstore cf_xstore;
 cf_xstore *cf_xstore_open(const cf_xstore_opts *o, char *err, size_t n);
 void cf_xstore_free(cf_xstore *xs); /* finishes queued reads, joins the readers */
 
-/* Start of an engine call: waits out reads a failed call left in flight, unpins everything,
- * frees FAILED slots, and checks the file is still the one loaded (size and mtime). -1 and a
- * message when it is not. */
+/* Start of an engine call: waits out reads a failed call left in flight (pinned slots), unpins
+ * everything, frees FAILED slots, and checks the file is still the one loaded (size and mtime). -1
+ * and a message when it is not. Unpinned reads in flight (speculation nobody waited for) go on
+ * landing: they are not evictable until then, and no call waits for them. */
 int cf_xstore_begin(cf_xstore *xs, char *err, size_t n);
 
 /* A layer using weight set `set` routed to experts chosen[0..n): the policy's clock for that set. */
 void cf_xstore_visit(cf_xstore *xs, int set, const int *chosen, int n);
 /* Pin key's slot, choosing and claiming a victim when it is not cached (*miss = 1: the slot is
- * LOADING and must be submitted or read). -1 when every slot is pinned or loading. */
+ * LOADING and must be submitted or read; 2: a speculative read, landed or not, brought the expert
+ * and nothing had used it yet; 0: cached). -1 when every slot is pinned or loading. */
 int cf_xstore_acquire(cf_xstore *xs, int key, int *miss);
+/* Speculation. The slot holding key (whatever its state), or -1 when it is not cached. */
+int cf_xstore_lookup(const cf_xstore *xs, int key);
+/* Claim and pin a victim for key, which must not be cached (cf_xstore_lookup < 0), LOADING and
+ * marked speculative: submit it like a miss, release it like any pin. -1 when no slot can be evicted. */
+int cf_xstore_prefetch(cf_xstore *xs, int key);
+/* Is the slot's read still in flight (it cannot be evicted until it lands)? */
+int cf_xstore_loading(const cf_xstore *xs, int slot);
 void cf_xstore_release(cf_xstore *xs, int slot);
 /* Queue reads of LOADING slots for the readers (one lock for all). */
 void cf_xstore_submit(cf_xstore *xs, const int *slots, int n);

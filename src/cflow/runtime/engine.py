@@ -60,8 +60,9 @@ class Engine:
     def __init__(self, cf: Any, *, threads: int | None = None, n_ctx: int | None = None,
                  max_batch: int = DEFAULT_MAX_BATCH, experts: str = "auto", expert_cache: int | str | None = None,
                  expert_io: str = "async", expert_delay: bool = True, mmap: bool = True,
-                 log: Callable[[str], None] | None = None, n_seq: int = 1) -> None:
-        """An engine over an open CflowFile. experts / expert_cache / expert_io / expert_delay: see
+                 log: Callable[[str], None] | None = None, n_seq: int = 1, expert_prefetch: str = "auto") -> None:
+        """An engine over an open CflowFile. experts / expert_cache / expert_io / expert_delay /
+        expert_prefetch: see
         Engine.load and cflow.runtime.experts; mmap=False copies the weights the engine reads out of
         a mapped file (with experts on disk: all but the experts). n_seq: KV-cache slots (sequences)
         of n_ctx positions each, for step_batch; the single-sequence calls use sequence 0."""
@@ -91,7 +92,8 @@ class Engine:
             disk_plan = build_plan(self.config, delay_experts=expert_delay and expert_io == "async")
             sizes = xp.model_sizes(cf, self.n_ctx * self.n_seq,  # every sequence's KV cache
                                     xp.plan_inflight(disk_plan, native))
-        self.residency = xp.decide(sizes, experts=experts, expert_cache=expert_cache, expert_io=expert_io)
+        self.residency = xp.decide(sizes, experts=experts, expert_cache=expert_cache, expert_io=expert_io,
+                                   expert_prefetch=expert_prefetch)
         disk = self.residency.mode == "disk"
         self.plan = build_plan(self.config, delay_experts=disk and expert_delay and expert_io == "async")
         buffer = cf.buffer
@@ -131,7 +133,7 @@ class Engine:
              progress: Callable[[int, int, str], None] | None = None,
              log: Callable[[str], None] | None = None, experts: str = "auto",
              expert_cache: int | str | None = None, expert_io: str = "async",
-             expert_delay: bool = True, n_seq: int = 1) -> "Engine":
+             expert_delay: bool = True, n_seq: int = 1, expert_prefetch: str = "auto") -> "Engine":
         """Load a .cflow/.vflow file, or a .gguf (converted once into the cache; `log` is told);
         no path: the built-in model.
 
@@ -148,6 +150,10 @@ class Engine:
         then computes. With async reads and delta_expert > 0 the experts of layer l run just before
         layer l + delta_expert needs them, so their reads overlap the layers between (expert_delay=
         False runs them right after the router, for comparison); results are the same bit for bit.
+        expert_prefetch="next-layer" (async only) also predicts layer l+1's experts when layer l
+        routes (layer l+1's router applied to layer l's MoE input) and starts their reads early, in
+        cache slots beyond the minimum; "auto" (default) does so when delta_expert = 0, "off" never.
+        Bit for bit the same results; counters() reports expert_predicted / expert_predict_hits.
 
         n_seq: independent sequences (KV-cache slots of n_ctx positions each) that `step_batch`
         advances together in one pass over the weights; memory grows by one KV cache per sequence.
@@ -185,7 +191,7 @@ class Engine:
         try:
             eng = cls(cf, threads=threads, n_ctx=n_ctx, max_batch=max_batch, experts=experts,
                       expert_cache=expert_cache, expert_io=expert_io, expert_delay=expert_delay, mmap=mmap,
-                      log=log, n_seq=n_seq)
+                      log=log, n_seq=n_seq, expert_prefetch=expert_prefetch)
         except BaseException:
             cf.close()
             raise
@@ -368,14 +374,18 @@ class Engine:
     def counters(self) -> dict[str, int]:
         """Weight bytes touched by category since reset_counters(), plus kv bytes, tokens, calls; with
         experts on disk also disk_bytes (read from the file), cache_hits, cache_misses (experts found
-        in / read into the cache) and io_stall_ns (time the step waited for expert bytes)."""
+        in / read into the cache) and io_stall_ns (time the step waited for expert bytes); with
+        speculative prefetch expert_predicted, expert_predict_hits (predictions the next layer's
+        router confirmed), prefetch_reads (reads started for predictions) and prefetch_used (cache
+        misses such a read served; also in cache_misses)."""
         return dict(self._native.counters())
 
     @property
     def expert_cache(self) -> dict[str, Any] | None:
         """With experts on disk: slots, slot_bytes, cache_bytes (<= budget), budget, min_slots,
-        layers_in_flight, io ("async" | "sync"), io_threads, read ("O_DIRECT" | "buffered"). None
-        when the experts are in RAM."""
+        layers_in_flight, io ("async" | "sync"), io_threads, read ("O_DIRECT" | "buffered"),
+        prefetch ("next-layer" | "off"), prefetch_slots (slots speculation may use). None when the
+        experts are in RAM."""
         c = self._native.expert_cache
         return None if c is None else dict(c, budget=self.residency.budget)
 

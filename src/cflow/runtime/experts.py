@@ -1,6 +1,6 @@
 """Expert residency: where a mixture-of-experts model keeps its experts while it runs.
 
-    Engine.load(path, experts="auto", expert_cache=None, expert_io="async")
+    Engine.load(path, experts="auto", expert_cache=None, expert_io="async", expert_prefetch="auto")
 
     experts="ram"    every expert stays in the file's mapping, like every other weight
     experts="disk"   dense weights (attention, norms, routers, embeddings, lm_head, dense FFN) stay
@@ -19,6 +19,14 @@
                      l + de's residual update (cflow.runtime.plan, delay_experts), so the reads
                      overlap de layers of attention and dense FFN (expert_delay=False: not moved);
                      "sync": the experts op reads, then computes (the baseline)
+    expert_prefetch  "next-layer": speculative prefetch (async only): when layer l's router has
+                     chosen, the engine also applies layer l+1's router to layer l's MoE input to
+                     predict its experts and starts reading those the cache lacks, in the slots
+                     beyond the minimum (none: off by itself); results are the same bit for bit,
+                     the counters expert_predicted / expert_predict_hits give the prediction hit
+                     rate; "auto" (default): next-layer when the experts are on disk with async I/O
+                     and delta_expert = 0 (plain Mixtral: no delay window hides the reads), else
+                     off; "off"
 
 The memory this process may use (`probe_memory`) is the smallest of MemAvailable (/proc/meminfo) and
 the room under its cgroup's memory limit (v2 memory.max, v1 memory.limit_in_bytes, minus what the
@@ -31,7 +39,10 @@ minimum. Dense models have no experts: "ram" and "auto" change nothing and "disk
 
 Reads use O_DIRECT where the filesystem takes it, else buffered pread with readahead off and the
 pages dropped after each read; set CFLOW_EXPERT_DIRECT=0 to force the buffered path (the engine
-reports which it uses: Engine.expert_cache["read"]).
+reports which it uses: Engine.expert_cache["read"]). Async reads go through io_uring where the
+kernel offers it (raw syscalls, Linux >= 5.11), else through a pool of pread threads, e.g. where a
+container blocks io_uring (Engine.expert_cache["reader"], and "reader_note" says why not);
+CFLOW_EXPERT_READER=threads forces the threads (uring-refused: a refused io_uring, for tests).
 
 Also here: `simulate`, which replays a routing trace through the cache's eviction policy ("lrfu":
 recency-weighted frequency on each layer's own clock, the C core's, native/experts.c) or an
@@ -55,6 +66,7 @@ from cflow.runtime.files import format_size, parse_size
 
 MODES = ("ram", "disk", "auto")
 IO_MODES = ("async", "sync")
+PREFETCH_MODES = ("auto", "off", "next-layer")
 ALIGN = 4096
 VISIT_SCORE = 1 << 16  # native/experts.c: a routing's weight in a score, halved each routing of the layer
 AGE_PER_KEY = 4  # the "lfu" alternative: counts halve every AGE_PER_KEY x n_keys accesses
@@ -168,6 +180,7 @@ class ModelSizes:
     top_k: int
     inflight: int  # layers whose experts a step may pin at once
     kv_bytes: int  # the KV cache at the engine's context
+    delta_expert: int = 0  # the architecture's expert delay: 0 leaves reads nothing to hide behind
 
     @property
     def min_slots(self) -> int:
@@ -193,7 +206,7 @@ def model_sizes(cf: Any, n_ctx: int, inflight: int) -> ModelSizes:
     largest = max((n for _, n in spans), default=0)
     return ModelSizes(file_bytes=int(cf.buffer.size), expert_bytes=sum(n for _, n in spans),
                       slot_bytes=-(-largest // ALIGN) * ALIGN, n_keys=len(spans), top_k=cfg.top_k,
-                      inflight=max(inflight, 1), kv_bytes=kv)
+                      inflight=max(inflight, 1), kv_bytes=kv, delta_expert=cfg.delta_expert)
 
 
 @dataclass(frozen=True)
@@ -202,6 +215,7 @@ class Residency:
     io: str  # "async" | "sync" (disk only)
     budget: int | None  # expert cache bytes (disk only)
     reason: str  # why this mode and budget, in words
+    prefetch: bool = False  # speculative prefetch of the next layer's experts (disk, async only)
 
 
 def parse_cache(value: int | str | None) -> int | None:
@@ -219,13 +233,17 @@ def parse_cache(value: int | str | None) -> int | None:
 
 
 def decide(sizes: ModelSizes | None, *, experts: str = "auto", expert_cache: int | str | None = None,
-           expert_io: str = "async", memory: MemoryProbe | None = None) -> Residency:
-    """Where the experts live and how large their cache is. sizes None: a model without experts.
-    `memory` defaults to probe_memory() (read only when needed)."""
+           expert_io: str = "async", memory: MemoryProbe | None = None,
+           expert_prefetch: str = "auto") -> Residency:
+    """Where the experts live, how large their cache is, and whether reads are speculated. sizes
+    None: a model without experts. `memory` defaults to probe_memory() (read only when needed)."""
     if experts not in MODES:
         raise EngineError(f"experts must be one of {', '.join(MODES)}, got {experts!r}", flag="--experts")
     if expert_io not in IO_MODES:
         raise EngineError(f"expert_io must be one of {', '.join(IO_MODES)}, got {expert_io!r}", flag="--expert-io")
+    if expert_prefetch not in PREFETCH_MODES:
+        raise EngineError(f"expert_prefetch must be one of {', '.join(PREFETCH_MODES)}, got {expert_prefetch!r}",
+                          flag="--expert-prefetch")
     budget = parse_cache(expert_cache)
     if sizes is None:
         if experts == "disk":
@@ -265,12 +283,29 @@ def decide(sizes: ModelSizes | None, *, experts: str = "auto", expert_cache: int
                           f"({format_size(sizes.min_cache)}); raise the expert cache", flag="--expert-cache")
     else:
         why += f"; expert cache {format_size(budget)}"
-    return Residency("disk", expert_io, budget, why)
+    prefetch = expert_prefetch == "next-layer" or (expert_prefetch == "auto" and expert_io == "async"
+                                                   and sizes.delta_expert == 0)
+    if prefetch and expert_io != "async":
+        raise EngineError("speculative prefetch starts reads that run beside compute: it needs --expert-io async "
+                          "(or --expert-prefetch off)", flag="--expert-prefetch")
+    if prefetch:
+        why += ("; speculative prefetch of the next layer's experts" +
+                (" (delta_expert 0: no delay window hides the reads)" if expert_prefetch == "auto" else ""))
+    return Residency("disk", expert_io, budget, why, prefetch)
 
 
 def direct_io_wanted() -> bool:
     """O_DIRECT unless CFLOW_EXPERT_DIRECT=0 (tests and benchmarks of the buffered path)."""
     return os.environ.get("CFLOW_EXPERT_DIRECT", "1").strip() not in ("0", "no", "false", "off")
+
+
+def reader_wanted(native: Any) -> str:
+    """CFLOW_EXPERT_READER: "auto" (default: io_uring where the kernel offers it, else pread threads),
+    "threads", or "uring-refused" (tests: the fallback path)."""
+    want = os.environ.get("CFLOW_EXPERT_READER", "auto").strip() or "auto"
+    if want not in native.EXPERT_READERS:
+        raise EngineError(f"CFLOW_EXPERT_READER must be one of {', '.join(native.EXPERT_READERS)}, got {want!r}")
+    return want
 
 
 def io_threads(top_k: int, inflight: int) -> int:
@@ -288,11 +323,14 @@ def plan_inflight(plan: Any, native: Any) -> int:
 
 def native_options(cf: Any, res: Residency, inflight: int) -> dict:
     """The `experts` argument of NativeEngine for a disk residency."""
+    from cflow.runtime.abi import native_module
+
     cfg = cf.config
     span = np.array([cf.experts[(i, x)] for i in range(cfg.n_unique_layers) for x in range(cfg.n_experts)],
                     np.int64).reshape(-1, 2)
     return {"path": os.fspath(cf.path), "span": np.ascontiguousarray(span), "budget": int(res.budget),
-            "io": res.io, "io_threads": io_threads(cfg.top_k, inflight), "direct": direct_io_wanted()}
+            "io": res.io, "io_threads": io_threads(cfg.top_k, inflight), "direct": direct_io_wanted(),
+            "prefetch": res.prefetch, "reader": reader_wanted(native_module())}
 
 
 # ---- the weights buffer ---------------------------------------------------------------------------
@@ -479,5 +517,24 @@ def describe(res: Residency, cache: dict | None) -> str:
     if res.mode == "ram" or not cache:
         return f"experts in RAM: {res.reason}"
     return (f"experts on disk: {res.reason}; {cache['slots']} slots of {format_size(cache['slot_bytes'])} "
-            f"({format_size(cache['cache_bytes'])}), {cache['read']} reads, {cache['io']} I/O")
+            f"({format_size(cache['cache_bytes'])}), {cache['read']} reads, {cache['io']} I/O"
+            + (f" ({cache['reader']})" if cache["io"] == "async" else "")
+            + (f" [{cache['reader_note']}]" if cache.get("reader_note") else "") + prefetch_note(res, cache))
+
+
+def prefetch_note(res: Residency, cache: dict) -> str:
+    """", prefetch ..." for logs: on (in how many slots), or asked for but off because the cache has
+    no slot beyond the minimum."""
+    if cache.get("prefetch") == "next-layer":
+        return f", prefetch next-layer in up to {cache['prefetch_slots']} spare slots"
+    if res.prefetch:
+        return ", prefetch off (the cache has no slot beyond the minimum the plan pins)"
+    return ""
+
+
+def prediction_hit_rate(counters: dict) -> float | None:
+    """Share of the experts speculation predicted that the next layer's router then chose; None when
+    nothing was predicted (prefetch off, experts in RAM)."""
+    n = counters.get("expert_predicted", 0)
+    return counters["expert_predict_hits"] / n if n else None
 

@@ -1,0 +1,348 @@
+"""Speculative prefetch of the next layer's experts (native/engine.c, "speculative prefetch";
+Engine.load(expert_prefetch=...)): with experts on disk and async reads, route(l) also applies
+layer l+1's router to its own input and starts reading the predicted experts early.
+
+What is held against what:
+- logits bit for bit against RAM-resident experts (and so against prefetch off), decode and
+  prefill batches, on models without a delay (delta_expert 0: arch1, a Mixtral layout without a
+  dense FFN, top-3 of 6) and on a delayed plan with prefetch forced on, at budgets from the
+  minimum (prefetch turns itself off) to every expert, 1-3 threads;
+- the counters: per decode step predictions are exactly top_k x (L - 1), hits <= predictions,
+  reads <= predictions, used <= reads, the cache's lookups top_k x L; every byte read is a demand
+  miss or a speculative read (disk_bytes, and the kernel's own count with O_DIRECT);
+- the prediction itself, exactly, where it is known: with one weight set shared by every layer the
+  router and norm of layer l+1 are those of layer l, so the prediction for l+1 is route(l)'s own
+  choice and the hits are sum_l |chosen(l) & chosen(l+1)| of the routing trace (and > 0);
+- failures: an injected I/O error or short read on any of the first reads, speculative or not,
+  ends in ExpertIOError naming the file or in exact logits, never a hang, and decoding goes on
+  exactly; a forked child (no reader threads) still computes the same logits;
+- the async readers (io_uring where the kernel offers it, pread threads, and the threads after the
+  kernel refused io_uring_setup): the same logits and the same clean failure. (The whole of
+  test_experts_disk.py also passes with CFLOW_EXPERT_READER=threads and =uring-refused.)
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+
+from cflow.runtime import Engine, EngineError  # noqa: E402
+from cflow.runtime import experts as xp  # noqa: E402
+from test_engine import small_config, write_random_model  # noqa: E402
+from test_experts_disk import PREFILL, STEPS, kernel_read_bytes, ram_run, round_up, run, tokens, within  # noqa: E402
+
+# name -> (preset, config overrides, dtype, tile)
+MODELS = {
+    "arch1": ("arch1", {}, "q4_0", (64, 64)),  # delta_expert 0, MoE after the dense FFN
+    "mixtral": ("arch3", {"d_ff": 0}, "q8_0", (32, 64)),  # no dense FFN: the Mixtral layout
+    "e6k3": ("arch1", {"n_experts": 6, "top_k": 3}, "q4_1", (16, 32)),
+    "shared": ("arch1", {"n_unique_layers": 1}, "q4_0", (64, 64)),  # every layer one weight set
+    "delayed": ("arch2_4_combined", {}, "q4_0", (64, 64)),  # delta_expert 2: prefetch only when asked
+}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    out = {}
+    for name, (preset, kw, dtype, tile) in MODELS.items():
+        path = tmp_path_factory.mktemp(name) / "m.cflow"
+        write_random_model(path, small_config(preset, tied=False, **kw), dtype, tile)
+        out[name] = path
+    return out
+
+
+def load(path, slots=None, prefetch="next-layer", threads=2, io="async", **kw):
+    """Experts on disk in a cache of `slots` experts (None: the default budget)."""
+    budget = None
+    if slots is not None:
+        probe = Engine.load(path, threads=1, experts="disk", expert_io=io, max_batch=8, expert_prefetch="off")
+        budget = slots * probe.expert_cache["slot_bytes"]
+        probe.close()
+    return Engine.load(path, threads=threads, experts="disk", expert_cache=budget, expert_io=io, max_batch=8,
+                       expert_prefetch=prefetch, **kw)
+
+
+def min_slots(path, **kw) -> int:
+    eng = load(path, None, "off", 1, **kw)
+    n = eng.expert_cache["min_slots"]
+    eng.close()
+    return n
+
+
+# ---- bit for bit ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("extra", [0, 1, 3, 10**6])  # slots beyond the minimum (10**6: every expert)
+@pytest.mark.parametrize("name", ["arch1", "mixtral", "e6k3", "delayed"])
+def test_logits_bit_identical_with_prefetch(models, name, extra):
+    path = models[name]
+    want = ram_run(path)
+    ms = min_slots(path)
+    for threads in (1, 2, 3):
+        eng = load(path, ms + extra, "next-layer", threads)
+        c = eng.expert_cache
+        n_keys = eng.config.n_experts * eng.config.n_unique_layers
+        assert c["slots"] == min(ms + extra, n_keys)
+        # no slot beyond the plan's minimum: speculation turns itself off
+        assert c["prefetch"] == ("off" if extra == 0 else "next-layer")
+        assert c["prefetch_slots"] == (c["slots"] - ms if extra else 0)
+        got = within(60, run, eng)
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert np.array_equal(g, w), f"{name} +{extra} slots, threads={threads}: call {i} differs"
+        k = eng.counters()
+        if extra:  # a cold cache: layer 1's experts cannot be cached when layer 0 predicts them
+            assert k["expert_predicted"] > 0 and k["prefetch_reads"] > 0
+        else:
+            assert k["expert_predicted"] == k["prefetch_reads"] == k["prefetch_used"] == 0
+        assert len(eng.expert_resident()) <= c["slots"]
+        eng.close()
+
+
+# ---- counters --------------------------------------------------------------------------------------
+def reads_started(c: dict) -> int:
+    """Demand reads (misses no speculative read served) plus speculative reads."""
+    return c["cache_misses"] - c["prefetch_used"] + c["prefetch_reads"]
+
+
+def settle(eng, seconds: float = 10.0) -> dict:
+    """The counters once every read started has landed (speculative reads nobody waits for land on
+    their own time)."""
+    import time
+
+    end = time.monotonic() + seconds
+    while True:
+        c = eng.counters()
+        if c["disk_bytes"] >= reads_started(c) * eng.expert_cache["slot_bytes"] or time.monotonic() > end:
+            return c
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("extra", [1, 4])
+@pytest.mark.parametrize("name", ["arch1", "mixtral"])
+def test_counters_add_up_per_step(models, name, extra, monkeypatch):
+    monkeypatch.setenv("CFLOW_EXPERT_DIRECT", "1")
+    path = models[name]
+    eng = load(path, min_slots(path) + extra)
+    cfg = eng.config
+    span = {round_up(n) for _, n in eng.file.experts.values()}
+    assert len(span) == 1  # every expert the same size here: bytes are reads x span
+    span = span.pop()
+    direct = eng.expert_cache["read"] == "O_DIRECT"
+    spare = eng.expert_cache["prefetch_slots"]
+    eng.prefill(tokens(cfg, 4))
+    start, io_start = settle(eng), kernel_read_bytes()
+    spec_reads = 0
+    for i, t in enumerate(tokens(cfg, 24, seed=5)):
+        c0 = eng.counters()
+        eng.step(t, 4 + i)
+        c1 = eng.counters()
+        d = {k: c1[k] - c0[k] for k in c1}
+        assert d["expert_predicted"] == cfg.top_k * (cfg.n_layers - 1)  # one row: top_k per next layer
+        assert d["expert_predict_hits"] <= d["expert_predicted"]
+        assert d["prefetch_reads"] <= d["expert_predicted"]
+        assert d["prefetch_used"] <= d["cache_misses"]
+        assert d["cache_hits"] + d["cache_misses"] == cfg.n_layers * cfg.top_k
+        # every read is a demand miss or a speculative read; speculative reads nobody waited for
+        # may still be landing (disk_bytes counts a read when it lands), at most one per spare slot
+        late = (reads_started(c1) - reads_started(start)) * span - (c1["disk_bytes"] - start["disk_bytes"])
+        assert late % span == 0 and 0 <= late <= spare * span
+        spec_reads += d["prefetch_reads"]
+    c = settle(eng)
+    assert c["disk_bytes"] == reads_started(c) * span
+    if direct and io_start is not None:  # the kernel saw exactly these reads: no readahead, no re-reads
+        assert kernel_read_bytes() - io_start == c["disk_bytes"] - start["disk_bytes"]
+    assert c["prefetch_used"] <= c["prefetch_reads"]  # since the load: each read is used at most once as such
+    assert spec_reads > 0
+    rate = xp.prediction_hit_rate(c)
+    assert rate is not None and 0 <= rate <= 1
+
+
+@pytest.mark.parametrize("slots", ["min+2", "all"])
+def test_prediction_is_exact_when_every_layer_shares_its_weights(models, slots):
+    """One weight set for all layers: the prediction for layer l+1 is layer l's own choice (same
+    input, same norm, same router), so the predicted and hit counts follow from the routing trace."""
+    path = models["shared"]
+    n = min_slots(path) + 2 if slots == "min+2" else 10**6
+    eng = load(path, n)
+    cfg = eng.config
+    assert cfg.n_unique_layers == 1 and eng.expert_cache["prefetch"] == "next-layer"
+    want_pred = want_hits = 0
+    prev = np.array(eng.expert_hits())
+    calls = [("prefill", tokens(cfg, PREFILL))] + [("step", t) for t in tokens(cfg, STEPS, seed=1)]
+    for i, (kind, arg) in enumerate(calls):
+        if kind == "prefill":  # one call of 8 = max_batch rows
+            eng.prefill(arg[:8])
+            after_prefill = eng.counters()
+        else:
+            eng.step(arg, 8 + i - 1)
+        now = np.array(eng.expert_hits())
+        chosen = [set(np.nonzero(row)[0]) for row in now - prev]  # per layer: the union over the rows
+        prev = now
+        for l in range(cfg.n_layers - 1):
+            want_pred += len(chosen[l])
+            want_hits += len(chosen[l] & chosen[l + 1])
+    c = eng.counters()
+    assert (c["expert_predicted"], c["expert_predict_hits"]) == (want_pred, want_hits)
+    assert want_hits > 0 and xp.prediction_hit_rate(c) == want_hits / want_pred
+    # decoding, what layer l chose is pinned and cached (it just ran): nothing to read early (a batch
+    # reads what its first wave did not pin, for layer l's later waves and l+1 alike)
+    assert c["prefetch_reads"] == after_prefill["prefetch_reads"]
+
+
+# ---- options ---------------------------------------------------------------------------------------
+def test_auto_turns_on_only_without_a_delay(models):
+    for name, on in (("arch1", True), ("mixtral", True), ("delayed", False)):
+        eng = load(models[name], 10**6, "auto")
+        assert eng.expert_cache["prefetch"] == ("next-layer" if on else "off"), name
+        assert eng.residency.prefetch is on
+        assert ("speculative prefetch" in eng.residency.reason) is on
+        eng.close()
+    eng = load(models["arch1"], 10**6, "auto", io="sync")
+    assert eng.expert_cache["prefetch"] == "off" and not eng.residency.prefetch
+    eng = load(models["arch1"], 10**6, "off")
+    assert eng.expert_cache["prefetch"] == "off"
+    eng = Engine.load(models["arch1"], threads=1, experts="ram", expert_prefetch="next-layer")
+    assert eng.expert_cache is None  # in RAM there is nothing to read
+
+
+def test_bad_prefetch_options_name_the_flag(models):
+    with pytest.raises(EngineError, match="needs --expert-io async") as e:
+        load(models["arch1"], 10**6, "next-layer", io="sync")
+    assert e.value.flag == "--expert-prefetch"
+    with pytest.raises(EngineError, match="expert_prefetch must be one of") as e:
+        load(models["arch1"], 10**6, "always")
+    assert e.value.flag == "--expert-prefetch"
+
+
+def test_minimum_cache_logs_that_prefetch_is_off(models):
+    path = models["arch1"]
+    lines: list[str] = []
+    eng = load(path, min_slots(path), "next-layer", log=lines.append)
+    assert eng.expert_cache["prefetch"] == "off" and eng.residency.prefetch
+    assert any("prefetch off" in s and "minimum" in s for s in lines)
+    lines.clear()
+    eng = load(path, min_slots(path) + 1, "next-layer", log=lines.append)
+    assert any("prefetch next-layer in up to 1 spare slots" in s for s in lines)
+
+
+# ---- failures --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind,delay_ms", [("eio", 0), ("short", 50)])
+def test_io_faults_with_prefetch(models, kind, delay_ms):
+    """A fault on each of the first reads in turn (demand or speculative): the step raises
+    ExpertIOError naming the file, or (a speculative read of an expert nobody chose) returns the
+    exact logits; either way the next steps are exact."""
+    path = models["arch1"]
+    want = ram_run(path)
+    raised = 0
+    for after in range(6):
+        eng = load(path, min_slots(path) + 3)
+        toks = tokens(eng.config, STEPS, 1)
+        eng.prefill(tokens(eng.config, PREFILL, 0))
+        eng._native._inject_io_fault(after, kind, delay_ms)
+        try:
+            got = within(30, eng.step, toks[0], PREFILL)
+            assert np.array_equal(got, want[1]), f"fault on read {after}: garbage instead of an error"
+            start = 1
+        except xp.ExpertIOError as e:
+            msg = str(e)
+            assert str(path) in msg and ("Input/output error" in msg if kind == "eio" else "returned" in msg)
+            assert len(eng._cached) == PREFILL
+            raised += 1
+            start = 0
+        for i in range(start, 4):
+            assert np.array_equal(within(30, eng.step, toks[i], PREFILL + i), want[1 + i])
+        eng.close()
+    assert raised > 0
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_forked_child_with_prefetch(models):
+    path = models["arch1"]
+    eng = load(path, min_slots(path) + 3, threads=1)
+    want = ram_run(path)
+    eng.prefill(tokens(eng.config, PREFILL, 0))
+    step = tokens(eng.config, STEPS, 1)[0]
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.write(w, b"1" if np.array_equal(eng.step(step, PREFILL), want[1]) else b"0")
+        finally:
+            os._exit(0)
+    os.close(w)
+    import select
+
+    ready, _, _ = select.select([r], [], [], 30)
+    got = os.read(r, 1) if ready else b""
+    if not ready:
+        os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    assert got == b"1", "the forked child hung or computed something else"
+    assert np.array_equal(eng.step(step, PREFILL), want[1])
+
+
+# ---- command line, bench ---------------------------------------------------------------------------
+def test_cli_and_bench_report_the_prediction_hit_rate(models, capsys):
+    from cflow.bench.suite import bench
+    from cflow.cli import main
+
+    path = str(models["arch1"])
+    args = ["generate", "-m", path, "-p", "abc", "-n", "8", "--temp", "0", "-t", "1", "--experts", "disk",
+            "--expert-cache", "400k"]
+    assert main(args + ["--expert-prefetch", "off", "--no-perf"]) == 0
+    off = capsys.readouterr().out
+    assert main(args + ["--expert-prefetch", "next-layer"]) == 0
+    out, err = capsys.readouterr()
+    assert out == off and "expert prefetch =" in err and "chosen by the next layer" in err
+    assert main(args + ["--expert-prefetch", "next-layer", "--expert-io", "sync"]) == 2
+    assert "--expert-prefetch" in capsys.readouterr().err
+
+    r = bench(path, threads=[1], pp=8, tg=8, reps=1, warmup=False, probe=False, footprint=False,
+              experts="disk", expert_cache="400k", expert_prefetch="next-layer")
+    row = next(x for x in r.to_dict()["rows"] if x["test"] == "tg8")
+    assert 0 <= row["expert_prediction_hit_rate"] <= 1 and r.to_dict()["experts"]["prefetch"] == "next-layer"
+    assert "prediction hit rate" in r.to_markdown()
+    r = bench(path, threads=[1], pp=0, tg=8, reps=1, warmup=False, probe=False, footprint=False,
+              experts="disk", expert_cache="400k", expert_prefetch="off")
+    assert r.to_dict()["rows"][0]["expert_prediction_hit_rate"] is None
+
+
+# ---- the async readers: io_uring, pread threads, and the fallback -----------------------------------
+@pytest.mark.parametrize("reader", ["auto", "threads", "uring-refused"])
+def test_readers_same_logits_and_clean_failures(models, reader, monkeypatch):
+    """io_uring where the kernel offers it (auto), the pread threads, and the threads again after the
+    kernel refused io_uring_setup (as where a container blocks it): the same logits, with prefetch
+    on; a failed read of an expert the first layer needs ends in ExpertIOError, then all goes on."""
+    monkeypatch.setenv("CFLOW_EXPERT_READER", reader)
+    path = models["arch1"]
+    eng = load(path, min_slots(path) + 3)
+    c = eng.expert_cache
+    if reader == "auto":  # io_uring, or the threads with the kernel's reason
+        assert c["reader"] == "io_uring" and c["reader_note"] == "" or \
+            c["reader"] == "threads" and "io_uring" in c["reader_note"]
+    elif reader == "threads":
+        assert c["reader"] == "threads" and c["reader_note"] == ""
+    else:
+        assert c["reader"] == "threads" and "io_uring_setup: Invalid argument" in c["reader_note"]
+    assert all(np.array_equal(a, b) for a, b in zip(within(60, run, eng), ram_run(path)))
+    eng.close()
+
+    ram = Engine.load(path, threads=1, experts="ram")
+    t = tokens(ram.config, 1, seed=9)[0]
+    want = ram.step(t, 0).copy()
+    eng = load(path, min_slots(path) + 3)
+    # a cold cache: the first read started is one of layer 0's own experts, needed at once
+    eng._native._inject_io_fault(0, "eio", 20)
+    with pytest.raises(xp.ExpertIOError, match="Input/output error") as e:
+        within(30, eng.step, t, 0)
+    assert str(path) in str(e.value)
+    assert np.array_equal(within(30, eng.step, t, 0), want)
+    eng.close()  # joins the readers: every read in flight lands first
+
+
+def test_bad_reader_is_refused(models, monkeypatch):
+    monkeypatch.setenv("CFLOW_EXPERT_READER", "carrier-pigeon")
+    with pytest.raises(EngineError, match="CFLOW_EXPERT_READER"):
+        load(models["arch1"], 10**6)
