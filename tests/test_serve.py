@@ -40,6 +40,7 @@ pytest.importorskip("uvicorn", reason="the serve extra is not installed: pip ins
 openai = pytest.importorskip("openai", reason="the openai client (test extra) is not installed")
 
 from cflow.runtime import DEFAULT_MODEL, Engine  # noqa: E402
+from cflow.sampling import SamplingParams  # noqa: E402
 
 KEY = "test-key-123"
 MODEL = "default.cflow"
@@ -647,6 +648,25 @@ def smol_gguf_name(live: Live) -> str:
     return json.loads(raw)["data"][0]["id"]
 
 
+def test_prerendered_stream_chunks_equal_the_chunk_objects():
+    # a streamed token's chunk is head + JSON string + tail, rendered once per choice: byte for byte
+    # what rendering the whole chunk object gives
+    from cflow.serve import protocol as P
+    from cflow.serve.call import Call, sse
+
+    server = type("S", (), {"model_name": 'm"\\odel \u00e9'})()
+    for kind in ("completion", "chat"):
+        for inc in (False, True):
+            spec = P.GenSpec(kind, SamplingParams(), 3, None, [], True, inc, False, None)
+            call = Call(server, None, spec, "x", 5, mailbox=None)
+            for i, t in enumerate(call._templates()):
+                assert t is not None
+                for text in ("a", ' "q" \\ \n\t', "\u00e9\u4e2d\U0001f600", "\x00\x1f", "\ufffd"):
+                    want = sse(P.chunk_object(kind, call.rid, call.created, server.model_name, text, None, None, inc,
+                                              index=i))
+                    assert t[0] + json.dumps(text, ensure_ascii=False, separators=(",", ":")).encode() + t[1] == want
+
+
 # ---- loading ---------------------------------------------------------------------------------------
 @needs_builtin
 def test_health_is_503_while_loading_then_200():
@@ -694,6 +714,10 @@ def test_cli_refuses_bad_flags_and_a_model_that_cannot_load():
 
     r = serve("-np", "0")
     assert r.returncode == 2 and "--parallel: must be >= 1" in r.stderr
+    r = serve("--timeout", "-1")
+    assert r.returncode == 2 and "--timeout: must be a number of seconds >= 0" in r.stderr
+    r = serve("--frequency-penalty", "nan")
+    assert r.returncode == 2 and "--frequency-penalty: frequency_penalty must be a finite number" in r.stderr
     r = serve("-m", "/nonexistent/model.gguf")
     assert r.returncode == 2 and "-m: model file /nonexistent/model.gguf does not exist" in r.stderr
     r = serve("-c", "2000", "-np", "4")  # 500 tokens per slot; the built-in model allows 256
