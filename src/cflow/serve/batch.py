@@ -27,7 +27,8 @@ slot is free for the next one.
 
 Results reach the caller as events through the job's `sink`, called from the worker thread:
 `Piece` per generated token, then exactly one `Finished` or `Failed`. The sink must not block
-(the server's pushes onto an asyncio queue with call_soon_threadsafe). The generation rules are
+(the server's hands events to its event loop through cflow.serve.call.Mailbox). `submit_n`
+queues n jobs on one prompt (OpenAI's n), one slot each. The generation rules are
 those of cflow.runtime.generate.run (same Sampler, StopMatcher, stream detokenizer, stop ids,
 context limit), so greedy output equals `Engine.complete` token for token.
 """
@@ -361,9 +362,9 @@ class BatchGenerator:
                     break
                 admitted = self._admit()
             try:
-                self._expire()
                 for seq in admitted:
                     self._start(seq)
+                self._expire()
                 self._reap()
                 self._prefill()
                 self._decode()
