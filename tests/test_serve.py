@@ -303,7 +303,8 @@ def test_n_choices_draw_consecutive_seeds(client, engine):
 
 
 UNSUPPORTED = [  # (endpoint, field, value): each refused with 400 naming the field
-    ("c", "echo", True), ("c", "suffix", " the end"), ("c", "best_of", 3), ("c", "response_format", {"type": "json_object"}),
+    ("c", "echo", True), ("c", "suffix", " the end"), ("c", "best_of", 3),
+    ("c", "response_format", {"type": "json_object"}),
     ("c", "grammar", "root ::= \"a\""), ("c", "mirostat", 2), ("c", "typical_p", 0.5), ("c", "n_probs", 3),
     ("c", "dry_multiplier", 0.8), ("c", "samplers", ["top_k"]), ("c", "json_schema", {"type": "object"}),
     ("chat", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
@@ -409,10 +410,10 @@ BAD = [
     ({"prompt": "x", "stop": ["a" * 500]}, "stop"), ({"prompt": "x", "stop": ["."] * 17}, "stop"),
     ({"prompt": "x", "stream": "yes"}, "stream"), ({"prompt": "x", "logprobs": 99}, "logprobs"),
     ({"prompt": "x", "model": "gpt-4"}, "model"), ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
-    ({"prompt": "x", "frequency_penalty": "1"}, "frequency_penalty"), ({"prompt": "x", "logit_bias": [1]}, "logit_bias"),
-    ({"prompt": "x", "logit_bias": {"a": 1}}, "logit_bias"), ({"prompt": "x", "logit_bias": {"-1": 1}}, "logit_bias"),
-    ({"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"), ({"prompt": "x", "logit_bias": {"5": "1"}}, "logit_bias"),
-    ({"prompt": "x", "logit_bias": {"99999999": 1}}, "logit_bias"),
+    ({"prompt": "x", "frequency_penalty": "1"}, "frequency_penalty"),
+    ({"prompt": "x", "logit_bias": [1]}, "logit_bias"), ({"prompt": "x", "logit_bias": {"a": 1}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"-1": 1}}, "logit_bias"), ({"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"5": "1"}}, "logit_bias"), ({"prompt": "x", "logit_bias": {"99999999": 1}}, "logit_bias"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
     ({"prompt": "once " * 400}, "prompt"),
 ]

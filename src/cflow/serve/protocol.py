@@ -388,7 +388,8 @@ def completion_object(kind: str, rid: str, created: int, model: str, choices: li
 
 
 def chunk_object(kind: str, rid: str, created: int, model: str, text: str | None, finish: str | None,
-                 logprobs: Any = None, include_usage: bool = False, role: bool = False, index: int = 0) -> dict[str, Any]:
+                 logprobs: Any = None, include_usage: bool = False, role: bool = False,
+                 index: int = 0) -> dict[str, Any]:
     """One streamed chunk of choice `index` (text None: no content field, for the chat's final chunk)."""
     if kind == "chat":
         delta: dict[str, Any] = {}
