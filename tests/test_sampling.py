@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cflow.sampling import (Sampler, SamplingError, SamplingParams, apply_repeat_penalty, min_p, top_k,
-                            top_p)
+from cflow.sampling import (Sampler, SamplingError, SamplingParams, apply_penalties, apply_repeat_penalty, min_p,
+                            top_k, top_p)
 
 
 def logits_of(probs) -> np.ndarray:
@@ -86,6 +86,51 @@ def test_repeat_last_n_window():
     assert Sampler(params(temperature=0, repeat_penalty=100.0, repeat_last_n=-1)).sample(x, long) == 3
 
 
+def test_frequency_and_presence_penalties_on_a_literal_example():
+    # OpenAI: logit -= count * frequency + (count > 0) * presence; counts over the window
+    x = np.array([1.0, 2.0, 3.0, 0.5, -1.0], np.float32)
+    recent = [0, 2, 2, 4, 99]  # id 2 twice; an id outside the vocabulary is ignored
+    assert apply_penalties(x, recent, frequency=0.5, presence=0.25).tolist() == [0.25, 2.0, 1.75, 0.5, -1.75]
+    assert apply_penalties(x, recent, frequency=0.5).tolist() == [0.5, 2.0, 2.0, 0.5, -1.5]
+    assert apply_penalties(x, recent, presence=-1.0).tolist() == [2.0, 2.0, 4.0, 0.5, 0.0]  # < 0 favours repeats
+    # llama.cpp's order: the repeat penalty first (halve positive, double negative), then the subtraction
+    assert apply_penalties(x, recent, 2.0, 0.5, 0.25).tolist() == [-0.25, 2.0, 0.25, 0.5, -2.75]
+    assert x.tolist() == [1.0, 2.0, 3.0, 0.5, -1.0]  # the input is not modified
+    assert apply_penalties(x, recent) is x and apply_penalties(x, [], 2.0, 1.0, 1.0) is x
+
+
+def test_frequency_penalty_in_the_chain_uses_the_repeat_window():
+    x = np.array([0.0, 5.0, 4.0], np.float32)
+    assert Sampler(params(temperature=0)).sample(x, history=[1, 1]) == 1
+    assert Sampler(params(temperature=0, frequency_penalty=1.5)).sample(x, history=[1, 1]) == 2  # 5 - 3 < 4
+    assert Sampler(params(temperature=0, frequency_penalty=0.25)).sample(x, history=[1, 1]) == 1  # 5 - 0.5 > 4
+    assert Sampler(params(temperature=0, presence_penalty=1.5)).sample(x, history=[1, 1]) == 2    # 5 - 1.5 < 4
+    assert Sampler(params(temperature=0, presence_penalty=0.75)).sample(x, history=[1, 1]) == 1   # 5 - 0.75 > 4
+    # repeat_last_n bounds every penalty: the 1s lie outside the last 2 tokens
+    assert Sampler(params(temperature=0, frequency_penalty=1.5, repeat_last_n=2)).sample(x, [1, 1, 0, 0]) == 1
+    assert Sampler(params(temperature=0, frequency_penalty=1.5, repeat_last_n=0)).sample(x, [1, 1]) == 1
+    # the sampled distribution sees the penalty too: presence 100 leaves token 1 no mass
+    ids, probs = Sampler(params(presence_penalty=100.0)).probs(x, history=[1])
+    assert probs[ids.tolist().index(1)] < 1e-30
+
+
+def test_logit_bias_comes_first_in_the_chain():
+    x = np.array([1.0, 2.0, 3.0], np.float32)
+    assert Sampler(params(temperature=0, logit_bias={2: -100})).sample(x) == 1
+    assert Sampler(params(temperature=0, logit_bias={0: 5, 2: -0.5})).sample(x) == 0
+    assert Sampler(params(temperature=0, logit_bias=[(0, 5.0), (0, 0.5)])).sample(x) == 2  # the last pair wins
+    # the bias, then the repeat penalty: (-1 + 3) / 4 = 0.5 (the other order would give -1 * 4 + 3 = -1)
+    s = Sampler(params(logit_bias={0: 3.0}, repeat_penalty=4.0))
+    assert s.adjusted(np.array([-1.0, 1.0], np.float32), [0]).tolist() == [0.5, 1.0]
+    # a banned token is never drawn
+    s = Sampler(params(logit_bias={0: -100.0}, seed=3))
+    assert 0 not in {s.sample(np.zeros(4, np.float32)) for _ in range(200)}
+    assert SamplingParams(logit_bias={3: 1, 1: -2}).logit_bias == ((1, -2.0), (3, 1.0))
+    assert Sampler(params(logit_bias={3: 1.0})).plain_greedy is False and Sampler(params(temperature=0)).plain_greedy
+    with pytest.raises(SamplingError, match="vocabulary has 3 tokens"):
+        Sampler(params(logit_bias={3: 1.0})).sample(x)
+
+
 def test_top_p_over_the_whole_vocabulary_matches_a_full_sort():
     # top_k off: the sampler tries the top 256 first and must give what a full sort gives
     rng = np.random.default_rng(0)
@@ -161,7 +206,9 @@ def test_temperature_and_filters_statistically():
 @pytest.mark.parametrize("bad", [dict(temperature=-0.1), dict(top_k=-1), dict(top_p=0.0), dict(top_p=1.5),
                                  dict(min_p=-0.1), dict(min_p=2.0), dict(repeat_penalty=0.0),
                                  dict(repeat_last_n=-2), dict(temperature=float("nan")), dict(seed=-5),
-                                 dict(top_k=2.5)])
+                                 dict(top_k=2.5), dict(presence_penalty=float("inf")),
+                                 dict(frequency_penalty="1"), dict(logit_bias={-1: 1.0}), dict(logit_bias={"a": 1.0}),
+                                 dict(logit_bias={1: float("nan")}), dict(logit_bias=[1, 2])])
 def test_bad_values_are_named(bad):
     with pytest.raises(SamplingError, match=next(iter(bad)).split("_")[0]):
         params(**bad)

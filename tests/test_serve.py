@@ -3,13 +3,17 @@
 
 - Built-in model, 4 slots, an API key: completions and chat, streamed and not, equal to
   Engine.complete / Engine.chat (greedy, and seeded sampling); stop strings; usage counts;
-  logprobs; 64 concurrent streaming clients all get their own single-request answer (batched
-  decoding changes nothing, and no stream sees another's text); 401 without the key; 400 with
-  an OpenAI error body for bad requests; a bounded fuzz of malformed bodies and headers gets
-  only 4xx and the server stays healthy and correct; /metrics parses as Prometheus text.
+  logprobs; logit_bias, presence and frequency penalties change the answer as Engine.complete's
+  do; n choices, streamed and not, are seeds seed, seed + 1, ...; 64 concurrent streaming
+  clients all get their own single-request answer (batched decoding changes nothing, and no
+  stream sees another's text); 401 without the key; 400 with an OpenAI error body for bad
+  requests, and for every field the server does not implement unless it holds its no-op value;
+  a bounded fuzz of malformed bodies and headers gets only 4xx and the server stays healthy and
+  correct; /metrics parses as Prometheus text.
 - SmolLM2 (its own chat template), 1 slot, a queue of 1: the chat answer equals Engine.chat; a
   client that disconnects cancels its sequence and frees the slot; beyond the queue: 429 with
-  Retry-After.
+  Retry-After. With --timeout 1: a long request gets 504 (streamed: an error event, then
+  [DONE]) and the only slot serves the next request.
 - In-process: /health answers 503 while the model loads, then 200.
 """
 
@@ -36,6 +40,7 @@ pytest.importorskip("uvicorn", reason="the serve extra is not installed: pip ins
 openai = pytest.importorskip("openai", reason="the openai client (test extra) is not installed")
 
 from cflow.runtime import DEFAULT_MODEL, Engine  # noqa: E402
+from cflow.sampling import SamplingParams  # noqa: E402
 
 KEY = "test-key-123"
 MODEL = "default.cflow"
@@ -226,6 +231,118 @@ def test_logprobs(client):
     assert all(e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob for e in content)
 
 
+def _first_greedy_token(engine, prompt) -> int:
+    return engine.complete(prompt, 1, temperature=0).tokens[0]
+
+
+def test_logit_bias_changes_the_answer_as_in_the_engine(client, engine):
+    prompt = "Once upon a time"
+    tok = _first_greedy_token(engine, prompt)
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+    banned = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                                       logit_bias={str(tok): -100})
+    ref = engine.complete(prompt, 12, temperature=0, logit_bias={tok: -100})
+    assert banned.choices[0].text == ref.text != plain.choices[0].text and ref.tokens[0] != tok
+    # a +100 bias forces a token the model would not pick
+    forced = engine.encode(" zebra", add_bos=False)[0]
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0.8, seed=1,
+                                  logit_bias={str(forced): 100}, logprobs=0)
+    assert r.choices[0].logprobs.tokens == [engine.tokenizer.token_to_piece(forced)] * 3
+    messages = [{"role": "user", "content": "Tell me a story"}]
+    chat_tok = engine.chat(messages, 1, temperature=0).tokens[0]
+    c = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,
+                                       logit_bias={str(chat_tok): -100})
+    assert c.choices[0].message.content == engine.chat(messages, 8, temperature=0, logit_bias={chat_tok: -100}).text
+
+
+def test_presence_and_frequency_penalties_as_in_the_engine(client, engine):
+    prompt = "The dog ran and the dog ran and the dog"
+    greedy = engine.complete(prompt, 30, temperature=0)
+    for kw in (dict(frequency_penalty=2.0), dict(presence_penalty=2.0), dict(frequency_penalty=-0.5)):
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=30, temperature=0, **kw)
+        ref = engine.complete(prompt, 30, temperature=0, **kw)
+        assert r.choices[0].text == ref.text and r.usage.completion_tokens == len(ref.tokens), kw
+        if kw.get("frequency_penalty", 0) > 0 or kw.get("presence_penalty", 0) > 0:
+            assert ref.tokens != greedy.tokens, kw  # the penalty changed the answer
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=24, temperature=1.0, top_k=0, frequency_penalty=1.2, seed=9)
+    a, b = (client.completions.create(**{k: v for k, v in kw.items() if k != "top_k"}, extra_body={"top_k": 0})
+            for _ in range(2))
+    ref = engine.complete(prompt, 24, temperature=1.0, top_k=0, frequency_penalty=1.2, seed=9)
+    assert a.choices[0].text == b.choices[0].text == ref.text
+
+
+def test_n_choices_draw_consecutive_seeds(client, engine):
+    prompt = "Lily found a box"
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=1.0, top_p=1.0, n=3, seed=5,
+                                  extra_body={"top_k": 0, "min_p": 0})
+    refs = [engine.complete(prompt, 16, temperature=1.0, top_p=1.0, top_k=0, min_p=0, seed=5 + i) for i in range(3)]
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [c.text for c in r.choices] == [ref.text for ref in refs]
+    assert [c.finish_reason for c in r.choices] == [ref.finish_reason for ref in refs]
+    assert r.usage.prompt_tokens == refs[0].prompt_tokens  # the prompt counts once
+    assert r.usage.completion_tokens == sum(len(ref.tokens) for ref in refs)
+    assert len({c.text for c in r.choices}) == 3
+    # streamed chat, two choices interleaved in one stream
+    messages = [{"role": "user", "content": "A story about a fox"}]
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0.9,
+                                                 n=2, seed=11, stream=True, stream_options={"include_usage": True}))
+    texts, finish, roles = ["", ""], [None, None], [0, 0]
+    for c in chunks:
+        for ch in c.choices:
+            texts[ch.index] += ch.delta.content or ""
+            roles[ch.index] += ch.delta.role == "assistant"
+            finish[ch.index] = ch.finish_reason or finish[ch.index]
+    refs = [engine.chat(messages, 12, temperature=0.9, seed=11 + i) for i in range(2)]
+    assert texts == [ref.text for ref in refs] and finish == [ref.finish_reason for ref in refs]
+    assert roles == [1, 1] and chunks[-1].choices == []
+    assert chunks[-1].usage.completion_tokens == sum(len(ref.tokens) for ref in refs)
+    # n greedy choices are all the greedy answer
+    g = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, n=2, logprobs=1)
+    want = engine.complete(prompt, 8, temperature=0).text
+    assert [c.text for c in g.choices] == [want, want] and "".join(g.choices[1].logprobs.tokens) == want
+
+
+UNSUPPORTED = [  # (endpoint, field, value): each refused with 400 naming the field
+    ("c", "echo", True), ("c", "suffix", " the end"), ("c", "best_of", 3),
+    ("c", "response_format", {"type": "json_object"}),
+    ("c", "grammar", "root ::= \"a\""), ("c", "mirostat", 2), ("c", "typical_p", 0.5), ("c", "n_probs", 3),
+    ("c", "dry_multiplier", 0.8), ("c", "samplers", ["top_k"]), ("c", "json_schema", {"type": "object"}),
+    ("chat", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+    ("chat", "tool_choice", "required"), ("chat", "functions", [{"name": "f"}]), ("chat", "function_call", "auto!"),
+    ("chat", "response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
+    ("chat", "modalities", ["text", "audio"]), ("chat", "audio", {"voice": "alloy", "format": "wav"}),
+    ("chat", "prediction", {"type": "content", "content": "x"}), ("chat", "web_search_options", {}),
+    ("chat", "echo", 1),
+]
+NOOPS = [  # fields at their no-op value, and fields that change nothing here: accepted
+    ("c", {"echo": False, "suffix": "", "best_of": 1, "response_format": {"type": "text"}, "user": "u",
+           "mirostat": 0, "typical_p": 1.0, "grammar": "", "n_probs": 0, "metadata": {"a": "b"}}),
+    ("c", {"n": 2, "best_of": 2}),
+    ("chat", {"tool_choice": "none", "tools": [], "functions": None, "modalities": ["text"], "store": False,
+              "parallel_tool_calls": True, "response_format": {"type": "text"}, "service_tier": "auto"}),
+]
+
+
+def test_unsupported_fields_are_refused_naming_the_field(server, client):
+    base = {"c": ("/v1/completions", {"prompt": "Once", "max_tokens": 2}),
+            "chat": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})}
+    for kind, name, value in UNSUPPORTED:
+        path, body = base[kind]
+        status, _, raw = request(server, "POST", path, {**body, name: value})
+        assert status == 400, (name, raw)
+        err = json.loads(raw)["error"]
+        assert err["param"] == name and err["code"] == "unsupported_parameter" and f"'{name}'" in err["message"]
+        assert err["type"] == "invalid_request_error"
+    for kind, extra in NOOPS:
+        path, body = base[kind]
+        status, _, raw = request(server, "POST", path, {**body, **extra})
+        assert status == 200, (extra, raw)
+        assert len(json.loads(raw)["choices"]) == extra.get("n", 1)
+    with pytest.raises(openai.BadRequestError, match="tools"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+                                       tools=[{"type": "function", "function": {"name": "f"}}])
+
+
 # ---- concurrency ------------------------------------------------------------------------------------
 def test_64_concurrent_streams_each_get_their_own_answer(server, engine):
     names = ["Lily", "Tom", "Ben", "Sue", "Max", "Anna", "Sam", "Mia"]
@@ -288,10 +405,15 @@ BAD = [
     ({"prompt": "x", "temperature": -1}, "temperature"), ({"prompt": "x", "top_p": 2}, "top_p"),
     ({"prompt": "x", "top_k": "all"}, "top_k"), ({"prompt": "x", "min_p": 7}, "min_p"),
     ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"), ({"prompt": "x", "seed": -5}, "seed"),
-    ({"prompt": "x", "seed": "s"}, "seed"), ({"prompt": "x", "stop": 3}, "stop"), ({"prompt": "x", "n": 2}, "n"),
+    ({"prompt": "x", "seed": "s"}, "seed"), ({"prompt": "x", "stop": 3}, "stop"), ({"prompt": "x", "n": 0}, "n"),
+    ({"prompt": "x", "n": 129}, "n"), ({"prompt": "x", "n": 1.0}, "n"),
     ({"prompt": "x", "stop": ["a" * 500]}, "stop"), ({"prompt": "x", "stop": ["."] * 17}, "stop"),
     ({"prompt": "x", "stream": "yes"}, "stream"), ({"prompt": "x", "logprobs": 99}, "logprobs"),
-    ({"prompt": "x", "model": "gpt-4"}, "model"), ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+    ({"prompt": "x", "model": "gpt-4"}, "model"), ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
+    ({"prompt": "x", "frequency_penalty": "1"}, "frequency_penalty"),
+    ({"prompt": "x", "logit_bias": [1]}, "logit_bias"), ({"prompt": "x", "logit_bias": {"a": 1}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"-1": 1}}, "logit_bias"), ({"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"5": "1"}}, "logit_bias"), ({"prompt": "x", "logit_bias": {"99999999": 1}}, "logit_bias"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
     ({"prompt": "once " * 400}, "prompt"),
 ]
@@ -488,6 +610,64 @@ def test_queue_full_gets_429_with_retry_after(smol):
     assert queued and queued[0][0] == 200  # the queued request ran once the slot was free
 
 
+@pytest.fixture(scope="module")
+def smol_timeout(smol_gguf):
+    live = Live("-m", str(smol_gguf), "-np", "1", "-c", "2048", "-t", "1", "--timeout", "1", ready_timeout=300)
+    yield live
+    live.stop()
+
+
+def test_timeout_cancels_the_request_and_frees_the_slot(smol_timeout):
+    live = smol_timeout
+    long = {"prompt": "Count: 1, 2, 3,", "max_tokens": 1900, "ignore_eos": True}
+    t0 = time.time()
+    status, _, raw = request(live, "POST", "/v1/completions", long, key=None)
+    assert status == 504 and 1 <= time.time() - t0 < 10
+    err = json.loads(raw)["error"]
+    assert err["code"] == "request_timeout" and err["type"] == "timeout_error" and "timeout of 1 s" in err["message"]
+    # streamed: tokens, then an error event, then [DONE]
+    status, headers, raw = request(live, "POST", "/v1/completions", {**long, "stream": True}, key=None)
+    assert status == 200 and headers["content-type"].startswith("text/event-stream")
+    events = [e.removeprefix("data: ") for e in raw.decode().split("\n\n") if e]
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "request_timeout"
+    assert len(events) > 3 and all("choices" in json.loads(e) for e in events[:-2])
+    # the only slot is free: the next request is served, within the limit
+    c = openai.OpenAI(base_url=live.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    r = c.completions.create(model=smol_gguf_name(live), prompt="Hello", max_tokens=4, temperature=0)
+    assert r.usage.completion_tokens == 4 and r.choices[0].finish_reason == "length"
+    with pytest.raises(openai.InternalServerError) as e:
+        c.completions.create(model=smol_gguf_name(live), prompt="Count: 1, 2,", max_tokens=1900,
+                             extra_body={"ignore_eos": True})
+    assert e.value.status_code == 504
+    m = metrics(live)
+    assert m['cflow_requests_total{endpoint="completions",result="timeout"}'] == 3
+    assert m["cflow_requests_running"] == 0 and m['cflow_requests_total{endpoint="completions",result="length"}'] == 1
+
+
+def smol_gguf_name(live: Live) -> str:
+    status, _, raw = request(live, "GET", "/v1/models", key=None)
+    return json.loads(raw)["data"][0]["id"]
+
+
+def test_prerendered_stream_chunks_equal_the_chunk_objects():
+    # a streamed token's chunk is head + JSON string + tail, rendered once per choice: byte for byte
+    # what rendering the whole chunk object gives
+    from cflow.serve import protocol as P
+    from cflow.serve.call import Call, sse
+
+    server = type("S", (), {"model_name": 'm"\\odel \u00e9'})()
+    for kind in ("completion", "chat"):
+        for inc in (False, True):
+            spec = P.GenSpec(kind, SamplingParams(), 3, None, [], True, inc, False, None)
+            call = Call(server, None, spec, "x", 5, mailbox=None)
+            for i, t in enumerate(call._templates()):
+                assert t is not None
+                for text in ("a", ' "q" \\ \n\t', "\u00e9\u4e2d\U0001f600", "\x00\x1f", "\ufffd"):
+                    want = sse(P.chunk_object(kind, call.rid, call.created, server.model_name, text, None, None, inc,
+                                              index=i))
+                    assert t[0] + json.dumps(text, ensure_ascii=False, separators=(",", ":")).encode() + t[1] == want
+
+
 # ---- loading ---------------------------------------------------------------------------------------
 @needs_builtin
 def test_health_is_503_while_loading_then_200():
@@ -535,6 +715,10 @@ def test_cli_refuses_bad_flags_and_a_model_that_cannot_load():
 
     r = serve("-np", "0")
     assert r.returncode == 2 and "--parallel: must be >= 1" in r.stderr
+    r = serve("--timeout", "-1")
+    assert r.returncode == 2 and "--timeout: must be a number of seconds >= 0" in r.stderr
+    r = serve("--frequency-penalty", "nan")
+    assert r.returncode == 2 and "--frequency-penalty: frequency_penalty must be a finite number" in r.stderr
     r = serve("-m", "/nonexistent/model.gguf")
     assert r.returncode == 2 and "-m: model file /nonexistent/model.gguf does not exist" in r.stderr
     r = serve("-c", "2000", "-np", "4")  # 500 tokens per slot; the built-in model allows 256

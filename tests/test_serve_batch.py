@@ -3,24 +3,30 @@
 - On the built-in model, batched decoding (4 slots, chunked prefill, one step_batch per
   iteration) gives exactly Engine.complete's tokens, greedy and seeded; a slot's cached prefix is
   reused and changes nothing.
+- Jobs with different sampling settings in one batch (plain greedy rows take the batched argmax,
+  rows with a logit bias or penalties their own sampler) each equal Engine.complete with theirs;
+  n jobs on one prompt (submit_n) draw seed, seed + 1, ...
 - On a fake backend that checks the BatchBackend contract (positions, distinct slots) and whose
   next token depends on the whole sequence in its slot: many concurrent jobs with small prefill
   chunks each get their own sequence's tokens (no cross-talk between slots), cancellation frees
-  a slot, the queue is bounded, a failing step fails only the sequences in it, and the
-  generator keeps serving afterwards.
+  a slot, the queue is bounded, a failing step fails only the sequences in it, non-finite logits
+  fail their row on every sampling path, a job past its timeout (queued or running) fails with
+  RequestTimeoutError and frees its slot, and the generator keeps serving afterwards.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+import time
 
 import numpy as np
 import pytest
 
-from cflow.runtime import DEFAULT_MODEL, ContextOverflowError, Engine, EngineError
+from cflow.runtime import DEFAULT_MODEL, ContextOverflowError, CorruptModelError, Engine, EngineError
 from cflow.serve.backend import BatchBackend, EngineSlots
-from cflow.serve.batch import BatchGenerator, Failed, Finished, Piece, QueueFullError, token_logprobs
+from cflow.serve.batch import (BatchGenerator, Failed, Finished, Piece, QueueFullError, RequestTimeoutError,
+                               token_logprobs)
 from cflow.sampling import SamplingParams
 
 needs_builtin = pytest.mark.skipif(not DEFAULT_MODEL.is_file(), reason="built-in model not installed")
@@ -79,6 +85,59 @@ def test_batched_seeded_sampling_equals_engine_complete(engine, gen4):
     for i, (p, c) in enumerate(zip(PROMPTS, got)):
         ref = engine.complete(p, 30, temperature=1.0, top_k=0, top_p=0.9, seed=100 + i)
         assert c.tokens == ref.tokens and c.text == ref.text, p
+
+
+def run_jobs(gen, jobs):
+    """Submit (prompt ids, submit kwargs) pairs at once; the tokens and the end event of each."""
+    q: queue.SimpleQueue = queue.SimpleQueue()
+    for i, (ids, kw) in enumerate(jobs):
+        gen.submit(ids, lambda ev, i=i: q.put((i, ev)), **kw)
+    toks: list[list[int]] = [[] for _ in jobs]
+    ends: list = [None] * len(jobs)
+    while any(e is None for e in ends):
+        i, ev = q.get(timeout=60)
+        if isinstance(ev, Piece):
+            toks[i].append(ev.token)
+        else:
+            ends[i] = ev
+    return toks, ends
+
+
+def test_mixed_sampling_settings_in_one_batch_equal_engine_complete(engine, gen4):
+    greedy_tok = engine.complete(PROMPTS[0], 1, temperature=0).tokens[0]
+    settings = [dict(temperature=0), dict(temperature=0, logit_bias={greedy_tok: -100.0}),
+                dict(temperature=0, frequency_penalty=1.5, presence_penalty=0.5),
+                dict(temperature=0.9, seed=5, frequency_penalty=0.8, logit_bias={greedy_tok: 4.0}),
+                dict(temperature=0), dict(temperature=0, repeat_penalty=1.3, presence_penalty=-0.5)]
+    jobs = [(engine.encode(PROMPTS[i % 3]), dict(max_tokens=24, params=SamplingParams(**kw)))
+            for i, kw in enumerate(settings)]
+    toks, ends = run_jobs(gen4, jobs)
+    for i, kw in enumerate(settings):
+        ref = engine.complete(PROMPTS[i % 3], 24, **kw)
+        assert toks[i] == ref.tokens and ends[i].reason == ref.finish_reason, kw
+    assert toks[1][0] != greedy_tok and toks[0] != toks[1]  # the bias changed the answer
+    assert toks[2] != engine.complete(PROMPTS[2], 24, temperature=0).tokens  # so did the penalties
+
+
+def test_n_jobs_on_one_prompt_draw_consecutive_seeds(engine, gen4):
+    ids = engine.encode(PROMPTS[1])
+    q: queue.SimpleQueue = queue.SimpleQueue()
+    params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=77)
+    jobs = gen4.submit_n(ids, [lambda ev, i=i: q.put((i, ev)) for i in range(3)], max_tokens=16, params=params)
+    assert len(jobs) == 3
+    toks: list[list[int]] = [[], [], []]
+    ended = 0
+    while ended < 3:
+        i, ev = q.get(timeout=60)
+        if isinstance(ev, Piece):
+            toks[i].append(ev.token)
+        else:
+            assert isinstance(ev, Finished) and ev.seed == 77 + i
+            ended += 1
+    for i in range(3):
+        assert toks[i] == engine.complete(PROMPTS[1], 16, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0,
+                                          seed=77 + i).tokens
+    assert len({tuple(t) for t in toks}) == 3
 
 
 def test_context_end_and_max_tokens_zero(engine, gen4):
@@ -140,12 +199,14 @@ def next_token(seq: list[int], vocab: int) -> int:
 
 
 class FakeBackend:
-    def __init__(self, n_slots=4, n_ctx=64, vocab=50, fail_on=None, gate=None):
+    def __init__(self, n_slots=4, n_ctx=64, vocab=50, fail_on=None, gate=None, poison=None, delay=0.0):
         self.n_slots, self.n_ctx, self.vocab_size = n_slots, n_ctx, vocab
         self.path = "fake"
         self.tokenizer = FakeTokenizer()
         self.cache = [[] for _ in range(n_slots)]
         self.fail_on, self.gate = fail_on, gate
+        self.poison = poison or {}   # token -> a value (NaN, inf) its step writes into logit 3 of its row
+        self.delay = delay           # seconds per step
         self.steps: list[int] = []
         self.closed = False
 
@@ -175,10 +236,13 @@ class FakeBackend:
         self.steps.append(len(slot_ids))
         if self.fail_on is not None and self.fail_on in tokens:
             raise EngineError("the fake step failed")
+        time.sleep(self.delay)
         out = np.zeros((len(slot_ids), self.vocab_size), np.float32)
         for i, (s, t, p) in enumerate(zip(slot_ids, tokens, positions)):
             self._put(s, [t], p)
             out[i] = self._logits(s)
+            if t in self.poison:
+                out[i, 3] = self.poison[t]
         return out
 
     def close(self):
@@ -324,3 +388,76 @@ def test_complete_many_submits_beyond_the_queue_as_jobs_finish():
     with BatchGenerator(be, max_queue=1) as g:
         got = g.complete_many(prompts, 5, temperature=0)
     assert [c.tokens for c in got] == [reference(p, 5) for p in prompts]
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("mixed", [False, True])
+def test_non_finite_logits_fail_their_row_on_every_sampling_path(bad, mixed):
+    # the poisoned row is a plain greedy one: alone with another greedy row (the batched argmax) or
+    # beside a sampled row (its own argmax); then a sampled poisoned row
+    p_bad, p_ok = [1, 2, 3], [7, 8]
+    first = reference(p_bad, 1)[0]
+    be = FakeBackend(n_slots=2, poison={first: bad})
+    other = SamplingParams(temperature=1.0, seed=1) if mixed else SamplingParams(temperature=0)
+    with BatchGenerator(be) as g:
+        toks, ends = run_jobs(g, [(p_bad, dict(max_tokens=5, params=SamplingParams(temperature=0))),
+                                  (p_ok, dict(max_tokens=5, params=other))])
+        assert isinstance(ends[0], Failed) and isinstance(ends[0].error, CorruptModelError), ends[0]
+        assert "non-finite logits at position 3" in str(ends[0].error) and toks[0] == [first]
+        assert isinstance(ends[1], Finished) and len(toks[1]) == 5
+        if not mixed:
+            assert toks[1] == reference(p_ok, 5)
+        toks, ends = run_jobs(g, [(p_bad, dict(max_tokens=5, params=SamplingParams(temperature=0.5, seed=2,
+                                                                                   logit_bias={first: 50})))])
+        assert isinstance(ends[0], Failed) and isinstance(ends[0].error, CorruptModelError)
+
+
+def test_a_job_past_its_timeout_fails_and_frees_its_slot():
+    be = FakeBackend(n_slots=1, n_ctx=4000, delay=0.01)
+    with BatchGenerator(be, timeout=30) as g:
+        q: queue.SimpleQueue = queue.SimpleQueue()
+        t0 = time.perf_counter()
+        g.submit([1, 2], lambda ev: q.put(("a", ev)), max_tokens=3000, ignore_eos=True, timeout=0.3)
+        g.submit([3, 4], lambda ev: q.put(("b", ev)), max_tokens=5, timeout=0.1)  # expires while queued
+        ends, pieces = {}, 0
+        while len(ends) < 2:
+            who, ev = q.get(timeout=10)
+            if isinstance(ev, Piece):
+                pieces += who == "a"
+            else:
+                ends[who] = (ev, time.perf_counter() - t0)
+        (a, ta), (b, tb) = ends["a"], ends["b"]
+        assert isinstance(a, Failed) and isinstance(a.error, RequestTimeoutError) and 0.3 <= ta < 5
+        assert f"within its timeout of 0.3 s ({pieces} tokens generated)" in str(a.error) and 0 < pieces < 3000
+        assert isinstance(b, Failed) and isinstance(b.error, RequestTimeoutError) and "(0 tokens" in str(b.error)
+        assert 0.1 <= tb < 5
+        assert g.running == 0 and g.queue_depth == 0
+        # the slot serves the next job; its timeout is the generator's (30 s), or none with 0
+        _, toks, ends2 = collect(g, [[5, 6]], max_tokens=6, params=SamplingParams(temperature=0))
+        assert isinstance(ends2[0], Finished) and toks[0] == reference([5, 6], 6)
+        _, toks, ends2 = collect(g, [[5, 6]], max_tokens=6, params=SamplingParams(temperature=0), timeout=0)
+        assert isinstance(ends2[0], Finished)
+    with pytest.raises(ValueError, match="timeout"):
+        BatchGenerator(FakeBackend(), timeout=-1)
+
+
+def test_submit_n_is_queued_or_refused_as_a_whole():
+    gate = threading.Event()
+    be = FakeBackend(n_slots=2, gate=gate)
+    with BatchGenerator(be, max_queue=1) as g:
+        q: queue.SimpleQueue = queue.SimpleQueue()
+        with pytest.raises(QueueFullError, match="too few for these 4 requests"):
+            g.submit_n([1, 2], [q.put] * 4, max_tokens=3)  # 2 slots + 1 place in the queue
+        assert g.queue_depth == 0 and g.running == 0
+        jobs = g.submit_n([1, 2], [lambda ev, i=i: q.put((i, ev)) for i in range(3)], max_tokens=3,
+                          params=SamplingParams(temperature=0))
+        gate.set()
+        toks: list[list[int]] = [[], [], []]
+        ended = 0
+        while ended < 3:
+            i, ev = q.get(timeout=10)
+            if isinstance(ev, Piece):
+                toks[i].append(ev.token)
+            else:
+                ended += 1
+        assert toks == [reference([1, 2], 3)] * 3 and len({j.id for j in jobs}) == 3

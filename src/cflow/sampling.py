@@ -2,18 +2,23 @@
 
 The chain, each stage optional:
 
-    repeat penalty -> top-k -> top-p -> min-p -> temperature -> draw
+    logit bias -> penalties (repeat, frequency, presence) -> top-k -> top-p -> min-p -> temperature -> draw
 
-- repeat penalty (penalty != 1): every distinct id among the last `repeat_last_n` tokens of the
-  context (prompt included; -1 = the whole context, 0 = off) has its logit divided by the
-  penalty when positive and multiplied by it when negative (llama.cpp / CTRL).
+- logit bias ({token id: bias}): added to those tokens' logits (OpenAI's `logit_bias`; -100
+  in practice bans a token, +100 forces it).
+- penalties, over every distinct id among the last `repeat_last_n` tokens of the context
+  (prompt included; -1 = the whole context, 0 = off), as llama.cpp's penalties sampler:
+  repeat (penalty != 1): the logit is divided by the penalty when positive and multiplied by it
+  when negative (CTRL); then frequency and presence (OpenAI's definition): the logit of a token
+  seen c > 0 times drops by c * frequency_penalty + presence_penalty (negative values favour
+  repetition).
 - top-k (k > 0): keep the k highest logits.
 - top-p (p < 1): softmax over what is left; keep the smallest prefix, by descending
   probability, whose cumulative probability is >= p (llama.cpp's rule: the token that crosses
   p is kept, and a prefix landing exactly on p is enough).
 - min-p (p > 0): keep tokens whose probability is at least p times the top token's.
 - temperature: divide the surviving logits by it, softmax, draw with a seeded numpy Generator.
-  temperature <= 0 is greedy: the argmax after the penalty, no randomness.
+  temperature <= 0 is greedy: the argmax after the bias and the penalties, no randomness.
 
 top-p and min-p see probabilities *before* temperature, as in llama.cpp, so temperature only
 reshapes the draw among the survivors. At least one token always survives. Ties keep the lower id.
@@ -27,7 +32,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -43,7 +48,9 @@ class SamplingError(CflowError, ValueError):
 @dataclass(frozen=True)
 class SamplingParams:
     """llama.cpp's names and defaults (`--temp 0.8 --top-k 40 --top-p 0.95 --min-p 0.05
-    --repeat-penalty 1.0 --repeat-last-n 64 -s -1`). seed None or -1: a fresh random seed."""
+    --repeat-penalty 1.0 --repeat-last-n 64 -s -1 --presence-penalty 0 --frequency-penalty 0`).
+    seed None or -1: a fresh random seed. logit_bias: {token id: bias} (or (id, bias) pairs),
+    kept as a tuple of (id, bias) pairs sorted by id."""
 
     temperature: float = 0.8
     top_k: int = 40
@@ -52,13 +59,16 @@ class SamplingParams:
     repeat_penalty: float = 1.0
     repeat_last_n: int = 64
     seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: Any = ()
 
     def __post_init__(self) -> None:
         def need(ok: bool, msg: str) -> None:
             if not ok:
                 raise SamplingError(msg)
 
-        for name in ("temperature", "top_p", "min_p", "repeat_penalty"):
+        for name in ("temperature", "top_p", "min_p", "repeat_penalty", "presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             need(isinstance(v, (int, float)) and not isinstance(v, bool) and np.isfinite(v),
                  f"{name} must be a finite number, got {v!r}")
@@ -75,25 +85,73 @@ class SamplingParams:
         if self.seed is not None:
             need(isinstance(self.seed, (int, np.integer)) and not isinstance(self.seed, bool) and self.seed >= -1,
                  f"seed must be a non-negative int (or -1 for random), got {self.seed!r}")
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0
 
+    @property
+    def penalised(self) -> bool:
+        """Whether any penalty can change a logit."""
+        return self.repeat_last_n != 0 and (self.repeat_penalty != 1.0 or self.frequency_penalty != 0.0
+                                            or self.presence_penalty != 0.0)
+
+
+def _bias_pairs(bias: Any) -> tuple[tuple[int, float], ...]:
+    """A logit bias ({id: bias}, or (id, bias) pairs, the last of a repeated id winning) as sorted pairs."""
+    if bias is None:
+        return ()
+    items = bias.items() if isinstance(bias, Mapping) else bias
+    try:
+        pairs = dict((k, v) for k, v in items)
+    except (TypeError, ValueError):
+        raise SamplingError(f"logit_bias must map token ids to biases, got {bias!r}"[:200]) from None
+    for k, v in pairs.items():
+        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 0:
+            raise SamplingError(f"logit_bias keys must be token ids (ints >= 0), got {k!r}"[:200])
+        if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) or not np.isfinite(v):
+            raise SamplingError(f"logit_bias of token {k} must be a finite number, got {v!r}"[:200])
+    return tuple(sorted((int(k), float(v)) for k, v in pairs.items()))
+
 
 # ---- the stages (each returns candidate ids and their logits, best first) --------------------
 
 
-def apply_repeat_penalty(logits: np.ndarray, recent: Sequence[int], penalty: float) -> np.ndarray:
-    """logits [V] with the ids in `recent` penalised (see the module docstring): a new array, or
-    `logits` itself when there is nothing to penalise (callers never modify it)."""
-    if penalty == 1.0 or len(recent) == 0:
+def apply_penalties(logits: np.ndarray, recent: Sequence[int], repeat: float = 1.0, frequency: float = 0.0,
+                    presence: float = 0.0) -> np.ndarray:
+    """logits [V] with the ids in `recent` penalised (llama.cpp's penalties sampler, see the module
+    docstring), in float32 as there: a new array, or `logits` itself when there is nothing to
+    penalise (callers never modify it)."""
+    if (repeat == 1.0 and frequency == 0.0 and presence == 0.0) or len(recent) == 0:
         return logits
     out = np.array(logits, dtype=np.float32, copy=True)
-    ids = np.unique(np.asarray(recent, dtype=np.int64))
-    ids = ids[(ids >= 0) & (ids < out.size)]
+    ids, counts = np.unique(np.asarray(recent, dtype=np.int64), return_counts=True)
+    inside = (ids >= 0) & (ids < out.size)
+    ids, counts = ids[inside], counts[inside]
     v = out[ids]
-    out[ids] = np.where(v > 0, v / penalty, v * penalty)
+    if repeat != 1.0:
+        v = np.where(v > 0, v / np.float32(repeat), v * np.float32(repeat))
+    if frequency != 0.0 or presence != 0.0:
+        v = v - (counts.astype(np.float32) * np.float32(frequency) + np.float32(presence))
+    out[ids] = v
+    return out
+
+
+def apply_repeat_penalty(logits: np.ndarray, recent: Sequence[int], penalty: float) -> np.ndarray:
+    """apply_penalties with the repeat penalty only."""
+    return apply_penalties(logits, recent, penalty)
+
+
+def apply_logit_bias(logits: np.ndarray, ids: np.ndarray, bias: np.ndarray) -> np.ndarray:
+    """logits [V] + bias at the ids (sorted, distinct): a new array, or `logits` itself when there is none."""
+    if ids.size == 0:
+        return logits
+    if ids[-1] >= logits.size:
+        raise SamplingError(f"logit_bias names token {int(ids[-1])} but the vocabulary has {logits.size} tokens "
+                            f"(ids 0..{logits.size - 1})")
+    out = np.array(logits, dtype=np.float32, copy=True)
+    out[ids] += bias
     return out
 
 
@@ -185,11 +243,24 @@ class Sampler:
             seed = int.from_bytes(os.urandom(4), "little")
         self.seed = int(seed)
         self.rng = np.random.Generator(np.random.PCG64(self.seed))
+        pairs = self.params.logit_bias
+        self._bias_ids = np.array([i for i, _ in pairs], np.int64)
+        self._bias = np.array([b for _, b in pairs], np.float32)
+        # greedy with nothing that changes a logit: the argmax of the model's logits, which a caller
+        # may compute for many rows at once (cflow.serve.batch does)
+        self.plain_greedy = self.params.greedy and not pairs and not self.params.penalised
+
+    def adjusted(self, logits: np.ndarray, history: Sequence[int] = ()) -> np.ndarray:
+        """logits after the logit bias and the penalties (`logits` itself when neither applies)."""
+        pr = self.params
+        x = apply_logit_bias(logits, self._bias_ids, self._bias)
+        return apply_penalties(x, self._recent(history), pr.repeat_penalty, pr.frequency_penalty,
+                               pr.presence_penalty)
 
     def candidates(self, logits: np.ndarray, history: Sequence[int] = ()) -> tuple[np.ndarray, np.ndarray]:
-        """Surviving (ids, logits before temperature), best first, after penalty/top-k/top-p/min-p."""
+        """Surviving (ids, logits before temperature), best first, after bias/penalties/top-k/top-p/min-p."""
         pr = self.params
-        x = apply_repeat_penalty(logits, self._recent(history), pr.repeat_penalty)
+        x = self.adjusted(logits, history)
         if pr.top_k > 0:
             ids, vals = top_p(*top_k(x, pr.top_k), pr.top_p)
         else:
@@ -199,8 +270,7 @@ class Sampler:
     def probs(self, logits: np.ndarray, history: Sequence[int] = ()) -> tuple[np.ndarray, np.ndarray]:
         """(ids, probabilities) of the final draw; one id with probability 1 when greedy."""
         if self.params.greedy:
-            x = apply_repeat_penalty(logits, self._recent(history), self.params.repeat_penalty)
-            return np.array([int(np.argmax(x))]), np.array([1.0])
+            return np.array([int(np.argmax(self.adjusted(logits, history)))]), np.array([1.0])
         ids, vals = self.candidates(logits, history)
         return ids, _softmax(vals / self.params.temperature)
 
@@ -213,6 +283,6 @@ class Sampler:
 
     def _recent(self, history: Sequence[int]) -> Sequence[int]:
         n = self.params.repeat_last_n
-        if self.params.repeat_penalty == 1.0 or n == 0:
+        if not self.params.penalised:
             return ()
         return history if n < 0 else history[-n:]

@@ -8,6 +8,7 @@ Needs the serve extra (Starlette + uvicorn): pip install "cflow-lm[serve]".
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import socket
 import sys
@@ -23,7 +24,9 @@ An OpenAI-compatible server: POST /v1/completions and /v1/chat/completions (stre
 server-sent events with "stream": true), GET /v1/models, /health (503 while the model loads)
 and /metrics (Prometheus). Up to --parallel requests decode together, each in its own slot of
 -c / --parallel context tokens; more wait in a queue of --max-queue, and beyond it a request
-gets 429 with Retry-After. The sampling flags set the defaults a request's own fields override.
+gets 429 with Retry-After. A request not finished after --timeout seconds (queue wait included)
+is cancelled, its slot freed, and its client gets a 504 error (streamed: an error event, then
+[DONE]). The sampling flags set the defaults a request's own fields override.
 Needs the serve extra: pip install "cflow-lm[serve]".
 
 examples:
@@ -58,10 +61,19 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "none: open)")
     g.add_argument("-a", "--alias", default=None, metavar="NAME",
                    help="the model's name in /v1/models and the 'model' field (default: the file's name)")
+    g.add_argument("-to", "--timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="cancel a request that has not finished this long after it arrived, queue wait included: "
+                   "its slot is freed and its client gets a 504 error (default 600; 0 = no limit)")
     g.add_argument("-n", "--n-predict", type=int, default=-1,
                    help="default max_tokens of a request (default -1: until end of text or the slot's context)")
     g.add_argument("--verbose", action="store_true", help="log every request (uvicorn's access log)")
     add_sampling_flags(p)
+    g = p.add_argument_group("penalties (a request's presence_penalty / frequency_penalty override them)")
+    g.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="subtract from the logit of every token among the last --repeat-last-n (default 0 = off)")
+    g.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="subtract, times its count among the last --repeat-last-n, from a token's logit "
+                   "(default 0 = off)")
     p.set_defaults(func=run)
 
 
@@ -78,6 +90,15 @@ def _check(args: argparse.Namespace) -> None:
         raise UsageError(f"must be >= 0, got {args.max_queue}", flag="--max-queue")
     if args.batch_size < 1:
         raise UsageError(f"must be >= 1, got {args.batch_size}", flag="-b")
+    if not (args.timeout >= 0 and math.isfinite(args.timeout)):
+        raise UsageError(f"must be a number of seconds >= 0 (0 = no limit), got {args.timeout}", flag="--timeout")
+    from cflow.sampling import SamplingError, SamplingParams
+
+    for name in ("presence_penalty", "frequency_penalty"):
+        try:
+            SamplingParams(**{name: getattr(args, name)})
+        except SamplingError as e:
+            raise UsageError(str(e), flag="--" + name.replace("_", "-")) from None
     if args.model is not None and not os.path.exists(args.model):  # fail before listening
         raise UsageError(f"model file {args.model} does not exist; give a .cflow/.vflow or .gguf file", flag="-m")
 
@@ -112,7 +133,7 @@ def model_name(args: argparse.Namespace) -> tuple[str, tuple[str, ...]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    kw = sampling_kwargs(args)
+    kw = dict(sampling_kwargs(args), presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty)
     _check(args)
     check_sampling(kw)
     try:
@@ -143,7 +164,8 @@ def run(args: argparse.Namespace) -> int:
             raise
         except OSError as e:
             raise load_error(args.model, e) from None
-        return BatchGenerator(backend, prefill_chunk=args.batch_size, max_queue=args.max_queue)
+        return BatchGenerator(backend, prefill_chunk=args.batch_size, max_queue=args.max_queue,
+                              timeout=args.timeout or None)
 
     failure: list[BaseException] = []
     server: Any = None

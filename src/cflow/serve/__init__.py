@@ -6,22 +6,23 @@
                decode step per iteration, per-sequence sampling, cancellation); the Python API
     protocol   the OpenAI request checks and response objects
     metrics    counters and histograms as Prometheus text
-    app        the Starlette app (install the extra: pip install "cflow-lm[serve]")
+    call       one admitted request: its jobs' events -> a JSON answer or a server-sent event stream
+    app        the Starlette app: routes, API key, loading (install the extra: pip install "cflow-lm[serve]")
 
 The HTTP stack is Starlette + uvicorn; cflow.serve.app says why. `batch`, `backend`, `protocol` and
-`metrics` need only what the runtime needs; only `app` (and the `cflow serve` command) imports
-the serve extra. The runtime never imports this package.
+`metrics` need only what the runtime needs; only `call` and `app` (and the `cflow serve` command)
+import the serve extra. The runtime never imports this package.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["BatchGenerator", "BatchBackend", "EngineSlots", "QueueFullError", "create_app"]
+__all__ = ["BatchGenerator", "BatchBackend", "EngineSlots", "QueueFullError", "RequestTimeoutError", "create_app"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("BatchGenerator", "QueueFullError"):
+    if name in ("BatchGenerator", "QueueFullError", "RequestTimeoutError"):
         from cflow.serve import batch
 
         return getattr(batch, name)

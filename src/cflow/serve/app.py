@@ -12,8 +12,9 @@ two small pure-Python packages. aiohttp would do as well, but brings its own HTT
 client, and is rarer among these servers.
 
 Concurrency: one event loop handles every connection; the model runs in the generator's worker
-thread; events come back through `loop.call_soon_threadsafe` onto a per-request asyncio.Queue.
-Prompts are tokenized in a worker thread, so a long prompt does not hold up other streams.
+thread; events come back through a Mailbox (cflow.serve.call: one loop wake-up per burst of
+events) to each request's Call, which renders its answer. Prompts are tokenized in a worker
+thread, so a long prompt does not hold up other streams.
 
 Routes (each also without the /v1 prefix, as llama-server):
     POST /v1/completions, POST /v1/chat/completions    (stream: true -> server-sent events, then [DONE])
@@ -36,40 +37,18 @@ from typing import Any, Callable
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse as _StarletteJSON
 from starlette.responses import Response
 from starlette.routing import Route
 
 from cflow.errors import CflowError
 from cflow.runtime.errors import ContextOverflowError
 from cflow.serve import protocol as P
-from cflow.serve.batch import BatchGenerator, Failed, Finished, GeneratorClosedError, Piece, QueueFullError
+from cflow.serve.batch import BatchGenerator, GeneratorClosedError, QueueFullError
+from cflow.serve.call import Call, ClientGone, JSONResponse, Mailbox, nothing
 from cflow.serve.metrics import Metrics
 
 MAX_BODY = 8 * 1024 * 1024     # bytes; far above any context's worth of text
 PUBLIC = ("/health", "/v1/health")
-
-
-class ClientGone(Exception):
-    pass
-
-
-def _json_bytes(obj: Any) -> bytes:
-    try:
-        return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
-    except UnicodeEncodeError:  # a lone surrogate a client sent, echoed in an error message: escape it
-        return json.dumps(obj, ensure_ascii=True, separators=(",", ":")).encode("ascii")
-
-
-class JSONResponse(_StarletteJSON):
-    """Starlette's JSONResponse, compact, and safe for any str a client could make us echo."""
-
-    def render(self, content: Any) -> bytes:
-        return _json_bytes(content)
-
-
-def _sse(obj: Any) -> bytes:
-    return b"data: " + _json_bytes(obj) + b"\n\n"
 
 
 def _reject_constant(name: str) -> Any:
@@ -94,6 +73,7 @@ class Server:
         self._on_ready, self._on_load_error = on_ready, on_load_error
         self._loader: threading.Thread | None = None
         self._closed = False
+        self._mailbox: Mailbox | None = None
         self.created = int(time.time())
         routes = []
         for prefix in ("/v1", ""):
@@ -203,17 +183,17 @@ class Server:
                                    f"the model failed to load: {self.load_error}", None, "model_loading",
                                    status=503, type_="unavailable_error")
             body = await self._read_json(request)
-            spec = (P.parse_chat if kind == "chat" else P.parse_completion)(body, self.defaults, self.names)
+            parse = P.parse_chat if kind == "chat" else P.parse_completion
+            spec = parse(body, self.defaults, self.names, gen.backend.vocab_size)
             ids = await self._tokens(gen, spec)
             loop = asyncio.get_running_loop()
-            queue: asyncio.Queue = asyncio.Queue()
-
-            def sink(ev: Any) -> None:
-                loop.call_soon_threadsafe(queue.put_nowait, ev)
-
+            if self._mailbox is None or self._mailbox.loop is not loop:
+                self._mailbox = Mailbox(loop)
+            call = Call(self, gen.backend.tokenizer, spec, endpoint, len(ids), self._mailbox)
             try:
-                job = gen.submit(ids, sink, max_tokens=spec.max_tokens, params=spec.params, stop=spec.stop,
-                                 ignore_eos=spec.ignore_eos, logprobs=spec.logprobs)
+                call.start(gen.submit_n(ids, [call.sink(i) for i in range(spec.n)], max_tokens=spec.max_tokens,
+                                        params=spec.params, stop=spec.stop, ignore_eos=spec.ignore_eos,
+                                        logprobs=spec.logprobs))
             except QueueFullError as e:
                 return self._error(P.BadRequest(str(e), None, "rate_limit_exceeded", status=429,
                                                 type_="rate_limit_error"), {"Retry-After": str(e.retry_after)})
@@ -227,8 +207,7 @@ class Server:
         except P.BadRequest as e:
             return self._error(e)
         except ClientGone:
-            return _nothing
-        call = _Call(self, gen, job, queue, spec, endpoint, len(ids))
+            return nothing
         if spec.stream:
             return call.stream
         return await call.collect(request.receive)
@@ -271,136 +250,6 @@ class Server:
         except Exception as e:  # the tokenizer refusing the text (e.g. unpaired surrogates)
             raise P.BadRequest(f"cannot tokenize the {'messages' if spec.kind == 'chat' else 'prompt'}: "
                                f"{type(e).__name__}: {str(e)[:200]}", None, "invalid_value") from None
-
-
-class _Call:
-    """One admitted request: turns the job's events into a JSON answer or a server-sent event stream,
-    and cancels the job when the client goes away."""
-
-    def __init__(self, server: Server, gen: BatchGenerator, job: Any, queue: asyncio.Queue, spec: P.GenSpec,
-                 endpoint: str, n_prompt: int) -> None:
-        self.server, self.job, self.queue, self.spec, self.endpoint = server, job, queue, spec, endpoint
-        self.kind = spec.kind
-        self.rid, self.created, self.model = P.new_id(spec.kind), P.now(), server.model_name
-        self.n_prompt = n_prompt
-        self.logprobs = P.LogprobsBuilder(gen.backend.tokenizer, spec.kind) if spec.logprobs is not None else None
-        self.result = "cancelled"
-
-    async def _events(self, receive: Callable[[], Any]):
-        """Yield lists of the events available now; raise ClientGone when the client disconnects."""
-        watcher = asyncio.ensure_future(_disconnected(receive))
-        try:
-            while True:
-                if self.queue.empty():
-                    getter = asyncio.ensure_future(self.queue.get())
-                    done, _ = await asyncio.wait({getter, watcher}, return_when=asyncio.FIRST_COMPLETED)
-                    if getter not in done:
-                        getter.cancel()
-                        raise ClientGone()
-                    batch = [getter.result()]
-                else:
-                    batch = []
-                while not self.queue.empty():
-                    batch.append(self.queue.get_nowait())
-                yield batch
-                if isinstance(batch[-1], (Finished, Failed)):
-                    return
-        finally:
-            watcher.cancel()
-
-    def _done(self) -> None:
-        self.job.cancel()  # a no-op when it finished
-        self.server.metrics.request_done(self.endpoint, self.result)
-
-    # ---- not streamed ------------------------------------------------------------------------
-    async def collect(self, receive: Callable[[], Any]) -> Response:
-        parts: list[str] = []
-        pieces: list[Piece] = []
-        end: Any = None
-        try:
-            async for batch in self._events(receive):
-                for ev in batch:
-                    if isinstance(ev, Piece):
-                        parts.append(ev.text)
-                        pieces.append(ev)
-                    else:
-                        end = ev
-        except ClientGone:
-            return _nothing  # nobody is there to read an answer
-        finally:
-            if end is not None:
-                self.result = end.reason if isinstance(end, Finished) else "error"
-            self._done()
-        if isinstance(end, Failed):
-            return _failure(end.error)
-        parts.append(end.tail)
-        lp = self.logprobs.entries(pieces) if self.logprobs else None
-        return JSONResponse(P.completion_object(self.kind, self.rid, self.created, self.model, "".join(parts),
-                                                end.reason, P.usage(end.prompt_tokens, end.completion_tokens,
-                                                                    end.cached_tokens), lp))
-
-    # ---- streamed ------------------------------------------------------------------------------
-    async def stream(self, scope: Any, receive: Callable[[], Any], send: Callable[[Any], Any]) -> None:
-        """The ASGI app of a `stream: true` answer (server-sent events)."""
-        k, rid, created, model = self.kind, self.rid, self.created, self.model
-        inc = self.spec.include_usage
-        try:
-            await send({"type": "http.response.start", "status": 200,
-                        "headers": [(b"content-type", b"text/event-stream; charset=utf-8"),
-                                    (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]})
-            if k == "chat":
-                await send({"type": "http.response.body", "more_body": True,
-                            "body": _sse(P.chunk_object(k, rid, created, model, "", None, None, inc, role=True))})
-            async for batch in self._events(receive):
-                out = []
-                for ev in batch:
-                    if isinstance(ev, Piece):
-                        if ev.text or self.logprobs:
-                            lp = self.logprobs.entries([ev]) if self.logprobs else None
-                            out.append(_sse(P.chunk_object(k, rid, created, model, ev.text, None, lp, inc)))
-                    elif isinstance(ev, Finished):
-                        self.result = ev.reason
-                        if ev.tail:
-                            out.append(_sse(P.chunk_object(k, rid, created, model, ev.tail, None, None, inc)))
-                        out.append(_sse(P.chunk_object(k, rid, created, model, None if k == "chat" else "",
-                                                       ev.reason, None, inc)))
-                        if inc:
-                            out.append(_sse(P.usage_chunk(k, rid, created, model, P.usage(
-                                ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens))))
-                        out.append(b"data: [DONE]\n\n")
-                    else:
-                        self.result = "error"
-                        status, body = _failure_body(ev.error)
-                        out.append(_sse(body))
-                if out:
-                    await send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-        except (ClientGone, OSError):
-            pass  # the client went away: the job is cancelled below
-        finally:
-            self._done()
-
-
-async def _nothing(scope: Any, receive: Any, send: Any) -> None:
-    """The response to a client that has gone away: none (uvicorn sends nothing to a closed connection)."""
-
-
-async def _disconnected(receive: Callable[[], Any]) -> None:
-    while True:
-        message = await receive()
-        if message.get("type") == "http.disconnect":
-            return
-
-
-def _failure_body(e: BaseException) -> tuple[int, dict[str, Any]]:
-    if isinstance(e, GeneratorClosedError):
-        return 503, P.error_body(str(e), "unavailable_error", None, 503)
-    return 500, P.error_body(f"generation failed: {e}", "server_error", None, 500)
-
-
-def _failure(e: BaseException) -> Response:
-    status, body = _failure_body(e)
-    return JSONResponse(body, status)
 
 
 class _Guard:

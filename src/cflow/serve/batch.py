@@ -18,10 +18,17 @@ One worker thread owns the backend (engines are not thread-safe) and loops:
    each row sampled with the sequence's own Sampler (seeded per request, so a seed reproduces
    whatever else runs beside it), detokenized as a stream, checked against its stop ids and
    stop strings; a finished or cancelled sequence leaves its slot at once, the others go on.
+   Plain greedy rows (no bias, no penalty) take one argmax over the whole [B, V] block, and the
+   chosen logit doubles as the row's finiteness check (argmax picks a NaN or +inf if there is one).
+
+A job may have a deadline (`timeout`, seconds from submit, queue wait included): past it, the
+job ends with Failed(RequestTimeoutError) at the next iteration, queued or running, and its
+slot is free for the next one.
 
 Results reach the caller as events through the job's `sink`, called from the worker thread:
 `Piece` per generated token, then exactly one `Finished` or `Failed`. The sink must not block
-(the server's pushes onto an asyncio queue with call_soon_threadsafe). The generation rules are
+(the server's hands events to its event loop through cflow.serve.call.Mailbox). `submit_n`
+queues n jobs on one prompt (OpenAI's n), one slot each. The generation rules are
 those of cflow.runtime.generate.run (same Sampler, StopMatcher, stream detokenizer, stop ids,
 context limit), so greedy output equals `Engine.complete` token for token.
 """
@@ -29,6 +36,7 @@ context limit), so greedy output equals `Engine.complete` token for token.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import math
 import sys
@@ -59,6 +67,10 @@ class QueueFullError(CflowError):
 
 class GeneratorClosedError(CflowError):
     """The generator is shut down (or shutting down): no new requests."""
+
+
+class RequestTimeoutError(CflowError):
+    """A job did not finish within its timeout; it was cancelled and its slot freed."""
 
 
 # ---- events ------------------------------------------------------------------------------------
@@ -115,6 +127,7 @@ class Job:
     logprobs: int | None          # None: off; n >= 0: the chosen token's logprob and the top n
     sink: Callable[[Event], None]
     t_submit: float = field(default_factory=time.perf_counter)
+    timeout: float | None = None  # seconds from t_submit (None: no limit)
     cancelled: bool = False
     done: bool = False
     _gen: Any = field(default=None, repr=False)
@@ -153,11 +166,13 @@ class BatchGenerator:
     """Runs jobs on a BatchBackend from one worker thread (see the module docstring)."""
 
     def __init__(self, backend: Any, *, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-                 max_queue: int = DEFAULT_MAX_QUEUE, metrics: Any = None, own_backend: bool = True) -> None:
+                 max_queue: int = DEFAULT_MAX_QUEUE, timeout: float | None = None, metrics: Any = None,
+                 own_backend: bool = True) -> None:
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         if max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {max_queue}")
+        self.timeout = _check_timeout(timeout)  # a job's default timeout (s; None: none)
         self.backend = backend
         self.n_slots = int(backend.n_slots)
         self.n_ctx = int(backend.n_ctx)
@@ -174,6 +189,7 @@ class BatchGenerator:
         self._ids = itertools.count(1)
         self._closing = False
         self._service_s = 1.0             # EMA of a job's time in a slot (for Retry-After)
+        self._emitted = 0                 # tokens delivered since metrics last heard of them
         self.last_batch = 0               # sequences in the last decode step
         self._thread = threading.Thread(target=self._loop, name="cflow-batch", daemon=True)
         self._thread.start()
@@ -181,13 +197,13 @@ class BatchGenerator:
     @classmethod
     def load(cls, path: Any = None, *, parallel: int = 4, threads: int | None = None, n_ctx: int | None = None,
              prefill_chunk: int = DEFAULT_PREFILL_CHUNK, max_queue: int = DEFAULT_MAX_QUEUE,
-             **load_kw: Any) -> "BatchGenerator":
+             timeout: float | None = None, **load_kw: Any) -> "BatchGenerator":
         """`parallel` slots of `n_ctx` positions each over the model at `path` (serve.backend.load_backend:
         one engine whose decode step advances every slot in one pass over the weights)."""
         from cflow.serve.backend import load_backend
 
         return cls(load_backend(path, n_slots=parallel, threads=threads, n_ctx=n_ctx, **load_kw),
-                   prefill_chunk=prefill_chunk, max_queue=max_queue)
+                   prefill_chunk=prefill_chunk, max_queue=max_queue, timeout=timeout)
 
     # ---- the caller's side -------------------------------------------------------------------
     @property
@@ -206,11 +222,23 @@ class BatchGenerator:
 
     def submit(self, prompt: Sequence[int], sink: Callable[[Event], None], *, max_tokens: int | None = None,
                params: SamplingParams | None = None, stop: Sequence[str] | str = (), ignore_eos: bool = False,
-               logprobs: int | None = None) -> Job:
+               logprobs: int | None = None, timeout: float | None = None) -> Job:
         """Queue a job for the token ids `prompt`; events go to `sink` (called from the worker thread).
+        `timeout`: seconds from now until the job is cancelled with RequestTimeoutError (None: the
+        generator's `timeout`; 0: none).
 
         Raises ContextOverflowError when the prompt does not fit a slot, EngineError for an empty
         prompt or bad ids, QueueFullError when the wait queue is full, GeneratorClosedError after close()."""
+        return self.submit_n(prompt, [sink], max_tokens=max_tokens, params=params, stop=stop, ignore_eos=ignore_eos,
+                             logprobs=logprobs, timeout=timeout)[0]
+
+    def submit_n(self, prompt: Sequence[int], sinks: Sequence[Callable[[Event], None]], *,
+                 max_tokens: int | None = None, params: SamplingParams | None = None, stop: Sequence[str] | str = (),
+                 ignore_eos: bool = False, logprobs: int | None = None, timeout: float | None = None) -> list[Job]:
+        """One job per sink on the same prompt (OpenAI's `n`), each in its own slot, queued together
+        or refused together. With a seed in `params`, job i samples with seed + i (job 0 draws what
+        a single job with that seed draws); without one, each draws its own. Arguments and errors
+        as submit()."""
         ids = [int(t) for t in prompt]
         if not ids:
             raise EngineError("the prompt is empty (no tokens); give some text")
@@ -222,29 +250,40 @@ class BatchGenerator:
                                        f"shorten the prompt", flag="-c")
         if max_tokens is not None and max_tokens < 0:
             raise EngineError(f"max_tokens must be >= 0 (or None for no limit), got {max_tokens}")
+        if not sinks:
+            raise EngineError("submit_n needs at least one sink (one per sequence)")
+        limit = self.timeout if timeout is None else _check_timeout(timeout)
         stops = [s for s in ([stop] if isinstance(stop, str) else list(stop)) if s]
-        job = Job(next(self._ids), ids, max_tokens, params or SamplingParams(), stops, bool(ignore_eos),
-                  logprobs, sink, _gen=self)
+        params = params or SamplingParams()
+        seed = params.seed
+        per_job = [params if i == 0 or seed is None or seed == -1 else dataclasses.replace(params, seed=seed + i)
+                   for i in range(len(sinks))]
+        now = time.perf_counter()
+        jobs = [Job(next(self._ids), ids, max_tokens, per_job[i], stops, bool(ignore_eos), logprobs, sink,
+                    t_submit=now, timeout=limit, _gen=self) for i, sink in enumerate(sinks)]
         with self._cond:
             if self._closing:
                 raise GeneratorClosedError("the generator is shutting down")
-            waiting = len(self._pending) + 1 - (self.n_slots - self.running)  # after this one
+            waiting = len(self._pending) + len(jobs) - (self.n_slots - self.running)  # after these
             if waiting > self.max_queue:
                 ra = self.retry_after()
                 if self.metrics:
                     self.metrics.rejected("queue_full")
+                many = f"these {len(jobs)} requests" if len(jobs) > 1 else "this request"
                 raise QueueFullError(f"all {self.n_slots} slots are busy and {len(self._pending)} requests are "
-                                     f"waiting (the queue holds {self.max_queue}); retry in about {ra} s", ra)
-            self._pending.append(job)
+                                     f"waiting (the queue holds {self.max_queue}, too few for {many}); "
+                                     f"retry in about {ra} s", ra)
+            self._pending.extend(jobs)
             self._cond.notify()
-        return job
+        return jobs
 
     def complete_many(self, prompts: Sequence[str | Sequence[int]], max_tokens: int | None = 128, *,
                       stop: Sequence[str] | str = (), ignore_eos: bool = False, add_bos: bool | None = None,
-                      **sampling: Any) -> list[Completion]:
+                      timeout: float | None = None, **sampling: Any) -> list[Completion]:
         """Run every prompt concurrently (batched over the slots); return a Completion each, in
         order. `sampling`: SamplingParams' fields; with a `seed`, prompt i uses seed + i. More
-        prompts than the queue holds are submitted as earlier ones finish."""
+        prompts than the queue holds are submitted as earlier ones finish. A prompt that outlives
+        `timeout` (as submit's) raises RequestTimeoutError."""
         import queue
 
         seed = sampling.pop("seed", None)
@@ -263,7 +302,7 @@ class BatchGenerator:
                     i = len(jobs)
                     try:
                         jobs.append(self.submit(ids[i], lambda ev, i=i: results.put((i, ev)), max_tokens=max_tokens,
-                                                params=params[i], stop=stop, ignore_eos=ignore_eos))
+                                                params=params[i], stop=stop, ignore_eos=ignore_eos, timeout=timeout))
                     except QueueFullError:
                         if len(jobs) == done:
                             raise
@@ -325,6 +364,7 @@ class BatchGenerator:
             try:
                 for seq in admitted:
                     self._start(seq)
+                self._expire()
                 self._reap()
                 self._prefill()
                 self._decode()
@@ -386,6 +426,23 @@ class BatchGenerator:
             if seq.job.cancelled:
                 self._end(seq, self._finished(seq, "cancelled", ""))
 
+    def _expire(self) -> None:
+        """End the jobs past their deadline, queued or running (their slots are free again)."""
+        now = time.perf_counter()
+        with self._cond:
+            late = [j for j in self._pending if j.timeout is not None and now - j.t_submit > j.timeout]
+            for job in late:
+                self._pending.remove(job)
+                job.done = True
+        for job in late:
+            if self.metrics:
+                self.metrics.finished("timeout", now - job.t_submit)
+            self._deliver(job, Failed(_timed_out(job, 0)))
+        for seq in list(self._order):
+            job = seq.job
+            if job.timeout is not None and now - job.t_submit > job.timeout and not job.done:
+                self._end(seq, Failed(_timed_out(job, len(seq.history) - len(job.prompt) if seq.history else 0)))
+
     def _prefill(self) -> None:
         budget = self.prefill_chunk
         for seq in list(self._order):
@@ -413,6 +470,7 @@ class BatchGenerator:
             if seq.fed == n:
                 seq.t_prefilled = time.perf_counter()
                 self._sample(seq, logits)
+        self._count_emitted()
 
     def _decode(self) -> None:
         batch = [s for s in self._order if s.next_token >= 0 and not s.job.done]
@@ -432,21 +490,37 @@ class BatchGenerator:
             return
         if self.metrics:
             self.metrics.decode_step(len(batch), time.perf_counter() - t0)
+        plain = [s.sampler.plain_greedy for s in batch]
+        best = logits[:len(batch)].argmax(axis=1) if all(plain) else None  # one pass for the whole block
         for i, s in enumerate(batch):
             self._slot_tokens[s.slot].append(tokens[i])
             s.next_token = -1
             row = logits[i]
             try:
-                check_finite(self.backend, row, f"at position {positions[i]}")
+                if plain[i]:
+                    tok = int(best[i]) if best is not None else int(row.argmax())
+                    # argmax takes the first NaN or +inf when there is one, so the chosen logit is
+                    # finite exactly when the row's max is: check_finite on that one element
+                    check_finite(self.backend, row[tok:tok + 1], f"at position {positions[i]}")
+                else:
+                    check_finite(self.backend, row, f"at position {positions[i]}")
+                    tok = -1
             except Exception as e:
                 self._end(s, Failed(e))
                 continue
-            self._sample(s, row)
+            self._sample(s, row, tok)
+        self._count_emitted()
 
-    def _sample(self, seq: _Seq, logits: np.ndarray) -> None:
-        """Sample the next token of `seq` from `logits` [V] and deliver it (generate.run's rules)."""
+    def _sample(self, seq: _Seq, logits: np.ndarray, tok: int = -1) -> None:
+        """Sample the next token of `seq` from `logits` [V] (unless the caller chose it: `tok` >= 0)
+        and deliver it (generate.run's rules)."""
         job = seq.job
-        tok = seq.sampler.sample(logits, seq.history)
+        if tok < 0:
+            try:
+                tok = seq.sampler.sample(logits, seq.history)
+            except CflowError as e:  # e.g. a logit_bias id beyond this model's vocabulary
+                self._end(seq, Failed(e))
+                return
         seq.count += 1
         if seq.count == 1:
             seq.t_first = time.perf_counter()
@@ -460,8 +534,7 @@ class BatchGenerator:
         lp = top = None
         if job.logprobs is not None:
             lp, top = token_logprobs(logits, tok, job.logprobs)
-        if self.metrics:
-            self.metrics.generated(1)
+        self._emitted += 1
         if not self._deliver(job, Piece(tok, text, lp, top)):
             self._end(seq, self._finished(seq, "cancelled", ""))
         elif hit:
@@ -470,6 +543,11 @@ class BatchGenerator:
             self._finish(seq, "length")
         else:
             seq.next_token = tok
+
+    def _count_emitted(self) -> None:
+        if self._emitted and self.metrics:
+            self.metrics.generated(self._emitted)
+        self._emitted = 0
 
     def _finish(self, seq: _Seq, reason: str) -> None:
         tail, _ = seq.held.feed(seq.detok.flush(), final=True)
@@ -498,7 +576,8 @@ class BatchGenerator:
         in_slot = time.perf_counter() - seq.t_admit
         self._service_s = 0.8 * self._service_s + 0.2 * in_slot
         if self.metrics:
-            self.metrics.finished(event.reason if isinstance(event, Finished) else "error",
+            self.metrics.finished(event.reason if isinstance(event, Finished) else
+                                  "timeout" if isinstance(event.error, RequestTimeoutError) else "error",
                                   time.perf_counter() - job.t_submit)
         self._deliver(job, event)
 
@@ -510,6 +589,21 @@ class BatchGenerator:
         except Exception:
             job.cancelled = True
             return False
+
+
+def _check_timeout(timeout: float | None) -> float | None:
+    """A timeout in seconds (None or 0: none)."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0 \
+            or not math.isfinite(timeout):
+        raise ValueError(f"timeout must be a finite number of seconds >= 0 (0 or None: none), got {timeout!r}")
+    return float(timeout) or None
+
+
+def _timed_out(job: Job, generated: int) -> RequestTimeoutError:
+    return RequestTimeoutError(f"the request did not finish within its timeout of {job.timeout:g} s "
+                               f"({generated} tokens generated); it was cancelled")
 
 
 def token_logprobs(logits: np.ndarray, token: int, n: int) -> tuple[float, list[tuple[int, float]]]:

@@ -3,14 +3,18 @@ stream-chunk objects built from the batch generator's events. No HTTP here (cflo
 
 Every check raises `BadRequest` with the message, the parameter and an OpenAI error code, which
 the server returns as 400 `{"error": {"message", "type": "invalid_request_error", "param", "code"}}`.
-Types are checked strictly (a string where a number belongs is an error, not coerced); unknown
-fields are ignored, as OpenAI's and llama-server's are; fields we cannot honour (n > 1, echo,
-logit_bias, presence/frequency penalties, tools) are refused rather than silently ignored.
+Types are checked strictly (a string where a number belongs is an error, not coerced). Fields
+other servers honour and this one does not (UNSUPPORTED: echo, suffix, tools, response_format
+other than text, grammars, other samplers ...) are refused with a 400 naming the field whenever
+they hold anything but their no-op value, never silently ignored; fields that change nothing
+here (user, metadata, store ...) and unknown ones are ignored, as OpenAI's and llama-server's are.
 
 Sampling fields: temperature, top_p, top_k, min_p, repeat_penalty (or repetition_penalty),
-repeat_last_n, seed, stop, max_tokens (or max_completion_tokens, or llama-server's n_predict),
-ignore_eos (llama-server); logprobs (completions: an int, the number of alternatives; chat: a bool,
-with top_logprobs). Absent fields take the server's defaults (`cflow serve --temp ...`).
+repeat_last_n, presence_penalty, frequency_penalty, logit_bias ({"token id": bias}), seed, stop,
+max_tokens (or max_completion_tokens, or llama-server's n_predict), ignore_eos (llama-server);
+logprobs (completions: an int, the number of alternatives; chat: a bool, with top_logprobs);
+n (choices, each decoded in its own slot; with a seed, choice i uses seed + i). Absent fields
+take the server's defaults (`cflow serve --temp ...`).
 """
 
 from __future__ import annotations
@@ -26,7 +30,39 @@ from cflow.sampling import SamplingError, SamplingParams
 MAX_STOP = 16             # stop strings per request
 MAX_STOP_CHARS = 128      # characters per stop string (the stop matcher's cost per token grows with it)
 MAX_LOGPROBS = 20         # alternatives per token
+MAX_N = 128               # choices per request (OpenAI's limit); each takes a slot or a place in the queue
+MAX_BIAS = 100.0          # |logit_bias| (OpenAI's range; -100 bans a token, +100 forces it)
+MAX_PENALTY = 2.0         # |presence_penalty|, |frequency_penalty| (OpenAI's range)
 ROLES = ("system", "developer", "user", "assistant", "tool")
+
+# Fields that OpenAI or llama-server honour and this server does not: name -> (the values that
+# change nothing, what to say). Any other value is refused with 400 naming the field.
+UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "echo": ((False,), "echoing the prompt is not supported"),
+    "suffix": (("",), "insertion (a suffix after the completion) is not supported"),
+    "tools": (([],), "tools (function calling) are not supported"),
+    "tool_choice": (("none", "auto"), "tools (function calling) are not supported"),
+    "functions": (([],), "functions (function calling) are not supported"),
+    "function_call": (("none", "auto"), "functions (function calling) are not supported"),
+    "response_format": (({"type": "text"},), "only the 'text' response_format is supported (no JSON mode or "
+                                             "JSON schema)"),
+    "modalities": ((["text"],), "only text output is supported"),
+    "audio": ((), "audio output is not supported"),
+    "prediction": ((), "predicted outputs are not supported"),
+    "web_search_options": ((), "web search is not supported"),
+    # llama-server's extra samplers and constraints
+    "grammar": (("",), "grammars are not supported"),
+    "json_schema": (({},), "JSON schemas are not supported"),
+    "mirostat": ((0,), "mirostat sampling is not supported"),
+    "typical_p": ((1,), "typical sampling is not supported"),
+    "tfs_z": ((1,), "tail-free sampling is not supported"),
+    "top_n_sigma": ((-1,), "top-n-sigma sampling is not supported"),
+    "dynatemp_range": ((0,), "dynamic temperature is not supported"),
+    "dry_multiplier": ((0,), "DRY sampling is not supported"),
+    "xtc_probability": ((0,), "XTC sampling is not supported"),
+    "n_probs": ((0,), "use 'logprobs' for token probabilities"),
+    "samplers": ((), "a custom sampler order is not supported (the order is llama.cpp's default)"),
+}
 
 
 class BadRequest(Exception):
@@ -59,6 +95,7 @@ class GenSpec:
 
     kind: str                               # "completion" | "chat"
     params: SamplingParams
+    n: int                                  # choices
     max_tokens: int | None
     stop: list[str]
     stream: bool
@@ -109,19 +146,22 @@ def _range(name: str, v: Any, lo: float | None = None, hi: float | None = None) 
 
 
 # ---- the fields both endpoints share ---------------------------------------------------------
-def _common(body: dict[str, Any], defaults: Defaults, names: frozenset[str], kind: str) -> dict[str, Any]:
+def _common(body: dict[str, Any], defaults: Defaults, names: frozenset[str], kind: str,
+            vocab_size: int | None) -> dict[str, Any]:
     model = _field(body, "model", "str")
     if model is not None and names and model not in names:
         raise BadRequest(f"the model '{model}' does not exist here; this server serves '{sorted(names)[0]}' "
                          f"(GET /v1/models)", "model", "model_not_found")
+    for name, (noops, why) in UNSUPPORTED.items():
+        v = body.get(name)
+        if v is not None and not any(_same(v, ok) for ok in noops):
+            raise BadRequest(f"'{name}' is not supported by this server: {why}", name, "unsupported_parameter")
     n = _field(body, "n", "int", 1)
-    if n != 1:
-        raise BadRequest("only n = 1 is supported (send n requests instead)", "n", "unsupported_value")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if _field(body, name, "number", 0) != 0:
-            raise BadRequest(f"'{name}' is not supported (use repeat_penalty)", name, "unsupported_parameter")
-    if _field(body, "logit_bias", "object"):
-        raise BadRequest("'logit_bias' is not supported", "logit_bias", "unsupported_parameter")
+    _range("n", n, 1, MAX_N)
+    best_of = _field(body, "best_of", "int")
+    if best_of is not None and best_of != n:
+        raise BadRequest(f"'best_of' is not supported by this server (only best_of = n, here {n}, which returns "
+                         f"every choice)", "best_of", "unsupported_parameter")
 
     # max_tokens and its other names
     mt: Any = _MISSING
@@ -139,10 +179,15 @@ def _common(body: dict[str, Any], defaults: Defaults, names: frozenset[str], kin
     # sampling: each value checked by SamplingParams, so the message names the field
     sampling: dict[str, Any] = {}
     for name, kind_ in (("temperature", "number"), ("top_p", "number"), ("top_k", "int"), ("min_p", "number"),
-                        ("repeat_last_n", "int")):
+                        ("repeat_last_n", "int"), ("presence_penalty", "number"), ("frequency_penalty", "number")):
         v = _field(body, name, kind_)
         if v is not None:
             sampling[name] = v
+    for name in ("presence_penalty", "frequency_penalty"):
+        _range(name, sampling.get(name), -MAX_PENALTY, MAX_PENALTY)
+    bias = _logit_bias(body, vocab_size)
+    if bias is not None:
+        sampling["logit_bias"] = bias
     rp = _field(body, "repeat_penalty", "number")
     rp2 = _field(body, "repetition_penalty", "number")
     if rp is not None or rp2 is not None:
@@ -191,28 +236,44 @@ def _common(body: dict[str, Any], defaults: Defaults, names: frozenset[str], kin
             if _field(body, "top_logprobs", "int") is not None:
                 raise BadRequest("'top_logprobs' needs 'logprobs': true", "top_logprobs", "invalid_value")
             logprobs = None
-        if _field(body, "tools", "array"):
-            raise BadRequest("tools (function calling) are not supported", "tools", "unsupported_parameter")
-        rf = _field(body, "response_format", "object")
-        if rf and rf.get("type", "text") != "text":
-            raise BadRequest("only the 'text' response_format is supported", "response_format",
-                             "unsupported_value")
     else:
         logprobs = _field(body, "logprobs", "int")
         _range("logprobs", logprobs, 0, MAX_LOGPROBS)
-        if _field(body, "echo", "bool", False):
-            raise BadRequest("'echo' is not supported", "echo", "unsupported_parameter")
-        if _field(body, "suffix", "str"):
-            raise BadRequest("'suffix' (insertion) is not supported", "suffix", "unsupported_parameter")
-        if _field(body, "best_of", "int", 1) != 1:
-            raise BadRequest("only best_of = 1 is supported", "best_of", "unsupported_value")
 
-    return dict(params=params, max_tokens=max_tokens, stop=stops, stream=stream, include_usage=include_usage,
+    return dict(params=params, n=n, max_tokens=max_tokens, stop=stops, stream=stream, include_usage=include_usage,
                 ignore_eos=_field(body, "ignore_eos", "bool", False), logprobs=logprobs, model=model)
 
 
-def parse_completion(body: Any, defaults: Defaults, names: frozenset[str] = frozenset()) -> GenSpec:
-    """POST /v1/completions. prompt: a string, an array of token ids, or an array holding one of those."""
+def _same(v: Any, ok: Any) -> bool:
+    """JSON equality (True is not 1 here, as it is in Python)."""
+    return type(v) is type(ok) and v == ok if isinstance(v, bool) or isinstance(ok, bool) else v == ok
+
+
+def _logit_bias(body: dict[str, Any], vocab_size: int | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias: {"token id": bias in [-100, 100]}."""
+    raw = _field(body, "logit_bias", "object")
+    if raw is None:
+        return None
+    out = {}
+    for key, v in raw.items():
+        if not (key.isascii() and key.isdigit()):
+            raise BadRequest(f"'logit_bias' keys must be token ids (decimal integers as strings), got {key!r}"[:300],
+                             "logit_bias", "invalid_value")
+        tid = int(key)
+        if vocab_size is not None and tid >= vocab_size:
+            raise BadRequest(f"'logit_bias' names token {tid} but the vocabulary has {vocab_size} tokens "
+                             f"(0..{vocab_size - 1})", "logit_bias", "invalid_value")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or abs(v) > MAX_BIAS:
+            raise BadRequest(f"'logit_bias' of token {tid} must be a number between -{MAX_BIAS:g} and {MAX_BIAS:g}, "
+                             f"got {v!r}"[:300], "logit_bias", "invalid_value")
+        out[tid] = float(v)
+    return out
+
+
+def parse_completion(body: Any, defaults: Defaults, names: frozenset[str] = frozenset(),
+                     vocab_size: int | None = None) -> GenSpec:
+    """POST /v1/completions. prompt: a string, an array of token ids, or an array holding one of those.
+    `vocab_size` bounds the token ids logit_bias may name (None: unchecked here)."""
     body = _object(body)
     if "prompt" not in body:
         raise BadRequest("'prompt' is required", "prompt", "missing_required_parameter")
@@ -228,10 +289,11 @@ def parse_completion(body: Any, defaults: Defaults, names: frozenset[str] = froz
     elif not isinstance(p, str):
         raise BadRequest(f"'prompt' must be a string or an array of token ids, got {_json_type(p)}", "prompt",
                          "invalid_type")
-    return GenSpec("completion", prompt=p, **_common(body, defaults, names, "completion"))
+    return GenSpec("completion", prompt=p, **_common(body, defaults, names, "completion", vocab_size))
 
 
-def parse_chat(body: Any, defaults: Defaults, names: frozenset[str] = frozenset()) -> GenSpec:
+def parse_chat(body: Any, defaults: Defaults, names: frozenset[str] = frozenset(),
+               vocab_size: int | None = None) -> GenSpec:
     """POST /v1/chat/completions. messages: [{"role", "content": a string or text parts}]."""
     body = _object(body)
     msgs = body.get("messages")
@@ -249,7 +311,7 @@ def parse_chat(body: Any, defaults: Defaults, names: frozenset[str] = frozenset(
                              "invalid_value")
         out.append({"role": "system" if role == "developer" else role,
                     "content": _content(m.get("content"), f"{where}.content")})
-    return GenSpec("chat", messages=out, **_common(body, defaults, names, "chat"))
+    return GenSpec("chat", messages=out, **_common(body, defaults, names, "chat", vocab_size))
 
 
 def _content(c: Any, where: str) -> str:
@@ -311,21 +373,24 @@ class LogprobsBuilder:
         return {**one(p.token, p.logprob), "top_logprobs": [one(i, lp) for i, lp in (p.top or [])]}
 
 
-def completion_object(kind: str, rid: str, created: int, model: str, text: str, finish: str,
-                      usage_: dict[str, Any], logprobs: Any = None) -> dict[str, Any]:
+def choice_object(kind: str, index: int, text: str, finish: str, logprobs: Any = None) -> dict[str, Any]:
+    """One choice of a whole (not streamed) answer."""
     if kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                  "finish_reason": finish}
-        return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": [choice],
-                "usage": usage_}
-    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
-    return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice],
-            "usage": usage_}
+        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                "finish_reason": finish}
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+
+
+def completion_object(kind: str, rid: str, created: int, model: str, choices: list[dict[str, Any]],
+                      usage_: dict[str, Any]) -> dict[str, Any]:
+    obj = "chat.completion" if kind == "chat" else "text_completion"
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": choices, "usage": usage_}
 
 
 def chunk_object(kind: str, rid: str, created: int, model: str, text: str | None, finish: str | None,
-                 logprobs: Any = None, include_usage: bool = False, role: bool = False) -> dict[str, Any]:
-    """One streamed chunk (text None: no content field, for the chat's final chunk)."""
+                 logprobs: Any = None, include_usage: bool = False, role: bool = False,
+                 index: int = 0) -> dict[str, Any]:
+    """One streamed chunk of choice `index` (text None: no content field, for the chat's final chunk)."""
     if kind == "chat":
         delta: dict[str, Any] = {}
         if role:
@@ -333,10 +398,10 @@ def chunk_object(kind: str, rid: str, created: int, model: str, text: str | None
         if text is not None:
             delta["content"] = text
         out = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-               "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+               "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
     else:
         out = {"id": rid, "object": "text_completion", "created": created, "model": model,
-               "choices": [{"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}]}
+               "choices": [{"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}]}
     if include_usage:
         out["usage"] = None
     return out
