@@ -420,14 +420,19 @@ class Engine:
     def generate(self, prompt: str | Sequence[int], max_tokens: int | None = 128, *,
                  temperature: float = 0.8, top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05,
                  repeat_penalty: float = 1.0, repeat_last_n: int = 64, seed: int | None = None,
-                 stop: Sequence[str] = (), add_bos: bool | None = None, ignore_eos: bool = False) -> Iterator[str]:
+                 presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                 logit_bias: Any = (), stop: Sequence[str] = (), add_bos: bool | None = None,
+                 ignore_eos: bool = False) -> Iterator[str]:
         """Stream the continuation of `prompt` as text pieces.
 
+        Sampling as cflow.sampling.SamplingParams (logit_bias: {token id: bias} or (id, bias) pairs).
         Stops at an end-of-sequence/end-of-turn token (unless ignore_eos), at a stop string (not
         included in the output), after `max_tokens` (None: until the context is full), or at the
         end of the context. Timings of the run are in `self.last_timings` once it ends."""
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                                repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, seed=seed)
+                                repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, seed=seed,
+                                presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                                logit_bias=logit_bias)
         for _, piece in run(self, prompt, max_tokens, params, stop, add_bos, ignore_eos):
             if piece:
                 yield piece
