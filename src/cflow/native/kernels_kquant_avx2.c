@@ -82,11 +82,11 @@ INLINE void q5_unpack(int dtype, const uint8_t *c, q5_group *G) {
     const uint8_t *qh = c + (q51 ? 32 : 16), *qs = qh + 32;
     G->d = load_halves8(c);
     G->m = q51 ? load_halves8(c + 16) : _mm256_setzero_ps();
+    __m256i qh8 = _mm256_loadu_si256((const __m256i *)qh); /* dword i = row i's qh */
     for (int j = 0; j < 4; j++) {
-        uint32_t ha, hb;
-        memcpy(&ha, qh + 8 * j, 4);
-        memcpy(&hb, qh + 8 * j + 4, 4);
-        __m256i h = _mm256_setr_epi32((int)ha, (int)ha, (int)ha, (int)ha, (int)hb, (int)hb, (int)hb, (int)hb);
+        /* lane 0: row 2j's qh word, lane 1: row 2j+1's */
+        __m256i h = _mm256_permutevar8x32_epi32(qh8, _mm256_setr_epi32(2 * j, 2 * j, 2 * j, 2 * j, 2 * j + 1,
+                                                                        2 * j + 1, 2 * j + 1, 2 * j + 1));
         __m256i lo, hi;
         unpack_q4_pair(qs + 32 * j, &lo, &hi);
         G->v[2 * j] = _mm256_or_si256(lo, q5_high_bits(h, 0));
@@ -116,11 +116,13 @@ INLINE __m256 q5_update(int dtype, const q5_group *G, const cf_act_q8 *x, int kb
 }
 
 /* One row of a K-quant super-block: q[t] = weights 32t .. 32t+31 (unsigned), and its scales as
- * int16: Q4_K / Q5_K sc = the 8 sub-block scales in both 128-bit lanes, m = the 8 mins;
- * Q6_K sc / sc2 = scales 0..7 / 8..15 in both lanes, s16 = all 16 (lane 0: 0..7, lane 1: 8..15). */
+ * int16: scl[t] = the scale of each int16 lane of maddubs(q[t], x) (Q4_K / Q5_K: sub-block t's
+ * in all lanes; Q6_K: sub-block 2t's in the low 128-bit lane, 2t+1's in the high one), m = the 8
+ * mins (Q4_K / Q5_K), s16 = the 16 scales (Q6_K; lane 0: 0..7, lane 1: 8..15). */
 typedef struct {
     __m256i q[8];
-    __m256i sc, sc2, s16;
+    __m256i scl[8];
+    __m256i s16;
     __m128i m;
 } kq_row;
 
@@ -128,6 +130,14 @@ typedef struct {
     __m256 d, dmin;
     kq_row r[8];
 } kq_group;
+
+/* int16 lane j of v in every int16 lane (per 128-bit lane: lane 0 takes j0, lane 1 takes j1). */
+INLINE __m256i bcast16(__m256i v, int j0, int j1) {
+    int b0 = (2 * j0 + 1) << 8 | 2 * j0, b1 = (2 * j1 + 1) << 8 | 2 * j1;
+    return _mm256_shuffle_epi8(v, _mm256_setr_epi16((short)b0, (short)b0, (short)b0, (short)b0, (short)b0, (short)b0,
+                                                    (short)b0, (short)b0, (short)b1, (short)b1, (short)b1, (short)b1,
+                                                    (short)b1, (short)b1, (short)b1, (short)b1));
+}
 
 /* Q4_K / Q5_K's 12 packed bytes -> bytes 0..7 = 6-bit scales, 8..15 = 6-bit mins (ggml's
  * get_scale_min_k4 for all 8 at once, four 32-bit words at a time). */
@@ -163,8 +173,10 @@ INLINE void kq_unpack_row(int dtype, const uint8_t *c, int i, kq_row *R) {
                 R->q[4 * h + s] = _mm256_or_si256(lo4[s], _mm256_slli_epi16(hi2, 4));
             }
         }
-        R->sc = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)sc)));
-        R->sc2 = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(sc + 8))));
+        __m256i lo8 = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)sc)));
+        __m256i hi8 = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(sc + 8))));
+#pragma GCC unroll 8
+        for (int t = 0; t < 8; t++) R->scl[t] = bcast16(t < 4 ? lo8 : hi8, 2 * (t & 3), 2 * (t & 3) + 1);
         R->s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
         R->m = _mm_setzero_si128();
         return;
@@ -172,9 +184,11 @@ INLINE void kq_unpack_row(int dtype, const uint8_t *c, int i, kq_row *R) {
     const int q5k = dtype == CF_Q5_K;
     const uint8_t *qs = c + (q5k ? 384 : 128) + 128 * i;
     __m128i smin = scale_min_k4_x8(c + 32 + 12 * i);
-    R->sc = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(smin));
+    __m256i sc8 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(smin));
+#pragma GCC unroll 8
+    for (int t = 0; t < 8; t++) R->scl[t] = bcast16(sc8, t, t);
     R->m = _mm_cvtepu8_epi16(_mm_srli_si128(smin, 8));
-    R->sc2 = R->s16 = _mm256_setzero_si256();
+    R->s16 = _mm256_setzero_si256();
     __m256i hb = q5k ? _mm256_loadu_si256((const __m256i *)(c + 128 + 32 * i)) : _mm256_setzero_si256();
     const __m256i one = _mm256_set1_epi8(1);
     for (int k = 0; k < 4; k++) { /* run k: sub-block 2k in the low nibbles, 2k+1 in the high */
@@ -197,26 +211,17 @@ INLINE void kq_unpack(int dtype, const uint8_t *c, kq_group *G) {
 
 /* ---- the integer dot products of one super-block ------------------------------------------- */
 
-/* int16 lane j of v in every int16 lane (per 128-bit lane: lane 0 takes j0, lane 1 takes j1). */
-INLINE __m256i bcast16(__m256i v, int j0, int j1) {
-    int b0 = (2 * j0 + 1) << 8 | 2 * j0, b1 = (2 * j1 + 1) << 8 | 2 * j1;
-    return _mm256_shuffle_epi8(v, _mm256_setr_epi16((short)b0, (short)b0, (short)b0, (short)b0, (short)b0, (short)b0,
-                                                    (short)b0, (short)b0, (short)b1, (short)b1, (short)b1, (short)b1,
-                                                    (short)b1, (short)b1, (short)b1, (short)b1));
-}
-
 /* Row R's sum_qd over one super-block as 8 int32 partials. Q4_K / Q5_K: sum_t sc_t * dot_t over
  * the 8 sub-blocks of 32 (maddubs pair sums <= 2*31*127, times sc <= 63 in madd). Q6_K: 16
  * sub-blocks of 16 (q[t] covers sub-blocks 2t, 2t+1, one per 128-bit lane; pair sums <= 16002),
  * minus 32 * sum_s sc_s * bsums[s], so the weights' -32 never enters the byte products. */
 INLINE __m256i kq_row_qd(int dtype, const kq_row *R, const int8_t *xq, __m256i bs16) {
+    (void)dtype;
     __m256i acc = _mm256_setzero_si256();
 #pragma GCC unroll 8
     for (int t = 0; t < 8; t++) {
         __m256i p = _mm256_maddubs_epi16(R->q[t], _mm256_loadu_si256((const __m256i *)(xq + 32 * t)));
-        __m256i scale = dtype == CF_Q6_K ? bcast16(t < 4 ? R->sc : R->sc2, 2 * (t & 3), 2 * (t & 3) + 1)
-                                         : bcast16(R->sc, t, t);
-        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, scale));
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, R->scl[t]));
     }
     if (dtype == CF_Q6_K) acc = _mm256_sub_epi32(acc, _mm256_slli_epi32(_mm256_madd_epi16(R->s16, bs16), 5));
     return acc;
@@ -248,16 +253,25 @@ INLINE __m256i act_bsums(const cf_act_q8 *x, int kb) {
     return _mm256_loadu_si256((const __m256i *)(x->bsums + (size_t)kb * (CF_QK_K / 16)));
 }
 
-/* The mat-mat's step: an unpacked group against one activation. */
+/* The mat-mat's step: an unpacked group against one activation, sub-block by sub-block so each
+ * 32 activations are loaded once for the 8 rows (the same exact integers as kq_row_qd). */
 INLINE __m256 kq_update(int dtype, const kq_group *G, const cf_act_q8 *x, int kb, __m256 acc) {
     const int8_t *xq = x->qk + (size_t)kb * CF_QK_K;
-    __m256i bs16 = act_bsums(x, kb);
     __m256i r[CF_G];
     __m128i m[CF_G];
-    for (int i = 0; i < CF_G; i++) {
-        r[i] = kq_row_qd(dtype, &G->r[i], xq, bs16);
-        m[i] = G->r[i].m;
+    for (int i = 0; i < CF_G; i++) r[i] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int t = 0; t < 8; t++) {
+        __m256i xt = _mm256_loadu_si256((const __m256i *)(xq + 32 * t));
+        for (int i = 0; i < CF_G; i++)
+            r[i] = _mm256_add_epi32(r[i], _mm256_madd_epi16(_mm256_maddubs_epi16(G->r[i].q[t], xt), G->r[i].scl[t]));
     }
+    if (dtype == CF_Q6_K) {
+        __m256i bs16 = act_bsums(x, kb);
+        for (int i = 0; i < CF_G; i++)
+            r[i] = _mm256_sub_epi32(r[i], _mm256_slli_epi32(_mm256_madd_epi16(G->r[i].s16, bs16), 5));
+    }
+    for (int i = 0; i < CF_G; i++) m[i] = G->r[i].m;
     return kq_finish(dtype, G->d, G->dmin, r, m, x, kb, acc);
 }
 
