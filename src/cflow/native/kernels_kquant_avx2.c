@@ -211,6 +211,15 @@ INLINE void kq_unpack(int dtype, const uint8_t *c, kq_group *G) {
 
 /* ---- the integer dot products of one super-block ------------------------------------------- */
 
+/* acc + the int32 pair sums of p * scale (int16 x int16): one vpdpwssd with VNNI. */
+INLINE __m256i madd_acc(__m256i acc, __m256i p, __m256i scale) {
+#if CF_ISA_VNNI
+    return _mm256_dpwssd_avx_epi32(acc, p, scale);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(p, scale));
+#endif
+}
+
 /* Row R's sum_qd over one super-block as 8 int32 partials. Q4_K / Q5_K: sum_t sc_t * dot_t over
  * the 8 sub-blocks of 32 (maddubs pair sums <= 2*31*127, times sc <= 63 in madd). Q6_K: 16
  * sub-blocks of 16 (q[t] covers sub-blocks 2t, 2t+1, one per 128-bit lane; pair sums <= 16002),
@@ -221,7 +230,7 @@ INLINE __m256i kq_row_qd(int dtype, const kq_row *R, const int8_t *xq, __m256i b
 #pragma GCC unroll 8
     for (int t = 0; t < 8; t++) {
         __m256i p = _mm256_maddubs_epi16(R->q[t], _mm256_loadu_si256((const __m256i *)(xq + 32 * t)));
-        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, R->scl[t]));
+        acc = madd_acc(acc, p, R->scl[t]);
     }
     if (dtype == CF_Q6_K) acc = _mm256_sub_epi32(acc, _mm256_slli_epi32(_mm256_madd_epi16(R->s16, bs16), 5));
     return acc;
@@ -264,7 +273,7 @@ INLINE __m256 kq_update(int dtype, const kq_group *G, const cf_act_q8 *x, int kb
     for (int t = 0; t < 8; t++) {
         __m256i xt = _mm256_loadu_si256((const __m256i *)(xq + 32 * t));
         for (int i = 0; i < CF_G; i++)
-            r[i] = _mm256_add_epi32(r[i], _mm256_madd_epi16(_mm256_maddubs_epi16(G->r[i].q[t], xt), G->r[i].scl[t]));
+            r[i] = madd_acc(r[i], _mm256_maddubs_epi16(G->r[i].q[t], xt), G->r[i].scl[t]);
     }
     if (dtype == CF_Q6_K) {
         __m256i bs16 = act_bsums(x, kb);
