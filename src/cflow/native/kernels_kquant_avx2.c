@@ -10,10 +10,12 @@
  *           sub-block scale applied in integer (madd with the int16 scale), summed over the
  *           super-block in int32; then one float FMA per row and super-block (Q4_K / Q5_K: a
  *           second for the mins, whose integer part sum_s m_s * bsum_s needs no weights at all).
- * The mat-vec keeps the unpacked group in registers (one activation); the mat-mat unpacks it
- * once into an L1 buffer and runs up to KQ_NB activations over it. Both form the same exact
- * integers and apply the same float operations in the same order, so matmat == B mat-vecs bit
- * for bit. The integer bounds (no int16 saturation, no int32 overflow) are in docs/kquants.md.
+ * The mat-vec unpacks one row at a time and uses it at once (one activation); the mat-mat
+ * unpacks the group once into an L1 buffer and runs up to KQ_NB activations over it (under VNNI
+ * transposed, lane i = row i, so one vpdpbusd per 4 activation bytes serves all 8 rows and a
+ * vpmulld applies each sub-block's 8 scales). All paths form the same exact integers and apply
+ * the same float operations in the same order (kq_finish_qd), so matmat == B mat-vecs bit for
+ * bit. The integer bounds (no int16 saturation, no int32 overflow) are in docs/kquants.md.
  *
  * The K-quants' sub-block scales need the int16 stage (madd), so the VNNI table keeps maddubs
  * there; Q5_0 / Q5_1 use vpdpbusd like Q4_0 (dot_q4_pair_unpacked).
@@ -123,6 +125,7 @@ typedef struct {
     __m256i q[8];
     __m256i scl[8];
     __m256i s16;
+    __m256i sc32[2]; /* the scales as int32: Q4_K / Q5_K [0] = 8; Q6_K [0] = 0..7, [1] = 8..15 */
     __m128i m;
 } kq_row;
 
@@ -178,6 +181,8 @@ INLINE void kq_unpack_row(int dtype, const uint8_t *c, int i, kq_row *R) {
 #pragma GCC unroll 8
         for (int t = 0; t < 8; t++) R->scl[t] = bcast16(t < 4 ? lo8 : hi8, 2 * (t & 3), 2 * (t & 3) + 1);
         R->s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
+        R->sc32[0] = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)sc));
+        R->sc32[1] = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(sc + 8)));
         R->m = _mm_setzero_si128();
         return;
     }
@@ -189,6 +194,8 @@ INLINE void kq_unpack_row(int dtype, const uint8_t *c, int i, kq_row *R) {
     for (int t = 0; t < 8; t++) R->scl[t] = bcast16(sc8, t, t);
     R->m = _mm_cvtepu8_epi16(_mm_srli_si128(smin, 8));
     R->s16 = _mm256_setzero_si256();
+    R->sc32[0] = _mm256_cvtepu8_epi32(smin);
+    R->sc32[1] = _mm256_setzero_si256();
     __m256i hb = q5k ? _mm256_loadu_si256((const __m256i *)(c + 128 + 32 * i)) : _mm256_setzero_si256();
     const __m256i one = _mm256_set1_epi8(1);
     for (int k = 0; k < 4; k++) { /* run k: sub-block 2k in the low nibbles, 2k+1 in the high */
@@ -239,10 +246,10 @@ INLINE __m256i kq_row_qd(int dtype, const kq_row *R, const int8_t *xq, __m256i b
 /* acc (lane i = row i) += one super-block of the 8 rows, given their sum_qd partials r[i] and
  * (Q4_K / Q5_K) mins m[i], against activation x's block kb:
  *   y += (d dx) sum_qd - (dmin dx) sum_mb       (Q6_K: no mins)
- * The one place these float operations are written: mat-vec and mat-mat both end here. */
-INLINE __m256 kq_finish(int dtype, __m256 d, __m256 dmin, const __m256i *r, const __m128i *m,
-                        const cf_act_q8 *x, int kb, __m256 acc) {
-    __m256i qd = hsum8_epi32(r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7]);
+ * qd: the 8 rows' sum_qd, lane i = row i. The one place these float operations are written:
+ * mat-vec and mat-mat both end here. */
+INLINE __m256 kq_finish_qd(int dtype, __m256 d, __m256 dmin, __m256i qd, const __m128i *m,
+                           const cf_act_q8 *x, int kb, __m256 acc) {
     __m256 dx = _mm256_broadcast_ss(x->dk + kb);
     acc = _mm256_fmadd_ps(_mm256_mul_ps(d, dx), _mm256_cvtepi32_ps(qd), acc);
     if (dtype != CF_Q6_K) {
@@ -256,6 +263,13 @@ INLINE __m256 kq_finish(int dtype, __m256 d, __m256 dmin, const __m256i *r, cons
         acc = _mm256_fnmadd_ps(_mm256_mul_ps(dmin, dx), _mm256_cvtepi32_ps(mb), acc);
     }
     return acc;
+}
+
+/* kq_finish_qd from per-row partial vectors r[i] (summed across lanes first). */
+INLINE __m256 kq_finish(int dtype, __m256 d, __m256 dmin, const __m256i *r, const __m128i *m,
+                        const cf_act_q8 *x, int kb, __m256 acc) {
+    __m256i qd = hsum8_epi32(r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7]);
+    return kq_finish_qd(dtype, d, dmin, qd, m, x, kb, acc);
 }
 
 INLINE __m256i act_bsums(const cf_act_q8 *x, int kb) {
@@ -300,6 +314,81 @@ INLINE __m256 kq_update_rows(int dtype, const uint8_t *c, const cf_act_q8 *x, in
     return kq_finish(dtype, d, dmin, r, m, x, kb, acc);
 }
 
+/* Lane i of v[k] = dword k of a[i]: an 8x8 transpose of 32-bit elements. */
+INLINE void transpose8x8_epi32(const __m256i a[8], __m256i v[8]) {
+    __m256i t[8], u[8];
+    for (int r = 0; r < 8; r += 2) {
+        t[r] = _mm256_unpacklo_epi32(a[r], a[r + 1]);     /* dwords 0,1 | 4,5 of rows r, r+1 */
+        t[r + 1] = _mm256_unpackhi_epi32(a[r], a[r + 1]); /* dwords 2,3 | 6,7 */
+    }
+    for (int h = 0; h < 8; h += 4) { /* rows h..h+3 */
+        u[h] = _mm256_unpacklo_epi64(t[h], t[h + 2]);         /* dword 0 | 4 */
+        u[h + 1] = _mm256_unpackhi_epi64(t[h], t[h + 2]);     /* dword 1 | 5 */
+        u[h + 2] = _mm256_unpacklo_epi64(t[h + 1], t[h + 3]); /* dword 2 | 6 */
+        u[h + 3] = _mm256_unpackhi_epi64(t[h + 1], t[h + 3]); /* dword 3 | 7 */
+    }
+    for (int k = 0; k < 4; k++) {
+        v[k] = _mm256_permute2x128_si256(u[k], u[4 + k], 0x20);
+        v[4 + k] = _mm256_permute2x128_si256(u[k], u[4 + k], 0x31);
+    }
+}
+
+#if CF_ISA_VNNI
+/* An unpacked K-quant group transposed for the mat-mat: T[8t + k] lane i = bytes 4k..4k+3 of
+ * row i's q[t] (weights 32t + 4k ..), SC[s] lane i = row i's scale of sub-block s (int32). One
+ * vpdpbusd against 4 broadcast activation bytes then adds to every row's own lane: no fold of
+ * the 8 rows per activation, and each sub-block's sums are scaled with one vpmulld. */
+typedef struct {
+    __m256 d, dmin;
+    __m256i T[64], SC[16];
+    __m128i m[CF_G];
+} kq_group_t;
+
+INLINE void kq_transpose(int dtype, const kq_group *G, kq_group_t *GT) {
+    __m256i a[CF_G];
+    GT->d = G->d;
+    GT->dmin = G->dmin;
+    for (int t = 0; t < 8; t++) {
+        for (int i = 0; i < CF_G; i++) a[i] = G->r[i].q[t];
+        transpose8x8_epi32(a, &GT->T[8 * t]);
+    }
+    for (int h = 0; h < (dtype == CF_Q6_K ? 2 : 1); h++) {
+        for (int i = 0; i < CF_G; i++) a[i] = G->r[i].sc32[h];
+        transpose8x8_epi32(a, &GT->SC[8 * h]);
+    }
+    for (int i = 0; i < CF_G; i++) GT->m[i] = G->r[i].m;
+}
+
+/* kq_update over a transposed group: the same exact sum_qd per row (Q4_K / Q5_K: sum_t sc_t *
+ * dot_t; Q6_K: sum_s sc_s * (dot_s - 32 bsums_s)), then the same float operations. */
+INLINE __m256 kq_update_t(int dtype, const kq_group_t *GT, const cf_act_q8 *x, int kb, __m256 acc) {
+    const int32_t *x4 = (const int32_t *)(x->qk + (size_t)kb * CF_QK_K); /* 64 dwords of 4 int8 */
+    __m256i qd = _mm256_setzero_si256();
+    if (dtype == CF_Q6_K) {
+        const int16_t *bs = x->bsums + (size_t)kb * (CF_QK_K / 16);
+        for (int s = 0; s < 16; s++) { /* sub-block s: dwords 4s .. 4s+3 */
+            __m256i d0 = _mm256_setzero_si256(), d1 = _mm256_setzero_si256();
+            d0 = _mm256_dpbusd_avx_epi32(d0, GT->T[4 * s], _mm256_set1_epi32(x4[4 * s]));
+            d1 = _mm256_dpbusd_avx_epi32(d1, GT->T[4 * s + 1], _mm256_set1_epi32(x4[4 * s + 1]));
+            d0 = _mm256_dpbusd_avx_epi32(d0, GT->T[4 * s + 2], _mm256_set1_epi32(x4[4 * s + 2]));
+            d1 = _mm256_dpbusd_avx_epi32(d1, GT->T[4 * s + 3], _mm256_set1_epi32(x4[4 * s + 3]));
+            __m256i dot = _mm256_sub_epi32(_mm256_add_epi32(d0, d1), _mm256_set1_epi32(32 * bs[s]));
+            qd = _mm256_add_epi32(qd, _mm256_mullo_epi32(dot, GT->SC[s]));
+        }
+    } else {
+        for (int t = 0; t < 8; t++) { /* sub-block t: dwords 8t .. 8t+7; two chains halve the latency */
+            __m256i d0 = _mm256_setzero_si256(), d1 = _mm256_setzero_si256();
+            for (int k = 0; k < 8; k += 2) {
+                d0 = _mm256_dpbusd_avx_epi32(d0, GT->T[8 * t + k], _mm256_set1_epi32(x4[8 * t + k]));
+                d1 = _mm256_dpbusd_avx_epi32(d1, GT->T[8 * t + k + 1], _mm256_set1_epi32(x4[8 * t + k + 1]));
+            }
+            qd = _mm256_add_epi32(qd, _mm256_mullo_epi32(_mm256_add_epi32(d0, d1), GT->SC[t]));
+        }
+    }
+    return kq_finish_qd(dtype, GT->d, GT->dmin, qd, GT->m, x, kb, acc);
+}
+#endif
+
 /* ---- mat-vec: group_dot for these dtypes ---------------------------------------------------- */
 
 INLINE __m256 kq_group_dot(int dtype, const uint8_t *p, int nkt, const cf_act_q8 *x, int kb0) {
@@ -320,7 +409,7 @@ INLINE __m256 kq_group_dot(int dtype, const uint8_t *p, int nkt, const cf_act_q8
 /* ---- mat-mat: each block unpacked once for up to KQ_NB activations ------------------------- */
 
 #define KQ_NB 16 /* activations per pass: their accumulators (512 B) stay in L1 beside the
-                  * unpacked super-block (~3 KiB) */
+                  * unpacked super-block (~5 KiB, and ~3 KiB more transposed under VNNI) */
 
 /* out[b*ldo + r - g0*8] for groups [g0, g1) and b < B; the short last group through the
  * reference, as in matvec_groups. Per (group, tile) each activation's accumulator sees exactly
@@ -350,7 +439,13 @@ INLINE void kq_matmat_groups(int dtype, const cf_tiled *w, const cf_act_q8 *xs, 
                         } else {
                             kq_group G;
                             kq_unpack(dtype, c, &G);
+#if CF_ISA_VNNI
+                            kq_group_t GT;
+                            kq_transpose(dtype, &G, &GT);
+                            for (int b = 0; b < nb; b++) acc[b] = kq_update_t(dtype, &GT, &xs[b0 + b], sp.kb0 + kb, acc[b]);
+#else
                             for (int b = 0; b < nb; b++) acc[b] = kq_update(dtype, &G, &xs[b0 + b], sp.kb0 + kb, acc[b]);
+#endif
                         }
                     }
                     for (int b = 0; b < nb; b++) {
