@@ -2,7 +2,9 @@
  * the thread pool. Every kernel has a scalar `_ref` version (kernels_ref.c) and may have ISA
  * versions (kernels_avx2.c, ...); dispatch.c fills `cf_kernels` once from a CPU-feature probe.
  * The table holds exactly the kernels the engine calls (engine.c checks they are all there);
- * the bindings reach nothing else through it.
+ * the bindings reach nothing else through it. (The K-quant and Q5_x entries and quantize_act_k
+ * are there for the engine's K-quant binding, docs/kquants.md "What remains"; until it lands
+ * only the test bindings call them.)
  *
  * Layout contracts are described in docs/DESIGN.md ("Tile layout"); the Python twin is
  * cflow/quant.py. Keep both in step: tests check one against the other.

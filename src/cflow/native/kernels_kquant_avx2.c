@@ -10,10 +10,12 @@
  *           sub-block scale applied in integer (madd with the int16 scale), summed over the
  *           super-block in int32; then one float FMA per row and super-block (Q4_K / Q5_K: a
  *           second for the mins, whose integer part sum_s m_s * bsum_s needs no weights at all).
- * The mat-vec keeps the unpacked group in registers (one activation); the mat-mat unpacks it
- * once into an L1 buffer and runs up to KQ_NB activations over it. Both form the same exact
- * integers and apply the same float operations in the same order, so matmat == B mat-vecs bit
- * for bit. The integer bounds (no int16 saturation, no int32 overflow) are in docs/kquants.md.
+ * The mat-vec unpacks one row at a time and uses it at once (one activation); the mat-mat
+ * unpacks the group once into an L1 buffer and runs up to KQ_NB activations over it (under VNNI
+ * transposed, lane i = row i, so one vpdpbusd per 4 activation bytes serves all 8 rows and a
+ * vpmulld applies each sub-block's 8 scales). All paths form the same exact integers and apply
+ * the same float operations in the same order (kq_finish_qd), so matmat == B mat-vecs bit for
+ * bit. The integer bounds (no int16 saturation, no int32 overflow) are in docs/kquants.md.
  *
  * The K-quants' sub-block scales need the int16 stage (madd), so the VNNI table keeps maddubs
  * there; Q5_0 / Q5_1 use vpdpbusd like Q4_0 (dot_q4_pair_unpacked).
@@ -82,11 +84,11 @@ INLINE void q5_unpack(int dtype, const uint8_t *c, q5_group *G) {
     const uint8_t *qh = c + (q51 ? 32 : 16), *qs = qh + 32;
     G->d = load_halves8(c);
     G->m = q51 ? load_halves8(c + 16) : _mm256_setzero_ps();
+    __m256i qh8 = _mm256_loadu_si256((const __m256i *)qh); /* dword i = row i's qh */
     for (int j = 0; j < 4; j++) {
-        uint32_t ha, hb;
-        memcpy(&ha, qh + 8 * j, 4);
-        memcpy(&hb, qh + 8 * j + 4, 4);
-        __m256i h = _mm256_setr_epi32((int)ha, (int)ha, (int)ha, (int)ha, (int)hb, (int)hb, (int)hb, (int)hb);
+        /* lane 0: row 2j's qh word, lane 1: row 2j+1's */
+        __m256i h = _mm256_permutevar8x32_epi32(qh8, _mm256_setr_epi32(2 * j, 2 * j, 2 * j, 2 * j, 2 * j + 1,
+                                                                        2 * j + 1, 2 * j + 1, 2 * j + 1));
         __m256i lo, hi;
         unpack_q4_pair(qs + 32 * j, &lo, &hi);
         G->v[2 * j] = _mm256_or_si256(lo, q5_high_bits(h, 0));
@@ -116,11 +118,14 @@ INLINE __m256 q5_update(int dtype, const q5_group *G, const cf_act_q8 *x, int kb
 }
 
 /* One row of a K-quant super-block: q[t] = weights 32t .. 32t+31 (unsigned), and its scales as
- * int16: Q4_K / Q5_K sc = the 8 sub-block scales in both 128-bit lanes, m = the 8 mins;
- * Q6_K sc / sc2 = scales 0..7 / 8..15 in both lanes, s16 = all 16 (lane 0: 0..7, lane 1: 8..15). */
+ * int16: scl[t] = the scale of each int16 lane of maddubs(q[t], x) (Q4_K / Q5_K: sub-block t's
+ * in all lanes; Q6_K: sub-block 2t's in the low 128-bit lane, 2t+1's in the high one), m = the 8
+ * mins (Q4_K / Q5_K), s16 = the 16 scales (Q6_K; lane 0: 0..7, lane 1: 8..15). */
 typedef struct {
     __m256i q[8];
-    __m256i sc, sc2, s16;
+    __m256i scl[8];
+    __m256i s16;
+    __m256i sc32[2]; /* the scales as int32: Q4_K / Q5_K [0] = 8; Q6_K [0] = 0..7, [1] = 8..15 */
     __m128i m;
 } kq_row;
 
@@ -128,6 +133,14 @@ typedef struct {
     __m256 d, dmin;
     kq_row r[8];
 } kq_group;
+
+/* int16 lane j of v in every int16 lane (per 128-bit lane: lane 0 takes j0, lane 1 takes j1). */
+INLINE __m256i bcast16(__m256i v, int j0, int j1) {
+    int b0 = (2 * j0 + 1) << 8 | 2 * j0, b1 = (2 * j1 + 1) << 8 | 2 * j1;
+    return _mm256_shuffle_epi8(v, _mm256_setr_epi16((short)b0, (short)b0, (short)b0, (short)b0, (short)b0, (short)b0,
+                                                    (short)b0, (short)b0, (short)b1, (short)b1, (short)b1, (short)b1,
+                                                    (short)b1, (short)b1, (short)b1, (short)b1));
+}
 
 /* Q4_K / Q5_K's 12 packed bytes -> bytes 0..7 = 6-bit scales, 8..15 = 6-bit mins (ggml's
  * get_scale_min_k4 for all 8 at once, four 32-bit words at a time). */
@@ -163,18 +176,26 @@ INLINE void kq_unpack_row(int dtype, const uint8_t *c, int i, kq_row *R) {
                 R->q[4 * h + s] = _mm256_or_si256(lo4[s], _mm256_slli_epi16(hi2, 4));
             }
         }
-        R->sc = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)sc)));
-        R->sc2 = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(sc + 8))));
+        __m256i lo8 = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)sc)));
+        __m256i hi8 = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(sc + 8))));
+#pragma GCC unroll 8
+        for (int t = 0; t < 8; t++) R->scl[t] = bcast16(t < 4 ? lo8 : hi8, 2 * (t & 3), 2 * (t & 3) + 1);
         R->s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
+        R->sc32[0] = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)sc));
+        R->sc32[1] = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(sc + 8)));
         R->m = _mm_setzero_si128();
         return;
     }
     const int q5k = dtype == CF_Q5_K;
     const uint8_t *qs = c + (q5k ? 384 : 128) + 128 * i;
     __m128i smin = scale_min_k4_x8(c + 32 + 12 * i);
-    R->sc = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(smin));
+    __m256i sc8 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(smin));
+#pragma GCC unroll 8
+    for (int t = 0; t < 8; t++) R->scl[t] = bcast16(sc8, t, t);
     R->m = _mm_cvtepu8_epi16(_mm_srli_si128(smin, 8));
-    R->sc2 = R->s16 = _mm256_setzero_si256();
+    R->s16 = _mm256_setzero_si256();
+    R->sc32[0] = _mm256_cvtepu8_epi32(smin);
+    R->sc32[1] = _mm256_setzero_si256();
     __m256i hb = q5k ? _mm256_loadu_si256((const __m256i *)(c + 128 + 32 * i)) : _mm256_setzero_si256();
     const __m256i one = _mm256_set1_epi8(1);
     for (int k = 0; k < 4; k++) { /* run k: sub-block 2k in the low nibbles, 2k+1 in the high */
@@ -197,12 +218,13 @@ INLINE void kq_unpack(int dtype, const uint8_t *c, kq_group *G) {
 
 /* ---- the integer dot products of one super-block ------------------------------------------- */
 
-/* int16 lane j of v in every int16 lane (per 128-bit lane: lane 0 takes j0, lane 1 takes j1). */
-INLINE __m256i bcast16(__m256i v, int j0, int j1) {
-    int b0 = (2 * j0 + 1) << 8 | 2 * j0, b1 = (2 * j1 + 1) << 8 | 2 * j1;
-    return _mm256_shuffle_epi8(v, _mm256_setr_epi16((short)b0, (short)b0, (short)b0, (short)b0, (short)b0, (short)b0,
-                                                    (short)b0, (short)b0, (short)b1, (short)b1, (short)b1, (short)b1,
-                                                    (short)b1, (short)b1, (short)b1, (short)b1));
+/* acc + the int32 pair sums of p * scale (int16 x int16): one vpdpwssd with VNNI. */
+INLINE __m256i madd_acc(__m256i acc, __m256i p, __m256i scale) {
+#if CF_ISA_VNNI
+    return _mm256_dpwssd_avx_epi32(acc, p, scale);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(p, scale));
+#endif
 }
 
 /* Row R's sum_qd over one super-block as 8 int32 partials. Q4_K / Q5_K: sum_t sc_t * dot_t over
@@ -210,13 +232,12 @@ INLINE __m256i bcast16(__m256i v, int j0, int j1) {
  * sub-blocks of 16 (q[t] covers sub-blocks 2t, 2t+1, one per 128-bit lane; pair sums <= 16002),
  * minus 32 * sum_s sc_s * bsums[s], so the weights' -32 never enters the byte products. */
 INLINE __m256i kq_row_qd(int dtype, const kq_row *R, const int8_t *xq, __m256i bs16) {
+    (void)dtype;
     __m256i acc = _mm256_setzero_si256();
 #pragma GCC unroll 8
     for (int t = 0; t < 8; t++) {
         __m256i p = _mm256_maddubs_epi16(R->q[t], _mm256_loadu_si256((const __m256i *)(xq + 32 * t)));
-        __m256i scale = dtype == CF_Q6_K ? bcast16(t < 4 ? R->sc : R->sc2, 2 * (t & 3), 2 * (t & 3) + 1)
-                                         : bcast16(R->sc, t, t);
-        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, scale));
+        acc = madd_acc(acc, p, R->scl[t]);
     }
     if (dtype == CF_Q6_K) acc = _mm256_sub_epi32(acc, _mm256_slli_epi32(_mm256_madd_epi16(R->s16, bs16), 5));
     return acc;
@@ -225,10 +246,10 @@ INLINE __m256i kq_row_qd(int dtype, const kq_row *R, const int8_t *xq, __m256i b
 /* acc (lane i = row i) += one super-block of the 8 rows, given their sum_qd partials r[i] and
  * (Q4_K / Q5_K) mins m[i], against activation x's block kb:
  *   y += (d dx) sum_qd - (dmin dx) sum_mb       (Q6_K: no mins)
- * The one place these float operations are written: mat-vec and mat-mat both end here. */
-INLINE __m256 kq_finish(int dtype, __m256 d, __m256 dmin, const __m256i *r, const __m128i *m,
-                        const cf_act_q8 *x, int kb, __m256 acc) {
-    __m256i qd = hsum8_epi32(r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7]);
+ * qd: the 8 rows' sum_qd, lane i = row i. The one place these float operations are written:
+ * mat-vec and mat-mat both end here. */
+INLINE __m256 kq_finish_qd(int dtype, __m256 d, __m256 dmin, __m256i qd, const __m128i *m,
+                           const cf_act_q8 *x, int kb, __m256 acc) {
     __m256 dx = _mm256_broadcast_ss(x->dk + kb);
     acc = _mm256_fmadd_ps(_mm256_mul_ps(d, dx), _mm256_cvtepi32_ps(qd), acc);
     if (dtype != CF_Q6_K) {
@@ -244,20 +265,36 @@ INLINE __m256 kq_finish(int dtype, __m256 d, __m256 dmin, const __m256i *r, cons
     return acc;
 }
 
+/* kq_finish_qd from per-row partial vectors r[i] (summed across lanes first). */
+INLINE __m256 kq_finish(int dtype, __m256 d, __m256 dmin, const __m256i *r, const __m128i *m,
+                        const cf_act_q8 *x, int kb, __m256 acc) {
+    __m256i qd = hsum8_epi32(r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7]);
+    return kq_finish_qd(dtype, d, dmin, qd, m, x, kb, acc);
+}
+
 INLINE __m256i act_bsums(const cf_act_q8 *x, int kb) {
     return _mm256_loadu_si256((const __m256i *)(x->bsums + (size_t)kb * (CF_QK_K / 16)));
 }
 
-/* The mat-mat's step: an unpacked group against one activation. */
+/* The mat-mat's step: an unpacked group against one activation, sub-block by sub-block so each
+ * 32 activations are loaded once for the 8 rows (the same exact integers as kq_row_qd). */
 INLINE __m256 kq_update(int dtype, const kq_group *G, const cf_act_q8 *x, int kb, __m256 acc) {
     const int8_t *xq = x->qk + (size_t)kb * CF_QK_K;
-    __m256i bs16 = act_bsums(x, kb);
     __m256i r[CF_G];
     __m128i m[CF_G];
-    for (int i = 0; i < CF_G; i++) {
-        r[i] = kq_row_qd(dtype, &G->r[i], xq, bs16);
-        m[i] = G->r[i].m;
+    for (int i = 0; i < CF_G; i++) r[i] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int t = 0; t < 8; t++) {
+        __m256i xt = _mm256_loadu_si256((const __m256i *)(xq + 32 * t));
+        for (int i = 0; i < CF_G; i++)
+            r[i] = madd_acc(r[i], _mm256_maddubs_epi16(G->r[i].q[t], xt), G->r[i].scl[t]);
     }
+    if (dtype == CF_Q6_K) {
+        __m256i bs16 = act_bsums(x, kb);
+        for (int i = 0; i < CF_G; i++)
+            r[i] = _mm256_sub_epi32(r[i], _mm256_slli_epi32(_mm256_madd_epi16(G->r[i].s16, bs16), 5));
+    }
+    for (int i = 0; i < CF_G; i++) m[i] = G->r[i].m;
     return kq_finish(dtype, G->d, G->dmin, r, m, x, kb, acc);
 }
 
@@ -276,6 +313,81 @@ INLINE __m256 kq_update_rows(int dtype, const uint8_t *c, const cf_act_q8 *x, in
     __m256 d = load_halves8(c), dmin = dtype == CF_Q6_K ? _mm256_setzero_ps() : load_halves8(c + 16);
     return kq_finish(dtype, d, dmin, r, m, x, kb, acc);
 }
+
+/* Lane i of v[k] = dword k of a[i]: an 8x8 transpose of 32-bit elements. */
+INLINE void transpose8x8_epi32(const __m256i a[8], __m256i v[8]) {
+    __m256i t[8], u[8];
+    for (int r = 0; r < 8; r += 2) {
+        t[r] = _mm256_unpacklo_epi32(a[r], a[r + 1]);     /* dwords 0,1 | 4,5 of rows r, r+1 */
+        t[r + 1] = _mm256_unpackhi_epi32(a[r], a[r + 1]); /* dwords 2,3 | 6,7 */
+    }
+    for (int h = 0; h < 8; h += 4) { /* rows h..h+3 */
+        u[h] = _mm256_unpacklo_epi64(t[h], t[h + 2]);         /* dword 0 | 4 */
+        u[h + 1] = _mm256_unpackhi_epi64(t[h], t[h + 2]);     /* dword 1 | 5 */
+        u[h + 2] = _mm256_unpacklo_epi64(t[h + 1], t[h + 3]); /* dword 2 | 6 */
+        u[h + 3] = _mm256_unpackhi_epi64(t[h + 1], t[h + 3]); /* dword 3 | 7 */
+    }
+    for (int k = 0; k < 4; k++) {
+        v[k] = _mm256_permute2x128_si256(u[k], u[4 + k], 0x20);
+        v[4 + k] = _mm256_permute2x128_si256(u[k], u[4 + k], 0x31);
+    }
+}
+
+#if CF_ISA_VNNI
+/* An unpacked K-quant group transposed for the mat-mat: T[8t + k] lane i = bytes 4k..4k+3 of
+ * row i's q[t] (weights 32t + 4k ..), SC[s] lane i = row i's scale of sub-block s (int32). One
+ * vpdpbusd against 4 broadcast activation bytes then adds to every row's own lane: no fold of
+ * the 8 rows per activation, and each sub-block's sums are scaled with one vpmulld. */
+typedef struct {
+    __m256 d, dmin;
+    __m256i T[64], SC[16];
+    __m128i m[CF_G];
+} kq_group_t;
+
+INLINE void kq_transpose(int dtype, const kq_group *G, kq_group_t *GT) {
+    __m256i a[CF_G];
+    GT->d = G->d;
+    GT->dmin = G->dmin;
+    for (int t = 0; t < 8; t++) {
+        for (int i = 0; i < CF_G; i++) a[i] = G->r[i].q[t];
+        transpose8x8_epi32(a, &GT->T[8 * t]);
+    }
+    for (int h = 0; h < (dtype == CF_Q6_K ? 2 : 1); h++) {
+        for (int i = 0; i < CF_G; i++) a[i] = G->r[i].sc32[h];
+        transpose8x8_epi32(a, &GT->SC[8 * h]);
+    }
+    for (int i = 0; i < CF_G; i++) GT->m[i] = G->r[i].m;
+}
+
+/* kq_update over a transposed group: the same exact sum_qd per row (Q4_K / Q5_K: sum_t sc_t *
+ * dot_t; Q6_K: sum_s sc_s * (dot_s - 32 bsums_s)), then the same float operations. */
+INLINE __m256 kq_update_t(int dtype, const kq_group_t *GT, const cf_act_q8 *x, int kb, __m256 acc) {
+    const int32_t *x4 = (const int32_t *)(x->qk + (size_t)kb * CF_QK_K); /* 64 dwords of 4 int8 */
+    __m256i qd = _mm256_setzero_si256();
+    if (dtype == CF_Q6_K) {
+        const int16_t *bs = x->bsums + (size_t)kb * (CF_QK_K / 16);
+        for (int s = 0; s < 16; s++) { /* sub-block s: dwords 4s .. 4s+3 */
+            __m256i d0 = _mm256_setzero_si256(), d1 = _mm256_setzero_si256();
+            d0 = _mm256_dpbusd_avx_epi32(d0, GT->T[4 * s], _mm256_set1_epi32(x4[4 * s]));
+            d1 = _mm256_dpbusd_avx_epi32(d1, GT->T[4 * s + 1], _mm256_set1_epi32(x4[4 * s + 1]));
+            d0 = _mm256_dpbusd_avx_epi32(d0, GT->T[4 * s + 2], _mm256_set1_epi32(x4[4 * s + 2]));
+            d1 = _mm256_dpbusd_avx_epi32(d1, GT->T[4 * s + 3], _mm256_set1_epi32(x4[4 * s + 3]));
+            __m256i dot = _mm256_sub_epi32(_mm256_add_epi32(d0, d1), _mm256_set1_epi32(32 * bs[s]));
+            qd = _mm256_add_epi32(qd, _mm256_mullo_epi32(dot, GT->SC[s]));
+        }
+    } else {
+        for (int t = 0; t < 8; t++) { /* sub-block t: dwords 8t .. 8t+7; two chains halve the latency */
+            __m256i d0 = _mm256_setzero_si256(), d1 = _mm256_setzero_si256();
+            for (int k = 0; k < 8; k += 2) {
+                d0 = _mm256_dpbusd_avx_epi32(d0, GT->T[8 * t + k], _mm256_set1_epi32(x4[8 * t + k]));
+                d1 = _mm256_dpbusd_avx_epi32(d1, GT->T[8 * t + k + 1], _mm256_set1_epi32(x4[8 * t + k + 1]));
+            }
+            qd = _mm256_add_epi32(qd, _mm256_mullo_epi32(_mm256_add_epi32(d0, d1), GT->SC[t]));
+        }
+    }
+    return kq_finish_qd(dtype, GT->d, GT->dmin, qd, GT->m, x, kb, acc);
+}
+#endif
 
 /* ---- mat-vec: group_dot for these dtypes ---------------------------------------------------- */
 
@@ -297,7 +409,7 @@ INLINE __m256 kq_group_dot(int dtype, const uint8_t *p, int nkt, const cf_act_q8
 /* ---- mat-mat: each block unpacked once for up to KQ_NB activations ------------------------- */
 
 #define KQ_NB 16 /* activations per pass: their accumulators (512 B) stay in L1 beside the
-                  * unpacked super-block (~3 KiB) */
+                  * unpacked super-block (~5 KiB, and ~3 KiB more transposed under VNNI) */
 
 /* out[b*ldo + r - g0*8] for groups [g0, g1) and b < B; the short last group through the
  * reference, as in matvec_groups. Per (group, tile) each activation's accumulator sees exactly
@@ -327,7 +439,13 @@ INLINE void kq_matmat_groups(int dtype, const cf_tiled *w, const cf_act_q8 *xs, 
                         } else {
                             kq_group G;
                             kq_unpack(dtype, c, &G);
+#if CF_ISA_VNNI
+                            kq_group_t GT;
+                            kq_transpose(dtype, &G, &GT);
+                            for (int b = 0; b < nb; b++) acc[b] = kq_update_t(dtype, &GT, &xs[b0 + b], sp.kb0 + kb, acc[b]);
+#else
                             for (int b = 0; b < nb; b++) acc[b] = kq_update(dtype, &G, &xs[b0 + b], sp.kb0 + kb, acc[b]);
+#endif
                         }
                     }
                     for (int b = 0; b < nb; b++) {

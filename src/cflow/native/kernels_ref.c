@@ -1,6 +1,7 @@
 /* kernels_ref.c — the scalar reference of every kernel in cf_kernel_table, plus the table-free
  * scalar routines (rope tables, top-k). The block formats' helpers (fp16, block sizes) are in
- * formats.c.
+ * formats.c; the blocks of Q5_0, Q5_1 and the K-quants (one row's dot, dequantization, the
+ * 256-block activation) in kernels_kquant_ref.c, which the walk here calls for those dtypes.
  *
  * These are the plain loops the ISA versions are tested against: one row, one block, one
  * weight at a time, written to be read. Compiled for the baseline ISA (no -m flags), so they
