@@ -51,13 +51,14 @@ def validate_spm(h: dict[str, Any], error: type[Exception]) -> None:
     if not isinstance(h.get("add_space_prefix"), bool):
         raise error("an spm tokenizer needs 'add_space_prefix': true or false")
     if len(set(vocab)) != n:
-        seen: set[str] = set()
+        seen: set[str] = set()  # the first duplicate, for the message
         dup = next(t for t in vocab if t in seen or seen.add(t))
         raise error(f"token {dup!r} appears twice in the vocabulary (llama.cpp refuses this too)")
     for i, t in enumerate(types):
         if t == BYTE and not _BYTE_TOKEN.fullmatch(vocab[i]):
             raise error(f"token {i} {vocab[i]!r} has type BYTE but is not spelled <0xNN>")
-    missing = [byte_token(b) for b in range(256) if byte_token(b) not in set(vocab)]
+    pieces = set(vocab)
+    missing = [byte_token(b) for b in range(256) if byte_token(b) not in pieces]
     if missing:
         raise error(f"this SentencePiece vocabulary lacks the byte-fallback tokens {missing[:4]}"
                     f"{' ...' if len(missing) > 4 else ''} ({len(missing)} of 256); cflow needs all "
