@@ -61,7 +61,8 @@ SPLITS = {
                "HelloWorld XMLHttpRequest camelCase": ["Hello", "World", " XMLHttp", "Request", " camel", "Case"],
                "ÉCOLE école": ["É", "COLE", " école"]},
     "deepseek-llm": {"Hello, 世界123!\n  ok 日本": ["Hello", ",", " ", "世界", "123", "!", "\n", " ", " ok", " ",
-                                                  "日本"]},
+                                                  "日本"],
+                     "x \u20031": ["x", " \u2003", "1"]},  # U+2003 lies in the CJK class's range, yet is no member
     "deepseek-coder": {"Hello, 世界123!\n  ok 日本": ["Hello", ",", " ", "世界", "1", "2", "3", "!", "\n", " ",
                                                     " ok", " ", "日本"]},
 }
@@ -375,7 +376,8 @@ BPE_TRICKY = TRICKY + [
     "a\u00a0b\u3000c\u2003d", "<|im_start|>user\nHi<|im_end|>\n", "HelloWorld camelCase XMLHttpRequest ÉCOLE école",
     "price: $100+200=300 <a|b> ^~", "path/to/file.txt\n/usr/bin", "'s 'S 'ſ",
     "Ĳssel ǅ µ Ω K \u1f7d\u1fbe \u2126\u212a",
-    "....!!!???", "中文123abc", "x\u0085y\u2028z", "           many", "1234567890123 ١٢٣٤٥", "it's it’s"]
+    "....!!!???", "中文123abc", "x\u0085y\u2028z", "           many", "1234567890123 ١٢٣٤٥", "it's it’s",
+    "x \u20031 \u3000\u3000, a\u1680b\u205f\u2028c\u202f"]  # Unicode spaces: llama.cpp's literal classes never match them
 
 
 @pytest.mark.parametrize("pre", ["default", "gpt-2", "smollm", "llama-bpe", "qwen2", "tekken", "deepseek-llm",

@@ -39,7 +39,10 @@ _DEEPSEEK_LETTERS = (
     "ὝὟ-\u1f7dᾀ-ᾴᾶ-ᾼ\u1fbeῂ-ῄῆ-ῌῐ-\u1fd3ῖ-\u1fdbῠ-Ῥῲ-ῴῶ-ῼℂℇℊ-ℓℕℙ-ℝℤ\u2126ℨ\u212a-ℭℯ-ℴℹℼ-ℿⅅ-ⅉⅎↃↄ"
     "Ⰰ-ⱻⱾ-ⳤⳫ-ⳮⳲⳳꙀ-ꙭꚀ-ꚛꜢ-ꝯꝱ-ꞇꞋ-ꞎꭰ-ꮿﬀ-ﬆﬓ-ﬗ"
     "Ａ-Ｚａ-ｚ𐐀-𐑏𐒰-𐓓𐓘-𐓻𐲀-𐲲𐳀-𐳲𑢠-𑣟𞤀-𞥃")
-_CJK = "[一-龥ࠀ-一가-퟿]+"
+# llama.cpp matches these literal classes (std::wregex) with every non-ASCII whitespace character
+# replaced by U+000B, so that \s finds it; the classes therefore never contain one. Ours leave out
+# what their ranges would otherwise take in (U+1680, U+2000-U+200A, U+2028/9, U+202F, U+205F, U+3000).
+_CJK = "[一-龥ࠀ-\u167f\u1681-\u1fff\u200b-\u2027\u202a-\u202e\u2030-\u205e\u2060-\u2fff\u3001-一가-퟿]+"
 
 
 @dataclass(frozen=True)
@@ -67,7 +70,7 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     "qwen2": _QWEN2, "deepseek-r1-qwen": _QWEN2, "stablelm2": _QWEN2, "megrez": _QWEN2,
     "hunyuan": _QWEN2,
     "tekken": PreTokenizer((TEKKEN,), ignore_merges=True, add_bos=True),
-    "deepseek-llm": PreTokenizer(("[\r\n]", rf"\s?[{_DEEPSEEK_LETTERS}]+", r"\s?[!-/:-~！-／：-～‘-‟　-。]+",
+    "deepseek-llm": PreTokenizer(("[\r\n]", rf"\s?[{_DEEPSEEK_LETTERS}]+", "\\s?[!-/:-~！-／：-～‘-‟\u3001-。]+",
                                   r"\s+$", _CJK, r"\p{N}+")),
     "deepseek-coder": PreTokenizer(("[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", _CJK, r"\p{N}")),
     "falcon": PreTokenizer((r"[\p{P}\$\+<=>\^~\|`]+", GPT2, "[0-9][0-9][0-9]")),
