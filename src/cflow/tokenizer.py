@@ -7,8 +7,8 @@ token-id range check (`check_token_ids`). No torch and no transformers here; the
 in HF `tokenizers` (a runtime dependency), which we build from the vocabulary and merges (or, for
 "spm" vocabularies, the scores: `cflow.tokenizer_spm`) so the file stays self-contained. Making a
 header from foreign descriptions (an HF tokenizer.json, a GGUF vocabulary) is the converters' job:
-`cflow.convert.hf_tokenizer`, `cflow.convert.gguf`. `TokenizerError` is the
-one error of both sides and of tokenizer training (`cflow.train.bpe`).
+`cflow.convert.hf_tokenizer`, `cflow.convert.gguf`. `TokenizerError` is the one error of both
+sides and of tokenizer training (`cflow.train.bpe`).
 
 Choices:
 - Two models, both llama.cpp's: "bpe" (GPT-2 byte-level BPE, GGUF "gpt2") and "spm"
@@ -223,7 +223,8 @@ class Tokenizer:
         encode() put there. llama.cpp's llama_detokenize does so unless the ids start with BOS; we
         also do it after a skipped BOS, as HF and llama_cpp.Llama.detokenize do, so that
         decode(encode(s), skip_special=True) == s. To render tokens that continue a text
-        (generation), use stream(), which never strips.
+        (generation), use stream(), which never strips. Spaces before punctuation are kept: the
+        clean-up llama_detokenize applies for some BPE vocabularies (clean_spaces) is not done.
         """
         parts = [self._bytes[i] for i in self.check_ids(ids)
                  if not (skip_special and i in self._special_ids)]
