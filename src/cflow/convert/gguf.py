@@ -227,13 +227,23 @@ def gguf_config(g: GGUFModel) -> ModelConfig:
 
 # ---- tokenizer -------------------------------------------------------------------------------
 def gguf_tokenizer(g: GGUFModel) -> dict[str, Any]:
-    """The tokenizer header dict (docs/DESIGN.md) from the file's tokenizer.ggml.* keys."""
+    """The tokenizer header dict (docs/FORMAT.md) from the file's tokenizer.ggml.* keys.
+
+    GGUF "gpt2" vocabularies become "bpe" headers, "llama" ones (SentencePiece) "spm" headers.
+    Where a key is absent we take llama.cpp's default (llama_vocab::impl::load): pre-tokenizer
+    "default"; add_bos by pre-tokenizer for BPE, true for SPM; SPM BOS/EOS ids 1/2 and
+    add_space_prefix true.
+    """
     model = g.get("tokenizer.ggml.model")
-    if model != "gpt2":
-        raise TokenizerError(f"{g.path.name} has a {model!r} tokenizer; cflow supports byte-level BPE "
-                             "('gpt2' in GGUF terms) only")
+    if model not in ("gpt2", "llama"):
+        raise TokenizerError(f"{g.path.name} has a {model!r} tokenizer; cflow supports GGUF 'gpt2' "
+                             "(byte-level BPE) and 'llama' (SentencePiece-style) vocabularies")
     tokens = list(g.require("tokenizer.ggml.tokens"))
-    types = list(g.get("tokenizer.ggml.token_type") or [1] * len(tokens))
+    types = [int(t) for t in (g.get("tokenizer.ggml.token_type") or [1] * len(tokens))]
+    if len(types) != len(tokens):
+        raise TokenizerError(f"{g.path.name} has {len(tokens)} tokens but {len(types)} token types")
+    if model == "llama":
+        return _gguf_spm_tokenizer(g, tokens, types)
     merges = list(g.get("tokenizer.ggml.merges") or [])
     if not merges:
         raise TokenizerError(f"{g.path.name} has a byte-level vocabulary but no merges; cannot rebuild BPE")
@@ -251,18 +261,51 @@ def gguf_tokenizer(g: GGUFModel) -> dict[str, Any]:
             # as an ordinary token, like transformers does.
             vocab.append(byte_level_spelling(tok))
 
-    def token_id(key: str) -> int | None:
-        v = g.get(key)
-        return int(v) if v is not None and 0 <= int(v) < len(vocab) else None
+    from cflow.tokenizer_pre import pre_tokenizer_spec
 
+    pre = g.get("tokenizer.ggml.pre") or "default"  # llama.cpp's choice when the key is absent
+    add_bos = g.get("tokenizer.ggml.add_bos_token")
     header = {"model": "bpe", "vocab": vocab, "merges": merges,
-              "bos_id": token_id("tokenizer.ggml.bos_token_id"),
-              "eos_id": token_id("tokenizer.ggml.eos_token_id"),
-              "add_bos": bool(g.get("tokenizer.ggml.add_bos_token") or False),
+              "bos_id": _gguf_token_id(g, "bos", len(vocab), None),
+              "eos_id": _gguf_token_id(g, "eos", len(vocab), None),
+              "add_bos": bool(pre_tokenizer_spec(pre).add_bos if add_bos is None else add_bos),
               "chat_template": g.get("tokenizer.chat_template"),
-              "special": special, "pre": g.get("tokenizer.ggml.pre")}
+              "special": special, "pre": pre}
     if added:
         header["added"] = added
+    return header
+
+
+def _gguf_token_id(g: GGUFModel, name: str, n: int, default: int | None) -> int | None:
+    """tokenizer.ggml.{name}_token_id if it is a token id, else `default` if that is one."""
+    v = g.get(f"tokenizer.ggml.{name}_token_id")
+    v = default if v is None else int(v)
+    return v if v is not None and 0 <= v < n else None
+
+
+def _gguf_spm_tokenizer(g: GGUFModel, tokens: list[str], types: list[int]) -> dict[str, Any]:
+    """The "spm" header of a GGUF "llama" (SentencePiece-style) vocabulary (cflow.tokenizer_spm)."""
+    from cflow import tokenizer_spm as spm
+
+    scores = g.get("tokenizer.ggml.scores")
+    scores = [float(s) for s in scores] if scores is not None else [0.0] * len(tokens)
+    special = {t: i for i, (t, ty) in enumerate(zip(tokens, types)) if ty in (spm.CONTROL, spm.UNKNOWN)}
+    added = {t: i for i, (t, ty) in enumerate(zip(tokens, types)) if ty == spm.USER_DEFINED}
+    add_bos = g.get("tokenizer.ggml.add_bos_token")
+    prefix = g.get("tokenizer.ggml.add_space_prefix")
+    header = {"model": "spm", "vocab": tokens, "merges": [], "scores": scores, "token_types": types,
+              "add_space_prefix": True if prefix is None else bool(prefix),
+              "bos_id": _gguf_token_id(g, "bos", len(tokens), 1),
+              "eos_id": _gguf_token_id(g, "eos", len(tokens), 2),
+              "add_bos": True if add_bos is None else bool(add_bos),
+              "chat_template": g.get("tokenizer.chat_template"), "special": special, "pre": None}
+    if added:
+        header["added"] = added
+    try:
+        spm.validate_spm(header, TokenizerError)
+    except TokenizerError as e:
+        raise TokenizerError(f"{g.path.name} has a 'llama' tokenizer (SentencePiece) that cflow cannot use: {e}") \
+            from None
     return header
 
 
