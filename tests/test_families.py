@@ -250,6 +250,27 @@ def test_biases_and_norms_are_the_gguf_values(family_run):
     f.close()
 
 
+def test_older_files_load_with_the_options_off():
+    """The shipped model predates the three config keys: it loads, with all three off."""
+    import importlib.resources
+
+    f = open_model(importlib.resources.files("cflow") / "models" / "default.cflow")
+    assert not {"qkv_bias", "qk_norm", "sliding_window"} & set(f.header["config"])
+    assert (f.config.qkv_bias, f.config.qk_norm, f.config.sliding_window) == (False, False, 0)
+    f.close()
+
+
+def test_config_checks_the_options():
+    from cflow.config import ConfigError
+
+    cfg = expected_config("qwen3")
+    assert cfg.with_overrides(["sliding_window=8", "qkv_bias=true"]) == cfg.replace(sliding_window=8, qkv_bias=True)
+    with pytest.raises(ConfigError, match="sliding_window must be >= 0"):
+        cfg.replace(sliding_window=-1)
+    with pytest.raises(ConfigError, match="qk_norm must be true or false"):
+        cfg.replace(qk_norm=1)
+
+
 @pytest.mark.parametrize("arch, match", [("qwen2moe", "Qwen2-MoE.*not yet supported"),
                                          ("qwen3moe", "Qwen3-MoE.*not yet supported"),
                                          ("olmoe", "OLMoE.*not yet supported"),
