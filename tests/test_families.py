@@ -384,13 +384,12 @@ def test_sliding_window_matches_transformers(window_run):
     check(got, hf_logits(transformers.MistralForCausalLM(hc), reference_state(src, "mistral"), toks), moe=False)
 
 
+@pytest.mark.parametrize("family_run", ["qwen3"], indirect=True)
 def test_qwen3_matches_transformers_modelling(family_run):
     """transformers cannot load a Qwen3 GGUF whose head_dim differs from d / n_heads (its GGUF config
     mapping drops key_length), so its Qwen3 modelling code runs on the reference's weights instead."""
     transformers = pytest.importorskip("transformers")
     family, src, _, toks, got = family_run
-    if family != "qwen3":
-        pytest.skip("Qwen3 only")
     hc = transformers.Qwen3Config(**hf_config_kwargs("qwen3"))
     check(got, hf_logits(transformers.Qwen3ForCausalLM(hc), reference_state(src, "qwen3"), toks), moe=False)
 
