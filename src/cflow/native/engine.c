@@ -1593,10 +1593,11 @@ cf_engine *cf_engine_create(const cf_config *cfg, const uint8_t *buf, size_t buf
     e->c = *cfg;
     e->k = cf_kernels();
     // every entry of the table: it holds exactly what the engine calls (cflow.h)
-    int dts[] = {CF_Q4_0, CF_Q4_1, CF_Q8_0}, missing = !e->k->quantize_act || !e->k->rmsnorm ||
+    int dts[] = {CF_Q4_0, CF_Q4_1, CF_Q5_0, CF_Q5_1, CF_Q8_0, CF_Q4_K, CF_Q5_K, CF_Q6_K};
+    int missing = !e->k->quantize_act || !e->k->quantize_act_k || !e->k->rmsnorm ||
         !e->k->matvec_f32 || !e->k->softmax || !e->k->rope || !e->k->attention ||
         !e->k->embed_row || !e->k->f32_to_f16 || !e->k->topk;
-    for (int i = 0; i < 3; i++)
+    for (int i = 0; i < (int)(sizeof dts / sizeof *dts); i++)
         missing |= !e->k->matvec[dts[i]] || !e->k->gate_up[dts[i]] || !e->k->matmat[dts[i]] ||
                     !e->k->gate_up_mm[dts[i]];
     if (missing) {
