@@ -33,8 +33,15 @@
 
 #define INLINE static inline __attribute__((always_inline))
 
+#ifndef MM5_NT
 #define MM5_NT 4   /* tokens per micro-kernel: NT x NP int + float accumulators in zmm */
+#endif
+#ifndef MM5_NP
 #define MM5_NP 2   /* pairs of groups (32 rows) per micro-kernel and per unpacked buffer */
+#endif
+#if MM5_NT < 1 || MM5_NT > 8 || MM5_NP < 1 || MM5_NP > 2
+#error "MM5_NT must be 1..8 and MM5_NP 1..2"
+#endif
 #define MM5_KT 16  /* most blocks per tile row the buffer holds (tile_cols <= 512): 16 KiB */
 #define MM5_TB 64  /* tokens per batch (Q8_0's per-token block sums live on the stack) */
 
@@ -179,11 +186,13 @@ INLINE void q8_block_sums(const cf_act_q8 *xs, int nb, int kb0, int nkt, int32_t
 static void mm5_run(int nt, int np, int dtype, const mm5_buf *buf, int nkt, const cf_act_q8 *xs,
                     int kb0, const int32_t *corr, float *out, int ldo, const __mmask16 *mask) {
 #define MM5_CASE(NT, NP, DT)                                                                   \
-    if (nt == NT && np == NP && dtype == DT) {                                                 \
+    if (NT <= MM5_NT && NP <= MM5_NP && nt == NT && np == NP && dtype == DT) {                 \
         mm5_kernel(NT, NP, DT, buf, nkt, xs, kb0, corr, out, ldo, mask);                       \
         return;                                                                                \
     }
-#define MM5_NTS(NP, DT) MM5_CASE(1, NP, DT) MM5_CASE(2, NP, DT) MM5_CASE(3, NP, DT) MM5_CASE(4, NP, DT)
+#define MM5_NTS(NP, DT)                                                                        \
+    MM5_CASE(1, NP, DT) MM5_CASE(2, NP, DT) MM5_CASE(3, NP, DT) MM5_CASE(4, NP, DT)              \
+    MM5_CASE(5, NP, DT) MM5_CASE(6, NP, DT) MM5_CASE(7, NP, DT) MM5_CASE(8, NP, DT)
 #define MM5_DTS(DT) MM5_NTS(1, DT) MM5_NTS(2, DT)
     MM5_DTS(CF_Q4_0)
     MM5_DTS(CF_Q4_1)
