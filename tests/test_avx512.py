@@ -123,3 +123,59 @@ def test_table_inherits_the_base_tables_other_kernels():
         for x in X:
             a = _native.matvec(t, Q.DTYPE_IDS[dtype], rows, cols, x, isa="avx512")
             assert np.array_equal(a, _native.matvec(t, Q.DTYPE_IDS[dtype], rows, cols, x, isa=base))
+
+
+# ---- K-quants (Q4_K, Q6_K: 256-weight super-blocks, at most 2 per tile row in the buffer) ----
+K_SHAPES = [(203, 768, (24, 256)), (77, 1024, (40, 512)), (136, 1280, (16, 512)), (8, 256, (8, 256)),
+            (40, 1024, (24, 1024))]  # the last: 4 super-blocks per tile row, the base kernel
+
+
+@pytest.mark.parametrize("rows,cols,tile", K_SHAPES)
+@pytest.mark.parametrize("dtype", ["q4_k", "q6_k"])
+def test_kquant_matmat_every_batch_size_equals_matvec(dtype, rows, cols, tile):
+    """Random blocks of every bit pattern (signed Q6_K scales, all 6-bit Q4_K scales and mins),
+    B = 1..9, 16, 17: equal to the table's mat-vec bit for bit, and to the ref table within
+    rounding; odd group ranges write only their rows."""
+    from cflow import kquant as K
+    from test_kquant import random_blocks
+
+    t = K.tile_kquant(random_blocks(dtype, rows, cols, 7), dtype, rows, cols, tile)
+    dt, kw = K.KDTYPE_IDS[dtype], dict(tile_rows=tile[0], tile_cols=tile[1])
+    X = rng_for("kq", dtype, rows, cols, tile).standard_normal((17, cols), dtype=np.float32)
+    X[1] *= 1e3
+    X[2] = 0.0
+    mv = np.stack([_native.matvec(t, dt, rows, cols, x, isa="avx512", **kw) for x in X])
+    ref = np.stack([_native.matvec(t, dt, rows, cols, x, isa="ref", **kw) for x in X])
+    for B in list(range(1, 10)) + [16, 17]:
+        got = _native.matmat(t, dt, rows, cols, X[:B], isa="avx512", **kw)
+        assert np.array_equal(got, mv[:B]), f"matmat {dtype} {rows}x{cols} tile {tile} B={B} != matvec"
+    scale = np.abs(ref).max(axis=1, keepdims=True) + 1e-30
+    assert (np.abs(got - ref) / scale).max() <= 1e-4, "matmat far from the ref table"
+    ng = (rows + 7) // 8
+    for g0, g1 in [(1, 2), (1, 4), (3, ng), (ng - 1, ng)]:
+        if not 0 <= g0 < g1 <= ng:
+            continue
+        part = _native.matmat(t, dt, rows, cols, X[:6], g0=g0, g1=g1, isa="avx512", **kw)
+        r0, r1 = g0 * 8, min(g1 * 8, rows)
+        assert np.array_equal(part[:, r0:r1], mv[:6, r0:r1]), f"groups [{g0}, {g1})"
+        assert not part[:, :r0].any() and not part[:, r1:].any()
+
+
+@pytest.mark.parametrize("d_ff,cols,tile", [(8, 256, (8, 256)), (40, 512, (24, 256)), (72, 768, (16, 512))])
+@pytest.mark.parametrize("dtype", ["q4_k", "q6_k"])
+def test_kquant_gate_up_mm_equals_gate_up(dtype, d_ff, cols, tile):
+    from cflow import kquant as K
+    from test_kquant import random_blocks
+
+    gate, up = random_blocks(dtype, d_ff, cols, 11), random_blocks(dtype, d_ff, cols, 12)
+    rows = 2 * d_ff
+    t = K.tile_kquant(Q.interleave_gate_up(gate, up), dtype, rows, cols, tile)
+    dt, kw = K.KDTYPE_IDS[dtype], dict(tile_rows=tile[0], tile_cols=tile[1], isa="avx512")
+    X = rng_for("kgu", dtype, d_ff).standard_normal((67, cols), dtype=np.float32)
+    one = np.stack([_native.gate_up(t, dt, rows, cols, x, **kw) for x in X])
+    for B in (1, 2, 3, 5, 64, 67):
+        assert np.array_equal(_native.gate_up_mm(t, dt, rows, cols, X[:B], **kw), one[:B]), f"B={B}"
+    n_pairs = rows // 16
+    if n_pairs > 1:
+        part = _native.gate_up_mm(t, dt, rows, cols, X[:5], p0=1, p1=n_pairs, **kw)
+        assert np.array_equal(part[:, 8:], one[:5, 8:]) and not part[:, :8].any()

@@ -247,8 +247,229 @@ static void matmat_groups(int dtype, const cf_tiled *w, const cf_act_q8 *xs, int
     }
 }
 
+/* ---- K-quants (Q4_K, Q6_K): the same walk over 256-weight super-blocks ------------------- */
+
+/* The inherited mat-vec (kernels_kquant_avx2.c, kq_finish) does per row and super-block
+ *   acc = fma(d * dx, sum_qd, acc); Q4_K: acc = fnmadd(dmin * dx, sum_mb, acc)
+ * with the exact integers of docs/kquants.md ("The integer dot products"); so does this. */
+#define KQ5_KT 2 /* super-blocks per tile row the buffer holds (tile_cols <= 512): 16 KiB */
+
+/* A pair's super-blocks: v[t][k] lane i = weights 32t + 4k .. +3 of row i (u8: Q4_K 0..15,
+ * Q6_K 0..63); sc[s] lane i = row i's scale of sub-block s (Q4_K 8 of 32 weights, Q6_K 16 of
+ * 16); mp[j] lane i = int16 pair: Q4_K (m_j, m_j) against bsums (2j, 2j+1), so one vpdpwssd
+ * per j forms m_j * bsum32_j; Q6_K (sc_2j, sc_2j+1), the -32 term's sum_s sc_s * bsums_s. */
+typedef struct {
+    __m512i v[MM5_NP * KQ5_KT][8][8];
+    __m512i sc[MM5_NP * KQ5_KT][16];
+    __m512i mp[MM5_NP * KQ5_KT][8];
+    __m512 d[MM5_NP * KQ5_KT], dmin[MM5_NP * KQ5_KT];
+} kq5_buf;
+
+/* Row i's dword at byte offset `off` of its field (rows `size` bytes apart, groups `gstride`
+ * bytes apart; gstride 0 for a lone group), for the 16 rows of a pair. */
+INLINE __m512i gather_rows(const uint8_t *field, int size, int gstride, int off) {
+    __m512i row = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7);
+    __m512i grp = _mm512_mask_blend_epi32(0xff00, _mm512_setzero_si512(), _mm512_set1_epi32(gstride));
+    __m512i idx = _mm512_add_epi32(_mm512_add_epi32(_mm512_mullo_epi32(row, _mm512_set1_epi32(size)), grp),
+                                   _mm512_set1_epi32(off));
+    return _mm512_i32gather_epi32(idx, field, 1);
+}
+
+/* Q4_K's 12 packed scale bytes of row i -> 8 scales and 8 mins (ggml's get_scale_min_k4). */
+INLINE void scale_min_k4(const uint8_t *q, uint8_t *sc, uint8_t *m) {
+    for (int j = 0; j < 8; j++) {
+        if (j < 4) {
+            sc[j] = q[j] & 63;
+            m[j] = q[j + 4] & 63;
+        } else {
+            sc[j] = (q[j + 4] & 0xf) | ((q[j - 4] >> 6) << 4);
+            m[j] = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+        }
+    }
+}
+
+/* Unpack pair q (chunks at ca, cb; cb = ca for a lone group) of nkt super-blocks; chunk
+ * offsets (g = 8): Q4_K d@0 dmin@16 scales[8][12]@32 qs[8][128]@128 (1152 B);
+ * Q6_K d@0 scales[8][16]@16 ql[8][128]@144 qh[8][64]@1168 (1680 B). */
+INLINE void kq5_unpack_pair(int dtype, const uint8_t *ca, const uint8_t *cb, int nkt, kq5_buf *buf, int q) {
+    size_t chunk = cf_block_bytes(dtype) * CF_G;
+    int gstride = (int)(cb - ca);
+    const __m512i m4 = _mm512_set1_epi8(0x0f), m2 = _mm512_set1_epi8(3);
+    for (int kb = 0; kb < nkt; kb++) {
+        const uint8_t *c = ca + kb * chunk;
+        int n = q * KQ5_KT + kb;
+        buf->d[n] = load_halves16(c, c + gstride);
+        int32_t sc[16][16], mp[8][16]; /* [sub-block][lane] */
+        if (dtype == CF_Q4_K) {
+            buf->dmin[n] = load_halves16(c + 16, c + gstride + 16);
+            for (int i = 0; i < 16; i++) {
+                uint8_t s8[8], m8[8];
+                scale_min_k4(c + (i < 8 ? 0 : gstride) + 32 + 12 * (i & 7), s8, m8);
+                for (int j = 0; j < 8; j++) {
+                    sc[j][i] = s8[j];
+                    mp[j][i] = (int32_t)((uint32_t)m8[j] << 16 | m8[j]);
+                }
+            }
+            for (int t = 0; t < 8; t++) /* sub-block t: run t/2 of qs, low or high nibbles */
+                for (int k = 0; k < 8; k++) {
+                    __m512i raw = gather_rows(c + 128, 128, gstride, 32 * (t / 2) + 4 * k);
+                    buf->v[n][t][k] = _mm512_and_si512(t & 1 ? _mm512_srli_epi16(raw, 4) : raw, m4);
+                }
+        } else {
+            buf->dmin[n] = _mm512_setzero_ps();
+            for (int i = 0; i < 16; i++) {
+                const int8_t *s16 = (const int8_t *)(c + (i < 8 ? 0 : gstride) + 16 + 16 * (i & 7));
+                for (int j = 0; j < 16; j++) sc[j][i] = s16[j];
+                for (int j = 0; j < 8; j++)
+                    mp[j][i] = (int32_t)((uint32_t)(uint16_t)(int16_t)s16[2 * j + 1] << 16 | (uint16_t)(int16_t)s16[2 * j]);
+            }
+            for (int t = 0; t < 8; t++) { /* weights 128h + 32s + l, t = 4h + s (kernels_kquant_avx2.c) */
+                int h = t / 4, sh = t % 4;
+                for (int k = 0; k < 8; k++) {
+                    __m512i ql = gather_rows(c + 144, 128, gstride, 64 * h + 32 * (sh & 1) + 4 * k);
+                    __m512i qh = gather_rows(c + 1168, 64, gstride, 32 * h + 4 * k);
+                    __m512i lo = _mm512_and_si512(sh >= 2 ? _mm512_srli_epi16(ql, 4) : ql, m4);
+                    __m512i hi = _mm512_and_si512(_mm512_srli_epi16(qh, 2 * sh), m2);
+                    buf->v[n][t][k] = _mm512_or_si512(lo, _mm512_slli_epi16(hi, 4));
+                }
+            }
+        }
+        for (int j = 0; j < 16; j++) buf->sc[n][j] = _mm512_loadu_si512(sc[j]);
+        for (int j = 0; j < 8; j++) buf->mp[n][j] = _mm512_loadu_si512(mp[j]);
+    }
+}
+
+/* NT tokens x NP pairs of one tile, as mm5_kernel. */
+INLINE void kq5_kernel(int NT, int NP, int dtype, const kq5_buf *buf, int nkt, const cf_act_q8 *xs,
+                       int kb0, float *out, int ldo, const __mmask16 *mask) {
+    __m512 acc[MM5_NP][MM5_NT];
+    for (int q = 0; q < NP; q++)
+        for (int j = 0; j < NT; j++) acc[q][j] = _mm512_setzero_ps();
+    for (int kb = 0; kb < nkt; kb++) {
+        const int32_t *x4[MM5_NT], *b2[MM5_NT];
+        for (int j = 0; j < NT; j++) {
+            x4[j] = (const int32_t *)(xs[j].qk + (size_t)(kb0 + kb) * CF_QK_K);
+            b2[j] = (const int32_t *)(xs[j].bsums + (size_t)(kb0 + kb) * (CF_QK_K / 16));
+        }
+        __m512i qd[MM5_NP][MM5_NT], mb[MM5_NP][MM5_NT];
+        for (int q = 0; q < NP; q++)
+            for (int j = 0; j < NT; j++) {
+                qd[q][j] = _mm512_setzero_si512();
+                mb[q][j] = _mm512_setzero_si512();
+            }
+        for (int t = 0; t < 8; t++) {
+            __m512i lo[MM5_NP][MM5_NT], hi[MM5_NP][MM5_NT];
+            for (int q = 0; q < NP; q++)
+                for (int j = 0; j < NT; j++) lo[q][j] = hi[q][j] = _mm512_setzero_si512();
+            for (int k = 0; k < 8; k++) {
+                __m512i xb[MM5_NT];
+                for (int j = 0; j < NT; j++) xb[j] = _mm512_set1_epi32(x4[j][8 * t + k]);
+                for (int q = 0; q < NP; q++) {
+                    __m512i w = buf->v[q * KQ5_KT + kb][t][k];
+                    for (int j = 0; j < NT; j++) {
+                        /* Q6_K: dwords 0..3 and 4..7 are two sub-blocks of 16 */
+                        if (dtype == CF_Q6_K && k >= 4) hi[q][j] = _mm512_dpbusd_epi32(hi[q][j], w, xb[j]);
+                        else lo[q][j] = _mm512_dpbusd_epi32(lo[q][j], w, xb[j]);
+                    }
+                }
+            }
+            for (int q = 0; q < NP; q++) {
+                const __m512i *sc = buf->sc[q * KQ5_KT + kb];
+                for (int j = 0; j < NT; j++) {
+                    if (dtype == CF_Q6_K) {
+                        qd[q][j] = _mm512_add_epi32(qd[q][j], _mm512_mullo_epi32(lo[q][j], sc[2 * t]));
+                        qd[q][j] = _mm512_add_epi32(qd[q][j], _mm512_mullo_epi32(hi[q][j], sc[2 * t + 1]));
+                    } else {
+                        qd[q][j] = _mm512_add_epi32(qd[q][j], _mm512_mullo_epi32(lo[q][j], sc[t]));
+                    }
+                }
+            }
+        }
+        for (int q = 0; q < NP; q++) {
+            int n = q * KQ5_KT + kb;
+            for (int j = 0; j < NT; j++) {
+                for (int s = 0; s < 8; s++) /* bsums 2s, 2s+1 as one int16 pair */
+                    mb[q][j] = _mm512_dpwssd_epi32(mb[q][j], buf->mp[n][s], _mm512_set1_epi32(b2[j][s]));
+                __m512 dx = _mm512_set1_ps(xs[j].dk[kb0 + kb]);
+                if (dtype == CF_Q6_K) { /* sum_qd = sum_s sc_s dot_s - 32 sum_s sc_s bsums_s */
+                    __m512i v = _mm512_sub_epi32(qd[q][j], _mm512_slli_epi32(mb[q][j], 5));
+                    acc[q][j] = _mm512_fmadd_ps(_mm512_mul_ps(buf->d[n], dx), _mm512_cvtepi32_ps(v), acc[q][j]);
+                } else {
+                    acc[q][j] = _mm512_fmadd_ps(_mm512_mul_ps(buf->d[n], dx), _mm512_cvtepi32_ps(qd[q][j]), acc[q][j]);
+                    acc[q][j] = _mm512_fnmadd_ps(_mm512_mul_ps(buf->dmin[n], dx), _mm512_cvtepi32_ps(mb[q][j]), acc[q][j]);
+                }
+            }
+        }
+    }
+    for (int j = 0; j < NT; j++)
+        for (int q = 0; q < NP; q++) {
+            float *o = out + (size_t)j * ldo + 16 * q;
+            __m512 prev = _mm512_maskz_loadu_ps(mask[q], o);
+            _mm512_mask_storeu_ps(o, mask[q], _mm512_add_ps(prev, acc[q][j]));
+        }
+}
+
+static void kq5_run(int nt, int np, int dtype, const kq5_buf *buf, int nkt, const cf_act_q8 *xs,
+                    int kb0, float *out, int ldo, const __mmask16 *mask) {
+#define KQ5_CASE(NT, NP, DT)                                                                   \
+    if (NT <= MM5_NT && NP <= MM5_NP && nt == NT && np == NP && dtype == DT) {                 \
+        kq5_kernel(NT, NP, DT, buf, nkt, xs, kb0, out, ldo, mask);                             \
+        return;                                                                                \
+    }
+#define KQ5_NTS(NP, DT) KQ5_CASE(1, NP, DT) KQ5_CASE(2, NP, DT) KQ5_CASE(3, NP, DT) KQ5_CASE(4, NP, DT)
+    KQ5_NTS(1, CF_Q4_K)
+    KQ5_NTS(2, CF_Q4_K)
+    KQ5_NTS(1, CF_Q6_K)
+    KQ5_NTS(2, CF_Q6_K)
+#undef KQ5_NTS
+#undef KQ5_CASE
+}
+
+static void kq5_matmat_groups(int dtype, const cf_tiled *w, const cf_act_q8 *xs, int B, float *out,
+                              int ldo, int g0, int g1) {
+    int g1_full = cf_min(g1, w->rows / CF_G);
+    size_t bb = cf_block_bytes(dtype);
+    kq5_buf buf;
+    if (g0 < g1_full) {
+        for (int b = 0; b < B; b++)
+            memset(out + (size_t)b * ldo, 0, sizeof(float) * (size_t)(g1_full - g0) * CF_G);
+        cf_span sp;
+        for (cf_span_begin(&sp, w, g0, g1_full); cf_span_next(&sp);) {
+            size_t group_bytes = (size_t)CF_G * sp.nkt * bb;
+            for (int gr = sp.ga; gr < sp.gb; gr += 2 * MM5_NP) {
+                int ng = cf_min(2 * MM5_NP, sp.gb - gr), np = (ng + 1) / 2;
+                __mmask16 mask[MM5_NP];
+                const uint8_t *p = sp.ptr + (size_t)(gr - sp.ga) * group_bytes;
+                for (int q = 0; q < np; q++) {
+                    int lone = 2 * q + 1 >= ng;
+                    mask[q] = lone ? 0x00ff : 0xffff;
+                    const uint8_t *pa = p + (size_t)(2 * q) * group_bytes;
+                    kq5_unpack_pair(dtype, pa, lone ? pa : pa + group_bytes, sp.nkt, &buf, q);
+                }
+                float *o = out + (size_t)(gr - g0) * CF_G;
+                for (int j = 0; j < B; j += MM5_NT)
+                    kq5_run(cf_min(MM5_NT, B - j), np, dtype, &buf, sp.nkt, xs + j, sp.kb0,
+                            o + (size_t)j * ldo, ldo, mask);
+            }
+        }
+    }
+    if (g1 > g1_full && g1 > g0) {
+        int gs = cf_max(g0, g1_full);
+        for (int b = 0; b < B; b++)
+            cf_matvec_groups_ref(w, &xs[b], out + (size_t)b * ldo + (size_t)(gs - g0) * CF_G, gs, g1);
+    }
+}
+
+INLINE void any_matmat_groups(int dtype, const cf_tiled *w, const cf_act_q8 *xs, int B, float *out,
+                              int ldo, int g0, int g1) {
+    if (cf_is_kquant(dtype)) kq5_matmat_groups(dtype, w, xs, B, out, ldo, g0, g1);
+    else matmat_groups(dtype, w, xs, B, out, ldo, g0, g1);
+}
+
 /* Tiles wider than the buffer (tile_cols > 512) take the base table's matmat: the same values. */
-static int fits(const cf_tiled *w) { return w->tile_cols / CF_QK <= MM5_KT; }
+static int fits(const cf_tiled *w) {
+    return cf_is_kquant(w->dtype) ? w->tile_cols / CF_QK_K <= KQ5_KT : w->tile_cols / CF_QK <= MM5_KT;
+}
 
 #define DEFINE_MATMAT(NAME, DT)                                                                \
     static void NAME(const cf_tiled *w, const cf_act_q8 *xs, int B, float *y, int ldy, int g0,  \
@@ -257,11 +478,13 @@ static int fits(const cf_tiled *w) { return w->tile_cols / CF_QK <= MM5_KT; }
             atomic_load(&g_base)->matmat[DT](w, xs, B, y, ldy, g0, g1);                                      \
             return;                                                                            \
         }                                                                                      \
-        matmat_groups(DT, w, xs, B, y + (size_t)g0 * CF_G, ldy, g0, g1);                       \
+        any_matmat_groups(DT, w, xs, B, y + (size_t)g0 * CF_G, ldy, g0, g1);                   \
     }
 DEFINE_MATMAT(matmat_q4_0_avx512, CF_Q4_0)
 DEFINE_MATMAT(matmat_q4_1_avx512, CF_Q4_1)
 DEFINE_MATMAT(matmat_q8_0_avx512, CF_Q8_0)
+DEFINE_MATMAT(matmat_q4_k_avx512, CF_Q4_K)
+DEFINE_MATMAT(matmat_q6_k_avx512, CF_Q6_K)
 
 /* ---- fused gate+up+SiLU, batched ----------------------------------------------------------- */
 
@@ -308,7 +531,7 @@ static void gate_up_mm(int dtype, const cf_tiled *w, const cf_act_q8 *xs, int B,
         int pe = cf_min(cf_min(p1, p + GATE_UP_MM_PAIRS), cf_max(p + 1, band_end_pair));
         for (int b0 = 0; b0 < B; b0 += GATE_UP_MM_NB) {
             int nb = cf_min(GATE_UP_MM_NB, B - b0);
-            matmat_groups(dtype, w, xs + b0, nb, gu, LD, 2 * p, 2 * pe);
+            any_matmat_groups(dtype, w, xs + b0, nb, gu, LD, 2 * p, 2 * pe);
             for (int b = 0; b < nb; b++) {
                 const float *gb = gu + (size_t)b * LD;
                 float *yb = y + (size_t)(b0 + b) * ldy + (size_t)p * CF_G;
@@ -339,6 +562,8 @@ static void gate_up_mm(int dtype, const cf_tiled *w, const cf_act_q8 *xs, int B,
 DEFINE_GATE_UP_MM(gate_up_mm_q4_0_avx512, CF_Q4_0)
 DEFINE_GATE_UP_MM(gate_up_mm_q4_1_avx512, CF_Q4_1)
 DEFINE_GATE_UP_MM(gate_up_mm_q8_0_avx512, CF_Q8_0)
+DEFINE_GATE_UP_MM(gate_up_mm_q4_k_avx512, CF_Q4_K)
+DEFINE_GATE_UP_MM(gate_up_mm_q6_k_avx512, CF_Q6_K)
 
 /* ---- the table --------------------------------------------------------------------------- */
 
@@ -354,6 +579,10 @@ static void table_init(void) {
     g_table.gate_up_mm[CF_Q4_0] = gate_up_mm_q4_0_avx512;
     g_table.gate_up_mm[CF_Q4_1] = gate_up_mm_q4_1_avx512;
     g_table.gate_up_mm[CF_Q8_0] = gate_up_mm_q8_0_avx512;
+    g_table.matmat[CF_Q4_K] = matmat_q4_k_avx512;
+    g_table.matmat[CF_Q6_K] = matmat_q6_k_avx512;
+    g_table.gate_up_mm[CF_Q4_K] = gate_up_mm_q4_k_avx512;
+    g_table.gate_up_mm[CF_Q6_K] = gate_up_mm_q6_k_avx512;
 }
 
 /* base: the best AVX2-family table of this CPU (always the same one; the first call wins). */
