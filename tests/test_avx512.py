@@ -125,15 +125,15 @@ def test_table_inherits_the_base_tables_other_kernels():
             assert np.array_equal(a, _native.matvec(t, Q.DTYPE_IDS[dtype], rows, cols, x, isa=base))
 
 
-# ---- K-quants (Q4_K, Q6_K: 256-weight super-blocks, at most 2 per tile row in the buffer) ----
+# ---- K-quants (Q4_K, Q5_K, Q6_K: 256-weight super-blocks, at most 2 per tile row in the buffer) ----
 K_SHAPES = [(203, 768, (24, 256)), (77, 1024, (40, 512)), (136, 1280, (16, 512)), (8, 256, (8, 256)),
             (40, 1024, (24, 1024))]  # the last: 4 super-blocks per tile row, the base kernel
 
 
 @pytest.mark.parametrize("rows,cols,tile", K_SHAPES)
-@pytest.mark.parametrize("dtype", ["q4_k", "q6_k"])
+@pytest.mark.parametrize("dtype", ["q4_k", "q5_k", "q6_k"])
 def test_kquant_matmat_every_batch_size_equals_matvec(dtype, rows, cols, tile):
-    """Random blocks of every bit pattern (signed Q6_K scales, all 6-bit Q4_K scales and mins),
+    """Random blocks of every bit pattern (signed Q6_K scales, all 6-bit Q4_K/Q5_K scales and mins, Q5_K's 5th bits),
     B = 1..9, 16, 17: equal to the table's mat-vec bit for bit, and to the ref table within
     rounding; odd group ranges write only their rows."""
     from cflow import kquant as K
@@ -162,7 +162,7 @@ def test_kquant_matmat_every_batch_size_equals_matvec(dtype, rows, cols, tile):
 
 
 @pytest.mark.parametrize("d_ff,cols,tile", [(8, 256, (8, 256)), (40, 512, (24, 256)), (72, 768, (16, 512))])
-@pytest.mark.parametrize("dtype", ["q4_k", "q6_k"])
+@pytest.mark.parametrize("dtype", ["q4_k", "q5_k", "q6_k"])
 def test_kquant_gate_up_mm_equals_gate_up(dtype, d_ff, cols, tile):
     from cflow import kquant as K
     from test_kquant import random_blocks

@@ -247,16 +247,16 @@ static void matmat_groups(int dtype, const cf_tiled *w, const cf_act_q8 *xs, int
     }
 }
 
-/* ---- K-quants (Q4_K, Q6_K): the same walk over 256-weight super-blocks ------------------- */
+/* ---- K-quants (Q4_K, Q5_K, Q6_K): the same walk over 256-weight super-blocks ------------ */
 
 /* The inherited mat-vec (kernels_kquant_avx2.c, kq_finish) does per row and super-block
- *   acc = fma(d * dx, sum_qd, acc); Q4_K: acc = fnmadd(dmin * dx, sum_mb, acc)
+ *   acc = fma(d * dx, sum_qd, acc); Q4_K / Q5_K: acc = fnmadd(dmin * dx, sum_mb, acc)
  * with the exact integers of docs/kquants.md ("The integer dot products"); so does this. */
 #define KQ5_KT 2 /* super-blocks per tile row the buffer holds (tile_cols <= 512): 16 KiB */
 
 /* A pair's super-blocks: v[t][k] lane i = weights 32t + 4k .. +3 of row i (u8: Q4_K 0..15,
- * Q6_K 0..63); sc[s] lane i = row i's scale of sub-block s (Q4_K 8 of 32 weights, Q6_K 16 of
- * 16); mp[j] lane i = int16 pair: Q4_K (m_j, m_j) against bsums (2j, 2j+1), so one vpdpwssd
+ * Q5_K 0..31, Q6_K 0..63); sc[s] lane i = row i's scale of sub-block s (Q4_K / Q5_K 8 of 32
+ * weights, Q6_K 16 of 16); mp[j] lane i = int16 pair: Q4_K / Q5_K (m_j, m_j) against bsums (2j, 2j+1), so one vpdpwssd
  * per j forms m_j * bsum32_j; Q6_K (sc_2j, sc_2j+1), the -32 term's sum_s sc_s * bsums_s. */
 typedef struct {
     __m512i v[MM5_NP * KQ5_KT][8][8];
@@ -275,7 +275,7 @@ INLINE __m512i gather_rows(const uint8_t *field, int size, int gstride, int off)
     return _mm512_i32gather_epi32(idx, field, 1);
 }
 
-/* Q4_K's 12 packed scale bytes of row i -> 8 scales and 8 mins (ggml's get_scale_min_k4). */
+/* Q4_K / Q5_K's 12 packed scale bytes of row i -> 8 scales and 8 mins (ggml's get_scale_min_k4). */
 INLINE void scale_min_k4(const uint8_t *q, uint8_t *sc, uint8_t *m) {
     for (int j = 0; j < 8; j++) {
         if (j < 4) {
@@ -290,6 +290,7 @@ INLINE void scale_min_k4(const uint8_t *q, uint8_t *sc, uint8_t *m) {
 
 /* Unpack pair q (chunks at ca, cb; cb = ca for a lone group) of nkt super-blocks; chunk
  * offsets (g = 8): Q4_K d@0 dmin@16 scales[8][12]@32 qs[8][128]@128 (1152 B);
+ * Q5_K d@0 dmin@16 scales[8][12]@32 qh[8][32]@128 qs[8][128]@384 (1408 B);
  * Q6_K d@0 scales[8][16]@16 ql[8][128]@144 qh[8][64]@1168 (1680 B). */
 INLINE void kq5_unpack_pair(int dtype, const uint8_t *ca, const uint8_t *cb, int nkt, kq5_buf *buf, int q) {
     size_t chunk = cf_block_bytes(dtype) * CF_G;
@@ -300,7 +301,7 @@ INLINE void kq5_unpack_pair(int dtype, const uint8_t *ca, const uint8_t *cb, int
         int n = q * KQ5_KT + kb;
         buf->d[n] = load_halves16(c, c + gstride);
         int32_t sc[16][16], mp[8][16]; /* [sub-block][lane] */
-        if (dtype == CF_Q4_K) {
+        if (dtype == CF_Q4_K || dtype == CF_Q5_K) {
             buf->dmin[n] = load_halves16(c + 16, c + gstride + 16);
             for (int i = 0; i < 16; i++) {
                 uint8_t s8[8], m8[8];
@@ -310,10 +311,17 @@ INLINE void kq5_unpack_pair(int dtype, const uint8_t *ca, const uint8_t *cb, int
                     mp[j][i] = (int32_t)((uint32_t)m8[j] << 16 | m8[j]);
                 }
             }
+            const int q5k = dtype == CF_Q5_K;
+            const __m512i one = _mm512_set1_epi8(1);
             for (int t = 0; t < 8; t++) /* sub-block t: run t/2 of qs, low or high nibbles */
                 for (int k = 0; k < 8; k++) {
-                    __m512i raw = gather_rows(c + 128, 128, gstride, 32 * (t / 2) + 4 * k);
-                    buf->v[n][t][k] = _mm512_and_si512(t & 1 ? _mm512_srli_epi16(raw, 4) : raw, m4);
+                    __m512i raw = gather_rows(c + (q5k ? 384 : 128), 128, gstride, 32 * (t / 2) + 4 * k);
+                    __m512i v = _mm512_and_si512(t & 1 ? _mm512_srli_epi16(raw, 4) : raw, m4);
+                    if (q5k) { /* bit t of qh[l]: the 5th bit of weight 32t + l */
+                        __m512i qh = gather_rows(c + 128, 32, gstride, 4 * k);
+                        v = _mm512_or_si512(v, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qh, t), one), 4));
+                    }
+                    buf->v[n][t][k] = v;
                 }
         } else {
             buf->dmin[n] = _mm512_setzero_ps();
@@ -419,6 +427,8 @@ static void kq5_run(int nt, int np, int dtype, const kq5_buf *buf, int nkt, cons
 #define KQ5_NTS(NP, DT) KQ5_CASE(1, NP, DT) KQ5_CASE(2, NP, DT) KQ5_CASE(3, NP, DT) KQ5_CASE(4, NP, DT)
     KQ5_NTS(1, CF_Q4_K)
     KQ5_NTS(2, CF_Q4_K)
+    KQ5_NTS(1, CF_Q5_K)
+    KQ5_NTS(2, CF_Q5_K)
     KQ5_NTS(1, CF_Q6_K)
     KQ5_NTS(2, CF_Q6_K)
 #undef KQ5_NTS
@@ -484,6 +494,7 @@ DEFINE_MATMAT(matmat_q4_0_avx512, CF_Q4_0)
 DEFINE_MATMAT(matmat_q4_1_avx512, CF_Q4_1)
 DEFINE_MATMAT(matmat_q8_0_avx512, CF_Q8_0)
 DEFINE_MATMAT(matmat_q4_k_avx512, CF_Q4_K)
+DEFINE_MATMAT(matmat_q5_k_avx512, CF_Q5_K)
 DEFINE_MATMAT(matmat_q6_k_avx512, CF_Q6_K)
 
 /* ---- fused gate+up+SiLU, batched ----------------------------------------------------------- */
@@ -563,6 +574,7 @@ DEFINE_GATE_UP_MM(gate_up_mm_q4_0_avx512, CF_Q4_0)
 DEFINE_GATE_UP_MM(gate_up_mm_q4_1_avx512, CF_Q4_1)
 DEFINE_GATE_UP_MM(gate_up_mm_q8_0_avx512, CF_Q8_0)
 DEFINE_GATE_UP_MM(gate_up_mm_q4_k_avx512, CF_Q4_K)
+DEFINE_GATE_UP_MM(gate_up_mm_q5_k_avx512, CF_Q5_K)
 DEFINE_GATE_UP_MM(gate_up_mm_q6_k_avx512, CF_Q6_K)
 
 /* ---- the table --------------------------------------------------------------------------- */
@@ -580,8 +592,10 @@ static void table_init(void) {
     g_table.gate_up_mm[CF_Q4_1] = gate_up_mm_q4_1_avx512;
     g_table.gate_up_mm[CF_Q8_0] = gate_up_mm_q8_0_avx512;
     g_table.matmat[CF_Q4_K] = matmat_q4_k_avx512;
+    g_table.matmat[CF_Q5_K] = matmat_q5_k_avx512;
     g_table.matmat[CF_Q6_K] = matmat_q6_k_avx512;
     g_table.gate_up_mm[CF_Q4_K] = gate_up_mm_q4_k_avx512;
+    g_table.gate_up_mm[CF_Q5_K] = gate_up_mm_q5_k_avx512;
     g_table.gate_up_mm[CF_Q6_K] = gate_up_mm_q6_k_avx512;
 }
 
