@@ -1,0 +1,127 @@
+/* kernels_attn_avx2.c — prefill attention over a block of queries (the table's attention_block),
+ * AVX2 + FMA + F16C. #included by kernels_avx2.c after its per-query attention, whose helpers
+ * (hsum_ps, load_halves8, softmax_avx2) it shares; not compiled on its own.
+ *
+ * Two passes, like the per-query kernel: scores for every (query, head) row of the block, the
+ * softmax of each row, then the weighted sum of V. Both passes walk the cache in tiles of TT
+ * positions: a tile of K (then V) rows is converted from fp16 once into an fp32 buffer that stays
+ * in L1, and every row of the block that sees the tile's positions reads it there. Per query this
+ * computes exactly what attention_avx2 does (each score: one 8-lane FMA chain over head_dim from
+ * zero, hsum_ps, times scale; each output lane: FMAs over the positions in ascending order), so
+ * the results are the same bits (cflow.h). That rules out an online softmax, whose running-max
+ * rescaling would change the rounding, and is why prefill and step-by-step decode agree exactly.
+ * The scratch the two passes need (a score row per query and head) is the caller's.
+ */
+
+#define ATTN_TILE_FLOATS 4096 /* one fp32 tile of K or V rows: 16 KB */
+
+/* out[t] = scale * q . kt[t] for n rows of a converted tile; four rows at a time so that four
+ * independent FMA chains hide the latency (each chain is still one row's, in head_dim order). */
+INLINE void block_scores(const float *q, const float *kt, int hd, int n, float scale, float *out) {
+    int t = 0;
+    for (; t + 4 <= n; t += 4) {
+        const float *k0 = kt + (size_t)t * hd;
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(),
+               a3 = _mm256_setzero_ps();
+        for (int j = 0; j < hd; j += 8) {
+            __m256 qv = _mm256_loadu_ps(q + j);
+            a0 = _mm256_fmadd_ps(qv, _mm256_load_ps(k0 + j), a0);
+            a1 = _mm256_fmadd_ps(qv, _mm256_load_ps(k0 + hd + j), a1);
+            a2 = _mm256_fmadd_ps(qv, _mm256_load_ps(k0 + 2 * hd + j), a2);
+            a3 = _mm256_fmadd_ps(qv, _mm256_load_ps(k0 + 3 * hd + j), a3);
+        }
+        out[t] = hsum_ps(a0) * scale;
+        out[t + 1] = hsum_ps(a1) * scale;
+        out[t + 2] = hsum_ps(a2) * scale;
+        out[t + 3] = hsum_ps(a3) * scale;
+    }
+    for (; t < n; t++) {
+        __m256 a = _mm256_setzero_ps();
+        for (int j = 0; j < hd; j += 8)
+            a = _mm256_fmadd_ps(_mm256_loadu_ps(q + j), _mm256_load_ps(kt + (size_t)t * hd + j), a);
+        out[t] = hsum_ps(a) * scale;
+    }
+}
+
+/* o += sum_t p[t] * vt[t] over n rows of a converted tile, t ascending; 32 output lanes stay in
+ * registers across the tile. */
+INLINE void block_values(float *o, const float *vt, const float *p, int hd, int n) {
+    int j = 0;
+    for (; j + 32 <= hd; j += 32) {
+        __m256 o0 = _mm256_loadu_ps(o + j), o1 = _mm256_loadu_ps(o + j + 8),
+               o2 = _mm256_loadu_ps(o + j + 16), o3 = _mm256_loadu_ps(o + j + 24);
+        for (int t = 0; t < n; t++) {
+            const float *v = vt + (size_t)t * hd + j;
+            __m256 pb = _mm256_broadcast_ss(p + t);
+            o0 = _mm256_fmadd_ps(pb, _mm256_load_ps(v), o0);
+            o1 = _mm256_fmadd_ps(pb, _mm256_load_ps(v + 8), o1);
+            o2 = _mm256_fmadd_ps(pb, _mm256_load_ps(v + 16), o2);
+            o3 = _mm256_fmadd_ps(pb, _mm256_load_ps(v + 24), o3);
+        }
+        _mm256_storeu_ps(o + j, o0);
+        _mm256_storeu_ps(o + j + 8, o1);
+        _mm256_storeu_ps(o + j + 16, o2);
+        _mm256_storeu_ps(o + j + 24, o3);
+    }
+    for (; j < hd; j += 8) {
+        __m256 o0 = _mm256_loadu_ps(o + j);
+        for (int t = 0; t < n; t++)
+            o0 = _mm256_fmadd_ps(_mm256_broadcast_ss(p + t), _mm256_load_ps(vt + (size_t)t * hd + j), o0);
+        _mm256_storeu_ps(o + j, o0);
+    }
+}
+
+/* Rows [t0, t1) of one kv head's cache to fp32 (the same conversion as load_halves8). */
+INLINE void block_tile(float *tile, const cf_half *X, int hd, int t0, int t1) {
+    const cf_half *src = X + (size_t)t0 * hd;
+    size_t n = (size_t)(t1 - t0) * hd;
+    for (size_t i = 0; i < n; i += 8) _mm256_store_ps(tile + i, load_halves8(src + i));
+}
+
+static void attention_block_avx2(float *out, const float *q, const cf_half *k, const cf_half *v,
+                                 float *att, const cf_attn_block_shape *s, int h0, int h1) {
+    int hd = s->head_dim, group = s->n_heads / s->n_kv_heads, nq = s->n_q;
+    if (hd % 8 != 0 || hd > ATTN_TILE_FLOATS) { /* attention_avx2 runs the reference there too */
+        cf_attention_block_ref(out, q, k, v, att, s, h0, h1);
+        return;
+    }
+    _Alignas(32) float tile[ATTN_TILE_FLOATS];
+    int TT = cf_min(ATTN_TILE_FLOATS / hd, 64);
+    int t_begin = cf_attn_lo(s, 0), t_end = s->pos0 + nq;
+    int n_last = t_end - cf_attn_lo(s, nq - 1); /* the longest row: the last query's */
+    for (int h = h0; h < h1;) {
+        int kvh = h / group, hb = cf_min(h1, (kvh + 1) * group); /* heads [h, hb) share kv head kvh */
+        size_t kv_off = (size_t)kvh * s->max_seq * hd;
+        /* score row of (head hh, query i), indexed by position: row(hh, i)[t] for t in [lo_i, p_i] */
+#define ROW(hh, i) (att + ((size_t)((hh) - h0) * nq + (i)) * n_last - cf_attn_lo(s, (i)))
+        for (int t0 = t_begin; t0 < t_end; t0 += TT) {
+            int t1 = cf_min(t_end, t0 + TT);
+            block_tile(tile, k + kv_off, hd, t0, t1);
+            for (int i = 0; i < nq; i++) {
+                int a = cf_max(t0, cf_attn_lo(s, i)), b = cf_min(t1, s->pos0 + i + 1);
+                for (int hh = h; hh < hb && a < b; hh++)
+                    block_scores(q + (size_t)i * s->ldq + (size_t)hh * hd, tile + (size_t)(a - t0) * hd, hd,
+                                 b - a, s->scale, ROW(hh, i) + a);
+            }
+        }
+        for (int i = 0; i < nq; i++) {
+            int lo = cf_attn_lo(s, i);
+            for (int hh = h; hh < hb; hh++) {
+                softmax_avx2(ROW(hh, i) + lo, s->pos0 + i + 1 - lo);
+                memset(out + (size_t)i * s->ldo + (size_t)hh * hd, 0, sizeof(float) * (size_t)hd);
+            }
+        }
+        for (int t0 = t_begin; t0 < t_end; t0 += TT) {
+            int t1 = cf_min(t_end, t0 + TT);
+            block_tile(tile, v + kv_off, hd, t0, t1);
+            for (int i = 0; i < nq; i++) {
+                int a = cf_max(t0, cf_attn_lo(s, i)), b = cf_min(t1, s->pos0 + i + 1);
+                for (int hh = h; hh < hb && a < b; hh++)
+                    block_values(out + (size_t)i * s->ldo + (size_t)hh * hd, tile + (size_t)(a - t0) * hd,
+                                 ROW(hh, i) + a, hd, b - a);
+            }
+        }
+#undef ROW
+        h = hb;
+    }
+}
