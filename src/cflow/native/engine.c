@@ -113,7 +113,7 @@ typedef struct {
     cf_act_q8 *act;   /* [B] quantized input of the current mat-vec */
     cf_act_q8 *act2;  /* [B] quantized FFN hidden (experts keep act for the next expert) */
     cf_act_q8 *gather; /* [B] descriptors of the tokens routed to one expert (views of act) */
-    float *scores;    /* [n_heads, n_ctx] attention scores */
+    float *scores;    /* [attn_score_rows, n_ctx] attention scores */
     void *mem;        /* one allocation behind all of the above */
 } cf_scratch;
 
@@ -454,28 +454,30 @@ static int rows_are_prompt(const cf_engine *e) {
  * ATTN_QBLOCK queries times the query heads of its kv head. */
 #define ATTN_QBLOCK 16
 
+/* Rows of n_ctx floats in each thread's score scratch: one per query head (the per-query kernel),
+ * or one per query head of a kv head and row of a block (attn_prompt), whichever is more. */
+static int attn_score_rows(const cf_engine *e) {
+    return cf_max(e->c.n_heads, e->c.n_heads / e->c.n_kv * cf_min(ATTN_QBLOCK, e->max_batch));
+}
+
 /* Prefill attention (rows_are_prompt): work items are (kv head, block of ATTN_QBLOCK rows), dealt
  * round robin, kv heads fastest, so both the causal growth of the rows and the heads spread over
- * the threads; an item writes only its heads of its rows. An item whose score rows would not fit
- * the thread's scratch ([n_heads, n_ctx] floats) runs as several smaller blocks: the fit is
- * group * rows * n_last <= n_heads * n_ctx, always true for n_kv rows, so the loop ends. */
+ * the threads; an item writes only its heads of its rows. The thread's scratch holds a whole
+ * block's score rows: group * min(ATTN_QBLOCK, max_batch) rows of at most n_ctx (attn_score_rows). */
 static void attn_prompt(cf_engine *e, size_t layer_kv, float *scores, int ith, int nth) {
     const cf_config *c = &e->c;
     int B = e->B, hd = c->hd, group = c->n_heads / c->n_kv, q_dim = c->n_heads * hd;
     int qkv_dim = q_dim + 2 * c->n_kv * hd, n_blocks = (B + ATTN_QBLOCK - 1) / ATTN_QBLOCK;
-    size_t cap = (size_t)c->n_heads * e->n_ctx, base = (size_t)e->rseq[0] * e->seq_kv + layer_kv;
+    size_t base = (size_t)e->rseq[0] * e->seq_kv + layer_kv;
     for (int it = ith; it < n_blocks * c->n_kv; it += nth) {
-        int kvh = it % c->n_kv, end = cf_min(B, (it / c->n_kv + 1) * ATTN_QBLOCK);
-        for (int b0 = it / c->n_kv * ATTN_QBLOCK, b1; b0 < end; b0 = b1) {
-            for (b1 = end; (size_t)group * (b1 - b0) * (e->rpos[b1 - 1] + 1 - attn_first(e, b1 - 1)) > cap;) b1--;
-            cf_attn_block_shape sh = {.n_heads = c->n_heads, .n_kv_heads = c->n_kv, .head_dim = hd,
-                                      .max_seq = e->n_ctx, .scale = 1.0f / sqrtf((float)hd),
-                                      .pos0 = e->rpos[b0], .n_q = b1 - b0, .window = c->sliding_window,
-                                      .ldq = qkv_dim, .ldo = q_dim};
-            e->k->attention_block(e->s.att + (size_t)b0 * q_dim, e->s.qkv + (size_t)b0 * qkv_dim,
-                                  e->s.kcache + base, e->s.vcache + base, scores, &sh, kvh * group,
-                                  (kvh + 1) * group);
-        }
+        int kvh = it % c->n_kv, b0 = it / c->n_kv * ATTN_QBLOCK, b1 = cf_min(B, b0 + ATTN_QBLOCK);
+        cf_attn_block_shape sh = {.n_heads = c->n_heads, .n_kv_heads = c->n_kv, .head_dim = hd,
+                                  .max_seq = e->n_ctx, .scale = 1.0f / sqrtf((float)hd),
+                                  .pos0 = e->rpos[b0], .n_q = b1 - b0, .window = c->sliding_window,
+                                  .ldq = qkv_dim, .ldo = q_dim};
+        e->k->attention_block(e->s.att + (size_t)b0 * q_dim, e->s.qkv + (size_t)b0 * qkv_dim,
+                              e->s.kcache + base, e->s.vcache + base, scores, &sh, kvh * group,
+                              (kvh + 1) * group);
     }
 }
 
@@ -1538,7 +1540,7 @@ static int alloc_state(cf_engine *e) {
     /* one row more than a call's tokens: op_final sums each row's input there */
     size_t xb = (size_t)(e->max_batch + 1) * K * 4;
     /* per activation: d, s (32-block); dk, bsums (256-block); qs; qk */
-    size_t scores = (size_t)c->n_heads * e->n_ctx * 4, act = 2 * KB * 4 + KK * 4 + KS + 2 * K;
+    size_t scores = (size_t)attn_score_rows(e) * e->n_ctx * 4, act = 2 * KB * 4 + KK * 4 + KS + 2 * K;
     size_t bytes = 64 + carve_size(3 * B * sizeof(cf_act_q8)) + carve_size(xb) + carve_size(scores) +
                    2 * B * carve_size(act);
     for (int t = 0; t < e->n_threads; t++) {

@@ -15,25 +15,36 @@
 
 #define ATTN_TILE_FLOATS 4096 /* one fp32 tile of K or V rows: 16 KB */
 
-/* out[t] = scale * q . kt[t] for n rows of a converted tile; four rows at a time so that four
+/* Lane i = hsum_ps(v_i), by the same tree of additions ((v0+v4) + (v2+v6)) + ((v1+v5) + (v3+v7))
+ * over each v_i's lanes, so the bits are hsum_ps's; eight sums cost what about two hsum_ps do. */
+INLINE __m256 hsum8_ps(__m256 v0, __m256 v1, __m256 v2, __m256 v3, __m256 v4, __m256 v5, __m256 v6,
+                       __m256 v7) {
+#define LOHI(a, b) _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31))
+    __m256 s04 = LOHI(v0, v4), s15 = LOHI(v1, v5), s26 = LOHI(v2, v6), s37 = LOHI(v3, v7);
+#undef LOHI
+    /* per 128-bit lane, for two vectors: [s0+s2, s1+s3, s0+s2, s1+s3] */
+    __m256 p0145 = _mm256_add_ps(_mm256_shuffle_ps(s04, s15, _MM_SHUFFLE(1, 0, 1, 0)),
+                                 _mm256_shuffle_ps(s04, s15, _MM_SHUFFLE(3, 2, 3, 2)));
+    __m256 p2367 = _mm256_add_ps(_mm256_shuffle_ps(s26, s37, _MM_SHUFFLE(1, 0, 1, 0)),
+                                 _mm256_shuffle_ps(s26, s37, _MM_SHUFFLE(3, 2, 3, 2)));
+    return _mm256_add_ps(_mm256_shuffle_ps(p0145, p2367, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm256_shuffle_ps(p0145, p2367, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* out[t] = scale * q . kt[t] for n rows of a converted tile; eight rows at a time, so that eight
  * independent FMA chains hide the latency (each chain is still one row's, in head_dim order). */
 INLINE void block_scores(const float *q, const float *kt, int hd, int n, float scale, float *out) {
+    const __m256 vs = _mm256_set1_ps(scale);
     int t = 0;
-    for (; t + 4 <= n; t += 4) {
+    for (; t + 8 <= n; t += 8) {
         const float *k0 = kt + (size_t)t * hd;
-        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(),
-               a3 = _mm256_setzero_ps();
+        __m256 a[8];
+        for (int r = 0; r < 8; r++) a[r] = _mm256_setzero_ps();
         for (int j = 0; j < hd; j += 8) {
             __m256 qv = _mm256_loadu_ps(q + j);
-            a0 = _mm256_fmadd_ps(qv, _mm256_load_ps(k0 + j), a0);
-            a1 = _mm256_fmadd_ps(qv, _mm256_load_ps(k0 + hd + j), a1);
-            a2 = _mm256_fmadd_ps(qv, _mm256_load_ps(k0 + 2 * hd + j), a2);
-            a3 = _mm256_fmadd_ps(qv, _mm256_load_ps(k0 + 3 * hd + j), a3);
+            for (int r = 0; r < 8; r++) a[r] = _mm256_fmadd_ps(qv, _mm256_load_ps(k0 + (size_t)r * hd + j), a[r]);
         }
-        out[t] = hsum_ps(a0) * scale;
-        out[t + 1] = hsum_ps(a1) * scale;
-        out[t + 2] = hsum_ps(a2) * scale;
-        out[t + 3] = hsum_ps(a3) * scale;
+        _mm256_storeu_ps(out + t, _mm256_mul_ps(hsum8_ps(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]), vs));
     }
     for (; t < n; t++) {
         __m256 a = _mm256_setzero_ps();
