@@ -54,15 +54,41 @@ INLINE void block_scores(const float *q, const float *kt, int hd, int n, float s
     }
 }
 
-/* o += sum_t p[t] * vt[t] over n rows of a converted tile, t ascending; 32 output lanes stay in
- * registers across the tile. */
-INLINE void block_values(float *o, const float *vt, const float *p, int hd, int n) {
+/* block_scores for two heads of one query (the same kv head, so the same positions): each K row
+ * loaded serves both, which halves the loads per FMA. */
+INLINE void block_scores2(const float *q0, const float *q1, const float *kt, int hd, int n, float scale,
+                          float *out0, float *out1) {
+    const __m256 vs = _mm256_set1_ps(scale);
+    int t = 0;
+    for (; t + 4 <= n; t += 4) {
+        const float *k0 = kt + (size_t)t * hd;
+        __m256 a[4], b[4];
+        for (int r = 0; r < 4; r++) a[r] = b[r] = _mm256_setzero_ps();
+        for (int j = 0; j < hd; j += 8) {
+            __m256 qa = _mm256_loadu_ps(q0 + j), qb = _mm256_loadu_ps(q1 + j);
+            for (int r = 0; r < 4; r++) {
+                __m256 kv = _mm256_load_ps(k0 + (size_t)r * hd + j);
+                a[r] = _mm256_fmadd_ps(qa, kv, a[r]);
+                b[r] = _mm256_fmadd_ps(qb, kv, b[r]);
+            }
+        }
+        __m256 sums = _mm256_mul_ps(hsum8_ps(a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3]), vs);
+        _mm_storeu_ps(out0 + t, _mm256_castps256_ps128(sums));
+        _mm_storeu_ps(out1 + t, _mm256_extractf128_ps(sums, 1));
+    }
+    block_scores(q0, kt + (size_t)t * hd, hd, n - t, scale, out0 + t);
+    block_scores(q1, kt + (size_t)t * hd, hd, n - t, scale, out1 + t);
+}
+
+/* o[0..w) += sum_t p[t] * vt[t*ld ..] over n rows of a converted tile (rows ld floats apart),
+ * t ascending; 32 output lanes stay in registers across the tile. */
+INLINE void block_values(float *o, const float *vt, const float *p, int w, int n, int ld) {
     int j = 0;
-    for (; j + 32 <= hd; j += 32) {
+    for (; j + 32 <= w; j += 32) {
         __m256 o0 = _mm256_loadu_ps(o + j), o1 = _mm256_loadu_ps(o + j + 8),
                o2 = _mm256_loadu_ps(o + j + 16), o3 = _mm256_loadu_ps(o + j + 24);
         for (int t = 0; t < n; t++) {
-            const float *v = vt + (size_t)t * hd + j;
+            const float *v = vt + (size_t)t * ld + j;
             __m256 pb = _mm256_broadcast_ss(p + t);
             o0 = _mm256_fmadd_ps(pb, _mm256_load_ps(v), o0);
             o1 = _mm256_fmadd_ps(pb, _mm256_load_ps(v + 8), o1);
@@ -74,11 +100,41 @@ INLINE void block_values(float *o, const float *vt, const float *p, int hd, int 
         _mm256_storeu_ps(o + j + 16, o2);
         _mm256_storeu_ps(o + j + 24, o3);
     }
-    for (; j < hd; j += 8) {
+    for (; j < w; j += 8) {
         __m256 o0 = _mm256_loadu_ps(o + j);
         for (int t = 0; t < n; t++)
-            o0 = _mm256_fmadd_ps(_mm256_broadcast_ss(p + t), _mm256_load_ps(vt + (size_t)t * hd + j), o0);
+            o0 = _mm256_fmadd_ps(_mm256_broadcast_ss(p + t), _mm256_load_ps(vt + (size_t)t * ld + j), o0);
         _mm256_storeu_ps(o + j, o0);
+    }
+}
+
+/* block_values for two heads of one query: each V row loaded serves both. */
+INLINE void block_values2(float *o0, float *o1, const float *vt, const float *p0, const float *p1, int hd,
+                          int n) {
+    int j = 0;
+    for (; j + 32 <= hd; j += 32) {
+        __m256 a[4], b[4];
+        for (int c = 0; c < 4; c++) {
+            a[c] = _mm256_loadu_ps(o0 + j + 8 * c);
+            b[c] = _mm256_loadu_ps(o1 + j + 8 * c);
+        }
+        for (int t = 0; t < n; t++) {
+            const float *v = vt + (size_t)t * hd + j;
+            __m256 pa = _mm256_broadcast_ss(p0 + t), pb = _mm256_broadcast_ss(p1 + t);
+            for (int c = 0; c < 4; c++) {
+                __m256 vv = _mm256_load_ps(v + 8 * c);
+                a[c] = _mm256_fmadd_ps(pa, vv, a[c]);
+                b[c] = _mm256_fmadd_ps(pb, vv, b[c]);
+            }
+        }
+        for (int c = 0; c < 4; c++) {
+            _mm256_storeu_ps(o0 + j + 8 * c, a[c]);
+            _mm256_storeu_ps(o1 + j + 8 * c, b[c]);
+        }
+    }
+    if (j < hd) {
+        block_values(o0 + j, vt + j, p0, hd - j, n, hd);
+        block_values(o1 + j, vt + j, p1, hd - j, n, hd);
     }
 }
 
@@ -110,9 +166,12 @@ static void attention_block_avx2(float *out, const float *q, const cf_half *k, c
             block_tile(tile, k + kv_off, hd, t0, t1);
             for (int i = 0; i < nq; i++) {
                 int a = cf_max(t0, cf_attn_lo(s, i)), b = cf_min(t1, s->pos0 + i + 1);
-                for (int hh = h; hh < hb && a < b; hh++)
-                    block_scores(q + (size_t)i * s->ldq + (size_t)hh * hd, tile + (size_t)(a - t0) * hd, hd,
-                                 b - a, s->scale, ROW(hh, i) + a);
+                const float *qi = q + (size_t)i * s->ldq, *kt = tile + (size_t)(a - t0) * hd;
+                int hh = h;
+                for (; hh + 2 <= hb && a < b; hh += 2)
+                    block_scores2(qi + (size_t)hh * hd, qi + (size_t)(hh + 1) * hd, kt, hd, b - a, s->scale,
+                                  ROW(hh, i) + a, ROW(hh + 1, i) + a);
+                if (hh < hb && a < b) block_scores(qi + (size_t)hh * hd, kt, hd, b - a, s->scale, ROW(hh, i) + a);
             }
         }
         for (int i = 0; i < nq; i++) {
@@ -127,9 +186,13 @@ static void attention_block_avx2(float *out, const float *q, const cf_half *k, c
             block_tile(tile, v + kv_off, hd, t0, t1);
             for (int i = 0; i < nq; i++) {
                 int a = cf_max(t0, cf_attn_lo(s, i)), b = cf_min(t1, s->pos0 + i + 1);
-                for (int hh = h; hh < hb && a < b; hh++)
-                    block_values(out + (size_t)i * s->ldo + (size_t)hh * hd, tile + (size_t)(a - t0) * hd,
-                                 ROW(hh, i) + a, hd, b - a);
+                float *oi = out + (size_t)i * s->ldo;
+                const float *vt = tile + (size_t)(a - t0) * hd;
+                int hh = h;
+                for (; hh + 2 <= hb && a < b; hh += 2)
+                    block_values2(oi + (size_t)hh * hd, oi + (size_t)(hh + 1) * hd, vt, ROW(hh, i) + a,
+                                  ROW(hh + 1, i) + a, hd, b - a);
+                if (hh < hb && a < b) block_values(oi + (size_t)hh * hd, vt, ROW(hh, i) + a, hd, b - a, hd);
             }
         }
 #undef ROW
