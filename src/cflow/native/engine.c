@@ -113,7 +113,7 @@ typedef struct {
     cf_act_q8 *act;   /* [B] quantized input of the current mat-vec */
     cf_act_q8 *act2;  /* [B] quantized FFN hidden (experts keep act for the next expert) */
     cf_act_q8 *gather; /* [B] descriptors of the tokens routed to one expert (views of act) */
-    float *scores;    /* [n_heads, n_ctx] attention scores */
+    float *scores;    /* [attn_score_rows, n_ctx] attention scores */
     void *mem;        /* one allocation behind all of the above */
 } cf_scratch;
 
@@ -438,6 +438,49 @@ static int attn_first(const cf_engine *e, int b) {
     return W > 0 && e->rpos[b] >= W ? e->rpos[b] - W + 1 : 0;
 }
 
+/* 1 when the call's rows are consecutive positions of one sequence (cf_prefill_seq's calls;
+ * cf_step_batch's rows are distinct sequences, a step is one row). CFLOW_ATTN_BLOCK=0 sends them
+ * through the per-query kernel anyway: the comparison `cflow bench` timings need (both paths give
+ * the same bits). Read per prefill call, so a process can switch between runs. */
+static int rows_are_prompt(const cf_engine *e) {
+    if (e->B < 2) return 0;
+    for (int b = 1; b < e->B; b++)
+        if (e->rseq[b] != e->rseq[0] || e->rpos[b] != e->rpos[0] + b) return 0;
+    const char *env = getenv("CFLOW_ATTN_BLOCK");
+    return !env || strcmp(env, "0") != 0;
+}
+
+/* Query rows per work item of the prefill attention: each K/V row converted once serves
+ * ATTN_QBLOCK queries times the query heads of its kv head. */
+#define ATTN_QBLOCK 16
+
+/* Rows of n_ctx floats in each thread's score scratch: one per query head (the per-query kernel),
+ * or one per query head of a kv head and row of a block (attn_prompt), whichever is more. */
+static int attn_score_rows(const cf_engine *e) {
+    return cf_max(e->c.n_heads, e->c.n_heads / e->c.n_kv * cf_min(ATTN_QBLOCK, e->max_batch));
+}
+
+/* Prefill attention (rows_are_prompt): work items are (kv head, block of ATTN_QBLOCK rows), dealt
+ * round robin, kv heads fastest, so both the causal growth of the rows and the heads spread over
+ * the threads; an item writes only its heads of its rows. The thread's scratch holds a whole
+ * block's score rows: group * min(ATTN_QBLOCK, max_batch) rows of at most n_ctx (attn_score_rows). */
+static void attn_prompt(cf_engine *e, size_t layer_kv, float *scores, int ith, int nth) {
+    const cf_config *c = &e->c;
+    int B = e->B, hd = c->hd, group = c->n_heads / c->n_kv, q_dim = c->n_heads * hd;
+    int qkv_dim = q_dim + 2 * c->n_kv * hd, n_blocks = (B + ATTN_QBLOCK - 1) / ATTN_QBLOCK;
+    size_t base = (size_t)e->rseq[0] * e->seq_kv + layer_kv;
+    for (int it = ith; it < n_blocks * c->n_kv; it += nth) {
+        int kvh = it % c->n_kv, b0 = it / c->n_kv * ATTN_QBLOCK, b1 = cf_min(B, b0 + ATTN_QBLOCK);
+        cf_attn_block_shape sh = {.n_heads = c->n_heads, .n_kv_heads = c->n_kv, .head_dim = hd,
+                                  .max_seq = e->n_ctx, .scale = 1.0f / sqrtf((float)hd),
+                                  .pos0 = e->rpos[b0], .n_q = b1 - b0, .window = c->sliding_window,
+                                  .ldq = qkv_dim, .ldo = q_dim};
+        e->k->attention_block(e->s.att + (size_t)b0 * q_dim, e->s.qkv + (size_t)b0 * qkv_dim,
+                              e->s.kcache + base, e->s.vcache + base, scores, &sh, kvh * group,
+                              (kvh + 1) * group);
+    }
+}
+
 static void op_attn(cf_engine *e, int l, int slot, int ith, int nth) {
     const cf_config *c = &e->c;
     const cf_layer *w = &e->w.sets[l % c->n_unique];
@@ -472,8 +515,14 @@ static void op_attn(cf_engine *e, int l, int slot, int ith, int nth) {
     }
     sync_threads(e, ith, CF_PK_ATTN);
 
-    // attention: this thread's (token, head) items, one kernel call per token
-    cf_split_range(B * c->n_heads, ith, nth, 1, &i0, &i1);
+    // attention: a prompt's rows in blocks (each K/V row read once per block), otherwise this
+    // thread's (token, head) items, one kernel call per token
+    if (rows_are_prompt(e)) {
+        attn_prompt(e, layer_kv, ts->scores, ith, nth);
+        i0 = i1 = 0; /* nothing left for the per-query loop */
+    } else {
+        cf_split_range(B * c->n_heads, ith, nth, 1, &i0, &i1);
+    }
     for (int i = i0; i < i1;) {
         int b = i / c->n_heads, h0 = i % c->n_heads, h1 = cf_min(c->n_heads, h0 + i1 - i), t0 = attn_first(e, b);
         cf_attn_shape sh = {.n_heads = c->n_heads, .n_kv_heads = c->n_kv, .head_dim = hd,
@@ -1491,7 +1540,7 @@ static int alloc_state(cf_engine *e) {
     /* one row more than a call's tokens: op_final sums each row's input there */
     size_t xb = (size_t)(e->max_batch + 1) * K * 4;
     /* per activation: d, s (32-block); dk, bsums (256-block); qs; qk */
-    size_t scores = (size_t)c->n_heads * e->n_ctx * 4, act = 2 * KB * 4 + KK * 4 + KS + 2 * K;
+    size_t scores = (size_t)attn_score_rows(e) * e->n_ctx * 4, act = 2 * KB * 4 + KK * 4 + KS + 2 * K;
     size_t bytes = 64 + carve_size(3 * B * sizeof(cf_act_q8)) + carve_size(xb) + carve_size(scores) +
                    2 * B * carve_size(act);
     for (int t = 0; t < e->n_threads; t++) {
@@ -1595,7 +1644,7 @@ cf_engine *cf_engine_create(const cf_config *cfg, const uint8_t *buf, size_t buf
     // every entry of the table: it holds exactly what the engine calls (cflow.h)
     int dts[] = {CF_Q4_0, CF_Q4_1, CF_Q5_0, CF_Q5_1, CF_Q8_0, CF_Q4_K, CF_Q5_K, CF_Q6_K};
     int missing = !e->k->quantize_act || !e->k->quantize_act_k || !e->k->rmsnorm ||
-        !e->k->matvec_f32 || !e->k->softmax || !e->k->rope || !e->k->attention ||
+        !e->k->matvec_f32 || !e->k->softmax || !e->k->rope || !e->k->attention || !e->k->attention_block ||
         !e->k->embed_row || !e->k->f32_to_f16 || !e->k->topk;
     for (int i = 0; i < (int)(sizeof dts / sizeof *dts); i++)
         missing |= !e->k->matvec[dts[i]] || !e->k->gate_up[dts[i]] || !e->k->matmat[dts[i]] ||

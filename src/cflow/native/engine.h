@@ -18,6 +18,9 @@
  * halves [s][L][n_kv][n_ctx][hd]; n_seq = 1 is the single-sequence layout). cf_step_batch advances
  * B different sequences, each at its own position, in one pass over the weights: every mat-vec
  * becomes the batched kernel over the B rows, attention runs per row over that row's own sequence.
+ * A prefill call (rows at consecutive positions of one sequence) runs attention in blocks of rows
+ * (the table's attention_block), which gives the per-row kernel's bits (cflow.h);
+ * CFLOW_ATTN_BLOCK=0 in the environment keeps it per row, for timing comparisons.
  * Every op is row-local (norms, activation quantization, the router and the expert sums per row;
  * matmat equals matvec per row bit for bit, cflow.h), so a row's logits do not depend on how many
  * or which other rows share the call, nor on cf_step vs cf_step_batch vs cf_prefill.

@@ -892,6 +892,9 @@ static void attention_avx2(float *out, const float *q, const cf_half *k, const c
     }
 }
 
+/* attention_block_avx2: the prefill form of the above, over a block of queries */
+#include "kernels_attn_avx2.c"
+
 /* ---- fp16 conversion (K/V into the cache) ------------------------------------------------ */
 
 static void f32_to_f16_avx2(cf_half *out, const float *x, int n) {
@@ -955,6 +958,7 @@ static const cf_kernel_table TABLE = {
     .softmax = softmax_avx2,
     .rope = rope_avx2,
     .attention = attention_avx2,
+    .attention_block = attention_block_avx2,
     .embed_row = embed_row_avx2,
     .f32_to_f16 = f32_to_f16_avx2,
     .matmat = ALL_QDTYPES(matmat),
