@@ -14,7 +14,9 @@ std(logits) per position: median <= 4%, >= 85% of positions <= 7%, argmax equal 
 positions where the oracle's top-1 margin exceeds 0.2 std):
 - llama.cpp (llama-cpp-python) on the same GGUF;
 - the PyTorch reference (cflow.model.ReferenceDecoder) over weights taken from the GGUF alone
-  (gguf.quants.dequantize), with a config written here, not derived by the converter.
+  (gguf.quants.dequantize), with a config written here, not derived by the converter;
+- HF transformers' Qwen2-MoE / Qwen3-MoE modelling code on those weights (its GGUF loader cannot
+  load these files).
 Controls: the reference with the other routing normalisation, or without the shared expert, must
 miss llama.cpp by far (median > 3x the tolerance), so each comparison sees what the family adds.
 Experts on disk give logits bit-identical to experts in RAM (the shared expert stays in RAM).
@@ -331,3 +333,48 @@ def test_shared_expert_with_delays(tmp_path, norm_topk):
     disk = Engine.load(path, threads=2, experts="disk", expert_io="async")
     assert np.array_equal(teacher_forced(disk.step, toks), got)
     disk.close()
+
+
+# ---- HF transformers' modelling code ---------------------------------------------------------------
+def test_transformers_modelling(family_run):
+    """transformers' Qwen2MoeForCausalLM / Qwen3MoeForCausalLM on the reference's weights (its GGUF
+    loader cannot load these files: its config mapping drops expert_feed_forward_length, so the
+    expert stacks do not fit), a third oracle written by other people: its routing (norm_topk_prob),
+    its shared expert and its gate."""
+    transformers = pytest.importorskip("transformers")
+    family, src, _, toks, got = family_run
+    qwen2 = family == "qwen2moe"
+    kw = dict(vocab_size=len(tiny_vocab()), hidden_size=D, intermediate_size=FF, num_hidden_layers=LAYERS,
+              num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=CTX,
+              rms_norm_eps=EPS, rope_theta=THETA, num_experts=E, num_experts_per_tok=TOP_K,
+              moe_intermediate_size=DX, norm_topk_prob=not qwen2, tie_word_embeddings=not qwen2,
+              attn_implementation="eager")
+    if qwen2:
+        hc, cls = transformers.Qwen2MoeConfig(shared_expert_intermediate_size=DSH, **kw), transformers.Qwen2MoeForCausalLM
+    else:
+        hc, cls = transformers.Qwen3MoeConfig(head_dim=head_dim(family), **kw), transformers.Qwen3MoeForCausalLM
+    sd = reference_state(src, family)
+    state = {"model.embed_tokens.weight": sd["tok_emb.weight"], "model.norm.weight": sd["norm.weight"],
+             "lm_head.weight": sd.get("lm_head.weight", sd["tok_emb.weight"])}
+    for i in range(LAYERS):
+        p, h = f"layers.{i}.", f"model.layers.{i}."
+        state |= {h + "input_layernorm.weight": sd[p + "attn_norm.weight"],
+                  h + "post_attention_layernorm.weight": sd[p + "moe_norm.weight"],
+                  h + "self_attn.o_proj.weight": sd[p + "attn.wo.weight"], h + "mlp.gate.weight": sd[p + "moe.router.weight"],
+                  h + "mlp.experts.gate_up_proj": np.concatenate([sd[p + "moe.w_gate"], sd[p + "moe.w_up"]], axis=1),
+                  h + "mlp.experts.down_proj": sd[p + "moe.w_down"]}
+        for n in "qkv":
+            state[h + f"self_attn.{n}_proj.weight"] = sd[p + f"attn.w{n}.weight"]
+            if qwen2:
+                state[h + f"self_attn.{n}_proj.bias"] = sd[p + f"attn.w{n}.bias"]
+        if qwen2:
+            state |= {h + "mlp.shared_expert_gate.weight": sd[p + "moe.shared_gate"][None],
+                      **{h + f"mlp.shared_expert.{n}_proj.weight": sd[p + f"moe.shared.w_{n}.weight"]
+                         for n in ("gate", "up", "down")}}
+        else:
+            state |= {h + f"self_attn.{n}_norm.weight": sd[p + f"attn.{n}_norm.weight"] for n in "qk"}
+    hf = cls(hc).float().eval()
+    hf.load_state_dict({k: torch.from_numpy(np.ascontiguousarray(x)) for k, x in state.items()}, strict=True)
+    with torch.no_grad():
+        want = hf(torch.tensor([toks])).logits[0].double().numpy()
+    check(got, want, moe=True)
