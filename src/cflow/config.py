@@ -14,7 +14,8 @@ Layer l of the family computes (x_l = residual entering layer l):
 
 Expert outputs whose target layer lies past the last layer are added before the final norm.
 Attention options of the imported families (all off by default, so older files load unchanged):
-qkv_bias (Qwen2), qk_norm (Qwen3) and sliding_window (a query at position p attends to
+qkv_bias (Qwen2), qk_norm (Qwen3; with qk_norm_full, OLMoE: one RMSNorm over the whole q and
+the whole k vector instead of one per head) and sliding_window (a query at position p attends to
 positions max(0, p - W + 1)..p). MoE options of the imported families: moe_norm_topk (default on:
 the top_k routing weights renormalised to sum to 1, as Mixtral and Qwen3-MoE; off: the raw softmax
 probabilities, as Qwen2-MoE and OLMoE) and d_shared_expert (Qwen2-MoE: one SwiGLU expert every
@@ -60,6 +61,7 @@ class ModelConfig:
     tie_embeddings: bool = True
     qkv_bias: bool = False  # q, k and v projections add a bias (Qwen2)
     qk_norm: bool = False  # per-head RMSNorm on q and on k before RoPE (Qwen3)
+    qk_norm_full: bool = False  # qk_norm over the whole q [q_dim] and k [kv_dim] vectors (OLMoE)
     sliding_window: int = 0  # 0: full causal attention; W: each query sees its last W positions
     moe_norm_topk: bool = True  # renormalise the top_k routing weights to sum to 1
     d_shared_expert: int = 0  # 0: none; else hidden size of the gated shared expert (Qwen2-MoE)
@@ -129,6 +131,7 @@ class ModelConfig:
         need(self.rope_theta > 0, f"rope_theta must be positive, got {self.rope_theta}")
         need(self.norm_eps > 0, f"norm_eps must be positive, got {self.norm_eps}")
         need(self.max_seq_len > 0, f"max_seq_len must be positive, got {self.max_seq_len}")
+        need(self.qk_norm or not self.qk_norm_full, "qk_norm_full needs qk_norm")
         need(self.sliding_window >= 0, f"sliding_window must be >= 0 (0: none), got {self.sliding_window}")
 
     # ---- derived quantities -----------------------------------------------------------------

@@ -22,7 +22,7 @@ Conventions the C engine must share:
 - Rotary ("half" / GPT-NeoX / HF Llama): pairs (x[j], x[j + hd/2]) rotate by angle
   pos * theta^(-2j/hd); angles are computed in float64, then cos/sin rounded to float32.
 - Family options: the q/k/v bias is added before anything else; qk_norm is RMSNorm over each
-  head's hd values (same eps), before RoPE; a sliding window W masks keys older than p - W + 1.
+  head's hd values (same eps), before RoPE (qk_norm_full: over the whole q and the whole k vector); a sliding window W masks keys older than p - W + 1.
 - GQA: query head h reads kv head h // (n_heads / n_kv_heads); scores are scaled by 1/sqrt(hd).
 - SwiGLU: w_down(silu(w_gate x) * w_up x).
 - Router: softmax over all E logits (float32), top-k, the k weights renormalised to sum to 1
@@ -96,16 +96,20 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.d_model, cfg.kv_dim, bias=cfg.qkv_bias)
         self.wv = nn.Linear(cfg.d_model, cfg.kv_dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.q_dim, cfg.d_model, bias=False)
+        self.qk_full = cfg.qk_norm_full
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
+            self.q_norm = RMSNorm(cfg.q_dim if self.qk_full else cfg.head_dim, cfg.norm_eps)
+            self.k_norm = RMSNorm(cfg.kv_dim if self.qk_full else cfg.head_dim, cfg.norm_eps)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         B, T, _ = x.shape
-        q = self.wq(x).view(B, T, self.nh, self.hd).transpose(1, 2)  # [B, nh, T, hd]
-        k = self.wk(x).view(B, T, self.nkv, self.hd).transpose(1, 2)  # [B, nkv, T, hd]
+        q, k = self.wq(x), self.wk(x)
+        if self.qk_full:  # OLMoE: over all heads at once
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(B, T, self.nh, self.hd).transpose(1, 2)  # [B, nh, T, hd]
+        k = k.view(B, T, self.nkv, self.hd).transpose(1, 2)  # [B, nkv, T, hd]
         v = self.wv(x).view(B, T, self.nkv, self.hd).transpose(1, 2)  # [B, nkv, T, hd]
-        if hasattr(self, "q_norm"):
+        if hasattr(self, "q_norm") and not self.qk_full:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         rep = self.nh // self.nkv
@@ -504,8 +508,11 @@ class ReferenceDecoder:
         v = W["attn.wv.weight"] @ xn
         if cfg.qkv_bias:
             q, k, v = q + W["attn.wq.bias"], k + W["attn.wk.bias"], v + W["attn.wv.bias"]
+        if cfg.qk_norm_full:  # the whole vectors (OLMoE), before RoPE
+            q = _rmsnorm(q, W["attn.q_norm.weight"], cfg.norm_eps)
+            k = _rmsnorm(k, W["attn.k_norm.weight"], cfg.norm_eps)
         q, k, v = q.view(nh, hd), k.view(nkv, hd), v.view(nkv, hd)
-        if cfg.qk_norm:  # per head, before RoPE
+        if cfg.qk_norm and not cfg.qk_norm_full:  # per head, before RoPE
             q = torch.stack([_rmsnorm(h, W["attn.q_norm.weight"], cfg.norm_eps) for h in q])
             k = torch.stack([_rmsnorm(h, W["attn.k_norm.weight"], cfg.norm_eps) for h in k])
         cos, sin = self.cos[p : p + 1], self.sin[p : p + 1]  # [1, hd/2]

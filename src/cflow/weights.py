@@ -12,8 +12,8 @@ count bytes from them:
       or layers.{i}.attn.wq / wk / wv  [q, d] [kv, d] [kv, d]       the same rows as three tensors,
                                                                     when their dtypes differ
     layers.{i}.attn.qkv_bias           [q + 2 kv]         attn      f32      (qkv_bias: bq, bk, bv)
-    layers.{i}.attn.q_norm             [hd]               attn      f32      (qk_norm)
-    layers.{i}.attn.k_norm             [hd]               attn      f32      (qk_norm)
+    layers.{i}.attn.q_norm             [hd] or [q]        attn      f32      (qk_norm; [q], [kv] with
+    layers.{i}.attn.k_norm             [hd] or [kv]       attn      f32       qk_norm_full)
     layers.{i}.attn.wo                 [d, q]             attn      quantized
     layers.{i}.ffn_norm                [d]                dense     f32      (d_ff > 0)
     layers.{i}.ffn.w_gate_up           [2 d_ff, d]        dense     quantized (gate, up interleaved)
@@ -112,8 +112,9 @@ def layer_weights(cfg: ModelConfig, i: int, experts: Iterable[int] | None = None
     if cfg.qkv_bias:
         out.append(Weight(p + "attn.qkv_bias", (cfg.q_dim + 2 * cfg.kv_dim,), "attn", True, i))
     if cfg.qk_norm:
-        out += [Weight(p + "attn.q_norm", (cfg.head_dim,), "attn", True, i),
-                Weight(p + "attn.k_norm", (cfg.head_dim,), "attn", True, i)]
+        full = cfg.qk_norm_full
+        out += [Weight(p + "attn.q_norm", (cfg.q_dim if full else cfg.head_dim,), "attn", True, i),
+                Weight(p + "attn.k_norm", (cfg.kv_dim if full else cfg.head_dim,), "attn", True, i)]
     out.append(Weight(p + "attn.wo", (d, cfg.q_dim), "attn", False, i))
     if cfg.has_dense:
         out += [Weight(p + "ffn_norm", (d,), "dense", True, i),

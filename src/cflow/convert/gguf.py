@@ -9,9 +9,8 @@ Choices:
 - `general.architecture` "llama" (Llama, SmolLM, TinyLlama, Mistral, Mixtral ...), "qwen2"
   (Qwen2 / Qwen2.5: q/k/v biases -> attn.qkv_bias) and "qwen3" (dense Qwen3: per-head RMSNorm of q
   and k -> attn.q_norm / attn.k_norm, head_dim from attention.key_length). Anything else is a
-  named error listing what is supported, never a best-effort guess; `olmoe` (q/k RMSNorm over
-  the whole q and k vectors, not per head) and `mistral3` (YaRN RoPE scaling and attention
-  temperature) are named as not yet supported.
+  named error listing what is supported, never a best-effort guess; `mistral3` (YaRN RoPE
+  scaling and attention temperature) is named as not yet supported.
 - Sliding windows: `{arch}.attention.sliding_window` is honoured exactly where llama.cpp honours
   it, and for these three architectures llama.cpp ignores it (their graphs build a plain causal
   KV cache; Mistral 7B v0.1 GGUFs carry it as arch "llama"). So cflow ignores it too, to give
@@ -38,6 +37,11 @@ Choices:
   moe.shared.w_gate_up / w_down, of hidden size expert_shared_feed_forward_length (else
   feed_forward_length), scaled by sigmoid(ffn_gate_inp_shexp . x) (`ffn_gate_inp_shexp` [d] ->
   moe.shared_gate, F32) -- x the normalised MoE input. Their attention is qwen2's / qwen3's.
+- OLMoE ("olmoe") likewise, without renormalisation, its experts of hidden size
+  feed_forward_length (llama.cpp does not read expert_feed_forward_length for it), NEOX RoPE
+  (not permuted), and q/k RMSNorm over the whole q and k vectors (attn_q_norm [n_heads * hd],
+  attn_k_norm [n_kv_heads * hd]): qk_norm_full. The PyTorch reference runs it; the C engine
+  refuses such a config by name until its attention op normalises whole vectors.
 - Q4_0 / Q4_1 / Q8_0 tensors go into tiles bit for bit (cflow's formats are GGML's). Every other
   type (F16, F32, BF16, K-quants ...) is dequantized with `gguf.quants.dequantize` and quantized
   to --quant; the introduced error is measured and reported.
@@ -65,16 +69,15 @@ from cflow.quant import STORED_QUANT, TILE, row_bytes
 from cflow.tokenizer import Tokenizer, TokenizerError, unicode_to_bytes
 from cflow.weights import Weight
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "olmoe")
 # Architectures with experts, and whether llama.cpp renormalises their top-k routing weights.
-_MOE_NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True}
-_MOE_ONLY = ("qwen2moe", "qwen3moe")  # every layer has experts (llama: only Mixtral files do)
+_MOE_NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False}
+_MOE_ONLY = ("qwen2moe", "qwen3moe", "olmoe")  # every layer has experts (llama: only Mixtral files do)
 # Architectures whose Q/K rows convert_hf_to_gguf permutes for ggml's adjacent-pair ("NORM") RoPE;
 # the others listed above use NEOX RoPE, the "half" convention cflow runs, and are stored as is.
 _PERMUTED_QK = ("llama",)
 # Known architectures cflow does not run yet, with what is missing.
-_NOT_YET = {"olmoe": "OLMoE (RMSNorm over the whole q and k vectors, not per head, in attention)",
-            "mistral3": "mistral3 (YaRN RoPE scaling and attention temperature)"}
+_NOT_YET = {"mistral3": "mistral3 (YaRN RoPE scaling and attention temperature)"}
 _NATIVE = {d.upper(): d for d in STORED_QUANT}  # GGML type name -> the dtype its blocks keep
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
 
@@ -180,7 +183,7 @@ def gguf_config(g: GGUFModel) -> ModelConfig:
         raise UnsupportedArchitectureError(
             f"{g.path.name} is a {arch!r} model; cflow converts GGUF architectures "
             f"{list(SUPPORTED_ARCHITECTURES)} (Llama 2/3, SmolLM, TinyLlama, Mistral, Mixtral, Qwen2, "
-            "Qwen2.5, Qwen3, Qwen2-MoE, Qwen3-MoE)")
+            "Qwen2.5, Qwen3, Qwen2-MoE, Qwen3-MoE, OLMoE)")
     p = f"{arch}."
     n_experts = int(g.get(p + "expert_count") or 0)
     ffn = int(g.require(p + "feed_forward_length"))
@@ -204,7 +207,9 @@ def gguf_config(g: GGUFModel) -> ModelConfig:
         if scale not in (0.0, 1.0):
             raise GGUFError(f"{g.path.name} scales its routing weights by {scale} ({p}expert_weights_scale); "
                             "cflow does not")
-        if arch == "llama":
+        if arch == "olmoe":  # llama.cpp sizes its experts by feed_forward_length alone
+            d_expert = ffn
+        elif arch == "llama":
             # Mixtral's converter writes the expert hidden size as feed_forward_length; a few
             # newer ones also write expert_feed_forward_length, which then wins.
             d_expert = int(g.get(p + "expert_feed_forward_length") or ffn)
@@ -247,6 +252,7 @@ def gguf_config(g: GGUFModel) -> ModelConfig:
             max_seq_len=int(g.get(p + "context_length") or 2048),
             tie_embeddings="output.weight" not in g.tensors,
             qkv_bias="blk.0.attn_q.bias" in g.tensors, qk_norm="blk.0.attn_q_norm.weight" in g.tensors,
+            qk_norm_full=arch == "olmoe",
             sliding_window=0, **moe)  # llama.cpp ignores these archs' sliding_window (module docstring)
     except ConfigError as e:
         raise GGUFError(f"{g.path.name}: its hyperparameters do not form a valid model: {e}") from None
@@ -358,7 +364,7 @@ def gguf_tensors(g: GGUFModel, cfg: ModelConfig, enc: Encoder) -> Iterator[Any]:
             return srcs
         if w.slot in _GGUF_VECTORS:
             names = [f"blk.{w.set}.{n}" for n in _GGUF_VECTORS[w.slot]]
-            sizes = [cfg.q_dim, cfg.kv_dim, cfg.kv_dim] if w.slot == "attn.qkv_bias" else [cfg.head_dim]
+            sizes = [cfg.q_dim, cfg.kv_dim, cfg.kv_dim] if w.slot == "attn.qkv_bias" else [w.shape[0]]
             parts = [g.vector(n) for n in names]
             for name, part, size in zip(names, parts, sizes):
                 if part.size != size:

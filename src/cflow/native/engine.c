@@ -1262,6 +1262,9 @@ static int check_config(const cf_config *c, char *err, size_t n) {
         bad = "norm_eps and rope_theta must be positive";
     else if ((c->qkv_bias | c->qk_norm | c->moe_norm_topk) & ~1 || c->sliding_window < 0)
         bad = "qkv_bias, qk_norm and moe_norm_topk must be 0 or 1, sliding_window >= 0";
+    else if (c->qk_norm_full)
+        bad = "qk_norm_full (OLMoE: one RMSNorm over the whole q and k vectors) is not implemented by this "
+              "engine yet; the PyTorch reference (cflow.model) runs such files";
     else if (c->d_shexp < 0 || c->d_shexp % CF_QK || (c->d_shexp && !c->n_experts))
         bad = "d_shared_expert must be a multiple of 32, and needs experts";
     if (bad) cf_set_err(err, n, "bad model config: %s", bad);
