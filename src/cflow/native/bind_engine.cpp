@@ -61,6 +61,9 @@ cf_config config_from(const nb::dict &d) {
     c.qkv_bias = nb::cast<bool>(d["qkv_bias"]) ? 1 : 0;
     c.qk_norm = nb::cast<bool>(d["qk_norm"]) ? 1 : 0;
     c.sliding_window = i("sliding_window");
+    c.qk_norm_full = nb::cast<bool>(d["qk_norm_full"]) ? 1 : 0;
+    c.moe_norm_topk = nb::cast<bool>(d["moe_norm_topk"]) ? 1 : 0;
+    c.d_shexp = i("d_shared_expert");
     return c;
 }
 

@@ -97,7 +97,9 @@ typedef struct {
     cf_tiled gate_up;                             /* [2 d_ff, d], gate/up interleaved per group */
     cf_tiled down;                                /* [d, d_ff] */
     cf_tiled *exp_gate_up, *exp_down;             /* [E] of [2 d_exp, d] and [d, d_exp] */
-    uint64_t attn_bytes, dense_bytes, router_bytes;
+    const float *shexp_gate;                      /* [d] or NULL: the shared expert's gate */
+    cf_tiled shexp_gate_up, shexp_down;           /* [2 d_shexp, d], [d, d_shexp]: always in RAM */
+    uint64_t attn_bytes, dense_bytes, router_bytes, shexp_bytes;
     uint64_t *exp_bytes;                          /* [E] gate_up + down */
 } cf_layer;
 
@@ -132,7 +134,8 @@ typedef struct {
     float *rlogits;    /* [B, E] router probabilities */
     /* the routing of each moe slot */
     int *exp_tok;      /* [n_moe, E, B] tokens routed to each expert */
-    float *exp_w;      /* [n_moe, E, B] their renormalised weights */
+    float *exp_w;      /* [n_moe, E, B] their routing weights */
+    float *shexp_w;    /* [n_moe, B] each row's shared-expert weight, sigmoid(gate . moe_in) */
     int *exp_n;        /* [n_moe, E] */
     /* experts on disk only */
     int *exp_list;     /* [n_moe, E] the chosen experts, ascending (the order of the sums) */
@@ -730,7 +733,8 @@ static void route_disk(cf_engine *e, int l, int ms, int src_kind) {
 // the MoE ops
 
 /* Thread 0 normalises the MoE input, runs the router (f32) and fills per-expert token lists:
- * softmax over all E logits, top-k, the k weights renormalised to sum to 1. */
+ * softmax over all E logits, top-k, the k weights renormalised to sum to 1 (moe_norm_topk; else
+ * kept as they are). With a shared expert it also computes each row's weight for it. */
 static void op_route(cf_engine *e, int l, int src_kind, int ms, int ith) {
     const cf_config *c = &e->c;
     const cf_layer *w = &e->w.sets[l % c->n_unique];
@@ -753,6 +757,7 @@ static void op_route(cf_engine *e, int l, int src_kind, int ms, int ith) {
             float val[64], wsum = 0.0f;
             e->k->topk(pr, E, c->top_k, chosen, val);
             for (int k = 0; k < c->top_k; k++) wsum += val[k];
+            if (!c->moe_norm_topk) wsum = 1.0f;
             for (int k = 0; k < c->top_k; k++) {
                 int x = chosen[k], n = exp_n[x]++;
                 exp_tok[(size_t)x * B + n] = b;
@@ -760,10 +765,27 @@ static void op_route(cf_engine *e, int l, int src_kind, int ms, int ith) {
                 e->hits[(size_t)l * E + x]++;
             }
         }
+        if (c->d_shexp)
+            for (int b = 0; b < e->B; b++) {
+                float g;
+                e->k->matvec_f32(&g, w->shexp_gate, moe_in + (size_t)b * d, 1, d);
+                s->shexp_w[(size_t)ms * B + b] = 1.0f / (1.0f + expf(-g));
+            }
         e->cnt.n[CF_CNT_ROUTER] += w->router_bytes;
         if (e->xs) route_disk(e, l, ms, src_kind);
     }
     sync_threads(e, ith, -1);
+}
+
+/* The shared expert on every row of moe slot ms, scaled by the route's per-row weight, into out;
+ * its weights are in RAM whatever the routed experts' residency, and it runs before them in both
+ * experts ops (the same summation order). The routed experts that follow (a route chooses at
+ * least one) need the barrier that ends it. The input must already be quantized in ts->act. */
+static void shared_expert(cf_engine *e, const cf_layer *w, int ms, float *out, int ith, int nth) {
+    if (!e->c.d_shexp) return;
+    if (ith == 0) e->cnt.n[CF_CNT_EXPERTS] += w->shexp_bytes;
+    ffn(e, &w->shexp_gate_up, &w->shexp_down, e->c.d_shexp, NULL, e->B, out,
+        e->s.shexp_w + (size_t)ms * e->max_batch, 1, CF_PK_EXP_GATE_UP, ith, nth);
 }
 
 static void op_experts(cf_engine *e, int l, int pslot, int ms, int tail, int ith, int nth) {
@@ -777,6 +799,7 @@ static void op_experts(cf_engine *e, int l, int pslot, int ms, int tail, int ith
     float *out = s->pending + (size_t)pslot * B * c->d;
     ph(e, ith, CF_PK_NORM, l);
     quantize_rows(e, s->moe_in + (size_t)ms * B * c->d, c->d, c->d, e->ts[ith].act, NULL, e->B, w->exp_fmt);
+    shared_expert(e, w, ms, out, ith, nth);
     int last = -1;
     for (int x = 0; x < c->n_experts; x++)
         if (exp_n[x]) last = x;
@@ -809,6 +832,7 @@ static int op_experts_disk(cf_engine *e, int l, int pslot, int ms, int tail, int
     float *out = s->pending + (size_t)pslot * B * c->d;
     ph(e, ith, CF_PK_NORM, l);
     quantize_rows(e, s->moe_in + (size_t)ms * B * c->d, c->d, c->d, e->ts[ith].act, NULL, e->B, w->exp_fmt);
+    shared_expert(e, w, ms, out, ith, nth);
     int n = s->exp_cnt[ms], covered = s->exp_pre[ms];
     for (int i = 0; i < n; i++) {
         int x = list[i], key = set * E + x;
@@ -1219,7 +1243,8 @@ const char *const cf_slot_names[CF_SLOTS_PER_SET] = {
     [CF_S_FFN_NORM] = "ffn_norm", [CF_S_GATE_UP] = "ffn.w_gate_up", [CF_S_DOWN] = "ffn.w_down",
     [CF_S_MOE_NORM] = "moe_norm", [CF_S_ROUTER] = "moe.router", [CF_S_QKV_BIAS] = "attn.qkv_bias",
     [CF_S_Q_NORM] = "attn.q_norm", [CF_S_K_NORM] = "attn.k_norm", [CF_S_WQ] = "attn.wq", [CF_S_WK] = "attn.wk",
-    [CF_S_WV] = "attn.wv",
+    [CF_S_WV] = "attn.wv", [CF_S_SHEXP_GATE] = "moe.shared_gate", [CF_S_SHEXP_GATE_UP] = "moe.shared.w_gate_up",
+    [CF_S_SHEXP_DOWN] = "moe.shared.w_down",
 };
 const char *const cf_expert_slot_names[CF_EXPERT_SLOTS] = {
     [CF_E_GATE_UP] = "w_gate_up", [CF_E_DOWN] = "w_down",
@@ -1284,8 +1309,13 @@ static int check_config(const cf_config *c, char *err, size_t n) {
         bad = "n_unique_layers must be in 1..n_layers";
     else if (!(c->norm_eps > 0) || !(c->rope_theta > 0))
         bad = "norm_eps and rope_theta must be positive";
-    else if ((c->qkv_bias | c->qk_norm) & ~1 || c->sliding_window < 0)
-        bad = "qkv_bias and qk_norm must be 0 or 1, sliding_window >= 0";
+    else if ((c->qkv_bias | c->qk_norm | c->moe_norm_topk) & ~1 || c->sliding_window < 0)
+        bad = "qkv_bias, qk_norm and moe_norm_topk must be 0 or 1, sliding_window >= 0";
+    else if (c->qk_norm_full)
+        bad = "qk_norm_full (OLMoE: one RMSNorm over the whole q and k vectors) is not implemented by this "
+              "engine yet; the PyTorch reference (cflow.model) runs such files";
+    else if (c->d_shexp < 0 || c->d_shexp % CF_QK || (c->d_shexp && !c->n_experts))
+        bad = "d_shared_expert must be a multiple of 32, and needs experts";
     if (bad) cf_set_err(err, n, "bad model config: %s", bad);
     return bad ? -1 : 0;
 }
@@ -1416,6 +1446,14 @@ static int bind_weights(cf_engine *e, const uint8_t *buf, size_t len, const int6
         SET(CF_S_MOE_NORM, 1, c->d, 1, &dummy, &L->moe_norm);
         SET(CF_S_ROUTER, E, c->d, 1, &dummy, &L->router);
         L->router_bytes = norm_bytes + (uint64_t)E * c->d * 4;
+        if (c->d_shexp) {
+            SET(CF_S_SHEXP_GATE, 1, c->d, 1, &dummy, &L->shexp_gate);
+            SET(CF_S_SHEXP_GATE_UP, 2 * c->d_shexp, c->d, 0, &L->shexp_gate_up, &fdummy);
+            SET(CF_S_SHEXP_DOWN, c->d, c->d_shexp, 0, &L->shexp_down, &fdummy);
+            L->router_bytes += norm_bytes; /* the route computes the shared expert's weight */
+            L->shexp_bytes = cf_tiled_bytes(&L->shexp_gate_up) + cf_tiled_bytes(&L->shexp_down);
+            L->exp_fmt |= act_fmt(&L->shexp_gate_up);
+        }
         L->exp_gate_up = calloc(E, sizeof(cf_tiled));
         L->exp_down = calloc(E, sizeof(cf_tiled));
         L->exp_bytes = calloc(E, sizeof(uint64_t));
@@ -1525,6 +1563,7 @@ static int alloc_state(cf_engine *e) {
     s->rlogits = xcalloc(B * E, sizeof(float), &fail);
     s->exp_tok = xcalloc(M * E * B, sizeof(int), &fail);
     s->exp_w = xcalloc(M * E * B, sizeof(float), &fail);
+    s->shexp_w = xcalloc(M * B, sizeof(float), &fail);
     s->exp_n = xcalloc(M * E, sizeof(int), &fail);
     s->exp_list = xcalloc(M * E, sizeof(int), &fail);
     s->exp_cnt = xcalloc(M, sizeof(int), &fail);
@@ -1663,7 +1702,7 @@ cf_engine *cf_engine_create(const cf_config *cfg, const uint8_t *buf, size_t buf
     e->n_moe = n_moe;
     e->buf = buf;
     e->n_ops = n_ops;
-    e->hmax = cf_max(cfg->d_ff, cfg->n_experts ? cfg->d_exp : 0);
+    e->hmax = cf_max(cfg->d_ff, cfg->n_experts ? cf_max(cfg->d_exp, cfg->d_shexp) : 0);
     e->kmax = cf_max(cf_max(cfg->d, cfg->n_heads * cfg->hd), e->hmax);
     e->bar.n = e->active = n_threads;
     if (bind_weights(e, buf, buf_len, desc, names, n_desc, err, err_len) ||
@@ -1710,7 +1749,7 @@ void cf_engine_free(cf_engine *e) {
     cf_state *s = &e->s;
     void *bufs[] = {s->ring, s->h, s->f, s->pending, s->moe_in, s->qkv, s->att, s->hid, s->y,
                     s->rope, s->kcache, s->vcache, s->rlogits, s->exp_tok, s->exp_w, s->exp_n,
-                    s->exp_list, s->exp_cnt, s->exp_pre, s->exp_slot, e->hits, e->plan,
+                    s->shexp_w, s->exp_list, s->exp_cnt, s->exp_pre, s->exp_slot, e->hits, e->plan,
                     e->rseq, e->rpos, e->seen};
     for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) free(bufs[i]);
     if (e->ts)

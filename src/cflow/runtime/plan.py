@@ -23,8 +23,9 @@ Ops (engine.h has the encoding; cflow.runtime.abi turns a Plan into it by name):
     embed            ring[0] = tok_emb[token]
     attn(l)          h = x_l + Attn_l(norm(x_l))
     dense(l)         f = FFN_l(norm(h or x_{l+1-dd}))
-    route(l)         moe[l % M] = norm(h or h + f) and its top-k experts
-    experts(l)       pending[slot(l + de)] += sum_k w_k expert_k(moe[l % M])
+    route(l)         moe[l % M] = norm(h or h + f), its top-k experts (and the shared expert's
+                     per-row weight sigmoid(shared_gate . moe[l % M]) when d_shared_expert > 0)
+    experts(l)       pending[slot(l + de)] += [g shared(moe[l % M])] + sum_k w_k expert_k(moe[l % M])
     resid(l)         x_{l+1} = h + f + pending[l % P]; that slot is cleared
     final            logits = lm_head(norm(x_L + pending[late]))
 
