@@ -75,7 +75,7 @@ def run_tokens(path, **kw) -> tuple[np.ndarray, dict]:
 def test_readahead_modes_bit_identical(model_pair, order):
     base, st = run_tokens(model_pair[order], readahead="off")
     assert st["file_order"] is False
-    for mode in ("auto", "sweep"):
+    for mode in ("auto", "order", "sweep"):
         got, st = run_tokens(model_pair[order], readahead=mode)
         np.testing.assert_array_equal(got, base)
         assert st["file_order"] is (order == "vflow")

@@ -172,8 +172,8 @@ class Engine:
 
         readahead (cold starts, cflow.runtime.readahead): "auto" (default) runs a .vflow file's
         plan in its file order and, when less than half of its mapped weights are in the page cache,
-        reads them ahead of the compute in that order from a background thread; "sweep" does the
-        read-ahead for any mapped file, cold or not; "off" neither. A .cflow file under "auto" is
+        reads them ahead of the compute in that order from a background thread; "order" only the
+        first; "sweep" both, for any mapped file, cold or not; "off" neither. A .cflow file under "auto" is
         read as before. Same results bit for bit; `readahead_stats()` says what was done.
         """
         from cflow.fileformat import ChecksumError, FormatError, open_model

@@ -13,7 +13,8 @@ order (cflow.runtime.plan, file_order); a `.cflow` file is stored layer by layer
 order of the default plan. Engine.load(readahead=...) chooses (docs/DESIGN.md, "Read order"):
 
     "off"    nothing (the default for `.cflow`)
-    "sweep"  sweep the mapped weights in file order, cold or not
+    "order"  a `.vflow` file's plan runs in file order; no sweeper
+    "sweep"  the plan as "order", and sweep the mapped weights in file order, cold or not
     "auto"   for a `.vflow` file: run the plan in file order, and sweep when less than half of
              the weights it maps are in the page cache (mincore); for a `.cflow` file: off
 
@@ -34,11 +35,11 @@ import numpy as np
 
 from cflow.runtime.errors import EngineError
 
-MODES = ("auto", "off", "sweep")
+MODES = ("auto", "off", "order", "sweep")
 CHUNK = 2 << 20    # one WILLNEED request
 WINDOW = 64 << 20  # at most this much asked for and not yet resident
 COLD = 0.5         # auto sweeps when less than this fraction of the swept spans is resident
-_POLL_S = 0.0005
+_POLL_S = 0.002  # the poll holds the GIL a moment: not too often
 
 
 def check_mode(mode: str) -> str:
@@ -162,7 +163,7 @@ def start(cf, mode: str, *, mapped: bool, skip_experts: bool) -> tuple[bool, Swe
     resident fraction that decided it). Nothing for a file read into memory (mapped False)."""
     check_mode(mode)
     file_order = mode != "off" and cf.order == "vflow"
-    if mode == "off" or not mapped or not hasattr(os, "posix_fadvise"):
+    if mode in ("off", "order") or not mapped or not hasattr(os, "posix_fadvise"):
         return file_order, None, None
     spans = swept_spans(cf, skip_experts)
     frac = resident(cf.buffer, merge(spans))
