@@ -107,6 +107,9 @@ class Engine:
         # may read the mapped weights ahead of the first steps
         file_order, self._sweeper, resident = readahead_mod.start(cf, readahead, mapped=mmap and mapped,
                                                                   skip_experts=disk)
+        # with experts on disk only the dense weights come from the mapping, and every plan already
+        # touches those in the .vflow order (the cache was sized for that plan: keep it)
+        file_order = file_order and not disk
         self._readahead = {"mode": readahead, "file_order": file_order, "resident_before": resident}
         self.plan = build_plan(self.config, delay_experts=disk and expert_delay and expert_io == "async",
                                file_order=file_order)

@@ -19,7 +19,10 @@ order of the default plan. Engine.load(readahead=...) chooses (docs/DESIGN.md, "
              the weights it maps are in the page cache (mincore); for a `.cflow` file: off
 
 With experts on disk the experts' spans are not swept: they are read with O_DIRECT by the expert
-cache (cflow.runtime.experts), into its own buffers, in ascending file offset within a layer.
+cache (cflow.runtime.experts), into its own buffers, in ascending file offset within a layer
+(the chosen experts in ascending index, which is ascending offset in both orders). The plan then
+keeps its experts where the expert cache wants them: every plan touches the dense weights, the only
+ones the mapping serves, in the `.vflow` order already.
 """
 
 from __future__ import annotations
