@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from cflow import dag
+from cflow.bench import disk
 from cflow.bench.claims.models import random_params, write_random_model
 from cflow.config import PRESETS, ModelConfig
 from cflow.fileformat import open_model
@@ -144,3 +145,23 @@ def test_chunks_and_merge():
 def test_bad_mode_is_a_named_error(model_pair):
     with pytest.raises(EngineError, match="readahead must be one of"):
         Engine.load(model_pair["vflow"], readahead="fast")
+
+
+def test_auto_does_not_sweep_what_cannot_fit(model_pair, monkeypatch):
+    from cflow.runtime import experts as xp
+
+    cf = open_model(model_pair["vflow"])
+    try:
+        ra_spans = ra.swept_spans(cf, skip_experts=False)
+        monkeypatch.setattr(xp, "probe_memory", lambda: xp.MemoryProbe(sum(n for _, n in ra_spans), "test"))
+        assert not ra.fits(ra_spans)  # the headroom does not fit besides
+        disk.evict(model_pair["vflow"])
+        file_order, sweeper, frac = ra.start(cf, "auto", mapped=True, skip_experts=False)
+        assert file_order and sweeper is None
+        if frac is not None and frac < ra.COLD:  # eviction worked (not tmpfs): with room it sweeps
+            monkeypatch.setattr(xp, "probe_memory", lambda: xp.MemoryProbe(1 << 40, "test"))
+            _, sweeper, _ = ra.start(cf, "auto", mapped=True, skip_experts=False)
+            assert sweeper is not None
+            sweeper.stop()
+    finally:
+        cf.close()

@@ -16,7 +16,8 @@ order of the default plan. Engine.load(readahead=...) chooses (docs/DESIGN.md, "
     "order"  a `.vflow` file's plan runs in file order; no sweeper
     "sweep"  the plan as "order", and sweep the mapped weights in file order, cold or not
     "auto"   for a `.vflow` file: run the plan in file order, and sweep when less than half of
-             the weights it maps are in the page cache (mincore); for a `.cflow` file: off
+             the weights it maps are in the page cache (mincore) and they fit the memory this
+             process may use; for a `.cflow` file: off
 
 With experts on disk the experts' spans are not swept: they are read with O_DIRECT by the expert
 cache (cflow.runtime.experts), into its own buffers, in ascending file offset within a layer
@@ -170,6 +171,16 @@ def start(cf, mode: str, *, mapped: bool, skip_experts: bool) -> tuple[bool, Swe
         return file_order, None, None
     spans = swept_spans(cf, skip_experts)
     frac = resident(cf.buffer, merge(spans))
-    if mode == "auto" and (cf.order != "vflow" or (frac is not None and frac >= COLD)):
+    if mode == "auto" and (cf.order != "vflow" or (frac is not None and frac >= COLD) or not fits(spans)):
         return file_order, None, frac
     return file_order, Sweeper(cf.path, cf.buffer, spans), frac
+
+
+def fits(spans: Sequence[tuple[int, int]]) -> bool:
+    """Whether the swept bytes fit the memory this process may use (cflow.runtime.experts): a sweep
+    over more than that would evict its own pages before the compute reaches them."""
+    from cflow.runtime.experts import headroom, probe_memory
+
+    room = probe_memory().available
+    need = sum(n for _, n in spans)
+    return room is None or need + headroom(room) <= room
