@@ -62,9 +62,9 @@ class Engine:
                  max_batch: int = DEFAULT_MAX_BATCH, experts: str = "auto", expert_cache: int | str | None = None,
                  expert_io: str = "async", expert_delay: bool = True, mmap: bool = True,
                  log: Callable[[str], None] | None = None, n_seq: int = 1, expert_prefetch: str = "auto",
-                 readahead: str = "auto") -> None:
+                 readahead: str = "auto", overlap: bool = False) -> None:
         """An engine over an open CflowFile. experts / expert_cache / expert_io / expert_delay /
-        expert_prefetch / readahead: see
+        expert_prefetch / readahead / overlap: see
         Engine.load and cflow.runtime.experts; mmap=False copies the weights the engine reads out of
         a mapped file (with experts on disk: all but the experts). n_seq: KV-cache slots (sequences)
         of n_ctx positions each, for step_batch; the single-sequence calls use sequence 0."""
@@ -125,6 +125,7 @@ class Engine:
         except ValueError as e:
             self._stop_sweeper()
             raise EngineError(f"{cf.path}: {e}") from None
+        self._native.overlap = bool(overlap)
         if disk and log:
             log(xp.describe(self.residency, self._native.expert_cache))
         self.tokenizer = Tokenizer(cf.tokenizer)
@@ -148,7 +149,7 @@ class Engine:
              log: Callable[[str], None] | None = None, experts: str = "auto",
              expert_cache: int | str | None = None, expert_io: str = "async",
              expert_delay: bool = True, n_seq: int = 1, expert_prefetch: str = "auto",
-             readahead: str = "auto") -> "Engine":
+             readahead: str = "auto", overlap: bool = False) -> "Engine":
         """Load a .cflow/.vflow file, or a .gguf (converted once into the cache; `log` is told);
         no path: the built-in model.
 
@@ -178,6 +179,10 @@ class Engine:
         reads them ahead of the compute in that order from a background thread; "order" only the
         first; "sweep" both, for any mapped file, cold or not; "off" neither. A .cflow file under "auto" is
         read as before. Same results bit for bit; `readahead_stats()` says what was done.
+
+        overlap=True (experimental, off by default): with delta_dense >= 1, attn(l) and dense(l) run
+        side by side on two halves of the threads (docs/DESIGN.md, "Overlapping independent nodes");
+        same results bit for bit. `Engine.overlap` switches it between calls.
         """
         from cflow.fileformat import ChecksumError, FormatError, open_model
 
@@ -213,7 +218,8 @@ class Engine:
         try:
             eng = cls(cf, threads=threads, n_ctx=n_ctx, max_batch=max_batch, experts=experts,
                       expert_cache=expert_cache, expert_io=expert_io, expert_delay=expert_delay, mmap=mmap,
-                      log=log, n_seq=n_seq, expert_prefetch=expert_prefetch, readahead=readahead)
+                      log=log, n_seq=n_seq, expert_prefetch=expert_prefetch, readahead=readahead,
+                      overlap=overlap)
         except BaseException:
             cf.close()
             raise
@@ -261,6 +267,15 @@ class Engine:
         if sweeper is not None:
             self._readahead.update(sweeper.stats())
             sweeper.stop()
+
+    @property
+    def overlap(self) -> bool:
+        """attn(l) beside dense(l) on two thread groups (delta_dense >= 1); see Engine.load."""
+        return bool(self._native.overlap)
+
+    @overlap.setter
+    def overlap(self, on: bool) -> None:
+        self._native.overlap = bool(on)
 
     def readahead_stats(self) -> dict[str, Any]:
         """The cold-start choice (cflow.runtime.readahead): mode, file_order (the plan runs in the
