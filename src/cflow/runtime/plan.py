@@ -32,7 +32,9 @@ The ops run in list order. experts(l) normally follows route(l). With `delay_exp
 disk with async reads: cflow.runtime.engine) it is placed just before resid(l + de), the first op
 that needs its output (before final when l + de is past the last layer): the reads route(l)
 started then overlap the attention and dense FFN of layers l+1..l+de. The results are the same bit
-for bit: each pending slot receives the same terms in the same order. Up to de + 1 routings are
+for bit: each pending slot receives the same terms in the same order. With `file_order` (a
+`.vflow` file, cflow.runtime.readahead) experts(l) goes where `dag.schedule` puts it, which is
+where the file stores its tensors, so a step reads the file front to back. Up to de + 1 routings are
 then alive at once, hence M = de + 1 moe slots; the C core counts the layers in flight from the plan
 (cf_plan_inflight) and sizes the smallest expert cache from it.
 
@@ -40,9 +42,9 @@ Each op that reads weights is one node of `cflow.dag` (same names:
 "L3.attn", "L3.dense", "L3.router", "L3.experts", "embed", "lm_head"), and `Plan.stages` is
 `dag.schedule(cfg)`: nodes in one stage do not depend on each other. The C engine today runs
 one op at a time with all threads on each mat-vec (on few cores that already keeps the memory
-bus busy); running a stage's nodes side by side, or starting disk reads of the experts chosen
-by route(l) while attn(l+1).. run, needs only per-node h/f buffers and is what `stages` and the
-separate route/experts ops are for.
+bus busy), except that with `Engine.overlap` on an attn(l) followed by a dense(l) reading the ring
+runs beside it on half the threads (engine.c, "overlap"); running other nodes of a stage side by
+side (experts(l) beside attn(l+1)) needs per-node h/f buffers.
 
 `Op.src` names where dense and route read their input ("h", "ring", "hf"); the C core exports
 the codes of those names and of the op kinds (`_native.SOURCES`, `_native.OP_KINDS`), and
