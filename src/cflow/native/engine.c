@@ -193,6 +193,9 @@ struct cf_engine {
     cf_prof_call *prof_calls;    /* [prof_calls_cap] */
     int prof_cap, prof_calls_cap, prof_ncalls;
     int64_t prof_dropped_calls;
+    /* overlap of independent ops (cf_engine_set_overlap; "overlap" below): the two thread groups'
+     * views of this engine, refreshed by forward() before each call; NULL when off */
+    struct cf_engine *grp;
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -925,6 +928,50 @@ static void op_final(cf_engine *e, int slot, int pslot, int ith, int nth) {
         e->cnt.n[CF_CNT_LM_HEAD] += (uint64_t)d * sizeof(float) + cf_tiled_bytes(&e->w.lm_head);
 }
 
+// ---------------------------------------------------------------------------------------------
+// overlap (off by default; Engine.load(overlap=True)): attn(l) beside dense(l) when delta_dense >= 1
+//
+// With delta_dense >= 1, dense(l) reads x_{l+1-dd} from the ring, not h, so it does not depend on
+// attn(l), and the two write disjoint state (attn: qkv, att, h, the KV cache; dense: hid, f). The
+// threads then split in two groups: the first half runs attn(l), the second dense(l), each op as
+// if the engine had only its group's threads, and all meet at one barrier after both. The ops are
+// not changed: each group runs them on a view of the engine (a struct copy, refreshed before every
+// call) whose scratch and profiler arrays start at the group's first thread, whose barrier counts
+// only the group (a group of one thread never waits inside an op) and whose counters are added
+// back after the call. Every output row and head is still computed whole by one thread, so the
+// results are the same bit for bit (tests/test_overlap.py). What it can win is the barriers inside
+// the two ops; the bytes read are the same (docs/DESIGN.md, "Overlapping independent nodes").
+
+/* Whether ops i, i+1 are an attn(l), dense(l) pair that may run side by side. */
+static int overlap_pair(const cf_engine *e, int i, int nth) {
+    if (!e->grp || nth < 2 || i + 1 >= e->n_ops) return 0;
+    const int32_t *op = e->plan + (size_t)i * CF_OP_FIELDS, *nx = op + CF_OP_FIELDS;
+    return op[0] == CF_OP_ATTN && nx[0] == CF_OP_DENSE && nx[1] == op[1] && nx[2] == CF_SRC_RING;
+}
+
+/* Thread 0, before a call: the groups' views of the engine as it stands now. */
+static void overlap_begin(cf_engine *e) {
+    int na = e->active / 2, first[2] = {0, na}, n[2] = {na, e->active - na};
+    for (int g = 0; g < 2; g++) {
+        cf_engine *v = &e->grp[g];
+        memcpy(v, e, sizeof *e);
+        v->grp = NULL;
+        v->ts = e->ts + first[g];
+        v->prof = e->prof ? e->prof + first[g] : NULL;
+        memset(&v->cnt, 0, sizeof v->cnt);
+        atomic_init(&v->bar.count, 0);
+        atomic_init(&v->bar.phase, 0);
+        atomic_init(&v->bar.sleepers, 0);
+        v->bar.n = n[g];
+    }
+}
+
+/* Thread 0, after a call: the groups' counters into the engine's. */
+static void overlap_end(cf_engine *e) {
+    for (int g = 0; g < 2; g++)
+        for (size_t k = 0; k < sizeof e->cnt.n / sizeof *e->cnt.n; k++) e->cnt.n[k] += e->grp[g].cnt.n[k];
+}
+
 static void forward_task(void *ctx, int ith, int nth) {
     cf_engine *e = ctx;
     if (ith >= e->active) return;
@@ -934,6 +981,15 @@ static void forward_task(void *ctx, int ith, int nth) {
         const int32_t *op = e->plan + (size_t)i * CF_OP_FIELDS;
         int l = op[1], a = op[2], b = op[3], c = op[4];
         int tail = i + 1 == e->n_ops || op[CF_OP_FIELDS] != CF_OP_RESID; /* barrier needed after */
+        if (overlap_pair(e, i, nth)) {
+            const int32_t *nx = op + CF_OP_FIELDS;
+            int na = e->grp[0].bar.n;
+            if (ith < na) op_attn(&e->grp[0], l, a, ith, na);
+            else op_dense(&e->grp[1], nx[1], nx[2], nx[3], 1, ith - na, nth - na);
+            sync_threads(e, ith, -1);
+            i++;
+            continue;
+        }
         switch (op[0]) {
         case CF_OP_EMBED: op_embed(e, a, ith, nth); break;
         case CF_OP_ATTN: op_attn(e, l, a, ith, nth); break;
@@ -975,6 +1031,7 @@ static int forward(cf_engine *e, const int32_t *tokens, int B, float *logits, in
     e->B = B;
     e->logits = logits;
     e->all_logits = all_logits;
+    if (e->grp) overlap_begin(e);
     if (e->active == 1)
         forward_task(e, 0, 1); /* no need to wake the pool (sleeping workers take ~50 us) */
     else
@@ -984,6 +1041,7 @@ static int forward(cf_engine *e, const int32_t *tokens, int B, float *logits, in
         if (e->prof_ncalls < e->prof_calls_cap) e->prof_calls[e->prof_ncalls++] = (cf_prof_call){pt0, pt1, B, 0};
         else e->prof_dropped_calls++;
     }
+    if (e->grp) overlap_end(e);
     if (e->failed) {
         e->err_kind = e->failed;
         return -1;
@@ -1110,6 +1168,16 @@ int cf_engine_set_active_threads(cf_engine *e, int n) {
     e->active = e->bar.n = cf_min(cf_max(n, 1), e->n_threads);
     return e->active;
 }
+int cf_engine_set_overlap(cf_engine *e, int on) {
+    if (!on) {
+        free(e->grp);
+        e->grp = NULL;
+        return 0;
+    }
+    if (!e->grp && !(e->grp = calloc(2, sizeof *e->grp))) return -1;
+    return 0;
+}
+int cf_engine_overlap(const cf_engine *e) { return e->grp != NULL; }
 int cf_engine_max_batch(const cf_engine *e) { return e->max_batch; }
 int cf_engine_n_seq(const cf_engine *e) { return e->n_seq; }
 const char *cf_engine_isa(const cf_engine *e) { return e->k->name; }
@@ -1738,6 +1806,7 @@ void cf_engine_free(cf_engine *e) {
     free(e->spec_held);
     free(e->pred_mark);
     free(e->pred_votes);
+    free(e->grp);
     if (e->w.sets) {
         for (int i = 0; i < e->c.n_unique; i++) {
             free(e->w.sets[i].exp_gate_up);

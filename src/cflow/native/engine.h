@@ -257,6 +257,12 @@ int cf_engine_n_threads(const cf_engine *e);
  * this, since every output row and head is computed the same way whoever computes it). Returns
  * the value set. Not while a call is running. */
 int cf_engine_set_active_threads(cf_engine *e, int n);
+/* Overlap of independent ops (off by default): with on, an attn(l) followed by a dense(l) that
+ * reads the ring (delta_dense >= 1) run side by side, the first half of the active threads on
+ * attn, the rest on dense (engine.c, "overlap"). Same results bit for bit. Returns 0, or -1 out
+ * of memory. Not while a call is running. */
+int cf_engine_set_overlap(cf_engine *e, int on);
+int cf_engine_overlap(const cf_engine *e);
 int cf_engine_active_threads(const cf_engine *e);
 int cf_engine_max_batch(const cf_engine *e);
 int cf_engine_n_seq(const cf_engine *e);
