@@ -179,3 +179,17 @@ def test_kquant_gate_up_mm_equals_gate_up(dtype, d_ff, cols, tile):
     if n_pairs > 1:
         part = _native.gate_up_mm(t, dt, rows, cols, X[:5], p0=1, p1=n_pairs, **kw)
         assert np.array_equal(part[:, 8:], one[:5, 8:]) and not part[:, :8].any()
+
+
+def test_cflow_isa_selects_it_and_the_tables_below():
+    """CFLOW_ISA=avx512 picks it (it is also the default here, the best table); naming the base
+    table instead runs that one, so the AVX2-family tables stay reachable for comparison."""
+    import os
+    import subprocess
+    import sys
+
+    assert _native.available_isas()[-1] == "avx512"
+    for name in ("avx512", base_isa()):
+        out = subprocess.run([sys.executable, "-c", "from cflow import _native; print(_native.isa())"],
+                             env={**os.environ, "CFLOW_ISA": name}, capture_output=True, text=True, check=True)
+        assert out.stdout.strip() == name

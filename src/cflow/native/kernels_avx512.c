@@ -3,11 +3,12 @@
  * Compiled with -mavx512f -mavx512bw -mavx512vl -mavx512vnni -mfma -mf16c (CMakeLists.txt) and
  * chosen by dispatch.c only on CPUs that report all four AVX-512 features with zmm state saved
  * by the OS. The table is a copy of the best AVX2-family table (dispatch.c passes it in) with
- * only matmat and gate_up_mm of Q4_0, Q4_1 and Q8_0 replaced, so every entry added to the AVX2
- * tables later is inherited as it is.
+ * only matmat and gate_up_mm of Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K replaced, so every entry
+ * added to the AVX2 tables later is inherited as it is.
  *
  * The contract (cflow.h) is that matmat equals this table's matvec row by row, bit for bit, and
- * matvec is the inherited kernels_avx2.c one. Its float operations per row of a tile are:
+ * matvec is the inherited kernels_avx2.c one. Its float operations per row of a tile are (the
+ * K-quants': below, at their kernel):
  *   acc = 0; per block: Q4_0 acc = fma(d, fma(isum, dx, -8 sx), acc)
  *                       Q4_1 acc = fma(d, isum * dx, acc); acc = fma(m, sx, acc)
  *                       Q8_0 acc = fma(d, isum * dx, acc)
