@@ -18,7 +18,7 @@ import pytest
 
 from cflow import _native
 
-from test_native_kernels import ISAS, FAST_ISAS, assert_close, rng_for
+from test_native_kernels import FAST_ISAS, ISAS, assert_close, rng_for
 
 torch = pytest.importorskip("torch")  # the random models are built with the PyTorch reference
 
@@ -112,10 +112,13 @@ def test_fast_tables_close_to_ref(isa):
 
 def test_bad_shapes_are_named_errors():
     k = np.zeros((2, 8, 16), np.float16)
-    with pytest.raises(Exception, match="do not fit"):
-        _native.attention_block(np.zeros(4 * 16 * 4, np.float32), k, k, 4, 2, 6)
-    with pytest.raises(Exception, match="whole queries"):
-        _native.attention_block(np.zeros(4 * 16 + 1, np.float32), k, k, 4, 2, 0)
+    cases = [("do not fit", lambda: _native.attention_block(np.zeros(4 * 16 * 4, np.float32), k, k, 4, 2, 6)),
+             ("whole queries", lambda: _native.attention_block(np.zeros(4 * 16 + 1, np.float32), k, k, 4, 2, 0)),
+             ("window", lambda: _native.attention_block(np.zeros(4 * 16, np.float32), k, k, 4, 2, 0, window=-1)),
+             ("multiple", lambda: _native.attention_block(np.zeros(3 * 16, np.float32), k, k, 3, 2, 0))]
+    for what, f in cases:
+        with pytest.raises(_native.KernelInputError, match=what):
+            f()
 
 
 # ---- the engine ------------------------------------------------------------------------------
