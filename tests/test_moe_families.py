@@ -375,7 +375,7 @@ def test_transformers_modelling(family_run):
     check(got, want, moe=True)
 
 
-# ---- OLMoE: converted and checked through the reference; refused by the engine --------------------
+# ---- OLMoE: whole-vector q/k norms ---------------------------------------------------------------
 @pytest.fixture(scope="module")
 def olmoe_run(tmp_path_factory):
     d = tmp_path_factory.mktemp("olmoe")
@@ -404,9 +404,19 @@ def test_olmoe_converts_and_its_reference_matches_llama_cpp(olmoe_run):
     assert far(reference_logits(cfg.replace(qk_norm=False, qk_norm_full=False), no_norms, toks), lc)
 
 
-def test_olmoe_is_refused_by_the_engine_by_name(olmoe_run):
-    from cflow.errors import CflowError
+def test_olmoe_engine_matches_llama_cpp_and_the_reference(olmoe_run):
+    """The C engine runs OLMoE's whole-vector q/k norms (a barrier between the projection and the
+    norms, then RoPE per head): against llama.cpp and the reference on the converted file, at 1
+    and 2 threads; batched prefill gives the step-by-step logits bit for bit."""
+    from cflow.model import ReferenceDecoder, Transformer
     from cflow.runtime import Engine
 
-    with pytest.raises(CflowError, match="qk_norm_full.*whole q and k"):
-        Engine.load(olmoe_run[1], threads=1)
+    src, dst, toks, lc = olmoe_run
+    for threads in (1, 2):
+        with Engine.load(dst, threads=threads) as eng:
+            got = teacher_forced(eng.step, toks)
+        check(got, lc, moe=True)
+        with Engine.load(dst, threads=threads, max_batch=8) as eng:
+            assert np.array_equal(eng.prefill(toks[:16]), got[15])
+    ref = ReferenceDecoder(Transformer.from_cflow(dst))
+    check(got, teacher_forced(lambda t, pos: ref.step(t).numpy(), toks), moe=True)

@@ -40,8 +40,8 @@ Choices:
 - OLMoE ("olmoe") likewise, without renormalisation, its experts of hidden size
   feed_forward_length (llama.cpp does not read expert_feed_forward_length for it), NEOX RoPE
   (not permuted), and q/k RMSNorm over the whole q and k vectors (attn_q_norm [n_heads * hd],
-  attn_k_norm [n_kv_heads * hd]): qk_norm_full. The PyTorch reference runs it; the C engine
-  refuses such a config by name until its attention op normalises whole vectors.
+  attn_k_norm [n_kv_heads * hd]): qk_norm_full, which the engine runs with a barrier between the
+  projection and the norms.
 - Q4_0 / Q4_1 / Q8_0 tensors go into tiles bit for bit (cflow's formats are GGML's). Every other
   type (F16, F32, BF16, K-quants ...) is dequantized with `gguf.quants.dequantize` and quantized
   to --quant; the introduced error is measured and reported.

@@ -414,7 +414,7 @@ static void qkv_heads(cf_engine *e, const cf_layer *w, size_t layer_kv, int b, i
         if (w->qkv_bias)
             for (int i = 0; i < hd; i++) v[i] += w->qkv_bias[(size_t)u * hd + i];
         if (u < nh + c->n_kv) {
-            if (w->q_norm) e->k->rmsnorm(v, v, u < nh ? w->q_norm : w->k_norm, hd, c->norm_eps);
+            if (w->q_norm && !c->qk_norm_full) e->k->rmsnorm(v, v, u < nh ? w->q_norm : w->k_norm, hd, c->norm_eps);
             e->k->rope(v, 1, hd, cs, cs + hd / 2);
         }
         if (u < nh) continue;
@@ -504,7 +504,7 @@ static void op_attn(cf_engine *e, int l, int slot, int ith, int nth) {
     ph(e, ith, CF_PK_QKV, l);
     size_t layer_kv = (size_t)l * c->n_kv * e->n_ctx * hd;
     int g0, g1, i0, i1, n_units = c->n_heads + 2 * c->n_kv; /* q heads, k heads, v heads */
-    if (hd % CF_G == 0) {
+    if (hd % CF_G == 0 && !c->qk_norm_full) {
         // Split by whole heads, so the thread that computes a head also rotates it and stores
         // it in the cache: no barrier between the projection and RoPE.
         int u0, u1, gph = hd / CF_G;
@@ -516,6 +516,16 @@ static void op_attn(cf_engine *e, int l, int slot, int ith, int nth) {
         cf_split_range(qkv_dim / CF_G + (qkv_dim % CF_G != 0), ith, nth, 1, &g0, &g1);
         qkv_rows(e, w, ts->act, B, g0, g1);
         sync_threads(e, ith, CF_PK_QKV);
+        if (c->qk_norm_full) { /* OLMoE: one RMSNorm over each token's whole q and whole k, before RoPE */
+            int b0, b1;
+            cf_split_range(B, ith, nth, 1, &b0, &b1);
+            for (int b = b0; b < b1; b++) {
+                float *q = s->qkv + (size_t)b * qkv_dim;
+                e->k->rmsnorm(q, q, w->q_norm, q_dim, c->norm_eps);
+                e->k->rmsnorm(q + q_dim, q + q_dim, w->k_norm, kv_dim, c->norm_eps);
+            }
+            sync_threads(e, ith, CF_PK_QKV);
+        }
         cf_split_range(B * n_units, ith, nth, 1, &i0, &i1);
         for (int i = i0; i < i1; i++) qkv_heads(e, w, layer_kv, i / n_units, i % n_units, i % n_units + 1);
     }
@@ -1379,9 +1389,8 @@ static int check_config(const cf_config *c, char *err, size_t n) {
         bad = "norm_eps and rope_theta must be positive";
     else if ((c->qkv_bias | c->qk_norm | c->moe_norm_topk) & ~1 || c->sliding_window < 0)
         bad = "qkv_bias, qk_norm and moe_norm_topk must be 0 or 1, sliding_window >= 0";
-    else if (c->qk_norm_full)
-        bad = "qk_norm_full (OLMoE: one RMSNorm over the whole q and k vectors) is not implemented by this "
-              "engine yet; the PyTorch reference (cflow.model) runs such files";
+    else if (c->qk_norm_full & ~1 || (c->qk_norm_full && (!c->qk_norm || c->qkv_bias)))
+        bad = "qk_norm_full must be 0 or 1, needs qk_norm, and does not go with qkv_bias";
     else if (c->d_shexp < 0 || c->d_shexp % CF_QK || (c->d_shexp && !c->n_experts))
         bad = "d_shared_expert must be a multiple of 32, and needs experts";
     if (bad) cf_set_err(err, n, "bad model config: %s", bad);
@@ -1499,10 +1508,11 @@ static int bind_weights(cf_engine *e, const uint8_t *buf, size_t len, const int6
             SET(CF_S_QKV_BIAS, 1, q_dim + 2 * kv_dim, 1, &dummy, &L->qkv_bias);
             L->attn_bytes += (uint64_t)(q_dim + 2 * kv_dim) * sizeof(float);
         }
-        if (c->qk_norm) {
-            SET(CF_S_Q_NORM, 1, c->hd, 1, &dummy, &L->q_norm);
-            SET(CF_S_K_NORM, 1, c->hd, 1, &dummy, &L->k_norm);
-            L->attn_bytes += 2 * (uint64_t)c->hd * sizeof(float);
+        if (c->qk_norm) { /* per head [hd], or over the whole q [q_dim] and k [kv_dim] (qk_norm_full) */
+            int qn = c->qk_norm_full ? q_dim : c->hd, kn = c->qk_norm_full ? kv_dim : c->hd;
+            SET(CF_S_Q_NORM, 1, qn, 1, &dummy, &L->q_norm);
+            SET(CF_S_K_NORM, 1, kn, 1, &dummy, &L->k_norm);
+            L->attn_bytes += (uint64_t)(qn + kn) * sizeof(float);
         }
         if (c->d_ff) {
             SET(CF_S_FFN_NORM, 1, c->d, 1, &dummy, &L->ffn_norm);

@@ -48,7 +48,7 @@ typedef struct {
     int qk_norm;                   /* 1: RMSNorm of each q and k head (attn.q_norm/k_norm [hd]) before RoPE */
     int sliding_window;            /* 0: full causal; W: position p attends to max(0, p-W+1)..p */
     int moe_norm_topk;             /* 1: the top_k routing weights renormalised to sum to 1; 0: raw softmax */
-    int qk_norm_full;              /* 1: qk_norm over the whole q and k vectors (OLMoE): not run yet */
+    int qk_norm_full;              /* 1: qk_norm over the whole q and k vectors (OLMoE), before RoPE */
     int d_shexp;                   /* 0: none; else the shared expert's hidden size (moe.shared.*), run
                                     * on every row, scaled by sigmoid(moe.shared_gate . moe_in) */
 } cf_config;
