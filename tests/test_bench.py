@@ -98,6 +98,42 @@ def test_threads_zero_means_every_usable_core(tiny_model):
     assert [r.threads for r in rep.rows] == [usable_threads()]
 
 
+def test_depths_fill_the_context_first(tiny_model, capsys):
+    """-d N runs each test after N untimed context tokens (llama-bench's -d): the tg steps run at
+    positions N.., the counters count the test alone, and the context must hold N + the test."""
+    from cflow.bench.runner import time_tg
+
+    class Recorder:
+        name = "rec"
+
+        def reset(self):
+            self.calls = []
+
+        def prefill(self, tokens, pos0=0):
+            self.calls.append(("prefill", len(tokens), pos0))
+
+        def step(self, token, pos):
+            self.calls.append(("step", pos))
+            return token
+
+    r = Recorder()
+    time_tg(r, 3, first_token=5, context=list(range(7)))
+    assert r.calls == [("prefill", 7, 0), ("step", 7), ("step", 8), ("step", 9)]
+    path, cfg = tiny_model
+    rep = bench(path, threads=[1], pp=8, tg=4, reps=1, probe=False, footprint=False, depths=[0, 24])
+    assert [r.test for r in rep.rows] == ["pp8", "tg4", "pp8 @ d24", "tg4 @ d24"]
+    by = {r.test: r for r in rep.rows}
+    assert by["tg4 @ d24"].bytes_per_token is not None and by["tg4"].bytes_per_token is not None
+    # The experts chosen differ between the two contexts, so the counts differ a little; had the
+    # fill's 24 tokens been counted, the d24 figure would be ~7x smaller.
+    assert by["tg4 @ d24"].bytes_per_token == pytest.approx(by["tg4"].bytes_per_token, rel=0.5)
+    with pytest.raises(CflowError, match="depth"):
+        bench(path, threads=[1], pp=8, tg=4, reps=1, probe=False, footprint=False, depths=[cfg.max_seq_len])
+    with pytest.raises(SystemExit):
+        main(["bench", "-m", str(path), "-t", "1", "-p", "0", "-n", "2", "-d", "0,x", "-q"])
+    assert "-d/--n-depth" in capsys.readouterr().err
+
+
 def test_tg_runs_every_step_whatever_the_token(tiny_model, capsys):
     from cflow.bench.runner import time_tg
 

@@ -102,9 +102,9 @@ class LlamaCppRunner:
         mem = lib.llama_get_memory(self.llm.ctx)
         lib.llama_memory_clear(mem, True)
 
-    def prefill(self, tokens: np.ndarray) -> None:
+    def prefill(self, tokens: np.ndarray, pos0: int = 0) -> None:
         for start in range(0, len(tokens), 512):
-            self._decode(tokens[start:start + 512], start)
+            self._decode(tokens[start:start + 512], pos0 + start)
 
     def step(self, token: int, pos: int) -> int:
         self._decode(np.array([token]), pos)

@@ -48,8 +48,11 @@ class CflowRunner:
         self.engine.reset()
         self.engine.reset_counters()
 
-    def prefill(self, tokens: np.ndarray) -> None:
-        self.engine.prefill(tokens)
+    def reset_counters(self) -> None:
+        self.engine.reset_counters()
+
+    def prefill(self, tokens: np.ndarray, pos0: int = 0) -> None:
+        self.engine.prefill(tokens, pos0)
 
     def step(self, token: int, pos: int) -> int:
         return int(np.argmax(self.engine.step(token, pos)))
@@ -195,10 +198,11 @@ def bench(model: str | Path, *, threads: list[int] | None = None, pp: int = 512,
           probe: bool = True, footprint: bool = True, verify: bool = True,
           progress: Callable[[str], None] | None = None, experts: str = "auto",
           expert_cache: int | str | None = None, expert_io: str = "async",
-          expert_prefetch: str = "auto") -> BenchReport:
+          expert_prefetch: str = "auto", depths: list[int] | None = None) -> BenchReport:
     """Run the suite. threads: the counts to test (default: every usable core; 0 also means that);
     the tg test always runs exactly `tg` decode steps, whatever token comes (EOS included), like
-    llama-bench; verify=False skips the checksum check of the model's first use. experts,
+    llama-bench; depths: context depths to run each test at (llama-bench's -d; default [0]);
+    verify=False skips the checksum check of the model's first use. experts,
     expert_cache, expert_io, expert_prefetch: where cflow keeps a MoE model's experts (Engine.load)."""
     from cflow.bench.bandwidth import read_bandwidth
 
@@ -215,10 +219,14 @@ def bench(model: str | Path, *, threads: list[int] | None = None, pp: int = 512,
     with CflowRunner(model, threads[0], None, progress=progress, verify=verify, **xkw).engine as eng:
         max_ctx = eng.config.max_seq_len
         table_bytes = eng.weight_bytes_per_token()
-    n_ctx = n_ctx or min(max_ctx, max(pp, tg) + 8)  # like llama-bench: room for the test, no more
-    if max(pp, tg) > n_ctx:
-        raise CflowError(f"the test needs {max(pp, tg)} positions but the context is {n_ctx} "
-                         f"(model limit {max_ctx}); lower -p/-n")
+    depths = list(depths or [0])
+    if any(d < 0 for d in depths):
+        raise CflowError(f"depths must be >= 0, got {depths}")
+    need = max(depths) + max(pp, tg)
+    n_ctx = n_ctx or min(max_ctx, need + 8)  # like llama-bench: room for the test, no more
+    if need > n_ctx:
+        raise CflowError(f"the test needs {need} positions (depth {max(depths)} + {max(pp, tg)}) but the context "
+                         f"is {n_ctx} (model limit {max_ctx}); lower -d/-p/-n")
     report = BenchReport(model=model, machine=machine_info(), rows=[],
                          model_bytes=Path(model).stat().st_size, table_bytes_per_token=table_bytes)
     if footprint:
@@ -251,7 +259,7 @@ def bench(model: str | Path, *, threads: list[int] | None = None, pp: int = 512,
             runners.append(LlamaCppRunner(model, t, n_ctx))
         vocab = runners[0].engine.config.vocab_size
         rows = run_tests(runners, t, pp=pp, tg=tg, reps=reps, vocab=vocab, warmup=warmup,
-                         progress=progress, bytes_per_token=counted)
+                         progress=progress, bytes_per_token=counted, depths=depths)
         for r in rows:
             if r.engine == "cflow" and r.test.startswith("tg") and str(t) in stats:
                 report.expert_rows[f"{t}:{r.test}"] = stats[str(t)]

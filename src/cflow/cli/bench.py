@@ -10,14 +10,22 @@ from cflow.cli.common import (UsageError, add_command, add_expert_flags, add_ver
 from cflow.fsutil import check_writable
 
 
-def _thread_list(text: str) -> list[int]:
+def _int_list(text: str, zero: str) -> list[int]:
     try:
         vals = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
     if not vals or any(v < 0 for v in vals):
-        raise argparse.ArgumentTypeError(f"expected integers >= 0 (0 = every usable core), got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected integers >= 0 ({zero}), got {text!r}")
     return vals
+
+
+def _thread_list(text: str) -> list[int]:
+    return _int_list(text, "0 = every usable core")
+
+
+def _depth_list(text: str) -> list[int]:
+    return _int_list(text, "0 = an empty context")
 
 
 HELP = """\
@@ -30,11 +38,14 @@ llama.cpp, llama-cpp-python runs the same GGUF with the same threads, interleave
 the table shows cflow's speed over the baseline's.
 
 The tg test runs exactly -n decode steps, each feeding back the most likely token whatever it is
-(end of text included), as llama-bench does. Sizes are decimal: MB = 10^6 bytes.
+(end of text included), as llama-bench does. -d runs every test after that many context tokens
+(filled untimed), as llama-bench's -d: "tg128 @ d4096" decodes with 4096 positions of KV cache
+behind each step. Sizes are decimal: MB = 10^6 bytes.
 
 examples:
   cflow bench -m SmolLM2-135M-Instruct.Q4_1.gguf -t 1,2 --compare llama.cpp
   cflow bench -m smollm2.cflow -p 0 -n 64 -r 3 --json --out tg64.json
+  cflow bench -m SmolLM2-135M-Instruct.Q4_1.gguf -p 0 -d 0,1024,4096 --compare llama.cpp
   cflow bench -m smollm2.cflow -t 1,2 --profile --trace trace.json
 """
 
@@ -47,6 +58,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="thread counts to test, comma-separated; 0 = every usable core (the default)")
     p.add_argument("-p", "--n-prompt", type=int, default=512, help="prompt tokens for the pp test (0 skips it)")
     p.add_argument("-n", "--n-gen", type=int, default=128, help="generated tokens for the tg test (0 skips it)")
+    p.add_argument("-d", "--n-depth", type=_depth_list, default=[0], metavar="N[,N...]",
+                   help="context depths: run each test after N context tokens (default 0)")
     p.add_argument("-r", "--repetitions", type=int, default=5, help="timed repetitions per test (default 5)")
     p.add_argument("--ignore-eos", action="store_true",
                    help="accepted for llama.cpp command lines; always the case here: tg never stops at the "
@@ -143,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
         report = bench(args.model, threads=args.threads, pp=args.n_prompt, tg=args.n_gen,
                        reps=args.repetitions, warmup=not args.no_warmup, compare=args.compare,
                        probe=not args.no_probe, footprint=not args.no_footprint, verify=not args.no_verify,
-                       progress=progress, **expert_kwargs(args))
+                       progress=progress, depths=args.n_depth, **expert_kwargs(args))
     except OSError as e:  # the model unreadable, or the cache a .gguf is converted into unwritable
         raise load_error(args.model, e) from None
     text = report.to_json() if args.json or args.output == "json" else report.to_markdown()
