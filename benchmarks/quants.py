@@ -121,6 +121,34 @@ def quality(ref: np.ndarray, got: np.ndarray, tokens: list[int]) -> dict:
             "top1_agree": float((ref.argmax(-1) == got.argmax(-1)).mean()), "ppl": float(math.exp(nll.mean()))}
 
 
+def markdown(results: dict) -> str:
+    """One table per thread count: speed side by side, bytes and probe share, quality."""
+    out = [f"model: {results['model']} (source {Path(results['source']).name}); quality over "
+           f"{results['tokens']} teacher-forced tokens of the shipped stories"]
+    threads = sorted({r["threads"] for row in results["types"].values() for r in row.get("bench", {}).get("rows", [])})
+    for t in threads:
+        out += ["", f"**{t} thread(s)**", "",
+                "| type | file MB | weight MB/token | tg128 cflow | tg128 llama.cpp | ratio | cflow % of probe "
+                "| pp512 cflow | pp512 llama.cpp | ratio | KL cflow | KL llama.cpp | top-1 agree | ppl |",
+                "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for ft, row in results["types"].items():
+            if "error" in row:
+                out.append(f"| {ft} | {row['file_bytes'] / 1e6:.0f} | {row['error']} |")
+                continue
+            rows = {(r["engine"], r["test"]): r for r in row["bench"]["rows"] if r["threads"] == t}
+            tg_c, tg_l = rows.get(("cflow", "tg128"), {}), rows.get(("llama.cpp", "tg128"), {})
+            pp_c, pp_l = rows.get(("cflow", "pp512"), {}), rows.get(("llama.cpp", "pp512"), {})
+            q, ql = row["quality"], row["quality_llama.cpp"]
+            f = lambda r, k, fmt: format(r[k], fmt) if r.get(k) is not None else "–"  # noqa: E731
+            out.append(
+                f"| {ft} | {row['file_bytes'] / 1e6:.0f} | {(tg_c.get('bytes_per_token') or 0) / 1e6:.1f} "
+                f"| {f(tg_c, 'avg_ts', '.1f')} | {f(tg_l, 'avg_ts', '.1f')} | {f(tg_l, 'ratio_cflow_over_this', '.2f')}× "
+                f"| {f(tg_c, 'pct_of_probe', '.0f')}% | {f(pp_c, 'avg_ts', '.1f')} | {f(pp_l, 'avg_ts', '.1f')} "
+                f"| {f(pp_l, 'ratio_cflow_over_this', '.2f')}× | {q['kl_mean']:.4f} | {ql['kl_mean']:.4f} "
+                f"| {q['top1_agree']:.2f} | {q['ppl']:.2f} |")
+    return "\n".join(out) + "\n"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2", help="smollm2, random-1b, or a source GGUF path")
@@ -154,9 +182,11 @@ def main() -> None:
             row["error"] = f"{type(e).__name__}: {e}"
         print(json.dumps({k: v for k, v in row.items() if k != "bench"}, indent=1), flush=True)
         results["types"][ft] = row
+    print(markdown(results))
     if args.out:
         args.out.write_text(json.dumps(results, indent=1) + "\n")
-        print(f"wrote {args.out}")
+        args.out.with_suffix(".md").write_text(markdown(results))
+        print(f"wrote {args.out} and {args.out.with_suffix('.md')}")
 
 
 if __name__ == "__main__":
