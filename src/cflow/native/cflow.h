@@ -217,7 +217,9 @@ enum {
 unsigned cf_cpu_features(void);
 
 /* Explicit software prefetch in the tiled mat-vecs (claim C6): prefetch `bytes_ahead` bytes
- * ahead of the weight stream with PREFETCHT0; 0 (the default) turns it off. */
+ * ahead of the weight stream with PREFETCHT0; 0 (the default) turns it off, except in the Q6_K
+ * AVX2 mat-vec and gate/up, which always prefetch 8 KiB ahead (the hardware prefetcher misses
+ * the way its 1680-byte chunks are read; kernels_kquant_avx2.c). */
 void cf_set_prefetch(int bytes_ahead);
 int cf_get_prefetch(void);
 
