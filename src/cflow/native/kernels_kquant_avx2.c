@@ -21,8 +21,9 @@
  * integers and apply the same float operations in the same order, so matmat == B mat-vecs bit
  * for bit. The integer bounds (no int16 saturation, no int32 overflow) are in docs/kquants.md.
  *
- * The K-quants' sub-block scales need the int16 stage (madd), so the VNNI table keeps maddubs
- * there; Q5_0 / Q5_1 use vpdpbusd like Q4_0 (dot_q4_pair_unpacked).
+ * The K-quants' sub-block scales need the int16 stage, so the VNNI table keeps maddubs there
+ * and applies the scale with vpdpwssd (madd + add in one); Q5_0 / Q5_1 use vpdpbusd like Q4_0
+ * (dot_q4_pair_unpacked).
  * Q6_K's field starts inside a chunk are not 32-byte aligned: every load is unaligned.
  */
 
@@ -253,7 +254,11 @@ INLINE __m256i kq_row_qd(int dtype, const kq_row *R, const uint32_t *sc32, const
         __m256i p = _mm256_maddubs_epi16(R->q[t], _mm256_loadu_si256((const __m256i *)(xq + 32 * t)));
         __m256i scale = dtype == CF_Q6_K ? bcast16(t < 4 ? R->sc : R->sc2, 2 * (t & 3), 2 * (t & 3) + 1)
                                          : _mm256_set1_epi32((int)sc32[t]);
+#if CF_ISA_VNNI /* vpdpwssd: the madd and the add in one instruction */
+        acc = _mm256_dpwssd_avx_epi32(acc, p, scale);
+#else
         acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, scale));
+#endif
     }
     if (dtype == CF_Q6_K) acc = _mm256_sub_epi32(acc, _mm256_slli_epi32(_mm256_madd_epi16(R->s16, bs16), 5));
     return acc;
