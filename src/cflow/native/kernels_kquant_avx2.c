@@ -248,18 +248,20 @@ INLINE __m256i bcast16(__m256i v, int j0, int j1) {
  * 128-bit lane; pair sums <= 16002), minus 32 * sum_s sc_s * bsums[s], so the weights' -32 never
  * enters the byte products. */
 INLINE __m256i kq_row_qd(int dtype, const kq_row *R, const uint32_t *sc32, const int8_t *xq, __m256i bs16) {
-    __m256i acc = _mm256_setzero_si256();
+    /* two accumulators: vpdpwssd's latency would otherwise chain the 8 sub-blocks */
+    __m256i acc2[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
 #pragma GCC unroll 8
     for (int t = 0; t < 8; t++) {
         __m256i p = _mm256_maddubs_epi16(R->q[t], _mm256_loadu_si256((const __m256i *)(xq + 32 * t)));
         __m256i scale = dtype == CF_Q6_K ? bcast16(t < 4 ? R->sc : R->sc2, 2 * (t & 3), 2 * (t & 3) + 1)
                                          : _mm256_set1_epi32((int)sc32[t]);
 #if CF_ISA_VNNI /* vpdpwssd: the madd and the add in one instruction */
-        acc = _mm256_dpwssd_avx_epi32(acc, p, scale);
+        acc2[t & 1] = _mm256_dpwssd_avx_epi32(acc2[t & 1], p, scale);
 #else
-        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, scale));
+        acc2[t & 1] = _mm256_add_epi32(acc2[t & 1], _mm256_madd_epi16(p, scale));
 #endif
     }
+    __m256i acc = _mm256_add_epi32(acc2[0], acc2[1]);
     if (dtype == CF_Q6_K) acc = _mm256_sub_epi32(acc, _mm256_slli_epi32(_mm256_madd_epi16(R->s16, bs16), 5));
     return acc;
 }
