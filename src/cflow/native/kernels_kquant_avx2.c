@@ -14,8 +14,9 @@
  * per byte is kept small: Q4_K / Q5_K's packed 6-bit scales of all 8 rows are decoded with SIMD
  * two rows per vector, into a table of dwords whose vpbroadcastd (a plain load) is madd's scale
  * operand, instead of a shuffle per sub-block; the 5th / 6th bits move into place with one shift
- * and one mask; the activation's 256 bytes stay in registers across the 8 rows (the compiler
- * hoists the loads: 16 ymm registers suffice for Q4_K / Q5_K).
+ * and one mask; the compiler hoists the activation's 8 vectors out of the row loop (most stay in
+ * registers, the rest in L1). What remains is the per-sub-block scale multiply: twice Q4_0's
+ * multiply-port work per weight, which this row-major layout cannot avoid.
  * The mat-vec keeps the unpacked group in registers (one activation); the mat-mat unpacks it
  * once into an L1 buffer and runs up to KQ_NB activations over it. Both form the same exact
  * integers and apply the same float operations in the same order, so matmat == B mat-vecs bit
