@@ -11,7 +11,10 @@ Compare with `cflow.bench.bandwidth.read_bandwidth`.
 
 With --batch B it instead times the prefill kernel: matmat (B activations, each weight block
 unpacked once) against B separate mat-vecs, hot matrices, 1 thread, in GMAC/s (both include
-quantizing the B activations, as the wrappers do).
+quantizing the B activations, as the wrappers do); the tables take turns within each round, and
+the "vs" column is each table's matmat speed relative to the first one listed (on a shared
+machine trust the ratios, not the absolute numbers):
+    python benchmarks/kernels.py --batch 64 --isa avxvnni avx512 --dtypes q4_0
 
     python benchmarks/kernels.py [--dtypes q4_0 q4_1 q8_0] [--threads 1 2] [--isa avx2]
                                  [--seconds 0.3] [--prefetch 8192] [--no-cold] [--batch 64]
@@ -85,7 +88,10 @@ def best_time(fn, seconds: float) -> float:
     return best
 
 
-def run_batch(dtypes: list[str], isas: list[str], B: int, seconds: float) -> list[dict]:
+def run_batch(dtypes: list[str], isas: list[str], B: int, seconds: float, rounds: int = 5) -> list[dict]:
+    """matmat and B x matvec per table, the tables timed in turn within each of `rounds` rounds
+    (best kept), so that load from others on a shared machine hits them alike: compare the
+    `vs` column (matmat speed relative to the first table listed), not absolute numbers."""
     rng = np.random.default_rng(0)
     out = []
     for dtype in dtypes:
@@ -93,13 +99,18 @@ def run_batch(dtypes: list[str], isas: list[str], B: int, seconds: float) -> lis
             t = make_tiled(rows, cols, dtype, rng)
             X = rng.standard_normal((B, cols), dtype=np.float32)
             dt = Q.DTYPE_IDS[dtype]
+            mm = {isa: float("inf") for isa in isas}
+            mv = dict(mm)
+            for _ in range(rounds):
+                for isa in isas:
+                    s = seconds / rounds / (10 if isa == "ref" else 1)
+                    mm[isa] = min(mm[isa], best_time(lambda: _native.matmat(t, dt, rows, cols, X, isa=isa), s))
+                    mv[isa] = min(mv[isa], best_time(
+                        lambda: [_native.matvec(t, dt, rows, cols, x, isa=isa) for x in X], s))
+            macs = rows * cols * B
             for isa in isas:
-                s = seconds / (10 if isa == "ref" else 1)
-                mm = best_time(lambda: _native.matmat(t, dt, rows, cols, X, isa=isa), s)
-                mv = best_time(lambda: [_native.matvec(t, dt, rows, cols, x, isa=isa) for x in X], s)
-                macs = rows * cols * B
-                out.append(dict(dtype=dtype, shape=f"{rows}x{cols}", isa=isa, mm=macs / mm / 1e9,
-                                mv=macs / mv / 1e9))
+                out.append(dict(dtype=dtype, shape=f"{rows}x{cols}", isa=isa, mm=macs / mm[isa] / 1e9,
+                                mv=macs / mv[isa] / 1e9, vs=mm[isas[0]] / mm[isa]))
     return out
 
 
@@ -116,10 +127,11 @@ def main() -> None:
     _native.set_prefetch(args.prefetch)
     t0 = time.time()
     if args.batch > 0:
-        print(f"| dtype | W [out x in] | isa | matmat GMAC/s (B={args.batch}) | {args.batch} x matvec GMAC/s |")
-        print("|---|---|---|---|---|")
+        print(f"| dtype | W [out x in] | isa | matmat GMAC/s (B={args.batch}) | vs {args.isa[0]} "
+              f"| {args.batch} x matvec GMAC/s |")
+        print("|---|---|---|---|---|---|")
         for r in run_batch(args.dtypes, args.isa, args.batch, args.seconds):
-            print(f"| {r['dtype']} | {r['shape']} | {r['isa']} | {r['mm']:.1f} | {r['mv']:.1f} |")
+            print(f"| {r['dtype']} | {r['shape']} | {r['isa']} | {r['mm']:.1f} | {r['vs']:.2f}x | {r['mv']:.1f} |")
         print(f"# {time.time() - t0:.0f} s")
         return
     print(f"# kernel tables: {_native.available_isas()} (default {_native.isa()}); "

@@ -21,8 +21,10 @@ WEIGHT_COUNTERS = ("attn", "dense", "router", "experts", "embed", "lm_head")
                                                  ("arch2_4_combined", False, False), ("arch5", True, False),
                                                  ("llama", True, True), ("arch5", False, True)])
 def test_dag_engine_and_counters_agree(tmp_path, preset, tied, options):
-    # options: the attention options of the Qwen families (bias and q/k norms are weights too)
+    # options: the options of the Qwen families (bias, q/k norms and a shared expert are weights too)
     cfg = small_config(preset, tied=tied).replace(qkv_bias=options, qk_norm=options)
+    if options and cfg.has_moe:
+        cfg = cfg.replace(d_shared_expert=64, moe_norm_topk=False)
     path = tmp_path / "m.cflow"
     write_random_model(path, cfg, "q4_0", (64, 64))
     eng = Engine.load(path, threads=1)
@@ -40,7 +42,7 @@ def test_dag_engine_and_counters_agree(tmp_path, preset, tied, options):
 
 
 def test_table_is_what_the_file_holds(tmp_path):
-    cfg = small_config("arch2_4_combined", tied=False)
+    cfg = small_config("arch2_4_combined", tied=False).replace(d_shared_expert=32)
     path = tmp_path / "m.cflow"
     write_random_model(path, cfg, "q8_0", (64, 64))
     eng = Engine.load(path, threads=1)

@@ -330,6 +330,18 @@ def test_generate_streams_what_complete_returns(llama_path):
     assert eng.complete("abc", **{**kw, "seed": 12}).tokens != c.tokens
 
 
+def test_generate_takes_every_sampling_field(llama_path):
+    """generate() passes the penalties and logit_bias on as complete() does: banning the greedy
+    first token changes it, and the streamed text still equals complete()'s."""
+    eng = Engine.load(llama_path, threads=1)
+    greedy = eng.complete([10, 20, 30], max_tokens=6, temperature=0)
+    kw = dict(max_tokens=6, temperature=0, logit_bias={greedy.tokens[0]: -100}, frequency_penalty=0.5,
+              presence_penalty=0.5)
+    banned = eng.complete([10, 20, 30], **kw)
+    assert banned.tokens[0] != greedy.tokens[0]
+    assert "".join(eng.generate([10, 20, 30], **kw)) == banned.text
+
+
 def test_greedy_complete_matches_steps_and_reuses_prefix(llama_path):
     eng = Engine.load(llama_path, threads=1)
     c = eng.complete([10, 20, 30], max_tokens=10, temperature=0)

@@ -250,10 +250,28 @@ def test_biases_and_norms_are_the_gguf_values(family_run):
     f.close()
 
 
-@pytest.mark.parametrize("arch, match", [("qwen2moe", "Qwen2-MoE.*not yet supported"),
-                                         ("qwen3moe", "Qwen3-MoE.*not yet supported"),
-                                         ("olmoe", "OLMoE.*not yet supported"),
-                                         ("mistral3", "mistral3.*not yet supported"),
+def test_older_files_load_with_the_options_off():
+    """The shipped model predates the three config keys: it loads, with all three off."""
+    import importlib.resources
+
+    f = open_model(importlib.resources.files("cflow") / "models" / "default.cflow")
+    assert not {"qkv_bias", "qk_norm", "sliding_window"} & set(f.header["config"])
+    assert (f.config.qkv_bias, f.config.qk_norm, f.config.sliding_window) == (False, False, 0)
+    f.close()
+
+
+def test_config_checks_the_options():
+    from cflow.config import ConfigError
+
+    cfg = expected_config("qwen3")
+    assert cfg.with_overrides(["sliding_window=8", "qkv_bias=true"]) == cfg.replace(sliding_window=8, qkv_bias=True)
+    with pytest.raises(ConfigError, match="sliding_window must be >= 0"):
+        cfg.replace(sliding_window=-1)
+    with pytest.raises(ConfigError, match="qk_norm must be true or false"):
+        cfg.replace(qk_norm=1)
+
+
+@pytest.mark.parametrize("arch, match", [("mistral3", "mistral3.*not yet supported"),
                                          ("gemma2", "'gemma2' model; cflow converts GGUF architectures")])
 def test_refused_architectures(tmp_path, arch, match):
     wr = gguf.GGUFWriter(str(tmp_path / "m.gguf"), arch)
@@ -363,13 +381,12 @@ def test_sliding_window_matches_transformers(window_run):
     check(got, hf_logits(transformers.MistralForCausalLM(hc), reference_state(src, "mistral"), toks), moe=False)
 
 
+@pytest.mark.parametrize("family_run", ["qwen3"], indirect=True)
 def test_qwen3_matches_transformers_modelling(family_run):
     """transformers cannot load a Qwen3 GGUF whose head_dim differs from d / n_heads (its GGUF config
     mapping drops key_length), so its Qwen3 modelling code runs on the reference's weights instead."""
     transformers = pytest.importorskip("transformers")
     family, src, _, toks, got = family_run
-    if family != "qwen3":
-        pytest.skip("Qwen3 only")
     hc = transformers.Qwen3Config(**hf_config_kwargs("qwen3"))
     check(got, hf_logits(transformers.Qwen3ForCausalLM(hc), reference_state(src, "qwen3"), toks), moe=False)
 

@@ -35,7 +35,7 @@ llama_cpp = pytest.importorskip("llama_cpp")
 pytest.importorskip("torch")
 
 from test_convert_gguf_moe import compare, teacher_forced  # noqa: E402
-from test_moe_llamacpp import MARGIN, llama_cpp_logits  # noqa: E402
+from test_moe_llamacpp import MARGIN, llama_cpp_logits, private_cache  # noqa: E402,F401 (autouse fixture)
 
 from cflow.bench.claims.models import write_dense_gguf  # noqa: E402
 
@@ -66,14 +66,6 @@ def quantize(src: Path, dst: Path, ftype: str, requantize: bool = False) -> Path
     p.allow_requantize = requantize
     assert llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), p) == 0
     return dst
-
-
-@pytest.fixture(scope="module", autouse=True)
-def private_cache(tmp_path_factory):
-    mp = pytest.MonkeyPatch()
-    mp.setenv("CFLOW_CACHE", str(tmp_path_factory.mktemp("cache")))
-    yield
-    mp.undo()
 
 
 @pytest.fixture(scope="module", params=[(g, f) for g in GEOMETRY for f in FTYPES], ids=lambda p: f"{p[0]}-{p[1]}")

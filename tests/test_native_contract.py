@@ -25,7 +25,8 @@ EXPECTED = {
     "DESC_FIELDS": ("offset", "dtype", "rows", "cols", "tile_rows", "tile_cols"),
     "GLOBAL_TENSORS": ("tok_emb", "norm", "lm_head"),
     "LAYER_SLOTS": ("attn_norm", "attn.wqkv", "attn.wo", "ffn_norm", "ffn.w_gate_up", "ffn.w_down", "moe_norm",
-                    "moe.router", "attn.qkv_bias", "attn.q_norm", "attn.k_norm", "attn.wq", "attn.wk", "attn.wv"),
+                    "moe.router", "attn.qkv_bias", "attn.q_norm", "attn.k_norm", "attn.wq", "attn.wk", "attn.wv",
+                    "moe.shared_gate", "moe.shared.w_gate_up", "moe.shared.w_down"),
     "EXPERT_SLOTS": ("w_gate_up", "w_down"),
     "COUNTER_NAMES": ("attn", "dense", "router", "experts", "embed", "lm_head", "kv", "tokens", "calls",
                       "disk_bytes", "cache_hits", "cache_misses", "io_stall_ns", "expert_predicted",
@@ -139,13 +140,15 @@ def make_engine(cfg: ModelConfig, buf, desc, names, threads: int = 2):
 def test_row_names_are_the_file_formats(tied, options):
     """Every tensor a .cflow file of the config holds has its descriptor row, under its name (q|k|v
     fused, or stored by parts); the rows left over are exactly those of what the config turns off
-    (tied lm_head, attention options)."""
-    cfg = tiny_config(tied).replace(qkv_bias=options, qk_norm=options)
+    (tied lm_head, attention options, the shared expert)."""
+    cfg = tiny_config(tied).replace(qkv_bias=options, qk_norm=options, d_shared_expert=32 if options else 0)
     names = row_names(cfg)
     assert len(names) == len(set(names))
     unused = {"lm_head"} if tied else set()
     if not options:
-        unused |= {f"layers.{i}.attn.{s}" for i in range(cfg.n_unique_layers) for s in ("qkv_bias", "q_norm", "k_norm")}
+        unused |= {f"layers.{i}.{s}" for i in range(cfg.n_unique_layers)
+                   for s in ("attn.qkv_bias", "attn.q_norm", "attn.k_norm", "moe.shared_gate", "moe.shared.w_gate_up",
+                             "moe.shared.w_down")}
     sets = range(cfg.n_unique_layers)
     assert set(model_tensors(cfg)) | set(model_tensors(cfg, split_qkv=sets)) == set(names) - unused
 

@@ -474,6 +474,8 @@ def test_dispatch_reports_tables():
     feats = _native.cpu_features()
     if feats["avx2"] and feats["fma"] and feats["f16c"]:
         assert "avx2" in ISAS
+    if all(feats[f] for f in ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512vnni")):
+        assert ISAS[-1] == "avx512"  # the best table where the CPU (and the OS's xcr0) allow it
     with pytest.raises(CflowError):
         _native.softmax(np.ones(3, np.float32), isa="no-such-isa")
 

@@ -321,10 +321,10 @@ def header(extra: list[str], merges: list[str] = (), pre: str | None = None) -> 
 
 
 def test_tokens_outside_the_byte_alphabet_decode_as_their_text():
-    # A SentencePiece-style vocabulary stored as-is: "▁" (U+2581) and CJK are not byte-level symbols,
+    # SentencePiece-style pieces in a "bpe" header: "▁" (U+2581) and CJK are not byte-level symbols,
     # so those tokens stand for their own UTF-8 text; "<0x0A>" is plain ASCII, hence byte-level
-    # spelled already, and stands for those six characters (cflow does not read SentencePiece's
-    # byte-token convention).
+    # spelled already, and stands for those six characters (the <0xNN> byte tokens are read in
+    # "spm" headers only: tests/test_tokenizer_gguf.py).
     tok = Tokenizer(header(["▁the", "▁", "<0x0A>", "日本", "\n"]))
     assert tok.token_to_bytes(256) == b"\xe2\x96\x81the"
     assert tok.token_to_bytes(259) == b"\xe6\x97\xa5\xe6\x9c\xac"

@@ -14,8 +14,12 @@ Layer l of the family computes (x_l = residual entering layer l):
 
 Expert outputs whose target layer lies past the last layer are added before the final norm.
 Attention options of the imported families (all off by default, so older files load unchanged):
-qkv_bias (Qwen2), qk_norm (Qwen3) and sliding_window (a query at position p attends to
-positions max(0, p - W + 1)..p).
+qkv_bias (Qwen2), qk_norm (Qwen3; with qk_norm_full, OLMoE: one RMSNorm over the whole q and
+the whole k vector instead of one per head) and sliding_window (a query at position p attends to
+positions max(0, p - W + 1)..p). MoE options of the imported families: moe_norm_topk (default on:
+the top_k routing weights renormalised to sum to 1, as Mixtral and Qwen3-MoE; off: the raw softmax
+probabilities, as Qwen2-MoE and OLMoE) and d_shared_expert (Qwen2-MoE: one SwiGLU expert every
+token runs, its output scaled by sigmoid(shared_gate . norm(z)), added to the routed sum).
 """
 
 from __future__ import annotations
@@ -57,7 +61,10 @@ class ModelConfig:
     tie_embeddings: bool = True
     qkv_bias: bool = False  # q, k and v projections add a bias (Qwen2)
     qk_norm: bool = False  # per-head RMSNorm on q and on k before RoPE (Qwen3)
+    qk_norm_full: bool = False  # qk_norm over the whole q [q_dim] and k [kv_dim] vectors (OLMoE)
     sliding_window: int = 0  # 0: full causal attention; W: each query sees its last W positions
+    moe_norm_topk: bool = True  # renormalise the top_k routing weights to sum to 1
+    d_shared_expert: int = 0  # 0: none; else hidden size of the gated shared expert (Qwen2-MoE)
     name: str = field(default="custom", compare=False)
 
     def __post_init__(self) -> None:
@@ -108,7 +115,9 @@ class ModelConfig:
             need(1 <= self.top_k <= self.n_experts,
                  f"top_k must be in 1..n_experts ({self.n_experts}), got {self.top_k}")
             need(self.d_expert > 0, f"d_expert must be positive when n_experts > 0, got {self.d_expert}")
+            need(self.d_shared_expert >= 0, f"d_shared_expert must be >= 0 (0: none), got {self.d_shared_expert}")
         else:
+            need(self.d_shared_expert == 0, "d_shared_expert needs experts (n_experts > 0)")
             need(self.top_k == 0, f"top_k must be 0 without experts, got {self.top_k}")
             need(self.delta_expert == 0, "delta_expert needs experts (n_experts > 0)")
         need(self.d_ff > 0 or self.n_experts > 0, "a layer needs a dense FFN (d_ff > 0) or experts (n_experts > 0)")
@@ -122,6 +131,7 @@ class ModelConfig:
         need(self.rope_theta > 0, f"rope_theta must be positive, got {self.rope_theta}")
         need(self.norm_eps > 0, f"norm_eps must be positive, got {self.norm_eps}")
         need(self.max_seq_len > 0, f"max_seq_len must be positive, got {self.max_seq_len}")
+        need(self.qk_norm or not self.qk_norm_full, "qk_norm_full needs qk_norm")
         need(self.sliding_window >= 0, f"sliding_window must be >= 0 (0: none), got {self.sliding_window}")
 
     # ---- derived quantities -----------------------------------------------------------------
@@ -140,6 +150,10 @@ class ModelConfig:
     @property
     def has_moe(self) -> bool:
         return self.n_experts > 0
+
+    @property
+    def has_shared_expert(self) -> bool:
+        return self.n_experts > 0 and self.d_shared_expert > 0
 
     @property
     def history_depth(self) -> int:

@@ -6,7 +6,8 @@ Owns the node names every delay-aware consumer shares (the .vflow writer, the sc
     L{l}.attn        attn_norm + wq, wk, wv, wo of layer l (+ qkv_bias, q_norm, k_norm when set)
     L{l}.dense       ffn_norm + w_gate, w_up, w_down          (when d_ff > 0)
     L{l}.router      moe_norm + router [E, d]                 (when n_experts > 0)
-    L{l}.experts     the top_k active experts' gate, up, down (when n_experts > 0)
+    L{l}.experts     the top_k active experts' gate, up, down (when n_experts > 0), and the
+                     shared expert (d_shared_expert > 0)
     lm_head          final norm + the [vocab, d] output matrix (tok_emb when tied)
     x{l}, x_final    zero-byte joins: the residual entering layer l (l = 0..L), and x_L plus
                      the expert outputs that land past the last layer
@@ -98,8 +99,8 @@ def node_bytes(cfg: ModelConfig, kind: str, quant: str) -> int:
         return matrix_bytes(rows, cols, "f32" if w.plain else quant)
 
     ws = weights.node_weights(cfg, kind)
-    if kind == "experts":  # top_k experts of one weight set, all the same size here
-        return cfg.top_k * sum(size(w) for w in ws if w.expert == 0)
+    if kind == "experts":  # top_k experts of one weight set, all the same size here, + the shared one
+        return cfg.top_k * sum(size(w) for w in ws if w.expert == 0) + sum(size(w) for w in ws if w.expert is None)
     return sum(size(w) for w in ws)
 
 

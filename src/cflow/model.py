@@ -22,10 +22,13 @@ Conventions the C engine must share:
 - Rotary ("half" / GPT-NeoX / HF Llama): pairs (x[j], x[j + hd/2]) rotate by angle
   pos * theta^(-2j/hd); angles are computed in float64, then cos/sin rounded to float32.
 - Family options: the q/k/v bias is added before anything else; qk_norm is RMSNorm over each
-  head's hd values (same eps), before RoPE; a sliding window W masks keys older than p - W + 1.
+  head's hd values (same eps), before RoPE (qk_norm_full: over the whole q and the whole k vector); a sliding window W masks keys older than p - W + 1.
 - GQA: query head h reads kv head h // (n_heads / n_kv_heads); scores are scaled by 1/sqrt(hd).
 - SwiGLU: w_down(silu(w_gate x) * w_up x).
-- Router: softmax over all E logits (float32), top-k, the k weights renormalised to sum to 1.
+- Router: softmax over all E logits (float32), top-k, the k weights renormalised to sum to 1
+  (moe_norm_topk; off: the k softmax probabilities as they are).
+- Shared expert (d_shared_expert > 0): every token adds sigmoid(shared_gate . zn) * swiglu_sh(zn)
+  to the routed sum m (zn = norm(z), the router's input).
 - Layer l uses weight set l % n_unique_layers (arch5 really shares the parameter tensors).
 
 Short names: B batch, T time, d d_model, V vocab, E experts, k top_k, hd head_dim,
@@ -93,16 +96,20 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.d_model, cfg.kv_dim, bias=cfg.qkv_bias)
         self.wv = nn.Linear(cfg.d_model, cfg.kv_dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.q_dim, cfg.d_model, bias=False)
+        self.qk_full = cfg.qk_norm_full
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
+            self.q_norm = RMSNorm(cfg.q_dim if self.qk_full else cfg.head_dim, cfg.norm_eps)
+            self.k_norm = RMSNorm(cfg.kv_dim if self.qk_full else cfg.head_dim, cfg.norm_eps)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         B, T, _ = x.shape
-        q = self.wq(x).view(B, T, self.nh, self.hd).transpose(1, 2)  # [B, nh, T, hd]
-        k = self.wk(x).view(B, T, self.nkv, self.hd).transpose(1, 2)  # [B, nkv, T, hd]
+        q, k = self.wq(x), self.wk(x)
+        if self.qk_full:  # OLMoE: over all heads at once
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(B, T, self.nh, self.hd).transpose(1, 2)  # [B, nh, T, hd]
+        k = k.view(B, T, self.nkv, self.hd).transpose(1, 2)  # [B, nkv, T, hd]
         v = self.wv(x).view(B, T, self.nkv, self.hd).transpose(1, 2)  # [B, nkv, T, hd]
-        if hasattr(self, "q_norm"):
+        if hasattr(self, "q_norm") and not self.qk_full:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         rep = self.nh // self.nkv
@@ -140,23 +147,33 @@ class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         E, d, dx = cfg.n_experts, cfg.d_model, cfg.d_expert
-        self.n_experts, self.top_k = E, cfg.top_k
+        self.n_experts, self.top_k, self.norm_topk = E, cfg.top_k, cfg.moe_norm_topk
         self.router = nn.Linear(d, E, bias=False)
         self.w_gate = nn.Parameter(torch.empty(E, dx, d))
         self.w_up = nn.Parameter(torch.empty(E, dx, d))
         self.w_down = nn.Parameter(torch.empty(E, d, dx))
+        if cfg.has_shared_expert:
+            self.shared = SwiGLU(d, cfg.d_shared_expert)
+            self.shared_gate = nn.Parameter(torch.empty(d))  # [d], the table's moe.shared_gate
+
+    def shared_out(self, x: Tensor) -> Tensor:
+        """The gated shared expert on x [N, d] (zeros without one)."""
+        if not hasattr(self, "shared"):
+            return torch.zeros_like(x)
+        gate = torch.sigmoid((x @ self.shared_gate).float()).to(x.dtype)  # [N]
+        return gate[:, None] * self.shared(x)
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """x [N, d] -> (router logits [N, E] f32, probs [N, E], weights [N, k], experts [N, k])."""
         logits = self.router(x).float()
         probs = logits.softmax(dim=-1)
         w, idx = probs.topk(self.top_k, dim=-1)
-        return logits, probs, w / w.sum(dim=-1, keepdim=True), idx
+        return logits, probs, w / w.sum(dim=-1, keepdim=True) if self.norm_topk else w, idx
 
     def forward(self, x: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
         """x [N, d] (already normalised) -> (y [N, d], {"load_balance", "router_z"})."""
         logits, probs, w, idx = self.route(x)
-        y = torch.zeros_like(x)
+        y = self.shared_out(x)
         for e in range(self.n_experts):
             # Empty selections still run, so every parameter gets a (zero) gradient: DDP-safe.
             tok, slot = torch.where(idx == e)  # [n_e], [n_e]
@@ -238,7 +255,7 @@ class Transformer(nn.Module):
                 p.fill_(1.0)
             elif name.endswith(".bias"):
                 p.zero_()
-            elif name.endswith(("attn.wo.weight", "ffn.w_down.weight", "moe.w_down")):
+            elif name.endswith(("attn.wo.weight", "ffn.w_down.weight", "moe.w_down", "shared.w_down.weight")):
                 p.normal_(0.0, resid_std)
             else:
                 p.normal_(0.0, std)
@@ -362,6 +379,11 @@ class Transformer(nn.Module):
                       for e in range(cfg.n_experts)]
                 for j, key in enumerate(("moe.w_gate", "moe.w_up", "moe.w_down")):
                     sd[p + key] = np.stack([x[j] for x in ex])
+                if cfg.has_shared_expert:
+                    sd[p + "moe.shared_gate"] = val(p + "moe.shared_gate")
+                    sd[p + "moe.shared.w_gate.weight"], sd[p + "moe.shared.w_up.weight"] = parts(
+                        p + "moe.shared.w_gate_up")
+                    sd[p + "moe.shared.w_down.weight"] = val(p + "moe.shared.w_down")
         cf.close()
         return cls.from_state(cfg, {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in sd.items()})
 
@@ -405,7 +427,8 @@ class ReferenceDecoder:
         if moe:   z = h + f if moe_input == "post_dense" else h
                   zn = rmsnorm(z, W.moe_norm); probs = softmax(W.router zn)   # [E], float32
                   top-k experts e_i with weights w_i = probs[e_i] / sum_i probs[e_i]
-                  m = sum_i w_i * swiglu_{e_i}(zn)
+                  (moe_norm_topk off: w_i = probs[e_i])
+                  m = sum_i w_i * swiglu_{e_i}(zn)  (+ sigmoid(shared_gate . zn) * swiglu_sh(zn))
                   t = l + de; if t < L: pending[t % (de+1)] += m  else: late += m
         x_next = h + f + pending[l % (de+1)]; pending[l % (de+1)] = 0    # slot reused by l+de+1
         ring[(l + 1) % H] = x_next
@@ -485,8 +508,11 @@ class ReferenceDecoder:
         v = W["attn.wv.weight"] @ xn
         if cfg.qkv_bias:
             q, k, v = q + W["attn.wq.bias"], k + W["attn.wk.bias"], v + W["attn.wv.bias"]
+        if cfg.qk_norm_full:  # the whole vectors (OLMoE), before RoPE
+            q = _rmsnorm(q, W["attn.q_norm.weight"], cfg.norm_eps)
+            k = _rmsnorm(k, W["attn.k_norm.weight"], cfg.norm_eps)
         q, k, v = q.view(nh, hd), k.view(nkv, hd), v.view(nkv, hd)
-        if cfg.qk_norm:  # per head, before RoPE
+        if cfg.qk_norm and not cfg.qk_norm_full:  # per head, before RoPE
             q = torch.stack([_rmsnorm(h, W["attn.q_norm.weight"], cfg.norm_eps) for h in q])
             k = torch.stack([_rmsnorm(h, W["attn.k_norm.weight"], cfg.norm_eps) for h in k])
         cos, sin = self.cos[p : p + 1], self.sin[p : p + 1]  # [1, hd/2]
@@ -506,8 +532,13 @@ class ReferenceDecoder:
     def _experts(self, W: dict[str, Tensor], zn: Tensor) -> Tensor:
         probs = (W["moe.router.weight"] @ zn).softmax(dim=0)  # [E]
         w, idx = probs.topk(self.cfg.top_k)
-        w = w / w.sum()
+        if self.cfg.moe_norm_topk:
+            w = w / w.sum()
         m = torch.zeros_like(zn)
+        if self.cfg.has_shared_expert:
+            gate = torch.sigmoid(W["moe.shared_gate"] @ zn)
+            m += gate * _swiglu(zn, W["moe.shared.w_gate.weight"], W["moe.shared.w_up.weight"],
+                                W["moe.shared.w_down.weight"])
         for wi, e in zip(w.tolist(), idx.tolist()):
             m += wi * _swiglu(zn, W["moe.w_gate"][e], W["moe.w_up"][e], W["moe.w_down"][e])
         return m

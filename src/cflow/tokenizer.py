@@ -1,18 +1,23 @@
-"""The runtime tokenizer: byte-level BPE and chat templates, rebuilt from a `.cflow` header.
+"""The runtime tokenizer: byte-level BPE or SentencePiece-style, and chat templates, rebuilt from
+a `.cflow` header.
 
-Owns the tokenizer dict of the file header (docs/DESIGN.md): its validation, and everything done
+Owns the tokenizer dict of the file header (docs/FORMAT.md): its validation, and everything done
 with it at run time: encode, decode, streaming detokenization, chat-template rendering, and the
 token-id range check (`check_token_ids`). No torch and no transformers here; the BPE itself runs
-in HF `tokenizers` (a runtime dependency), which we build from the vocabulary and merges so the
-file stays self-contained. Making a header from foreign descriptions (an HF tokenizer.json, a
-GGUF vocabulary) is the converters' job: `cflow.convert.hf_tokenizer`. `TokenizerError` is the
-one error of both sides and of tokenizer training (`cflow.train.bpe`).
+in HF `tokenizers` (a runtime dependency), which we build from the vocabulary and merges (or, for
+"spm" vocabularies, the scores: `cflow.tokenizer_spm`) so the file stays self-contained. Making a
+header from foreign descriptions (an HF tokenizer.json, a GGUF vocabulary) is the converters' job:
+`cflow.convert.hf_tokenizer`, `cflow.convert.gguf`. `TokenizerError` is the one error of both
+sides and of tokenizer training (`cflow.train.bpe`).
 
 Choices:
-- The pre-tokenizer (how text is cut into words before BPE) is not part of the vocabulary; GGUF
-  names it in `tokenizer.ggml.pre` and we keep that name in the header (`pre`). `PRE_TOKENIZERS`
-  maps names to llama.cpp's regex splits (llama-vocab.cpp); an unknown name is an error rather
-  than a silent GPT-2 fallback, because a wrong split gives plausible-looking but wrong ids.
+- Two models, both llama.cpp's: "bpe" (GPT-2 byte-level BPE, GGUF "gpt2") and "spm"
+  (SentencePiece-style pieces with scores and byte fallback, GGUF "llama"; cflow.tokenizer_spm).
+- The byte-level pre-tokenizer (how text is cut into words before BPE) is not part of the
+  vocabulary; GGUF names it in `tokenizer.ggml.pre` and we keep that name in the header (`pre`).
+  `cflow.tokenizer_pre.PRE_TOKENIZERS` maps names to llama.cpp's regex splits; an unknown name is
+  an error rather than a silent GPT-2 fallback, because a wrong split gives plausible-looking but
+  wrong ids.
 - Special tokens are "added tokens": matched whole in the input before BPE, never split.
 - Decoding works on bytes: each id maps to the bytes it stands for, so the streaming
   detokenizer can hold back an incomplete UTF-8 sequence until the token that completes it.
@@ -29,7 +34,9 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
+from cflow import tokenizer_spm as spm
 from cflow.errors import CflowError
+from cflow.tokenizer_pre import build_pre_tokenizer, pre_tokenizer_spec
 
 
 class TokenizerError(CflowError, ValueError):
@@ -60,46 +67,6 @@ def bytes_to_unicode() -> dict[int, str]:
 @lru_cache(maxsize=1)
 def unicode_to_bytes() -> dict[str, int]:
     return {c: b for b, c in bytes_to_unicode().items()}
-
-
-# ---- pre-tokenizers --------------------------------------------------------------------------
-# llama.cpp's splits (src/llama-vocab.cpp), keyed by the `tokenizer.ggml.pre` names that use them.
-_GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-_LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-# The kinds that are a regex split (then ByteLevel without its own regex), by kind name; the HF
-# JSON importer recognises a tokenizer.json's Split by these exact strings.
-SPLIT_REGEXES: dict[str, str] = {"llama3": _LLAMA3_REGEX, "qwen2": _QWEN2_REGEX}
-
-PRE_TOKENIZERS: dict[str, str] = {
-    # name -> kind; kinds are built in _pre_tokenizer()
-    "default": "gpt2", "gpt2": "gpt2", "gpt-2": "gpt2", "mpt": "gpt2", "olmo": "gpt2", "jais": "gpt2",
-    # each digit is its own word, then GPT-2's split (SmolLM2's tokenizer.json: Digits + ByteLevel)
-    "smollm": "digits", "starcoder": "digits", "refact": "digits", "command-r": "digits",
-    "codeshell": "digits", "exaone": "digits", "minerva": "digits",
-    "llama3": "llama3", "llama-v3": "llama3", "llama-bpe": "llama3", "falcon3": "llama3",
-    "dbrx": "llama3", "smaug-bpe": "llama3", "pixtral": "llama3",
-    "qwen2": "qwen2", "stablelm2": "qwen2", "deepseek-r1-qwen": "qwen2",
-}
-
-
-def _pre_tokenizer(pre: str | None):
-    from tokenizers import Regex, pre_tokenizers as pt
-
-    kind = PRE_TOKENIZERS.get(pre or "default")
-    if kind is None:
-        raise TokenizerError(
-            f"unsupported pre-tokenizer {pre!r}; supported: {sorted(PRE_TOKENIZERS)}. "
-            "Add its regex split to cflow.tokenizer.PRE_TOKENIZERS (see llama.cpp's llama-vocab.cpp).")
-    if kind == "gpt2":
-        return pt.ByteLevel(add_prefix_space=False, use_regex=True)
-    if kind == "digits":
-        return pt.Sequence([pt.Digits(individual_digits=True),
-                            pt.ByteLevel(add_prefix_space=False, use_regex=True)])
-    return pt.Sequence([pt.Split(Regex(SPLIT_REGEXES[kind]), behavior="isolated"),
-                        pt.ByteLevel(add_prefix_space=False, use_regex=False)])
 
 
 # ---- chat templates --------------------------------------------------------------------------
@@ -150,7 +117,7 @@ def _compile_template(source: str):
 
 # ---- the tokenizer ---------------------------------------------------------------------------
 class Tokenizer:
-    """Byte-level BPE built from a header dict (see docs/DESIGN.md).
+    """Byte-level BPE or SentencePiece-style tokenizer built from a header dict (docs/FORMAT.md).
 
     >>> tok = Tokenizer(cflow_file.tokenizer)
     >>> ids = tok.encode("Hello")            # list[int]
@@ -160,6 +127,7 @@ class Tokenizer:
     def __init__(self, header: dict[str, Any]):
         self.header = _validated(header)
         h = self.header
+        self.model: str = h["model"]
         self.vocab: list[str] = h["vocab"]
         self.merges: list[str] = h["merges"]
         self.bos_id: int | None = h["bos_id"]
@@ -169,6 +137,8 @@ class Tokenizer:
         self.special: dict[str, int] = h["special"]
         self.added: dict[str, int] = h.get("added") or {}
         self.pre: str | None = h["pre"]
+        # SentencePiece puts a "▁" before the text; decode() takes that space off again
+        self.add_space_prefix: bool = self.model == "spm" and h["add_space_prefix"]
         self._special_ids = frozenset(self.special.values())
         self._bytes = self._token_bytes()
         self._tk = self._build()
@@ -177,14 +147,15 @@ class Tokenizer:
     def _build(self):
         from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models
 
-        vocab = {tok: i for i, tok in enumerate(self.vocab)}
-        merges = [_split_merge(m) for m in self.merges]
-        # llama.cpp's llama3 vocabularies look a whole word up before merging (ignore_merges).
-        whole_words = PRE_TOKENIZERS.get(self.pre or "default") == "llama3"
-        tk = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False,
-                                    ignore_merges=whole_words))
-        tk.pre_tokenizer = _pre_tokenizer(self.pre)
-        tk.decoder = decoders.ByteLevel()
+        if self.model == "spm":
+            tk = spm.build_spm(self.header)
+        else:
+            vocab = {tok: i for i, tok in enumerate(self.vocab)}
+            merges = [_split_merge(m) for m in self.merges]
+            tk = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False,
+                                        ignore_merges=pre_tokenizer_spec(self.pre).ignore_merges))
+            tk.pre_tokenizer = build_pre_tokenizer(self.pre)
+            tk.decoder = decoders.ByteLevel()
         # Added tokens are matched whole in the raw text, longest first, before any splitting.
         tk.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in self.special])
         if self.added:
@@ -193,6 +164,8 @@ class Tokenizer:
 
     def _token_bytes(self) -> list[bytes]:
         """The bytes each id decodes to: specials and added tokens as their text, others un-spelled."""
+        if self.model == "spm":
+            return spm.spm_token_bytes(self.vocab, self.header["token_types"])
         inv = unicode_to_bytes()
         literal = {i: t for t, i in {**self.special, **self.added}.items()}
         out = []
@@ -244,8 +217,19 @@ class Tokenizer:
         return self.token_to_bytes(token_id).decode("utf-8", errors="replace")
 
     def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
+        """The text of `ids`, so that decode(encode(s)) == s.
+
+        With SentencePiece's add_space_prefix, the first piece loses one leading space, the one
+        encode() put there. llama.cpp's llama_detokenize does so unless the ids start with BOS; we
+        also do it after a skipped BOS, as HF and llama_cpp.Llama.detokenize do, so that
+        decode(encode(s), skip_special=True) == s. To render tokens that continue a text
+        (generation), use stream(), which never strips. Spaces before punctuation are kept: the
+        clean-up llama_detokenize applies for some BPE vocabularies (clean_spaces) is not done.
+        """
         parts = [self._bytes[i] for i in self.check_ids(ids)
                  if not (skip_special and i in self._special_ids)]
+        if self.add_space_prefix and parts and parts[0].startswith(b" "):
+            parts[0] = parts[0][1:]
         return b"".join(parts).decode("utf-8", errors="replace")
 
     def decode_stream(self, ids: Iterable[int], skip_special: bool = False) -> Iterator[str]:
@@ -293,7 +277,9 @@ class StreamDecoder:
     """Incremental detokenizer: `put(id)` returns the newly completed text ('' while a character
     is still incomplete); `flush()` returns what is left, invalid bytes as U+FFFD.
 
-    Concatenating every `put` and the final `flush` equals `Tokenizer.decode` of the same ids.
+    Concatenating every `put` and the final `flush` equals `Tokenizer.decode` of the same ids,
+    except for the leading space decode() strips from SentencePiece text: the stream renders
+    tokens as the continuation of a text, as llama.cpp's token_to_piece does.
     """
 
     def __init__(self, tokenizer: Tokenizer, skip_special: bool = False):
@@ -341,13 +327,21 @@ def _validated(h: Any) -> dict[str, Any]:
     missing = [k for k in _HEADER_KEYS if k not in h]
     if missing:
         raise TokenizerError(f"the tokenizer header lacks {missing}; re-convert the model with this cflow")
-    if h["model"] != "bpe":
-        raise TokenizerError(f"tokenizer model {h['model']!r} is not supported; only byte-level 'bpe' is")
+    if h["model"] not in ("bpe", "spm"):
+        raise TokenizerError(f"tokenizer model {h['model']!r} is not supported; cflow has byte-level "
+                             "'bpe' and SentencePiece-style 'spm'")
     vocab, merges = h["vocab"], h["merges"]
     if not (isinstance(vocab, list) and vocab and all(isinstance(t, str) for t in vocab)):
         raise TokenizerError("tokenizer 'vocab' must be a non-empty list of strings")
     if not (isinstance(merges, list) and all(isinstance(m, str) for m in merges)):
         raise TokenizerError("tokenizer 'merges' must be a list of 'left right' strings")
+    if h["model"] == "spm":
+        if merges or h["pre"] is not None:
+            raise TokenizerError("an spm tokenizer has no 'merges' (its scores imply them) and no 'pre'; "
+                                 "write [] and null")
+        spm.validate_spm(h, TokenizerError)
+    else:
+        pre_tokenizer_spec(h["pre"])
     n = len(vocab)
     for key in ("bos_id", "eos_id"):
         v = h[key]

@@ -12,18 +12,26 @@ count bytes from them:
       or layers.{i}.attn.wq / wk / wv  [q, d] [kv, d] [kv, d]       the same rows as three tensors,
                                                                     when their dtypes differ
     layers.{i}.attn.qkv_bias           [q + 2 kv]         attn      f32      (qkv_bias: bq, bk, bv)
-    layers.{i}.attn.q_norm             [hd]               attn      f32      (qk_norm)
-    layers.{i}.attn.k_norm             [hd]               attn      f32      (qk_norm)
+    layers.{i}.attn.q_norm             [hd] or [q]        attn      f32      (qk_norm; [q], [kv] with
+    layers.{i}.attn.k_norm             [hd] or [kv]       attn      f32       qk_norm_full)
     layers.{i}.attn.wo                 [d, q]             attn      quantized
     layers.{i}.ffn_norm                [d]                dense     f32      (d_ff > 0)
     layers.{i}.ffn.w_gate_up           [2 d_ff, d]        dense     quantized (gate, up interleaved)
     layers.{i}.ffn.w_down              [d, d_ff]          dense     quantized
     layers.{i}.moe_norm                [d]                router    f32      (n_experts > 0)
     layers.{i}.moe.router              [E, d]             router    f32
+    layers.{i}.moe.shared_gate         [d]                router    f32      (d_shared_expert > 0)
+    layers.{i}.moe.shared.w_gate_up    [2 d_sh, d]        experts   quantized (the shared expert:
+    layers.{i}.moe.shared.w_down       [d, d_sh]          experts   quantized  every token, in RAM)
     layers.{i}.moe.experts.{e}.w_gate_up [2 d_exp, d]     experts   quantized
     layers.{i}.moe.experts.{e}.w_down  [d, d_exp]         experts   quantized
     norm                               [d]                lm_head   f32
     lm_head                            [vocab, d]         lm_head   quantized (absent when tied)
+
+The shared expert belongs to the experts node (it runs beside the routed ones, scaled per row by
+sigmoid(shared_gate . norm(z)), which the router computes) but is not one of the E experts: it
+has no expert index, is not in the expert table, and stays in RAM when the routed experts live on
+disk. A token reads it whole, like a dense FFN.
 
 `i` is a weight set (0..n_unique_layers-1); layer l reads set l % n_unique_layers. Ordered as
 `.cflow` stores them: embeddings, each set, then the final norm and lm_head.
@@ -44,7 +52,8 @@ from cflow.config import ModelConfig
 NODE_KINDS = ("embed", "attn", "dense", "router", "experts", "lm_head")
 GLOBAL_NAMES = ("tok_emb", "norm", "lm_head")
 LAYER_SLOTS = ("attn_norm", "attn.wqkv", "attn.qkv_bias", "attn.q_norm", "attn.k_norm", "attn.wo", "ffn_norm",
-               "ffn.w_gate_up", "ffn.w_down", "moe_norm", "moe.router")  # (plus QKV_PARTS, attn.wqkv by parts)
+               "ffn.w_gate_up", "ffn.w_down", "moe_norm", "moe.router", "moe.shared_gate",
+               "moe.shared.w_gate_up", "moe.shared.w_down")  # (plus QKV_PARTS, attn.wqkv by parts)
 EXPERT_SLOTS = ("w_gate_up", "w_down")
 QKV_PARTS = ("attn.wq", "attn.wk", "attn.wv")  # attn.wqkv stored by parts (see above)
 
@@ -103,8 +112,9 @@ def layer_weights(cfg: ModelConfig, i: int, experts: Iterable[int] | None = None
     if cfg.qkv_bias:
         out.append(Weight(p + "attn.qkv_bias", (cfg.q_dim + 2 * cfg.kv_dim,), "attn", True, i))
     if cfg.qk_norm:
-        out += [Weight(p + "attn.q_norm", (cfg.head_dim,), "attn", True, i),
-                Weight(p + "attn.k_norm", (cfg.head_dim,), "attn", True, i)]
+        full = cfg.qk_norm_full
+        out += [Weight(p + "attn.q_norm", (cfg.q_dim if full else cfg.head_dim,), "attn", True, i),
+                Weight(p + "attn.k_norm", (cfg.kv_dim if full else cfg.head_dim,), "attn", True, i)]
     out.append(Weight(p + "attn.wo", (d, cfg.q_dim), "attn", False, i))
     if cfg.has_dense:
         out += [Weight(p + "ffn_norm", (d,), "dense", True, i),
@@ -113,6 +123,11 @@ def layer_weights(cfg: ModelConfig, i: int, experts: Iterable[int] | None = None
     if cfg.has_moe:
         out += [Weight(p + "moe_norm", (d,), "router", True, i),
                 Weight(p + "moe.router", (cfg.n_experts, d), "router", True, i)]
+        if cfg.has_shared_expert:
+            ds = cfg.d_shared_expert
+            out += [Weight(p + "moe.shared_gate", (d,), "router", True, i),
+                    Weight(p + "moe.shared.w_gate_up", (2 * ds, d), "experts", False, i),
+                    Weight(p + "moe.shared.w_down", (d, ds), "experts", False, i)]
         for e in range(cfg.n_experts) if experts is None else experts:
             out += [Weight(expert_name(i, e, "w_gate_up"), (2 * cfg.d_expert, d), "experts", False, i, e),
                     Weight(expert_name(i, e, "w_down"), (d, cfg.d_expert), "experts", False, i, e)]
@@ -141,7 +156,8 @@ def model_weights(cfg: ModelConfig, split_qkv: Collection[int] = ()) -> Iterator
 def count(cfg: ModelConfig, n_split_qkv: int = 0) -> int:
     """How many tensors `model_weights(cfg)` yields (with `n_split_qkv` sets stored by parts),
     computed without building it (a damaged header may claim billions of layers)."""
-    per_set = 3 + cfg.qkv_bias + 2 * cfg.qk_norm + 3 * cfg.has_dense + (2 + 2 * cfg.n_experts) * cfg.has_moe
+    per_set = 3 + cfg.qkv_bias + 2 * cfg.qk_norm + 3 * cfg.has_dense + (2 + 2 * cfg.n_experts) * cfg.has_moe \
+        + 3 * cfg.has_shared_expert
     return 2 + cfg.n_unique_layers * per_set + (not cfg.tie_embeddings) + 2 * n_split_qkv
 
 
@@ -160,7 +176,8 @@ def node_weights(cfg: ModelConfig, kind: str, weight_set: int = 0, split_qkv: Co
 def token_bytes(cfg: ModelConfig, size: Callable[[Weight], int], split_qkv: Collection[int] = ()) -> dict[str, float]:
     """Weight bytes one decode step reads, by node kind, with `size(w)` the stored bytes of a
     tensor: every layer streams its weight set once; embed reads one row of tok_emb; a MoE layer
-    reads top_k experts (their average size, since experts may differ in dtype). KV-cache reads
+    reads top_k experts (their average size, since experts may differ in dtype) and its shared
+    expert whole. KV-cache reads
     are not weights and are not counted here (the engine's counters report them separately)."""
     out = dict.fromkeys(NODE_KINDS, 0.0)
     emb = global_weights(cfg)[0][0]
@@ -169,7 +186,7 @@ def token_bytes(cfg: ModelConfig, size: Callable[[Weight], int], split_qkv: Coll
     for layer in range(cfg.n_layers):
         ws = layer_weights(cfg, cfg.weight_layer(layer), split_qkv=cfg.weight_layer(layer) in split_qkv)
         for w in ws:
-            if w.node != "experts":
+            if w.expert is None:  # the shared expert too: every token reads it
                 out[w.node] += size(w)
         if cfg.has_moe:
             per = [0] * cfg.n_experts

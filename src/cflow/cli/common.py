@@ -89,6 +89,10 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("-c", "--ctx-size", type=int, default=0, metavar="N",
                    help="context size in tokens (default 0: min(the model's max_seq_len, 4096))")
     p.add_argument("--no-mmap", action="store_true", help="read the model into memory instead of mapping it")
+    p.add_argument("--readahead", choices=["auto", "off", "order", "sweep"], default="auto",
+                   help="cold start: read the file ahead of the compute in file order (auto: a .vflow not yet in "
+                   "memory; sweep: any file; order: a .vflow's plan order without read-ahead; off; "
+                   "docs/DESIGN.md, \"Read order and cold start\")")
     add_verify_flag(p)
     add_expert_flags(p)
 
@@ -166,7 +170,7 @@ def load_engine(args: argparse.Namespace):
         with progress_bar() as progress:
             return Engine.load(args.model, threads=args.threads, n_ctx=args.ctx_size or None,
                                mmap=not args.no_mmap, verify=not args.no_verify, progress=progress, log=log,
-                               **expert_kwargs(args))
+                               readahead=getattr(args, "readahead", "auto"), **expert_kwargs(args))
     except OSError as e:
         raise load_error(args.model, e) from None
 
@@ -230,7 +234,8 @@ def print_timings(eng, t, prompt_shown: int) -> None:
 # ---- sampling ------------------------------------------------------------------------------------
 # SamplingParams field -> the flag a user types for it
 SAMPLING_FLAGS = {"temperature": "--temp", "top_k": "--top-k", "top_p": "--top-p", "min_p": "--min-p",
-                  "repeat_penalty": "--repeat-penalty", "repeat_last_n": "--repeat-last-n", "seed": "-s"}
+                  "repeat_penalty": "--repeat-penalty", "repeat_last_n": "--repeat-last-n", "seed": "-s",
+                  "presence_penalty": "--presence-penalty", "frequency_penalty": "--frequency-penalty"}
 
 
 def add_sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -243,6 +248,11 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--repeat-penalty", type=float, default=1.0, help="penalise recent tokens; 1 = off (default 1.0)")
     g.add_argument("--repeat-last-n", type=int, default=64,
                    help="how many recent tokens the penalty sees; -1 = the context, 0 = off (default 64)")
+    g.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="subtract from the logit of every token among the last --repeat-last-n (default 0 = off)")
+    g.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="subtract, times its count among the last --repeat-last-n, from a token's logit "
+                   "(default 0 = off)")
     g.add_argument("-s", "--seed", type=int, default=-1,
                    help="random seed; -1 = a fresh one, reported in the timings (default -1)")
 
@@ -250,6 +260,7 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
 def sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return dict(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                 repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n,
+                presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
                 seed=None if args.seed == -1 else args.seed)
 
 

@@ -68,12 +68,6 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="default max_tokens of a request (default -1: until end of text or the slot's context)")
     g.add_argument("--verbose", action="store_true", help="log every request (uvicorn's access log)")
     add_sampling_flags(p)
-    g = p.add_argument_group("penalties (a request's presence_penalty / frequency_penalty override them)")
-    g.add_argument("--presence-penalty", type=float, default=0.0,
-                   help="subtract from the logit of every token among the last --repeat-last-n (default 0 = off)")
-    g.add_argument("--frequency-penalty", type=float, default=0.0,
-                   help="subtract, times its count among the last --repeat-last-n, from a token's logit "
-                   "(default 0 = off)")
     p.set_defaults(func=run)
 
 
@@ -92,13 +86,6 @@ def _check(args: argparse.Namespace) -> None:
         raise UsageError(f"must be >= 1, got {args.batch_size}", flag="-b")
     if not (args.timeout >= 0 and math.isfinite(args.timeout)):
         raise UsageError(f"must be a number of seconds >= 0 (0 = no limit), got {args.timeout}", flag="--timeout")
-    from cflow.sampling import SamplingError, SamplingParams
-
-    for name in ("presence_penalty", "frequency_penalty"):
-        try:
-            SamplingParams(**{name: getattr(args, name)})
-        except SamplingError as e:
-            raise UsageError(str(e), flag="--" + name.replace("_", "-")) from None
     if args.model is not None and not os.path.exists(args.model):  # fail before listening
         raise UsageError(f"model file {args.model} does not exist; give a .cflow/.vflow or .gguf file", flag="-m")
 
@@ -133,7 +120,7 @@ def model_name(args: argparse.Namespace) -> tuple[str, tuple[str, ...]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    kw = dict(sampling_kwargs(args), presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty)
+    kw = sampling_kwargs(args)
     _check(args)
     check_sampling(kw)
     try:
@@ -156,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
             with progress_bar() as progress:
                 backend = load_backend(args.model, n_slots=args.parallel, threads=args.threads, n_ctx=per_slot,
                                            mmap=not args.no_mmap, verify=not args.no_verify, progress=progress,
-                                           log=log, **expert_kwargs(args))
+                                       log=log, readahead=args.readahead, **expert_kwargs(args))
         except EngineError as e:
             if getattr(e, "flag", None) == "-c" and per_slot:
                 raise EngineError(f"{e} (cflow serve's -c is the context of all {args.parallel} slots together: "

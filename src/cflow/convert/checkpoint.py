@@ -45,6 +45,9 @@ _CKPT_PARTS = {"attn_norm": ("attn_norm.weight",), "attn.wqkv": ("attn.wq.weight
                "attn.wo": ("attn.wo.weight",), "ffn_norm": ("ffn_norm.weight",),
                "ffn.w_gate_up": ("ffn.w_gate.weight", "ffn.w_up.weight"), "ffn.w_down": ("ffn.w_down.weight",),
                "moe_norm": ("moe_norm.weight",), "moe.router": ("moe.router.weight",),
+               "moe.shared_gate": ("moe.shared_gate",),
+               "moe.shared.w_gate_up": ("moe.shared.w_gate.weight", "moe.shared.w_up.weight"),
+               "moe.shared.w_down": ("moe.shared.w_down.weight",),
                "w_gate_up": ("moe.w_gate", "moe.w_up"), "w_down": ("moe.w_down",)}
 
 

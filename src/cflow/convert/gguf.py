@@ -1,4 +1,5 @@
-"""GGUF (llama.cpp) Llama, Qwen2 and Qwen3 models, dense (and Mixtral-style MoE) -> `.cflow`.
+"""GGUF (llama.cpp) Llama, Qwen2 and Qwen3 models, dense and mixture-of-experts (Mixtral, Qwen2-MoE,
+Qwen3-MoE) -> `.cflow`.
 
 Owns reading a GGUF file (through the `gguf` package's GGUFReader, memory-mapped): its
 hyperparameters -> ModelConfig, its tokenizer -> the header dict of cflow.tokenizer, and its
@@ -8,8 +9,8 @@ Choices:
 - `general.architecture` "llama" (Llama, SmolLM, TinyLlama, Mistral, Mixtral ...), "qwen2"
   (Qwen2 / Qwen2.5: q/k/v biases -> attn.qkv_bias) and "qwen3" (dense Qwen3: per-head RMSNorm of q
   and k -> attn.q_norm / attn.k_norm, head_dim from attention.key_length). Anything else is a
-  named error listing what is supported, never a best-effort guess; the MoE Qwen/OLMoE families
-  and `mistral3` (YaRN RoPE scaling and attention temperature) are named as not yet supported.
+  named error listing what is supported, never a best-effort guess; `mistral3` (YaRN RoPE
+  scaling and attention temperature) is named as not yet supported.
 - Sliding windows: `{arch}.attention.sliding_window` is honoured exactly where llama.cpp honours
   it, and for these three architectures llama.cpp ignores it (their graphs build a plain causal
   KV cache; Mistral 7B v0.1 GGUFs carry it as arch "llama"). So cflow ignores it too, to give
@@ -27,6 +28,20 @@ Choices:
   (`ffn_gate.{e}` / `ffn_up.{e}` / `ffn_down.{e}`, 2-D each) is read too. Shared experts and
   other MoE architectures (qwen2moe, deepseek2, ...) are refused by the architecture check or
   by the tensor-name check, never dropped.
+- Qwen MoE files ("qwen2moe", "qwen3moe") are read the same way (3-D expert stacks, router, the
+  norm before the MoE), named after the architecture, with what llama.cpp's graphs for them do:
+  qwen3moe renormalises the top-k weights, qwen2moe does not (moe_norm_topk off; llama.cpp
+  hard-codes both, whatever a file's expert_weights_norm says). Their expert hidden size is
+  expert_feed_forward_length, else feed_forward_length / expert_used_count (llama.cpp's fallback).
+  qwen2moe adds a shared expert every token runs: `ffn_{gate,up,down}_shexp` ->
+  moe.shared.w_gate_up / w_down, of hidden size expert_shared_feed_forward_length (else
+  feed_forward_length), scaled by sigmoid(ffn_gate_inp_shexp . x) (`ffn_gate_inp_shexp` [d] ->
+  moe.shared_gate, F32) -- x the normalised MoE input. Their attention is qwen2's / qwen3's.
+- OLMoE ("olmoe") likewise, without renormalisation, its experts of hidden size
+  feed_forward_length (llama.cpp does not read expert_feed_forward_length for it), NEOX RoPE
+  (not permuted), and q/k RMSNorm over the whole q and k vectors (attn_q_norm [n_heads * hd],
+  attn_k_norm [n_kv_heads * hd]): qk_norm_full. The PyTorch reference runs it; the C engine
+  refuses such a config by name until its attention op normalises whole vectors.
 - Q4_0 / Q4_1 / Q8_0 tensors go into tiles bit for bit (cflow's formats are GGML's). Every other
   type (F16, F32, BF16, K-quants ...) is dequantized with `gguf.quants.dequantize` and quantized
   to --quant; the introduced error is measured and reported.
@@ -54,15 +69,15 @@ from cflow.quant import STORED_QUANT, TILE, row_bytes
 from cflow.tokenizer import Tokenizer, TokenizerError, unicode_to_bytes
 from cflow.weights import Weight
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "olmoe")
+# Architectures with experts, and whether llama.cpp renormalises their top-k routing weights.
+_MOE_NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False}
+_MOE_ONLY = ("qwen2moe", "qwen3moe", "olmoe")  # every layer has experts (llama: only Mixtral files do)
 # Architectures whose Q/K rows convert_hf_to_gguf permutes for ggml's adjacent-pair ("NORM") RoPE;
 # the others listed above use NEOX RoPE, the "half" convention cflow runs, and are stored as is.
 _PERMUTED_QK = ("llama",)
 # Known architectures cflow does not run yet, with what is missing.
-_NOT_YET = {"qwen2moe": "Qwen2-MoE (shared expert with its own gate)",
-            "qwen3moe": "Qwen3-MoE (many small experts)",
-            "olmoe": "OLMoE (mixture of experts with q/k norms)",
-            "mistral3": "mistral3 (YaRN RoPE scaling and attention temperature)"}
+_NOT_YET = {"mistral3": "mistral3 (YaRN RoPE scaling and attention temperature)"}
 _NATIVE = {d.upper(): d for d in STORED_QUANT}  # GGML type name -> the dtype its blocks keep
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
 
@@ -156,9 +171,9 @@ class GGUFModel:
 
 # ---- hyperparameters -------------------------------------------------------------------------
 def gguf_config(g: GGUFModel) -> ModelConfig:
-    """ModelConfig of a llama, qwen2 or qwen3 GGUF (SmolLM2-135M: 30 layers, d=576, heads 9/3), dense
-    (named after the architecture) or llama mixture-of-experts (name "mixtral": see the module
-    docstring)."""
+    """ModelConfig of a llama, qwen2, qwen3, qwen2moe or qwen3moe GGUF (SmolLM2-135M: 30 layers,
+    d=576, heads 9/3), named after the architecture, or "mixtral" for a llama one with experts (see
+    the module docstring)."""
     arch = g.architecture
     if arch in _NOT_YET:
         raise UnsupportedArchitectureError(
@@ -168,26 +183,43 @@ def gguf_config(g: GGUFModel) -> ModelConfig:
         raise UnsupportedArchitectureError(
             f"{g.path.name} is a {arch!r} model; cflow converts GGUF architectures "
             f"{list(SUPPORTED_ARCHITECTURES)} (Llama 2/3, SmolLM, TinyLlama, Mistral, Mixtral, Qwen2, "
-            "Qwen2.5, dense Qwen3)")
+            "Qwen2.5, Qwen3, Qwen2-MoE, Qwen3-MoE, OLMoE)")
     p = f"{arch}."
     n_experts = int(g.get(p + "expert_count") or 0)
     ffn = int(g.require(p + "feed_forward_length"))
+    if arch in _MOE_ONLY and n_experts <= 0:
+        raise GGUFError(f"{g.path.name} is a {arch!r} model without experts ({p}expert_count); the file is "
+                        "incomplete")
     if n_experts > 0:
-        if arch != "llama":
-            raise UnsupportedArchitectureError(f"{g.path.name} is a {arch!r} model with {n_experts} experts; "
-                                               "cflow runs mixture-of-experts GGUFs of architecture 'llama' only")
-        if int(g.get(p + "expert_shared_count") or 0) > 0:
-            raise GGUFError(f"{g.path.name} has shared experts ({p}expert_shared_count); cflow's MoE has "
-                            "routed experts only")
+        if arch not in _MOE_NORM_TOPK:
+            raise UnsupportedArchitectureError(
+                f"{g.path.name} is a {arch!r} model with {n_experts} experts; cflow runs mixture-of-experts "
+                f"GGUFs of architectures {sorted(_MOE_NORM_TOPK)}")
+        # (a stray shared-expert tensor is refused by the tensor-name check)
+        if arch != "qwen2moe" and int(g.get(p + "expert_shared_count") or 0) > 0:
+            raise GGUFError(f"{g.path.name} has shared experts ({p}expert_shared_count); cflow runs them in "
+                            "qwen2moe files only")
         top_k = g.get(p + "expert_used_count")
         if top_k is None:
             raise GGUFError(f"{g.path.name} has {n_experts} experts but no {p}expert_used_count "
                             "(experts per token); the file is incomplete")
-        # Mixtral's converter writes the expert hidden size as feed_forward_length; a few newer
-        # ones also write expert_feed_forward_length, which then wins.
-        moe = dict(d_ff=0, n_experts=n_experts, top_k=int(top_k),
-                   d_expert=int(g.get(p + "expert_feed_forward_length") or ffn),
-                   delta_dense=0, delta_expert=0, moe_input="post_attn", name="mixtral")
+        scale = float(g.get(p + "expert_weights_scale") or 0.0)
+        if scale not in (0.0, 1.0):
+            raise GGUFError(f"{g.path.name} scales its routing weights by {scale} ({p}expert_weights_scale); "
+                            "cflow does not")
+        if arch == "olmoe":  # llama.cpp sizes its experts by feed_forward_length alone
+            d_expert = ffn
+        elif arch == "llama":
+            # Mixtral's converter writes the expert hidden size as feed_forward_length; a few
+            # newer ones also write expert_feed_forward_length, which then wins.
+            d_expert = int(g.get(p + "expert_feed_forward_length") or ffn)
+        else:
+            d_expert = int(g.get(p + "expert_feed_forward_length") or ffn // max(int(top_k), 1))
+        moe = dict(d_ff=0, n_experts=n_experts, top_k=int(top_k), d_expert=d_expert,
+                   moe_norm_topk=_MOE_NORM_TOPK[arch], delta_dense=0, delta_expert=0, moe_input="post_attn",
+                   name="mixtral" if arch == "llama" else arch)
+        if arch == "qwen2moe":  # its shared expert is not optional (llama.cpp requires the tensors)
+            moe["d_shared_expert"] = int(g.get(p + "expert_shared_feed_forward_length") or ffn)
     else:
         moe = dict(d_ff=ffn, name=arch)
     scaling = g.get(p + "rope.scaling.type")
@@ -220,6 +252,7 @@ def gguf_config(g: GGUFModel) -> ModelConfig:
             max_seq_len=int(g.get(p + "context_length") or 2048),
             tie_embeddings="output.weight" not in g.tensors,
             qkv_bias="blk.0.attn_q.bias" in g.tensors, qk_norm="blk.0.attn_q_norm.weight" in g.tensors,
+            qk_norm_full=arch == "olmoe",
             sliding_window=0, **moe)  # llama.cpp ignores these archs' sliding_window (module docstring)
     except ConfigError as e:
         raise GGUFError(f"{g.path.name}: its hyperparameters do not form a valid model: {e}") from None
@@ -227,13 +260,23 @@ def gguf_config(g: GGUFModel) -> ModelConfig:
 
 # ---- tokenizer -------------------------------------------------------------------------------
 def gguf_tokenizer(g: GGUFModel) -> dict[str, Any]:
-    """The tokenizer header dict (docs/DESIGN.md) from the file's tokenizer.ggml.* keys."""
+    """The tokenizer header dict (docs/FORMAT.md) from the file's tokenizer.ggml.* keys.
+
+    GGUF "gpt2" vocabularies become "bpe" headers, "llama" ones (SentencePiece) "spm" headers.
+    Where a key is absent we take llama.cpp's default (llama_vocab::impl::load): pre-tokenizer
+    "default"; add_bos by pre-tokenizer for BPE, true for SPM; SPM BOS/EOS ids 1/2 and
+    add_space_prefix true.
+    """
     model = g.get("tokenizer.ggml.model")
-    if model != "gpt2":
-        raise TokenizerError(f"{g.path.name} has a {model!r} tokenizer; cflow supports byte-level BPE "
-                             "('gpt2' in GGUF terms) only")
+    if model not in ("gpt2", "llama"):
+        raise TokenizerError(f"{g.path.name} has a {model!r} tokenizer; cflow supports GGUF 'gpt2' "
+                             "(byte-level BPE) and 'llama' (SentencePiece-style) vocabularies")
     tokens = list(g.require("tokenizer.ggml.tokens"))
-    types = list(g.get("tokenizer.ggml.token_type") or [1] * len(tokens))
+    types = [int(t) for t in (g.get("tokenizer.ggml.token_type") or [1] * len(tokens))]
+    if len(types) != len(tokens):
+        raise TokenizerError(f"{g.path.name} has {len(tokens)} tokens but {len(types)} token types")
+    if model == "llama":
+        return _gguf_spm_tokenizer(g, tokens, types)
     merges = list(g.get("tokenizer.ggml.merges") or [])
     if not merges:
         raise TokenizerError(f"{g.path.name} has a byte-level vocabulary but no merges; cannot rebuild BPE")
@@ -251,18 +294,51 @@ def gguf_tokenizer(g: GGUFModel) -> dict[str, Any]:
             # as an ordinary token, like transformers does.
             vocab.append(byte_level_spelling(tok))
 
-    def token_id(key: str) -> int | None:
-        v = g.get(key)
-        return int(v) if v is not None and 0 <= int(v) < len(vocab) else None
+    from cflow.tokenizer_pre import pre_tokenizer_spec
 
+    pre = g.get("tokenizer.ggml.pre") or "default"  # llama.cpp's choice when the key is absent
+    add_bos = g.get("tokenizer.ggml.add_bos_token")
     header = {"model": "bpe", "vocab": vocab, "merges": merges,
-              "bos_id": token_id("tokenizer.ggml.bos_token_id"),
-              "eos_id": token_id("tokenizer.ggml.eos_token_id"),
-              "add_bos": bool(g.get("tokenizer.ggml.add_bos_token") or False),
+              "bos_id": _gguf_token_id(g, "bos", len(vocab), None),
+              "eos_id": _gguf_token_id(g, "eos", len(vocab), None),
+              "add_bos": bool(pre_tokenizer_spec(pre).add_bos if add_bos is None else add_bos),
               "chat_template": g.get("tokenizer.chat_template"),
-              "special": special, "pre": g.get("tokenizer.ggml.pre")}
+              "special": special, "pre": pre}
     if added:
         header["added"] = added
+    return header
+
+
+def _gguf_token_id(g: GGUFModel, name: str, n: int, default: int | None) -> int | None:
+    """tokenizer.ggml.{name}_token_id if it is a token id, else `default` if that is one."""
+    v = g.get(f"tokenizer.ggml.{name}_token_id")
+    v = default if v is None else int(v)
+    return v if v is not None and 0 <= v < n else None
+
+
+def _gguf_spm_tokenizer(g: GGUFModel, tokens: list[str], types: list[int]) -> dict[str, Any]:
+    """The "spm" header of a GGUF "llama" (SentencePiece-style) vocabulary (cflow.tokenizer_spm)."""
+    from cflow import tokenizer_spm as spm
+
+    scores = g.get("tokenizer.ggml.scores")
+    scores = [float(s) for s in scores] if scores is not None else [0.0] * len(tokens)
+    special = {t: i for i, (t, ty) in enumerate(zip(tokens, types)) if ty in (spm.CONTROL, spm.UNKNOWN)}
+    added = {t: i for i, (t, ty) in enumerate(zip(tokens, types)) if ty == spm.USER_DEFINED}
+    add_bos = g.get("tokenizer.ggml.add_bos_token")
+    prefix = g.get("tokenizer.ggml.add_space_prefix")
+    header = {"model": "spm", "vocab": tokens, "merges": [], "scores": scores, "token_types": types,
+              "add_space_prefix": True if prefix is None else bool(prefix),
+              "bos_id": _gguf_token_id(g, "bos", len(tokens), 1),
+              "eos_id": _gguf_token_id(g, "eos", len(tokens), 2),
+              "add_bos": True if add_bos is None else bool(add_bos),
+              "chat_template": g.get("tokenizer.chat_template"), "special": special, "pre": None}
+    if added:
+        header["added"] = added
+    try:
+        spm.validate_spm(header, TokenizerError)
+    except TokenizerError as e:
+        raise TokenizerError(f"{g.path.name} has a 'llama' tokenizer (SentencePiece) that cflow cannot use: {e}") \
+            from None
     return header
 
 
@@ -290,7 +366,9 @@ def _head_dim(rows: int, n_heads: int) -> int:
 # GGUF names of the parts of each tensor of the table (cflow.weights), per layer slot.
 _GGUF_PARTS = {"attn_norm": ("attn_norm",), "attn.wqkv": ("attn_q", "attn_k", "attn_v"),
                "attn.wo": ("attn_output",), "ffn_norm": ("ffn_norm",), "ffn.w_gate_up": ("ffn_gate", "ffn_up"),
-               "ffn.w_down": ("ffn_down",)}
+               "ffn.w_down": ("ffn_down",), "moe.shared_gate": ("ffn_gate_inp_shexp",),
+               "moe.shared.w_gate_up": ("ffn_gate_shexp", "ffn_up_shexp"), "moe.shared.w_down": ("ffn_down_shexp",)}
+_SHARED = ("moe.shared_gate", "moe.shared.w_gate_up", "moe.shared.w_down")
 # Plain tensors of the attention options, concatenated from these GGUF tensors (bq | bk | bv).
 _GGUF_VECTORS = {"attn.qkv_bias": ("attn_q.bias", "attn_k.bias", "attn_v.bias"),
                  "attn.q_norm": ("attn_q_norm.weight",), "attn.k_norm": ("attn_k_norm.weight",)}
@@ -329,7 +407,7 @@ def gguf_tensors(g: GGUFModel, cfg: ModelConfig, enc: Encoder) -> Iterator[Any]:
             return srcs
         if w.slot in _GGUF_VECTORS:
             names = [f"blk.{w.set}.{n}" for n in _GGUF_VECTORS[w.slot]]
-            sizes = [cfg.q_dim, cfg.kv_dim, cfg.kv_dim] if w.slot == "attn.qkv_bias" else [cfg.head_dim]
+            sizes = [cfg.q_dim, cfg.kv_dim, cfg.kv_dim] if w.slot == "attn.qkv_bias" else [w.shape[0]]
             parts = [g.vector(n) for n in names]
             for name, part, size in zip(names, parts, sizes):
                 if part.size != size:
@@ -347,8 +425,14 @@ def gguf_tensors(g: GGUFModel, cfg: ModelConfig, enc: Encoder) -> Iterator[Any]:
             return router.floats()  # [E, d], stored F32
         names = [f"blk.{w.set}.{n}.weight" for n in _GGUF_PARTS[w.slot]]
         if w.plain:
-            return g.vector(names[0])
+            v = g.vector(names[0])
+            if v.shape != w.shape:
+                raise GGUFError(f"{g.path.name}: {names[0]} holds {v.size} values, the config implies {w.shape[0]}")
+            return v
         srcs = [g.source(n) for n in names]
+        if w.slot in _SHARED:
+            for s in srcs:
+                _check_shape(s, (w.shape[0] // len(srcs), w.shape[1]))
         if w.fused == "qkv" and g.architecture in _PERMUTED_QK:  # Q, K rows permuted for ggml RoPE: undo
             q, k, v = srcs
             _check_rows(q, cfg.q_dim)
@@ -379,6 +463,8 @@ def _check_tensor_names(g: GGUFModel, cfg: ModelConfig) -> None:
             expected |= {f"blk.{i}.{n}" for n in _GGUF_VECTORS["attn.q_norm"] + _GGUF_VECTORS["attn.k_norm"]}
         if cfg.has_dense:
             expected |= {f"blk.{i}.{n}.weight" for n in _DENSE}
+        if cfg.has_shared_expert:
+            expected |= {f"blk.{i}.{n}.weight" for slot in _SHARED for n in _GGUF_PARTS[slot]}
         if cfg.has_moe:
             expected |= {f"blk.{i}.{n}.weight" for n in _GGUF_MOE.values()}
             if layout == "merged":
@@ -400,7 +486,7 @@ def _check_tensor_names(g: GGUFModel, cfg: ModelConfig) -> None:
                 shape = [int(x) for x in g.tensors[f"blk.{i}.{n}_exps.weight"].shape]
                 if len(shape) != 3 or shape[2] != cfg.n_experts:
                     raise GGUFError(f"{g.path.name}: blk.{i}.{n}_exps.weight has shape {shape}; "
-                                    f"{cfg.n_experts} experts (llama.expert_count) need [inputs, outputs, "
+                                    f"{cfg.n_experts} experts ({g.architecture}.expert_count) need [inputs, outputs, "
                                     f"{cfg.n_experts}]")
 
 
@@ -418,7 +504,7 @@ def _check_shape(s: Source, shape: tuple[int, ...]) -> None:
 def convert_gguf(src: str | os.PathLike, dst: str | os.PathLike, *, quant: str = "q4_0",
                  tile: tuple[int, int] = TILE, order: str = "cflow", progress=None,
                  requantize: bool = True) -> ConversionResult:
-    """Convert a llama / qwen2 / qwen3 GGUF file (dense, or Mixtral-style MoE) into a .cflow/.vflow file.
+    """Convert a llama / qwen2 / qwen3 / qwen2moe / qwen3moe GGUF file into a .cflow/.vflow file.
 
     `quant` applies only to tensors that are not already Q4_0/Q4_1/Q8_0 (those stay bit-exact);
     requantize=False refuses tensors in other quantized formats (NotNativeError) instead.

@@ -8,7 +8,7 @@ never imports this module: a converted file is self-contained.
 
 Choices:
 - Only byte-level BPE is accepted, and only with a pre-tokenizer cflow.tokenizer can rebuild
-  (`PRE_TOKENIZERS`); anything else is a named TokenizerError, because an approximate split gives
+  (`cflow.tokenizer_pre.PRE_TOKENIZERS`); anything else is a named TokenizerError, because an approximate split gives
   plausible-looking but wrong ids.
 - BOS/EOS come from the JSON when it says (a TemplateProcessing post-processor that prepends a
   special token means add_bos), else from the usual token names, else from the caller.
@@ -20,7 +20,17 @@ import json
 import os
 from typing import Any
 
-from cflow.tokenizer import SPLIT_REGEXES, TokenizerError, bytes_to_unicode, unicode_to_bytes
+from cflow.tokenizer import TokenizerError, bytes_to_unicode, unicode_to_bytes
+
+# The Split patterns tokenizer.json files carry (Meta's Llama 3, Qwen2), by the PRE_TOKENIZERS name
+# that reproduces them. llama.cpp (and so cflow's runtime) spells the contractions out instead of
+# (?i:...), which differs only on case-folding oddities such as "'ſ".
+HF_SPLIT_REGEXES: dict[str, str] = {
+    "llama3": (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+               r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"),
+    "qwen2": (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+              r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"),
+}
 
 __all__ = ["byte_level_spelling", "hf_json_to_header"]
 
@@ -108,7 +118,7 @@ def _pre_name_of_hf(pre: dict | None) -> str:
             return "smollm"
         if len(seq) == 2 and seq[0].get("type") == "Split" and is_bytelevel(seq[1], False):
             regex = seq[0].get("pattern", {}).get("Regex")
-            for name, r in SPLIT_REGEXES.items():
+            for name, r in HF_SPLIT_REGEXES.items():
                 if regex == r:
                     return name
     raise TokenizerError(

@@ -91,13 +91,14 @@ def order_tensors(items: list[TensorData], cfg: ModelConfig, order: str) -> list
 
 
 def tensor_category(name: str) -> str:
-    """Byte-accounting category: embeddings, attention, dense, router, experts, norms, other."""
+    """Byte-accounting category: embeddings, attention, dense, router, experts, shared_expert
+    (RAM-resident like dense), norms, other."""
     if name in ("tok_emb", "lm_head"):
         return "embeddings"
     if name == "norm" or name.endswith("_norm"):
         return "norms"
     for key, cat in ((".attn.", "attention"), (".ffn.", "dense"), (".moe.experts.", "experts"),
-                     (".moe.router", "router")):
+                     (".moe.shared.", "shared_expert"), (".moe.router", "router"), (".moe.shared_gate", "router")):
         if key in name:
             return cat
     return "other"

@@ -61,6 +61,9 @@ cf_config config_from(const nb::dict &d) {
     c.qkv_bias = nb::cast<bool>(d["qkv_bias"]) ? 1 : 0;
     c.qk_norm = nb::cast<bool>(d["qk_norm"]) ? 1 : 0;
     c.sliding_window = i("sliding_window");
+    c.qk_norm_full = nb::cast<bool>(d["qk_norm_full"]) ? 1 : 0;
+    c.moe_norm_topk = nb::cast<bool>(d["moe_norm_topk"]) ? 1 : 0;
+    c.d_shexp = i("d_shared_expert");
     return c;
 }
 
@@ -383,6 +386,13 @@ void cf_bind_engine(nb::module_ &m) {
             "active_threads", [](const NativeEngine &s) { return cf_engine_active_threads(s.e); },
             [](NativeEngine &s, int n) { cf_engine_set_active_threads(s.e, n); },
             "threads the next calls use (1..threads); outputs do not depend on it")
+        .def_prop_rw(
+            "overlap", [](const NativeEngine &s) { return cf_engine_overlap(s.e) != 0; },
+            [](NativeEngine &s, bool on) {
+                if (cf_engine_set_overlap(s.e, on)) throw std::bad_alloc();
+            },
+            "run attn(l) beside dense(l) on two thread groups when delta_dense >= 1 (off by default); "
+            "outputs do not depend on it")
         .def_prop_ro("max_batch", [](const NativeEngine &s) { return cf_engine_max_batch(s.e); })
         .def_prop_ro("n_seq", [](const NativeEngine &s) { return cf_engine_n_seq(s.e); })
         .def_prop_ro("isa", [](const NativeEngine &s) { return std::string(cf_engine_isa(s.e)); });

@@ -431,6 +431,40 @@ Out<float> attention(In1<float> q, AnyIn k, AnyIn v, int n_heads, int n_kv_heads
     return out;
 }
 
+// Test entry of attention_block: q [n_q, n_heads * head_dim] (queries at positions pos0..), caches
+// [n_kv_heads, max_seq, head_dim]; a pool splits the heads, each range with its own scratch.
+Out<float> attention_block(In1<float> q, AnyIn k, AnyIn v, int n_heads, int n_kv_heads, int pos0, int window,
+                           std::optional<float> scale, std::optional<std::string> isa, Pool *pool) {
+    const cf_kernel_table *t = table(isa);
+    if (k.ndim() != 3 || v.ndim() != 3) bad_input("k and v caches must be [n_kv_heads, max_seq, head_dim]");
+    for (int i = 0; i < 3; i++)
+        if (k.shape(i) != v.shape(i)) bad_input("k and v caches differ in shape");
+    if (n_heads < 1 || n_kv_heads < 1 || n_heads % n_kv_heads || (int)k.shape(0) != n_kv_heads)
+        bad_input("n_heads must be a multiple of n_kv_heads, and the caches must hold n_kv_heads heads");
+    int max_seq = (int)k.shape(1), hd = (int)k.shape(2), q_dim = n_heads * hd;
+    if (q.size() == 0 || q.size() % q_dim) bad_input("q must hold whole queries of n_heads * head_dim floats");
+    int n_q = (int)(q.size() / q_dim);
+    if (pos0 < 0 || pos0 + n_q > max_seq)
+        bad_input("positions " + std::to_string(pos0) + ".." + std::to_string(pos0 + n_q - 1) +
+                  " do not fit the cache of " + std::to_string(max_seq));
+    if (window < 0) bad_input("window must be 0 (none) or a number of positions");
+    cf_attn_block_shape s{n_heads, n_kv_heads, hd, max_seq, scale ? *scale : 1.0f / std::sqrt((float)hd),
+                          pos0, n_q, window, q_dim, q_dim};
+    int n_last = pos0 + n_q - cf_attn_lo(&s, n_q - 1);
+    const cf_half *kp = half_data(k, "k cache"), *vp = half_data(v, "v cache");
+    auto out = new_array<float>(q.size());
+    float *op = out.data();
+    const float *qp = q.data();
+    {
+        nb::gil_scoped_release rel;
+        std::vector<float> att((size_t)n_heads * n_q * n_last);
+        parallel_ranges(pool, n_heads, [&](int h0, int h1) {
+            t->attention_block(op, qp, kp, vp, att.data() + (size_t)h0 * n_q * n_last, &s, h0, h1);
+        });
+    }
+    return out;
+}
+
 std::tuple<Out<int32_t>, Out<float>> topk(In1<float> x, int k, std::optional<std::string> isa) {
     if (k < 1 || (size_t)k > x.size()) bad_input("k=" + std::to_string(k) + " must be in [1, len(x)]");
     for (size_t i = 0; i < x.size(); i++)
@@ -546,6 +580,10 @@ NB_MODULE(_native, m) {
     m.def("attention", &attention, arg("q"), arg("k"), arg("v"), arg("n_heads"), arg("n_kv_heads"), arg("n_pos"),
           arg("scale") = none, arg("isa") = none, arg("pool") = none,
           "One query over fp16 caches k, v [n_kv_heads, max_seq, head_dim] (positions [0, n_pos)).");
+    m.def("attention_block", &attention_block, arg("q"), arg("k"), arg("v"), arg("n_heads"), arg("n_kv_heads"),
+          arg("pos0"), arg("window") = 0, arg("scale") = none, arg("isa") = none, arg("pool") = none,
+          "Queries q [n_q * n_heads * head_dim] at positions pos0.. over fp16 caches k, v [n_kv_heads, "
+          "max_seq, head_dim], causal (window > 0: the last `window` positions); [n_q * n_heads * head_dim].");
     m.def("topk", &topk, arg("x"), arg("k"), arg("isa") = nb::none());
     m.def("f32_to_f16", &f32_to_f16, arg("x"), arg("isa") = none, "fp16 bits (uint16), round to nearest even.");
     m.def("f16_to_f32", &f16_to_f32, arg("h"), "fp16 bits (or float16) to float32 with the scalar cf_half_to_float.");

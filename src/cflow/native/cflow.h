@@ -2,7 +2,9 @@
  * the thread pool. Every kernel has a scalar `_ref` version (kernels_ref.c) and may have ISA
  * versions (kernels_avx2.c, ...); dispatch.c fills `cf_kernels` once from a CPU-feature probe.
  * The table holds exactly the kernels the engine calls (engine.c checks they are all there);
- * the bindings reach nothing else through it.
+ * the bindings reach nothing else through it. (The K-quant and Q5_x entries and quantize_act_k
+ * are there for the engine's K-quant binding, docs/kquants.md "What remains"; until it lands
+ * only the test bindings call them.)
  *
  * Layout contracts are described in docs/DESIGN.md ("Tile layout"); the Python twin is
  * cflow/quant.py. Keep both in step: tests check one against the other.
@@ -111,6 +113,27 @@ typedef struct {
     float scale;    /* usually 1/sqrt(head_dim) */
 } cf_attn_shape;
 
+/* A block of consecutive queries of one sequence (a prefill chunk) against that sequence's cache.
+ * Query i of the block sits at position pos0 + i and attends to positions [cf_attn_lo(s, i),
+ * pos0 + i]: the whole prefix, or with a sliding window W > 0 the last W of it. */
+typedef struct {
+    int n_heads;
+    int n_kv_heads; /* divides n_heads */
+    int head_dim;
+    int max_seq;    /* the cache's second dimension; pos0 + n_q <= max_seq */
+    float scale;    /* usually 1/sqrt(head_dim) */
+    int pos0;       /* position of the block's first query */
+    int n_q;        /* queries in the block, >= 1 */
+    int window;     /* 0: the whole prefix; W > 0: a query at p sees [max(0, p - W + 1), p] */
+    int ldq, ldo;   /* floats between consecutive queries' rows of q and of out */
+} cf_attn_block_shape;
+
+/* First position query i of a block attends to (the engine's attn_first for the same window). */
+static inline int cf_attn_lo(const cf_attn_block_shape *s, int i) {
+    int p = s->pos0 + i;
+    return s->window > 0 && p >= s->window ? p - s->window + 1 : 0;
+}
+
 /* ---- kernels ----------------------------------------------------------------------------- */
 /* y[r] = sum_k W[r,k] * x[k] for row groups [g0, g1) (rows g0*CF_G .. min(g1*CF_G, rows)).
  * Threads split a mat-vec by row-group ranges; each writes only its rows of y. */
@@ -146,6 +169,17 @@ typedef struct {
     /* out[h*hd ..] for query heads [h0, h1); att is scratch of (h1-h0)*n_pos floats. */
     void (*attention)(float *out, const float *q, const cf_half *k, const cf_half *v,
                       float *att, const cf_attn_shape *shape, int h0, int h1);
+    /* Prefill attention: query heads [h0, h1) of the n_q queries of a block (cf_attn_block_shape)
+     * at once. q[i*ldq + h*hd ..] is query i's head h, out[i*ldo + h*hd ..] its output; k, v are
+     * the sequence's cache from position 0 ([n_kv_heads][max_seq][head_dim]); att is scratch of
+     * (h1-h0) * n_q * n_last floats, n_last = positions the last query sees. Each K and V row is
+     * converted once per tile and used by every query and head of the block that sees it (the
+     * heads of one kv head and the block's queries). Outputs equal, bit for bit, what this
+     * table's `attention` writes for each query alone (cache from cf_attn_lo, n_pos up to its
+     * position): the same per-score and per-output summation order, so a prompt run in blocks
+     * and the same tokens run one step at a time give the same logits. */
+    void (*attention_block)(float *out, const float *q, const cf_half *k, const cf_half *v,
+                            float *att, const cf_attn_block_shape *s, int h0, int h1);
     /* Row r of a tiled matrix, dequantized to fp32 (the embedding lookup): out[cols]. */
     void (*embed_row)(const cf_tiled *w, int r, float *out);
     /* K and V into the fp16 cache; round to nearest even (cf_float_to_half is the reference). */

@@ -2,7 +2,7 @@
  *
  * The build compiles each ISA file with its own flags and never with -march=native, so the
  * same binary runs on any x86-64; this file decides at run time which table is safe and best.
- * CFLOW_ISA=ref|avx2|avxvnni|auto overrides the choice (an unavailable name falls back to the
+ * CFLOW_ISA=ref|avx2|avxvnni|avx512|auto overrides the choice (an unavailable name falls back to the
  * best available table; Python's cflow._native.isa() shows what was chosen).
  */
 #include <pthread.h>
@@ -22,6 +22,10 @@ const cf_kernel_table *cf_kernels_avx2(void);
 #endif
 #ifdef CFLOW_HAVE_AVXVNNI
 const cf_kernel_table *cf_kernels_avxvnni(void);
+#endif
+#ifdef CFLOW_HAVE_AVX512
+/* A copy of `base` (the best AVX2-family table) with its own batched kernels (kernels_avx512.c). */
+const cf_kernel_table *cf_kernels_avx512(const cf_kernel_table *base);
 #endif
 
 int cf_prefetch_bytes = 0;
@@ -81,6 +85,7 @@ unsigned cf_cpu_features(void) {
 static int has_all(unsigned need) { return (cf_cpu_features() & need) == need; }
 
 #define NEED_AVX2 (CF_CPU_AVX | CF_CPU_AVX2 | CF_CPU_FMA | CF_CPU_F16C)
+#define NEED_AVX512 (CF_CPU_AVX512F | CF_CPU_AVX512BW | CF_CPU_AVX512VL | CF_CPU_AVX512VNNI)
 
 /* Every table this build knows, worst first; NULL where the CPU lacks the features. */
 static int candidate_tables(const cf_kernel_table **out) {
@@ -91,6 +96,13 @@ static int candidate_tables(const cf_kernel_table **out) {
 #endif
 #ifdef CFLOW_HAVE_AVXVNNI
     if (has_all(NEED_AVX2 | CF_CPU_AVXVNNI)) out[n++] = cf_kernels_avxvnni();
+#endif
+#if defined(CFLOW_HAVE_AVX512) && defined(CFLOW_HAVE_AVX2)
+    /* probe_features sets the AVX-512 bits only when the OS saves zmm state (xcr0) */
+    if (has_all(NEED_AVX2 | NEED_AVX512)) {
+        const cf_kernel_table *base = out[n - 1]; /* the best AVX2-family table */
+        out[n++] = cf_kernels_avx512(base);
+    }
 #endif
     return n;
 }

@@ -97,7 +97,9 @@ typedef struct {
     cf_tiled gate_up;                             /* [2 d_ff, d], gate/up interleaved per group */
     cf_tiled down;                                /* [d, d_ff] */
     cf_tiled *exp_gate_up, *exp_down;             /* [E] of [2 d_exp, d] and [d, d_exp] */
-    uint64_t attn_bytes, dense_bytes, router_bytes;
+    const float *shexp_gate;                      /* [d] or NULL: the shared expert's gate */
+    cf_tiled shexp_gate_up, shexp_down;           /* [2 d_shexp, d], [d, d_shexp]: always in RAM */
+    uint64_t attn_bytes, dense_bytes, router_bytes, shexp_bytes;
     uint64_t *exp_bytes;                          /* [E] gate_up + down */
 } cf_layer;
 
@@ -113,7 +115,7 @@ typedef struct {
     cf_act_q8 *act;   /* [B] quantized input of the current mat-vec */
     cf_act_q8 *act2;  /* [B] quantized FFN hidden (experts keep act for the next expert) */
     cf_act_q8 *gather; /* [B] descriptors of the tokens routed to one expert (views of act) */
-    float *scores;    /* [n_heads, n_ctx] attention scores */
+    float *scores;    /* [attn_score_rows, n_ctx] attention scores */
     void *mem;        /* one allocation behind all of the above */
 } cf_scratch;
 
@@ -132,7 +134,8 @@ typedef struct {
     float *rlogits;    /* [B, E] router probabilities */
     /* the routing of each moe slot */
     int *exp_tok;      /* [n_moe, E, B] tokens routed to each expert */
-    float *exp_w;      /* [n_moe, E, B] their renormalised weights */
+    float *exp_w;      /* [n_moe, E, B] their routing weights */
+    float *shexp_w;    /* [n_moe, B] each row's shared-expert weight, sigmoid(gate . moe_in) */
     int *exp_n;        /* [n_moe, E] */
     /* experts on disk only */
     int *exp_list;     /* [n_moe, E] the chosen experts, ascending (the order of the sums) */
@@ -190,6 +193,9 @@ struct cf_engine {
     cf_prof_call *prof_calls;    /* [prof_calls_cap] */
     int prof_cap, prof_calls_cap, prof_ncalls;
     int64_t prof_dropped_calls;
+    /* overlap of independent ops (cf_engine_set_overlap; "overlap" below): the two thread groups'
+     * views of this engine, refreshed by forward() before each call; NULL when off */
+    struct cf_engine *grp;
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -438,6 +444,49 @@ static int attn_first(const cf_engine *e, int b) {
     return W > 0 && e->rpos[b] >= W ? e->rpos[b] - W + 1 : 0;
 }
 
+/* 1 when the call's rows are consecutive positions of one sequence (cf_prefill_seq's calls;
+ * cf_step_batch's rows are distinct sequences, a step is one row). CFLOW_ATTN_BLOCK=0 sends them
+ * through the per-query kernel anyway: the comparison `cflow bench` timings need (both paths give
+ * the same bits). Read per prefill call, so a process can switch between runs. */
+static int rows_are_prompt(const cf_engine *e) {
+    if (e->B < 2) return 0;
+    for (int b = 1; b < e->B; b++)
+        if (e->rseq[b] != e->rseq[0] || e->rpos[b] != e->rpos[0] + b) return 0;
+    const char *env = getenv("CFLOW_ATTN_BLOCK");
+    return !env || strcmp(env, "0") != 0;
+}
+
+/* Query rows per work item of the prefill attention: each K/V row converted once serves
+ * ATTN_QBLOCK queries times the query heads of its kv head. */
+#define ATTN_QBLOCK 16
+
+/* Rows of n_ctx floats in each thread's score scratch: one per query head (the per-query kernel),
+ * or one per query head of a kv head and row of a block (attn_prompt), whichever is more. */
+static int attn_score_rows(const cf_engine *e) {
+    return cf_max(e->c.n_heads, e->c.n_heads / e->c.n_kv * cf_min(ATTN_QBLOCK, e->max_batch));
+}
+
+/* Prefill attention (rows_are_prompt): work items are (kv head, block of ATTN_QBLOCK rows), dealt
+ * round robin, kv heads fastest, so both the causal growth of the rows and the heads spread over
+ * the threads; an item writes only its heads of its rows. The thread's scratch holds a whole
+ * block's score rows: group * min(ATTN_QBLOCK, max_batch) rows of at most n_ctx (attn_score_rows). */
+static void attn_prompt(cf_engine *e, size_t layer_kv, float *scores, int ith, int nth) {
+    const cf_config *c = &e->c;
+    int B = e->B, hd = c->hd, group = c->n_heads / c->n_kv, q_dim = c->n_heads * hd;
+    int qkv_dim = q_dim + 2 * c->n_kv * hd, n_blocks = (B + ATTN_QBLOCK - 1) / ATTN_QBLOCK;
+    size_t base = (size_t)e->rseq[0] * e->seq_kv + layer_kv;
+    for (int it = ith; it < n_blocks * c->n_kv; it += nth) {
+        int kvh = it % c->n_kv, b0 = it / c->n_kv * ATTN_QBLOCK, b1 = cf_min(B, b0 + ATTN_QBLOCK);
+        cf_attn_block_shape sh = {.n_heads = c->n_heads, .n_kv_heads = c->n_kv, .head_dim = hd,
+                                  .max_seq = e->n_ctx, .scale = 1.0f / sqrtf((float)hd),
+                                  .pos0 = e->rpos[b0], .n_q = b1 - b0, .window = c->sliding_window,
+                                  .ldq = qkv_dim, .ldo = q_dim};
+        e->k->attention_block(e->s.att + (size_t)b0 * q_dim, e->s.qkv + (size_t)b0 * qkv_dim,
+                              e->s.kcache + base, e->s.vcache + base, scores, &sh, kvh * group,
+                              (kvh + 1) * group);
+    }
+}
+
 static void op_attn(cf_engine *e, int l, int slot, int ith, int nth) {
     const cf_config *c = &e->c;
     const cf_layer *w = &e->w.sets[l % c->n_unique];
@@ -472,8 +521,14 @@ static void op_attn(cf_engine *e, int l, int slot, int ith, int nth) {
     }
     sync_threads(e, ith, CF_PK_ATTN);
 
-    // attention: this thread's (token, head) items, one kernel call per token
-    cf_split_range(B * c->n_heads, ith, nth, 1, &i0, &i1);
+    // attention: a prompt's rows in blocks (each K/V row read once per block), otherwise this
+    // thread's (token, head) items, one kernel call per token
+    if (rows_are_prompt(e)) {
+        attn_prompt(e, layer_kv, ts->scores, ith, nth);
+        i0 = i1 = 0; /* nothing left for the per-query loop */
+    } else {
+        cf_split_range(B * c->n_heads, ith, nth, 1, &i0, &i1);
+    }
     for (int i = i0; i < i1;) {
         int b = i / c->n_heads, h0 = i % c->n_heads, h1 = cf_min(c->n_heads, h0 + i1 - i), t0 = attn_first(e, b);
         cf_attn_shape sh = {.n_heads = c->n_heads, .n_kv_heads = c->n_kv, .head_dim = hd,
@@ -681,7 +736,8 @@ static void route_disk(cf_engine *e, int l, int ms, int src_kind) {
 // the MoE ops
 
 /* Thread 0 normalises the MoE input, runs the router (f32) and fills per-expert token lists:
- * softmax over all E logits, top-k, the k weights renormalised to sum to 1. */
+ * softmax over all E logits, top-k, the k weights renormalised to sum to 1 (moe_norm_topk; else
+ * kept as they are). With a shared expert it also computes each row's weight for it. */
 static void op_route(cf_engine *e, int l, int src_kind, int ms, int ith) {
     const cf_config *c = &e->c;
     const cf_layer *w = &e->w.sets[l % c->n_unique];
@@ -704,6 +760,7 @@ static void op_route(cf_engine *e, int l, int src_kind, int ms, int ith) {
             float val[64], wsum = 0.0f;
             e->k->topk(pr, E, c->top_k, chosen, val);
             for (int k = 0; k < c->top_k; k++) wsum += val[k];
+            if (!c->moe_norm_topk) wsum = 1.0f;
             for (int k = 0; k < c->top_k; k++) {
                 int x = chosen[k], n = exp_n[x]++;
                 exp_tok[(size_t)x * B + n] = b;
@@ -711,10 +768,27 @@ static void op_route(cf_engine *e, int l, int src_kind, int ms, int ith) {
                 e->hits[(size_t)l * E + x]++;
             }
         }
+        if (c->d_shexp)
+            for (int b = 0; b < e->B; b++) {
+                float g;
+                e->k->matvec_f32(&g, w->shexp_gate, moe_in + (size_t)b * d, 1, d);
+                s->shexp_w[(size_t)ms * B + b] = 1.0f / (1.0f + expf(-g));
+            }
         e->cnt.n[CF_CNT_ROUTER] += w->router_bytes;
         if (e->xs) route_disk(e, l, ms, src_kind);
     }
     sync_threads(e, ith, -1);
+}
+
+/* The shared expert on every row of moe slot ms, scaled by the route's per-row weight, into out;
+ * its weights are in RAM whatever the routed experts' residency, and it runs before them in both
+ * experts ops (the same summation order). The routed experts that follow (a route chooses at
+ * least one) need the barrier that ends it. The input must already be quantized in ts->act. */
+static void shared_expert(cf_engine *e, const cf_layer *w, int ms, float *out, int ith, int nth) {
+    if (!e->c.d_shexp) return;
+    if (ith == 0) e->cnt.n[CF_CNT_EXPERTS] += w->shexp_bytes;
+    ffn(e, &w->shexp_gate_up, &w->shexp_down, e->c.d_shexp, NULL, e->B, out,
+        e->s.shexp_w + (size_t)ms * e->max_batch, 1, CF_PK_EXP_GATE_UP, ith, nth);
 }
 
 static void op_experts(cf_engine *e, int l, int pslot, int ms, int tail, int ith, int nth) {
@@ -728,6 +802,7 @@ static void op_experts(cf_engine *e, int l, int pslot, int ms, int tail, int ith
     float *out = s->pending + (size_t)pslot * B * c->d;
     ph(e, ith, CF_PK_NORM, l);
     quantize_rows(e, s->moe_in + (size_t)ms * B * c->d, c->d, c->d, e->ts[ith].act, NULL, e->B, w->exp_fmt);
+    shared_expert(e, w, ms, out, ith, nth);
     int last = -1;
     for (int x = 0; x < c->n_experts; x++)
         if (exp_n[x]) last = x;
@@ -760,6 +835,7 @@ static int op_experts_disk(cf_engine *e, int l, int pslot, int ms, int tail, int
     float *out = s->pending + (size_t)pslot * B * c->d;
     ph(e, ith, CF_PK_NORM, l);
     quantize_rows(e, s->moe_in + (size_t)ms * B * c->d, c->d, c->d, e->ts[ith].act, NULL, e->B, w->exp_fmt);
+    shared_expert(e, w, ms, out, ith, nth);
     int n = s->exp_cnt[ms], covered = s->exp_pre[ms];
     for (int i = 0; i < n; i++) {
         int x = list[i], key = set * E + x;
@@ -852,6 +928,50 @@ static void op_final(cf_engine *e, int slot, int pslot, int ith, int nth) {
         e->cnt.n[CF_CNT_LM_HEAD] += (uint64_t)d * sizeof(float) + cf_tiled_bytes(&e->w.lm_head);
 }
 
+// ---------------------------------------------------------------------------------------------
+// overlap (off by default; Engine.load(overlap=True)): attn(l) beside dense(l) when delta_dense >= 1
+//
+// With delta_dense >= 1, dense(l) reads x_{l+1-dd} from the ring, not h, so it does not depend on
+// attn(l), and the two write disjoint state (attn: qkv, att, h, the KV cache; dense: hid, f). The
+// threads then split in two groups: the first half runs attn(l), the second dense(l), each op as
+// if the engine had only its group's threads, and all meet at one barrier after both. The ops are
+// not changed: each group runs them on a view of the engine (a struct copy, refreshed before every
+// call) whose scratch and profiler arrays start at the group's first thread, whose barrier counts
+// only the group (a group of one thread never waits inside an op) and whose counters are added
+// back after the call. Every output row and head is still computed whole by one thread, so the
+// results are the same bit for bit (tests/test_overlap.py). What it can win is the barriers inside
+// the two ops; the bytes read are the same (docs/DESIGN.md, "Overlapping independent nodes").
+
+/* Whether ops i, i+1 are an attn(l), dense(l) pair that may run side by side. */
+static int overlap_pair(const cf_engine *e, int i, int nth) {
+    if (!e->grp || nth < 2 || i + 1 >= e->n_ops) return 0;
+    const int32_t *op = e->plan + (size_t)i * CF_OP_FIELDS, *nx = op + CF_OP_FIELDS;
+    return op[0] == CF_OP_ATTN && nx[0] == CF_OP_DENSE && nx[1] == op[1] && nx[2] == CF_SRC_RING;
+}
+
+/* Thread 0, before a call: the groups' views of the engine as it stands now. */
+static void overlap_begin(cf_engine *e) {
+    int na = e->active / 2, first[2] = {0, na}, n[2] = {na, e->active - na};
+    for (int g = 0; g < 2; g++) {
+        cf_engine *v = &e->grp[g];
+        memcpy(v, e, sizeof *e);
+        v->grp = NULL;
+        v->ts = e->ts + first[g];
+        v->prof = e->prof ? e->prof + first[g] : NULL;
+        memset(&v->cnt, 0, sizeof v->cnt);
+        atomic_init(&v->bar.count, 0);
+        atomic_init(&v->bar.phase, 0);
+        atomic_init(&v->bar.sleepers, 0);
+        v->bar.n = n[g];
+    }
+}
+
+/* Thread 0, after a call: the groups' counters into the engine's. */
+static void overlap_end(cf_engine *e) {
+    for (int g = 0; g < 2; g++)
+        for (size_t k = 0; k < sizeof e->cnt.n / sizeof *e->cnt.n; k++) e->cnt.n[k] += e->grp[g].cnt.n[k];
+}
+
 static void forward_task(void *ctx, int ith, int nth) {
     cf_engine *e = ctx;
     if (ith >= e->active) return;
@@ -861,6 +981,15 @@ static void forward_task(void *ctx, int ith, int nth) {
         const int32_t *op = e->plan + (size_t)i * CF_OP_FIELDS;
         int l = op[1], a = op[2], b = op[3], c = op[4];
         int tail = i + 1 == e->n_ops || op[CF_OP_FIELDS] != CF_OP_RESID; /* barrier needed after */
+        if (overlap_pair(e, i, nth)) {
+            const int32_t *nx = op + CF_OP_FIELDS;
+            int na = e->grp[0].bar.n;
+            if (ith < na) op_attn(&e->grp[0], l, a, ith, na);
+            else op_dense(&e->grp[1], nx[1], nx[2], nx[3], 1, ith - na, nth - na);
+            sync_threads(e, ith, -1);
+            i++;
+            continue;
+        }
         switch (op[0]) {
         case CF_OP_EMBED: op_embed(e, a, ith, nth); break;
         case CF_OP_ATTN: op_attn(e, l, a, ith, nth); break;
@@ -902,6 +1031,7 @@ static int forward(cf_engine *e, const int32_t *tokens, int B, float *logits, in
     e->B = B;
     e->logits = logits;
     e->all_logits = all_logits;
+    if (e->grp) overlap_begin(e);
     if (e->active == 1)
         forward_task(e, 0, 1); /* no need to wake the pool (sleeping workers take ~50 us) */
     else
@@ -911,6 +1041,7 @@ static int forward(cf_engine *e, const int32_t *tokens, int B, float *logits, in
         if (e->prof_ncalls < e->prof_calls_cap) e->prof_calls[e->prof_ncalls++] = (cf_prof_call){pt0, pt1, B, 0};
         else e->prof_dropped_calls++;
     }
+    if (e->grp) overlap_end(e);
     if (e->failed) {
         e->err_kind = e->failed;
         return -1;
@@ -1037,6 +1168,16 @@ int cf_engine_set_active_threads(cf_engine *e, int n) {
     e->active = e->bar.n = cf_min(cf_max(n, 1), e->n_threads);
     return e->active;
 }
+int cf_engine_set_overlap(cf_engine *e, int on) {
+    if (!on) {
+        free(e->grp);
+        e->grp = NULL;
+        return 0;
+    }
+    if (!e->grp && !(e->grp = calloc(2, sizeof *e->grp))) return -1;
+    return 0;
+}
+int cf_engine_overlap(const cf_engine *e) { return e->grp != NULL; }
 int cf_engine_max_batch(const cf_engine *e) { return e->max_batch; }
 int cf_engine_n_seq(const cf_engine *e) { return e->n_seq; }
 const char *cf_engine_isa(const cf_engine *e) { return e->k->name; }
@@ -1170,7 +1311,8 @@ const char *const cf_slot_names[CF_SLOTS_PER_SET] = {
     [CF_S_FFN_NORM] = "ffn_norm", [CF_S_GATE_UP] = "ffn.w_gate_up", [CF_S_DOWN] = "ffn.w_down",
     [CF_S_MOE_NORM] = "moe_norm", [CF_S_ROUTER] = "moe.router", [CF_S_QKV_BIAS] = "attn.qkv_bias",
     [CF_S_Q_NORM] = "attn.q_norm", [CF_S_K_NORM] = "attn.k_norm", [CF_S_WQ] = "attn.wq", [CF_S_WK] = "attn.wk",
-    [CF_S_WV] = "attn.wv",
+    [CF_S_WV] = "attn.wv", [CF_S_SHEXP_GATE] = "moe.shared_gate", [CF_S_SHEXP_GATE_UP] = "moe.shared.w_gate_up",
+    [CF_S_SHEXP_DOWN] = "moe.shared.w_down",
 };
 const char *const cf_expert_slot_names[CF_EXPERT_SLOTS] = {
     [CF_E_GATE_UP] = "w_gate_up", [CF_E_DOWN] = "w_down",
@@ -1235,8 +1377,13 @@ static int check_config(const cf_config *c, char *err, size_t n) {
         bad = "n_unique_layers must be in 1..n_layers";
     else if (!(c->norm_eps > 0) || !(c->rope_theta > 0))
         bad = "norm_eps and rope_theta must be positive";
-    else if ((c->qkv_bias | c->qk_norm) & ~1 || c->sliding_window < 0)
-        bad = "qkv_bias and qk_norm must be 0 or 1, sliding_window >= 0";
+    else if ((c->qkv_bias | c->qk_norm | c->moe_norm_topk) & ~1 || c->sliding_window < 0)
+        bad = "qkv_bias, qk_norm and moe_norm_topk must be 0 or 1, sliding_window >= 0";
+    else if (c->qk_norm_full)
+        bad = "qk_norm_full (OLMoE: one RMSNorm over the whole q and k vectors) is not implemented by this "
+              "engine yet; the PyTorch reference (cflow.model) runs such files";
+    else if (c->d_shexp < 0 || c->d_shexp % CF_QK || (c->d_shexp && !c->n_experts))
+        bad = "d_shared_expert must be a multiple of 32, and needs experts";
     if (bad) cf_set_err(err, n, "bad model config: %s", bad);
     return bad ? -1 : 0;
 }
@@ -1367,6 +1514,14 @@ static int bind_weights(cf_engine *e, const uint8_t *buf, size_t len, const int6
         SET(CF_S_MOE_NORM, 1, c->d, 1, &dummy, &L->moe_norm);
         SET(CF_S_ROUTER, E, c->d, 1, &dummy, &L->router);
         L->router_bytes = norm_bytes + (uint64_t)E * c->d * 4;
+        if (c->d_shexp) {
+            SET(CF_S_SHEXP_GATE, 1, c->d, 1, &dummy, &L->shexp_gate);
+            SET(CF_S_SHEXP_GATE_UP, 2 * c->d_shexp, c->d, 0, &L->shexp_gate_up, &fdummy);
+            SET(CF_S_SHEXP_DOWN, c->d, c->d_shexp, 0, &L->shexp_down, &fdummy);
+            L->router_bytes += norm_bytes; /* the route computes the shared expert's weight */
+            L->shexp_bytes = cf_tiled_bytes(&L->shexp_gate_up) + cf_tiled_bytes(&L->shexp_down);
+            L->exp_fmt |= act_fmt(&L->shexp_gate_up);
+        }
         L->exp_gate_up = calloc(E, sizeof(cf_tiled));
         L->exp_down = calloc(E, sizeof(cf_tiled));
         L->exp_bytes = calloc(E, sizeof(uint64_t));
@@ -1476,6 +1631,7 @@ static int alloc_state(cf_engine *e) {
     s->rlogits = xcalloc(B * E, sizeof(float), &fail);
     s->exp_tok = xcalloc(M * E * B, sizeof(int), &fail);
     s->exp_w = xcalloc(M * E * B, sizeof(float), &fail);
+    s->shexp_w = xcalloc(M * B, sizeof(float), &fail);
     s->exp_n = xcalloc(M * E, sizeof(int), &fail);
     s->exp_list = xcalloc(M * E, sizeof(int), &fail);
     s->exp_cnt = xcalloc(M, sizeof(int), &fail);
@@ -1491,7 +1647,7 @@ static int alloc_state(cf_engine *e) {
     /* one row more than a call's tokens: op_final sums each row's input there */
     size_t xb = (size_t)(e->max_batch + 1) * K * 4;
     /* per activation: d, s (32-block); dk, bsums (256-block); qs; qk */
-    size_t scores = (size_t)c->n_heads * e->n_ctx * 4, act = 2 * KB * 4 + KK * 4 + KS + 2 * K;
+    size_t scores = (size_t)attn_score_rows(e) * e->n_ctx * 4, act = 2 * KB * 4 + KK * 4 + KS + 2 * K;
     size_t bytes = 64 + carve_size(3 * B * sizeof(cf_act_q8)) + carve_size(xb) + carve_size(scores) +
                    2 * B * carve_size(act);
     for (int t = 0; t < e->n_threads; t++) {
@@ -1593,10 +1749,11 @@ cf_engine *cf_engine_create(const cf_config *cfg, const uint8_t *buf, size_t buf
     e->c = *cfg;
     e->k = cf_kernels();
     // every entry of the table: it holds exactly what the engine calls (cflow.h)
-    int dts[] = {CF_Q4_0, CF_Q4_1, CF_Q8_0}, missing = !e->k->quantize_act || !e->k->rmsnorm ||
-        !e->k->matvec_f32 || !e->k->softmax || !e->k->rope || !e->k->attention ||
+    int dts[] = {CF_Q4_0, CF_Q4_1, CF_Q5_0, CF_Q5_1, CF_Q8_0, CF_Q4_K, CF_Q5_K, CF_Q6_K};
+    int missing = !e->k->quantize_act || !e->k->quantize_act_k || !e->k->rmsnorm ||
+        !e->k->matvec_f32 || !e->k->softmax || !e->k->rope || !e->k->attention || !e->k->attention_block ||
         !e->k->embed_row || !e->k->f32_to_f16 || !e->k->topk;
-    for (int i = 0; i < 3; i++)
+    for (int i = 0; i < (int)(sizeof dts / sizeof *dts); i++)
         missing |= !e->k->matvec[dts[i]] || !e->k->gate_up[dts[i]] || !e->k->matmat[dts[i]] ||
                     !e->k->gate_up_mm[dts[i]];
     if (missing) {
@@ -1613,7 +1770,7 @@ cf_engine *cf_engine_create(const cf_config *cfg, const uint8_t *buf, size_t buf
     e->n_moe = n_moe;
     e->buf = buf;
     e->n_ops = n_ops;
-    e->hmax = cf_max(cfg->d_ff, cfg->n_experts ? cfg->d_exp : 0);
+    e->hmax = cf_max(cfg->d_ff, cfg->n_experts ? cf_max(cfg->d_exp, cfg->d_shexp) : 0);
     e->kmax = cf_max(cf_max(cfg->d, cfg->n_heads * cfg->hd), e->hmax);
     e->bar.n = e->active = n_threads;
     if (bind_weights(e, buf, buf_len, desc, names, n_desc, err, err_len) ||
@@ -1649,6 +1806,7 @@ void cf_engine_free(cf_engine *e) {
     free(e->spec_held);
     free(e->pred_mark);
     free(e->pred_votes);
+    free(e->grp);
     if (e->w.sets) {
         for (int i = 0; i < e->c.n_unique; i++) {
             free(e->w.sets[i].exp_gate_up);
@@ -1660,7 +1818,7 @@ void cf_engine_free(cf_engine *e) {
     cf_state *s = &e->s;
     void *bufs[] = {s->ring, s->h, s->f, s->pending, s->moe_in, s->qkv, s->att, s->hid, s->y,
                     s->rope, s->kcache, s->vcache, s->rlogits, s->exp_tok, s->exp_w, s->exp_n,
-                    s->exp_list, s->exp_cnt, s->exp_pre, s->exp_slot, e->hits, e->plan,
+                    s->shexp_w, s->exp_list, s->exp_cnt, s->exp_pre, s->exp_slot, e->hits, e->plan,
                     e->rseq, e->rpos, e->seen};
     for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) free(bufs[i]);
     if (e->ts)

@@ -18,6 +18,9 @@
  * halves [s][L][n_kv][n_ctx][hd]; n_seq = 1 is the single-sequence layout). cf_step_batch advances
  * B different sequences, each at its own position, in one pass over the weights: every mat-vec
  * becomes the batched kernel over the B rows, attention runs per row over that row's own sequence.
+ * A prefill call (rows at consecutive positions of one sequence) runs attention in blocks of rows
+ * (the table's attention_block), which gives the per-row kernel's bits (cflow.h);
+ * CFLOW_ATTN_BLOCK=0 in the environment keeps it per row, for timing comparisons.
  * Every op is row-local (norms, activation quantization, the router and the expert sums per row;
  * matmat equals matvec per row bit for bit, cflow.h), so a row's logits do not depend on how many
  * or which other rows share the call, nor on cf_step vs cf_step_batch vs cf_prefill.
@@ -44,6 +47,10 @@ typedef struct {
     int qkv_bias;                  /* 1: q, k, v add the set's attn.qkv_bias (Qwen2) */
     int qk_norm;                   /* 1: RMSNorm of each q and k head (attn.q_norm/k_norm [hd]) before RoPE */
     int sliding_window;            /* 0: full causal; W: position p attends to max(0, p-W+1)..p */
+    int moe_norm_topk;             /* 1: the top_k routing weights renormalised to sum to 1; 0: raw softmax */
+    int qk_norm_full;              /* 1: qk_norm over the whole q and k vectors (OLMoE): not run yet */
+    int d_shexp;                   /* 0: none; else the shared expert's hidden size (moe.shared.*), run
+                                    * on every row, scaled by sigmoid(moe.shared_gate . moe_in) */
 } cf_config;
 
 /* ---- contracts with Python ---------------------------------------------------------------------
@@ -67,7 +74,8 @@ extern const char *const cf_desc_field_names[CF_DESC_FIELDS]; /* "offset", "dtyp
  * "layers.{set}.moe.experts.{e}.w_gate_up" (the .cflow tensor names, DESIGN.md). */
 enum { CF_T_TOK_EMB, CF_T_NORM, CF_T_LM_HEAD, CF_T_GLOBAL };
 enum { CF_S_ATTN_NORM, CF_S_WQKV, CF_S_WO, CF_S_FFN_NORM, CF_S_GATE_UP, CF_S_DOWN, CF_S_MOE_NORM,
-       CF_S_ROUTER, CF_S_QKV_BIAS, CF_S_Q_NORM, CF_S_K_NORM, CF_S_WQ, CF_S_WK, CF_S_WV, CF_SLOTS_PER_SET };
+       CF_S_ROUTER, CF_S_QKV_BIAS, CF_S_Q_NORM, CF_S_K_NORM, CF_S_WQ, CF_S_WK, CF_S_WV, CF_S_SHEXP_GATE,
+       CF_S_SHEXP_GATE_UP, CF_S_SHEXP_DOWN, CF_SLOTS_PER_SET };
 enum { CF_E_GATE_UP, CF_E_DOWN, CF_EXPERT_SLOTS };
 extern const char *const cf_global_names[CF_T_GLOBAL];
 extern const char *const cf_slot_names[CF_SLOTS_PER_SET];
@@ -95,6 +103,7 @@ int cf_desc_name(int n_experts, int row, char *out, size_t n);
  *   ROUTE   a = source (SRC_H | SRC_HF), b = moe slot
  *                                            moe_in[b] = norm(src); choose top_k experts
  *   EXPERTS a = pending slot, b = moe slot   pending[a] += sum_k w_k * expert_k(moe_in[b])
+ *                                            (+ g * shared(moe_in[b]), g from the route)
  *   RESID   a = ring slot out, b = 1 to add f, c = pending slot to add and clear (-1: none)
  *                                            ring[a] = h + f + pending[c]
  *   FINAL   a = ring slot, b = pending slot to add (-1: none)
@@ -248,6 +257,12 @@ int cf_engine_n_threads(const cf_engine *e);
  * this, since every output row and head is computed the same way whoever computes it). Returns
  * the value set. Not while a call is running. */
 int cf_engine_set_active_threads(cf_engine *e, int n);
+/* Overlap of independent ops (off by default): with on, an attn(l) followed by a dense(l) that
+ * reads the ring (delta_dense >= 1) run side by side, the first half of the active threads on
+ * attn, the rest on dense (engine.c, "overlap"). Same results bit for bit. Returns 0, or -1 out
+ * of memory. Not while a call is running. */
+int cf_engine_set_overlap(cf_engine *e, int on);
+int cf_engine_overlap(const cf_engine *e);
 int cf_engine_active_threads(const cf_engine *e);
 int cf_engine_max_batch(const cf_engine *e);
 int cf_engine_n_seq(const cf_engine *e);

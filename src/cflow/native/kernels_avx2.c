@@ -17,6 +17,9 @@
  * and every row is summed in the same order whatever the split, so results do not depend on
  * the number of threads.
  *
+ * Q5_0, Q5_1 and the K-quants (Q4_K, Q5_K, Q6_K) are in kernels_kquant_avx2.c, included below:
+ * group_dot and matmat_groups hand those dtypes to it.
+ *
  * Tiled mat-mat (prefill, B activations): a Q4 block is transposed once (4x4 dword shuffles) so
  * that lane i of each vector holds 4 bytes of row i; one vpdpbusd (or maddubs) against 4
  * activation bytes broadcast to all lanes then adds to every row's own lane, so no horizontal
@@ -479,23 +482,11 @@ INLINE void q4_groups_mm(int NG, int dtype, const uint8_t *p, size_t group_bytes
  * lane i of v[t] holds bytes 4t..4t+3 of row i, in row order, and offset by +128 (XOR 0x80) so
  * the weights are the unsigned operand of vpdpbusd. */
 INLINE void load_q8_block_t(const uint8_t *q, __m256i v[8]) {
-    __m256i a[8], t[8], u[8];
+    __m256i a[8];
     for (int r = 0; r < 8; r++) a[r] = _mm256_loadu_si256((const __m256i *)(q + 32 * r));
-    for (int r = 0; r < 8; r += 2) {
-        t[r] = _mm256_unpacklo_epi32(a[r], a[r + 1]);     /* dwords 0,1 | 4,5 of rows r, r+1 */
-        t[r + 1] = _mm256_unpackhi_epi32(a[r], a[r + 1]); /* dwords 2,3 | 6,7 */
-    }
-    for (int h = 0; h < 8; h += 4) { /* rows h..h+3 */
-        u[h] = _mm256_unpacklo_epi64(t[h], t[h + 2]);         /* dword 0 | 4 */
-        u[h + 1] = _mm256_unpackhi_epi64(t[h], t[h + 2]);     /* dword 1 | 5 */
-        u[h + 2] = _mm256_unpacklo_epi64(t[h + 1], t[h + 3]); /* dword 2 | 6 */
-        u[h + 3] = _mm256_unpackhi_epi64(t[h + 1], t[h + 3]); /* dword 3 | 7 */
-    }
+    transpose8x8_epi32(a, v);
     const __m256i x80 = _mm256_set1_epi8((char)0x80);
-    for (int k = 0; k < 4; k++) {
-        v[k] = _mm256_xor_si256(_mm256_permute2x128_si256(u[k], u[4 + k], 0x20), x80);
-        v[4 + k] = _mm256_xor_si256(_mm256_permute2x128_si256(u[k], u[4 + k], 0x31), x80);
-    }
+    for (int k = 0; k < 8; k++) v[k] = _mm256_xor_si256(v[k], x80);
 }
 
 /* q4_groups_mm for Q8_0 (VNNI only: the u8 x s8 products of weights + 128 need vpdpbusd's int32
@@ -901,6 +892,9 @@ static void attention_avx2(float *out, const float *q, const cf_half *k, const c
     }
 }
 
+/* attention_block_avx2: the prefill form of the above, over a block of queries */
+#include "kernels_attn_avx2.c"
+
 /* ---- fp16 conversion (K/V into the cache) ------------------------------------------------ */
 
 static void f32_to_f16_avx2(cf_half *out, const float *x, int n) {
@@ -964,6 +958,7 @@ static const cf_kernel_table TABLE = {
     .softmax = softmax_avx2,
     .rope = rope_avx2,
     .attention = attention_avx2,
+    .attention_block = attention_block_avx2,
     .embed_row = embed_row_avx2,
     .f32_to_f16 = f32_to_f16_avx2,
     .matmat = ALL_QDTYPES(matmat),

@@ -17,14 +17,17 @@
  * and one mask; the compiler hoists the activation's 8 vectors out of the row loop (most stay in
  * registers, the rest in L1). What remains is the per-sub-block scale multiply: twice Q4_0's
  * multiply-port work per weight, which this row-major layout cannot avoid.
- * The mat-vec keeps the unpacked group in registers (one activation); the mat-mat unpacks it
- * once into an L1 buffer and runs up to KQ_NB activations over it. Both form the same exact
- * integers and apply the same float operations in the same order, so matmat == B mat-vecs bit
- * for bit. The integer bounds (no int16 saturation, no int32 overflow) are in docs/kquants.md.
+ * The mat-vec unpacks one row at a time and uses it at once (one activation); the mat-mat
+ * unpacks the group once into an L1 buffer and runs up to KQ_NB activations over it, loading
+ * each 32 activations once for the 8 rows (under VNNI transposed, lane i = row i, so one
+ * vpdpbusd per 4 activation bytes serves all 8 rows and a vpmulld applies each sub-block's 8
+ * scales). All paths form the same exact integers and apply the same float operations in the
+ * same order (kq_finish_qd), so matmat == B mat-vecs bit for bit. The integer bounds (no int16
+ * saturation, no int32 overflow) are in docs/kquants.md.
  *
- * The K-quants' sub-block scales need the int16 stage, so the VNNI table keeps maddubs there
- * and applies the scale with vpdpwssd (madd + add in one); Q5_0 / Q5_1 use vpdpbusd like Q4_0
- * (dot_q4_pair_unpacked).
+ * The K-quant mat-vec's sub-block scales need the int16 stage, so the VNNI table keeps maddubs
+ * there and applies the scale with vpdpwssd (madd + add in one); Q5_0 / Q5_1 use vpdpbusd like
+ * Q4_0 (dot_q4_pair_unpacked).
  * Q6_K's field starts inside a chunk are not 32-byte aligned: every load is unaligned.
  */
 
@@ -90,8 +93,9 @@ INLINE void q5_unpack(int dtype, const uint8_t *c, q5_group *G) {
     const uint8_t *qh = c + (q51 ? 32 : 16), *qs = qh + 32;
     G->d = load_halves8(c);
     G->m = q51 ? load_halves8(c + 16) : _mm256_setzero_ps();
-    __m256i qh8 = _mm256_loadu_si256((const __m256i *)qh); /* the 8 rows' qh words */
+    __m256i qh8 = _mm256_loadu_si256((const __m256i *)qh); /* dword i = row i's qh */
     for (int j = 0; j < 4; j++) {
+        /* lane 0: row 2j's qh word, lane 1: row 2j+1's */
         __m256i h = _mm256_permutevar8x32_epi32(qh8, _mm256_setr_epi32(2 * j, 2 * j, 2 * j, 2 * j, 2 * j + 1,
                                                                        2 * j + 1, 2 * j + 1, 2 * j + 1));
         __m256i lo, hi;
@@ -139,10 +143,15 @@ typedef struct {
     __m256i mins[CF_G / 2];
 } kq_scales;
 
+/* The mat-mat's unpacked group. q6scl[i][t] = kq_q6_scale(&r[i], t), shuffled once per unpack
+ * rather than once per activation (Q6_K without VNNI only: kq_transpose reads sc / sc2). */
 typedef struct {
     __m256 d, dmin;
-    kq_scales s;
-    kq_row r[8];
+    kq_scales s; /* Q4_K / Q5_K */
+    kq_row r[CF_G];
+#if !CF_ISA_VNNI
+    __m256i q6scl[CF_G][8];
+#endif
 } kq_group;
 
 /* Q4_K / Q5_K's packed scales of all 8 rows (8 x 12 bytes at s) -> kq_scales: ggml's
@@ -226,21 +235,41 @@ INLINE void kq_unpack_row(int dtype, const uint8_t *c, int i, kq_row *R) {
     R->sc = R->sc2 = R->s16 = _mm256_setzero_si256();
 }
 
-INLINE void kq_unpack(int dtype, const uint8_t *c, kq_group *G) {
-    G->d = load_halves8(c);
-    G->dmin = dtype == CF_Q6_K ? _mm256_setzero_ps() : load_halves8(c + 16);
-    if (dtype != CF_Q6_K) kq_scales_k4(c + 32, &G->s);
-    for (int i = 0; i < CF_G; i++) kq_unpack_row(dtype, c, i, &G->r[i]);
-}
-
-/* ---- the integer dot products of one super-block ------------------------------------------- */
-
 /* int16 lane j of v in every int16 lane (per 128-bit lane: lane 0 takes j0, lane 1 takes j1). */
 INLINE __m256i bcast16(__m256i v, int j0, int j1) {
     int b0 = (2 * j0 + 1) << 8 | 2 * j0, b1 = (2 * j1 + 1) << 8 | 2 * j1;
     return _mm256_shuffle_epi8(v, _mm256_setr_epi16((short)b0, (short)b0, (short)b0, (short)b0, (short)b0, (short)b0,
                                                     (short)b0, (short)b0, (short)b1, (short)b1, (short)b1, (short)b1,
                                                     (short)b1, (short)b1, (short)b1, (short)b1));
+}
+
+/* Q6_K's madd scale operand for row R's q[t]: sub-block 2t's scale in every int16 lane of the
+ * low 128-bit lane, 2t+1's in the high one. */
+INLINE __m256i kq_q6_scale(const kq_row *R, int t) {
+    return bcast16(t < 4 ? R->sc : R->sc2, 2 * (t & 3), 2 * (t & 3) + 1);
+}
+
+INLINE void kq_unpack(int dtype, const uint8_t *c, kq_group *G) {
+    G->d = load_halves8(c);
+    G->dmin = dtype == CF_Q6_K ? _mm256_setzero_ps() : load_halves8(c + 16);
+    if (dtype != CF_Q6_K) kq_scales_k4(c + 32, &G->s);
+    for (int i = 0; i < CF_G; i++) kq_unpack_row(dtype, c, i, &G->r[i]);
+#if !CF_ISA_VNNI
+    if (dtype == CF_Q6_K)
+        for (int i = 0; i < CF_G; i++)
+            for (int t = 0; t < 8; t++) G->q6scl[i][t] = kq_q6_scale(&G->r[i], t);
+#endif
+}
+
+/* ---- the integer dot products of one super-block ------------------------------------------- */
+
+/* acc + the int32 pair sums of p * scale (int16 x int16): one vpdpwssd with VNNI. */
+INLINE __m256i madd_acc(__m256i acc, __m256i p, __m256i scale) {
+#if CF_ISA_VNNI
+    return _mm256_dpwssd_avx_epi32(acc, p, scale);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(p, scale));
+#endif
 }
 
 /* Row R's sum_qd over one super-block as 8 int32 partials. Q4_K / Q5_K: sum_t sc_t * dot_t over
@@ -254,26 +283,20 @@ INLINE __m256i kq_row_qd(int dtype, const kq_row *R, const uint32_t *sc32, const
 #pragma GCC unroll 8
     for (int t = 0; t < 8; t++) {
         __m256i p = _mm256_maddubs_epi16(R->q[t], _mm256_loadu_si256((const __m256i *)(xq + 32 * t)));
-        __m256i scale = dtype == CF_Q6_K ? bcast16(t < 4 ? R->sc : R->sc2, 2 * (t & 3), 2 * (t & 3) + 1)
-                                         : _mm256_set1_epi32((int)sc32[t]);
-#if CF_ISA_VNNI /* vpdpwssd: the madd and the add in one instruction */
-        acc2[t & 1] = _mm256_dpwssd_avx_epi32(acc2[t & 1], p, scale);
-#else
-        acc2[t & 1] = _mm256_add_epi32(acc2[t & 1], _mm256_madd_epi16(p, scale));
-#endif
+        __m256i scale = dtype == CF_Q6_K ? kq_q6_scale(R, t) : _mm256_set1_epi32((int)sc32[t]);
+        acc2[t & 1] = madd_acc(acc2[t & 1], p, scale);
     }
     __m256i acc = _mm256_add_epi32(acc2[0], acc2[1]);
     if (dtype == CF_Q6_K) acc = _mm256_sub_epi32(acc, _mm256_slli_epi32(_mm256_madd_epi16(R->s16, bs16), 5));
     return acc;
 }
 
-/* acc (lane i = row i) += one super-block of the 8 rows, given their sum_qd partials r[i] and
- * (Q4_K / Q5_K) mins, against activation x's block kb:
+/* acc (lane i = row i) += one super-block of the 8 rows, given their sum_qd (qd, lane i = row i)
+ * and (Q4_K / Q5_K) mins (kq_scales' mins: rows 2j | 2j+1), against activation x's block kb:
  *   y += (d dx) sum_qd - (dmin dx) sum_mb       (Q6_K: no mins)
  * The one place these float operations are written: mat-vec and mat-mat both end here. */
-INLINE __m256 kq_finish(int dtype, __m256 d, __m256 dmin, const __m256i *r, const kq_scales *S,
-                        const cf_act_q8 *x, int kb, __m256 acc) {
-    __m256i qd = hsum8_epi32(r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7]);
+INLINE __m256 kq_finish_qd(int dtype, __m256 d, __m256 dmin, __m256i qd, const __m256i *mins,
+                           const cf_act_q8 *x, int kb, __m256 acc) {
     __m256 dx = _mm256_broadcast_ss(x->dk + kb);
     acc = _mm256_fmadd_ps(_mm256_mul_ps(d, dx), _mm256_cvtepi32_ps(qd), acc);
     if (dtype != CF_Q6_K) {
@@ -281,24 +304,22 @@ INLINE __m256 kq_finish(int dtype, __m256 d, __m256 dmin, const __m256i *r, cons
         const int16_t *bs = x->bsums + (size_t)kb * (CF_QK_K / 16);
         __m256i b32 = _mm256_broadcastsi128_si256(
             _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)bs), _mm_loadu_si128((const __m128i *)(bs + 8))));
-        __m256i mb = fold_pairs(_mm256_madd_epi16(S->mins[0], b32), _mm256_madd_epi16(S->mins[1], b32),
-                                _mm256_madd_epi16(S->mins[2], b32), _mm256_madd_epi16(S->mins[3], b32));
+        __m256i mb = fold_pairs(_mm256_madd_epi16(mins[0], b32), _mm256_madd_epi16(mins[1], b32),
+                                _mm256_madd_epi16(mins[2], b32), _mm256_madd_epi16(mins[3], b32));
         acc = _mm256_fnmadd_ps(_mm256_mul_ps(dmin, dx), _mm256_cvtepi32_ps(mb), acc);
     }
     return acc;
 }
 
-INLINE __m256i act_bsums(const cf_act_q8 *x, int kb) {
-    return _mm256_loadu_si256((const __m256i *)(x->bsums + (size_t)kb * (CF_QK_K / 16)));
+/* kq_finish_qd from per-row partial vectors r[i] (summed across lanes first). */
+INLINE __m256 kq_finish(int dtype, __m256 d, __m256 dmin, const __m256i *r, const __m256i *mins,
+                        const cf_act_q8 *x, int kb, __m256 acc) {
+    __m256i qd = hsum8_epi32(r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7]);
+    return kq_finish_qd(dtype, d, dmin, qd, mins, x, kb, acc);
 }
 
-/* The mat-mat's step: an unpacked group against one activation. */
-INLINE __m256 kq_update(int dtype, const kq_group *G, const cf_act_q8 *x, int kb, __m256 acc) {
-    const int8_t *xq = x->qk + (size_t)kb * CF_QK_K;
-    __m256i bs16 = act_bsums(x, kb);
-    __m256i r[CF_G];
-    for (int i = 0; i < CF_G; i++) r[i] = kq_row_qd(dtype, &G->r[i], G->s.sc32[i], xq, bs16);
-    return kq_finish(dtype, G->d, G->dmin, r, &G->s, x, kb, acc);
+INLINE __m256i act_bsums(const cf_act_q8 *x, int kb) {
+    return _mm256_loadu_si256((const __m256i *)(x->bsums + (size_t)kb * (CF_QK_K / 16)));
 }
 
 /* The mat-vec's step: the group's scales decoded together, then each row unpacked and used at
@@ -315,8 +336,111 @@ INLINE __m256 kq_update_rows(int dtype, const uint8_t *c, const cf_act_q8 *x, in
         r[i] = kq_row_qd(dtype, &R, S.sc32[i], xq, bs16);
     }
     __m256 d = load_halves8(c), dmin = dtype == CF_Q6_K ? _mm256_setzero_ps() : load_halves8(c + 16);
-    return kq_finish(dtype, d, dmin, r, &S, x, kb, acc);
+    return kq_finish(dtype, d, dmin, r, S.mins, x, kb, acc);
 }
+
+/* Lane i of v[k] = dword k of a[i]: an 8x8 transpose of 32-bit elements. */
+INLINE void transpose8x8_epi32(const __m256i a[8], __m256i v[8]) {
+    __m256i t[8], u[8];
+    for (int r = 0; r < 8; r += 2) {
+        t[r] = _mm256_unpacklo_epi32(a[r], a[r + 1]);     /* dwords 0,1 | 4,5 of rows r, r+1 */
+        t[r + 1] = _mm256_unpackhi_epi32(a[r], a[r + 1]); /* dwords 2,3 | 6,7 */
+    }
+    for (int h = 0; h < 8; h += 4) { /* rows h..h+3 */
+        u[h] = _mm256_unpacklo_epi64(t[h], t[h + 2]);         /* dword 0 | 4 */
+        u[h + 1] = _mm256_unpackhi_epi64(t[h], t[h + 2]);     /* dword 1 | 5 */
+        u[h + 2] = _mm256_unpacklo_epi64(t[h + 1], t[h + 3]); /* dword 2 | 6 */
+        u[h + 3] = _mm256_unpackhi_epi64(t[h + 1], t[h + 3]); /* dword 3 | 7 */
+    }
+    for (int k = 0; k < 4; k++) {
+        v[k] = _mm256_permute2x128_si256(u[k], u[4 + k], 0x20);
+        v[4 + k] = _mm256_permute2x128_si256(u[k], u[4 + k], 0x31);
+    }
+}
+
+#if CF_ISA_VNNI
+/* An unpacked K-quant group transposed for the mat-mat: T[8t + k] lane i = bytes 4k..4k+3 of
+ * row i's q[t] (weights 32t + 4k ..), SC[s] lane i = row i's scale of sub-block s (int32). One
+ * vpdpbusd against 4 broadcast activation bytes then adds to every row's own lane: no fold of
+ * the 8 rows per activation, and each sub-block's sums are scaled with one vpmulld. */
+typedef struct {
+    __m256 d, dmin;
+    __m256i T[64], SC[16];
+    __m256i mins[CF_G / 2];
+} kq_group_t;
+
+INLINE void kq_transpose(int dtype, const kq_group *G, kq_group_t *GT) {
+    __m256i a[CF_G];
+    GT->d = G->d;
+    GT->dmin = G->dmin;
+    for (int t = 0; t < 8; t++) {
+        for (int i = 0; i < CF_G; i++) a[i] = G->r[i].q[t];
+        transpose8x8_epi32(a, &GT->T[8 * t]);
+    }
+    if (dtype == CF_Q6_K) { /* sc / sc2: int16 scales 0..7 / 8..15, widened with their sign */
+        for (int h = 0; h < 2; h++) {
+            for (int i = 0; i < CF_G; i++) a[i] = _mm256_cvtepi16_epi32(_mm256_castsi256_si128(h ? G->r[i].sc2 : G->r[i].sc));
+            transpose8x8_epi32(a, &GT->SC[8 * h]);
+        }
+    } else { /* sc32[i][t] holds scale t (0..63) in both int16 halves: keep the high one */
+        for (int i = 0; i < CF_G; i++) a[i] = _mm256_loadu_si256((const __m256i *)G->s.sc32[i]);
+        transpose8x8_epi32(a, GT->SC);
+        for (int t = 0; t < 8; t++) GT->SC[t] = _mm256_srli_epi32(GT->SC[t], 16);
+        for (int j = 0; j < CF_G / 2; j++) GT->mins[j] = G->s.mins[j];
+    }
+}
+
+/* kq_update over a transposed group: the same exact sum_qd per row (Q4_K / Q5_K: sum_t sc_t *
+ * dot_t; Q6_K: sum_s sc_s * (dot_s - 32 bsums_s)), then the same float operations. */
+INLINE __m256 kq_update_t(int dtype, const kq_group_t *GT, const cf_act_q8 *x, int kb, __m256 acc) {
+    const int32_t *x4 = (const int32_t *)(x->qk + (size_t)kb * CF_QK_K); /* 64 dwords of 4 int8 */
+    __m256i qd = _mm256_setzero_si256();
+    if (dtype == CF_Q6_K) {
+        const int16_t *bs = x->bsums + (size_t)kb * (CF_QK_K / 16);
+        for (int s = 0; s < 16; s++) { /* sub-block s: dwords 4s .. 4s+3 */
+            __m256i d0 = _mm256_setzero_si256(), d1 = _mm256_setzero_si256();
+            d0 = _mm256_dpbusd_avx_epi32(d0, GT->T[4 * s], _mm256_set1_epi32(x4[4 * s]));
+            d1 = _mm256_dpbusd_avx_epi32(d1, GT->T[4 * s + 1], _mm256_set1_epi32(x4[4 * s + 1]));
+            d0 = _mm256_dpbusd_avx_epi32(d0, GT->T[4 * s + 2], _mm256_set1_epi32(x4[4 * s + 2]));
+            d1 = _mm256_dpbusd_avx_epi32(d1, GT->T[4 * s + 3], _mm256_set1_epi32(x4[4 * s + 3]));
+            __m256i dot = _mm256_sub_epi32(_mm256_add_epi32(d0, d1), _mm256_set1_epi32(32 * bs[s]));
+            qd = _mm256_add_epi32(qd, _mm256_mullo_epi32(dot, GT->SC[s]));
+        }
+    } else {
+        for (int t = 0; t < 8; t++) { /* sub-block t: dwords 8t .. 8t+7; two chains halve the latency */
+            __m256i d0 = _mm256_setzero_si256(), d1 = _mm256_setzero_si256();
+            for (int k = 0; k < 8; k += 2) {
+                d0 = _mm256_dpbusd_avx_epi32(d0, GT->T[8 * t + k], _mm256_set1_epi32(x4[8 * t + k]));
+                d1 = _mm256_dpbusd_avx_epi32(d1, GT->T[8 * t + k + 1], _mm256_set1_epi32(x4[8 * t + k + 1]));
+            }
+            qd = _mm256_add_epi32(qd, _mm256_mullo_epi32(_mm256_add_epi32(d0, d1), GT->SC[t]));
+        }
+    }
+    return kq_finish_qd(dtype, GT->d, GT->dmin, qd, GT->mins, x, kb, acc);
+}
+#else
+/* The mat-mat's step: an unpacked group against one activation, sub-block by sub-block so each
+ * 32 activations are loaded once for the 8 rows (the same exact integers as kq_row_qd). */
+INLINE __m256 kq_update(int dtype, const kq_group *G, const cf_act_q8 *x, int kb, __m256 acc) {
+    const int8_t *xq = x->qk + (size_t)kb * CF_QK_K;
+    __m256i r[CF_G];
+    for (int i = 0; i < CF_G; i++) r[i] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int t = 0; t < 8; t++) {
+        __m256i xt = _mm256_loadu_si256((const __m256i *)(xq + 32 * t));
+        for (int i = 0; i < CF_G; i++) {
+            __m256i scale = dtype == CF_Q6_K ? G->q6scl[i][t] : _mm256_set1_epi32((int)G->s.sc32[i][t]);
+            r[i] = madd_acc(r[i], _mm256_maddubs_epi16(G->r[i].q[t], xt), scale);
+        }
+    }
+    if (dtype == CF_Q6_K) {
+        __m256i bs16 = act_bsums(x, kb);
+        for (int i = 0; i < CF_G; i++)
+            r[i] = _mm256_sub_epi32(r[i], _mm256_slli_epi32(_mm256_madd_epi16(G->r[i].s16, bs16), 5));
+    }
+    return kq_finish(dtype, G->d, G->dmin, r, G->s.mins, x, kb, acc);
+}
+#endif
 
 /* ---- mat-vec: group_dot for these dtypes ---------------------------------------------------- */
 
@@ -350,7 +474,7 @@ INLINE __m256 kq_group_dot(int dtype, const uint8_t *p, int nkt, const cf_act_q8
 /* ---- mat-mat: each block unpacked once for up to KQ_NB activations ------------------------- */
 
 #define KQ_NB 16 /* activations per pass: their accumulators (512 B) stay in L1 beside the
-                  * unpacked super-block (~3 KiB) */
+                  * unpacked super-block (~5 KiB, and ~3 KiB more transposed under VNNI) */
 
 /* out[b*ldo + r - g0*8] for groups [g0, g1) and b < B; the short last group through the
  * reference, as in matvec_groups. Per (group, tile) each activation's accumulator sees exactly
@@ -380,7 +504,13 @@ INLINE void kq_matmat_groups(int dtype, const cf_tiled *w, const cf_act_q8 *xs, 
                         } else {
                             kq_group G;
                             kq_unpack(dtype, c, &G);
+#if CF_ISA_VNNI
+                            kq_group_t GT;
+                            kq_transpose(dtype, &G, &GT);
+                            for (int b = 0; b < nb; b++) acc[b] = kq_update_t(dtype, &GT, &xs[b0 + b], sp.kb0 + kb, acc[b]);
+#else
                             for (int b = 0; b < nb; b++) acc[b] = kq_update(dtype, &G, &xs[b0 + b], sp.kb0 + kb, acc[b]);
+#endif
                         }
                     }
                     for (int b = 0; b < nb; b++) {

@@ -1,6 +1,7 @@
 /* kernels_ref.c — the scalar reference of every kernel in cf_kernel_table, plus the table-free
  * scalar routines (rope tables, top-k). The block formats' helpers (fp16, block sizes) are in
- * formats.c.
+ * formats.c; the blocks of Q5_0, Q5_1 and the K-quants (one row's dot, dequantization, the
+ * 256-block activation) in kernels_kquant_ref.c, which the walk here calls for those dtypes.
  *
  * These are the plain loops the ISA versions are tested against: one row, one block, one
  * weight at a time, written to be read. Compiled for the baseline ISA (no -m flags), so they
@@ -209,6 +210,18 @@ void cf_attention_ref(float *out, const float *q, const cf_half *k, const cf_hal
     }
 }
 
+/* By definition: each query alone, over its own span of the cache. */
+void cf_attention_block_ref(float *out, const float *q, const cf_half *k, const cf_half *v,
+                            float *att, const cf_attn_block_shape *s, int h0, int h1) {
+    for (int i = 0; i < s->n_q; i++) {
+        int lo = cf_attn_lo(s, i);
+        cf_attn_shape one = {.n_heads = s->n_heads, .n_kv_heads = s->n_kv_heads, .head_dim = s->head_dim,
+                             .max_seq = s->max_seq, .n_pos = s->pos0 + i + 1 - lo, .scale = s->scale};
+        size_t off = (size_t)lo * s->head_dim;
+        cf_attention_ref(out + (size_t)i * s->ldo, q + (size_t)i * s->ldq, k + off, v + off, att, &one, h0, h1);
+    }
+}
+
 static void f32_to_f16_ref(cf_half *out, const float *x, int n) {
     for (int i = 0; i < n; i++) out[i] = cf_float_to_half(x[i]);
 }
@@ -255,6 +268,7 @@ static const cf_kernel_table TABLE_REF = {
     .rope = rope_ref,
     .topk = cf_topk,
     .attention = cf_attention_ref,
+    .attention_block = cf_attention_block_ref,
     .embed_row = cf_embed_row_ref,
     .f32_to_f16 = f32_to_f16_ref,
     .matmat = CF_ALL_QDTYPES(matmat_ref),

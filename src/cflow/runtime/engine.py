@@ -33,6 +33,7 @@ import numpy as np
 from cflow import weights
 from cflow.runtime import abi, files
 from cflow.runtime import experts as xp
+from cflow.runtime import readahead as readahead_mod
 from cflow.runtime.errors import (ContextOverflowError, CorruptModelError, EngineError, ModelFormatError,
                                   ModelNotFoundError)
 from cflow.runtime.generate import Completion, Timings, common_prefix, run
@@ -60,9 +61,10 @@ class Engine:
     def __init__(self, cf: Any, *, threads: int | None = None, n_ctx: int | None = None,
                  max_batch: int = DEFAULT_MAX_BATCH, experts: str = "auto", expert_cache: int | str | None = None,
                  expert_io: str = "async", expert_delay: bool = True, mmap: bool = True,
-                 log: Callable[[str], None] | None = None, n_seq: int = 1, expert_prefetch: str = "auto") -> None:
+                 log: Callable[[str], None] | None = None, n_seq: int = 1, expert_prefetch: str = "auto",
+                 readahead: str = "auto", overlap: bool = False) -> None:
         """An engine over an open CflowFile. experts / expert_cache / expert_io / expert_delay /
-        expert_prefetch: see
+        expert_prefetch / readahead / overlap: see
         Engine.load and cflow.runtime.experts; mmap=False copies the weights the engine reads out of
         a mapped file (with experts on disk: all but the experts). n_seq: KV-cache slots (sequences)
         of n_ctx positions each, for step_batch; the single-sequence calls use sequence 0."""
@@ -95,13 +97,24 @@ class Engine:
         self.residency = xp.decide(sizes, experts=experts, expert_cache=expert_cache, expert_io=expert_io,
                                    expert_prefetch=expert_prefetch)
         disk = self.residency.mode == "disk"
-        self.plan = build_plan(self.config, delay_experts=disk and expert_delay and expert_io == "async")
         buffer = cf.buffer
-        if not mmap and isinstance(getattr(buffer, "base", None), np.memmap):  # opened mapped: copy
+        mapped = isinstance(getattr(buffer, "base", None), np.memmap)
+        if not mmap and mapped:  # opened mapped: copy
             buffer = xp.dense_copy(cf, skip_experts=disk)
-        options = None
         if disk:
             xp.drop_expert_pages(cf)
+        # cold start (cflow.runtime.readahead): a .vflow runs its plan in file order, and a sweeper
+        # may read the mapped weights ahead of the first steps
+        file_order, self._sweeper, resident = readahead_mod.start(cf, readahead, mapped=mmap and mapped,
+                                                                  skip_experts=disk)
+        # with experts on disk only the dense weights come from the mapping, and every plan already
+        # touches those in the .vflow order (the cache was sized for that plan: keep it)
+        file_order = file_order and not disk
+        self._readahead = {"mode": readahead, "file_order": file_order, "resident_before": resident}
+        self.plan = build_plan(self.config, delay_experts=disk and expert_delay and expert_io == "async",
+                               file_order=file_order)
+        options = None
+        if disk:
             options = xp.native_options(cf, self.residency, xp.plan_inflight(self.plan, native))
         desc, names = abi.descriptor(cf, native)
         try:
@@ -110,7 +123,9 @@ class Engine:
                                                self.plan.n_pending, self.threads, self.n_ctx, int(max_batch),
                                                self.plan.n_moe, options, self.n_seq)
         except ValueError as e:
+            self._stop_sweeper()
             raise EngineError(f"{cf.path}: {e}") from None
+        self._native.overlap = bool(overlap)
         if disk and log:
             log(xp.describe(self.residency, self._native.expert_cache))
         self.tokenizer = Tokenizer(cf.tokenizer)
@@ -133,7 +148,8 @@ class Engine:
              progress: Callable[[int, int, str], None] | None = None,
              log: Callable[[str], None] | None = None, experts: str = "auto",
              expert_cache: int | str | None = None, expert_io: str = "async",
-             expert_delay: bool = True, n_seq: int = 1, expert_prefetch: str = "auto") -> "Engine":
+             expert_delay: bool = True, n_seq: int = 1, expert_prefetch: str = "auto",
+             readahead: str = "auto", overlap: bool = False) -> "Engine":
         """Load a .cflow/.vflow file, or a .gguf (converted once into the cache; `log` is told);
         no path: the built-in model.
 
@@ -157,9 +173,20 @@ class Engine:
 
         n_seq: independent sequences (KV-cache slots of n_ctx positions each) that `step_batch`
         advances together in one pass over the weights; memory grows by one KV cache per sequence.
+
+        readahead (cold starts, cflow.runtime.readahead): "auto" (default) runs a .vflow file's
+        plan in its file order and, when less than half of its mapped weights are in the page cache,
+        reads them ahead of the compute in that order from a background thread; "order" only the
+        first; "sweep" both, for any mapped file, cold or not; "off" neither. A .cflow file under "auto" is
+        read as before. Same results bit for bit; `readahead_stats()` says what was done.
+
+        overlap=True (experimental, off by default): with delta_dense >= 1, attn(l) and dense(l) run
+        side by side on two halves of the threads (docs/DESIGN.md, "Overlapping independent nodes");
+        same results bit for bit. `Engine.overlap` switches it between calls.
         """
         from cflow.fileformat import ChecksumError, FormatError, open_model
 
+        readahead_mod.check_mode(readahead)
         t0 = time.perf_counter()
         p = Path(path) if path is not None else DEFAULT_MODEL
         if not p.exists():
@@ -191,7 +218,8 @@ class Engine:
         try:
             eng = cls(cf, threads=threads, n_ctx=n_ctx, max_batch=max_batch, experts=experts,
                       expert_cache=expert_cache, expert_io=expert_io, expert_delay=expert_delay, mmap=mmap,
-                      log=log, n_seq=n_seq, expert_prefetch=expert_prefetch)
+                      log=log, n_seq=n_seq, expert_prefetch=expert_prefetch, readahead=readahead,
+                      overlap=overlap)
         except BaseException:
             cf.close()
             raise
@@ -230,8 +258,31 @@ class Engine:
 
     def close(self) -> None:
         """Free the engine's memory (KV cache, threads) and unmap the file; the Engine is unusable after."""
+        self._stop_sweeper()  # it reads the mapping's residency: before the unmap
         self.__dict__.pop("_native", None)
         self.file.close()
+
+    def _stop_sweeper(self) -> None:
+        sweeper = self.__dict__.pop("_sweeper", None)
+        if sweeper is not None:
+            self._readahead.update(sweeper.stats())
+            sweeper.stop()
+
+    @property
+    def overlap(self) -> bool:
+        """attn(l) beside dense(l) on two thread groups (delta_dense >= 1); see Engine.load."""
+        return bool(self._native.overlap)
+
+    @overlap.setter
+    def overlap(self, on: bool) -> None:
+        self._native.overlap = bool(on)
+
+    def readahead_stats(self) -> dict[str, Any]:
+        """The cold-start choice (cflow.runtime.readahead): mode, file_order (the plan runs in the
+        file's order), resident_before (fraction of the mapped weights in the page cache at load;
+        None: not asked), and with a sweeper: bytes_advised, bytes_total, waits, seconds, running."""
+        sweeper = self.__dict__.get("_sweeper")
+        return {**self._readahead, **(sweeper.stats() if sweeper is not None else {})}
 
     def __enter__(self) -> "Engine":
         return self
@@ -420,14 +471,19 @@ class Engine:
     def generate(self, prompt: str | Sequence[int], max_tokens: int | None = 128, *,
                  temperature: float = 0.8, top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05,
                  repeat_penalty: float = 1.0, repeat_last_n: int = 64, seed: int | None = None,
-                 stop: Sequence[str] = (), add_bos: bool | None = None, ignore_eos: bool = False) -> Iterator[str]:
+                 presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                 logit_bias: Any = (), stop: Sequence[str] = (), add_bos: bool | None = None,
+                 ignore_eos: bool = False) -> Iterator[str]:
         """Stream the continuation of `prompt` as text pieces.
 
+        Sampling as cflow.sampling.SamplingParams (logit_bias: {token id: bias} or (id, bias) pairs).
         Stops at an end-of-sequence/end-of-turn token (unless ignore_eos), at a stop string (not
         included in the output), after `max_tokens` (None: until the context is full), or at the
         end of the context. Timings of the run are in `self.last_timings` once it ends."""
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                                repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, seed=seed)
+                                repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, seed=seed,
+                                presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                                logit_bias=logit_bias)
         for _, piece in run(self, prompt, max_tokens, params, stop, add_bos, ignore_eos):
             if piece:
                 yield piece

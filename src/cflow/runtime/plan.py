@@ -23,8 +23,9 @@ Ops (engine.h has the encoding; cflow.runtime.abi turns a Plan into it by name):
     embed            ring[0] = tok_emb[token]
     attn(l)          h = x_l + Attn_l(norm(x_l))
     dense(l)         f = FFN_l(norm(h or x_{l+1-dd}))
-    route(l)         moe[l % M] = norm(h or h + f) and its top-k experts
-    experts(l)       pending[slot(l + de)] += sum_k w_k expert_k(moe[l % M])
+    route(l)         moe[l % M] = norm(h or h + f), its top-k experts (and the shared expert's
+                     per-row weight sigmoid(shared_gate . moe[l % M]) when d_shared_expert > 0)
+    experts(l)       pending[slot(l + de)] += [g shared(moe[l % M])] + sum_k w_k expert_k(moe[l % M])
     resid(l)         x_{l+1} = h + f + pending[l % P]; that slot is cleared
     final            logits = lm_head(norm(x_L + pending[late]))
 
@@ -32,7 +33,9 @@ The ops run in list order. experts(l) normally follows route(l). With `delay_exp
 disk with async reads: cflow.runtime.engine) it is placed just before resid(l + de), the first op
 that needs its output (before final when l + de is past the last layer): the reads route(l)
 started then overlap the attention and dense FFN of layers l+1..l+de. The results are the same bit
-for bit: each pending slot receives the same terms in the same order. Up to de + 1 routings are
+for bit: each pending slot receives the same terms in the same order. With `file_order` (a
+`.vflow` file, cflow.runtime.readahead) experts(l) goes where `dag.schedule` puts it, which is
+where the file stores its tensors, so a step reads the file front to back. Up to de + 1 routings are
 then alive at once, hence M = de + 1 moe slots; the C core counts the layers in flight from the plan
 (cf_plan_inflight) and sizes the smallest expert cache from it.
 
@@ -40,9 +43,9 @@ Each op that reads weights is one node of `cflow.dag` (same names:
 "L3.attn", "L3.dense", "L3.router", "L3.experts", "embed", "lm_head"), and `Plan.stages` is
 `dag.schedule(cfg)`: nodes in one stage do not depend on each other. The C engine today runs
 one op at a time with all threads on each mat-vec (on few cores that already keeps the memory
-bus busy); running a stage's nodes side by side, or starting disk reads of the experts chosen
-by route(l) while attn(l+1).. run, needs only per-node h/f buffers and is what `stages` and the
-separate route/experts ops are for.
+bus busy), except that with `Engine.overlap` on an attn(l) followed by a dense(l) reading the ring
+runs beside it on half the threads (engine.c, "overlap"); running other nodes of a stage side by
+side (experts(l) beside attn(l+1)) needs per-node h/f buffers.
 
 `Op.src` names where dense and route read their input ("h", "ring", "hf"); the C core exports
 the codes of those names and of the op kinds (`_native.SOURCES`, `_native.OP_KINDS`), and
@@ -105,15 +108,19 @@ class Plan:
         return "\n".join(f"{i:4d}  {o.kind:<8} {o.describe()}" for i, o in enumerate(self.ops))
 
 
-def build_plan(cfg: ModelConfig, delay_experts: bool = False) -> Plan:
+def build_plan(cfg: ModelConfig, delay_experts: bool = False, file_order: bool = False) -> Plan:
     """The op list for one forward pass of `cfg` (see the module docstring). delay_experts: place
-    experts(l) just before the op that first needs its output instead of right after route(l)."""
+    experts(l) just before the op that first needs its output instead of right after route(l).
+    file_order: place experts(l) where `cflow.dag.schedule(cfg)` puts it, i.e. where a `.vflow`
+    file stores its tensors, so one step reads a `.vflow` front to back (delay_experts wins when
+    both are given: with experts on disk their bytes do not come from the mapping)."""
     L, dd, de = cfg.n_layers, cfg.delta_dense, cfg.delta_expert
     H = cfg.history_depth
     P = de + 1
     late = P
     delay = delay_experts and cfg.has_moe and de > 0
-    M = de + 1 if delay else 1
+    by_schedule = file_order and not delay and cfg.has_moe and de > 0
+    M = de + 1 if delay or by_schedule else 1
 
     def experts(l: int) -> Op:
         target = l + de
@@ -138,7 +145,36 @@ def build_plan(cfg: ModelConfig, delay_experts: bool = False) -> Plan:
     if delay:  # outputs whose target is past the last layer: before the final norm
         ops += [experts(l) for l in range(max(L - de, 0), L)]
     ops.append(Op("final", L - 1, L % H, late if cfg.has_moe else -1))
-    return Plan(tuple(ops), H, P + 1 if cfg.has_moe else 0, _stages(cfg), M)
+    stages = _stages(cfg)
+    if by_schedule:
+        ops = _experts_by_schedule(ops, stages, de, L)
+    return Plan(tuple(ops), H, P + 1 if cfg.has_moe else 0, stages, M)
+
+
+def _experts_by_schedule(ops: list[Op], stages: tuple[tuple[str, ...], ...], de: int, L: int) -> list[Op]:
+    """Move each experts(l) of a layer-major plan to its place in the schedule: just before the
+    first op whose node the schedule runs after it, but never before route(l) (its input) nor
+    after resid(l + de) / final (its reader). Every pending slot still receives the same terms
+    in the same order (one source layer per target slot; the late slot's in ascending l), so
+    the results are the same bit for bit."""
+    rank = {n: i for i, n in enumerate(n for s in stages for n in s)}
+    waiting: list[Op] = []  # experts whose route has run, in ascending layer
+    out: list[Op] = []
+    for op in (o for o in ops if o.kind != "experts"):
+        node_rank = rank.get(op.node) if op.node is not None else None
+        # the last waiting experts that must or may run before `op`; the earlier ones go with it,
+        # so they still run in ascending layer (the order the late slot sums them in)
+        n_go = 0
+        for i, x in enumerate(waiting):
+            deadline = op.kind == "final" or (op.kind == "resid" and op.layer == x.layer + de)
+            if deadline or (node_rank is not None and node_rank > rank[x.node]):
+                n_go = i + 1
+        out += waiting[:n_go]
+        waiting = waiting[n_go:]
+        out.append(op)
+        if op.kind == "route":
+            waiting.append(next(o for o in ops if o.kind == "experts" and o.layer == op.layer))
+    return out
 
 
 def _stages(cfg: ModelConfig) -> tuple[tuple[str, ...], ...]:

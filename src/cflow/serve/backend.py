@@ -100,7 +100,8 @@ class EngineSlots:
         first = Engine.load(path, threads=threads, n_ctx=n_ctx, **load_kw)
         engines = [first]
         try:
-            extra = {k: load_kw[k] for k in ("max_batch", "experts", "expert_cache", "expert_io") if k in load_kw}
+            extra = {k: load_kw[k] for k in ("max_batch", "experts", "expert_cache", "expert_io",
+                                                  "expert_prefetch") if k in load_kw}
             for _ in range(int(n_slots) - 1):
                 # the same open file: one mapping of the weights serves every slot
                 engines.append(Engine(first.file, threads=threads, n_ctx=first.n_ctx, **extra))

@@ -1,0 +1,201 @@
+/* kernels_attn_avx2.c — prefill attention over a block of queries (the table's attention_block),
+ * AVX2 + FMA + F16C. #included by kernels_avx2.c after its per-query attention, whose helpers
+ * (hsum_ps, load_halves8, softmax_avx2) it shares; not compiled on its own.
+ *
+ * Two passes, like the per-query kernel: scores for every (query, head) row of the block, the
+ * softmax of each row, then the weighted sum of V. Both passes walk the cache in tiles of TT
+ * positions: a tile of K (then V) rows is converted from fp16 once into an fp32 buffer that stays
+ * in L1, and every row of the block that sees the tile's positions reads it there. Per query this
+ * computes exactly what attention_avx2 does (each score: one 8-lane FMA chain over head_dim from
+ * zero, hsum_ps, times scale; each output lane: FMAs over the positions in ascending order), so
+ * the results are the same bits (cflow.h). That rules out an online softmax, whose running-max
+ * rescaling would change the rounding, and is why prefill and step-by-step decode agree exactly.
+ * The scratch the two passes need (a score row per query and head) is the caller's.
+ */
+
+#define ATTN_TILE_FLOATS 4096 /* one fp32 tile of K or V rows: 16 KB */
+
+/* Lane i = hsum_ps(v_i), by the same tree of additions ((v0+v4) + (v2+v6)) + ((v1+v5) + (v3+v7))
+ * over each v_i's lanes, so the bits are hsum_ps's; eight sums cost what about two hsum_ps do. */
+INLINE __m256 hsum8_ps(__m256 v0, __m256 v1, __m256 v2, __m256 v3, __m256 v4, __m256 v5, __m256 v6,
+                       __m256 v7) {
+#define LOHI(a, b) _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31))
+    __m256 s04 = LOHI(v0, v4), s15 = LOHI(v1, v5), s26 = LOHI(v2, v6), s37 = LOHI(v3, v7);
+#undef LOHI
+    /* per 128-bit lane, for two vectors: [s0+s2, s1+s3, s0+s2, s1+s3] */
+    __m256 p0145 = _mm256_add_ps(_mm256_shuffle_ps(s04, s15, _MM_SHUFFLE(1, 0, 1, 0)),
+                                 _mm256_shuffle_ps(s04, s15, _MM_SHUFFLE(3, 2, 3, 2)));
+    __m256 p2367 = _mm256_add_ps(_mm256_shuffle_ps(s26, s37, _MM_SHUFFLE(1, 0, 1, 0)),
+                                 _mm256_shuffle_ps(s26, s37, _MM_SHUFFLE(3, 2, 3, 2)));
+    return _mm256_add_ps(_mm256_shuffle_ps(p0145, p2367, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm256_shuffle_ps(p0145, p2367, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* out[t] = scale * q . kt[t] for n rows of a converted tile; eight rows at a time, so that eight
+ * independent FMA chains hide the latency (each chain is still one row's, in head_dim order). */
+INLINE void block_scores(const float *q, const float *kt, int hd, int n, float scale, float *out) {
+    const __m256 vs = _mm256_set1_ps(scale);
+    int t = 0;
+    for (; t + 8 <= n; t += 8) {
+        const float *k0 = kt + (size_t)t * hd;
+        __m256 a[8];
+        for (int r = 0; r < 8; r++) a[r] = _mm256_setzero_ps();
+        for (int j = 0; j < hd; j += 8) {
+            __m256 qv = _mm256_loadu_ps(q + j);
+            for (int r = 0; r < 8; r++) a[r] = _mm256_fmadd_ps(qv, _mm256_load_ps(k0 + (size_t)r * hd + j), a[r]);
+        }
+        _mm256_storeu_ps(out + t, _mm256_mul_ps(hsum8_ps(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]), vs));
+    }
+    for (; t < n; t++) {
+        __m256 a = _mm256_setzero_ps();
+        for (int j = 0; j < hd; j += 8)
+            a = _mm256_fmadd_ps(_mm256_loadu_ps(q + j), _mm256_load_ps(kt + (size_t)t * hd + j), a);
+        out[t] = hsum_ps(a) * scale;
+    }
+}
+
+/* block_scores for two heads of one query (the same kv head, so the same positions): each K row
+ * loaded serves both, which halves the loads per FMA. */
+INLINE void block_scores2(const float *q0, const float *q1, const float *kt, int hd, int n, float scale,
+                          float *out0, float *out1) {
+    const __m256 vs = _mm256_set1_ps(scale);
+    int t = 0;
+    for (; t + 4 <= n; t += 4) {
+        const float *k0 = kt + (size_t)t * hd;
+        __m256 a[4], b[4];
+        for (int r = 0; r < 4; r++) a[r] = b[r] = _mm256_setzero_ps();
+        for (int j = 0; j < hd; j += 8) {
+            __m256 qa = _mm256_loadu_ps(q0 + j), qb = _mm256_loadu_ps(q1 + j);
+            for (int r = 0; r < 4; r++) {
+                __m256 kv = _mm256_load_ps(k0 + (size_t)r * hd + j);
+                a[r] = _mm256_fmadd_ps(qa, kv, a[r]);
+                b[r] = _mm256_fmadd_ps(qb, kv, b[r]);
+            }
+        }
+        __m256 sums = _mm256_mul_ps(hsum8_ps(a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3]), vs);
+        _mm_storeu_ps(out0 + t, _mm256_castps256_ps128(sums));
+        _mm_storeu_ps(out1 + t, _mm256_extractf128_ps(sums, 1));
+    }
+    block_scores(q0, kt + (size_t)t * hd, hd, n - t, scale, out0 + t);
+    block_scores(q1, kt + (size_t)t * hd, hd, n - t, scale, out1 + t);
+}
+
+/* o[0..w) += sum_t p[t] * vt[t*ld ..] over n rows of a converted tile (rows ld floats apart),
+ * t ascending; 32 output lanes stay in registers across the tile. */
+INLINE void block_values(float *o, const float *vt, const float *p, int w, int n, int ld) {
+    int j = 0;
+    for (; j + 32 <= w; j += 32) {
+        __m256 o0 = _mm256_loadu_ps(o + j), o1 = _mm256_loadu_ps(o + j + 8),
+               o2 = _mm256_loadu_ps(o + j + 16), o3 = _mm256_loadu_ps(o + j + 24);
+        for (int t = 0; t < n; t++) {
+            const float *v = vt + (size_t)t * ld + j;
+            __m256 pb = _mm256_broadcast_ss(p + t);
+            o0 = _mm256_fmadd_ps(pb, _mm256_load_ps(v), o0);
+            o1 = _mm256_fmadd_ps(pb, _mm256_load_ps(v + 8), o1);
+            o2 = _mm256_fmadd_ps(pb, _mm256_load_ps(v + 16), o2);
+            o3 = _mm256_fmadd_ps(pb, _mm256_load_ps(v + 24), o3);
+        }
+        _mm256_storeu_ps(o + j, o0);
+        _mm256_storeu_ps(o + j + 8, o1);
+        _mm256_storeu_ps(o + j + 16, o2);
+        _mm256_storeu_ps(o + j + 24, o3);
+    }
+    for (; j < w; j += 8) {
+        __m256 o0 = _mm256_loadu_ps(o + j);
+        for (int t = 0; t < n; t++)
+            o0 = _mm256_fmadd_ps(_mm256_broadcast_ss(p + t), _mm256_load_ps(vt + (size_t)t * ld + j), o0);
+        _mm256_storeu_ps(o + j, o0);
+    }
+}
+
+/* block_values for two heads of one query: each V row loaded serves both. */
+INLINE void block_values2(float *o0, float *o1, const float *vt, const float *p0, const float *p1, int hd,
+                          int n) {
+    int j = 0;
+    for (; j + 32 <= hd; j += 32) {
+        __m256 a[4], b[4];
+        for (int c = 0; c < 4; c++) {
+            a[c] = _mm256_loadu_ps(o0 + j + 8 * c);
+            b[c] = _mm256_loadu_ps(o1 + j + 8 * c);
+        }
+        for (int t = 0; t < n; t++) {
+            const float *v = vt + (size_t)t * hd + j;
+            __m256 pa = _mm256_broadcast_ss(p0 + t), pb = _mm256_broadcast_ss(p1 + t);
+            for (int c = 0; c < 4; c++) {
+                __m256 vv = _mm256_load_ps(v + 8 * c);
+                a[c] = _mm256_fmadd_ps(pa, vv, a[c]);
+                b[c] = _mm256_fmadd_ps(pb, vv, b[c]);
+            }
+        }
+        for (int c = 0; c < 4; c++) {
+            _mm256_storeu_ps(o0 + j + 8 * c, a[c]);
+            _mm256_storeu_ps(o1 + j + 8 * c, b[c]);
+        }
+    }
+    if (j < hd) {
+        block_values(o0 + j, vt + j, p0, hd - j, n, hd);
+        block_values(o1 + j, vt + j, p1, hd - j, n, hd);
+    }
+}
+
+/* Rows [t0, t1) of one kv head's cache to fp32 (the same conversion as load_halves8). */
+INLINE void block_tile(float *tile, const cf_half *X, int hd, int t0, int t1) {
+    const cf_half *src = X + (size_t)t0 * hd;
+    size_t n = (size_t)(t1 - t0) * hd;
+    for (size_t i = 0; i < n; i += 8) _mm256_store_ps(tile + i, load_halves8(src + i));
+}
+
+static void attention_block_avx2(float *out, const float *q, const cf_half *k, const cf_half *v,
+                                 float *att, const cf_attn_block_shape *s, int h0, int h1) {
+    int hd = s->head_dim, group = s->n_heads / s->n_kv_heads, nq = s->n_q;
+    if (hd % 8 != 0 || hd > ATTN_TILE_FLOATS) { /* attention_avx2 runs the reference there too */
+        cf_attention_block_ref(out, q, k, v, att, s, h0, h1);
+        return;
+    }
+    _Alignas(32) float tile[ATTN_TILE_FLOATS];
+    int TT = cf_min(ATTN_TILE_FLOATS / hd, 64);
+    int t_begin = cf_attn_lo(s, 0), t_end = s->pos0 + nq;
+    int n_last = t_end - cf_attn_lo(s, nq - 1); /* the longest row: the last query's */
+    for (int h = h0; h < h1;) {
+        int kvh = h / group, hb = cf_min(h1, (kvh + 1) * group); /* heads [h, hb) share kv head kvh */
+        size_t kv_off = (size_t)kvh * s->max_seq * hd;
+        /* score row of (head hh, query i), indexed by position: row(hh, i)[t] for t in [lo_i, p_i] */
+#define ROW(hh, i) (att + ((size_t)((hh) - h0) * nq + (i)) * n_last - cf_attn_lo(s, (i)))
+        for (int t0 = t_begin; t0 < t_end; t0 += TT) {
+            int t1 = cf_min(t_end, t0 + TT);
+            block_tile(tile, k + kv_off, hd, t0, t1);
+            for (int i = 0; i < nq; i++) {
+                int a = cf_max(t0, cf_attn_lo(s, i)), b = cf_min(t1, s->pos0 + i + 1);
+                const float *qi = q + (size_t)i * s->ldq, *kt = tile + (size_t)(a - t0) * hd;
+                int hh = h;
+                for (; hh + 2 <= hb && a < b; hh += 2)
+                    block_scores2(qi + (size_t)hh * hd, qi + (size_t)(hh + 1) * hd, kt, hd, b - a, s->scale,
+                                  ROW(hh, i) + a, ROW(hh + 1, i) + a);
+                if (hh < hb && a < b) block_scores(qi + (size_t)hh * hd, kt, hd, b - a, s->scale, ROW(hh, i) + a);
+            }
+        }
+        for (int i = 0; i < nq; i++) {
+            int lo = cf_attn_lo(s, i);
+            for (int hh = h; hh < hb; hh++) {
+                softmax_avx2(ROW(hh, i) + lo, s->pos0 + i + 1 - lo);
+                memset(out + (size_t)i * s->ldo + (size_t)hh * hd, 0, sizeof(float) * (size_t)hd);
+            }
+        }
+        for (int t0 = t_begin; t0 < t_end; t0 += TT) {
+            int t1 = cf_min(t_end, t0 + TT);
+            block_tile(tile, v + kv_off, hd, t0, t1);
+            for (int i = 0; i < nq; i++) {
+                int a = cf_max(t0, cf_attn_lo(s, i)), b = cf_min(t1, s->pos0 + i + 1);
+                float *oi = out + (size_t)i * s->ldo;
+                const float *vt = tile + (size_t)(a - t0) * hd;
+                int hh = h;
+                for (; hh + 2 <= hb && a < b; hh += 2)
+                    block_values2(oi + (size_t)hh * hd, oi + (size_t)(hh + 1) * hd, vt, ROW(hh, i) + a,
+                                  ROW(hh + 1, i) + a, hd, b - a);
+                if (hh < hb && a < b) block_values(oi + (size_t)hh * hd, vt, ROW(hh, i) + a, hd, b - a, hd);
+            }
+        }
+#undef ROW
+        h = hb;
+    }
+}

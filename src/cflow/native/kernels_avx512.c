@@ -1,0 +1,608 @@
+/* kernels_avx512.c — the batched (prefill) kernels on 512-bit registers with AVX512-VNNI.
+ *
+ * Compiled with -mavx512f -mavx512bw -mavx512vl -mavx512vnni -mfma -mf16c (CMakeLists.txt) and
+ * chosen by dispatch.c only on CPUs that report all four AVX-512 features with zmm state saved
+ * by the OS. The table is a copy of the best AVX2-family table (dispatch.c passes it in) with
+ * only matmat and gate_up_mm of Q4_0, Q4_1 and Q8_0 replaced, so every entry added to the AVX2
+ * tables later is inherited as it is.
+ *
+ * The contract (cflow.h) is that matmat equals this table's matvec row by row, bit for bit, and
+ * matvec is the inherited kernels_avx2.c one. Its float operations per row of a tile are:
+ *   acc = 0; per block: Q4_0 acc = fma(d, fma(isum, dx, -8 sx), acc)
+ *                       Q4_1 acc = fma(d, isum * dx, acc); acc = fma(m, sx, acc)
+ *                       Q8_0 acc = fma(d, isum * dx, acc)
+ *   then out += acc, tile after tile; the short last group through the reference.
+ * isum is an exact integer however it is summed, and every float operation above is lane-wise,
+ * so the kernels below do exactly these operations with 16 rows (two groups) per zmm.
+ *
+ * Layout of the work: per tile share and batch of tokens, up to MM5_NP pairs of groups have
+ * their blocks transposed once into an L1 buffer (lane i of v[t] = bytes 4t..4t+3 of row i, the
+ * rows of two groups side by side, in row order), then a micro-kernel runs MM5_NT tokens x
+ * MM5_NP pairs at once: per activation dword it broadcasts NT dwords and issues NT x NP
+ * vpdpbusd against NP weight vectors, so each weight vector loaded serves NT tokens and each
+ * broadcast serves NP x 16 rows.
+ */
+#include <immintrin.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <string.h>
+
+#include "cflow.h"
+#include "kernels_internal.h"
+#include "kernels_ref.h"
+
+#define INLINE static inline __attribute__((always_inline))
+
+#ifndef MM5_NT
+#define MM5_NT 4   /* tokens per micro-kernel: NT x NP int + float accumulators in zmm */
+#endif
+#ifndef MM5_NP
+#define MM5_NP 2   /* pairs of groups (32 rows) per micro-kernel and per unpacked buffer */
+#endif
+#if MM5_NT < 1 || MM5_NT > 8 || MM5_NP < 1 || MM5_NP > 2
+#error "MM5_NT must be 1..8 and MM5_NP 1..2"
+#endif
+#define MM5_KT 16  /* most blocks per tile row the buffer holds (tile_cols <= 512): 16 KiB */
+#define MM5_TB 64  /* tokens per batch (Q8_0's per-token block sums live on the stack) */
+
+/* The table this one copies; its matmat also runs tiles wider than MM5_KT blocks (same values:
+ * both equal the same matvec). */
+static _Atomic(const cf_kernel_table *) g_base;
+
+/* ---- unpacking: two groups' block into 8 transposed vectors ----------------------------- */
+
+/* Q4 (16 nibble bytes per row, 8 rows per group; group b at qb, pass qb = qa for one group):
+ * lane i of t_k = bytes 4k..4k+3 of row i (rows of b in lanes 8..15). v[k] gets the low
+ * nibbles (weights 4k..4k+3, against activation dword k), v[4+k] the high ones (weights
+ * 16+4k.., against dword 4+k). */
+INLINE void unpack_q4_pair(const uint8_t *qa, const uint8_t *qb, __m512i v[8]) {
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    __m512i a0 = _mm512_loadu_si512(qa), a1 = _mm512_loadu_si512(qa + 64);
+    __m512i b0 = _mm512_loadu_si512(qb), b1 = _mm512_loadu_si512(qb + 64);
+    for (int k = 0; k < 4; k++) {
+        /* row i of a group sits at dword 4i + k of (x0, x1) */
+        __m512i idx = _mm512_setr_epi32(k, 4 + k, 8 + k, 12 + k, 16 + k, 20 + k, 24 + k, 28 + k,
+                                        k, 4 + k, 8 + k, 12 + k, 16 + k, 20 + k, 24 + k, 28 + k);
+        __m512i t = _mm512_mask_blend_epi32(0xff00, _mm512_permutex2var_epi32(a0, idx, a1),
+                                            _mm512_permutex2var_epi32(b0, idx, b1));
+        v[k] = _mm512_and_si512(t, m4);
+        v[4 + k] = _mm512_and_si512(_mm512_srli_epi16(t, 4), m4);
+    }
+}
+
+/* Q8_0 (32 int8 per row): lane i of v[k] = bytes 4k..4k+3 of row i, offset by +128 (XOR 0x80)
+ * so the weights are vpdpbusd's unsigned operand; the kernel subtracts 128 * sum(x). */
+INLINE void unpack_q8_pair(const uint8_t *qa, const uint8_t *qb, __m512i v[8]) {
+    const __m512i x80 = _mm512_set1_epi8((char)0x80);
+    __m512i a[4], b[4];
+    for (int j = 0; j < 4; j++) { /* a[j] = rows 2j, 2j+1 */
+        a[j] = _mm512_loadu_si512(qa + 64 * j);
+        b[j] = _mm512_loadu_si512(qb + 64 * j);
+    }
+    for (int k = 0; k < 8; k++) {
+        /* row 4h + i (i < 4) sits at dword 8i + k of (x[2h], x[2h+1]) */
+        __m512i idx = _mm512_setr_epi32(k, 8 + k, 16 + k, 24 + k, k, 8 + k, 16 + k, 24 + k,
+                                        k, 8 + k, 16 + k, 24 + k, k, 8 + k, 16 + k, 24 + k);
+        __m512i t = _mm512_permutex2var_epi32(a[0], idx, a[1]);
+        t = _mm512_mask_blend_epi32(0x00f0, t, _mm512_permutex2var_epi32(a[2], idx, a[3]));
+        t = _mm512_mask_blend_epi32(0x0f00, t, _mm512_permutex2var_epi32(b[0], idx, b[1]));
+        t = _mm512_mask_blend_epi32(0xf000, t, _mm512_permutex2var_epi32(b[2], idx, b[3]));
+        v[k] = _mm512_xor_si512(t, x80);
+    }
+}
+
+/* 16 fp16 scales: 8 of group a, then 8 of group b. */
+INLINE __m512 load_halves16(const uint8_t *pa, const uint8_t *pb) {
+    __m256i h = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)pa)),
+                                        _mm_loadu_si128((const __m128i *)pb), 1);
+    return _mm512_cvtph_ps(h);
+}
+
+/* The unpacked blocks of up to MM5_NP pairs of one tile: [pair][block]. */
+typedef struct {
+    __m512i v[MM5_NP * MM5_KT][8];
+    __m512 d[MM5_NP * MM5_KT], m[MM5_NP * MM5_KT];
+} mm5_buf;
+
+/* Unpack pair q (groups at pa, pb; pb = pa for a lone last group) of nkt blocks. */
+INLINE void unpack_pair(int dtype, const uint8_t *pa, const uint8_t *pb, int nkt, mm5_buf *buf, int q) {
+    size_t chunk = cf_block_bytes(dtype) * CF_G, qs_off = cf_chunk_qs_offset(dtype, CF_G);
+    for (int kb = 0; kb < nkt; kb++) {
+        const uint8_t *ca = pa + kb * chunk, *cb = pb + kb * chunk;
+        int i = q * MM5_KT + kb;
+        buf->d[i] = load_halves16(ca, cb);
+        if (dtype == CF_Q4_1) buf->m[i] = load_halves16(ca + 16, cb + 16);
+        if (dtype == CF_Q8_0) unpack_q8_pair(ca + qs_off, cb + qs_off, buf->v[i]);
+        else unpack_q4_pair(ca + qs_off, cb + qs_off, buf->v[i]);
+    }
+}
+
+/* ---- the micro-kernel ------------------------------------------------------------------ */
+
+/* NT tokens (xs[0..NT)) x NP pairs of one tile: out + j*ldo + 16q gets += the tile's share of
+ * rows 16q.. for token j (lanes of mask[q] only). corr[j * MM5_KT + kb] = 128 * sum of token j's
+ * int8 block kb (Q8_0 only). */
+INLINE void mm5_kernel(int NT, int NP, int dtype, const mm5_buf *buf, int nkt, const cf_act_q8 *xs,
+                       int kb0, const int32_t *corr, float *out, int ldo, const __mmask16 *mask) {
+    const int32_t *x4[MM5_NT];
+    const float *xd[MM5_NT], *xsum[MM5_NT];
+    __m512 acc[MM5_NP][MM5_NT];
+    for (int j = 0; j < NT; j++) {
+        x4[j] = (const int32_t *)(xs[j].qs + (size_t)kb0 * CF_QK);
+        xd[j] = xs[j].d + kb0;
+        xsum[j] = xs[j].s + kb0;
+        for (int q = 0; q < NP; q++) acc[q][j] = _mm512_setzero_ps();
+    }
+    for (int kb = 0; kb < nkt; kb++) {
+        __m512i is[MM5_NP][MM5_NT];
+        for (int j = 0; j < NT; j++) {
+            __m512i init = dtype == CF_Q8_0 ? _mm512_set1_epi32(-corr[j * MM5_KT + kb]) : _mm512_setzero_si512();
+            for (int q = 0; q < NP; q++) is[q][j] = init;
+        }
+        for (int t = 0; t < 8; t++) {
+            __m512i xb[MM5_NT];
+            for (int j = 0; j < NT; j++) xb[j] = _mm512_set1_epi32(x4[j][kb * 8 + t]);
+            for (int q = 0; q < NP; q++) {
+                __m512i w = buf->v[q * MM5_KT + kb][t];
+                for (int j = 0; j < NT; j++) is[q][j] = _mm512_dpbusd_epi32(is[q][j], w, xb[j]);
+            }
+        }
+        for (int j = 0; j < NT; j++) {
+            __m512 bd = _mm512_set1_ps(xd[j][kb]), bs = _mm512_set1_ps(xsum[j][kb]);
+            for (int q = 0; q < NP; q++) {
+                int i = q * MM5_KT + kb;
+                __m512 fsum = _mm512_cvtepi32_ps(is[q][j]);
+                if (dtype == CF_Q4_0) {
+                    __m512 neg8s = _mm512_mul_ps(bs, _mm512_set1_ps(-8.0f));
+                    acc[q][j] = _mm512_fmadd_ps(buf->d[i], _mm512_fmadd_ps(fsum, bd, neg8s), acc[q][j]);
+                } else {
+                    acc[q][j] = _mm512_fmadd_ps(buf->d[i], _mm512_mul_ps(fsum, bd), acc[q][j]);
+                    if (dtype == CF_Q4_1) acc[q][j] = _mm512_fmadd_ps(buf->m[i], bs, acc[q][j]);
+                }
+            }
+        }
+    }
+    for (int j = 0; j < NT; j++)
+        for (int q = 0; q < NP; q++) {
+            float *o = out + (size_t)j * ldo + 16 * q;
+            __m512 prev = _mm512_maskz_loadu_ps(mask[q], o);
+            _mm512_mask_storeu_ps(o, mask[q], _mm512_add_ps(prev, acc[q][j]));
+        }
+}
+
+/* corr[j * MM5_KT + kb] = 128 * the sum of token j's int8s in block kb0 + kb: what Q8_0's +128
+ * weight offset adds to each row's integer sum. */
+INLINE void q8_block_sums(const cf_act_q8 *xs, int nb, int kb0, int nkt, int32_t *corr) {
+    const __m256i ones = _mm256_set1_epi8(1);
+    for (int j = 0; j < nb; j++)
+        for (int kb = 0; kb < nkt; kb++) {
+            __m256i x = _mm256_loadu_si256((const __m256i *)(xs[j].qs + (size_t)(kb0 + kb) * CF_QK));
+            __m256i s = _mm256_dpbusd_epi32(_mm256_setzero_si256(), ones, x);
+            corr[j * MM5_KT + kb] = 128 * _mm512_reduce_add_epi32(_mm512_zextsi256_si512(s));
+        }
+}
+
+/* Every (NT, NP) the walk needs, with constants so the loops unroll into registers. */
+static void mm5_run(int nt, int np, int dtype, const mm5_buf *buf, int nkt, const cf_act_q8 *xs,
+                    int kb0, const int32_t *corr, float *out, int ldo, const __mmask16 *mask) {
+#define MM5_CASE(NT, NP, DT)                                                                   \
+    if (NT <= MM5_NT && NP <= MM5_NP && nt == NT && np == NP && dtype == DT) {                 \
+        mm5_kernel(NT, NP, DT, buf, nkt, xs, kb0, corr, out, ldo, mask);                       \
+        return;                                                                                \
+    }
+#define MM5_NTS(NP, DT)                                                                        \
+    MM5_CASE(1, NP, DT) MM5_CASE(2, NP, DT) MM5_CASE(3, NP, DT) MM5_CASE(4, NP, DT)              \
+    MM5_CASE(5, NP, DT) MM5_CASE(6, NP, DT) MM5_CASE(7, NP, DT) MM5_CASE(8, NP, DT)
+#define MM5_DTS(DT) MM5_NTS(1, DT) MM5_NTS(2, DT)
+    MM5_DTS(CF_Q4_0)
+    MM5_DTS(CF_Q4_1)
+    MM5_DTS(CF_Q8_0)
+#undef MM5_DTS
+#undef MM5_NTS
+#undef MM5_CASE
+}
+
+/* ---- the walk ---------------------------------------------------------------------------- */
+
+/* out[b*ldo + r - g0*8] for the rows of groups [g0, g1) and activations b < B: the tile shares
+ * in the mat-vec's order (band, tile), and within one, batches of MM5_TB tokens over chunks of
+ * MM5_NP pairs unpacked once; the short last group goes through the reference, as in matvec. */
+static void matmat_groups(int dtype, const cf_tiled *w, const cf_act_q8 *xs, int B, float *out,
+                          int ldo, int g0, int g1) {
+    int g1_full = cf_min(g1, w->rows / CF_G);
+    size_t bb = cf_block_bytes(dtype);
+    mm5_buf buf;
+    int32_t corr[MM5_TB * MM5_KT];
+    if (g0 < g1_full) {
+        for (int b = 0; b < B; b++)
+            memset(out + (size_t)b * ldo, 0, sizeof(float) * (size_t)(g1_full - g0) * CF_G);
+        cf_span sp;
+        for (cf_span_begin(&sp, w, g0, g1_full); cf_span_next(&sp);) {
+            size_t group_bytes = (size_t)CF_G * sp.nkt * bb;
+            for (int b0 = 0; b0 < B; b0 += MM5_TB) {
+                int nb = cf_min(MM5_TB, B - b0);
+                if (dtype == CF_Q8_0) q8_block_sums(xs + b0, nb, sp.kb0, sp.nkt, corr);
+                for (int gr = sp.ga; gr < sp.gb; gr += 2 * MM5_NP) {
+                    int ng = cf_min(2 * MM5_NP, sp.gb - gr), np = (ng + 1) / 2;
+                    __mmask16 mask[MM5_NP];
+                    const uint8_t *p = sp.ptr + (size_t)(gr - sp.ga) * group_bytes;
+                    for (int q = 0; q < np; q++) {
+                        int lone = 2 * q + 1 >= ng; /* a last group without a partner */
+                        mask[q] = lone ? 0x00ff : 0xffff;
+                        const uint8_t *pa = p + (size_t)(2 * q) * group_bytes;
+                        unpack_pair(dtype, pa, lone ? pa : pa + group_bytes, sp.nkt, &buf, q);
+                    }
+                    float *o = out + (size_t)b0 * ldo + (size_t)(gr - g0) * CF_G;
+                    for (int j = 0; j < nb; j += MM5_NT)
+                        mm5_run(cf_min(MM5_NT, nb - j), np, dtype, &buf, sp.nkt, xs + b0 + j, sp.kb0,
+                                corr + j * MM5_KT, o + (size_t)j * ldo, ldo, mask);
+                }
+            }
+        }
+    }
+    if (g1 > g1_full && g1 > g0) {
+        int gs = cf_max(g0, g1_full);
+        for (int b = 0; b < B; b++)
+            cf_matvec_groups_ref(w, &xs[b], out + (size_t)b * ldo + (size_t)(gs - g0) * CF_G, gs, g1);
+    }
+}
+
+/* ---- K-quants (Q4_K, Q5_K, Q6_K): the same walk over 256-weight super-blocks ------------ */
+
+/* The inherited mat-vec (kernels_kquant_avx2.c, kq_finish) does per row and super-block
+ *   acc = fma(d * dx, sum_qd, acc); Q4_K / Q5_K: acc = fnmadd(dmin * dx, sum_mb, acc)
+ * with the exact integers of docs/kquants.md ("The integer dot products"); so does this. */
+#define KQ5_KT 2 /* super-blocks per tile row the buffer holds (tile_cols <= 512): 16 KiB */
+
+/* A pair's super-blocks: v[t][k] lane i = weights 32t + 4k .. +3 of row i (u8: Q4_K 0..15,
+ * Q5_K 0..31, Q6_K 0..63); sc[s] lane i = row i's scale of sub-block s (Q4_K / Q5_K 8 of 32
+ * weights, Q6_K 16 of 16); mp[j] lane i = int16 pair: Q4_K / Q5_K (m_j, m_j) against bsums (2j, 2j+1), so one vpdpwssd
+ * per j forms m_j * bsum32_j; Q6_K (sc_2j, sc_2j+1), the -32 term's sum_s sc_s * bsums_s. */
+typedef struct {
+    __m512i v[MM5_NP * KQ5_KT][8][8];
+    __m512i sc[MM5_NP * KQ5_KT][16];
+    __m512i mp[MM5_NP * KQ5_KT][8];
+    __m512 d[MM5_NP * KQ5_KT], dmin[MM5_NP * KQ5_KT];
+} kq5_buf;
+
+/* Row i's dword at byte offset `off` of its field (rows `size` bytes apart, groups `gstride`
+ * bytes apart; gstride 0 for a lone group), for the 16 rows of a pair. */
+INLINE __m512i gather_rows(const uint8_t *field, int size, int gstride, int off) {
+    __m512i row = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7);
+    __m512i grp = _mm512_mask_blend_epi32(0xff00, _mm512_setzero_si512(), _mm512_set1_epi32(gstride));
+    __m512i idx = _mm512_add_epi32(_mm512_add_epi32(_mm512_mullo_epi32(row, _mm512_set1_epi32(size)), grp),
+                                   _mm512_set1_epi32(off));
+    return _mm512_i32gather_epi32(idx, field, 1);
+}
+
+/* Q4_K / Q5_K's 12 packed scale bytes of row i -> 8 scales and 8 mins (ggml's get_scale_min_k4). */
+INLINE void scale_min_k4(const uint8_t *q, uint8_t *sc, uint8_t *m) {
+    for (int j = 0; j < 8; j++) {
+        if (j < 4) {
+            sc[j] = q[j] & 63;
+            m[j] = q[j + 4] & 63;
+        } else {
+            sc[j] = (q[j + 4] & 0xf) | ((q[j - 4] >> 6) << 4);
+            m[j] = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+        }
+    }
+}
+
+/* Unpack pair q (chunks at ca, cb; cb = ca for a lone group) of nkt super-blocks; chunk
+ * offsets (g = 8): Q4_K d@0 dmin@16 scales[8][12]@32 qs[8][128]@128 (1152 B);
+ * Q5_K d@0 dmin@16 scales[8][12]@32 qh[8][32]@128 qs[8][128]@384 (1408 B);
+ * Q6_K d@0 scales[8][16]@16 ql[8][128]@144 qh[8][64]@1168 (1680 B). */
+INLINE void kq5_unpack_pair(int dtype, const uint8_t *ca, const uint8_t *cb, int nkt, kq5_buf *buf, int q) {
+    size_t chunk = cf_block_bytes(dtype) * CF_G;
+    int gstride = (int)(cb - ca);
+    const __m512i m4 = _mm512_set1_epi8(0x0f), m2 = _mm512_set1_epi8(3);
+    for (int kb = 0; kb < nkt; kb++) {
+        const uint8_t *c = ca + kb * chunk;
+        int n = q * KQ5_KT + kb;
+        buf->d[n] = load_halves16(c, c + gstride);
+        int32_t sc[16][16], mp[8][16]; /* [sub-block][lane] */
+        if (dtype == CF_Q4_K || dtype == CF_Q5_K) {
+            buf->dmin[n] = load_halves16(c + 16, c + gstride + 16);
+            for (int i = 0; i < 16; i++) {
+                uint8_t s8[8], m8[8];
+                scale_min_k4(c + (i < 8 ? 0 : gstride) + 32 + 12 * (i & 7), s8, m8);
+                for (int j = 0; j < 8; j++) {
+                    sc[j][i] = s8[j];
+                    mp[j][i] = (int32_t)((uint32_t)m8[j] << 16 | m8[j]);
+                }
+            }
+            const int q5k = dtype == CF_Q5_K;
+            const __m512i one = _mm512_set1_epi8(1);
+            for (int t = 0; t < 8; t++) /* sub-block t: run t/2 of qs, low or high nibbles */
+                for (int k = 0; k < 8; k++) {
+                    __m512i raw = gather_rows(c + (q5k ? 384 : 128), 128, gstride, 32 * (t / 2) + 4 * k);
+                    __m512i v = _mm512_and_si512(t & 1 ? _mm512_srli_epi16(raw, 4) : raw, m4);
+                    if (q5k) { /* bit t of qh[l]: the 5th bit of weight 32t + l */
+                        __m512i qh = gather_rows(c + 128, 32, gstride, 4 * k);
+                        v = _mm512_or_si512(v, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qh, t), one), 4));
+                    }
+                    buf->v[n][t][k] = v;
+                }
+        } else {
+            buf->dmin[n] = _mm512_setzero_ps();
+            for (int i = 0; i < 16; i++) {
+                const int8_t *s16 = (const int8_t *)(c + (i < 8 ? 0 : gstride) + 16 + 16 * (i & 7));
+                for (int j = 0; j < 16; j++) sc[j][i] = s16[j];
+                for (int j = 0; j < 8; j++)
+                    mp[j][i] = (int32_t)((uint32_t)(uint16_t)(int16_t)s16[2 * j + 1] << 16 | (uint16_t)(int16_t)s16[2 * j]);
+            }
+            for (int t = 0; t < 8; t++) { /* weights 128h + 32s + l, t = 4h + s (kernels_kquant_avx2.c) */
+                int h = t / 4, sh = t % 4;
+                for (int k = 0; k < 8; k++) {
+                    __m512i ql = gather_rows(c + 144, 128, gstride, 64 * h + 32 * (sh & 1) + 4 * k);
+                    __m512i qh = gather_rows(c + 1168, 64, gstride, 32 * h + 4 * k);
+                    __m512i lo = _mm512_and_si512(sh >= 2 ? _mm512_srli_epi16(ql, 4) : ql, m4);
+                    __m512i hi = _mm512_and_si512(_mm512_srli_epi16(qh, 2 * sh), m2);
+                    buf->v[n][t][k] = _mm512_or_si512(lo, _mm512_slli_epi16(hi, 4));
+                }
+            }
+        }
+        for (int j = 0; j < 16; j++) buf->sc[n][j] = _mm512_loadu_si512(sc[j]);
+        for (int j = 0; j < 8; j++) buf->mp[n][j] = _mm512_loadu_si512(mp[j]);
+    }
+}
+
+/* NT tokens x NP pairs of one tile, as mm5_kernel. */
+INLINE void kq5_kernel(int NT, int NP, int dtype, const kq5_buf *buf, int nkt, const cf_act_q8 *xs,
+                       int kb0, float *out, int ldo, const __mmask16 *mask) {
+    __m512 acc[MM5_NP][MM5_NT];
+    for (int q = 0; q < NP; q++)
+        for (int j = 0; j < NT; j++) acc[q][j] = _mm512_setzero_ps();
+    for (int kb = 0; kb < nkt; kb++) {
+        const int32_t *x4[MM5_NT], *b2[MM5_NT];
+        for (int j = 0; j < NT; j++) {
+            x4[j] = (const int32_t *)(xs[j].qk + (size_t)(kb0 + kb) * CF_QK_K);
+            b2[j] = (const int32_t *)(xs[j].bsums + (size_t)(kb0 + kb) * (CF_QK_K / 16));
+        }
+        __m512i qd[MM5_NP][MM5_NT], mb[MM5_NP][MM5_NT];
+        for (int q = 0; q < NP; q++)
+            for (int j = 0; j < NT; j++) {
+                qd[q][j] = _mm512_setzero_si512();
+                mb[q][j] = _mm512_setzero_si512();
+            }
+        for (int t = 0; t < 8; t++) {
+            __m512i lo[MM5_NP][MM5_NT], hi[MM5_NP][MM5_NT];
+            for (int q = 0; q < NP; q++)
+                for (int j = 0; j < NT; j++) lo[q][j] = hi[q][j] = _mm512_setzero_si512();
+            for (int k = 0; k < 8; k++) {
+                __m512i xb[MM5_NT];
+                for (int j = 0; j < NT; j++) xb[j] = _mm512_set1_epi32(x4[j][8 * t + k]);
+                for (int q = 0; q < NP; q++) {
+                    __m512i w = buf->v[q * KQ5_KT + kb][t][k];
+                    for (int j = 0; j < NT; j++) {
+                        /* Q6_K: dwords 0..3 and 4..7 are two sub-blocks of 16 */
+                        if (dtype == CF_Q6_K && k >= 4) hi[q][j] = _mm512_dpbusd_epi32(hi[q][j], w, xb[j]);
+                        else lo[q][j] = _mm512_dpbusd_epi32(lo[q][j], w, xb[j]);
+                    }
+                }
+            }
+            for (int q = 0; q < NP; q++) {
+                const __m512i *sc = buf->sc[q * KQ5_KT + kb];
+                for (int j = 0; j < NT; j++) {
+                    if (dtype == CF_Q6_K) {
+                        qd[q][j] = _mm512_add_epi32(qd[q][j], _mm512_mullo_epi32(lo[q][j], sc[2 * t]));
+                        qd[q][j] = _mm512_add_epi32(qd[q][j], _mm512_mullo_epi32(hi[q][j], sc[2 * t + 1]));
+                    } else {
+                        qd[q][j] = _mm512_add_epi32(qd[q][j], _mm512_mullo_epi32(lo[q][j], sc[t]));
+                    }
+                }
+            }
+        }
+        for (int q = 0; q < NP; q++) {
+            int n = q * KQ5_KT + kb;
+            for (int j = 0; j < NT; j++) {
+                for (int s = 0; s < 8; s++) /* bsums 2s, 2s+1 as one int16 pair */
+                    mb[q][j] = _mm512_dpwssd_epi32(mb[q][j], buf->mp[n][s], _mm512_set1_epi32(b2[j][s]));
+                __m512 dx = _mm512_set1_ps(xs[j].dk[kb0 + kb]);
+                if (dtype == CF_Q6_K) { /* sum_qd = sum_s sc_s dot_s - 32 sum_s sc_s bsums_s */
+                    __m512i v = _mm512_sub_epi32(qd[q][j], _mm512_slli_epi32(mb[q][j], 5));
+                    acc[q][j] = _mm512_fmadd_ps(_mm512_mul_ps(buf->d[n], dx), _mm512_cvtepi32_ps(v), acc[q][j]);
+                } else {
+                    acc[q][j] = _mm512_fmadd_ps(_mm512_mul_ps(buf->d[n], dx), _mm512_cvtepi32_ps(qd[q][j]), acc[q][j]);
+                    acc[q][j] = _mm512_fnmadd_ps(_mm512_mul_ps(buf->dmin[n], dx), _mm512_cvtepi32_ps(mb[q][j]), acc[q][j]);
+                }
+            }
+        }
+    }
+    for (int j = 0; j < NT; j++)
+        for (int q = 0; q < NP; q++) {
+            float *o = out + (size_t)j * ldo + 16 * q;
+            __m512 prev = _mm512_maskz_loadu_ps(mask[q], o);
+            _mm512_mask_storeu_ps(o, mask[q], _mm512_add_ps(prev, acc[q][j]));
+        }
+}
+
+static void kq5_run(int nt, int np, int dtype, const kq5_buf *buf, int nkt, const cf_act_q8 *xs,
+                    int kb0, float *out, int ldo, const __mmask16 *mask) {
+#define KQ5_CASE(NT, NP, DT)                                                                   \
+    if (NT <= MM5_NT && NP <= MM5_NP && nt == NT && np == NP && dtype == DT) {                 \
+        kq5_kernel(NT, NP, DT, buf, nkt, xs, kb0, out, ldo, mask);                             \
+        return;                                                                                \
+    }
+#define KQ5_NTS(NP, DT) KQ5_CASE(1, NP, DT) KQ5_CASE(2, NP, DT) KQ5_CASE(3, NP, DT) KQ5_CASE(4, NP, DT)
+    KQ5_NTS(1, CF_Q4_K)
+    KQ5_NTS(2, CF_Q4_K)
+    KQ5_NTS(1, CF_Q5_K)
+    KQ5_NTS(2, CF_Q5_K)
+    KQ5_NTS(1, CF_Q6_K)
+    KQ5_NTS(2, CF_Q6_K)
+#undef KQ5_NTS
+#undef KQ5_CASE
+}
+
+static void kq5_matmat_groups(int dtype, const cf_tiled *w, const cf_act_q8 *xs, int B, float *out,
+                              int ldo, int g0, int g1) {
+    int g1_full = cf_min(g1, w->rows / CF_G);
+    size_t bb = cf_block_bytes(dtype);
+    kq5_buf buf;
+    if (g0 < g1_full) {
+        for (int b = 0; b < B; b++)
+            memset(out + (size_t)b * ldo, 0, sizeof(float) * (size_t)(g1_full - g0) * CF_G);
+        cf_span sp;
+        for (cf_span_begin(&sp, w, g0, g1_full); cf_span_next(&sp);) {
+            size_t group_bytes = (size_t)CF_G * sp.nkt * bb;
+            for (int gr = sp.ga; gr < sp.gb; gr += 2 * MM5_NP) {
+                int ng = cf_min(2 * MM5_NP, sp.gb - gr), np = (ng + 1) / 2;
+                __mmask16 mask[MM5_NP];
+                const uint8_t *p = sp.ptr + (size_t)(gr - sp.ga) * group_bytes;
+                for (int q = 0; q < np; q++) {
+                    int lone = 2 * q + 1 >= ng;
+                    mask[q] = lone ? 0x00ff : 0xffff;
+                    const uint8_t *pa = p + (size_t)(2 * q) * group_bytes;
+                    kq5_unpack_pair(dtype, pa, lone ? pa : pa + group_bytes, sp.nkt, &buf, q);
+                }
+                float *o = out + (size_t)(gr - g0) * CF_G;
+                for (int j = 0; j < B; j += MM5_NT)
+                    kq5_run(cf_min(MM5_NT, B - j), np, dtype, &buf, sp.nkt, xs + j, sp.kb0,
+                            o + (size_t)j * ldo, ldo, mask);
+            }
+        }
+    }
+    if (g1 > g1_full && g1 > g0) {
+        int gs = cf_max(g0, g1_full);
+        for (int b = 0; b < B; b++)
+            cf_matvec_groups_ref(w, &xs[b], out + (size_t)b * ldo + (size_t)(gs - g0) * CF_G, gs, g1);
+    }
+}
+
+INLINE void any_matmat_groups(int dtype, const cf_tiled *w, const cf_act_q8 *xs, int B, float *out,
+                              int ldo, int g0, int g1) {
+    if (cf_is_kquant(dtype)) kq5_matmat_groups(dtype, w, xs, B, out, ldo, g0, g1);
+    else matmat_groups(dtype, w, xs, B, out, ldo, g0, g1);
+}
+
+/* Tiles wider than the buffer (tile_cols > 512) take the base table's matmat: the same values. */
+static int fits(const cf_tiled *w) {
+    return cf_is_kquant(w->dtype) ? w->tile_cols / CF_QK_K <= KQ5_KT : w->tile_cols / CF_QK <= MM5_KT;
+}
+
+#define DEFINE_MATMAT(NAME, DT)                                                                \
+    static void NAME(const cf_tiled *w, const cf_act_q8 *xs, int B, float *y, int ldy, int g0,  \
+                     int g1) {                                                                 \
+        if (!fits(w)) {                                                                        \
+            atomic_load(&g_base)->matmat[DT](w, xs, B, y, ldy, g0, g1);                                      \
+            return;                                                                            \
+        }                                                                                      \
+        any_matmat_groups(DT, w, xs, B, y + (size_t)g0 * CF_G, ldy, g0, g1);                   \
+    }
+DEFINE_MATMAT(matmat_q4_0_avx512, CF_Q4_0)
+DEFINE_MATMAT(matmat_q4_1_avx512, CF_Q4_1)
+DEFINE_MATMAT(matmat_q8_0_avx512, CF_Q8_0)
+DEFINE_MATMAT(matmat_q4_k_avx512, CF_Q4_K)
+DEFINE_MATMAT(matmat_q5_k_avx512, CF_Q5_K)
+DEFINE_MATMAT(matmat_q6_k_avx512, CF_Q6_K)
+
+/* ---- fused gate+up+SiLU, batched ----------------------------------------------------------- */
+
+/* exp and silu lane for lane as kernels_avx2.c's exp_ps / silu_ps (same constants, same
+ * operations, each exactly rounded per lane), so gate_up_mm equals the inherited gate_up bit
+ * for bit. */
+INLINE __m512 exp_ps16(__m512 x) {
+    x = _mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f));
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3365447504f));
+    __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                    _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 y = _mm512_set1_ps(1.9875691500E-4f);
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507E-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073E-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894E-2f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459E-1f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201E-1f));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+
+INLINE __m512 silu_ps16(__m512 g) {
+    __m512 e = exp_ps16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+    return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+}
+
+#define GATE_UP_MM_NB 64   /* tokens per pass */
+#define GATE_UP_MM_PAIRS 8 /* pairs per pass: the gate/up scratch is 64 x 128 floats, 32 KiB */
+
+/* kernels_avx2.c's gate_up_mm over this file's matmat_groups: passes of pairs cut at band edges
+ * (a row's sum depends only on its tiles' order), then y = silu(gate) * up two pairs per zmm. */
+static void gate_up_mm(int dtype, const cf_tiled *w, const cf_act_q8 *xs, int B, float *y, int ldy,
+                       int p0, int p1) {
+    enum { LD = 2 * CF_G * GATE_UP_MM_PAIRS };
+    float gu[GATE_UP_MM_NB * LD]; /* [b][pair][gate 8, up 8] */
+    const __m512i gate_idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+    const __m512i up_idx = _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    int gpb = w->tile_rows / CF_G;
+    for (int p = p0; p < p1;) {
+        int band_end_pair = ((2 * p) / gpb + 1) * gpb / 2;
+        int pe = cf_min(cf_min(p1, p + GATE_UP_MM_PAIRS), cf_max(p + 1, band_end_pair));
+        for (int b0 = 0; b0 < B; b0 += GATE_UP_MM_NB) {
+            int nb = cf_min(GATE_UP_MM_NB, B - b0);
+            any_matmat_groups(dtype, w, xs + b0, nb, gu, LD, 2 * p, 2 * pe);
+            for (int b = 0; b < nb; b++) {
+                const float *gb = gu + (size_t)b * LD;
+                float *yb = y + (size_t)(b0 + b) * ldy + (size_t)p * CF_G;
+                for (int j = 0; j < pe - p; j += 2) {
+                    /* pairs j, j+1: [gate 8, up 8, gate 8, up 8]; a lone last pair reads zeros */
+                    int pair2 = j + 1 < pe - p;
+                    __mmask16 m = pair2 ? 0xffff : 0x00ff;
+                    __m512 lo = _mm512_loadu_ps(gb + 16 * j);
+                    __m512 hi = _mm512_maskz_loadu_ps(pair2 ? 0xffff : 0, gb + 16 * j + 16);
+                    __m512 g = _mm512_permutex2var_ps(lo, gate_idx, hi), u = _mm512_permutex2var_ps(lo, up_idx, hi);
+                    _mm512_mask_storeu_ps(yb + 8 * j, m, _mm512_mul_ps(silu_ps16(g), u));
+                }
+            }
+        }
+        p = pe;
+    }
+}
+
+#define DEFINE_GATE_UP_MM(NAME, DT)                                                            \
+    static void NAME(const cf_tiled *w, const cf_act_q8 *xs, int B, float *y, int ldy, int p0,  \
+                     int p1) {                                                                 \
+        if (!fits(w)) {                                                                        \
+            atomic_load(&g_base)->gate_up_mm[DT](w, xs, B, y, ldy, p0, p1);                                  \
+            return;                                                                            \
+        }                                                                                      \
+        gate_up_mm(DT, w, xs, B, y, ldy, p0, p1);                                              \
+    }
+DEFINE_GATE_UP_MM(gate_up_mm_q4_0_avx512, CF_Q4_0)
+DEFINE_GATE_UP_MM(gate_up_mm_q4_1_avx512, CF_Q4_1)
+DEFINE_GATE_UP_MM(gate_up_mm_q8_0_avx512, CF_Q8_0)
+DEFINE_GATE_UP_MM(gate_up_mm_q4_k_avx512, CF_Q4_K)
+DEFINE_GATE_UP_MM(gate_up_mm_q5_k_avx512, CF_Q5_K)
+DEFINE_GATE_UP_MM(gate_up_mm_q6_k_avx512, CF_Q6_K)
+
+/* ---- the table --------------------------------------------------------------------------- */
+
+static cf_kernel_table g_table;
+static pthread_once_t g_once = PTHREAD_ONCE_INIT;
+
+static void table_init(void) {
+    g_table = *atomic_load(&g_base);
+    g_table.name = "avx512";
+    g_table.matmat[CF_Q4_0] = matmat_q4_0_avx512;
+    g_table.matmat[CF_Q4_1] = matmat_q4_1_avx512;
+    g_table.matmat[CF_Q8_0] = matmat_q8_0_avx512;
+    g_table.gate_up_mm[CF_Q4_0] = gate_up_mm_q4_0_avx512;
+    g_table.gate_up_mm[CF_Q4_1] = gate_up_mm_q4_1_avx512;
+    g_table.gate_up_mm[CF_Q8_0] = gate_up_mm_q8_0_avx512;
+    g_table.matmat[CF_Q4_K] = matmat_q4_k_avx512;
+    g_table.matmat[CF_Q5_K] = matmat_q5_k_avx512;
+    g_table.matmat[CF_Q6_K] = matmat_q6_k_avx512;
+    g_table.gate_up_mm[CF_Q4_K] = gate_up_mm_q4_k_avx512;
+    g_table.gate_up_mm[CF_Q5_K] = gate_up_mm_q5_k_avx512;
+    g_table.gate_up_mm[CF_Q6_K] = gate_up_mm_q6_k_avx512;
+}
+
+/* base: the best AVX2-family table of this CPU (always the same one; the first call wins). */
+const cf_kernel_table *cf_kernels_avx512(const cf_kernel_table *base) {
+    const cf_kernel_table *none = NULL;
+    atomic_compare_exchange_strong(&g_base, &none, base);
+    pthread_once(&g_once, table_init);
+    return &g_table;
+}

@@ -1,0 +1,177 @@
+"""Prefill attention over a block of queries (the kernel table's attention_block, cflow.h).
+
+- Kernel: every table's block kernel equals, bit for bit, the same table's per-query kernel run on
+  each query alone over its span of the cache (the contract: the same summation order, so prefill
+  and step-by-step decode give the same logits); both are close to a float64 oracle; every fast
+  table is close to the reference. Shapes: head_dim 24/40/64/96 (and 20, which the fast tables
+  hand to the reference), GQA ratios 1/3/4, blocks of 1..17 queries starting at p0 = 0 or later
+  (a second prefill chunk), with and without a sliding window. Cache entries no query may read
+  hold inf/nan, so a read past the causal edge or before the window shows.
+- Engine: prefill in blocks equals the per-query path (CFLOW_ATTN_BLOCK=0) and step-by-step decode,
+  with 1 and 2 threads, on a random GQA model with and without a sliding window and on SmolLM2.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cflow import _native
+
+from test_native_kernels import ISAS, FAST_ISAS, assert_close, rng_for
+
+torch = pytest.importorskip("torch")  # the random models are built with the PyTorch reference
+
+from cflow.bench.claims.models import small_config  # noqa: E402
+from cflow.runtime import Engine  # noqa: E402
+from test_engine import prompt_tokens, write_random_model  # noqa: E402
+
+RTOL = 1e-5  # test_native_kernels.VEC_RTOL: fp32 sums of head_dim products against float64
+
+# (n_heads, n_kv_heads, head_dim): GQA ratios 1, 3, 4; head_dim 20 is not a multiple of 8
+SHAPES = [(4, 4, 24), (6, 2, 40), (9, 3, 64), (8, 2, 96), (3, 1, 20)]
+
+
+def lo_of(p: int, window: int) -> int:
+    return max(0, p - window + 1) if window else 0
+
+
+def caches(rng, n_kv, max_seq, hd, first, end):
+    """fp16 caches with positions outside [first, end) poisoned."""
+    k = rng.standard_normal((n_kv, max_seq, hd)).astype(np.float16)
+    v = rng.standard_normal((n_kv, max_seq, hd)).astype(np.float16)
+    k[:, end:], v[:, end:] = np.float16(np.inf), np.float16(np.nan)
+    k[:, :first], v[:, :first] = np.float16(np.nan), np.float16(np.inf)
+    return k, v
+
+
+def per_query(q, k, v, n_heads, n_kv, pos0, window, isa):
+    """The per-query kernel on each query alone: the block kernel's definition."""
+    n_q = q.shape[0]
+    out = np.empty_like(q)
+    for i in range(n_q):
+        p = pos0 + i
+        lo = lo_of(p, window)
+        ks, vs = np.ascontiguousarray(k[:, lo:p + 1]), np.ascontiguousarray(v[:, lo:p + 1])
+        out[i] = _native.attention(q[i], ks, vs, n_heads, n_kv, p + 1 - lo, isa=isa)
+    return out
+
+
+def oracle(q, k, v, n_heads, n_kv, pos0, window):
+    """float64 attention and the bound its fp32 rounding is measured against."""
+    hd = k.shape[2]
+    k64, v64 = k.astype(np.float64), v.astype(np.float64)
+    want, bound = np.zeros(q.shape), np.zeros(q.shape)
+    for i in range(q.shape[0]):
+        p = pos0 + i
+        lo = lo_of(p, window)
+        for h in range(n_heads):
+            kv = h // (n_heads // n_kv)
+            s = k64[kv, lo:p + 1] @ q[i, h * hd:(h + 1) * hd].astype(np.float64) / np.sqrt(hd)
+            w = np.exp(s - s.max())
+            w /= w.sum()
+            want[i, h * hd:(h + 1) * hd] = w @ v64[kv, lo:p + 1]
+            bound[i, h * hd:(h + 1) * hd] = w @ np.abs(v64[kv, lo:p + 1]) * (1 + np.abs(s).max())
+    return want, bound + 1e-30
+
+
+@pytest.mark.parametrize("n_heads,n_kv,hd", SHAPES)
+@pytest.mark.parametrize("pos0,window", [(0, 0), (13, 0), (0, 6), (21, 9)])
+@pytest.mark.parametrize("isa", ISAS)
+def test_block_equals_per_query(isa, n_heads, n_kv, hd, pos0, window):
+    max_seq = 48
+    for n_q in (1, 2, 3, 4, 5, 8, 16, 17):
+        rng = rng_for("attn_block", n_heads, n_kv, hd, pos0, window, n_q)
+        end = pos0 + n_q
+        k, v = caches(rng, n_kv, max_seq, hd, lo_of(pos0, window), end)
+        q = rng.standard_normal((n_q, n_heads * hd), dtype=np.float32)
+        got = _native.attention_block(q.reshape(-1), k, v, n_heads, n_kv, pos0, window=window, isa=isa)
+        got = got.reshape(n_q, -1)
+        assert np.array_equal(got, per_query(q, k, v, n_heads, n_kv, pos0, window, isa)), \
+            f"{isa}: block of {n_q} at {pos0} != per-query"
+        want, bound = oracle(q, k, v, n_heads, n_kv, pos0, window)
+        assert_close(got, want, bound, RTOL, f"attention_block {isa} n_q={n_q}")
+        # heads split over threads (ranges that cut GQA groups), each range with its own scratch
+        pool = _native.Pool(3)
+        split = _native.attention_block(q.reshape(-1), k.view(np.uint16), v.view(np.uint16), n_heads, n_kv,
+                                        pos0, window=window, isa=isa, pool=pool)
+        assert np.array_equal(split.reshape(n_q, -1), got), f"{isa}: splitting heads changed the result"
+
+
+@pytest.mark.parametrize("isa", FAST_ISAS)
+def test_fast_tables_close_to_ref(isa):
+    rng = rng_for("attn_block_isa", isa)
+    for n_heads, n_kv, hd in SHAPES:
+        k, v = caches(rng, n_kv, 64, hd, 0, 64)
+        q = rng.standard_normal(40 * n_heads * hd, dtype=np.float32)  # 40 queries at 24..63
+        ref = _native.attention_block(q, k, v, n_heads, n_kv, 24, isa="ref")
+        got = _native.attention_block(q, k, v, n_heads, n_kv, 24, isa=isa)
+        _, bound = oracle(q.reshape(40, -1), k, v, n_heads, n_kv, 24, 0)
+        assert_close(got.reshape(40, -1), ref.reshape(40, -1), bound, RTOL, f"{isa} vs ref")
+
+
+def test_bad_shapes_are_named_errors():
+    k = np.zeros((2, 8, 16), np.float16)
+    with pytest.raises(Exception, match="do not fit"):
+        _native.attention_block(np.zeros(4 * 16 * 4, np.float32), k, k, 4, 2, 6)
+    with pytest.raises(Exception, match="whole queries"):
+        _native.attention_block(np.zeros(4 * 16 + 1, np.float32), k, k, 4, 2, 0)
+
+
+# ---- the engine ------------------------------------------------------------------------------
+def run_paths(path, toks, threads, max_batch, monkeypatch):
+    """Last-token logits of a prefill in blocks, the same prefill through the per-query kernel,
+    and step-by-step decode."""
+    eng = Engine.load(path, threads=threads, max_batch=max_batch)
+    block = eng.prefill(toks).copy()
+    eng.reset()
+    monkeypatch.setenv("CFLOW_ATTN_BLOCK", "0")
+    per_query = eng.prefill(toks).copy()
+    monkeypatch.delenv("CFLOW_ATTN_BLOCK")
+    eng.reset()
+    for pos, t in enumerate(toks):
+        steps = eng.step(t, pos)
+    return block, per_query, steps.copy()
+
+
+@pytest.mark.parametrize("window", [0, 7])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_engine_prefill_blocks_equal_steps(tmp_path, monkeypatch, threads, window):
+    # 6/2 heads of 16: GQA 3; 45 tokens in calls of 20 (the second and third calls start past 0,
+    # and their blocks cut the 16-row work items)
+    cfg = small_config("llama", tied=False, n_heads=6, n_kv_heads=2, sliding_window=window)
+    path = tmp_path / "m.cflow"
+    write_random_model(path, cfg, "q8_0", (64, 64))
+    toks = prompt_tokens(cfg, 45, seed=11)
+    block, per_query, steps = run_paths(path, toks, threads, 20, monkeypatch)
+    assert np.array_equal(block, per_query)
+    assert np.array_equal(block, steps)
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory):
+    from test_engine_smollm2 import _gguf
+
+    mp = pytest.MonkeyPatch()
+    mp.setenv("CFLOW_CACHE", str(tmp_path_factory.mktemp("cflow-cache")))
+    path = _gguf()
+    Engine.load(path, threads=1, n_ctx=128).close()  # the conversion, once
+    yield path
+    mp.undo()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_smollm2_prefill_blocks_equal_steps(smollm2, monkeypatch, threads):
+    # 9/3 heads of 64 (GQA 3), 30 layers; 70 tokens in calls of 32
+    toks = [int(t) for t in np.random.default_rng(5).integers(0, 49152, 70)]
+    eng = Engine.load(smollm2, threads=threads, n_ctx=128, max_batch=32)
+    block = eng.prefill(toks).copy()
+    eng.reset()
+    monkeypatch.setenv("CFLOW_ATTN_BLOCK", "0")
+    per_query = eng.prefill(toks).copy()
+    monkeypatch.delenv("CFLOW_ATTN_BLOCK")
+    eng.reset()
+    for pos, t in enumerate(toks):
+        steps = eng.step(t, pos)
+    assert np.array_equal(block, per_query)
+    assert np.array_equal(block, steps)
