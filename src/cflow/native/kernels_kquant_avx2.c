@@ -143,14 +143,16 @@ typedef struct {
     __m256i mins[CF_G / 2];
 } kq_scales;
 
-/* The mat-mat's unpacked group. q6scl[i][t] = kq_q6_scale(&r[i], t), shuffled once per unpack
- * rather than once per activation (Q6_K without VNNI only: kq_transpose reads sc / sc2). */
+/* The mat-mat's unpacked group. Without VNNI, scl[i][t] = madd's scale operand for row i's q[t]
+ * (Q4_K / Q5_K: s.sc32[i][t] broadcast; Q6_K: kq_q6_scale), built once per unpack so that each
+ * activation's madd takes it from memory as is (no broadcast or shuffle per activation); under
+ * VNNI kq_transpose reads s and sc / sc2 instead. */
 typedef struct {
     __m256 d, dmin;
     kq_scales s; /* Q4_K / Q5_K */
     kq_row r[CF_G];
 #if !CF_ISA_VNNI
-    __m256i q6scl[CF_G][8];
+    __m256i scl[CF_G][8];
 #endif
 } kq_group;
 
@@ -255,9 +257,9 @@ INLINE void kq_unpack(int dtype, const uint8_t *c, kq_group *G) {
     if (dtype != CF_Q6_K) kq_scales_k4(c + 32, &G->s);
     for (int i = 0; i < CF_G; i++) kq_unpack_row(dtype, c, i, &G->r[i]);
 #if !CF_ISA_VNNI
-    if (dtype == CF_Q6_K)
-        for (int i = 0; i < CF_G; i++)
-            for (int t = 0; t < 8; t++) G->q6scl[i][t] = kq_q6_scale(&G->r[i], t);
+    for (int i = 0; i < CF_G; i++)
+        for (int t = 0; t < 8; t++)
+            G->scl[i][t] = dtype == CF_Q6_K ? kq_q6_scale(&G->r[i], t) : _mm256_set1_epi32((int)G->s.sc32[i][t]);
 #endif
 }
 
@@ -428,10 +430,8 @@ INLINE __m256 kq_update(int dtype, const kq_group *G, const cf_act_q8 *x, int kb
 #pragma GCC unroll 8
     for (int t = 0; t < 8; t++) {
         __m256i xt = _mm256_loadu_si256((const __m256i *)(xq + 32 * t));
-        for (int i = 0; i < CF_G; i++) {
-            __m256i scale = dtype == CF_Q6_K ? G->q6scl[i][t] : _mm256_set1_epi32((int)G->s.sc32[i][t]);
-            r[i] = madd_acc(r[i], _mm256_maddubs_epi16(G->r[i].q[t], xt), scale);
-        }
+        for (int i = 0; i < CF_G; i++)
+            r[i] = madd_acc(r[i], _mm256_maddubs_epi16(G->r[i].q[t], xt), G->scl[i][t]);
     }
     if (dtype == CF_Q6_K) {
         __m256i bs16 = act_bsums(x, kb);
