@@ -128,6 +128,26 @@ def test_matvec_zero_activation_and_ranges(dtype):
             assert not part[:r0].any() and not part[r1:].any(), f"{isa}: wrote outside its rows"
 
 
+@pytest.mark.parametrize("dtype", NEW)
+def test_prefetch_does_not_change_results(dtype):
+    """Q6_K prefetches on its own when no distance is set, every dtype with one when it is set:
+    neither may change a bit (the same integers and float operations either way)."""
+    rows, cols, tile = 136, 1280 if dtype in K.K_SUPER else 576, (16, 512 if dtype in K.K_SUPER else 256)
+    t = tiled(dtype, rows, cols, tile, seed=9)
+    x = rng_for("kpf", dtype).standard_normal(cols, dtype=np.float32)
+    before = _native.get_prefetch()
+    try:
+        for isa in ISAS:
+            _native.set_prefetch(0)
+            want = _native.matvec(t, K.KDTYPE_IDS[dtype], rows, cols, x, **kw(tile, isa))
+            for ahead in (64, 1024, 8192):
+                _native.set_prefetch(ahead)
+                got = _native.matvec(t, K.KDTYPE_IDS[dtype], rows, cols, x, **kw(tile, isa))
+                assert np.array_equal(got, want), f"{isa} {dtype}: prefetch {ahead} changed the result"
+    finally:
+        _native.set_prefetch(before)
+
+
 # ---- the batched forms ---------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", NEW)
 def test_matmat_equals_matvec(dtype):

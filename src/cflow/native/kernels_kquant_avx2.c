@@ -10,15 +10,24 @@
  *           sub-block scale applied in integer (madd with the int16 scale), summed over the
  *           super-block in int32; then one float FMA per row and super-block (Q4_K / Q5_K: a
  *           second for the mins, whose integer part sum_s m_s * bsum_s needs no weights at all).
+ * Speed (docs/kquants.md, "Speed"): the mat-vec is instruction-bound at one thread, so the work
+ * per byte is kept small: Q4_K / Q5_K's packed 6-bit scales of all 8 rows are decoded with SIMD
+ * two rows per vector, into a table of dwords whose vpbroadcastd (a plain load) is madd's scale
+ * operand, instead of a shuffle per sub-block; the 5th / 6th bits move into place with one shift
+ * and one mask; the compiler hoists the activation's 8 vectors out of the row loop (most stay in
+ * registers, the rest in L1). What remains is the per-sub-block scale multiply: twice Q4_0's
+ * multiply-port work per weight, which this row-major layout cannot avoid.
  * The mat-vec unpacks one row at a time and uses it at once (one activation); the mat-mat
- * unpacks the group once into an L1 buffer and runs up to KQ_NB activations over it (under VNNI
- * transposed, lane i = row i, so one vpdpbusd per 4 activation bytes serves all 8 rows and a
- * vpmulld applies each sub-block's 8 scales). All paths form the same exact integers and apply
- * the same float operations in the same order (kq_finish_qd), so matmat == B mat-vecs bit for
- * bit. The integer bounds (no int16 saturation, no int32 overflow) are in docs/kquants.md.
+ * unpacks the group once into an L1 buffer and runs up to KQ_NB activations over it, loading
+ * each 32 activations once for the 8 rows (under VNNI transposed, lane i = row i, so one
+ * vpdpbusd per 4 activation bytes serves all 8 rows and a vpmulld applies each sub-block's 8
+ * scales). All paths form the same exact integers and apply the same float operations in the
+ * same order (kq_finish_qd), so matmat == B mat-vecs bit for bit. The integer bounds (no int16
+ * saturation, no int32 overflow) are in docs/kquants.md.
  *
- * The K-quants' sub-block scales need the int16 stage (madd), so the VNNI table keeps maddubs
- * there; Q5_0 / Q5_1 use vpdpbusd like Q4_0 (dot_q4_pair_unpacked).
+ * The K-quant mat-vec's sub-block scales need the int16 stage, so the VNNI table keeps maddubs
+ * there and applies the scale with vpdpwssd (madd + add in one); Q5_0 / Q5_1 use vpdpbusd like
+ * Q4_0 (dot_q4_pair_unpacked).
  * Q6_K's field starts inside a chunk are not 32-byte aligned: every load is unaligned.
  */
 
@@ -88,7 +97,7 @@ INLINE void q5_unpack(int dtype, const uint8_t *c, q5_group *G) {
     for (int j = 0; j < 4; j++) {
         /* lane 0: row 2j's qh word, lane 1: row 2j+1's */
         __m256i h = _mm256_permutevar8x32_epi32(qh8, _mm256_setr_epi32(2 * j, 2 * j, 2 * j, 2 * j, 2 * j + 1,
-                                                                        2 * j + 1, 2 * j + 1, 2 * j + 1));
+                                                                       2 * j + 1, 2 * j + 1, 2 * j + 1));
         __m256i lo, hi;
         unpack_q4_pair(qs + 32 * j, &lo, &hi);
         G->v[2 * j] = _mm256_or_si256(lo, q5_high_bits(h, 0));
@@ -117,22 +126,116 @@ INLINE __m256 q5_update(int dtype, const q5_group *G, const cf_act_q8 *x, int kb
     return _mm256_fmadd_ps(G->d, _mm256_fmadd_ps(fsum, bd, neg16s), acc);
 }
 
-/* One row of a K-quant super-block: q[t] = weights 32t .. 32t+31 (unsigned), and its scales as
- * int16: scl[t] = the scale of each int16 lane of maddubs(q[t], x) (Q4_K / Q5_K: sub-block t's
- * in all lanes; Q6_K: sub-block 2t's in the low 128-bit lane, 2t+1's in the high one), m = the 8
- * mins (Q4_K / Q5_K), s16 = the 16 scales (Q6_K; lane 0: 0..7, lane 1: 8..15). */
+/* One row of a K-quant super-block: q[t] = weights 32t .. 32t+31 (unsigned); Q6_K's scales as
+ * int16: sc / sc2 = scales 0..7 / 8..15 in both 128-bit lanes, s16 = all 16 (lane 0: 0..7,
+ * lane 1: 8..15). Q4_K / Q5_K keep their scales in the group's kq_scales table instead. */
 typedef struct {
     __m256i q[8];
-    __m256i scl[8];
-    __m256i s16;
-    __m256i sc32[2]; /* the scales as int32: Q4_K / Q5_K [0] = 8; Q6_K [0] = 0..7, [1] = 8..15 */
-    __m128i m;
+    __m256i sc, sc2, s16;
 } kq_row;
 
+/* The decoded 6-bit scales and mins of a Q4_K / Q5_K group's super-block: sc32[i][t] = scale t
+ * of row i in both int16 halves of a dword, so that madd's operand is one vpbroadcastd from
+ * memory (a load, no shuffle); mins[j] = the int16 mins of rows 2j (lane 0) and 2j+1 (lane 1),
+ * the arrangement fold_pairs sums. Q6_K: unused. */
+typedef struct {
+    uint32_t sc32[CF_G][8];
+    __m256i mins[CF_G / 2];
+} kq_scales;
+
+/* The mat-mat's unpacked group. Without VNNI, scl[i][t] = madd's scale operand for row i's q[t]
+ * (Q4_K / Q5_K: s.sc32[i][t] broadcast; Q6_K: kq_q6_scale), built once per unpack so that each
+ * activation's madd takes it from memory as is (no broadcast or shuffle per activation); under
+ * VNNI kq_transpose reads s and sc / sc2 instead. */
 typedef struct {
     __m256 d, dmin;
-    kq_row r[8];
+    kq_scales s; /* Q4_K / Q5_K */
+    kq_row r[CF_G];
+#if !CF_ISA_VNNI
+    __m256i scl[CF_G][8];
+#endif
 } kq_group;
+
+/* Q4_K / Q5_K's packed scales of all 8 rows (8 x 12 bytes at s) -> kq_scales: ggml's
+ * get_scale_min_k4 on two rows per vector (row 2j in lane 0, 2j+1 in lane 1). Per lane, bytes
+ * 0..7 = the scales, 8..15 = the mins:
+ *   j < 4:  sc_j = s[j] & 63              m_j = s[j+4] & 63
+ *   j >= 4: sc_j = (s[j+4] & 15) | (s[j-4] >> 6) << 4    m_j = (s[j+4] >> 4) | (s[j] >> 6) << 4 */
+INLINE void kq_scales_k4(const uint8_t *s, kq_scales *S) {
+    const __m256i pick = _mm256_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11,
+                                          0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11);
+    const __m256i tops = _mm256_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7,
+                                          -1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7);
+    const __m256i m_low = _mm256_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0,
+                                           63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0);
+    const __m256i m_nib = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15,
+                                           0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15);
+    const __m256i zero = _mm256_setzero_si256();
+    for (int j = 0; j < CF_G / 2; j++) {
+        /* rows 2j, 2j+1 are 24 contiguous bytes (the last pair's load reads 8 bytes past the
+         * scales, still inside the chunk: the quants follow) */
+        __m256i v = _mm256_permutevar8x32_epi32(_mm256_loadu_si256((const __m256i *)(s + 24 * j)),
+                                                _mm256_setr_epi32(0, 1, 2, 2, 3, 4, 5, 5));
+        __m256i a = _mm256_shuffle_epi8(v, pick), b = _mm256_shuffle_epi8(v, tops);
+        __m256i low = _mm256_or_si256(_mm256_and_si256(a, m_low), _mm256_and_si256(_mm256_srli_epi16(a, 4), m_nib));
+        __m256i sm = _mm256_or_si256(low, _mm256_and_si256(_mm256_srli_epi16(b, 2), _mm256_set1_epi8(0x30)));
+        __m256i sc16 = _mm256_unpacklo_epi8(sm, zero);
+        S->mins[j] = _mm256_unpackhi_epi8(sm, zero);
+        __m256i lo = _mm256_unpacklo_epi16(sc16, sc16), hi = _mm256_unpackhi_epi16(sc16, sc16);
+        _mm256_storeu_si256((__m256i *)S->sc32[2 * j], _mm256_permute2x128_si256(lo, hi, 0x20));
+        _mm256_storeu_si256((__m256i *)S->sc32[2 * j + 1], _mm256_permute2x128_si256(lo, hi, 0x31));
+    }
+}
+
+/* (v << n) for n >= 0, (v >> -n) otherwise, in 16-bit lanes; callers mask to bits that stay in
+ * their byte. */
+INLINE __m256i shift16(__m256i v, int n) {
+    return n > 0 ? _mm256_slli_epi16(v, n) : n < 0 ? _mm256_srli_epi16(v, -n) : v;
+}
+
+/* Row i's quants of a full group's super-block chunk c (g = 8, offsets: docs/kquants.md, tile
+ * layout), and Q6_K's scales:
+ *   Q4_K d[8]@0 dmin[8]@16 scales[8][12]@32 qs[8][128]@128                 (1152 B)
+ *   Q5_K d[8]@0 dmin[8]@16 scales[8][12]@32 qh[8][32]@128 qs[8][128]@384   (1408 B)
+ *   Q6_K d[8]@0 scales[8][16]@16 ql[8][128]@144 qh[8][64]@1168             (1680 B)
+ * Extra bits are moved into place with one shift and one mask each (bit b of a byte to bit 4:
+ * a 16-bit shift by 4 - b, |4 - b| <= 4, never takes a bit from the neighbouring byte once
+ * masked). */
+INLINE void kq_unpack_row(int dtype, const uint8_t *c, int i, kq_row *R) {
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    if (dtype == CF_Q6_K) {
+        const uint8_t *sc = c + 16 + 16 * i, *ql = c + 144 + 128 * i, *qh = c + 1168 + 64 * i;
+        const __m256i m2 = _mm256_set1_epi8(0x30);
+        for (int h = 0; h < 2; h++) { /* weight 128h + 32s + l: ql[64h + 32(s&1) + l], qh[32h + l] bits 2s.. */
+            __m256i l0 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h));
+            __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h + 32));
+            __m256i hb = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
+            __m256i lo4[4] = {_mm256_and_si256(l0, m4), _mm256_and_si256(l1, m4),
+                              _mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(_mm256_srli_epi16(l1, 4), m4)};
+            for (int s = 0; s < 4; s++) /* bits 2s, 2s+1 -> 4, 5 */
+                R->q[4 * h + s] = _mm256_or_si256(lo4[s], _mm256_and_si256(shift16(hb, 4 - 2 * s), m2));
+        }
+        R->sc = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)sc)));
+        R->sc2 = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(sc + 8))));
+        R->s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
+        return;
+    }
+    const int q5k = dtype == CF_Q5_K;
+    const uint8_t *qs = c + (q5k ? 384 : 128) + 128 * i;
+    __m256i hb = q5k ? _mm256_loadu_si256((const __m256i *)(c + 128 + 32 * i)) : _mm256_setzero_si256();
+    const __m256i b4 = _mm256_set1_epi8(0x10);
+    for (int k = 0; k < 4; k++) { /* run k: sub-block 2k in the low nibbles, 2k+1 in the high */
+        __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * k));
+        __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+        if (q5k) { /* bit s of qh[l]: the 5th bit of weight 32s + l */
+            lo = _mm256_or_si256(lo, _mm256_and_si256(shift16(hb, 4 - 2 * k), b4));
+            hi = _mm256_or_si256(hi, _mm256_and_si256(shift16(hb, 3 - 2 * k), b4));
+        }
+        R->q[2 * k] = lo;
+        R->q[2 * k + 1] = hi;
+    }
+    R->sc = R->sc2 = R->s16 = _mm256_setzero_si256();
+}
 
 /* int16 lane j of v in every int16 lane (per 128-bit lane: lane 0 takes j0, lane 1 takes j1). */
 INLINE __m256i bcast16(__m256i v, int j0, int j1) {
@@ -142,78 +245,22 @@ INLINE __m256i bcast16(__m256i v, int j0, int j1) {
                                                     (short)b1, (short)b1, (short)b1, (short)b1));
 }
 
-/* Q4_K / Q5_K's 12 packed bytes -> bytes 0..7 = 6-bit scales, 8..15 = 6-bit mins (ggml's
- * get_scale_min_k4 for all 8 at once, four 32-bit words at a time). */
-INLINE __m128i scale_min_k4_x8(const uint8_t *s) {
-    uint32_t u[4];
-    memcpy(u, s, 12);
-    const uint32_t km1 = 0x3f3f3f3f, km2 = 0x0f0f0f0f, km3 = 0x03030303;
-    u[3] = ((u[2] >> 4) & km2) | (((u[1] >> 6) & km3) << 4);
-    uint32_t m_lo = u[1] & km1;
-    u[1] = (u[2] & km2) | (((u[0] >> 6) & km3) << 4);
-    u[2] = m_lo;
-    u[0] &= km1;
-    return _mm_setr_epi32((int)u[0], (int)u[1], (int)u[2], (int)u[3]);
-}
-
-/* Row i of a full group's super-block chunk c (g = 8, offsets: docs/kquants.md, tile layout):
- *   Q4_K d[8]@0 dmin[8]@16 scales[8][12]@32 qs[8][128]@128                 (1152 B)
- *   Q5_K d[8]@0 dmin[8]@16 scales[8][12]@32 qh[8][32]@128 qs[8][128]@384   (1408 B)
- *   Q6_K d[8]@0 scales[8][16]@16 ql[8][128]@144 qh[8][64]@1168             (1680 B) */
-INLINE void kq_unpack_row(int dtype, const uint8_t *c, int i, kq_row *R) {
-    const __m256i m4 = _mm256_set1_epi8(0x0f);
-    if (dtype == CF_Q6_K) {
-        const uint8_t *sc = c + 16 + 16 * i, *ql = c + 144 + 128 * i, *qh = c + 1168 + 64 * i;
-        const __m256i m2 = _mm256_set1_epi8(3);
-        for (int h = 0; h < 2; h++) { /* weight 128h + 32s + l: ql[64h + 32(s&1) + l], qh[32h + l] bits 2s.. */
-            __m256i l0 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h));
-            __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h + 32));
-            __m256i hb = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
-            __m256i lo4[4] = {_mm256_and_si256(l0, m4), _mm256_and_si256(l1, m4),
-                              _mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(_mm256_srli_epi16(l1, 4), m4)};
-            for (int s = 0; s < 4; s++) {
-                __m256i hi2 = _mm256_and_si256(_mm256_srli_epi16(hb, 2 * s), m2);
-                R->q[4 * h + s] = _mm256_or_si256(lo4[s], _mm256_slli_epi16(hi2, 4));
-            }
-        }
-        __m256i lo8 = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)sc)));
-        __m256i hi8 = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(sc + 8))));
-#pragma GCC unroll 8
-        for (int t = 0; t < 8; t++) R->scl[t] = bcast16(t < 4 ? lo8 : hi8, 2 * (t & 3), 2 * (t & 3) + 1);
-        R->s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
-        R->sc32[0] = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)sc));
-        R->sc32[1] = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(sc + 8)));
-        R->m = _mm_setzero_si128();
-        return;
-    }
-    const int q5k = dtype == CF_Q5_K;
-    const uint8_t *qs = c + (q5k ? 384 : 128) + 128 * i;
-    __m128i smin = scale_min_k4_x8(c + 32 + 12 * i);
-    __m256i sc8 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(smin));
-#pragma GCC unroll 8
-    for (int t = 0; t < 8; t++) R->scl[t] = bcast16(sc8, t, t);
-    R->m = _mm_cvtepu8_epi16(_mm_srli_si128(smin, 8));
-    R->s16 = _mm256_setzero_si256();
-    R->sc32[0] = _mm256_cvtepu8_epi32(smin);
-    R->sc32[1] = _mm256_setzero_si256();
-    __m256i hb = q5k ? _mm256_loadu_si256((const __m256i *)(c + 128 + 32 * i)) : _mm256_setzero_si256();
-    const __m256i one = _mm256_set1_epi8(1);
-    for (int k = 0; k < 4; k++) { /* run k: sub-block 2k in the low nibbles, 2k+1 in the high */
-        __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * k));
-        __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-        if (q5k) { /* bit s of qh[l]: the 5th bit of weight 32s + l */
-            lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * k), one), 4));
-            hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * k + 1), one), 4));
-        }
-        R->q[2 * k] = lo;
-        R->q[2 * k + 1] = hi;
-    }
+/* Q6_K's madd scale operand for row R's q[t]: sub-block 2t's scale in every int16 lane of the
+ * low 128-bit lane, 2t+1's in the high one. */
+INLINE __m256i kq_q6_scale(const kq_row *R, int t) {
+    return bcast16(t < 4 ? R->sc : R->sc2, 2 * (t & 3), 2 * (t & 3) + 1);
 }
 
 INLINE void kq_unpack(int dtype, const uint8_t *c, kq_group *G) {
     G->d = load_halves8(c);
     G->dmin = dtype == CF_Q6_K ? _mm256_setzero_ps() : load_halves8(c + 16);
+    if (dtype != CF_Q6_K) kq_scales_k4(c + 32, &G->s);
     for (int i = 0; i < CF_G; i++) kq_unpack_row(dtype, c, i, &G->r[i]);
+#if !CF_ISA_VNNI
+    for (int i = 0; i < CF_G; i++)
+        for (int t = 0; t < 8; t++)
+            G->scl[i][t] = dtype == CF_Q6_K ? kq_q6_scale(&G->r[i], t) : _mm256_set1_epi32((int)G->s.sc32[i][t]);
+#endif
 }
 
 /* ---- the integer dot products of one super-block ------------------------------------------- */
@@ -228,90 +275,70 @@ INLINE __m256i madd_acc(__m256i acc, __m256i p, __m256i scale) {
 }
 
 /* Row R's sum_qd over one super-block as 8 int32 partials. Q4_K / Q5_K: sum_t sc_t * dot_t over
- * the 8 sub-blocks of 32 (maddubs pair sums <= 2*31*127, times sc <= 63 in madd). Q6_K: 16
- * sub-blocks of 16 (q[t] covers sub-blocks 2t, 2t+1, one per 128-bit lane; pair sums <= 16002),
- * minus 32 * sum_s sc_s * bsums[s], so the weights' -32 never enters the byte products. */
-INLINE __m256i kq_row_qd(int dtype, const kq_row *R, const int8_t *xq, __m256i bs16) {
-    (void)dtype;
-    __m256i acc = _mm256_setzero_si256();
+ * the 8 sub-blocks of 32 (maddubs pair sums <= 2*31*127, times sc <= 63 in madd; sc32 = the
+ * row's kq_scales entry). Q6_K: 16 sub-blocks of 16 (q[t] covers sub-blocks 2t, 2t+1, one per
+ * 128-bit lane; pair sums <= 16002), minus 32 * sum_s sc_s * bsums[s], so the weights' -32 never
+ * enters the byte products. */
+INLINE __m256i kq_row_qd(int dtype, const kq_row *R, const uint32_t *sc32, const int8_t *xq, __m256i bs16) {
+    /* two accumulators: vpdpwssd's latency would otherwise chain the 8 sub-blocks */
+    __m256i acc2[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
 #pragma GCC unroll 8
     for (int t = 0; t < 8; t++) {
         __m256i p = _mm256_maddubs_epi16(R->q[t], _mm256_loadu_si256((const __m256i *)(xq + 32 * t)));
-        acc = madd_acc(acc, p, R->scl[t]);
+        __m256i scale = dtype == CF_Q6_K ? kq_q6_scale(R, t) : _mm256_set1_epi32((int)sc32[t]);
+        acc2[t & 1] = madd_acc(acc2[t & 1], p, scale);
     }
+    __m256i acc = _mm256_add_epi32(acc2[0], acc2[1]);
     if (dtype == CF_Q6_K) acc = _mm256_sub_epi32(acc, _mm256_slli_epi32(_mm256_madd_epi16(R->s16, bs16), 5));
     return acc;
 }
 
-/* acc (lane i = row i) += one super-block of the 8 rows, given their sum_qd partials r[i] and
- * (Q4_K / Q5_K) mins m[i], against activation x's block kb:
+/* acc (lane i = row i) += one super-block of the 8 rows, given their sum_qd (qd, lane i = row i)
+ * and (Q4_K / Q5_K) mins (kq_scales' mins: rows 2j | 2j+1), against activation x's block kb:
  *   y += (d dx) sum_qd - (dmin dx) sum_mb       (Q6_K: no mins)
- * qd: the 8 rows' sum_qd, lane i = row i. The one place these float operations are written:
- * mat-vec and mat-mat both end here. */
-INLINE __m256 kq_finish_qd(int dtype, __m256 d, __m256 dmin, __m256i qd, const __m128i *m,
+ * The one place these float operations are written: mat-vec and mat-mat both end here. */
+INLINE __m256 kq_finish_qd(int dtype, __m256 d, __m256 dmin, __m256i qd, const __m256i *mins,
                            const cf_act_q8 *x, int kb, __m256 acc) {
     __m256 dx = _mm256_broadcast_ss(x->dk + kb);
     acc = _mm256_fmadd_ps(_mm256_mul_ps(d, dx), _mm256_cvtepi32_ps(qd), acc);
     if (dtype != CF_Q6_K) {
-        /* the sums of each 32 activations (|.| <= 4064, fit int16), one madd per row */
+        /* the sums of each 32 activations (|.| <= 4064, fit int16), one madd per row pair */
         const int16_t *bs = x->bsums + (size_t)kb * (CF_QK_K / 16);
-        __m128i b32 = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)bs), _mm_loadu_si128((const __m128i *)(bs + 8)));
-        __m256i mp[4];
-        for (int j = 0; j < 4; j++)
-            mp[j] = _mm256_set_m128i(_mm_madd_epi16(m[2 * j + 1], b32), _mm_madd_epi16(m[2 * j], b32));
-        __m256i mb = fold_pairs(mp[0], mp[1], mp[2], mp[3]);
+        __m256i b32 = _mm256_broadcastsi128_si256(
+            _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)bs), _mm_loadu_si128((const __m128i *)(bs + 8))));
+        __m256i mb = fold_pairs(_mm256_madd_epi16(mins[0], b32), _mm256_madd_epi16(mins[1], b32),
+                                _mm256_madd_epi16(mins[2], b32), _mm256_madd_epi16(mins[3], b32));
         acc = _mm256_fnmadd_ps(_mm256_mul_ps(dmin, dx), _mm256_cvtepi32_ps(mb), acc);
     }
     return acc;
 }
 
 /* kq_finish_qd from per-row partial vectors r[i] (summed across lanes first). */
-INLINE __m256 kq_finish(int dtype, __m256 d, __m256 dmin, const __m256i *r, const __m128i *m,
+INLINE __m256 kq_finish(int dtype, __m256 d, __m256 dmin, const __m256i *r, const __m256i *mins,
                         const cf_act_q8 *x, int kb, __m256 acc) {
     __m256i qd = hsum8_epi32(r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7]);
-    return kq_finish_qd(dtype, d, dmin, qd, m, x, kb, acc);
+    return kq_finish_qd(dtype, d, dmin, qd, mins, x, kb, acc);
 }
 
 INLINE __m256i act_bsums(const cf_act_q8 *x, int kb) {
     return _mm256_loadu_si256((const __m256i *)(x->bsums + (size_t)kb * (CF_QK_K / 16)));
 }
 
-/* The mat-mat's step: an unpacked group against one activation, sub-block by sub-block so each
- * 32 activations are loaded once for the 8 rows (the same exact integers as kq_row_qd). */
-INLINE __m256 kq_update(int dtype, const kq_group *G, const cf_act_q8 *x, int kb, __m256 acc) {
-    const int8_t *xq = x->qk + (size_t)kb * CF_QK_K;
-    __m256i r[CF_G];
-    __m128i m[CF_G];
-    for (int i = 0; i < CF_G; i++) r[i] = _mm256_setzero_si256();
-#pragma GCC unroll 8
-    for (int t = 0; t < 8; t++) {
-        __m256i xt = _mm256_loadu_si256((const __m256i *)(xq + 32 * t));
-        for (int i = 0; i < CF_G; i++)
-            r[i] = madd_acc(r[i], _mm256_maddubs_epi16(G->r[i].q[t], xt), G->r[i].scl[t]);
-    }
-    if (dtype == CF_Q6_K) {
-        __m256i bs16 = act_bsums(x, kb);
-        for (int i = 0; i < CF_G; i++)
-            r[i] = _mm256_sub_epi32(r[i], _mm256_slli_epi32(_mm256_madd_epi16(G->r[i].s16, bs16), 5));
-    }
-    for (int i = 0; i < CF_G; i++) m[i] = G->r[i].m;
-    return kq_finish(dtype, G->d, G->dmin, r, m, x, kb, acc);
-}
-
-/* The mat-vec's step: each row unpacked and used at once (nothing kept but its partials). */
+/* The mat-vec's step: the group's scales decoded together, then each row unpacked and used at
+ * once (nothing kept but its partials). */
 INLINE __m256 kq_update_rows(int dtype, const uint8_t *c, const cf_act_q8 *x, int kb, __m256 acc) {
     const int8_t *xq = x->qk + (size_t)kb * CF_QK_K;
     __m256i bs16 = act_bsums(x, kb);
+    kq_scales S;
+    if (dtype != CF_Q6_K) kq_scales_k4(c + 32, &S);
     __m256i r[CF_G];
-    __m128i m[CF_G];
     for (int i = 0; i < CF_G; i++) {
         kq_row R;
         kq_unpack_row(dtype, c, i, &R);
-        r[i] = kq_row_qd(dtype, &R, xq, bs16);
-        m[i] = R.m;
+        r[i] = kq_row_qd(dtype, &R, S.sc32[i], xq, bs16);
     }
     __m256 d = load_halves8(c), dmin = dtype == CF_Q6_K ? _mm256_setzero_ps() : load_halves8(c + 16);
-    return kq_finish(dtype, d, dmin, r, m, x, kb, acc);
+    return kq_finish(dtype, d, dmin, r, S.mins, x, kb, acc);
 }
 
 /* Lane i of v[k] = dword k of a[i]: an 8x8 transpose of 32-bit elements. */
@@ -341,7 +368,7 @@ INLINE void transpose8x8_epi32(const __m256i a[8], __m256i v[8]) {
 typedef struct {
     __m256 d, dmin;
     __m256i T[64], SC[16];
-    __m128i m[CF_G];
+    __m256i mins[CF_G / 2];
 } kq_group_t;
 
 INLINE void kq_transpose(int dtype, const kq_group *G, kq_group_t *GT) {
@@ -352,11 +379,17 @@ INLINE void kq_transpose(int dtype, const kq_group *G, kq_group_t *GT) {
         for (int i = 0; i < CF_G; i++) a[i] = G->r[i].q[t];
         transpose8x8_epi32(a, &GT->T[8 * t]);
     }
-    for (int h = 0; h < (dtype == CF_Q6_K ? 2 : 1); h++) {
-        for (int i = 0; i < CF_G; i++) a[i] = G->r[i].sc32[h];
-        transpose8x8_epi32(a, &GT->SC[8 * h]);
+    if (dtype == CF_Q6_K) { /* sc / sc2: int16 scales 0..7 / 8..15, widened with their sign */
+        for (int h = 0; h < 2; h++) {
+            for (int i = 0; i < CF_G; i++) a[i] = _mm256_cvtepi16_epi32(_mm256_castsi256_si128(h ? G->r[i].sc2 : G->r[i].sc));
+            transpose8x8_epi32(a, &GT->SC[8 * h]);
+        }
+    } else { /* sc32[i][t] holds scale t (0..63) in both int16 halves: keep the high one */
+        for (int i = 0; i < CF_G; i++) a[i] = _mm256_loadu_si256((const __m256i *)G->s.sc32[i]);
+        transpose8x8_epi32(a, GT->SC);
+        for (int t = 0; t < 8; t++) GT->SC[t] = _mm256_srli_epi32(GT->SC[t], 16);
+        for (int j = 0; j < CF_G / 2; j++) GT->mins[j] = G->s.mins[j];
     }
-    for (int i = 0; i < CF_G; i++) GT->m[i] = G->r[i].m;
 }
 
 /* kq_update over a transposed group: the same exact sum_qd per row (Q4_K / Q5_K: sum_t sc_t *
@@ -385,16 +418,48 @@ INLINE __m256 kq_update_t(int dtype, const kq_group_t *GT, const cf_act_q8 *x, i
             qd = _mm256_add_epi32(qd, _mm256_mullo_epi32(_mm256_add_epi32(d0, d1), GT->SC[t]));
         }
     }
-    return kq_finish_qd(dtype, GT->d, GT->dmin, qd, GT->m, x, kb, acc);
+    return kq_finish_qd(dtype, GT->d, GT->dmin, qd, GT->mins, x, kb, acc);
+}
+#else
+/* The mat-mat's step: an unpacked group against one activation, sub-block by sub-block so each
+ * 32 activations are loaded once for the 8 rows (the same exact integers as kq_row_qd). */
+INLINE __m256 kq_update(int dtype, const kq_group *G, const cf_act_q8 *x, int kb, __m256 acc) {
+    const int8_t *xq = x->qk + (size_t)kb * CF_QK_K;
+    __m256i r[CF_G];
+    for (int i = 0; i < CF_G; i++) r[i] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int t = 0; t < 8; t++) {
+        __m256i xt = _mm256_loadu_si256((const __m256i *)(xq + 32 * t));
+        for (int i = 0; i < CF_G; i++)
+            r[i] = madd_acc(r[i], _mm256_maddubs_epi16(G->r[i].q[t], xt), G->scl[i][t]);
+    }
+    if (dtype == CF_Q6_K) {
+        __m256i bs16 = act_bsums(x, kb);
+        for (int i = 0; i < CF_G; i++)
+            r[i] = _mm256_sub_epi32(r[i], _mm256_slli_epi32(_mm256_madd_epi16(G->r[i].s16, bs16), 5));
+    }
+    return kq_finish(dtype, G->d, G->dmin, r, G->s.mins, x, kb, acc);
 }
 #endif
 
 /* ---- mat-vec: group_dot for these dtypes ---------------------------------------------------- */
 
+/* Q6_K's chunk (1680 B, not a whole number of cache lines) read as two interleaved streams
+ * (ql, then qh 1 KiB further) defeats the hardware prefetcher: from DRAM its mat-vec ran at
+ * under half of Q4_K's bytes per second, and at Q4_K's or better with the lines fetched ahead
+ * in software. So when no explicit distance is set (cf_set_prefetch), Q6_K prefetches each
+ * chunk this far ahead; the other dtypes stream well on their own. */
+#ifndef KQ_Q6K_AHEAD
+#define KQ_Q6K_AHEAD 8192
+#endif
+
 INLINE __m256 kq_group_dot(int dtype, const uint8_t *p, int nkt, const cf_act_q8 *x, int kb0) {
     __m256 acc = _mm256_setzero_ps();
     size_t chunk = (size_t)CF_G * cf_block_bytes(dtype);
+    const int q6_ahead = dtype == CF_Q6_K && cf_prefetch_bytes == 0;
     for (int kb = 0; kb < nkt; kb++, p += chunk) {
+        if (q6_ahead)
+            for (size_t off = 0; off < chunk; off += 64) _mm_prefetch((const char *)p + KQ_Q6K_AHEAD + off, _MM_HINT_T0);
         if (dtype == CF_Q5_0 || dtype == CF_Q5_1) {
             q5_group G;
             q5_unpack(dtype, p, &G);

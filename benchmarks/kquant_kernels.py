@@ -1,0 +1,129 @@
+"""Mat-vec speed of every quantized dtype relative to Q4_0, timed interleaved in one process.
+
+On a shared machine absolute GB/s mean little, but kernels timed alternately under the same load
+can be compared: for each shape, each round times every dtype once (activation already
+quantized, loop in C: `_native.bench_matvec`), and each dtype keeps its best round. Printed per
+dtype: effective GB/s (weight bytes / the calling thread's CPU seconds, the steadier measure on
+a busy machine at 1 thread) and the ratio to Q4_0 on the same shape, in three settings:
+- l2:   a slice of the matrix small enough for L2 (~256 KB): instruction cost per byte alone;
+- l3:   the whole matrix, hot in L3;
+- dram: round-robin over copies exceeding the L3: what one decode step sees.
+A ratio well below 1 in l2 means the kernel needs more instructions per byte than Q4_0; if the
+dram ratio is low too, the kernel is compute-bound at that thread count.
+
+    python benchmarks/kquant_kernels.py [--dtypes q4_0 q4_k ...] [--threads 1] [--rounds 5]
+                                        [--seconds 0.15] [--isa avxvnni] [--prefetch 0]
+                                        [--shapes 5632x2048] [--settings l2 dram]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from cflow import _native
+from cflow import kquant as K
+from cflow import quant as Q
+
+# [out x in]: Llama-1B-ish gate/up and down (dimensions multiples of 256), SmolLM2's down and up
+SHAPES = [(5632, 2048), (2048, 5632), (576, 1536), (1536, 576)]
+DTYPES = ["q4_0", "q4_1", "q8_0", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k"]
+L2_BYTES = 256 << 10
+DRAM_BYTES = 96 << 20  # 3x a 32 MiB L3
+
+
+def dtype_id(dtype: str) -> int:
+    return K.KDTYPE_IDS.get(dtype) or Q.DTYPE_IDS[dtype]
+
+
+def random_tiled(dtype: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """A tiled matrix of random blocks (finite fp16 scales; the values do not affect speed)."""
+    if dtype in Q.QUANT_DTYPES:
+        return Q.quantize_tiled(rng.standard_normal((rows, cols), dtype=np.float32), dtype)
+    qb, bb = K.block_geometry(dtype)
+    b = rng.integers(0, 256, (rows, cols // qb, bb), dtype=np.uint8)
+    for o, _ in (v for n, v in K.GGML_FIELDS[dtype].items() if n in ("d", "dmin", "m")):
+        v = (rng.standard_normal((rows, cols // qb)) * 0.01).astype(np.float16)
+        b[..., o:o + 2] = v[..., None].view(np.uint8).reshape(rows, cols // qb, 2)
+    return K.tile_kquant(b.reshape(rows, -1), dtype, rows, cols)
+
+
+def fits(dtype: str, cols: int) -> bool:
+    return cols % K.block_geometry(dtype)[0] == 0 if dtype in K.KDTYPES else cols % Q.QK == 0
+
+
+def cases(dtype: str, rows: int, cols: int, rng: np.random.Generator):
+    """(setting, buffer, copies, rows) for the three settings."""
+    one = random_tiled(dtype, rows, cols, rng)
+    l2_rows = max(8, min(rows, L2_BYTES // (one.nbytes // rows)) // 8 * 8)
+    small = random_tiled(dtype, l2_rows, cols, rng)
+    copies = max(2, -(-DRAM_BYTES // one.nbytes))
+    return [("l2", small, 1, l2_rows), ("l3", one, 1, rows), ("dram", np.tile(one, copies), copies, rows)]
+
+
+def time_one(dtype, buf, copies, rows, cols, x, isa, pool, seconds) -> float:
+    """The calling thread's CPU seconds per call (wall seconds with a pool), about `seconds` long."""
+    args = (buf, copies, dtype_id(dtype), rows, cols, x)
+    wall, cpu = _native.bench_matvec(*args, isa=isa, pool=pool, iters=copies)
+    iters = max(copies, int(seconds / max(wall, 1e-9)))
+    wall, cpu = _native.bench_matvec(*args, isa=isa, pool=pool, iters=iters)
+    return cpu if pool is None else wall
+
+
+def run(dtypes, threads, isa, rounds, seconds, shapes=SHAPES, settings=("l2", "l3", "dram")):
+    rng = np.random.default_rng(0)
+    table = []
+    for rows, cols in shapes:
+        dts = [d for d in dtypes if fits(d, cols)]
+        x = rng.standard_normal(cols, dtype=np.float32)
+        bufs = {d: cases(d, rows, cols, rng) for d in dts}
+        for nth in threads:
+            pool = _native.Pool(nth) if nth > 1 else None
+            for si, setting in enumerate(("l2", "l3", "dram")):
+                if setting not in settings:
+                    continue
+                best = {d: float("inf") for d in dts}
+                for r in range(rounds):  # interleaved: each round times every dtype once
+                    for d in (dts if r % 2 == 0 else dts[::-1]):
+                        _, buf, copies, rws = bufs[d][si]
+                        best[d] = min(best[d], time_one(d, buf, copies, rws, cols, x, isa, pool, seconds))
+                gbs = {d: bufs[d][si][1].nbytes / bufs[d][si][2] / best[d] / 1e9 for d in dts}
+                base = gbs.get("q4_0")
+                for d in dts:
+                    table.append(dict(shape=f"{rows}x{cols}", threads=nth, setting=setting, dtype=d,
+                                      gbs=gbs[d], ratio=gbs[d] / base if base else float("nan")))
+            del pool
+        del bufs
+    return table
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dtypes", nargs="+", default=DTYPES, choices=list(K.ALL_QUANT))
+    ap.add_argument("--threads", nargs="+", type=int, default=[1])
+    ap.add_argument("--isa", default=_native.isa())
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--seconds", type=float, default=0.15, help="time per measurement")
+    ap.add_argument("--shapes", nargs="+", default=[f"{r}x{c}" for r, c in SHAPES], help="OUTxIN")
+    ap.add_argument("--settings", nargs="+", default=["l2", "l3", "dram"], choices=["l2", "l3", "dram"])
+    ap.add_argument("--prefetch", type=int, default=0, help="PREFETCHT0 distance in bytes (0: off)")
+    args = ap.parse_args()
+    _native.set_prefetch(args.prefetch)
+    t0 = time.time()
+    print(f"# isa {args.isa}, prefetch {args.prefetch}, {args.rounds} interleaved rounds; "
+          f"GB/s per calling-thread CPU second (1 thread) or wall (pool)")
+    print("| W [out x in] | threads | setting | dtype | GB/s | / q4_0 |")
+    print("|---|---|---|---|---|---|")
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes]
+    for r in run(args.dtypes, args.threads, args.isa, args.rounds, args.seconds, shapes, args.settings):
+        print(f"| {r['shape']} | {r['threads']} | {r['setting']} | {r['dtype']} | {r['gbs']:.1f} | {r['ratio']:.2f} |")
+        sys.stdout.flush()
+    print(f"# {time.time() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
