@@ -19,10 +19,12 @@ Tolerances are test_moe_llamacpp's dense ones (max|dlogit| / std(logits) per pos
 Controls: the reference without the feature a family adds (biases, q/k norms, the window) must
 miss llama.cpp / the windowed engine by far, so each comparison sees the feature.
 
-Sliding window: llama.cpp's llama, qwen2 and qwen3 graphs build a plain causal KV cache and never
-read `<arch>.attention.sliding_window`, so cflow ignores it on import too (recorded in the file's
-metadata) and matches llama.cpp on the Mistral file. The window itself (sliding_window in the
-config) is run on a context of 32 with W = 8 against the reference and transformers.
+Sliding window: the Mistral file's `llama.attention.sliding_window` (W = 16 of 32 positions) is
+honoured on import, as the model is defined and transformers' MistralForCausalLM runs it.
+llama.cpp's llama graph ignores the key (a plain causal KV cache), so the Mistral file is held
+against llama.cpp (and transformers' GGUF loader, which reads it as a Llama) on the positions
+before W, where a window changes nothing, and shown to differ from it after W; against the
+reference and MistralForCausalLM on every position.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ from test_moe_llamacpp import MEDIAN_TOL, check, llama_cpp_logits  # noqa: E402
 T = gguf.GGMLQuantizationType
 D, HEADS, KV_HEADS, LAYERS, FF, CTX = 256, 4, 2, 2, 512, 64
 EPS, THETA = 1e-6, 1e6
-WINDOW, STEPS = 8, 32
+WINDOW, STEPS = 16, 32
 # llama_bias: a llama file with q/k/v biases (llama.cpp reads them as optional), permuted with Q/K
 FAMILIES = ("qwen2", "qwen3", "mistral", "llama_bias")
 ARCH = {"qwen2": "qwen2", "qwen3": "qwen3", "mistral": "llama", "llama_bias": "llama"}
@@ -130,7 +132,8 @@ def write_family_gguf(path: Path, family: str, seed: int = 0) -> None:
     wr.close()
 
 
-def expected_config(family: str, window: int = 0) -> ModelConfig:
+def expected_config(family: str, window: int | None = None) -> ModelConfig:
+    window = (WINDOW if family == "mistral" else 0) if window is None else window
     return ModelConfig(vocab_size=len(tiny_vocab()), d_model=D, n_layers=LAYERS, n_heads=HEADS, n_kv_heads=KV_HEADS,
                        head_dim=head_dim(family), d_ff=FF, n_experts=0, top_k=0, d_expert=0, rope_theta=THETA,
                        norm_eps=float(np.float32(EPS)), max_seq_len=CTX, tie_embeddings=family == "qwen2",
@@ -220,7 +223,7 @@ def test_config_and_metadata(family_run):
     assert f.config == expected_config(family)
     source = f.header["metadata"]["source"]
     assert source["architecture"] == ARCH[family]
-    assert source.get("sliding_window_ignored") == (WINDOW if family == "mistral" else None)
+    assert "sliding_window_ignored" not in source  # the Mistral file's window is honoured
     names = set(f.tensors)
     assert ("layers.1.attn.qkv_bias" in names) == (family in BIASED)
     assert ("layers.1.attn.q_norm" in names) == ("layers.1.attn.k_norm" in names) == (family == "qwen3")
@@ -292,8 +295,14 @@ def test_engine_matches_reference(family_run):
     check(got, reference_logits(expected_config(family), reference_state(src, family), toks), moe=False)
 
 
+def before_window(family: str, logits: np.ndarray) -> np.ndarray:
+    """The positions where an oracle that ignores the Mistral file's window must agree with it."""
+    return logits[:WINDOW] if family == "mistral" else logits
+
+
 def test_engine_matches_llama_cpp(family_run, llama_cpp_run):
-    check(family_run[4], llama_cpp_run, moe=False)
+    family = family_run[0]
+    check(before_window(family, family_run[4]), before_window(family, llama_cpp_run), moe=False)
 
 
 def test_reference_matches_llama_cpp_and_needs_the_feature(family_run, llama_cpp_run):
@@ -301,11 +310,18 @@ def test_reference_matches_llama_cpp_and_needs_the_feature(family_run, llama_cpp
     NEOX/permuted RoPE choice is covered too: a wrong one fails test_engine_matches_llama_cpp)."""
     family, src, _, toks, _ = family_run
     cfg = expected_config(family)
-    check(reference_logits(cfg, reference_state(src, family), toks), llama_cpp_run, moe=False)
+    ref = reference_logits(cfg, reference_state(src, family), toks)
+    check(before_window(family, ref), before_window(family, llama_cpp_run), moe=False)
     if family == "mistral":
-        # the file's sliding window (8 < 32 positions) is ignored by llama.cpp; honouring it is far
-        windowed = reference_logits(cfg.replace(sliding_window=WINDOW), reference_state(src, family), toks)
-        assert far(windowed, llama_cpp_run)
+        # past W the window (which llama.cpp ignores) changes the logits by far
+        assert far(ref[WINDOW:], llama_cpp_run[WINDOW:])
+        # converted without it (cflow convert --sliding-window 0), the engine is llama.cpp's everywhere
+        nowin = src.with_name("mistral-nowindow.cflow")
+        convert(src, nowin, sliding_window=0)
+        assert open_model(nowin).config.sliding_window == 0
+        check(engine_logits(nowin, toks), llama_cpp_run, moe=False)
+        check(reference_logits(cfg.replace(sliding_window=0), reference_state(src, family), toks), llama_cpp_run,
+              moe=False)
     elif family in BIASED:
         assert far(reference_logits(cfg, reference_state(src, family, drop="bias"), toks), llama_cpp_run)
     else:
@@ -315,7 +331,8 @@ def test_reference_matches_llama_cpp_and_needs_the_feature(family_run, llama_cpp
 
 def test_transformers_loads_the_gguf(family_run):
     """HF transformers' own GGUF loader (dequantize, Q/K un-permuted for llama, its modelling code)
-    as a third oracle; it reads the Mistral file as a Llama, without a window, as llama.cpp does."""
+    as a third oracle; it reads the Mistral file as a Llama, without a window, as llama.cpp does,
+    so there it is compared before W."""
     family, src, _, toks, got = family_run
     transformers = pytest.importorskip("transformers")
     try:
@@ -328,7 +345,7 @@ def test_transformers_loads_the_gguf(family_run):
                     "(its GGUF config for arch llama has no attention_bias)")
     with torch.no_grad():
         want = hf(torch.tensor([toks])).logits[0].double().numpy()
-    check(got, want, moe=False)
+    check(before_window(family, got), before_window(family, want), moe=False)
 
 
 # ---- sliding window --------------------------------------------------------------------------

@@ -7,7 +7,7 @@ import argparse
 import json
 import os
 
-from cflow.cli.common import FileError, add_command, cannot_write, progress_bar
+from cflow.cli.common import FileError, UsageError, add_command, cannot_write, progress_bar
 from cflow.fsutil import check_writable
 from cflow.convert import QUANT_CHOICES, ConversionResult
 from cflow.runtime.files import format_size
@@ -41,6 +41,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--format", choices=["cflow", "vflow"], default=None,
                    help="data order: layer by layer (cflow) or in decode-schedule order (vflow); "
                    "default: from the output's extension, else cflow")
+    p.add_argument("--sliding-window", type=int, default=None, metavar="W",
+                   help="GGUF: attend to the last W positions instead of the file's window (a Mistral file's "
+                   "llama.attention.sliding_window is honoured by default; 0 = none, as llama.cpp runs it)")
     p.set_defaults(func=run)
 
 
@@ -59,8 +62,11 @@ def run(args: argparse.Namespace) -> int:
 
     kind = detect_input(args.input)
     tile = parse_tile(args.tile)
+    if args.sliding_window is not None and (args.sliding_window < 0 or kind != "gguf"):
+        raise UsageError("a window >= 0 (0 = none), for a GGUF input", flag="--sliding-window")
     result = write_model_file(args, lambda progress: convert(
-        args.input, args.output, quant=args.quant, tile=tile, order=args.format, progress=progress))
+        args.input, args.output, quant=args.quant, tile=tile, order=args.format, progress=progress,
+        sliding_window=args.sliding_window))
     # --quant given for a GGUF whose Q4_0/Q4_1/Q8_0 blocks were kept as they are: say so
     kept = kept_gguf_types(args.output, args.quant) if kind == "gguf" and args.quant else {}
     print_result(args, result, kept={"quant": args.quant, "tensors": kept} if kept else None)

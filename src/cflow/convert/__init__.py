@@ -60,7 +60,8 @@ def order_for(dst: str | os.PathLike, order: str | None) -> str:
 
 
 def convert(src: str | os.PathLike, dst: str | os.PathLike, *, quant: str | None = None,
-            tile: tuple[int, int] = TILE, order: str | None = None, progress=None) -> ConversionResult:
+            tile: tuple[int, int] = TILE, order: str | None = None, progress=None,
+            sliding_window: int | None = None) -> ConversionResult:
     """Convert a GGUF file or a checkpoint directory into a .cflow/.vflow file.
 
     `quant` is the format for weights that must be quantized: default q4_0. For GGUF input,
@@ -68,7 +69,8 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, quant: str | None
     for bit whatever `quant` says (`cflow convert` says which did when --quant was given), float
     tensors are quantized to `quant`, and tensors in another quantized format (Q2_K, Q3_K, I-quants,
     ...) are re-quantized only when `quant` is given explicitly; otherwise NotNativeError names the
-    tensor and says what to do.
+    tensor and says what to do. `sliding_window` (GGUF only): the attention window to run with
+    instead of the file's (0: none, as llama.cpp runs a Mistral file).
     """
     kind = detect_input(src)
     order = order_for(dst, order)
@@ -78,7 +80,8 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, quant: str | None
     if kind == "gguf":
         from cflow.convert.gguf import convert_gguf
 
-        return convert_gguf(src, dst, quant=quant, tile=tile, order=order, progress=progress, requantize=explicit)
+        return convert_gguf(src, dst, quant=quant, tile=tile, order=order, progress=progress, requantize=explicit,
+                            sliding_window=sliding_window)
     from cflow.convert.checkpoint import convert_checkpoint
 
     return convert_checkpoint(src, dst, quant=quant, tile=tile, order=order, progress=progress)

@@ -11,11 +11,13 @@ Choices:
   and k -> attn.q_norm / attn.k_norm, head_dim from attention.key_length). Anything else is a
   named error listing what is supported, never a best-effort guess; `mistral3` (YaRN RoPE
   scaling and attention temperature) is named as not yet supported.
-- Sliding windows: `{arch}.attention.sliding_window` is honoured exactly where llama.cpp honours
-  it, and for these three architectures llama.cpp ignores it (their graphs build a plain causal
-  KV cache; Mistral 7B v0.1 GGUFs carry it as arch "llama"). So cflow ignores it too, to give
-  llama.cpp's results on the same file, and records the ignored value in the file's metadata
-  (source.sliding_window_ignored). A .cflow config can still set sliding_window itself.
+- Sliding windows: a `llama.attention.sliding_window` (Mistral 7B v0.1 GGUFs carry one as arch
+  "llama") is honoured: position p attends to the last W positions, as the model was trained and
+  as HF transformers runs it. llama.cpp's llama graph ignores the key (a plain causal cache), so
+  past W positions cflow and llama.cpp differ on such a file; `cflow convert --sliding-window 0`
+  (convert_gguf(sliding_window=0)) gives llama.cpp's behaviour. Other architectures' windows are not read (Qwen2 configs carry a window
+  with use_sliding_window off, which the GGUF does not record) and are noted in the metadata
+  (source.sliding_window_ignored).
 - Mixture-of-experts llama files (Mixtral and its merges: `llama.expert_count` > 0) become
   config `mixtral`: no dense FFN (d_ff = 0), E experts of hidden size feed_forward_length, top_k =
   expert_used_count, no delays, the MoE reading h = x + attention (moe_input "post_attn"), which is
@@ -253,9 +255,16 @@ def gguf_config(g: GGUFModel) -> ModelConfig:
             tie_embeddings="output.weight" not in g.tensors,
             qkv_bias="blk.0.attn_q.bias" in g.tensors, qk_norm="blk.0.attn_q_norm.weight" in g.tensors,
             qk_norm_full=arch == "olmoe",
-            sliding_window=0, **moe)  # llama.cpp ignores these archs' sliding_window (module docstring)
+            sliding_window=_window(g), **moe)
     except ConfigError as e:
         raise GGUFError(f"{g.path.name}: its hyperparameters do not form a valid model: {e}") from None
+
+
+def _window(g: GGUFModel) -> int:
+    """The sliding window the model runs with: the file's, for arch llama (Mistral); else 0
+    (module docstring)."""
+    w = g.get(f"{g.architecture}.attention.sliding_window")
+    return int(w) if w and g.architecture == "llama" else 0
 
 
 # ---- tokenizer -------------------------------------------------------------------------------
@@ -503,7 +512,7 @@ def _check_shape(s: Source, shape: tuple[int, ...]) -> None:
 
 def convert_gguf(src: str | os.PathLike, dst: str | os.PathLike, *, quant: str = "q4_0",
                  tile: tuple[int, int] = TILE, order: str = "cflow", progress=None,
-                 requantize: bool = True) -> ConversionResult:
+                 requantize: bool = True, sliding_window: int | None = None) -> ConversionResult:
     """Convert a llama / qwen2 / qwen3 / qwen2moe / qwen3moe GGUF file into a .cflow/.vflow file.
 
     `quant` applies only to tensors that are not already Q4_0/Q4_1/Q8_0 (those stay bit-exact);
@@ -514,6 +523,11 @@ def convert_gguf(src: str | os.PathLike, dst: str | os.PathLike, *, quant: str =
     check_quant(quant)
     g = GGUFModel(src)
     cfg = gguf_config(g)
+    if sliding_window is not None:  # the caller's choice over the file's (0: none, as llama.cpp runs it)
+        try:
+            cfg = cfg.replace(sliding_window=int(sliding_window))
+        except ConfigError as e:
+            raise GGUFError(f"sliding window {sliding_window!r}: {e}") from None
     tok = gguf_tokenizer(g)
     Tokenizer(tok)  # fail now, not at load time, on a tokenizer the runtime cannot rebuild
     if len(tok["vocab"]) != cfg.vocab_size:
@@ -526,7 +540,7 @@ def convert_gguf(src: str | os.PathLike, dst: str | os.PathLike, *, quant: str =
     if cfg.has_moe:
         source["expert_layout"] = moe_layout(g)
     window = g.get(f"{g.architecture}.attention.sliding_window")
-    if window:
+    if window and not cfg.sliding_window:
         source["sliding_window_ignored"] = int(window)
     metadata = {"source": source,
                 "converter": "cflow.convert.gguf"}
