@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# llama.cpp's regexes, verbatim (C++ escapes undone). Its llama3 and qwen2 patterns spell the
+# llama.cpp's regexes, verbatim (C++ escapes undone; deepseek's classes: see _CJK). Its llama3 and qwen2 spell the
 # contractions (?:'[sS]|...) where tokenizer.json says (?i:'s|...); we keep llama.cpp's.
 GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
 _CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
