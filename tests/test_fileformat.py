@@ -453,7 +453,9 @@ CRAFTED = {
     "expert_nbytes": (lambda r: edit(r, lambda h: h["experts"][1].update(nbytes=h["experts"][1]["nbytes"] + 4)),
                       F.ExpertTableError),
     "expert_missing": (lambda r: edit(r, lambda h: h["experts"].pop()), F.ExpertTableError),
-    "expert_dup": (lambda r: edit(r, lambda h: h["experts"].append(dict(h["experts"][0]))), F.ExpertTableError),
+    # a duplicate in place of the last entry: the header keeps its length (it must fit the padding)
+    "expert_dup": (lambda r: edit(r, lambda h: h["experts"].__setitem__(-1, dict(h["experts"][0]))),
+                   F.ExpertTableError),
     "expert_misaligned": (lambda r: edit(r, lambda h: h["experts"][0].update(offset=h["experts"][0]["offset"] + 8)),
                           F.MisalignedOffsetError),
     "expert_past_end": (lambda r: edit(r, lambda h: h["experts"][0].update(offset=h["file_bytes"])),
