@@ -394,7 +394,9 @@ def test_olmoe_converts_and_its_reference_matches_llama_cpp(olmoe_run):
 
     src, dst, toks, lc = olmoe_run
     cfg = expected_config("olmoe")
-    assert gguf_config(GGUFModel(src)) == cfg and open_model(dst).config == cfg
+    assert gguf_config(GGUFModel(src)) == cfg
+    with open_model(dst) as f:
+        assert f.config == cfg
     ref = ReferenceDecoder(Transformer.from_cflow(dst))
     check(teacher_forced(lambda t, pos: ref.step(t).numpy(), toks), lc, moe=True)
     sd = reference_state(src, "olmoe")

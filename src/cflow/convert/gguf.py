@@ -27,9 +27,9 @@ Choices:
   (stored F32 whatever its GGUF type), and expert e's slice of the 3-D `ffn_{gate,up,down}_exps`
   (ggml ne = [d, d_exp, E] for gate/up, [d_exp, d, E] for down: expert e's rows are one
   contiguous block of the tensor) -> experts.{e}.w_gate_up / w_down. The older per-expert layout
-  (`ffn_gate.{e}` / `ffn_up.{e}` / `ffn_down.{e}`, 2-D each) is read too. Shared experts and
-  other MoE architectures (qwen2moe, deepseek2, ...) are refused by the architecture check or
-  by the tensor-name check, never dropped.
+  (`ffn_gate.{e}` / `ffn_up.{e}` / `ffn_down.{e}`, 2-D each) is read too. Shared experts in a
+  llama file and other MoE architectures (deepseek2, ...) are refused by the architecture check
+  or by the tensor-name check, never dropped.
 - Qwen MoE files ("qwen2moe", "qwen3moe") are read the same way (3-D expert stacks, router, the
   norm before the MoE), named after the architecture, with what llama.cpp's graphs for them do:
   qwen3moe renormalises the top-k weights, qwen2moe does not (moe_norm_topk off; llama.cpp
