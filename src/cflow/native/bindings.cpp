@@ -405,14 +405,20 @@ Out<float> rope(In1<float> x, int n_heads, int head_dim, int pos, float theta, s
     return out;
 }
 
-Out<float> attention(In1<float> q, AnyIn k, AnyIn v, int n_heads, int n_kv_heads, int n_pos,
-                     std::optional<float> scale, std::optional<std::string> isa, Pool *pool) {
-    const cf_kernel_table *t = table(isa);
+// The two test entries' K/V caches: [n_kv_heads, max_seq, head_dim] each, the same shape, and
+// n_heads a multiple of n_kv_heads.
+static void check_kv_caches(const AnyIn &k, const AnyIn &v, int n_heads, int n_kv_heads) {
     if (k.ndim() != 3 || v.ndim() != 3) bad_input("k and v caches must be [n_kv_heads, max_seq, head_dim]");
     for (int i = 0; i < 3; i++)
         if (k.shape(i) != v.shape(i)) bad_input("k and v caches differ in shape");
     if (n_heads < 1 || n_kv_heads < 1 || n_heads % n_kv_heads || (int)k.shape(0) != n_kv_heads)
         bad_input("n_heads must be a multiple of n_kv_heads, and the caches must hold n_kv_heads heads");
+}
+
+Out<float> attention(In1<float> q, AnyIn k, AnyIn v, int n_heads, int n_kv_heads, int n_pos,
+                     std::optional<float> scale, std::optional<std::string> isa, Pool *pool) {
+    const cf_kernel_table *t = table(isa);
+    check_kv_caches(k, v, n_heads, n_kv_heads);
     int max_seq = (int)k.shape(1), hd = (int)k.shape(2);
     if (n_pos < 1 || n_pos > max_seq) bad_input("n_pos " + std::to_string(n_pos) + " is outside [1, " + std::to_string(max_seq) + "]");
     check_len(q.size(), (size_t)n_heads * hd, "q");
@@ -436,11 +442,7 @@ Out<float> attention(In1<float> q, AnyIn k, AnyIn v, int n_heads, int n_kv_heads
 Out<float> attention_block(In1<float> q, AnyIn k, AnyIn v, int n_heads, int n_kv_heads, int pos0, int window,
                            std::optional<float> scale, std::optional<std::string> isa, Pool *pool) {
     const cf_kernel_table *t = table(isa);
-    if (k.ndim() != 3 || v.ndim() != 3) bad_input("k and v caches must be [n_kv_heads, max_seq, head_dim]");
-    for (int i = 0; i < 3; i++)
-        if (k.shape(i) != v.shape(i)) bad_input("k and v caches differ in shape");
-    if (n_heads < 1 || n_kv_heads < 1 || n_heads % n_kv_heads || (int)k.shape(0) != n_kv_heads)
-        bad_input("n_heads must be a multiple of n_kv_heads, and the caches must hold n_kv_heads heads");
+    check_kv_caches(k, v, n_heads, n_kv_heads);
     int max_seq = (int)k.shape(1), hd = (int)k.shape(2), q_dim = n_heads * hd;
     if (q.size() == 0 || q.size() % q_dim) bad_input("q must hold whole queries of n_heads * head_dim floats");
     int n_q = (int)(q.size() / q_dim);
