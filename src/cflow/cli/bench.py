@@ -92,7 +92,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="report directory: report.md, report.json and the plots (default docs/claims)")
     c.add_argument("--quick", action="store_true",
                    help="smoke test: tiny models, few repetitions, one thread; timing verdicts are inconclusive")
-    c.add_argument("--only", default=None, metavar="C1,C3,...", help="run only these claims (default: all)")
+    c.add_argument("--only", default=None, metavar="C1,C3,...",
+                   help="run only these claims (default: all); the other sections of an existing DIR/report.json "
+                        "are kept, so one claim can be re-measured without the hour-long rest")
+    c.add_argument("--no-merge", action="store_true",
+                   help="with --only: replace the report instead of keeping the other claims' sections")
     c.add_argument("-t", "--threads", type=int, default=None, metavar="N",
                    help="threads (default: every usable core; 1 with --quick)")
     c.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
@@ -112,6 +116,7 @@ examples:
   cflow bench claims --out docs/claims
   cflow bench claims --quick --out /tmp/claims
   cflow bench claims --only C1,C2,C3 --out /tmp/claims
+  cflow bench claims --only T1 --out docs/claims   # re-measure T1, keep the other sections
 """
 
 
@@ -125,7 +130,8 @@ def run_claims(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise UsageError(str(e), flag="--only") from None
     progress = None if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
-    results = run_all(args.out, quick=args.quick, only=args.only, threads=args.threads, progress=progress)
+    results = run_all(args.out, quick=args.quick, only=args.only, threads=args.threads, progress=progress,
+                      merge=not args.no_merge)
     for r in results:
         print(f"{r.id:3} {r.verdict:13} {r.title}")
     print(f"report: {args.out}/report.md")

@@ -58,6 +58,8 @@ class ClaimResult:
     data: dict[str, Any] = field(default_factory=dict)
     quick: bool = False
     duration_s: float = 0.0
+    date: str = ""               # when this claim ran (a merged report holds sections of several runs)
+    commit: str = ""             # the cflow commit it ran on
 
     def check(self) -> None:
         if self.verdict not in VERDICTS:
@@ -69,6 +71,18 @@ class ClaimResult:
         d["plots"] = [{"file": f, "caption": c} for f, c in self.plots]
         return d
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ClaimResult":
+        """The inverse of to_dict (a section kept from an earlier report.json)."""
+        known = {f for f in cls.__dataclass_fields__}
+        kw = {k: v for k, v in d.items() if k in known}
+        kw["tables"] = [Table(t["caption"], list(t["header"]), [list(r) for r in t["rows"]])
+                        for t in d.get("tables", [])]
+        kw["plots"] = [(p["file"], p["caption"]) for p in d.get("plots", [])]
+        res = cls(**kw)
+        res.check()
+        return res
+
 
 @dataclass
 class Context:
@@ -78,6 +92,7 @@ class Context:
     threads: int
     progress: Callable[[str], None] | None = None
     claims_command: str = "cflow bench claims"
+    commit: str = ""             # the cflow commit being measured (stamped on each result)
 
     def log(self, claim: str, msg: str) -> None:
         if self.progress:

@@ -49,7 +49,8 @@ def _section(r: ClaimResult) -> list[str]:
         lines += [f"![{caption}]({f})", "", f"*{caption}*", ""]
     for n in r.notes:
         lines += [n, ""]
-    lines += [f"<sub>{r.id}: {r.measured}; ran in {r.duration_s:.1f} s.</sub>", ""]
+    when = (f" on {r.date}" if r.date else "") + (f", commit {r.commit}" if r.commit else "")
+    lines += [f"<sub>{r.id}: {r.measured}; ran in {r.duration_s:.1f} s{when}.</sub>", ""]
     return lines
 
 
@@ -63,6 +64,8 @@ def to_markdown(results: list[ClaimResult], meta: dict[str, Any]) -> str:
                   "from these numbers. Run without `--quick` on an idle machine for the real report.", ""]
     lines += [f"Command: `{meta.get('command')}`  ",
               f"Date: {meta.get('date')}; took {meta.get('duration_s', 0):.0f} s.  ",
+              *([f"Kept from earlier runs of this report: {', '.join(meta['kept'])} (each section's footer gives "
+                 f"the date and commit it was measured on).  "] if meta.get("kept") else []),
               f"Machine: {m.get('cpu')}, {m.get('usable_cores')} usable cores, kernels {m.get('isa')}, "
               f"cflow {m.get('cflow')} (commit {m.get('commit')}), Python {m.get('python')}.", "",
               "The paper is \"Pipeline-Native Transformers: Co-Designing Model Architecture and CPU Inference for "

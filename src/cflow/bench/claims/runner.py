@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import importlib
+import json
 import shutil
 import tempfile
 import time
@@ -52,15 +53,49 @@ def run_claim(claim_id: str, ctx: Context) -> ClaimResult:
         ctx.log(claim_id, f"FAILED: {type(e).__name__}: {e}")
     res.quick = ctx.quick
     res.duration_s = time.perf_counter() - t0
+    res.date = _dt.datetime.now().isoformat(timespec="seconds")
+    res.commit = ctx.commit
     res.check()
     ctx.log(claim_id, f"verdict {res.verdict} ({res.duration_s:.1f} s)")
     return res
 
 
+def kept_sections(out: Path, ids: Sequence[str], quick: bool,
+                  progress: Callable[[str], None] | None = None) -> list[ClaimResult]:
+    """The sections of an earlier DIR/report.json that this run does not re-measure, so that
+    `--only T1` updates one claim of a report instead of replacing it. A quick report and a full one
+    are never mixed (a quick run's verdicts are inconclusive by design). Checked before measuring:
+    a damaged report.json stops the run here, not after an hour."""
+    from cflow.bench.claims.report import REPORT_JSON
+
+    path = Path(out) / REPORT_JSON
+    if not path.exists():
+        return []
+    try:
+        old = json.loads(path.read_text())
+        if bool(old.get("quick")) != bool(quick):
+            if progress:
+                progress(f"not merging with {path}: it is a {'quick' if old.get('quick') else 'full'} report "
+                         f"and this is a {'quick' if quick else 'full'} run; it will be replaced")
+            return []
+        kept = []
+        for d in old.get("claims", []):
+            if d.get("id") in CLAIMS and d["id"] not in ids:
+                r = ClaimResult.from_dict(d)
+                r.date = r.date or str(old.get("date", ""))
+                r.commit = r.commit or str(old.get("machine", {}).get("commit", ""))
+                kept.append(r)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ClaimsError(f"cannot merge with {path}: {type(e).__name__}: {e}; fix or delete it, or pass "
+                          f"--no-merge to replace the report") from None
+    return kept
+
+
 def run_claims(out: str | Path = "docs/claims", *, quick: bool = False, only: str | Sequence[str] | None = None,
                threads: int | None = None, progress: Callable[[str], None] | None = None,
-               command: str | None = None) -> list[ClaimResult]:
-    """Run the claims' experiments and write DIR/report.md, DIR/report.json and the plots."""
+               command: str | None = None, merge: bool = True) -> list[ClaimResult]:
+    """Run the claims' experiments and write DIR/report.md, DIR/report.json and the plots. With
+    `only` and `merge` (the default), the other claims' sections of an existing report are kept."""
     from cflow.bench.claims import report
     from cflow.bench.machine import machine_info
     from cflow.fsutil import check_writable
@@ -69,7 +104,9 @@ def run_claims(out: str | Path = "docs/claims", *, quick: bool = False, only: st
     ids = parse_only(only)
     out = Path(out)
     check_writable(out)  # before an hour of measuring, not after
+    kept = kept_sections(out, ids, quick, progress) if merge and only else []
     out.mkdir(parents=True, exist_ok=True)
+    machine = machine_info()
     command = command or ("cflow bench claims" + (" --quick" if quick else "")
                           + (f" --only {','.join(ids)}" if only else "") + f" --out {out}")
     t0 = time.perf_counter()
@@ -79,15 +116,16 @@ def run_claims(out: str | Path = "docs/claims", *, quick: bool = False, only: st
         # A quick run uses one thread unless told otherwise: it is a smoke test that may share the machine,
         # and spin barriers across threads degrade badly when another process holds a core.
         ctx = Context(out=out, work=work, quick=quick, threads=threads or (1 if quick else usable_threads()),
-                      progress=progress)
+                      progress=progress, commit=str(machine.get("commit", "")))
         for cid in ids:
             results.append(run_claim(cid, ctx))
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    meta = {"command": command, "quick": quick, "only": ids,
+    meta = {"command": command, "quick": quick, "only": ids, "kept": [r.id for r in kept],
             "date": _dt.datetime.now().isoformat(timespec="seconds"), "duration_s": time.perf_counter() - t0,
-            "machine": machine_info(), "threads": ctx.threads}
-    report.write(out, results, meta)
+            "machine": machine, "threads": ctx.threads}
+    order = list(CLAIMS)
+    report.write(out, sorted(results + kept, key=lambda r: order.index(r.id)), meta)
     if progress:
         progress(f"wrote {out / report.REPORT_MD} and {out / report.REPORT_JSON} ({meta['duration_s']:.0f} s)")
     return results
