@@ -90,6 +90,10 @@ class BenchReport:
     # the tensor table's weight bytes per token (Engine.weight_bytes_per_token): a cross-check of the
     # counted bytes in the rows (MoE: top_k experts of average size, so routing moves the count a little)
     table_bytes_per_token: float | None = None
+    # prefill compute: int8 multiply-add peak of the engine's kernel table per thread count (GOP/s,
+    # cflow._native.int8_peak) and the matmul multiply-adds one prompt token costs
+    int8_peak_gops: dict[int, float] = field(default_factory=dict)
+    macs_per_token: float | None = None
     experts: dict | None = None  # disk residency: Engine.expert_cache plus why (None: experts in RAM)
     expert_rows: dict[str, dict] = field(default_factory=dict)  # "threads:test" -> CflowRunner.expert_stats()
     date: str = field(default_factory=lambda: _dt.datetime.now().isoformat(timespec="seconds"))
@@ -107,9 +111,11 @@ class BenchReport:
             "model": self.model, "date": self.date, "machine": self.machine,
             "model_bytes": self.model_bytes, "table_bytes_per_token": self.table_bytes_per_token,
             "bandwidth_gbs": {str(k): v for k, v in self.bandwidth_gbs.items()},
+            "int8_peak_gops": {str(k): v for k, v in self.int8_peak_gops.items()},
+            "macs_per_token": self.macs_per_token,
             "footprint": self.footprint, "experts": self.experts,
             "rows": [dict(r.to_dict(), ratio_cflow_over_this=self.ratio(r), pct_of_probe=self._pct(r),
-                          **self._expert_fields(r)) for r in self.rows],
+                          **self._compute_fields(r), **self._expert_fields(r)) for r in self.rows],
         }
 
     def _expert_fields(self, row: BenchRow) -> dict:
@@ -133,6 +139,31 @@ class BenchReport:
                          f"{st['io_stall_ms_per_token']:.3f} ms/token"
                          + ("" if pred is None else f", prediction hit rate {100 * pred:.1f}%"))
         return lines
+
+    def _compute_fields(self, row: BenchRow) -> dict:
+        """pp rows: matmul GOP/s (2 ops per multiply-add) and its share of the int8 peak."""
+        if not row.test.startswith("pp") or not self.macs_per_token:
+            return {}
+        gops = 2.0 * self.macs_per_token * row.mean_ts / 1e9
+        peak = self.int8_peak_gops.get(row.threads)
+        return {"gops": gops, "pct_of_int8_peak": 100.0 * gops / peak if peak else None}
+
+    def _compute_lines(self) -> list[str]:
+        lines = []
+        for r in self.rows:
+            f = self._compute_fields(r)
+            if f:
+                pct = f["pct_of_int8_peak"]
+                lines.append(f"  {r.engine} {r.test} at {r.threads} thr: {f['gops']:.0f} GOP/s"
+                             + (f" = {pct:.0f}% of the peak" if pct else ""))
+        if not lines:
+            return []
+        isa = self.machine.get("isa")
+        peak = ", ".join(f"{t} thr {g:.0f} GOP/s" for t, g in sorted(self.int8_peak_gops.items()))
+        return [f"prefill compute ({2 * self.macs_per_token / 1e9:.2f} G int8 ops per prompt token in the weight "
+                f"matrices; attention over the cache not counted)" + (f"; int8 multiply-add peak of the {isa} "
+                                                                      f"kernels: {peak}" if peak else "") + ":",
+                *lines]
 
     def _pct(self, row: BenchRow) -> float | None:
         bw = self.bandwidth_gbs.get(row.threads)
@@ -176,6 +207,7 @@ class BenchReport:
                 f"{t} thr {bw:.1f} GB/s" for t, bw in sorted(self.bandwidth_gbs.items()))]
               if self.bandwidth_gbs else []),
             *self._bytes_line(),
+            *self._compute_lines(),
             *self._expert_lines(),
             *self._footprint_lines(),
             "",
@@ -204,7 +236,7 @@ def bench(model: str | Path, *, threads: list[int] | None = None, pp: int = 512,
     llama-bench; depths: context depths to run each test at (llama-bench's -d; default [0]);
     verify=False skips the checksum check of the model's first use. experts,
     expert_cache, expert_io, expert_prefetch: where cflow keeps a MoE model's experts (Engine.load)."""
-    from cflow.bench.bandwidth import read_bandwidth
+    from cflow.bench.bandwidth import int8_peak, read_bandwidth
 
     model = str(model)
     if not Path(model).exists():
@@ -219,6 +251,8 @@ def bench(model: str | Path, *, threads: list[int] | None = None, pp: int = 512,
     with CflowRunner(model, threads[0], None, progress=progress, verify=verify, **xkw).engine as eng:
         max_ctx = eng.config.max_seq_len
         table_bytes = eng.weight_bytes_per_token()
+        macs = eng.matmul_macs_per_token()
+        isa = eng.isa
     depths = list(depths or [0])
     if any(d < 0 for d in depths):
         raise CflowError(f"depths must be >= 0, got {depths}")
@@ -228,7 +262,8 @@ def bench(model: str | Path, *, threads: list[int] | None = None, pp: int = 512,
         raise CflowError(f"the test needs {need} positions (depth {max(depths)} + {max(pp, tg)}) but the context "
                          f"is {n_ctx} (model limit {max_ctx}); lower -d/-p/-n")
     report = BenchReport(model=model, machine=machine_info(), rows=[],
-                         model_bytes=Path(model).stat().st_size, table_bytes_per_token=table_bytes)
+                         model_bytes=Path(model).stat().st_size, table_bytes_per_token=table_bytes,
+                         macs_per_token=macs if pp > 0 else None)
     if footprint:
         from cflow.bench.footprint import measure_in_subprocess
 
@@ -239,6 +274,12 @@ def bench(model: str | Path, *, threads: list[int] | None = None, pp: int = 512,
             report.bandwidth_gbs[t] = read_bandwidth(threads=t)
             if progress:
                 progress(f"read bandwidth with {t} thread(s): {report.bandwidth_gbs[t]:.1f} GB/s")
+            if pp > 0:
+                peak = int8_peak(isa, t)
+                if peak:
+                    report.int8_peak_gops[t] = peak
+                    if progress:
+                        progress(f"int8 multiply-add peak ({isa}) with {t} thread(s): {peak:.0f} GOP/s")
         runners = [CflowRunner(model, t, n_ctx, progress=progress, verify=verify, **xkw)]
         cache = runners[0].engine.expert_cache
         if cache is not None:

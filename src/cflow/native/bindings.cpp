@@ -542,6 +542,13 @@ NB_MODULE(_native, m) {
         nb::gil_scoped_release rel;
         return cf_read_bandwidth(nbytes, threads, reps);
     }, arg("nbytes"), arg("threads") = 1, arg("reps") = 5, "Best-of-reps read bandwidth in GB/s (<0: no memory).");
+    m.def("int8_peak", [](const std::string &isa, int threads, int reps) {
+        nb::gil_scoped_release rel;
+        return cf_int8_peak(isa.c_str(), threads, reps);
+    }, arg("isa"), arg("threads") = 1, arg("reps") = 3,
+       "Best-of-reps int8 multiply-add throughput in GOP/s (2 ops per MAC) of the instruction form a "
+       "kernel table ('avx2', 'avxvnni', 'avx512') is built on, with no loads: the prefill compute "
+       "ceiling. -1 when that form is not compiled in; the caller checks the CPU has it.");
 
     nb::class_<Pool>(m, "Pool", "A persistent thread pool; the calling thread is thread 0.")
         .def(nb::init<int>(), arg("n_threads"))

@@ -258,6 +258,8 @@ void cf_word_wait_spin(_Atomic uint32_t *word, uint32_t val, int spin, _Atomic u
 /* ---- probe.c ----------------------------------------------------------------------------- */
 /* Best-of-`reps` read bandwidth in GB/s over `nbytes`; negative if it cannot allocate. */
 double cf_read_bandwidth(size_t nbytes, int n_threads, int reps);
+/* int8 multiply-add peak in GOP/s of one kernel table's instruction form; -1 if not compiled in. */
+double cf_int8_peak(const char *isa, int n_threads, int reps);
 
 #ifdef __cplusplus
 }
