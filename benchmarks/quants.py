@@ -50,12 +50,12 @@ def source_file(model: str, work: Path) -> Path:
     if model == "smollm2":
         return smollm2_gguf()
     if model == "random-1b":
-        from cflow.bench.claims.models import write_dense_gguf
+        from cflow.bench.claims.models import TINYLLAMA, write_dense_gguf
 
         path = work / "random-1b-f16.gguf"
         if not path.exists():
             print("writing the F16 source (2.2 GB)...", flush=True)
-            write_dense_gguf(path, layers=22, d_model=2048, d_ff=5632, heads=32, kv_heads=4, vocab=32000, quant="f16")
+            write_dense_gguf(path, **TINYLLAMA, quant="f16")
         return path
     return Path(model)
 

@@ -13,8 +13,8 @@ import importlib.util
 
 from cflow.bench.claims.core import (CONFIRMED, INCONCLUSIVE, REFUTED, ClaimResult, Context, Table, fmt_bytes,
                                      pyplot, quick_verdict, save, signature_has)
-from cflow.bench.claims.models import (SMOLLM2_MISSING, conversion_cache, load_benchmark, make_moe_command,
-                                       moe_geometry, smollm2_gguf, write_dense_gguf)
+from cflow.bench.claims.models import (SMOLLM2_MISSING, TINYLLAMA, conversion_cache, load_benchmark,
+                                       make_moe_command, moe_geometry, smollm2_gguf, write_dense_gguf)
 
 ID, TITLE = "C4", "End-to-end decode against llama.cpp"
 PAPER = ("cflow reaches 5.94 tokens/s on a 30.9B-parameter MoE on an AWS r6i.8xlarge (Ice Lake, 32 vCPUs), "
@@ -22,7 +22,6 @@ PAPER = ("cflow reaches 5.94 tokens/s on a 30.9B-parameter MoE on an AWS r6i.8xl
          "same hardware")
 PAPER_NUMBER = "5.94 vs 4.75 tok/s (1.25x)"
 # TinyLlama-1.1B's geometry
-TINYLLAMA = dict(layers=22, d_model=2048, d_ff=5632, heads=32, kv_heads=4, vocab=32000)
 DENSE_1B = dict(TINYLLAMA)
 MOE_SIZE = 1.5e9  # bytes of the random Mixtral-layout GGUF (mixtral-small's shape, fewer layers)
 MOE_GEOMETRY: dict | None = None  # or exact make_moe Geometry fields
@@ -94,8 +93,8 @@ def run(ctx: Context) -> ClaimResult:
                 runs.append(_bench(ctx, str(path), label,
                                    threads=[ctx.threads], pp=256, tg=64, reps=3, probe=True, footprint=False,
                                    compare=compare))
-                res.commands.append("python -c 'from cflow.bench.claims.models import write_dense_gguf; "
-                                    f"write_dense_gguf(\"dense-1b.gguf\", **{DENSE_1B})'")
+                res.commands.append("python benchmarks/make_dense.py --out dense-1b.gguf " + " ".join(
+                    f"--{k.replace('_', '-')} {v}" for k, v in DENSE_1B.items()))
                 res.commands.append(f"cflow bench -m dense-1b.gguf -t {ctx.threads} -p 256 -n 64 -r 3 "
                                     "--compare llama.cpp")
                 path.unlink(missing_ok=True)

@@ -177,6 +177,10 @@ def conversion_cache(path: str | os.PathLike) -> Iterator[None]:
             os.environ["CFLOW_CACHE"] = old
 
 
+# TinyLlama-1.1B's geometry: the ~1B dense model of the benchmarks (issue 12's table, C4, quants.py)
+TINYLLAMA = dict(layers=22, d_model=2048, d_ff=5632, heads=32, kv_heads=4, vocab=32000)
+
+
 def write_dense_gguf(path: str | os.PathLike, *, layers: int, d_model: int, d_ff: int, heads: int,
                      kv_heads: int, vocab: int, quant: str = "q4_0", seed: int = 0, ctx: int = 2048) -> Path:
     """A random-weight Llama GGUF (dense, e.g. TinyLlama-1.1B's geometry), written with the gguf
