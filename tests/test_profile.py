@@ -185,3 +185,11 @@ def test_cli_bench_profile_and_trace(model, tmp_path, capsys):
     assert d["decode"]["calls"] == 3 and "prefill" not in d
     assert main(["bench", "-m", str(path), "--trace", str(trace), "-q"]) == 2  # --trace needs --profile
     assert "--profile" in capsys.readouterr().err
+
+
+def test_profile_context_shorter_than_a_batch(model, capsys):
+    """-p 32 -n 16 sizes the context to 40 positions, fewer than a prefill batch: the untimed warm-up
+    prefill must fit it (it once asked for 52 and failed with a context error)."""
+    path, _ = model
+    assert main(["bench", "-m", str(path), "-t", "1", "-p", "32", "-n", "16", "--profile", "-q", "--no-verify"]) == 0
+    assert "| attn.qkv |" in capsys.readouterr().out

@@ -323,7 +323,7 @@ def profile_engine(eng: Any, *, steps: int = 64, prefill: int = 512, warmup: int
         pre = None
         # warm-up (untimed): page the weights in, let the pool spin up
         eng.reset()
-        eng.prefill(toks[:min(len(toks), nat.max_batch)])
+        eng.prefill(toks[:min(len(toks), nat.max_batch, eng.n_ctx)])  # the context may be shorter than a batch
         if prefill:
             eng.reset()
             eng.reset_counters()
