@@ -234,7 +234,8 @@ static void matmat_groups(int dtype, const cf_tiled *w, const cf_act_q8 *xs, int
                     int ng = cf_min(2 * MM5_NP, sp.gb - gr), np = (ng + 1) / 2;
                     __mmask16 mask[MM5_NP];
                     const uint8_t *p = sp.ptr + (size_t)(gr - sp.ga) * group_bytes;
-                    cf_prefetch_ahead(pf, p, (size_t)ng * group_bytes, end);
+                    if (b0 == 0) /* later batches re-read these groups from cache */
+                        cf_prefetch_ahead(pf, p, (size_t)ng * group_bytes, end);
                     for (int q = 0; q < np; q++) {
                         int lone = 2 * q + 1 >= ng; /* a last group without a partner */
                         mask[q] = lone ? 0x00ff : 0xffff;
