@@ -168,7 +168,8 @@ def test_prefetch_switch_keeps_results():
     rng = rng_for("prefetch")
     t = random_tiled(rng, rows, cols, "q4_0")
     x = rng.standard_normal(cols, dtype=np.float32)
-    assert _native.get_prefetch() == 0, "prefetch must be off by default"
+    # every kernel, mode and table: tests/test_prefetch.py
+    assert _native.get_prefetch() == _native.PREFETCH_DEFAULT, "prefetch starts in the kernels' default mode"
     off = {isa: _native.matvec(t, 2, rows, cols, x, isa=isa) for isa in ISAS}
     try:
         _native.set_prefetch(1024)
@@ -176,7 +177,7 @@ def test_prefetch_switch_keeps_results():
         for isa in ISAS:
             assert np.array_equal(_native.matvec(t, 2, rows, cols, x, isa=isa), off[isa])
     finally:
-        _native.set_prefetch(0)
+        _native.set_prefetch(_native.PREFETCH_DEFAULT)
 
 
 # ---- batched mat-mat (prefill) ---------------------------------------------------------------

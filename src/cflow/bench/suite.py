@@ -9,6 +9,8 @@ the C engine's own count (`Engine.counters()`); the tensor table's figure
 (`experts="disk"`, or "auto" choosing it) the tg rows also report what the expert cache did, from
 the same counters: disk_bytes_per_token, expert_cache_hit_rate, io_stall_ms_per_token, and with
 speculative prefetch expert_prediction_hit_rate (share of predicted experts the next layer chose).
+`prefetch` (--prefetch off|default|N) sets the kernels' software prefetch (cflow.runtime.prefetch);
+every cflow row records it.
 """
 
 from __future__ import annotations
@@ -38,11 +40,12 @@ class CflowRunner:
 
     def __init__(self, model: str | Path, threads: int, n_ctx: int | None, progress=None, verify: bool = True,
                  experts: str = "auto", expert_cache: int | str | None = None, expert_io: str = "async",
-                 expert_prefetch: str = "auto"):
+                 expert_prefetch: str = "auto", prefetch: int | None = None):
         from cflow.runtime import Engine
 
         self.engine = Engine.load(model, threads=threads, n_ctx=n_ctx, verify=verify, log=progress, experts=experts,
-                                  expert_cache=expert_cache, expert_io=expert_io, expert_prefetch=expert_prefetch)
+                                  expert_cache=expert_cache, expert_io=expert_io, expert_prefetch=expert_prefetch,
+                                  prefetch=prefetch)
 
     def reset(self) -> None:
         self.engine.reset()
@@ -96,6 +99,7 @@ class BenchReport:
     macs_per_token: float | None = None
     experts: dict | None = None  # disk residency: Engine.expert_cache plus why (None: experts in RAM)
     expert_rows: dict[str, dict] = field(default_factory=dict)  # "threads:test" -> CflowRunner.expert_stats()
+    prefetch: str = "default"  # cflow's software prefetch: "default", "off" or bytes ahead (prefetch.label)
     date: str = field(default_factory=lambda: _dt.datetime.now().isoformat(timespec="seconds"))
 
     def ratio(self, row: BenchRow) -> float | None:
@@ -114,7 +118,9 @@ class BenchReport:
             "int8_peak_gops": {str(k): v for k, v in self.int8_peak_gops.items()},
             "macs_per_token": self.macs_per_token,
             "footprint": self.footprint, "experts": self.experts,
+            "prefetch": self.prefetch,
             "rows": [dict(r.to_dict(), ratio_cflow_over_this=self.ratio(r), pct_of_probe=self._pct(r),
+                          prefetch=self.prefetch if r.engine == "cflow" else None,
                           **self._compute_fields(r), **self._expert_fields(r)) for r in self.rows],
         }
 
@@ -165,6 +171,11 @@ class BenchReport:
                                                                       f"kernels: {peak}" if peak else "") + ":",
                 *lines]
 
+    def _prefetch_words(self) -> str:
+        p = self.prefetch
+        return "off (no PREFETCH instruction in any kernel)" if p == "off" else (
+            f"PREFETCHT0 {p} B ahead in every weight-streaming kernel")
+
     def _pct(self, row: BenchRow) -> float | None:
         bw = self.bandwidth_gbs.get(row.threads)
         return 100.0 * row.effective_gbs / bw if (bw and row.effective_gbs) else None
@@ -203,6 +214,7 @@ class BenchReport:
             f"model: `{self.model}`" + (f" ({format_size(self.model_bytes)})" if self.model_bytes else ""),
             f"machine: {m['cpu']}, {m['usable_cores']} usable cores, ISA {m.get('isa')}, "
             f"cflow {m['cflow']} ({m.get('commit') or 'no git'}), {self.date}",
+            *([f"cflow software prefetch: {self._prefetch_words()}"] if self.prefetch != "default" else []),
             *(["read bandwidth (cflow probe): " + ", ".join(
                 f"{t} thr {bw:.1f} GB/s" for t, bw in sorted(self.bandwidth_gbs.items()))]
               if self.bandwidth_gbs else []),
@@ -230,12 +242,14 @@ def bench(model: str | Path, *, threads: list[int] | None = None, pp: int = 512,
           probe: bool = True, footprint: bool = True, verify: bool = True,
           progress: Callable[[str], None] | None = None, experts: str = "auto",
           expert_cache: int | str | None = None, expert_io: str = "async",
-          expert_prefetch: str = "auto", depths: list[int] | None = None) -> BenchReport:
+          expert_prefetch: str = "auto", depths: list[int] | None = None,
+          prefetch: int | None = None) -> BenchReport:
     """Run the suite. threads: the counts to test (default: every usable core; 0 also means that);
     the tg test always runs exactly `tg` decode steps, whatever token comes (EOS included), like
     llama-bench; depths: context depths to run each test at (llama-bench's -d; default [0]);
     verify=False skips the checksum check of the model's first use. experts,
-    expert_cache, expert_io, expert_prefetch: where cflow keeps a MoE model's experts (Engine.load)."""
+    expert_cache, expert_io, expert_prefetch: where cflow keeps a MoE model's experts (Engine.load);
+    prefetch: the kernels' software prefetch, None (default), 0 (off) or bytes ahead (Engine.load)."""
     from cflow.bench.bandwidth import int8_peak, read_bandwidth
 
     model = str(model)
@@ -247,7 +261,11 @@ def bench(model: str | Path, *, threads: list[int] | None = None, pp: int = 512,
         raise CflowError(f"--reps must be >= 1, got {reps}")
     threads = [t or usable_threads() for t in threads] if threads else [usable_threads()]
     # Loading once up front converts a .gguf into the cache and tells us the model's context limit.
-    xkw = dict(experts=experts, expert_cache=expert_cache, expert_io=expert_io, expert_prefetch=expert_prefetch)
+    from cflow.runtime import prefetch as prefetch_mod
+
+    prefetch_mod.to_mode(prefetch)  # a bad value fails before anything runs
+    xkw = dict(experts=experts, expert_cache=expert_cache, expert_io=expert_io, expert_prefetch=expert_prefetch,
+               prefetch=prefetch)
     with CflowRunner(model, threads[0], None, progress=progress, verify=verify, **xkw).engine as eng:
         max_ctx = eng.config.max_seq_len
         table_bytes = eng.weight_bytes_per_token()
@@ -263,7 +281,7 @@ def bench(model: str | Path, *, threads: list[int] | None = None, pp: int = 512,
                          f"is {n_ctx} (model limit {max_ctx}); lower -d/-p/-n")
     report = BenchReport(model=model, machine=machine_info(), rows=[],
                          model_bytes=Path(model).stat().st_size, table_bytes_per_token=table_bytes,
-                         macs_per_token=macs if pp > 0 else None)
+                         macs_per_token=macs if pp > 0 else None, prefetch=prefetch_mod.label(prefetch))
     if footprint:
         from cflow.bench.footprint import measure_in_subprocess
 

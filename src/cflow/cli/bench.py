@@ -28,6 +28,15 @@ def _depth_list(text: str) -> list[int]:
     return _int_list(text, "0 = an empty context")
 
 
+def _prefetch(text: str) -> int | None:
+    from cflow.runtime import prefetch
+
+    try:
+        return prefetch.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 HELP = """\
 measure prompt (pp) and generation (tg) tokens/s, like llama-bench
 
@@ -47,6 +56,7 @@ examples:
   cflow bench -m smollm2.cflow -p 0 -n 64 -r 3 --json --out tg64.json
   cflow bench -m SmolLM2-135M-Instruct.Q4_1.gguf -p 0 -d 0,1024,4096 --compare llama.cpp
   cflow bench -m smollm2.cflow -t 1,2 --profile --trace trace.json
+  cflow bench -m smollm2.cflow -t 1 --prefetch 1024 --json --out pf1024.json
 """
 
 
@@ -72,6 +82,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="skip the load-time / first-token / resident-memory measurement")
     add_verify_flag(p)
     add_expert_flags(p)
+    p.add_argument("--prefetch", type=_prefetch, default=None, metavar="off|default|N",
+                   help="explicit software prefetch in cflow's kernels (claim C6): default = each kernel's own "
+                   "choice (only Q6_K's mat-vec prefetches), off = none anywhere, N = PREFETCHT0 N bytes ahead in "
+                   "every weight-streaming kernel (decode and prefill); recorded in the report")
     p.add_argument("-o", "--output", choices=["md", "json"], default="md", help="output format (default md)")
     p.add_argument("--json", action="store_true", help="same as -o json")
     p.add_argument("--out", metavar="FILE", default=None,
@@ -162,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
         report = bench(args.model, threads=args.threads, pp=args.n_prompt, tg=args.n_gen,
                        reps=args.repetitions, warmup=not args.no_warmup, compare=args.compare,
                        probe=not args.no_probe, footprint=not args.no_footprint, verify=not args.no_verify,
-                       progress=progress, depths=args.n_depth, **expert_kwargs(args))
+                       progress=progress, depths=args.n_depth, prefetch=args.prefetch, **expert_kwargs(args))
     except OSError as e:  # the model unreadable, or the cache a .gguf is converted into unwritable
         raise load_error(args.model, e) from None
     text = report.to_json() if args.json or args.output == "json" else report.to_markdown()
@@ -181,7 +195,8 @@ def _run_profile(args: argparse.Namespace, progress) -> int:
         raise UsageError("--profile measures cflow alone; drop --compare", flag="--compare")
     try:
         profiles = profile_model(args.model, threads=args.threads, steps=args.n_gen, prefill=args.n_prompt,
-                                 verify=not args.no_verify, progress=progress, **expert_kwargs(args))
+                                 verify=not args.no_verify, progress=progress, prefetch=args.prefetch,
+                                 **expert_kwargs(args))
     except OSError as e:
         raise load_error(args.model, e) from None
     if args.json or args.output == "json":

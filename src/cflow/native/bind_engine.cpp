@@ -393,6 +393,16 @@ void cf_bind_engine(nb::module_ &m) {
             },
             "run attn(l) beside dense(l) on two thread groups when delta_dense >= 1 (off by default); "
             "outputs do not depend on it")
+        .def_prop_rw(
+            "prefetch", [](const NativeEngine &s) { return cf_engine_prefetch(s.e); },
+            [](NativeEngine &s, int mode) {
+                if (cf_engine_set_prefetch(s.e, mode))
+                    throw nb::value_error(("prefetch must be -1 (the kernels' default), 0 (off) or 1.." +
+                                           std::to_string(CF_PREFETCH_MAX) + " bytes ahead, got " +
+                                           std::to_string(mode)).c_str());
+            },
+            "software prefetch of this engine's calls: -1 the kernels' default, 0 off, N > 0 PREFETCHT0 N "
+            "bytes ahead in every weight-streaming kernel; outputs do not depend on it")
         .def_prop_ro("max_batch", [](const NativeEngine &s) { return cf_engine_max_batch(s.e); })
         .def_prop_ro("n_seq", [](const NativeEngine &s) { return cf_engine_n_seq(s.e); })
         .def_prop_ro("isa", [](const NativeEngine &s) { return std::string(cf_engine_isa(s.e)); });

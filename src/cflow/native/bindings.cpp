@@ -532,8 +532,17 @@ NB_MODULE(_native, m) {
     m.def("isa", [] { return std::string(cf_kernels()->name); }, "Name of the kernel table in use.");
     m.def("available_isas", &available_isas, "Kernel tables this CPU can run, best last.");
     m.def("cpu_features", &cpu_features, "CPU features the dispatcher probed.");
-    m.def("set_prefetch", &cf_set_prefetch, arg("bytes_ahead"), "PREFETCHT0 distance in the mat-vecs (0: off).");
-    m.def("get_prefetch", &cf_get_prefetch);
+    m.def("set_prefetch", [](int mode) {
+        if (cf_set_prefetch(mode))
+            throw nb::value_error(("prefetch must be -1 (the kernels' default), 0 (off) or 1.." +
+                                   std::to_string(CF_PREFETCH_MAX) + " bytes ahead, got " + std::to_string(mode)).c_str());
+    }, arg("mode"),
+          "The process-wide software-prefetch mode of the kernels (cflow.h): -1 each kernel's default (only "
+          "Q6_K's mat-vec prefetches), 0 off everywhere, N > 0 PREFETCHT0 N bytes ahead in every weight-streaming "
+          "kernel. An engine sets its own mode (NativeEngine.prefetch) at the start of each call.");
+    m.def("get_prefetch", &cf_get_prefetch, "The process-wide software-prefetch mode (-1 default, 0 off, N bytes).");
+    m.attr("PREFETCH_DEFAULT") = (int)CF_PREFETCH_DEFAULT;
+    m.attr("PREFETCH_MAX") = (int)CF_PREFETCH_MAX;
     m.def("tiled_bytes", [](int dtype, int rows, int cols, int tr, int tc) {
         cf_tiled w{nullptr, dtype, rows, cols, tr, tc};
         return cf_tiled_bytes(&w);

@@ -216,11 +216,23 @@ enum {
 };
 unsigned cf_cpu_features(void);
 
-/* Explicit software prefetch in the tiled mat-vecs (claim C6): prefetch `bytes_ahead` bytes
- * ahead of the weight stream with PREFETCHT0; 0 (the default) turns it off, except in the Q6_K
- * AVX2 mat-vec and gate/up, which always prefetch 8 KiB ahead (the hardware prefetcher misses
- * the way its 1680-byte chunks are read; kernels_kquant_avx2.c). */
-void cf_set_prefetch(int bytes_ahead);
+/* Explicit software prefetch in the kernels that stream weights (claim C6). One process-wide
+ * mode, read by every weight-streaming kernel of the fast tables at each call:
+ *   CF_PREFETCH_DEFAULT (-1, the initial mode): each kernel's built-in choice. Today only the Q6_K
+ *     AVX2 mat-vec and gate/up prefetch (KQ_Q6K_AHEAD = 8 KiB ahead: the hardware prefetcher
+ *     misses the way its 1680-byte chunks are read; kernels_kquant_avx2.c); nothing else does.
+ *   CF_PREFETCH_OFF (0): no software prefetch anywhere, Q6_K's included.
+ *   N > 0 (at most CF_PREFETCH_MAX): every weight-streaming kernel (mat-vec, gate/up, matmat,
+ *     gate_up_mm of the avx2, avxvnni and avx512 tables, all dtypes, dense and expert weights
+ *     alike, and the f32 router mat-vec) issues one PREFETCHT0 per cache line of the weight bytes
+ *     N bytes ahead of those it is about to read, never past the end of the tensor.
+ * Prefetching never changes a result (tests/test_prefetch.py checks bit-identity). The `_ref`
+ * kernels never prefetch: they define the semantics, not the speed. The engine sets its own mode
+ * at the entry of every step (cf_engine_set_prefetch), so the mode is per engine for the engine's
+ * calls; a direct kernel call uses whatever was set last. cf_set_prefetch returns 0, or -1 (mode
+ * unchanged) for a value below -1 or above CF_PREFETCH_MAX. */
+enum { CF_PREFETCH_DEFAULT = -1, CF_PREFETCH_OFF = 0, CF_PREFETCH_MAX = 1 << 20 };
+int cf_set_prefetch(int mode);
 int cf_get_prefetch(void);
 
 /* Small scalar routines that need no table. */

@@ -6,6 +6,7 @@
  * best available table; Python's cflow._native.isa() shows what was chosen).
  */
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -28,10 +29,16 @@ const cf_kernel_table *cf_kernels_avxvnni(void);
 const cf_kernel_table *cf_kernels_avx512(const cf_kernel_table *base);
 #endif
 
-int cf_prefetch_bytes = 0;
+/* The software-prefetch mode (cflow.h, claim C6); relaxed atomics: the kernels read it once per
+ * call, and it never changes a result, only which lines are asked for early. */
+_Atomic int cf_prefetch_mode = CF_PREFETCH_DEFAULT;
 
-void cf_set_prefetch(int bytes_ahead) { cf_prefetch_bytes = bytes_ahead > 0 ? bytes_ahead : 0; }
-int cf_get_prefetch(void) { return cf_prefetch_bytes; }
+int cf_set_prefetch(int mode) {
+    if (mode < CF_PREFETCH_DEFAULT || mode > CF_PREFETCH_MAX) return -1;
+    atomic_store_explicit(&cf_prefetch_mode, mode, memory_order_relaxed);
+    return 0;
+}
+int cf_get_prefetch(void) { return atomic_load_explicit(&cf_prefetch_mode, memory_order_relaxed); }
 
 /* ---- CPU probe --------------------------------------------------------------------------- */
 

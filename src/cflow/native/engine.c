@@ -153,6 +153,7 @@ struct cf_engine {
     int n_seq;      /* KV-cache slots: sequence s owns kcache/vcache[s] */
     size_t seq_kv;  /* halves per sequence slot: L * n_kv * n_ctx * hd */
     int active; /* threads a call uses (<= n_threads); the others return at once */
+    int prefetch; /* software-prefetch mode of this engine's calls (cf_engine_set_prefetch) */
     int32_t *plan;
     int n_ops, n_ring, n_pending, n_moe, inflight;
     const cf_kernel_table *k;
@@ -1037,6 +1038,9 @@ static int forward(cf_engine *e, const int32_t *tokens, int B, float *logits, in
         return -1;
     }
     spec_begin(e);
+    /* the mode is process-wide in the kernels: make it this engine's for this call (a call of
+     * another engine running at the same time may switch it; that changes speed, never results) */
+    cf_set_prefetch(e->prefetch);
     e->tokens = tokens;
     e->B = B;
     e->logits = logits;
@@ -1188,6 +1192,12 @@ int cf_engine_set_overlap(cf_engine *e, int on) {
     return 0;
 }
 int cf_engine_overlap(const cf_engine *e) { return e->grp != NULL; }
+int cf_engine_set_prefetch(cf_engine *e, int mode) {
+    if (mode < CF_PREFETCH_DEFAULT || mode > CF_PREFETCH_MAX) return -1;
+    e->prefetch = mode;
+    return 0;
+}
+int cf_engine_prefetch(const cf_engine *e) { return e->prefetch; }
 int cf_engine_max_batch(const cf_engine *e) { return e->max_batch; }
 int cf_engine_n_seq(const cf_engine *e) { return e->n_seq; }
 const char *cf_engine_isa(const cf_engine *e) { return e->k->name; }
@@ -1783,6 +1793,7 @@ cf_engine *cf_engine_create(const cf_config *cfg, const uint8_t *buf, size_t buf
     e->hmax = cf_max(cfg->d_ff, cfg->n_experts ? cf_max(cfg->d_exp, cfg->d_shexp) : 0);
     e->kmax = cf_max(cf_max(cfg->d, cfg->n_heads * cfg->hd), e->hmax);
     e->bar.n = e->active = n_threads;
+    e->prefetch = CF_PREFETCH_DEFAULT;
     if (bind_weights(e, buf, buf_len, desc, names, n_desc, err, err_len) ||
         check_plan(e, plan, n_ops, err, err_len)) {
         cf_engine_free(e);

@@ -263,6 +263,14 @@ int cf_engine_set_active_threads(cf_engine *e, int n);
  * of memory. Not while a call is running. */
 int cf_engine_set_overlap(cf_engine *e, int on);
 int cf_engine_overlap(const cf_engine *e);
+/* Software prefetch of this engine's calls (claim C6; the modes: cflow.h, cf_set_prefetch):
+ * CF_PREFETCH_DEFAULT (-1, the initial one), CF_PREFETCH_OFF (0), or N > 0 bytes ahead. Every
+ * call makes it the process-wide mode the kernels read (cf_set_prefetch) before it starts, so
+ * engines with different modes each run with their own, as long as their calls do not overlap
+ * in time; if they do, one may run with the other's mode: only the speed changes, never a result.
+ * Returns 0, or -1 (mode unchanged) for a value outside -1..CF_PREFETCH_MAX. */
+int cf_engine_set_prefetch(cf_engine *e, int mode);
+int cf_engine_prefetch(const cf_engine *e);
 int cf_engine_active_threads(const cf_engine *e);
 int cf_engine_max_batch(const cf_engine *e);
 int cf_engine_n_seq(const cf_engine *e);

@@ -25,6 +25,12 @@
  * activation bytes broadcast to all lanes then adds to every row's own lane, so no horizontal
  * fold is needed per activation, and the unpacked blocks of 4 groups serve all B activations
  * from L1. Per row the float operations are the mat-vec's, so matmat == B mat-vecs bit for bit.
+ *
+ * Software prefetch (claim C6; modes in cflow.h, cf_set_prefetch): each weight-streaming kernel
+ * here (matvec_groups, so mat-vec and gate/up; matmat_groups and kq_matmat_groups, so matmat and
+ * gate_up_mm; matvec_f32) reads its distance once per call (cf_prefetch_distance) and, before each
+ * contiguous run of weights it reads from memory, calls cf_prefetch_ahead: with distance 0 that is
+ * one not-taken branch per run, and no PREFETCH instruction executes.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -249,17 +255,15 @@ INLINE __m256 group_dot(int dtype, const uint8_t *p, int nkt, const cf_act_q8 *x
     return acc;
 }
 
-INLINE void prefetch_run(const uint8_t *p, size_t nbytes) {
-    for (size_t off = 0; off < nbytes; off += 64) _mm_prefetch((const char *)p + off, _MM_HINT_T0);
-}
-
 /* out[r - g0*8] for the rows of groups [g0, g1); full groups here, the short last group (if
- * any) through the reference. */
+ * any) through the reference. Software prefetch (cf_prefetch_ahead) one group ahead of each
+ * group's read: the distance of the mode, or in the default mode Q6_K's own (KQ_Q6K_AHEAD). */
 INLINE void matvec_groups(int dtype, const cf_tiled *w, const cf_act_q8 *x, float *out, int g0,
                           int g1) {
     int g1_full = cf_min(g1, w->rows / CF_G);
     size_t bb = cf_block_bytes(dtype);
-    int pf = cf_prefetch_bytes;
+    int pf = cf_prefetch_distance(dtype == CF_Q6_K ? KQ_Q6K_AHEAD : 0);
+    const uint8_t *end = pf ? cf_tiled_end(w) : NULL;
     if (g0 < g1_full) {
         memset(out, 0, sizeof(float) * (size_t)(g1_full - g0) * CF_G);
         cf_span sp;
@@ -267,7 +271,7 @@ INLINE void matvec_groups(int dtype, const cf_tiled *w, const cf_act_q8 *x, floa
             const uint8_t *p = sp.ptr;
             size_t group_bytes = (size_t)CF_G * sp.nkt * bb;
             for (int gr = sp.ga; gr < sp.gb; gr++, p += group_bytes) {
-                if (pf) prefetch_run(p + pf, group_bytes);
+                cf_prefetch_ahead(pf, p, group_bytes, end);
                 float *o = out + (size_t)(gr - g0) * CF_G;
                 __m256 acc = group_dot(dtype, p, sp.nkt, x, sp.kb0);
                 _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), acc));
@@ -543,7 +547,8 @@ INLINE void q8_groups_mm(int NG, const uint8_t *p, size_t group_bytes, int nkt, 
 
 /* out[b*ldo + r - g0*8] for the rows of groups [g0, g1) and activations b < B. Walks each tile
  * share once (band, tile, group, as the mat-vec does) and runs all B activations over a group's
- * chunks while they sit in L1; the short last group goes through the reference. */
+ * chunks while they sit in L1; the short last group goes through the reference. With a prefetch
+ * distance, each run of groups read from memory (1 or ng of them) prefetches ahead first. */
 INLINE void matmat_groups(int dtype, const cf_tiled *w, const cf_act_q8 *xs, int B, float *out,
                           int ldo, int g0, int g1) {
     if (KQ_DTYPE(dtype)) {
@@ -552,6 +557,8 @@ INLINE void matmat_groups(int dtype, const cf_tiled *w, const cf_act_q8 *xs, int
     }
     int g1_full = cf_min(g1, w->rows / CF_G);
     size_t bb = cf_block_bytes(dtype);
+    int pf = cf_prefetch_distance(0);
+    const uint8_t *end = pf ? cf_tiled_end(w) : NULL;
     if (g0 < g1_full) {
         for (int b = 0; b < B; b++)
             memset(out + (size_t)b * ldo, 0, sizeof(float) * (size_t)(g1_full - g0) * CF_G);
@@ -564,6 +571,7 @@ INLINE void matmat_groups(int dtype, const cf_tiled *w, const cf_act_q8 *xs, int
 #if CF_ISA_VNNI
                 if (dtype == CF_Q8_0 && sp.nkt <= MM_KT && B >= MM_Q8T_MIN_B) { /* Q8_0 transposed */
                     int ng = cf_min(MM_GB, sp.gb - gr);
+                    cf_prefetch_ahead(pf, p, (size_t)ng * group_bytes, end);
 #define GB8_CASE(N) case N: q8_groups_mm(N, p, group_bytes, sp.nkt, xs, B, sp.kb0, o, ldo); break
                     switch (ng) {
                     GB8_CASE(1); GB8_CASE(2); GB8_CASE(3); GB8_CASE(4);
@@ -579,6 +587,7 @@ INLINE void matmat_groups(int dtype, const cf_tiled *w, const cf_act_q8 *xs, int
 #endif
                 if (dtype != CF_Q8_0 && sp.nkt <= MM_KT) { /* up to MM_GB groups at once */
                     int ng = cf_min(MM_GB, sp.gb - gr);
+                    cf_prefetch_ahead(pf, p, (size_t)ng * group_bytes, end);
 #define GB_CASE(N) case N: q4_groups_mm(N, dtype, p, group_bytes, sp.nkt, xs, B, sp.kb0, o, ldo); break
                     switch (ng) { /* constant NG per call: the group loop unrolls into registers */
                     GB_CASE(1); GB_CASE(2); GB_CASE(3); GB_CASE(4);
@@ -591,6 +600,7 @@ INLINE void matmat_groups(int dtype, const cf_tiled *w, const cf_act_q8 *xs, int
                     p += (size_t)(ng - 1) * group_bytes;
                     continue;
                 }
+                cf_prefetch_ahead(pf, p, group_bytes, end); /* one group, re-read per MM_NB from L1 */
                 for (int b0 = 0; b0 < B; b0 += MM_NB) {
                     __m256 acc[MM_NB];
                     int nb = cf_min(MM_NB, B - b0);
@@ -770,8 +780,16 @@ static float dot_f32_avx2(const float *a, const float *b, int n) {
     return s;
 }
 
+/* Row-major fp32 weights (the MoE router, the shared-expert gate): with a prefetch distance,
+ * each row prefetches ahead before it is read, like the tiled kernels' groups. */
 static void matvec_f32_avx2(float *y, const float *W, const float *x, int rows, int cols) {
-    for (int r = 0; r < rows; r++) y[r] = dot_f32_avx2(W + (size_t)r * cols, x, cols);
+    int pf = cf_prefetch_distance(0);
+    size_t row_bytes = sizeof(float) * (size_t)cols;
+    const uint8_t *end = (const uint8_t *)W + row_bytes * (size_t)rows;
+    for (int r = 0; r < rows; r++) {
+        cf_prefetch_ahead(pf, (const uint8_t *)(W + (size_t)r * cols), row_bytes, end);
+        y[r] = dot_f32_avx2(W + (size_t)r * cols, x, cols);
+    }
 }
 
 static void rmsnorm_avx2(float *out, const float *x, const float *w, int n, float eps) {

@@ -22,6 +22,11 @@
  * MM5_NP pairs at once: per activation dword it broadcasts NT dwords and issues NT x NP
  * vpdpbusd against NP weight vectors, so each weight vector loaded serves NT tokens and each
  * broadcast serves NP x 16 rows.
+ *
+ * Software prefetch (cflow.h, cf_set_prefetch): with a distance N, each run of groups about to be
+ * unpacked first asks for the lines N bytes ahead of it (cf_prefetch_ahead); in the default and
+ * off modes these kernels never prefetch. The inherited mat-vec and gate/up follow the mode in
+ * kernels_avx2.c.
  */
 #include <immintrin.h>
 #include <pthread.h>
@@ -214,6 +219,8 @@ static void matmat_groups(int dtype, const cf_tiled *w, const cf_act_q8 *xs, int
     size_t bb = cf_block_bytes(dtype);
     mm5_buf buf;
     int32_t corr[MM5_TB * MM5_KT];
+    int pf = cf_prefetch_distance(0);
+    const uint8_t *end = pf ? cf_tiled_end(w) : NULL;
     if (g0 < g1_full) {
         for (int b = 0; b < B; b++)
             memset(out + (size_t)b * ldo, 0, sizeof(float) * (size_t)(g1_full - g0) * CF_G);
@@ -227,6 +234,8 @@ static void matmat_groups(int dtype, const cf_tiled *w, const cf_act_q8 *xs, int
                     int ng = cf_min(2 * MM5_NP, sp.gb - gr), np = (ng + 1) / 2;
                     __mmask16 mask[MM5_NP];
                     const uint8_t *p = sp.ptr + (size_t)(gr - sp.ga) * group_bytes;
+                    if (b0 == 0) /* later batches re-read these groups from cache */
+                        cf_prefetch_ahead(pf, p, (size_t)ng * group_bytes, end);
                     for (int q = 0; q < np; q++) {
                         int lone = 2 * q + 1 >= ng; /* a last group without a partner */
                         mask[q] = lone ? 0x00ff : 0xffff;
@@ -441,6 +450,8 @@ static void kq5_matmat_groups(int dtype, const cf_tiled *w, const cf_act_q8 *xs,
     int g1_full = cf_min(g1, w->rows / CF_G);
     size_t bb = cf_block_bytes(dtype);
     kq5_buf buf;
+    int pf = cf_prefetch_distance(0);
+    const uint8_t *end = pf ? cf_tiled_end(w) : NULL;
     if (g0 < g1_full) {
         for (int b = 0; b < B; b++)
             memset(out + (size_t)b * ldo, 0, sizeof(float) * (size_t)(g1_full - g0) * CF_G);
@@ -451,6 +462,7 @@ static void kq5_matmat_groups(int dtype, const cf_tiled *w, const cf_act_q8 *xs,
                 int ng = cf_min(2 * MM5_NP, sp.gb - gr), np = (ng + 1) / 2;
                 __mmask16 mask[MM5_NP];
                 const uint8_t *p = sp.ptr + (size_t)(gr - sp.ga) * group_bytes;
+                cf_prefetch_ahead(pf, p, (size_t)ng * group_bytes, end);
                 for (int q = 0; q < np; q++) {
                     int lone = 2 * q + 1 >= ng;
                     mask[q] = lone ? 0x00ff : 0xffff;

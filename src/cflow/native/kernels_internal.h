@@ -15,11 +15,39 @@
 #ifndef CFLOW_KERNELS_INTERNAL_H
 #define CFLOW_KERNELS_INTERNAL_H
 
+#include <stdatomic.h>
+
 #include "cflow.h"
 #include "util.h"
 
-/* Prefetch distance in bytes for the tiled mat-vecs (0: off); set by cf_set_prefetch. */
-extern int cf_prefetch_bytes;
+/* ---- software prefetch (claim C6; the modes: cflow.h, cf_set_prefetch) --------------------
+ * A kernel asks once per call for its distance, then, before it reads a contiguous run of weight
+ * bytes [p, p + n), calls cf_prefetch_ahead(dist, p, n, end): nothing when dist is 0, else one
+ * PREFETCHT0 per cache line of [p + dist, p + dist + n). Runs that follow each other in memory
+ * then prefetch each line once (a line belongs to the run its first byte falls in). `end` is the
+ * tensor's end: nothing at or past it is asked for (PREFETCHT0 of an unmapped address does not
+ * fault on x86, but it can cost a page walk, and the range should mean something). */
+extern _Atomic int cf_prefetch_mode;
+
+/* The distance to use now: N in mode N > 0, `builtin` (the kernel's own default, 0 for most) in
+ * the default mode, 0 when off. */
+static inline int cf_prefetch_distance(int builtin) {
+    int m = atomic_load_explicit(&cf_prefetch_mode, memory_order_relaxed);
+    return m > 0 ? m : m == CF_PREFETCH_DEFAULT ? builtin : 0;
+}
+
+#define CF_LINE 64 /* cache line bytes (every x86-64 CPU this build targets) */
+
+static inline void cf_prefetch_ahead(int dist, const uint8_t *p, size_t n, const uint8_t *end) {
+    if (dist <= 0) return;
+    uintptr_t a = (uintptr_t)p + (uintptr_t)dist, b = a + n, e = (uintptr_t)end;
+    if (b > e) b = e;
+    for (uintptr_t q = (a + CF_LINE - 1) & ~(uintptr_t)(CF_LINE - 1); q < b; q += CF_LINE)
+        __builtin_prefetch((const void *)q, 0, 3); /* read, locality 3: PREFETCHT0 on x86 */
+}
+
+/* One past the last byte of a tiled matrix: cf_prefetch_ahead's `end`. */
+static inline const uint8_t *cf_tiled_end(const cf_tiled *w) { return w->data + cf_tiled_bytes(w); }
 
 /* Bytes of one row's quant payload in a block (after the scales): 16 nibble bytes or 32 int8. */
 static inline size_t cf_qs_bytes(int dtype) { return dtype == CF_Q8_0 ? 32 : 16; }

@@ -447,8 +447,10 @@ INLINE __m256 kq_update(int dtype, const kq_group *G, const cf_act_q8 *x, int kb
 /* Q6_K's chunk (1680 B, not a whole number of cache lines) read as two interleaved streams
  * (ql, then qh 1 KiB further) defeats the hardware prefetcher: from DRAM its mat-vec ran at
  * under half of Q4_K's bytes per second, and at Q4_K's or better with the lines fetched ahead
- * in software. So when no explicit distance is set (cf_set_prefetch), Q6_K prefetches each
- * chunk this far ahead; the other dtypes stream well on their own. */
+ * in software. So in the default prefetch mode (cflow.h, cf_set_prefetch) matvec_groups
+ * prefetches Q6_K's weights this far ahead, one group's lines before each group (with the
+ * default 256-column tiles a group is one chunk); the other dtypes stream well on their own.
+ * Mode 0 turns this off too; a distance N > 0 replaces it. */
 #ifndef KQ_Q6K_AHEAD
 #define KQ_Q6K_AHEAD 8192
 #endif
@@ -456,10 +458,7 @@ INLINE __m256 kq_update(int dtype, const kq_group *G, const cf_act_q8 *x, int kb
 INLINE __m256 kq_group_dot(int dtype, const uint8_t *p, int nkt, const cf_act_q8 *x, int kb0) {
     __m256 acc = _mm256_setzero_ps();
     size_t chunk = (size_t)CF_G * cf_block_bytes(dtype);
-    const int q6_ahead = dtype == CF_Q6_K && cf_prefetch_bytes == 0;
     for (int kb = 0; kb < nkt; kb++, p += chunk) {
-        if (q6_ahead)
-            for (size_t off = 0; off < chunk; off += 64) _mm_prefetch((const char *)p + KQ_Q6K_AHEAD + off, _MM_HINT_T0);
         if (dtype == CF_Q5_0 || dtype == CF_Q5_1) {
             q5_group G;
             q5_unpack(dtype, p, &G);
@@ -483,6 +482,8 @@ INLINE void kq_matmat_groups(int dtype, const cf_tiled *w, const cf_act_q8 *xs, 
                              int ldo, int g0, int g1) {
     int g1_full = cf_min(g1, w->rows / CF_G);
     size_t chunk = (size_t)CF_G * cf_block_bytes(dtype);
+    int pf = cf_prefetch_distance(0); /* the group's bytes come from memory once, in its first pass */
+    const uint8_t *end = pf ? cf_tiled_end(w) : NULL;
     if (g0 < g1_full) {
         for (int b = 0; b < B; b++)
             memset(out + (size_t)b * ldo, 0, sizeof(float) * (size_t)(g1_full - g0) * CF_G);
@@ -490,6 +491,7 @@ INLINE void kq_matmat_groups(int dtype, const cf_tiled *w, const cf_act_q8 *xs, 
         for (cf_span_begin(&sp, w, g0, g1_full); cf_span_next(&sp);) {
             const uint8_t *p = sp.ptr;
             for (int gr = sp.ga; gr < sp.gb; gr++, p += sp.nkt * chunk) {
+                cf_prefetch_ahead(pf, p, sp.nkt * chunk, end);
                 float *o = out + (size_t)(gr - g0) * CF_G;
                 for (int b0 = 0; b0 < B; b0 += KQ_NB) {
                     int nb = cf_min(KQ_NB, B - b0);

@@ -33,6 +33,7 @@ import numpy as np
 from cflow import weights
 from cflow.runtime import abi, files
 from cflow.runtime import experts as xp
+from cflow.runtime import prefetch as prefetch_mod
 from cflow.runtime import readahead as readahead_mod
 from cflow.runtime.errors import (ContextOverflowError, CorruptModelError, EngineError, ModelFormatError,
                                   ModelNotFoundError)
@@ -62,15 +63,16 @@ class Engine:
                  max_batch: int = DEFAULT_MAX_BATCH, experts: str = "auto", expert_cache: int | str | None = None,
                  expert_io: str = "async", expert_delay: bool = True, mmap: bool = True,
                  log: Callable[[str], None] | None = None, n_seq: int = 1, expert_prefetch: str = "auto",
-                 readahead: str = "auto", overlap: bool = False) -> None:
+                 readahead: str = "auto", overlap: bool = False, prefetch: int | None = None) -> None:
         """An engine over an open CflowFile. experts / expert_cache / expert_io / expert_delay /
-        expert_prefetch / readahead / overlap: see
+        expert_prefetch / readahead / overlap / prefetch: see
         Engine.load and cflow.runtime.experts; mmap=False copies the weights the engine reads out of
         a mapped file (with experts on disk: all but the experts). n_seq: KV-cache slots (sequences)
         of n_ctx positions each, for step_batch; the single-sequence calls use sequence 0."""
         from cflow.tokenizer import Tokenizer
 
         native = abi.native_module()
+        prefetch_mode = prefetch_mod.to_mode(prefetch)  # a bad value fails before any work
         self.file = cf
         self.config = cf.config
         self.path = cf.path
@@ -126,6 +128,7 @@ class Engine:
             self._stop_sweeper()
             raise EngineError(f"{cf.path}: {e}") from None
         self._native.overlap = bool(overlap)
+        self._native.prefetch = prefetch_mode
         if disk and log:
             log(xp.describe(self.residency, self._native.expert_cache))
         self.tokenizer = Tokenizer(cf.tokenizer)
@@ -149,7 +152,7 @@ class Engine:
              log: Callable[[str], None] | None = None, experts: str = "auto",
              expert_cache: int | str | None = None, expert_io: str = "async",
              expert_delay: bool = True, n_seq: int = 1, expert_prefetch: str = "auto",
-             readahead: str = "auto", overlap: bool = False) -> "Engine":
+             readahead: str = "auto", overlap: bool = False, prefetch: int | None = None) -> "Engine":
         """Load a .cflow/.vflow file, or a .gguf (converted once into the cache; `log` is told);
         no path: the built-in model.
 
@@ -183,10 +186,20 @@ class Engine:
         overlap=True (experimental, off by default): with delta_dense >= 1, attn(l) and dense(l) run
         side by side on two halves of the threads (docs/DESIGN.md, "Overlapping independent nodes");
         same results bit for bit. `Engine.overlap` switches it between calls.
+
+        prefetch (explicit software prefetch, claim C6; cflow.runtime.prefetch): None (default) keeps
+        each kernel's own choice (only the Q6_K mat-vec prefetches); 0 turns every PREFETCH
+        instruction off; N > 0 (at most 1 MiB) makes every weight-streaming kernel (mat-vec, gate/up,
+        the batched prefill kernels, all tables and dtypes, dense and expert weights) issue PREFETCHT0
+        N bytes ahead of its reads. Same results bit for bit. The kernels read one process-wide mode:
+        the engine sets its own at the start of every native call, so two engines stepping at the
+        same moment in different threads may run with each other's mode (speed only). `Engine.prefetch`
+        switches it between calls.
         """
         from cflow.fileformat import ChecksumError, FormatError, open_model
 
         readahead_mod.check_mode(readahead)
+        prefetch_mod.to_mode(prefetch)  # before a conversion, not after
         t0 = time.perf_counter()
         p = Path(path) if path is not None else DEFAULT_MODEL
         if not p.exists():
@@ -219,7 +232,7 @@ class Engine:
             eng = cls(cf, threads=threads, n_ctx=n_ctx, max_batch=max_batch, experts=experts,
                       expert_cache=expert_cache, expert_io=expert_io, expert_delay=expert_delay, mmap=mmap,
                       log=log, n_seq=n_seq, expert_prefetch=expert_prefetch, readahead=readahead,
-                      overlap=overlap)
+                      overlap=overlap, prefetch=prefetch)
         except BaseException:
             cf.close()
             raise
@@ -276,6 +289,16 @@ class Engine:
     @overlap.setter
     def overlap(self, on: bool) -> None:
         self._native.overlap = bool(on)
+
+    @property
+    def prefetch(self) -> int | None:
+        """Software prefetch of this engine's calls: None (the kernels' default), 0 (off) or bytes
+        ahead; see Engine.load. Settable between calls; results do not depend on it."""
+        return prefetch_mod.from_mode(self._native.prefetch)
+
+    @prefetch.setter
+    def prefetch(self, value: int | None) -> None:
+        self._native.prefetch = prefetch_mod.to_mode(value)
 
     def readahead_stats(self) -> dict[str, Any]:
         """The cold-start choice (cflow.runtime.readahead): mode, file_order (the plan runs in the
