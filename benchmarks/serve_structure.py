@@ -71,6 +71,7 @@ class Counting:
 def drive(gen, n_requests: int, concurrency: int, words: int, max_tokens: int) -> tuple[int, float]:
     """serve_load.py's closed loop: `concurrency` clients, each submitting the next request when
     its last one finishes. Returns (generated tokens, seconds)."""
+    from cflow.sampling import SamplingParams
     from cflow.serve.batch import Finished, Piece
 
     done_q: queue.SimpleQueue = queue.SimpleQueue()
@@ -92,7 +93,8 @@ def drive(gen, n_requests: int, concurrency: int, words: int, max_tokens: int) -
             else:
                 done_q.put(ev)
 
-        gen.submit(gen.backend.encode(prompt(i, words)), sink, max_tokens=max_tokens, ignore_eos=True)
+        gen.submit(gen.backend.encode(prompt(i, words)), sink, max_tokens=max_tokens, ignore_eos=True,
+                   params=SamplingParams(temperature=0))  # serve_load.py's requests are greedy
         return True
 
     t0 = time.perf_counter()

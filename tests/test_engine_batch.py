@@ -238,6 +238,31 @@ def test_step_rows_refuses_rows_out_of_order(tmp_path):
     assert eng.step_rows([0, 1, 0], [4, 5, 6], [3, 0, 4], [True, True, False]).shape == (2, cfg.vocab_size)
 
 
+def test_copy_seq_goes_on_bit_for_bit(model):
+    preset, path, threads, cfg = model
+    eng = Engine.load(path, threads=threads, n_seq=3)
+    p = prompt_tokens(cfg, 12, seed=5)
+    eng.prefill(p, 0, seq=0)
+    eng.prefill(prompt_tokens(cfg, 20, seed=6), 0, seq=2)  # something to overwrite
+    eng.copy_seq(0, 2, 9)  # a prefix
+    eng.copy_seq(0, 1)     # everything sequence 0 holds
+    assert eng.cached(2) == p[:9] and eng.cached(1) == p
+    alone = Engine.load(path, threads=threads)
+    alone.prefill(p[:9])
+    want = alone.prefill(p[9:], 9).copy()
+    got = eng.step_rows([2, 2, 2, 1], p[9:] + [4], [9, 10, 11, 12], [False, False, True, True]).copy()
+    assert np.array_equal(got[0], want), preset
+    assert np.array_equal(got[1], alone.step(4, 12)), preset
+    with pytest.raises(EngineError, match="cannot copy 13"):
+        eng.copy_seq(0, 1, 13)
+    with pytest.raises(EngineError, match="does not exist"):
+        eng.copy_seq(0, 3)
+    with pytest.raises(ValueError, match="does not exist"):
+        eng._native.copy_seq(0, 3, 1)
+    eng.copy_seq(1, 1, 5)  # onto itself: nothing moves
+    assert eng.cached(1) == p + [4]
+
+
 # ---- KV isolation and positions -----------------------------------------------------------------
 def test_a_sequence_ignores_the_other_caches(model):
     preset, path, threads, cfg = model

@@ -136,6 +136,7 @@ def test_n_jobs_on_one_prompt_draw_consecutive_seeds(engine, gen4):
             toks[i].append(ev.token)
         else:
             assert isinstance(ev, Finished) and ev.seed == 77 + i
+            assert i == 0 or ev.cached_tokens == len(ids) - 1  # copied from job 0's slot
             ended += 1
     for i in range(3):
         assert toks[i] == engine.complete(PROMPTS[1], 16, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0,
@@ -261,12 +262,18 @@ class FakeRowsBackend(FakeBackend):
         super().__init__(*a, **kw)
         self.max_rows = max_rows
         self.calls: list[tuple[int, int, int]] = []
+        self.copies: list[tuple[int, int, int]] = []
 
     def step_batch(self, slot_ids, tokens, positions):
         raise AssertionError("a backend with step_rows gets no step_batch call")
 
     def prefill(self, slot, tokens, pos0):
         raise AssertionError("a backend with step_rows gets no prefill call")
+
+    def copy_slot(self, src, dst, n):
+        assert 0 <= n <= len(self.cache[src])
+        self.copies.append((src, dst, n))
+        self.cache[dst] = self.cache[src][:n]
 
     def step_rows(self, slot_ids, tokens, positions, want):
         if self.gate is not None:
@@ -364,6 +371,33 @@ def test_mixed_calls_fail_their_rows_and_go_on():
     assert isinstance(ends[0], Failed) and isinstance(ends[0].error, CorruptModelError)
     assert "for the prompt" in str(ends[0].error) and toks[0] == []
     assert isinstance(ends[1], Finished) and toks[1] == reference([7, 8], 3)
+
+
+def test_n_choices_and_shared_prefixes_evaluate_the_prompt_once():
+    be = FakeRowsBackend(n_slots=4, n_ctx=64)
+    prompt = list(range(1, 21))
+    with BatchGenerator(be, prefill_chunk=6) as g:
+        q: queue.SimpleQueue = queue.SimpleQueue()
+        g.submit_n(prompt, [lambda ev, i=i: q.put((i, ev)) for i in range(3)], max_tokens=5,
+                   params=SamplingParams(temperature=0))
+        toks, ends = [[], [], []], [None] * 3
+        while any(e is None for e in ends):
+            i, ev = q.get(timeout=10)
+            if isinstance(ev, Piece):
+                toks[i].append(ev.token)
+            else:
+                ends[i] = ev
+        # the prompt ran once; the two others copied 19 positions and ran their last token; then
+        # 4 decode rows each (the 5th token is not fed)
+        assert sum(r for *_, r in be.calls) == 20 + 2 + 3 * 4
+        assert sorted(n for *_, n in be.copies) == [19, 19]
+        assert toks == [reference(prompt, 5)] * 3 and [e.cached_tokens for e in ends] == [0, 19, 19]
+        # two requests sharing a 12-token prefix beside a running one: the second copies it
+        be.calls.clear(), be.copies.clear()
+        a, b = list(range(30, 42)) + [5, 6, 7], list(range(30, 42)) + [8, 9]
+        _, toks, ends = collect(g, [a, b], max_tokens=4, params=SamplingParams(temperature=0))
+        assert toks == [reference(a, 4), reference(b, 4)] and ends[1].cached_tokens == 12
+        assert be.copies and be.copies[-1][2] == 12 and sum(r for *_, r in be.calls) == 15 + 2 + 2 * 3
 
 
 def test_prefix_reuse_and_slot_choice():

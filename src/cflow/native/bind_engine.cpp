@@ -378,6 +378,10 @@ void cf_bind_engine(nb::module_ &m) {
              "B rows of any sequences in one pass (int32 arrays of B, want uint8): row b runs tokens[b] at "
              "positions[b] of sequence seqs[b]; a sequence's rows come in order at consecutive positions. "
              "The logits of the rows with want[b] != 0 go into logits[0..], in row order.")
+        .def("copy_seq", [](NativeEngine &s, int src, int dst, int n) {
+                if (cf_engine_copy_seq(s.e, src, dst, n)) s.raise_call_error();
+            }, nb::arg("src"), nb::arg("dst"), nb::arg("n"),
+             "Copy positions 0..n-1 of sequence src's KV cache into sequence dst's.")
         .def("counters", &NativeEngine::counters, "Bytes touched by category since reset_counters().")
         .def("expert_hits", &NativeEngine::expert_hits, "Routing counts per [layer][expert].")
         .def("reset_counters", [](NativeEngine &s) { cf_engine_reset_counters(s.e); })

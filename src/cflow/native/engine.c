@@ -1210,6 +1210,26 @@ int cf_step_rows(cf_engine *e, const int *seq, const int32_t *tokens, const int 
     return run_rows(e, seq, tokens, pos, want, B, logits);
 }
 
+int cf_engine_copy_seq(cf_engine *e, int src, int dst, int n) {
+    e->err_kind = CF_ERR_INPUT;
+    if (check_seq(e, src, 0) || check_seq(e, dst, 1)) return -1;
+    if (n < 0 || n > e->n_ctx) {
+        cf_set_err(e->err, sizeof e->err, "cannot copy %d positions: the context holds %d", n, e->n_ctx);
+        return -1;
+    }
+    e->err_kind = CF_ERR_NONE;
+    if (src == dst || n == 0) return 0;
+    /* [s][L][n_kv][n_ctx][hd]: one contiguous run of n * hd halves per (layer, kv head) */
+    size_t run = (size_t)e->n_ctx * e->c.hd, len = (size_t)n * e->c.hd * sizeof(cf_half);
+    size_t runs = (size_t)e->c.n_layers * e->c.n_kv;
+    for (size_t r = 0; r < runs; r++) {
+        size_t from = (size_t)src * e->seq_kv + r * run, to = (size_t)dst * e->seq_kv + r * run;
+        memcpy(e->s.kcache + to, e->s.kcache + from, len);
+        memcpy(e->s.vcache + to, e->s.vcache + from, len);
+    }
+    return 0;
+}
+
 const char *cf_engine_error(const cf_engine *e) { return e->err; }
 int cf_engine_error_kind(const cf_engine *e) { return e->err_kind; }
 void cf_engine_counters(const cf_engine *e, cf_counters *out) {

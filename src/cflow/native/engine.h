@@ -252,6 +252,10 @@ int cf_step_batch(cf_engine *e, const int *seq, const int32_t *tokens, const int
  * wanted skip the lm_head. Checks and failures as cf_step_batch. */
 int cf_step_rows(cf_engine *e, const int *seq, const int32_t *tokens, const int *pos, const uint8_t *want, int B,
                  float *logits);
+/* Copy positions 0..n-1 of sequence src's KV cache into sequence dst's (every layer): dst can then
+ * go on from position n as if it had run src's first n tokens itself (the same bits). For n > 1
+ * choices on one prompt: the prompt runs once. Returns 0, or -1 for a bad sequence or n. */
+int cf_engine_copy_seq(cf_engine *e, int src, int dst, int n);
 
 const char *cf_engine_error(const cf_engine *e);
 int cf_engine_error_kind(const cf_engine *e); /* CF_ERR_* of the last failed call */

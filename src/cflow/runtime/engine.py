@@ -422,6 +422,22 @@ class Engine:
             self._seqs[s].append(t)
         return out
 
+    def copy_seq(self, src: int, dst: int, n: int | None = None) -> None:
+        """Give sequence `dst` the K/V of sequence `src`'s first `n` positions (default: all it
+        holds), copied, not recomputed: dst then goes on from position n exactly as if it had run
+        those tokens itself (n choices on one prompt, or prompts sharing a prefix, evaluate it once)."""
+        s, d = self._seq_index(src), self._seq_index(dst)
+        held = len(self._seqs[s])
+        n = held if n is None else int(n)
+        if not 0 <= n <= held:
+            raise EngineError(f"copy_seq: sequence {s} holds {held} positions, cannot copy {n}")
+        try:
+            self._native.copy_seq(s, d, n)
+        except ValueError as e:
+            raise EngineError(f"{self.path}: {e}") from None
+        if s != d:
+            self._seqs[d][:] = self._seqs[s][:n]
+
     def prefill(self, tokens: Sequence[int] | np.ndarray, pos0: int = 0, seq: int = 0) -> np.ndarray:
         """Run `tokens` at positions pos0.. of sequence `seq` in batches; return the logits after the
         last [V]."""

@@ -21,6 +21,9 @@ when the backend has it (both here do), otherwise `prefill` per prompt chunk and
         `slot_ids[i]`; a slot's rows come in order at consecutive positions (a prompt chunk beside
         other slots' decode rows). Returns the logits of the W rows with want[i] true, in row
         order. `max_rows` (optional attribute): rows one pass over the weights takes.
+    copy_slot(src, dst, n)   (optional)
+        Give slot `dst` the K/V of slot `src`'s positions 0..n-1 (which src holds), so dst goes on
+        from position n: a prompt prefix another slot holds is copied, not evaluated again.
 
 All may return arrays the next call reuses (callers copy what they keep). All raise
 `cflow.runtime.EngineError` for a bad position or token (the slot then keeps positions < the
@@ -37,6 +40,8 @@ import os
 from typing import Any, Protocol, Sequence, runtime_checkable
 
 import numpy as np
+
+from cflow.runtime.generate import common_prefix
 
 
 @runtime_checkable
@@ -172,6 +177,16 @@ class EngineSlots:
             out[r] = got[i]
         return out
 
+    def copy_slot(self, src: int, dst: int, n: int) -> None:
+        """The reference: dst's engine evaluates the tokens src holds (from what it shares with them)."""
+        toks = self.engines[src].cached(0)[:n]
+        if len(toks) != n:
+            raise ValueError(f"copy_slot: slot {src} holds {len(toks)} positions, not {n}")
+        have = self.engines[dst].cached(0)
+        keep = common_prefix(have, toks)
+        if keep < n:
+            self.engines[dst].prefill(toks[keep:], keep)
+
     def close(self) -> None:
         for e in self.engines:
             e.close()
@@ -222,6 +237,9 @@ class EngineBatch:
     def step_rows(self, slot_ids: Sequence[int], tokens: Sequence[int], positions: Sequence[int],
                   want: Sequence[bool]) -> np.ndarray:
         return self.engine.step_rows(slot_ids, tokens, positions, want)
+
+    def copy_slot(self, src: int, dst: int, n: int) -> None:
+        self.engine.copy_seq(src, dst, n)
 
     def close(self) -> None:
         self.engine.close()

@@ -10,7 +10,10 @@ on its own:
 One worker thread owns the backend (engines are not thread-safe) and loops:
 
 1. admit queued requests into free slots, first come first served; a request goes to the free slot
-   whose cached tokens share the longest prefix with its prompt, and only the rest is evaluated;
+   whose cached tokens share the longest prefix with its prompt, and only the rest is evaluated.
+   With a backend that has `copy_slot`, a longer prefix that another slot holds is copied from
+   it, and one that an older request is still evaluating is waited for, then copied: n choices
+   on one prompt (submit_n), or requests sharing a system prompt, evaluate it once;
 2. ONE model call (`backend.step_rows`) that runs the next token of every sequence that has one
    to feed (a decode row each) together with up to `prefill_chunk` prompt tokens, the oldest
    admitted prompts first, as rows of their own sequences at consecutive positions (a long prompt
@@ -168,6 +171,8 @@ class _Seq:
     next_token: int = -1          # sampled, not yet run through the model (-1: none)
     t_first: float = 0.0
     t_prefilled: float = 0.0
+    leader: "_Seq | None" = None  # an older sequence still evaluating a longer prefix of this prompt
+    lead_n: int = 0               # how much of it this one will copy from the leader's slot
 
 
 # ---- the generator ---------------------------------------------------------------------------
@@ -202,6 +207,7 @@ class BatchGenerator:
         self.last_batch = 0               # sequences in the last decode step
         self._rows = getattr(backend, "step_rows", None)  # mixed prompt + decode calls (None: two kinds)
         self._max_rows = int(getattr(backend, "max_rows", 0) or 0)  # rows in one native pass (0: no cap)
+        self._copy = getattr(backend, "copy_slot", None)  # K/V copies between slots (None: none)
         self._thread = threading.Thread(target=self._loop, name="cflow-batch", daemon=True)
         self._thread.start()
 
@@ -430,10 +436,63 @@ class BatchGenerator:
         seq.limit = self.n_ctx - n + 1
         if job.max_tokens is not None:
             seq.limit = min(seq.limit, job.max_tokens)
-        if self.metrics:
-            self.metrics.admitted(seq.t_admit - job.t_submit, n, keep)
         if seq.limit <= 0:  # max_tokens 0: nothing to generate, nothing to evaluate
+            if self.metrics:
+                self.metrics.admitted(seq.t_admit - job.t_submit, n, keep)
             self._end(seq, self._finished(seq, "length", ""))
+            return
+        if self._copy is not None:
+            self._share(seq)
+        if self.metrics:
+            self.metrics.admitted(seq.t_admit - job.t_submit, n, seq.cached)
+
+    def _share(self, seq: _Seq) -> None:
+        """Before `seq` evaluates its prompt: when another slot holds a longer prefix of it than
+        its own, copy that K/V (backend.copy_slot) instead of evaluating it again; when an older
+        sequence still evaluating its prompt will hold a longer one still (n choices on one
+        prompt, or prompts sharing a system prompt), wait for it (seq.leader; _follow)."""
+        prompt = seq.job.prompt
+        cap = len(prompt) - 1  # the last token runs, for this sequence's own logits
+        best, src = seq.fed, -1
+        for i, held in enumerate(self._slot_tokens):
+            if i != seq.slot:
+                n = min(common_prefix(held, prompt), cap)
+                if n > best:
+                    best, src = n, i
+        lead, lead_n = None, best
+        for other in self._order:  # older sequences only: no cycles, and they take the budget first
+            if other is seq:
+                break
+            if other.job.done or other.fed >= len(other.job.prompt):
+                continue  # what it holds is in the scan above
+            n = min(common_prefix(other.job.prompt, prompt), cap)
+            if n > lead_n:
+                lead, lead_n = other, n
+        if lead is not None:
+            seq.leader, seq.lead_n = lead, lead_n
+        elif src >= 0:
+            self._copy_prefix(seq, src, best)
+
+    def _follow(self, seq: _Seq) -> bool:
+        """Whether `seq` may evaluate its prompt now: its leader holds what it waits for (copied
+        then), or ended."""
+        lead = seq.leader
+        if lead is not None and not lead.job.done and lead.fed < seq.lead_n:
+            return False
+        seq.leader = None
+        self._share(seq)
+        return seq.leader is None
+
+    def _copy_prefix(self, seq: _Seq, src: int, n: int) -> None:
+        try:
+            self._copy(src, seq.slot, n)
+        except Exception:  # what the slot holds is unknown: evaluate the whole prompt
+            traceback.print_exc(file=sys.stderr)
+            self._slot_tokens[seq.slot].clear()
+            seq.fed = seq.cached = 0
+            return
+        self._slot_tokens[seq.slot][:] = self._slot_tokens[src][:n]
+        seq.fed = seq.cached = n
 
     def _reap(self) -> None:
         for seq in list(self._order):
@@ -469,7 +528,7 @@ class BatchGenerator:
             if budget <= 0:
                 break
             n = len(seq.job.prompt)
-            if seq.fed >= n or seq.job.done:
+            if seq.fed >= n or seq.job.done or (seq.leader is not None and not self._follow(seq)):
                 continue
             k = min(budget, n - seq.fed)
             chunks.append((seq, k))
@@ -527,7 +586,7 @@ class BatchGenerator:
             if budget <= 0:
                 break
             n = len(seq.job.prompt)
-            if seq.fed >= n or seq.job.done:
+            if seq.fed >= n or seq.job.done or (seq.leader is not None and not self._follow(seq)):
                 continue
             k = min(budget, n - seq.fed)
             chunk = seq.job.prompt[seq.fed:seq.fed + k]
