@@ -2,7 +2,8 @@
 decode step of the running sequences (A: Engine.prefill + Engine.step_batch, the scheduler's old
 two kinds of call) against the same rows in one Engine.step_rows call (B: the prompt's rows and
 the decode rows in one pass over the weights, logits only for the decode rows and the prompt's
-last row). A and B alternate, many repeats, on the same positions; the rows' logits are checked
+last row). Also the decode rows alone, one sequence per call against all in one step_batch
+(the engine's own ceiling for the n-stream / 1-stream throughput ratio). They alternate, many repeats, on the same positions; the rows' logits are checked
 equal (bit for bit) once. Medians only: on a shared machine this is an indicative signal, not a
 benchmark.
 
@@ -57,19 +58,29 @@ def main(argv=None) -> int:
                             [True] * args.decode + [False] * (len(prompt) - 1) + [True])
         return out[:args.decode].copy(), out[args.decode].copy()
 
+    def c() -> None:  # the decode rows one sequence at a time: B passes over the weights
+        for s, t in zip(dseq, dtok):
+            eng.step_batch([s], [t], [ctx])
+
+    def d() -> None:  # the decode rows together: one pass
+        eng.step_batch(dseq, dtok, [ctx] * args.decode)
+
     ra, rb = a(), b()
     same = np.array_equal(ra[0], rb[0]) and np.array_equal(ra[1], rb[1])
-    ta, tb = [], []
+    ta, tb, tc, td = [], [], [], []
     for _ in range(args.repeats):
-        for f, ts in ((a, ta), (b, tb)):
+        for f, ts in ((a, ta), (b, tb), (c, tc), (d, td)):
             t0 = time.perf_counter()
             f()
             ts.append(time.perf_counter() - t0)
-    ma, mb = statistics.median(ta), statistics.median(tb)
+    ma, mb, mc, md = (statistics.median(x) for x in (ta, tb, tc, td))
     print(f"{args.decode} decode rows (context {ctx}) + a {args.prompt}-token prompt, {args.threads} thread(s), "
           f"{args.repeats} alternating repeats; logits equal: {same}")
     print(f"A prefill + step_batch: median {ma * 1e3:.2f} ms   B step_rows: median {mb * 1e3:.2f} ms   "
           f"B/A {mb / ma:.3f} (indicative)")
+    print(f"decode rows alone: {args.decode} x step_batch(B=1) median {mc * 1e3:.2f} ms   step_batch(B={args.decode}) "
+          f"median {md * 1e3:.2f} ms   speed-up of the batched step {mc / md:.2f}x (indicative; the bound on "
+          f"{args.decode} streams / 1 stream before any serving overhead)")
     return 0 if same else 1
 
 

@@ -517,14 +517,17 @@ class Engine:
     def reset_counters(self) -> None:
         self._native.reset_counters()
 
-    def profile(self, steps: int = 64, prefill: int = 512, warmup: int = 4, threads: int | None = None):
+    def profile(self, steps: int = 64, prefill: int = 512, warmup: int = 4, threads: int | None = None,
+                batch: int = 0):
         """Where the time goes: per-op times of `steps` decode steps and of the prefill batches of a
-        `prefill`-token prompt, per thread, barrier waits included (cflow.bench.profile.Profile:
-        .to_markdown() the tables, .write_trace(path) a Chrome trace for Perfetto). Resets sequence 0.
-        Costs nothing when not called: the C core only branches on a flag."""
+        `prefill`-token prompt, and with batch > 1 of `steps` batched steps of `batch` sequences
+        (step_batch; needs n_seq >= batch), per thread, barrier waits included
+        (cflow.bench.profile.Profile: .to_markdown() the tables, .write_trace(path) a Chrome trace
+        for Perfetto). Resets the sequences it uses. Costs nothing when not called: the C core only
+        branches on a flag."""
         from cflow.bench.profile import profile_engine
 
-        return profile_engine(self, steps=steps, prefill=prefill, warmup=warmup, threads=threads)
+        return profile_engine(self, steps=steps, prefill=prefill, warmup=warmup, threads=threads, batch=batch)
 
     def weight_bytes_per_token(self) -> float:
         """Weight bytes one decode step reads (the file's own tensor sizes through the tensor table,
