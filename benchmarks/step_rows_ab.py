@@ -3,9 +3,9 @@ decode step of the running sequences (A: Engine.prefill + Engine.step_batch, the
 two kinds of call) against the same rows in one Engine.step_rows call (B: the prompt's rows and
 the decode rows in one pass over the weights, logits only for the decode rows and the prompt's
 last row). Also the decode rows alone, one sequence per call against all in one step_batch
-(the engine's own ceiling for the n-stream / 1-stream throughput ratio). They alternate, many repeats, on the same positions; the rows' logits are checked
-equal (bit for bit) once. Medians only: on a shared machine this is an indicative signal, not a
-benchmark.
+(the engine's own ceiling for the n-stream / 1-stream throughput ratio). They alternate, many
+repeats, on the same positions; the rows' logits are checked equal (bit for bit) once. Medians
+only: on a shared machine this is an indicative signal, not a benchmark.
 
     python benchmarks/step_rows_ab.py -t 1 --decode 8 --prompt 36 --repeats 40
 """

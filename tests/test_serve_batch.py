@@ -75,6 +75,27 @@ def test_engine_slots_is_a_batch_backend():
         b.close()
 
 
+def test_engine_slots_mixed_calls_and_copies_equal_engine_complete(engine):
+    # the reference backend's step_rows (a prefill per stretch) and copy_slot (the tokens evaluated
+    # again): n choices and mixed calls give Engine.complete's tokens
+    with BatchGenerator(EngineSlots.load(n_slots=3, threads=1), prefill_chunk=4) as g:
+        ids = engine.encode(PROMPTS[2])
+        q: queue.SimpleQueue = queue.SimpleQueue()
+        g.submit_n(ids, [lambda ev, i=i: q.put((i, ev)) for i in range(2)], max_tokens=12,
+                   params=SamplingParams(temperature=0))
+        got = g.complete_many(PROMPTS[:1], 12, temperature=0)  # beside them
+        toks, ends = [[], []], [None, None]
+        while any(e is None for e in ends):
+            i, ev = q.get(timeout=60)
+            if isinstance(ev, Piece):
+                toks[i].append(ev.token)
+            else:
+                ends[i] = ev
+    want = engine.complete(PROMPTS[2], 12, temperature=0).tokens
+    assert toks == [want, want] and ends[1].cached_tokens == len(ids) - 1
+    assert got[0].tokens == engine.complete(PROMPTS[0], 12, temperature=0).tokens
+
+
 def test_batched_greedy_equals_engine_complete(engine, gen4):
     got = gen4.complete_many(PROMPTS, 40, temperature=0, stop=["\n\n"])
     for p, c in zip(PROMPTS, got):
