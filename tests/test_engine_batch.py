@@ -8,7 +8,9 @@ mat-vec per row bit for bit (cflow.h), so a row's logits depend neither on how m
 other sequences share the call, nor on step_batch vs step vs prefill. Checked here for dense and
 MoE models (experts in RAM and on disk), against the float reference within test_engine's
 tolerances, with KV isolation between sequences, at the context end, with more rows than one
-native call holds (max_batch), and through the server's scheduler (EngineBatch).
+native call holds (max_batch), and through the server's scheduler (EngineBatch). `step_rows`
+(prompt chunks beside decode rows, logits only where asked) equals the separate prefill and
+step_batch calls of the same rows, exactly.
 """
 
 from __future__ import annotations
@@ -143,6 +145,122 @@ def test_experts_on_disk_batched_equals_ram(tmp_path):
         for s in range(4):
             assert all(np.array_equal(x, y) for x, y in zip(ram[s], disk[s])), f"{io}: seq {s}"
         assert eng.counters()["cache_misses"] > 0
+
+
+# ---- mixed calls: prompt chunks beside decode rows (step_rows, native cf_step_rows) ---------------
+def mixed_vs_separate(path, threads, cfg, max_batch):
+    """Sequences 0 and 1 decode while sequence 2's prompt (16 tokens, in chunks of 9 and 7) joins:
+    the same rows as separate calls (prefill + step_batch) and as step_rows calls. Returns both
+    engines and the logits each way."""
+    prompts = {s: prompt_tokens(cfg, LENGTHS[s], seed=s) for s in (0, 1)}
+    new = prompt_tokens(cfg, 16, seed=9)
+    feed = {s: continuation(cfg, s) for s in (0, 1)}
+    sep, mix = (Engine.load(path, threads=threads, n_seq=4, max_batch=max_batch) for _ in range(2))
+    for eng in (sep, mix):
+        for s in (0, 1):
+            eng.prefill(prompts[s], 0, seq=s)
+    got_sep, got_mix = [], []
+    for i, (lo, hi) in enumerate(((0, 9), (9, 16))):
+        pos = [LENGTHS[0] + i, LENGTHS[1] + i]
+        toks = [feed[0][i], feed[1][i]]
+        mid = sep.prefill(new[lo:lo + 5], lo, seq=2).copy()  # a row asked for inside the chunk
+        last = sep.prefill(new[lo + 5:hi], lo + 5, seq=2).copy()
+        rows = sep.step_batch([0, 1], toks, pos).copy()
+        got_sep.append([rows[0], mid, last, rows[1]])
+        # decode row of 0, the chunk of 2, decode row of 1; logits for rows 0, lo+4, the chunk's last, 1
+        n = hi - lo
+        out = mix.step_rows([0] + [2] * n + [1], [toks[0]] + new[lo:hi] + [toks[1]], [pos[0]] + list(range(lo, hi))
+                            + [pos[1]], [True] + [k == 4 or k == n - 1 for k in range(n)] + [True])
+        assert out.shape == (4, cfg.vocab_size)
+        got_mix.append([r.copy() for r in out])
+    return sep, mix, got_sep, got_mix
+
+
+@pytest.mark.parametrize("max_batch", [64, 3])
+def test_step_rows_equal_separate_prefill_and_step_batch(model, max_batch):
+    # max_batch 3: the call takes several passes, a sequence's rows spread over them
+    preset, path, threads, cfg = model
+    sep, mix, a, b = mixed_vs_separate(path, threads, cfg, max_batch)
+    for i in range(2):
+        for j in range(4):
+            assert np.array_equal(a[i][j], b[i][j]), f"{preset}: call {i} logits row {j}"
+    for s in (0, 1, 2):
+        assert sep.cached(s) == mix.cached(s)
+    # what follows the mixed calls is what follows the separate ones
+    x = sep.step_batch([2, 0], [3, 4], [16, LENGTHS[0] + 2]).copy()
+    y = mix.step_batch([2, 0], [3, 4], [16, LENGTHS[0] + 2])
+    assert np.array_equal(x, y)
+
+
+def test_step_rows_every_row_and_no_row(tmp_path):
+    cfg = small_config("llama")
+    path = tmp_path / "m.cflow"
+    write_random_model(path, cfg, "q4_0", (128, 256))
+    eng = Engine.load(path, threads=2, n_seq=2)
+    p = prompt_tokens(cfg, 6, seed=4)
+    every = eng.step_rows([1] * 6, p, range(6)).copy()  # want None: every row, like teacher forcing
+    alone = Engine.load(path, threads=2)
+    for k in range(6):
+        assert np.array_equal(every[k], alone.prefill(p[k:k + 1], k)), k
+    assert eng.step_rows([0, 0], p[:2], [0, 1], [False, False]).shape == (0, cfg.vocab_size)
+    assert eng.cached(0) == p[:2] and eng.cached(1) == p
+
+
+def test_step_rows_refuses_rows_out_of_order(tmp_path):
+    cfg = small_config("llama")
+    path = tmp_path / "m.cflow"
+    write_random_model(path, cfg, "q4_0", (128, 256))
+    eng = Engine.load(path, threads=1, n_seq=2, n_ctx=16)
+    eng.prefill([1, 2, 3], 0, seq=0)
+    for seqs, toks, pos, what in [
+        ([0, 0], [1, 2], [3, 5], "consecutive"),       # a gap
+        ([0, 0], [1, 2], [4, 3], "consecutive"),       # out of order
+        ([0, 1, 0], [1, 2, 3], [3, 0, 3], "consecutive"),  # the same position twice
+        ([1, 1], [1, 2], [1, 2], "skips positions"),   # sequence 1 holds nothing
+        ([0] * 14, [1] * 14, list(range(3, 17)), "do not fit the context"),
+        ([2], [1], [0], "does not exist"),
+        ([0], [cfg.vocab_size], [3], "outside the vocabulary"),
+        ([], [], [], "1 or more"),
+    ]:
+        with pytest.raises(EngineError, match=what):
+            eng.step_rows(seqs, toks, pos)
+    assert eng.cached(0) == [1, 2, 3] and eng.cached(1) == []
+    nat = eng._native
+    i32 = lambda *v: np.array(v, np.int32)  # noqa: E731
+    z = np.zeros((2, cfg.vocab_size), np.float32)
+    for seqs, toks, pos, what in [(i32(0, 0), i32(1, 1), i32(3, 5), "consecutive"),
+                                  (i32(1, 0), i32(1, 1), i32(16, 3), "does not fit"),
+                                  (i32(0, 5), i32(1, 1), i32(3, 0), "does not exist")]:
+        with pytest.raises(ValueError, match=what):
+            nat.step_rows(seqs, toks, pos, np.ones(2, np.uint8), z)
+    with pytest.raises(ValueError, match="logits"):
+        nat.step_rows(i32(0, 0), i32(1, 1), i32(3, 4), np.ones(2, np.uint8), z[:1])
+    assert eng.step_rows([0, 1, 0], [4, 5, 6], [3, 0, 4], [True, True, False]).shape == (2, cfg.vocab_size)
+
+
+def test_copy_seq_goes_on_bit_for_bit(model):
+    preset, path, threads, cfg = model
+    eng = Engine.load(path, threads=threads, n_seq=3)
+    p = prompt_tokens(cfg, 12, seed=5)
+    eng.prefill(p, 0, seq=0)
+    eng.prefill(prompt_tokens(cfg, 20, seed=6), 0, seq=2)  # something to overwrite
+    eng.copy_seq(0, 2, 9)  # a prefix
+    eng.copy_seq(0, 1)     # everything sequence 0 holds
+    assert eng.cached(2) == p[:9] and eng.cached(1) == p
+    alone = Engine.load(path, threads=threads)
+    alone.prefill(p[:9])
+    want = alone.prefill(p[9:], 9).copy()
+    got = eng.step_rows([2, 2, 2, 1], p[9:] + [4], [9, 10, 11, 12], [False, False, True, True]).copy()
+    assert np.array_equal(got[0], want), preset
+    assert np.array_equal(got[1], alone.step(4, 12)), preset
+    with pytest.raises(EngineError, match="cannot copy 13"):
+        eng.copy_seq(0, 1, 13)
+    with pytest.raises(EngineError, match="does not exist"):
+        eng.copy_seq(0, 3)
+    with pytest.raises(ValueError, match="does not exist"):
+        eng._native.copy_seq(0, 3, 1)
+    eng.copy_seq(1, 1, 5)  # onto itself: nothing moves
+    assert eng.cached(1) == p + [4]
 
 
 # ---- KV isolation and positions -----------------------------------------------------------------

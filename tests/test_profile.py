@@ -193,3 +193,31 @@ def test_profile_context_shorter_than_a_batch(model, capsys):
     path, _ = model
     assert main(["bench", "-m", str(path), "-t", "1", "-p", "32", "-n", "16", "--profile", "-q", "--no-verify"]) == 0
     assert "| attn.qkv |" in capsys.readouterr().out
+
+
+def test_batched_steps_profile(model, capsys):
+    # --batch N: N sequences per step (Engine.step_batch); every row gets logits, so lm_head's
+    # multiply-adds are N times a decode step's, its bytes the same
+    path, cfg = model
+    with Engine.load(path, threads=2, n_ctx=64, n_seq=4) as eng:
+        prof = eng.profile(steps=5, prefill=0, warmup=2, batch=4)
+        want = expected_segments(eng)
+        assert eng.cached(3) == []  # reset afterwards
+    assert prof.batch.n_calls == 5 and prof.batch.tokens_per_call == 4 and prof.dropped == 0
+    kinds = _native.PROFILE_KINDS
+    for ev in prof.batch.events:
+        assert want <= {(kinds[k], int(l)) for k, l in zip(ev["kind"], ev["layer"])}
+    b, d = prof.batch, prof.decode
+    assert b.flops_per_call["lm_head"] == pytest.approx(4 * d.flops_per_call["lm_head"])
+    assert b.flops_per_call["attn.qkv"] == pytest.approx(4 * d.flops_per_call["attn.qkv"])
+    assert b.bytes_per_call["lm_head"] == pytest.approx(d.bytes_per_call["lm_head"])
+    assert "batched step of 4 sequences" in prof.to_markdown()
+    with Engine.load(path, threads=1, n_ctx=64, n_seq=2) as eng, pytest.raises(Exception, match="n_seq >= 4"):
+        eng.profile(steps=2, prefill=0, batch=4)
+    assert main(["bench", "-m", str(path), "-t", "1", "-p", "0", "-n", "3", "--profile", "--batch", "3", "--json",
+                 "-q", "--no-verify"]) == 0
+    d = json.loads(capsys.readouterr().out)["profiles"][0]
+    assert d["batch"]["calls"] == 3 and d["batch"]["tokens_per_call"] == 3
+    assert main(["bench", "-m", str(path), "--batch", "3", "-q"]) == 2  # --batch needs --profile
+    assert main(["bench", "-m", str(path), "--profile", "--batch", "1", "-q"]) == 2
+    capsys.readouterr()

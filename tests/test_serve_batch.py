@@ -1,8 +1,8 @@
 """The batch generator (cflow.serve.batch), without HTTP: the scheduler the server is a thin layer over.
 
-- On the built-in model, batched decoding (4 slots, chunked prefill, one step_batch per
-  iteration) gives exactly Engine.complete's tokens, greedy and seeded; a slot's cached prefix is
-  reused and changes nothing.
+- On the built-in model, batched decoding (4 slots, chunked prefill, one step_rows call per
+  iteration: prompt chunks beside the decode rows) gives exactly Engine.complete's tokens,
+  greedy and seeded; a slot's cached prefix is reused and changes nothing.
 - Jobs with different sampling settings in one batch (plain greedy rows take the batched argmax,
   rows with a logit bias or penalties their own sampler) each equal Engine.complete with theirs;
   n jobs on one prompt (submit_n) draw seed, seed + 1, ...
@@ -12,6 +12,9 @@
   a slot, the queue is bounded, a failing step fails only the sequences in it, non-finite logits
   fail their row on every sampling path, a job past its timeout (queued or running) fails with
   RequestTimeoutError and frees its slot, and the generator keeps serving afterwards.
+- The same fake with step_rows: one call per iteration carries prompt chunks beside decode
+  rows (within the backend's max_rows), every job still gets its own tokens, and a failing or
+  non-finite call fails only its rows.
 """
 
 from __future__ import annotations
@@ -70,6 +73,27 @@ def test_engine_slots_is_a_batch_backend():
         assert len({id(e.file) for e in b.engines}) == 1
     finally:
         b.close()
+
+
+def test_engine_slots_mixed_calls_and_copies_equal_engine_complete(engine):
+    # the reference backend's step_rows (a prefill per stretch) and copy_slot (the tokens evaluated
+    # again): n choices and mixed calls give Engine.complete's tokens
+    with BatchGenerator(EngineSlots.load(n_slots=3, threads=1), prefill_chunk=4) as g:
+        ids = engine.encode(PROMPTS[2])
+        q: queue.SimpleQueue = queue.SimpleQueue()
+        g.submit_n(ids, [lambda ev, i=i: q.put((i, ev)) for i in range(2)], max_tokens=12,
+                   params=SamplingParams(temperature=0))
+        got = g.complete_many(PROMPTS[:1], 12, temperature=0)  # beside them
+        toks, ends = [[], []], [None, None]
+        while any(e is None for e in ends):
+            i, ev = q.get(timeout=60)
+            if isinstance(ev, Piece):
+                toks[i].append(ev.token)
+            else:
+                ends[i] = ev
+    want = engine.complete(PROMPTS[2], 12, temperature=0).tokens
+    assert toks == [want, want] and ends[1].cached_tokens == len(ids) - 1
+    assert got[0].tokens == engine.complete(PROMPTS[0], 12, temperature=0).tokens
 
 
 def test_batched_greedy_equals_engine_complete(engine, gen4):
@@ -133,6 +157,7 @@ def test_n_jobs_on_one_prompt_draw_consecutive_seeds(engine, gen4):
             toks[i].append(ev.token)
         else:
             assert isinstance(ev, Finished) and ev.seed == 77 + i
+            assert i == 0 or ev.cached_tokens == len(ids) - 1  # copied from job 0's slot
             ended += 1
     for i in range(3):
         assert toks[i] == engine.complete(PROMPTS[1], 16, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0,
@@ -249,6 +274,52 @@ class FakeBackend:
         self.closed = True
 
 
+class FakeRowsBackend(FakeBackend):
+    """FakeBackend with step_rows (the scheduler's one-call-per-iteration path): checks that a
+    slot's rows come in order at consecutive positions from what its cache holds, and records
+    each call's (decode rows, prompt rows, rows)."""
+
+    def __init__(self, *a, max_rows=0, **kw):
+        super().__init__(*a, **kw)
+        self.max_rows = max_rows
+        self.calls: list[tuple[int, int, int]] = []
+        self.copies: list[tuple[int, int, int]] = []
+
+    def step_batch(self, slot_ids, tokens, positions):
+        raise AssertionError("a backend with step_rows gets no step_batch call")
+
+    def prefill(self, slot, tokens, pos0):
+        raise AssertionError("a backend with step_rows gets no prefill call")
+
+    def copy_slot(self, src, dst, n):
+        assert 0 <= n <= len(self.cache[src])
+        self.copies.append((src, dst, n))
+        self.cache[dst] = self.cache[src][:n]
+
+    def step_rows(self, slot_ids, tokens, positions, want):
+        if self.gate is not None:
+            self.gate.wait()
+        assert len(slot_ids) == len(tokens) == len(positions) == len(want) >= 1
+        counts = {s: slot_ids.count(s) for s in set(slot_ids)}
+        decode = sum(1 for s in slot_ids if counts[s] == 1)
+        self.calls.append((decode, len(slot_ids) - decode, len(slot_ids)))
+        self.steps.append(decode)
+        if self.fail_on is not None and self.fail_on in tokens:
+            raise EngineError("the fake step failed")
+        time.sleep(self.delay)
+        out, last = [], {}
+        for s, t, p, w in zip(slot_ids, tokens, positions, want):
+            assert last.get(s, p - 1) == p - 1, "a slot's rows out of order"
+            last[s] = p
+            self._put(s, [t], p)
+            if w:
+                row = self._logits(s)
+                if t in self.poison:
+                    row[3] = self.poison[t]
+                out.append(row)
+        return np.array(out, np.float32).reshape(len(out), self.vocab_size)
+
+
 def reference(prompt: list[int], n: int, vocab: int = 50) -> list[int]:
     seq, out = list(prompt), []
     for _ in range(n):
@@ -284,6 +355,70 @@ def test_concurrent_jobs_get_their_own_tokens():
         assert isinstance(e, Finished) and e.reason == "length" and e.completion_tokens == n
         assert t == reference(p, n)
     assert max(be.steps) == 4 and be.closed
+
+
+@pytest.mark.parametrize("max_rows", [0, 7])
+def test_mixed_calls_run_prompt_chunks_beside_decode_rows(max_rows):
+    rng = np.random.default_rng(1)
+    be = FakeRowsBackend(n_slots=4, n_ctx=64, max_rows=max_rows)
+    prompts = [list(rng.integers(1, 50, int(rng.integers(1, 30)))) for _ in range(24)]
+    with BatchGenerator(be, prefill_chunk=5) as g:
+        _, toks, ends = collect(g, prompts, max_tokens=20, params=SamplingParams(temperature=0))
+    for p, t, e in zip(prompts, toks, ends):
+        n = min(20, 64 - len(p) + 1)
+        assert isinstance(e, Finished) and e.reason == "length" and e.completion_tokens == n
+        assert t == reference(p, n)
+    assert any(d and c for d, c, _ in be.calls), "no call carried prompt rows beside decode rows"
+    assert max(c for _, c, _ in be.calls) <= 5 and max(be.steps) == 4
+    if max_rows:  # a chunk fits beside 4 decode rows in 7: the cap holds (else ceil(5 / 4) = 2 rows)
+        assert max(r for *_, r in be.calls) <= 7
+    # one model call per iteration, each with at least one decode row or one prompt row
+    assert len(be.calls) < sum(len(p) for p in prompts) + sum(len(t) for t in toks)
+
+
+def test_mixed_calls_fail_their_rows_and_go_on():
+    p_bad = [1, 2, 3]
+    bad_token = reference(p_bad, 1)[0]
+    be = FakeRowsBackend(n_slots=2, fail_on=bad_token)
+    with BatchGenerator(be) as g:
+        _, toks, ends = collect(g, [p_bad], max_tokens=5, params=SamplingParams(temperature=0))
+        assert isinstance(ends[0], Failed) and "fake step failed" in str(ends[0].error)
+        be.fail_on = None
+        _, toks, ends = collect(g, [[9, 9], p_bad], max_tokens=4, params=SamplingParams(temperature=0))
+        assert all(isinstance(e, Finished) for e in ends) and toks == [reference([9, 9], 4), reference(p_bad, 4)]
+    poisoned = FakeRowsBackend(n_slots=2, poison={p_bad[-1]: float("nan")})  # the prompt's last row
+    with BatchGenerator(poisoned) as g:
+        _, toks, ends = collect(g, [p_bad, [7, 8]], max_tokens=3, params=SamplingParams(temperature=0))
+    assert isinstance(ends[0], Failed) and isinstance(ends[0].error, CorruptModelError)
+    assert "for the prompt" in str(ends[0].error) and toks[0] == []
+    assert isinstance(ends[1], Finished) and toks[1] == reference([7, 8], 3)
+
+
+def test_n_choices_and_shared_prefixes_evaluate_the_prompt_once():
+    be = FakeRowsBackend(n_slots=4, n_ctx=64)
+    prompt = list(range(1, 21))
+    with BatchGenerator(be, prefill_chunk=6) as g:
+        q: queue.SimpleQueue = queue.SimpleQueue()
+        g.submit_n(prompt, [lambda ev, i=i: q.put((i, ev)) for i in range(3)], max_tokens=5,
+                   params=SamplingParams(temperature=0))
+        toks, ends = [[], [], []], [None] * 3
+        while any(e is None for e in ends):
+            i, ev = q.get(timeout=10)
+            if isinstance(ev, Piece):
+                toks[i].append(ev.token)
+            else:
+                ends[i] = ev
+        # the prompt ran once; the two others copied 19 positions and ran their last token; then
+        # 4 decode rows each (the 5th token is not fed)
+        assert sum(r for *_, r in be.calls) == 20 + 2 + 3 * 4
+        assert sorted(n for *_, n in be.copies) == [19, 19]
+        assert toks == [reference(prompt, 5)] * 3 and [e.cached_tokens for e in ends] == [0, 19, 19]
+        # two requests sharing a 12-token prefix beside a running one: the second copies it
+        be.calls.clear(), be.copies.clear()
+        a, b = list(range(30, 42)) + [5, 6, 7], list(range(30, 42)) + [8, 9]
+        _, toks, ends = collect(g, [a, b], max_tokens=4, params=SamplingParams(temperature=0))
+        assert toks == [reference(a, 4), reference(b, 4)] and ends[1].cached_tokens == 12
+        assert be.copies and be.copies[-1][2] == 12 and sum(r for *_, r in be.calls) == 15 + 2 + 2 * 3
 
 
 def test_prefix_reuse_and_slot_choice():

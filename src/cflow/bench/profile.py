@@ -44,9 +44,10 @@ GLOBAL_KINDS = ("setup", "embed", "lm_head")
 
 @dataclass
 class PhaseProfile:
-    """One profiled run of calls: decode steps (one token each) or prefill batches."""
+    """One profiled run of calls: decode steps (one token each), prefill batches, or batched
+    decode steps (one token of each of `rows` sequences: Engine.step_batch, what a server runs)."""
 
-    name: str                      # "decode" | "prefill"
+    name: str                      # "decode" | "prefill" | "batch"
     kinds: tuple[str, ...]         # _native.PROFILE_KINDS: kind id -> name
     calls: np.ndarray              # CALL_DTYPE [n_calls]
     events: list[np.ndarray]       # per thread, EVENT_DTYPE
@@ -133,6 +134,7 @@ class PhaseProfile:
     def to_markdown(self) -> str:
         nt = len(self.events)
         what = ("decode step" if self.name == "decode" else
+                f"batched step of {self.tokens_per_call:.0f} sequences" if self.name == "batch" else
                 f"prefill batch of {self.tokens_per_call:.0f} tokens")
         lines = [f"{self.name}: {self.n_calls} calls, {self.call_ns / 1e6:.3f} ms per {what} "
                  f"({1e9 * self.tokens_per_call / self.call_ns if self.call_ns else 0:.1f} tok/s), {nt} thread(s); "
@@ -169,7 +171,8 @@ class PhaseProfile:
 
 @dataclass
 class Profile:
-    """Engine.profile(): the prefill batches and the decode steps of one engine."""
+    """Engine.profile(): the prefill batches, the decode steps and the batched decode steps of one
+    engine."""
 
     model: str
     threads: int
@@ -177,9 +180,10 @@ class Profile:
     decode: PhaseProfile | None
     prefill: PhaseProfile | None
     dropped: int = 0  # events that did not fit the buffers (0 unless something is wrong)
+    batch: PhaseProfile | None = None
 
     def phases(self) -> list[PhaseProfile]:
-        return [p for p in (self.decode, self.prefill) if p is not None and p.n_calls]
+        return [p for p in (self.decode, self.batch, self.prefill) if p is not None and p.n_calls]
 
     def to_dict(self) -> dict:
         return {"model": self.model, "threads": self.threads, "isa": self.isa, "dropped": self.dropped,
@@ -252,10 +256,12 @@ def _expert_split(eng: Any) -> float:
     return gu / (gu + dn) if gu + dn else 0.0
 
 
-def _flops(eng: Any, counters: dict[str, int], n_calls: int, rows: float, hits: int) -> dict[str, float]:
+def _flops(eng: Any, counters: dict[str, int], n_calls: int, rows: float, hits: int,
+           logit_rows: float = 1.0) -> dict[str, float]:
     """2 x multiply-adds per call by kind: the mat-vecs over `rows` tokens per call, attention from
     the KV bytes it read (each K/V half meets n_heads / n_kv query heads in one multiply-add),
-    lm_head over the rows that got logits, the experts over the routed tokens (`hits`)."""
+    lm_head over the rows that got logits (`logit_rows` per call that computed any: the lm_head
+    counter counts calls), the experts over the routed tokens (`hits`)."""
     c = eng.config
     hd, q, kv, d = c.head_dim, c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim, c.d_model
     L, n = c.n_layers, max(n_calls, 1)
@@ -266,7 +272,7 @@ def _flops(eng: Any, counters: dict[str, int], n_calls: int, rows: float, hits: 
         out["dense.down"] = 2.0 * c.d_ff * d * L * rows
     t = eng.file.tensors
     head = t["lm_head"].nbytes if "lm_head" in t else t["tok_emb"].nbytes
-    out["lm_head"] = 2.0 * d * c.vocab_size * counters.get("lm_head", 0) / (head + 4 * d) / n  # rows with logits
+    out["lm_head"] = 2.0 * d * c.vocab_size * counters.get("lm_head", 0) / (head + 4 * d) / n * logit_rows
     if c.has_moe:
         out["route"] = 2.0 * d * c.n_experts * L * rows
         out["experts.gate_up"] = 2.0 * d * 2 * c.d_expert * hits / n
@@ -292,22 +298,27 @@ def _collect(eng: Any, name: str, counters: dict[str, int]) -> PhaseProfile:
         b["experts.gate_up"], b["experts.down"] = xb * s, xb * (1 - s)
     hits = int(sum(sum(r) for r in eng.expert_hits())) if eng.config.has_moe else 0
     rows = float(np.mean(calls["rows"])) if len(calls) else 0.0
-    f = _flops(eng, counters, len(calls), rows, hits)
+    f = _flops(eng, counters, len(calls), rows, hits, rows if name == "batch" else 1.0)
     return PhaseProfile(name, kinds, calls, events, {k: v for k, v in b.items() if v},
                         {k: v for k, v in f.items() if v})
 
 
 def profile_engine(eng: Any, *, steps: int = 64, prefill: int = 512, warmup: int = 4,
-                   threads: int | None = None) -> Profile:
+                   threads: int | None = None, batch: int = 0) -> Profile:
     """Profile `prefill` prompt tokens (in batches of the engine's max_batch, from position 0) and
     then `steps` decode steps from position `warmup` (after `warmup` untimed steps, like the tg
-    test: each step feeds back the most likely token). threads: the threads to use (default: the
-    engine's); the thread tuner, if any, is held off meanwhile. The engine's sequence 0 is reset."""
+    test: each step feeds back the most likely token). batch > 1: also `steps` batched decode
+    steps of `batch` sequences (Engine.step_batch; the engine needs n_seq >= batch), each from
+    position `warmup` like the decode steps. threads: the threads to use (default: the engine's);
+    the thread tuner, if any, is held off meanwhile. The engine's sequences are reset."""
     from cflow.bench.runner import synthetic_tokens
     from cflow.runtime.errors import EngineError
 
     if steps < 0 or prefill < 0 or warmup < 0 or steps + prefill == 0:
         raise EngineError(f"profile needs steps >= 0 and prefill >= 0, not both 0 (got {steps}, {prefill})")
+    if batch > 1 and (not steps or batch > eng.n_seq):
+        raise EngineError(f"profiling batched steps of {batch} sequences needs steps > 0 and an engine with "
+                          f"n_seq >= {batch} (it has {eng.n_seq})")
     if max(prefill, warmup + steps) > eng.n_ctx:
         raise EngineError(f"profiling {prefill} prompt tokens and {warmup} + {steps} steps needs a context "
                           f"of {max(prefill, warmup + steps)}; the engine has {eng.n_ctx} (load with a larger "
@@ -345,7 +356,21 @@ def profile_engine(eng: Any, *, steps: int = 64, prefill: int = 512, warmup: int
             nat.profile_stop()
             dec = _collect(eng, "decode", eng.counters())
             dropped += nat.profile_dropped
-        return Profile(str(eng.path), nat.active_threads, eng.isa, dec, pre, dropped)
+        bat = None
+        if batch > 1:
+            eng.reset()
+            seqs = list(range(batch))
+            toks = [int(t) for t in synthetic_tokens(batch, vocab)]
+            for pos in range(warmup):
+                toks = [int(t) for t in np.argmax(eng.step_batch(seqs, toks, [pos] * batch), axis=1)]
+            eng.reset_counters()
+            nat.profile_start(steps)
+            for pos in range(warmup, warmup + steps):
+                toks = [int(t) for t in np.argmax(eng.step_batch(seqs, toks, [pos] * batch), axis=1)]
+            nat.profile_stop()
+            bat = _collect(eng, "batch", eng.counters())
+            dropped += nat.profile_dropped
+        return Profile(str(eng.path), nat.active_threads, eng.isa, dec, pre, dropped, bat)
     finally:
         nat.profile_free()
         nat.active_threads = before
@@ -354,9 +379,11 @@ def profile_engine(eng: Any, *, steps: int = 64, prefill: int = 512, warmup: int
 
 
 def profile_model(model: str | Path, *, threads: list[int] | None = None, steps: int = 128, prefill: int = 512,
-                  warmup: int = 4, verify: bool = True, progress=None, **load_kw: Any) -> list[Profile]:
+                  warmup: int = 4, verify: bool = True, progress=None, batch: int = 0,
+                  **load_kw: Any) -> list[Profile]:
     """`cflow bench --profile`: load the model once per thread count (with a context that holds
-    the test) and profile it (profile_engine). load_kw: Engine.load's expert arguments and prefetch."""
+    the test, and `batch` sequences when batch > 1) and profile it (profile_engine). load_kw:
+    Engine.load's expert arguments and prefetch."""
     from cflow.runtime import Engine, usable_threads
 
     out = []
@@ -364,8 +391,10 @@ def profile_model(model: str | Path, *, threads: list[int] | None = None, steps:
         with Engine.load(model, threads=t, verify=verify, log=progress, **load_kw) as probe:
             limit = probe.config.max_seq_len
         n_ctx = min(limit, max(prefill, warmup + steps) + 8)
-        with Engine.load(model, threads=t, n_ctx=n_ctx, verify=verify, **load_kw) as eng:
+        n_seq = batch if batch > 1 else 1
+        with Engine.load(model, threads=t, n_ctx=n_ctx, verify=verify, n_seq=n_seq, **load_kw) as eng:
             if progress:
-                progress(f"profiling {prefill} prompt tokens and {steps} decode steps with {t} thread(s)")
-            out.append(profile_engine(eng, steps=steps, prefill=prefill, warmup=warmup))
+                more = f" and {steps} batched steps of {batch} sequences" if batch > 1 else ""
+                progress(f"profiling {prefill} prompt tokens and {steps} decode steps{more} with {t} thread(s)")
+            out.append(profile_engine(eng, steps=steps, prefill=prefill, warmup=warmup, batch=batch))
     return out

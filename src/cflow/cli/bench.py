@@ -57,6 +57,7 @@ examples:
   cflow bench -m SmolLM2-135M-Instruct.Q4_1.gguf -p 0 -d 0,1024,4096 --compare llama.cpp
   cflow bench -m smollm2.cflow -t 1,2 --profile --trace trace.json
   cflow bench -m smollm2.cflow -t 1 --prefetch 1024 --json --out pf1024.json
+  cflow bench -m smollm2.cflow -t 2 -p 0 -n 32 --profile --batch 8   # + batched steps of 8 sequences
 """
 
 
@@ -95,6 +96,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="instead of the pp/tg tests, show where the time goes: per-op time of a decode step "
                    "(-n steps) and of a prefill batch (-p prompt tokens) per thread, barrier waits included, "
                    "with bytes and GB/s per op")
+    p.add_argument("--batch", type=int, default=0, metavar="N",
+                   help="with --profile: also profile -n batched decode steps of N sequences (one pass over the "
+                   "weights for N tokens, as `cflow serve` runs them)")
     p.add_argument("--trace", metavar="FILE.json", default=None,
                    help="with --profile: also write a Chrome trace (one track per thread, every op of every "
                    "layer) that Perfetto (ui.perfetto.dev) and chrome://tracing open")
@@ -163,6 +167,11 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"must be >= 0 (0 skips the test), got {n}", flag=flag)
     if args.trace and not args.profile:
         raise UsageError("--trace writes the profile's trace: add --profile", flag="--trace")
+    if args.batch and not args.profile:
+        raise UsageError("--batch profiles batched steps: add --profile", flag="--batch")
+    if args.batch < 0 or args.batch == 1 or (args.batch and not args.n_gen):
+        raise UsageError(f"--batch takes N >= 2 sequences and -n > 0 steps (got {args.batch}, -n {args.n_gen})",
+                         flag="--batch")
     if args.profile and args.n_prompt + args.n_gen == 0:
         raise UsageError("nothing to profile: -p and -n are both 0", flag="--profile")
     if args.out:
@@ -196,6 +205,7 @@ def _run_profile(args: argparse.Namespace, progress) -> int:
     try:
         profiles = profile_model(args.model, threads=args.threads, steps=args.n_gen, prefill=args.n_prompt,
                                  verify=not args.no_verify, progress=progress, prefetch=args.prefetch,
+                                 batch=args.batch,
                                  **expert_kwargs(args))
     except OSError as e:
         raise load_error(args.model, e) from None

@@ -5,7 +5,8 @@
 // view of the mmap) is held by the object for the engine's life; logits are written straight into
 // a numpy array the caller preallocates. step(), prefill() and step_batch() release the GIL.
 // n_seq (a trailing keyword, default 1) gives the engine that many KV caches: prefill(..., seq)
-// fills one, step_batch advances several in one pass over the weights (cf_step_batch).
+// fills one, step_batch advances several in one pass over the weights (cf_step_batch), step_rows
+// mixes prompt chunks and decode rows of several sequences in one pass (cf_step_rows).
 //
 // Experts on disk: `experts` is a dict {"path": str, "span": int64 [n_unique * E, 2] (the file's
 // expert table: offset, bytes), "budget": int, "io": "async" | "sync", "io_threads": int,
@@ -222,6 +223,24 @@ struct NativeEngine {
         if (rc) raise_call_error();
     }
 
+    void step_rows(Ints seqs, Tokens tokens, Ints positions, Bytes want, Logits2 logits) {
+        size_t B = seqs.shape(0), nw = 0;
+        if (tokens.shape(0) != B || positions.shape(0) != B || want.shape(0) != B)
+            throw nb::value_error(("step_rows: seqs, tokens, positions and want must have the same length, got " +
+                                   std::to_string(B) + ", " + std::to_string(tokens.shape(0)) + ", " +
+                                   std::to_string(positions.shape(0)) + ", " + std::to_string(want.shape(0))).c_str());
+        for (size_t b = 0; b < B; b++) nw += want.data()[b] != 0;
+        if (logits.shape(0) < nw || logits.shape(1) != (size_t)vocab)
+            throw nb::value_error(("step_rows: logits must be float32 [>= " + std::to_string(nw) + ", " +
+                                   std::to_string(vocab) + "]").c_str());
+        int rc;
+        {
+            nb::gil_scoped_release nogil;
+            rc = cf_step_rows(e, seqs.data(), tokens.data(), positions.data(), want.data(), (int)B, logits.data());
+        }
+        if (rc) raise_call_error();
+    }
+
     nb::dict counters() const {
         cf_counters c;
         cf_engine_counters(e, &c);
@@ -354,6 +373,15 @@ void cf_bind_engine(nb::module_ &m) {
              "One decode step for B distinct sequences (int32 arrays of B): row b runs tokens[b] at "
              "positions[b] of sequence seqs[b]; its logits go into logits[b] (float32 [>= B, vocab]). "
              "Rows are bit-identical to running each alone.")
+        .def("step_rows", &NativeEngine::step_rows, nb::arg("seqs"), nb::arg("tokens"), nb::arg("positions"),
+             nb::arg("want"), nb::arg("logits"),
+             "B rows of any sequences in one pass (int32 arrays of B, want uint8): row b runs tokens[b] at "
+             "positions[b] of sequence seqs[b]; a sequence's rows come in order at consecutive positions. "
+             "The logits of the rows with want[b] != 0 go into logits[0..], in row order.")
+        .def("copy_seq", [](NativeEngine &s, int src, int dst, int n) {
+                if (cf_engine_copy_seq(s.e, src, dst, n)) s.raise_call_error();
+            }, nb::arg("src"), nb::arg("dst"), nb::arg("n"),
+             "Copy positions 0..n-1 of sequence src's KV cache into sequence dst's.")
         .def("counters", &NativeEngine::counters, "Bytes touched by category since reset_counters().")
         .def("expert_hits", &NativeEngine::expert_hits, "Routing counts per [layer][expert].")
         .def("reset_counters", [](NativeEngine &s) { cf_engine_reset_counters(s.e); })

@@ -163,9 +163,16 @@ struct cf_engine {
     const int32_t *tokens;
     int B;
     int *rseq, *rpos; /* [max_batch] each row's sequence slot and position */
-    int all_logits;   /* 1: logits [B, vocab] for every row; 0: [vocab] for the last row only */
     float *logits;
-    int *seen;        /* [n_seq] scratch of cf_step_batch's duplicate check */
+    int *lrow, n_lrow; /* [max_batch] the rows whose logits the call writes, ascending: logits row i
+                        * is row lrow[i]'s */
+    /* attention work (forward(), thread 0): blocks of consecutive positions of one sequence that
+     * take attention_block (<= ATTN_QBLOCK rows: first row, count), and the rows that go
+     * one by one through the per-query kernel */
+    int *ablk, n_ablk;  /* [max_batch][2] */
+    int *arow, n_arow;  /* [max_batch] */
+    int *seen;          /* [n_seq] scratch of the row checks (cf_step_rows) */
+    uint8_t *ones;      /* [max_batch] all 1: cf_step_batch wants every row's logits */
     cf_counters cnt;
     uint64_t *hits; /* [L, E] */
     /* experts on disk (xs NULL: in RAM) */
@@ -445,42 +452,53 @@ static int attn_first(const cf_engine *e, int b) {
     return W > 0 && e->rpos[b] >= W ? e->rpos[b] - W + 1 : 0;
 }
 
-/* 1 when the call's rows are consecutive positions of one sequence (cf_prefill_seq's calls;
- * cf_step_batch's rows are distinct sequences, a step is one row). CFLOW_ATTN_BLOCK=0 sends them
- * through the per-query kernel anyway: the comparison `cflow bench` timings need (both paths give
- * the same bits). Read per prefill call, so a process can switch between runs. */
-static int rows_are_prompt(const cf_engine *e) {
-    if (e->B < 2) return 0;
-    for (int b = 1; b < e->B; b++)
-        if (e->rseq[b] != e->rseq[0] || e->rpos[b] != e->rpos[0] + b) return 0;
-    const char *env = getenv("CFLOW_ATTN_BLOCK");
-    return !env || strcmp(env, "0") != 0;
-}
-
-/* Query rows per work item of the prefill attention: each K/V row converted once serves
+/* Query rows per work item of the block attention: each K/V row converted once serves
  * ATTN_QBLOCK queries times the query heads of its kv head. */
 #define ATTN_QBLOCK 16
 
 /* Rows of n_ctx floats in each thread's score scratch: one per query head (the per-query kernel),
- * or one per query head of a kv head and row of a block (attn_prompt), whichever is more. */
+ * or one per query head of a kv head and row of a block (attn_blocks), whichever is more. */
 static int attn_score_rows(const cf_engine *e) {
     return cf_max(e->c.n_heads, e->c.n_heads / e->c.n_kv * cf_min(ATTN_QBLOCK, e->max_batch));
 }
 
-/* Prefill attention (rows_are_prompt): work items are (kv head, block of ATTN_QBLOCK rows), dealt
- * round robin, kv heads fastest, so both the causal growth of the rows and the heads spread over
- * the threads; an item writes only its heads of its rows. The thread's scratch holds a whole
- * block's score rows: group * min(ATTN_QBLOCK, max_batch) rows of at most n_ctx (attn_score_rows). */
-static void attn_prompt(cf_engine *e, size_t layer_kv, float *scores, int ith, int nth) {
+/* Thread 0, before a call: how op_attn splits the rows. A run of consecutive rows at consecutive
+ * positions of one sequence (a prompt, or a prompt's chunk beside other sequences' decode rows:
+ * cf_step_rows) goes in blocks of up to ATTN_QBLOCK rows through attention_block; the rows of
+ * runs of one row (decode steps) go one by one through the per-query kernel. Both give the same
+ * bits (cflow.h). CFLOW_ATTN_BLOCK=0 in the environment sends every row through the per-query
+ * kernel: the comparison `cflow bench` timings need. Read per call, so a process can switch. */
+static void attn_plan(cf_engine *e) {
+    const char *env = getenv("CFLOW_ATTN_BLOCK");
+    int blocks = !env || strcmp(env, "0") != 0;
+    e->n_ablk = e->n_arow = 0;
+    for (int b0 = 0, b1; b0 < e->B; b0 = b1) {
+        for (b1 = b0 + 1; b1 < e->B && e->rseq[b1] == e->rseq[b0] && e->rpos[b1] == e->rpos[b1 - 1] + 1; b1++) {}
+        if (!blocks || b1 - b0 < 2) {
+            for (int b = b0; b < b1; b++) e->arow[e->n_arow++] = b;
+            continue;
+        }
+        for (int b = b0; b < b1; b += ATTN_QBLOCK) {
+            e->ablk[2 * e->n_ablk] = b;
+            e->ablk[2 * e->n_ablk++ + 1] = cf_min(ATTN_QBLOCK, b1 - b);
+        }
+    }
+}
+
+/* Block attention (attn_plan's blocks): work items are (block, kv head), dealt round robin, kv
+ * heads fastest, so both the causal growth of the rows and the heads spread over the threads;
+ * an item writes only its heads of its rows. The thread's scratch holds a whole block's score
+ * rows: group * min(ATTN_QBLOCK, max_batch) rows of at most n_ctx (attn_score_rows). */
+static void attn_blocks(cf_engine *e, size_t layer_kv, float *scores, int ith, int nth) {
     const cf_config *c = &e->c;
-    int B = e->B, hd = c->hd, group = c->n_heads / c->n_kv, q_dim = c->n_heads * hd;
-    int qkv_dim = q_dim + 2 * c->n_kv * hd, n_blocks = (B + ATTN_QBLOCK - 1) / ATTN_QBLOCK;
-    size_t base = (size_t)e->rseq[0] * e->seq_kv + layer_kv;
-    for (int it = ith; it < n_blocks * c->n_kv; it += nth) {
-        int kvh = it % c->n_kv, b0 = it / c->n_kv * ATTN_QBLOCK, b1 = cf_min(B, b0 + ATTN_QBLOCK);
+    int hd = c->hd, group = c->n_heads / c->n_kv, q_dim = c->n_heads * hd;
+    int qkv_dim = q_dim + 2 * c->n_kv * hd;
+    for (int it = ith; it < e->n_ablk * c->n_kv; it += nth) {
+        int kvh = it % c->n_kv, b0 = e->ablk[2 * (it / c->n_kv)], nq = e->ablk[2 * (it / c->n_kv) + 1];
+        size_t base = (size_t)e->rseq[b0] * e->seq_kv + layer_kv;
         cf_attn_block_shape sh = {.n_heads = c->n_heads, .n_kv_heads = c->n_kv, .head_dim = hd,
                                   .max_seq = e->n_ctx, .scale = 1.0f / sqrtf((float)hd),
-                                  .pos0 = e->rpos[b0], .n_q = b1 - b0, .window = c->sliding_window,
+                                  .pos0 = e->rpos[b0], .n_q = nq, .window = c->sliding_window,
                                   .ldq = qkv_dim, .ldo = q_dim};
         e->k->attention_block(e->s.att + (size_t)b0 * q_dim, e->s.qkv + (size_t)b0 * qkv_dim,
                               e->s.kcache + base, e->s.vcache + base, scores, &sh, kvh * group,
@@ -532,16 +550,13 @@ static void op_attn(cf_engine *e, int l, int slot, int ith, int nth) {
     }
     sync_threads(e, ith, CF_PK_ATTN);
 
-    // attention: a prompt's rows in blocks (each K/V row read once per block), otherwise this
-    // thread's (token, head) items, one kernel call per token
-    if (rows_are_prompt(e)) {
-        attn_prompt(e, layer_kv, ts->scores, ith, nth);
-        i0 = i1 = 0; /* nothing left for the per-query loop */
-    } else {
-        cf_split_range(B * c->n_heads, ith, nth, 1, &i0, &i1);
-    }
+    // attention: runs of a sequence's consecutive rows in blocks (each K/V row read once per
+    // block), then this thread's (row, head) items of the other rows, one kernel call per row
+    attn_blocks(e, layer_kv, ts->scores, ith, nth);
+    cf_split_range(e->n_arow * c->n_heads, ith, nth, 1, &i0, &i1);
     for (int i = i0; i < i1;) {
-        int b = i / c->n_heads, h0 = i % c->n_heads, h1 = cf_min(c->n_heads, h0 + i1 - i), t0 = attn_first(e, b);
+        int b = e->arow[i / c->n_heads], h0 = i % c->n_heads, h1 = cf_min(c->n_heads, h0 + i1 - i);
+        int t0 = attn_first(e, b);
         cf_attn_shape sh = {.n_heads = c->n_heads, .n_kv_heads = c->n_kv, .head_dim = hd,
                             .max_seq = e->n_ctx, .n_pos = e->rpos[b] + 1 - t0,
                             .scale = 1.0f / sqrtf((float)hd)};
@@ -914,17 +929,18 @@ static void op_resid(cf_engine *e, int l, int slot, int add_f, int pslot, int it
     sync_threads(e, ith, -1);
 }
 
-/* Logits of the last row (prefill) or of every row (cf_step_batch: logits is [B, vocab]). Each
- * row is normed, quantized and multiplied on its own; matmat equals matvec per row bit for bit
- * (cflow.h), so a row's logits do not depend on the other rows of the call. */
+/* Logits of the rows in lrow (prefill: the last row; cf_step_batch: every row; cf_step_rows: the
+ * rows asked for), logits row i for lrow[i]. Each row is normed, quantized and multiplied on its
+ * own; matmat equals matvec per row bit for bit (cflow.h), so a row's logits do not depend on the
+ * other rows of the call. */
 static void op_final(cf_engine *e, int slot, int pslot, int ith, int nth) {
-    if (!e->logits) return;
+    if (!e->logits || !e->n_lrow) return;
     cf_scratch *ts = &e->ts[ith];
     ph(e, ith, CF_PK_NORM, e->c.n_layers); /* the final norm: "layer" n_layers */
-    int d = e->c.d, b0 = e->all_logits ? 0 : e->B - 1, nb = e->B - b0;
+    int d = e->c.d, nb = e->n_lrow;
     float *z = ts->xb + (size_t)e->max_batch * e->kmax; /* the scratch's extra row */
     for (int i = 0; i < nb; i++) {
-        size_t b = (size_t)(b0 + i);
+        size_t b = (size_t)e->lrow[i];
         const float *x = e->s.ring + ((size_t)slot * e->max_batch + b) * d;
         const float *pd = pslot >= 0 ? e->s.pending + ((size_t)pslot * e->max_batch + b) * d : NULL;
         for (int j = 0; j < d; j++) z[j] = x[j] + (pd ? pd[j] : 0.0f);
@@ -1022,8 +1038,9 @@ static void forward_task(void *ctx, int ith, int nth) {
 // calls
 
 /* One pass over the plan for rows 0..B-1, whose sequence slots and positions the caller put in
- * e->rseq / e->rpos. */
-static int forward(cf_engine *e, const int32_t *tokens, int B, float *logits, int all_logits) {
+ * e->rseq / e->rpos. logits (may be NULL) gets the logits of the rows with want[b] set, in row
+ * order (want NULL: the last row only). */
+static int forward(cf_engine *e, const int32_t *tokens, int B, float *logits, const uint8_t *want) {
     const cf_config *c = &e->c;
     int64_t pt0 = e->prof_on ? prof_open(e, 0, CF_PK_SETUP, 0) : 0;
     for (int b = 0; b < B; b++) {
@@ -1044,7 +1061,10 @@ static int forward(cf_engine *e, const int32_t *tokens, int B, float *logits, in
     e->tokens = tokens;
     e->B = B;
     e->logits = logits;
-    e->all_logits = all_logits;
+    e->n_lrow = 0;
+    for (int b = want ? 0 : B - 1; b < B; b++)
+        if (!want || want[b]) e->lrow[e->n_lrow++] = b;
+    attn_plan(e);
     if (e->grp) overlap_begin(e);
     if (e->active == 1)
         forward_task(e, 0, 1); /* no need to wake the pool (sleeping workers take ~50 us) */
@@ -1103,7 +1123,7 @@ int cf_step(cf_engine *e, int token, int pos, float *logits) {
     if (check_call(e, 0, &t, 1, pos)) return -1;
     e->rseq[0] = 0;
     e->rpos[0] = pos;
-    return forward(e, &t, 1, logits, 0);
+    return forward(e, &t, 1, logits, NULL);
 }
 
 int cf_prefill_seq(cf_engine *e, int seq, const int32_t *tokens, int n, int pos0, float *logits_last) {
@@ -1114,7 +1134,7 @@ int cf_prefill_seq(cf_engine *e, int seq, const int32_t *tokens, int n, int pos0
             e->rseq[b] = seq;
             e->rpos[b] = pos0 + i + b;
         }
-        if (forward(e, tokens + i, B, i + B == n ? logits_last : NULL, 0)) return -1;
+        if (forward(e, tokens + i, B, i + B == n ? logits_last : NULL, NULL)) return -1;
     }
     return 0;
 }
@@ -1123,23 +1143,35 @@ int cf_prefill(cf_engine *e, const int32_t *tokens, int n, int pos0, float *logi
     return cf_prefill_seq(e, 0, tokens, n, pos0, logits_last);
 }
 
-int cf_step_batch(cf_engine *e, const int *seq, const int32_t *tokens, const int *pos, int B, float *logits) {
+/* The row checks of cf_step_batch (distinct = 1: every sequence at most once) and cf_step_rows
+ * (a sequence's rows at consecutive positions, in order). e->seen[s] holds 1 + the index of
+ * sequence s's last row so far; cleared before returning. */
+static int check_rows(cf_engine *e, const int *seq, const int32_t *tokens, const int *pos, int B, int distinct) {
     e->err_kind = CF_ERR_INPUT;
-    if (B < 1 || B > e->n_seq) {
-        cf_set_err(e->err, sizeof e->err, "a batched step takes 1..%d rows (one per sequence slot), got %d",
-                e->n_seq, B);
+    if (B < 1 || (distinct && B > e->n_seq)) {
+        if (distinct)
+            cf_set_err(e->err, sizeof e->err, "a batched step takes 1..%d rows (one per sequence slot), got %d",
+                    e->n_seq, B);
+        else
+            cf_set_err(e->err, sizeof e->err, "no rows to process");
         return -1;
     }
     int bad = 0;
     for (int b = 0; b < B && !bad; b++) {
-        if (check_seq(e, seq[b], b) || check_token(e, tokens[b], b)) bad = 1;
+        int prev = check_seq(e, seq[b], b) ? -2 : e->seen[seq[b]] - 1; /* -1: its first row */
+        if (prev < -1 || check_token(e, tokens[b], b)) bad = 1;
         else if (pos[b] < 0 || pos[b] >= e->n_ctx) {
             cf_set_err(e->err, sizeof e->err, "position %d of row %d does not fit the context of %d tokens; "
                     "load the model with a larger context (n_ctx / -c)", pos[b], b, e->n_ctx);
             bad = 1;
-        } else if (e->seen[seq[b]]) {
+        } else if (prev >= 0 && distinct) {
             cf_set_err(e->err, sizeof e->err, "sequence slot %d appears twice in one batched step (rows %d and %d)",
-                    seq[b], e->seen[seq[b]] - 1, b);
+                    seq[b], prev, b);
+            bad = 1;
+        } else if (prev >= 0 && pos[b] != pos[prev] + 1) {
+            cf_set_err(e->err, sizeof e->err, "row %d of sequence slot %d is at position %d, but its previous row "
+                    "(%d) is at %d: a sequence's rows must be at consecutive positions, in order", b, seq[b],
+                    pos[b], prev, pos[prev]);
             bad = 1;
         } else {
             e->seen[seq[b]] = b + 1;
@@ -1149,14 +1181,55 @@ int cf_step_batch(cf_engine *e, const int *seq, const int32_t *tokens, const int
         if (seq[b] >= 0 && seq[b] < e->n_seq) e->seen[seq[b]] = 0;
     if (bad) return -1;
     e->err_kind = CF_ERR_NONE;
-    /* rows are independent, so more rows than a call holds simply take several calls */
-    for (int i = 0; i < B; i += e->max_batch) {
-        int nb = cf_min(e->max_batch, B - i);
+    return 0;
+}
+
+/* Rows in passes of max_batch (a sequence's later rows come in a later pass, after its earlier
+ * rows wrote their K/V); logits of the wanted rows in order (want NULL: every row). */
+static int run_rows(cf_engine *e, const int *seq, const int32_t *tokens, const int *pos, const uint8_t *want,
+                    int B, float *logits) {
+    for (int i = 0, nl = 0; i < B; i += e->max_batch) {
+        int nb = cf_min(e->max_batch, B - i), nw = 0;
         for (int b = 0; b < nb; b++) {
             e->rseq[b] = seq[i + b];
             e->rpos[b] = pos[i + b];
+            nw += !want || want[i + b];
         }
-        if (forward(e, tokens + i, nb, logits ? logits + (size_t)i * e->c.vocab : NULL, 1)) return -1;
+        if (forward(e, tokens + i, nb, logits && nw ? logits + (size_t)nl * e->c.vocab : NULL,
+                    want ? want + i : e->ones))
+            return -1;
+        nl += nw;
+    }
+    return 0;
+}
+
+int cf_step_batch(cf_engine *e, const int *seq, const int32_t *tokens, const int *pos, int B, float *logits) {
+    if (check_rows(e, seq, tokens, pos, B, 1)) return -1;
+    return run_rows(e, seq, tokens, pos, NULL, B, logits);
+}
+
+int cf_step_rows(cf_engine *e, const int *seq, const int32_t *tokens, const int *pos, const uint8_t *want, int B,
+                 float *logits) {
+    if (check_rows(e, seq, tokens, pos, B, 0)) return -1;
+    return run_rows(e, seq, tokens, pos, want, B, logits);
+}
+
+int cf_engine_copy_seq(cf_engine *e, int src, int dst, int n) {
+    e->err_kind = CF_ERR_INPUT;
+    if (check_seq(e, src, 0) || check_seq(e, dst, 1)) return -1;
+    if (n < 0 || n > e->n_ctx) {
+        cf_set_err(e->err, sizeof e->err, "cannot copy %d positions: the context holds %d", n, e->n_ctx);
+        return -1;
+    }
+    e->err_kind = CF_ERR_NONE;
+    if (src == dst || n == 0) return 0;
+    /* [s][L][n_kv][n_ctx][hd]: one contiguous run of n * hd halves per (layer, kv head) */
+    size_t run = (size_t)e->n_ctx * e->c.hd, len = (size_t)n * e->c.hd * sizeof(cf_half);
+    size_t runs = (size_t)e->c.n_layers * e->c.n_kv;
+    for (size_t r = 0; r < runs; r++) {
+        size_t from = (size_t)src * e->seq_kv + r * run, to = (size_t)dst * e->seq_kv + r * run;
+        memcpy(e->s.kcache + to, e->s.kcache + from, len);
+        memcpy(e->s.vcache + to, e->s.vcache + from, len);
     }
     return 0;
 }
@@ -1661,8 +1734,13 @@ static int alloc_state(cf_engine *e) {
     e->rseq = xcalloc(B, sizeof(int), &fail);
     e->rpos = xcalloc(B, sizeof(int), &fail);
     e->seen = xcalloc(e->n_seq, sizeof(int), &fail);
+    e->lrow = xcalloc(B, sizeof(int), &fail);
+    e->ablk = xcalloc(2 * B, sizeof(int), &fail);
+    e->arow = xcalloc(B, sizeof(int), &fail);
+    e->ones = xcalloc(B, 1, &fail);
     e->ts = xcalloc(e->n_threads, sizeof(cf_scratch), &fail);
     if (fail) return -1;
+    memset(e->ones, 1, B);
     size_t K = e->kmax, KB = K / CF_QK, KK = (K + CF_QK_K - 1) / CF_QK_K, KS = (K / 16 * 2 + 3) / 4 * 4;
     /* one row more than a call's tokens: op_final sums each row's input there */
     size_t xb = (size_t)(e->max_batch + 1) * K * 4;
@@ -1840,7 +1918,7 @@ void cf_engine_free(cf_engine *e) {
     void *bufs[] = {s->ring, s->h, s->f, s->pending, s->moe_in, s->qkv, s->att, s->hid, s->y,
                     s->rope, s->kcache, s->vcache, s->rlogits, s->exp_tok, s->exp_w, s->exp_n,
                     s->shexp_w, s->exp_list, s->exp_cnt, s->exp_pre, s->exp_slot, e->hits, e->plan,
-                    e->rseq, e->rpos, e->seen};
+                    e->rseq, e->rpos, e->seen, e->lrow, e->ablk, e->arow, e->ones};
     for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) free(bufs[i]);
     if (e->ts)
         for (int t = 0; t < e->n_threads; t++) free(e->ts[t].mem);

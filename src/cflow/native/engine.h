@@ -18,9 +18,10 @@
  * halves [s][L][n_kv][n_ctx][hd]; n_seq = 1 is the single-sequence layout). cf_step_batch advances
  * B different sequences, each at its own position, in one pass over the weights: every mat-vec
  * becomes the batched kernel over the B rows, attention runs per row over that row's own sequence.
- * A prefill call (rows at consecutive positions of one sequence) runs attention in blocks of rows
- * (the table's attention_block), which gives the per-row kernel's bits (cflow.h);
- * CFLOW_ATTN_BLOCK=0 in the environment keeps it per row, for timing comparisons.
+ * Rows at consecutive positions of one sequence (a prefill call, or a prompt chunk inside a
+ * cf_step_rows call) run attention in blocks of rows (the table's attention_block), which gives
+ * the per-row kernel's bits (cflow.h); CFLOW_ATTN_BLOCK=0 in the environment keeps it per row,
+ * for timing comparisons.
  * Every op is row-local (norms, activation quantization, the router and the expert sums per row;
  * matmat equals matvec per row bit for bit, cflow.h), so a row's logits do not depend on how many
  * or which other rows share the call, nor on cf_step vs cf_step_batch vs cf_prefill.
@@ -241,6 +242,20 @@ int cf_prefill(cf_engine *e, const int32_t *tokens, int n, int pos0, float *logi
  * or twice, a position outside the context, a token outside the vocabulary) fails before anything
  * runs; a failure while running leaves each sequence's positions before pos[b] intact. */
 int cf_step_batch(cf_engine *e, const int *seq, const int32_t *tokens, const int *pos, int B, float *logits);
+/* B rows of any sequences in one pass over the weights (passes of max_batch rows): row b runs
+ * tokens[b] at position pos[b] of sequence seq[b]. A sequence may have several rows (a chunk of
+ * its prompt beside other sequences' decode rows): they must come in order at consecutive
+ * positions, and its positions before its first row must be in the cache. Runs of a sequence's
+ * rows take the block attention of a prefill, single rows the per-query one: the same bits, so
+ * every row equals what cf_step / cf_prefill_seq / cf_step_batch give for it. logits (may be NULL)
+ * gets, in row order, the logits of the rows with want[b] != 0 (want NULL: every row); rows not
+ * wanted skip the lm_head. Checks and failures as cf_step_batch. */
+int cf_step_rows(cf_engine *e, const int *seq, const int32_t *tokens, const int *pos, const uint8_t *want, int B,
+                 float *logits);
+/* Copy positions 0..n-1 of sequence src's KV cache into sequence dst's (every layer): dst can then
+ * go on from position n as if it had run src's first n tokens itself (the same bits). For n > 1
+ * choices on one prompt: the prompt runs once. Returns 0, or -1 for a bad sequence or n. */
+int cf_engine_copy_seq(cf_engine *e, int src, int dst, int n);
 
 const char *cf_engine_error(const cf_engine *e);
 int cf_engine_error_kind(const cf_engine *e); /* CF_ERR_* of the last failed call */

@@ -15,7 +15,9 @@ a MoE model keeps its experts (RAM, or disk through a bounded cache) cflow.runti
 
 Several sequences: Engine.load(..., n_seq=N) keeps N KV caches; `prefill(tokens, pos0, seq=s)` fills
 one and `step_batch(seqs, tokens, positions)` advances several in one pass over the weights (the C
-core's cf_step_batch), each row bit-identical to that sequence running alone. The server's
+core's cf_step_batch), each row bit-identical to that sequence running alone; `step_rows(seqs,
+tokens, positions, want)` also takes several consecutive rows of one sequence (a prompt chunk
+beside other sequences' decode rows, cf_step_rows) and computes logits only where wanted. The server's
 backend (cflow.serve.backend.EngineBatch) is built on it.
 
 No torch here (SPEC §11): running a converted model needs numpy, tokenizers and the C core.
@@ -138,6 +140,7 @@ class Engine:
         # per sequence: the tokens whose K/V sit in its cache at positions 0..n-1
         self._seqs: list[list[int]] = [[] for _ in range(self.n_seq)]
         self._batch_logits = np.zeros((self.n_seq, self.config.vocab_size), np.float32)  # step_batch's
+        self._rows_logits = np.zeros((self.n_seq, self.config.vocab_size), np.float32)  # step_rows' (grows)
         self.last_timings = Timings()
         self.last_prompt_len = 0  # prompt tokens of the last generation
         self.last_finish_reason = ""  # "stop" or "length"
@@ -395,6 +398,69 @@ class Engine:
             cached.append(t)
         return out
 
+    def step_rows(self, seqs: Sequence[int], tokens: Sequence[int], positions: Sequence[int],
+                  want: Sequence[bool] | None = None) -> np.ndarray:
+        """B rows of any sequences in one pass over the weights (the C core's cf_step_rows): row b
+        runs tokens[b] at positions[b] of sequence seqs[b]. A sequence may have several rows (a
+        chunk of a prompt riding along with other sequences' decode steps): they come in order at
+        consecutive positions, and its positions before its first row must be in its cache.
+        Return the logits [W, V] of the W rows with want[b] true (None: every row), in row order;
+        rows not wanted skip the lm_head. Every row is bit for bit what step / prefill /
+        step_batch give for it.
+
+        The array is reused by the next call: copy what you keep."""
+        b = len(seqs)
+        flags = [True] * b if want is None else [bool(w) for w in want]
+        if not (b == len(tokens) == len(positions) == len(flags)) or b < 1:
+            raise EngineError(f"step_rows takes 1 or more (sequence, token, position, want) rows, got "
+                              f"{len(seqs)}, {len(tokens)}, {len(positions)}, {len(flags)}")
+        sq = [self._seq_index(s) for s in seqs]
+        toks = check_token_ids(tokens, self.config.vocab_size, error=EngineError)
+        pos = [int(p) for p in positions]
+        first: dict[int, tuple[int, int]] = {}  # sequence -> (its first position, its rows)
+        for s, p in zip(sq, pos):
+            p0, n = first.get(s, (p, 0))
+            if p != p0 + n:
+                raise EngineError(f"step_rows: the rows of sequence {s} must be at consecutive positions in order; "
+                                  f"position {p} follows {p0 + n - 1}")
+            first[s] = (p0, n + 1)
+        for s, (p0, n) in first.items():
+            self._check_positions(p0, n, s)
+        n_out = sum(flags)
+        if self._rows_logits.shape[0] < n_out:
+            self._rows_logits = np.zeros((n_out, self.config.vocab_size), np.float32)
+        if self.tuner is not None:  # prefill-like: the count measured best for decode
+            self._native.active_threads = self.tuner.best
+        out = self._rows_logits[:n_out]
+        try:
+            self._native.step_rows(np.asarray(sq, np.int32), np.asarray(toks, np.int32), np.asarray(pos, np.int32),
+                                   np.asarray(flags, np.uint8), out)
+        except (OSError, ValueError) as e:
+            for s, (p0, _) in first.items():
+                del self._seqs[s][p0:]
+            raise self._failed(e, None) from None
+        for s, (p0, _) in first.items():
+            del self._seqs[s][p0:]
+        for s, t in zip(sq, toks):
+            self._seqs[s].append(t)
+        return out
+
+    def copy_seq(self, src: int, dst: int, n: int | None = None) -> None:
+        """Give sequence `dst` the K/V of sequence `src`'s first `n` positions (default: all it
+        holds), copied, not recomputed: dst then goes on from position n exactly as if it had run
+        those tokens itself (n choices on one prompt, or prompts sharing a prefix, evaluate it once)."""
+        s, d = self._seq_index(src), self._seq_index(dst)
+        held = len(self._seqs[s])
+        n = held if n is None else int(n)
+        if not 0 <= n <= held:
+            raise EngineError(f"copy_seq: sequence {s} holds {held} positions, cannot copy {n}")
+        try:
+            self._native.copy_seq(s, d, n)
+        except ValueError as e:
+            raise EngineError(f"{self.path}: {e}") from None
+        if s != d:
+            self._seqs[d][:] = self._seqs[s][:n]
+
     def prefill(self, tokens: Sequence[int] | np.ndarray, pos0: int = 0, seq: int = 0) -> np.ndarray:
         """Run `tokens` at positions pos0.. of sequence `seq` in batches; return the logits after the
         last [V]."""
@@ -474,14 +540,17 @@ class Engine:
     def reset_counters(self) -> None:
         self._native.reset_counters()
 
-    def profile(self, steps: int = 64, prefill: int = 512, warmup: int = 4, threads: int | None = None):
+    def profile(self, steps: int = 64, prefill: int = 512, warmup: int = 4, threads: int | None = None,
+                batch: int = 0):
         """Where the time goes: per-op times of `steps` decode steps and of the prefill batches of a
-        `prefill`-token prompt, per thread, barrier waits included (cflow.bench.profile.Profile:
-        .to_markdown() the tables, .write_trace(path) a Chrome trace for Perfetto). Resets sequence 0.
-        Costs nothing when not called: the C core only branches on a flag."""
+        `prefill`-token prompt, and with batch > 1 of `steps` batched steps of `batch` sequences
+        (step_batch; needs n_seq >= batch), per thread, barrier waits included
+        (cflow.bench.profile.Profile: .to_markdown() the tables, .write_trace(path) a Chrome trace
+        for Perfetto). Resets the sequences it uses. Costs nothing when not called: the C core only
+        branches on a flag."""
         from cflow.bench.profile import profile_engine
 
-        return profile_engine(self, steps=steps, prefill=prefill, warmup=warmup, threads=threads)
+        return profile_engine(self, steps=steps, prefill=prefill, warmup=warmup, threads=threads, batch=batch)
 
     def weight_bytes_per_token(self) -> float:
         """Weight bytes one decode step reads (the file's own tensor sizes through the tensor table,

@@ -4,7 +4,8 @@ sequences; a decode step of B slots is ONE pass over the weights, the C core's c
 `EngineSlots` (one Engine per slot, stepped one after the other: B passes; the reference).
 `load_backend` picks EngineBatch unless told otherwise.
 
-The scheduler (cflow.serve.batch) calls exactly two things per iteration, always from one thread:
+The scheduler (cflow.serve.batch) calls the model from one thread: one `step_rows` per iteration
+when the backend has it (both here do), otherwise `prefill` per prompt chunk and one `step_batch`:
 
     prefill(slot, tokens, pos0) -> logits [V]
         Evaluate `tokens` at positions pos0 .. pos0+len-1 of `slot`'s sequence; return the logits
@@ -15,8 +16,16 @@ The scheduler (cflow.serve.batch) calls exactly two things per iteration, always
         One decode step for B different slots at once: row i is the logits after `tokens[i]` ran
         at `positions[i]` of slot `slot_ids[i]` (same cache rule as prefill). The slots in one call
         are distinct; B is 1 .. n_slots.
+    step_rows(slot_ids, tokens, positions, want) -> logits [W, V]   (optional)
+        Rows of any slots in one call: row i runs `tokens[i]` at `positions[i]` of slot
+        `slot_ids[i]`; a slot's rows come in order at consecutive positions (a prompt chunk beside
+        other slots' decode rows). Returns the logits of the W rows with want[i] true, in row
+        order. `max_rows` (optional attribute): rows one pass over the weights takes.
+    copy_slot(src, dst, n)   (optional)
+        Give slot `dst` the K/V of slot `src`'s positions 0..n-1 (which src holds), so dst goes on
+        from position n: a prompt prefix another slot holds is copied, not evaluated again.
 
-Both may return arrays the next call reuses (callers copy what they keep). Both raise
+All may return arrays the next call reuses (callers copy what they keep). All raise
 `cflow.runtime.EngineError` for a bad position or token (the slot then keeps positions < the
 failed call's first position) and must be bit-exact per row: a row's logits do not depend on
 which other slots share the call, so batched and single-sequence greedy decoding agree token for
@@ -31,6 +40,8 @@ import os
 from typing import Any, Protocol, Sequence, runtime_checkable
 
 import numpy as np
+
+from cflow.runtime.generate import common_prefix
 
 
 @runtime_checkable
@@ -85,6 +96,7 @@ class EngineSlots:
         self.n_ctx = min(e.n_ctx for e in self.engines)
         _describe(self, first)
         self._out = np.zeros((self.n_slots, self.vocab_size), np.float32)
+        self._rows = np.zeros((self.n_slots, self.vocab_size), np.float32)  # step_rows' (grows)
 
     @classmethod
     def load(cls, path: str | os.PathLike | None = None, n_slots: int = 1, threads: int | None = None,
@@ -134,6 +146,47 @@ class EngineSlots:
             out[i] = self.engines[slot_ids[i]].step(tokens[i], positions[i])
         return out
 
+    def step_rows(self, slot_ids: Sequence[int], tokens: Sequence[int], positions: Sequence[int],
+                  want: Sequence[bool]) -> np.ndarray:
+        """Each slot's rows through its own engine: a prefill per stretch of rows that ends at a
+        wanted row (or at the slot's last row)."""
+        b = len(slot_ids)
+        if not (b == len(tokens) == len(positions) == len(want)) or b < 1:
+            raise ValueError(f"step_rows takes 1 or more (slot, token, position, want) rows, got {len(slot_ids)}, "
+                             f"{len(tokens)}, {len(positions)}, {len(want)}")
+        rows: dict[int, list[int]] = {}
+        for i, s in enumerate(slot_ids):
+            rows.setdefault(int(s), []).append(i)
+        got: dict[int, np.ndarray] = {}
+        for s, idx in rows.items():
+            if any(positions[j] != positions[idx[0]] + k for k, j in enumerate(idx)):
+                raise ValueError(f"step_rows: the rows of slot {s} are not at consecutive positions in order")
+            start = 0
+            for k, j in enumerate(idx):
+                if want[j] or k == len(idx) - 1:
+                    part = idx[start:k + 1]
+                    out = self.engines[s].prefill([tokens[i] for i in part], positions[part[0]])
+                    if want[j]:
+                        got[j] = out.copy()
+                    start = k + 1
+        order = [i for i in range(b) if want[i]]
+        if self._rows.shape[0] < len(order):
+            self._rows = np.zeros((len(order), self.vocab_size), np.float32)
+        out = self._rows[:len(order)]
+        for r, i in enumerate(order):
+            out[r] = got[i]
+        return out
+
+    def copy_slot(self, src: int, dst: int, n: int) -> None:
+        """The reference: dst's engine evaluates the tokens src holds (from what it shares with them)."""
+        toks = self.engines[src].cached(0)[:n]
+        if len(toks) != n:
+            raise ValueError(f"copy_slot: slot {src} holds {len(toks)} positions, not {n}")
+        have = self.engines[dst].cached(0)
+        keep = common_prefix(have, toks)
+        if keep < n:
+            self.engines[dst].prefill(toks[keep:], keep)
+
     def close(self) -> None:
         for e in self.engines:
             e.close()
@@ -153,6 +206,7 @@ class EngineBatch:
         self.engine = engine
         self.n_slots = int(engine.n_seq)
         self.n_ctx = engine.n_ctx
+        self.max_rows = int(engine._native.max_batch)  # rows of one pass over the weights
         _describe(self, engine)
 
     @classmethod
@@ -179,6 +233,13 @@ class EngineBatch:
 
     def step_batch(self, slot_ids: Sequence[int], tokens: Sequence[int], positions: Sequence[int]) -> np.ndarray:
         return self.engine.step_batch(slot_ids, tokens, positions)
+
+    def step_rows(self, slot_ids: Sequence[int], tokens: Sequence[int], positions: Sequence[int],
+                  want: Sequence[bool]) -> np.ndarray:
+        return self.engine.step_rows(slot_ids, tokens, positions, want)
+
+    def copy_slot(self, src: int, dst: int, n: int) -> None:
+        self.engine.copy_seq(src, dst, n)
 
     def close(self) -> None:
         self.engine.close()

@@ -10,16 +10,28 @@ on its own:
 One worker thread owns the backend (engines are not thread-safe) and loops:
 
 1. admit queued requests into free slots, first come first served; a request goes to the free slot
-   whose cached tokens share the longest prefix with its prompt, and only the rest is evaluated;
-2. evaluate up to `prefill_chunk` prompt tokens, the oldest admitted prompts first (a long prompt
-   takes several iterations, so running streams wait at most one chunk between their tokens);
-   a prompt fully evaluated samples its first token there;
-3. one decode step for every sequence that has a token to feed: ONE `backend.step_batch` call;
-   each row sampled with the sequence's own Sampler (seeded per request, so a seed reproduces
-   whatever else runs beside it), detokenized as a stream, checked against its stop ids and
-   stop strings; a finished or cancelled sequence leaves its slot at once, the others go on.
+   whose cached tokens share the longest prefix with its prompt, and only the rest is evaluated.
+   With a backend that has `copy_slot`, a longer prefix that another slot holds is copied from
+   it, and one that an older request is still evaluating is waited for, then copied: n choices
+   on one prompt (submit_n), or requests sharing a system prompt, evaluate it once;
+2. ONE model call (`backend.step_rows`) that runs the next token of every sequence that has one
+   to feed (a decode row each) together with up to `prefill_chunk` prompt tokens, the oldest
+   admitted prompts first, as rows of their own sequences at consecutive positions (a long prompt
+   takes several iterations, so running streams wait at most one chunk between their tokens, and
+   a joining prompt rides in the same pass over the weights as the decode rows instead of a pass
+   of its own). Logits come back only for the decode rows and for the last row of a prompt
+   that is now fully evaluated; the call's rows are capped at the backend's `max_rows` (one
+   native pass) while any prompt chunk fits beside the decode rows;
+3. each decode row sampled with the sequence's own Sampler (seeded per request, so a seed
+   reproduces whatever else runs beside it), detokenized as a stream, checked against its stop
+   ids and stop strings; a finished or cancelled sequence leaves its slot at once, the others go
+   on; a prompt fully evaluated samples its first token, which the next call feeds.
    Plain greedy rows (no bias, no penalty) take one argmax over the whole [B, V] block, and the
    chosen logit doubles as the row's finiteness check (argmax picks a NaN or +inf if there is one).
+
+A backend without `step_rows` gets the same iteration as two kinds of call: `prefill` per prompt
+chunk (a prompt fully evaluated samples its first token there), then one `step_batch` for the
+decode rows.
 
 A job may have a deadline (`timeout`, seconds from submit, queue wait included): past it, the
 job ends with Failed(RequestTimeoutError) at the next iteration, queued or running, and its
@@ -159,6 +171,8 @@ class _Seq:
     next_token: int = -1          # sampled, not yet run through the model (-1: none)
     t_first: float = 0.0
     t_prefilled: float = 0.0
+    leader: "_Seq | None" = None  # an older sequence still evaluating a longer prefix of this prompt
+    lead_n: int = 0               # how much of it this one will copy from the leader's slot
 
 
 # ---- the generator ---------------------------------------------------------------------------
@@ -191,6 +205,9 @@ class BatchGenerator:
         self._service_s = 1.0             # EMA of a job's time in a slot (for Retry-After)
         self._emitted = 0                 # tokens delivered since metrics last heard of them
         self.last_batch = 0               # sequences in the last decode step
+        self._rows = getattr(backend, "step_rows", None)  # mixed prompt + decode calls (None: two kinds)
+        self._max_rows = int(getattr(backend, "max_rows", 0) or 0)  # rows in one native pass (0: no cap)
+        self._copy = getattr(backend, "copy_slot", None)  # K/V copies between slots (None: none)
         self._thread = threading.Thread(target=self._loop, name="cflow-batch", daemon=True)
         self._thread.start()
 
@@ -366,8 +383,11 @@ class BatchGenerator:
                     self._start(seq)
                 self._expire()
                 self._reap()
-                self._prefill()
-                self._decode()
+                if self._rows is not None:
+                    self._step()
+                else:
+                    self._prefill()
+                    self._decode()
             except BaseException as e:  # a bug must not stop the server: fail what runs, go on
                 traceback.print_exc(file=sys.stderr)
                 for seq in list(self._order):
@@ -416,10 +436,63 @@ class BatchGenerator:
         seq.limit = self.n_ctx - n + 1
         if job.max_tokens is not None:
             seq.limit = min(seq.limit, job.max_tokens)
-        if self.metrics:
-            self.metrics.admitted(seq.t_admit - job.t_submit, n, keep)
         if seq.limit <= 0:  # max_tokens 0: nothing to generate, nothing to evaluate
+            if self.metrics:
+                self.metrics.admitted(seq.t_admit - job.t_submit, n, keep)
             self._end(seq, self._finished(seq, "length", ""))
+            return
+        if self._copy is not None:
+            self._share(seq)
+        if self.metrics:
+            self.metrics.admitted(seq.t_admit - job.t_submit, n, seq.cached)
+
+    def _share(self, seq: _Seq) -> None:
+        """Before `seq` evaluates its prompt: when another slot holds a longer prefix of it than
+        its own, copy that K/V (backend.copy_slot) instead of evaluating it again; when an older
+        sequence still evaluating its prompt will hold a longer one still (n choices on one
+        prompt, or prompts sharing a system prompt), wait for it (seq.leader; _follow)."""
+        prompt = seq.job.prompt
+        cap = len(prompt) - 1  # the last token runs, for this sequence's own logits
+        best, src = seq.fed, -1
+        for i, held in enumerate(self._slot_tokens):
+            if i != seq.slot:
+                n = min(common_prefix(held, prompt), cap)
+                if n > best:
+                    best, src = n, i
+        lead, lead_n = None, best
+        for other in self._order:  # older sequences only: no cycles, and they take the budget first
+            if other is seq:
+                break
+            if other.job.done or other.fed >= len(other.job.prompt):
+                continue  # what it holds is in the scan above
+            n = min(common_prefix(other.job.prompt, prompt), cap)
+            if n > lead_n:
+                lead, lead_n = other, n
+        if lead is not None:
+            seq.leader, seq.lead_n = lead, lead_n
+        elif src >= 0:
+            self._copy_prefix(seq, src, best)
+
+    def _follow(self, seq: _Seq) -> bool:
+        """Whether `seq` may evaluate its prompt now: its leader holds what it waits for (copied
+        then), or ended."""
+        lead = seq.leader
+        if lead is not None and not lead.job.done and lead.fed < seq.lead_n:
+            return False
+        seq.leader = None
+        self._share(seq)
+        return seq.leader is None
+
+    def _copy_prefix(self, seq: _Seq, src: int, n: int) -> None:
+        try:
+            self._copy(src, seq.slot, n)
+        except Exception:  # what the slot holds is unknown: evaluate the whole prompt
+            traceback.print_exc(file=sys.stderr)
+            self._slot_tokens[seq.slot].clear()
+            seq.fed = seq.cached = 0
+            return
+        self._slot_tokens[seq.slot][:] = self._slot_tokens[src][:n]
+        seq.fed = seq.cached = n
 
     def _reap(self) -> None:
         for seq in list(self._order):
@@ -443,13 +516,77 @@ class BatchGenerator:
             if job.timeout is not None and now - job.t_submit > job.timeout and not job.done:
                 self._end(seq, Failed(_timed_out(job, len(seq.history) - len(job.prompt) if seq.history else 0)))
 
+    def _step(self) -> None:
+        """One backend.step_rows call: a decode row per sequence with a token to feed, then the
+        prompt chunks (module docstring, step 2)."""
+        dec = [s for s in self._order if s.next_token >= 0 and not s.job.done]
+        budget = self.prefill_chunk
+        if self._max_rows:  # one native pass when a useful chunk fits beside the decode rows
+            budget = min(budget, max(self._max_rows - len(dec), -(-self.prefill_chunk // 4)))
+        chunks: list[tuple[_Seq, int]] = []
+        for seq in self._order:
+            if budget <= 0:
+                break
+            n = len(seq.job.prompt)
+            if seq.fed >= n or seq.job.done or (seq.leader is not None and not self._follow(seq)):
+                continue
+            k = min(budget, n - seq.fed)
+            chunks.append((seq, k))
+            budget -= k
+        self.last_batch = len(dec)
+        if not dec and not chunks:
+            return
+        slots = [s.slot for s in dec]
+        tokens = [s.next_token for s in dec]
+        positions = [len(s.history) - 1 for s in dec]
+        want = [True] * len(dec)
+        for seq, k in chunks:
+            slots += [seq.slot] * k
+            tokens += seq.job.prompt[seq.fed:seq.fed + k]
+            positions += range(seq.fed, seq.fed + k)
+            want += [False] * (k - 1) + [seq.fed + k == len(seq.job.prompt)]
+        t0 = time.perf_counter()
+        try:
+            logits = self._rows(slots, tokens, positions, want)
+        except Exception as e:
+            for s in dec:  # what the failed call wrote is unknown: forget those slots' caches
+                self._slot_tokens[s.slot].clear()
+                self._end(s, Failed(e))
+            for seq, _ in chunks:
+                del self._slot_tokens[seq.slot][seq.fed:]
+                self._end(seq, Failed(e))
+            return
+        dt = time.perf_counter() - t0
+        if self.metrics:
+            if dec:
+                self.metrics.decode_step(len(dec), dt)
+            if chunks:
+                self.metrics.prompt_evaluated(sum(k for _, k in chunks), dt)
+        self._sample_rows(dec, logits, positions)
+        row = len(dec)
+        for seq, k in chunks:
+            self._slot_tokens[seq.slot].extend(seq.job.prompt[seq.fed:seq.fed + k])
+            seq.fed += k
+            if seq.fed < len(seq.job.prompt):
+                continue
+            seq.t_prefilled = time.perf_counter()
+            last = logits[row]
+            row += 1
+            try:
+                check_finite(self.backend, last, "for the prompt")
+            except Exception as e:
+                self._end(seq, Failed(e))
+                continue
+            self._sample(seq, last)
+        self._count_emitted()
+
     def _prefill(self) -> None:
         budget = self.prefill_chunk
         for seq in list(self._order):
             if budget <= 0:
                 break
             n = len(seq.job.prompt)
-            if seq.fed >= n or seq.job.done:
+            if seq.fed >= n or seq.job.done or (seq.leader is not None and not self._follow(seq)):
                 continue
             k = min(budget, n - seq.fed)
             chunk = seq.job.prompt[seq.fed:seq.fed + k]
@@ -490,10 +627,18 @@ class BatchGenerator:
             return
         if self.metrics:
             self.metrics.decode_step(len(batch), time.perf_counter() - t0)
+        self._sample_rows(batch, logits, positions)
+        self._count_emitted()
+
+    def _sample_rows(self, batch: list[_Seq], logits: np.ndarray, positions: list[int]) -> None:
+        """Rows 0..len(batch)-1 of `logits` are the decode rows of `batch` (fed their next_token
+        at `positions`): record the fed tokens, sample and deliver each row's next one."""
+        if not batch:
+            return
         plain = [s.sampler.plain_greedy for s in batch]
         best = logits[:len(batch)].argmax(axis=1) if all(plain) else None  # one pass for the whole block
         for i, s in enumerate(batch):
-            self._slot_tokens[s.slot].append(tokens[i])
+            self._slot_tokens[s.slot].append(s.next_token)
             s.next_token = -1
             row = logits[i]
             try:
@@ -509,7 +654,6 @@ class BatchGenerator:
                 self._end(s, Failed(e))
                 continue
             self._sample(s, row, tok)
-        self._count_emitted()
 
     def _sample(self, seq: _Seq, logits: np.ndarray, tok: int = -1) -> None:
         """Sample the next token of `seq` from `logits` [V] (unless the caller chose it: `tok` >= 0)
