@@ -270,10 +270,38 @@ static void attention_block_q8kv_avx2(float *out, const float *q, const void *k,
 
 /* ---- decode over q8_0 rows: attn_scores / attn_values (kernels_avx2.c) with d * qs for K / V */
 
+/* att_h[t] = scale * q_h . k_t over q8_0 rows for NH <= 4 heads of one kv head: each score one FMA
+ * chain over head_dim from zero, hsum_ps, times scale (attn_scores's arithmetic, and the block
+ * kernel's). Two positions at a time: 2 x NH independent chains share each converted chunk's
+ * loads of q, and one hsum8_ps (hsum_ps's bits in every lane) finishes all of them. */
 INLINE void attn_scores_q8(int NH, const float *q, const uint8_t *K, float *att, int hd, int n_pos,
                            float scale) {
     size_t rb = cf_kv_row_bytes(CF_Q8_0, hd);
-    for (int t = 0; t < n_pos; t++) {
+    const __m256 vs = _mm256_set1_ps(scale);
+    int t = 0;
+    for (; t + 2 <= n_pos; t += 2) {
+        const uint8_t *b0 = K + (size_t)t * rb, *b1 = b0 + rb;
+        __m256 a[8];
+        for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
+        for (int j = 0; j < hd; j += CF_QK, b0 += 2 + CF_QK, b1 += 2 + CF_QK) {
+            __m256 d0 = q8_scale(b0), d1 = q8_scale(b1);
+            for (int i = 0; i < CF_QK; i += 8) {
+                __m256 k0 = load_q8x8(b0 + 2 + i, d0), k1 = load_q8x8(b1 + 2 + i, d1);
+                for (int h = 0; h < NH; h++) {
+                    __m256 qv = _mm256_loadu_ps(q + (size_t)h * hd + j + i);
+                    a[h] = _mm256_fmadd_ps(qv, k0, a[h]);
+                    a[4 + h] = _mm256_fmadd_ps(qv, k1, a[4 + h]);
+                }
+            }
+        }
+        _Alignas(32) float sc[8];
+        _mm256_store_ps(sc, _mm256_mul_ps(hsum8_ps(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]), vs));
+        for (int h = 0; h < NH; h++) {
+            att[(size_t)h * n_pos + t] = sc[h];
+            att[(size_t)h * n_pos + t + 1] = sc[4 + h];
+        }
+    }
+    for (; t < n_pos; t++) {
         const uint8_t *blk = K + (size_t)t * rb;
         __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
         for (int j = 0; j < hd; j += CF_QK, blk += 2 + CF_QK) {
@@ -288,21 +316,36 @@ INLINE void attn_scores_q8(int NH, const float *q, const uint8_t *K, float *att,
     }
 }
 
+/* out_h = sum_t att_h[t] * v_t over q8_0 rows. Each output lane is attn_values's sum (from zero, t
+ * ascending: the same bits), but the outputs stay in registers over a tile of ATTN_VT positions
+ * and 16 lanes (a tile of rows stays in L1 across its hd / 16 passes), instead of being loaded and
+ * stored again at every position: the per-position work is the conversion and the FMAs alone. */
+#define ATTN_VT 64
 INLINE void attn_values_q8(int NH, float *out, const uint8_t *V, const float *att, int hd, int n_pos) {
     size_t rb = cf_kv_row_bytes(CF_Q8_0, hd);
     for (int h = 0; h < NH; h++) memset(out + (size_t)h * hd, 0, sizeof(float) * (size_t)hd);
-    for (int t = 0; t < n_pos; t++) {
-        const uint8_t *blk = V + (size_t)t * rb;
-        __m256 p[4];
-        for (int h = 0; h < NH; h++) p[h] = _mm256_broadcast_ss(att + (size_t)h * n_pos + t);
-        for (int j = 0; j < hd; j += CF_QK, blk += 2 + CF_QK) {
-            __m256 d = q8_scale(blk);
-            for (int i = 0; i < CF_QK; i += 8) {
-                __m256 vf = load_q8x8(blk + 2 + i, d);
+    for (int t0 = 0; t0 < n_pos; t0 += ATTN_VT) {
+        int t1 = cf_min(n_pos, t0 + ATTN_VT);
+        for (int j = 0; j < hd; j += 16) {
+            const uint8_t *blk = V + (size_t)t0 * rb + (size_t)(j / CF_QK) * (2 + CF_QK);
+            int jj = 2 + j % CF_QK; /* the 16 lanes' first byte in their block */
+            __m256 o[4][2];
+            for (int h = 0; h < NH; h++) {
+                o[h][0] = _mm256_loadu_ps(out + (size_t)h * hd + j);
+                o[h][1] = _mm256_loadu_ps(out + (size_t)h * hd + j + 8);
+            }
+            for (int t = t0; t < t1; t++, blk += rb) {
+                __m256 d = q8_scale(blk);
+                __m256 v0 = load_q8x8(blk + jj, d), v1 = load_q8x8(blk + jj + 8, d);
                 for (int h = 0; h < NH; h++) {
-                    float *o = out + (size_t)h * hd + j + i;
-                    _mm256_storeu_ps(o, _mm256_fmadd_ps(p[h], vf, _mm256_loadu_ps(o)));
+                    __m256 p = _mm256_broadcast_ss(att + (size_t)h * n_pos + t);
+                    o[h][0] = _mm256_fmadd_ps(p, v0, o[h][0]);
+                    o[h][1] = _mm256_fmadd_ps(p, v1, o[h][1]);
                 }
+            }
+            for (int h = 0; h < NH; h++) {
+                _mm256_storeu_ps(out + (size_t)h * hd + j, o[h][0]);
+                _mm256_storeu_ps(out + (size_t)h * hd + j + 8, o[h][1]);
             }
         }
     }
