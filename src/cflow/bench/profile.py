@@ -356,7 +356,7 @@ def profile_engine(eng: Any, *, steps: int = 64, prefill: int = 512, warmup: int
 def profile_model(model: str | Path, *, threads: list[int] | None = None, steps: int = 128, prefill: int = 512,
                   warmup: int = 4, verify: bool = True, progress=None, **load_kw: Any) -> list[Profile]:
     """`cflow bench --profile`: load the model once per thread count (with a context that holds
-    the test) and profile it (profile_engine). load_kw: Engine.load's expert arguments."""
+    the test) and profile it (profile_engine). load_kw: Engine.load's expert and KV cache arguments."""
     from cflow.runtime import Engine, usable_threads
 
     out = []

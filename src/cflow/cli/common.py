@@ -105,8 +105,8 @@ def add_cache_flags(p: argparse.ArgumentParser) -> None:
     for which, short, name in (("k", "-ctk", "K"), ("v", "-ctv", "V")):
         p.add_argument(short, f"--cache-type-{which}", choices=CACHE_TYPES, default="f16", metavar="TYPE",
                        help=f"{name} cache type: f16 (default) or q8_0 (blocks of 32 int8 with an fp16 scale, as "
-                       f"llama.cpp's q8_0: about half the KV bytes, so faster decode at long context; logits "
-                       f"change a little, docs/DESIGN.md \"KV cache\"; needs head_dim a multiple of 32)")
+                       f"llama.cpp's q8_0: about half the KV memory and of the KV bytes a step reads at long context; "
+                       f"logits change a little, docs/DESIGN.md \"KV cache\"; needs head_dim a multiple of 32)")
 
 
 def cache_kwargs(args: argparse.Namespace) -> dict[str, Any]:
