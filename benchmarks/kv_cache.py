@@ -63,6 +63,16 @@ def compare(base: np.ndarray, got: np.ndarray, rows: int = 256) -> dict[str, np.
             "top1": np.concatenate([p[2] for p in parts]).astype(np.float64)}
 
 
+def perplexity(logits: np.ndarray, tokens: list[int], rows: int = 256) -> float:
+    """exp(mean NLL of each next token) over the teacher-forced positions."""
+    nll = []
+    for a in range(0, len(tokens) - 1, rows):
+        b = min(a + rows, len(tokens) - 1)
+        ls = log_softmax(logits[a:b])
+        nll.append(-ls[np.arange(b - a), tokens[a + 1:b + 1]])
+    return float(np.exp(np.concatenate(nll).mean()))
+
+
 def ranges(n: int) -> list[tuple[int, int]]:
     edges = [0, 128, 512, 1024, 2048, 4096, 8192]
     return [(a, min(b, n)) for a, b in zip(edges, edges[1:]) if a < n]
@@ -110,13 +120,21 @@ def run_accuracy(args: argparse.Namespace) -> None:
     print(f"model {args.model}; {n} tokens of {STORIES.name}, teacher-forced, {args.threads} threads\n")
     # only the f16/f16 logits are kept ([n, vocab] float32 each: 0.8 GB at 4096 tokens of SmolLM2)
     base = teacher_forced(args.model, tokens, args.threads, *CONFIGS[0])
-    ours = {kv: compare(base, teacher_forced(args.model, tokens, args.threads, *kv)) for kv in CONFIGS[1:]}
+    ppl, ours = {CONFIGS[0]: perplexity(base, tokens)}, {}
+    for kv in CONFIGS[1:]:
+        got = teacher_forced(args.model, tokens, args.threads, *kv)
+        ppl[kv], ours[kv] = perplexity(got, tokens), compare(base, got)
     print(table("cflow: each KV cache type against f16/f16", ours, n))
+    print("\ncflow perplexity of the stories' next tokens: " + ", ".join(f"{k}/{v} {p:.4f}" for (k, v), p in ppl.items()))
     if args.llamacpp:
         ll_base = llamacpp_forced(args.model, tokens, args.threads, *CONFIGS[0])
-        theirs = {kv: compare(ll_base, llamacpp_forced(args.model, tokens, args.threads, *kv)) for kv in CONFIGS[1:]}
+        ppl, theirs = {CONFIGS[0]: perplexity(ll_base, tokens)}, {}
+        for kv in CONFIGS[1:]:
+            got = llamacpp_forced(args.model, tokens, args.threads, *kv)
+            ppl[kv], theirs[kv] = perplexity(got, tokens), compare(ll_base, got)
         print()
         print(table("llama.cpp (flash attention): each KV cache type against its f16/f16", theirs, n))
+        print("\nllama.cpp perplexity: " + ", ".join(f"{k}/{v} {p:.4f}" for (k, v), p in ppl.items()))
         print()
         print(table("cflow f16/f16 against llama.cpp f16/f16 (the engines' own difference, for scale)",
                     {("f16", "f16"): compare(ll_base, base)}, n))

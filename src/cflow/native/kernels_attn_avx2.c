@@ -1,6 +1,8 @@
 /* kernels_attn_avx2.c — prefill attention over a block of queries (the table's attention_block),
- * AVX2 + FMA + F16C. #included by kernels_avx2.c after its per-query attention, whose helpers
- * (hsum_ps, load_halves8, softmax_avx2) it shares; not compiled on its own.
+ * and both attention kernels over the 8-bit KV cache (attention_q8kv, attention_block_q8kv; see
+ * below), AVX2 + FMA + F16C. #included by kernels_avx2.c after its per-query attention, whose
+ * helpers (hsum_ps, load_halves8, softmax_avx2, attn_scores, attn_values, round_half_away) it
+ * shares; not compiled on its own.
  *
  * Two passes, like the per-query kernel: scores for every (query, head) row of the block, the
  * softmax of each row, then the weighted sum of V. Both passes walk the cache in tiles of TT
