@@ -438,7 +438,8 @@ class Engine:
         return self.prefill(toks[keep:], keep)
 
     def counters(self) -> dict[str, int]:
-        """Weight bytes touched by category since reset_counters(), plus kv bytes, tokens, calls; with
+        """Weight bytes touched by category since reset_counters(), plus kv bytes (the K and V cache
+        rows attention read, at the cache types' row sizes: cflow.runtime.kvcache), tokens, calls; with
         experts on disk also disk_bytes (read from the file), cache_hits, cache_misses (experts found
         in / read into the cache) and io_stall_ns (time the step waited for expert bytes); with
         speculative prefetch expert_predicted, expert_predict_hits (predictions the next layer's
