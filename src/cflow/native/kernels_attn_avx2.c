@@ -26,10 +26,12 @@
  * prefill kernel converts each tile once and reuses it for ATTN_QBLOCK queries x group heads, so
  * there the conversion is nearly free and float FMAs on the tile are what it does anyway; an
  * integer decode dot would give other bits than prefill, breaking the prefill == decode contract;
- * (3) decode at depth is bound by the cache's bytes from DRAM, and the dequantization (vpmovsxbd
- * from memory, vcvtdq2ps, vmulps per 8 values, shared by the group's heads) is a few uops per
- * 8 bytes, hidden behind the stream. The integer dot would save compute that is not the
- * bottleneck at the price of accuracy and of the contract.
+ * (3) what it would save is modest: per 32 values and query head, about 5-6 vector ops (sign,
+ * vpmaddubsw, vpmaddwd, convert, FMA) against 4 FMAs plus a third of 12 conversion ops (vpmovsxbd
+ * from memory, vcvtdq2ps, vmulps per 8 values, shared by a GQA group of 3) here. Measured on one
+ * thread (docs/DESIGN.md, "KV cache"), this kernel is bound by that arithmetic: its scale multiply
+ * makes it ~15% slower than the fp16 kernel per call although it reads 53% of the bytes; the
+ * integer dot would win back part of that, at the price of accuracy and of the contract.
  */
 
 #define ATTN_TILE_FLOATS 4096 /* one fp32 tile of K or V rows: 16 KB */
