@@ -31,6 +31,7 @@ def _rss_bytes() -> int:
 
 def measure(model: str, threads: int, n_ctx: int | None = None, verify: bool = True) -> dict:
     from cflow.runtime import Engine
+    from cflow.runtime.kvcache import cache_bytes
 
     rss0 = _rss_bytes()
     t0 = time.perf_counter()
@@ -38,7 +39,7 @@ def measure(model: str, threads: int, n_ctx: int | None = None, verify: bool = T
     load_s = time.perf_counter() - t0
     rss_loaded = _rss_bytes()
     cfg = eng.config
-    kv_bytes = 2 * cfg.n_layers * eng.n_ctx * cfg.kv_dim * 2  # K and V, fp16
+    kv_bytes = cache_bytes(cfg, eng.n_ctx, eng.cache_type_k, eng.cache_type_v)  # K and V
     t1 = time.perf_counter()
     first = next(iter(eng.generate(PROMPT, max_tokens=1, temperature=0.0)), "")
     ttft_s = time.perf_counter() - t1

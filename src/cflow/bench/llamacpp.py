@@ -60,7 +60,14 @@ class LlamaCppRunner:
 
     name = "llama.cpp"
 
-    def __init__(self, gguf_path: str, threads: int, n_ctx: int, *, repack: bool = True):
+    # cflow's KV cache types as GGML type ids (llama.cpp's -ctk/-ctv; llama_cpp.GGML_TYPE_F16 / _Q8_0)
+    CACHE_TYPE_IDS = {"f16": 1, "q8_0": 8}
+
+    def __init__(self, gguf_path: str, threads: int, n_ctx: int, *, repack: bool = True, cache_type_k: str = "f16",
+                 cache_type_v: str = "f16", flash_attn: bool | None = None):
+        """cache_type_k / cache_type_v: the KV cache types (cflow.runtime.kvcache's names). flash_attn:
+        llama.cpp's flash attention; None (default) turns it on exactly when the cache is quantized
+        (llama.cpp needs it for a quantized V cache) and leaves it off otherwise, as before."""
         try:
             import llama_cpp
         except ImportError:
@@ -72,10 +79,18 @@ class LlamaCppRunner:
                 f"--compare llama.cpp needs the model as a .gguf file (got {gguf_path}); pass the GGUF "
                 "and cflow converts it for its own side")
         self._llama_cpp = llama_cpp
+        for name in (cache_type_k, cache_type_v):
+            if name not in self.CACHE_TYPE_IDS:
+                raise BaselineUnavailable(f"KV cache type {name!r}: choose one of {', '.join(self.CACHE_TYPE_IDS)}")
+        if flash_attn is None:
+            flash_attn = (cache_type_k, cache_type_v) != ("f16", "f16")
+        self.flash_attn = bool(flash_attn)
         with _quiet_stderr(), _repacking(llama_cpp, repack):
             self.llm = llama_cpp.Llama(model_path=str(gguf_path), n_threads=threads, n_threads_batch=threads,
                                        n_ctx=n_ctx, n_batch=512, n_ubatch=512, verbose=False,
-                                       logits_all=False)
+                                       logits_all=False, flash_attn=self.flash_attn,
+                                       type_k=self.CACHE_TYPE_IDS[cache_type_k],
+                                       type_v=self.CACHE_TYPE_IDS[cache_type_v])
         self.version = getattr(llama_cpp, "__version__", "?")
         self.n_vocab = self.llm.n_vocab()
 

@@ -383,7 +383,7 @@ def profile_model(model: str | Path, *, threads: list[int] | None = None, steps:
                   **load_kw: Any) -> list[Profile]:
     """`cflow bench --profile`: load the model once per thread count (with a context that holds
     the test, and `batch` sequences when batch > 1) and profile it (profile_engine). load_kw:
-    Engine.load's expert arguments and prefetch."""
+    Engine.load's expert and KV cache arguments and prefetch."""
     from cflow.runtime import Engine, usable_threads
 
     out = []

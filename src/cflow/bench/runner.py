@@ -38,6 +38,8 @@ class BenchRow:
     n_tokens: int
     samples_ts: list[float] = field(default_factory=list)
     bytes_per_token: float | None = None  # weight bytes read per generated token (tg only)
+    cache_type_k: str = "f16"  # the KV cache's row types the engine ran with (cflow.runtime.kvcache)
+    cache_type_v: str = "f16"
 
     @property
     def mean_ts(self) -> float:

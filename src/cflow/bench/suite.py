@@ -40,12 +40,13 @@ class CflowRunner:
 
     def __init__(self, model: str | Path, threads: int, n_ctx: int | None, progress=None, verify: bool = True,
                  experts: str = "auto", expert_cache: int | str | None = None, expert_io: str = "async",
-                 expert_prefetch: str = "auto", prefetch: int | None = None):
+                 expert_prefetch: str = "auto", prefetch: int | None = None, cache_type_k: str = "f16",
+                 cache_type_v: str = "f16"):
         from cflow.runtime import Engine
 
         self.engine = Engine.load(model, threads=threads, n_ctx=n_ctx, verify=verify, log=progress, experts=experts,
                                   expert_cache=expert_cache, expert_io=expert_io, expert_prefetch=expert_prefetch,
-                                  prefetch=prefetch)
+                                  prefetch=prefetch, cache_type_k=cache_type_k, cache_type_v=cache_type_v)
 
     def reset(self) -> None:
         self.engine.reset()
@@ -205,6 +206,12 @@ class BenchReport:
         return [f"weights read per token: {seen} counted by the engine in the tg tests; the tensor table "
                 f"says {format_size(self.table_bytes_per_token)}"]
 
+    def _cache_line(self) -> list[str]:
+        types = sorted({(r.cache_type_k, r.cache_type_v) for r in self.rows})
+        if not types or types == [("f16", "f16")]:
+            return []
+        return ["KV cache: " + ", ".join(f"K {k}, V {v}" for k, v in types) + " (every engine in the table)"]
+
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
 
@@ -222,6 +229,7 @@ class BenchReport:
             *self._compute_lines(),
             *self._expert_lines(),
             *self._footprint_lines(),
+            *self._cache_line(),
             "",
             "| engine | threads | test | t/s | weight MB/token | eff. GB/s | % of probe | cflow / this |",
             "|---|---:|---|---:|---:|---:|---:|---:|",
@@ -243,13 +251,16 @@ def bench(model: str | Path, *, threads: list[int] | None = None, pp: int = 512,
           progress: Callable[[str], None] | None = None, experts: str = "auto",
           expert_cache: int | str | None = None, expert_io: str = "async",
           expert_prefetch: str = "auto", depths: list[int] | None = None,
-          prefetch: int | None = None) -> BenchReport:
+          prefetch: int | None = None, cache_type_k: str = "f16", cache_type_v: str = "f16") -> BenchReport:
     """Run the suite. threads: the counts to test (default: every usable core; 0 also means that);
     the tg test always runs exactly `tg` decode steps, whatever token comes (EOS included), like
     llama-bench; depths: context depths to run each test at (llama-bench's -d; default [0]);
     verify=False skips the checksum check of the model's first use. experts,
     expert_cache, expert_io, expert_prefetch: where cflow keeps a MoE model's experts (Engine.load);
-    prefetch: the kernels' software prefetch, None (default), 0 (off) or bytes ahead (Engine.load)."""
+    prefetch: the kernels' software prefetch, None (default), 0 (off) or bytes ahead (Engine.load).
+    cache_type_k, cache_type_v: the KV cache's row types ("f16", "q8_0"; Engine.load), for cflow and
+    for the llama.cpp baseline alike (its type_k / type_v; a q8_0 V cache needs its flash attention,
+    which is then on for it); every row records them."""
     from cflow.bench.bandwidth import int8_peak, read_bandwidth
 
     model = str(model)
@@ -265,7 +276,7 @@ def bench(model: str | Path, *, threads: list[int] | None = None, pp: int = 512,
 
     prefetch_mod.to_mode(prefetch)  # a bad value fails before anything runs
     xkw = dict(experts=experts, expert_cache=expert_cache, expert_io=expert_io, expert_prefetch=expert_prefetch,
-               prefetch=prefetch)
+               prefetch=prefetch, cache_type_k=cache_type_k, cache_type_v=cache_type_v)
     with CflowRunner(model, threads[0], None, progress=progress, verify=verify, **xkw).engine as eng:
         max_ctx = eng.config.max_seq_len
         table_bytes = eng.weight_bytes_per_token()
@@ -315,11 +326,12 @@ def bench(model: str | Path, *, threads: list[int] | None = None, pp: int = 512,
         if compare == "llama.cpp":
             from cflow.bench.llamacpp import LlamaCppRunner
 
-            runners.append(LlamaCppRunner(model, t, n_ctx))
+            runners.append(LlamaCppRunner(model, t, n_ctx, cache_type_k=cache_type_k, cache_type_v=cache_type_v))
         vocab = runners[0].engine.config.vocab_size
         rows = run_tests(runners, t, pp=pp, tg=tg, reps=reps, vocab=vocab, warmup=warmup,
                          progress=progress, bytes_per_token=counted, depths=depths)
         for r in rows:
+            r.cache_type_k, r.cache_type_v = cache_type_k, cache_type_v
             if r.engine == "cflow" and r.test.startswith("tg") and str(t) in stats:
                 report.expert_rows[f"{t}:{r.test}"] = stats[str(t)]
         # Both engines run the same weights (GGUF blocks are kept bit for bit), so the baseline's

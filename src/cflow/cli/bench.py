@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from cflow.cli.common import (UsageError, add_command, add_expert_flags, add_verify_flag, expert_kwargs, load_error,
+from cflow.cli.common import (UsageError, add_cache_flags, add_command, add_expert_flags, cache_kwargs, add_verify_flag, expert_kwargs, load_error,
                               write_text)
 from cflow.fsutil import check_writable
 
@@ -82,6 +82,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-footprint", action="store_true",
                    help="skip the load-time / first-token / resident-memory measurement")
     add_verify_flag(p)
+    add_cache_flags(p)
     add_expert_flags(p)
     p.add_argument("--prefetch", type=_prefetch, default=None, metavar="off|default|N",
                    help="explicit software prefetch in cflow's kernels (claim C6): default = each kernel's own "
@@ -185,7 +186,8 @@ def run(args: argparse.Namespace) -> int:
         report = bench(args.model, threads=args.threads, pp=args.n_prompt, tg=args.n_gen,
                        reps=args.repetitions, warmup=not args.no_warmup, compare=args.compare,
                        probe=not args.no_probe, footprint=not args.no_footprint, verify=not args.no_verify,
-                       progress=progress, depths=args.n_depth, prefetch=args.prefetch, **expert_kwargs(args))
+                       progress=progress, depths=args.n_depth, prefetch=args.prefetch, **expert_kwargs(args),
+                       **cache_kwargs(args))
     except OSError as e:  # the model unreadable, or the cache a .gguf is converted into unwritable
         raise load_error(args.model, e) from None
     text = report.to_json() if args.json or args.output == "json" else report.to_markdown()
@@ -205,8 +207,7 @@ def _run_profile(args: argparse.Namespace, progress) -> int:
     try:
         profiles = profile_model(args.model, threads=args.threads, steps=args.n_gen, prefill=args.n_prompt,
                                  verify=not args.no_verify, progress=progress, prefetch=args.prefetch,
-                                 batch=args.batch,
-                                 **expert_kwargs(args))
+                                 batch=args.batch, **expert_kwargs(args), **cache_kwargs(args))
     except OSError as e:
         raise load_error(args.model, e) from None
     if args.json or args.output == "json":

@@ -94,7 +94,24 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    "memory; sweep: any file; order: a .vflow's plan order without read-ahead; off; "
                    "docs/DESIGN.md, \"Read order and cold start\")")
     add_verify_flag(p)
+    add_cache_flags(p)
     add_expert_flags(p)
+
+
+def add_cache_flags(p: argparse.ArgumentParser) -> None:
+    """The KV cache's row types, K and V each (llama.cpp's -ctk/-ctv; cflow.runtime.kvcache)."""
+    from cflow.runtime.kvcache import CACHE_TYPES
+
+    for which, short, name in (("k", "-ctk", "K"), ("v", "-ctv", "V")):
+        p.add_argument(short, f"--cache-type-{which}", choices=CACHE_TYPES, default="f16", metavar="TYPE",
+                       help=f"{name} cache type: f16 (default) or q8_0 (blocks of 32 int8 with an fp16 scale, as "
+                       f"llama.cpp's q8_0: about half the KV memory and of the KV bytes a step reads at long context; "
+                       f"logits change a little, docs/DESIGN.md \"KV cache\"; needs head_dim a multiple of 32)")
+
+
+def cache_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """Engine.load's cache_type_k / cache_type_v from the cache flags (f16 where a command has none)."""
+    return dict(cache_type_k=getattr(args, "cache_type_k", "f16"), cache_type_v=getattr(args, "cache_type_v", "f16"))
 
 
 def add_expert_flags(p: argparse.ArgumentParser) -> None:
@@ -170,7 +187,8 @@ def load_engine(args: argparse.Namespace):
         with progress_bar() as progress:
             return Engine.load(args.model, threads=args.threads, n_ctx=args.ctx_size or None,
                                mmap=not args.no_mmap, verify=not args.no_verify, progress=progress, log=log,
-                               readahead=getattr(args, "readahead", "auto"), **expert_kwargs(args))
+                               readahead=getattr(args, "readahead", "auto"), **expert_kwargs(args),
+                               **cache_kwargs(args))
     except OSError as e:
         raise load_error(args.model, e) from None
 

@@ -15,7 +15,7 @@ import sys
 from typing import Any
 
 from cflow.cli.common import (UsageError, add_command, add_model_flags, add_sampling_flags, check_model_flags,
-                              check_sampling, expert_kwargs, load_error, log, progress_bar, sampling_kwargs)
+                              cache_kwargs, check_sampling, expert_kwargs, load_error, log, progress_bar, sampling_kwargs)
 
 HELP = """\
 serve the model over HTTP (OpenAI-compatible API)
@@ -143,7 +143,8 @@ def run(args: argparse.Namespace) -> int:
             with progress_bar() as progress:
                 backend = load_backend(args.model, n_slots=args.parallel, threads=args.threads, n_ctx=per_slot,
                                            mmap=not args.no_mmap, verify=not args.no_verify, progress=progress,
-                                       log=log, readahead=args.readahead, **expert_kwargs(args))
+                                       log=log, readahead=args.readahead, **expert_kwargs(args),
+                                       **cache_kwargs(args))
         except EngineError as e:
             if getattr(e, "flag", None) == "-c" and per_slot:
                 raise EngineError(f"{e} (cflow serve's -c is the context of all {args.parallel} slots together: "

@@ -75,7 +75,7 @@ struct NativeEngine {
 
     NativeEngine(Bytes buffer, const nb::dict &cfg, Desc desc, const std::vector<std::string> &names,
                  Plan plan, int n_ring, int n_pending, int threads, int n_ctx, int max_batch, int n_moe,
-                 nb::object experts, int n_seq)
+                 nb::object experts, int n_seq, int k_type, int v_type)
         : buf(buffer) {
         cf_config c = config_from(cfg);
         cf_disk_experts disk{};
@@ -118,7 +118,7 @@ struct NativeEngine {
         char err[512] = {0};
         e = cf_engine_create(&c, buf.data(), buf.shape(0), desc.data(), name_ptrs.data(),
                              (int)desc.shape(0), plan.data(), (int)plan.shape(0), n_ring, n_pending, n_moe,
-                             threads, n_ctx, max_batch, n_seq, experts.is_none() ? nullptr : &disk, err, sizeof err);
+                             threads, n_ctx, max_batch, n_seq, k_type, v_type, experts.is_none() ? nullptr : &disk, err, sizeof err);
         if (!e) throw nb::value_error(err);
         vocab = c.vocab;
         n_layers = c.n_layers;
@@ -359,10 +359,11 @@ void cf_bind_engine(nb::module_ &m) {
                              "names[i] is the tensor name of descriptor row i; the engine checks each against "
                              "its own (GLOBAL_TENSORS, then per weight set LAYER_SLOTS and EXPERT_SLOTS).")
         .def(nb::init<Bytes, const nb::dict &, Desc, const std::vector<std::string> &, Plan, int, int, int, int,
-                      int, int, nb::object, int>(),
+                      int, int, nb::object, int, int, int>(),
              nb::arg("buffer"), nb::arg("config"), nb::arg("desc"), nb::arg("names"), nb::arg("plan"),
              nb::arg("n_ring"), nb::arg("n_pending"), nb::arg("threads"), nb::arg("n_ctx"),
-             nb::arg("max_batch"), nb::arg("n_moe") = 1, nb::arg("experts") = nb::none(), nb::arg("n_seq") = 1)
+             nb::arg("max_batch"), nb::arg("n_moe") = 1, nb::arg("experts") = nb::none(), nb::arg("n_seq") = 1,
+             nb::arg("k_type") = (int)CF_F16, nb::arg("v_type") = (int)CF_F16)
         .def("step", &NativeEngine::step, nb::arg("token"), nb::arg("pos"), nb::arg("logits"),
              "Run one token at position pos; write next-token logits into `logits` (float32[vocab]).")
         .def("prefill", &NativeEngine::prefill, nb::arg("tokens"), nb::arg("pos0"),

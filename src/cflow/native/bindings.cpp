@@ -405,25 +405,50 @@ Out<float> rope(In1<float> x, int n_heads, int head_dim, int pos, float theta, s
     return out;
 }
 
-// The two test entries' K/V caches: [n_kv_heads, max_seq, head_dim] each, the same shape, and
-// n_heads a multiple of n_kv_heads.
-static void check_kv_caches(const AnyIn &k, const AnyIn &v, int n_heads, int n_kv_heads) {
-    if (k.ndim() != 3 || v.ndim() != 3) bad_input("k and v caches must be [n_kv_heads, max_seq, head_dim]");
-    for (int i = 0; i < 3; i++)
-        if (k.shape(i) != v.shape(i)) bad_input("k and v caches differ in shape");
+// A cache type name of the test entries ("f16", "q8_0") as its dtype id (cflow.h, "The 8-bit KV cache").
+static int cache_type_id(const std::string &name, const char *what) {
+    if (name == "f16") return CF_F16;
+    if (name == "q8_0") return CF_Q8_0;
+    bad_input(std::string(what) + " '" + name + "' is not one of f16, q8_0");
+}
+
+// head_dim of one cache: fp16 [n_kv_heads, max_seq, head_dim], or q8_0 rows as uint8
+// [n_kv_heads, max_seq, head_dim / 32 * 34] (cflow.quant.quantize(rows, "q8_0")).
+static int cache_head_dim(const AnyIn &c, int type, const char *what) {
+    if (c.ndim() != 3) bad_input(std::string(what) + " must be [n_kv_heads, max_seq, row]");
+    if (type == CF_F16) {
+        half_data(c, what);
+        return (int)c.shape(2);
+    }
+    size_t rb = cf_kv_row_bytes(CF_Q8_0, CF_QK);
+    if (c.dtype() != nb::dtype<uint8_t>() || c.shape(2) == 0 || c.shape(2) % rb)
+        bad_input(std::string(what) + " of type q8_0 must be uint8 rows of head_dim / 32 blocks of " +
+                  std::to_string(rb) + " bytes");
+    return (int)(c.shape(2) / rb * CF_QK);
+}
+
+// The two test entries' K/V caches: [n_kv_heads, max_seq, row] each (rows of their types), the
+// same heads, positions and head_dim, and n_heads a multiple of n_kv_heads. Returns head_dim.
+static int check_kv_caches(const AnyIn &k, const AnyIn &v, int n_heads, int n_kv_heads, int k_type, int v_type) {
+    int hd = cache_head_dim(k, k_type, "k cache");
+    if (cache_head_dim(v, v_type, "v cache") != hd || k.shape(0) != v.shape(0) || k.shape(1) != v.shape(1))
+        bad_input("k and v caches differ in heads, positions or head_dim");
     if (n_heads < 1 || n_kv_heads < 1 || n_heads % n_kv_heads || (int)k.shape(0) != n_kv_heads)
         bad_input("n_heads must be a multiple of n_kv_heads, and the caches must hold n_kv_heads heads");
+    return hd;
 }
 
 Out<float> attention(In1<float> q, AnyIn k, AnyIn v, int n_heads, int n_kv_heads, int n_pos,
-                     std::optional<float> scale, std::optional<std::string> isa, Pool *pool) {
+                     std::optional<float> scale, std::optional<std::string> isa, Pool *pool,
+                     const std::string &k_type_name, const std::string &v_type_name) {
     const cf_kernel_table *t = table(isa);
-    check_kv_caches(k, v, n_heads, n_kv_heads);
-    int max_seq = (int)k.shape(1), hd = (int)k.shape(2);
+    int k_type = cache_type_id(k_type_name, "k_type"), v_type = cache_type_id(v_type_name, "v_type");
+    int hd = check_kv_caches(k, v, n_heads, n_kv_heads, k_type, v_type);
+    int max_seq = (int)k.shape(1);
     if (n_pos < 1 || n_pos > max_seq) bad_input("n_pos " + std::to_string(n_pos) + " is outside [1, " + std::to_string(max_seq) + "]");
     check_len(q.size(), (size_t)n_heads * hd, "q");
     cf_attn_shape s{n_heads, n_kv_heads, hd, max_seq, n_pos, scale ? *scale : 1.0f / std::sqrt((float)hd)};
-    const cf_half *kp = half_data(k, "k cache"), *vp = half_data(v, "v cache");
+    const void *kp = k.data(), *vp = v.data();
     auto out = new_array<float>(q.size());
     float *op = out.data();
     const float *qp = q.data();
@@ -431,7 +456,11 @@ Out<float> attention(In1<float> q, AnyIn k, AnyIn v, int n_heads, int n_kv_heads
         nb::gil_scoped_release rel;
         std::vector<float> att((size_t)n_heads * n_pos);
         parallel_ranges(pool, n_heads, [&](int h0, int h1) {
-            t->attention(op, qp, kp, vp, att.data() + (size_t)h0 * n_pos, &s, h0, h1);
+            float *a = att.data() + (size_t)h0 * n_pos;
+            if (k_type == CF_F16 && v_type == CF_F16)
+                t->attention(op, qp, (const cf_half *)kp, (const cf_half *)vp, a, &s, h0, h1);
+            else
+                t->attention_q8kv(op, qp, kp, vp, k_type, v_type, a, &s, h0, h1);
         });
     }
     return out;
@@ -440,10 +469,12 @@ Out<float> attention(In1<float> q, AnyIn k, AnyIn v, int n_heads, int n_kv_heads
 // Test entry of attention_block: q [n_q, n_heads * head_dim] (queries at positions pos0..), caches
 // [n_kv_heads, max_seq, head_dim]; a pool splits the heads, each range with its own scratch.
 Out<float> attention_block(In1<float> q, AnyIn k, AnyIn v, int n_heads, int n_kv_heads, int pos0, int window,
-                           std::optional<float> scale, std::optional<std::string> isa, Pool *pool) {
+                           std::optional<float> scale, std::optional<std::string> isa, Pool *pool,
+                           const std::string &k_type_name, const std::string &v_type_name) {
     const cf_kernel_table *t = table(isa);
-    check_kv_caches(k, v, n_heads, n_kv_heads);
-    int max_seq = (int)k.shape(1), hd = (int)k.shape(2), q_dim = n_heads * hd;
+    int k_type = cache_type_id(k_type_name, "k_type"), v_type = cache_type_id(v_type_name, "v_type");
+    int hd = check_kv_caches(k, v, n_heads, n_kv_heads, k_type, v_type);
+    int max_seq = (int)k.shape(1), q_dim = n_heads * hd;
     if (q.size() == 0 || q.size() % q_dim) bad_input("q must hold whole queries of n_heads * head_dim floats");
     int n_q = (int)(q.size() / q_dim);
     if (pos0 < 0 || pos0 + n_q > max_seq)
@@ -453,7 +484,7 @@ Out<float> attention_block(In1<float> q, AnyIn k, AnyIn v, int n_heads, int n_kv
     cf_attn_block_shape s{n_heads, n_kv_heads, hd, max_seq, scale ? *scale : 1.0f / std::sqrt((float)hd),
                           pos0, n_q, window, q_dim, q_dim};
     int n_last = pos0 + n_q - cf_attn_lo(&s, n_q - 1);
-    const cf_half *kp = half_data(k, "k cache"), *vp = half_data(v, "v cache");
+    const void *kp = k.data(), *vp = v.data();
     auto out = new_array<float>(q.size());
     float *op = out.data();
     const float *qp = q.data();
@@ -461,7 +492,11 @@ Out<float> attention_block(In1<float> q, AnyIn k, AnyIn v, int n_heads, int n_kv
         nb::gil_scoped_release rel;
         std::vector<float> att((size_t)n_heads * n_q * n_last);
         parallel_ranges(pool, n_heads, [&](int h0, int h1) {
-            t->attention_block(op, qp, kp, vp, att.data() + (size_t)h0 * n_q * n_last, &s, h0, h1);
+            float *a = att.data() + (size_t)h0 * n_q * n_last;
+            if (k_type == CF_F16 && v_type == CF_F16)
+                t->attention_block(op, qp, (const cf_half *)kp, (const cf_half *)vp, a, &s, h0, h1);
+            else
+                t->attention_block_q8kv(op, qp, kp, vp, k_type, v_type, a, &s, h0, h1);
         });
     }
     return out;
@@ -482,6 +517,15 @@ Out<uint16_t> f32_to_f16(In1<float> x, std::optional<std::string> isa) {
     const cf_kernel_table *t = table(isa);
     auto out = new_array<uint16_t>(x.size());
     t->f32_to_f16(out.data(), x.data(), (int)x.size());
+    return out;
+}
+
+// One KV cache row (or several back to back) into q8_0 blocks: x.size() / 32 blocks of 34 bytes.
+Out<uint8_t> f32_to_q8_0(In1<float> x, std::optional<std::string> isa) {
+    const cf_kernel_table *t = table(isa);
+    if (x.size() % CF_QK) bad_input("x must hold a multiple of 32 values, got " + std::to_string(x.size()));
+    auto out = new_array<uint8_t>(x.size() / CF_QK * cf_kv_row_bytes(CF_Q8_0, CF_QK));
+    t->f32_to_q8_0(out.data(), x.data(), (int)x.size());
     return out;
 }
 
@@ -596,14 +640,19 @@ NB_MODULE(_native, m) {
     m.def("rope_table", &rope_table, arg("head_dim"), arg("pos"), arg("theta"));
     m.def("rope", &rope, arg("x"), arg("n_heads"), arg("head_dim"), arg("pos"), arg("theta"), arg("isa") = none);
     m.def("attention", &attention, arg("q"), arg("k"), arg("v"), arg("n_heads"), arg("n_kv_heads"), arg("n_pos"),
-          arg("scale") = none, arg("isa") = none, arg("pool") = none,
-          "One query over fp16 caches k, v [n_kv_heads, max_seq, head_dim] (positions [0, n_pos)).");
+          arg("scale") = none, arg("isa") = none, arg("pool") = none, arg("k_type") = "f16", arg("v_type") = "f16",
+          "One query over caches k, v [n_kv_heads, max_seq, row] (positions [0, n_pos)): fp16 rows of head_dim, "
+          "or with k_type / v_type 'q8_0' uint8 rows of head_dim / 32 q8_0 blocks (attention_q8kv).");
     m.def("attention_block", &attention_block, arg("q"), arg("k"), arg("v"), arg("n_heads"), arg("n_kv_heads"),
           arg("pos0"), arg("window") = 0, arg("scale") = none, arg("isa") = none, arg("pool") = none,
-          "Queries q [n_q * n_heads * head_dim] at positions pos0.. over fp16 caches k, v [n_kv_heads, "
-          "max_seq, head_dim], causal (window > 0: the last `window` positions); [n_q * n_heads * head_dim].");
+          arg("k_type") = "f16", arg("v_type") = "f16",
+          "Queries q [n_q * n_heads * head_dim] at positions pos0.. over caches k, v [n_kv_heads, max_seq, row] "
+          "(fp16, or q8_0 rows as in attention), causal (window > 0: the last `window` positions); "
+          "[n_q * n_heads * head_dim].");
     m.def("topk", &topk, arg("x"), arg("k"), arg("isa") = nb::none());
     m.def("f32_to_f16", &f32_to_f16, arg("x"), arg("isa") = none, "fp16 bits (uint16), round to nearest even.");
+    m.def("f32_to_q8_0", &f32_to_q8_0, arg("x"), arg("isa") = none,
+          "KV cache rows to q8_0 blocks (uint8, 34 bytes per 32 values): cflow.quant.quantize(x, 'q8_0')'s bytes.");
     m.def("f16_to_f32", &f16_to_f32, arg("h"), "fp16 bits (or float16) to float32 with the scalar cf_half_to_float.");
 
     cf_bind_engine(m);

@@ -103,7 +103,21 @@ static inline int cf_n_groups(const cf_tiled *w) { return (w->rows + CF_G - 1) /
 
 /* One query's attention over a KV cache.
  * Cache layout (fp16, F16C-convertible): k, v [n_kv_heads][max_seq][head_dim]; positions
- * [0, n_pos) are valid. Query head h reads kv head h / (n_heads / n_kv_heads) (GQA). */
+ * [0, n_pos) are valid. Query head h reads kv head h / (n_heads / n_kv_heads) (GQA).
+ *
+ * The 8-bit KV cache (cache type CF_Q8_0, llama.cpp's `-ctk/-ctv q8_0`): the same
+ * [n_kv_heads][max_seq] rows, each row (one position of one kv head) head_dim / 32 GGML q8_0 blocks
+ * {fp16 d; int8 qs[32]} of cf_block_bytes(CF_Q8_0) = 34 bytes, value j = d * qs[j]; head_dim must
+ * be a multiple of 32 (the engine refuses other models at load). A row is written with d =
+ * max|x| / 127, qs = roundf(x * (1/d)): ggml's quantize_row_q8_0_ref and the Python twin
+ * cflow.quant.quantize(row, "q8_0"), byte for byte. The scale is fp16, as in GGML: 2 bytes per 32
+ * values (1.0625 bytes a value, 53% of fp16) where f32 would take 1.125, and the scale's own
+ * rounding (2^-11 relative) is far below the int8 step (1/254 of the block's max); d * qs is then
+ * exact in fp32 (11 + 8 significant bits), so a dequantized value has no rounding of its own.
+ * K and V choose their type independently (cf_kernel_table.attention_q8kv). */
+static inline size_t cf_kv_row_bytes(int type, int head_dim) {
+    return type == CF_Q8_0 ? (size_t)head_dim / CF_QK * (2 + CF_QK) : (size_t)head_dim * sizeof(cf_half);
+}
 typedef struct {
     int n_heads;
     int n_kv_heads; /* divides n_heads */
@@ -193,6 +207,20 @@ typedef struct {
     /* The 256-block activation fields: out->qk, out->dk, out->bsums from x[0..out->n), n a
      * multiple of 256; bit for bit cflow.kquant.quantize_act_k. The K-quant kernels' input. */
     void (*quantize_act_k)(const float *x, cf_act_q8 *out);
+
+    /* The 8-bit KV cache (cf_kv_row_bytes above). k_type and v_type are each CF_F16 or CF_Q8_0;
+     * k and v point at rows of that type, laid out as for `attention` (kv head stride max_seq
+     * rows of cf_kv_row_bytes(type, head_dim) bytes). Both read a q8_0 value as the fp32 d * qs,
+     * so they compute what `attention` / `attention_block` compute over a cache holding those
+     * values: with k_type = v_type = CF_F16 the bits of `attention` / `attention_block`, and
+     * attention_block_q8kv gives attention_q8kv's bits per query (the same contract as above). */
+    void (*attention_q8kv)(float *out, const float *q, const void *k, const void *v, int k_type, int v_type,
+                           float *att, const cf_attn_shape *shape, int h0, int h1);
+    void (*attention_block_q8kv)(float *out, const float *q, const void *k, const void *v, int k_type,
+                                 int v_type, float *att, const cf_attn_block_shape *s, int h0, int h1);
+    /* One cache row x[0..n) (n a multiple of 32) into n / 32 q8_0 blocks, bit for bit ggml's
+     * quantize_row_q8_0_ref (the reference is kernels_ref.c's). */
+    void (*f32_to_q8_0)(uint8_t *out, const float *x, int n);
 } cf_kernel_table;
 
 /* The table chosen for this CPU (set up on first use; CFLOW_ISA=ref|avx2 overrides). */

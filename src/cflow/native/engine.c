@@ -129,8 +129,8 @@ typedef struct {
     float *hid;        /* [B, hmax] silu(gate) * up */
     float *y;          /* [B, d] expert down-projection output */
     float *rope;       /* [B, hd] cos[hd/2] then sin[hd/2] for each token's position */
-    cf_half *kcache;   /* [n_seq, L, n_kv, n_ctx, hd] fp16, rotated keys */
-    cf_half *vcache;   /* [n_seq, L, n_kv, n_ctx, hd] fp16 */
+    uint8_t *kcache;   /* [n_seq, L, n_kv, n_ctx] rows of krow bytes (fp16 or q8_0), rotated keys */
+    uint8_t *vcache;   /* [n_seq, L, n_kv, n_ctx] rows of vrow bytes */
     float *rlogits;    /* [B, E] router probabilities */
     /* the routing of each moe slot */
     int *exp_tok;      /* [n_moe, E, B] tokens routed to each expert */
@@ -151,7 +151,9 @@ struct cf_engine {
     cf_scratch *ts; /* [n_threads] */
     int n_threads, n_ctx, max_batch, kmax, hmax;
     int n_seq;      /* KV-cache slots: sequence s owns kcache/vcache[s] */
-    size_t seq_kv;  /* halves per sequence slot: L * n_kv * n_ctx * hd */
+    size_t seq_kv;  /* cache rows per sequence slot: L * n_kv * n_ctx */
+    int k_type, v_type; /* cache row types, CF_F16 or CF_Q8_0 (cflow.h, "The 8-bit KV cache") */
+    size_t krow, vrow;  /* bytes of one K / V row: cf_kv_row_bytes(type, hd) */
     int active; /* threads a call uses (<= n_threads); the others return at once */
     int prefetch; /* software-prefetch mode of this engine's calls (cf_engine_set_prefetch) */
     int32_t *plan;
@@ -408,8 +410,8 @@ static void op_embed(cf_engine *e, int slot, int ith, int nth) {
 }
 
 /* Heads [u0, u1) of token b's fused QKV output (q heads, then k heads, then v heads): add the
- * bias, normalise q and k heads (qk_norm), rotate them; store k and v (fp16) in the cache at the
- * token's position. */
+ * bias, normalise q and k heads (qk_norm), rotate them; store k and v in the cache at the token's
+ * position (fp16, or q8_0 blocks). layer_kv: the layer's first cache row. */
 static void qkv_heads(cf_engine *e, const cf_layer *w, size_t layer_kv, int b, int u0, int u1) {
     const cf_config *c = &e->c;
     int hd = c->hd, nh = c->n_heads, p = e->rpos[b];
@@ -426,8 +428,12 @@ static void qkv_heads(cf_engine *e, const cf_layer *w, size_t layer_kv, int b, i
             e->k->rope(v, 1, hd, cs, cs + hd / 2);
         }
         if (u < nh) continue;
-        cf_half *cache = u < nh + c->n_kv ? e->s.kcache : e->s.vcache;
-        e->k->f32_to_f16(cache + base + ((size_t)kvh * e->n_ctx + p) * hd, v, hd);
+        int is_k = u < nh + c->n_kv, type = is_k ? e->k_type : e->v_type;
+        uint8_t *row = (is_k ? e->s.kcache : e->s.vcache) + (base + (size_t)kvh * e->n_ctx + p) * (is_k ? e->krow : e->vrow);
+        if (type == CF_Q8_0)
+            e->k->f32_to_q8_0(row, v, hd);
+        else
+            e->k->f32_to_f16((cf_half *)row, v, hd);
     }
 }
 
@@ -500,9 +506,14 @@ static void attn_blocks(cf_engine *e, size_t layer_kv, float *scores, int ith, i
                                   .max_seq = e->n_ctx, .scale = 1.0f / sqrtf((float)hd),
                                   .pos0 = e->rpos[b0], .n_q = nq, .window = c->sliding_window,
                                   .ldq = qkv_dim, .ldo = q_dim};
-        e->k->attention_block(e->s.att + (size_t)b0 * q_dim, e->s.qkv + (size_t)b0 * qkv_dim,
-                              e->s.kcache + base, e->s.vcache + base, scores, &sh, kvh * group,
-                              (kvh + 1) * group);
+        float *out = e->s.att + (size_t)b0 * q_dim, *q = e->s.qkv + (size_t)b0 * qkv_dim;
+        const uint8_t *k = e->s.kcache + base * e->krow, *v = e->s.vcache + base * e->vrow;
+        if (e->k_type == CF_F16 && e->v_type == CF_F16)
+            e->k->attention_block(out, q, (const cf_half *)k, (const cf_half *)v, scores, &sh, kvh * group,
+                                  (kvh + 1) * group);
+        else
+            e->k->attention_block_q8kv(out, q, k, v, e->k_type, e->v_type, scores, &sh, kvh * group,
+                                       (kvh + 1) * group);
     }
 }
 
@@ -521,7 +532,7 @@ static void op_attn(cf_engine *e, int l, int slot, int ith, int nth) {
                                               w->attn_norm, d, c->norm_eps);
     quantize_rows(e, ts->xb, e->kmax, d, ts->act, NULL, B, w->qkv_fmt);
     ph(e, ith, CF_PK_QKV, l);
-    size_t layer_kv = (size_t)l * c->n_kv * e->n_ctx * hd;
+    size_t layer_kv = (size_t)l * c->n_kv * e->n_ctx; /* the layer's first cache row */
     int g0, g1, i0, i1, n_units = c->n_heads + 2 * c->n_kv; /* q heads, k heads, v heads */
     if (hd % CF_G == 0 && !c->qk_norm_full) {
         // Split by whole heads, so the thread that computes a head also rotates it and stores
@@ -561,9 +572,14 @@ static void op_attn(cf_engine *e, int l, int slot, int ith, int nth) {
                             .max_seq = e->n_ctx, .n_pos = e->rpos[b] + 1 - t0,
                             .scale = 1.0f / sqrtf((float)hd)};
         /* row b sees only its sequence, from position t0 on */
-        size_t base = (size_t)e->rseq[b] * e->seq_kv + layer_kv + (size_t)t0 * hd;
-        e->k->attention(s->att + (size_t)b * q_dim, s->qkv + (size_t)b * qkv_dim,
-                        s->kcache + base, s->vcache + base, ts->scores, &sh, h0, h1);
+        size_t base = (size_t)e->rseq[b] * e->seq_kv + layer_kv + (size_t)t0;
+        const uint8_t *k = s->kcache + base * e->krow, *v = s->vcache + base * e->vrow;
+        if (e->k_type == CF_F16 && e->v_type == CF_F16)
+            e->k->attention(s->att + (size_t)b * q_dim, s->qkv + (size_t)b * qkv_dim, (const cf_half *)k,
+                            (const cf_half *)v, ts->scores, &sh, h0, h1);
+        else
+            e->k->attention_q8kv(s->att + (size_t)b * q_dim, s->qkv + (size_t)b * qkv_dim, k, v, e->k_type,
+                                 e->v_type, ts->scores, &sh, h0, h1);
         i += h1 - h0;
     }
     sync_threads(e, ith, CF_PK_WO);
@@ -580,7 +596,7 @@ static void op_attn(cf_engine *e, int l, int slot, int ith, int nth) {
     if (ith == 0) {
         e->cnt.n[CF_CNT_ATTN] += w->attn_bytes;
         for (int b = 0; b < B; b++)
-            e->cnt.n[CF_CNT_KV] += (uint64_t)(e->rpos[b] + 1 - attn_first(e, b)) * 2 * kv_dim * sizeof(cf_half);
+            e->cnt.n[CF_CNT_KV] += (uint64_t)(e->rpos[b] + 1 - attn_first(e, b)) * c->n_kv * (e->krow + e->vrow);
     }
     sync_threads(e, ith, -1);
 }
@@ -1705,8 +1721,8 @@ static int alloc_state(cf_engine *e) {
     cf_state *s = &e->s;
     size_t B = e->max_batch, d = c->d, q_dim = (size_t)c->n_heads * c->hd, kv_dim = (size_t)c->n_kv * c->hd;
     size_t E = c->n_experts, M = e->n_moe;
-    e->seq_kv = (size_t)c->n_layers * kv_dim * e->n_ctx;
-    size_t kv = e->seq_kv * e->n_seq;
+    e->seq_kv = (size_t)c->n_layers * c->n_kv * e->n_ctx;
+    size_t kv = e->seq_kv * e->n_seq; /* rows of each cache */
     int fail = 0;
     s->ring = xcalloc(e->n_ring * B * d, sizeof(float), &fail);
     s->h = xcalloc(B * d, sizeof(float), &fail);
@@ -1719,8 +1735,8 @@ static int alloc_state(cf_engine *e) {
     s->y = xcalloc(B * d, sizeof(float), &fail);
     s->rope = xcalloc(B * c->hd, sizeof(float), &fail);
     // calloc'd pages are mapped lazily, so a long context costs memory only once it is used
-    s->kcache = xcalloc(kv, sizeof(cf_half), &fail);
-    s->vcache = xcalloc(kv, sizeof(cf_half), &fail);
+    s->kcache = xcalloc(kv, e->krow, &fail);
+    s->vcache = xcalloc(kv, e->vrow, &fail);
     s->rlogits = xcalloc(B * E, sizeof(float), &fail);
     s->exp_tok = xcalloc(M * E * B, sizeof(int), &fail);
     s->exp_w = xcalloc(M * E * B, sizeof(float), &fail);
@@ -1831,9 +1847,23 @@ cf_engine *cf_engine_create(const cf_config *cfg, const uint8_t *buf, size_t buf
                             const int64_t *desc, const char *const *names, int n_desc,
                             const int32_t *plan, int n_ops,
                             int n_ring, int n_pending, int n_moe, int n_threads, int n_ctx,
-                            int max_batch, int n_seq, const cf_disk_experts *disk, char *err,
-                            size_t err_len) {
+                            int max_batch, int n_seq, int k_type, int v_type, const cf_disk_experts *disk,
+                            char *err, size_t err_len) {
     if (check_config(cfg, err, err_len)) return NULL;
+    for (int i = 0; i < 2; i++) {
+        int type = i ? v_type : k_type;
+        const char *which = i ? "cache_type_v" : "cache_type_k";
+        if (type != CF_F16 && type != CF_Q8_0) {
+            cf_set_err(err, err_len, "%s: cache type id %d is not one of %d (f16), %d (q8_0)", which, type, CF_F16,
+                       CF_Q8_0);
+            return NULL;
+        }
+        if (type == CF_Q8_0 && cfg->hd % CF_QK) {
+            cf_set_err(err, err_len, "%s q8_0 stores rows in blocks of %d values, and this model's head_dim is %d; "
+                       "use f16", which, CF_QK, cfg->hd);
+            return NULL;
+        }
+    }
     if (n_threads < 1 || n_threads > CF_MAX_THREADS || n_ctx < 1 || max_batch < 1 || max_batch > 4096 ||
         n_ring < 1 || n_ring > 64 || n_pending < 0 || n_pending > 64 || n_moe < 1 || n_moe > 64 ||
         n_seq < 1 || n_seq > CF_MAX_SEQ) {
@@ -1850,7 +1880,8 @@ cf_engine *cf_engine_create(const cf_config *cfg, const uint8_t *buf, size_t buf
     int dts[] = {CF_Q4_0, CF_Q4_1, CF_Q5_0, CF_Q5_1, CF_Q8_0, CF_Q4_K, CF_Q5_K, CF_Q6_K};
     int missing = !e->k->quantize_act || !e->k->quantize_act_k || !e->k->rmsnorm ||
         !e->k->matvec_f32 || !e->k->softmax || !e->k->rope || !e->k->attention || !e->k->attention_block ||
-        !e->k->embed_row || !e->k->f32_to_f16 || !e->k->topk;
+        !e->k->embed_row || !e->k->f32_to_f16 || !e->k->topk || !e->k->attention_q8kv ||
+        !e->k->attention_block_q8kv || !e->k->f32_to_q8_0;
     for (int i = 0; i < (int)(sizeof dts / sizeof *dts); i++)
         missing |= !e->k->matvec[dts[i]] || !e->k->gate_up[dts[i]] || !e->k->matmat[dts[i]] ||
                     !e->k->gate_up_mm[dts[i]];
@@ -1863,6 +1894,10 @@ cf_engine *cf_engine_create(const cf_config *cfg, const uint8_t *buf, size_t buf
     e->n_ctx = n_ctx;
     e->max_batch = max_batch;
     e->n_seq = n_seq;
+    e->k_type = k_type;
+    e->v_type = v_type;
+    e->krow = cf_kv_row_bytes(k_type, cfg->hd);
+    e->vrow = cf_kv_row_bytes(v_type, cfg->hd);
     e->n_ring = n_ring;
     e->n_pending = n_pending;
     e->n_moe = n_moe;
@@ -1886,7 +1921,7 @@ cf_engine *cf_engine_create(const cf_config *cfg, const uint8_t *buf, size_t buf
     if (!e->plan || alloc_state(e) || !(e->pool = cf_pool_create(n_threads))) {
         cf_set_err(err, err_len, "out of memory (KV cache for %d sequence(s) of n_ctx=%d needs %.1f MiB; try a "
                 "smaller context)", n_seq, n_ctx,
-                2.0 * cfg->n_layers * cfg->n_kv * cfg->hd * n_ctx * 2 * n_seq / 1048576.0);
+                (double)cfg->n_layers * cfg->n_kv * n_ctx * (e->krow + e->vrow) * n_seq / 1048576.0);
         cf_engine_free(e);
         return NULL;
     }

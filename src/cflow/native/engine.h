@@ -15,7 +15,8 @@
  *   n_seq   KV-cache slots (sequences); a call's row b belongs to one of them
  *
  * Sequences: an engine holds n_seq independent KV caches over one set of weights (sequence s owns
- * halves [s][L][n_kv][n_ctx][hd]; n_seq = 1 is the single-sequence layout). cf_step_batch advances
+ * cache rows [s][L][n_kv][n_ctx], a row hd fp16 halves or hd/32 q8_0 blocks; n_seq = 1 is the
+ * single-sequence layout). cf_step_batch advances
  * B different sequences, each at its own position, in one pass over the weights: every mat-vec
  * becomes the batched kernel over the B rows, attention runs per row over that row's own sequence.
  * Rows at consecutive positions of one sequence (a prefill call, or a prompt chunk inside a
@@ -143,7 +144,8 @@ typedef struct {
 /* Threads an engine may have: its pool and per-thread scratch are sized per thread, and beyond
  * this a spin-barrier engine only waits (Python checks against it: _native.MAX_THREADS). */
 #define CF_MAX_THREADS 512
-/* KV-cache slots an engine may have (each costs L x n_ctx x kv_dim x 2 fp16 halves, mapped lazily). */
+/* KV-cache slots an engine may have (each costs L x n_ctx x n_kv x (K row + V row bytes): 2 x hd
+ * fp16 halves, or hd/32 x 34 bytes each for q8_0; mapped lazily). */
 #define CF_MAX_SEQ 4096
 
 typedef struct cf_engine cf_engine;
@@ -218,13 +220,14 @@ enum { CF_ERR_NONE, CF_ERR_INPUT, CF_ERR_IO };
  * caller built against other tables is refused instead of binding the wrong tensors. Returns
  * NULL and writes a message to err on bad input (names, descriptor or plan inconsistent with
  * the config, tensors outside the buffer, out of memory). n_seq (1..CF_MAX_SEQ) KV caches of n_ctx
- * positions each: 1 for a single-sequence engine. */
+ * positions each: 1 for a single-sequence engine. k_type, v_type: the K and V caches' row types,
+ * each CF_F16 or CF_Q8_0 (cflow.h, "The 8-bit KV cache"; q8_0 needs hd a multiple of 32). */
 cf_engine *cf_engine_create(const cf_config *cfg, const uint8_t *buf, size_t buf_len,
                             const int64_t *desc, const char *const *names, int n_desc,
                             const int32_t *plan, int n_ops,
                             int n_ring, int n_pending, int n_moe, int n_threads, int n_ctx,
-                            int max_batch, int n_seq, const cf_disk_experts *disk, char *err,
-                            size_t err_len);
+                            int max_batch, int n_seq, int k_type, int v_type, const cf_disk_experts *disk,
+                            char *err, size_t err_len);
 void cf_engine_free(cf_engine *e);
 
 /* One token of sequence 0 at position pos; logits[vocab] receives the next-token logits. The KV

@@ -983,6 +983,9 @@ static const cf_kernel_table TABLE = {
     .gate_up_mm = ALL_QDTYPES(gate_up_mm),
     .topk = topk_avx2,
     .quantize_act_k = quantize_act_k_avx2,
+    .attention_q8kv = attention_q8kv_avx2,
+    .attention_block_q8kv = attention_block_q8kv_avx2,
+    .f32_to_q8_0 = f32_to_q8_0_avx2,
 };
 
 const cf_kernel_table *CF_TABLE_GETTER(void) { return &TABLE; }

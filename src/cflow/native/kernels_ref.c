@@ -8,6 +8,7 @@
  * run anywhere and serve as the fallback and as CFLOW_ISA=ref.
  */
 #include <math.h>
+#include <string.h>
 
 #include "cflow.h"
 #include "kernels_internal.h"
@@ -226,6 +227,72 @@ static void f32_to_f16_ref(cf_half *out, const float *x, int n) {
     for (int i = 0; i < n; i++) out[i] = cf_float_to_half(x[i]);
 }
 
+/* ---- the 8-bit KV cache (cflow.h) ------------------------------------------------------- */
+
+/* Value j of a cache row of `type`: an fp16 value, or d * qs[j] of its q8_0 block (exact). */
+static float kv_value(const uint8_t *row, int type, int j) {
+    cf_half h;
+    if (type == CF_Q8_0) {
+        const uint8_t *b = row + (size_t)(j / CF_QK) * (2 + CF_QK);
+        memcpy(&h, b, sizeof h);
+        return cf_half_to_float(h) * (float)(int8_t)b[2 + j % CF_QK];
+    }
+    memcpy(&h, row + (size_t)j * sizeof h, sizeof h);
+    return cf_half_to_float(h);
+}
+
+/* cf_attention_ref with each K and V value read by kv_value: over an fp16 cache, the same loops. */
+void cf_attention_q8kv_ref(float *out, const float *q, const void *k, const void *v, int k_type, int v_type,
+                           float *att, const cf_attn_shape *s, int h0, int h1) {
+    int hd = s->head_dim, group = s->n_heads / s->n_kv_heads;
+    size_t krb = cf_kv_row_bytes(k_type, hd), vrb = cf_kv_row_bytes(v_type, hd);
+    for (int h = h0; h < h1; h++) {
+        const float *qh = q + (size_t)h * hd;
+        size_t row0 = (size_t)(h / group) * s->max_seq;
+        float *a = att + (size_t)(h - h0) * s->n_pos;
+        for (int t = 0; t < s->n_pos; t++) {
+            const uint8_t *kt = (const uint8_t *)k + (row0 + t) * krb;
+            float dot = 0.0f;
+            for (int j = 0; j < hd; j++) dot += qh[j] * kv_value(kt, k_type, j);
+            a[t] = dot * s->scale;
+        }
+        softmax_ref(a, s->n_pos);
+        float *oh = out + (size_t)h * hd;
+        for (int j = 0; j < hd; j++) oh[j] = 0.0f;
+        for (int t = 0; t < s->n_pos; t++) {
+            const uint8_t *vt = (const uint8_t *)v + (row0 + t) * vrb;
+            for (int j = 0; j < hd; j++) oh[j] += a[t] * kv_value(vt, v_type, j);
+        }
+    }
+}
+
+/* By definition: each query alone, over its own span of the cache. */
+void cf_attention_block_q8kv_ref(float *out, const float *q, const void *k, const void *v, int k_type,
+                                 int v_type, float *att, const cf_attn_block_shape *s, int h0, int h1) {
+    size_t krb = cf_kv_row_bytes(k_type, s->head_dim), vrb = cf_kv_row_bytes(v_type, s->head_dim);
+    for (int i = 0; i < s->n_q; i++) {
+        int lo = cf_attn_lo(s, i);
+        cf_attn_shape one = {.n_heads = s->n_heads, .n_kv_heads = s->n_kv_heads, .head_dim = s->head_dim,
+                             .max_seq = s->max_seq, .n_pos = s->pos0 + i + 1 - lo, .scale = s->scale};
+        cf_attention_q8kv_ref(out + (size_t)i * s->ldo, q + (size_t)i * s->ldq, (const uint8_t *)k + lo * krb,
+                              (const uint8_t *)v + lo * vrb, k_type, v_type, att, &one, h0, h1);
+    }
+}
+
+/* d = max|x| / 127, qs = roundf(x * (1/d)) (0 where d = 0), d stored as fp16: ggml's
+ * quantize_row_q8_0_ref and cflow.quant.quantize(x, "q8_0"). */
+static void f32_to_q8_0_ref(uint8_t *out, const float *x, int n) {
+    for (int b = 0; b < n / CF_QK; b++, out += 2 + CF_QK) {
+        const float *xb = x + (size_t)b * CF_QK;
+        float amax = 0.0f;
+        for (int j = 0; j < CF_QK; j++) amax = fmaxf(amax, fabsf(xb[j]));
+        float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        cf_half h = cf_float_to_half(d);
+        memcpy(out, &h, sizeof h);
+        for (int j = 0; j < CF_QK; j++) out[2 + j] = (uint8_t)(int8_t)(int)roundf(xb[j] * id);
+    }
+}
+
 /* ---- table-free helpers ------------------------------------------------------------------ */
 
 void cf_rope_table(float *cos_, float *sin_, int head_dim, int pos, float theta) {
@@ -274,6 +341,9 @@ static const cf_kernel_table TABLE_REF = {
     .matmat = CF_ALL_QDTYPES(matmat_ref),
     .gate_up_mm = CF_ALL_QDTYPES(gate_up_mm_ref),
     .quantize_act_k = cf_quantize_act_k_ref,
+    .attention_q8kv = cf_attention_q8kv_ref,
+    .attention_block_q8kv = cf_attention_block_q8kv_ref,
+    .f32_to_q8_0 = f32_to_q8_0_ref,
 };
 
 const cf_kernel_table *cf_kernels_ref(void) { return &TABLE_REF; }

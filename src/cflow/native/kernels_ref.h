@@ -15,6 +15,10 @@ void cf_attention_ref(float *out, const float *q, const cf_half *k, const cf_hal
                       const cf_attn_shape *s, int h0, int h1);
 void cf_attention_block_ref(float *out, const float *q, const cf_half *k, const cf_half *v,
                             float *att, const cf_attn_block_shape *s, int h0, int h1);
+void cf_attention_q8kv_ref(float *out, const float *q, const void *k, const void *v, int k_type, int v_type,
+                           float *att, const cf_attn_shape *s, int h0, int h1);
+void cf_attention_block_q8kv_ref(float *out, const float *q, const void *k, const void *v, int k_type,
+                                 int v_type, float *att, const cf_attn_block_shape *s, int h0, int h1);
 
 /* kernels_kquant_ref.c: the Q5_0 / Q5_1 / K-quant blocks, one row and one block at a time. */
 #define CF_KBLOCK_MAX 210 /* bytes of the largest block (Q6_K) */

@@ -36,6 +36,7 @@ from cflow import weights
 from cflow.runtime import abi, files
 from cflow.runtime import experts as xp
 from cflow.runtime import prefetch as prefetch_mod
+from cflow.runtime import kvcache
 from cflow.runtime import readahead as readahead_mod
 from cflow.runtime.errors import (ContextOverflowError, CorruptModelError, EngineError, ModelFormatError,
                                   ModelNotFoundError)
@@ -65,9 +66,10 @@ class Engine:
                  max_batch: int = DEFAULT_MAX_BATCH, experts: str = "auto", expert_cache: int | str | None = None,
                  expert_io: str = "async", expert_delay: bool = True, mmap: bool = True,
                  log: Callable[[str], None] | None = None, n_seq: int = 1, expert_prefetch: str = "auto",
-                 readahead: str = "auto", overlap: bool = False, prefetch: int | None = None) -> None:
+                 readahead: str = "auto", overlap: bool = False, prefetch: int | None = None,
+                 cache_type_k: str = "f16", cache_type_v: str = "f16") -> None:
         """An engine over an open CflowFile. experts / expert_cache / expert_io / expert_delay /
-        expert_prefetch / readahead / overlap / prefetch: see
+        expert_prefetch / readahead / overlap / prefetch / cache_type_k / cache_type_v: see
         Engine.load and cflow.runtime.experts; mmap=False copies the weights the engine reads out of
         a mapped file (with experts on disk: all but the experts). n_seq: KV-cache slots (sequences)
         of n_ctx positions each, for step_batch; the single-sequence calls use sequence 0."""
@@ -87,6 +89,10 @@ class Engine:
         if int(n_seq) < 1:
             raise EngineError(f"n_seq (sequences, KV-cache slots) must be >= 1, got {n_seq}")
         self.n_seq = int(n_seq)
+        # the KV cache's row types (cflow.runtime.kvcache): checked before anything is allocated
+        self.cache_type_k = kvcache.check_cache_type(cache_type_k, "k")
+        self.cache_type_v = kvcache.check_cache_type(cache_type_v, "v")
+        kvcache.check_model(self.config, self.cache_type_k, self.cache_type_v)
         if self.n_ctx > limit:
             raise EngineError(f"context size {self.n_ctx} exceeds the model's max_seq_len {limit}; "
                               f"use -c {limit} or less", flag="-c")
@@ -97,7 +103,7 @@ class Engine:
         if self.config.has_moe:
             disk_plan = build_plan(self.config, delay_experts=expert_delay and expert_io == "async")
             sizes = xp.model_sizes(cf, self.n_ctx * self.n_seq,  # every sequence's KV cache
-                                    xp.plan_inflight(disk_plan, native))
+                                    xp.plan_inflight(disk_plan, native), self.cache_type_k, self.cache_type_v)
         self.residency = xp.decide(sizes, experts=experts, expert_cache=expert_cache, expert_io=expert_io,
                                    expert_prefetch=expert_prefetch)
         disk = self.residency.mode == "disk"
@@ -125,7 +131,8 @@ class Engine:
             self._native = native.NativeEngine(buffer, self.config.to_dict(), desc, names,
                                                abi.encode_plan(self.plan, native), self.plan.n_ring,
                                                self.plan.n_pending, self.threads, self.n_ctx, int(max_batch),
-                                               self.plan.n_moe, options, self.n_seq)
+                                               self.plan.n_moe, options, self.n_seq,
+                                               native.DTYPE_IDS[self.cache_type_k], native.DTYPE_IDS[self.cache_type_v])
         except ValueError as e:
             self._stop_sweeper()
             raise EngineError(f"{cf.path}: {e}") from None
@@ -155,7 +162,8 @@ class Engine:
              log: Callable[[str], None] | None = None, experts: str = "auto",
              expert_cache: int | str | None = None, expert_io: str = "async",
              expert_delay: bool = True, n_seq: int = 1, expert_prefetch: str = "auto",
-             readahead: str = "auto", overlap: bool = False, prefetch: int | None = None) -> "Engine":
+             readahead: str = "auto", overlap: bool = False, prefetch: int | None = None,
+             cache_type_k: str = "f16", cache_type_v: str = "f16") -> "Engine":
         """Load a .cflow/.vflow file, or a .gguf (converted once into the cache; `log` is told);
         no path: the built-in model.
 
@@ -191,13 +199,17 @@ class Engine:
         same results bit for bit. `Engine.overlap` switches it between calls.
 
         prefetch (explicit software prefetch, claim C6; cflow.runtime.prefetch): None (default) keeps
-        each kernel's own choice (only the Q6_K mat-vec prefetches); 0 turns every PREFETCH
+        each kernel's own choice (the Q6_K mat-vec 8 KiB and the avx512 batched kernels 4 KiB ahead); 0 turns every PREFETCH
         instruction off; N > 0 (at most 1 MiB) makes every weight-streaming kernel (mat-vec, gate/up,
         the batched prefill kernels, all tables and dtypes, dense and expert weights) issue PREFETCHT0
         N bytes ahead of its reads. Same results bit for bit. The kernels read one process-wide mode:
         the engine sets its own at the start of every native call, so two engines stepping at the
         same moment in different threads may run with each other's mode (speed only). `Engine.prefetch`
         switches it between calls.
+        cache_type_k, cache_type_v: the KV cache's row types, "f16" (default) or "q8_0" (llama.cpp's
+        `-ctk/-ctv q8_0`: blocks of 32 int8 with an fp16 scale, 53% of the bytes; cflow.runtime.kvcache),
+        each on its own. q8_0 changes the logits a little (docs/DESIGN.md, "KV cache", has the measured
+        table) and needs head_dim a multiple of 32; decode at long context reads about half the KV bytes.
         """
         from cflow.fileformat import ChecksumError, FormatError, open_model
 
@@ -235,7 +247,7 @@ class Engine:
             eng = cls(cf, threads=threads, n_ctx=n_ctx, max_batch=max_batch, experts=experts,
                       expert_cache=expert_cache, expert_io=expert_io, expert_delay=expert_delay, mmap=mmap,
                       log=log, n_seq=n_seq, expert_prefetch=expert_prefetch, readahead=readahead,
-                      overlap=overlap, prefetch=prefetch)
+                      overlap=overlap, prefetch=prefetch, cache_type_k=cache_type_k, cache_type_v=cache_type_v)
         except BaseException:
             cf.close()
             raise
@@ -317,7 +329,9 @@ class Engine:
         self.close()
 
     def __repr__(self) -> str:
-        return (f"Engine({self.path!r}, {self.config.name}, threads={self.threads}, n_ctx={self.n_ctx}, "
+        kv = "" if self.cache_type_k == self.cache_type_v == "f16" else \
+            f", cache_type_k={self.cache_type_k}, cache_type_v={self.cache_type_v}"
+        return (f"Engine({self.path!r}, {self.config.name}, threads={self.threads}, n_ctx={self.n_ctx}{kv}, "
                 f"isa={self.isa})")
 
     # ---- low level ------------------------------------------------------------------------------
@@ -512,7 +526,8 @@ class Engine:
         return self.prefill(toks[keep:], keep)
 
     def counters(self) -> dict[str, int]:
-        """Weight bytes touched by category since reset_counters(), plus kv bytes, tokens, calls; with
+        """Weight bytes touched by category since reset_counters(), plus kv bytes (the K and V cache
+        rows attention read, at the cache types' row sizes: cflow.runtime.kvcache), tokens, calls; with
         experts on disk also disk_bytes (read from the file), cache_hits, cache_misses (experts found
         in / read into the cache) and io_stall_ns (time the step waited for expert bytes); with
         speculative prefetch expert_predicted, expert_predict_hits (predictions the next layer's

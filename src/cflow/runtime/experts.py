@@ -199,10 +199,13 @@ class ModelSizes:
         return self.n_keys * self.slot_bytes
 
 
-def model_sizes(cf: Any, n_ctx: int, inflight: int) -> ModelSizes:
+def model_sizes(cf: Any, n_ctx: int, inflight: int, cache_type_k: str = "f16",
+                cache_type_v: str = "f16") -> ModelSizes:
+    from cflow.runtime.kvcache import cache_bytes
+
     cfg = cf.config
     spans = list(cf.experts.values())
-    kv = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * n_ctx * 2  # K and V, fp16
+    kv = cache_bytes(cfg, n_ctx, cache_type_k, cache_type_v)  # K and V of every position
     largest = max((n for _, n in spans), default=0)
     return ModelSizes(file_bytes=int(cf.buffer.size), expert_bytes=sum(n for _, n in spans),
                       slot_bytes=-(-largest // ALIGN) * ALIGN, n_keys=len(spans), top_k=cfg.top_k,

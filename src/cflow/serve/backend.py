@@ -113,7 +113,7 @@ class EngineSlots:
         engines = [first]
         try:
             extra = {k: load_kw[k] for k in ("max_batch", "experts", "expert_cache", "expert_io",
-                                                  "expert_prefetch") if k in load_kw}
+                                                  "expert_prefetch", "cache_type_k", "cache_type_v") if k in load_kw}
             for _ in range(int(n_slots) - 1):
                 # the same open file: one mapping of the weights serves every slot
                 engines.append(Engine(first.file, threads=threads, n_ctx=first.n_ctx, **extra))

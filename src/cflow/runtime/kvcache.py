@@ -1,0 +1,46 @@
+"""The KV cache's row types: "f16" (the default) or "q8_0", for K and V independently.
+
+A q8_0 row (one position of one kv head) is head_dim / 32 GGML q8_0 blocks, {fp16 d; int8 qs[32]}:
+the bytes of cflow.quant.quantize(row, "q8_0"), and llama.cpp's `-ctk/-ctv q8_0` (its type id 8).
+The layout's one definition is cflow.h ("The 8-bit KV cache"); this module names the types, checks
+a choice against a model, and sizes a cache (cflow.quant.row_bytes gives a row's bytes for both).
+q8_0 stores 1.0625 bytes a value instead of 2, so decode at depth reads about 53% of the KV bytes;
+its accuracy cost is measured in benchmarks/kv_cache.py and docs/DESIGN.md ("KV cache").
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cflow import quant
+from cflow.runtime.errors import EngineError
+
+CACHE_TYPES = ("f16", "q8_0")
+FLAGS = {"k": "-ctk", "v": "-ctv"}  # the CLI flags (llama.cpp's names), for error messages
+
+
+def check_cache_type(name: Any, which: str) -> str:
+    """`name` as a cache type for K (which="k") or V ("v"); EngineError listing the choices."""
+    if name not in CACHE_TYPES:
+        raise EngineError(f"cache_type_{which} {name!r} is not a KV cache type; choose one of "
+                          f"{', '.join(CACHE_TYPES)}", flag=FLAGS[which])
+    return str(name)
+
+
+def check_model(config: Any, type_k: str, type_v: str) -> None:
+    """A q8_0 cache stores rows in blocks of 32 values: refuse a head_dim that is not a multiple."""
+    for which, t in (("k", type_k), ("v", type_v)):
+        if t == "q8_0" and config.head_dim % quant.QK:
+            raise EngineError(f"cache_type_{which} q8_0 stores rows in blocks of {quant.QK} values, and this "
+                              f"model's head_dim is {config.head_dim}; use f16", flag=FLAGS[which])
+
+
+def row_bytes(cache_type: str, head_dim: int) -> int:
+    """Bytes of one cache row: cflow.h's cf_kv_row_bytes."""
+    return quant.row_bytes(cache_type, head_dim)
+
+
+def cache_bytes(config: Any, n_ctx: int, type_k: str = "f16", type_v: str = "f16") -> int:
+    """Bytes of one sequence's K and V caches at n_ctx positions."""
+    hd = config.head_dim
+    return config.n_layers * config.n_kv_heads * n_ctx * (row_bytes(type_k, hd) + row_bytes(type_v, hd))
