@@ -238,16 +238,21 @@ def test_step_rows_refuses_rows_out_of_order(tmp_path):
     assert eng.step_rows([0, 1, 0], [4, 5, 6], [3, 0, 4], [True, True, False]).shape == (2, cfg.vocab_size)
 
 
-def test_copy_seq_goes_on_bit_for_bit(model):
+@pytest.mark.parametrize("kv", [("f16", "f16"), ("q8_0", "q8_0"), ("q8_0", "f16")])
+def test_copy_seq_goes_on_bit_for_bit(model, kv):
+    """Copies move whole cache rows, whatever their type (fp16, or q8_0 blocks with their scales)."""
     preset, path, threads, cfg = model
-    eng = Engine.load(path, threads=threads, n_seq=3)
+    if cfg.head_dim % 32:
+        pytest.skip("q8_0 rows need head_dim % 32 == 0")
+    ct = dict(cache_type_k=kv[0], cache_type_v=kv[1])
+    eng = Engine.load(path, threads=threads, n_seq=3, **ct)
     p = prompt_tokens(cfg, 12, seed=5)
     eng.prefill(p, 0, seq=0)
     eng.prefill(prompt_tokens(cfg, 20, seed=6), 0, seq=2)  # something to overwrite
     eng.copy_seq(0, 2, 9)  # a prefix
     eng.copy_seq(0, 1)     # everything sequence 0 holds
     assert eng.cached(2) == p[:9] and eng.cached(1) == p
-    alone = Engine.load(path, threads=threads)
+    alone = Engine.load(path, threads=threads, **ct)
     alone.prefill(p[:9])
     want = alone.prefill(p[9:], 9).copy()
     got = eng.step_rows([2, 2, 2, 1], p[9:] + [4], [9, 10, 11, 12], [False, False, True, True]).copy()

@@ -1239,13 +1239,13 @@ int cf_engine_copy_seq(cf_engine *e, int src, int dst, int n) {
     }
     e->err_kind = CF_ERR_NONE;
     if (src == dst || n == 0) return 0;
-    /* [s][L][n_kv][n_ctx][hd]: one contiguous run of n * hd halves per (layer, kv head) */
-    size_t run = (size_t)e->n_ctx * e->c.hd, len = (size_t)n * e->c.hd * sizeof(cf_half);
+    /* [s][L][n_kv][n_ctx] rows (krow / vrow bytes each, fp16 or q8_0): one contiguous run of n
+     * rows per (layer, kv head) */
     size_t runs = (size_t)e->c.n_layers * e->c.n_kv;
     for (size_t r = 0; r < runs; r++) {
-        size_t from = (size_t)src * e->seq_kv + r * run, to = (size_t)dst * e->seq_kv + r * run;
-        memcpy(e->s.kcache + to, e->s.kcache + from, len);
-        memcpy(e->s.vcache + to, e->s.vcache + from, len);
+        size_t from = (size_t)src * e->seq_kv + r * e->n_ctx, to = (size_t)dst * e->seq_kv + r * e->n_ctx;
+        memcpy(e->s.kcache + to * e->krow, e->s.kcache + from * e->krow, (size_t)n * e->krow);
+        memcpy(e->s.vcache + to * e->vrow, e->s.vcache + from * e->vrow, (size_t)n * e->vrow);
     }
     return 0;
 }
