@@ -86,7 +86,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_expert_flags(p)
     p.add_argument("--prefetch", type=_prefetch, default=None, metavar="off|default|N",
                    help="explicit software prefetch in cflow's kernels (claim C6): default = each kernel's own "
-                   "choice (only Q6_K's mat-vec prefetches), off = none anywhere, N = PREFETCHT0 N bytes ahead in "
+                   "choice (mat-vec and gate/up 8 KiB ahead, avx512 batched kernels 4 KiB), off = none anywhere, N = PREFETCHT0 N bytes ahead in "
                    "every weight-streaming kernel (decode and prefill); recorded in the report")
     p.add_argument("-o", "--output", choices=["md", "json"], default="md", help="output format (default md)")
     p.add_argument("--json", action="store_true", help="same as -o json")

@@ -449,7 +449,8 @@ INLINE __m256 kq_update(int dtype, const kq_group *G, const cf_act_q8 *x, int kb
  * under half of Q4_K's bytes per second, and at Q4_K's or better with the lines fetched ahead
  * in software. So in the default prefetch mode (cflow.h, cf_set_prefetch) matvec_groups
  * prefetches Q6_K's weights this far ahead, one group's lines before each group (with the
- * default 256-column tiles a group is one chunk); the other dtypes stream well on their own.
+ * default 256-column tiles a group is one chunk); since 2026-11-30 every dtype's mat-vec does the
+ * same by default (kernels_avx2.c, MATVEC_AHEAD), which was measured to help them all.
  * Mode 0 turns this off too; a distance N > 0 replaces it. */
 #ifndef KQ_Q6K_AHEAD
 #define KQ_Q6K_AHEAD 8192

@@ -199,7 +199,7 @@ class Engine:
         same results bit for bit. `Engine.overlap` switches it between calls.
 
         prefetch (explicit software prefetch, claim C6; cflow.runtime.prefetch): None (default) keeps
-        each kernel's own choice (the Q6_K mat-vec 8 KiB and the avx512 batched kernels 4 KiB ahead); 0 turns every PREFETCH
+        each kernel's own choice (the mat-vec and gate/up 8 KiB, the avx512 batched kernels 4 KiB ahead); 0 turns every PREFETCH
         instruction off; N > 0 (at most 1 MiB) makes every weight-streaming kernel (mat-vec, gate/up,
         the batched prefill kernels, all tables and dtypes, dense and expert weights) issue PREFETCHT0
         N bytes ahead of its reads. Same results bit for bit. The kernels read one process-wide mode:

@@ -2,7 +2,7 @@
 
 The switch is `Engine.load(prefetch=...)` / `Engine.prefetch` (cflow.runtime.prefetch; C:
 `cf_engine_set_prefetch`, `cf_set_prefetch`): off (no PREFETCH instruction in any kernel), the
-kernels' default (only Q6_K's mat-vec prefetches), or N bytes ahead in every weight-streaming
+kernels' default (the mat-vec 8 KiB, the avx512 batched kernels 4 KiB ahead), or N bytes ahead in every weight-streaming
 kernel: the tiled mat-vec, fused gate/up, and the batched prefill kernels matmat / gate_up_mm of
 the avx2, avxvnni and avx512 tables, every dtype, dense and expert weights, and the fp32 router.
 SmolLM2 decodes (tg) and prefills (pp) with every mode, alternating in one process and one engine,
@@ -133,8 +133,9 @@ def run(ctx: Context) -> ClaimResult:
     res.notes.append("What the switch covers: decode's tiled mat-vecs (Q/K/V/O, dense, shared and routed expert "
                      "projections, lm_head) and fused gate/up+SiLU, prefill's batched matmat and gate_up_mm, in the "
                      "avx2, avxvnni and avx512 tables, every dtype, and the fp32 router mat-vec. \"default\" is what "
-                     "cflow ships: only Q6_K's mat-vec prefetches there (8 KiB ahead), so on a model without Q6_K "
-                     f"tensors it runs like off (this one's weight dtypes: {', '.join(dtypes) or 'unknown'}). "
+                     "cflow ships, chosen from these measurements: the mat-vec and gate/up prefetch 8 KiB ahead and the "
+                     "avx512 batched kernels 4 KiB ahead (this model's weight dtypes: "
+                     f"{', '.join(dtypes) or 'unknown'}). "
                      f"Deliberately not switched: {NOT_SWITCHED}.")
     plt = pyplot()
     if plt is not None:
