@@ -398,25 +398,13 @@ static void attention_q8kv_avx2(float *out, const float *q, const void *k, const
     }
 }
 
-/* One row into q8_0 blocks: quantize_act_avx2's arithmetic (the same bits as the reference), with
- * the scale stored as fp16 (F16C, round to nearest even like cf_float_to_half) before the block. */
+/* One row into q8_0 blocks: quantize_block32 (kernels_avx2.c), the activation quantizer's
+ * arithmetic (the same bits as the reference), with the scale stored as fp16 (F16C, round to
+ * nearest even like cf_float_to_half) before the block. */
 static void f32_to_q8_0_avx2(uint8_t *out, const float *x, int n) {
-    const __m256 sign_mask = _mm256_set1_ps(-0.0f);
     for (int b = 0; b < n / CF_QK; b++, out += 2 + CF_QK) {
-        const float *xb = x + (size_t)b * CF_QK;
-        __m256 xv[4];
-        __m256 amax = _mm256_setzero_ps();
-        for (int i = 0; i < 4; i++) {
-            xv[i] = _mm256_loadu_ps(xb + 8 * i);
-            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_mask, xv[i]));
-        }
-        float d = hmax_ps(amax) / 127.0f;
-        __m256 id = _mm256_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
-        __m256i qi[4];
-        for (int i = 0; i < 4; i++) qi[i] = _mm256_cvtps_epi32(round_half_away(_mm256_mul_ps(xv[i], id)));
-        __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
-        p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-        _mm256_storeu_si256((__m256i *)(out + 2), p);
+        __m256i q[4];
+        float d = quantize_block32(x + (size_t)b * CF_QK, (int8_t *)(out + 2), q);
         cf_half h = (cf_half)_cvtss_sh(d, _MM_FROUND_TO_NEAREST_INT);
         memcpy(out, &h, sizeof h);
     }

@@ -135,27 +135,35 @@ INLINE __m256 round_half_away(__m256 v) {
     return _mm256_add_ps(t, _mm256_and_ps(step, _mm256_cmp_ps(frac, _mm256_set1_ps(0.5f), _CMP_GE_OQ)));
 }
 
-static void quantize_act_avx2(const float *x, cf_act_q8 *out) {
+/* One block of 32 floats to int8 (the reference's arithmetic: d = max|x| / 127, q = round half
+ * away of x * (1/d) in float32), packed in order at qs; q[] keeps the 32 values as 4 x 8 int32
+ * for callers that sum them. Returns d. Shared by the activation quantizer and the q8_0 KV rows
+ * (kernels_attn_avx2.c). */
+INLINE float quantize_block32(const float *xb, int8_t *qs, __m256i q[4]) {
     const __m256 sign_mask = _mm256_set1_ps(-0.0f);
+    __m256 v[4];
+    __m256 amax = _mm256_setzero_ps();
+    for (int i = 0; i < 4; i++) {
+        v[i] = _mm256_loadu_ps(xb + 8 * i);
+        amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_mask, v[i]));
+    }
+    float d = hmax_ps(amax) / 127.0f;
+    /* multiply by the float32 reciprocal (not divide): the same bits as the reference */
+    __m256 id = _mm256_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
+    for (int i = 0; i < 4; i++)
+        q[i] = _mm256_cvtps_epi32(round_half_away(_mm256_mul_ps(v[i], id)));
+    /* pack 32 x s32 -> 32 x s8; packs works per 128-bit lane, so fix the dword order */
+    __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256((__m256i *)qs, p);
+    return d;
+}
+
+static void quantize_act_avx2(const float *x, cf_act_q8 *out) {
     for (int b = 0; b < out->n / CF_QK; b++) {
-        const float *xb = x + b * CF_QK;
-        __m256 v[4];
-        __m256 amax = _mm256_setzero_ps();
-        for (int i = 0; i < 4; i++) {
-            v[i] = _mm256_loadu_ps(xb + 8 * i);
-            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_mask, v[i]));
-        }
-        float d = hmax_ps(amax) / 127.0f;
-        /* multiply by the float32 reciprocal (not divide): the same bits as the reference */
-        __m256 id = _mm256_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
         __m256i q[4];
-        for (int i = 0; i < 4; i++)
-            q[i] = _mm256_cvtps_epi32(round_half_away(_mm256_mul_ps(v[i], id)));
+        float d = quantize_block32(x + b * CF_QK, out->qs + b * CF_QK, q);
         int sum = hsum_epi32(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
-        /* pack 32 x s32 -> 32 x s8; packs works per 128-bit lane, so fix the dword order */
-        __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
-        p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-        _mm256_storeu_si256((__m256i *)(out->qs + b * CF_QK), p);
         out->d[b] = d;
         out->s[b] = d * (float)sum;
     }

@@ -527,12 +527,10 @@ class BatchGenerator:
         for seq in self._order:
             if budget <= 0:
                 break
-            n = len(seq.job.prompt)
-            if seq.fed >= n or seq.job.done or (seq.leader is not None and not self._follow(seq)):
-                continue
-            k = min(budget, n - seq.fed)
-            chunks.append((seq, k))
-            budget -= k
+            left = self._prompt_left(seq)
+            if left:
+                chunks.append((seq, min(budget, left)))
+                budget -= chunks[-1][1]
         self.last_batch = len(dec)
         if not dec and not chunks:
             return
@@ -580,15 +578,23 @@ class BatchGenerator:
             self._sample(seq, last)
         self._count_emitted()
 
+    def _prompt_left(self, seq: _Seq) -> int:
+        """Prompt tokens `seq` has still to feed now: 0 when its prompt is in, its job is done, or it
+        waits for an older request's longer shared prefix (_follow copies it once that is in)."""
+        n = len(seq.job.prompt)
+        if seq.fed >= n or seq.job.done or (seq.leader is not None and not self._follow(seq)):
+            return 0
+        return n - seq.fed
+
     def _prefill(self) -> None:
         budget = self.prefill_chunk
         for seq in list(self._order):
             if budget <= 0:
                 break
-            n = len(seq.job.prompt)
-            if seq.fed >= n or seq.job.done or (seq.leader is not None and not self._follow(seq)):
+            left = self._prompt_left(seq)
+            if not left:
                 continue
-            k = min(budget, n - seq.fed)
+            n, k = len(seq.job.prompt), min(budget, left)
             chunk = seq.job.prompt[seq.fed:seq.fed + k]
             t0 = time.perf_counter()
             try:
