@@ -18,15 +18,7 @@ from cflow import _native
 from cflow.bench import bandwidth, bench
 from cflow.runtime import Engine
 
-from test_engine import small_config, write_random_model
-
-
-@pytest.fixture(scope="module")
-def moe_model(tmp_path_factory):
-    path = tmp_path_factory.mktemp("peak") / "moe.cflow"
-    cfg = small_config("arch2_4_combined", n_layers=3)
-    write_random_model(path, cfg, "q4_0", (32, 64))
-    return path, cfg
+from test_bench import tiny_model  # noqa: F401  (the fixture: a 3-layer arch2_4_combined MoE model)
 
 
 @pytest.mark.parametrize("isa", bandwidth.PEAK_ISAS)
@@ -45,9 +37,9 @@ def test_int8_peak_refuses_what_it_cannot_measure():
     assert _native.int8_peak("no-such-isa", 1, 1) == -1.0
 
 
-def test_macs_per_token_from_the_files_tensors(moe_model):
+def test_macs_per_token_from_the_files_tensors(tiny_model):
     """Independent count: every 2-D tensor of a layer, experts weighted by top_k / n_experts."""
-    path, cfg = moe_model
+    path, cfg = tiny_model
     with Engine.load(path, threads=1) as eng:
         macs = eng.matmul_macs_per_token()
         with_head = eng.matmul_macs_per_token(logits=True)
@@ -64,8 +56,8 @@ def test_macs_per_token_from_the_files_tensors(moe_model):
     assert with_head - macs == pytest.approx(head, rel=1e-12)
 
 
-def test_bench_reports_prefill_gops_against_the_peak(moe_model, monkeypatch):
-    path, _ = moe_model
+def test_bench_reports_prefill_gops_against_the_peak(tiny_model, monkeypatch):
+    path, _ = tiny_model
     monkeypatch.setattr(bandwidth, "read_bandwidth", lambda threads=1, **kw: 10.0)
     monkeypatch.setattr(bandwidth, "int8_peak", lambda isa, threads=1, **kw: 100.0 * threads)
     rep = bench(path, threads=[1, 2], pp=16, tg=4, reps=1, warmup=False, footprint=False)
