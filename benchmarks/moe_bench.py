@@ -11,8 +11,20 @@ In the same run: the memory read probe and the disk read probe, so every number 
         --budgets 0.25,0.5,1 --io sync,async [--prefetch off,next-layer] --tokens 32 --out docs/results/moe
 
 --prefetch runs each async disk configuration once per speculative-prefetch mode (Engine.load's
-expert_prefetch; default "auto": on for the delay-free Mixtral layout, off for the pipeline-native
-model) and reports the prediction hit rate beside the cache hits.
+expert_prefetch: auto, off, next-layer or a depth N; default "auto": on for the delay-free Mixtral
+layout, off for the pipeline-native model) and reports the prediction hit rate beside the cache hits.
+
+The async/sync curve (issue #10: async should approach max(I/O, compute) where the two are equal):
+
+    python benchmarks/moe_bench.py --gguf moe.gguf --limits budget --budgets 0.8,0.9,0.95,1 \
+        --io sync,async --prefetch off,1,15 --warmup 32 --tokens 64
+
+`--limits budget` gives each cflow run a memory limit of the dense weights + its expert-cache budget +
+--limit-margin (so the page cache cannot hold the experts the cache lacks), and runs llama.cpp once per
+budget under the same limit. `--warmup N` decodes N tokens before the timed ones, so the expert cache is
+in its steady state (a cold cache at a 95% budget would otherwise miss for the first tokens only). In a
+sync run the I/O stall is the time spent reading; the rest of the token is compute, so sync rows say
+where I/O and compute are equal, and the summary table gives async / sync per budget beside it.
 
 llama.cpp runs with repacking off under a limit (its repacked copy of the weights cannot fit
 there; `--no-repack`) and with its default in RAM. Writes OUT.md, OUT.json and OUT.png (tok/s
@@ -46,15 +58,19 @@ def disk_read():
 rng = np.random.default_rng(0)
 prompt = [int(t) for t in rng.integers(1, spec["vocab"], spec["prompt"])]
 feed = [int(t) for t in rng.integers(1, spec["vocab"], spec["tokens"])]
+warm = [int(t) for t in rng.integers(1, spec["vocab"], spec.get("warmup", 0))]
 out = {"engine": spec["engine"]}
 t0 = time.perf_counter()
 if spec["engine"] == "cflow":
     from cflow.runtime import Engine
-    eng = Engine.load(spec["model"], threads=spec["threads"], n_ctx=spec["prompt"] + spec["tokens"] + 8,
+    eng = Engine.load(spec["model"], threads=spec["threads"], n_ctx=spec["prompt"] + len(warm) + spec["tokens"] + 8,
                       verify=False, **spec.get("load", {}))
     out["load_s"] = time.perf_counter() - t0
     eng.prefill(prompt)
     pos = len(prompt)
+    for tok in warm:  # the expert cache's steady state
+        eng.step(tok, pos)
+        pos += 1
     eng.reset_counters()
     d0, t1 = disk_read(), time.perf_counter()
     for tok in feed:
@@ -64,11 +80,14 @@ if spec["engine"] == "cflow":
     out["counters"] = eng.counters()
 else:
     from cflow.bench.llamacpp import LlamaCppRunner
-    r = LlamaCppRunner(spec["model"], spec["threads"], spec["prompt"] + spec["tokens"] + 8,
+    r = LlamaCppRunner(spec["model"], spec["threads"], spec["prompt"] + len(warm) + spec["tokens"] + 8,
                        repack=spec.get("repack", True))
     out["load_s"] = time.perf_counter() - t0
     r.prefill(np.array(prompt))
     pos = len(prompt)
+    for tok in warm:
+        r.step(tok, pos)
+        pos += 1
     d0, t1 = disk_read(), time.perf_counter()
     for tok in feed:
         r.step(tok, pos)
@@ -137,14 +156,38 @@ def fmt_row(r: dict, file_bytes: int) -> str:
     lim = "RAM" if r["limit"] is None else f"{r['limit'] / file_bytes:.0%} of file"
     what = r["engine"] + (f" {r['label']}" if r.get("label") else "") + (
         f", cache {r['budget']:.0%} of experts" if "budget" in r else "")
+    if "limit_kind" in r:
+        lim = f"{r['limit'] / 1e9:.2f} GB (dense + cache + margin)"
     if "error" in r:
-        return f"| {what} | {lim} | – | – | – | – | – | {r['error']} |"
+        return f"| {what} | {lim} | – | – | – | – | – | – | {r['error']} |"
     c = r.get("counters", {})
     hits, misses = c.get("cache_hits"), c.get("cache_misses")
     rate = f"{hits / (hits + misses):.0%}" if hits is not None and misses is not None and hits + misses else "–"
     pred = f"{c['expert_predict_hits'] / c['expert_predicted']:.0%}" if c.get("expert_predicted") else "–"
+    stall = f"{c['io_stall_ns'] / 1e6 / r['tokens']:.1f}" if "io_stall_ns" in c else "–"
     return (f"| {what} | {lim} | {r['tok_s']:.2f} | {r['disk_bytes_per_token'] / 1e6:.1f} | {rate} | {pred} | "
-            f"{r['peak_rss_bytes'] / 1e9:.2f} | |")
+            f"{stall} | {r['peak_rss_bytes'] / 1e9:.2f} | |")
+
+
+def summary(results: list[dict]) -> list[str]:
+    """async / sync per model and budget, beside sync's split of a token into I/O and compute."""
+    ok = [r for r in results if r["engine"] == "cflow" and "budget" in r and "tok_s" in r]
+    lines = ["| model | budget | sync tok/s | sync ms/token: I/O + compute | I/O / compute | async mode | "
+             "async tok/s | async / sync | async I/O stall ms/token |", "|---|---:|---:|---|---:|---|---:|---:|---:|"]
+    for r in ok:
+        if " sync" not in r["label"]:
+            continue
+        model = r["label"].split(" disk")[0]
+        ms = 1e3 / r["tok_s"]
+        io = r["counters"]["io_stall_ns"] / 1e6 / r["tokens"]
+        for a in ok:
+            if a["label"].startswith(f"{model} disk async") and a["budget"] == r["budget"]:
+                mode = a["label"].split("async", 1)[1].strip() or "prefetch auto"
+                stall = a["counters"]["io_stall_ns"] / 1e6 / a["tokens"]
+                lines.append(f"| {model} | {r['budget']:.0%} | {r['tok_s']:.2f} | {io:.1f} + {ms - io:.1f} | "
+                             f"{io / max(ms - io, 1e-9):.2f} | {mode} | {a['tok_s']:.2f} | "
+                             f"{a['tok_s'] / r['tok_s']:.2f}× | {stall:.1f} |")
+    return lines
 
 
 def plot(results: list[dict], path: Path) -> None:
@@ -159,7 +202,12 @@ def plot(results: list[dict], path: Path) -> None:
                      if r["engine"] == "cflow" and r.get("label") == label and "tok_s" in r and "budget" in r)
         if pts:
             ax.plot(*zip(*pts), marker="o", label=f"cflow {label}")
-    base = [r for r in results if r["engine"] == "llama.cpp" and "tok_s" in r and r["limit"] is not None]
+    curve = sorted((r["budget"], r["tok_s"]) for r in results if r["engine"] == "llama.cpp" and "budget" in r
+                   and "tok_s" in r)
+    if curve:  # one llama.cpp run per budget, under the same limit as cflow's
+        ax.plot(*zip(*curve), marker="s", ls="--", color="gray", label="llama.cpp, same memory limit")
+    base = [r for r in results if r["engine"] == "llama.cpp" and "tok_s" in r and r["limit"] is not None
+            and "budget" not in r]
     for r in base:
         ax.axhline(r["tok_s"], ls="--", color="gray")
         ax.text(0.02, r["tok_s"], f"llama.cpp, limit {r['limit'] / 1e9:.1f} GB", va="bottom", fontsize=8,
@@ -177,13 +225,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cflow", help="also run this pipeline-native .cflow (e.g. arch2_4_combined) with cflow")
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--limits", default="1,0.5",
-                    help="memory limits as fractions of the GGUF's size; 0 = no limit (default 1,0.5)")
+                    help="memory limits as fractions of the GGUF's size; 0 = no limit (default 1,0.5); 'budget': "
+                    "per run, the dense weights + that run's expert-cache budget + --limit-margin")
+    ap.add_argument("--limit-margin", type=float, default=0.3, help="GB above dense + cache with --limits budget")
+    ap.add_argument("--skip-llama", action="store_true", help="cflow runs only (exploring settings)")
+    ap.add_argument("--warmup", type=int, default=0, help="tokens decoded before the timed ones (both engines)")
     ap.add_argument("--budgets", default="0.25,0.5,1",
                     help="cflow expert-cache budgets as fractions of all experts' bytes (disk mode)")
     ap.add_argument("--io", default="sync,async", help="cflow expert I/O modes to compare")
     ap.add_argument("--prefetch", default="auto",
-                    help="speculative prefetch modes for the async disk runs (auto, off, next-layer; e.g. "
-                    "off,next-layer to compare)")
+                    help="speculative prefetch modes for the async disk runs (auto, off, next-layer, or a depth N "
+                    "in layers; e.g. off,1,15 to compare)")
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--prompt", type=int, default=8)
     ap.add_argument("--warm", action="store_true", help="keep the page cache between runs (default: cold)")
@@ -215,43 +267,64 @@ def main(argv: list[str] | None = None) -> int:
         machine["disk_read_gbs"] = None
         print(f"(no disk probe: {e})", file=sys.stderr)
 
-    limits = [None if float(x) == 0 else int(float(x) * file_bytes) for x in args.limits.split(",")]
+    budgets = [float(x) for x in args.budgets.split(",")]
+    by_budget = args.limits == "budget"
+    limits = [None] if by_budget else [None if float(x) == 0 else int(float(x) * file_bytes)
+                                       for x in args.limits.split(",")]
     # (io, prefetch) per disk configuration: prefetch needs async reads, so sync runs once ("auto" is
     # off with sync reads)
     prefetch = args.prefetch.split(",")
     modes = [(io, pf) for io in args.io.split(",") for pf in (prefetch if io == "async" else ["auto"])]
 
     def pf_label(pf: str) -> str:  # the labels of earlier runs when prefetch is left alone
-        return f" prefetch {pf}" if pf != "auto" else ""
+        return "" if pf == "auto" else f" prefetch {pf}" if not pf.isdigit() else f" prefetch depth {pf}"
+
+    def budget_limit(total: int, experts: int, b: float) -> int:  # dense + cache + margin
+        return int(total - experts + b * experts + args.limit_margin * 1e9)
+
+    def disk_runs(model: str, label: str, experts: int, total: int, limit: int | None) -> list[dict]:
+        runs = []
+        for io, pf in modes:
+            for b in budgets:
+                run = dict(engine="cflow", model=model, label=f"{label} disk {io}{pf_label(pf)}", budget=b,
+                           load={"experts": "disk", "expert_cache": max(1, int(b * experts)), "expert_io": io,
+                                 "expert_prefetch": pf}, limit=limit)
+                if by_budget:
+                    run.update(limit=budget_limit(total, experts, b), limit_kind="budget")
+                runs.append(run)
+        return runs
 
     results: list[dict] = []
     for limit in limits:
-        runs = [dict(engine="llama.cpp", model=str(gguf), repack=limit is None, label="")]
-        if limit is None:
-            runs.append(dict(engine="cflow", model=str(converted), label="Mixtral-layout ram", load={"experts": "ram"}))
-        for io, pf in modes:
-            for b in (float(x) for x in args.budgets.split(",")):
-                runs.append(dict(engine="cflow", model=str(converted), label=f"Mixtral-layout disk {io}{pf_label(pf)}",
-                                 budget=b, load={"experts": "disk", "expert_cache": max(1, int(b * expert_bytes)),
-                                                 "expert_io": io, "expert_prefetch": pf}))
+        if by_budget:  # llama.cpp under each budget's limit (what cflow's Mixtral runs get)
+            runs = [dict(engine="llama.cpp", model=str(gguf), repack=False, label="", budget=b,
+                         limit=budget_limit(file_bytes, expert_bytes, b), limit_kind="budget") for b in budgets]
+        else:
+            runs = [dict(engine="llama.cpp", model=str(gguf), repack=limit is None, label="", limit=limit)]
+        if limit is None and not by_budget:
+            runs.append(dict(engine="cflow", model=str(converted), label="Mixtral-layout ram", load={"experts": "ram"},
+                             limit=None))
+        runs += disk_runs(str(converted), "Mixtral-layout", expert_bytes, file_bytes, limit)
         if args.cflow:  # the pipeline-native model: its experts land 2 layers later, so async can overlap
             pn = str(Path(args.cflow).resolve())
-            runs.append(dict(engine="cflow", model=pn, label="pipeline-native auto", load={"experts": "auto"}))
-            for io, pf in modes:
-                for b in (float(x) for x in args.budgets.split(",")):
-                    runs.append(dict(engine="cflow", model=pn, label=f"pipeline-native disk {io}{pf_label(pf)}",
-                                     budget=b, load={"experts": "disk", "expert_cache": max(1, int(b * pn_expert_bytes)),
-                                                     "expert_io": io, "expert_prefetch": pf}))
+            if not by_budget:
+                runs.append(dict(engine="cflow", model=pn, label="pipeline-native auto", load={"experts": "auto"},
+                                 limit=limit))
+            runs += disk_runs(pn, "pipeline-native", pn_expert_bytes, Path(pn).stat().st_size, limit)
+        if args.skip_llama:
+            runs = [r for r in runs if r["engine"] != "llama.cpp"]
         for spec in runs:
-            spec.update(threads=args.threads, tokens=args.tokens, prompt=args.prompt, limit=limit, vocab=vocab)
-            r = run_child(spec, limit, cold=not args.warm, timeout=args.timeout)
+            spec.update(threads=args.threads, tokens=args.tokens, prompt=args.prompt, vocab=vocab,
+                        warmup=args.warmup)
+            r = run_child(spec, spec["limit"], cold=not args.warm, timeout=args.timeout)
             results.append(r)
             print(fmt_row(r, file_bytes), flush=True)
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     report = {"gguf": str(gguf), "file_bytes": file_bytes, "expert_bytes": expert_bytes, "machine": machine,
-              "threads": args.threads, "tokens": args.tokens, "cold": not args.warm, "results": results}
+              "threads": args.threads, "tokens": args.tokens, "warmup": args.warmup, "cold": not args.warm,
+              "results": results}
     out.with_suffix(".json").write_text(json.dumps(report, indent=1))
     lines = [f"# MoE decode: cflow vs llama.cpp ({gguf.name}, {file_bytes / 1e9:.2f} GB, experts "
              f"{expert_bytes / 1e9:.2f} GB)", "",
@@ -259,9 +332,11 @@ def main(argv: list[str] | None = None) -> int:
              f"Memory read probe {machine['memory_read_gbs']:.1f} GB/s; disk read probe "
              + (f"{machine['disk_read_gbs']:.2f} GB/s" if machine["disk_read_gbs"] else "n/a")
              + f"; {args.threads} threads; {'cold' if not args.warm else 'warm'} page cache per run.", "",
-             "| engine | memory | tok/s | disk MB/token | expert cache hits | prediction hits | peak RSS GB | note |",
-             "|---|---|---:|---:|---:|---:|---:|---|"]
+             "| engine | memory | tok/s | disk MB/token | expert cache hits | prediction hits | I/O stall ms/token "
+             "| peak RSS GB | note |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---|"]
     lines += [fmt_row(r, file_bytes) for r in results]
+    lines += ["", "## async / sync", ""] + summary(results)
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     plot(results, out.with_suffix(".png"))
     print(f"wrote {out.with_suffix('.md')}, .json, .png")

@@ -8,7 +8,7 @@ the C engine's own count (`Engine.counters()`); the tensor table's figure
 (`Engine.weight_bytes_per_token()`) is shown beside it as a cross-check. With experts on disk
 (`experts="disk"`, or "auto" choosing it) the tg rows also report what the expert cache did, from
 the same counters: disk_bytes_per_token, expert_cache_hit_rate, io_stall_ms_per_token, and with
-speculative prefetch expert_prediction_hit_rate (share of predicted experts the next layer chose).
+speculative prefetch expert_prediction_hit_rate (share of the experts predicted for a layer that it chose).
 `prefetch` (--prefetch off|default|N) sets the kernels' software prefetch (cflow.runtime.prefetch);
 every cflow row records it.
 """

@@ -22,6 +22,7 @@ from typing import Any
 from cflow.errors import CflowError
 from cflow.fsutil import WriteError, writing
 from cflow.runtime import DEFAULT_MODEL
+from cflow.runtime.experts import AUTO_PREFETCH_DEPTH
 
 
 class UsageError(CflowError, ValueError):
@@ -129,12 +130,12 @@ def add_expert_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--expert-io", choices=["async", "sync"], default="async",
                    help="async (default): read a layer's chosen experts as soon as its router has chosen, on "
                    "reader threads, while compute goes on; sync: read, then compute (for comparison)")
-    g.add_argument("--expert-prefetch", choices=["auto", "off", "next-layer"], default="auto",
-                   help="next-layer: when a layer's router has chosen, also predict the next layer's experts "
-                   "(its router on this layer's input) and start reading them early, in cache slots beyond the "
-                   "minimum (async I/O only; same results bit for bit); auto (default): next-layer for models "
-                   "without an expert delay (delta_expert 0, e.g. Mixtral), whose reads nothing else hides")
-
+    g.add_argument("--expert-prefetch", default="auto", metavar="auto|off|next-layer|N",
+                   help="speculative prefetch (async I/O only; same results bit for bit): when a layer's router "
+                   "has chosen, also apply the next N layers' routers to its input to predict their experts, and "
+                   "start reading the ones the cache lacks early, in cache slots beyond the minimum. next-layer = "
+                   f"1; off = 0; auto (default): {AUTO_PREFETCH_DEPTH} layers ahead for models without an expert "
+                   "delay (delta_expert 0, e.g. Mixtral), whose reads nothing else hides, off otherwise")
 
 def check_model_flags(args: argparse.Namespace) -> None:
     """What can be said about -n and -c before the model loads (the engine checks -t and -c's upper
@@ -238,12 +239,12 @@ def print_timings(eng, t, prompt_shown: int) -> None:
         print(f"cflow: {'experts on disk':>16} = {c['disk_bytes'] / 1e6:10.2f} MB read ({c['disk_bytes'] / n / 1e6:.2f} MB "
               f"per token), cache hits {rate} of {looked} ({cache['slots']} slots, {cache['read']}, {cache['io']} I/O), "
               f"I/O stall {c['io_stall_ns'] / 1e6:.2f} ms", file=err)
-        if cache.get("prefetch") == "next-layer":
+        if cache.get("prefetch_depth"):
             from cflow.runtime.experts import prediction_hit_rate
 
             hit = prediction_hit_rate(c)
             print(f"cflow: {'expert prefetch':>16} = predicted {c['expert_predicted']} experts, "
-                  f"{'-' if hit is None else f'{100 * hit:.1f}%'} chosen by the next layer; {c['prefetch_reads']} reads "
+                  f"{'-' if hit is None else f'{100 * hit:.1f}%'} chosen by the layer predicted ({cache['prefetch']} ahead); {c['prefetch_reads']} reads "
                   f"started early, {c['prefetch_used']} of them used", file=err)
     total = (t.load_s + t.prompt_s + t.gen_s) * 1e3
     print(f"cflow: {'total time':>16} = {total:10.2f} ms / {prompt_shown + t.gen_tokens:5d} tokens", file=err)

@@ -97,7 +97,7 @@ struct NativeEngine {
             disk.async = io == "async";
             disk.n_io = nb::cast<int>(x["io_threads"]);
             disk.direct = nb::cast<bool>(x["direct"]) ? 1 : 0;
-            disk.speculate = x.contains("prefetch") && nb::cast<bool>(x["prefetch"]) ? 1 : 0;
+            disk.speculate = x.contains("prefetch") ? nb::cast<int>(x["prefetch"]) : 0;
             if (x.contains("reader")) {
                 std::string r = nb::cast<std::string>(x["reader"]);
                 disk.reader = -1;
@@ -148,7 +148,8 @@ struct NativeEngine {
         d["io"] = x.async ? "async" : "sync";
         d["io_threads"] = x.n_io;
         d["read"] = x.direct ? "O_DIRECT" : "buffered";
-        d["prefetch"] = x.speculate ? "next-layer" : "off";
+        d["prefetch"] = x.speculate ? (x.speculate == 1 ? "next-layer" : std::to_string(x.speculate) + " layers") : "off";
+        d["prefetch_depth"] = x.speculate;
         d["prefetch_slots"] = x.spec_slots;
         d["reader"] = x.async ? (x.uring ? "io_uring" : "threads") : "caller";
         d["reader_note"] = x.reader_note ? x.reader_note : "";

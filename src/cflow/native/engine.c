@@ -185,13 +185,13 @@ struct cf_engine {
     int *xwave;          /* [E] slots a wave must read (thread 0) */
     int wave_end;        /* published by thread 0 before a barrier (op_experts_disk) */
     /* speculative prefetch (thread 0; "speculative prefetch" below) */
-    int xspec;           /* on */
+    int xspec;           /* depth: predict up to this many layers ahead; 0: off */
     int spec_room;       /* slots speculation may occupy: n_slots - min_slots */
     int *spec_slot;      /* [spec_room] slots it pins, or whose read it started and is in flight */
-    uint8_t *spec_held;  /* [spec_room] 1: pinned for the predicted layer */
+    int *spec_for;       /* [spec_room] the layer a pinned slot was predicted for; -1: not pinned */
     int n_spec;
-    int pred_layer;      /* the layer pred_mark predicts; -1: none */
-    uint8_t *pred_mark;  /* [E] experts predicted for pred_layer */
+    int spec_horizon;    /* the furthest layer predicted in this call; -1: none yet */
+    uint8_t *pred_mark;  /* [L, E] experts predicted for each layer not routed yet in this call */
     int *pred_votes;     /* [E] rows whose prediction chose each expert */
     uint64_t disk_base;  /* cf_xstore_bytes_read at the last counter reset */
     int failed;          /* CF_ERR_* of the call in flight; set by thread 0 */
@@ -648,52 +648,68 @@ static int acquire_wave(cf_engine *e, int set, int ms, int i0, int max) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// speculative prefetch: at route(l), predict layer l+1's experts and start their reads
+// speculative prefetch: at route(l), predict the experts of layers l+1 .. l+depth and start reads
 //
 // With delta_expert = 0 (plain Mixtral) experts(l) follows route(l) at once, so a layer's reads
-// overlap only each other and that layer's expert compute. Speculation starts layer l+1's reads
-// one layer earlier: right after route(l) has queued its own reads (they go first), thread 0
-// predicts route(l+1)'s choice and queues reads of the predicted experts the cache lacks, which
-// then overlap experts(l) and attn(l+1).
+// overlap only each other and that layer's expert compute. Speculation starts later layers' reads
+// earlier: right after route(l) has queued its own reads (they go first), thread 0 predicts what
+// route(l+k) will choose and queues reads of the predicted experts the cache lacks, which then
+// overlap the compute of the layers in between. One expert of a Mixtral-sized model takes about
+// ten layers' compute to read from an SSD, so one layer ahead (depth 1, "next-layer") hides little
+// of it; a deeper horizon starts each read up to `depth` layers before it is needed.
 //
-// What is predicted from what: route(l+1) will normalise h_{l+1} = x_{l+1} + attn(x_{l+1}) with
-// x_{l+1} = h_l + f_l + experts_l(...), none of which exists yet. The latest vector that does is
-// route(l)'s own input z_l (h_l, or h_l + f_l with moe_input post_dense): the prediction is the
-// top_k of softmax(router_{l+1}(rmsnorm(z_l) * moe_norm_{l+1})), computed as route does (so two
-// layers sharing a weight set predict exactly what the first chose: tested). The
-// residual stream changes little from one layer to the next, so this often picks the same
-// experts (issue 10; measured by the predict counters). With B rows, the union of the rows' top_k
-// is predicted, and reads start for the most-voted first.
+// What is predicted from what: route(l+k) will normalise a residual that does not exist yet. The
+// latest vector that does is route(l)'s own input z_l (h_l, or h_l + f_l with moe_input
+// post_dense): the prediction is the top_k of softmax(router_{l+k}(rmsnorm(z_l) * moe_norm_{l+k})),
+// computed as route does (so two layers sharing a weight set predict exactly what the first chose:
+// tested). The residual stream changes little from one layer to the next, so this often picks the
+// same experts, and less often the further ahead (issue 10; measured by the predict counters). With
+// B rows, the union of the rows' top_k is predicted, and reads start for the most-voted first.
+//
+// Which layers each route predicts: the next one (from the freshest input) and the one entering
+// the horizon, l + depth (the first route of a call predicts all of 1 .. depth). A layer's marks
+// are the union of its predictions; its route scores them (expert_predict_hits / expert_predicted:
+// the share of predicted experts the layer chose). Two router evaluations per route, whatever the
+// depth: a router is E x d floats, and re-predicting every layer in the horizon at every route
+// would read depth of them.
 //
 // Slots: the plan's own pins never exceed min_slots = top_k x layers in flight (engine.h, "the
 // plan"), the smallest cache accepted. Speculation gets only the n_slots - min_slots beyond that
-// (off when there are none), counted in spec_slot: every slot it pins, and every slot whose
-// speculative read is still in flight after the pin is gone (a LOADING slot cannot be evicted).
-// So whenever the plan needs a slot (each of a route's first top_k, the first of a wave) at most
-// min_slots - 1 of its own pins and spec_room other slots are not evictable: the plan's acquires
-// never fail, speculation never waits for a slot and never evicts a pinned or loading one. At route(l+1) the speculative pins are dropped after its first wave is pinned: the
-// experts it chose sit in their slots (their acquire counts a cache miss and prefetch_used), the
-// others stay cached at a low score (their layer never chose them), evicted first. Results are
-// bit for bit those without speculation: it only changes which bytes are read when.
+// (off when there are none), counted in spec_slot: every slot it pins until the layer it was
+// predicted for routes (those it reads, and the predicted experts already cached, so that reads for
+// other layers do not evict them first), and every slot whose speculative read is still in flight
+// after the pin is gone (a LOADING slot cannot be evicted). So whenever the plan needs a slot (each of a route's
+// first top_k, the first of a wave) at most min_slots - 1 of its own pins and spec_room other
+// slots are not evictable: the plan's acquires never fail, speculation never waits for a slot and
+// never evicts a pinned or loading one; nearer layers are served first, and a horizon that does
+// not fit the spare slots is cut short. At route(l) the pins predicted for l are dropped after its
+// first wave is pinned: the experts it chose sit in their slots (their acquire counts a cache miss
+// and prefetch_used), the others stay cached at a low score (their layer never chose them),
+// evicted first. Results are bit for bit those without speculation: it only changes which bytes
+// are read when.
 
 /* Thread 0, when a call starts: cf_xstore_begin dropped every pin (a failed call may have left
  * some); reads still in flight stay counted until they land. */
 static void spec_begin(cf_engine *e) {
     if (!e->xspec) return;
-    memset(e->spec_held, 0, (size_t)e->spec_room);
-    memset(e->pred_mark, 0, (size_t)e->c.n_experts);
-    e->pred_layer = -1;
+    for (int i = 0; i < e->n_spec; i++) e->spec_for[i] = -1;
+    e->spec_horizon = -1;
+    memset(e->pred_mark, 0, (size_t)e->c.n_layers * e->c.n_experts);
 }
 
-/* Thread 0: drop the speculative pins; forget the slots whose reads have landed. */
-static void spec_release(cf_engine *e) {
+/* Thread 0 at route(l): drop the speculative pins predicted for layers up to l; forget the slots
+ * that are neither pinned nor loading any more. */
+static void spec_release(cf_engine *e, int l) {
     int k = 0;
     for (int i = 0; i < e->n_spec; i++) {
-        int sl = e->spec_slot[i];
-        if (e->spec_held[i]) cf_xstore_release(e->xs, sl);
-        if (cf_xstore_loading(e->xs, sl)) {
+        int sl = e->spec_slot[i], target = e->spec_for[i];
+        if (target >= 0 && target <= l) {
+            cf_xstore_release(e->xs, sl);
+            target = -1;
+        }
+        if (target >= 0 || cf_xstore_loading(e->xs, sl)) {
             e->spec_slot[k] = sl;
-            e->spec_held[k++] = 0;
+            e->spec_for[k++] = target;
         }
     }
     e->n_spec = k;
@@ -701,22 +717,37 @@ static void spec_release(cf_engine *e) {
 
 /* Thread 0, at route(l): how many of the experts predicted for l it chose (cnt: its routing). */
 static void spec_score(cf_engine *e, int l, const int *cnt) {
-    if (e->pred_layer != l) return;
+    uint8_t *mark = e->pred_mark + (size_t)l * e->c.n_experts;
     for (int x = 0; x < e->c.n_experts; x++) {
-        if (e->pred_mark[x] && cnt[x]) e->cnt.n[CF_CNT_PREDICT_HITS]++;
-        e->pred_mark[x] = 0;
+        if (mark[x] && cnt[x]) e->cnt.n[CF_CNT_PREDICT_HITS]++;
+        mark[x] = 0;
     }
-    e->pred_layer = -1;
 }
 
-/* Thread 0, after route(l)'s own reads are queued: predict route(l+1) and start the reads. */
-static void spec_predict(cf_engine *e, int l, int src_kind) {
+/* Thread 0: pin a cached (or loading) slot predicted for layer target, so no other read evicts it
+ * before target routes; a slot speculation holds already keeps its pin until the later layer. */
+static void spec_hold(cf_engine *e, int sl, int target) {
+    for (int i = 0; i < e->n_spec; i++)
+        if (e->spec_slot[i] == sl) {
+            if (e->spec_for[i] < 0) cf_xstore_pin(e->xs, sl); /* a read landing after its pin was dropped */
+            e->spec_for[i] = cf_max(e->spec_for[i], target);
+            return;
+        }
+    cf_xstore_pin(e->xs, sl);
+    e->spec_slot[e->n_spec] = sl;
+    e->spec_for[e->n_spec++] = target;
+}
+
+/* Thread 0, after route(l)'s own reads are queued: predict route(target) from route(l)'s input
+ * and start the reads of predicted experts nobody has cached or is reading. */
+static void spec_predict(cf_engine *e, int l, int target, int src_kind) {
     const cf_config *c = &e->c;
     cf_state *s = &e->s;
-    int E = c->n_experts, d = c->d, set = (l + 1) % c->n_unique, most = 0, n_pred = 0, nm = 0;
+    int E = c->n_experts, d = c->d, set = target % c->n_unique, most = 0, nm = 0;
     const cf_layer *w = &e->w.sets[set];
     float *z = e->ts[0].xb, *zn = z + e->kmax, *pr = s->rlogits; /* free once route(l) is done */
     int *votes = e->pred_votes, chosen[64];
+    uint8_t *mark = e->pred_mark + (size_t)target * E;
     float val[64];
     memset(votes, 0, (size_t)E * sizeof *votes);
     for (int b = 0; b < e->B; b++) {
@@ -728,28 +759,39 @@ static void spec_predict(cf_engine *e, int l, int src_kind) {
         e->k->topk(pr, E, c->top_k, chosen, val);
         for (int k = 0; k < c->top_k; k++) most = cf_max(most, ++votes[chosen[k]]);
     }
-    for (int x = 0; x < E; x++) {
-        e->pred_mark[x] = votes[x] > 0;
-        n_pred += votes[x] > 0;
-    }
-    e->pred_layer = l + 1;
-    e->cnt.n[CF_CNT_PREDICTED] += (uint64_t)n_pred;
-    int room = e->spec_room - e->n_spec;
-    for (int v = most; v > 0 && room > 0; v--)
-        for (int x = 0; x < E && room > 0; x++) {
-            if (votes[x] != v || cf_xstore_lookup(e->xs, set * E + x) >= 0) continue; /* cached or coming */
-            int sl = cf_xstore_prefetch(e->xs, set * E + x);
-            if (sl < 0) { /* cannot happen within spec_room (above); stop rather than spin */
-                room = 0;
+    for (int x = 0; x < E; x++)
+        if (votes[x] > 0 && !mark[x]) {
+            mark[x] = 1;
+            e->cnt.n[CF_CNT_PREDICTED]++;
+        }
+    for (int v = most; v > 0 && e->n_spec < e->spec_room; v--)
+        for (int x = 0; x < E && e->n_spec < e->spec_room; x++) {
+            if (votes[x] != v) continue;
+            int sl = cf_xstore_lookup(e->xs, set * E + x);
+            if (sl >= 0) { /* cached or coming: keep it until target routes */
+                spec_hold(e, sl, target);
+                continue;
+            }
+            if ((sl = cf_xstore_prefetch(e->xs, set * E + x)) < 0) { /* cannot happen within spec_room */
+                v = 0;
                 break;
             }
             e->spec_slot[e->n_spec] = sl;
-            e->spec_held[e->n_spec++] = 1;
+            e->spec_for[e->n_spec++] = target;
             e->xwave[nm++] = sl;
-            room--;
         }
     e->cnt.n[CF_CNT_PREFETCH_READS] += (uint64_t)nm;
     cf_xstore_submit(e->xs, e->xwave, nm);
+}
+
+/* Thread 0 at route(l): the next layer, then those entering the horizon (spec_horizon: the
+ * furthest layer predicted in this call; at its first route, all of l+2 .. l+depth). */
+static void spec_ahead(cf_engine *e, int l, int src_kind) {
+    int last = cf_min(l + e->xspec, e->c.n_layers - 1);
+    if (l + 1 > last) return;
+    spec_predict(e, l, l + 1, src_kind);
+    for (int t = cf_max(e->spec_horizon + 1, l + 2); t <= last; t++) spec_predict(e, l, t, src_kind);
+    e->spec_horizon = cf_max(e->spec_horizon, last);
 }
 
 /* Thread 0, after the route of layer l into moe slot ms: list the chosen experts in ascending order
@@ -770,8 +812,8 @@ static void route_disk(cf_engine *e, int l, int ms, int src_kind) {
     s->exp_pre[ms] = e->xasync ? acquire_wave(e, l % e->c.n_unique, ms, 0, e->c.top_k) : 0;
     if (!e->xspec) return;
     spec_score(e, l, cnt);
-    spec_release(e); /* after the first wave: the chosen ones are pinned by it now */
-    if (l + 1 < e->c.n_layers) spec_predict(e, l, src_kind);
+    spec_release(e, l); /* after the first wave: the chosen ones are pinned by it now */
+    spec_ahead(e, l, src_kind);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1829,16 +1871,16 @@ static int open_disk_experts(cf_engine *e, const cf_disk_experts *dx, char *err,
     cf_xstore_info xi;
     cf_xstore_get_info(e->xs, &xi);
     /* speculation needs reads that run beside compute, and slots beyond the plan's own */
-    if (dx->speculate && e->xasync && xi.n_slots > c->top_k * e->inflight) {
+    if (dx->speculate > 0 && e->xasync && xi.n_slots > c->top_k * e->inflight) {
         e->spec_room = xi.n_slots - c->top_k * e->inflight;
         e->spec_slot = calloc((size_t)e->spec_room, sizeof *e->spec_slot);
-        e->spec_held = calloc((size_t)e->spec_room, 1);
-        e->pred_mark = calloc((size_t)E, 1);
+        e->spec_for = calloc((size_t)e->spec_room, sizeof *e->spec_for);
+        e->pred_mark = calloc((size_t)c->n_layers * E, 1);
         e->pred_votes = calloc((size_t)E, sizeof *e->pred_votes);
-        if (!e->spec_slot || !e->spec_held || !e->pred_mark || !e->pred_votes)
+        if (!e->spec_slot || !e->spec_for || !e->pred_mark || !e->pred_votes)
             return cf_set_err(err, n, "out of memory"), -1;
-        e->xspec = 1;
-        e->pred_layer = -1;
+        e->xspec = dx->speculate;
+        e->spec_horizon = -1;
     }
     return 0;
 }
@@ -1937,7 +1979,7 @@ void cf_engine_free(cf_engine *e) {
     free(e->xrel);
     free(e->xwave);
     free(e->spec_slot);
-    free(e->spec_held);
+    free(e->spec_for);
     free(e->pred_mark);
     free(e->pred_votes);
     free(e->grp);

@@ -131,8 +131,8 @@ enum { CF_CNT_ATTN, CF_CNT_DENSE, CF_CNT_ROUTER, CF_CNT_EXPERTS, CF_CNT_EMBED, C
        /* experts on disk (all 0 when they are in RAM): bytes read from the file, experts found in
         * the cache / read, nanoseconds thread 0 waited for expert bytes (sync: spent reading) */
        CF_CNT_DISK_BYTES, CF_CNT_CACHE_HITS, CF_CNT_CACHE_MISSES, CF_CNT_IO_STALL_NS,
-       /* speculative prefetch (cf_disk_experts.speculate): experts predicted for the next layer,
-        * those of them its route then chose, reads started early for predictions, and misses
+       /* speculative prefetch (cf_disk_experts.speculate): experts predicted for later layers
+        * (each layer's union of predictions), those of them its route then chose, reads started early for predictions, and misses
         * such a read served (counted in cache misses too: bytes read for this use, only early).
         * Reads for experts nobody chose yet = prefetch_reads - prefetch_used. */
        CF_CNT_PREDICTED, CF_CNT_PREDICT_HITS, CF_CNT_PREFETCH_READS, CF_CNT_PREFETCH_USED, CF_COUNTERS };
@@ -205,9 +205,10 @@ typedef struct {
                            * experts op reads, then computes */
     int n_io;             /* reader threads (async) */
     int direct;           /* 1: O_DIRECT where the filesystem takes it */
-    int speculate;        /* 1 (async only): at route(l), predict layer l+1's experts from route(l)'s
-                           * input and start their reads (engine.c, "speculative prefetch"); off by
-                           * itself when the cache has no slot beyond the minimum */
+    int speculate;        /* depth (async only): at route(l), predict the experts of layers up to
+                           * l + depth from route(l)'s input and start their reads (engine.c,
+                           * "speculative prefetch"); 0: off; off by itself when the cache has no
+                           * slot beyond the minimum */
     int reader;           /* async: CF_XREADER_* (experts.h): io_uring where the kernel offers it, else
                            * pread threads */
 } cf_disk_experts;
@@ -300,7 +301,7 @@ const char *cf_engine_isa(const cf_engine *e);
  * fails `delay_us` after it starts. */
 typedef struct {
     int n_slots, min_slots, inflight, async, n_io, direct;
-    int speculate;  /* speculative prefetch on, in spec_slots = n_slots - min_slots slots at most */
+    int speculate;  /* speculative prefetch depth (0: off), in spec_slots = n_slots - min_slots slots at most */
     int spec_slots;
     int uring;                /* the async reads go through io_uring (else pread threads) */
     const char *reader_note;  /* why not, where io_uring was wanted ("" otherwise); the engine's */

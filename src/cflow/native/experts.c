@@ -327,6 +327,8 @@ int cf_xstore_prefetch(cf_xstore *xs, int key) {
     return s;
 }
 
+void cf_xstore_pin(cf_xstore *xs, int slot) { xs->slots[slot].pins++; }
+
 int cf_xstore_loading(const cf_xstore *xs, int slot) {
     return atomic_load_explicit(&((xslot *)&xs->slots[slot])->state, memory_order_relaxed) == XS_LOADING;
 }

@@ -103,6 +103,9 @@ int cf_xstore_lookup(const cf_xstore *xs, int key);
 /* Claim and pin a victim for key, which must not be cached (cf_xstore_lookup < 0), LOADING and
  * marked speculative: submit it like a miss, release it like any pin. -1 when no slot can be evicted. */
 int cf_xstore_prefetch(cf_xstore *xs, int key);
+/* Pin a slot that holds a key already (cached or coming) without using it: speculation keeps an
+ * expert predicted for a later layer from being evicted before that layer routes. */
+void cf_xstore_pin(cf_xstore *xs, int slot);
 /* Is the slot's read still in flight (it cannot be evicted until it lands)? */
 int cf_xstore_loading(const cf_xstore *xs, int slot);
 void cf_xstore_release(cf_xstore *xs, int slot);

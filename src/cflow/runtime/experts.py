@@ -19,14 +19,15 @@
                      l + de's residual update (cflow.runtime.plan, delay_experts), so the reads
                      overlap de layers of attention and dense FFN (expert_delay=False: not moved);
                      "sync": the experts op reads, then computes (the baseline)
-    expert_prefetch  "next-layer": speculative prefetch (async only): when layer l's router has
-                     chosen, the engine also applies layer l+1's router to layer l's MoE input to
-                     predict its experts and starts reading those the cache lacks, in the slots
-                     beyond the minimum (none: off by itself); results are the same bit for bit,
-                     the counters expert_predicted / expert_predict_hits give the prediction hit
-                     rate; "auto" (default): next-layer when the experts are on disk with async I/O
-                     and delta_expert = 0 (plain Mixtral: no delay window hides the reads), else
-                     off; "off"
+    expert_prefetch  speculative prefetch (async only): when layer l's router has chosen, the engine
+                     also applies the routers of the next layers to layer l's MoE input to predict
+                     their experts and starts reading those the cache lacks, in the slots beyond the
+                     minimum (none: off by itself); results are the same bit for bit, the counters
+                     expert_predicted / expert_predict_hits give the prediction hit rate. N (an int,
+                     or its digits as a string): up to N layers ahead; "next-layer" = 1; "auto"
+                     (default): AUTO_PREFETCH_DEPTH layers when the experts are on disk with async
+                     I/O and delta_expert = 0 (plain Mixtral: no delay window hides the reads), else
+                     off; "off" = 0
 
 The memory this process may use (`probe_memory`) is the smallest of MemAvailable (/proc/meminfo) and
 the room under its cgroup's memory limit (v2 memory.max, v1 memory.limit_in_bytes, minus what the
@@ -66,7 +67,11 @@ from cflow.runtime.files import format_size, parse_size
 
 MODES = ("ram", "disk", "auto")
 IO_MODES = ("async", "sync")
-PREFETCH_MODES = ("auto", "off", "next-layer")
+PREFETCH_MODES = ("auto", "off", "next-layer")  # or a depth: N layers ahead
+# "auto"'s depth for delay-free models: one expert of a Mixtral-sized model takes several layers'
+# compute to read, so the read must start several layers before its layer routes (docs/results/moe.md,
+# "Speculative prefetch", measured the depths).
+AUTO_PREFETCH_DEPTH = 4
 ALIGN = 4096
 VISIT_SCORE = 1 << 16  # native/experts.c: a routing's weight in a score, halved each routing of the layer
 AGE_PER_KEY = 4  # the "lfu" alternative: counts halve every AGE_PER_KEY x n_keys accesses
@@ -181,6 +186,7 @@ class ModelSizes:
     inflight: int  # layers whose experts a step may pin at once
     kv_bytes: int  # the KV cache at the engine's context
     delta_expert: int = 0  # the architecture's expert delay: 0 leaves reads nothing to hide behind
+    n_layers: int = 0  # caps the prefetch depth (0: unknown)
 
     @property
     def min_slots(self) -> int:
@@ -209,7 +215,8 @@ def model_sizes(cf: Any, n_ctx: int, inflight: int, cache_type_k: str = "f16",
     largest = max((n for _, n in spans), default=0)
     return ModelSizes(file_bytes=int(cf.buffer.size), expert_bytes=sum(n for _, n in spans),
                       slot_bytes=-(-largest // ALIGN) * ALIGN, n_keys=len(spans), top_k=cfg.top_k,
-                      inflight=max(inflight, 1), kv_bytes=kv, delta_expert=cfg.delta_expert)
+                      inflight=max(inflight, 1), kv_bytes=kv, delta_expert=cfg.delta_expert,
+                      n_layers=cfg.n_layers)
 
 
 @dataclass(frozen=True)
@@ -218,7 +225,7 @@ class Residency:
     io: str  # "async" | "sync" (disk only)
     budget: int | None  # expert cache bytes (disk only)
     reason: str  # why this mode and budget, in words
-    prefetch: bool = False  # speculative prefetch of the next layer's experts (disk, async only)
+    prefetch: int = 0  # speculative prefetch depth: layers ahead whose experts are predicted (disk, async only)
 
 
 def parse_cache(value: int | str | None) -> int | None:
@@ -244,9 +251,7 @@ def decide(sizes: ModelSizes | None, *, experts: str = "auto", expert_cache: int
         raise EngineError(f"experts must be one of {', '.join(MODES)}, got {experts!r}", flag="--experts")
     if expert_io not in IO_MODES:
         raise EngineError(f"expert_io must be one of {', '.join(IO_MODES)}, got {expert_io!r}", flag="--expert-io")
-    if expert_prefetch not in PREFETCH_MODES:
-        raise EngineError(f"expert_prefetch must be one of {', '.join(PREFETCH_MODES)}, got {expert_prefetch!r}",
-                          flag="--expert-prefetch")
+    depth = prefetch_depth(expert_prefetch)
     budget = parse_cache(expert_cache)
     if sizes is None:
         if experts == "disk":
@@ -286,15 +291,30 @@ def decide(sizes: ModelSizes | None, *, experts: str = "auto", expert_cache: int
                           f"({format_size(sizes.min_cache)}); raise the expert cache", flag="--expert-cache")
     else:
         why += f"; expert cache {format_size(budget)}"
-    prefetch = expert_prefetch == "next-layer" or (expert_prefetch == "auto" and expert_io == "async"
-                                                   and sizes.delta_expert == 0)
-    if prefetch and expert_io != "async":
+    if depth is None:  # auto
+        depth = AUTO_PREFETCH_DEPTH if expert_io == "async" and sizes.delta_expert == 0 else 0
+    if sizes.n_layers:
+        depth = min(depth, sizes.n_layers - 1)
+    if depth and expert_io != "async":
         raise EngineError("speculative prefetch starts reads that run beside compute: it needs --expert-io async "
                           "(or --expert-prefetch off)", flag="--expert-prefetch")
-    if prefetch:
-        why += ("; speculative prefetch of the next layer's experts" +
+    if depth:
+        ahead = "the next layer's experts" if depth == 1 else f"the experts of the next {depth} layers"
+        why += (f"; speculative prefetch of {ahead}" +
                 (" (delta_expert 0: no delay window hides the reads)" if expert_prefetch == "auto" else ""))
-    return Residency("disk", expert_io, budget, why, prefetch)
+    return Residency("disk", expert_io, budget, why, depth)
+
+
+def prefetch_depth(value: int | str) -> int | None:
+    """expert_prefetch as a depth in layers (None: "auto"). Raises EngineError naming the flag."""
+    if isinstance(value, str) and value.isdigit():
+        value = int(value)
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    if value in PREFETCH_MODES:
+        return {"auto": None, "off": 0, "next-layer": 1}[value]
+    raise EngineError(f"expert_prefetch must be one of {', '.join(PREFETCH_MODES)} or a number of layers ahead "
+                      f"(0 = off), got {value!r}", flag="--expert-prefetch")
 
 
 def direct_io_wanted() -> bool:
@@ -528,16 +548,17 @@ def describe(res: Residency, cache: dict | None) -> str:
 def prefetch_note(res: Residency, cache: dict) -> str:
     """", prefetch ..." for logs: on (in how many slots), or asked for but off because the cache has
     no slot beyond the minimum."""
-    if cache.get("prefetch") == "next-layer":
-        return f", prefetch next-layer in up to {cache['prefetch_slots']} spare slots"
+    if cache.get("prefetch_depth"):
+        ahead = "next-layer" if cache["prefetch_depth"] == 1 else f"{cache['prefetch']} ahead"
+        return f", prefetch {ahead} in up to {cache['prefetch_slots']} spare slots"
     if res.prefetch:
         return ", prefetch off (the cache has no slot beyond the minimum the plan pins)"
     return ""
 
 
 def prediction_hit_rate(counters: dict) -> float | None:
-    """Share of the experts speculation predicted that the next layer's router then chose; None when
-    nothing was predicted (prefetch off, experts in RAM)."""
+    """Share of the experts speculation predicted for a layer (each layer's union of predictions)
+    that its router then chose; None when nothing was predicted (prefetch off, experts in RAM)."""
     n = counters.get("expert_predicted", 0)
     return counters["expert_predict_hits"] / n if n else None
 
