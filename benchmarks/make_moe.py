@@ -74,12 +74,12 @@ EMBED_STD = 1.0
 RESIDUAL_WRITE_GAIN = 0.05
 
 
-def tensor_gain(name: str, cols: int) -> float:
+def tensor_gain(name: str, cols: int, residual_gain: float = RESIDUAL_WRITE_GAIN) -> float:
     """The GAIN of one tensor (GGUF or .cflow name): weight std = gain / sqrt(cols)."""
     if name in ("token_embd.weight", "tok_emb"):
         return EMBED_STD * math.sqrt(cols)
     if any(k in name for k in ("attn_output", "attn.wo", "ffn_down", "w_down")):
-        return RESIDUAL_WRITE_GAIN
+        return residual_gain
     return GAIN
 # std of the integer part of a random block: Q4 nibbles (q - 8, or q - 7.5 for Q4_1) and Q8 int8
 _Q_STD = {"q4_0": math.sqrt((16 ** 2 - 1) / 12), "q4_1": math.sqrt((16 ** 2 - 1) / 12),
@@ -118,6 +118,11 @@ class Geometry:
     vocab: int
     dense_ff: int = 0    # the .cflow's dense FFN hidden size; 0: d_ff
     ctx: int = 4096
+    # How much each layer writes into the residual (RESIDUAL_WRITE_GAIN). Small: the residual, and so
+    # the routing, changes little from layer to layer, and a later layer's router applied to an
+    # earlier layer's input predicts its experts almost always (speculative prefetch); larger values
+    # make routing less predictable across layers, as it may be in trained models.
+    residual_gain: float = RESIDUAL_WRITE_GAIN
     rope_theta: float = 1e6
     norm_eps: float = 1e-5
 
@@ -129,6 +134,7 @@ class Geometry:
         for f in ("layers", "d_model", "experts", "top_k", "d_ff", "heads", "kv_heads", "vocab", "ctx"):
             need(isinstance(getattr(self, f), int) and getattr(self, f) > 0, f"{f} must be a positive integer")
         need(isinstance(self.dense_ff, int) and self.dense_ff >= 0, "dense-ff must be 0 (= d-ff) or positive")
+        need(0 < self.residual_gain <= 2, f"residual-gain {self.residual_gain} must be in (0, 2]")
         need(self.top_k <= self.experts, f"top-k {self.top_k} must be at most the number of experts {self.experts}")
         need(self.d_model % self.heads == 0, f"d-model {self.d_model} must be divisible by heads {self.heads}")
         need(self.heads % self.kv_heads == 0, f"heads {self.heads} must be divisible by kv-heads {self.kv_heads}")
@@ -483,7 +489,7 @@ def write_gguf(path: str | os.PathLike, g: Geometry, q: str = "q4_0", seed: int 
         wr.write_padding(f, f.tell())  # the data section starts aligned
         bar = _bar(sum(t.nbytes(q) for t in tensors), f"writing {path.name}", progress)
         for t in tensors:
-            for piece in _gguf_pieces(t, q, seed):
+            for piece in _gguf_pieces(t, q, seed, g.residual_gain):
                 f.write(memoryview(piece))
                 if bar is not None:
                     bar.update(piece.nbytes)
@@ -506,18 +512,19 @@ def write_gguf(path: str | os.PathLike, g: Geometry, q: str = "q4_0", seed: int 
     return Written(str(path), "gguf", path.stat().st_size, time.perf_counter() - t0, cfg.to_dict(), tb, cb)
 
 
-def _gguf_pieces(t: GgufTensor, q: str, seed: int) -> Iterator[np.ndarray]:
+def _gguf_pieces(t: GgufTensor, q: str, seed: int, residual_gain: float) -> Iterator[np.ndarray]:
     """The tensor's bytes in file order, one piece at a time (one expert of a 3-D tensor)."""
     if t.kind == "norm":
         yield np.ones(t.shape, np.float32).view(np.uint8).reshape(-1)
     elif t.kind == "router":
         yield router_values(tensor_rng(seed, t.name), *t.shape).view(np.uint8).reshape(-1)
     elif t.kind == "matrix":
-        yield random_rows(tensor_rng(seed, t.name), q, t.rows, t.cols, tensor_gain(t.name, t.cols)).reshape(-1)
+        yield random_rows(tensor_rng(seed, t.name), q, t.rows, t.cols,
+                          tensor_gain(t.name, t.cols, residual_gain)).reshape(-1)
     else:
         for e in range(t.shape[0]):
             yield random_rows(tensor_rng(seed, t.name, e), q, t.rows, t.cols,
-                              tensor_gain(t.name, t.cols)).reshape(-1)
+                              tensor_gain(t.name, t.cols, residual_gain)).reshape(-1)
 
 
 def cflow_tensors(g: Geometry, q: str = "q4_0", seed: int = 0,
@@ -543,7 +550,7 @@ def cflow_tensors(g: Geometry, q: str = "q4_0", seed: int = 0,
         # Gate and up rows (q, k and v rows) all have `cols` inputs, so one scale table serves the
         # fused matrix and random bytes in the tiled order are a random fused matrix.
         make = (lambda w=w, rows=rows, cols=cols: random_tiled(tensor_rng(seed, w.name), q, rows, cols, tile,
-                                                               tensor_gain(w.name, cols)))
+                                                               tensor_gain(w.name, cols, g.residual_gain)))
         yield TensorData(w.name, q, w.shape, "tiled", make, meta)
 
 
@@ -606,6 +613,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--kv-heads", type=int, help="key/value heads, GQA (8)")
     g.add_argument("--vocab", type=int, help="vocabulary size, >= 259 (32000)")
     g.add_argument("--ctx", type=int, help="context length the files declare (default 4096)")
+    g.add_argument("--residual-gain", type=float,
+                   help=f"weight gain of the matrices that write into the residual (default {RESIDUAL_WRITE_GAIN}); "
+                        "larger makes routing change more from layer to layer (harder to predict ahead)")
     o = ap.add_argument_group("output")
     o.add_argument("--quant", choices=QUANTS, default="q4_0", help="weight format (default q4_0)")
     o.add_argument("--gguf", metavar="OUT.gguf", help="write the Mixtral-layout GGUF here")
@@ -622,7 +632,8 @@ def geometry_from_args(a: argparse.Namespace) -> Geometry:
     base = dict(DEFAULTS)
     if a.preset:
         base.update(PRESETS[a.preset])
-    for k in ("layers", "d_model", "experts", "top_k", "d_ff", "dense_ff", "heads", "kv_heads", "vocab", "ctx"):
+    for k in ("layers", "d_model", "experts", "top_k", "d_ff", "dense_ff", "heads", "kv_heads", "vocab", "ctx",
+              "residual_gain"):
         v = getattr(a, k)
         if v is not None:
             base[k] = v

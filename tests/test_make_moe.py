@@ -351,8 +351,29 @@ def test_cli_writes_both_files(tmp_path, capsys):
     assert open_model(tmp_path / "x.cflow", verify=True).metadata["seed"] == 3
 
 
+def test_residual_gain_scales_only_the_residual_writers(tmp_path):
+    """--residual-gain sets the std of attn_output and the experts' down projections (what makes routing
+    harder to predict across layers) and leaves every other tensor's bytes as they were."""
+    g2 = TINY.replace(residual_gain=0.4)
+    mm.write_gguf(tmp_path / "a.gguf", TINY, "q4_0", seed=0, progress=False)
+    mm.write_gguf(tmp_path / "b.gguf", g2, "q4_0", seed=0, progress=False)
+    a = {x.name: x for x in gguf.GGUFReader(tmp_path / "a.gguf").tensors}
+    b = {x.name: x for x in gguf.GGUFReader(tmp_path / "b.gguf").tensors}
+    writers = [n for n in a if "attn_output" in n or "ffn_down" in n]
+    assert len(writers) == 2 * TINY.layers
+    for name in a:
+        same = np.array_equal(np.asarray(a[name].data), np.asarray(b[name].data))
+        assert same == (name not in writers), name
+    x = b["blk.1.ffn_down_exps.weight"]
+    w = gguf.quants.dequantize(np.asarray(x.data), x.tensor_type)
+    assert w.std() == pytest.approx(0.4 / np.sqrt(384), rel=0.1)
+    with pytest.raises(mm.MakeMoeError, match="residual-gain"):
+        TINY.replace(residual_gain=0.0)
+
+
 @pytest.mark.parametrize("args,msg", [
     ([], "nothing to write"),
+    (["--residual-gain", "-1", "--dry-run"], "residual-gain"),
     (["--d-model", "100", "--dry-run"], "divisible"),
     (["--d-ff", "100", "--dry-run"], "multiple of 32"),
     (["--top-k", "9", "--dry-run"], "top-k"),
