@@ -26,6 +26,7 @@ Examples:
   # the issue's geometries (Q4_0; GGUF + .cflow sizes)
   python benchmarks/make_moe.py --preset mixtral-small --gguf small.gguf --cflow small.cflow  # 2.7 + 3.0 GB
   python benchmarks/make_moe.py --preset mixtral-8x7b  --gguf 8x7b.gguf                       # 26.3 GB
+  python benchmarks/make_moe.py --preset fine-small --gguf fine.gguf --cflow fine.cflow        # 2.9 + 2.9 GB
 
   # any geometry; --size picks the layer count for a target GGUF size
   python benchmarks/make_moe.py --layers 16 --d-model 2048 --experts 8 --top-k 2 --d-ff 5632 \\
@@ -93,6 +94,11 @@ PRESETS: dict[str, dict[str, int]] = {
     # Mixtral-8x7B itself: 26.3 GB GGUF in Q4_0
     "mixtral-8x7b": dict(layers=32, d_model=4096, experts=8, top_k=2, d_ff=14336, heads=32, kv_heads=8,
                          vocab=32000),
+    # Many small experts, as Qwen3-MoE / OLMoE route (top-8 of 64, d_ff 768) at mixtral-small's width
+    # and depth: 2.9 GB GGUF in Q4_0; one expert is 2.7 MB (mixtral-small's: 19.5 MB), so a read
+    # takes a few layers' compute instead of a token's
+    "fine-small": dict(layers=16, d_model=2048, experts=64, top_k=8, d_ff=768, heads=32, kv_heads=4,
+                       vocab=32000),
 }
 DEFAULTS = dict(PRESETS["mixtral-small"], dense_ff=0, ctx=4096, rope_theta=1e6, norm_eps=1e-5)
 

@@ -318,6 +318,8 @@ def test_presets_have_the_issue_sizes():
     big = mm.Geometry(**{**mm.DEFAULTS, **mm.PRESETS["mixtral-8x7b"]})
     assert 2.5e9 < mm.gguf_data_bytes(small, "q4_0") < 2.9e9
     assert 25e9 < mm.gguf_data_bytes(big, "q4_0") < 27e9
+    fine = mm.Geometry(**{**mm.DEFAULTS, **mm.PRESETS["fine-small"]})
+    assert 2.7e9 < mm.gguf_data_bytes(fine, "q4_0") < 3.1e9 and (fine.experts, fine.top_k) == (64, 8)
     assert mm.layers_for_size(small, "q4_0", mm.parse_size("2.8G")) == 17
     assert mm.layers_for_size(small, "q4_0", mm.parse_size("1G")) == 6
     assert mm.layers_for_size(small, "q4_0", 1) == 1
