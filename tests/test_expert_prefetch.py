@@ -15,6 +15,9 @@ What is held against what:
   router and norm of layer l+k are those of layer l, so a prediction made at route(l) is route(l)'s
   own choice: layer t is predicted chosen(t-1), and at depth D > 1 also chosen(max(t-D, 0)), and
   the hits follow from the routing trace (and are > 0);
+- the gate: predictions beyond the next layer start reads only at distances whose predictions prove
+  right; closed, depth 3 reads exactly what depth 1 reads (the inline reader makes the counts
+  independent of when reads land);
 - failures: an injected I/O error or short read on any of the first reads, speculative or not,
   ends in ExpertIOError naming the file or in exact logits, never a hang, and decoding goes on
   exactly; a forked child (no reader threads) still computes the same logits;
@@ -212,6 +215,40 @@ def test_prediction_is_exact_when_every_layer_shares_its_weights(models, slots, 
     # layer's choice may have been evicted from a small cache since
     if depth == 1 or slots == "all":
         assert c["prefetch_reads"] == after_prefill["prefetch_reads"]
+
+
+@pytest.mark.parametrize("name", ["arch1", "mixtral"])
+def test_gate_reads_only_trusted_distances(models, name, monkeypatch):
+    """Predictions beyond the next layer start reads only at distances whose predictions prove right
+    (engine.c spec_trusted). With the bar above 100% no distance beyond 1 is ever trusted: depth 3
+    then reads exactly what depth 1 reads (it still predicts, so it counts more predictions); with
+    the bar at 0 it reads its deeper predictions too. Logits stay exact either way."""
+    path = models[name]
+    want = ram_run(path)
+
+    monkeypatch.setenv("CFLOW_EXPERT_READER", "inline")  # reads land when submitted: no timing in the counts
+
+    def counters(depth, bar):
+        monkeypatch.setenv("CFLOW_SPEC_MIN_PRECISION", bar)
+        eng = load(path, min_slots(path) + 6, depth, threads=1)
+        assert eng.expert_cache["reader"] == "inline"
+        got = within(60, run, eng)
+        assert all(np.array_equal(g, w) for g, w in zip(got, want))
+        c = eng.counters()
+        eng.close()
+        return c
+
+    keys = ("cache_hits", "cache_misses", "prefetch_reads", "prefetch_used", "disk_bytes")
+    near, closed, opened = counters(1, "2"), counters(3, "2"), counters(3, "0")
+    assert {k: closed[k] for k in keys} == {k: near[k] for k in keys}
+    assert closed["expert_predicted"] > near["expert_predicted"]  # it still predicts (to keep measuring)
+    assert opened["prefetch_reads"] > near["prefetch_reads"]  # 32 predictions in, every distance reads
+
+
+def test_depth_cap_matches_the_engine():
+    from cflow import _native
+
+    assert xp.SPEC_MAX_DEPTH == _native.SPEC_MAX_DEPTH
 
 
 # ---- options ---------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@
 // Experts on disk: `experts` is a dict {"path": str, "span": int64 [n_unique * E, 2] (the file's
 // expert table: offset, bytes), "budget": int, "io": "async" | "sync", "io_threads": int,
 // "direct": bool, "prefetch": bool (optional, default False: speculative prefetch of the next
-// layer's experts, engine.c), "reader": "auto" | "threads" | "uring-refused" (optional, default
+// layer's experts, engine.c), "reader": "auto" | "threads" | "uring-refused" | "inline" (optional, default
 // "auto": io_uring where the kernel offers it; the last one is for tests, experts.h)}. A call that fails on expert I/O or a changed file raises OSError; bad input
 // raises ValueError.
 #include <nanobind/nanobind.h>
@@ -151,7 +151,7 @@ struct NativeEngine {
         d["prefetch"] = x.speculate ? (x.speculate == 1 ? "next-layer" : std::to_string(x.speculate) + " layers") : "off";
         d["prefetch_depth"] = x.speculate;
         d["prefetch_slots"] = x.spec_slots;
-        d["reader"] = x.async ? (x.uring ? "io_uring" : "threads") : "caller";
+        d["reader"] = x.async ? (x.uring ? "io_uring" : x.n_io ? "threads" : "inline") : "caller";
         d["reader_note"] = x.reader_note ? x.reader_note : "";
         return d;
     }
@@ -341,6 +341,7 @@ void bind_contracts(nb::module_ &m) {
     m.attr("ENUM_COUNTS") = counts;
     // the older names of two of the above (cflow.engine checks them)
     m.attr("MAX_THREADS") = (int)CF_MAX_THREADS;
+    m.attr("SPEC_MAX_DEPTH") = (int)CF_SPEC_MAX_DEPTH;
     m.attr("IO_FAULTS") = as_tuple(table_names(cf_xfault_names, CF_XFAULT_KINDS, "cf_xfault_names"));
     m.attr("EXPERT_READERS") = as_tuple(table_names(cf_xreader_names, CF_XREADER_KINDS, "cf_xreader_names"));
     m.def("plan_inflight", [](Plan plan, int n_moe) {

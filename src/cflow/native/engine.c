@@ -191,7 +191,9 @@ struct cf_engine {
     int *spec_for;       /* [spec_room] the layer a pinned slot was predicted for; -1: not pinned */
     int n_spec;
     int spec_horizon;    /* the furthest layer predicted in this call; -1: none yet */
-    uint8_t *pred_mark;  /* [L, E] experts predicted for each layer not routed yet in this call */
+    uint16_t *pred_mark; /* [L, E] bit k-1: predicted at distance k for a layer not routed yet in this call */
+    uint32_t dist_pred[CF_SPEC_MAX_DEPTH + 1], dist_hit[CF_SPEC_MAX_DEPTH + 1]; /* per distance, decayed */
+    double spec_min_precision; /* SPEC_MIN_PRECISION, or CFLOW_SPEC_MIN_PRECISION (tests, benchmarks) */
     int *pred_votes;     /* [E] rows whose prediction chose each expert */
     uint64_t disk_base;  /* cf_xstore_bytes_read at the last counter reset */
     int failed;          /* CF_ERR_* of the call in flight; set by thread 0 */
@@ -688,13 +690,17 @@ static int acquire_wave(cf_engine *e, int set, int ms, int i0, int max) {
 // evicted first. Results are bit for bit those without speculation: it only changes which bytes
 // are read when.
 
+#define SPEC_MIN_PRECISION 0.9 /* share of a distance's predictions chosen for it to start reads */
+#define SPEC_MIN_SAMPLES 32    /* predictions at a distance before the gate judges it */
+#define SPEC_WINDOW 512        /* predictions per distance before the counts halve */
+
 /* Thread 0, when a call starts: cf_xstore_begin dropped every pin (a failed call may have left
  * some); reads still in flight stay counted until they land. */
 static void spec_begin(cf_engine *e) {
     if (!e->xspec) return;
     for (int i = 0; i < e->n_spec; i++) e->spec_for[i] = -1;
     e->spec_horizon = -1;
-    memset(e->pred_mark, 0, (size_t)e->c.n_layers * e->c.n_experts);
+    memset(e->pred_mark, 0, (size_t)e->c.n_layers * e->c.n_experts * sizeof *e->pred_mark);
 }
 
 /* Thread 0 at route(l): drop the speculative pins predicted for layers up to l; forget the slots
@@ -715,13 +721,34 @@ static void spec_release(cf_engine *e, int l) {
     e->n_spec = k;
 }
 
-/* Thread 0, at route(l): how many of the experts predicted for l it chose (cnt: its routing). */
+/* Thread 0, at route(l): how many of the experts predicted for l it chose (cnt: its routing), in
+ * all (the counters) and per distance the prediction was made from (the gate, spec_trusted). */
 static void spec_score(cf_engine *e, int l, const int *cnt) {
-    uint8_t *mark = e->pred_mark + (size_t)l * e->c.n_experts;
+    uint16_t *mark = e->pred_mark + (size_t)l * e->c.n_experts;
     for (int x = 0; x < e->c.n_experts; x++) {
-        if (mark[x] && cnt[x]) e->cnt.n[CF_CNT_PREDICT_HITS]++;
+        if (!mark[x]) continue;
+        if (cnt[x]) e->cnt.n[CF_CNT_PREDICT_HITS]++;
+        for (int k = 1; k <= CF_SPEC_MAX_DEPTH; k++)
+            if (mark[x] >> (k - 1) & 1) {
+                if (++e->dist_pred[k] > SPEC_WINDOW) { /* decay: recent routing counts most */
+                    e->dist_pred[k] /= 2;
+                    e->dist_hit[k] /= 2;
+                }
+                e->dist_hit[k] += cnt[x] > 0;
+            }
         mark[x] = 0;
     }
+}
+
+/* May predictions made k layers ahead start reads? The next layer's always may (the issue's
+ * next-layer prefetch); further ones once SPEC_MIN_SAMPLES predictions at that distance are in, and
+ * while at least SPEC_MIN_PRECISION of them were chosen, over the last ~SPEC_WINDOW. A wrong read costs a read and evicts a cached expert: where routing changes much from layer
+ * to layer, deep predictions are often wrong, and reading them made a 95% cache miss 2-5x as often
+ * (docs/results/moe.md); the gate keeps the predicting (to keep measuring) and stops the reading. */
+static int spec_trusted(const cf_engine *e, int k) {
+    if (k <= 1) return 1;
+    if (e->dist_pred[k] < SPEC_MIN_SAMPLES) return 0;
+    return (double)e->dist_hit[k] >= e->spec_min_precision * (double)e->dist_pred[k];
 }
 
 /* Thread 0: pin a cached (or loading) slot predicted for layer target, so no other read evicts it
@@ -741,13 +768,14 @@ static void spec_hold(cf_engine *e, int sl, int target) {
 /* Thread 0, after route(l)'s own reads are queued: predict route(target) from route(l)'s input
  * and start the reads of predicted experts nobody has cached or is reading. */
 static void spec_predict(cf_engine *e, int l, int target, int src_kind) {
+    int k_ahead = target - l, trusted = spec_trusted(e, k_ahead);
     const cf_config *c = &e->c;
     cf_state *s = &e->s;
     int E = c->n_experts, d = c->d, set = target % c->n_unique, most = 0, nm = 0;
     const cf_layer *w = &e->w.sets[set];
     float *z = e->ts[0].xb, *zn = z + e->kmax, *pr = s->rlogits; /* free once route(l) is done */
     int *votes = e->pred_votes, chosen[64];
-    uint8_t *mark = e->pred_mark + (size_t)target * E;
+    uint16_t *mark = e->pred_mark + (size_t)target * E;
     float val[64];
     memset(votes, 0, (size_t)E * sizeof *votes);
     for (int b = 0; b < e->B; b++) {
@@ -760,10 +788,11 @@ static void spec_predict(cf_engine *e, int l, int target, int src_kind) {
         for (int k = 0; k < c->top_k; k++) most = cf_max(most, ++votes[chosen[k]]);
     }
     for (int x = 0; x < E; x++)
-        if (votes[x] > 0 && !mark[x]) {
-            mark[x] = 1;
-            e->cnt.n[CF_CNT_PREDICTED]++;
+        if (votes[x] > 0) {
+            if (!mark[x]) e->cnt.n[CF_CNT_PREDICTED]++;
+            mark[x] |= (uint16_t)(1u << (k_ahead - 1));
         }
+    if (!trusted) return;
     for (int v = most; v > 0 && e->n_spec < e->spec_room; v--)
         for (int x = 0; x < E && e->n_spec < e->spec_room; x++) {
             if (votes[x] != v) continue;
@@ -1875,11 +1904,13 @@ static int open_disk_experts(cf_engine *e, const cf_disk_experts *dx, char *err,
         e->spec_room = xi.n_slots - c->top_k * e->inflight;
         e->spec_slot = calloc((size_t)e->spec_room, sizeof *e->spec_slot);
         e->spec_for = calloc((size_t)e->spec_room, sizeof *e->spec_for);
-        e->pred_mark = calloc((size_t)c->n_layers * E, 1);
+        e->pred_mark = calloc((size_t)c->n_layers * E, sizeof *e->pred_mark);
         e->pred_votes = calloc((size_t)E, sizeof *e->pred_votes);
         if (!e->spec_slot || !e->spec_for || !e->pred_mark || !e->pred_votes)
             return cf_set_err(err, n, "out of memory"), -1;
-        e->xspec = dx->speculate;
+        e->xspec = cf_min(dx->speculate, CF_SPEC_MAX_DEPTH);
+        const char *mp = getenv("CFLOW_SPEC_MIN_PRECISION"); /* 0: every distance reads; > 1: only the next layer */
+        e->spec_min_precision = mp && *mp ? atof(mp) : SPEC_MIN_PRECISION;
         e->spec_horizon = -1;
     }
     return 0;

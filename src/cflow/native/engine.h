@@ -192,6 +192,9 @@ int64_t cf_engine_profile_dropped(const cf_engine *e);
 /* Events one forward call records per thread at most (from the plan): the sizing of the buffers. */
 int cf_engine_profile_events_per_call(const cf_engine *e);
 
+/* Speculative prefetch looks at most this many layers ahead. */
+#define CF_SPEC_MAX_DEPTH 16
+
 /* ---- experts on disk ---------------------------------------------------------------------------
  * NULL to cf_engine_create: experts are read from the buffer like every other weight. Otherwise
  * the engine never touches their bytes in the buffer (which may then hold anything there) and
@@ -206,9 +209,9 @@ typedef struct {
     int n_io;             /* reader threads (async) */
     int direct;           /* 1: O_DIRECT where the filesystem takes it */
     int speculate;        /* depth (async only): at route(l), predict the experts of layers up to
-                           * l + depth from route(l)'s input and start their reads (engine.c,
-                           * "speculative prefetch"); 0: off; off by itself when the cache has no
-                           * slot beyond the minimum */
+                           * l + depth (at most CF_SPEC_MAX_DEPTH) from route(l)'s input and start
+                           * their reads (engine.c, "speculative prefetch"); 0: off; off by itself
+                           * when the cache has no slot beyond the minimum */
     int reader;           /* async: CF_XREADER_* (experts.h): io_uring where the kernel offers it, else
                            * pread threads */
 } cf_disk_experts;

@@ -62,9 +62,10 @@ typedef struct {
 
 /* Which async reader: io_uring where the kernel offers it, else pread threads (AUTO); the threads
  * (THREADS); or, for tests, an io_uring setup the kernel refuses, so the fallback runs as it does
- * where io_uring is blocked (URING_REFUSED). */
-enum { CF_XREADER_AUTO, CF_XREADER_THREADS, CF_XREADER_URING_REFUSED, CF_XREADER_KINDS };
-extern const char *const cf_xreader_names[CF_XREADER_KINDS]; /* "auto", "threads", "uring-refused" */
+ * where io_uring is blocked (URING_REFUSED), or every read done in the submitting thread, so which
+ * slots are still loading never depends on timing (INLINE). */
+enum { CF_XREADER_AUTO, CF_XREADER_THREADS, CF_XREADER_URING_REFUSED, CF_XREADER_INLINE, CF_XREADER_KINDS };
+extern const char *const cf_xreader_names[CF_XREADER_KINDS]; /* "auto", "threads", "uring-refused", "inline" */
 
 typedef struct {
     int n_slots, async, n_io, direct;

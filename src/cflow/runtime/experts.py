@@ -24,7 +24,9 @@
                      their experts and starts reading those the cache lacks, in the slots beyond the
                      minimum (none: off by itself); results are the same bit for bit, the counters
                      expert_predicted / expert_predict_hits give the prediction hit rate. N (an int,
-                     or its digits as a string): up to N layers ahead; "next-layer" = 1; "auto"
+                     or its digits as a string): up to N layers ahead (at most 16; predictions
+                     beyond the next layer start reads only while >= 90% of them prove right);
+                     "next-layer" = 1; "auto"
                      (default): AUTO_PREFETCH_DEPTH layers when the experts are on disk with async
                      I/O and delta_expert = 0 (plain Mixtral: no delay window hides the reads), else
                      off; "off" = 0
@@ -43,7 +45,8 @@ pages dropped after each read; set CFLOW_EXPERT_DIRECT=0 to force the buffered p
 reports which it uses: Engine.expert_cache["read"]). Async reads go through io_uring where the
 kernel offers it (raw syscalls, Linux >= 5.11), else through a pool of pread threads, e.g. where a
 container blocks io_uring (Engine.expert_cache["reader"], and "reader_note" says why not);
-CFLOW_EXPERT_READER=threads forces the threads (uring-refused: a refused io_uring, for tests).
+CFLOW_EXPERT_READER=threads forces the threads (for tests: uring-refused, a refused io_uring; inline,
+every read done when it is submitted, so nothing depends on when reads land).
 
 Also here: `simulate`, which replays a routing trace through the cache's eviction policy ("lrfu":
 recency-weighted frequency on each layer's own clock, the C core's, native/experts.c) or an
@@ -68,10 +71,13 @@ from cflow.runtime.files import format_size, parse_size
 MODES = ("ram", "disk", "auto")
 IO_MODES = ("async", "sync")
 PREFETCH_MODES = ("auto", "off", "next-layer")  # or a depth: N layers ahead
-# "auto"'s depth for delay-free models: one expert of a Mixtral-sized model takes several layers'
-# compute to read, so the read must start several layers before its layer routes (docs/results/moe.md,
-# "Speculative prefetch", measured the depths).
-AUTO_PREFETCH_DEPTH = 4
+SPEC_MAX_DEPTH = 16  # native/engine.h CF_SPEC_MAX_DEPTH (checked in tests): deeper asks are capped
+# "auto"'s depth for delay-free models: one expert of a Mixtral-sized model takes about ten layers'
+# compute to read, so the read must start layers before its layer routes; the engine reads
+# predictions from beyond the next layer only while they prove right (engine.c, spec_trusted), so
+# a deep horizon costs little where routing is hard to predict (docs/results/moe.md, "Speculative
+# prefetch", measured the depths).
+AUTO_PREFETCH_DEPTH = 16
 ALIGN = 4096
 VISIT_SCORE = 1 << 16  # native/experts.c: a routing's weight in a score, halved each routing of the layer
 AGE_PER_KEY = 4  # the "lfu" alternative: counts halve every AGE_PER_KEY x n_keys accesses
@@ -293,6 +299,7 @@ def decide(sizes: ModelSizes | None, *, experts: str = "auto", expert_cache: int
         why += f"; expert cache {format_size(budget)}"
     if depth is None:  # auto
         depth = AUTO_PREFETCH_DEPTH if expert_io == "async" and sizes.delta_expert == 0 else 0
+    depth = min(depth, SPEC_MAX_DEPTH)
     if sizes.n_layers:
         depth = min(depth, sizes.n_layers - 1)
     if depth and expert_io != "async":
@@ -324,7 +331,7 @@ def direct_io_wanted() -> bool:
 
 def reader_wanted(native: Any) -> str:
     """CFLOW_EXPERT_READER: "auto" (default: io_uring where the kernel offers it, else pread threads),
-    "threads", or "uring-refused" (tests: the fallback path)."""
+    "threads", "uring-refused" (tests: the fallback path) or "inline" (tests: reads land at submission)."""
     want = os.environ.get("CFLOW_EXPERT_READER", "auto").strip() or "auto"
     if want not in native.EXPERT_READERS:
         raise EngineError(f"CFLOW_EXPERT_READER must be one of {', '.join(native.EXPERT_READERS)}, got {want!r}")
