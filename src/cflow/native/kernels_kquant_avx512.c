@@ -84,9 +84,11 @@ INLINE __m512i scale_pair(__m512i acc, __m512i da, __m512i db, __m512i sc) {
 
 /* ---- Q4_K ----------------------------------------------------------------------------------- */
 
-/* One full group's super-block (chunk c, g = 8: d[8]@0 dmin[8]@16 scales[8][12]@32
- * qs[8][128]@128) against activation block kb; acc lane i = row i. */
-INLINE __m256 q4k_update(const uint8_t *c, const cf_act_q8 *x, int kb, __m256 acc) {
+/* One full group's super-block against activation block kb; acc lane i = row i. Chunk c
+ * (g = 8): Q4_K d[8]@0 dmin[8]@16 scales[8][12]@32 qs[8][128]@128; Q5_K the same with
+ * qh[8][32]@128 and qs@384 (bit t of qh[l]: the 5th bit of weight 32t + l). */
+INLINE __m256 q45k_update(int dtype, const uint8_t *c, const cf_act_q8 *x, int kb, __m256 acc) {
+    const int q5k = dtype == CF_Q5_K;
     const int8_t *xq = x->qk + (size_t)kb * CF_QK_K;
     /* activations arranged as the unpacked nibbles: [sb0|sb2], [sb1|sb3], [sb4|sb6], [sb5|sb7] */
     __m512i xv[4];
@@ -109,7 +111,15 @@ INLINE __m256 q4k_update(const uint8_t *c, const cf_act_q8 *x, int kb, __m256 ac
      * sb2 sb3] per 128-bit lane, W1 the same for sub-blocks 4..7 */
     const __m512i i0 = idx16(0, 1, 0, 1, 2, 3, 2, 3), i1 = idx16(4, 5, 4, 5, 6, 7, 6, 7);
     const __m512i eight = _mm512_set1_epi16(8), m4 = _mm512_set1_epi8(0x0f), zero = _mm512_setzero_si512();
-    const uint8_t *sc = c + 32, *qs = c + 128;
+    const uint8_t *sc = c + 32, *qs = c + (q5k ? 384 : 128);
+    /* Q5_K: bit t of each qh byte to bit 4, for the sub-blocks of each half of the 4 vectors
+     * ([0|2], [1|3], [4|6], [5|7]): one vprolvd (a rotate left by 4 - t mod 32 moves bit t of
+     * every byte of a dword to bit 4 of the same byte), one vpternlogd to mask and merge */
+    const __m512i rot[4] = {_mm512_inserti64x4(_mm512_set1_epi32(4), _mm256_set1_epi32(2), 1),
+                            _mm512_inserti64x4(_mm512_set1_epi32(3), _mm256_set1_epi32(1), 1),
+                            _mm512_inserti64x4(_mm512_set1_epi32(0), _mm256_set1_epi32(30), 1),
+                            _mm512_inserti64x4(_mm512_set1_epi32(31), _mm256_set1_epi32(29), 1)};
+    const __m512i m10 = _mm512_set1_epi8(0x10);
     __m512i r[CF_G];
     __m256i mins[CF_G / 2];
     for (int j = 0; j < CF_G / 2; j++) {
@@ -127,10 +137,15 @@ INLINE __m256 q4k_update(const uint8_t *c, const cf_act_q8 *x, int kb, __m256 ac
             __m512i s1 = _mm512_permutexvar_epi16(h ? _mm512_add_epi16(i1, eight) : i1, sc16);
             const uint8_t *q = qs + 128 * i;
             __m512i v0 = _mm512_loadu_si512(q), v1 = _mm512_loadu_si512(q + 64);
-            __m512i d0 = _mm512_dpbusd_epi32(zero, _mm512_and_si512(v0, m4), xv[0]);
-            __m512i d1 = _mm512_dpbusd_epi32(zero, _mm512_and_si512(_mm512_srli_epi16(v0, 4), m4), xv[1]);
-            __m512i d2 = _mm512_dpbusd_epi32(zero, _mm512_and_si512(v1, m4), xv[2]);
-            __m512i d3 = _mm512_dpbusd_epi32(zero, _mm512_and_si512(_mm512_srli_epi16(v1, 4), m4), xv[3]);
+            __m512i u[4] = {_mm512_and_si512(v0, m4), _mm512_and_si512(_mm512_srli_epi16(v0, 4), m4),
+                            _mm512_and_si512(v1, m4), _mm512_and_si512(_mm512_srli_epi16(v1, 4), m4)};
+            if (q5k) {
+                __m512i hb = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(c + 128 + 32 * i)));
+                for (int k = 0; k < 4; k++) /* (a & b) | c: 0xEA */
+                    u[k] = _mm512_ternarylogic_epi32(_mm512_rolv_epi32(hb, rot[k]), m10, u[k], 0xEA);
+            }
+            __m512i d0 = _mm512_dpbusd_epi32(zero, u[0], xv[0]), d1 = _mm512_dpbusd_epi32(zero, u[1], xv[1]);
+            __m512i d2 = _mm512_dpbusd_epi32(zero, u[2], xv[2]), d3 = _mm512_dpbusd_epi32(zero, u[3], xv[3]);
             r[i] = scale_pair(scale_pair(zero, d0, d1, s0), d2, d3, s1);
         }
     }
@@ -209,7 +224,7 @@ INLINE void kq512_matvec_groups(int dtype, const cf_tiled *w, const cf_act_q8 *x
                 __m256 acc = _mm256_setzero_ps();
                 for (int kb = 0; kb < sp.nkt; kb++) {
                     const uint8_t *c = p + kb * chunk;
-                    acc = dtype == CF_Q6_K ? q6k_update(c, x, sp.kb0 + kb, acc) : q4k_update(c, x, sp.kb0 + kb, acc);
+                    acc = dtype == CF_Q6_K ? q6k_update(c, x, sp.kb0 + kb, acc) : q45k_update(dtype, c, x, sp.kb0 + kb, acc);
                 }
                 float *o = out + (size_t)(gr - g0) * CF_G;
                 _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), acc));
@@ -224,6 +239,10 @@ INLINE void kq512_matvec_groups(int dtype, const cf_tiled *w, const cf_act_q8 *x
 
 static void matvec_q4_k_avx512(const cf_tiled *w, const cf_act_q8 *x, float *y, int g0, int g1) {
     kq512_matvec_groups(CF_Q4_K, w, x, y + (size_t)g0 * CF_G, g0, g1);
+}
+
+static void matvec_q5_k_avx512(const cf_tiled *w, const cf_act_q8 *x, float *y, int g0, int g1) {
+    kq512_matvec_groups(CF_Q5_K, w, x, y + (size_t)g0 * CF_G, g0, g1);
 }
 
 static void matvec_q6_k_avx512(const cf_tiled *w, const cf_act_q8 *x, float *y, int g0, int g1) {
@@ -279,6 +298,10 @@ static void gate_up_q4_k_avx512(const cf_tiled *w, const cf_act_q8 *x, float *y,
     kq512_gate_up(CF_Q4_K, w, x, y, p0, p1);
 }
 
+static void gate_up_q5_k_avx512(const cf_tiled *w, const cf_act_q8 *x, float *y, int p0, int p1) {
+    kq512_gate_up(CF_Q5_K, w, x, y, p0, p1);
+}
+
 static void gate_up_q6_k_avx512(const cf_tiled *w, const cf_act_q8 *x, float *y, int p0, int p1) {
     kq512_gate_up(CF_Q6_K, w, x, y, p0, p1);
 }
@@ -286,7 +309,9 @@ static void gate_up_q6_k_avx512(const cf_tiled *w, const cf_act_q8 *x, float *y,
 /* Called by kernels_avx512.c's table_init on its copy of the AVX2-family table. */
 void cf_kquant_avx512_install(cf_kernel_table *t) {
     t->matvec[CF_Q4_K] = matvec_q4_k_avx512;
+    t->matvec[CF_Q5_K] = matvec_q5_k_avx512;
     t->matvec[CF_Q6_K] = matvec_q6_k_avx512;
     t->gate_up[CF_Q4_K] = gate_up_q4_k_avx512;
+    t->gate_up[CF_Q5_K] = gate_up_q5_k_avx512;
     t->gate_up[CF_Q6_K] = gate_up_q6_k_avx512;
 }
