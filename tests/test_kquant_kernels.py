@@ -5,7 +5,9 @@ Two chains, as tests/test_native_kernels.py does for Q4_0 / Q4_1 / Q8_0:
   kquant.kquant_dots, scaled), its quantize_act_k is kquant.quantize_act_k bit for bit and its
   embed_row is kquant.dequantize_k bit for bit;
 - every ISA table ("avx2", "avxvnni", ...) equals the ref table and the oracle, and its batched
-  kernels equal its own mat-vec bit for bit.
+  kernels equal its own mat-vec bit for bit;
+- the fast tables' K-quant mat-vecs and gate/ups (AVX2-family, and the avx512 table's own 512-bit
+  ones from kernels_kquant_avx512.c) equal each other bit for bit, also at the integer extremes.
 Shapes: rows that are not multiples of 8 (a short last group), band tails, several tiles across
 with a narrower last one, tile shapes other than the default, partial group / pair ranges. Then
 every tensor of the Q4_K_M / Q5_K_M / Q6_K files llama.cpp writes (tests/test_kquant.py's files).
