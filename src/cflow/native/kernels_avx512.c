@@ -598,7 +598,7 @@ DEFINE_GATE_UP_MM(gate_up_mm_q6_k_avx512, CF_Q6_K)
 
 /* ---- the table --------------------------------------------------------------------------- */
 
-void cf_kquant_avx512_install(cf_kernel_table *t); /* kernels_kquant_avx512.c: Q4_K / Q6_K mat-vec, gate/up */
+void cf_kquant_avx512_install(cf_kernel_table *t); /* kernels_kquant_avx512.c: K-quant-file mat-vec, gate/up */
 static cf_kernel_table g_table;
 static pthread_once_t g_once = PTHREAD_ONCE_INIT;
 
