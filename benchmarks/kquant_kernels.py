@@ -11,6 +11,12 @@ a busy machine at 1 thread) and the ratio to Q4_0 on the same shape, in three se
 A ratio well below 1 in l2 means the kernel needs more instructions per byte than Q4_0; if the
 dram ratio is low too, the kernel is compute-bound at that thread count.
 
+With several tables (`--isa avxvnni avx512`) every (table, dtype) is timed in each round: an
+in-process A/B of an old and a new kernel under the same load (the avx512 table's K-quant and
+Q5_x mat-vecs are kernels_kquant_avx512.c's, avxvnni's the AVX2-family ones it replaced); the
+ratio column is then relative to the first table's Q4_0. `--probe` prints cflow's 1-thread memory
+read probe first. Prefetch defaults to the kernels' own default mode (-1), as the engine runs.
+
     python benchmarks/kquant_kernels.py [--dtypes q4_0 q4_k ...] [--threads 1] [--rounds 5]
                                         [--seconds 0.15] [--isa avxvnni avx512] [--prefetch -1] [--probe]
                                         [--shapes 5632x2048] [--settings l2 dram]
@@ -117,7 +123,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=0.15, help="time per measurement")
     ap.add_argument("--shapes", nargs="+", default=[f"{r}x{c}" for r, c in SHAPES], help="OUTxIN")
     ap.add_argument("--settings", nargs="+", default=["l2", "l3", "dram"], choices=["l2", "l3", "dram"])
-    ap.add_argument("--prefetch", type=int, default=0,
+    ap.add_argument("--prefetch", type=int, default=-1,
                     help="PREFETCHT0 distance in bytes (0: off, -1: each kernel's default)")
     ap.add_argument("--probe", action="store_true", help="print the memory read probe first")
     args = ap.parse_args()
