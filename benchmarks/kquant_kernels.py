@@ -11,8 +11,14 @@ a busy machine at 1 thread) and the ratio to Q4_0 on the same shape, in three se
 A ratio well below 1 in l2 means the kernel needs more instructions per byte than Q4_0; if the
 dram ratio is low too, the kernel is compute-bound at that thread count.
 
+With several tables (`--isa avxvnni avx512`) every (table, dtype) is timed in each round: an
+in-process A/B of an old and a new kernel under the same load (the avx512 table's K-quant and
+Q5_x mat-vecs are kernels_kquant_avx512.c's, avxvnni's the AVX2-family ones it replaced); the
+ratio column is then relative to the first table's Q4_0. `--probe` prints cflow's 1-thread memory
+read probe first. Prefetch defaults to the kernels' own default mode (-1), as the engine runs.
+
     python benchmarks/kquant_kernels.py [--dtypes q4_0 q4_k ...] [--threads 1] [--rounds 5]
-                                        [--seconds 0.15] [--isa avxvnni] [--prefetch 0]
+                                        [--seconds 0.15] [--isa avxvnni avx512] [--prefetch -1] [--probe]
                                         [--shapes 5632x2048] [--settings l2 dram]
 """
 
@@ -74,28 +80,34 @@ def time_one(dtype, buf, copies, rows, cols, x, isa, pool, seconds) -> float:
     return cpu if pool is None else wall
 
 
-def run(dtypes, threads, isa, rounds, seconds, shapes=SHAPES, settings=("l2", "l3", "dram")):
+def run(dtypes, threads, isas, rounds, seconds, shapes=SHAPES, settings=("l2", "l3", "dram")):
+    """Rows of the table; with several ISAs each (isa, dtype) is timed in every round, so an old
+    and a new kernel of one dtype are compared under the same load (an in-process A/B)."""
+    if isinstance(isas, str):
+        isas = [isas]
     rng = np.random.default_rng(0)
     table = []
     for rows, cols in shapes:
         dts = [d for d in dtypes if fits(d, cols)]
         x = rng.standard_normal(cols, dtype=np.float32)
         bufs = {d: cases(d, rows, cols, rng) for d in dts}
+        keys = [(isa, d) for d in dts for isa in isas]
         for nth in threads:
             pool = _native.Pool(nth) if nth > 1 else None
             for si, setting in enumerate(("l2", "l3", "dram")):
                 if setting not in settings:
                     continue
-                best = {d: float("inf") for d in dts}
-                for r in range(rounds):  # interleaved: each round times every dtype once
-                    for d in (dts if r % 2 == 0 else dts[::-1]):
+                best = {k: float("inf") for k in keys}
+                for r in range(rounds):  # interleaved: each round times every (isa, dtype) once
+                    for isa, d in (keys if r % 2 == 0 else keys[::-1]):
                         _, buf, copies, rws = bufs[d][si]
-                        best[d] = min(best[d], time_one(d, buf, copies, rws, cols, x, isa, pool, seconds))
-                gbs = {d: bufs[d][si][1].nbytes / bufs[d][si][2] / best[d] / 1e9 for d in dts}
-                base = gbs.get("q4_0")
-                for d in dts:
-                    table.append(dict(shape=f"{rows}x{cols}", threads=nth, setting=setting, dtype=d,
-                                      gbs=gbs[d], ratio=gbs[d] / base if base else float("nan")))
+                        t = time_one(d, buf, copies, rws, cols, x, isa, pool, seconds)
+                        best[isa, d] = min(best[isa, d], t)
+                gbs = {(isa, d): bufs[d][si][1].nbytes / bufs[d][si][2] / best[isa, d] / 1e9 for isa, d in keys}
+                for isa, d in keys:
+                    base = gbs.get((isas[0], "q4_0"))
+                    table.append(dict(shape=f"{rows}x{cols}", threads=nth, setting=setting, isa=isa, dtype=d,
+                                      gbs=gbs[isa, d], ratio=gbs[isa, d] / base if base else float("nan")))
             del pool
         del bufs
     return table
@@ -105,22 +117,29 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dtypes", nargs="+", default=DTYPES, choices=list(K.ALL_QUANT))
     ap.add_argument("--threads", nargs="+", type=int, default=[1])
-    ap.add_argument("--isa", default=_native.isa())
+    ap.add_argument("--isa", nargs="+", default=[_native.isa()],
+                    help="one or more tables (ISAs), timed interleaved: an A/B of old and new kernels")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--seconds", type=float, default=0.15, help="time per measurement")
     ap.add_argument("--shapes", nargs="+", default=[f"{r}x{c}" for r, c in SHAPES], help="OUTxIN")
     ap.add_argument("--settings", nargs="+", default=["l2", "l3", "dram"], choices=["l2", "l3", "dram"])
-    ap.add_argument("--prefetch", type=int, default=0, help="PREFETCHT0 distance in bytes (0: off)")
+    ap.add_argument("--prefetch", type=int, default=-1,
+                    help="PREFETCHT0 distance in bytes (0: off, -1: each kernel's default)")
+    ap.add_argument("--probe", action="store_true", help="print the memory read probe first")
     args = ap.parse_args()
     _native.set_prefetch(args.prefetch)
     t0 = time.time()
     print(f"# isa {args.isa}, prefetch {args.prefetch}, {args.rounds} interleaved rounds; "
           f"GB/s per calling-thread CPU second (1 thread) or wall (pool)")
-    print("| W [out x in] | threads | setting | dtype | GB/s | / q4_0 |")
-    print("|---|---|---|---|---|---|")
+    if args.probe:
+        from cflow.bench.bandwidth import read_bandwidth
+        print(f"# memory read probe, 1 thread: {read_bandwidth(1):.1f} GB/s")
+    print("| W [out x in] | threads | setting | isa | dtype | GB/s | / q4_0 |")
+    print("|---|---|---|---|---|---|---|")
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes]
     for r in run(args.dtypes, args.threads, args.isa, args.rounds, args.seconds, shapes, args.settings):
-        print(f"| {r['shape']} | {r['threads']} | {r['setting']} | {r['dtype']} | {r['gbs']:.1f} | {r['ratio']:.2f} |")
+        print(f"| {r['shape']} | {r['threads']} | {r['setting']} | {r['isa']} | {r['dtype']} | {r['gbs']:.1f} "
+              f"| {r['ratio']:.2f} |")
         sys.stdout.flush()
     print(f"# {time.time() - t0:.0f} s")
 

@@ -5,7 +5,9 @@ Two chains, as tests/test_native_kernels.py does for Q4_0 / Q4_1 / Q8_0:
   kquant.kquant_dots, scaled), its quantize_act_k is kquant.quantize_act_k bit for bit and its
   embed_row is kquant.dequantize_k bit for bit;
 - every ISA table ("avx2", "avxvnni", ...) equals the ref table and the oracle, and its batched
-  kernels equal its own mat-vec bit for bit.
+  kernels equal its own mat-vec bit for bit;
+- the fast tables' K-quant mat-vecs and gate/ups (AVX2-family, and the avx512 table's own 512-bit
+  ones from kernels_kquant_avx512.c) equal each other bit for bit, also at the integer extremes.
 Shapes: rows that are not multiples of 8 (a short last group), band tails, several tiles across
 with a narrower last one, tile shapes other than the default, partial group / pair ranges. Then
 every tensor of the Q4_K_M / Q5_K_M / Q6_K files llama.cpp writes (tests/test_kquant.py's files).
@@ -146,6 +148,54 @@ def test_prefetch_does_not_change_results(dtype):
                 assert np.array_equal(got, want), f"{isa} {dtype}: prefetch {ahead} changed the result"
     finally:
         _native.set_prefetch(before)
+
+
+def extreme_blocks(dtype, rows, cols, quants, scales, seed):
+    """random_blocks with every quant byte (qs / ql / qh) set to `quants` and every scale byte to
+    `scales` (K-quants): the extremes of the integer partials (docs/kquants.md, bounds)."""
+    b = random_blocks(dtype, rows, cols, seed).reshape(rows, cols // K.block_geometry(dtype)[0], -1)
+    for name, (o, n) in K.GGML_FIELDS[dtype].items():
+        if name in ("qs", "ql", "qh", "scales"):
+            b[..., o:o + n] = scales if name == "scales" else quants
+    return b.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("dtype", NEW)
+def test_fast_tables_agree_bit_for_bit(dtype):
+    """Every fast table's mat-vec and gate/up of these dtypes form the same exact integers and the
+    same float operations per row (the 512-bit ones of the avx512 table included), so they agree
+    bit for bit, here also at the extremes: largest quants (Q5_x / Q5_K: 31, Q6_K: 63) or smallest
+    (Q6_K: 0, i.e. -32), scales 63 / -128 / 127, activations all +-127 of one sign (every per-4 sum
+    and block sum at its bound), on odd shapes with short last groups, band tails and narrower last
+    tiles."""
+    if len(FAST_ISAS) < 2:
+        pytest.skip("one fast table on this CPU")
+    fills = [(0xFF, 0xFF), (0x00, 0x80), (0xFF, 0x7F), (0x00, 0x3F)]
+    qb = K.block_geometry(dtype)[0]
+    for i, (rows, cols, tile) in enumerate(shapes(dtype)):
+        rng = rng_for("kagree", dtype, i)
+        for j, blocks in enumerate([random_blocks(dtype, rows, cols, seed=40 + i)] +
+                                   [extreme_blocks(dtype, rows, cols, q, sc, seed=50 + i) for q, sc in fills]):
+            t = K.tile_kquant(blocks, dtype, rows, cols, tile)
+            w = dense(t, dtype, rows, cols, tile)
+            sign = np.where(rng.random(cols // qb) < 0.5, -1.0, 1.0).repeat(qb)
+            for x in (rng.standard_normal(cols, dtype=np.float32), (sign * 3.0).astype(np.float32)):
+                got = {isa: _native.matvec(t, K.KDTYPE_IDS[dtype], rows, cols, x, **kw(tile, isa)) for isa in FAST_ISAS}
+                first = FAST_ISAS[0]
+                for isa in FAST_ISAS[1:]:
+                    assert np.array_equal(got[isa], got[first]), f"{isa} != {first}: {dtype} {rows}x{cols} case {j}"
+                want = K.matvec_k_q8_ref(t, dtype, rows, cols, x, tile)
+                assert_close(got[first], want, bound(w, dtype, x), MATVEC_RTOL, f"{dtype} {rows}x{cols} case {j}")
+    gu_cases = ([(144, 768, (16, 512)), (80, 512, (24, 256))] if dtype in K.K_SUPER else
+                [(144, 576, (16, 256)), (80, 320, (24, 96))])
+    for i, (rows, cols, tile) in enumerate(gu_cases):  # gate/up matrices: 2 * d_ff rows
+        x = rng_for("kagree_gu", dtype, i).standard_normal(cols, dtype=np.float32)
+        for j, blocks in enumerate([random_blocks(dtype, rows, cols, seed=60 + i)] +
+                                   [extreme_blocks(dtype, rows, cols, q, sc, seed=70 + i) for q, sc in fills]):
+            t = K.tile_kquant(blocks, dtype, rows, cols, tile)
+            gu = {isa: _native.gate_up(t, K.KDTYPE_IDS[dtype], rows, cols, x, **kw(tile, isa)) for isa in FAST_ISAS}
+            for isa in FAST_ISAS[1:]:
+                assert np.array_equal(gu[isa], gu[FAST_ISAS[0]]), f"{isa} gate_up {dtype} {rows}x{cols} case {j}"
 
 
 # ---- the batched forms ---------------------------------------------------------------------------

@@ -598,6 +598,7 @@ DEFINE_GATE_UP_MM(gate_up_mm_q6_k_avx512, CF_Q6_K)
 
 /* ---- the table --------------------------------------------------------------------------- */
 
+void cf_kquant_avx512_install(cf_kernel_table *t); /* kernels_kquant_avx512.c: K-quant-file mat-vec, gate/up */
 static cf_kernel_table g_table;
 static pthread_once_t g_once = PTHREAD_ONCE_INIT;
 
@@ -616,6 +617,7 @@ static void table_init(void) {
     g_table.gate_up_mm[CF_Q4_K] = gate_up_mm_q4_k_avx512;
     g_table.gate_up_mm[CF_Q5_K] = gate_up_mm_q5_k_avx512;
     g_table.gate_up_mm[CF_Q6_K] = gate_up_mm_q6_k_avx512;
+    cf_kquant_avx512_install(&g_table);
 }
 
 /* base: the best AVX2-family table of this CPU (always the same one; the first call wins). */

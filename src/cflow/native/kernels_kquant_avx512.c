@@ -1,0 +1,405 @@
+/* kernels_kquant_avx512.c — the mat-vec (and fused gate/up) of the K-quant files' types (Q4_K,
+ * Q5_K, Q6_K, and the 32-block Q5_0 / Q5_1 that llama.cpp writes at widths not a multiple of 256)
+ * on 512-bit registers
+ * with AVX512-VNNI, for the avx512 table (kernels_avx512.c installs them: cf_kquant_avx512_install).
+ *
+ * Compiled with the avx512 object's flags (-mavx512f -mavx512bw -mavx512vl -mavx512vnni, no VBMI).
+ * Why: at one thread the AVX2-family K-quant mat-vec is instruction-bound (docs/kquants.md,
+ * "Speed": Q4_K at ~0.65 of Q4_0's GB/s from DRAM on Zen 5), and Zen 5 runs zmm at full width.
+ * The tile layout is unchanged (row-major chunks of 8 rows); per row and super-block:
+ *
+ *   Q4_K  two 64-byte loads of qs; nibbles masked (and, shift + and): four vectors whose 256-bit
+ *         halves are two sub-blocks of 32 ([0|2], [1|3], [4|6], [5|7]). vpdpbusd against the
+ *         activation arranged the same way gives per dword a sum of 4 products (<= 4*15*127,
+ *         fits int16); vpackssdw pairs two such vectors (exact), and one vpdpwssd applies the
+ *         sub-block scales of 4 sub-blocks at once (the scale operand: one vpermw of the row's
+ *         8 decoded scales). So 4 vpdpbusd + 2 vpdpwssd per 256 weights, against AVX2's
+ *         8 maddubs + 8 madd (or vpdpwssd).
+ *   Q5_K  Q4_K plus the 5th bit: one 32-byte broadcast of qh per row; per nibble vector one
+ *         vprolvd (a per-half rotate brings bit t of every byte to bit 4) and one vpternlogd.
+ *   Q6_K  two 64-byte loads of ql, two 32-byte broadcasts of qh; the two high bits shifted into
+ *         place with one vpsllvw / vpsrlvw (the two 256-bit halves need different shifts) and
+ *         merged with one vpternlogd. Each 128-bit lane is one sub-block of 16. The -32 of the
+ *         weights is folded into vpdpbusd's accumulator: it starts from -32 * (the sum of each
+ *         4 activations), computed once per super-block for all rows, so each dword is
+ *         sum (q - 32) x over 4 weights (|.| <= 4*32*127, fits int16); vpackssdw + vpdpwssd
+ *         with the int8 scales as for Q4_K.
+ *   Q5_0 / Q5_1  four rows per zmm (q5_update512); per 32-weight block of the group 2 loads,
+ *         the 5th bits as byte masks (vpshufb + vptestmb) added by a masked vpaddb, 4 vpdpbusd,
+ *         a 5-instruction fold, then q5_update's float operations.
+ * The 8 rows' 16-dword partials are folded into one vector (lane i = row i) once per
+ * super-block; then the float operations of kernels_kquant_avx2.c's kq_finish_qd (and of
+ * kernels_avx512.c's batched K-quant kernels) per row and super-block:
+ *   acc = fma(d * dx, sum_qd, acc); Q4_K / Q5_K: acc = fnmadd(dmin * dx, sum_mb, acc)
+ * on the same exact integers (docs/kquants.md, "The integer math"), so this mat-vec equals the
+ * table's matmat bit for bit, and the AVX2-family mat-vec too. The short last group goes
+ * through the reference, as everywhere. The batched kernels (matmat, gate_up_mm) stay
+ * kernels_avx512.c's.
+ *
+ * Measured (benchmarks/kquant_kernels.py --isa avxvnni avx512, in-process A/B, 1 thread, shared
+ * Zen 5 VM, indicative): GB/s from L2, old -> new: Q4_K 32 -> 60, Q5_K 31 -> 52, Q6_K 35 -> 66
+ * (Q4_0: 46); from DRAM (96 MB cycled): Q4_K 0.72 -> 1.04, Q5_K 0.66 -> 0.98, Q6_K 0.80 -> 1.06 of
+ * Q4_0's GB/s on the same shape. Q5_0 / Q5_1 (1536x576, 2048x5632): L2 27 -> 52, DRAM 0.65 -> 1.06.
+ *
+ * Software prefetch as kernels_avx2.c's matvec_groups: in the default mode 8 KiB ahead of each
+ * group (MATVEC_AHEAD there), the mode's distance otherwise, none when off. Measured with these
+ * kernels (indicative): off loses half of Q6_K's speed from DRAM; 4 / 8 / 16 KiB are alike for
+ * Q4_K; PREFETCHT1 / T2 instead of T0 lose 15-20% on Q6_K; the ~1B Q4_K_M decode at 1 thread
+ * (Engine.prefetch switched between steps) was fastest at the default 8 KiB.
+ */
+#include <immintrin.h>
+#include <string.h>
+
+#include "cflow.h"
+#include "kernels_internal.h"
+#include "kernels_ref.h"
+
+#define INLINE static inline __attribute__((always_inline))
+
+#define KQ512_AHEAD 8192 /* kernels_avx2.c's MATVEC_AHEAD */
+
+void cf_kquant_avx512_install(cf_kernel_table *t);
+
+/* ---- helpers ------------------------------------------------------------------------------ */
+
+INLINE __m256 load_halves8(const uint8_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+
+/* Lane i = the sum of the 16 dwords of r[i]. */
+INLINE __m256i fold8(const __m512i r[CF_G]) {
+    __m512i a[4], b[2];
+    for (int j = 0; j < 4; j++) /* per 128-bit lane [r_2j, r_2j+1, r_2j, r_2j+1] */
+        a[j] = _mm512_add_epi32(_mm512_unpacklo_epi32(r[2 * j], r[2 * j + 1]),
+                                _mm512_unpackhi_epi32(r[2 * j], r[2 * j + 1]));
+    for (int j = 0; j < 2; j++) /* per 128-bit lane [r_4j .. r_4j+3] */
+        b[j] = _mm512_add_epi32(_mm512_unpacklo_epi64(a[2 * j], a[2 * j + 1]),
+                                _mm512_unpackhi_epi64(a[2 * j], a[2 * j + 1]));
+    /* lanes [b0.0 + b0.1, b1.0 + b1.1, b0.2 + b0.3, b1.2 + b1.3], then the two halves added */
+    __m512i c = _mm512_add_epi32(_mm512_shuffle_i32x4(b[0], b[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_i32x4(b[0], b[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    c = _mm512_shuffle_i32x4(c, c, _MM_SHUFFLE(3, 1, 2, 0));
+    return _mm256_add_epi32(_mm512_castsi512_si256(c), _mm512_extracti64x4_epi64(c, 1));
+}
+
+/* The 8 row sums of 4 row-pair vectors [row 2j: 4 x s32 | row 2j+1: 4 x s32] (kernels_kquant_avx2.c). */
+INLINE __m256i fold_pairs(__m256i p0, __m256i p1, __m256i p2, __m256i p3) {
+    __m256i a = _mm256_hadd_epi32(p0, p1), b = _mm256_hadd_epi32(p2, p3);
+    return _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(a, b), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+/* int16 index vector: in 128-bit lane j, 4 x a_j then 4 x b_j. */
+INLINE __m512i idx16(int a0, int b0, int a1, int b1, int a2, int b2, int a3, int b3) {
+    return _mm512_set_epi16(b3, b3, b3, b3, a3, a3, a3, a3, b2, b2, b2, b2, a2, a2, a2, a2,
+                            b1, b1, b1, b1, a1, a1, a1, a1, b0, b0, b0, b0, a0, a0, a0, a0);
+}
+
+/* da, db: 16 dwords each, every dword a sum over 4 weights of the sub-block its 128-bit lane
+ * holds. vpackssdw puts, per 128-bit lane, da's 4 dwords then db's as int16 (exact: every value
+ * fits), so one vpdpwssd against sc (int16 per lane: 4 x da's scale, 4 x db's) adds
+ * scale * dot for both sub-blocks of every lane to acc. */
+INLINE __m512i scale_pair(__m512i acc, __m512i da, __m512i db, __m512i sc) {
+    return _mm512_dpwssd_epi32(acc, _mm512_packs_epi32(da, db), sc);
+}
+
+/* ---- Q4_K ----------------------------------------------------------------------------------- */
+
+/* One full group's super-block against activation block kb; acc lane i = row i. Chunk c
+ * (g = 8): Q4_K d[8]@0 dmin[8]@16 scales[8][12]@32 qs[8][128]@128; Q5_K the same with
+ * qh[8][32]@128 and qs@384 (bit t of qh[l]: the 5th bit of weight 32t + l). */
+INLINE __m256 q45k_update(int dtype, const uint8_t *c, const cf_act_q8 *x, int kb, __m256 acc) {
+    const int q5k = dtype == CF_Q5_K;
+    const int8_t *xq = x->qk + (size_t)kb * CF_QK_K;
+    /* activations arranged as the unpacked nibbles: [sb0|sb2], [sb1|sb3], [sb4|sb6], [sb5|sb7] */
+    __m512i xv[4];
+    for (int k = 0; k < 4; k++) {
+        const int8_t *p = xq + 128 * (k >> 1) + 32 * (k & 1);
+        xv[k] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)p)),
+                                   _mm256_loadu_si256((const __m256i *)(p + 64)), 1);
+    }
+    /* the 6-bit scales and mins of the 8 rows (ggml's get_scale_min_k4), two rows per ymm as in
+     * kernels_kquant_avx2.c's kq_scales_k4: per 128-bit lane bytes 0..7 scales, 8..15 mins */
+    const __m256i pick = _mm256_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11,
+                                          0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11);
+    const __m256i tops = _mm256_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7,
+                                          -1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7);
+    const __m256i m_low = _mm256_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0,
+                                           63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0);
+    const __m256i m_nib = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15,
+                                           0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15);
+    /* scale operands of row 2j (+8 selects row 2j+1's lane): W0 = [sb0 sb1 | sb0 sb1 | sb2 sb3 |
+     * sb2 sb3] per 128-bit lane, W1 the same for sub-blocks 4..7 */
+    const __m512i i0 = idx16(0, 1, 0, 1, 2, 3, 2, 3), i1 = idx16(4, 5, 4, 5, 6, 7, 6, 7);
+    const __m512i eight = _mm512_set1_epi16(8), m4 = _mm512_set1_epi8(0x0f), zero = _mm512_setzero_si512();
+    const uint8_t *sc = c + 32, *qs = c + (q5k ? 384 : 128);
+    /* Q5_K: bit t of each qh byte to bit 4, for the sub-blocks of each half of the 4 vectors
+     * ([0|2], [1|3], [4|6], [5|7]): one vprolvd (a rotate left by 4 - t mod 32 moves bit t of
+     * every byte of a dword to bit 4 of the same byte), one vpternlogd to mask and merge */
+    const __m512i rot[4] = {_mm512_inserti64x4(_mm512_set1_epi32(4), _mm256_set1_epi32(2), 1),
+                            _mm512_inserti64x4(_mm512_set1_epi32(3), _mm256_set1_epi32(1), 1),
+                            _mm512_inserti64x4(_mm512_set1_epi32(0), _mm256_set1_epi32(30), 1),
+                            _mm512_inserti64x4(_mm512_set1_epi32(31), _mm256_set1_epi32(29), 1)};
+    const __m512i m10 = _mm512_set1_epi8(0x10);
+    __m512i r[CF_G];
+    __m256i mins[CF_G / 2];
+    for (int j = 0; j < CF_G / 2; j++) {
+        /* rows 2j, 2j+1: 24 contiguous bytes (the last pair's load reads into qs) */
+        __m256i v = _mm256_permutevar8x32_epi32(_mm256_loadu_si256((const __m256i *)(sc + 24 * j)),
+                                                _mm256_setr_epi32(0, 1, 2, 2, 3, 4, 5, 5));
+        __m256i a = _mm256_shuffle_epi8(v, pick), b = _mm256_shuffle_epi8(v, tops);
+        __m256i low = _mm256_or_si256(_mm256_and_si256(a, m_low), _mm256_and_si256(_mm256_srli_epi16(a, 4), m_nib));
+        __m256i sm = _mm256_or_si256(low, _mm256_and_si256(_mm256_srli_epi16(b, 2), _mm256_set1_epi8(0x30)));
+        __m512i sc16 = _mm512_castsi256_si512(_mm256_unpacklo_epi8(sm, _mm256_setzero_si256()));
+        mins[j] = _mm256_unpackhi_epi8(sm, _mm256_setzero_si256());
+        for (int h = 0; h < 2; h++) {
+            int i = 2 * j + h;
+            __m512i s0 = _mm512_permutexvar_epi16(h ? _mm512_add_epi16(i0, eight) : i0, sc16);
+            __m512i s1 = _mm512_permutexvar_epi16(h ? _mm512_add_epi16(i1, eight) : i1, sc16);
+            const uint8_t *q = qs + 128 * i;
+            __m512i v0 = _mm512_loadu_si512(q), v1 = _mm512_loadu_si512(q + 64);
+            __m512i u[4] = {_mm512_and_si512(v0, m4), _mm512_and_si512(_mm512_srli_epi16(v0, 4), m4),
+                            _mm512_and_si512(v1, m4), _mm512_and_si512(_mm512_srli_epi16(v1, 4), m4)};
+            if (q5k) {
+                __m512i hb = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(c + 128 + 32 * i)));
+                for (int k = 0; k < 4; k++) /* (a & b) | c: 0xEA */
+                    u[k] = _mm512_ternarylogic_epi32(_mm512_rolv_epi32(hb, rot[k]), m10, u[k], 0xEA);
+            }
+            __m512i d0 = _mm512_dpbusd_epi32(zero, u[0], xv[0]), d1 = _mm512_dpbusd_epi32(zero, u[1], xv[1]);
+            __m512i d2 = _mm512_dpbusd_epi32(zero, u[2], xv[2]), d3 = _mm512_dpbusd_epi32(zero, u[3], xv[3]);
+            r[i] = scale_pair(scale_pair(zero, d0, d1, s0), d2, d3, s1);
+        }
+    }
+    __m256i qd = fold8(r);
+    /* kq_finish_qd's float operations */
+    __m256 dx = _mm256_broadcast_ss(x->dk + kb);
+    acc = _mm256_fmadd_ps(_mm256_mul_ps(load_halves8(c), dx), _mm256_cvtepi32_ps(qd), acc);
+    const int16_t *bs = x->bsums + (size_t)kb * (CF_QK_K / 16);
+    __m256i b32 = _mm256_broadcastsi128_si256(
+        _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)bs), _mm_loadu_si128((const __m128i *)(bs + 8))));
+    __m256i mb = fold_pairs(_mm256_madd_epi16(mins[0], b32), _mm256_madd_epi16(mins[1], b32),
+                            _mm256_madd_epi16(mins[2], b32), _mm256_madd_epi16(mins[3], b32));
+    return _mm256_fnmadd_ps(_mm256_mul_ps(load_halves8(c + 16), dx), _mm256_cvtepi32_ps(mb), acc);
+}
+
+/* ---- Q6_K ----------------------------------------------------------------------------------- */
+
+/* One full group's super-block (chunk c, g = 8: d[8]@0 scales[8][16]@16 ql[8][128]@144
+ * qh[8][64]@1168) against activation block kb. In half h (weights 128h ..), ql[64h + l] holds
+ * weight 128h + l (l < 64) in its low nibble and 128h + 64 + l in its high one; qh[32h + l] bits
+ * 2s, 2s+1 the top bits of weight 128h + 32s + l. So the 64 ql bytes' low nibbles are weights
+ * 128h + 0..63 in order (128-bit lane j = sub-block 8h + j), the high ones 128h + 64..127
+ * (sub-block 8h + 4 + j), and the qh bytes serve both 256-bit halves of each. */
+INLINE __m256 q6k_update(const uint8_t *c, const cf_act_q8 *x, int kb, __m256 acc) {
+    const int8_t *xq = x->qk + (size_t)kb * CF_QK_K;
+    const __m512i m4 = _mm512_set1_epi8(0x0f), m30 = _mm512_set1_epi8(0x30), zero = _mm512_setzero_si512();
+    /* bits 2s, 2s+1 -> 4, 5: s = 0 | 1 (low nibbles) shift left 4 | 2, s = 2 | 3 right 0 | 2 */
+    const __m512i shl = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
+    const __m512i shr = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+    /* scale operands: half h pairs sub-block 8h + j (low nibbles) with 8h + 4 + j in lane j */
+    const __m512i i0 = idx16(0, 4, 1, 5, 2, 6, 3, 7), i1 = idx16(8, 12, 9, 13, 10, 14, 11, 15);
+    __m512i xv[4], y[4];
+    for (int k = 0; k < 4; k++) {
+        xv[k] = _mm512_loadu_si512(xq + 64 * k);
+        /* -32 * (sum of each 4 activations): vpdpbusd's start, so each dword is sum (q - 32) x */
+        __m512i s4 = _mm512_dpbusd_epi32(zero, _mm512_set1_epi8(1), xv[k]);
+        y[k] = _mm512_sub_epi32(zero, _mm512_slli_epi32(s4, 5));
+    }
+    __m512i r[CF_G];
+    for (int i = 0; i < CF_G; i++) {
+        const uint8_t *ql = c + 144 + 128 * i, *qh = c + 1168 + 64 * i;
+        __m512i s16 = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(c + 16 + 16 * i))));
+        __m512i acc_i = zero;
+        for (int h = 0; h < 2; h++) {
+            __m512i v = _mm512_loadu_si512(ql + 64 * h);
+            __m512i hb = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(qh + 32 * h)));
+            /* (a & b) | c: 0xEA */
+            __m512i lo = _mm512_ternarylogic_epi32(_mm512_sllv_epi16(hb, shl), m30, _mm512_and_si512(v, m4), 0xEA);
+            __m512i hi = _mm512_ternarylogic_epi32(_mm512_srlv_epi16(hb, shr), m30,
+                                                   _mm512_and_si512(_mm512_srli_epi16(v, 4), m4), 0xEA);
+            __m512i dl = _mm512_dpbusd_epi32(y[2 * h], lo, xv[2 * h]);
+            __m512i dh = _mm512_dpbusd_epi32(y[2 * h + 1], hi, xv[2 * h + 1]);
+            acc_i = scale_pair(acc_i, dl, dh, _mm512_permutexvar_epi16(h ? i1 : i0, s16));
+        }
+        r[i] = acc_i;
+    }
+    __m256 dx = _mm256_broadcast_ss(x->dk + kb);
+    return _mm256_fmadd_ps(_mm256_mul_ps(load_halves8(c), dx), _mm256_cvtepi32_ps(fold8(r)), acc);
+}
+
+/* ---- Q5_0 / Q5_1 (32-weight blocks) ------------------------------------------------------------ */
+
+/* One full group's block (chunk c, g = 8: Q5_0 d[8]@0 qh[8][4]@16 qs[8][16]@48, 176 B; Q5_1
+ * d[8]@0 m[8]@16 qh@32 qs@64, 192 B) against activation block kb: four rows per zmm (128-bit lane
+ * r = row 4h + r), low nibbles = weights 0..15, high = 16..31; the 5th bit of each weight as a
+ * byte mask (vpshufb spreads the row's qh bytes over its lane, vptestmb picks bit k % 8 of byte
+ * k) and one masked vpaddb of 16; one vpdpbusd per 64 weights, lows and highs into one
+ * accumulator, then kernels_kquant_avx2.c's q5_update float operations. */
+INLINE __m256 q5_update512(int dtype, const uint8_t *c, const cf_act_q8 *x, int kb, __m256 acc) {
+    const int q51 = dtype == CF_Q5_1;
+    const uint8_t *qh = c + (q51 ? 32 : 16), *qs = qh + 32;
+    const int8_t *xk = x->qs + (size_t)kb * CF_QK;
+    const __m512i m4 = _mm512_set1_epi8(0x0f), b16 = _mm512_set1_epi8(0x10), zero = _mm512_setzero_si512();
+    const __m512i spread_lo = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1));
+    const __m512i spread_hi = _mm512_broadcast_i32x4(_mm_setr_epi8(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+    const __m512i bitsel = _mm512_broadcast_i32x4(_mm_setr_epi8(1, 2, 4, 8, 16, 32, 64, -128, 1, 2, 4, 8, 16, 32, 64, -128));
+    __m512i xa = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)xk));
+    __m512i xb = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(xk + 16)));
+    __m512i qh8 = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)qh)); /* dword i = row i's qh */
+    __m512i a[2];
+    for (int h = 0; h < 2; h++) {
+        __m512i hq = _mm512_permutexvar_epi32(_mm512_setr_epi32(4 * h, 4 * h, 4 * h, 4 * h, 4 * h + 1, 4 * h + 1, 4 * h + 1,
+                                                                4 * h + 1, 4 * h + 2, 4 * h + 2, 4 * h + 2, 4 * h + 2,
+                                                                4 * h + 3, 4 * h + 3, 4 * h + 3, 4 * h + 3), qh8);
+        __m512i v = _mm512_loadu_si512(qs + 64 * h);
+        __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+        lo = _mm512_mask_add_epi8(lo, _mm512_test_epi8_mask(_mm512_shuffle_epi8(hq, spread_lo), bitsel), lo, b16);
+        hi = _mm512_mask_add_epi8(hi, _mm512_test_epi8_mask(_mm512_shuffle_epi8(hq, spread_hi), bitsel), hi, b16);
+        a[h] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, lo, xa), hi, xb);
+    }
+    /* per lane r: [a0 + a2, b0 + b2, a1 + a3, b1 + b3] (a = rows 0..3, b = rows 4..7), then
+     * [sum a, sum b, sum a, sum b]; dword 0 of each lane, then dword 1: rows 0..7 */
+    __m512i p = _mm512_add_epi32(_mm512_unpacklo_epi32(a[0], a[1]), _mm512_unpackhi_epi32(a[0], a[1]));
+    p = _mm512_add_epi32(p, _mm512_shuffle_epi32(p, _MM_SHUFFLE(1, 0, 3, 2)));
+    __m256i isum = _mm512_castsi512_si256(
+        _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0), p));
+    /* q5_update's float operations */
+    __m256 fsum = _mm256_cvtepi32_ps(isum), d = load_halves8(c);
+    __m256 bd = _mm256_broadcast_ss(x->d + kb), bs = _mm256_broadcast_ss(x->s + kb);
+    if (q51) {
+        acc = _mm256_fmadd_ps(d, _mm256_mul_ps(fsum, bd), acc);
+        return _mm256_fmadd_ps(load_halves8(c + 16), bs, acc);
+    }
+    __m256 neg16s = _mm256_mul_ps(bs, _mm256_set1_ps(-16.0f));
+    return _mm256_fmadd_ps(d, _mm256_fmadd_ps(fsum, bd, neg16s), acc);
+}
+
+/* ---- the walk: kernels_avx2.c's matvec_groups ------------------------------------------------ */
+
+INLINE void kq512_matvec_groups(int dtype, const cf_tiled *w, const cf_act_q8 *x, float *out, int g0, int g1) {
+    int g1_full = cf_min(g1, w->rows / CF_G);
+    size_t chunk = (size_t)CF_G * cf_block_bytes(dtype);
+    int pf = cf_prefetch_distance(KQ512_AHEAD);
+    const uint8_t *end = pf ? cf_tiled_end(w) : NULL;
+    if (g0 < g1_full) {
+        memset(out, 0, sizeof(float) * (size_t)(g1_full - g0) * CF_G);
+        cf_span sp;
+        for (cf_span_begin(&sp, w, g0, g1_full); cf_span_next(&sp);) {
+            const uint8_t *p = sp.ptr;
+            size_t group_bytes = sp.nkt * chunk;
+            for (int gr = sp.ga; gr < sp.gb; gr++, p += group_bytes) {
+                cf_prefetch_ahead(pf, p, group_bytes, end);
+                __m256 acc = _mm256_setzero_ps();
+                for (int kb = 0; kb < sp.nkt; kb++) {
+                    const uint8_t *c = p + kb * chunk;
+                    if (dtype == CF_Q6_K) acc = q6k_update(c, x, sp.kb0 + kb, acc);
+                    else if (dtype == CF_Q4_K || dtype == CF_Q5_K) acc = q45k_update(dtype, c, x, sp.kb0 + kb, acc);
+                    else acc = q5_update512(dtype, c, x, sp.kb0 + kb, acc);
+                }
+                float *o = out + (size_t)(gr - g0) * CF_G;
+                _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), acc));
+            }
+        }
+    }
+    if (g1 > g1_full && g1 > g0) {
+        int gs = cf_max(g0, g1_full);
+        cf_matvec_groups_ref(w, x, out + (size_t)(gs - g0) * CF_G, gs, g1);
+    }
+}
+
+static void matvec_q5_0_avx512(const cf_tiled *w, const cf_act_q8 *x, float *y, int g0, int g1) {
+    kq512_matvec_groups(CF_Q5_0, w, x, y + (size_t)g0 * CF_G, g0, g1);
+}
+
+static void matvec_q5_1_avx512(const cf_tiled *w, const cf_act_q8 *x, float *y, int g0, int g1) {
+    kq512_matvec_groups(CF_Q5_1, w, x, y + (size_t)g0 * CF_G, g0, g1);
+}
+
+static void matvec_q4_k_avx512(const cf_tiled *w, const cf_act_q8 *x, float *y, int g0, int g1) {
+    kq512_matvec_groups(CF_Q4_K, w, x, y + (size_t)g0 * CF_G, g0, g1);
+}
+
+static void matvec_q5_k_avx512(const cf_tiled *w, const cf_act_q8 *x, float *y, int g0, int g1) {
+    kq512_matvec_groups(CF_Q5_K, w, x, y + (size_t)g0 * CF_G, g0, g1);
+}
+
+static void matvec_q6_k_avx512(const cf_tiled *w, const cf_act_q8 *x, float *y, int g0, int g1) {
+    kq512_matvec_groups(CF_Q6_K, w, x, y + (size_t)g0 * CF_G, g0, g1);
+}
+
+/* ---- fused gate+up+SiLU: kernels_avx2.c's gate_up over this mat-vec --------------------------- */
+
+/* exp_ps / silu_ps exactly as kernels_avx2.c writes them (the same operations in the same
+ * order, so the same bits: gate_up_mm of the avx512 table must equal gate_up). */
+INLINE __m256 exp_ps(__m256 x) {
+    x = _mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f));
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3365447504f)); /* keep 2^n a normal float */
+    __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f),
+                                               _mm256_set1_ps(0.5f)));
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507E-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073E-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894E-2f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459E-1f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201E-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+INLINE __m256 silu_ps(__m256 g) {
+    __m256 e = exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), g));
+    return _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+}
+
+#define GATE_UP_CHUNK 32 /* pairs per pass: gate/up outputs of 512 floats stay in L1 */
+
+INLINE void kq512_gate_up(int dtype, const cf_tiled *w, const cf_act_q8 *x, float *y, int p0, int p1) {
+    float gu[2 * CF_G * GATE_UP_CHUNK]; /* per pair: gate[8], up[8] */
+    int gpb = w->tile_rows / CF_G;
+    for (int p = p0; p < p1;) {
+        /* stop at the band edge so one pass walks each tile of one band once */
+        int band_end_pair = ((2 * p) / gpb + 1) * gpb / 2;
+        int pe = cf_min(cf_min(p1, p + GATE_UP_CHUNK), cf_max(p + 1, band_end_pair));
+        kq512_matvec_groups(dtype, w, x, gu, 2 * p, 2 * pe);
+        for (int j = 0; j < pe - p; j++) {
+            __m256 g = _mm256_loadu_ps(gu + 16 * j), u = _mm256_loadu_ps(gu + 16 * j + 8);
+            _mm256_storeu_ps(y + (size_t)(p + j) * CF_G, _mm256_mul_ps(silu_ps(g), u));
+        }
+        p = pe;
+    }
+}
+
+static void gate_up_q5_0_avx512(const cf_tiled *w, const cf_act_q8 *x, float *y, int p0, int p1) {
+    kq512_gate_up(CF_Q5_0, w, x, y, p0, p1);
+}
+
+static void gate_up_q5_1_avx512(const cf_tiled *w, const cf_act_q8 *x, float *y, int p0, int p1) {
+    kq512_gate_up(CF_Q5_1, w, x, y, p0, p1);
+}
+
+static void gate_up_q4_k_avx512(const cf_tiled *w, const cf_act_q8 *x, float *y, int p0, int p1) {
+    kq512_gate_up(CF_Q4_K, w, x, y, p0, p1);
+}
+
+static void gate_up_q5_k_avx512(const cf_tiled *w, const cf_act_q8 *x, float *y, int p0, int p1) {
+    kq512_gate_up(CF_Q5_K, w, x, y, p0, p1);
+}
+
+static void gate_up_q6_k_avx512(const cf_tiled *w, const cf_act_q8 *x, float *y, int p0, int p1) {
+    kq512_gate_up(CF_Q6_K, w, x, y, p0, p1);
+}
+
+/* Called by kernels_avx512.c's table_init on its copy of the AVX2-family table: every other
+ * entry (Q4_0 / Q4_1 / Q8_0 mat-vec, the batched kernels) stays as it is. */
+void cf_kquant_avx512_install(cf_kernel_table *t) {
+    t->matvec[CF_Q5_0] = matvec_q5_0_avx512;
+    t->matvec[CF_Q5_1] = matvec_q5_1_avx512;
+    t->matvec[CF_Q4_K] = matvec_q4_k_avx512;
+    t->matvec[CF_Q5_K] = matvec_q5_k_avx512;
+    t->matvec[CF_Q6_K] = matvec_q6_k_avx512;
+    t->gate_up[CF_Q5_0] = gate_up_q5_0_avx512;
+    t->gate_up[CF_Q5_1] = gate_up_q5_1_avx512;
+    t->gate_up[CF_Q4_K] = gate_up_q4_k_avx512;
+    t->gate_up[CF_Q5_K] = gate_up_q5_k_avx512;
+    t->gate_up[CF_Q6_K] = gate_up_q6_k_avx512;
+}
