@@ -3,8 +3,10 @@
 The per-table tests (test_native_kernels.py, test_kquant_kernels.py, test_every_isa.py) already
 run it against the ref table; this file aims at what is specific to it: 4 tokens x 2 group pairs
 per micro-kernel, batches of 64 tokens, a lone last group of a band or range (half a zmm), tiles
-of exactly 16 blocks (the buffer) and wider (the inherited kernel), and the copy of the base
-table it starts from. Skipped on CPUs without AVX-512 F/BW/VL + VNNI.
+of exactly 16 blocks (the buffer) and wider (the inherited kernel), the copy of the base table
+it starts from, and the small-batch path (B <= 32: blocks unpacked into registers, rows in a
+lane order of its own, passes of at most 8 tokens) at every B, at the weights' integer extremes.
+Skipped on CPUs without AVX-512 F/BW/VL + VNNI.
 """
 
 from __future__ import annotations
@@ -193,3 +195,74 @@ def test_cflow_isa_selects_it_and_the_tables_below():
         out = subprocess.run([sys.executable, "-c", "from cflow import _native; print(_native.isa())"],
                              env={**os.environ, "CFLOW_ISA": name}, capture_output=True, text=True, check=True)
         assert out.stdout.strip() == name
+
+
+# ---- the small-batch path (B <= 32: blocks unpacked into registers, passes of at most 8 tokens) ----
+SMALL_SHAPES = [(203, 1088, (24, 96)),   # 3 groups a band: a lone group per band; a short last group
+                (77, 544, (40, 256)),    # 5 groups a band; ragged last tile (1 block)
+                (136, 512, (128, 512)),  # 17 groups: one lone group; tiles of 16 blocks (the buffer's)
+                (8, 32, (8, 32)),        # one group, one block
+                (264, 576, (128, 256))]  # SmolLM2-like tiles, a lone group in the last band
+
+
+def extreme_case(key, rows, cols, dtype, tile, n_tokens):
+    """Weights at the ends of their integer range (Q4 nibbles 0 and 15, Q8_0 -127..127 with -128
+    where the format allows it) and activations of very different scales, zeros and spikes."""
+    rng = rng_for(*key)
+    w = rng.choice(np.array([-1.0, 1.0, 0.0], np.float32), size=(rows, cols)) * rng.uniform(0.5, 2, (rows, 1))
+    w[:, ::7] = np.abs(w[:, ::7]).max()  # each block's extremes
+    X = rng.standard_normal((n_tokens, cols), dtype=np.float32)
+    X[0] = 0.0
+    X[1, ::5] = 1e4
+    X[2] = np.sign(X[2]) * 3.0  # every int8 at +-127
+    return Q.quantize_tiled(w.astype(np.float32), dtype, tile), X
+
+
+@pytest.mark.parametrize("rows,cols,tile", SMALL_SHAPES)
+@pytest.mark.parametrize("dtype", QDTYPES)
+@pytest.mark.parametrize("case", [random_case, extreme_case])
+def test_small_batch_path_equals_matvec(case, dtype, rows, cols, tile):
+    """Every B of one and two passes (1..8: one pass, 9..16: 5+4 .. 8+8), three and four passes
+    (17, 23, 24, 25, 31, 32) and 33 (the buffer path again): bit for bit the table's mat-vec row
+    by row, within rounding of the ref table."""
+    t, X = case(("small", case.__name__, dtype, rows, cols, tile), rows, cols, dtype, tile, 33)
+    dt, kw = Q.DTYPE_IDS[dtype], dict(tile_rows=tile[0], tile_cols=tile[1])
+    mv = np.stack([_native.matvec(t, dt, rows, cols, x, isa="avx512", **kw) for x in X])
+    ref = np.stack([_native.matvec(t, dt, rows, cols, x, isa="ref", **kw) for x in X])
+    scale = bound(t, dtype, rows, cols, X, tile)
+    for B in list(range(1, 18)) + [23, 24, 25, 31, 32, 33]:
+        got = _native.matmat(t, dt, rows, cols, X[:B], isa="avx512", **kw)
+        assert np.array_equal(got, mv[:B]), f"matmat {dtype} {rows}x{cols} tile {tile} B={B} != matvec"
+        err = np.abs(got.astype(np.float64) - ref[:B]) / scale[:B]
+        assert err.max() <= 2 * MATVEC_RTOL, f"B={B}: {err.max():.3g} from the ref table"
+
+
+@pytest.mark.parametrize("dtype", QDTYPES)
+@pytest.mark.parametrize("B", [1, 3, 8, 9, 16, 32])
+def test_small_batch_group_ranges_and_threads(dtype, B):
+    """Ranges starting or ending on odd groups (a lone first or last pair of a share), inside and
+    across bands, in one pass and in two: only their rows, the same values; a pool changes nothing."""
+    rows, cols, tile = 203, 1088, (40, 96)
+    t, X = random_case(("small ranges", dtype, B), rows, cols, dtype, tile, B)
+    dt, kw = Q.DTYPE_IDS[dtype], dict(tile_rows=tile[0], tile_cols=tile[1], isa="avx512")
+    full = _native.matmat(t, dt, rows, cols, X, **kw)
+    assert np.array_equal(full, np.stack([_native.matvec(t, dt, rows, cols, x, **kw) for x in X]))
+    assert np.array_equal(_native.matmat(t, dt, rows, cols, X, pool=_native.Pool(3), **kw), full)
+    for g0, g1 in [(1, 2), (1, 4), (3, 8), (4, 9), (5, 26), (24, 26), (25, 26), (0, 25)]:
+        part = _native.matmat(t, dt, rows, cols, X, g0=g0, g1=g1, **kw)
+        r0, r1 = g0 * 8, min(g1 * 8, rows)
+        assert np.array_equal(part[:, r0:r1], full[:, r0:r1]), f"groups [{g0}, {g1}) differ"
+        assert not part[:, :r0].any() and not part[:, r1:].any(), f"[{g0}, {g1}) wrote outside its rows"
+
+
+@pytest.mark.parametrize("d_ff,cols,tile", [(24, 96, (24, 96)), (72, 576, (128, 256)), (56, 1088, (24, 1024))])
+@pytest.mark.parametrize("dtype", QDTYPES)
+def test_small_batch_gate_up_mm_equals_gate_up(dtype, d_ff, cols, tile):
+    """gate_up_mm at every B of one and two passes and at 31..33 (its passes of pairs run the small
+    path up to 32 tokens): the one-token gate_up bit for bit."""
+    rows = 2 * d_ff
+    t, X = random_case(("small gu", dtype, d_ff, cols, tile), rows, cols, dtype, tile, 33)
+    dt, kw = Q.DTYPE_IDS[dtype], dict(tile_rows=tile[0], tile_cols=tile[1], isa="avx512")
+    one = np.stack([_native.gate_up(t, dt, rows, cols, x, **kw) for x in X])
+    for B in list(range(1, 17)) + [31, 32, 33]:
+        assert np.array_equal(_native.gate_up_mm(t, dt, rows, cols, X[:B], **kw), one[:B]), f"B={B}"

@@ -21,14 +21,17 @@
  * rows of two groups side by side, in row order), then a micro-kernel runs MM5_NT tokens x
  * MM5_NP pairs at once: per activation dword it broadcasts NT dwords and issues NT x NP
  * vpdpbusd against NP weight vectors, so each weight vector loaded serves NT tokens and each
- * broadcast serves NP x 16 rows.
+ * broadcast serves NP x 16 rows. Q4_0 / Q4_1 / Q8_0 batches of at most SB_MAX_B = 32 tokens
+ * (serve's decode steps, step_rows) skip the buffer: each block is unpacked into registers and
+ * used right away by up to 8 tokens (below, "small batches"); same values, and faster at every
+ * B up to 32 with the weights streamed from memory (measured, below).
  *
  * Software prefetch (cflow.h, cf_set_prefetch): with a distance N, each run of groups about to be
  * unpacked first asks for the lines N bytes ahead of it (cf_prefetch_ahead); off: never. In the
- * default mode they prefetch MM5_AHEAD bytes ahead, because the unpacking reads two groups' chunks
- * in turn (two streams a group apart, 64-byte loads across lines), which the hardware prefetcher
- * does not follow: measured 2026-11-30, 1 thread, one process switching modes
- * (Engine.prefetch), per call of 8 rows: SmolLM2 10.4 -> 6.7 ms, the ~1B Q4_0 model 73.6 -> 43.6
+ * default mode they prefetch MM5_AHEAD bytes ahead (the small-batch path SB_AHEAD), because the
+ * unpacking reads two groups' chunks in turn (two streams a group apart, 64-byte loads across
+ * lines), which the hardware prefetcher does not follow: measured 2026-11-30, 1 thread, one
+ * process switching modes (Engine.prefetch), per call of 8 rows (the buffer path): SmolLM2 10.4 -> 6.7 ms, the ~1B Q4_0 model 73.6 -> 43.6
  * ms; of 64 rows (prefill), 1B: 295 -> 280 ms. Small batches (serve's decode steps) expose the
  * memory stalls that 64 tokens of compute per weight byte hide. The inherited mat-vec and gate/up
  * follow the mode in kernels_avx2.c.
@@ -195,7 +198,7 @@ INLINE void q8_block_sums(const cf_act_q8 *xs, int nb, int kb0, int nkt, int32_t
 }
 
 /* Every (NT, NP) the walk needs, with constants so the loops unroll into registers. */
-static void mm5_run(int nt, int np, int dtype, const mm5_buf *buf, int nkt, const cf_act_q8 *xs,
+INLINE void mm5_run(int nt, int np, int dtype, const mm5_buf *buf, int nkt, const cf_act_q8 *xs,
                     int kb0, const int32_t *corr, float *out, int ldo, const __mmask16 *mask) {
 #define MM5_CASE(NT, NP, DT)                                                                   \
     if (NT <= MM5_NT && NP <= MM5_NP && nt == NT && np == NP && dtype == DT) {                 \
@@ -214,12 +217,233 @@ static void mm5_run(int nt, int np, int dtype, const mm5_buf *buf, int nkt, cons
 #undef MM5_CASE
 }
 
+/* ---- small batches (serve's decode steps): blocks unpacked into registers ------------------ */
+
+/* Batches of at most SB_MAX_B tokens take this path instead of the buffer: per pair of groups and
+ * block, the 8 transposed vectors and the scales are unpacked into registers once and multiplied
+ * right away against up to SB_NB tokens' int8 activations, as llama.cpp's mat-mul does with
+ * several columns per call (nrc). No round trip through the L1 buffer; per weight vector the
+ * tokens' vpdpbusd follow each other (independent), each with its activation dword as an
+ * embedded broadcast; the float operations per token and block are mm5_kernel's, in the same
+ * order, so the results are the same bit for bit. The activations of a pass are first packed per
+ * block (sb_pack) so that one pointer reaches them all.
+ *
+ * Measured 2026-11-30 on the Zen 5 VM (indicative: a shared machine), time against the buffer
+ * path. benchmarks/small_batch_kernel.c (1536 x 576, tile 128 x 256, best of 100), streamed from
+ * memory: Q4_1 B = 1 0.64x, 2 0.65x, 4 0.63x, 8 0.71x, 16 0.77x, 32 0.87x; Q8_0 8 0.66x, 16 0.77x,
+ * 32 0.87x; in L2: Q4_1 8 0.82x, 16 0.93x, 32 0.98x. SmolLM2 Q4_1 decode steps of B rows at 1
+ * thread (benchmarks/small_batch_ab.py: this build against the one before, alternating): B = 2
+ * 0.81x, 4 0.79x, 8 0.83x, 16 0.89x, 24 0.94x, 32 0.97x, 48 0.99x, 64 1.01x; hence SB_MAX_B = 32,
+ * and prefill's 64-token batches keep the buffer. The default-mode prefetch distance is 8 KiB (the
+ * mat-vec's): a pass over a pair is short at a few tokens, and 2-row steps ran 7% faster at 8 KiB
+ * than at 4 KiB (8 rows alike). */
+#ifndef SB_MAX_B
+#define SB_MAX_B 32 /* most tokens that take this path (-DSB_MAX_B=0: the buffer path only) */
+#endif
+#define SB_NB 8        /* most tokens per pass: v[8] + 8 int + 8 float accumulators in zmm */
+#define SB_2CHAIN_MAX 4 /* up to this many tokens, two vpdpbusd chains per token (latency) */
+#define SB_AHEAD 8192  /* default-mode prefetch distance */
+
+/* acc += w . (the dword at x in every lane): vpdpbusd with an embedded broadcast. GCC does not
+ * fold _mm512_set1_epi32 into vpdpbusd's memory operand, and the separate vpbroadcastd is one more
+ * op per vpdpbusd in a loop that is short of issue slots. */
+INLINE __m512i dpbusd_x4(__m512i acc, __m512i w, const int32_t *x) {
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*x));
+    return acc;
+}
+
+/* This path unpacks with in-lane shuffles and 128-bit lane moves only (no vpermt2d and its index
+ * registers, fewer ops): the rows come out in an order of their own, lane i of every vector
+ * holding row sb_row_*[i]; the scales are permuted to match once per block, each accumulator
+ * back to row order once per tile. Q4: lane 4L + p (128-bit lane L, dword p) holds row 4p + L;
+ * Q8_0: row 8(L/2) + 2p + L%2. Lanes never mix, so the order changes no value. */
+static const int32_t sb_row_q4[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15}; /* own inverse */
+static const int32_t sb_row_q8[16] = {0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15};
+static const int32_t sb_lane_q8[16] = {0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15}; /* inverse */
+
+/* Q4 (16 nibble bytes per row; group b at qb, qb = qa for one group): v[k] = the low nibbles of
+ * dword k of each row (weights 4k..4k+3), v[4+k] the high ones (16+4k..), rows as sb_row_q4. */
+INLINE void sb_unpack_q4(const uint8_t *qa, const uint8_t *qb, __m512i v[8]) {
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    __m512i a0 = _mm512_loadu_si512(qa), a1 = _mm512_loadu_si512(qa + 64); /* rows 0-3, 4-7 */
+    __m512i b0 = _mm512_loadu_si512(qb), b1 = _mm512_loadu_si512(qb + 64);
+    __m512i t0 = _mm512_unpacklo_epi32(a0, a1), t1 = _mm512_unpackhi_epi32(a0, a1);
+    __m512i t2 = _mm512_unpacklo_epi32(b0, b1), t3 = _mm512_unpackhi_epi32(b0, b1);
+    __m512i x[4] = {_mm512_unpacklo_epi64(t0, t2), _mm512_unpackhi_epi64(t0, t2),
+                    _mm512_unpacklo_epi64(t1, t3), _mm512_unpackhi_epi64(t1, t3)};
+    for (int k = 0; k < 4; k++) {
+        v[k] = _mm512_and_si512(x[k], m4);
+        v[4 + k] = _mm512_and_si512(_mm512_srli_epi16(x[k], 4), m4);
+    }
+}
+
+/* Q8_0 (32 int8 per row): v[k] = dword k of each row, XOR 0x80 as in unpack_q8_pair, rows as
+ * sb_row_q8: a 4 x 4 dword transpose inside each 128-bit lane per group, then the halves of the
+ * rows (dwords 0-3 in lanes 0 and 2, 4-7 in lanes 1 and 3) gathered by vshufi32x4. */
+INLINE void sb_unpack_q8(const uint8_t *qa, const uint8_t *qb, __m512i v[8]) {
+    const __m512i x80 = _mm512_set1_epi8((char)0x80);
+    __m512i u[2][4];
+    for (int g = 0; g < 2; g++) {
+        const uint8_t *q = g ? qb : qa;
+        __m512i z0 = _mm512_loadu_si512(q), z1 = _mm512_loadu_si512(q + 64);
+        __m512i z2 = _mm512_loadu_si512(q + 128), z3 = _mm512_loadu_si512(q + 192);
+        __m512i t0 = _mm512_unpacklo_epi32(z0, z1), t1 = _mm512_unpackhi_epi32(z0, z1);
+        __m512i t2 = _mm512_unpacklo_epi32(z2, z3), t3 = _mm512_unpackhi_epi32(z2, z3);
+        u[g][0] = _mm512_unpacklo_epi64(t0, t2);
+        u[g][1] = _mm512_unpackhi_epi64(t0, t2);
+        u[g][2] = _mm512_unpacklo_epi64(t1, t3);
+        u[g][3] = _mm512_unpackhi_epi64(t1, t3);
+    }
+    for (int k = 0; k < 4; k++) {
+        v[k] = _mm512_xor_si512(_mm512_shuffle_i32x4(u[0][k], u[1][k], 0x88), x80);
+        v[4 + k] = _mm512_xor_si512(_mm512_shuffle_i32x4(u[0][k], u[1][k], 0xdd), x80);
+    }
+}
+
+/* A pass's activations for the blocks of one tile, packed so that one pointer reaches them all:
+ * per block, a record of the NB tokens' 32 int8 (NB x 8 dwords), then their NB scales d, NB sums
+ * s and (Q8_0) NB corrections -128 * s_int (q8_block_sums). */
+#define SB_REC(NB) ((size_t)(NB) * (CF_QK + 12))
+
+static void sb_pack(int dtype, const cf_act_q8 *xs, int nb, int kb0, int nkt, uint8_t *rec) {
+    int32_t corr[SB_NB * MM5_KT];
+    if (dtype == CF_Q8_0) q8_block_sums(xs, nb, kb0, nkt, corr);
+    for (int kb = 0; kb < nkt; kb++, rec += SB_REC(nb)) {
+        float *d = (float *)(rec + (size_t)nb * CF_QK), *sm = d + nb;
+        int32_t *c = (int32_t *)(sm + nb);
+        for (int j = 0; j < nb; j++) {
+            memcpy(rec + (size_t)j * CF_QK, xs[j].qs + (size_t)(kb0 + kb) * CF_QK, CF_QK);
+            d[j] = xs[j].d[kb0 + kb];
+            sm[j] = xs[j].s[kb0 + kb];
+            c[j] = dtype == CF_Q8_0 ? -corr[j * MM5_KT + kb] : 0;
+        }
+    }
+}
+
+/* NB tokens x one pair of groups (chunks at pa, pb; pb = pa for a lone group) over the nkt blocks
+ * of a tile: out + j*ldo (lanes of mask, in row order) += the tile's share for token j. */
+INLINE void sb_pair(int NB, int dtype, const uint8_t *pa, const uint8_t *pb, int nkt, const uint8_t *rec,
+                    float *out, int ldo, __mmask16 mask) {
+    size_t chunk = cf_block_bytes(dtype) * CF_G, qs_off = cf_chunk_qs_offset(dtype, CF_G);
+    const __m512i row = _mm512_loadu_si512(dtype == CF_Q8_0 ? sb_row_q8 : sb_row_q4);
+    __m512 acc[SB_NB];
+    for (int j = 0; j < NB; j++) acc[j] = _mm512_setzero_ps();
+    for (int kb = 0; kb < nkt; kb++, rec += SB_REC(NB)) {
+        const uint8_t *ca = pa + kb * chunk, *cb = pb + kb * chunk;
+        const int32_t *x4 = (const int32_t *)rec;
+        const float *xd = (const float *)(rec + NB * CF_QK), *xsum = xd + NB;
+        const int32_t *xc = (const int32_t *)(xsum + NB);
+        __m512i v[8];
+        if (dtype == CF_Q8_0) sb_unpack_q8(ca + qs_off, cb + qs_off, v);
+        else sb_unpack_q4(ca + qs_off, cb + qs_off, v);
+        __m512 d = _mm512_permutexvar_ps(row, load_halves16(ca, cb));
+        __m512 m = dtype == CF_Q4_1 ? _mm512_permutexvar_ps(row, load_halves16(ca + 16, cb + 16))
+                                    : _mm512_setzero_ps();
+        /* weight vector after weight vector, the NB tokens in a row: independent vpdpbusd */
+        __m512i is0[SB_NB], is1[SB_NB];
+        for (int j = 0; j < NB; j++) {
+            is0[j] = dtype == CF_Q8_0 ? _mm512_set1_epi32(xc[j]) : _mm512_setzero_si512();
+            is1[j] = _mm512_setzero_si512();
+        }
+        for (int t = 0; t < 8; t++)
+            for (int j = 0; j < NB; j++) {
+                if (NB <= SB_2CHAIN_MAX && (t & 1)) is1[j] = dpbusd_x4(is1[j], v[t], x4 + j * 8 + t);
+                else is0[j] = dpbusd_x4(is0[j], v[t], x4 + j * 8 + t);
+            }
+        for (int j = 0; j < NB; j++) {
+            __m512i isum = NB <= SB_2CHAIN_MAX ? _mm512_add_epi32(is0[j], is1[j]) : is0[j];
+            __m512 fsum = _mm512_cvtepi32_ps(isum);
+            __m512 bd = _mm512_set1_ps(xd[j]), bs = _mm512_set1_ps(xsum[j]);
+            if (dtype == CF_Q4_0) {
+                __m512 neg8s = _mm512_mul_ps(bs, _mm512_set1_ps(-8.0f));
+                acc[j] = _mm512_fmadd_ps(d, _mm512_fmadd_ps(fsum, bd, neg8s), acc[j]);
+            } else {
+                acc[j] = _mm512_fmadd_ps(d, _mm512_mul_ps(fsum, bd), acc[j]);
+                if (dtype == CF_Q4_1) acc[j] = _mm512_fmadd_ps(m, bs, acc[j]);
+            }
+        }
+    }
+    const __m512i lane = _mm512_loadu_si512(dtype == CF_Q8_0 ? sb_lane_q8 : sb_row_q4);
+    for (int j = 0; j < NB; j++) {
+        float *o = out + (size_t)j * ldo;
+        __m512 y = _mm512_permutexvar_ps(lane, acc[j]); /* back to row order */
+        _mm512_mask_storeu_ps(o, mask, _mm512_add_ps(_mm512_maskz_loadu_ps(mask, o), y));
+    }
+}
+
+/* The pairs of one tile share (groups [ga, gb) at sp->ptr) for NB tokens whose blocks are packed
+ * in rec; token j's rows of group ga + i go to out + j*ldo + 8i. */
+INLINE void sb_pairs(int NB, int dtype, const cf_span *sp, size_t group_bytes, const uint8_t *rec,
+                     float *out, int ldo, int pf, const uint8_t *end) {
+    for (int gr = sp->ga; gr < sp->gb; gr += 2) {
+        int lone = gr + 1 >= sp->gb; /* a last group without a partner: half a zmm */
+        const uint8_t *pa = sp->ptr + (size_t)(gr - sp->ga) * group_bytes;
+        cf_prefetch_ahead(pf, pa, (size_t)(lone ? 1 : 2) * group_bytes, end);
+        sb_pair(NB, dtype, pa, lone ? pa : pa + group_bytes, sp->nkt, rec, out + (size_t)(gr - sp->ga) * CF_G,
+                ldo, lone ? 0x00ff : 0xffff);
+    }
+}
+
+INLINE void sb_run(int nb, int dtype, const cf_span *sp, size_t group_bytes, const uint8_t *rec, float *out,
+                   int ldo, int pf, const uint8_t *end) {
+#define SB_CASE(NB, DT)                                                                        \
+    if (NB <= SB_NB && nb == NB && dtype == DT) {                                              \
+        sb_pairs(NB, DT, sp, group_bytes, rec, out, ldo, pf, end);                             \
+        return;                                                                                \
+    }
+#define SB_NBS(DT) SB_CASE(1, DT) SB_CASE(2, DT) SB_CASE(3, DT) SB_CASE(4, DT) \
+                   SB_CASE(5, DT) SB_CASE(6, DT) SB_CASE(7, DT) SB_CASE(8, DT)
+    SB_NBS(CF_Q4_0)
+    SB_NBS(CF_Q4_1)
+    SB_NBS(CF_Q8_0)
+#undef SB_NBS
+#undef SB_CASE
+}
+
+/* One tile share for B <= SB_MAX_B tokens (out: its first group's rows): passes of at most SB_NB
+ * tokens, as even as can be (9 = 5 + 4, not 8 + 1), each packing its activations once; the
+ * share's weights stay in cache for a second pass, so only the first asks for lines ahead. */
+INLINE void sb_share(int dtype, const cf_span *sp, size_t group_bytes, const cf_act_q8 *xs, int B,
+                     float *out, int ldo, int pf, const uint8_t *end) {
+    _Alignas(64) uint8_t rec[MM5_KT * SB_REC(SB_NB)];
+    int passes = (B + SB_NB - 1) / SB_NB;
+    for (int b0 = 0, nb; b0 < B; b0 += nb, passes--) {
+        nb = (B - b0 + passes - 1) / passes;
+        sb_pack(dtype, xs + b0, nb, sp->kb0, sp->nkt, rec);
+        sb_run(nb, dtype, sp, group_bytes, rec, out + (size_t)b0 * ldo, ldo, b0 == 0 ? pf : 0, end);
+    }
+}
+
+/* matmat_groups for B <= SB_MAX_B (the same contract): the same walk, each tile share by
+ * sb_share. */
+INLINE void sb_matmat_groups(int dtype, const cf_tiled *w, const cf_act_q8 *xs, int B, float *out, int ldo,
+                             int g0, int g1) {
+    int g1_full = cf_min(g1, w->rows / CF_G);
+    size_t bb = cf_block_bytes(dtype);
+    int pf = cf_prefetch_distance(SB_AHEAD);
+    const uint8_t *end = pf ? cf_tiled_end(w) : NULL;
+    if (g0 < g1_full) {
+        for (int b = 0; b < B; b++)
+            memset(out + (size_t)b * ldo, 0, sizeof(float) * (size_t)(g1_full - g0) * CF_G);
+        cf_span sp;
+        for (cf_span_begin(&sp, w, g0, g1_full); cf_span_next(&sp);)
+            sb_share(dtype, &sp, (size_t)CF_G * sp.nkt * bb, xs, B, out + (size_t)(sp.ga - g0) * CF_G, ldo, pf,
+                     end);
+    }
+    if (g1 > g1_full && g1 > g0) {
+        int gs = cf_max(g0, g1_full);
+        for (int b = 0; b < B; b++)
+            cf_matvec_groups_ref(w, &xs[b], out + (size_t)b * ldo + (size_t)(gs - g0) * CF_G, gs, g1);
+    }
+}
+
 /* ---- the walk ---------------------------------------------------------------------------- */
 
 /* out[b*ldo + r - g0*8] for the rows of groups [g0, g1) and activations b < B: the tile shares
  * in the mat-vec's order (band, tile), and within one, batches of MM5_TB tokens over chunks of
- * MM5_NP pairs unpacked once; the short last group goes through the reference, as in matvec. */
-static void matmat_groups(int dtype, const cf_tiled *w, const cf_act_q8 *xs, int B, float *out,
+ * MM5_NP pairs unpacked once; the short last group goes through the reference, as in matvec.
+ * At most SB_MAX_B tokens: sb_matmat_groups. */
+INLINE void matmat_groups(int dtype, const cf_tiled *w, const cf_act_q8 *xs, int B, float *out,
                           int ldo, int g0, int g1) {
     int g1_full = cf_min(g1, w->rows / CF_G);
     size_t bb = cf_block_bytes(dtype);
@@ -433,7 +657,7 @@ INLINE void kq5_kernel(int NT, int NP, int dtype, const kq5_buf *buf, int nkt, c
         }
 }
 
-static void kq5_run(int nt, int np, int dtype, const kq5_buf *buf, int nkt, const cf_act_q8 *xs,
+INLINE void kq5_run(int nt, int np, int dtype, const kq5_buf *buf, int nkt, const cf_act_q8 *xs,
                     int kb0, float *out, int ldo, const __mmask16 *mask) {
 #define KQ5_CASE(NT, NP, DT)                                                                   \
     if (NT <= MM5_NT && NP <= MM5_NP && nt == NT && np == NP && dtype == DT) {                 \
@@ -451,7 +675,7 @@ static void kq5_run(int nt, int np, int dtype, const kq5_buf *buf, int nkt, cons
 #undef KQ5_CASE
 }
 
-static void kq5_matmat_groups(int dtype, const cf_tiled *w, const cf_act_q8 *xs, int B, float *out,
+INLINE void kq5_matmat_groups(int dtype, const cf_tiled *w, const cf_act_q8 *xs, int B, float *out,
                               int ldo, int g0, int g1) {
     int g1_full = cf_min(g1, w->rows / CF_G);
     size_t bb = cf_block_bytes(dtype);
@@ -489,10 +713,44 @@ static void kq5_matmat_groups(int dtype, const cf_tiled *w, const cf_act_q8 *xs,
     }
 }
 
+/* Each walk of each dtype in a function of its own, the dtype a constant inside, so that each
+ * micro-kernel dispatch (mm5_run, sb_run, kq5_run) reduces to that dtype's cases and each walk
+ * keeps its own stack frame. (Left to the compiler's cloning, the small-batch path's code tipped
+ * it into one function with the dtype at run time: the buffer path ran 5-8% slower at 33-64
+ * tokens, 3% in one function per dtype for both walks; so, within the A/B's noise of 1-3%.) */
+#define NOINLINE static __attribute__((noinline))
+#define DEFINE_GROUPS(NAME, DT)                                                                \
+    NOINLINE void NAME##_sb(const cf_tiled *w, const cf_act_q8 *xs, int B, float *out, int ldo, \
+                            int g0, int g1) {                                                  \
+        sb_matmat_groups(DT, w, xs, B, out, ldo, g0, g1);                                      \
+    }                                                                                          \
+    NOINLINE void NAME##_mm(const cf_tiled *w, const cf_act_q8 *xs, int B, float *out, int ldo, \
+                            int g0, int g1) {                                                  \
+        matmat_groups(DT, w, xs, B, out, ldo, g0, g1);                                         \
+    }
+DEFINE_GROUPS(groups_q4_0, CF_Q4_0)
+DEFINE_GROUPS(groups_q4_1, CF_Q4_1)
+DEFINE_GROUPS(groups_q8_0, CF_Q8_0)
+#define DEFINE_KQ_GROUPS(NAME, DT)                                                             \
+    NOINLINE void NAME(const cf_tiled *w, const cf_act_q8 *xs, int B, float *out, int ldo, int g0, \
+                       int g1) {                                                               \
+        kq5_matmat_groups(DT, w, xs, B, out, ldo, g0, g1);                                     \
+    }
+DEFINE_KQ_GROUPS(groups_q4_k, CF_Q4_K)
+DEFINE_KQ_GROUPS(groups_q5_k, CF_Q5_K)
+DEFINE_KQ_GROUPS(groups_q6_k, CF_Q6_K)
+
 INLINE void any_matmat_groups(int dtype, const cf_tiled *w, const cf_act_q8 *xs, int B, float *out,
                               int ldo, int g0, int g1) {
-    if (cf_is_kquant(dtype)) kq5_matmat_groups(dtype, w, xs, B, out, ldo, g0, g1);
-    else matmat_groups(dtype, w, xs, B, out, ldo, g0, g1);
+    int sb = B <= SB_MAX_B;
+    switch (dtype) {
+    case CF_Q4_0: (sb ? groups_q4_0_sb : groups_q4_0_mm)(w, xs, B, out, ldo, g0, g1); break;
+    case CF_Q4_1: (sb ? groups_q4_1_sb : groups_q4_1_mm)(w, xs, B, out, ldo, g0, g1); break;
+    case CF_Q8_0: (sb ? groups_q8_0_sb : groups_q8_0_mm)(w, xs, B, out, ldo, g0, g1); break;
+    case CF_Q4_K: groups_q4_k(w, xs, B, out, ldo, g0, g1); break;
+    case CF_Q5_K: groups_q5_k(w, xs, B, out, ldo, g0, g1); break;
+    default: groups_q6_k(w, xs, B, out, ldo, g0, g1); break;
+    }
 }
 
 /* Tiles wider than the buffer (tile_cols > 512) take the base table's matmat: the same values. */
