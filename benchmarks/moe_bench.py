@@ -169,11 +169,14 @@ def fmt_row(r: dict, file_bytes: int) -> str:
             f"{stall} | {r['peak_rss_bytes'] / 1e9:.2f} | |")
 
 
-def summary(results: list[dict]) -> list[str]:
-    """async / sync per model and budget, beside sync's split of a token into I/O and compute."""
+def summary(results: list[dict], disk_gbs: float | None) -> list[str]:
+    """async / sync per model and budget, beside sync's split of a token into I/O and compute, and
+    two bounds for the async row: perfect overlap of sync's own I/O and compute (1000 / max of the
+    two, ms), and the disk probe over the bytes the async run read per token."""
     ok = [r for r in results if r["engine"] == "cflow" and "budget" in r and "tok_s" in r]
     lines = ["| model | budget | sync tok/s | sync ms/token: I/O + compute | I/O / compute | async mode | "
-             "async tok/s | async / sync | async I/O stall ms/token |", "|---|---:|---:|---|---:|---|---:|---:|---:|"]
+             "async tok/s | async / sync | async I/O stall ms/token | overlap bound tok/s | disk bound tok/s |",
+             "|---|---:|---:|---|---:|---|---:|---:|---:|---:|---:|"]
     for r in ok:
         if " sync" not in r["label"]:
             continue
@@ -184,9 +187,11 @@ def summary(results: list[dict]) -> list[str]:
             if a["label"].startswith(f"{model} disk async") and a["budget"] == r["budget"]:
                 mode = a["label"].split("async", 1)[1].strip() or "prefetch auto"
                 stall = a["counters"]["io_stall_ns"] / 1e6 / a["tokens"]
+                disk = (f"{disk_gbs * 1e9 / a['disk_bytes_per_token']:.1f}"
+                        if disk_gbs and a["disk_bytes_per_token"] > 0 else "–")
                 lines.append(f"| {model} | {r['budget']:.0%} | {r['tok_s']:.2f} | {io:.1f} + {ms - io:.1f} | "
                              f"{io / max(ms - io, 1e-9):.2f} | {mode} | {a['tok_s']:.2f} | "
-                             f"{a['tok_s'] / r['tok_s']:.2f}× | {stall:.1f} |")
+                             f"{a['tok_s'] / r['tok_s']:.2f}× | {stall:.1f} | {1e3 / max(io, ms - io):.1f} | {disk} |")
     return lines
 
 
@@ -336,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
              "| peak RSS GB | note |",
              "|---|---|---:|---:|---:|---:|---:|---:|---|"]
     lines += [fmt_row(r, file_bytes) for r in results]
-    lines += ["", "## async / sync", ""] + summary(results)
+    lines += ["", "## async / sync", ""] + summary(results, machine["disk_read_gbs"])
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     plot(results, out.with_suffix(".png"))
     print(f"wrote {out.with_suffix('.md')}, .json, .png")
