@@ -626,7 +626,8 @@ static void op_dense(cf_engine *e, int l, int src_kind, int slot, int tail, int 
 /* Thread 0: pin cache slots for the chosen experts list[i0..) of moe slot ms, at most `max`, and
  * stop at the first that finds no evictable slot; the missing ones are queued for the readers
  * (async) or read here (sync). Returns the index after the last one acquired. */
-static int acquire_wave(cf_engine *e, int set, int ms, int i0, int max) {
+static int acquire_wave(cf_engine *e, int l, int ms, int i0, int max) {
+    int set = l % e->c.n_unique;
     cf_state *s = &e->s;
     int E = e->c.n_experts, n = s->exp_cnt[ms], nm = 0, i = i0;
     const int *list = s->exp_list + (size_t)ms * E;
@@ -640,7 +641,7 @@ static int acquire_wave(cf_engine *e, int set, int ms, int i0, int max) {
         if (miss == 1) e->xwave[nm++] = sl;
     }
     if (e->xasync) {
-        cf_xstore_submit(e->xs, e->xwave, nm);
+        cf_xstore_submit(e->xs, e->xwave, nm, l);
     } else if (nm) { /* sync: read, then compute; the reading is the stall */
         uint64_t t0 = cf_now_ns();
         for (int j = 0; j < nm; j++) cf_xstore_read_now(e->xs, e->xwave[j]);
@@ -810,7 +811,7 @@ static void spec_predict(cf_engine *e, int l, int target, int src_kind) {
             e->xwave[nm++] = sl;
         }
     e->cnt.n[CF_CNT_PREFETCH_READS] += (uint64_t)nm;
-    cf_xstore_submit(e->xs, e->xwave, nm);
+    cf_xstore_submit(e->xs, e->xwave, nm, target);
 }
 
 /* Thread 0 at route(l): the next layer, then those entering the horizon (spec_horizon: the
@@ -838,7 +839,7 @@ static void route_disk(cf_engine *e, int l, int ms, int src_kind) {
         if (cnt[x]) list[n++] = x;
     s->exp_cnt[ms] = n;
     cf_xstore_visit(e->xs, l % e->c.n_unique, list, n);
-    s->exp_pre[ms] = e->xasync ? acquire_wave(e, l % e->c.n_unique, ms, 0, e->c.top_k) : 0;
+    s->exp_pre[ms] = e->xasync ? acquire_wave(e, l, ms, 0, e->c.top_k) : 0;
     if (!e->xspec) return;
     spec_score(e, l, cnt);
     spec_release(e, l); /* after the first wave: the chosen ones are pinned by it now */
@@ -955,7 +956,7 @@ static int op_experts_disk(cf_engine *e, int l, int pslot, int ms, int tail, int
         if (i == covered) {
             ph(e, ith, CF_PK_EXP_IO, -1);
             if (ith == 0) {
-                e->wave_end = acquire_wave(e, set, ms, i, n);
+                e->wave_end = acquire_wave(e, l, ms, i, n);
                 if (e->wave_end == i) { /* cannot happen while the plan check holds */
                     snprintf(e->err, sizeof e->err, "expert cache exhausted at layer %d: every slot is pinned "
                              "(this is a bug in cflow; please report it)", l);

@@ -87,6 +87,10 @@ struct cf_xstore {
     pthread_mutex_t ring_mu;
     pthread_t reaper;
     _Atomic int ring_inflight, ring_stop;
+    /* reads waiting for the kernel (under ring_mu): at most ring_cap are in the kernel at once, the
+     * rest wait here and go in order of need (the layer they are for, then arrival) as reads land */
+    int *pend_slot, *pend_need, n_pend, ring_issued, ring_cap;
+    int *sub_late, *reap_late; /* [n_slots + 1] reads a refusing ring left: thread 0's, the reaper's */
     char note[160]; /* why the readers are threads where io_uring was wanted ("" otherwise) */
     int inline_io;   /* 1: no readers here (a forked child): submit reads in the caller */
     _Atomic uint64_t bytes_read;
@@ -166,33 +170,73 @@ static void do_read(cf_xstore *xs, int slot) {
 #define RING_STOP UINT64_MAX /* the no-op that wakes the reaper to stop */
 
 #define REAPER_TICK_NS 20000000 /* the reaper looks at ring_stop at least this often */
+#define RING_CAP 2 /* expert reads in the kernel at once (CFLOW_EXPERT_QD overrides) */
 
-/* Queue the reads of slots[0..n) and hand them to the kernel (thread 0), or the stop token
- * (cf_xstore_free, stop = 1). An injected fault is drawn here, in submission order: an I/O error
- * reads nothing (a no-op), a short read asks for half. The submission queue holds n_slots + 1
- * entries and is empty between calls, so it never fills. Should the kernel refuse to take them
- * (never seen), the ring is left alone from then on: reads are done in the caller. */
-static void ring_queue(cf_xstore *xs, const int *slots, int n, int stop) {
-    pthread_mutex_lock(&xs->ring_mu);
-    for (int i = 0; i < n; i++) {
-        xslot *s = &xs->slots[slots[i]];
+/* Hand pending reads to the kernel, most needed first, while fewer than ring_cap are in it (under
+ * ring_mu; thread 0 after queueing, the reaper after a read lands), or the stop token
+ * (cf_xstore_free, stop = 1). An injected fault is drawn here, in issue order: an I/O error reads
+ * nothing (a no-op), a short read asks for half. The submission queue holds n_slots + 1 entries,
+ * more than can be pending, so it never fills. Should the kernel refuse to take them (never
+ * seen), the ring is left alone from then on: the reads it did not take go into `late`, which the
+ * caller does after unlocking (*n_late of them). Why a cap: reads issued together share the
+ * device, so one needed now would land only when all of them do; speculation queues reads for up
+ * to 16 layers ahead, and without the cap the next layer's read waited for all of them (measured:
+ * docs/results/moe.md, "async vs sync"). */
+static void ring_dispatch_locked(cf_xstore *xs, int stop, int *late, int *n_late) {
+    int issued[64], n = 0;
+    while (xs->n_pend > 0 && xs->ring_issued < xs->ring_cap && n < 64) {
+        int best = 0;
+        for (int i = 1; i < xs->n_pend; i++)
+            if (xs->pend_need[i] < xs->pend_need[best]) best = i;
+        int slot = xs->pend_slot[best];
+        for (int i = best + 1; i < xs->n_pend; i++) { /* keep arrival order among equals */
+            xs->pend_slot[i - 1] = xs->pend_slot[i];
+            xs->pend_need[i - 1] = xs->pend_need[i];
+        }
+        xs->n_pend--;
+        xslot *s = &xs->slots[slot];
         s->fault = draw_fault(xs);
         unsigned len = (unsigned)(s->fault == CF_XFAULT_EIO ? 0 : fault_limit(s->fault, xs->len[s->key]));
-        atomic_fetch_add(&xs->ring_inflight, 1);
-        cf_uring_read(&xs->ring, xs->fd, s->data, len, (uint64_t)xs->off[s->key], (uint64_t)slots[i]);
+        xs->ring_issued++;
+        cf_uring_read(&xs->ring, xs->fd, s->data, len, (uint64_t)xs->off[s->key], (uint64_t)slot);
+        issued[n++] = slot;
     }
     if (stop) cf_uring_read(&xs->ring, -1, NULL, 0, 0, RING_STOP);
+    if (!n && !stop) return;
     int left = cf_uring_submit(&xs->ring), unsent = left - stop; /* the token is queued last */
     if (left) {
         xs->ring_broken = 1;
         xs->inline_io = 1;
+        /* the kernel never saw these, nor will it see what is pending: the caller reads them */
+        for (int i = n - (unsent > 0 ? unsent : 0); i < n; i++) late[(*n_late)++] = issued[i];
+        xs->ring_issued -= unsent > 0 ? unsent : 0;
+        for (int i = 0; i < xs->n_pend; i++) late[(*n_late)++] = xs->pend_slot[i];
+        xs->n_pend = 0;
     }
-    pthread_mutex_unlock(&xs->ring_mu);
-    /* the kernel never saw these: nothing else writes their slots */
-    for (int i = n - (unsent > 0 ? unsent : 0); i < n; i++) {
+}
+
+/* Reads the ring could not take: in the calling thread (nothing else writes their slots). */
+static void read_late(cf_xstore *xs, const int *late, int n_late) {
+    for (int i = 0; i < n_late; i++) {
         atomic_fetch_sub(&xs->ring_inflight, 1);
-        do_read(xs, slots[i]);
+        do_read(xs, late[i]);
     }
+}
+
+/* Thread 0: queue the reads of slots[0..n), needed by layer `need` (smaller: sooner), and issue what
+ * the cap allows; or (stop = 1, cf_xstore_free) the stop token. ring_inflight counts queued and
+ * issued reads until they land: cf_xstore_free waits for 0. */
+static void ring_queue(cf_xstore *xs, const int *slots, int n, int need, int stop) {
+    int n_late = 0;
+    pthread_mutex_lock(&xs->ring_mu);
+    for (int i = 0; i < n; i++) { /* never full: a slot is queued at most once (it is LOADING) */
+        xs->pend_slot[xs->n_pend] = slots[i];
+        xs->pend_need[xs->n_pend++] = need;
+        atomic_fetch_add(&xs->ring_inflight, 1);
+    }
+    ring_dispatch_locked(xs, stop, xs->sub_late, &n_late);
+    pthread_mutex_unlock(&xs->ring_mu);
+    read_late(xs, xs->sub_late, n_late);
 }
 
 /* The reaper: slot's read completed with res (bytes, or -errno). */
@@ -205,6 +249,12 @@ static void ring_done(cf_xstore *xs, int slot, int32_t res) {
     else if (!err && got > 0 && got < limit && !(xs->direct && got % CF_XALIGN)) /* stopped early: finish */
         err = read_rest(xs, s->data, xs->off[s->key], limit, &got);
     publish(xs, slot, err, got);
+    int n_late = 0;
+    pthread_mutex_lock(&xs->ring_mu);
+    xs->ring_issued--;
+    if (!xs->ring_broken) ring_dispatch_locked(xs, 0, xs->reap_late, &n_late);
+    pthread_mutex_unlock(&xs->ring_mu);
+    read_late(xs, xs->reap_late, n_late);
     atomic_fetch_sub(&xs->ring_inflight, 1); /* after publishing: cf_xstore_free waits for 0 */
 }
 
@@ -344,14 +394,14 @@ void cf_xstore_release(cf_xstore *xs, int slot) {
     if (xs->slots[slot].pins > 0) xs->slots[slot].pins--;
 }
 
-void cf_xstore_submit(cf_xstore *xs, const int *slots, int n) {
+void cf_xstore_submit(cf_xstore *xs, const int *slots, int n, int need) {
     if (n <= 0) return;
     if (xs->inline_io) {
         for (int i = 0; i < n; i++) do_read(xs, slots[i]);
         return;
     }
     if (xs->uring) {
-        ring_queue(xs, slots, n, 0);
+        ring_queue(xs, slots, n, need, 0);
         return;
     }
     pthread_mutex_lock(&xs->mu);
@@ -514,7 +564,14 @@ cf_xstore *cf_xstore_open(const cf_xstore_opts *o, char *err, size_t n) {
     else
         xs->slots = NULL;
     xs->queue = calloc((size_t)slots, sizeof(int));
-    if (!xs->path || !xs->off || !xs->len || !xs->slot_of || !xs->score || !xs->slots || !xs->queue) {
+    xs->pend_slot = calloc((size_t)slots, sizeof(int));
+    xs->pend_need = calloc((size_t)slots, sizeof(int));
+    xs->sub_late = calloc((size_t)slots + 1, sizeof(int));
+    xs->reap_late = calloc((size_t)slots + 1, sizeof(int));
+    const char *qd = getenv("CFLOW_EXPERT_QD"); /* measurements: reads in the kernel at once */
+    xs->ring_cap = qd && atoi(qd) > 0 ? atoi(qd) : RING_CAP;
+    if (!xs->path || !xs->off || !xs->len || !xs->slot_of || !xs->score || !xs->slots || !xs->queue ||
+        !xs->pend_slot || !xs->pend_need || !xs->sub_late || !xs->reap_late) {
         cf_xstore_free(xs);
         return cf_set_err(err, n, "out of memory"), NULL;
     }
@@ -597,7 +654,11 @@ void cf_xstore_free(cf_xstore *xs) {
     if (!xs) return;
     if (xs->reaper_on && getpid() == xs->pid) { /* (a forked child has no reaper to stop) */
         atomic_store(&xs->ring_stop, 1);
-        if (!xs->ring_broken) ring_queue(xs, NULL, 0, 1); /* wakes it now; else it sees the flag within a tick */
+        pthread_mutex_lock(&xs->ring_mu); /* reads not issued yet never will be: nobody needs them now */
+        for (int i = 0; i < xs->n_pend; i++) atomic_fetch_sub(&xs->ring_inflight, 1);
+        xs->n_pend = 0;
+        pthread_mutex_unlock(&xs->ring_mu);
+        if (!xs->ring_broken) ring_queue(xs, NULL, 0, 0, 1); /* wakes it now; else it sees the flag within a tick */
         pthread_join(xs->reaper, NULL);                   /* after every read in flight has landed */
     }
     cf_uring_close(&xs->ring);
@@ -621,5 +682,9 @@ void cf_xstore_free(cf_xstore *xs) {
     free(xs->score);
     free(xs->slots);
     free(xs->queue);
+    free(xs->pend_slot);
+    free(xs->pend_need);
+    free(xs->sub_late);
+    free(xs->reap_late);
     free(xs);
 }

@@ -110,8 +110,10 @@ void cf_xstore_pin(cf_xstore *xs, int slot);
 /* Is the slot's read still in flight (it cannot be evicted until it lands)? */
 int cf_xstore_loading(const cf_xstore *xs, int slot);
 void cf_xstore_release(cf_xstore *xs, int slot);
-/* Queue reads of LOADING slots for the readers (one lock for all). */
-void cf_xstore_submit(cf_xstore *xs, const int *slots, int n);
+/* Queue reads of LOADING slots for the readers (one lock for all); `need` is the layer they are
+ * for in this call (io_uring issues the most needed first, a few at a time; the pread threads take
+ * them in arrival order). */
+void cf_xstore_submit(cf_xstore *xs, const int *slots, int n, int need);
 /* Read a LOADING slot in the calling thread (sync mode). */
 void cf_xstore_read_now(cf_xstore *xs, int slot);
 /* Any thread: wait until the slot is READY (0) or FAILED (-1). stall_ns (may be NULL) gets the

@@ -1,0 +1,158 @@
+"""Async vs sync expert I/O, side by side in one process (issue #10's curve; claim C5).
+
+moe_bench.py runs every configuration in its own cold process under a memory limit: right for
+comparing with llama.cpp, but one run per row, and this VM's disk and memory bandwidth drift by a
+third within minutes, so two rows minutes apart do not compare. This script loads one engine per
+expert-I/O mode on the same model and cache budget (experts on disk, O_DIRECT), brings each cache
+to its steady state, then decodes the same teacher-forced tokens in rounds, the engines taking
+turns (the order rotates every round), and reports per mode the median ms/token, the I/O stall,
+and the ratio of each mode to sync per round (median and spread). A round ends when its engine's
+speculative reads have landed, so no engine's reads run in another's round.
+
+In sync mode the stall counter is the time spent reading, so its split of a token into I/O and
+compute says where the budget sits on the curve (I/O / compute about 1 is where overlap can at best
+double the speed).
+
+    python benchmarks/make_moe.py --preset fine-small --gguf fine.gguf --cflow fine.cflow
+    python benchmarks/expert_io_ab.py fine.cflow --budgets 0.9,0.95,0.97 --modes sync,async:off,async:1,async:16
+
+Each engine holds its own cache (budget x all experts' bytes): four modes at 97% of a 2.7 GB model
+take about 10 GB of memory. Not for a memory-limited run (use moe_bench.py --limits).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def parse_mode(text: str) -> tuple[str, str]:
+    """"sync" or "async:PREFETCH" (PREFETCH: off, next-layer, auto or a depth) -> (io, prefetch)."""
+    io, _, pf = text.partition(":")
+    if io not in ("sync", "async") or (io == "sync" and pf not in ("", "off")):
+        raise SystemExit(f"mode {text!r}: use sync or async:off|next-layer|auto|N")
+    return io, (pf or "off") if io == "async" else "off"
+
+
+def settle(eng, timeout: float = 5.0) -> None:
+    """Wait until every read the engine started has landed (speculative reads nobody waited for)."""
+    end = time.monotonic() + timeout
+    slot = eng.expert_cache["slot_bytes"]
+    while time.monotonic() < end:
+        c = eng.counters()
+        started = c["cache_misses"] - c["prefetch_used"] + c["prefetch_reads"]
+        if c["disk_bytes"] >= started * slot:
+            return
+        time.sleep(0.002)
+
+
+def measure(path: str, budget: float, modes: list[str], threads: int, rounds: int, per_round: int,
+            warmup: int) -> dict:
+    from cflow.fileformat import open_model
+    from cflow.runtime import Engine
+
+    with Engine.load(path, threads=1, n_ctx=16, experts="ram") as probe:
+        converted, vocab = probe.path, probe.config.vocab_size
+    with open_model(converted) as cf:
+        expert_bytes = sum(n for _, n in cf.experts.values())
+    n_tok = warmup + rounds * per_round
+    toks = [int(t) for t in np.random.default_rng(0).integers(1, vocab, n_tok)]
+    engines = {}
+    for m in modes:
+        io, pf = parse_mode(m)
+        eng = Engine.load(converted, threads=threads, n_ctx=n_tok + 8, experts="disk", verify=False,
+                          expert_cache=int(budget * expert_bytes), expert_io=io, expert_prefetch=pf)
+        for i, t in enumerate(toks[:warmup]):  # the cache's steady state
+            eng.step(t, i)
+        settle(eng)
+        eng.reset_counters()
+        engines[m] = eng
+    ms: dict[str, list[float]] = {m: [] for m in modes}
+    stall: dict[str, list[float]] = {m: [] for m in modes}
+    for r in range(rounds):
+        order = modes[r % len(modes):] + modes[:r % len(modes)]
+        for m in order:
+            eng, lo = engines[m], warmup + r * per_round
+            c0 = eng.counters()
+            t0 = time.perf_counter()
+            for i in range(lo, lo + per_round):
+                eng.step(toks[i], i)
+            dt = time.perf_counter() - t0
+            settle(eng)
+            ms[m].append(dt / per_round * 1e3)
+            stall[m].append((eng.counters()["io_stall_ns"] - c0["io_stall_ns"]) / per_round / 1e6)
+    out = {"model": str(path), "budget": budget, "threads": threads, "rounds": rounds, "per_round": per_round,
+           "modes": {}}
+    for m in modes:
+        c = engines[m].counters()
+        looked = c["cache_hits"] + c["cache_misses"]
+        out["modes"][m] = {
+            "ms_per_token": statistics.median(ms[m]), "stall_ms_per_token": statistics.median(stall[m]),
+            "disk_mb_per_token": c["disk_bytes"] / (rounds * per_round) / 1e6,
+            "cache_hit_rate": c["cache_hits"] / looked if looked else None,
+            "prediction_hit_rate": c["expert_predict_hits"] / c["expert_predicted"] if c["expert_predicted"] else None,
+            "ratio_to_sync": ([statistics.median(a / b for a, b in zip(ms["sync"], ms[m]))] +
+                              [min(a / b for a, b in zip(ms["sync"], ms[m])),
+                               max(a / b for a, b in zip(ms["sync"], ms[m]))]) if "sync" in ms else None,
+            "samples_ms": ms[m]}
+        engines[m].close()
+    return out
+
+
+def table(results: list[dict]) -> str:
+    lines = ["| model | budget | mode | ms/token | tok/s | I/O stall ms/token | sync: I/O / compute | disk MB/token "
+             "| cache hits | prediction hits | × sync (median, min–max over rounds) |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in results:
+        sync = r["modes"].get("sync")
+        split = (f"{sync['stall_ms_per_token'] / max(sync['ms_per_token'] - sync['stall_ms_per_token'], 1e-9):.2f}"
+                 if sync else "–")
+        for m, x in r["modes"].items():
+            rt = x["ratio_to_sync"]
+            pct = (lambda v: "–" if v is None else f"{v:.0%}")
+            lines.append(f"| {Path(r['model']).name} | {r['budget']:.0%} | {m} | {x['ms_per_token']:.1f} | "
+                         f"{1e3 / x['ms_per_token']:.1f} | {x['stall_ms_per_token']:.1f} | {split} | "
+                         f"{x['disk_mb_per_token']:.1f} | {pct(x['cache_hit_rate'])} | {pct(x['prediction_hit_rate'])} | "
+                         + (f"{rt[0]:.2f}× ({rt[1]:.2f}–{rt[2]:.2f})" if rt else "–") + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("models", nargs="+", help="MoE GGUF or .cflow files")
+    ap.add_argument("--budgets", default="0.9,0.95,0.97", help="expert-cache budgets, fractions of all experts")
+    ap.add_argument("--modes", default="sync,async:off,async:1,async:16",
+                    help="sync and async:PREFETCH (off, next-layer, auto, or a depth); the first sync is the unit")
+    ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--per-round", type=int, default=8, help="tokens per engine per round")
+    ap.add_argument("--warmup", type=int, default=24, help="tokens each engine decodes before the rounds")
+    ap.add_argument("--out", default=None, help="write OUT.md and OUT.json")
+    args = ap.parse_args(argv)
+    modes = args.modes.split(",")
+    for m in modes:
+        parse_mode(m)
+    results = []
+    for path in args.models:
+        for b in (float(x) for x in args.budgets.split(",")):
+            results.append(measure(path, b, modes, args.threads, args.rounds, args.per_round, args.warmup))
+            print(table(results[-1:]).split("\n", 2)[2], flush=True)
+    text = (f"Command: `python benchmarks/expert_io_ab.py {' '.join(argv if argv is not None else sys.argv[1:])}`\n\n"
+            + table(results) + "\n")
+    print(text)
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.with_suffix(".md").write_text(text)
+        out.with_suffix(".json").write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
