@@ -46,7 +46,7 @@ MODELS = {
     "mixtral": ("arch3", {"d_ff": 0}, "q8_0", (32, 64)),  # no dense FFN: the Mixtral layout
     "e6k3": ("arch1", {"n_experts": 6, "top_k": 3}, "q4_1", (16, 32)),
     "shared": ("arch1", {"n_unique_layers": 1}, "q4_0", (64, 64)),  # every layer one weight set
-    "delayed": ("arch2_4_combined", {}, "q4_0", (64, 64)),  # delta_expert 2: prefetch only when asked
+    "delayed": ("arch2_4_combined", {}, "q4_0", (64, 64)),  # delta_expert 2: the window, and prefetch too
 }
 
 
@@ -252,8 +252,8 @@ def test_depth_cap_matches_the_engine():
 
 
 # ---- options ---------------------------------------------------------------------------------------
-def test_auto_turns_on_only_without_a_delay(models):
-    for name, on in (("arch1", True), ("mixtral", True), ("delayed", False)):
+def test_auto_turns_on_with_async_reads(models):
+    for name, on in (("arch1", True), ("mixtral", True), ("delayed", True)):
         eng = load(models[name], 10**6, "auto")
         depth = min(xp.AUTO_PREFETCH_DEPTH, eng.config.n_layers - 1) if on else 0
         assert eng.expert_cache["prefetch"] == depth_name(depth), name

@@ -135,8 +135,8 @@ def add_expert_flags(p: argparse.ArgumentParser) -> None:
                    "has chosen, also apply the next N layers' routers to its input to predict their experts, and "
                    "start reading the ones the cache lacks early, in cache slots beyond the minimum. next-layer = "
                    f"1; off = 0; at most 16. Predictions beyond the next layer start reads only while at least 90%% "
-                   f"of them prove right. auto (default): {AUTO_PREFETCH_DEPTH} layers ahead for models without an "
-                   "expert delay (delta_expert 0, e.g. Mixtral), whose reads nothing else hides, off otherwise")
+                   f"of them prove right. auto (default): {AUTO_PREFETCH_DEPTH} layers ahead with --expert-io async, "
+                   "off with sync")
 
 def check_model_flags(args: argparse.Namespace) -> None:
     """What can be said about -n and -c before the model loads (the engine checks -t and -c's upper

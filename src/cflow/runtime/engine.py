@@ -180,10 +180,11 @@ class Engine:
         then computes. With async reads and delta_expert > 0 the experts of layer l run just before
         layer l + delta_expert needs them, so their reads overlap the layers between (expert_delay=
         False runs them right after the router, for comparison); results are the same bit for bit.
-        expert_prefetch="next-layer" (async only) also predicts layer l+1's experts when layer l
-        routes (layer l+1's router applied to layer l's MoE input) and starts their reads early, in
-        cache slots beyond the minimum; "auto" (default) does so when delta_expert = 0, "off" never.
-        Bit for bit the same results; counters() reports expert_predicted / expert_predict_hits.
+        expert_prefetch=N (async only) also predicts the experts of layers up to l+N when layer l
+        routes (their routers applied to layer l's MoE input) and starts their reads early, in cache
+        slots beyond the minimum; beyond the next layer only while those predictions prove right
+        ("next-layer" = 1, at most 16); "auto" (default) = 16 with async reads, "off" = 0. Bit for
+        bit the same results; counters() reports expert_predicted / expert_predict_hits.
 
         n_seq: independent sequences (KV-cache slots of n_ctx positions each) that `step_batch`
         advances together in one pass over the weights; memory grows by one KV cache per sequence.

@@ -26,10 +26,10 @@
                      expert_predicted / expert_predict_hits give the prediction hit rate. N (an int,
                      or its digits as a string): up to N layers ahead (at most 16; predictions
                      beyond the next layer start reads only while >= 90% of them prove right);
-                     "next-layer" = 1; "auto"
-                     (default): AUTO_PREFETCH_DEPTH layers when the experts are on disk with async
-                     I/O and delta_expert = 0 (plain Mixtral: no delay window hides the reads), else
-                     off; "off" = 0
+                     "next-layer" = 1; "auto" (default): AUTO_PREFETCH_DEPTH layers when the
+                     experts are on disk with async I/O (with delta_expert = 0, as in plain
+                     Mixtral, nothing else hides the reads; with a delay it adds to the window),
+                     else off; "off" = 0
 
 The memory this process may use (`probe_memory`) is the smallest of MemAvailable (/proc/meminfo) and
 the room under its cgroup's memory limit (v2 memory.max, v1 memory.limit_in_bytes, minus what the
@@ -72,11 +72,11 @@ MODES = ("ram", "disk", "auto")
 IO_MODES = ("async", "sync")
 PREFETCH_MODES = ("auto", "off", "next-layer")  # or a depth: N layers ahead
 SPEC_MAX_DEPTH = 16  # native/engine.h CF_SPEC_MAX_DEPTH (checked in tests): deeper asks are capped
-# "auto"'s depth for delay-free models: one expert of a Mixtral-sized model takes about ten layers'
-# compute to read, so the read must start layers before its layer routes; the engine reads
-# predictions from beyond the next layer only while they prove right (engine.c, spec_trusted), so
-# a deep horizon costs little where routing is hard to predict (docs/results/moe.md, "Speculative
-# prefetch", measured the depths).
+# "auto"'s depth: one expert of a Mixtral-sized model takes about ten layers' compute to read, so the
+# read must start layers before its layer routes; the engine reads predictions from beyond the next
+# layer only while they prove right (engine.c, spec_trusted), so a deep horizon costs little where
+# routing is hard to predict. Measured against off and next-layer, with and without an expert
+# delay (docs/results/moe.md, "Async vs sync").
 AUTO_PREFETCH_DEPTH = 16
 ALIGN = 4096
 VISIT_SCORE = 1 << 16  # native/experts.c: a routing's weight in a score, halved each routing of the layer
@@ -298,7 +298,7 @@ def decide(sizes: ModelSizes | None, *, experts: str = "auto", expert_cache: int
     else:
         why += f"; expert cache {format_size(budget)}"
     if depth is None:  # auto
-        depth = AUTO_PREFETCH_DEPTH if expert_io == "async" and sizes.delta_expert == 0 else 0
+        depth = AUTO_PREFETCH_DEPTH if expert_io == "async" else 0
     depth = min(depth, SPEC_MAX_DEPTH)
     if sizes.n_layers:
         depth = min(depth, sizes.n_layers - 1)
@@ -307,8 +307,7 @@ def decide(sizes: ModelSizes | None, *, experts: str = "auto", expert_cache: int
                           "(or --expert-prefetch off)", flag="--expert-prefetch")
     if depth:
         ahead = "the next layer's experts" if depth == 1 else f"the experts of the next {depth} layers"
-        why += (f"; speculative prefetch of {ahead}" +
-                (" (delta_expert 0: no delay window hides the reads)" if expert_prefetch == "auto" else ""))
+        why += f"; speculative prefetch of {ahead}"
     return Residency("disk", expert_io, budget, why, depth)
 
 
