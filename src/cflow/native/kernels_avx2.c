@@ -39,6 +39,7 @@
 #include "cflow.h"
 #include "kernels_internal.h"
 #include "kernels_ref.h"
+#include "simd_silu.h"
 
 /* kernels_avxvnni.c compiles this file again with -mavxvnni and CF_ISA_VNNI=1: the integer dot
  * products then use vpdpbusd (u8 x s8 -> s32 in one instruction) instead of maddubs + madd. */
@@ -99,29 +100,7 @@ INLINE __m256i bytes_from_nibbles(const uint8_t *p) {
     return _mm256_and_si256(b, _mm256_set1_epi8(0x0f));
 }
 
-/* exp(x) for a vector: Cephes' range reduction and degree-5 polynomial (~1-2 ulp). */
-INLINE __m256 exp_ps(__m256 x) {
-    x = _mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f));
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3365447504f)); /* keep 2^n a normal float */
-    __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f),
-                                               _mm256_set1_ps(0.5f)));
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 y = _mm256_set1_ps(1.9875691500E-4f);
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507E-3f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073E-3f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894E-2f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459E-1f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201E-1f));
-    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
-
-INLINE __m256 silu_ps(__m256 g) {
-    __m256 e = exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), g));
-    return _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
-}
+/* exp_ps / silu_ps: simd_silu.h (one definition, the same bits everywhere). */
 
 /* ---- activation quantization ------------------------------------------------------------- */
 
@@ -666,23 +645,7 @@ DEFINE_MATMAT(matmat_q6_k_avx2, CF_Q6_K)
 
 /* ---- fused gate+up+SiLU ------------------------------------------------------------------ */
 
-#define GATE_UP_CHUNK 32 /* pairs per pass: gate/up outputs of 512 floats stay in L1 */
-
-INLINE void gate_up(int dtype, const cf_tiled *w, const cf_act_q8 *x, float *y, int p0, int p1) {
-    float gu[2 * CF_G * GATE_UP_CHUNK]; /* per pair: gate[8], up[8] */
-    int gpb = w->tile_rows / CF_G;
-    for (int p = p0; p < p1;) {
-        /* Stop at the band edge so one pass walks each tile of one band once. */
-        int band_end_pair = ((2 * p) / gpb + 1) * gpb / 2;
-        int pe = cf_min(cf_min(p1, p + GATE_UP_CHUNK), cf_max(p + 1, band_end_pair));
-        matvec_groups(dtype, w, x, gu, 2 * p, 2 * pe);
-        for (int j = 0; j < pe - p; j++) {
-            __m256 g = _mm256_loadu_ps(gu + 16 * j), u = _mm256_loadu_ps(gu + 16 * j + 8);
-            _mm256_storeu_ps(y + (size_t)(p + j) * CF_G, _mm256_mul_ps(silu_ps(g), u));
-        }
-        p = pe;
-    }
-}
+CF_DEFINE_GATE_UP(gate_up, matvec_groups)
 
 #define GATE_UP_MM_NB 64    /* activations per pass (the engine's default batch): each Q4
                              * block is unpacked once per 64 */
