@@ -32,7 +32,7 @@ EXPECTED = {
                       "disk_bytes", "cache_hits", "cache_misses", "io_stall_ns", "expert_predicted",
                       "expert_predict_hits", "prefetch_reads", "prefetch_used"),
     "IO_FAULTS": ("none", "eio", "short"),
-    "EXPERT_READERS": ("auto", "threads", "uring-refused"),
+    "EXPERT_READERS": ("auto", "threads", "uring-refused", "inline"),
     "PROFILE_KINDS": ("setup", "embed", "norm", "attn.qkv", "attn.cache", "attn.wo", "dense.gate_up", "dense.down",
                       "route", "experts.gate_up", "experts.down", "experts.io", "resid", "lm_head", "wait"),
 }
