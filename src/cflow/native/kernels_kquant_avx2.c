@@ -36,6 +36,8 @@
 
 #define KQ_DTYPE(dt) ((dt) == CF_Q5_0 || (dt) == CF_Q5_1 || cf_is_kquant(dt))
 
+#include "kquant_scales.h"
+
 /* ---- the 256-block activation ------------------------------------------------------------ */
 
 /* cf_quantize_act_k_ref's arithmetic, vectorised: the same max, reciprocal and rounding, so
@@ -159,29 +161,14 @@ typedef struct {
 #endif
 } kq_group;
 
-/* Q4_K / Q5_K's packed scales of all 8 rows (8 x 12 bytes at s) -> kq_scales: ggml's
- * get_scale_min_k4 on two rows per vector (row 2j in lane 0, 2j+1 in lane 1). Per lane, bytes
- * 0..7 = the scales, 8..15 = the mins:
- *   j < 4:  sc_j = s[j] & 63              m_j = s[j+4] & 63
- *   j >= 4: sc_j = (s[j+4] & 15) | (s[j-4] >> 6) << 4    m_j = (s[j+4] >> 4) | (s[j] >> 6) << 4 */
+/* Q4_K / Q5_K's packed scales of all 8 rows (8 x 12 bytes at s) -> kq_scales, two rows per vector
+ * (kq_scale_min_pair, kquant_scales.h: row 2j in lane 0, 2j+1 in lane 1; per lane bytes 0..7 the
+ * scales, 8..15 the mins). The last pair's load reads 8 bytes past the scales, still inside the
+ * chunk: the quants follow. */
 INLINE void kq_scales_k4(const uint8_t *s, kq_scales *S) {
-    const __m256i pick = _mm256_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11,
-                                          0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11);
-    const __m256i tops = _mm256_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7,
-                                          -1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7);
-    const __m256i m_low = _mm256_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0,
-                                           63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0);
-    const __m256i m_nib = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15,
-                                           0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15);
     const __m256i zero = _mm256_setzero_si256();
     for (int j = 0; j < CF_G / 2; j++) {
-        /* rows 2j, 2j+1 are 24 contiguous bytes (the last pair's load reads 8 bytes past the
-         * scales, still inside the chunk: the quants follow) */
-        __m256i v = _mm256_permutevar8x32_epi32(_mm256_loadu_si256((const __m256i *)(s + 24 * j)),
-                                                _mm256_setr_epi32(0, 1, 2, 2, 3, 4, 5, 5));
-        __m256i a = _mm256_shuffle_epi8(v, pick), b = _mm256_shuffle_epi8(v, tops);
-        __m256i low = _mm256_or_si256(_mm256_and_si256(a, m_low), _mm256_and_si256(_mm256_srli_epi16(a, 4), m_nib));
-        __m256i sm = _mm256_or_si256(low, _mm256_and_si256(_mm256_srli_epi16(b, 2), _mm256_set1_epi8(0x30)));
+        __m256i sm = kq_scale_min_pair(s + 24 * j);
         __m256i sc16 = _mm256_unpacklo_epi8(sm, zero);
         S->mins[j] = _mm256_unpackhi_epi8(sm, zero);
         __m256i lo = _mm256_unpacklo_epi16(sc16, sc16), hi = _mm256_unpackhi_epi16(sc16, sc16);

@@ -53,6 +53,7 @@
 #include "cflow.h"
 #include "kernels_internal.h"
 #include "kernels_ref.h"
+#include "kquant_scales.h"
 #include "simd_silu.h"
 
 #define INLINE static inline __attribute__((always_inline))
@@ -116,16 +117,8 @@ INLINE __m256 q45k_update(int dtype, const uint8_t *c, const cf_act_q8 *x, int k
         xv[k] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)p)),
                                    _mm256_loadu_si256((const __m256i *)(p + 64)), 1);
     }
-    /* the 6-bit scales and mins of the 8 rows (ggml's get_scale_min_k4), two rows per ymm as in
-     * kernels_kquant_avx2.c's kq_scales_k4: per 128-bit lane bytes 0..7 scales, 8..15 mins */
-    const __m256i pick = _mm256_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11,
-                                          0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11);
-    const __m256i tops = _mm256_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7,
-                                          -1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7);
-    const __m256i m_low = _mm256_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0,
-                                           63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0);
-    const __m256i m_nib = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15,
-                                           0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15);
+    /* the 6-bit scales and mins of the 8 rows, two rows per ymm (kq_scale_min_pair, as
+     * kernels_kquant_avx2.c's kq_scales_k4): per 128-bit lane bytes 0..7 scales, 8..15 mins */
     /* scale operands of row 2j (+8 selects row 2j+1's lane): W0 = [sb0 sb1 | sb0 sb1 | sb2 sb3 |
      * sb2 sb3] per 128-bit lane, W1 the same for sub-blocks 4..7 */
     const __m512i i0 = idx16(0, 1, 0, 1, 2, 3, 2, 3), i1 = idx16(4, 5, 4, 5, 6, 7, 6, 7);
@@ -143,11 +136,7 @@ INLINE __m256 q45k_update(int dtype, const uint8_t *c, const cf_act_q8 *x, int k
     __m256i mins[CF_G / 2];
     for (int j = 0; j < CF_G / 2; j++) {
         /* rows 2j, 2j+1: 24 contiguous bytes (the last pair's load reads into qs) */
-        __m256i v = _mm256_permutevar8x32_epi32(_mm256_loadu_si256((const __m256i *)(sc + 24 * j)),
-                                                _mm256_setr_epi32(0, 1, 2, 2, 3, 4, 5, 5));
-        __m256i a = _mm256_shuffle_epi8(v, pick), b = _mm256_shuffle_epi8(v, tops);
-        __m256i low = _mm256_or_si256(_mm256_and_si256(a, m_low), _mm256_and_si256(_mm256_srli_epi16(a, 4), m_nib));
-        __m256i sm = _mm256_or_si256(low, _mm256_and_si256(_mm256_srli_epi16(b, 2), _mm256_set1_epi8(0x30)));
+        __m256i sm = kq_scale_min_pair(sc + 24 * j);
         __m512i sc16 = _mm512_castsi256_si512(_mm256_unpacklo_epi8(sm, _mm256_setzero_si256()));
         mins[j] = _mm256_unpackhi_epi8(sm, _mm256_setzero_si256());
         for (int h = 0; h < 2; h++) {

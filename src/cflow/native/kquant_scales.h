@@ -1,0 +1,33 @@
+/* kquant_scales.h — Q4_K / Q5_K's packed 6-bit scales and mins, decoded two rows at a time (AVX2),
+ * one definition for the AVX2-family K-quant kernels (kernels_kquant_avx2.c) and the avx512 table's
+ * (kernels_kquant_avx512.c), which lay the result out differently but must read the same values.
+ * Include in a file compiled with -mavx2. */
+#ifndef CFLOW_KQUANT_SCALES_H
+#define CFLOW_KQUANT_SCALES_H
+
+#include <immintrin.h>
+#include <stdint.h>
+
+/* ggml's get_scale_min_k4 for the two rows whose 12-byte scale fields are the 24 bytes at s (row
+ * 2j in the low 128-bit lane, 2j+1 in the high one). Per lane, bytes 0..7 = the scales, 8..15 =
+ * the mins:
+ *   j < 4:  sc_j = s[j] & 63              m_j = s[j+4] & 63
+ *   j >= 4: sc_j = (s[j+4] & 15) | (s[j-4] >> 6) << 4    m_j = (s[j+4] >> 4) | (s[j] >> 6) << 4
+ * Loads 32 bytes at s: the caller's chunk must hold 8 more after the pair. */
+static inline __attribute__((always_inline)) __m256i kq_scale_min_pair(const uint8_t *s) {
+    const __m256i pick = _mm256_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11,
+                                          0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11);
+    const __m256i tops = _mm256_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7,
+                                          -1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7);
+    const __m256i m_low = _mm256_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0,
+                                           63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0);
+    const __m256i m_nib = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15,
+                                           0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15);
+    __m256i v = _mm256_permutevar8x32_epi32(_mm256_loadu_si256((const __m256i *)s),
+                                            _mm256_setr_epi32(0, 1, 2, 2, 3, 4, 5, 5));
+    __m256i a = _mm256_shuffle_epi8(v, pick), b = _mm256_shuffle_epi8(v, tops);
+    __m256i low = _mm256_or_si256(_mm256_and_si256(a, m_low), _mm256_and_si256(_mm256_srli_epi16(a, 4), m_nib));
+    return _mm256_or_si256(low, _mm256_and_si256(_mm256_srli_epi16(b, 2), _mm256_set1_epi8(0x30)));
+}
+
+#endif /* CFLOW_KQUANT_SCALES_H */
