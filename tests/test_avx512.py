@@ -78,13 +78,10 @@ def test_matmat_every_batch_size_equals_matvec(dtype, rows, cols, tile):
         assert err.max() <= 2 * MATVEC_RTOL, f"B={B}: {err.max():.3g} from the ref table"
 
 
-@pytest.mark.parametrize("dtype", QDTYPES)
-def test_matmat_group_ranges_and_threads(dtype):
-    """Ranges that start and end on odd groups, inside and across bands, write only their rows
-    and the same values; a pool splitting the rows changes nothing."""
-    rows, cols, tile = 203, 1088, (40, 96)
-    t, X = random_case(("ranges", dtype), rows, cols, dtype, tile, 21)
-    dt, kw = Q.DTYPE_IDS[dtype], dict(tile_rows=tile[0], tile_cols=tile[1], isa="avx512")
+def check_group_ranges(t, dt, rows, cols, X, kw):
+    """matmat of row groups [g0, g1) (odd starts and ends, inside and across bands of a 203-row
+    matrix) writes only those rows, with the whole call's values; a pool of 3 changes nothing.
+    Returns the whole call's output."""
     full = _native.matmat(t, dt, rows, cols, X, **kw)
     assert np.array_equal(_native.matmat(t, dt, rows, cols, X, pool=_native.Pool(3), **kw), full)
     for g0, g1 in [(1, 2), (1, 4), (3, 8), (4, 9), (5, 26), (24, 26), (25, 26), (0, 25)]:
@@ -92,6 +89,17 @@ def test_matmat_group_ranges_and_threads(dtype):
         r0, r1 = g0 * 8, min(g1 * 8, rows)
         assert np.array_equal(part[:, r0:r1], full[:, r0:r1]), f"groups [{g0}, {g1}) differ"
         assert not part[:, :r0].any() and not part[:, r1:].any(), f"[{g0}, {g1}) wrote outside its rows"
+    return full
+
+
+@pytest.mark.parametrize("dtype", QDTYPES)
+def test_matmat_group_ranges_and_threads(dtype):
+    """Ranges that start and end on odd groups, inside and across bands, write only their rows
+    and the same values; a pool splitting the rows changes nothing."""
+    rows, cols, tile = 203, 1088, (40, 96)
+    t, X = random_case(("ranges", dtype), rows, cols, dtype, tile, 21)
+    dt, kw = Q.DTYPE_IDS[dtype], dict(tile_rows=tile[0], tile_cols=tile[1], isa="avx512")
+    check_group_ranges(t, dt, rows, cols, X, kw)
 
 
 @pytest.mark.parametrize("d_ff,cols,tile", [(8, 32, (8, 32)), (24, 96, (24, 96)), (40, 512, (40, 512)),
@@ -245,14 +253,8 @@ def test_small_batch_group_ranges_and_threads(dtype, B):
     rows, cols, tile = 203, 1088, (40, 96)
     t, X = random_case(("small ranges", dtype, B), rows, cols, dtype, tile, B)
     dt, kw = Q.DTYPE_IDS[dtype], dict(tile_rows=tile[0], tile_cols=tile[1], isa="avx512")
-    full = _native.matmat(t, dt, rows, cols, X, **kw)
+    full = check_group_ranges(t, dt, rows, cols, X, kw)
     assert np.array_equal(full, np.stack([_native.matvec(t, dt, rows, cols, x, **kw) for x in X]))
-    assert np.array_equal(_native.matmat(t, dt, rows, cols, X, pool=_native.Pool(3), **kw), full)
-    for g0, g1 in [(1, 2), (1, 4), (3, 8), (4, 9), (5, 26), (24, 26), (25, 26), (0, 25)]:
-        part = _native.matmat(t, dt, rows, cols, X, g0=g0, g1=g1, **kw)
-        r0, r1 = g0 * 8, min(g1 * 8, rows)
-        assert np.array_equal(part[:, r0:r1], full[:, r0:r1]), f"groups [{g0}, {g1}) differ"
-        assert not part[:, :r0].any() and not part[:, r1:].any(), f"[{g0}, {g1}) wrote outside its rows"
 
 
 @pytest.mark.parametrize("d_ff,cols,tile", [(24, 96, (24, 96)), (72, 576, (128, 256)), (56, 1088, (24, 1024))])

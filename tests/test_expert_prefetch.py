@@ -38,7 +38,8 @@ pytest.importorskip("torch")
 from cflow.runtime import Engine, EngineError  # noqa: E402
 from cflow.runtime import experts as xp  # noqa: E402
 from test_engine import small_config, write_random_model  # noqa: E402
-from test_experts_disk import PREFILL, STEPS, kernel_read_bytes, ram_run, round_up, run, tokens, within  # noqa: E402
+from test_experts_disk import (PREFILL, STEPS, kernel_read_bytes, ram_run, reads_started, round_up, run,  # noqa: E402
+                               settle, tokens, within)
 
 # name -> (preset, config overrides, dtype, tile)
 MODELS = {
@@ -113,24 +114,6 @@ def test_logits_bit_identical_with_prefetch(models, name, extra, depth):
 
 
 # ---- counters --------------------------------------------------------------------------------------
-def reads_started(c: dict) -> int:
-    """Demand reads (misses no speculative read served) plus speculative reads."""
-    return c["cache_misses"] - c["prefetch_used"] + c["prefetch_reads"]
-
-
-def settle(eng, seconds: float = 10.0) -> dict:
-    """The counters once every read started has landed (speculative reads nobody waits for land on
-    their own time)."""
-    import time
-
-    end = time.monotonic() + seconds
-    while True:
-        c = eng.counters()
-        if c["disk_bytes"] >= reads_started(c) * eng.expert_cache["slot_bytes"] or time.monotonic() > end:
-            return c
-        time.sleep(0.01)
-
-
 @pytest.mark.parametrize("depth", [1, 3])
 @pytest.mark.parametrize("extra", [1, 4])
 @pytest.mark.parametrize("name", ["arch1", "mixtral"])
