@@ -681,9 +681,9 @@ static int acquire_wave(cf_engine *e, int l, int ms, int i0, int max) {
 // (off when there are none), counted in spec_slot: every slot it pins until the layer it was
 // predicted for routes (those it reads, and the predicted experts already cached, so that reads for
 // other layers do not evict them first), and every slot whose speculative read is still in flight
-// after the pin is gone (a LOADING slot cannot be evicted). So whenever the plan needs a slot (each of a route's
-// first top_k, the first of a wave) at most min_slots - 1 of its own pins and spec_room other
-// slots are not evictable: the plan's acquires never fail, speculation never waits for a slot and
+// after the pin is gone (a LOADING slot cannot be evicted). So whenever the plan needs a slot
+// (each of a route's first top_k, the first of a wave) at most min_slots - 1 of its own pins and
+// spec_room other slots are not evictable: the plan's acquires never fail, speculation never waits for a slot and
 // never evicts a pinned or loading one; nearer layers are served first, and a horizon that does
 // not fit the spare slots is cut short. At route(l) the pins predicted for l are dropped after its
 // first wave is pinned: the experts it chose sit in their slots (their acquire counts a cache miss
@@ -743,9 +743,11 @@ static void spec_score(cf_engine *e, int l, const int *cnt) {
 
 /* May predictions made k layers ahead start reads? The next layer's always may (the issue's
  * next-layer prefetch); further ones once SPEC_MIN_SAMPLES predictions at that distance are in, and
- * while at least SPEC_MIN_PRECISION of them were chosen, over the last ~SPEC_WINDOW. A wrong read costs a read and evicts a cached expert: where routing changes much from layer
- * to layer, deep predictions are often wrong, and reading them made a 95% cache miss 2-5x as often
- * (docs/results/moe.md); the gate keeps the predicting (to keep measuring) and stops the reading. */
+ * while at least SPEC_MIN_PRECISION of them were chosen, over the last ~SPEC_WINDOW. A wrong read
+ * costs a read and evicts a cached expert: where routing changes much from layer to layer, deep
+ * predictions are often wrong, and reading them made a 95% cache miss twice as often, plus a wasted
+ * read per token (docs/results/moe.md); the gate keeps the predicting (to keep measuring) and
+ * stops the reading. */
 static int spec_trusted(const cf_engine *e, int k) {
     if (k <= 1) return 1;
     if (e->dist_pred[k] < SPEC_MIN_SAMPLES) return 0;
