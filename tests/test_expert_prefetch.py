@@ -210,6 +210,7 @@ def test_gate_reads_only_trusted_distances(models, name, monkeypatch):
     want = ram_run(path)
 
     monkeypatch.setenv("CFLOW_EXPERT_READER", "inline")  # reads land when submitted: no timing in the counts
+    monkeypatch.setenv("CFLOW_EXPERT_KEEP", "0")  # the gate alone: keep ranks follow it (tested below)
 
     def counters(depth, bar):
         monkeypatch.setenv("CFLOW_SPEC_MIN_PRECISION", bar)
@@ -226,6 +227,41 @@ def test_gate_reads_only_trusted_distances(models, name, monkeypatch):
     assert {k: closed[k] for k in keys} == {k: near[k] for k in keys}
     assert closed["expert_predicted"] > near["expert_predicted"]  # it still predicts (to keep measuring)
     assert opened["prefetch_reads"] > near["prefetch_reads"]  # 32 predictions in, every distance reads
+
+
+@pytest.mark.parametrize("name", ["arch1", "mixtral"])
+def test_keep_ranks_hold_a_steps_first_layer(models, name, monkeypatch):
+    """Keep ranks (engine.c keep_ranks): once speculation is trusted d layers ahead, the cache evicts
+    layer 0's experts, whose misses no read can hide, only when no later layer's can go, so with room
+    for a few layers' experts layer 0 stays wholly cached; without the ranks (CFLOW_EXPERT_KEEP=0) the
+    same run leaves it partly evicted. Inline reads (no timing), same tokens; logits exact both ways."""
+    path = models[name]
+    want = ram_run(path)
+    monkeypatch.setenv("CFLOW_EXPERT_READER", "inline")
+    monkeypatch.setenv("CFLOW_SPEC_MIN_PRECISION", "0")  # every distance trusted once 32 predictions are in
+    with Engine.load(path, threads=1) as probe:
+        L, E = probe.config.n_layers, probe.config.n_experts
+
+    def held_per_layer(keep):
+        monkeypatch.setenv("CFLOW_EXPERT_KEEP", keep)
+        # speculation pins up to top_k experts of each later layer: room for those and layer 0
+        eng = load(path, min_slots(path) + 2 * E + 2, 16, threads=1)
+        got = within(60, run, eng)
+        assert all(np.array_equal(g, w) for g, w in zip(got, want))
+        for i, t in enumerate(tokens(eng.config, 40, seed=5)):  # the cache's steady state
+            eng.step(t, PREFILL + STEPS + i)
+        assert np.count_nonzero(np.array(eng.expert_hits())[0]) == E  # every expert of layer 0 was routed to
+        held = [0] * L
+        for layer, _ in eng.expert_resident():
+            held[layer] += 1
+        depth = eng.expert_cache["keep_depth"]
+        eng.close()
+        return depth, held
+
+    depth, held = held_per_layer("1")
+    assert depth == L - 1 and held[0] == E, held
+    depth, held = held_per_layer("0")
+    assert depth == 0 and held[0] < E, held
 
 
 def test_depth_cap_matches_the_engine():

@@ -151,6 +151,7 @@ struct NativeEngine {
         d["prefetch"] = x.speculate ? (x.speculate == 1 ? "next-layer" : std::to_string(x.speculate) + " layers") : "off";
         d["prefetch_depth"] = x.speculate;
         d["prefetch_slots"] = x.spec_slots;
+        d["keep_depth"] = x.keep_depth;
         d["reader"] = x.async ? (x.uring ? "io_uring" : x.n_io ? "threads" : "inline") : "caller";
         d["reader_note"] = x.reader_note ? x.reader_note : "";
         return d;

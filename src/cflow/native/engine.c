@@ -194,6 +194,8 @@ struct cf_engine {
     uint16_t *pred_mark; /* [L, E] bit k-1: predicted at distance k for a layer not routed yet in this call */
     uint32_t dist_pred[CF_SPEC_MAX_DEPTH + 1], dist_hit[CF_SPEC_MAX_DEPTH + 1]; /* per distance, decayed */
     double spec_min_precision; /* SPEC_MIN_PRECISION, or CFLOW_SPEC_MIN_PRECISION (tests, benchmarks) */
+    int xkeep;           /* 1: rank the cache's layers by how much of a miss speculation can hide */
+    int keep_depth;      /* the trusted depth the ranks were last set for; -1: not set yet */
     int *pred_votes;     /* [E] rows whose prediction chose each expert */
     uint64_t disk_base;  /* cf_xstore_bytes_read at the last counter reset */
     int failed;          /* CF_ERR_* of the call in flight; set by thread 0 */
@@ -695,15 +697,6 @@ static int acquire_wave(cf_engine *e, int l, int ms, int i0, int max) {
 #define SPEC_MIN_SAMPLES 32    /* predictions at a distance before the gate judges it */
 #define SPEC_WINDOW 512        /* predictions per distance before the counts halve */
 
-/* Thread 0, when a call starts: cf_xstore_begin dropped every pin (a failed call may have left
- * some); reads still in flight stay counted until they land. */
-static void spec_begin(cf_engine *e) {
-    if (!e->xspec) return;
-    for (int i = 0; i < e->n_spec; i++) e->spec_for[i] = -1;
-    e->spec_horizon = -1;
-    memset(e->pred_mark, 0, (size_t)e->c.n_layers * e->c.n_experts * sizeof *e->pred_mark);
-}
-
 /* Thread 0 at route(l): drop the speculative pins predicted for layers up to l; forget the slots
  * that are neither pinned nor loading any more. */
 static void spec_release(cf_engine *e, int l) {
@@ -752,6 +745,35 @@ static int spec_trusted(const cf_engine *e, int k) {
     if (k <= 1) return 1;
     if (e->dist_pred[k] < SPEC_MIN_SAMPLES) return 0;
     return (double)e->dist_hit[k] >= e->spec_min_precision * (double)e->dist_pred[k];
+}
+
+/* Keep ranks (experts.h): which layers' misses the cache should avoid. Speculation trusted up to
+ * d layers ahead (spec_trusted at every distance 1..d) starts the read of a layer l >= d when
+ * route(l - d) runs, d layers before it is needed, but the read of a layer l < d only at the
+ * call's first route, l layers before: a step's first layers cannot be predicted before the step
+ * exists, and layer 0 not at all. So layer l's misses are exposed by max(0, d - l) layers more than
+ * the rest; that is its rank, and the cache evicts low ranks first. With uniform routing this moves
+ * misses to layers whose reads overlap compute without changing how many there are (the hit rate
+ * is the cached share of a layer's experts, summed); with skewed routing it can cost hits, which a
+ * step's first layers then do not stall on. Off without speculation (sync reads hide nothing), or
+ * with CFLOW_EXPERT_KEEP=0 (benchmarks: the policy alone). Measured: docs/results/moe.md. */
+static void keep_ranks(cf_engine *e) {
+    int d = 1;
+    while (d < e->xspec && spec_trusted(e, d + 1)) d++;
+    if (!e->xkeep || d == e->keep_depth) return;
+    e->keep_depth = d;
+    for (int set = 0; set < e->c.n_unique; set++) /* a shared set is first used by layer `set` */
+        cf_xstore_keep(e->xs, set, cf_max(0, d - set));
+}
+
+/* Thread 0, when a call starts: cf_xstore_begin dropped every pin (a failed call may have left
+ * some); reads still in flight stay counted until they land. */
+static void spec_begin(cf_engine *e) {
+    if (!e->xspec) return;
+    for (int i = 0; i < e->n_spec; i++) e->spec_for[i] = -1;
+    e->spec_horizon = -1;
+    memset(e->pred_mark, 0, (size_t)e->c.n_layers * e->c.n_experts * sizeof *e->pred_mark);
+    keep_ranks(e);
 }
 
 /* Thread 0: pin a cached (or loading) slot predicted for layer target, so no other read evicts it
@@ -1380,6 +1402,7 @@ int cf_engine_expert_cache(const cf_engine *e, cf_expert_cache_info *out) {
     out->cache_bytes = xi.cache_bytes;
     out->speculate = e->xspec;
     out->spec_slots = e->spec_room;
+    out->keep_depth = e->xkeep ? cf_max(0, e->keep_depth) : 0;
     out->uring = xi.uring;
     out->reader_note = xi.note;
     return 1;
@@ -1915,6 +1938,9 @@ static int open_disk_experts(cf_engine *e, const cf_disk_experts *dx, char *err,
         const char *mp = getenv("CFLOW_SPEC_MIN_PRECISION"); /* 0: every distance reads; > 1: only the next layer */
         e->spec_min_precision = mp && *mp ? atof(mp) : SPEC_MIN_PRECISION;
         e->spec_horizon = -1;
+        const char *kp = getenv("CFLOW_EXPERT_KEEP"); /* 0: the policy without keep ranks */
+        e->xkeep = !(kp && *kp == '0');
+        e->keep_depth = -1;
     }
     return 0;
 }

@@ -306,6 +306,7 @@ typedef struct {
     int n_slots, min_slots, inflight, async, n_io, direct;
     int speculate;  /* speculative prefetch depth (0: off), in spec_slots = n_slots - min_slots slots at most */
     int spec_slots;
+    int keep_depth; /* the speculation depth the cache's keep ranks follow (0: ranks off) */
     int uring;                /* the async reads go through io_uring (else pread threads) */
     const char *reader_note;  /* why not, where io_uring was wanted ("" otherwise); the engine's */
     int64_t slot_bytes, cache_bytes;

@@ -16,8 +16,16 @@
  * every budget, and well above it below one token's experts.
  *
  * A victim is the first EMPTY (or FAILED) slot, else the unpinned READY slot with the lowest
- * (score, last use). Finding it scans the slots: O(n_slots) per miss, next to a read of
- * megabytes that is nothing.
+ * (keep rank of its weight set, score, last use). Finding it scans the slots: O(n_slots) per miss,
+ * next to a read of megabytes that is nothing.
+ *
+ * Keep ranks (cf_xstore_keep; all 0 unless the engine sets them) say which layers' misses cost
+ * most: with async reads and speculation trusted d layers ahead, a miss of layer l >= d is read
+ * while d layers compute, but one of layer l < d only while l do (a step's first layers cannot be
+ * predicted before the step exists), and layer 0's never. The engine ranks set l by d - l, so the
+ * cache keeps a step's first layers and lets the misses fall where their reads hide (engine.c,
+ * "keep ranks"). With uniform routing this changes mostly which experts miss, not how many (a few
+ * % more: docs/DESIGN.md).
  */
 #define _GNU_SOURCE
 #include "experts.h"
@@ -66,6 +74,7 @@ struct cf_xstore {
     int64_t *off, *len; /* [n_keys] span offset, read length (nbytes rounded up to 4096) */
     int *slot_of;       /* [n_keys] slot holding the key, -1 */
     uint32_t *score;    /* [n_keys] recency-weighted use, on the layer's clock (cf_xstore_visit) */
+    uint8_t *keep;      /* [n_keys / n_experts] eviction rank of each weight set: lower goes first */
     xslot *slots;
     int n_slots;
     size_t slot_bytes, mem_bytes;
@@ -331,10 +340,18 @@ static int pick_victim(const cf_xstore *xs) {
         uint32_t st = atomic_load_explicit(&v->state, memory_order_relaxed);
         if (v->pins || st == XS_LOADING) continue;
         if (v->key < 0 || st == XS_FAILED) return i;
-        const xslot *b = best >= 0 ? &xs->slots[best] : NULL;
-        if (!b || xs->score[v->key] < xs->score[b->key] ||
-            (xs->score[v->key] == xs->score[b->key] && v->last_use < b->last_use))
+        if (best < 0) {
             best = i;
+            continue;
+        }
+        const xslot *b = &xs->slots[best];
+        int kv = xs->keep[v->key / xs->n_experts], kb = xs->keep[b->key / xs->n_experts];
+        if (kv != kb) {
+            if (kv < kb) best = i;
+        } else if (xs->score[v->key] < xs->score[b->key] ||
+                   (xs->score[v->key] == xs->score[b->key] && v->last_use < b->last_use)) {
+            best = i;
+        }
     }
     return best;
 }
@@ -388,6 +405,10 @@ void cf_xstore_visit(cf_xstore *xs, int set, const int *chosen, int n) {
     uint32_t *sc = xs->score + (size_t)set * xs->n_experts;
     for (int x = 0; x < xs->n_experts; x++) sc[x] >>= 1;
     for (int i = 0; i < n; i++) sc[chosen[i]] += VISIT_SCORE; /* < 2 x VISIT_SCORE: no overflow */
+}
+
+void cf_xstore_keep(cf_xstore *xs, int set, int rank) {
+    if (set >= 0 && set < xs->n_keys / xs->n_experts) xs->keep[set] = (uint8_t)cf_max(0, cf_min(rank, 255));
 }
 
 void cf_xstore_release(cf_xstore *xs, int slot) {
@@ -558,6 +579,7 @@ cf_xstore *cf_xstore_open(const cf_xstore_opts *o, char *err, size_t n) {
     xs->len = malloc(sizeof(int64_t) * o->n_keys);
     xs->slot_of = malloc(sizeof(int) * o->n_keys);
     xs->score = calloc(o->n_keys, sizeof(uint32_t));
+    xs->keep = calloc((size_t)o->n_keys / o->n_experts + 1, 1);
     /* the slots' state words sit on their own cache lines: calloc does not align to 64 */
     if (posix_memalign((void **)&xs->slots, 64, (size_t)slots * sizeof(xslot)) == 0)
         memset(xs->slots, 0, (size_t)slots * sizeof(xslot));
@@ -570,7 +592,7 @@ cf_xstore *cf_xstore_open(const cf_xstore_opts *o, char *err, size_t n) {
     xs->reap_late = calloc((size_t)slots + 1, sizeof(int));
     const char *qd = getenv("CFLOW_EXPERT_QD"); /* measurements: reads in the kernel at once */
     xs->ring_cap = qd && atoi(qd) > 0 ? atoi(qd) : RING_CAP;
-    if (!xs->path || !xs->off || !xs->len || !xs->slot_of || !xs->score || !xs->slots || !xs->queue ||
+    if (!xs->path || !xs->off || !xs->len || !xs->slot_of || !xs->score || !xs->keep || !xs->slots || !xs->queue ||
         !xs->pend_slot || !xs->pend_need || !xs->sub_late || !xs->reap_late) {
         cf_xstore_free(xs);
         return cf_set_err(err, n, "out of memory"), NULL;
@@ -680,6 +702,7 @@ void cf_xstore_free(cf_xstore *xs) {
     free(xs->len);
     free(xs->slot_of);
     free(xs->score);
+    free(xs->keep);
     free(xs->slots);
     free(xs->queue);
     free(xs->pend_slot);

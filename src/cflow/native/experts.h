@@ -21,7 +21,9 @@
  *             own count of the slots speculation holds or still has reads in flight for, within the
  *             slots beyond the minimum, so the plan's own pins always fit.
  *   policy    recency-weighted frequency on each layer's own clock, ties by recency (experts.c
- *             says why; cflow.runtime.experts.simulate is its Python twin).
+ *             says why; cflow.runtime.experts.simulate is its Python twin), after a per-weight-set
+ *             keep rank the engine may set (0 everywhere unless it does): a step's first layers,
+ *             whose misses no read-ahead can hide, are evicted last.
  *   I/O       async: io_uring where the kernel offers it (uring.h: thread 0 submits, one reaper
  *             thread takes completions), else a queue and n_io pread threads (not the compute pool;
  *             they sleep in the kernel); sync: the caller reads, then computes (the baseline the
@@ -95,6 +97,9 @@ int cf_xstore_begin(cf_xstore *xs, char *err, size_t n);
 
 /* A layer using weight set `set` routed to experts chosen[0..n): the policy's clock for that set. */
 void cf_xstore_visit(cf_xstore *xs, int set, const int *chosen, int n);
+/* Eviction rank of weight set `set` (0..255, default 0): victims come from the lowest rank first,
+ * then by the policy. The engine ranks the layers whose misses it cannot hide highest. */
+void cf_xstore_keep(cf_xstore *xs, int set, int rank);
 /* Pin key's slot, choosing and claiming a victim when it is not cached (*miss = 1: the slot is
  * LOADING and must be submitted or read; 2: a speculative read, landed or not, brought the expert
  * and nothing had used it yet; 0: cached). -1 when every slot is pinned or loading. */

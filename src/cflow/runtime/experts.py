@@ -59,7 +59,7 @@ from __future__ import annotations
 import mmap as _mmap
 import os
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -435,6 +435,7 @@ def routing_trace(engine: Any, tokens: Sequence[int], pos0: int = 0) -> list[lis
 class SimResult:
     hits: int = 0
     misses: int = 0
+    layer_misses: list[int] = field(default_factory=list)  # [layer] misses there
 
     @property
     def hit_rate(self) -> float:
@@ -443,7 +444,7 @@ class SimResult:
 
 
 def simulate(trace: Sequence[Sequence[Sequence[int]]], n_slots: int, policy: str = "lrfu", *, n_experts: int,
-             n_unique: int | None = None, inflight: int = 1) -> SimResult:
+             n_unique: int | None = None, inflight: int = 1, keep: Sequence[int] | None = None) -> SimResult:
     """Replay a decode routing trace (routing_trace) through a cache of n_slots experts, the way the
     engine acquires and pins them: each layer's experts are acquired together (ascending) and stay
     pinned until `inflight` - 1 later layers have been acquired (1: released right away); nothing is
@@ -452,7 +453,10 @@ def simulate(trace: Sequence[Sequence[Sequence[int]]], n_slots: int, policy: str
               experts' scores halve and the chosen ones gain VISIT_SCORE; evict the lowest score
       "lru"   least recently used
       "lfu"   use counts, halved every AGE_PER_KEY x n_keys accesses (a global clock)
-      "opt"   Belady's: evict the one used furthest in the future (an upper bound)"""
+      "opt"   Belady's: evict the one used furthest in the future (an upper bound)
+    keep: the cache's keep ranks per weight set (cf_xstore_keep; the engine's keep_ranks gives set l
+    max(0, d - l) with speculation trusted d layers ahead): victims come from the lowest rank first,
+    then by the policy."""
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}")
     n_layers = len(trace[0]) if trace else 0
@@ -472,7 +476,8 @@ def simulate(trace: Sequence[Sequence[Sequence[int]]], n_slots: int, policy: str
     freq = [0] * n_keys  # lfu: counts; lrfu: scores
     tick = accesses = 0
     age = AGE_PER_KEY * n_keys
-    r = SimResult()
+    rank = [0] * n_keys if keep is None else [int(keep[k // n_experts]) for k in range(n_keys)]
+    r = SimResult(layer_misses=[0] * n_layers)
     i = 0
     for step in trace:
         held: deque[list[int]] = deque()
@@ -489,7 +494,8 @@ def simulate(trace: Sequence[Sequence[Sequence[int]]], n_slots: int, policy: str
                 s = slot_of.get(key)
                 if s is None:
                     r.misses += 1
-                    s = _victim(policy, slot_key, pins, freq, last_use, nxt)
+                    r.layer_misses[l] += 1
+                    s = _victim(policy, slot_key, pins, freq, last_use, nxt, rank)
                     if s < 0:
                         raise ValueError(f"{n_slots} slots cannot hold the experts pinned at once")
                     if slot_key[s] >= 0:
@@ -521,7 +527,7 @@ def simulate(trace: Sequence[Sequence[Sequence[int]]], n_slots: int, policy: str
 
 
 def _victim(policy: str, slot_key: list[int], pins: list[int], freq: list[int], last_use: list[int],
-            nxt: list[int]) -> int:
+            nxt: list[int], rank: list[int]) -> int:
     best = -1
     for s, key in enumerate(slot_key):
         if pins[s]:
@@ -530,6 +536,9 @@ def _victim(policy: str, slot_key: list[int], pins: list[int], freq: list[int], 
             return s
         if best < 0:
             best = s
+        elif rank[key] != rank[slot_key[best]]:
+            if rank[key] < rank[slot_key[best]]:
+                best = s
         elif policy in ("lfu", "lrfu"):
             if (freq[key], last_use[s]) < (freq[slot_key[best]], last_use[best]):
                 best = s
