@@ -33,16 +33,24 @@ from pathlib import Path
 import numpy as np
 
 
-def parse_mode(text: str) -> tuple[str, str, str]:
-    """"sync" or "async:PREFETCH[:READER]" (PREFETCH: off, next-layer, auto or a depth; READER: auto,
-    the default, threads (CFLOW_EXPERT_READER), or qdN: io_uring with N reads in the kernel at once
-    (CFLOW_EXPERT_QD)) -> (io, prefetch, reader)."""
+def parse_mode(text: str) -> tuple[str, str, str, bool]:
+    """"sync" or "async:PREFETCH[:TAG...]" -> (io, prefetch, reader, keep). PREFETCH: off, next-layer,
+    auto or a depth. TAGs: the reader, auto (the default), threads (CFLOW_EXPERT_READER) or qdN
+    (io_uring with N reads in the kernel at once, CFLOW_EXPERT_QD); nokeep: the cache without keep
+    ranks (CFLOW_EXPERT_KEEP=0; experts.h), to measure what they add."""
     io, _, rest = text.partition(":")
-    pf, _, reader = rest.partition(":")
-    ok_reader = reader in ("", "auto", "threads") or (reader.startswith("qd") and reader[2:].isdigit())
-    if io not in ("sync", "async") or (io == "sync" and rest not in ("", "off")) or not ok_reader:
-        raise SystemExit(f"mode {text!r}: use sync or async:off|next-layer|auto|N[:auto|threads|qdN]")
-    return io, (pf or "off") if io == "async" else "off", reader or "auto"
+    pf, *tags = rest.split(":") if rest else [""]
+    reader, keep = "auto", True
+    for tag in tags:
+        if tag in ("auto", "threads") or (tag.startswith("qd") and tag[2:].isdigit()):
+            reader = tag
+        elif tag == "nokeep":
+            keep = False
+        else:
+            io = "?"
+    if io not in ("sync", "async") or (io == "sync" and (pf not in ("", "off") or tags)):
+        raise SystemExit(f"mode {text!r}: use sync or async:off|next-layer|auto|N[:auto|threads|qdN][:nokeep]")
+    return io, (pf or "off") if io == "async" else "off", reader, keep
 
 
 def settle(eng, timeout: float = 5.0) -> None:
@@ -70,9 +78,10 @@ def measure(path: str, budget: float, modes: list[str], threads: int, rounds: in
     toks = [int(t) for t in np.random.default_rng(0).integers(1, vocab, n_tok)]
     engines = {}
     for m in modes:
-        io, pf, reader = parse_mode(m)
+        io, pf, reader, keep = parse_mode(m)
         os.environ["CFLOW_EXPERT_READER"] = "threads" if reader == "threads" else "auto"  # read at load
         os.environ["CFLOW_EXPERT_QD"] = reader[2:] if reader.startswith("qd") else ""
+        os.environ["CFLOW_EXPERT_KEEP"] = "1" if keep else "0"
         eng = Engine.load(converted, threads=threads, n_ctx=n_tok + 8, experts="disk", verify=False,
                           expert_cache=int(budget * expert_bytes), expert_io=io, expert_prefetch=pf)
         for i, t in enumerate(toks[:warmup]):  # the cache's steady state
@@ -135,12 +144,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("models", nargs="+", help="MoE GGUF or .cflow files")
     ap.add_argument("--budgets", default="0.9,0.95,0.97", help="expert-cache budgets, fractions of all experts")
     ap.add_argument("--modes", default="sync,async:off,async:1,async:16",
-                    help="sync and async:PREFETCH[:READER] (PREFETCH: off, next-layer, auto, or a depth; READER: "
-                    "auto = io_uring where the kernel offers it, or threads = pread threads); sync is the unit")
+                    help="sync and async:PREFETCH[:TAG...] (PREFETCH: off, next-layer, auto, or a depth; TAGs: the "
+                    "reader, auto = io_uring where the kernel offers it, threads = pread threads, qdN = io_uring with "
+                    "N reads in the kernel; nokeep = no keep ranks in the cache); sync is the unit")
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--per-round", type=int, default=8, help="tokens per engine per round")
-    ap.add_argument("--warmup", type=int, default=24, help="tokens each engine decodes before the rounds")
+    ap.add_argument("--warmup", type=int, default=48,
+                    help="tokens each engine decodes before the rounds (the speculation gate needs 32 predictions "
+                    "per distance, and the cache's keep ranks then some misses, to settle)")
     ap.add_argument("--out", default=None, help="write OUT.md and OUT.json")
     args = ap.parse_args(argv)
     modes = args.modes.split(",")

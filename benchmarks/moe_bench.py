@@ -192,7 +192,7 @@ def summary(results: list[dict], disk_gbs: float | None) -> list[str]:
                 lines.append(f"| {model} | {r['budget']:.0%} | {r['tok_s']:.2f} | {io:.1f} + {ms - io:.1f} | "
                              f"{io / max(ms - io, 1e-9):.2f} | {mode} | {a['tok_s']:.2f} | "
                              f"{a['tok_s'] / r['tok_s']:.2f}× | {stall:.1f} | {1e3 / max(io, ms - io):.1f} | {disk} |")
-    return lines
+    return lines if len(lines) > 2 else []  # no sync run beside an async one: no table
 
 
 def plot(results: list[dict], path: Path) -> None:
@@ -341,7 +341,8 @@ def main(argv: list[str] | None = None) -> int:
              "| peak RSS GB | note |",
              "|---|---|---:|---:|---:|---:|---:|---:|---|"]
     lines += [fmt_row(r, file_bytes) for r in results]
-    lines += ["", "## async / sync", ""] + summary(results, machine["disk_read_gbs"])
+    pairs = summary(results, machine["disk_read_gbs"])
+    lines += ["", "## async / sync", ""] + pairs if pairs else []
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     plot(results, out.with_suffix(".png"))
     print(f"wrote {out.with_suffix('.md')}, .json, .png")
