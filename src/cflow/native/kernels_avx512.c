@@ -42,6 +42,7 @@
 #include <string.h>
 
 #include "cflow.h"
+#include "kquant_scales.h"
 #include "kernels_internal.h"
 #include "kernels_ref.h"
 
@@ -515,19 +516,6 @@ INLINE __m512i gather_rows(const uint8_t *field, int size, int gstride, int off)
     return _mm512_i32gather_epi32(idx, field, 1);
 }
 
-/* Q4_K / Q5_K's 12 packed scale bytes of row i -> 8 scales and 8 mins (ggml's get_scale_min_k4). */
-INLINE void scale_min_k4(const uint8_t *q, uint8_t *sc, uint8_t *m) {
-    for (int j = 0; j < 8; j++) {
-        if (j < 4) {
-            sc[j] = q[j] & 63;
-            m[j] = q[j + 4] & 63;
-        } else {
-            sc[j] = (q[j + 4] & 0xf) | ((q[j - 4] >> 6) << 4);
-            m[j] = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-        }
-    }
-}
-
 /* Unpack pair q (chunks at ca, cb; cb = ca for a lone group) of nkt super-blocks; chunk
  * offsets (g = 8): Q4_K d@0 dmin@16 scales[8][12]@32 qs[8][128]@128 (1152 B);
  * Q5_K d@0 dmin@16 scales[8][12]@32 qh[8][32]@128 qs[8][128]@384 (1408 B);
@@ -545,7 +533,7 @@ INLINE void kq5_unpack_pair(int dtype, const uint8_t *ca, const uint8_t *cb, int
             buf->dmin[n] = load_halves16(c + 16, c + gstride + 16);
             for (int i = 0; i < 16; i++) {
                 uint8_t s8[8], m8[8];
-                scale_min_k4(c + (i < 8 ? 0 : gstride) + 32 + 12 * (i & 7), s8, m8);
+                kq_scale_min_k4(c + (i < 8 ? 0 : gstride) + 32 + 12 * (i & 7), s8, m8);
                 for (int j = 0; j < 8; j++) {
                     sc[j][i] = s8[j];
                     mp[j][i] = (int32_t)((uint32_t)m8[j] << 16 | m8[j]);

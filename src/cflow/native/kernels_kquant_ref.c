@@ -14,6 +14,7 @@
 
 #include "cflow.h"
 #include "kernels_internal.h"
+#include "kquant_scales.h"
 #include "kernels_ref.h"
 
 /* ---- the 256-block activation ------------------------------------------------------------ */
@@ -50,16 +51,6 @@ static float half_at(const uint8_t *p) {
     cf_half h;
     memcpy(&h, p, 2);
     return cf_half_to_float(h);
-}
-
-/* Q4_K / Q5_K's 8 six-bit scales and mins (ggml's get_scale_min_k4). */
-static void scale_min_k4(const uint8_t *s, int *sc, int *m) {
-    for (int j = 0; j < 4; j++) {
-        sc[j] = s[j] & 63;
-        m[j] = s[j + 4] & 63;
-        sc[j + 4] = (s[j + 8] & 15) | (s[j] >> 6) << 4;
-        m[j + 4] = (s[j + 8] >> 4) | (s[j + 4] >> 6) << 4;
-    }
 }
 
 /* The unsigned quants of a GGML block in weight order (cflow.kquant.unpack_q). */
@@ -128,8 +119,9 @@ float cf_kq_block_dot(int dtype, const uint8_t *b, const cf_act_q8 *x, int kb) {
         }
         return d * dx * (float)sum_qd;
     }
-    int sc[8], m[8], sum_mb = 0;
-    scale_min_k4(b + 4, sc, m);
+    uint8_t sc[8], m[8];
+    int sum_mb = 0;
+    kq_scale_min_k4(b + 4, sc, m);
     for (int s = 0; s < 8; s++) {
         int dot = 0;
         for (int j = 0; j < 32; j++) dot += q[32 * s + j] * xq[32 * s + j];
@@ -154,8 +146,8 @@ void cf_kq_dequant_block(int dtype, const uint8_t *b, float *out) {
     }
     case CF_Q4_K:
     case CF_Q5_K: {
-        int sc[8], m[8];
-        scale_min_k4(b + 4, sc, m);
+        uint8_t sc[8], m[8];
+        kq_scale_min_k4(b + 4, sc, m);
         float dmin = half_at(b + 2);
         for (int s = 0; s < 8; s++) {
             float dl = d * (float)sc[s], ml = dmin * (float)m[s];
