@@ -18,7 +18,8 @@ import pytest
 
 from cflow import _native
 
-from test_native_kernels import FAST_ISAS, ISAS, assert_close, rng_for
+from test_native_kernels import FAST_ISAS, ISAS, assert_close, lo_of, rng_for
+from test_native_kernels import attention_oracle as oracle
 
 torch = pytest.importorskip("torch")  # the random models are built with the PyTorch reference
 
@@ -30,10 +31,6 @@ RTOL = 1e-5  # test_native_kernels.VEC_RTOL: fp32 sums of head_dim products agai
 
 # (n_heads, n_kv_heads, head_dim): GQA ratios 1, 3, 4; head_dim 20 is not a multiple of 8
 SHAPES = [(4, 4, 24), (6, 2, 40), (9, 3, 64), (8, 2, 96), (3, 1, 20)]
-
-
-def lo_of(p: int, window: int) -> int:
-    return max(0, p - window + 1) if window else 0
 
 
 def caches(rng, n_kv, max_seq, hd, first, end):
@@ -55,24 +52,6 @@ def per_query(q, k, v, n_heads, n_kv, pos0, window, isa):
         ks, vs = np.ascontiguousarray(k[:, lo:p + 1]), np.ascontiguousarray(v[:, lo:p + 1])
         out[i] = _native.attention(q[i], ks, vs, n_heads, n_kv, p + 1 - lo, isa=isa)
     return out
-
-
-def oracle(q, k, v, n_heads, n_kv, pos0, window):
-    """float64 attention and the bound its fp32 rounding is measured against."""
-    hd = k.shape[2]
-    k64, v64 = k.astype(np.float64), v.astype(np.float64)
-    want, bound = np.zeros(q.shape), np.zeros(q.shape)
-    for i in range(q.shape[0]):
-        p = pos0 + i
-        lo = lo_of(p, window)
-        for h in range(n_heads):
-            kv = h // (n_heads // n_kv)
-            s = k64[kv, lo:p + 1] @ q[i, h * hd:(h + 1) * hd].astype(np.float64) / np.sqrt(hd)
-            w = np.exp(s - s.max())
-            w /= w.sum()
-            want[i, h * hd:(h + 1) * hd] = w @ v64[kv, lo:p + 1]
-            bound[i, h * hd:(h + 1) * hd] = w @ np.abs(v64[kv, lo:p + 1]) * (1 + np.abs(s).max())
-    return want, bound + 1e-30
 
 
 @pytest.mark.parametrize("n_heads,n_kv,hd", SHAPES)

@@ -38,8 +38,8 @@ pytest.importorskip("torch")
 from cflow.runtime import Engine, EngineError  # noqa: E402
 from cflow.runtime import experts as xp  # noqa: E402
 from test_engine import small_config, write_random_model  # noqa: E402
-from test_experts_disk import (PREFILL, STEPS, kernel_read_bytes, ram_run, reads_started, round_up, run,  # noqa: E402
-                               settle, tokens, within)
+from test_experts_disk import (PREFILL, STEPS, check_forked_step, kernel_read_bytes, ram_run, reads_started,  # noqa: E402
+                               round_up, run, settle, tokens, within)
 
 # name -> (preset, config overrides, dtype, tile)
 MODELS = {
@@ -346,27 +346,7 @@ def test_io_faults_with_prefetch(models, kind, delay_ms):
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_forked_child_with_prefetch(models):
     path = models["arch1"]
-    eng = load(path, min_slots(path) + 3, threads=1)
-    want = ram_run(path)
-    eng.prefill(tokens(eng.config, PREFILL, 0))
-    step = tokens(eng.config, STEPS, 1)[0]
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os.write(w, b"1" if np.array_equal(eng.step(step, PREFILL), want[1]) else b"0")
-        finally:
-            os._exit(0)
-    os.close(w)
-    import select
-
-    ready, _, _ = select.select([r], [], [], 30)
-    got = os.read(r, 1) if ready else b""
-    if not ready:
-        os.kill(pid, 9)
-    os.waitpid(pid, 0)
-    assert got == b"1", "the forked child hung or computed something else"
-    assert np.array_equal(eng.step(step, PREFILL), want[1])
+    check_forked_step(load(path, min_slots(path) + 3, threads=1), path)
 
 
 # ---- command line, bench ---------------------------------------------------------------------------

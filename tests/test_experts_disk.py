@@ -509,32 +509,37 @@ def test_fault_during_prefill_waves(models, io):
     assert np.array_equal(within(30, eng.prefill, tokens(eng.config, PREFILL, 0)), ram_run(path)[0])
 
 
-@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
-def test_forked_child_reads_without_the_readers(models):
-    """Threads do not survive fork: a child that inherits an engine reads in its own thread instead
-    of waiting forever for readers it does not have."""
-    path = models["arch2_4_combined"]
-    eng = load_disk(path, budget_bytes(path, "min"), "async", 1)
+def check_forked_step(eng, path) -> None:
+    """After a prefill, a forked child decodes one step and reports whether it matched RAM (within
+    30 s: a child waiting for reader threads it does not have would hang); then the parent does."""
+    import select
+
     want = ram_run(path)
     eng.prefill(tokens(eng.config, PREFILL, 0))
+    step = tokens(eng.config, STEPS, 1)[0]
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: one step, then report whether it matched, and leave at once
         try:
-            ok = np.array_equal(eng.step(tokens(eng.config, STEPS, 1)[0], PREFILL), want[1])
-            os.write(w, b"1" if ok else b"0")
+            os.write(w, b"1" if np.array_equal(eng.step(step, PREFILL), want[1]) else b"0")
         finally:
             os._exit(0)
     os.close(w)
-    import select
-
     ready, _, _ = select.select([r], [], [], 30)
     got = os.read(r, 1) if ready else b""
     if not ready:
         os.kill(pid, 9)
     os.waitpid(pid, 0)
     assert got == b"1", "the forked child hung or computed something else"
-    assert np.array_equal(eng.step(tokens(eng.config, STEPS, 1)[0], PREFILL), want[1])  # the parent is unaffected
+    assert np.array_equal(eng.step(step, PREFILL), want[1])  # the parent is unaffected
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_forked_child_reads_without_the_readers(models):
+    """Threads do not survive fork: a child that inherits an engine reads in its own thread instead
+    of waiting forever for readers it does not have."""
+    path = models["arch2_4_combined"]
+    check_forked_step(load_disk(path, budget_bytes(path, "min"), "async", 1), path)
 
 
 def test_file_changed_on_disk_is_an_error(models, tmp_path):

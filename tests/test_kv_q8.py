@@ -24,7 +24,8 @@ import pytest
 from cflow import _native
 from cflow import quant as Q
 
-from test_native_kernels import FAST_ISAS, ISAS, assert_close, rng_for
+from test_native_kernels import FAST_ISAS, ISAS, assert_close, lo_of, rng_for
+from test_native_kernels import attention_oracle as oracle
 
 RTOL = 1e-5  # test_native_kernels.VEC_RTOL: fp32 sums of head_dim products against float64
 TYPES = [("q8_0", "q8_0"), ("q8_0", "f16"), ("f16", "q8_0")]
@@ -49,10 +50,6 @@ def test_f32_to_q8_0_is_ggml_q8_0(isa):
 
 
 # ---- kernels -----------------------------------------------------------------------------------
-def lo_of(p: int, window: int) -> int:
-    return max(0, p - window + 1) if window else 0
-
-
 def cache(rng, n_kv, max_seq, hd, kind, first, end):
     """One cache of `kind` and its values as float64 (what the kernels read); positions outside
     [first, end) poisoned: nan/inf fp16 values, or q8_0 scales of nan/inf."""
@@ -68,23 +65,6 @@ def cache(rng, n_kv, max_seq, hd, kind, first, end):
     blocks[:, end:, :, :2] = np.array([np.inf], np.float16).view(np.uint8)
     blocks[:, :first, :, :2] = np.array([np.nan], np.float16).view(np.uint8)
     return c, vals
-
-
-def oracle(q, k64, v64, n_heads, n_kv, pos0, window):
-    """float64 attention over the cache's values and the bound fp32 rounding is measured against."""
-    hd = k64.shape[2]
-    want, bound = np.zeros(q.shape), np.zeros(q.shape)
-    for i in range(q.shape[0]):
-        p = pos0 + i
-        lo = lo_of(p, window)
-        for h in range(n_heads):
-            kv = h // (n_heads // n_kv)
-            s = k64[kv, lo:p + 1] @ q[i, h * hd:(h + 1) * hd].astype(np.float64) / np.sqrt(hd)
-            w = np.exp(s - s.max())
-            w /= w.sum()
-            want[i, h * hd:(h + 1) * hd] = w @ v64[kv, lo:p + 1]
-            bound[i, h * hd:(h + 1) * hd] = w @ np.abs(v64[kv, lo:p + 1]) * (1 + np.abs(s).max())
-    return want, bound + 1e-30
 
 
 def per_query(q, k, v, n_heads, n_kv, pos0, window, isa, kt, vt):

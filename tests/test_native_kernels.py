@@ -62,6 +62,30 @@ def assert_close(got, want, scale, rtol, what):
     assert err.max() <= rtol, f"{what}: max relative error {err.max():.3g} > {rtol:g} at {err.argmax()}"
 
 
+def lo_of(p: int, window: int) -> int:
+    """The first cache position the query at position p attends to (window 0: every one)."""
+    return max(0, p - window + 1) if window else 0
+
+
+def attention_oracle(q, k, v, n_heads, n_kv, pos0, window):
+    """float64 causal attention of the queries q[i] (at positions pos0 + i, sliding window or 0)
+    over the caches k, v [n_kv, seq, head_dim], and the bound its fp32 rounding is measured against."""
+    hd = k.shape[2]
+    k64, v64 = k.astype(np.float64), v.astype(np.float64)
+    want, bound = np.zeros(q.shape), np.zeros(q.shape)
+    for i in range(q.shape[0]):
+        p = pos0 + i
+        lo = lo_of(p, window)
+        for h in range(n_heads):
+            kv = h // (n_heads // n_kv)
+            s = k64[kv, lo:p + 1] @ q[i, h * hd:(h + 1) * hd].astype(np.float64) / np.sqrt(hd)
+            w = np.exp(s - s.max())
+            w /= w.sum()
+            want[i, h * hd:(h + 1) * hd] = w @ v64[kv, lo:p + 1]
+            bound[i, h * hd:(h + 1) * hd] = w @ np.abs(v64[kv, lo:p + 1]) * (1 + np.abs(s).max())
+    return want, bound + 1e-30
+
+
 # ---- activation quantization ---------------------------------------------------------------
 @pytest.mark.parametrize("n", [32, 64, 288, 992, 1536])
 @pytest.mark.parametrize("isa", ALL_ISAS)
@@ -366,21 +390,6 @@ def test_rope(isa, n_heads, hd, pos):
     assert_close(_native.rope(x, n_heads, hd, pos, 10000.0, isa=isa), want, scale, VEC_RTOL, "rope")
 
 
-def attention_oracle(q, k, v, n_heads, n_kv, n_pos, scale):
-    hd = k.shape[2]
-    k64, v64 = k.astype(np.float64), v.astype(np.float64)
-    out = np.zeros((n_heads, hd))
-    bound = np.zeros((n_heads, hd))
-    for h in range(n_heads):
-        kv = h // (n_heads // n_kv)
-        s = k64[kv, :n_pos] @ q[h * hd:(h + 1) * hd].astype(np.float64) * scale
-        p = np.exp(s - s.max())
-        p /= p.sum()
-        out[h] = p @ v64[kv, :n_pos]
-        bound[h] = p @ np.abs(v64[kv, :n_pos]) * (1 + np.abs(s).max())  # score errors scale too
-    return out.reshape(-1), bound.reshape(-1) + 1e-30
-
-
 @pytest.mark.parametrize("n_heads,n_kv,hd", [(9, 3, 64), (4, 4, 32), (8, 1, 16), (6, 2, 24), (5, 1, 8),
                                              (2, 1, 12)])
 @pytest.mark.parametrize("n_pos", [1, 7, 100])
@@ -393,8 +402,8 @@ def test_attention(isa, n_heads, n_kv, hd, n_pos):
     v = rng.standard_normal((n_kv, max_seq, hd)).astype(np.float16)
     k[:, n_pos:] = np.float16(np.inf)  # positions past n_pos must never be read
     v[:, n_pos:] = np.float16(np.nan)
-    scale = 1.0 / np.sqrt(hd)
-    want, b = attention_oracle(q, k, v, n_heads, n_kv, n_pos, scale)
+    want, b = attention_oracle(q[None], k, v, n_heads, n_kv, n_pos - 1, 0)  # the query at position n_pos - 1
+    want, b = want[0], b[0]
     got = _native.attention(q, k, v, n_heads, n_kv, n_pos, isa=isa)
     assert_close(got, want, b, VEC_RTOL, f"attention {isa}")
     # head ranges that cut GQA groups (2 and 4 threads over 9 heads in 3 groups) must give the
