@@ -753,9 +753,10 @@ static int spec_trusted(const cf_engine *e, int k) {
  * call's first route, l layers before: a step's first layers cannot be predicted before the step
  * exists, and layer 0 not at all. So layer l's misses are exposed by max(0, d - l) layers more than
  * the rest; that is its rank, and the cache evicts low ranks first. With uniform routing this moves
- * misses to layers whose reads overlap compute without changing how many there are (the hit rate
- * is the cached share of a layer's experts, summed); with skewed routing it can cost hits, which a
- * step's first layers then do not stall on. Off without speculation (sync reads hide nothing), or
+ * misses to layers whose reads overlap compute and adds few (+7% in the replay of
+ * tests/test_experts_disk.py: the churning last layers lose experts to the misses just before
+ * them); with skewed routing it can cost more hits, which a step's first layers then do not stall
+ * on. Off without speculation (sync reads hide nothing), or
  * with CFLOW_EXPERT_KEEP=0 (benchmarks: the policy alone). Measured: docs/results/moe.md. */
 static void keep_ranks(cf_engine *e) {
     int d = 1;
