@@ -45,10 +45,10 @@ gguf = pytest.importorskip("gguf")
 torch = pytest.importorskip("torch")
 
 from test_convert_gguf import add_tensor, add_tiny_tokenizer, llama_cpp_permute, tiny_vocab  # noqa: E402
-from test_convert_gguf_moe import compare, gguf_values, teacher_forced, tokens, unpermute  # noqa: E402
+from test_convert_gguf_moe import gguf_values, teacher_forced, tokens, unpermute  # noqa: E402
 
 # Skips this module when llama_cpp is not importable: its tolerances are written against it.
-from test_moe_llamacpp import MEDIAN_TOL, check, llama_cpp_logits  # noqa: E402
+from test_moe_llamacpp import check, far, llama_cpp_logits  # noqa: E402
 
 T = gguf.GGMLQuantizationType
 D, HEADS, KV_HEADS, LAYERS, FF, CTX = 256, 4, 2, 2, 512, 64
@@ -189,11 +189,6 @@ def write_windowed(src: Path, dst: Path, window: int) -> None:
     enc = Encoder("q8_0")
     write_conversion(src, dst, cfg, gguf_tokenizer(g), gguf_tensors(g, cfg, enc), enc, {"source": {}},
                      order="cflow", tile=(128, 256), progress=None, started=0.0)
-
-
-def far(got: np.ndarray, want: np.ndarray) -> bool:
-    errs, _, _ = compare(got, want)
-    return bool(np.median(errs) > 3 * MEDIAN_TOL)
 
 
 # ---- fixtures --------------------------------------------------------------------------------

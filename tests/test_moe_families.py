@@ -42,10 +42,10 @@ gguf = pytest.importorskip("gguf")
 torch = pytest.importorskip("torch")
 
 from test_convert_gguf import add_tensor, add_tiny_tokenizer, tiny_vocab  # noqa: E402
-from test_convert_gguf_moe import compare, gguf_values, teacher_forced, tokens  # noqa: E402
+from test_convert_gguf_moe import gguf_values, teacher_forced, tokens  # noqa: E402
 
 # Skips this module when llama_cpp is not importable: its tolerances are written against it.
-from test_moe_llamacpp import MEDIAN_TOL, check, llama_cpp_logits  # noqa: E402
+from test_moe_llamacpp import check, far, llama_cpp_logits  # noqa: E402
 
 T = gguf.GGMLQuantizationType
 D, HEADS, KV_HEADS, LAYERS, E, TOP_K, DX, DSH, CTX = 128, 4, 2, 2, 8, 2, 64, 96, 256
@@ -175,11 +175,6 @@ def reference_logits(cfg: ModelConfig, sd: dict[str, np.ndarray], toks: list[int
     ref = ReferenceDecoder(Transformer.from_state(cfg, {k: torch.from_numpy(np.ascontiguousarray(x))
                                                          for k, x in sd.items()}))
     return teacher_forced(lambda t, pos: ref.step(t).numpy(), toks)
-
-
-def far(got: np.ndarray, want: np.ndarray) -> bool:
-    errs, _, _ = compare(got, want)
-    return bool(np.median(errs) > 3 * MEDIAN_TOL)
 
 
 # ---- fixtures --------------------------------------------------------------------------------

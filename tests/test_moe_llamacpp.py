@@ -88,6 +88,12 @@ def check(got: np.ndarray, want: np.ndarray, moe: bool) -> str:
     return msg
 
 
+def far(got: np.ndarray, want: np.ndarray) -> bool:
+    """A control's miss: median error above 3x the tolerance (what a missing feature looks like)."""
+    errs, _, _ = compare(got, want)
+    return bool(np.median(errs) > 3 * MEDIAN_TOL)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def private_cache(tmp_path_factory):
     mp = pytest.MonkeyPatch()
