@@ -342,7 +342,8 @@ def main(argv: list[str] | None = None) -> int:
              "|---|---|---:|---:|---:|---:|---:|---:|---|"]
     lines += [fmt_row(r, file_bytes) for r in results]
     pairs = summary(results, machine["disk_read_gbs"])
-    lines += ["", "## async / sync", ""] + pairs if pairs else []
+    if pairs:
+        lines += ["", "## async / sync", ""] + pairs
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     plot(results, out.with_suffix(".png"))
     print(f"wrote {out.with_suffix('.md')}, .json, .png")

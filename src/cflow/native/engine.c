@@ -756,12 +756,13 @@ static int spec_trusted(const cf_engine *e, int k) {
  * misses to layers whose reads overlap compute and adds few (+7% in the replay of
  * tests/test_experts_disk.py: the churning last layers lose experts to the misses just before
  * them); with skewed routing it can cost more hits, which a step's first layers then do not stall
- * on. Off without speculation (sync reads hide nothing), or
- * with CFLOW_EXPERT_KEEP=0 (benchmarks: the policy alone). Measured: docs/results/moe.md. */
+ * on. Off without speculation (sync reads hide nothing), or with CFLOW_EXPERT_KEEP=0 (benchmarks:
+ * the policy alone). Measured: docs/results/moe.md. */
 static void keep_ranks(cf_engine *e) {
+    if (!e->xkeep) return;
     int d = 1;
     while (d < e->xspec && spec_trusted(e, d + 1)) d++;
-    if (!e->xkeep || d == e->keep_depth) return;
+    if (d == e->keep_depth) return;
     e->keep_depth = d;
     for (int set = 0; set < e->c.n_unique; set++) /* a shared set is first used by layer `set` */
         cf_xstore_keep(e->xs, set, cf_max(0, d - set));
@@ -1403,7 +1404,7 @@ int cf_engine_expert_cache(const cf_engine *e, cf_expert_cache_info *out) {
     out->cache_bytes = xi.cache_bytes;
     out->speculate = e->xspec;
     out->spec_slots = e->spec_room;
-    out->keep_depth = e->xkeep ? cf_max(0, e->keep_depth) : 0;
+    out->keep_depth = cf_max(0, e->keep_depth); /* -1 (or 0: no speculation) until ranks are set */
     out->uring = xi.uring;
     out->reader_note = xi.note;
     return 1;
