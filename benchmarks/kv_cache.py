@@ -88,9 +88,12 @@ def teacher_forced(model: str, tokens: list[int], threads: int, type_k: str, typ
 def llamacpp_forced(model: str, tokens: list[int], threads: int, type_k: str, type_v: str) -> np.ndarray:
     import llama_cpp
 
-    llm = llama_cpp.Llama(model_path=model, n_ctx=len(tokens), n_threads=threads, n_threads_batch=threads,
-                          logits_all=True, flash_attn=True, type_k=GGML_TYPE[type_k], type_v=GGML_TYPE[type_v],
-                          verbose=False)
+    from cflow.bench.llamacpp import repacking
+
+    with repacking(llama_cpp, True):  # its default, unless that crashes here
+        llm = llama_cpp.Llama(model_path=model, n_ctx=len(tokens), n_threads=threads, n_threads_batch=threads,
+                              logits_all=True, flash_attn=True, type_k=GGML_TYPE[type_k], type_v=GGML_TYPE[type_v],
+                              verbose=False)
     try:
         llm.eval(tokens)
         return np.array(llm.scores[:len(tokens)], np.float32)

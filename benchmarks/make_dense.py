@@ -9,8 +9,8 @@ then, side by side with llama.cpp on the same file:
 
     cflow bench -m 1b.gguf -t 1,2 --compare llama.cpp
 
-The file is written with the `gguf` package (cflow.bench.claims.models.write_dense_gguf, which uses
-make_moe.py's random blocks: every matrix's weights have std ~0.5/sqrt(inputs), so activations stay
+The file is written with the `gguf` package (cflow.bench.synthetic.write_dense_gguf, with the random
+blocks of the MoE models: every matrix's weights have std ~0.5/sqrt(inputs), so activations stay
 of order one; a byte-level tokenizer of --vocab tokens). Same seed, same file, bit for bit.
 """
 
@@ -20,7 +20,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from cflow.bench.claims.models import TINYLLAMA, write_dense_gguf
+from cflow.bench.synthetic import TINYLLAMA, write_dense_gguf
 
 
 def main(argv: list[str] | None = None) -> int:

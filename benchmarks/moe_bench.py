@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt", type=int, default=8)
     ap.add_argument("--warm", action="store_true", help="keep the page cache between runs (default: cold)")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per child run")
-    ap.add_argument("--out", default="docs/results/moe", help="OUT.md, OUT.json, OUT.png")
+    ap.add_argument("--out", default="docs/results/moe_bench", help="OUT.md, OUT.json, OUT.png")
     args = ap.parse_args(argv)
 
     from cflow.bench.bandwidth import read_bandwidth

@@ -89,10 +89,10 @@ def text_tokens(path: Path, n: int) -> list[int]:
 
 def llamacpp_logits(path: Path, tokens: list[int], threads: int) -> np.ndarray:
     """[len(tokens), vocab] teacher-forced logits of llama.cpp on `path` (no repacking: exact types)."""
-    from cflow.bench.llamacpp import _quiet_stderr, _repacking
+    from cflow.bench.llamacpp import _quiet_stderr, repacking
     import llama_cpp
 
-    with _quiet_stderr(), _repacking(llama_cpp, False):
+    with _quiet_stderr(), repacking(llama_cpp, False):
         llm = llama_cpp.Llama(model_path=str(path), n_ctx=len(tokens) + 8, n_batch=len(tokens), logits_all=True,
                               n_threads=threads, verbose=False)
     llm.eval(tokens)

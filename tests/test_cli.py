@@ -31,12 +31,13 @@ KEY_FLAGS = {
     "chat": ["--model", "--system", "--n-predict", "--temp", "--seed", "--no-verify"],
     "bench": ["-m", "-p", "-n", "-t", "--ignore-eos", "--no-verify", "--out", "--experts", "--expert-cache",
               "--expert-io"],
-    "convert": ["--quant", "--tile", "--format", "--json"],
+    "convert": ["--quant", "--tile", "--format", "--json", "--mkdir"],
     "inspect": ["--verify", "--json"],
     "cache": ["MATCH", "--json"],
     "analyze": ["--preset", "--quant", "--json", "--dot", "--plan"],
     "train": ["--preset", "--out", "--steps"],
-    "export": ["--quant", "--tile", "--json"],
+    "export": ["--quant", "--tile", "--json", "--mkdir"],
+    "data": ["stories", "build"],
     "serve": ["--model", "--port", "--host", "--parallel", "--api-key", "--ctx-size", "--threads"],
 }
 
@@ -296,7 +297,7 @@ def test_convert_and_export_errors_are_one_line(tmp_path, checkpoint, capsys):
         (["convert", ckpt, str(tmp_path / "o.cflow"), "--tile", "3x5"], ["3x5", "ROWSxCOLS"]),
         (["export", str(empty), str(tmp_path / "o.cflow")], ["not a cflow training checkpoint"]),
         (["export", ckpt, "/proc/cflow-test/o.cflow"],  # unwritable place
-         ["cannot write /proc/cflow-test/o.cflow: No such file or directory"]),
+         ["cannot write /proc/cflow-test/o.cflow: the folder /proc/cflow-test does not exist"]),
     ]
     for argv, needles in cases:
         assert main(argv) == 2, argv

@@ -2,7 +2,9 @@
 `cflow CMD: error: cannot write PATH: <reason>`, before its long work, never with a traceback.
 
 Tests run as root, which ignores permission bits, so the unwritable places are ones no user can
-write to: a folder under /proc (procfs creates no files) and a path whose parent is a regular file.
+write to: a folder under /proc that does not exist (missing folders are never created unless asked)
+and a path whose parent is a regular file. What a writer may replace (regular files only; symlinks
+written through) is tested in test_write_targets.py.
 """
 
 from __future__ import annotations
@@ -20,6 +22,11 @@ from cflow.runtime import DEFAULT_MODEL
 from test_cli import cflow, needs_builtin, one_error_line
 
 PROC = "/proc/cflow-test/out.file"
+MISSING = "the folder /proc/cflow-test does not exist"
+
+
+def not_a_dir(path: str) -> str:
+    return f"{Path(path).parent} is not a directory"
 
 
 @pytest.fixture(autouse=True)
@@ -34,21 +41,22 @@ def under_a_file(tmp_path) -> str:
 
 
 def test_analyze_dot_unwritable(under_a_file):
-    for path, reason in [(PROC, "No such file or directory"), (under_a_file, "Not a directory")]:
+    for path, reason in [(PROC, MISSING), (under_a_file, not_a_dir(under_a_file))]:
         r = cflow("analyze", "--preset", "arch1", "--dot", path)
         assert r.returncode == 2 and r.stdout == "", r.stderr  # checked before the report is printed
         one_error_line(r.stderr, f"cflow analyze: error: cannot write {path}: {reason}")
 
 
-def test_analyze_dot_creates_missing_folders(tmp_path, capsys):
+def test_analyze_dot_refuses_missing_folders(tmp_path, capsys):
     dot = tmp_path / "new" / "dir" / "g.dot"
-    assert main(["analyze", "--preset", "arch1", "--dot", str(dot)]) == 0
-    assert dot.read_text().startswith("digraph") and f"wrote {dot}" in capsys.readouterr().out
+    assert main(["analyze", "--preset", "arch1", "--dot", str(dot)]) == 2
+    one_error_line(capsys.readouterr().err, f"cannot write {dot}: the folder {dot.parent} does not exist")
+    assert os.listdir(tmp_path) == []  # nothing created
 
 
 @needs_builtin
 def test_bench_out_unwritable_fails_before_measuring(under_a_file):
-    for path, reason in [(PROC, "No such file or directory"), (under_a_file, "Not a directory")]:
+    for path, reason in [(PROC, MISSING), (under_a_file, not_a_dir(under_a_file))]:
         # without -q every step of a benchmark that ran would print a progress line on stderr
         r = cflow("bench", "-m", str(DEFAULT_MODEL), "-p", "8", "-n", "4", "-r", "1", "--out", path)
         assert r.returncode == 2 and r.stdout == ""
@@ -57,7 +65,7 @@ def test_bench_out_unwritable_fails_before_measuring(under_a_file):
 
 @needs_builtin
 def test_bench_out_writes_the_report(tmp_path):
-    out = tmp_path / "reports" / "b.json"
+    out = tmp_path / "b.json"
     r = cflow("bench", "-m", str(DEFAULT_MODEL), "-t", "1", "-p", "8", "-n", "4", "-r", "1", "--no-probe",
               "--no-footprint", "-q", "--json", "--out", str(out))
     assert r.returncode == 0, r.stderr
@@ -67,15 +75,18 @@ def test_bench_out_writes_the_report(tmp_path):
 def test_convert_unwritable_output(tmp_path, under_a_file, capsys):
     src = tmp_path / "in.gguf"
     src.write_bytes(b"GGUF" + b"\0" * 64)  # never read: the output is refused first
-    for path, reason in [(PROC, "No such file or directory"), (under_a_file, "Not a directory")]:
+    for path, reason in [(PROC, MISSING), (under_a_file, not_a_dir(under_a_file))]:
         assert main(["convert", str(src), path + ".cflow"]) == 2
         one_error_line(capsys.readouterr().err, f"cflow convert: error: cannot write {path}.cflow: {reason}")
 
 
 def test_check_writable_leaves_nothing_behind(tmp_path):
     check_writable(tmp_path / "a.txt", file=True)
-    check_writable(tmp_path / "not" / "yet" / "a.txt")  # atomic writes create missing folders
+    check_writable(tmp_path / "not" / "yet" / "a.txt")  # a run directory, which its writer creates
+    check_writable(tmp_path / "not" / "yet" / "a.txt", file=True, mkdir=True)
     assert os.listdir(tmp_path) == []
+    with pytest.raises(WriteError, match="does not exist"):
+        check_writable(tmp_path / "not" / "yet" / "a.txt", file=True)
     with pytest.raises(WriteError, match="is a directory"):
         check_writable(tmp_path, file=True)
 

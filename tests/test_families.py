@@ -34,6 +34,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.oracle  # every test here compares against llama.cpp (llama-cpp-python)
+
 from cflow.config import ModelConfig
 from cflow.convert import convert
 from cflow.convert.encoder import Encoder, tensor_values, write_conversion

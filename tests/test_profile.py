@@ -21,6 +21,7 @@ import pytest
 
 from cflow import _native
 from cflow.cli import main
+from cflow.bench.profile import profile_engine
 from cflow.runtime import Engine
 
 from test_engine import small_config, write_random_model
@@ -55,7 +56,7 @@ def expected_segments(eng: Engine) -> set[tuple[str, int]]:
 def test_profile_covers_every_op_and_adds_up(model, threads):
     path, cfg = model
     with Engine.load(path, threads=threads, n_ctx=64, max_batch=8) as eng:
-        prof = eng.profile(steps=6, prefill=20, warmup=2)
+        prof = profile_engine(eng, steps=6, prefill=20, warmup=2)
         assert not eng._native.profiling  # off again afterwards
         want = expected_segments(eng)
     assert prof.dropped == 0 and prof.threads == threads
@@ -100,7 +101,7 @@ def test_profile_covers_every_op_and_adds_up(model, threads):
 def test_trace_has_one_track_per_thread_with_every_layer(model, tmp_path):
     path, cfg = model
     with Engine.load(path, threads=2, n_ctx=64, max_batch=8) as eng:
-        prof = eng.profile(steps=4, prefill=8, warmup=1)
+        prof = profile_engine(eng, steps=4, prefill=8, warmup=1)
     out = tmp_path / "t.json"
     prof.write_trace(out)
     trace = json.loads(out.read_text())
@@ -153,7 +154,7 @@ def test_events_per_call_bound_holds_for_a_full_batch(model):
     """The buffers are sized from the plan; a batch routing to every expert must still fit."""
     path, cfg = model
     with Engine.load(path, threads=2, n_ctx=96, max_batch=64) as eng:
-        prof = eng.profile(steps=1, prefill=64, warmup=0)
+        prof = profile_engine(eng, steps=1, prefill=64, warmup=0)
         per_call = eng._native.profile_events_per_call
     assert prof.dropped == 0
     assert max(len(ev) for ev in prof.prefill.events) <= per_call
@@ -164,7 +165,7 @@ def test_disk_experts_profile_their_io(tmp_path):
     path = tmp_path / "moe.cflow"
     write_random_model(path, cfg, "q4_0", (32, 64))
     with Engine.load(path, threads=2, n_ctx=64, experts="disk", expert_cache="1G", expert_io="sync") as eng:
-        prof = eng.profile(steps=4, prefill=0, warmup=1)
+        prof = profile_engine(eng, steps=4, prefill=0, warmup=1)
     assert prof.prefill is None and prof.dropped == 0
     got = {r["op"] for r in prof.decode.rows()}
     assert {"experts.io", "experts.gate_up", "route"} <= got
@@ -200,7 +201,7 @@ def test_batched_steps_profile(model, capsys):
     # multiply-adds are N times a decode step's, its bytes the same
     path, cfg = model
     with Engine.load(path, threads=2, n_ctx=64, n_seq=4) as eng:
-        prof = eng.profile(steps=5, prefill=0, warmup=2, batch=4)
+        prof = profile_engine(eng, steps=5, prefill=0, warmup=2, batch=4)
         want = expected_segments(eng)
         assert eng.cached(3) == []  # reset afterwards
     assert prof.batch.n_calls == 5 and prof.batch.tokens_per_call == 4 and prof.dropped == 0
@@ -213,7 +214,7 @@ def test_batched_steps_profile(model, capsys):
     assert b.bytes_per_call["lm_head"] == pytest.approx(d.bytes_per_call["lm_head"])
     assert "batched step of 4 sequences" in prof.to_markdown()
     with Engine.load(path, threads=1, n_ctx=64, n_seq=2) as eng, pytest.raises(Exception, match="n_seq >= 4"):
-        eng.profile(steps=2, prefill=0, batch=4)
+        profile_engine(eng, steps=2, prefill=0, batch=4)
     assert main(["bench", "-m", str(path), "-t", "1", "-p", "0", "-n", "3", "--profile", "--batch", "3", "--json",
                  "-q", "--no-verify"]) == 0
     d = json.loads(capsys.readouterr().out)["profiles"][0]

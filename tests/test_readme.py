@@ -32,3 +32,16 @@ def test_ci_runs_the_readme_test_commands():
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     for line in commands:
         assert line in ci, f"README's {line!r} is not what .ci/run runs"
+
+
+def test_the_package_reads_nothing_from_the_source_tree():
+    """A newcomer's venv lives anywhere: no module of the package may load a file of the checkout
+    (benchmarks/, src/) by path. What the claims need ships inside the package."""
+    pkg = ROOT / "src" / "cflow"
+    for py in pkg.rglob("*.py"):
+        text = py.read_text()
+        assert "spec_from_file_location" not in text, py
+        assert '"benchmarks"' not in text and "'benchmarks'" not in text, py
+    import cflow.bench.claims.c2_tiles as c2
+
+    assert Path(c2.__file__).with_name("c2_tiles.c").is_file()

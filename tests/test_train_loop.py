@@ -370,7 +370,8 @@ def test_compare_writes_table_json_and_plot(tc, tmp_path, capsys):
                "--runs-dir", str(tmp_path / "runs")])
     assert rc == 0 and "report:" in capsys.readouterr().out
     md = (tmp_path / "res" / "train_compare.md").read_text()
-    rows = [line for line in md.splitlines() if line.startswith("| arch")]
+    table = md.split("| preset | runs |", 1)[1].split("\n\n", 1)[0]
+    rows = [line for line in table.splitlines() if line.startswith("| arch")]
     assert [r.split("|")[1].strip() for r in rows] == ["arch1", "arch5"]
     assert "cflow train compare" in md and "640 tokens per run" in md
     data = json.loads((tmp_path / "res" / "train_compare.json").read_text())
@@ -382,3 +383,56 @@ def test_compare_writes_table_json_and_plot(tc, tmp_path, capsys):
     assert math.isfinite(a1["val_loss"]) and 0 <= a1["val_acc"] <= 1
     png = (tmp_path / "res" / "train_compare_loss.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+
+
+def test_compare_pairs_seeds_and_resumes_what_is_on_disk(tc, tmp_path, monkeypatch):
+    """Two presets x two seeds; run again, nothing is trained (the runs are read back, same numbers);
+    a run stopped part-way continues to its end; a runs directory of another budget is refused."""
+    base = dataclasses.replace(tc, eval_every=0, warmup=1, eval_windows=4)
+    over = TINY_SETS
+    runs, res = tmp_path / "runs", tmp_path / "res"
+    first = tcompare.compare(["arch1", "arch4"], base=base, tokens=640, overrides=over, seeds=[1, 2],
+                             runs_dir=runs, out_dir=res)
+    assert [(s.preset, s.seed) for s in first] == [("arch1", 1), ("arch4", 1), ("arch1", 2), ("arch4", 2)]
+    assert all(s.steps == 5 and len(s.curve) == 5 and math.isfinite(s.val_loss) for s in first)
+    md = (res / "train_compare.md").read_text()
+    d = tcompare.paired_differences(first)["arch4"]
+    assert d["seeds"] == [1, 2] and d["diffs"] == [first[1].val_loss - first[0].val_loss,
+                                                   first[3].val_loss - first[2].val_loss]
+    assert "Paired difference of validation loss from arch1" in md and f"1: {d['diffs'][0]:+.4f}" in md
+    assert first[0].active_params < first[0].params  # top-1 of 2 experts
+    monkeypatch.setattr(tcompare, "train", lambda *a, **k: pytest.fail("a finished run was trained again"))
+    again = tcompare.compare(["arch1", "arch4"], base=base, tokens=640, overrides=over, seeds=[1, 2],
+                             runs_dir=runs, out_dir=res)
+    assert [(s.val_loss, s.curve) for s in again] == [(s.val_loss, s.curve) for s in first]
+    monkeypatch.undo()
+    # a run that stopped at step 2 of 5 resumes: its curve spans both segments
+    from cflow.train.loop import train
+
+    cfg = ModelConfig.from_name("arch1").with_overrides(over)
+    part = dataclasses.replace(base, tokens=640, seed=3, eval_every=5, warmup=1)
+    train(cfg, part, out_dir=tmp_path / "runs2" / "arch1" / "seed3", until_step=2)
+    resumed = tcompare.compare(["arch1"], base=base, tokens=640, overrides=over, seeds=[3],
+                               runs_dir=tmp_path / "runs2", out_dir=res)
+    assert resumed[0].steps == 5 and [t for t, _ in resumed[0].curve] == [128, 256, 384, 512, 640]
+    with pytest.raises(tcompare.CompareError, match="holds a run with other settings"):
+        tcompare.compare(["arch1"], base=base, tokens=1280, overrides=over, seeds=[1], runs_dir=runs, out_dir=res)
+
+
+def test_mean_ci_uses_the_t_quantile():
+    m, h = tcompare.mean_ci([1.0, 2.0, 3.0])
+    assert m == 2.0 and abs(h - 4.303 * 1.0 / math.sqrt(3)) < 1e-9
+    assert math.isnan(tcompare.mean_ci([1.0])[1])
+
+
+@pytest.mark.slow
+def test_compiled_training_learns_and_checkpoints(tc, tmp_path):
+    """--compile (torch.compile of the training step) trains, saves and resumes like the eager loop."""
+    from cflow.train.loop import train
+
+    cfg = tiny_cfg("arch2_4_combined")
+    run = dataclasses.replace(tc, steps=6, eval_every=3, compile=True)
+    res = train(cfg, run, out_dir=tmp_path / "c", until_step=3)
+    assert res.steps == 3 and math.isfinite(res.history[-1]["loss"])
+    done = train(cfg, run, out_dir=tmp_path / "c", resume=True)
+    assert done.steps == 6 and done.evals[-1]["val_loss"] < res.history[0]["ce"]

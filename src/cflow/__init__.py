@@ -6,14 +6,19 @@ the runtime (Engine, file format, tokenizer) needs only numpy and the C core.
 
 from __future__ import annotations
 
-from cflow.config import ConfigError, ModelConfig, PRESETS
-
 __version__ = "0.1.0"
 
 __all__ = ["ModelConfig", "ConfigError", "PRESETS", "Engine", "__version__"]
 
 
 def __getattr__(name: str):
+    # Nothing is imported with the package itself: the `cflow` command installs its Ctrl-C handler
+    # (cflow.cli) before any other import, so the window in which Ctrl-C prints a traceback is
+    # only the interpreter's own start.
+    if name in ("ModelConfig", "ConfigError", "PRESETS"):
+        from cflow import config
+
+        return getattr(config, name)
     if name == "Engine":
         from cflow.runtime import Engine
 

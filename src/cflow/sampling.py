@@ -189,6 +189,17 @@ def _softmax(x: np.ndarray) -> np.ndarray:
     return e / e.sum()
 
 
+def tempered_softmax(vals: np.ndarray, temperature: float) -> np.ndarray:
+    """softmax(vals / temperature) for any positive temperature a request may send (1e-300 and 1e308
+    included): shifted by the max first, in float64, and its limits taken as they come, without
+    floating-point warnings. A huge temperature gives the uniform distribution over the candidates,
+    a tiny one the argmax (ties share it)."""
+    z = vals.astype(np.float64) - float(vals.max())
+    with np.errstate(over="ignore", divide="ignore", under="ignore"):
+        e = np.exp(z / temperature)
+    return e / e.sum()
+
+
 def top_p(ids: np.ndarray, vals: np.ndarray, p: float) -> tuple[np.ndarray, np.ndarray]:
     """Smallest best-first prefix whose cumulative probability is >= p (ids/vals sorted best first)."""
     if p >= 1.0 or ids.size <= 1:
@@ -272,7 +283,7 @@ class Sampler:
         if self.params.greedy:
             return np.array([int(np.argmax(self.adjusted(logits, history)))]), np.array([1.0])
         ids, vals = self.candidates(logits, history)
-        return ids, _softmax(vals / self.params.temperature)
+        return ids, tempered_softmax(vals, self.params.temperature)
 
     def sample(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
         ids, p = self.probs(logits, history)

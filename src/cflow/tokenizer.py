@@ -202,12 +202,19 @@ class Tokenizer:
         """Token ids of `text`; special tokens written in the text become their ids."""
         if not isinstance(text, str):
             raise TokenizerError(f"encode() takes a str, got {type(text).__name__}")
-        ids = self._tk.encode(text, add_special_tokens=False).ids
+        # encode_batch, not encode: it releases the GIL (same ids), so a long text tokenized in a worker
+        # thread does not stop the server's event loop (measured: 5 MB held it 5.6 s; now < 0.2 s)
+        ids = self._tk.encode_batch([text], add_special_tokens=False)[0].ids
         if (self.add_bos if add_bos is None else add_bos):
             if self.bos_id is None:
                 raise TokenizerError("add_bos was requested but this tokenizer has no BOS token")
             ids = [self.bos_id] + ids
         return ids
+
+    @property
+    def max_token_bytes(self) -> int:
+        """Bytes of the longest token's text (special tokens included): what one token can cover."""
+        return max((len(b) for b in self._bytes), default=1)
 
     def token_to_bytes(self, token_id: int) -> bytes:
         return self._bytes[self.check_ids((token_id,))[0]]

@@ -32,12 +32,34 @@ def _quiet_stderr():
         os.close(fd)
 
 
+def amx_advertised() -> bool:
+    """The CPU reports Intel AMX (`amx_tile` in /proc/cpuinfo). On such a machine (a Sapphire Rapids
+    VM here) llama.cpp's AMX weights buffer, one of its extra buffer types, dies of SIGILL at the first
+    Q4_0 mat-mul (a `tilezero` with no tile configuration loaded; llama-cpp-python 0.3.36, dense and
+    MoE alike, 2026-12-01), so llama.cpp runs there with its extra buffer types off (REPACK_OFF_REASON)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return " amx_tile" in f.read()
+    except OSError:
+        return False
+
+
+REPACK_OFF_REASON = ("llama.cpp's AMX path crashes on this CPU (SIGILL), so its extra buffer types (AMX and "
+                     "the Q4_0 repack) are off, as --no-repack")
+
+
+def repack_allowed(on: bool) -> bool:
+    """Whether llama.cpp may use its extra buffer types: as asked, except where they crash (amx_advertised)."""
+    return on and not amx_advertised()
+
+
 @contextlib.contextmanager
-def _repacking(llama_cpp, on: bool):
+def repacking(llama_cpp, on: bool):
     """llama.cpp repacks Q4_0 weights into an anonymous copy at load (its "extra buffer types").
     Under a memory limit that copy cannot fit, so memory-limited runs turn it off, as llama.cpp's
-    `--no-repack` does; the binding has no argument for it, so its default params are wrapped."""
-    if on:
+    `--no-repack` does; the binding has no argument for it, so its default params are wrapped. On a
+    CPU whose AMX path crashes they are off whatever `on` says (repack_allowed)."""
+    if repack_allowed(on):
         yield
         return
     lib = llama_cpp.llama_cpp
@@ -85,12 +107,13 @@ class LlamaCppRunner:
         if flash_attn is None:
             flash_attn = (cache_type_k, cache_type_v) != ("f16", "f16")
         self.flash_attn = bool(flash_attn)
-        with _quiet_stderr(), _repacking(llama_cpp, repack):
+        with _quiet_stderr(), repacking(llama_cpp, repack):
             self.llm = llama_cpp.Llama(model_path=str(gguf_path), n_threads=threads, n_threads_batch=threads,
                                        n_ctx=n_ctx, n_batch=512, n_ubatch=512, verbose=False,
                                        logits_all=False, flash_attn=self.flash_attn,
                                        type_k=self.CACHE_TYPE_IDS[cache_type_k],
                                        type_v=self.CACHE_TYPE_IDS[cache_type_v])
+        self.repack = repack_allowed(repack)
         self.version = getattr(llama_cpp, "__version__", "?")
         self.n_vocab = self.llm.n_vocab()
 

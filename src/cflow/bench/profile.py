@@ -1,7 +1,7 @@
 """Where the time of a forward call goes: per-op times of decode steps and prefill batches, as a
-table and as a Chrome trace (`cflow bench --profile [--trace FILE.json]`, `Engine.profile()`).
+table and as a Chrome trace (`cflow bench --profile [--trace FILE.json]`, `profile_engine(engine)`).
 
-    prof = Engine.load("smollm2.gguf", threads=2).profile(steps=64, prefill=512)
+    prof = profile_engine(Engine.load("smollm2.gguf", threads=2), steps=64, prefill=512)
     print(prof.to_markdown())                       # the decode-step and prefill-batch tables
     prof.write_trace("t.json")                      # open in https://ui.perfetto.dev or chrome://tracing
 
@@ -171,7 +171,7 @@ class PhaseProfile:
 
 @dataclass
 class Profile:
-    """Engine.profile(): the prefill batches, the decode steps and the batched decode steps of one
+    """The prefill batches, the decode steps and the batched decode steps of one
     engine."""
 
     model: str

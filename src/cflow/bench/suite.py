@@ -230,6 +230,7 @@ class BenchReport:
             *self._expert_lines(),
             *self._footprint_lines(),
             *self._cache_line(),
+            *([f"llama.cpp: {m['llama_cpp_note']}"] if m.get("llama_cpp_note") else []),
             "",
             "| engine | threads | test | t/s | weight MB/token | eff. GB/s | % of probe | cflow / this |",
             "|---|---:|---|---:|---:|---:|---:|---:|",
@@ -327,6 +328,10 @@ def bench(model: str | Path, *, threads: list[int] | None = None, pp: int = 512,
             from cflow.bench.llamacpp import LlamaCppRunner
 
             runners.append(LlamaCppRunner(model, t, n_ctx, cache_type_k=cache_type_k, cache_type_v=cache_type_v))
+            if not runners[-1].repack:
+                from cflow.bench.llamacpp import REPACK_OFF_REASON
+
+                report.machine["llama_cpp_note"] = REPACK_OFF_REASON
         vocab = runners[0].engine.config.vocab_size
         rows = run_tests(runners, t, pp=pp, tg=tg, reps=reps, vocab=vocab, warmup=warmup,
                          progress=progress, bytes_per_token=counted, depths=depths)

@@ -113,14 +113,16 @@ def run(args: argparse.Namespace) -> int:
     interactive = sys.stdin.isatty()
     if interactive:
         print(f"cflow chat: {eng.path} ({eng.threads} threads, context {eng.n_ctx}). {IN_CHAT_HELP}", file=sys.stderr)
+    status = 0
     try:
         while True:
             try:
                 line = input("> " if interactive else "")
             except EOFError:
                 break
-            except KeyboardInterrupt:
-                print("", file=sys.stderr)
+            except KeyboardInterrupt:  # at the prompt: leave, as a process stopped by Ctrl-C (a reply's
+                print("", file=sys.stderr)  # Ctrl-C only ends that reply: _answer)
+                status = 130
                 break
             text = line.strip()
             if not text:
@@ -143,4 +145,4 @@ def run(args: argparse.Namespace) -> int:
                       f"{t.gen_tps:.1f} t/s]", file=sys.stderr)
     finally:
         _save_history(rl)
-    return 0
+    return status

@@ -6,9 +6,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from pathlib import Path
 
 from cflow.cli.common import FileError, UsageError, add_command, cannot_write, progress_bar
-from cflow.fsutil import check_writable
+from cflow.fsutil import check_writable, writing
 from cflow.convert import QUANT_CHOICES, ConversionResult
 from cflow.runtime.files import format_size
 
@@ -16,8 +17,9 @@ from cflow.runtime.files import format_size
 HELP = """\
 convert a GGUF file or a training checkpoint into a .cflow/.vflow file
 
-Convert a GGUF file (llama.cpp: llama, qwen2, qwen3) or a cflow training checkpoint directory into
-cflow's tiled model file. GGUF tensors in a format the engine runs (Q4_0, Q4_1, Q8_0, and the
+Convert a GGUF file (llama.cpp architectures: llama, qwen2, qwen3, qwen2moe, qwen3moe, olmoe; the
+llama one covers Llama 2/3, SmolLM, TinyLlama, Mistral and Mixtral) or a cflow training checkpoint
+directory into cflow's tiled model file. GGUF tensors in a format the engine runs (Q4_0, Q4_1, Q8_0, and the
 K-quant files' Q4_K, Q5_K, Q6_K, Q5_0, Q5_1) are copied bit for bit whatever --quant says: cflow
 never requantizes them, and when --quant is given the summary lists the tensors that kept another
 type. F32/F16/BF16 weights are quantized to --quant (default q4_0) and the error this introduces
@@ -47,14 +49,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def add_common_flags(p: argparse.ArgumentParser, quant_default: str | None) -> None:
-    p.add_argument("--quant", choices=QUANT_CHOICES, default=quant_default,
-                   help="format for weights that need quantizing (default q4_0); GGUF Q4_0/Q4_1/Q8_0 "
-                   "tensors keep their own format bit for bit; given explicitly, also re-quantizes GGUF "
-                   "tensors in formats cflow has no kernel for (refused otherwise)")
+def add_common_flags(p: argparse.ArgumentParser, quant_default: str | None, *, gguf: bool = True) -> None:
+    if gguf:
+        quant_help = ("format for weights that need quantizing (default q4_0); GGUF tensors in a format cflow "
+                      "runs keep it bit for bit; given explicitly, also re-quantizes GGUF tensors in formats "
+                      "cflow has no kernel for (refused otherwise)")
+    else:
+        quant_help = f"format of the exported weight matrices (default {quant_default}); the error it introduces is reported"
+    p.add_argument("--quant", choices=QUANT_CHOICES, default=quant_default, help=quant_help)
     p.add_argument("--tile", default="128x256", help="tile geometry ROWSxCOLS (default 128x256)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--mkdir", action="store_true", help="create the output's missing folders (default: refuse, "
+                   "so a mistyped path does not leave new folders behind)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -79,8 +86,11 @@ def write_model_file(args: argparse.Namespace, make) -> ConversionResult:
     from cflow.convert import order_for
 
     order_for(args.output, getattr(args, "format", None))  # a .gguf name or a --format conflict: before any work
-    check_writable(args.output, file=True)
+    check_writable(args.output, file=True, mkdir=args.mkdir)
     try:
+        if args.mkdir:
+            with writing(args.output):
+                Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         with progress_bar(args.quiet) as progress:
             return make(progress)
     except OSError as e:

@@ -24,7 +24,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = add_command(sub, "export", HELP)
     p.add_argument("checkpoint", help="the checkpoint directory (model.safetensors, config.json, tokenizer.json)")
     p.add_argument("output", help="the model file to write (.cflow, or .vflow for schedule order)")
-    add_common_flags(p, quant_default="q4_0")
+    add_common_flags(p, quant_default="q4_0", gguf=False)
     p.set_defaults(func=run)
 
 

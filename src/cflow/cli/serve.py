@@ -26,7 +26,10 @@ and /metrics (Prometheus). Up to --parallel requests decode together, each in it
 -c / --parallel context tokens; more wait in a queue of --max-queue, and beyond it a request
 gets 429 with Retry-After. A request not finished after --timeout seconds (queue wait included)
 is cancelled, its slot freed, and its client gets a 504 error (streamed: an error event, then
-[DONE]). The sampling flags set the defaults a request's own fields override.
+[DONE]). The sampling flags set the defaults a request's own fields override. A request body
+larger than a slot's context could hold (6 x slot tokens x the longest token's bytes, + 64 KiB:
+JSON escapes at most 6 characters a byte) gets 413 before it is read; prompts are tokenized off
+the event loop, so /health and running streams answer while a long prompt is being read.
 Needs the serve extra: pip install "cflow-lm[serve]".
 
 examples:

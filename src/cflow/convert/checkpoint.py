@@ -150,15 +150,16 @@ def checkpoint_tensors(cfg: ModelConfig, w: dict[str, np.ndarray], enc: Encoder)
 
 
 def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, quant: str = "q4_0",
-                       tile: tuple[int, int] = TILE, order: str = "cflow", progress=None) -> ConversionResult:
-    """Quantize a training checkpoint directory into a .cflow/.vflow file."""
+                       tile: tuple[int, int] = TILE, order: str = "cflow", progress=None,
+                       metadata: dict | None = None) -> ConversionResult:
+    """Quantize a training checkpoint directory into a .cflow/.vflow file; `metadata` joins the
+    header's metadata (JSON-serialisable)."""
     t0 = time.perf_counter()
     check_quant(quant)
     cfg, params, tok = read_checkpoint(src)
     enc = Encoder(quant, tile)
     train_meta = read_json_dict(Path(src) / "meta.json")  # informational: a missing one is fine
-    metadata = {"source": {"format": "cflow-checkpoint", "dir": Path(src).name,
-                           "preset": train_meta.get("preset")},
-                "converter": "cflow.convert.checkpoint"}
-    return write_conversion(src, dst, cfg, tok, checkpoint_tensors(cfg, params, enc), enc, metadata, order=order,
+    header_meta = {"source": {"format": "cflow-checkpoint", "dir": Path(src).name, "preset": train_meta.get("preset")},
+                   "converter": "cflow.convert.checkpoint", **(metadata or {})}
+    return write_conversion(src, dst, cfg, tok, checkpoint_tensors(cfg, params, enc), enc, header_meta, order=order,
                             tile=tile, progress=progress, started=t0)

@@ -92,6 +92,36 @@ class UnsupportedArchitectureError(GGUFError):
     """The GGUF's general.architecture is not one cflow can run."""
 
 
+class GGUFTruncatedError(GGUFError):
+    """The GGUF file ends before the tensor data its header describes (an unfinished download or copy)."""
+
+
+def _reader_class():
+    """gguf's GGUFReader, with the file's length checked against its tensor table before any tensor
+    is mapped: a file cut short then says so, instead of failing to reshape the first short tensor."""
+    from gguf import GGUFReader
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    class CheckedReader(GGUFReader):
+        def _build_tensors(self, start_offs: int, fields: list) -> None:
+            need = start_offs
+            for field in fields:
+                _, _, _, dims, raw_dtype, offset = field.parts
+                try:
+                    block, size = GGML_QUANT_SIZES[GGMLQuantizationType(int(raw_dtype[0]))]
+                except (ValueError, KeyError):
+                    continue  # an unknown type: the reader's own check names it
+                n = int(np.prod(dims.astype(np.uint64), dtype=np.uint64))
+                need = max(need, start_offs + int(offset[0]) + n * size // block)
+            if need > len(self.data):
+                raise GGUFTruncatedError(f"its header describes {need:,} bytes of tensors but the file has "
+                                         f"{len(self.data):,} ({len(self.data) / need:.1%}): it is cut short, "
+                                         "an unfinished download or copy; download it again")
+            super()._build_tensors(start_offs, fields)
+
+    return CheckedReader
+
+
 # ---- reading ---------------------------------------------------------------------------------
 class GGUFModel:
     """A GGUF file opened for conversion: metadata by key and tensors by name (memory-mapped)."""
@@ -101,13 +131,19 @@ class GGUFModel:
         if not self.path.is_file():
             raise GGUFError(f"GGUF file {self.path} does not exist")
         try:
-            from gguf import GGUFReader
+            reader = _reader_class()
         except ImportError:
             raise GGUFError("reading GGUF needs the `gguf` package: pip install gguf") from None
+        with open(self.path, "rb") as f:
+            if f.read(4) != b"GGUF":
+                raise GGUFError(f"{self.path} is not a GGUF file (it does not start with b'GGUF')")
         try:
-            self.reader = GGUFReader(str(self.path))
+            self.reader = reader(str(self.path))
+        except GGUFTruncatedError as e:
+            raise GGUFTruncatedError(f"{self.path}: {e}") from None
         except Exception as e:  # the reader raises ValueError/struct errors on bad files
-            raise GGUFError(f"{self.path} is not a readable GGUF file: {e}") from None
+            raise GGUFError(f"{self.path} is not a readable GGUF file ({type(e).__name__}: {e}); it is damaged "
+                            "or cut short, download it again") from None
         self.tensors = {t.name: t for t in self.reader.tensors}
 
     def get(self, key: str, default: Any = None) -> Any:
@@ -548,6 +584,6 @@ def convert_gguf(src: str | os.PathLike, dst: str | os.PathLike, *, quant: str =
                             progress=progress, started=t0)
 
 
-__all__ = ["GGUFModel", "GGUFError", "UnsupportedArchitectureError", "SUPPORTED_ARCHITECTURES",
+__all__ = ["GGUFModel", "GGUFError", "GGUFTruncatedError", "UnsupportedArchitectureError", "SUPPORTED_ARCHITECTURES",
            "gguf_config", "gguf_tokenizer", "gguf_tensors", "moe_layout", "permute_qk_index",
            "unpermute_qk_index", "convert_gguf"]

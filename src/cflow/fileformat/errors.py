@@ -90,4 +90,8 @@ class ExpertTableError(FormatError):
 
 
 class ChecksumError(FormatError):
-    """A tensor's bytes (or descriptor) do not match its checksum."""
+    """A tensor's bytes (or descriptor) do not match its checksum. `tensor`: its name."""
+
+    def __init__(self, message: str, tensor: str | None = None) -> None:
+        super().__init__(message)
+        self.tensor = tensor

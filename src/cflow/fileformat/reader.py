@@ -63,7 +63,7 @@ class CflowFile:
             got = tensor_checksum(checksum_descriptor(e.name, e.dtype, e.shape, e.layout, e.meta), self.array(e.name))
             if got != e.checksum:
                 raise ChecksumError(f"tensor {e.name!r}: checksum {got} does not match {e.checksum}; the file is "
-                                    "corrupted, download or convert it again")
+                                    "corrupted, download or convert it again", tensor=e.name)
 
     def close(self) -> None:
         """Drop this object's reference to the bytes; the mapping is unmapped once no view handed

@@ -29,7 +29,7 @@
  * (3) what it would save is modest: per 32 values and query head, about 5-6 vector ops (sign,
  * vpmaddubsw, vpmaddwd, convert, FMA) against 4 FMAs plus a third of 12 conversion ops (vpmovsxbd
  * from memory, vcvtdq2ps, vmulps per 8 values, shared by a GQA group of 3) here. Measured on one
- * thread (docs/DESIGN.md, "KV cache"), this kernel is bound by that arithmetic: its scale multiply
+ * thread (docs/results/kv_cache_speed.md), this kernel is bound by that arithmetic: its scale multiply
  * makes it ~15% slower than the fp16 kernel per call although it reads 53% of the bytes; the
  * integer dot would win back part of that, at the price of accuracy and of the contract.
  */

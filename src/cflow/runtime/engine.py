@@ -33,6 +33,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from cflow import weights
+from cflow.fileformat.layout import MAGIC
 from cflow.runtime import abi, files
 from cflow.runtime import experts as xp
 from cflow.runtime import prefetch as prefetch_mod
@@ -54,6 +55,23 @@ DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "models" / "default.cfl
 def _is_gguf(path: Path) -> bool:
     with open(path, "rb") as f:
         return f.read(4) == b"GGUF"
+
+
+def _not_a_gguf(path: Path) -> str:
+    """Why a file named .gguf is not one: what its first bytes look like."""
+    with open(path, "rb") as f:
+        head = f.read(64)
+    if not head:
+        what = "it is empty"
+    elif head.startswith(b"version https://git-lfs"):
+        what = "it is a git-lfs pointer (run `git lfs pull` to fetch the real file)"
+    elif head.lstrip()[:1] in (b"<", b"{"):
+        what = "it looks like text (an HTML error page or JSON?), not a model download"
+    elif head.startswith(MAGIC):
+        what = "it is a cflow model file under a .gguf name; rename it to .cflow"
+    else:
+        what = f"it starts with {head[:4]!r}, not the GGUF magic b'GGUF'"
+    return f"{path} is named .gguf but is not a GGUF file: {what}; download it again"
 
 
 # ---- the engine --------------------------------------------------------------------------------
@@ -209,7 +227,7 @@ class Engine:
         switches it between calls.
         cache_type_k, cache_type_v: the KV cache's row types, "f16" (default) or "q8_0" (llama.cpp's
         `-ctk/-ctv q8_0`: blocks of 32 int8 with an fp16 scale, 53% of the bytes; cflow.runtime.kvcache),
-        each on its own. q8_0 changes the logits a little (docs/DESIGN.md, "KV cache", has the measured
+        each on its own. q8_0 changes the logits a little (docs/results/kv_cache_accuracy.md has the measured
         table) and needs head_dim a multiple of 32; decode at long context reads about half the KV bytes.
         """
         from cflow.fileformat import ChecksumError, FormatError, open_model
@@ -225,6 +243,8 @@ class Engine:
             raise ModelFormatError(f"{p} is a directory; give a .cflow file (convert a checkpoint directory "
                                    f"with `cflow convert {p} OUT.cflow`)", flag="-m")
         gguf = p if _is_gguf(p) else None
+        if gguf is None and p.suffix.lower() == ".gguf":
+            raise ModelFormatError(_not_a_gguf(p), flag="-m")
         if gguf is not None:
             p = cls._converted(gguf, progress, log)
         # experts may go to disk: open mapped (the engine copies what it needs for mmap=False)
@@ -236,8 +256,9 @@ class Engine:
         except FormatError as e:
             if gguf is None:
                 if isinstance(e, ChecksumError):
-                    raise CorruptModelError(f"{p} is damaged: {e}. Re-download or re-convert it; `cflow inspect "
-                                            f"--verify {p}` checks a file") from None
+                    raise CorruptModelError(f"{p} is damaged: tensor {e.tensor!r} does not match its checksum. "
+                                            f"Re-download or re-convert it (`cflow inspect --verify {p}` checks a "
+                                            "file)") from None
                 raise ModelFormatError(f"{e} (the engine reads .cflow/.vflow files and .gguf files)") from None
             # A cached conversion this cflow cannot read (another version, or damaged): convert again.
             if log:
@@ -555,18 +576,6 @@ class Engine:
 
     def reset_counters(self) -> None:
         self._native.reset_counters()
-
-    def profile(self, steps: int = 64, prefill: int = 512, warmup: int = 4, threads: int | None = None,
-                batch: int = 0):
-        """Where the time goes: per-op times of `steps` decode steps and of the prefill batches of a
-        `prefill`-token prompt, and with batch > 1 of `steps` batched steps of `batch` sequences
-        (step_batch; needs n_seq >= batch), per thread, barrier waits included
-        (cflow.bench.profile.Profile: .to_markdown() the tables, .write_trace(path) a Chrome trace
-        for Perfetto). Resets the sequences it uses. Costs nothing when not called: the C core only
-        branches on a flag."""
-        from cflow.bench.profile import profile_engine
-
-        return profile_engine(self, steps=steps, prefill=prefill, warmup=warmup, threads=threads, batch=batch)
 
     def weight_bytes_per_token(self) -> float:
         """Weight bytes one decode step reads (the file's own tensor sizes through the tensor table,

@@ -65,7 +65,7 @@ def stat_key(path: Path) -> str:
 def _write_json(path: Path, data: dict[str, Any]) -> None:
     # Best effort: a read-only cache only means the work is redone next time.
     try:
-        atomic_write_text(path, json.dumps(data, indent=1, sort_keys=True))
+        atomic_write_text(path, json.dumps(data, indent=1, sort_keys=True), mkdir=True)
     except OSError:
         pass
 

@@ -13,8 +13,11 @@ client, and is rarer among these servers.
 
 Concurrency: one event loop handles every connection; the model runs in the generator's worker
 thread; events come back through a Mailbox (cflow.serve.call: one loop wake-up per burst of
-events) to each request's Call, which renders its answer. Prompts are tokenized in a worker
-thread, so a long prompt does not hold up other streams.
+events) to each request's Call, which renders its answer. Work that grows with a request's size
+runs off the loop: large bodies are parsed and every prompt is tokenized in a worker thread (the
+tokenizer releases the GIL), so a long prompt does not hold up /health or other streams. A body
+larger than any slot's context could use (body_limit: n_ctx tokens of the longest token, each
+byte JSON-escaped, plus 64 KiB) is refused with 413 before it is read.
 
 Routes (each also without the /v1 prefix, as llama-server):
     POST /v1/completions, POST /v1/chat/completions    (stream: true -> server-sent events, then [DONE])
@@ -47,7 +50,16 @@ from cflow.serve.batch import BatchGenerator, GeneratorClosedError, QueueFullErr
 from cflow.serve.call import Call, ClientGone, JSONResponse, Mailbox, nothing
 from cflow.serve.metrics import Metrics
 
-MAX_BODY = 8 * 1024 * 1024     # bytes; far above any context's worth of text
+JSON_ESCAPE = 6                # a byte of text is at most 6 characters of JSON (\u00XX)
+BODY_SLACK = 64 * 1024         # the request's other fields
+JSON_OFF_LOOP = 64 * 1024      # bodies at least this large are parsed in a worker thread
+
+
+def body_limit(n_ctx: int, max_token_bytes: int) -> int:
+    """The largest request body worth reading: a slot's whole context of the longest token's bytes,
+    every byte escaped, plus the other fields. A larger body cannot fit any slot, so it is refused
+    with 413 before it is read or tokenized."""
+    return JSON_ESCAPE * n_ctx * max_token_bytes + BODY_SLACK
 PUBLIC = ("/health", "/v1/health")
 
 
@@ -64,11 +76,12 @@ class Server:
                  on_load_error: Callable[[BaseException], None] | None = None) -> None:
         self._load = load
         self.model_name = model_name
-        self.names = frozenset((model_name, *aliases))
+        self.names = (model_name, *sorted(set(aliases) - {model_name}))  # the served id first
         self.api_key = api_key.encode("utf-8") if api_key else None
         self.defaults = defaults or P.Defaults()
         self.metrics = Metrics()
         self.gen: BatchGenerator | None = None
+        self.max_body = BODY_SLACK  # set from the model's context when it has loaded (body_limit)
         self.load_error: BaseException | None = None
         self._on_ready, self._on_load_error = on_ready, on_load_error
         self._loader: threading.Thread | None = None
@@ -105,6 +118,7 @@ class Server:
             gen.close()
             return
         gen.metrics = self.metrics
+        self.max_body = body_limit(gen.n_ctx, gen.backend.tokenizer.max_token_bytes)
         self.gen = gen
         if self._on_ready:
             self._on_ready(gen)
@@ -212,18 +226,22 @@ class Server:
             return call.stream
         return await call.collect(request.receive)
 
+    def _too_large(self, size: str) -> P.BadRequest:
+        n_ctx = self.gen.n_ctx if self.gen is not None else 0
+        return P.BadRequest(f"the request body is {size} bytes; a slot's context of {n_ctx} tokens holds at most "
+                            f"{self.max_body} bytes of request (see `cflow serve --help`); shorten the prompt",
+                            None, "body_too_large", status=413)
+
     async def _read_json(self, request: Request) -> Any:
         declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > MAX_BODY:
-            raise P.BadRequest(f"the request body is larger than {MAX_BODY} bytes", None, "body_too_large",
-                               status=413)
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body:
+            raise self._too_large(declared)
         parts, size = [], 0
         try:
             async for chunk in request.stream():
                 size += len(chunk)
-                if size > MAX_BODY:
-                    raise P.BadRequest(f"the request body is larger than {MAX_BODY} bytes", None, "body_too_large",
-                                       status=413)
+                if size > self.max_body:
+                    raise self._too_large(f"more than {size}")
                 parts.append(chunk)
         except ClientDisconnect:
             raise ClientGone() from None
@@ -231,7 +249,9 @@ class Server:
         if not raw.strip():
             raise P.BadRequest("the request body is empty; send a JSON object", None, "invalid_json")
         try:
-            return json.loads(raw, parse_constant=_reject_constant)
+            if len(raw) < JSON_OFF_LOOP:
+                return json.loads(raw, parse_constant=_reject_constant)
+            return await asyncio.to_thread(json.loads, raw, parse_constant=_reject_constant)
         except (ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
             raise P.BadRequest(f"the request body is not valid JSON: {str(e)[:200]}", None, "invalid_json") from None
 

@@ -23,7 +23,7 @@ import math
 import time
 import uuid
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Sequence
 
 from cflow.sampling import SamplingError, SamplingParams
 
@@ -146,11 +146,12 @@ def _range(name: str, v: Any, lo: float | None = None, hi: float | None = None) 
 
 
 # ---- the fields both endpoints share ---------------------------------------------------------
-def _common(body: dict[str, Any], defaults: Defaults, names: frozenset[str], kind: str,
+def _common(body: dict[str, Any], defaults: Defaults, names: Sequence[str], kind: str,
             vocab_size: int | None) -> dict[str, Any]:
+    """`names`: the served id (what /v1/models lists) first, then the other names a request may use."""
     model = _field(body, "model", "str")
     if model is not None and names and model not in names:
-        raise BadRequest(f"the model '{model}' does not exist here; this server serves '{sorted(names)[0]}' "
+        raise BadRequest(f"the model '{model}' does not exist here; this server serves '{names[0]}' "
                          f"(GET /v1/models)", "model", "model_not_found")
     for name, (noops, why) in UNSUPPORTED.items():
         v = body.get(name)
@@ -270,7 +271,7 @@ def _logit_bias(body: dict[str, Any], vocab_size: int | None) -> dict[int, float
     return out
 
 
-def parse_completion(body: Any, defaults: Defaults, names: frozenset[str] = frozenset(),
+def parse_completion(body: Any, defaults: Defaults, names: Sequence[str] = (),
                      vocab_size: int | None = None) -> GenSpec:
     """POST /v1/completions. prompt: a string, an array of token ids, or an array holding one of those.
     `vocab_size` bounds the token ids logit_bias may name (None: unchecked here)."""
@@ -292,7 +293,7 @@ def parse_completion(body: Any, defaults: Defaults, names: frozenset[str] = froz
     return GenSpec("completion", prompt=p, **_common(body, defaults, names, "completion", vocab_size))
 
 
-def parse_chat(body: Any, defaults: Defaults, names: frozenset[str] = frozenset(),
+def parse_chat(body: Any, defaults: Defaults, names: Sequence[str] = (),
                vocab_size: int | None = None) -> GenSpec:
     """POST /v1/chat/completions. messages: [{"role", "content": a string or text parts}]."""
     body = _object(body)

@@ -1,16 +1,23 @@
-"""Claim T1: train the architecture family on one budget and compare quality and bandwidth.
+"""The family compared at equal budget (claim T1, and the MoE family's table): presets x seeds.
 
 Owns `compare()`: it trains each preset (default arch1, arch2, arch3, arch4, arch2_4_combined,
-arch5) with the same data, seed, geometry, batch and token budget, then writes
-`OUT/train_compare.md` (a table: val loss, perplexity, top-1 accuracy, parameters, weight bytes
-per token and the critical path from `cflow.dag.analyze`), `OUT/train_compare.json` (the same
-numbers plus loss curves) and `OUT/train_compare_loss.png` (training and validation loss
-against tokens).
+arch5) for every seed with the same data, geometry, batch and token budget, each (preset, seed)
+run in its own checkpoint directory `RUNS/PRESET/seedN`, then writes `OUT/train_compare.md` (a
+table: val loss, perplexity, top-1 accuracy as mean with a 95% confidence interval over the seeds,
+total and active parameters, weight bytes per token and the critical path from
+`cflow.dag.analyze`, wall time and tokens/s; and the paired difference of every preset from the
+first, seed by seed), `OUT/train_compare.json` (every run's numbers and loss curves) and
+`OUT/train_compare_loss.png` (validation loss against tokens, every run).
 
-Geometry: the presets' own (config.py `_SMALL` + `_MOE`): vocab 4096, d_model 128, 6 layers, 4
-heads / 2 kv heads, dense d_ff 256, 4 experts top-1 of d_expert 256, tied embeddings: about
-3.8M parameters (arch5 shares 2 weight sets across the 6 layers: about 1.6M unique parameters,
-same compute and same bytes streamed per token). `overrides` changes every preset alike.
+Runs resume: a run whose checkpoint already holds its last step is read back, not trained again
+(its curves come from its log); one that stopped part-way (Ctrl-C, a crash, a reboot) continues
+exactly from its checkpoint; a directory holding a run with other settings is an error rather
+than silently mixed in. So a comparison of many hours can be run again after any interruption and
+picks up where it was.
+
+Pairing: runs of one seed share that seed's initialisation stream and batch order, so a preset's
+difference from the reference is taken seed by seed and its mean gets a t interval over the seeds
+(n - 1 degrees of freedom): the noise shared by a seed's runs cancels.
 
 Budget: `tokens` (the same for all: a fair quality comparison) or `minutes_per_run` (the same
 wall time: each preset's step count comes from timing a few steps of it first).
@@ -21,6 +28,7 @@ that fails later is a `cflow.fsutil.WriteError` naming the file.
 
 from __future__ import annotations
 
+import csv
 import dataclasses
 import json
 import math
@@ -35,17 +43,21 @@ import torch
 from cflow.config import ModelConfig
 from cflow.errors import CflowError
 from cflow.fsutil import atomic_write_text, check_writable, writing
-from cflow.train.loop import TrainConfig, TrainResult, train
+from cflow.train import checkpoint as ckpt
+from cflow.train.loop import RESUME_FIXED, TrainConfig, TrainResult, train
 
 DEFAULT_PRESETS = ("arch1", "arch2", "arch3", "arch4", "arch2_4_combined", "arch5")
 REPORT = "train_compare.md"
 JSON_REPORT = "train_compare.json"
 PLOT = "train_compare_loss.png"
 DAG_QUANT = "q4_0"
+# Two-sided 95% Student t quantiles by degrees of freedom (scipy is not a dependency).
+_T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+        12: 2.179, 15: 2.131, 20: 2.086, 30: 2.042}
 
 
 class CompareError(CflowError):
-    """The comparison is misconfigured (no budget, unknown preset)."""
+    """The comparison is misconfigured (no budget, unknown preset) or its runs directory holds other runs."""
 
 
 @dataclass
@@ -64,37 +76,119 @@ class RunSummary:
     warmup: int = 0
     val_curve: list[tuple[int, float]] = field(default_factory=list)  # (tokens, val loss)
     config: dict[str, Any] = field(default_factory=dict)
+    seed: int = 0
+    active_params: int = 0  # parameters a token's forward pass uses (top_k of the experts)
+    run_dir: str = ""
+
+
+def t95(df: int) -> float:
+    """The two-sided 95% Student t quantile for df degrees of freedom (nearest tabulated below)."""
+    if df < 1:
+        return math.nan
+    return _T95[max(k for k in _T95 if k <= df)] if df <= 30 else 1.960
+
+
+def mean_ci(xs: list[float]) -> tuple[float, float]:
+    """(mean, half-width of its 95% t interval); the half-width is nan for one value."""
+    n = len(xs)
+    if n == 0:
+        return math.nan, math.nan
+    m = sum(xs) / n
+    if n == 1:
+        return m, math.nan
+    sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (n - 1))
+    return m, t95(n - 1) * sd / math.sqrt(n)
+
+
+def active_params(cfg: ModelConfig, total: int) -> int:
+    """Parameters one token's forward pass touches: all but the experts it is not routed to."""
+    if not cfg.has_moe:
+        return total
+    per_expert = 3 * cfg.d_model * cfg.d_expert
+    return total - cfg.n_unique_layers * (cfg.n_experts - cfg.top_k) * per_expert
 
 
 def compare(presets: tuple[str, ...] | list[str] = DEFAULT_PRESETS, *, base: TrainConfig | None = None,
             tokens: int | None = None, minutes_per_run: float | None = None, overrides: list[str] = (),
             runs_dir: str | Path = "runs/compare", out_dir: str | Path = "docs/results",
-            command: str | None = None, progress: bool | Callable[[dict], None] = False) -> list[RunSummary]:
-    """Train every preset on the same budget; write the report files; return one summary per preset."""
+            seeds: tuple[int, ...] | list[int] | None = None, command: str | None = None,
+            progress: bool | Callable[[dict], None] = False) -> list[RunSummary]:
+    """Train every preset for every seed (default: base.seed alone) on the same budget, resuming what
+    is already in `runs_dir`; write the report files; return one summary per run, seed by seed."""
     if (tokens is None) == (minutes_per_run is None):
         raise CompareError("give exactly one budget: tokens (same tokens per run) or minutes_per_run")
     base = base or TrainConfig()
+    seeds = list(seeds) if seeds else [base.seed]
     configs = [ModelConfig.from_name(p).with_overrides(list(overrides)) for p in presets]
     runs, out = Path(runs_dir), Path(out_dir)
     for path in [out / REPORT, *(runs / c.name for c in configs)]:  # before hours of training, not after
         check_writable(path)
     summaries = []
-    for cfg in configs:
-        if tokens is not None:
-            tc = dataclasses.replace(base, tokens=tokens)
-        else:
-            tc = dataclasses.replace(base, tokens=0, steps=_steps_for_time(cfg, base, minutes_per_run * 60.0))
-        # A warmup longer than a tenth of the run would leave a short run near lr 0 throughout.
-        tc = dataclasses.replace(tc, eval_every=tc.eval_every or max(1, tc.total_steps // 10),
-                                 warmup=min(tc.warmup, max(1, tc.total_steps // 10)))
-        if callable(progress):
-            progress({"event": "run", "preset": cfg.name, "steps": tc.total_steps})
-        res = train(cfg, tc, out_dir=runs / cfg.name, overwrite=True, progress=progress,
-                    meta={"command": command, "compare": True})
-        summaries.append(_summarize(cfg, res, tc))
+    for seed in seeds:
+        for cfg in configs:
+            if tokens is not None:
+                tc = dataclasses.replace(base, tokens=tokens, seed=seed)
+            else:
+                tc = dataclasses.replace(base, tokens=0, seed=seed,
+                                         steps=_steps_for_time(cfg, base, minutes_per_run * 60.0))
+            # A warmup longer than a tenth of the run would leave a short run near lr 0 throughout.
+            tc = dataclasses.replace(tc, eval_every=tc.eval_every or max(1, tc.total_steps // 10),
+                                     warmup=min(tc.warmup, max(1, tc.total_steps // 10)))
+            summaries.append(_run(cfg, tc, runs / cfg.name / f"seed{seed}", command, progress))
     write_report(summaries, out, base=base, tokens=tokens, minutes_per_run=minutes_per_run,
                  overrides=list(overrides), command=command)
     return summaries
+
+
+def _run(cfg: ModelConfig, tc: TrainConfig, run_dir: Path, command: str | None,
+         progress: bool | Callable[[dict], None]) -> RunSummary:
+    """One (preset, seed) run: read back when finished, resumed when part-way, else trained."""
+    state = _existing(run_dir, cfg, tc)
+    if callable(progress):
+        progress({"event": "run", "preset": cfg.name, "seed": tc.seed, "steps": tc.total_steps,
+                  "state": state, "dir": str(run_dir)})
+    if state == "done":
+        return _summary_from_disk(run_dir, tc)
+    res = train(cfg, tc, out_dir=run_dir, resume=state == "partial", overwrite=False, progress=progress,
+                meta={"command": command, "compare": True})
+    return _summarize(cfg, res, tc, run_dir)
+
+
+def _existing(run_dir: Path, cfg: ModelConfig, tc: TrainConfig) -> str:
+    """"new", "partial" or "done"; CompareError when run_dir holds a run with other settings."""
+    if not ckpt.is_checkpoint(run_dir):
+        return "new"
+    meta = json.loads((run_dir / "meta.json").read_text())
+    saved = meta.get("train_config", {})
+    fixed = (*RESUME_FIXED, "tokens", "steps", "lr", "warmup", "min_lr_ratio", "weight_decay", "lb_weight",
+             "z_weight")
+    diff = {k: (saved.get(k), getattr(tc, k)) for k in fixed if saved.get(k) != getattr(tc, k)}
+    c = ckpt.load_checkpoint(run_dir, with_train_state=False).config
+    if c.replace(vocab_size=cfg.vocab_size) != cfg:
+        diff["model config"] = "differs"
+    if diff:
+        raise CompareError(f"{run_dir} holds a run with other settings (its, now): {diff}; give another "
+                           "--runs-dir, or remove that directory to train it again")
+    return "done" if int(meta.get("step", 0)) >= tc.total_steps else "partial"
+
+
+def _summary_from_disk(run_dir: Path, tc: TrainConfig) -> RunSummary:
+    c = ckpt.load_checkpoint(run_dir, with_train_state=False)
+    meta = c.meta
+    ev = meta.get("eval") or {}
+    curve, val_curve = [], []
+    log = run_dir / ckpt.LOG_NAME
+    if log.is_file():
+        with open(log, newline="") as f:
+            for r in csv.DictReader(f):
+                if r.get("ce"):
+                    curve.append((int(r["tokens"]), float(r["ce"])))
+                if r.get("val_loss"):
+                    val_curve.append((int(r["tokens"]), float(r["val_loss"])))
+    elapsed = float(meta.get("elapsed_s", 0.0))
+    tokens = int(meta.get("tokens_seen", 0))
+    return _summary(c.config, int(meta.get("params", 0)), int(meta.get("step", 0)), tokens, ev, elapsed, curve,
+                    val_curve, tc, run_dir)
 
 
 def _steps_for_time(cfg: ModelConfig, tc: TrainConfig, seconds: float, probe_steps: int = 3) -> int:
@@ -119,24 +213,32 @@ def _steps_for_time(cfg: ModelConfig, tc: TrainConfig, seconds: float, probe_ste
     return max(1, int(seconds / per_step))
 
 
-def _summarize(cfg: ModelConfig, res: TrainResult, tc: TrainConfig) -> RunSummary:
+def _summarize(cfg: ModelConfig, res: TrainResult, tc: TrainConfig, run_dir: Path) -> RunSummary:
+    """The run as its checkpoint and log hold it: a resumed run's curves span every segment."""
+    if ckpt.is_checkpoint(run_dir):
+        return _summary_from_disk(run_dir, tc)
     final = res.evals[-1] if res.evals else {}
-    train_s = res.elapsed_s
+    return _summary(res.config, res.n_params, res.steps, res.tokens_seen, final, res.elapsed_s,
+                    [(int(h["tokens"]), float(h["ce"])) for h in res.history],  # CE: comparable with val loss
+                    [(int(e["tokens"]), float(e["val_loss"])) for e in res.evals], tc, run_dir)
+
+
+def _summary(config: ModelConfig, params: int, steps: int, tokens: int, final: dict, train_s: float,
+             curve: list, val_curve: list, tc: TrainConfig, run_dir: Path) -> RunSummary:
     try:
         from cflow.dag import analyze
 
-        rep = analyze(res.config, DAG_QUANT).to_dict()
+        rep = analyze(config, DAG_QUANT).to_dict()
         dag = {k: rep[k] for k in ("total_bytes", "critical_bytes", "ratio")}
     except ImportError:
         dag = None
     return RunSummary(
-        preset=cfg.name, params=res.n_params, steps=res.steps, tokens=res.tokens_seen,
+        preset=config.name, params=params, steps=steps, tokens=tokens,
         val_loss=final.get("val_loss", math.nan), val_ppl=final.get("val_ppl", math.nan),
         val_acc=final.get("val_acc", math.nan), train_s=train_s,
-        tok_per_s=res.tokens_seen / train_s if train_s > 0 else math.nan, dag=dag,
-        curve=[(int(h["tokens"]), float(h["ce"])) for h in res.history],  # CE: comparable with val loss
-        val_curve=[(int(e["tokens"]), float(e["val_loss"])) for e in res.evals],
-        config=res.config.to_dict(), warmup=tc.warmup,
+        tok_per_s=tokens / train_s if train_s > 0 else math.nan, dag=dag, curve=curve, val_curve=val_curve,
+        config=config.to_dict(), warmup=tc.warmup, seed=tc.seed, active_params=active_params(config, params),
+        run_dir=str(run_dir),
     )
 
 
@@ -157,19 +259,52 @@ def write_report(summaries: list[RunSummary], out: Path, *, base: TrainConfig, t
     return out / REPORT
 
 
+def by_preset(summaries: list[RunSummary]) -> dict[str, list[RunSummary]]:
+    """The runs of each preset, presets in first-seen order, runs in seed order."""
+    out: dict[str, list[RunSummary]] = {}
+    for x in summaries:
+        out.setdefault(x.preset, []).append(x)
+    for runs in out.values():
+        runs.sort(key=lambda x: x.seed)
+    return out
+
+
+def paired_differences(summaries: list[RunSummary], metric: str = "val_loss") -> dict[str, dict[str, Any]]:
+    """Each preset's `metric` minus the first preset's, seed by seed (only seeds both have):
+    {preset: {"diffs": [...], "seeds": [...], "mean": m, "ci95": h}}."""
+    groups = by_preset(summaries)
+    if not groups:
+        return {}
+    ref_name, ref_runs = next(iter(groups.items()))
+    ref = {x.seed: getattr(x, metric) for x in ref_runs}
+    out = {}
+    for name, runs in list(groups.items())[1:]:
+        pairs = [(x.seed, getattr(x, metric) - ref[x.seed]) for x in runs if x.seed in ref]
+        m, h = mean_ci([d for _, d in pairs])
+        out[name] = {"reference": ref_name, "seeds": [s_ for s_, _ in pairs], "diffs": [d for _, d in pairs],
+                     "mean": m, "ci95": h}
+    return out
+
+
+def _pm(m: float, h: float, fmt: str) -> str:
+    return format(m, fmt) + ("" if math.isnan(h) else " ± " + format(h, fmt))
+
+
 def render_markdown(summaries: list[RunSummary], *, base: TrainConfig, tokens: int | None,
                     minutes_per_run: float | None, overrides: list[str], command: str | None,
                     plot: str | None) -> str:
+    groups = by_preset(summaries)
     geo = summaries[0].config if summaries else {}
     warmups = "/".join(sorted({str(s.warmup) for s in summaries})) or str(base.warmup)
+    seeds = sorted({s.seed for s in summaries})
     budget = f"{tokens:,} tokens per run" if tokens is not None else f"{minutes_per_run:g} minutes per run"
     lines = [
-        "# Training comparison of the architecture family (claim T1)",
+        "# The architecture family trained at equal budget",
         "",
         f"Command: `{command}`" if command else "Command: (library call)",
         "",
         f"Budget: {budget}; global batch {base.batch_size} x seq_len {base.seq_len}; lr {base.lr:g} "
-        f"(warmup {warmups} steps, cosine to {base.min_lr_ratio:g}x); seed {base.seed}; "
+        f"(warmup {warmups} steps, cosine to {base.min_lr_ratio:g}x); seeds {', '.join(map(str, seeds))}; "
         f"lb_weight {base.lb_weight:g}, z_weight {base.z_weight:g}; data: {base.data or 'shipped stories corpus'}.",
         "",
         f"Geometry (every preset): d_model {geo.get('d_model')}, {geo.get('n_layers')} layers, "
@@ -180,26 +315,43 @@ def render_markdown(summaries: list[RunSummary], *, base: TrainConfig, tokens: i
         f"Machine: {platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}; "
         f"written {time.strftime('%Y-%m-%d %H:%M')}.",
         "",
-        f"| preset | params | val loss | val ppl | top-1 acc | weight bytes/token ({DAG_QUANT}) | "
-        "critical path bytes | critical / total | steps | tokens | train s | tok/s |",
+        "Each value is the mean over the seeds ± the half-width of its 95% t interval (none with one seed).",
+        "",
+        f"| preset | runs | params (active) | val loss | val ppl | top-1 acc | weight bytes/token ({DAG_QUANT}) | "
+        "critical path bytes | critical / total | tokens | train s | tok/s |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for s in summaries:
-        if s.dag:
-            dag_cells = f"{s.dag['total_bytes']:,} | {s.dag['critical_bytes']:,} | " \
-                        f"{s.dag['critical_bytes'] / s.dag['total_bytes']:.3f}"
+    for name, runs in groups.items():
+        s0 = runs[0]
+        if s0.dag:
+            dag_cells = f"{s0.dag['total_bytes']:,} | {s0.dag['critical_bytes']:,} | " \
+                        f"{s0.dag['critical_bytes'] / s0.dag['total_bytes']:.3f}"
         else:
             dag_cells = "n/a | n/a | n/a"
-        lines.append(f"| {s.preset} | {s.params:,} | {s.val_loss:.4f} | {s.val_ppl:.2f} | {s.val_acc:.4f} | "
-                     f"{dag_cells} | {s.steps:,} | {s.tokens:,} | {s.train_s:.1f} | {s.tok_per_s:,.0f} |")
+        loss, ppl, acc = (mean_ci([getattr(x, k) for x in runs]) for k in ("val_loss", "val_ppl", "val_acc"))
+        secs = mean_ci([x.train_s for x in runs])[0]
+        tps = mean_ci([x.tok_per_s for x in runs])[0]
+        lines.append(f"| {name} | {len(runs)} | {s0.params:,} ({s0.active_params:,}) | {_pm(*loss, '.4f')} | "
+                     f"{_pm(*ppl, '.2f')} | {_pm(*acc, '.4f')} | {dag_cells} | {s0.tokens:,} | {secs:,.0f} | "
+                     f"{tps:,.0f} |")
+    diffs = paired_differences(summaries)
+    if diffs:
+        ref = next(iter(diffs.values()))["reference"]
+        lines += ["", f"Paired difference of validation loss from {ref} (same seed: same initial stream and "
+                  "batches), nats; negative is better:", "",
+                  "| preset | mean difference ± 95% CI | per seed |", "|---|---:|---|"]
+        for name, d in diffs.items():
+            per = ", ".join(f"{s_}: {v:+.4f}" for s_, v in zip(d["seeds"], d["diffs"]))
+            lines.append(f"| {name} | {_pm(d['mean'], d['ci95'], '+.4f')} | {per} |")
     lines += [
         "",
         "How to read it: val loss / perplexity / top-1 accuracy are measured on the held-out stories "
-        "(split by a hash of each story) at the end of the run. Weight bytes per token and the critical "
+        "(split by a hash of each story) at the end of each run. Weight bytes per token and the critical "
         "path come from `cflow.dag.analyze` (arithmetic, not a measurement): the delays do not shrink "
         "the total bytes per token, they shorten the chain of bytes that must stream one after another. "
         "arch5 counts its shared parameters once but streams every layer's set per token. "
-        "On a small budget, differences of a few hundredths in loss are within run-to-run noise.",
+        "A difference whose interval contains 0 is not distinguishable from run-to-run noise at this "
+        "number of seeds.",
     ]
     if plot:
         lines += ["", f"![loss curves]({plot})"]
@@ -207,7 +359,8 @@ def render_markdown(summaries: list[RunSummary], *, base: TrainConfig, tokens: i
 
 
 def plot_losses(summaries: list[RunSummary], path: Path) -> bool:
-    """Training loss (smoothed) and validation loss against tokens; False when matplotlib is missing."""
+    """Training loss (smoothed) and validation loss against tokens, every run, one colour per
+    preset; False when matplotlib is missing."""
     try:
         import matplotlib
 
@@ -216,23 +369,26 @@ def plot_losses(summaries: list[RunSummary], path: Path) -> bool:
     except ImportError:
         return False
     fig, ax = plt.subplots(figsize=(8, 5))
-    for s in summaries:
-        if not s.curve:
-            continue
-        xs, ys = zip(*s.curve)
-        line, = ax.plot(xs, _smooth(list(ys)), label=f"{s.preset} (train)", linewidth=1.2)
-        if s.val_curve:
-            vx, vy = zip(*s.val_curve)
-            ax.plot(vx, vy, "o--", color=line.get_color(), markersize=3, linewidth=0.8)
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, (name, runs) in enumerate(by_preset(summaries).items()):
+        colour = colours[i % len(colours)]
+        for j, s in enumerate(runs):
+            label = name if j == 0 else None
+            if s.curve:
+                xs, ys = zip(*s.curve)
+                ax.plot(xs, _smooth(list(ys)), color=colour, linewidth=1.0, alpha=0.6, label=label)
+                label = None
+            if s.val_curve:
+                vx, vy = zip(*s.val_curve)
+                ax.plot(vx, vy, "o--", color=colour, markersize=3, linewidth=0.8, label=label)
     ax.set_xlabel("tokens")
     ax.set_ylabel("cross-entropy (nats/token)")
-    ax.set_title("training cross-entropy (lines, smoothed) and validation loss (dots)")
+    ax.set_title("training cross-entropy (lines, smoothed) and validation loss (dots), every seed")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
     try:
         with writing(path):
-            path.parent.mkdir(parents=True, exist_ok=True)
             fig.savefig(path, dpi=120)
     finally:
         plt.close(fig)

@@ -2,8 +2,8 @@
 
 Owns everything between "a corpus" and "a batch of token ids":
 - Sources (`open_corpus`): the story corpus shipped inside the package (the default; offline),
-  a local PATH (`.txt`: documents separated by blank lines; `.jsonl`: one object per line with
-  a `text` field) and `tinystories` (roneneldan/TinyStories streamed through HF `datasets`;
+  a local PATH (`.txt`: documents separated by blank lines; `.jsonl`, `.jsonl.xz` or `.jsonl.gz`:
+  one object per line with a `text` field, as `cflow data build` writes) and `tinystories` (roneneldan/TinyStories streamed through HF `datasets`;
   `tinystories:N` takes the first N stories, `tinystories:all` takes all).
 - The split is by document and depends only on the document's text: a document goes to
   validation when the first 8 bytes of its BLAKE2b hash, read as a fraction, fall below
@@ -24,8 +24,10 @@ No torch here: batches are numpy int64 arrays; the training loop wraps them.
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
+import lzma
 import os
 import shutil
 import tempfile
@@ -83,13 +85,14 @@ def open_corpus(source: str | os.PathLike | None = None) -> Corpus:
     if not p.is_file():
         raise DataError(f"data source {s!r} is neither 'tinystories' nor an existing file; "
                         "pass a .txt or .jsonl path, 'tinystories', or omit --data for the shipped corpus")
-    if p.suffix == ".jsonl":
+    if p.name.endswith((".jsonl", ".jsonl.xz", ".jsonl.gz")):
         reader = _read_jsonl
     elif p.suffix == ".txt":
         reader = _read_txt
     else:
         raise DataError(f"{p}: unsupported data file type {p.suffix!r}; use .txt (documents separated by "
-                        "blank lines) or .jsonl (a 'text' field per line)")
+                        "blank lines) or .jsonl (a 'text' field per line; .jsonl.xz / .jsonl.gz compressed, as "
+                        "`cflow data build` writes)")
     return Corpus(f"file:{p.resolve()}", _file_fingerprint(p), _once(lambda: reader(p)))
 
 
@@ -116,9 +119,25 @@ def _file_fingerprint(p: Path) -> str:
     return f"sha256:{h.hexdigest()}"
 
 
+def _open_text(p: Path):
+    """A text file, read through xz or gzip when its name says it is compressed."""
+    if p.suffix == ".xz":
+        return lzma.open(p, "rt", encoding="utf-8")
+    if p.suffix == ".gz":
+        return gzip.open(p, "rt", encoding="utf-8")
+    return open(p, encoding="utf-8")
+
+
 def _read_jsonl(p: Path) -> list[str]:
+    try:
+        return _jsonl_texts(p)
+    except (lzma.LZMAError, EOFError, gzip.BadGzipFile, UnicodeDecodeError) as e:
+        raise DataError(f"{p}: cannot be read ({type(e).__name__}: {e}); the file is damaged or cut short") from None
+
+
+def _jsonl_texts(p: Path) -> list[str]:
     docs = []
-    with open(p, encoding="utf-8") as f:
+    with _open_text(p) as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -223,11 +242,11 @@ def get_tokenizer(corpus: Corpus, vocab_size: int, *, cache_dir: str | os.PathLi
     path = cache / "tokenizers" / f"{key[:24]}.json"
     if path.is_file():
         return bpe.load_tokenizer(path)
-    fsutil.check_writable(path)  # before training the tokenizer, not after
+    fsutil.check_writable(path, file=True, mkdir=True)  # before training the tokenizer, not after
     train_docs, _ = split_documents(corpus.documents(), val_fraction)
     tok = bpe.train_bpe(train_docs, vocab_size, progress=progress)
     with fsutil.writing(path):
-        fsutil.atomic_write_text(path, tok.to_str())
+        fsutil.atomic_write_text(path, tok.to_str(), mkdir=True)
     return tok
 
 

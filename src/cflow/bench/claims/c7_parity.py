@@ -144,9 +144,9 @@ def hf_parity(ctx: Context, gguf, eng, seqs) -> dict:
 def llamacpp_parity(ctx: Context, gguf, eng, seqs) -> dict:
     import llama_cpp
 
-    from cflow.bench.llamacpp import _quiet_stderr
+    from cflow.bench.llamacpp import _quiet_stderr, repacking
 
-    with _quiet_stderr():
+    with _quiet_stderr(), repacking(llama_cpp, True):  # its default, unless that crashes here
         llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=512, logits_all=True, n_threads=ctx.threads,
                               n_threads_batch=ctx.threads, verbose=False)
     try:

