@@ -1,4 +1,4 @@
-"""The 8-bit KV cache (issue 12, "Long contexts"): its accuracy cost and its decode speed, on SmolLM2.
+"""The 8-bit KV cache : its accuracy cost and its decode speed, on SmolLM2.
 
     python benchmarks/kv_cache.py accuracy                 # q8_0 vs f16 KV logits, depths up to 4096
     python benchmarks/kv_cache.py speed -t 4 -r 5          # tg at depth 0 / 1024 / 4096, llama.cpp beside

@@ -1,4 +1,4 @@
-"""Per-quantization-type results (issue 11 §3, docs/results/quants.md): for each GGUF type a user
+"""Per-quantization-type results (docs/results/quants.md): for each GGUF type a user
 may download (Q4_0, Q4_1, Q4_K_M, Q5_K_M, Q6_K, Q8_0), made by llama.cpp's own quantizer from one
 source file, this measures side by side with llama.cpp on the same file:
 

@@ -5,7 +5,7 @@
         --stories 300 --samples 64 --out docs/results/quality_default.json
 
 Held-out stories are the corpus's validation split (cflow.train.data.split_documents, the split
-training uses), the first --stories of them in corpus order. Prints one line per figure and writes
+training uses), the first --stories of them in corpus order, each cut to its first --max-bytes bytes. Prints one line per figure and writes
 the numbers as JSON.
 """
 
@@ -31,6 +31,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stories", type=int, default=300, help="held-out stories to score (default 300)")
     p.add_argument("--samples", type=int, default=64, help="stories the model samples for the judge (default 64)")
     p.add_argument("--sample-tokens", type=int, default=120, help="tokens per sample, at most (default 120)")
+    p.add_argument("--max-bytes", type=int, default=800,
+                   help="score each held-out story's first N bytes, cut at a space, so that models with "
+                        "short contexts score the same text as the teacher (default 800: fits 256 tokens "
+                        "of a 4096-token vocabulary)")
     p.add_argument("--seed", type=int, default=1, help="first sampling seed (default 1)")
     p.add_argument("-t", "--threads", type=int, default=0, help="threads (default: every core)")
     p.add_argument("--out", type=Path, help="write the figures here as JSON")
@@ -40,11 +44,12 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     with Engine.load(a.model, threads=a.threads or None) as model, \
             Engine.load(a.teacher, threads=a.threads or None) as teacher:
-        r = measure(model, teacher, held, samples=a.samples, sample_tokens=a.sample_tokens, first_seed=a.seed)
+        r = measure(model, teacher, held, samples=a.samples, sample_tokens=a.sample_tokens, first_seed=a.seed,
+                    max_bytes=a.max_bytes)
     d = {**r.to_dict(), "corpus": a.corpus, "seconds": round(time.perf_counter() - t0, 1),
          "command": "python benchmarks/story_quality.py " + " ".join(argv if argv is not None else sys.argv[1:])}
     print(f"bits per byte: model {r.model_bpb:.4f}, teacher {r.teacher_bpb:.4f} ({r.stories} held-out stories, "
-          f"{r.bytes:,} bytes)")
+          f"{r.bytes:,} bytes, each at most {r.max_bytes})")
     print(f"perplexity (model tokens): {r.model_ppl:.2f} over {r.model_tokens:,} tokens")
     print(f"teacher-judged: samples {r.judged_samples_ppl:.2f}, corpus {r.judged_corpus_ppl:.2f}, "
           f"ratio {r.judged_ratio:.3f} ({r.samples} samples of <= {r.sample_tokens} tokens)")

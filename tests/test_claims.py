@@ -1,4 +1,4 @@
-"""`cflow bench claims`: the report of the paper's claims (SPEC §8) is produced and well formed.
+"""`cflow bench claims`: the report of the paper's claims is produced and well formed.
 
 The quick run is the smoke test a CI can afford (about a minute on 2 cores): every claim's experiment
 runs on tiny inputs and its section must render with the paper's number, ours, the commands and a

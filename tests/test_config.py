@@ -7,7 +7,7 @@ import pytest
 from cflow.config import PRESETS, ConfigError, ModelConfig, parse_overrides
 from cflow.errors import CflowError
 
-SPEC_TABLE = {  # SPEC §3: preset -> (delta_dense, delta_expert, moe_input)
+SPEC_TABLE = {  # the paper's table: preset -> (delta_dense, delta_expert, moe_input)
     "arch1": (0, 0, "post_dense"),
     "arch3": (0, 0, "post_attn"),
     "arch2": (1, 0, "post_attn"),

@@ -20,7 +20,7 @@ exceeds 0.2 std (10x the typical error).
 Greedy decoding is compared token for token on "planted" models whose lm_head makes the next token
 a fixed function of the current one by a wide margin (>= 0.5 std, 20x the error) while the layers
 still move every logit; random models have near-ties that int8 activations legitimately resolve
-the other way (SPEC §8 C7).
+the other way (claim C7).
 
 Each preset uses a different quantization, tile shape and thread count, with odd sizes (vocab
 300: a short last row group; d 96: a tile narrower than TK; 5 layers: expert outputs that land

@@ -2,7 +2,7 @@
 
 - Loading the .gguf converts it once into the cache ($CFLOW_CACHE) and reuses it afterwards.
 - Greedy continuations are sane (it knows Paris).
-- Teacher-forced parity with HF transformers loading the same GGUF (dequantized, fp32), as SPEC §8
+- Teacher-forced parity with HF transformers loading the same GGUF (dequantized, fp32), as the paper
   C7 prescribes: both models read the same token sequences; at every position we compare logits
   (max and mean |difference| relative to the logit spread) and the argmax, counting argmax
   disagreements only where HF's top-1 margin exceeds MARGIN logits. Free-running greedy

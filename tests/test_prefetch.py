@@ -1,4 +1,4 @@
-"""The software-prefetch switch (claim C6, issue 13): modes, reach, and that it never changes a result.
+"""The software-prefetch switch (claim C6): modes, reach, and that it never changes a result.
 
 Every weight-streaming kernel of every table this CPU runs (mat-vec, gate/up, matmat, gate_up_mm,
 all dtypes, and the fp32 mat-vec) must give the same bits with prefetch off, in the default mode

@@ -1,6 +1,6 @@
 """Model configuration: one frozen dataclass for the whole architecture family, plus named presets.
 
-Owns every architectural knob of SPEC §3 and its validation. Nothing here imports torch, so the
+Owns every architectural knob of the family and its validation. Nothing here imports torch, so the
 runtime (engine, fileformat, dag) can read a config without the training stack.
 
 Layer l of the family computes (x_l = residual entering layer l):

@@ -1,4 +1,4 @@
-"""One decode step as a dependency DAG (SPEC §4): bytes per token, critical path, slack, schedule.
+"""One decode step as a dependency DAG: bytes per token, critical path, slack, schedule.
 
 Owns the node names every delay-aware consumer shares (the .vflow writer, the scheduler):
 
@@ -12,7 +12,7 @@ Owns the node names every delay-aware consumer shares (the .vflow writer, the sc
     x{l}, x_final    zero-byte joins: the residual entering layer l (l = 0..L), and x_L plus
                      the expert outputs that land past the last layer
 
-Edges are the data dependencies of SPEC §3 with the delays (indices below 0 clamp to x_0):
+Edges are the data dependencies of cflow.model with the delays (indices below 0 clamp to x_0):
 L{l}.attn <- x{l}; L{l}.dense <- L{l}.attn (delta_dense == 0) or x{max(l+1-dd, 0)};
 L{l}.router <- L{l}.attn (+ L{l}.dense when moe_input == "post_dense"); L{l}.experts <- router
 (which also hands over norm(z_l)); x{l+1} <- L{l}.attn, L{l}.dense, L{l-de}.experts;
@@ -35,7 +35,7 @@ What the equations give for the other presets, stated plainly: arch3's dense FFN
 read h_l, and arch2 and arch4 move work off the chain too, so all three come out with
 critical < total here, whereas the paper's summary lists 1.00x for the arch1/arch3 baselines and
 no reduction for arch4. The summary does not say how the paper counted those; this module
-follows SPEC §3's equations and nothing else.
+follows cflow.model's equations and nothing else.
 
 Slack of a node = latest start - earliest start, in bytes along the critical-path clock. For a
 middle layer's experts in arch2_4_combined (delta_dense=1 so a layer step is P = max(attn,

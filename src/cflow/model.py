@@ -1,4 +1,4 @@
-"""PyTorch reference of the pipeline-native architecture family (SPEC §3), for training and as the
+"""PyTorch reference of the pipeline-native architecture family, for training and as the
 numerical oracle of the C engine.
 
 Owns: the modules (RMSNorm, rotary embeddings, GQA attention, SwiGLU, MoE, Block, Transformer),

@@ -1,6 +1,6 @@
 """The weights of a model: one table of every tensor a config implies, and the bytes a token reads.
 
-This is the single statement of the model's tensors (SPEC §5, docs/DESIGN.md). The converters
+This is the single statement of the model's tensors (docs/DESIGN.md). The converters
 build tensors by these names, the file format validates shapes against them and orders them, the
 engine binds them (checked by name against the C core's own table), and the DAG and the benchmark
 count bytes from them:

@@ -3,7 +3,9 @@
 - bits per byte of held-out stories: the model's teacher-forced negative log-likelihood of every
   token of a story (the first one given only a start of document), in bits, over the story's UTF-8
   bytes. It does not depend on the tokenizer, so models with different vocabularies, and the
-  teacher itself, compare on the same text.
+  teacher itself, compare on the same text. Each story is first cut to its first `max_bytes` bytes
+  (at a space), so that every model scores the same bytes whatever its context length; a story
+  that still does not fit a model's context is an error, never a silent cut.
 - perplexity over the same stories, per token of the model's own tokenizer.
 - a teacher-judged score: the teacher's perplexity of stories the model samples (temperature 0.8
   and `cflow generate`'s other sampling defaults, fixed seeds, a start of document as the prompt), beside the teacher's perplexity of the held-out
@@ -82,12 +84,24 @@ def token_nll(engine: Any, ids: Sequence[int]) -> float:
     return nll
 
 
+def cut_text(text: str, max_bytes: int) -> str:
+    """`text` cut to at most max_bytes UTF-8 bytes, at the last space before the limit (whole
+    words; the text itself when it is short enough)."""
+    raw = text.encode("utf-8")
+    if len(raw) <= max_bytes:
+        return text
+    head = raw[:max_bytes].decode("utf-8", errors="ignore")
+    return head[:head.rfind(" ")] if " " in head else head
+
+
 def score_text(engine: Any, text: str) -> TextScore:
-    """The model's teacher-forced score of `text` as one document."""
+    """The model's teacher-forced score of `text` as one document, all of it."""
     ids = engine.encode(text, add_bos=False)
-    ids = ids[:engine.n_ctx - 1]
-    used = engine.tokenizer.decode(ids)  # what was scored, when the context cut the text
-    return TextScore(token_nll(engine, ids), len(ids), len(used.encode("utf-8")))
+    if len(ids) > engine.n_ctx - 1:
+        raise ValueError(f"a text of {len(ids)} tokens does not fit the context of {engine.path} "
+                         f"({engine.n_ctx} positions, one for the start of document): cut the stories "
+                         f"shorter (--max-bytes)")
+    return TextScore(token_nll(engine, ids), len(ids), len(text.encode("utf-8")))
 
 
 def score_texts(engine: Any, texts: Sequence[str], progress: Callable[[int], None] | None = None) -> TextScore:
@@ -135,6 +149,7 @@ class QualityReport:
     judged_samples_ppl: float  # teacher perplexity of the model's samples
     judged_corpus_ppl: float   # teacher perplexity of held-out stories cut to the same length
     bytes: int
+    max_bytes: int             # each held-out story's first bytes, at most
 
     @property
     def judged_ratio(self) -> float:
@@ -145,10 +160,11 @@ class QualityReport:
 
 
 def measure(model: Any, teacher: Any, held_out: Sequence[str], *, samples: int = 64, sample_tokens: int = 120,
-            first_seed: int = 1, temperature: float = 0.8,
+            first_seed: int = 1, temperature: float = 0.8, max_bytes: int = 800,
             progress: Callable[[str, int, int], None] | None = None) -> QualityReport:
     """All three figures for the engine `model`, with the engine `teacher` as the judge."""
     say = (lambda what, i, n: progress(what, i, n)) if progress else (lambda *a: None)
+    held_out = [cut_text(t, max_bytes) for t in held_out]
     mine = score_texts(model, held_out, lambda i: say("model scores held-out stories", i, len(held_out)))
     theirs = score_texts(teacher, held_out, lambda i: say("teacher scores held-out stories", i, len(held_out)))
     drawn = []
@@ -161,4 +177,4 @@ def measure(model: Any, teacher: Any, held_out: Sequence[str], *, samples: int =
     corpus = score_texts(teacher, cut, lambda i: say("teacher judges the corpus stories", i, len(cut)))
     return QualityReport(str(model.path), str(teacher.path), len(held_out), mine.bits_per_byte, mine.ppl,
                          mine.tokens, theirs.bits_per_byte, len(drawn), sample_tokens, judged.ppl, corpus.ppl,
-                         mine.bytes)
+                         mine.bytes, max_bytes)

@@ -125,7 +125,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 CLAIMS_HELP = """\
 re-measure the paper's claims (C1-C8, T1) and write a report with a verdict for each
 
-Run each claim's experiment (SPEC §8) and write DIR/report.md (per claim: what the paper says with its
+Run each claim's experiment and write DIR/report.md (per claim: what the paper says with its
 number, what this machine shows, the commands, the verdict confirmed / refuted / inconclusive with the
 reason), DIR/report.json (the data) and PNG plots. The full run wants an idle machine and an hour or
 more (training, cachegrind, side-by-side runs against llama.cpp); --quick is a smoke test of a couple

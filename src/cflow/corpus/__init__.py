@@ -1,4 +1,4 @@
-"""Story corpora distilled from a chat model (SPEC §9): the recipe, the batched distillation, the
+"""Story corpora distilled from a chat model: the recipe, the batched distillation, the
 shard directory it writes, and the build that turns raw answers into a deduplicated corpus.
 
     recipe    the TinyStories recipe: a seed -> its prompt (word lists shipped in words/); cleaning

@@ -668,7 +668,7 @@ static int acquire_wave(cf_engine *e, int l, int ms, int i0, int max) {
 // post_dense): the prediction is the top_k of softmax(router_{l+k}(rmsnorm(z_l) * moe_norm_{l+k})),
 // computed as route does (so two layers sharing a weight set predict exactly what the first chose:
 // tested). The residual stream changes little from one layer to the next, so this often picks the
-// same experts, and less often the further ahead (issue 10; measured by the predict counters). With
+// same experts, and less often the further ahead (measured by the predict counters). With
 // B rows, the union of the rows' top_k is predicted, and reads start for the most-voted first.
 //
 // Which layers each route predicts: the next one (from the freshest input) and the one entering

@@ -1,4 +1,4 @@
-"""The runtime: run a converted model on the C core. No torch here (SPEC §11).
+"""The runtime: run a converted model on the C core. No torch here.
 
     engine     Engine: load (verify, GGUF cache), prefill, step, counters
     generate   the generation loop, stop strings, Timings, Completion

@@ -20,7 +20,7 @@ tokens, positions, want)` also takes several consecutive rows of one sequence (a
 beside other sequences' decode rows, cf_step_rows) and computes logits only where wanted. The server's
 backend (cflow.serve.backend.EngineBatch) is built on it.
 
-No torch here (SPEC §11): running a converted model needs numpy, tokenizers and the C core.
+No torch here: running a converted model needs numpy, tokenizers and the C core.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Owns the delay semantics on the runtime side. `build_plan(cfg)` compiles a config into a short
 list of ops that the C engine (native/engine.c) executes for every token; the engine itself knows
 nothing of delta_dense, delta_expert or moe_input, so this file and `cflow.model.ReferenceDecoder`
-are the two statements of SPEC §3 that the tests hold against each other.
+are the two statements of the architecture's equations (cflow.model) that the tests hold against each other.
 
 Buffers the ops name (all float32, one row per token of the call):
 

@@ -1,4 +1,4 @@
-"""`cflow bench claims`: every claim of the paper (SPEC §8) re-measured here, with a verdict, in one report.
+"""`cflow bench claims`: every claim of the paper re-measured here, with a verdict, in one report.
 
     from cflow.bench.claims import run_claims
     results = run_claims("docs/claims", quick=True, only=["C1", "C3"], progress=print)

@@ -181,7 +181,7 @@ def run(ctx: Context) -> ClaimResult:
     if others:
         res.parts.append({
             "name": "the other presets", "verdict": INCONCLUSIVE,
-            "reason": "SPEC §3's equations also shorten " + ", ".join(f"{p} ({pa[p]['ratio']:.2f}x)" for p in others)
+            "reason": "the architecture's equations also shorten " + ", ".join(f"{p} ({pa[p]['ratio']:.2f}x)" for p in others)
                       + ", where the paper's summary lists 1.00x (arch3) and no reduction (arch4); the summary does "
                         "not say how the paper counted those, so this is a difference of accounting we cannot "
                         "resolve from it (cflow.dag's docstring)."})

@@ -1,6 +1,6 @@
 """C7: numerical parity of the engine with references.
 
-Measured as SPEC §8 prescribes (and tests/test_engine*.py assert): teacher-forced, i.e. every
+Measured as the paper prescribes (and tests/test_engine*.py assert): teacher-forced, i.e. every
 engine reads the same token sequence and the logits are compared position by position: max and mean
 |difference| relative to the spread (std) of the reference's logits, and argmax agreement counted
 only where the reference's top-1 leads its top-2 by a stated margin (a fast engine quantizes

@@ -69,7 +69,7 @@ def to_markdown(results: list[ClaimResult], meta: dict[str, Any]) -> str:
               f"Machine: {m.get('cpu')}, {m.get('usable_cores')} usable cores, kernels {m.get('isa')}, "
               f"cflow {m.get('cflow')} (commit {m.get('commit')}), Python {m.get('python')}.", "",
               "The paper is \"Pipeline-Native Transformers: Co-Designing Model Architecture and CPU Inference for "
-              "Bandwidth-Efficient Autoregressive Decode\" (SPEC §8 lists the claims). Ratios are measured side by "
+              "Bandwidth-Efficient Autoregressive Decode\". Ratios are measured side by "
               "side in one run; absolute times on a shared machine drift.", "",
               "| claim | the paper | this machine | verdict | status |", "|---|---|---|---|---|"]
     for r in results:

@@ -45,7 +45,7 @@ def run_claim(claim_id: str, ctx: Context) -> ClaimResult:
     except KeyboardInterrupt:
         raise
     except Exception as e:  # the report still gets a section saying what broke
-        res = ClaimResult(claim_id, mod.TITLE, paper=getattr(mod, "PAPER", "see SPEC §8"),
+        res = ClaimResult(claim_id, mod.TITLE, paper=getattr(mod, "PAPER", "(not stated)"),
                           paper_number=getattr(mod, "PAPER_NUMBER", "–"), ours="the experiment failed",
                           verdict=INCONCLUSIVE, reason=f"the experiment failed: {type(e).__name__}: {e}",
                           commands=[ctx.rerun(claim_id)], measured="failed",
