@@ -44,7 +44,7 @@ from cflow.sampling import SamplingParams  # noqa: E402
 
 KEY = "test-key-123"
 MODEL = "default.cflow"
-SLOT_CTX = 256  # the built-in model's max_seq_len: -c 1024 over 4 slots
+SLOT_CTX = 256  # -c 1024 over 4 slots (the built-in model allows 512)
 needs_builtin = pytest.mark.skipif(not DEFAULT_MODEL.is_file(), reason="built-in model not installed")
 
 
@@ -721,5 +721,5 @@ def test_cli_refuses_bad_flags_and_a_model_that_cannot_load():
     assert r.returncode == 2 and "--frequency-penalty: frequency_penalty must be a finite number" in r.stderr
     r = serve("-m", "/nonexistent/model.gguf")
     assert r.returncode == 2 and "-m: model file /nonexistent/model.gguf does not exist" in r.stderr
-    r = serve("-c", "2000", "-np", "4")  # 500 tokens per slot; the built-in model allows 256
-    assert r.returncode == 2 and "500 tokens per slot" in r.stderr and "listening on" in r.stderr
+    r = serve("-c", "4000", "-np", "4")  # 1000 tokens per slot; the built-in model allows 512
+    assert r.returncode == 2 and "1000 tokens per slot" in r.stderr and "listening on" in r.stderr
