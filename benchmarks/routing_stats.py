@@ -36,6 +36,16 @@ from cflow.model import Transformer
 MAX_D = 8
 
 
+def random_geometry(path: str) -> dict | None:
+    """What a random-weight .cflow was made with (its metadata), so the report says how to remake it."""
+    if Path(path).is_dir():
+        return None
+    from cflow.fileformat import open_model
+
+    with open_model(path) as cf:
+        return cf.metadata.get("geometry") if cf.metadata.get("generator") == "cflow.bench.synthetic" else None
+
+
 def load_model(path: str) -> Transformer:
     p = Path(path)
     if p.is_dir():
@@ -150,6 +160,36 @@ def tokenizer_of(path: str):
         return Tokenizer(cf.tokenizer)
 
 
+def render_markdown(results: dict, n_tokens: int, argv: list[str]) -> str:
+    definitions = "\n\n".join(__doc__.split("\n\n")[2:4])  # the load / reuse / predictability bullets, defined once
+    ds = list(next(iter(results.values()))["predictability"]) if results else []
+    lines = [f"# Routing on {n_tokens:,} tokens per model", "",
+             "Command: `python benchmarks/routing_stats.py " + " ".join(argv) + "`", "", definitions, "",
+             "## Predictability at distance d, every model", "",
+             "| model | text | " + " | ".join(f"d={d}" for d in ds) + " |", "|---|---|" + "---:|" * len(ds)]
+    for path, s in results.items():
+        lines.append(f"| {s['config']['name']} ({path}) | {s['text']} | "
+                     + " | ".join(f"{s['predictability'][d]:.3f}" for d in ds) + " |")
+    lines.append("")
+    for path, s in results.items():
+        c = s["config"]
+        lines += [f"## {path}", "", f"{c['name']}: {c['n_layers']} layers, {c['n_experts']} experts top-{c['top_k']}, "
+                  f"delta_dense {c['delta_dense']}, delta_expert {c['delta_expert']}, {c['moe_input']}; "
+                  f"{s['tokens']:,} tokens of {s['text']}.", ""]
+        g = s.get("geometry")
+        if g:
+            flags = {"layers": "--layers", "d_model": "--d-model", "experts": "--experts", "top_k": "--top-k",
+                     "d_ff": "--d-ff", "heads": "--heads", "kv_heads": "--kv-heads", "vocab": "--vocab",
+                     "ctx": "--ctx", "residual_gain": "--residual-gain"}
+            made = " ".join(f"{flag} {g[k]}" for k, flag in flags.items() if g.get(k) is not None)
+            lines += [f"Random weights, made by `python benchmarks/make_moe.py {made} --cflow {Path(path).name}`.", ""]
+        lines += ["| layer | load entropy | reuse (previous token) | busiest expert's share |", "|---:|---:|---:|---:|"]
+        for x in s["layers"]:
+            lines.append(f"| {x['layer']} | {x['load_entropy']:.3f} | {x['reuse']:.3f} | {max(x['load']):.3f} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -176,26 +216,13 @@ def main(argv: list[str] | None = None) -> int:
         s = stats(model, chosen, inputs, starts)
         s.update(config={k: getattr(model.cfg, k) for k in ("name", "n_layers", "d_model", "n_experts", "top_k",
                                                              "delta_dense", "delta_expert", "moe_input")},
-                 tokens=int(starts.size), text="held-out stories" if trained else "random token ids")
+                 tokens=int(starts.size), text="held-out stories" if trained else "random token ids",
+                 geometry=None if trained else random_geometry(path))
         results[path] = s
         print(f"{path}: predictability d=1..{MAX_D}: {s['predictability']}; reuse by layer "
               f"{[x['reuse'] for x in s['layers']]}; load entropy {[x['load_entropy'] for x in s['layers']]}")
     a.out.with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")
-    lines = [f"# Routing on {a.tokens:,} tokens per model", "",
-             "Command: `python benchmarks/routing_stats.py " + " ".join(argv if argv is not None else sys.argv[1:]) + "`",
-             ""]
-    for path, s in results.items():
-        c = s["config"]
-        lines += [f"## {path}", "", f"{c['name']}: {c['n_layers']} layers, {c['n_experts']} experts top-{c['top_k']}, "
-                  f"delta_dense {c['delta_dense']}, delta_expert {c['delta_expert']}, {c['moe_input']}; "
-                  f"{s['tokens']:,} tokens of {s['text']}.", "",
-                  "| layer | load entropy | reuse (previous token) | busiest expert's share |", "|---:|---:|---:|---:|"]
-        for x in s["layers"]:
-            lines.append(f"| {x['layer']} | {x['load_entropy']:.3f} | {x['reuse']:.3f} | {max(x['load']):.3f} |")
-        lines += ["", "| distance d | " + " | ".join(str(d) for d in s["predictability"]) + " |",
-                  "|---|" + "---:|" * len(s["predictability"]),
-                  "| predictability | " + " | ".join(f"{v:.3f}" for v in s["predictability"].values()) + " |", ""]
-    a.out.with_suffix(".md").write_text("\n".join(lines))
+    a.out.with_suffix(".md").write_text(render_markdown(results, a.tokens, argv if argv is not None else sys.argv[1:]))
     try:
         import matplotlib
 

@@ -250,16 +250,6 @@ def test_biases_and_norms_are_the_gguf_values(family_run):
     f.close()
 
 
-def test_older_files_load_with_the_options_off():
-    """The shipped model predates the three config keys: it loads, with all three off."""
-    import importlib.resources
-
-    f = open_model(importlib.resources.files("cflow") / "models" / "default.cflow")
-    assert not {"qkv_bias", "qk_norm", "sliding_window"} & set(f.header["config"])
-    assert (f.config.qkv_bias, f.config.qk_norm, f.config.sliding_window) == (False, False, 0)
-    f.close()
-
-
 def test_config_checks_the_options():
     from cflow.config import ConfigError
 

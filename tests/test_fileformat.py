@@ -578,3 +578,26 @@ def test_writer_rejects_non_json_metadata(tmp_path):
     write(tmp_path / "m.cflow", cfg, ts)
     with F.open_model(tmp_path / "m.cflow", verify=True) as cf:
         assert cf.tensors[ts[1].name].meta == {"splits": [1, 2], "3": "a"}
+
+
+def test_older_files_load_with_the_options_off(tmp_path):
+    """A file written before the three config keys existed loads, with all three off: the shipped
+    model's header with the keys taken out (spaces keep the data where the offsets say)."""
+    import importlib.resources
+
+    from cflow.fileformat.layout import PREAMBLE
+
+    raw = bytearray((importlib.resources.files("cflow") / "models" / "default.cflow").read_bytes())
+    header_len = PREAMBLE.unpack(raw[:PREAMBLE.size])[3]
+    header = json.loads(raw[PREAMBLE.size:PREAMBLE.size + header_len])
+    for key in ("qkv_bias", "qk_norm", "sliding_window"):
+        header["config"].pop(key, None)
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    assert len(text) <= header_len
+    raw[PREAMBLE.size:PREAMBLE.size + header_len] = text.ljust(header_len)
+    (tmp_path / "older.cflow").write_bytes(raw)
+
+    f = F.open_model(tmp_path / "older.cflow")
+    assert not {"qkv_bias", "qk_norm", "sliding_window"} & set(f.header["config"])
+    assert (f.config.qkv_bias, f.config.qk_norm, f.config.sliding_window) == (False, False, 0)
+    f.close()
