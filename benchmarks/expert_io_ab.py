@@ -1,4 +1,4 @@
-"""Async vs sync expert I/O, side by side in one process (issue #10's curve; claim C5).
+"""Async vs sync expert I/O, side by side in one process (claim C5).
 
 moe_bench.py runs every configuration in its own cold process under a memory limit: right for
 comparing with llama.cpp, but one run per row, and this VM's disk and memory bandwidth drift by a

@@ -1,4 +1,4 @@
-"""MoE decode side by side with llama.cpp, in RAM and under a memory limit (issue #10, claims C3/C5).
+"""MoE decode side by side with llama.cpp, in RAM and under a memory limit (claims C3/C5).
 
 Every measurement runs in a fresh child process, optionally inside a cgroup-v1 memory limit
 (/sys/fs/cgroup/memory; root), after the page cache is dropped for cold runs. The same limit holds
@@ -14,7 +14,7 @@ In the same run: the memory read probe and the disk read probe, so every number 
 expert_prefetch: auto, off, next-layer or a depth N; default "auto": on for the delay-free Mixtral
 layout, off for the pipeline-native model) and reports the prediction hit rate beside the cache hits.
 
-The async/sync curve (issue #10: async should approach max(I/O, compute) where the two are equal):
+The async/sync curve (async should approach max(I/O, compute) where the two are equal):
 
     python benchmarks/moe_bench.py --gguf moe.gguf --limits budget --budgets 0.8,0.9,0.95,1 \
         --io sync,async --prefetch off,1,15 --warmup 32 --tokens 64

@@ -1,4 +1,4 @@
-"""How much memory bandwidth the compute loses while the disk streams (issue #10: async expert I/O).
+"""How much memory bandwidth the compute loses while the disk streams (async expert I/O).
 
 Async expert reads overlap compute, but the bytes they bring in cross the same memory system the
 decode step streams its weights through. This measures that cost on its own: the memory read probe

@@ -1,5 +1,5 @@
 """Load generator for OpenAI-compatible servers: aggregate tokens/s and time-to-first-token
-percentiles at increasing numbers of concurrent streams (issue #14's serving benchmark).
+percentiles at increasing numbers of concurrent streams.
 
 Drives any server that speaks /v1/completions with "stream": true (server-sent events): a running
 one (--url), or one it starts itself and stops afterwards (--spawn cflow | llama.cpp, which runs

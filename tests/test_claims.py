@@ -115,14 +115,14 @@ def test_parse_only():
 
 
 def test_pending_disk_mode_is_said_not_skipped(tmp_path, monkeypatch):
-    """Without issue #10's disk residency, C5 says what it waits on, with verdict inconclusive."""
+    """Without disk residency, C5 says what it waits on, with verdict inconclusive."""
     from cflow.bench.claims import c5_async_io
 
     monkeypatch.setattr(c5_async_io, "disk_mode_available", lambda: (False, "Engine.load has no experts= yet"))
     res = run_claims(tmp_path, quick=True, only="C5")
     assert res[0].verdict == core.INCONCLUSIVE and res[0].measured == "pending"
     md = (tmp_path / "report.md").read_text()
-    assert "**Pending:** pending issue #10: Engine.load has no experts= yet" in md
+    assert "**Pending:** pending: Engine.load has no experts= yet" in md
 
 
 def test_a_crashing_experiment_still_gets_a_section(tmp_path, monkeypatch):
@@ -146,7 +146,7 @@ def test_every_claim_renders_from_a_result(tmp_path):
                                 ours_number="1.0x", verdict=v, reason="because", commands=["cflow x"],
                                 tables=[core.Table("t", ["a|b", "c"], [[1, "x|y"]])],
                                 parts=[{"name": "p", "verdict": v, "reason": "r"}], notes=["n"],
-                                pending="issue #10" if cid == "C5" else None, data={"x": float("nan")})
+                                pending="disk residency" if cid == "C5" else None, data={"x": float("nan")})
                for cid, v in zip(CLAIMS, list(core.VERDICTS) * 3)]
     report.write(tmp_path, results, {"command": "c", "quick": False, "machine": {}, "date": "d", "duration_s": 1})
     data = json.loads((tmp_path / "report.json").read_text())
@@ -155,7 +155,7 @@ def test_every_claim_renders_from_a_result(tmp_path):
     for r in results:
         assert f"## {r.id} — title {r.id}" in md and f"**Verdict: {r.verdict}**" in md
     assert "| a\\|b | c |" in md and "| 1 | x\\|y |" in md
-    assert "**Pending:** issue #10" in md
+    assert "**Pending:** disk residency" in md
 
 
 def test_cachegrind_output_is_read_per_function(tmp_path):

@@ -1,7 +1,7 @@
 """The contracts between Python and the C engine, as the compiled core exports them.
 
 Each contract (op kinds, plan sources, descriptor fields and row order, tensor names, dtype ids,
-counter names) is one enum with one name table beside it in native/engine.h / engine.c (dtypes:
+counter names) is one enum with one name table beside it in native/engine.h / engine_build.c (dtypes:
 cflow.h / formats.c); cflow._native exports the tables and Python looks codes up by name. These
 tests pin the exported names, hold them against the enums' counts, against cflow.quant (and
 cflow.kquant for the K-quant dtypes) and the .cflow tensor names (cflow.fileformat.model_tensors),

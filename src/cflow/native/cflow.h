@@ -1,7 +1,7 @@
 /* cflow.h — the C core's shared definitions: block formats, tile geometry, the kernel table,
  * the thread pool. Every kernel has a scalar `_ref` version (kernels_ref.c) and may have ISA
- * versions (kernels_avx2.c, ...); dispatch.c fills `cf_kernels` once from a CPU-feature probe.
- * The table holds exactly the kernels the engine calls (engine.c checks they are all there);
+ * versions (kernels_avx2.inc, ...); dispatch.c fills `cf_kernels` once from a CPU-feature probe.
+ * The table holds exactly the kernels the engine calls (engine_build.c checks they are all there);
  * the bindings reach nothing else through it. (The K-quant and Q5_x entries and quantize_act_k
  * are there for the engine's K-quant binding, docs/kquants.md "What remains"; until it lands
  * only the test bindings call them.)
@@ -247,7 +247,7 @@ unsigned cf_cpu_features(void);
 /* Explicit software prefetch in the kernels that stream weights (claim C6). One process-wide
  * mode, read by every weight-streaming kernel of the fast tables at each call:
  *   CF_PREFETCH_DEFAULT (-1, the initial mode): each kernel's built-in choice: the AVX2/VNNI
- *     mat-vec and gate/up of every dtype 8 KiB ahead (MATVEC_AHEAD, kernels_avx2.c: measured +16%
+ *     mat-vec and gate/up of every dtype 8 KiB ahead (MATVEC_AHEAD, kernels_avx2.inc: measured +16%
  *     to +34% decode on this project's machine), the avx512 batched kernels 4 KiB ahead
  *     (MM5_AHEAD, kernels_avx512.c); the other batched kernels do not prefetch.
  *   CF_PREFETCH_OFF (0): no software prefetch anywhere, Q6_K's included.
@@ -294,6 +294,25 @@ void cf_word_wake(_Atomic uint32_t *addr, int n);
 /* Wait while *word == val: spin `spin` rounds (cheap when the wait is short), then sleep on the
  * word, counted in *sleepers so that a waker makes the system call only when someone sleeps. */
 void cf_word_wait_spin(_Atomic uint32_t *word, uint32_t val, int spin, _Atomic uint32_t *sleepers);
+
+/* A phase-counting barrier for the shares of one cf_pool_run: spin, then sleep on a futex.
+ * Spinning keeps the wake-up latency in the 100 ns range, which matters with ~150 barriers per
+ * token (the engine meets at one between phases). A waiter whose peer has not come
+ * within ~BARRIER_SPIN pauses sleeps instead of spinning or yielding: when other processes take
+ * cores, two of our threads can end up on one core's run queue, and a waiter that stays runnable
+ * (spinning, or sched_yield, which CFS does not honour across priorities) steals the time slice
+ * of the very thread it waits for — measured: 3.6 tok/s instead of ~190 on SmolLM2 with two
+ * busy processes beside a 2-thread decode. The last arriver wakes sleepers only when there are
+ * any, so the uncontended path makes no system call. */
+typedef struct {
+    atomic_int count;
+    _Atomic uint32_t phase;
+    _Atomic uint32_t sleepers;
+    int n;
+} cf_barrier;
+
+/* Wait until all n parties have arrived (n <= 1: return at once). */
+void cf_barrier_wait(cf_barrier *b);
 #endif
 
 /* ---- probe.c ----------------------------------------------------------------------------- */

@@ -58,7 +58,7 @@ typedef struct {
 /* ---- contracts with Python ---------------------------------------------------------------------
  * Every code Python hands over (descriptor fields and row order, op kinds, sources) and every
  * name it gets back (counters) is an enum here with a name table beside it, indexed by the enum
- * (engine.c, designated initializers). bind_engine.cpp exports the tables (_native.OP_KINDS,
+ * (engine_build.c, designated initializers). bind_engine.cpp exports the tables (_native.OP_KINDS,
  * LAYER_SLOTS, ...) and Python looks codes up by those names, so each contract is written down
  * once, here; a table entry left out shows up as a NULL the bindings refuse at import. */
 
@@ -210,7 +210,7 @@ typedef struct {
     int direct;           /* 1: O_DIRECT where the filesystem takes it */
     int speculate;        /* depth (async only): at route(l), predict the experts of layers up to
                            * l + depth (at most CF_SPEC_MAX_DEPTH) from route(l)'s input and start
-                           * their reads (engine.c, "speculative prefetch"); 0: off; off by itself
+                           * their reads (engine_spec.c); 0: off; off by itself
                            * when the cache has no slot beyond the minimum */
     int reader;           /* async: CF_XREADER_* (experts.h): io_uring where the kernel offers it, else
                            * pread threads */

@@ -23,7 +23,7 @@
  * most: with async reads and speculation trusted d layers ahead, a miss of layer l >= d is read
  * while d layers compute, but one of layer l < d only while l do (a step's first layers cannot be
  * predicted before the step exists), and layer 0's never. The engine ranks set l by d - l, so the
- * cache keeps a step's first layers and lets the misses fall where their reads hide (engine.c,
+ * cache keeps a step's first layers and lets the misses fall where their reads hide (engine_spec.c,
  * "keep ranks"). With uniform routing this changes mostly which experts miss, not how many (a few
  * % more: docs/DESIGN.md).
  */

@@ -15,7 +15,7 @@
  *   pins      a slot is pinned from the route that chose its expert until the experts op that used
  *             it; pinned and LOADING slots are never evicted. A call never pins more than
  *             top_k x (layers in flight) slots at a time, which is the smallest cache accepted.
- *   prefetch  speculation (engine.c, route_disk) claims slots for experts a route has not chosen
+ *   prefetch  speculation (engine_spec.c, cf_route_disk) claims slots for experts a route has not chosen
  *             yet (cf_xstore_prefetch): pinned and LOADING like a miss, and marked until an acquire
  *             uses the bytes (*miss = 2 then: read for this use, but early). The engine keeps its
  *             own count of the slots speculation holds or still has reads in flight for, within the

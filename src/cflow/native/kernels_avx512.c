@@ -7,7 +7,7 @@
  * added to the AVX2 tables later is inherited as it is.
  *
  * The contract (cflow.h) is that matmat equals this table's matvec row by row, bit for bit, and
- * matvec is the inherited kernels_avx2.c one. Its float operations per row of a tile are (the
+ * matvec is the inherited kernels_avx2.inc one. Its float operations per row of a tile are (the
  * K-quants': below, at their kernel):
  *   acc = 0; per block: Q4_0 acc = fma(d, fma(isum, dx, -8 sx), acc)
  *                       Q4_1 acc = fma(d, isum * dx, acc); acc = fma(m, sx, acc)
@@ -34,7 +34,7 @@
  * process switching modes (Engine.prefetch), per call of 8 rows (the buffer path): SmolLM2 10.4 -> 6.7 ms, the ~1B Q4_0 model 73.6 -> 43.6
  * ms; of 64 rows (prefill), 1B: 295 -> 280 ms. Small batches (serve's decode steps) expose the
  * memory stalls that 64 tokens of compute per weight byte hide. The inherited mat-vec and gate/up
- * follow the mode in kernels_avx2.c.
+ * follow the mode in kernels_avx2.inc.
  */
 #include <immintrin.h>
 #include <pthread.h>
@@ -490,7 +490,7 @@ INLINE void matmat_groups(int dtype, const cf_tiled *w, const cf_act_q8 *xs, int
 
 /* ---- K-quants (Q4_K, Q5_K, Q6_K): the same walk over 256-weight super-blocks ------------ */
 
-/* The inherited mat-vec (kernels_kquant_avx2.c, kq_finish) does per row and super-block
+/* The inherited mat-vec (kernels_kquant_avx2.inc, kq_finish) does per row and super-block
  *   acc = fma(d * dx, sum_qd, acc); Q4_K / Q5_K: acc = fnmadd(dmin * dx, sum_mb, acc)
  * with the exact integers of docs/kquants.md ("The integer dot products"); so does this. */
 #define KQ5_KT 2 /* super-blocks per tile row the buffer holds (tile_cols <= 512): 16 KiB */
@@ -559,7 +559,7 @@ INLINE void kq5_unpack_pair(int dtype, const uint8_t *ca, const uint8_t *cb, int
                 for (int j = 0; j < 8; j++)
                     mp[j][i] = (int32_t)((uint32_t)(uint16_t)(int16_t)s16[2 * j + 1] << 16 | (uint16_t)(int16_t)s16[2 * j]);
             }
-            for (int t = 0; t < 8; t++) { /* weights 128h + 32s + l, t = 4h + s (kernels_kquant_avx2.c) */
+            for (int t = 0; t < 8; t++) { /* weights 128h + 32s + l, t = 4h + s (kernels_kquant_avx2.inc) */
                 int h = t / 4, sh = t % 4;
                 for (int k = 0; k < 8; k++) {
                     __m512i ql = gather_rows(c + 144, 128, gstride, 64 * h + 32 * (sh & 1) + 4 * k);
@@ -764,7 +764,7 @@ DEFINE_MATMAT(matmat_q6_k_avx512, CF_Q6_K)
 
 /* ---- fused gate+up+SiLU, batched ----------------------------------------------------------- */
 
-/* exp and silu lane for lane as kernels_avx2.c's exp_ps / silu_ps (same constants, same
+/* exp and silu lane for lane as kernels_avx2.inc's exp_ps / silu_ps (same constants, same
  * operations, each exactly rounded per lane), so gate_up_mm equals the inherited gate_up bit
  * for bit. */
 INLINE __m512 exp_ps16(__m512 x) {
@@ -793,7 +793,7 @@ INLINE __m512 silu_ps16(__m512 g) {
 #define GATE_UP_MM_NB 64   /* tokens per pass */
 #define GATE_UP_MM_PAIRS 8 /* pairs per pass: the gate/up scratch is 64 x 128 floats, 32 KiB */
 
-/* kernels_avx2.c's gate_up_mm over this file's matmat_groups: passes of pairs cut at band edges
+/* kernels_avx2.inc's gate_up_mm over this file's matmat_groups: passes of pairs cut at band edges
  * (a row's sum depends only on its tiles' order), then y = silu(gate) * up two pairs per zmm. */
 static void gate_up_mm(int dtype, const cf_tiled *w, const cf_act_q8 *xs, int B, float *y, int ldy,
                        int p0, int p1) {

@@ -28,7 +28,7 @@
  *         the 5th bits as byte masks (vpshufb + vptestmb) added by a masked vpaddb, 4 vpdpbusd,
  *         a 5-instruction fold, then q5_update's float operations.
  * The 8 rows' 16-dword partials are folded into one vector (lane i = row i) once per
- * super-block; then the float operations of kernels_kquant_avx2.c's kq_finish_qd (and of
+ * super-block; then the float operations of kernels_kquant_avx2.inc's kq_finish_qd (and of
  * kernels_avx512.c's batched K-quant kernels) per row and super-block:
  *   acc = fma(d * dx, sum_qd, acc); Q4_K / Q5_K: acc = fnmadd(dmin * dx, sum_mb, acc)
  * on the same exact integers (docs/kquants.md, "The integer math"), so this mat-vec equals the
@@ -41,7 +41,7 @@
  * (Q4_0: 46); from DRAM (96 MB cycled): Q4_K 0.72 -> 1.04, Q5_K 0.66 -> 0.98, Q6_K 0.80 -> 1.06 of
  * Q4_0's GB/s on the same shape. Q5_0 / Q5_1 (1536x576, 2048x5632): L2 27 -> 52, DRAM 0.65 -> 1.06.
  *
- * Software prefetch as kernels_avx2.c's matvec_groups: in the default mode 8 KiB ahead of each
+ * Software prefetch as kernels_avx2.inc's matvec_groups: in the default mode 8 KiB ahead of each
  * group (MATVEC_AHEAD there), the mode's distance otherwise, none when off. Measured with these
  * kernels (indicative): off loses half of Q6_K's speed from DRAM; 4 / 8 / 16 KiB are alike for
  * Q4_K; PREFETCHT1 / T2 instead of T0 lose 15-20% on Q6_K; the ~1B Q4_K_M decode at 1 thread
@@ -58,7 +58,7 @@
 
 #define INLINE static inline __attribute__((always_inline))
 
-#define KQ512_AHEAD 8192 /* kernels_avx2.c's MATVEC_AHEAD */
+#define KQ512_AHEAD 8192 /* kernels_avx2.inc's MATVEC_AHEAD */
 
 void cf_kquant_avx512_install(cf_kernel_table *t);
 
@@ -82,7 +82,7 @@ INLINE __m256i fold8(const __m512i r[CF_G]) {
     return _mm256_add_epi32(_mm512_castsi512_si256(c), _mm512_extracti64x4_epi64(c, 1));
 }
 
-/* The 8 row sums of 4 row-pair vectors [row 2j: 4 x s32 | row 2j+1: 4 x s32] (kernels_kquant_avx2.c). */
+/* The 8 row sums of 4 row-pair vectors [row 2j: 4 x s32 | row 2j+1: 4 x s32] (kernels_kquant_avx2.inc). */
 INLINE __m256i fold_pairs(__m256i p0, __m256i p1, __m256i p2, __m256i p3) {
     __m256i a = _mm256_hadd_epi32(p0, p1), b = _mm256_hadd_epi32(p2, p3);
     return _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(a, b), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
@@ -118,7 +118,7 @@ INLINE __m256 q45k_update(int dtype, const uint8_t *c, const cf_act_q8 *x, int k
                                    _mm256_loadu_si256((const __m256i *)(p + 64)), 1);
     }
     /* the 6-bit scales and mins of the 8 rows, two rows per ymm (kq_scale_min_pair, as
-     * kernels_kquant_avx2.c's kq_scales_k4): per 128-bit lane bytes 0..7 scales, 8..15 mins */
+     * kernels_kquant_avx2.inc's kq_scales_k4): per 128-bit lane bytes 0..7 scales, 8..15 mins */
     /* scale operands of row 2j (+8 selects row 2j+1's lane): W0 = [sb0 sb1 | sb0 sb1 | sb2 sb3 |
      * sb2 sb3] per 128-bit lane, W1 the same for sub-blocks 4..7 */
     const __m512i i0 = idx16(0, 1, 0, 1, 2, 3, 2, 3), i1 = idx16(4, 5, 4, 5, 6, 7, 6, 7);
@@ -221,7 +221,7 @@ INLINE __m256 q6k_update(const uint8_t *c, const cf_act_q8 *x, int kb, __m256 ac
  * r = row 4h + r), low nibbles = weights 0..15, high = 16..31; the 5th bit of each weight as a
  * byte mask (vpshufb spreads the row's qh bytes over its lane, vptestmb picks bit k % 8 of byte
  * k) and one masked vpaddb of 16; one vpdpbusd per 64 weights, lows and highs into one
- * accumulator, then kernels_kquant_avx2.c's q5_update float operations. */
+ * accumulator, then kernels_kquant_avx2.inc's q5_update float operations. */
 INLINE __m256 q5_update512(int dtype, const uint8_t *c, const cf_act_q8 *x, int kb, __m256 acc) {
     const int q51 = dtype == CF_Q5_1;
     const uint8_t *qh = c + (q51 ? 32 : 16), *qs = qh + 32;
@@ -261,7 +261,7 @@ INLINE __m256 q5_update512(int dtype, const uint8_t *c, const cf_act_q8 *x, int 
     return _mm256_fmadd_ps(d, _mm256_fmadd_ps(fsum, bd, neg16s), acc);
 }
 
-/* ---- the walk: kernels_avx2.c's matvec_groups ------------------------------------------------ */
+/* ---- the walk: kernels_avx2.inc's matvec_groups ------------------------------------------------ */
 
 INLINE void kq512_matvec_groups(int dtype, const cf_tiled *w, const cf_act_q8 *x, float *out, int g0, int g1) {
     int g1_full = cf_min(g1, w->rows / CF_G);
@@ -314,7 +314,7 @@ static void matvec_q6_k_avx512(const cf_tiled *w, const cf_act_q8 *x, float *y, 
     kq512_matvec_groups(CF_Q6_K, w, x, y + (size_t)g0 * CF_G, g0, g1);
 }
 
-/* ---- fused gate+up+SiLU: kernels_avx2.c's gate_up over this mat-vec --------------------------- */
+/* ---- fused gate+up+SiLU: kernels_avx2.inc's gate_up over this mat-vec --------------------------- */
 
 /* exp_ps / silu_ps: simd_silu.h (one definition, the same bits everywhere). */
 

@@ -1,7 +1,7 @@
 /* kquant_scales.h — Q4_K / Q5_K's packed 6-bit scales and mins: one definition of the decoding
  * (ggml's get_scale_min_k4) for every kernel that reads them. kq_scale_min_k4 is the plain one row
  * at a time (the reference kernels, the avx512 batched unpack); kq_scale_min_pair decodes two rows
- * at once with AVX2 for the AVX2-family K-quant kernels (kernels_kquant_avx2.c) and the avx512
+ * at once with AVX2 for the AVX2-family K-quant kernels (kernels_kquant_avx2.inc) and the avx512
  * table's (kernels_kquant_avx512.c), which lay the result out differently but must read the same
  * values. The vector one is defined only where the file is compiled with -mavx2. */
 #ifndef CFLOW_KQUANT_SCALES_H

@@ -1,5 +1,5 @@
 /* simd_silu.h — exp and SiLU on 8 floats (AVX2 + FMA) and the fused gate/up pass over a mat-vec,
- * one definition for every file that needs them bit for bit alike: kernels_avx2.c's gate_up and
+ * one definition for every file that needs them bit for bit alike: kernels_avx2.inc's gate_up and
  * the avx512 table's K-quant gate_up (kernels_kquant_avx512.c) must round exactly as each other, so
  * they share these lines rather than copies. kernels_avx512.c has its own 16-float exp/SiLU, lane
  * for lane the same operations. Include in a file compiled with -mavx2 -mfma, after cflow.h and

@@ -257,3 +257,22 @@ void cf_pool_run(cf_pool *p, cf_task_fn fn, void *ctx) {
     run_shares(p, g); /* shares no worker has picked up yet */
     wait_all_done(p);
 }
+
+// ---------------------------------------------------------------------------------------------
+// the barrier between the shares of a run (cflow.h)
+
+#define BARRIER_SPIN 2000 /* pause iterations: tens of microseconds */
+
+void cf_barrier_wait(cf_barrier *b) {
+    if (b->n <= 1) return;
+    uint32_t phase = atomic_load_explicit(&b->phase, memory_order_acquire);
+    if (atomic_fetch_add_explicit(&b->count, 1, memory_order_acq_rel) == b->n - 1) {
+        atomic_store_explicit(&b->count, 0, memory_order_relaxed);
+        /* seq_cst on both sides: either a sleeper's increment is seen here, or its futex_wait
+         * sees the new phase and returns at once. */
+        atomic_fetch_add(&b->phase, 1);
+        if (atomic_load(&b->sleepers) > 0) cf_word_wake(&b->phase, INT_MAX);
+        return;
+    }
+    cf_word_wait_spin(&b->phase, phase, BARRIER_SPIN, &b->sleepers);
+}

@@ -70,7 +70,7 @@ PREFETCH_MODES = ("auto", "off", "next-layer")  # or a depth: N layers ahead
 SPEC_MAX_DEPTH = 16  # native/engine.h CF_SPEC_MAX_DEPTH (checked in tests): deeper asks are capped
 # "auto"'s depth: one expert of a Mixtral-sized model takes about ten layers' compute to read, so the
 # read must start layers before its layer routes; the engine reads predictions from beyond the next
-# layer only while they prove right (engine.c, spec_trusted), so a deep horizon costs little where
+# layer only while they prove right (engine_spec.c, spec_trusted), so a deep horizon costs little where
 # routing is hard to predict. Measured against off and next-layer, with and without an expert
 # delay (docs/results/moe.md, "Async vs sync").
 AUTO_PREFETCH_DEPTH = 16

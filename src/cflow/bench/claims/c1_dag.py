@@ -219,12 +219,12 @@ def run(ctx: Context) -> ClaimResult:
                        "runs concurrently today")
     else:
         res.pending = ("measured speed-up from the shorter chain: the runtime runs the per-token plan one op at a "
-                       "time (engine.c forward_task); overlapping independent nodes is issue #10 §3")
+                       "time (engine.c forward_task); overlapping independent nodes beyond attn(l) beside dense(l) is not built")
         res.parts.append({
             "name": "decode time at equal bytes", "verdict": INCONCLUSIVE,
             "reason": f"today's runtime runs ops strictly in order, so the shorter chain cannot show up in time: "
                       f"arch1 / arch2_4_combined time = {r:.3f} (same bytes, same work; ~1.00 expected). Waits on "
-                      f"issue #10 (a runtime that overlaps independent nodes)."})
+                      f"a runtime that overlaps independent nodes."})
     res.verdict = CONFIRMED if halves and exact else REFUTED
     res.reason = (f"the DAG tool gives exactly {a24['total_bytes'] / 1e6:.2f} -> {a24['critical_bytes'] / 1e6:.2f} "
                   f"MB/token ({a24['ratio']:.3f}x) for arch2_4_combined in the paper's geometry. This is arithmetic "

@@ -3,8 +3,8 @@
 Small random MoE models at several (E, k) up to E = 64: the engine's own byte counters
 (`Engine.counters()["experts"]`, which count every weight byte the experts op touches) over a run
 of decode steps, against the analytic top-k bytes (`cflow.weights.token_bytes` over the file's
-tensor sizes) and against reading every expert of every layer. With experts on disk (issue #10's
-`Engine.load(..., experts="disk")`), also the bytes read from the file against the misses of the
+tensor sizes) and against reading every expert of every layer. With experts on disk
+(`Engine.load(..., experts="disk")`), also the bytes read from the file against the misses of the
 expert cache times the size of an expert's span.
 """
 
@@ -32,10 +32,10 @@ def disk_mode_available() -> tuple[bool, str]:
     from cflow.runtime import Engine
 
     if not signature_has(Engine.load, "experts", "expert_cache", "expert_io"):
-        return False, "Engine.load has no experts= / expert_cache= / expert_io= parameters yet (pending issue #10)"
+        return False, "Engine.load has no experts= / expert_cache= / expert_io= parameters yet"
     names = set(getattr(_native, "COUNTER_NAMES", ()))
     if not {"disk_bytes", "cache_hits", "cache_misses"} <= names:
-        return False, "the C core exports no disk_bytes / cache_hits / cache_misses counters yet (pending issue #10)"
+        return False, "the C core exports no disk_bytes / cache_hits / cache_misses counters yet"
     return True, "Engine.load(experts='disk', expert_cache=..., expert_io=...) and disk counters present"
 
 
@@ -144,7 +144,7 @@ def run(ctx: Context) -> ClaimResult:
             for r in rows if not ctx.quick else rows[-1:]:
                 disk_rows.append(measure_disk(ctx, r, n_tokens))
         except (EngineError, KeyError, TypeError, ValueError, OSError) as e:
-            ok, why = False, f"issue #10's disk mode is present but failed here: {type(e).__name__}: {e}"
+            ok, why = False, f"the disk mode is present but failed here: {type(e).__name__}: {e}"
             res.data["disk_error"] = why
     if ok:
         for d in disk_rows:

@@ -1,11 +1,11 @@
 """C5: asynchronous expert I/O hides disk reads behind compute: up to 1.68x over synchronous.
 
-Needs issue #10's disk residency: `Engine.load(path, experts="disk", expert_cache=BYTES,
+Needs disk residency: `Engine.load(path, experts="disk", expert_cache=BYTES,
 expert_io="async" | "sync")` with the `disk_bytes`, `cache_hits`, `cache_misses`, `io_stall_ns`
 counters. A pipeline-native model (arch2_4_combined: experts land two layers later, so their reads
 have a window) decodes at several cache budgets, sync and async alternating, with the model file's
 pages evicted before each run (experts are read with O_DIRECT; the dense weights are mmapped).
-Without that API the section says so (inconclusive, pending issue #10) and nothing runs.
+Without that API the section says so (inconclusive, pending) and nothing runs.
 """
 
 from __future__ import annotations
@@ -71,12 +71,12 @@ def run(ctx: Context) -> ClaimResult:
     res.data["disk_mode"] = {"available": ok, "why": why}
     if not ok:
         res.verdict, res.measured = INCONCLUSIVE, "pending"
-        res.pending = f"pending issue #10: {why}"
+        res.pending = f"pending: {why}"
         res.reason = ("cannot be measured yet: experts cannot be kept on disk. The experiment is written against "
-                      "issue #10's API (Engine.load(path, experts='disk', expert_cache=BYTES, "
+                      "the API (Engine.load(path, experts='disk', expert_cache=BYTES, "
                       "expert_io='async'|'sync') and the disk_bytes / cache_hits / cache_misses / io_stall_ns "
                       "counters) and runs once it lands.")
-        res.ours = "not measured (pending issue #10)"
+        res.ours = "not measured (pending)"
         return res
     from cflow.runtime import Engine, EngineError
 
@@ -104,9 +104,9 @@ def run(ctx: Context) -> ClaimResult:
                     r = run_one(ctx, path, b, io, n)
                 except (EngineError, KeyError, TypeError, ValueError, OSError) as e:
                     res.verdict, res.measured, res.ours = INCONCLUSIVE, "failed", "not measured"
-                    res.reason = (f"issue #10's disk mode is present but failed at budget {fmt_bytes(b)}, {io}: "
+                    res.reason = (f"the disk mode is present but failed at budget {fmt_bytes(b)}, {io}: "
                                   f"{type(e).__name__}: {e}")
-                    res.pending = "a working disk residency (issue #10)"
+                    res.pending = "a working disk residency"
                     res.data["error"] = res.reason
                     return res
                 runs.setdefault((b, io), []).append(r)
@@ -154,7 +154,7 @@ def run(ctx: Context) -> ClaimResult:
                                                            "cache-free reads fetch in microseconds, 1 repetition")
     odd = [c for c in curve if c["disk_bytes_per_token"] > 1.2 * c["disk_bytes_per_token_sync"] > 0]
     if odd:
-        res.notes.append("Observation for issue #10: at " + ", ".join(f"{fmt_bytes(c['budget'])}" for c in odd)
+        res.notes.append("Observation: at " + ", ".join(f"{fmt_bytes(c['budget'])}" for c in odd)
                          + " the async mode reads more bytes from disk per token than the sync mode ("
                          + ", ".join(f"{c['disk_bytes_per_token'] / c['disk_bytes_per_token_sync']:.2f}x" for c in odd)
                          + "): with a cache this small, reads started early evict experts that are needed again.")

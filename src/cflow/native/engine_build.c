@@ -1,0 +1,624 @@
+/* engine_build.c — making an engine: validate the config, the tensor table and the plan, bind the
+ * weights (pointers into the caller's buffer), allocate every buffer the per-token path uses; then
+ * the small accessors, and the names of every contract with Python (engine.h), exported by
+ * bind_engine.cpp. */
+#include <limits.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "engine_internal.h"
+#include "util.h"
+
+// ---------------------------------------------------------------------------------------------
+// names: the one definition of each contract with Python (engine.h), exported by bind_engine.cpp
+
+const char *const cf_desc_field_names[CF_DESC_FIELDS] = {
+    [CF_DESC_OFFSET] = "offset", [CF_DESC_DTYPE] = "dtype", [CF_DESC_ROWS] = "rows",
+    [CF_DESC_COLS] = "cols", [CF_DESC_TR] = "tile_rows", [CF_DESC_TC] = "tile_cols",
+};
+const char *const cf_global_names[CF_T_GLOBAL] = {
+    [CF_T_TOK_EMB] = "tok_emb", [CF_T_NORM] = "norm", [CF_T_LM_HEAD] = "lm_head",
+};
+const char *const cf_slot_names[CF_SLOTS_PER_SET] = {
+    [CF_S_ATTN_NORM] = "attn_norm", [CF_S_WQKV] = "attn.wqkv", [CF_S_WO] = "attn.wo",
+    [CF_S_FFN_NORM] = "ffn_norm", [CF_S_GATE_UP] = "ffn.w_gate_up", [CF_S_DOWN] = "ffn.w_down",
+    [CF_S_MOE_NORM] = "moe_norm", [CF_S_ROUTER] = "moe.router", [CF_S_QKV_BIAS] = "attn.qkv_bias",
+    [CF_S_Q_NORM] = "attn.q_norm", [CF_S_K_NORM] = "attn.k_norm", [CF_S_WQ] = "attn.wq", [CF_S_WK] = "attn.wk",
+    [CF_S_WV] = "attn.wv", [CF_S_SHEXP_GATE] = "moe.shared_gate", [CF_S_SHEXP_GATE_UP] = "moe.shared.w_gate_up",
+    [CF_S_SHEXP_DOWN] = "moe.shared.w_down",
+};
+const char *const cf_expert_slot_names[CF_EXPERT_SLOTS] = {
+    [CF_E_GATE_UP] = "w_gate_up", [CF_E_DOWN] = "w_down",
+};
+const char *const cf_op_kind_names[CF_OP_KINDS] = {
+    [CF_OP_EMBED] = "embed", [CF_OP_ATTN] = "attn", [CF_OP_DENSE] = "dense",
+    [CF_OP_ROUTE] = "route", [CF_OP_EXPERTS] = "experts", [CF_OP_RESID] = "resid",
+    [CF_OP_FINAL] = "final",
+};
+const char *const cf_prof_kind_names[CF_PROF_KINDS] = {
+    [CF_PK_SETUP] = "setup", [CF_PK_EMBED] = "embed", [CF_PK_NORM] = "norm", [CF_PK_QKV] = "attn.qkv",
+    [CF_PK_ATTN] = "attn.cache", [CF_PK_WO] = "attn.wo", [CF_PK_DENSE_GATE_UP] = "dense.gate_up",
+    [CF_PK_DENSE_DOWN] = "dense.down", [CF_PK_ROUTE] = "route", [CF_PK_EXP_GATE_UP] = "experts.gate_up",
+    [CF_PK_EXP_DOWN] = "experts.down", [CF_PK_EXP_IO] = "experts.io", [CF_PK_RESID] = "resid",
+    [CF_PK_LM_HEAD] = "lm_head", [CF_PK_WAIT] = "wait",
+};
+const char *const cf_src_names[CF_SRC_KINDS] = {
+    [CF_SRC_H] = "h", [CF_SRC_RING] = "ring", [CF_SRC_HF] = "hf",
+};
+const char *const cf_counter_names[CF_COUNTERS] = {
+    [CF_CNT_ATTN] = "attn", [CF_CNT_DENSE] = "dense", [CF_CNT_ROUTER] = "router",
+    [CF_CNT_EXPERTS] = "experts", [CF_CNT_EMBED] = "embed", [CF_CNT_LM_HEAD] = "lm_head",
+    [CF_CNT_KV] = "kv", [CF_CNT_TOKENS] = "tokens", [CF_CNT_CALLS] = "calls",
+    [CF_CNT_DISK_BYTES] = "disk_bytes", [CF_CNT_CACHE_HITS] = "cache_hits",
+    [CF_CNT_CACHE_MISSES] = "cache_misses", [CF_CNT_IO_STALL_NS] = "io_stall_ns",
+    [CF_CNT_PREDICTED] = "expert_predicted", [CF_CNT_PREDICT_HITS] = "expert_predict_hits",
+    [CF_CNT_PREFETCH_READS] = "prefetch_reads", [CF_CNT_PREFETCH_USED] = "prefetch_used",
+};
+
+int cf_desc_name(int n_experts, int row, char *out, size_t n) {
+    if (row < CF_T_GLOBAL) return snprintf(out, n, "%s", cf_global_names[row]);
+    int per_set = CF_SLOTS_PER_SET + CF_EXPERT_SLOTS * n_experts;
+    int set = (row - CF_T_GLOBAL) / per_set, slot = (row - CF_T_GLOBAL) % per_set;
+    if (slot < CF_SLOTS_PER_SET) return snprintf(out, n, "layers.%d.%s", set, cf_slot_names[slot]);
+    slot -= CF_SLOTS_PER_SET;
+    return snprintf(out, n, "layers.%d.moe.experts.%d.%s", set, slot / CF_EXPERT_SLOTS,
+                    cf_expert_slot_names[slot % CF_EXPERT_SLOTS]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// construction: validate the config, the tensor table and the plan, then allocate everything
+
+static int check_config(const cf_config *c, char *err, size_t n) {
+    const char *bad = NULL;
+    if (c->vocab <= 0 || c->d <= 0 || c->n_layers <= 0 || c->n_heads <= 0 || c->n_kv <= 0)
+        bad = "sizes must be positive";
+    else if (c->hd <= 0 || c->hd % 2)
+        bad = "head_dim must be positive and even";
+    else if (c->n_heads % c->n_kv)
+        bad = "n_heads must be a multiple of n_kv_heads";
+    else if (c->d % CF_QK || (c->n_heads * c->hd) % CF_QK)
+        bad = "d_model and n_heads*head_dim must be multiples of 32 (the block size)";
+    else if (c->d_ff < 0 || c->d_ff % CF_QK)
+        bad = "d_ff must be a multiple of 32 (it is the input width of w_down)";
+    else if (c->n_experts < 0 || c->n_experts > 4096)
+        bad = "n_experts must be in 0..4096";
+    else if (c->n_experts && (c->top_k < 1 || c->top_k > c->n_experts || c->top_k > 64))
+        bad = "top_k must be in 1..min(n_experts, 64)";
+    else if (c->n_experts && (c->d_exp <= 0 || c->d_exp % CF_QK))
+        bad = "d_expert must be a positive multiple of 32";
+    else if (c->n_unique < 1 || c->n_unique > c->n_layers)
+        bad = "n_unique_layers must be in 1..n_layers";
+    else if (!(c->norm_eps > 0) || !(c->rope_theta > 0))
+        bad = "norm_eps and rope_theta must be positive";
+    else if ((c->qkv_bias | c->qk_norm | c->moe_norm_topk) & ~1 || c->sliding_window < 0)
+        bad = "qkv_bias, qk_norm and moe_norm_topk must be 0 or 1, sliding_window >= 0";
+    else if (c->qk_norm_full & ~1 || (c->qk_norm_full && (!c->qk_norm || c->qkv_bias)))
+        bad = "qk_norm_full must be 0 or 1, needs qk_norm, and does not go with qkv_bias";
+    else if (c->d_shexp < 0 || c->d_shexp % CF_QK || (c->d_shexp && !c->n_experts))
+        bad = "d_shared_expert must be a multiple of 32, and needs experts";
+    if (bad) cf_set_err(err, n, "bad model config: %s", bad);
+    return bad ? -1 : 0;
+}
+
+/* Fill one tensor from descriptor row i, checking shape, dtype, layout and bounds. */
+static int bind_tensor(const int64_t *desc, int n_experts, int i, int rows, int cols, int want_f32,
+                       const uint8_t *buf, size_t buf_len, cf_tiled *t, const float **f32,
+                       char *err, size_t n) {
+    const int64_t *row = desc + (size_t)i * CF_DESC_FIELDS;
+    int64_t off = row[CF_DESC_OFFSET], dt = row[CF_DESC_DTYPE];
+    char what[96];
+    cf_desc_name(n_experts, i, what, sizeof what);
+    if (dt < 0) {
+        cf_set_err(err, n, "tensor %s is missing from the file; re-convert the model", what);
+        return -1;
+    }
+    if (row[CF_DESC_ROWS] != rows || row[CF_DESC_COLS] != cols) {
+        cf_set_err(err, n, "tensor %s has shape [%lld, %lld], the config needs [%d, %d]", what,
+                (long long)row[CF_DESC_ROWS], (long long)row[CF_DESC_COLS], rows, cols);
+        return -1;
+    }
+    size_t nbytes;
+    if (want_f32) {
+        if (dt != CF_F32) {
+            cf_set_err(err, n, "tensor %s must be F32 (dtype id 0), got dtype id %lld", what, (long long)dt);
+            return -1;
+        }
+        nbytes = (size_t)rows * cols * 4;
+    } else {
+        int64_t tr = row[CF_DESC_TR], tc = row[CF_DESC_TC];
+        if (dt <= CF_F16 || dt >= CF_DTYPE_IDS || !cf_dtype_names[dt]) {
+            cf_set_err(err, n, "tensor %s has dtype id %lld; the engine runs Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, "
+                    "Q4_K, Q5_K or Q6_K matrices (re-convert the model)", what, (long long)dt);
+            return -1;
+        }
+        int qb = cf_block_weights((int)dt); /* a tile holds whole blocks */
+        if (tr <= 0 || tr % CF_G || tr > 1 << 20 || tc <= 0 || tc % qb || tc > 1 << 20 || cols % qb) {
+            cf_set_err(err, n, "tensor %s (%s) has tile %lldx%lld; tile rows must be a multiple of %d and "
+                    "tile columns and matrix columns multiples of %d", what, cf_dtype_names[dt], (long long)tr,
+                    (long long)tc, CF_G, qb);
+            return -1;
+        }
+        nbytes = (size_t)rows * (cols / qb) * cf_block_bytes((int)dt);
+        *t = (cf_tiled){.dtype = (int)dt, .rows = rows, .cols = cols, .tile_rows = (int)tr, .tile_cols = (int)tc};
+    }
+    if (off < 0 || (uint64_t)off > buf_len || nbytes > buf_len - (size_t)off || (want_f32 && off % 4)) {
+        cf_set_err(err, n, "tensor %s (offset %lld, %zu bytes) lies outside the %zu-byte file or is "
+                "misaligned; the file is truncated or corrupt", what, (long long)off, nbytes, buf_len);
+        return -1;
+    }
+    if (want_f32) *f32 = (const float *)(buf + off);
+    else t->data = buf + off;
+    return 0;
+}
+
+/* Check that the caller named every descriptor row as we do (a cflow built against other tables
+ * would otherwise bind, say, ffn_norm as attn_norm: same shape, no other error), then fill every
+ * tensor from its row. */
+static int bind_weights(cf_engine *e, const uint8_t *buf, size_t len, const int64_t *desc,
+                        const char *const *names, int n_desc, char *err, size_t n) {
+    const cf_config *c = &e->c;
+    int E = c->n_experts, q_dim = c->n_heads * c->hd, kv_dim = c->n_kv * c->hd;
+    if (n_desc != cf_desc_count(E, c->n_unique)) {
+        cf_set_err(err, n, "tensor table has %d rows, the config needs %d", n_desc, cf_desc_count(E, c->n_unique));
+        return -1;
+    }
+    char name[96];
+    for (int i = 0; i < n_desc; i++) {
+        cf_desc_name(E, i, name, sizeof name);
+        if (strcmp(names[i], name) != 0) {
+            cf_set_err(err, n, "descriptor row %d is named '%s', the engine expects '%s' there (cflow "
+                    "and its compiled core disagree; rebuild with `pip install -e .`)", i, names[i], name);
+            return -1;
+        }
+    }
+#define BIND(i, r, k, f32, t, fp) \
+    if (bind_tensor(desc, E, i, r, k, f32, buf, len, t, fp, err, n)) return -1
+    cf_tiled dummy;
+    const float *fdummy;
+    BIND(CF_T_TOK_EMB, c->vocab, c->d, 0, &e->w.tok_emb, &fdummy);
+    BIND(CF_T_NORM, 1, c->d, 1, &dummy, &e->w.norm);
+    if (c->tie_embeddings) e->w.lm_head = e->w.tok_emb;
+    else BIND(CF_T_LM_HEAD, c->vocab, c->d, 0, &e->w.lm_head, &fdummy);
+    e->w.sets = calloc(c->n_unique, sizeof *e->w.sets);
+    if (!e->w.sets) return cf_set_err(err, n, "out of memory"), -1;
+    const uint64_t norm_bytes = (uint64_t)c->d * sizeof(float);
+    for (int i = 0; i < c->n_unique; i++) {
+        cf_layer *L = &e->w.sets[i];
+#define SET(slot, r, k, f32, t, fp) BIND(cf_desc_index(E, i, slot), r, k, f32, t, fp)
+        SET(CF_S_ATTN_NORM, 1, c->d, 1, &dummy, &L->attn_norm);
+        /* q|k|v fused, or its three parts when the file stores them apart (cflow.weights) */
+        L->qkv_split = desc[(size_t)cf_desc_index(E, i, CF_S_WQKV) * CF_DESC_FIELDS + CF_DESC_DTYPE] < 0 &&
+                       desc[(size_t)cf_desc_index(E, i, CF_S_WQ) * CF_DESC_FIELDS + CF_DESC_DTYPE] >= 0;
+        if (L->qkv_split) {
+            if (q_dim % CF_G || kv_dim % CF_G)
+                return cf_set_err(err, n, "weight set %d stores q, k, v apart, which needs q_dim and kv_dim "
+                                  "multiples of %d (got %d, %d)", i, CF_G, q_dim, kv_dim), -1;
+            SET(CF_S_WQ, q_dim, c->d, 0, &L->wq, &fdummy);
+            SET(CF_S_WK, kv_dim, c->d, 0, &L->wk, &fdummy);
+            SET(CF_S_WV, kv_dim, c->d, 0, &L->wv, &fdummy);
+            L->qkv_fmt = act_fmt(&L->wq) | act_fmt(&L->wk) | act_fmt(&L->wv);
+        } else {
+            SET(CF_S_WQKV, q_dim + 2 * kv_dim, c->d, 0, &L->wqkv, &fdummy);
+            L->qkv_fmt = act_fmt(&L->wqkv);
+        }
+        SET(CF_S_WO, c->d, q_dim, 0, &L->wo, &fdummy);
+        /* the counters count every weight byte a node reads, its f32 norms and bias included
+         * (cflow.weights) */
+        L->attn_bytes = norm_bytes + cf_tiled_bytes(&L->wo) +
+                        (L->qkv_split ? cf_tiled_bytes(&L->wq) + cf_tiled_bytes(&L->wk) + cf_tiled_bytes(&L->wv)
+                                      : cf_tiled_bytes(&L->wqkv));
+        if (c->qkv_bias) {
+            SET(CF_S_QKV_BIAS, 1, q_dim + 2 * kv_dim, 1, &dummy, &L->qkv_bias);
+            L->attn_bytes += (uint64_t)(q_dim + 2 * kv_dim) * sizeof(float);
+        }
+        if (c->qk_norm) { /* per head [hd], or over the whole q [q_dim] and k [kv_dim] (qk_norm_full) */
+            int qn = c->qk_norm_full ? q_dim : c->hd, kn = c->qk_norm_full ? kv_dim : c->hd;
+            SET(CF_S_Q_NORM, 1, qn, 1, &dummy, &L->q_norm);
+            SET(CF_S_K_NORM, 1, kn, 1, &dummy, &L->k_norm);
+            L->attn_bytes += (uint64_t)(qn + kn) * sizeof(float);
+        }
+        if (c->d_ff) {
+            SET(CF_S_FFN_NORM, 1, c->d, 1, &dummy, &L->ffn_norm);
+            SET(CF_S_GATE_UP, 2 * c->d_ff, c->d, 0, &L->gate_up, &fdummy);
+            SET(CF_S_DOWN, c->d, c->d_ff, 0, &L->down, &fdummy);
+            L->dense_bytes = norm_bytes + cf_tiled_bytes(&L->gate_up) + cf_tiled_bytes(&L->down);
+        }
+        if (!E) continue;
+        SET(CF_S_MOE_NORM, 1, c->d, 1, &dummy, &L->moe_norm);
+        SET(CF_S_ROUTER, E, c->d, 1, &dummy, &L->router);
+        L->router_bytes = norm_bytes + (uint64_t)E * c->d * 4;
+        if (c->d_shexp) {
+            SET(CF_S_SHEXP_GATE, 1, c->d, 1, &dummy, &L->shexp_gate);
+            SET(CF_S_SHEXP_GATE_UP, 2 * c->d_shexp, c->d, 0, &L->shexp_gate_up, &fdummy);
+            SET(CF_S_SHEXP_DOWN, c->d, c->d_shexp, 0, &L->shexp_down, &fdummy);
+            L->router_bytes += norm_bytes; /* the route computes the shared expert's weight */
+            L->shexp_bytes = cf_tiled_bytes(&L->shexp_gate_up) + cf_tiled_bytes(&L->shexp_down);
+            L->exp_fmt |= act_fmt(&L->shexp_gate_up);
+        }
+        L->exp_gate_up = calloc(E, sizeof(cf_tiled));
+        L->exp_down = calloc(E, sizeof(cf_tiled));
+        L->exp_bytes = calloc(E, sizeof(uint64_t));
+        if (!L->exp_gate_up || !L->exp_down || !L->exp_bytes) return cf_set_err(err, n, "out of memory"), -1;
+        for (int x = 0; x < E; x++) {
+            int s0 = CF_SLOTS_PER_SET + CF_EXPERT_SLOTS * x;
+            SET(s0 + CF_E_GATE_UP, 2 * c->d_exp, c->d, 0, &L->exp_gate_up[x], &fdummy);
+            SET(s0 + CF_E_DOWN, c->d, c->d_exp, 0, &L->exp_down[x], &fdummy);
+            L->exp_bytes[x] = cf_tiled_bytes(&L->exp_gate_up[x]) + cf_tiled_bytes(&L->exp_down[x]);
+            L->exp_fmt |= act_fmt(&L->exp_gate_up[x]);
+        }
+#undef SET
+    }
+#undef BIND
+    return 0;
+}
+
+static int check_plan(const cf_engine *e, const int32_t *plan, int n_ops, char *err, size_t n) {
+    const cf_config *c = &e->c;
+    if (n_ops < 2 || plan[0] != CF_OP_EMBED || plan[(size_t)(n_ops - 1) * CF_OP_FIELDS] != CF_OP_FINAL)
+        return cf_set_err(err, n, "plan must start with EMBED and end with FINAL"), -1;
+    for (int i = 0; i < n_ops; i++) {
+        const int32_t *op = plan + (size_t)i * CF_OP_FIELDS;
+        int k = op[0], l = op[1], a = op[2], b = op[3], cc = op[4];
+        int ring_ok = a >= 0 && a < e->n_ring, ok = 1;
+        int pend_ok = a >= 0 && a < e->n_pending, moe_ok = b >= 0 && b < e->n_moe;
+        if (k < 0 || k >= CF_OP_KINDS || l < 0 || l >= c->n_layers) ok = 0;
+        else if (k == CF_OP_EMBED || k == CF_OP_ATTN) ok = ring_ok;
+        else if (k == CF_OP_DENSE)
+            ok = c->d_ff > 0 && (a == CF_SRC_H || (a == CF_SRC_RING && b >= 0 && b < e->n_ring));
+        else if (k == CF_OP_ROUTE)
+            ok = c->n_experts > 0 && (a == CF_SRC_H || (a == CF_SRC_HF && c->d_ff > 0)) && moe_ok;
+        else if (k == CF_OP_EXPERTS)
+            ok = c->n_experts > 0 && pend_ok && moe_ok;
+        else if (k == CF_OP_RESID)
+            ok = ring_ok && (b == 0 || (b == 1 && c->d_ff > 0)) && cc >= -1 && cc < e->n_pending;
+        else if (k == CF_OP_FINAL)
+            ok = ring_ok && b >= -1 && b < e->n_pending && i == n_ops - 1;
+        if (!ok) {
+            cf_set_err(err, n, "plan op %d {%d, %d, %d, %d, %d} is invalid for this model", i, k, l, a, b, cc);
+            return -1;
+        }
+    }
+    if (cf_plan_inflight(plan, n_ops, e->n_moe) < 0)
+        return cf_set_err(err, n, "plan pairs its route and experts ops wrongly: each route(l) needs one "
+                       "experts(l) on the same moe slot, with no other route into that slot between"), -1;
+    return 0;
+}
+
+int cf_plan_inflight(const int32_t *plan, int n_ops, int n_moe) {
+    int owner[64], live = 0, most = 0; /* owner[slot]: the layer whose routing the slot holds */
+    if (n_moe < 1 || n_moe > 64) return -1;
+    for (int m = 0; m < n_moe; m++) owner[m] = -1;
+    for (int i = 0; i < n_ops; i++) {
+        const int32_t *op = plan + (size_t)i * CF_OP_FIELDS;
+        int l = op[1], b = op[3];
+        if (op[0] != CF_OP_ROUTE && op[0] != CF_OP_EXPERTS) continue;
+        if (b < 0 || b >= n_moe) return -1;
+        if (op[0] == CF_OP_ROUTE) {
+            if (owner[b] >= 0) return -1; /* would overwrite a routing whose experts have not run */
+            owner[b] = l;
+            most = cf_max(most, ++live);
+        } else {
+            if (owner[b] != l) return -1;
+            owner[b] = -1;
+            live--;
+        }
+    }
+    return live ? -1 : most;
+}
+
+static void *xcalloc(size_t count, size_t size, int *fail) {
+    void *p = calloc(count ? count : 1, size);
+    if (!p) *fail = 1;
+    return p;
+}
+
+/* A bump allocator over one per-thread block: each piece starts on its own cache line. */
+static size_t carve_size(size_t n) { return (n + 63) & ~(size_t)63; }
+static void *carve(uint8_t **m, size_t n) {
+    void *p = *m;
+    *m += carve_size(n);
+    return p;
+}
+
+static int alloc_state(cf_engine *e) {
+    const cf_config *c = &e->c;
+    cf_state *s = &e->s;
+    size_t B = e->max_batch, d = c->d, q_dim = (size_t)c->n_heads * c->hd, kv_dim = (size_t)c->n_kv * c->hd;
+    size_t E = c->n_experts, M = e->n_moe;
+    e->seq_kv = (size_t)c->n_layers * c->n_kv * e->n_ctx;
+    size_t kv = e->seq_kv * e->n_seq; /* rows of each cache */
+    int fail = 0;
+    s->ring = xcalloc(e->n_ring * B * d, sizeof(float), &fail);
+    s->h = xcalloc(B * d, sizeof(float), &fail);
+    s->f = xcalloc(B * d, sizeof(float), &fail);
+    s->pending = xcalloc(e->n_pending * B * d, sizeof(float), &fail);
+    s->moe_in = xcalloc(M * B * d, sizeof(float), &fail);
+    s->qkv = xcalloc(B * (q_dim + 2 * kv_dim), sizeof(float), &fail);
+    s->att = xcalloc(B * q_dim, sizeof(float), &fail);
+    s->hid = xcalloc(B * e->hmax, sizeof(float), &fail);
+    s->y = xcalloc(B * d, sizeof(float), &fail);
+    s->rope = xcalloc(B * c->hd, sizeof(float), &fail);
+    // calloc'd pages are mapped lazily, so a long context costs memory only once it is used
+    s->kcache = xcalloc(kv, e->krow, &fail);
+    s->vcache = xcalloc(kv, e->vrow, &fail);
+    s->rlogits = xcalloc(B * E, sizeof(float), &fail);
+    s->exp_tok = xcalloc(M * E * B, sizeof(int), &fail);
+    s->exp_w = xcalloc(M * E * B, sizeof(float), &fail);
+    s->shexp_w = xcalloc(M * B, sizeof(float), &fail);
+    s->exp_n = xcalloc(M * E, sizeof(int), &fail);
+    s->exp_list = xcalloc(M * E, sizeof(int), &fail);
+    s->exp_cnt = xcalloc(M, sizeof(int), &fail);
+    s->exp_pre = xcalloc(M, sizeof(int), &fail);
+    s->exp_slot = xcalloc(M * E, sizeof(int), &fail);
+    e->hits = xcalloc((size_t)c->n_layers * E, sizeof(uint64_t), &fail);
+    e->rseq = xcalloc(B, sizeof(int), &fail);
+    e->rpos = xcalloc(B, sizeof(int), &fail);
+    e->seen = xcalloc(e->n_seq, sizeof(int), &fail);
+    e->lrow = xcalloc(B, sizeof(int), &fail);
+    e->ablk = xcalloc(2 * B, sizeof(int), &fail);
+    e->arow = xcalloc(B, sizeof(int), &fail);
+    e->ones = xcalloc(B, 1, &fail);
+    e->ts = xcalloc(e->n_threads, sizeof(cf_scratch), &fail);
+    if (fail) return -1;
+    memset(e->ones, 1, B);
+    size_t K = e->kmax, KB = K / CF_QK, KK = (K + CF_QK_K - 1) / CF_QK_K, KS = (K / 16 * 2 + 3) / 4 * 4;
+    /* one row more than a call's tokens: op_final sums each row's input there */
+    size_t xb = (size_t)(e->max_batch + 1) * K * 4;
+    /* per activation: d, s (32-block); dk, bsums (256-block); qs; qk */
+    size_t scores = (size_t)cf_attn_score_rows(e) * e->n_ctx * 4, act = 2 * KB * 4 + KK * 4 + KS + 2 * K;
+    size_t bytes = 64 + carve_size(3 * B * sizeof(cf_act_q8)) + carve_size(xb) + carve_size(scores) +
+                   2 * B * carve_size(act);
+    for (int t = 0; t < e->n_threads; t++) {
+        cf_scratch *ts = &e->ts[t];
+        uint8_t *m = ts->mem = xcalloc(bytes, 1, &fail);
+        if (fail) return -1;
+        m = (uint8_t *)(((uintptr_t)m + 63) & ~(uintptr_t)63);
+        cf_act_q8 *acts = carve(&m, 3 * B * sizeof(cf_act_q8));
+        ts->act = acts;
+        ts->act2 = acts + B;
+        ts->gather = acts + 2 * B;
+        ts->xb = carve(&m, xb);
+        ts->scores = carve(&m, scores);
+        for (size_t i = 0; i < 2 * B; i++) {
+            uint8_t *a = carve(&m, act);
+            uint8_t *k = a + 2 * KB * 4; /* the 256-block fields */
+            acts[i] = (cf_act_q8){.d = (float *)a, .s = (float *)(a + KB * 4), .dk = (float *)k,
+                                  .bsums = (int16_t *)(k + KK * 4), .qs = (int8_t *)(k + KK * 4 + KS),
+                                  .qk = (int8_t *)(k + KK * 4 + KS + K), .n = (int)K};
+        }
+    }
+    return 0;
+}
+
+/* Experts on disk: check that each expert's span (the file's expert table) holds its two tensors,
+ * keep their offsets inside the span, and open the cache (experts.h). */
+static int open_disk_experts(cf_engine *e, const cf_disk_experts *dx, char *err, size_t n) {
+    const cf_config *c = &e->c;
+    int E = c->n_experts, n_keys = c->n_unique * E;
+    if (!E) return cf_set_err(err, n, "this model has no experts; there is nothing to keep on disk"), -1;
+    e->xrel = calloc((size_t)n_keys * 2, sizeof *e->xrel);
+    e->xwave = calloc(E, sizeof *e->xwave);
+    int64_t *off = malloc(sizeof(int64_t) * n_keys), *len = malloc(sizeof(int64_t) * n_keys);
+    if (!e->xrel || !e->xwave || !off || !len) {
+        free(off);
+        free(len);
+        return cf_set_err(err, n, "out of memory"), -1;
+    }
+    int bad = -1;
+    for (int k = 0; k < n_keys && bad < 0; k++) {
+        const cf_layer *L = &e->w.sets[k / E];
+        const cf_tiled *t[2] = {&L->exp_gate_up[k % E], &L->exp_down[k % E]};
+        off[k] = dx->span[2 * k];
+        len[k] = dx->span[2 * k + 1];
+        for (int j = 0; j < 2; j++) {
+            int64_t at = (int64_t)(t[j]->data - e->buf);
+            e->xrel[2 * k + j] = at - off[k];
+            if (at < off[k] || at + (int64_t)cf_tiled_bytes(t[j]) > off[k] + len[k]) bad = k;
+        }
+    }
+    if (bad >= 0) {
+        cf_set_err(err, n, "the expert table says expert %d of layer %d spans %lld bytes at offset %lld, which do "
+                "not hold its tensors; the file is inconsistent: re-convert it", bad % E, bad / E,
+                (long long)len[bad], (long long)off[bad]);
+    } else {
+        cf_xstore_opts o = {.path = dx->path, .n_keys = n_keys, .n_experts = E, .offset = off, .nbytes = len,
+                            .budget = dx->budget, .min_slots = c->top_k * e->inflight, .async = dx->async,
+                            .n_io = dx->n_io, .direct = dx->direct, .reader = dx->reader};
+        e->xs = cf_xstore_open(&o, err, n);
+        e->xasync = dx->async ? 1 : 0;
+    }
+    free(off);
+    free(len);
+    if (!e->xs) return -1;
+    return cf_spec_open(e, dx->speculate, err, n);
+}
+
+cf_engine *cf_engine_create(const cf_config *cfg, const uint8_t *buf, size_t buf_len,
+                            const int64_t *desc, const char *const *names, int n_desc,
+                            const int32_t *plan, int n_ops,
+                            int n_ring, int n_pending, int n_moe, int n_threads, int n_ctx,
+                            int max_batch, int n_seq, int k_type, int v_type, const cf_disk_experts *disk,
+                            char *err, size_t err_len) {
+    if (check_config(cfg, err, err_len)) return NULL;
+    for (int i = 0; i < 2; i++) {
+        int type = i ? v_type : k_type;
+        const char *which = i ? "cache_type_v" : "cache_type_k";
+        if (type != CF_F16 && type != CF_Q8_0) {
+            cf_set_err(err, err_len, "%s: cache type id %d is not one of %d (f16), %d (q8_0)", which, type, CF_F16,
+                       CF_Q8_0);
+            return NULL;
+        }
+        if (type == CF_Q8_0 && cfg->hd % CF_QK) {
+            cf_set_err(err, err_len, "%s q8_0 stores rows in blocks of %d values, and this model's head_dim is %d; "
+                       "use f16", which, CF_QK, cfg->hd);
+            return NULL;
+        }
+    }
+    if (n_threads < 1 || n_threads > CF_MAX_THREADS || n_ctx < 1 || max_batch < 1 || max_batch > 4096 ||
+        n_ring < 1 || n_ring > 64 || n_pending < 0 || n_pending > 64 || n_moe < 1 || n_moe > 64 ||
+        n_seq < 1 || n_seq > CF_MAX_SEQ) {
+        cf_set_err(err, err_len, "bad engine sizes: threads %d, n_ctx %d, max_batch %d, ring %d, "
+                "pending %d, moe slots %d, sequences %d (1..%d)", n_threads, n_ctx, max_batch, n_ring,
+                n_pending, n_moe, n_seq, CF_MAX_SEQ);
+        return NULL;
+    }
+    cf_engine *e = calloc(1, sizeof *e);
+    if (!e) return cf_set_err(err, err_len, "out of memory"), NULL;
+    e->c = *cfg;
+    e->k = cf_kernels();
+    // every entry of the table: it holds exactly what the engine calls (cflow.h)
+    int dts[] = {CF_Q4_0, CF_Q4_1, CF_Q5_0, CF_Q5_1, CF_Q8_0, CF_Q4_K, CF_Q5_K, CF_Q6_K};
+    int missing = !e->k->quantize_act || !e->k->quantize_act_k || !e->k->rmsnorm ||
+        !e->k->matvec_f32 || !e->k->softmax || !e->k->rope || !e->k->attention || !e->k->attention_block ||
+        !e->k->embed_row || !e->k->f32_to_f16 || !e->k->topk || !e->k->attention_q8kv ||
+        !e->k->attention_block_q8kv || !e->k->f32_to_q8_0;
+    for (int i = 0; i < (int)(sizeof dts / sizeof *dts); i++)
+        missing |= !e->k->matvec[dts[i]] || !e->k->gate_up[dts[i]] || !e->k->matmat[dts[i]] ||
+                    !e->k->gate_up_mm[dts[i]];
+    if (missing) {
+        cf_set_err(err, err_len, "kernel table '%s' lacks kernels the engine needs", e->k->name);
+        free(e);
+        return NULL;
+    }
+    e->n_threads = n_threads;
+    e->n_ctx = n_ctx;
+    e->max_batch = max_batch;
+    e->n_seq = n_seq;
+    e->k_type = k_type;
+    e->v_type = v_type;
+    e->krow = cf_kv_row_bytes(k_type, cfg->hd);
+    e->vrow = cf_kv_row_bytes(v_type, cfg->hd);
+    e->n_ring = n_ring;
+    e->n_pending = n_pending;
+    e->n_moe = n_moe;
+    e->buf = buf;
+    e->n_ops = n_ops;
+    e->hmax = cf_max(cfg->d_ff, cfg->n_experts ? cf_max(cfg->d_exp, cfg->d_shexp) : 0);
+    e->kmax = cf_max(cf_max(cfg->d, cfg->n_heads * cfg->hd), e->hmax);
+    e->bar.n = e->active = n_threads;
+    e->prefetch = CF_PREFETCH_DEFAULT;
+    if (bind_weights(e, buf, buf_len, desc, names, n_desc, err, err_len) ||
+        check_plan(e, plan, n_ops, err, err_len)) {
+        cf_engine_free(e);
+        return NULL;
+    }
+    e->inflight = cf_plan_inflight(plan, n_ops, n_moe);
+    if (disk && open_disk_experts(e, disk, err, err_len)) {
+        cf_engine_free(e);
+        return NULL;
+    }
+    e->plan = malloc((size_t)n_ops * CF_OP_FIELDS * sizeof *plan);
+    if (!e->plan || alloc_state(e) || !(e->pool = cf_pool_create(n_threads))) {
+        cf_set_err(err, err_len, "out of memory (KV cache for %d sequence(s) of n_ctx=%d needs %.1f MiB; try a "
+                "smaller context)", n_seq, n_ctx,
+                (double)cfg->n_layers * cfg->n_kv * n_ctx * (e->krow + e->vrow) * n_seq / 1048576.0);
+        cf_engine_free(e);
+        return NULL;
+    }
+    memcpy(e->plan, plan, (size_t)n_ops * CF_OP_FIELDS * sizeof *plan);
+    return e;
+}
+
+void cf_engine_free(cf_engine *e) {
+    if (!e) return;
+    if (e->pool) cf_pool_free(e->pool);
+    cf_engine_profile_free(e);
+    cf_xstore_free(e->xs); /* joins its readers: nothing writes into our memory after this */
+    free(e->xrel);
+    free(e->xwave);
+    cf_spec_free(&e->spec);
+    free(e->grp);
+    if (e->w.sets) {
+        for (int i = 0; i < e->c.n_unique; i++) {
+            free(e->w.sets[i].exp_gate_up);
+            free(e->w.sets[i].exp_down);
+            free(e->w.sets[i].exp_bytes);
+        }
+        free(e->w.sets);
+    }
+    cf_state *s = &e->s;
+    void *bufs[] = {s->ring, s->h, s->f, s->pending, s->moe_in, s->qkv, s->att, s->hid, s->y,
+                    s->rope, s->kcache, s->vcache, s->rlogits, s->exp_tok, s->exp_w, s->exp_n,
+                    s->shexp_w, s->exp_list, s->exp_cnt, s->exp_pre, s->exp_slot, e->hits, e->plan,
+                    e->rseq, e->rpos, e->seen, e->lrow, e->ablk, e->arow, e->ones};
+    for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) free(bufs[i]);
+    if (e->ts)
+        for (int t = 0; t < e->n_threads; t++) free(e->ts[t].mem);
+    free(e->ts);
+    free(e);
+}
+
+// ---------------------------------------------------------------------------------------------
+// accessors
+
+const char *cf_engine_error(const cf_engine *e) { return e->err; }
+int cf_engine_error_kind(const cf_engine *e) { return e->err_kind; }
+void cf_engine_counters(const cf_engine *e, cf_counters *out) {
+    *out = e->cnt;
+    if (e->xs) out->n[CF_CNT_DISK_BYTES] = cf_xstore_bytes_read(e->xs) - e->disk_base;
+}
+void cf_engine_expert_hits(const cf_engine *e, uint64_t *out) {
+    memcpy(out, e->hits, (size_t)e->c.n_layers * e->c.n_experts * sizeof *out);
+}
+void cf_engine_reset_counters(cf_engine *e) {
+    memset(&e->cnt, 0, sizeof e->cnt);
+    if (e->xs) e->disk_base = cf_xstore_bytes_read(e->xs);
+    memset(e->hits, 0, (size_t)e->c.n_layers * e->c.n_experts * sizeof *e->hits);
+}
+int cf_engine_n_ctx(const cf_engine *e) { return e->n_ctx; }
+int cf_engine_n_threads(const cf_engine *e) { return e->n_threads; }
+int cf_engine_active_threads(const cf_engine *e) { return e->active; }
+int cf_engine_set_active_threads(cf_engine *e, int n) {
+    e->active = e->bar.n = cf_min(cf_max(n, 1), e->n_threads);
+    return e->active;
+}
+int cf_engine_set_overlap(cf_engine *e, int on) {
+    if (!on) {
+        free(e->grp);
+        e->grp = NULL;
+        return 0;
+    }
+    if (!e->grp && !(e->grp = calloc(2, sizeof *e->grp))) return -1;
+    return 0;
+}
+int cf_engine_overlap(const cf_engine *e) { return e->grp != NULL; }
+int cf_engine_set_prefetch(cf_engine *e, int mode) {
+    if (mode < CF_PREFETCH_DEFAULT || mode > CF_PREFETCH_MAX) return -1;
+    e->prefetch = mode;
+    return 0;
+}
+int cf_engine_prefetch(const cf_engine *e) { return e->prefetch; }
+int cf_engine_max_batch(const cf_engine *e) { return e->max_batch; }
+int cf_engine_n_seq(const cf_engine *e) { return e->n_seq; }
+const char *cf_engine_isa(const cf_engine *e) { return e->k->name; }
+
+int cf_engine_expert_cache(const cf_engine *e, cf_expert_cache_info *out) {
+    memset(out, 0, sizeof *out);
+    out->inflight = e->inflight;
+    out->min_slots = e->c.top_k * e->inflight;
+    if (!e->xs) return 0;
+    cf_xstore_info xi;
+    cf_xstore_get_info(e->xs, &xi);
+    out->n_slots = xi.n_slots;
+    out->async = xi.async;
+    out->n_io = xi.n_io;
+    out->direct = xi.direct;
+    out->slot_bytes = xi.slot_bytes;
+    out->cache_bytes = xi.cache_bytes;
+    out->speculate = e->spec.depth;
+    out->spec_slots = e->spec.room;
+    out->keep_depth = cf_max(0, e->spec.keep_depth); /* -1 (or 0: no speculation) until ranks are set */
+    out->uring = xi.uring;
+    out->reader_note = xi.note;
+    return 1;
+}
+int cf_engine_expert_resident(const cf_engine *e, int *keys) {
+    return e->xs ? cf_xstore_resident(e->xs, keys) : 0;
+}
+int cf_engine_inject_io_fault(cf_engine *e, int64_t after, int kind, int delay_us) {
+    if (!e->xs || kind < 0 || kind >= CF_XFAULT_KINDS || after < 0) return -1;
+    cf_xstore_inject_fault(e->xs, after, kind, delay_us);
+    return 0;
+}

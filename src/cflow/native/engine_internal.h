@@ -1,0 +1,208 @@
+/* engine_internal.h — the engine's structs and the calls between its files (not an API).
+ *
+ * The engine is one object in four files: engine.c (the per-token interpreter: the ops, overlap,
+ * the calls), engine_spec.c (the route's side of experts on disk: cache slots, waves, expert
+ * speculation), engine_profile.c (the profiler) and engine_build.c (validation, binding the
+ * weights, allocation, the accessors and the contract names). Everything here is shared by them;
+ * nothing outside the engine includes it.
+ */
+#ifndef CF_ENGINE_INTERNAL_H
+#define CF_ENGINE_INTERNAL_H
+
+#include <time.h>
+
+#include "engine.h"
+#include "experts.h"
+
+// ---------------------------------------------------------------------------------------------
+// weights, state
+
+typedef struct {
+    const float *attn_norm, *ffn_norm, *moe_norm; /* [d] */
+    const float *router;                          /* [E, d] row-major */
+    const float *qkv_bias;                        /* [q_dim + 2 kv_dim] or NULL */
+    const float *q_norm, *k_norm;                 /* [hd] or NULL */
+    cf_tiled wqkv;                                /* [q_dim + 2 kv_dim, d] */
+    cf_tiled wq, wk, wv;                          /* its three parts, when stored apart (qkv_split) */
+    int qkv_split;                                /* 1: q, k, v are three matrices (their dtypes differ) */
+    int qkv_fmt, exp_fmt;                         /* activation formats the projection / experts read */
+    cf_tiled wo;                                  /* [d, q_dim] */
+    cf_tiled gate_up;                             /* [2 d_ff, d], gate/up interleaved per group */
+    cf_tiled down;                                /* [d, d_ff] */
+    cf_tiled *exp_gate_up, *exp_down;             /* [E] of [2 d_exp, d] and [d, d_exp] */
+    const float *shexp_gate;                      /* [d] or NULL: the shared expert's gate */
+    cf_tiled shexp_gate_up, shexp_down;           /* [2 d_shexp, d], [d, d_shexp]: always in RAM */
+    uint64_t attn_bytes, dense_bytes, router_bytes, shexp_bytes;
+    uint64_t *exp_bytes;                          /* [E] gate_up + down */
+} cf_layer;
+
+typedef struct {
+    cf_tiled tok_emb;   /* [vocab, d] */
+    cf_tiled lm_head;   /* [vocab, d]; a copy of tok_emb when tied */
+    const float *norm;  /* [d] */
+    cf_layer *sets;     /* [n_unique] */
+} cf_weights;
+
+typedef struct {
+    float *xb;        /* [B, kmax] normalised activations */
+    cf_act_q8 *act;   /* [B] quantized input of the current mat-vec */
+    cf_act_q8 *act2;  /* [B] quantized FFN hidden (experts keep act for the next expert) */
+    cf_act_q8 *gather; /* [B] descriptors of the tokens routed to one expert (views of act) */
+    float *scores;    /* [attn_score_rows, n_ctx] attention scores */
+    void *mem;        /* one allocation behind all of the above */
+} cf_scratch;
+
+typedef struct {
+    float *ring;       /* [n_ring, B, d] residual history */
+    float *h, *f;      /* [B, d] x + attention; dense FFN output */
+    float *pending;    /* [n_pending, B, d] expert outputs waiting for their layer */
+    float *moe_in;     /* [n_moe, B, d] normalised MoE input, per moe slot */
+    float *qkv;        /* [B, q_dim + 2 kv_dim] */
+    float *att;        /* [B, q_dim] attention output (pre wo) */
+    float *hid;        /* [B, hmax] silu(gate) * up */
+    float *y;          /* [B, d] expert down-projection output */
+    float *rope;       /* [B, hd] cos[hd/2] then sin[hd/2] for each token's position */
+    uint8_t *kcache;   /* [n_seq, L, n_kv, n_ctx] rows of krow bytes (fp16 or q8_0), rotated keys */
+    uint8_t *vcache;   /* [n_seq, L, n_kv, n_ctx] rows of vrow bytes */
+    float *rlogits;    /* [B, E] router probabilities */
+    /* the routing of each moe slot */
+    int *exp_tok;      /* [n_moe, E, B] tokens routed to each expert */
+    float *exp_w;      /* [n_moe, E, B] their routing weights */
+    float *shexp_w;    /* [n_moe, B] each row's shared-expert weight, sigmoid(gate . moe_in) */
+    int *exp_n;        /* [n_moe, E] */
+    /* experts on disk only */
+    int *exp_list;     /* [n_moe, E] the chosen experts, ascending (the order of the sums) */
+    int *exp_cnt;      /* [n_moe] how many */
+    int *exp_pre;      /* [n_moe] leading entries of exp_list the route acquired */
+    int *exp_slot;     /* [n_moe, E] cache slot of each acquired expert */
+} cf_state;
+
+/* Expert speculation (engine_spec.c): predicted experts of later layers and the reads started for
+ * them. Thread 0 only. */
+typedef struct {
+    int depth;           /* predict up to this many layers ahead; 0: off */
+    int room;            /* slots speculation may occupy: n_slots - min_slots */
+    int *slot;           /* [room] slots it pins, or whose read it started and is in flight */
+    int *target;         /* [room] the layer a pinned slot was predicted for; -1: not pinned */
+    int n;               /* entries of slot / target in use */
+    int horizon;         /* the furthest layer predicted in this call; -1: none yet */
+    uint16_t *mark;      /* [L, E] bit k-1: predicted at distance k for a layer not routed yet in this call */
+    uint32_t dist_pred[CF_SPEC_MAX_DEPTH + 1], dist_hit[CF_SPEC_MAX_DEPTH + 1]; /* per distance, decayed */
+    double min_precision; /* SPEC_MIN_PRECISION, or CFLOW_SPEC_MIN_PRECISION (tests, benchmarks) */
+    int keep;            /* 1: rank the cache's layers by how much of a miss speculation can hide */
+    int keep_depth;      /* the trusted depth the ranks were last set for; -1: not set yet */
+    int *votes;          /* [E] rows whose prediction chose each expert */
+} cf_spec;
+
+struct cf_engine {
+    cf_config c;
+    cf_weights w;
+    cf_state s;
+    cf_scratch *ts; /* [n_threads] */
+    int n_threads, n_ctx, max_batch, kmax, hmax;
+    int n_seq;      /* KV-cache slots: sequence s owns kcache/vcache[s] */
+    size_t seq_kv;  /* cache rows per sequence slot: L * n_kv * n_ctx */
+    int k_type, v_type; /* cache row types, CF_F16 or CF_Q8_0 (cflow.h, "The 8-bit KV cache") */
+    size_t krow, vrow;  /* bytes of one K / V row: cf_kv_row_bytes(type, hd) */
+    int active; /* threads a call uses (<= n_threads); the others return at once */
+    int prefetch; /* software-prefetch mode of this engine's calls (cf_engine_set_prefetch) */
+    int32_t *plan;
+    int n_ops, n_ring, n_pending, n_moe, inflight;
+    const cf_kernel_table *k;
+    cf_pool *pool;
+    cf_barrier bar;
+    /* the call in flight */
+    const int32_t *tokens;
+    int B;
+    int *rseq, *rpos; /* [max_batch] each row's sequence slot and position */
+    float *logits;
+    int *lrow, n_lrow; /* [max_batch] the rows whose logits the call writes, ascending: logits row i
+                        * is row lrow[i]'s */
+    /* attention work (forward(), thread 0): blocks of consecutive positions of one sequence that
+     * take attention_block (<= ATTN_QBLOCK rows: first row, count), and the rows that go
+     * one by one through the per-query kernel */
+    int *ablk, n_ablk;  /* [max_batch][2] */
+    int *arow, n_arow;  /* [max_batch] */
+    int *seen;          /* [n_seq] scratch of the row checks (cf_step_rows) */
+    uint8_t *ones;      /* [max_batch] all 1: cf_step_batch wants every row's logits */
+    cf_counters cnt;
+    uint64_t *hits; /* [L, E] */
+    /* experts on disk (xs NULL: in RAM) */
+    cf_xstore *xs;
+    int xasync;
+    const uint8_t *buf;  /* the weights buffer: tensor offsets are pointers into it */
+    int64_t *xrel;       /* [n_unique * E][2] gate_up, down offsets inside the expert's span */
+    int *xwave;          /* [E] slots a wave must read (thread 0) */
+    int wave_end;        /* published by thread 0 before a barrier (op_experts_disk) */
+    cf_spec spec;        /* expert speculation (engine_spec.c); off when spec.depth is 0 */
+    uint64_t disk_base;  /* cf_xstore_bytes_read at the last counter reset */
+    int failed;          /* CF_ERR_* of the call in flight; set by thread 0 */
+    int err_kind;
+    char err[512];
+    /* profiling (engine.h): prof_on is read by every thread, written only between calls */
+    int prof_on;
+    struct cf_prof_thread *prof; /* [n_threads], NULL until the first profile_start */
+    cf_prof_call *prof_calls;    /* [prof_calls_cap] */
+    int prof_cap, prof_calls_cap, prof_ncalls;
+    int64_t prof_dropped_calls;
+    /* overlap of independent ops (cf_engine_set_overlap; "overlap" below): the two thread groups'
+     * views of this engine, refreshed by forward() before each call; NULL when off */
+    struct cf_engine *grp;
+};
+
+/* Activation formats (cflow.h cf_act_q8): the 32-block one most dtypes read, the 256-block one
+ * of the K-quants. A vector is quantized once per format the matrices it feeds need. */
+enum { ACT_Q8 = 1, ACT_Q8K = 2 };
+static inline int act_fmt(const cf_tiled *w) { return cf_is_kquant(w->dtype) ? ACT_Q8K : ACT_Q8; }
+
+// ---------------------------------------------------------------------------------------------
+// profiling: each thread cuts its walk of the plan into contiguous segments (engine.h)
+
+/* One thread's events, on cache lines of its own (every mark writes here). */
+typedef struct cf_prof_thread {
+    _Alignas(64) cf_prof_event *ev;
+    int n;           /* events stored */
+    int kind, layer; /* the open segment (kind -1: none) */
+    int64_t last;    /* when it opened */
+    int64_t dropped;
+} cf_prof_thread;
+
+/* Close thread ith's open segment (if any) and open one of `kind` (-1: none) at `layer` (-1: the
+ * same layer). Returns the timestamp. engine_profile.c. */
+__attribute__((noinline, cold)) int64_t cf_prof_mark(cf_engine *e, int ith, int kind, int layer);
+/* Open a segment on thread ith, discarding whatever a failed call left open. */
+__attribute__((cold)) int64_t cf_prof_open(cf_engine *e, int ith, int kind, int layer);
+
+/* A phase boundary: free when profiling is off (one branch on the flag). */
+static inline void ph(cf_engine *e, int ith, int kind, int layer) {
+    if (__builtin_expect(e->prof_on, 0)) cf_prof_mark(e, ith, kind, layer);
+}
+
+/* The barrier between phases; profiled as a CF_PK_WAIT segment, after which a segment of `next`
+ * opens (-1: the next op opens its own). */
+static inline void sync_threads(cf_engine *e, int ith, int next) {
+    if (e->bar.n > 1) {
+        ph(e, ith, CF_PK_WAIT, -1);
+        cf_barrier_wait(&e->bar);
+    }
+    if (next >= 0) ph(e, ith, next, -1);
+}
+
+// ---------------------------------------------------------------------------------------------
+// between the files
+
+/* engine.c: rows of the per-thread attention score scratch (alloc_state sizes it). */
+int cf_attn_score_rows(const cf_engine *e);
+
+/* engine_spec.c, thread 0. After the route of layer l into moe slot ms: list the chosen experts,
+ * acquire the first wave (async), score and extend the speculation. */
+void cf_route_disk(cf_engine *e, int l, int ms, int src_kind);
+/* Pin slots for list[i0..) of moe slot ms, at most max; returns the index after the last acquired. */
+int cf_acquire_wave(cf_engine *e, int l, int ms, int i0, int max);
+/* When a call starts. */
+void cf_spec_begin(cf_engine *e);
+/* Set speculation up for an opened expert cache (depth <= 0: off); -1 with err on failure. */
+int cf_spec_open(cf_engine *e, int depth, char *err, size_t n);
+void cf_spec_free(cf_spec *sp);
+
+#endif
