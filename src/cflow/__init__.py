@@ -8,7 +8,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["ModelConfig", "ConfigError", "PRESETS", "Engine", "__version__"]
+__all__ = ["ModelConfig", "ConfigError", "PRESETS", "Engine", "EngineOptions", "__version__"]
 
 
 def __getattr__(name: str):
@@ -19,8 +19,8 @@ def __getattr__(name: str):
         from cflow import config
 
         return getattr(config, name)
-    if name == "Engine":
-        from cflow.runtime import Engine
+    if name in ("Engine", "EngineOptions"):
+        from cflow import runtime
 
-        return Engine
+        return getattr(runtime, name)
     raise AttributeError(f"module 'cflow' has no attribute {name!r}")

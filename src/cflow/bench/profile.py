@@ -379,20 +379,23 @@ def profile_engine(eng: Any, *, steps: int = 64, prefill: int = 512, warmup: int
 
 
 def profile_model(model: str | Path, *, threads: list[int] | None = None, steps: int = 128, prefill: int = 512,
-                  warmup: int = 4, verify: bool = True, progress=None, batch: int = 0,
-                  **load_kw: Any) -> list[Profile]:
+                  warmup: int = 4, progress=None, batch: int = 0, options: Any = None,
+                  **overrides: Any) -> list[Profile]:
     """`cflow bench --profile`: load the model once per thread count (with a context that holds
-    the test, and `batch` sequences when batch > 1) and profile it (profile_engine). load_kw:
-    Engine.load's expert and KV cache arguments and prefetch."""
+    the test, and `batch` sequences when batch > 1) and profile it (profile_engine). `options`
+    (EngineOptions; keywords override its fields, as in Engine.load: verify, the expert and KV
+    cache options, prefetch) say how; threads, n_ctx and n_seq are the profile's own."""
     from cflow.runtime import Engine, usable_threads
+    from cflow.runtime.options import EngineOptions
 
+    opts = EngineOptions.build(options, **overrides)
     out = []
     for t in [t or usable_threads() for t in threads] if threads else [usable_threads()]:
-        with Engine.load(model, threads=t, verify=verify, log=progress, **load_kw) as probe:
+        with Engine.load(model, opts.replace(threads=t, n_ctx=None, n_seq=1), log=progress) as probe:
             limit = probe.config.max_seq_len
         n_ctx = min(limit, max(prefill, warmup + steps) + 8)
         n_seq = batch if batch > 1 else 1
-        with Engine.load(model, threads=t, n_ctx=n_ctx, verify=verify, n_seq=n_seq, **load_kw) as eng:
+        with Engine.load(model, opts.replace(threads=t, n_ctx=n_ctx, n_seq=n_seq)) as eng:
             if progress:
                 more = f" and {steps} batched steps of {batch} sequences" if batch > 1 else ""
                 progress(f"profiling {prefill} prompt tokens and {steps} decode steps{more} with {t} thread(s)")

@@ -19,7 +19,7 @@ import datetime as _dt
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -28,6 +28,7 @@ from cflow.bench.runner import BenchRow, run_tests
 from cflow.errors import CflowError
 from cflow.runtime import usable_threads
 from cflow.runtime.files import format_size
+from cflow.runtime.options import EngineOptions
 
 BASELINES = ("llama.cpp",)
 WEIGHT_COUNTERS = ("attn", "dense", "router", "experts", "embed", "lm_head")  # Engine.counters() keys
@@ -38,15 +39,14 @@ class CflowRunner:
 
     name = "cflow"
 
-    def __init__(self, model: str | Path, threads: int, n_ctx: int | None, progress=None, verify: bool = True,
-                 experts: str = "auto", expert_cache: int | str | None = None, expert_io: str = "async",
-                 expert_prefetch: str = "auto", prefetch: int | None = None, cache_type_k: str = "f16",
-                 cache_type_v: str = "f16"):
+    def __init__(self, model: str | Path, threads: int, n_ctx: int | None, progress=None,
+                 options: EngineOptions | None = None, **overrides: Any):
+        """The model loaded with `options` (keywords override its fields, as in Engine.load), at
+        `threads` threads and `n_ctx` positions (None: the engine's default)."""
         from cflow.runtime import Engine
 
-        self.engine = Engine.load(model, threads=threads, n_ctx=n_ctx, verify=verify, log=progress, experts=experts,
-                                  expert_cache=expert_cache, expert_io=expert_io, expert_prefetch=expert_prefetch,
-                                  prefetch=prefetch, cache_type_k=cache_type_k, cache_type_v=cache_type_v)
+        opts = EngineOptions.build(options, **overrides).replace(threads=threads, n_ctx=n_ctx)
+        self.engine = Engine.load(model, opts, log=progress)
 
     def reset(self) -> None:
         self.engine.reset()
@@ -248,20 +248,19 @@ class BenchReport:
 
 def bench(model: str | Path, *, threads: list[int] | None = None, pp: int = 512, tg: int = 128,
           reps: int = 5, warmup: bool = True, compare: str | None = None, n_ctx: int | None = None,
-          probe: bool = True, footprint: bool = True, verify: bool = True,
-          progress: Callable[[str], None] | None = None, experts: str = "auto",
-          expert_cache: int | str | None = None, expert_io: str = "async",
-          expert_prefetch: str = "auto", depths: list[int] | None = None,
-          prefetch: int | None = None, cache_type_k: str = "f16", cache_type_v: str = "f16") -> BenchReport:
+          probe: bool = True, footprint: bool = True, progress: Callable[[str], None] | None = None,
+          depths: list[int] | None = None, options: EngineOptions | None = None, **overrides: Any) -> BenchReport:
     """Run the suite. threads: the counts to test (default: every usable core; 0 also means that);
     the tg test always runs exactly `tg` decode steps, whatever token comes (EOS included), like
-    llama-bench; depths: context depths to run each test at (llama-bench's -d; default [0]);
-    verify=False skips the checksum check of the model's first use. experts,
-    expert_cache, expert_io, expert_prefetch: where cflow keeps a MoE model's experts (Engine.load);
-    prefetch: the kernels' software prefetch, None (default), 0 (off) or bytes ahead (Engine.load).
-    cache_type_k, cache_type_v: the KV cache's row types ("f16", "q8_0"; Engine.load), for cflow and
-    for the llama.cpp baseline alike (its type_k / type_v; a q8_0 V cache needs its flash attention,
-    which is then on for it); every row records them."""
+    llama-bench; depths: context depths to run each test at (llama-bench's -d; default [0]).
+    `options` (EngineOptions; keywords override its fields, as in Engine.load) say how cflow loads
+    the model, except its threads and n_ctx: the suite loads it once per count in `threads`, with a
+    context sized to the tests (`n_ctx`, default: what the deepest test needs). verify=False skips
+    the checksum check of the model's first use; experts, expert_cache, expert_io, expert_prefetch
+    place a MoE model's experts; prefetch is the kernels' software prefetch, None (default), 0
+    (off) or bytes ahead, recorded in every cflow row. cache_type_k, cache_type_v: the KV cache's
+    row types ("f16", "q8_0"), for cflow and for the llama.cpp baseline alike (its type_k / type_v;
+    a q8_0 V cache needs its flash attention, which is then on for it); every row records them."""
     from cflow.bench.bandwidth import int8_peak, read_bandwidth
 
     model = str(model)
@@ -272,13 +271,11 @@ def bench(model: str | Path, *, threads: list[int] | None = None, pp: int = 512,
     if reps < 1:
         raise CflowError(f"--reps must be >= 1, got {reps}")
     threads = [t or usable_threads() for t in threads] if threads else [usable_threads()]
-    # Loading once up front converts a .gguf into the cache and tells us the model's context limit.
     from cflow.runtime import prefetch as prefetch_mod
 
-    prefetch_mod.to_mode(prefetch)  # a bad value fails before anything runs
-    xkw = dict(experts=experts, expert_cache=expert_cache, expert_io=expert_io, expert_prefetch=expert_prefetch,
-               prefetch=prefetch, cache_type_k=cache_type_k, cache_type_v=cache_type_v)
-    with CflowRunner(model, threads[0], None, progress=progress, verify=verify, **xkw).engine as eng:
+    opts = EngineOptions.build(options, **overrides)  # a bad value fails before anything runs
+    # Loading once up front converts a .gguf into the cache and tells us the model's context limit.
+    with CflowRunner(model, threads[0], None, progress=progress, options=opts).engine as eng:
         max_ctx = eng.config.max_seq_len
         table_bytes = eng.weight_bytes_per_token()
         macs = eng.matmul_macs_per_token()
@@ -293,12 +290,12 @@ def bench(model: str | Path, *, threads: list[int] | None = None, pp: int = 512,
                          f"is {n_ctx} (model limit {max_ctx}); lower -d/-p/-n")
     report = BenchReport(model=model, machine=machine_info(), rows=[],
                          model_bytes=Path(model).stat().st_size, table_bytes_per_token=table_bytes,
-                         macs_per_token=macs if pp > 0 else None, prefetch=prefetch_mod.label(prefetch))
+                         macs_per_token=macs if pp > 0 else None, prefetch=prefetch_mod.label(opts.prefetch))
     if footprint:
         from cflow.bench.footprint import measure_in_subprocess
 
         # the default context a user gets
-        report.footprint = measure_in_subprocess(model, threads[-1], verify=verify)
+        report.footprint = measure_in_subprocess(model, threads[-1], verify=opts.verify)
     for t in threads:
         if probe:
             report.bandwidth_gbs[t] = read_bandwidth(threads=t)
@@ -310,7 +307,7 @@ def bench(model: str | Path, *, threads: list[int] | None = None, pp: int = 512,
                     report.int8_peak_gops[t] = peak
                     if progress:
                         progress(f"int8 multiply-add peak ({isa}) with {t} thread(s): {peak:.0f} GOP/s")
-        runners = [CflowRunner(model, t, n_ctx, progress=progress, verify=verify, **xkw)]
+        runners = [CflowRunner(model, t, n_ctx, progress=progress, options=opts)]
         cache = runners[0].engine.expert_cache
         if cache is not None:
             report.experts = dict(cache, reason=runners[0].engine.residency.reason)
@@ -327,7 +324,8 @@ def bench(model: str | Path, *, threads: list[int] | None = None, pp: int = 512,
         if compare == "llama.cpp":
             from cflow.bench.llamacpp import LlamaCppRunner
 
-            runners.append(LlamaCppRunner(model, t, n_ctx, cache_type_k=cache_type_k, cache_type_v=cache_type_v))
+            runners.append(LlamaCppRunner(model, t, n_ctx, cache_type_k=opts.cache_type_k,
+                                          cache_type_v=opts.cache_type_v))
             if not runners[-1].repack:
                 from cflow.bench.llamacpp import REPACK_OFF_REASON
 
@@ -336,7 +334,7 @@ def bench(model: str | Path, *, threads: list[int] | None = None, pp: int = 512,
         rows = run_tests(runners, t, pp=pp, tg=tg, reps=reps, vocab=vocab, warmup=warmup,
                          progress=progress, bytes_per_token=counted, depths=depths)
         for r in rows:
-            r.cache_type_k, r.cache_type_v = cache_type_k, cache_type_v
+            r.cache_type_k, r.cache_type_v = opts.cache_type_k, opts.cache_type_v
             if r.engine == "cflow" and r.test.startswith("tg") and str(t) in stats:
                 report.expert_rows[f"{t}:{r.test}"] = stats[str(t)]
         # Both engines run the same weights (GGUF blocks are kept bit for bit), so the baseline's

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from cflow.cli.common import (UsageError, add_cache_flags, add_command, add_expert_flags, cache_kwargs, add_verify_flag, expert_kwargs, load_error,
-                              write_text)
+from cflow.cli.common import (UsageError, add_cache_flags, add_command, add_expert_flags, add_verify_flag,
+                              engine_options, load_error, write_text)
 from cflow.fsutil import check_writable
 
 
@@ -157,6 +157,12 @@ def run_claims(args: argparse.Namespace) -> int:
     return 0
 
 
+def _options(args: argparse.Namespace):
+    """The engine options of the model flags. -t here is a list of counts the suite loads the
+    model with one at a time, and the suite sizes the context to its tests: neither is an option."""
+    return engine_options(args, threads=None, n_ctx=None)
+
+
 def run(args: argparse.Namespace) -> int:
     from cflow.bench import bench
 
@@ -185,9 +191,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         report = bench(args.model, threads=args.threads, pp=args.n_prompt, tg=args.n_gen,
                        reps=args.repetitions, warmup=not args.no_warmup, compare=args.compare,
-                       probe=not args.no_probe, footprint=not args.no_footprint, verify=not args.no_verify,
-                       progress=progress, depths=args.n_depth, prefetch=args.prefetch, **expert_kwargs(args),
-                       **cache_kwargs(args))
+                       probe=not args.no_probe, footprint=not args.no_footprint,
+                       progress=progress, depths=args.n_depth, options=_options(args))
     except OSError as e:  # the model unreadable, or the cache a .gguf is converted into unwritable
         raise load_error(args.model, e) from None
     text = report.to_json() if args.json or args.output == "json" else report.to_markdown()
@@ -206,8 +211,7 @@ def _run_profile(args: argparse.Namespace, progress) -> int:
         raise UsageError("--profile measures cflow alone; drop --compare", flag="--compare")
     try:
         profiles = profile_model(args.model, threads=args.threads, steps=args.n_gen, prefill=args.n_prompt,
-                                 verify=not args.no_verify, progress=progress, prefetch=args.prefetch,
-                                 batch=args.batch, **expert_kwargs(args), **cache_kwargs(args))
+                                 progress=progress, batch=args.batch, options=_options(args))
     except OSError as e:
         raise load_error(args.model, e) from None
     if args.json or args.output == "json":

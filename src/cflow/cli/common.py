@@ -6,8 +6,10 @@ Owns:
   read or write cannot be);
 - `add_command`: a subcommand declared from one help text (summary, description, examples);
 - the model flags (-m -t -c --no-mmap --no-verify, and --experts --expert-cache --expert-io
-  --expert-prefetch for mixture-of-experts models), loading the engine with the conversion
-  progress bar, and the timing report on stderr;
+  --expert-prefetch for mixture-of-experts models), and `engine_options`, the one place where
+  flags become cflow.runtime.options.EngineOptions (generate, chat, serve and bench all build
+  theirs there); loading the engine with the conversion progress bar, and the timing report on
+  stderr;
 - the sampling flags (llama.cpp's names) and their checks, done before the model loads;
 - writes that fail as one line (`cannot write PATH: <strerror>`), checked before long work.
 """
@@ -112,7 +114,8 @@ def add_cache_flags(p: argparse.ArgumentParser) -> None:
 
 def cache_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """Engine.load's cache_type_k / cache_type_v from the cache flags (f16 where a command has none)."""
-    return dict(cache_type_k=getattr(args, "cache_type_k", "f16"), cache_type_v=getattr(args, "cache_type_v", "f16"))
+    opts = engine_options(args)
+    return dict(cache_type_k=opts.cache_type_k, cache_type_v=opts.cache_type_v)
 
 
 def add_expert_flags(p: argparse.ArgumentParser) -> None:
@@ -181,16 +184,48 @@ def log(msg: str) -> None:
     print(f"cflow: {msg}", file=sys.stderr)
 
 
+# flag attribute -> (EngineOptions field, how the flag's value becomes the field's). A command
+# without a flag gets the option's default; each command's flags are declared above.
+_OPTION_FLAGS: dict[str, tuple[str, Any]] = {
+    "threads": ("threads", None),
+    "ctx_size": ("n_ctx", lambda n: n or None),  # -c 0: the default context
+    "no_mmap": ("mmap", lambda off: not off),
+    "no_verify": ("verify", lambda off: not off),
+    "readahead": ("readahead", None),
+    "cache_type_k": ("cache_type_k", None),
+    "cache_type_v": ("cache_type_v", None),
+    "experts": ("experts", None),
+    "expert_cache": ("expert_cache", None),
+    "expert_io": ("expert_io", None),
+    "expert_prefetch": ("expert_prefetch", None),
+    "prefetch": ("prefetch", None),
+}
+
+
+def engine_options(args: argparse.Namespace, **overrides: Any):
+    """The EngineOptions the parsed flags ask for: the one mapping from flags to engine options.
+    `overrides` set fields a command computes itself (serve splits -c between its slots; bench
+    takes a list of thread counts and sizes the context to its tests). A bad value raises the
+    runtime's EngineError naming the flag, before any file is opened."""
+    from cflow.runtime.options import EngineOptions
+
+    fields = {}
+    for attr, (name, convert) in _OPTION_FLAGS.items():
+        if name in overrides or not hasattr(args, attr):
+            continue
+        value = getattr(args, attr)
+        fields[name] = convert(value) if convert else value
+    return EngineOptions(**fields, **overrides)
+
+
 def load_engine(args: argparse.Namespace):
     """The Engine the model flags ask for; a .gguf is converted once, with a progress bar."""
     from cflow.runtime import Engine
 
+    options = engine_options(args)
     try:
         with progress_bar() as progress:
-            return Engine.load(args.model, threads=args.threads, n_ctx=args.ctx_size or None,
-                               mmap=not args.no_mmap, verify=not args.no_verify, progress=progress, log=log,
-                               readahead=getattr(args, "readahead", "auto"), **expert_kwargs(args),
-                               **cache_kwargs(args))
+            return Engine.load(args.model, options, progress=progress, log=log)
     except OSError as e:
         raise load_error(args.model, e) from None
 
@@ -198,9 +233,8 @@ def load_engine(args: argparse.Namespace):
 def expert_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """Engine.load's experts / expert_cache / expert_io / expert_prefetch from the expert flags
     (defaults where a command has none of them)."""
-    return dict(experts=getattr(args, "experts", "auto"), expert_cache=getattr(args, "expert_cache", None),
-                expert_io=getattr(args, "expert_io", "async"),
-                expert_prefetch=getattr(args, "expert_prefetch", "auto"))
+    opts = engine_options(args)
+    return {k: getattr(opts, k) for k in ("experts", "expert_cache", "expert_io", "expert_prefetch")}
 
 
 def load_error(model: str | None, e: OSError) -> FileError:

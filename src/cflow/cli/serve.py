@@ -15,7 +15,7 @@ import sys
 from typing import Any
 
 from cflow.cli.common import (UsageError, add_command, add_model_flags, add_sampling_flags, check_model_flags,
-                              cache_kwargs, check_sampling, expert_kwargs, load_error, log, progress_bar, sampling_kwargs)
+                              check_sampling, engine_options, load_error, log, progress_bar, sampling_kwargs)
 
 HELP = """\
 serve the model over HTTP (OpenAI-compatible API)
@@ -143,11 +143,10 @@ def run(args: argparse.Namespace) -> int:
 
     def load() -> BatchGenerator:
         try:
+            options = engine_options(args, n_ctx=per_slot)  # -c is every slot's context together
             with progress_bar() as progress:
-                backend = load_backend(args.model, n_slots=args.parallel, threads=args.threads, n_ctx=per_slot,
-                                           mmap=not args.no_mmap, verify=not args.no_verify, progress=progress,
-                                       log=log, readahead=args.readahead, **expert_kwargs(args),
-                                       **cache_kwargs(args))
+                backend = load_backend(args.model, n_slots=args.parallel, options=options, progress=progress,
+                                       log=log)
         except EngineError as e:
             if getattr(e, "flag", None) == "-c" and per_slot:
                 raise EngineError(f"{e} (cflow serve's -c is the context of all {args.parallel} slots together: "

@@ -1,6 +1,7 @@
 """The runtime: run a converted model on the C core. No torch here.
 
     engine     Engine: load (verify, GGUF cache), prefill, step, counters
+    options    EngineOptions: every load/run option, its default and its checks, in one frozen value
     generate   the generation loop, stop strings, Timings, Completion
     plan       the per-token op plan (the delay semantics on the runtime side)
     abi        the boundary with cflow._native: descriptor and plan encoded by name
@@ -16,7 +17,8 @@ from cflow.runtime.errors import (ContextOverflowError, CorruptModelError, Engin
                                   ModelNotFoundError, NativeMissingError)
 from cflow.runtime.experts import ExpertIOError
 from cflow.runtime.generate import Completion, Timings
+from cflow.runtime.options import EngineOptions
 from cflow.runtime.threads import usable_threads
 
-__all__ = ["Engine", "DEFAULT_MODEL", "Completion", "Timings", "usable_threads", "EngineError", "ModelNotFoundError",
+__all__ = ["Engine", "EngineOptions", "DEFAULT_MODEL", "Completion", "Timings", "usable_threads", "EngineError", "ModelNotFoundError",
            "ModelFormatError", "ContextOverflowError", "CorruptModelError", "NativeMissingError", "ExpertIOError"]

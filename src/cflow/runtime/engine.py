@@ -8,8 +8,11 @@
 
 Owns: loading (mmap by default; checksums verified on a file's first use; a .gguf converted once
 into the cache of cflow.runtime.files), the thread-count and context defaults, the KV-cache prefix
-reuse between calls, and the native step. One native call per token: `step()` runs the whole
-forward pass in C and writes the logits into a numpy array that is reused. The generation loop is
+reuse between calls, and the native step. What it loads and runs with (threads, context,
+sequences, KV-cache types, expert residency, read-ahead, prefetch, ...) is one
+cflow.runtime.options.EngineOptions, checked when it is made; Engine.load's keyword arguments
+override its fields. One native call per token: `step()` runs the whole forward pass in C and
+writes the logits into a numpy array that is reused. The generation loop is
 cflow.runtime.generate, the op plan cflow.runtime.plan, the encoding for C cflow.runtime.abi, where
 a MoE model keeps its experts (RAM, or disk through a bounded cache) cflow.runtime.experts.
 
@@ -42,13 +45,13 @@ from cflow.runtime import readahead as readahead_mod
 from cflow.runtime.errors import (ContextOverflowError, CorruptModelError, EngineError, ModelFormatError,
                                   ModelNotFoundError)
 from cflow.runtime.generate import Completion, Timings, common_prefix, run
+from cflow.runtime.options import DEFAULT_MAX_BATCH, EngineOptions  # noqa: F401 (DEFAULT_MAX_BATCH: its old home)
 from cflow.runtime.plan import build_plan
 from cflow.runtime.threads import ThreadTuner, resolve_threads
 from cflow.sampling import SamplingParams
 from cflow.tokenizer import check_token_ids
 
 DEFAULT_MAX_CTX = 4096
-DEFAULT_MAX_BATCH = 64  # prefill tokens per native call
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "models" / "default.cflow"
 
 
@@ -80,86 +83,81 @@ def _not_a_gguf(path: Path) -> str:
 class Engine:
     """A loaded model ready to generate. Not thread-safe: one generation at a time per Engine."""
 
-    def __init__(self, cf: Any, *, threads: int | None = None, n_ctx: int | None = None,
-                 max_batch: int = DEFAULT_MAX_BATCH, experts: str = "auto", expert_cache: int | str | None = None,
-                 expert_io: str = "async", expert_delay: bool = True, mmap: bool = True,
-                 log: Callable[[str], None] | None = None, n_seq: int = 1, expert_prefetch: str = "auto",
-                 readahead: str = "auto", overlap: bool = False, prefetch: int | None = None,
-                 cache_type_k: str = "f16", cache_type_v: str = "f16") -> None:
-        """An engine over an open CflowFile. experts / expert_cache / expert_io / expert_delay /
-        expert_prefetch / readahead / overlap / prefetch / cache_type_k / cache_type_v: see
-        Engine.load and cflow.runtime.experts; mmap=False copies the weights the engine reads out of
-        a mapped file (with experts on disk: all but the experts). n_seq: KV-cache slots (sequences)
-        of n_ctx positions each, for step_batch; the single-sequence calls use sequence 0."""
+    def __init__(self, cf: Any, options: EngineOptions | None = None, *, log: Callable[[str], None] | None = None,
+                 **overrides: Any) -> None:
+        """An engine over an open CflowFile, run as `options` say (cflow.runtime.options; keywords
+        override its fields, as in Engine.load, which documents each). mmap=False copies the weights
+        the engine reads out of a mapped file (with experts on disk: all but the experts); verify is
+        Engine.load's business (the file is already open). n_seq: KV-cache slots (sequences) of
+        n_ctx positions each, for step_batch; the single-sequence calls use sequence 0."""
         from cflow.tokenizer import Tokenizer
 
+        opts = EngineOptions.build(options, **overrides)  # every value checked before any work
         native = abi.native_module()
-        prefetch_mode = prefetch_mod.to_mode(prefetch)  # a bad value fails before any work
+        self.options = opts
         self.file = cf
         self.config = cf.config
         self.path = cf.path
-        # threads None/0: every usable core, and decode picks its count from measurements (ThreadTuner)
-        self.threads = resolve_threads(threads, native.MAX_THREADS)
+        # threads None: every usable core, and decode picks its count from measurements (ThreadTuner)
+        self.threads = resolve_threads(opts.threads, native.MAX_THREADS)
         limit = self.config.max_seq_len
-        self.n_ctx = int(n_ctx) if n_ctx else min(limit, DEFAULT_MAX_CTX)
-        if self.n_ctx < 1:
-            raise EngineError(f"context size must be >= 1, got {n_ctx}", flag="-c")
-        if int(n_seq) < 1:
-            raise EngineError(f"n_seq (sequences, KV-cache slots) must be >= 1, got {n_seq}")
-        self.n_seq = int(n_seq)
-        # the KV cache's row types (cflow.runtime.kvcache): checked before anything is allocated
-        self.cache_type_k = kvcache.check_cache_type(cache_type_k, "k")
-        self.cache_type_v = kvcache.check_cache_type(cache_type_v, "v")
-        kvcache.check_model(self.config, self.cache_type_k, self.cache_type_v)
+        self.n_ctx = opts.n_ctx or min(limit, DEFAULT_MAX_CTX)
+        self.n_seq = opts.n_seq
+        self.cache_type_k, self.cache_type_v = opts.cache_type_k, opts.cache_type_v
+        kvcache.check_model(self.config, self.cache_type_k, self.cache_type_v)  # before anything is allocated
         if self.n_ctx > limit:
             raise EngineError(f"context size {self.n_ctx} exceeds the model's max_seq_len {limit}; "
                               f"use -c {limit} or less", flag="-c")
-        # where the experts live: decided before the plan, which depends on it
-        # (async reads: experts(l) waits until resid(l + delta_expert) needs it, so the reads overlap
-        # the layers between; that keeps delta_expert + 1 layers' experts pinned at once)
-        sizes = None
+        # where the experts live, decided once, before the plan, which depends on it. The decision
+        # sizes the expert cache for the plan experts on disk would run, so that plan is built (and
+        # the C core asked how many layers it keeps in flight) once here and kept when the experts
+        # do go to disk. (Async reads: experts(l) waits until resid(l + delta_expert) needs it, so
+        # the reads overlap the layers between; that keeps delta_expert + 1 layers' experts pinned.)
+        delay = opts.expert_delay and opts.expert_io == "async"
+        sizes = disk_plan = None
         if self.config.has_moe:
-            disk_plan = build_plan(self.config, delay_experts=expert_delay and expert_io == "async")
+            disk_plan = build_plan(self.config, delay_experts=delay)
             sizes = xp.model_sizes(cf, self.n_ctx * self.n_seq,  # every sequence's KV cache
                                     xp.plan_inflight(disk_plan, native), self.cache_type_k, self.cache_type_v)
-        self.residency = xp.decide(sizes, experts=experts, expert_cache=expert_cache, expert_io=expert_io,
-                                   expert_prefetch=expert_prefetch)
+        self.residency = xp.decide(sizes, experts=opts.experts, expert_cache=opts.expert_cache,
+                                   expert_io=opts.expert_io, expert_prefetch=opts.expert_prefetch)
         disk = self.residency.mode == "disk"
         buffer = cf.buffer
         mapped = isinstance(getattr(buffer, "base", None), np.memmap)
-        if not mmap and mapped:  # opened mapped: copy
+        if not opts.mmap and mapped:  # opened mapped: copy
             buffer = xp.dense_copy(cf, skip_experts=disk)
         if disk:
             xp.drop_expert_pages(cf)
         # cold start (cflow.runtime.readahead): a .vflow runs its plan in file order, and a sweeper
         # may read the mapped weights ahead of the first steps
-        file_order, self._sweeper, resident = readahead_mod.start(cf, readahead, mapped=mmap and mapped,
+        file_order, self._sweeper, resident = readahead_mod.start(cf, opts.readahead, mapped=opts.mmap and mapped,
                                                                   skip_experts=disk)
         # with experts on disk only the dense weights come from the mapping, and every plan already
         # touches those in the .vflow order (the cache was sized for that plan: keep it)
         file_order = file_order and not disk
-        self._readahead = {"mode": readahead, "file_order": file_order, "resident_before": resident}
-        self.plan = build_plan(self.config, delay_experts=disk and expert_delay and expert_io == "async",
-                               file_order=file_order)
-        options = None
+        self._readahead = {"mode": opts.readahead, "file_order": file_order, "resident_before": resident}
+        experts = None
         if disk:
-            options = xp.native_options(cf, self.residency, xp.plan_inflight(self.plan, native))
+            self.plan = disk_plan
+            experts = xp.native_options(cf, self.residency, sizes.inflight)
+        else:
+            self.plan = build_plan(self.config, file_order=file_order)
         desc, names = abi.descriptor(cf, native)
         try:
             self._native = native.NativeEngine(buffer, self.config.to_dict(), desc, names,
                                                abi.encode_plan(self.plan, native), self.plan.n_ring,
-                                               self.plan.n_pending, self.threads, self.n_ctx, int(max_batch),
-                                               self.plan.n_moe, options, self.n_seq,
+                                               self.plan.n_pending, self.threads, self.n_ctx, opts.max_batch,
+                                               self.plan.n_moe, experts, self.n_seq,
                                                native.DTYPE_IDS[self.cache_type_k], native.DTYPE_IDS[self.cache_type_v])
         except ValueError as e:
             self._stop_sweeper()
             raise EngineError(f"{cf.path}: {e}") from None
-        self._native.overlap = bool(overlap)
-        self._native.prefetch = prefetch_mode
+        self._native.overlap = opts.overlap
+        self._native.prefetch = prefetch_mod.to_mode(opts.prefetch)
         if disk and log:
             log(xp.describe(self.residency, self._native.expert_cache))
         self.tokenizer = Tokenizer(cf.tokenizer)
-        self.tuner = ThreadTuner(self.threads) if not threads and self.threads > 1 else None
+        self.tuner = ThreadTuner(self.threads) if opts.threads is None and self.threads > 1 else None
         self.isa: str = self._native.isa
         self._logits = np.zeros(self.config.vocab_size, np.float32)  # [V], reused every step
         # per sequence: the tokens whose K/V sit in its cache at positions 0..n-1
@@ -174,18 +172,19 @@ class Engine:
 
     # ---- loading ---------------------------------------------------------------------------------
     @classmethod
-    def load(cls, path: str | os.PathLike | None = None, threads: int | None = None, n_ctx: int | None = None,
-             mmap: bool = True, *, max_batch: int = DEFAULT_MAX_BATCH, verify: bool = True,
+    def load(cls, path: str | os.PathLike | None = None, options: EngineOptions | None = None, *,
              progress: Callable[[int, int, str], None] | None = None,
-             log: Callable[[str], None] | None = None, experts: str = "auto",
-             expert_cache: int | str | None = None, expert_io: str = "async",
-             expert_delay: bool = True, n_seq: int = 1, expert_prefetch: str = "auto",
-             readahead: str = "auto", overlap: bool = False, prefetch: int | None = None,
-             cache_type_k: str = "f16", cache_type_v: str = "f16") -> "Engine":
+             log: Callable[[str], None] | None = None, **overrides: Any) -> "Engine":
         """Load a .cflow/.vflow file, or a .gguf (converted once into the cache; `log` is told);
         no path: the built-in model.
 
+        `options` (cflow.runtime.options.EngineOptions; default: every default) says how to load and
+        run it, and keyword arguments override its fields one by one: Engine.load(path, threads=2)
+        is Engine.load(path, EngineOptions(threads=2)). Every value is checked before the file is
+        opened. The fields:
+
         threads: default (None or 0) every usable core; n_ctx: default min(max_seq_len, 4096);
+        max_batch: rows one native call runs (prefill tokens per call; default 64);
         mmap=False reads the file into memory instead of mapping it. verify: check the checksums
         on the file's first use (cached by path, size, mtime and inode; False skips).
         `progress(done, total, name)` follows a conversion.
@@ -232,8 +231,7 @@ class Engine:
         """
         from cflow.fileformat import ChecksumError, FormatError, open_model
 
-        readahead_mod.check_mode(readahead)
-        prefetch_mod.to_mode(prefetch)  # before a conversion, not after
+        opts = EngineOptions.build(options, **overrides)  # checked before a conversion, not after
         t0 = time.perf_counter()
         p = Path(path) if path is not None else DEFAULT_MODEL
         if not p.exists():
@@ -248,10 +246,10 @@ class Engine:
         if gguf is not None:
             p = cls._converted(gguf, progress, log)
         # experts may go to disk: open mapped (the engine copies what it needs for mmap=False)
-        mapped = mmap or experts != "ram"
+        mapped = opts.mmap or opts.experts != "ram"
         try:
             cf = open_model(p, mmap=mapped)
-            if verify and not files.is_verified(p):
+            if opts.verify and not files.is_verified(p):
                 cls._verify(cf)
         except FormatError as e:
             if gguf is None:
@@ -266,10 +264,7 @@ class Engine:
             p.unlink(missing_ok=True)
             cf = open_model(cls._converted(gguf, progress, log), mmap=mapped)
         try:
-            eng = cls(cf, threads=threads, n_ctx=n_ctx, max_batch=max_batch, experts=experts,
-                      expert_cache=expert_cache, expert_io=expert_io, expert_delay=expert_delay, mmap=mmap,
-                      log=log, n_seq=n_seq, expert_prefetch=expert_prefetch, readahead=readahead,
-                      overlap=overlap, prefetch=prefetch, cache_type_k=cache_type_k, cache_type_v=cache_type_v)
+            eng = cls(cf, opts, log=log)
         except BaseException:
             cf.close()
             raise

@@ -37,11 +37,12 @@ reference for it.
 from __future__ import annotations
 
 import os
-from typing import Any, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
 from cflow.runtime.generate import common_prefix
+from cflow.runtime.options import EngineOptions
 
 
 @runtime_checkable
@@ -99,24 +100,28 @@ class EngineSlots:
         self._rows = np.zeros((self.n_slots, self.vocab_size), np.float32)  # step_rows' (grows)
 
     @classmethod
-    def load(cls, path: str | os.PathLike | None = None, n_slots: int = 1, threads: int | None = None,
-             n_ctx: int | None = None, **load_kw: Any) -> "EngineSlots":
-        """Load the model once (Engine.load: GGUF conversion, verification, `load_kw` as there) and
-        give it `n_slots` slots of `n_ctx` positions each (default: Engine's default context). The
-        extra slots are Engines over the first one's open file, so they share its mapping of the
-        weights (with mmap=False only the first slot copies them)."""
+    def load(cls, path: str | os.PathLike | None = None, n_slots: int = 1, options: EngineOptions | None = None, *,
+             progress: Callable[[int, int, str], None] | None = None, log: Callable[[str], None] | None = None,
+             **overrides: Any) -> "EngineSlots":
+        """Load the model once (Engine.load: GGUF conversion, verification, `options` and keyword
+        overrides as there) and give it `n_slots` slots of n_ctx positions each (default: Engine's
+        default context). The extra slots are Engines over the first one's open file, so they share
+        its mapping of the weights (with mmap=False only the first slot copies them)."""
         from cflow.runtime import Engine
 
         if int(n_slots) < 1:
             raise ValueError(f"n_slots must be >= 1, got {n_slots}")
-        first = Engine.load(path, threads=threads, n_ctx=n_ctx, **load_kw)
+        opts = EngineOptions.build(options, **overrides)
+        first = Engine.load(path, opts, progress=progress, log=log)
+        # The extra slots run the first one's options on its open file, except how that file is
+        # read: they use its mapping (or copy) as it is, and the cold-start read-ahead is the first
+        # engine's; n_seq is 1 (a slot is one sequence) and n_ctx the first one's resolved context.
+        extra = opts.replace(n_ctx=first.n_ctx, n_seq=1, mmap=True, readahead="auto")
         engines = [first]
         try:
-            extra = {k: load_kw[k] for k in ("max_batch", "experts", "expert_cache", "expert_io",
-                                                  "expert_prefetch", "cache_type_k", "cache_type_v") if k in load_kw}
             for _ in range(int(n_slots) - 1):
                 # the same open file: one mapping of the weights serves every slot
-                engines.append(Engine(first.file, threads=threads, n_ctx=first.n_ctx, **extra))
+                engines.append(Engine(first.file, extra))
         except BaseException:
             for e in engines:
                 e.close()
@@ -210,15 +215,18 @@ class EngineBatch:
         _describe(self, engine)
 
     @classmethod
-    def load(cls, path: str | os.PathLike | None = None, n_slots: int = 1, threads: int | None = None,
-             n_ctx: int | None = None, **load_kw: Any) -> "EngineBatch":
-        """Load the model (Engine.load: GGUF conversion, verification, `load_kw` as there) with
-        `n_slots` sequences of `n_ctx` positions each (default: Engine's default context)."""
+    def load(cls, path: str | os.PathLike | None = None, n_slots: int = 1, options: EngineOptions | None = None, *,
+             progress: Callable[[int, int, str], None] | None = None, log: Callable[[str], None] | None = None,
+             **overrides: Any) -> "EngineBatch":
+        """Load the model (Engine.load: GGUF conversion, verification, `options` and keyword
+        overrides as there) with `n_slots` sequences of n_ctx positions each (default: Engine's
+        default context)."""
         from cflow.runtime import Engine
 
         if int(n_slots) < 1:
             raise ValueError(f"n_slots must be >= 1, got {n_slots}")
-        return cls(Engine.load(path, threads=threads, n_ctx=n_ctx, n_seq=int(n_slots), **load_kw))
+        opts = EngineOptions.build(options, **overrides).replace(n_seq=int(n_slots))
+        return cls(Engine.load(path, opts, progress=progress, log=log))
 
     # ---- tokens (thread-safe: the tokenizer only) --------------------------------------------
     def encode(self, prompt: str | Sequence[int], add_bos: bool | None = None) -> list[int]:
@@ -248,11 +256,11 @@ class EngineBatch:
         return f"EngineBatch({self.path!r}, {self.n_slots} slots x {self.n_ctx} tokens, threads={self.threads})"
 
 
-def load_backend(path: str | os.PathLike | None = None, n_slots: int = 1, threads: int | None = None,
-                 n_ctx: int | None = None, *, batched: bool = True, **load_kw: Any) -> EngineBatch | EngineSlots:
+def load_backend(path: str | os.PathLike | None = None, n_slots: int = 1, options: EngineOptions | None = None, *,
+                 batched: bool = True, progress: Callable[[int, int, str], None] | None = None,
+                 log: Callable[[str], None] | None = None, **overrides: Any) -> EngineBatch | EngineSlots:
     """The default backend for `n_slots` slots: EngineBatch (one pass over the weights per decode
-    step), or EngineSlots (one Engine per slot, the reference) with batched=False. Arguments as
-    EngineSlots.load."""
-    if batched:
-        return EngineBatch.load(path, n_slots=n_slots, threads=threads, n_ctx=n_ctx, **load_kw)
-    return EngineSlots.load(path, n_slots=n_slots, threads=threads, n_ctx=n_ctx, **load_kw)
+    step), or EngineSlots (one Engine per slot, the reference) with batched=False. `options`
+    (EngineOptions) and keyword overrides of its fields as Engine.load; n_seq is the backend's."""
+    kind = EngineBatch if batched else EngineSlots
+    return kind.load(path, n_slots=n_slots, options=options, progress=progress, log=log, **overrides)

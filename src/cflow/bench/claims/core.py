@@ -208,10 +208,17 @@ def fmt_bytes(n: float) -> str:
 
 
 def signature_has(fn: Any, *names: str) -> bool:
+    """Whether `fn` takes every keyword in `names`: its own parameters, and when it takes
+    `options` plus **overrides (Engine.load, bench), every field of EngineOptions."""
     import inspect
 
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):
         return False
-    return all(n in params for n in names)
+    accepted = set(params)
+    if "options" in params and any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        from cflow.runtime.options import EngineOptions
+
+        accepted |= set(EngineOptions.names())
+    return all(n in accepted for n in names)
