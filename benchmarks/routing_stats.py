@@ -12,8 +12,9 @@ with its weights exactly as stored), over the first --tokens tokens of the corpu
   share over log(E) (1.0: perfectly even);
 - reuse: of a token's k experts at a layer, the share the previous token also chose there;
 - predictability at distance d = 1..8: the share of layer l+d's chosen experts that the engine's
-  predictor (top-k of softmax(router_{l+d}(rmsnorm(z_l) * moe_norm_{l+d})), engine.c "speculative
-  prefetch") finds from layer l's MoE input, averaged over every l with l+d in the model.
+  predictor (top-k of softmax(router_{l+d}(rmsnorm(z_l) * moe_norm_{l+d})), engine_spec.c, expert
+  speculation) finds from layer l's MoE input, averaged over every l with l+d in the model (so d
+  stops at n_layers - 1); a guess at random finds k/E of them.
 
 Writes OUT.json, OUT.md (a table per model) and OUT.png (predictability against d, every model).
 Random-weight models (cflow.bench.synthetic, `--residual-gain`) route unlike trained ones; put both
@@ -160,12 +161,22 @@ def tokenizer_of(path: str):
         return Tokenizer(cf.tokenizer)
 
 
+def _chance(results: dict) -> float | None:
+    """k/E when every model has the same k and E, else None."""
+    ks = {(s["config"]["top_k"], s["config"]["n_experts"]) for s in results.values()}
+    if len(ks) != 1:
+        return None
+    k, e = next(iter(ks))
+    return k / e
+
+
 def render_markdown(results: dict, n_tokens: int, argv: list[str]) -> str:
     definitions = "\n\n".join(__doc__.split("\n\n")[2:4])  # the load / reuse / predictability bullets, defined once
     ds = list(next(iter(results.values()))["predictability"]) if results else []
     lines = [f"# Routing on {n_tokens:,} tokens per model", "",
              "Command: `python benchmarks/routing_stats.py " + " ".join(argv) + "`", "", definitions, "",
              "## Predictability at distance d, every model", "",
+             *([f"A guess at random finds k/E = {chance:.3f} of them."] if (chance := _chance(results)) else []), "",
              "| model | text | " + " | ".join(f"d={d}" for d in ds) + " |", "|---|---|" + "---:|" * len(ds)]
     for path, s in results.items():
         lines.append(f"| {s['config']['name']} ({path}) | {s['text']} | "
