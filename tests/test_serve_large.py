@@ -109,5 +109,5 @@ def test_health_and_streams_answer_while_large_prompts_are_read(smol4):
         reader.join(timeout=120)
         conn.close()
     assert statuses and set(statuses) == {400}, statuses  # each read and tokenized: too long for the slot
-    assert max(health) < 100, sorted(health)[-5:]
+    assert max(health) < 100, str([round(h) for h in health])
     assert len(gaps) > 100 and max(gaps[1:]) < 1.0, sorted(gaps)[-5:]
