@@ -50,7 +50,9 @@ STEPS = 12
 
 
 def round_up(n: int) -> int:
-    return -(-n // xp.ALIGN) * xp.ALIGN
+    from cflow import _native
+
+    return -(-n // _native.EXPERT_ALIGN) * _native.EXPERT_ALIGN
 
 
 @pytest.fixture(scope="module")

@@ -210,3 +210,15 @@ def test_sequences_are_a_trailing_keyword():
     for bad in (0, -1, 5000):
         with pytest.raises(ValueError, match="sequences"):
             _native.NativeEngine(buf, cfg.to_dict(), desc, names, plan_for(cfg), 1, 1, 2, 16, 4, n_seq=bad)
+
+
+def test_the_expert_cache_rules_are_the_c_cores():
+    """Python sizes expert slots and the smallest cache by the C core's own rules, not copies."""
+    from cflow import _native
+    from cflow.fileformat.layout import ALIGN
+    from cflow.runtime.experts import ModelSizes
+
+    assert _native.EXPERT_ALIGN == ALIGN  # O_DIRECT reads of expert spans need the file's alignment
+    assert _native.expert_min_slots(2, 3) == 6
+    sizes = ModelSizes(file_bytes=0, expert_bytes=0, slot_bytes=4096, n_keys=8, top_k=2, inflight=3, kv_bytes=0)
+    assert sizes.min_slots == _native.expert_min_slots(2, 3) and sizes.min_cache == 6 * 4096

@@ -345,6 +345,9 @@ void bind_contracts(nb::module_ &m) {
     m.attr("SPEC_MAX_DEPTH") = (int)CF_SPEC_MAX_DEPTH;
     m.attr("IO_FAULTS") = as_tuple(table_names(cf_xfault_names, CF_XFAULT_KINDS, "cf_xfault_names"));
     m.attr("EXPERT_READERS") = as_tuple(table_names(cf_xreader_names, CF_XREADER_KINDS, "cf_xreader_names"));
+    m.attr("EXPERT_ALIGN") = (int)CF_XALIGN;
+    m.def("expert_min_slots", [](int top_k, int inflight) { return cf_expert_min_slots(top_k, inflight); },
+          nb::arg("top_k"), nb::arg("inflight"), "the smallest expert cache an engine accepts, in slots");
     m.def("plan_inflight", [](Plan plan, int n_moe) {
         if (plan.shape(1) != CF_OP_FIELDS) throw nb::value_error("plan array has the wrong width");
         return cf_plan_inflight(plan.data(), (int)plan.shape(0), n_moe);

@@ -317,6 +317,9 @@ int cf_engine_inject_io_fault(cf_engine *e, int64_t after, int kind, int delay_u
 /* Layers in flight in a plan (see "the plan" above); -1 if the plan pairs routes and experts
  * wrongly. The minimum cache is top_k times this many experts. */
 int cf_plan_inflight(const int32_t *plan, int n_ops, int n_moe);
+/* The smallest expert cache an engine accepts, in slots: every layer in flight may pin top_k
+ * experts at once (the one definition; Python asks it through _native.expert_min_slots). */
+static inline int cf_expert_min_slots(int top_k, int inflight) { return top_k * inflight; }
 
 #ifdef __cplusplus
 }

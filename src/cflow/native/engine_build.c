@@ -424,7 +424,7 @@ static int open_disk_experts(cf_engine *e, const cf_disk_experts *dx, char *err,
                 (long long)len[bad], (long long)off[bad]);
     } else {
         cf_xstore_opts o = {.path = dx->path, .n_keys = n_keys, .n_experts = E, .offset = off, .nbytes = len,
-                            .budget = dx->budget, .min_slots = c->top_k * e->inflight, .async = dx->async,
+                            .budget = dx->budget, .min_slots = cf_expert_min_slots(c->top_k, e->inflight), .async = dx->async,
                             .n_io = dx->n_io, .direct = dx->direct, .reader = dx->reader};
         e->xs = cf_xstore_open(&o, err, n);
         e->xasync = dx->async ? 1 : 0;
@@ -597,7 +597,7 @@ const char *cf_engine_isa(const cf_engine *e) { return e->k->name; }
 int cf_engine_expert_cache(const cf_engine *e, cf_expert_cache_info *out) {
     memset(out, 0, sizeof *out);
     out->inflight = e->inflight;
-    out->min_slots = e->c.top_k * e->inflight;
+    out->min_slots = cf_expert_min_slots(e->c.top_k, e->inflight);
     if (!e->xs) return 0;
     cf_xstore_info xi;
     cf_xstore_get_info(e->xs, &xi);

@@ -263,7 +263,7 @@ int cf_spec_open(cf_engine *e, int depth, char *err, size_t n) {
     const cf_config *c = &e->c;
     cf_xstore_info xi;
     cf_xstore_get_info(e->xs, &xi);
-    int min_slots = c->top_k * e->inflight;
+    int min_slots = cf_expert_min_slots(c->top_k, e->inflight);
     if (depth <= 0 || !e->xasync || xi.n_slots <= min_slots) return 0;
     cf_spec *sp = &e->spec;
     sp->room = xi.n_slots - min_slots;

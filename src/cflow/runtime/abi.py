@@ -25,7 +25,7 @@ def native_module() -> Any:
         from cflow import _native
     except ImportError as e:
         raise NativeMissingError(f"the compiled core cflow._native is not available ({e}); {_REBUILD}") from None
-    for attr in ("NativeEngine", "OP_KINDS", "SOURCES", "LAYER_SLOTS", "DESC_FIELDS", "MAX_THREADS"):
+    for attr in ("NativeEngine", "OP_KINDS", "SOURCES", "LAYER_SLOTS", "DESC_FIELDS", "MAX_THREADS", "EXPERT_ALIGN"):
         if not hasattr(_native, attr):
             raise NativeMissingError(f"cflow._native is older than this cflow (it has no {attr}); {_REBUILD}")
     return _native

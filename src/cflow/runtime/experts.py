@@ -74,7 +74,6 @@ SPEC_MAX_DEPTH = 16  # native/engine.h CF_SPEC_MAX_DEPTH (checked in tests): dee
 # routing is hard to predict. Measured against off and next-layer, with and without an expert
 # delay (docs/results/moe.md, "Async vs sync").
 AUTO_PREFETCH_DEPTH = 16
-ALIGN = 4096
 NO_LIMIT = 1 << 60  # cgroup limits at or above this mean "none"
 
 
@@ -190,7 +189,9 @@ class ModelSizes:
 
     @property
     def min_slots(self) -> int:
-        return self.top_k * self.inflight
+        from cflow.runtime.abi import native_module  # the rule is the C core's (engine.h)
+
+        return native_module().expert_min_slots(self.top_k, self.inflight)
 
     @property
     def dense_bytes(self) -> int:
@@ -213,8 +214,11 @@ def model_sizes(cf: Any, n_ctx: int, inflight: int, cache_type_k: str = "f16",
     spans = list(cf.experts.values())
     kv = cache_bytes(cfg, n_ctx, cache_type_k, cache_type_v)  # K and V of every position
     largest = max((n for _, n in spans), default=0)
+    from cflow.runtime.abi import native_module
+
+    align = native_module().EXPERT_ALIGN  # a slot holds whole O_DIRECT blocks (experts.h CF_XALIGN)
     return ModelSizes(file_bytes=int(cf.buffer.size), expert_bytes=sum(n for _, n in spans),
-                      slot_bytes=-(-largest // ALIGN) * ALIGN, n_keys=len(spans), top_k=cfg.top_k,
+                      slot_bytes=-(-largest // align) * align, n_keys=len(spans), top_k=cfg.top_k,
                       inflight=max(inflight, 1), kv_bytes=kv, delta_expert=cfg.delta_expert,
                       n_layers=cfg.n_layers)
 
