@@ -252,8 +252,9 @@ def test_cli_flags_reach_the_engine(tmp_path, monkeypatch):
     p = argparse.ArgumentParser()
     common.add_model_flags(p)
     args = p.parse_args(["-ctk", "q8_0", "--cache-type-v", "q8_0"])
-    assert common.cache_kwargs(args) == {"cache_type_k": "q8_0", "cache_type_v": "q8_0"}
-    assert common.cache_kwargs(p.parse_args([])) == {"cache_type_k": "f16", "cache_type_v": "f16"}
+    opts, default = common.engine_options(args), common.engine_options(p.parse_args([]))
+    assert (opts.cache_type_k, opts.cache_type_v) == ("q8_0", "q8_0")
+    assert (default.cache_type_k, default.cache_type_v) == ("f16", "f16")
     with pytest.raises(SystemExit):
         p.parse_args(["-ctk", "q4_0"])  # argparse: invalid choice, lists f16, q8_0
     help_text = p.format_help()

@@ -112,12 +112,6 @@ def add_cache_flags(p: argparse.ArgumentParser) -> None:
                        f"logits change a little, docs/DESIGN.md \"KV cache\"; needs head_dim a multiple of 32)")
 
 
-def cache_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """Engine.load's cache_type_k / cache_type_v from the cache flags (f16 where a command has none)."""
-    opts = engine_options(args)
-    return dict(cache_type_k=opts.cache_type_k, cache_type_v=opts.cache_type_v)
-
-
 def add_expert_flags(p: argparse.ArgumentParser) -> None:
     """Where a mixture-of-experts model keeps its experts (cflow.runtime.experts). Dense models accept
     the flags; --experts disk is refused for them (they have no experts)."""
@@ -228,13 +222,6 @@ def load_engine(args: argparse.Namespace):
             return Engine.load(args.model, options, progress=progress, log=log)
     except OSError as e:
         raise load_error(args.model, e) from None
-
-
-def expert_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """Engine.load's experts / expert_cache / expert_io / expert_prefetch from the expert flags
-    (defaults where a command has none of them)."""
-    opts = engine_options(args)
-    return {k: getattr(opts, k) for k in ("experts", "expert_cache", "expert_io", "expert_prefetch")}
 
 
 def load_error(model: str | None, e: OSError) -> FileError:

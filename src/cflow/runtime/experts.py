@@ -61,6 +61,7 @@ from typing import Any
 
 import numpy as np
 
+from cflow.runtime.abi import native_module
 from cflow.runtime.errors import EngineError
 from cflow.runtime.files import format_size, parse_size
 
@@ -189,9 +190,7 @@ class ModelSizes:
 
     @property
     def min_slots(self) -> int:
-        from cflow.runtime.abi import native_module  # the rule is the C core's (engine.h)
-
-        return native_module().expert_min_slots(self.top_k, self.inflight)
+        return native_module().expert_min_slots(self.top_k, self.inflight)  # the C core's rule (engine.h)
 
     @property
     def dense_bytes(self) -> int:
@@ -214,8 +213,6 @@ def model_sizes(cf: Any, n_ctx: int, inflight: int, cache_type_k: str = "f16",
     spans = list(cf.experts.values())
     kv = cache_bytes(cfg, n_ctx, cache_type_k, cache_type_v)  # K and V of every position
     largest = max((n for _, n in spans), default=0)
-    from cflow.runtime.abi import native_module
-
     align = native_module().EXPERT_ALIGN  # a slot holds whole O_DIRECT blocks (experts.h CF_XALIGN)
     return ModelSizes(file_bytes=int(cf.buffer.size), expert_bytes=sum(n for _, n in spans),
                       slot_bytes=-(-largest // align) * align, n_keys=len(spans), top_k=cfg.top_k,
@@ -350,7 +347,6 @@ def plan_inflight(plan: Any, native: Any) -> int:
 
 def native_options(cf: Any, res: Residency, inflight: int) -> dict:
     """The `experts` argument of NativeEngine for a disk residency."""
-    from cflow.runtime.abi import native_module
 
     cfg = cf.config
     span = np.array([cf.experts[(i, x)] for i in range(cfg.n_unique_layers) for x in range(cfg.n_experts)],
