@@ -16,6 +16,11 @@ double the speed).
     python benchmarks/make_moe.py --preset fine-small --gguf fine.gguf --cflow fine.cflow
     python benchmarks/expert_io_ab.py fine.cflow --budgets 0.9,0.95,0.97 --modes sync,async:off,async:1,async:16
 
+Learned routing: `--corpus` teacher-forces a trained model on held-out stories; `--trace` routes a
+model (e.g. one with Mixtral-sized experts and the same layers and top_k) by a trained model's
+recorded routing (benchmarks/route_trace.py), speculation predicting what the trained model's
+predictor predicted.
+
 Each engine holds its own cache (budget x all experts' bytes): four modes at 97% of a 2.7 GB model
 take about 10 GB of memory. Not for a memory-limited run (use moe_bench.py --limits).
 """
@@ -66,16 +71,23 @@ def settle(eng, timeout: float = 5.0) -> None:
 
 
 def measure(path: str, budget: float, modes: list[str], threads: int, rounds: int, per_round: int,
-            warmup: int) -> dict:
+            warmup: int, corpus: str | None = None, trace=None) -> dict:
     from cflow.fileformat import open_model
     from cflow.runtime import Engine
 
-    with Engine.load(path, threads=1, n_ctx=16, experts="ram") as probe:
+    n_tok = warmup + rounds * per_round
+    with Engine.load(path, threads=1, n_ctx=max(16, n_tok + 8), experts="ram") as probe:
         converted, vocab = probe.path, probe.config.vocab_size
+        if trace is not None:
+            trace.check_fits(probe.config)
+        if corpus:  # a trained model reads text it was not trained on: its learned routing
+            from route_trace import held_out_stream
+
+            toks = held_out_stream(probe, corpus, n_tok)
+        else:  # a random model: any tokens route alike
+            toks = [int(t) for t in np.random.default_rng(0).integers(1, vocab, n_tok)]
     with open_model(converted) as cf:
         expert_bytes = sum(n for _, n in cf.experts.values())
-    n_tok = warmup + rounds * per_round
-    toks = [int(t) for t in np.random.default_rng(0).integers(1, vocab, n_tok)]
     engines = {}
     for m in modes:
         io, pf, reader, keep = parse_mode(m)
@@ -84,6 +96,8 @@ def measure(path: str, budget: float, modes: list[str], threads: int, rounds: in
         os.environ["CFLOW_EXPERT_KEEP"] = "1" if keep else "0"
         eng = Engine.load(converted, threads=threads, n_ctx=n_tok + 8, experts="disk", verify=False,
                           expert_cache=int(budget * expert_bytes), expert_io=io, expert_prefetch=pf)
+        if trace is not None:  # every engine routes by the same trace, row after row
+            eng.replay_routes(trace)
         for i, t in enumerate(toks[:warmup]):  # the cache's steady state
             eng.step(t, i)
         settle(eng)
@@ -104,7 +118,8 @@ def measure(path: str, budget: float, modes: list[str], threads: int, rounds: in
             ms[m].append(dt / per_round * 1e3)
             stall[m].append((eng.counters()["io_stall_ns"] - c0["io_stall_ns"]) / per_round / 1e6)
     out = {"model": str(path), "budget": budget, "threads": threads, "rounds": rounds, "per_round": per_round,
-           "modes": {}}
+           "tokens": "held-out stories of " + corpus if corpus else "random",
+           "routes": trace.meta.get("source", "a trace") if trace is not None else "the model's own", "modes": {}}
     for m in modes:
         c = engines[m].counters()
         looked = c["cache_hits"] + c["cache_misses"]
@@ -153,15 +168,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=48,
                     help="tokens each engine decodes before the rounds (the speculation gate needs 32 predictions "
                     "per distance, and the cache's keep ranks then some misses, to settle)")
+    ap.add_argument("--corpus", help="teacher-force the corpus's held-out stories instead of random tokens "
+                    "(for trained models: their learned routing)")
+    ap.add_argument("--trace", help="route every engine by this route trace (benchmarks/route_trace.py) instead "
+                    "of the model's routers: one model's learned routing through another's expert cache")
     ap.add_argument("--out", default=None, help="write OUT.md and OUT.json")
     args = ap.parse_args(argv)
+    trace = None
+    if args.trace:
+        from cflow.runtime.routes import RouteTrace
+
+        trace = RouteTrace.load(args.trace)
     modes = args.modes.split(",")
     for m in modes:
         parse_mode(m)
     results = []
     for path in args.models:
         for b in (float(x) for x in args.budgets.split(",")):
-            results.append(measure(path, b, modes, args.threads, args.rounds, args.per_round, args.warmup))
+            results.append(measure(path, b, modes, args.threads, args.rounds, args.per_round, args.warmup,
+                                   args.corpus, trace))
             print(table(results[-1:]).split("\n", 2)[2], flush=True)
     text = (f"Command: `python benchmarks/expert_io_ab.py {' '.join(argv if argv is not None else sys.argv[1:])}`\n\n"
             + table(results) + "\n")

@@ -40,6 +40,8 @@ using Logits = nb::ndarray<float, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 using Logits2 = nb::ndarray<float, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
 using Ints = nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 using Spans = nb::ndarray<const int64_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+using RouteRows = nb::ndarray<int32_t, nb::ndim<3>, nb::c_contig, nb::device::cpu>;   // [n, L, top_k]
+using RoutePreds = nb::ndarray<int32_t, nb::ndim<4>, nb::c_contig, nb::device::cpu>;  // [n, L, depth, top_k]
 
 cf_config config_from(const nb::dict &d) {
     auto i = [&](const char *k) { return nb::cast<int>(d[k]); };
@@ -71,7 +73,7 @@ cf_config config_from(const nb::dict &d) {
 struct NativeEngine {
     cf_engine *e = nullptr;
     Bytes buf;  // keeps the mapped file alive
-    int vocab = 0, n_layers = 0, n_experts = 0;
+    int vocab = 0, n_layers = 0, n_experts = 0, top_k = 0;
 
     NativeEngine(Bytes buffer, const nb::dict &cfg, Desc desc, const std::vector<std::string> &names,
                  Plan plan, int n_ring, int n_pending, int threads, int n_ctx, int max_batch, int n_moe,
@@ -123,8 +125,39 @@ struct NativeEngine {
         vocab = c.vocab;
         n_layers = c.n_layers;
         n_experts = c.n_experts;
+        top_k = c.top_k;
     }
     ~NativeEngine() { cf_engine_free(e); }
+
+    // The route trace's arrays: the engine writes or reads them during calls, so they live here
+    // while the mode is on (engine.h, cf_engine_set_routes).
+    RouteRows route_chosen;
+    RoutePreds route_pred;
+
+    void set_routes(int mode, nb::object chosen, nb::object pred) {
+        char err[512] = {0};
+        if (mode == CF_ROUTES_OFF) {
+            cf_engine_set_routes(e, mode, nullptr, nullptr, 0, 0, err, sizeof err);
+            route_chosen = RouteRows();
+            route_pred = RoutePreds();
+            return;
+        }
+        RouteRows c = nb::cast<RouteRows>(chosen);
+        RoutePreds p = pred.is_none() ? RoutePreds() : nb::cast<RoutePreds>(pred);
+        int depth = pred.is_none() ? 0 : (int)p.shape(2);
+        int K = top_k;
+        if ((int)c.shape(1) != n_layers || (int)c.shape(2) != K)
+            throw nb::value_error(("chosen must have shape [rows, " + std::to_string(n_layers) + ", " +
+                                   std::to_string(K) + "] (layers, top_k)").c_str());
+        if (!pred.is_none() && (p.shape(0) != c.shape(0) || (int)p.shape(1) != n_layers || (int)p.shape(3) != K))
+            throw nb::value_error(("pred must have shape [rows, " + std::to_string(n_layers) + ", depth, " +
+                                   std::to_string(K) + "] with chosen's rows").c_str());
+        if (cf_engine_set_routes(e, mode, c.data(), depth ? p.data() : nullptr, (int64_t)c.shape(0), depth, err,
+                                 sizeof err))
+            throw nb::value_error(err);
+        route_chosen = c;
+        route_pred = p;
+    }
 
     // A failed call: OSError for expert I/O or a changed file (the caller names the file), else
     // ValueError.
@@ -392,6 +425,12 @@ void cf_bind_engine(nb::module_ &m) {
         .def("counters", &NativeEngine::counters, "Bytes touched by category since reset_counters().")
         .def("expert_hits", &NativeEngine::expert_hits, "Routing counts per [layer][expert].")
         .def("reset_counters", [](NativeEngine &s) { cf_engine_reset_counters(s.e); })
+        .def("set_routes", &NativeEngine::set_routes, nb::arg("mode"), nb::arg("chosen").none(),
+             nb::arg("pred").none(),
+             "record (1) or replay (2) a route trace in these int32 arrays, or stop (0): chosen [rows, L, top_k], "
+             "pred [rows, L, depth, top_k] or None (engine.h, cf_engine_set_routes)")
+        .def_prop_ro("routes_pos", [](const NativeEngine &s) { return cf_engine_routes_pos(s.e); },
+                     "trace rows recorded or replayed since the mode was set")
         .def("profile_start", &NativeEngine::profile_start, nb::arg("calls"),
              "record per-thread phase timings for the next `calls` forward calls (buffers allocated now; "
              "a step is one call, a prefill one per max_batch tokens)")

@@ -405,6 +405,25 @@ static void op_dense(cf_engine *e, int l, int src_kind, int slot, int tail, int 
 // ---------------------------------------------------------------------------------------------
 // the MoE ops
 
+/* Recording a route trace (engine.h): what speculation would predict, from this route's input, for
+ * each later layer within the trace's depth (every distance, whatever the gate trusts). */
+static void record_predictions(cf_engine *e, int l, int src_kind) {
+    int K = e->c.top_k, L = e->c.n_layers, chosen[64];
+    for (int b = 0; b < e->B; b++) {
+        int32_t *rp = cf_routes_pred(e, b, l);
+        if (!rp) continue;
+        for (int j = 0; j < e->routes.depth; j++) {
+            int32_t *out = rp + (size_t)j * K;
+            if (l + 1 + j >= L) {
+                for (int k = 0; k < K; k++) out[k] = -1;
+                continue;
+            }
+            cf_predict_route(e, b, l + 1 + j, src_kind, chosen);
+            for (int k = 0; k < K; k++) out[k] = chosen[k];
+        }
+    }
+}
+
 /* Thread 0 normalises the MoE input, runs the router (f32) and fills per-expert token lists:
  * softmax over all E logits, top-k, the k weights renormalised to sum to 1 (moe_norm_topk; else
  * kept as they are). With a shared expert it also computes each row's weight for it. */
@@ -428,7 +447,13 @@ static void op_route(cf_engine *e, int l, int src_kind, int ms, int ith) {
             e->k->softmax(pr, E);
             int chosen[64];
             float val[64], wsum = 0.0f;
-            e->k->topk(pr, E, c->top_k, chosen, val);
+            int32_t *rc = cf_routes_chosen(e, b, l);
+            if (rc && e->routes.mode == CF_ROUTES_REPLAY) { /* the trace's experts, the router's weights */
+                for (int k = 0; k < c->top_k; k++) val[k] = pr[chosen[k] = rc[k]];
+            } else {
+                e->k->topk(pr, E, c->top_k, chosen, val);
+                if (rc) memcpy(rc, chosen, (size_t)c->top_k * sizeof *rc); /* recording */
+            }
             for (int k = 0; k < c->top_k; k++) wsum += val[k];
             if (!c->moe_norm_topk) wsum = 1.0f;
             for (int k = 0; k < c->top_k; k++) {
@@ -445,6 +470,7 @@ static void op_route(cf_engine *e, int l, int src_kind, int ms, int ith) {
                 s->shexp_w[(size_t)ms * B + b] = 1.0f / (1.0f + expf(-g));
             }
         e->cnt.n[CF_CNT_ROUTER] += w->router_bytes;
+        if (e->routes.mode == CF_ROUTES_RECORD) record_predictions(e, l, src_kind);
         if (e->xs) cf_route_disk(e, l, ms, src_kind);
     }
     sync_threads(e, ith, -1);
@@ -726,6 +752,7 @@ static int forward(cf_engine *e, const int32_t *tokens, int B, float *logits, co
     }
     e->cnt.n[CF_CNT_TOKENS] += B;
     e->cnt.n[CF_CNT_CALLS]++;
+    if (e->routes.mode) e->routes.pos += B;
     return 0;
 }
 

@@ -298,6 +298,24 @@ int cf_engine_max_batch(const cf_engine *e);
 int cf_engine_n_seq(const cf_engine *e);
 const char *cf_engine_isa(const cf_engine *e);
 
+/* Route traces: record the experts every route chooses, and what expert speculation would predict
+ * for each later layer, or replay such a trace in place of the routers' own choices (benchmarks put
+ * one model's learned routing onto another model's weights and expert cache; the replay of a
+ * run's own trace reproduces it bit for bit). The caller owns the buffers and keeps them alive
+ * while the mode is on:
+ *   chosen [n, L, top_k]        the experts row t's route chose at layer l, in top-k order
+ *   pred   [n, L, depth, top_k] the top_k predicted for layer l + 1 + j from route(l)'s input,
+ *                               as speculation predicts (engine_spec.c); -1 past the last layer
+ * Row b of a call is trace row pos + b (pos: rows recorded or replayed so far). Recording stops
+ * at n rows; a replay wraps around. Replaying takes the choices from `chosen` and the routing
+ * weights from the router's own probabilities of those experts; speculation predicts from `pred`
+ * (depth must cover the engine's speculation depth, or L - 1). Returns 0, or -1 with err. Not
+ * while a call is running. */
+enum { CF_ROUTES_OFF = 0, CF_ROUTES_RECORD = 1, CF_ROUTES_REPLAY = 2 };
+int cf_engine_set_routes(cf_engine *e, int mode, int32_t *chosen, int32_t *pred, int64_t n, int depth,
+                         char *err, size_t nerr);
+int64_t cf_engine_routes_pos(const cf_engine *e);
+
 /* Experts on disk: the cache's geometry (0 when experts are in RAM), the (set * E + e) keys of
  * the experts it holds now (into keys[n_slots]; returns how many), the most layers in flight,
  * and a test-only fault on the read `after` reads from now (kind: CF_XFAULT_*, experts.h), which

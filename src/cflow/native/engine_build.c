@@ -622,3 +622,73 @@ int cf_engine_inject_io_fault(cf_engine *e, int64_t after, int kind, int delay_u
     cf_xstore_inject_fault(e->xs, after, kind, delay_us);
     return 0;
 }
+
+// ---------------------------------------------------------------------------------------------
+// route traces (engine.h)
+
+int cf_engine_set_routes(cf_engine *e, int mode, int32_t *chosen, int32_t *pred, int64_t n, int depth,
+                         char *err, size_t nerr) {
+    const cf_config *c = &e->c;
+    int L = c->n_layers, K = c->top_k, E = c->n_experts;
+    if (mode == CF_ROUTES_OFF) {
+        memset(&e->routes, 0, sizeof e->routes);
+        return 0;
+    }
+    if (mode != CF_ROUTES_RECORD && mode != CF_ROUTES_REPLAY)
+        return cf_set_err(err, nerr, "route trace mode %d is not off (0), record (1) or replay (2)", mode), -1;
+    if (E <= 0 || K <= 0)
+        return cf_set_err(err, nerr, "the model routes no experts: there is nothing to record or replay"), -1;
+    if (!chosen || n < 1 || depth < 0 || depth > CF_SPEC_MAX_DEPTH || (depth > 0 && !pred))
+        return cf_set_err(err, nerr, "a route trace needs at least one row and 0..%d predicted layers "
+                          "(got %lld rows, depth %d)", CF_SPEC_MAX_DEPTH, (long long)n, depth), -1;
+    if (mode == CF_ROUTES_REPLAY) {
+        int need = cf_min(e->spec.depth, L - 1);
+        if (depth < need)
+            return cf_set_err(err, nerr, "the trace predicts %d layers ahead, but this engine's expert "
+                              "speculation looks %d ahead: record the trace with depth >= %d, or load the "
+                              "engine with a shallower speculation depth", depth, need, need), -1;
+        for (int64_t i = 0; i < n * L; i++) {
+            const int32_t *row = chosen + i * K;
+            for (int k = 0; k < K; k++) {
+                if (row[k] < 0 || row[k] >= E)
+                    return cf_set_err(err, nerr, "trace row %lld, layer %d: expert %d is not one of the "
+                                      "model's %d", (long long)(i / L), (int)(i % L), row[k], E), -1;
+                for (int j = 0; j < k; j++)
+                    if (row[j] == row[k])
+                        return cf_set_err(err, nerr, "trace row %lld, layer %d: expert %d chosen twice",
+                                          (long long)(i / L), (int)(i % L), row[k]), -1;
+            }
+        }
+        for (int64_t i = 0; i < n * L * depth; i++) { /* a layer past the last one predicts -1 */
+            const int32_t *row = pred + i * K;
+            int past = (int)(i / depth % L) + 1 + (int)(i % depth) >= L;
+            for (int k = 0; k < K; k++)
+                if (past ? row[k] != -1 : (row[k] < 0 || row[k] >= E))
+                    return cf_set_err(err, nerr, "trace row %lld, layer %d, %d ahead: prediction %d is %s",
+                                      (long long)(i / depth / L), (int)(i / depth % L), (int)(i % depth) + 1,
+                                      row[k], past ? "not -1 past the last layer" : "not an expert of the model"), -1;
+        }
+    }
+    e->routes = (cf_routes){mode, chosen, pred, n, depth, 0};
+    return 0;
+}
+
+int64_t cf_engine_routes_pos(const cf_engine *e) { return e->routes.pos; }
+
+static int64_t routes_row(const cf_engine *e, int b) {
+    int64_t t = e->routes.pos + b;
+    if (e->routes.mode == CF_ROUTES_REPLAY) return t % e->routes.n;
+    return t < e->routes.n ? t : -1;
+}
+
+int32_t *cf_routes_chosen(const cf_engine *e, int b, int l) {
+    if (!e->routes.mode) return NULL;
+    int64_t t = routes_row(e, b);
+    return t < 0 ? NULL : e->routes.chosen + ((size_t)t * e->c.n_layers + l) * e->c.top_k;
+}
+
+int32_t *cf_routes_pred(const cf_engine *e, int b, int l) {
+    if (!e->routes.mode || !e->routes.depth) return NULL;
+    int64_t t = routes_row(e, b);
+    return t < 0 ? NULL : e->routes.pred + (((size_t)t * e->c.n_layers + l) * e->routes.depth) * e->c.top_k;
+}

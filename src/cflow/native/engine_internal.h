@@ -94,6 +94,16 @@ typedef struct {
     int *votes;          /* [E] rows whose prediction chose each expert */
 } cf_spec;
 
+/* A route trace being recorded or replayed (engine.h, cf_engine_set_routes). */
+typedef struct {
+    int mode;          /* CF_ROUTES_* */
+    int32_t *chosen;   /* [n, L, top_k] */
+    int32_t *pred;     /* [n, L, depth, top_k] */
+    int64_t n;         /* rows of the trace */
+    int depth;         /* predicted layers per route in pred */
+    int64_t pos;       /* rows recorded or replayed before the call in flight */
+} cf_routes;
+
 struct cf_engine {
     cf_config c;
     cf_weights w;
@@ -135,6 +145,7 @@ struct cf_engine {
     int *xwave;          /* [E] slots a wave must read (thread 0) */
     int wave_end;        /* published by thread 0 before a barrier (op_experts_disk) */
     cf_spec spec;        /* expert speculation (engine_spec.c); off when spec.depth is 0 */
+    cf_routes routes;    /* route trace recorded or replayed (engine.h); mode 0: off */
     uint64_t disk_base;  /* cf_xstore_bytes_read at the last counter reset */
     int failed;          /* CF_ERR_* of the call in flight; set by thread 0 */
     int err_kind;
@@ -204,5 +215,12 @@ void cf_spec_begin(cf_engine *e);
 /* Set speculation up for an opened expert cache (depth <= 0: off); -1 with err on failure. */
 int cf_spec_open(cf_engine *e, int depth, char *err, size_t n);
 void cf_spec_free(cf_spec *sp);
+/* The route trace's entries of row b of the call in flight at layer l: its top_k choices and
+ * (pred) its predictions [depth][top_k]. NULL when the mode does not record or replay rows
+ * there (recording past the trace's end). */
+int32_t *cf_routes_chosen(const cf_engine *e, int b, int l);
+/* engine_spec.c: speculation's prediction of row b's route at layer target (top_k into chosen). */
+void cf_predict_route(cf_engine *e, int b, int target, int src_kind, int *chosen);
+int32_t *cf_routes_pred(const cf_engine *e, int b, int l);
 
 #endif

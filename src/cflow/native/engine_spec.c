@@ -177,26 +177,39 @@ static void spec_hold(cf_engine *e, int sl, int target) {
     e->spec.target[e->spec.n++] = target;
 }
 
+/* Thread 0, once route(l) is done (its scratch is free): what speculation predicts row b's route of
+ * layer `target` will choose, from route(l)'s input: the top_k of
+ * softmax(router_target(rmsnorm(z_l) * moe_norm_target)), as route computes it. */
+void cf_predict_route(cf_engine *e, int b, int target, int src_kind, int *chosen) {
+    const cf_config *c = &e->c;
+    cf_state *s = &e->s;
+    int E = c->n_experts, d = c->d;
+    const cf_layer *w = &e->w.sets[target % c->n_unique];
+    float *z = e->ts[0].xb, *zn = z + e->kmax, *pr = s->rlogits, val[64];
+    const float *hb = s->h + (size_t)b * d;
+    for (int i = 0; i < d; i++) z[i] = hb[i] + (src_kind == CF_SRC_HF ? s->f[(size_t)b * d + i] : 0.0f);
+    e->k->rmsnorm(zn, z, w->moe_norm, d, c->norm_eps);
+    e->k->matvec_f32(pr, w->router, zn, E, d);
+    e->k->softmax(pr, E);
+    e->k->topk(pr, E, c->top_k, chosen, val);
+}
+
 /* Thread 0, after route(l)'s own reads are queued: predict route(target) from route(l)'s input
- * and start the reads of predicted experts nobody has cached or is reading. */
+ * (or take the replayed trace's prediction) and start the reads of predicted experts nobody has
+ * cached or is reading. */
 static void spec_predict(cf_engine *e, int l, int target, int src_kind) {
     int k_ahead = target - l, trusted = spec_trusted(e, k_ahead);
     const cf_config *c = &e->c;
-    cf_state *s = &e->s;
-    int E = c->n_experts, d = c->d, set = target % c->n_unique, most = 0, nm = 0;
-    const cf_layer *w = &e->w.sets[set];
-    float *z = e->ts[0].xb, *zn = z + e->kmax, *pr = s->rlogits; /* free once route(l) is done */
+    int E = c->n_experts, set = target % c->n_unique, most = 0, nm = 0;
     int *votes = e->spec.votes, chosen[64];
     uint16_t *mark = e->spec.mark + (size_t)target * E;
-    float val[64];
     memset(votes, 0, (size_t)E * sizeof *votes);
     for (int b = 0; b < e->B; b++) {
-        const float *hb = s->h + (size_t)b * d;
-        for (int i = 0; i < d; i++) z[i] = hb[i] + (src_kind == CF_SRC_HF ? s->f[(size_t)b * d + i] : 0.0f);
-        e->k->rmsnorm(zn, z, w->moe_norm, d, c->norm_eps);
-        e->k->matvec_f32(pr, w->router, zn, E, d);
-        e->k->softmax(pr, E);
-        e->k->topk(pr, E, c->top_k, chosen, val);
+        const int32_t *rp = e->routes.mode == CF_ROUTES_REPLAY ? cf_routes_pred(e, b, l) : NULL;
+        if (rp)
+            for (int k = 0; k < c->top_k; k++) chosen[k] = rp[(size_t)(k_ahead - 1) * c->top_k + k];
+        else
+            cf_predict_route(e, b, target, src_kind, chosen);
         for (int k = 0; k < c->top_k; k++) most = cf_max(most, ++votes[chosen[k]]);
     }
     for (int x = 0; x < E; x++)

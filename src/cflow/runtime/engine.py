@@ -47,6 +47,7 @@ from cflow.runtime.errors import (ContextOverflowError, CorruptModelError, Engin
 from cflow.runtime.generate import Completion, Timings, common_prefix, run
 from cflow.runtime.options import DEFAULT_MAX_BATCH, EngineOptions  # noqa: F401 (DEFAULT_MAX_BATCH: its old home)
 from cflow.runtime.plan import build_plan
+from cflow.runtime import routes as routes_mod
 from cflow.runtime.threads import ThreadTuner, resolve_threads
 from cflow.sampling import SamplingParams
 from cflow.tokenizer import check_token_ids
@@ -571,6 +572,49 @@ class Engine:
 
     def reset_counters(self) -> None:
         self._native.reset_counters()
+
+    # ---- route traces (cflow.runtime.routes) ------------------------------------------------------
+    def record_routes(self, rows: int, depth: int | None = None) -> None:
+        """Record the next `rows` routed rows (a decode step is one, a prefill one per token): each
+        route's choices and speculation's predictions `depth` layers ahead (default: every later
+        layer, at most the engine's deepest speculation). route_trace() returns what is recorded."""
+        cfg = self.config
+        if not cfg.n_experts:
+            raise routes_mod.RouteTraceError("the model routes no experts: there is no route trace to record")
+        if rows < 1:
+            raise routes_mod.RouteTraceError(f"rows must be at least 1, got {rows}")
+        depth = min(cfg.n_layers - 1, xp.SPEC_MAX_DEPTH) if depth is None else depth
+        if not 0 <= depth <= xp.SPEC_MAX_DEPTH:
+            raise routes_mod.RouteTraceError(f"depth must be 0..{xp.SPEC_MAX_DEPTH}, got {depth}")
+        chosen = np.full((rows, cfg.n_layers, cfg.top_k), -1, np.int32)
+        pred = np.full((rows, cfg.n_layers, depth, cfg.top_k), -1, np.int32)
+        self._native.set_routes(routes_mod.RECORD, chosen, pred)
+        self._routes = ("record", chosen, pred)
+
+    def replay_routes(self, trace: routes_mod.RouteTrace) -> None:
+        """Route the next calls by `trace` (row after row, from its first; wrapping around) instead of
+        the routers' own top-k; speculation predicts from the trace's predictions. Logits change unless
+        the trace is this model's own on the same tokens; what is read from disk follows the trace."""
+        trace.check_fits(self.config)
+        try:
+            self._native.set_routes(routes_mod.REPLAY, trace.chosen, trace.pred)
+        except ValueError as e:
+            raise routes_mod.RouteTraceError(str(e)) from None
+        self._routes = ("replay", trace.chosen, trace.pred)
+
+    def route_trace(self, **meta: Any) -> routes_mod.RouteTrace:
+        """The rows recorded since record_routes (a copy; recording goes on), with `meta` attached."""
+        mode = getattr(self, "_routes", None)
+        if not mode or mode[0] != "record":
+            raise routes_mod.RouteTraceError("no route trace is being recorded: call record_routes first")
+        n = min(self._native.routes_pos, mode[1].shape[0])
+        return routes_mod.RouteTrace(mode[1][:n].copy(), mode[2][:n].copy(),
+                                     dict(meta, model=self.config.name, rows=n))
+
+    def stop_routes(self) -> None:
+        """Route by the routers again and stop recording (route_trace() is no longer available)."""
+        self._native.set_routes(0, None, None)
+        self._routes = None
 
     def weight_bytes_per_token(self) -> float:
         """Weight bytes one decode step reads (the file's own tensor sizes through the tensor table,
