@@ -51,7 +51,7 @@ import time
 from typing import Any
 
 from cflow import dag
-from cflow.bench.synthetic import (DEFAULTS, PRESETS, QUANTS, RESIDUAL_WRITE_GAIN, Geometry, MakeMoeError, Written,
+from cflow.bench.synthetic import (CFLOW_ARCHES, DEFAULTS, PRESETS, QUANTS, RESIDUAL_WRITE_GAIN, Geometry, MakeMoeError, Written,
                                    cflow_data_bytes, gguf_data_bytes, layers_for_size, parse_size, write_cflow,
                                    write_gguf)
 
@@ -87,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--residual-gain", type=float,
                    help=f"weight gain of the matrices that write into the residual (default {RESIDUAL_WRITE_GAIN}); "
                         "larger makes routing change more from layer to layer (harder to predict ahead)")
+    g.add_argument("--arch", choices=CFLOW_ARCHES,
+                   help="the .cflow's delays (default arch2_4_combined: dense FFN on x_l, experts two layers later; "
+                        "arch4: experts two layers later; arch1: none); the same weights and bytes in each")
     o = ap.add_argument_group("output")
     o.add_argument("--quant", choices=QUANTS, default="q4_0", help="weight format (default q4_0)")
     o.add_argument("--gguf", metavar="OUT.gguf", help="write the Mixtral-layout GGUF here")
@@ -104,7 +107,7 @@ def geometry_from_args(a: argparse.Namespace) -> Geometry:
     if a.preset:
         base.update(PRESETS[a.preset])
     for k in ("layers", "d_model", "experts", "top_k", "d_ff", "dense_ff", "heads", "kv_heads", "vocab", "ctx",
-              "residual_gain"):
+              "residual_gain", "arch"):
         v = getattr(a, k)
         if v is not None:
             base[k] = v

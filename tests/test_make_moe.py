@@ -397,3 +397,20 @@ def test_help_teaches():
     assert out.returncode == 0
     for word in ("--preset", "mixtral-small", "mixtral-8x7b", "--size", "--gguf", "--cflow", "--seed", "Example"):
         assert word in out.stdout
+
+
+@pytest.mark.parametrize("arch,delays", [("arch4", (0, 2)), ("arch1", (0, 0))])
+def test_cflow_arch_sets_the_delays_and_nothing_else(tmp_path, arch, delays):
+    """Geometry.arch: the same tensors, bytes per token and (seeded) bytes; only the delays differ."""
+    from cflow.runtime import Engine
+
+    c = mm.write_cflow(tmp_path / "m.cflow", TINY.replace(arch=arch), "q4_0", seed=0, progress=False)
+    base = mm.write_cflow(tmp_path / "b.cflow", TINY, "q4_0", seed=0, progress=False)
+    f, fb = open_model(tmp_path / "m.cflow", verify=True), open_model(tmp_path / "b.cflow", verify=True)
+    assert (f.config.delta_dense, f.config.delta_expert) == delays
+    assert c.token_bytes == base.token_bytes and sorted(f.tensors) == sorted(fb.tensors)
+    assert all(f.tensors[n].nbytes == fb.tensors[n].nbytes for n in f.tensors)
+    with Engine(f, threads=1, n_ctx=32) as eng:
+        assert np.isfinite(np.array(eng.eval(eng.tokenizer.encode("the fox")))).all()
+    with pytest.raises(mm.MakeMoeError, match="arch"):
+        TINY.replace(arch="arch9")

@@ -49,12 +49,13 @@ from typing import Any, Iterator
 import numpy as np
 
 from cflow import dag, quant, weights
-from cflow.config import ModelConfig
+from cflow.config import ARCHITECTURES, ModelConfig
 from cflow.fileformat import TensorData, write_model
 from cflow.quant import row_bytes
 from cflow.tokenizer import bytes_to_unicode
 
 QUANTS = ("q4_0", "q4_1", "q8_0")
+CFLOW_ARCHES = ("arch2_4_combined", "arch4", "arch1")  # the delays a .cflow may have (Geometry.arch)
 GAIN = 0.5  # weight std = GAIN / sqrt(inputs): a unit-RMS input gives outputs of RMS ~GAIN
 # Why some tensors differ. With every matrix at GAIN, random attention returns about the running
 # mean of V and the residual soon forgets the token: every token then routes to the same experts,
@@ -122,12 +123,17 @@ class Geometry:
     residual_gain: float = RESIDUAL_WRITE_GAIN
     rope_theta: float = 1e6
     norm_eps: float = 1e-5
+    # The .cflow's delays (cflow.config.ARCHITECTURES): arch2_4_combined (dense FFN on x_l, experts
+    # land two layers later), arch4 (experts two layers later), arch1 (no delays). Same weights,
+    # same bytes per token: only where outputs land, and so how long a read's window is, changes.
+    arch: str = "arch2_4_combined"
 
     def __post_init__(self) -> None:
         def need(ok: bool, msg: str) -> None:
             if not ok:
                 raise MakeMoeError(msg)
 
+        need(self.arch in CFLOW_ARCHES, f"arch {self.arch!r} is not one of {', '.join(CFLOW_ARCHES)}")
         for f in ("layers", "d_model", "experts", "top_k", "d_ff", "heads", "kv_heads", "vocab", "ctx"):
             need(isinstance(getattr(self, f), int) and getattr(self, f) > 0, f"{f} must be a positive integer")
         need(isinstance(self.dense_ff, int) and self.dense_ff >= 0, "dense-ff must be 0 (= d-ff) or positive")
@@ -154,12 +160,13 @@ class Geometry:
         return dataclasses.replace(self, **kw)
 
     def cflow_config(self) -> ModelConfig:
-        """The pipeline-native model: arch2_4_combined (dense FFN reads x_l, experts land 2 layers later)."""
+        """The .cflow's model: a dense FFN and the experts, with `arch`'s delays (by default
+        arch2_4_combined: the dense FFN reads x_l, experts land 2 layers later)."""
         return ModelConfig(vocab_size=self.vocab, d_model=self.d_model, n_layers=self.layers, n_heads=self.heads,
                            n_kv_heads=self.kv_heads, d_ff=self.dense, n_experts=self.experts, top_k=self.top_k,
-                           d_expert=self.d_ff, delta_dense=1, delta_expert=2, moe_input="post_attn",
+                           d_expert=self.d_ff, **ARCHITECTURES[self.arch],
                            rope_theta=self.rope_theta, norm_eps=self.norm_eps, max_seq_len=self.ctx,
-                           tie_embeddings=False, name="arch2_4_combined")
+                           tie_embeddings=False, name=self.arch)
 
     def gguf_config(self) -> ModelConfig:
         """The GGUF's model in cflow's terms: Llama attention + MoE (Mixtral), no dense FFN, no delays."""
