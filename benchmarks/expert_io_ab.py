@@ -70,12 +70,11 @@ def settle(eng, timeout: float = 5.0) -> None:
         time.sleep(0.002)
 
 
-def measure(path: str, budget: float, modes: list[str], threads: int, rounds: int, per_round: int,
-            warmup: int, corpus: str | None = None, trace=None) -> dict:
+def prepare(path: str, n_tok: int, corpus: str | None, trace) -> dict:
+    """A model's converted file, its total expert bytes and the tokens its engines decode."""
     from cflow.fileformat import open_model
     from cflow.runtime import Engine
 
-    n_tok = warmup + rounds * per_round
     with Engine.load(path, threads=1, n_ctx=max(16, n_tok + 8), experts="ram") as probe:
         converted, vocab = probe.path, probe.config.vocab_size
         if trace is not None:
@@ -88,69 +87,97 @@ def measure(path: str, budget: float, modes: list[str], threads: int, rounds: in
             toks = [int(t) for t in np.random.default_rng(0).integers(1, vocab, n_tok)]
     with open_model(converted) as cf:
         expert_bytes = sum(n for _, n in cf.experts.values())
+    return {"path": str(path), "converted": converted, "expert_bytes": expert_bytes, "tokens": toks,
+            "trace": trace, "corpus": corpus}
+
+
+def measure(subjects: list[dict], budget: float, modes: list[str], threads: int, rounds: int, per_round: int,
+            warmup: int) -> list[dict]:
+    """Every (subject, mode) engine decodes its subject's tokens; all of them take turns in each
+    round (the order rotating), so a drift of the machine hits every engine alike."""
+    from cflow.runtime import Engine
+
     engines = {}
-    for m in modes:
-        io, pf, reader, keep = parse_mode(m)
-        os.environ["CFLOW_EXPERT_READER"] = "threads" if reader == "threads" else "auto"  # read at load
-        os.environ["CFLOW_EXPERT_QD"] = reader[2:] if reader.startswith("qd") else ""
-        os.environ["CFLOW_EXPERT_KEEP"] = "1" if keep else "0"
-        eng = Engine.load(converted, threads=threads, n_ctx=n_tok + 8, experts="disk", verify=False,
-                          expert_cache=int(budget * expert_bytes), expert_io=io, expert_prefetch=pf)
-        if trace is not None:  # every engine routes by the same trace, row after row
-            eng.replay_routes(trace)
-        for i, t in enumerate(toks[:warmup]):  # the cache's steady state
-            eng.step(t, i)
-        settle(eng)
-        eng.reset_counters()
-        engines[m] = eng
-    ms: dict[str, list[float]] = {m: [] for m in modes}
-    stall: dict[str, list[float]] = {m: [] for m in modes}
+    for si, sub in enumerate(subjects):
+        for m in modes:
+            io, pf, reader, keep = parse_mode(m)
+            os.environ["CFLOW_EXPERT_READER"] = "threads" if reader == "threads" else "auto"  # read at load
+            os.environ["CFLOW_EXPERT_QD"] = reader[2:] if reader.startswith("qd") else ""
+            os.environ["CFLOW_EXPERT_KEEP"] = "1" if keep else "0"
+            eng = Engine.load(sub["converted"], threads=threads, n_ctx=len(sub["tokens"]) + 8, experts="disk",
+                              verify=False, expert_cache=int(budget * sub["expert_bytes"]), expert_io=io,
+                              expert_prefetch=pf)
+            if sub["trace"] is not None:  # every engine of the subject routes by its trace, row after row
+                eng.replay_routes(sub["trace"])
+            for i, t in enumerate(sub["tokens"][:warmup]):  # the cache's steady state
+                eng.step(t, i)
+            settle(eng)
+            eng.reset_counters()
+            engines[si, m] = eng
+    keys = list(engines)
+    ms: dict = {k: [] for k in keys}
+    stall: dict = {k: [] for k in keys}
     for r in range(rounds):
-        order = modes[r % len(modes):] + modes[:r % len(modes)]
-        for m in order:
-            eng, lo = engines[m], warmup + r * per_round
+        order = keys[r % len(keys):] + keys[:r % len(keys)]
+        for k in order:
+            eng, toks, lo = engines[k], subjects[k[0]]["tokens"], warmup + r * per_round
             c0 = eng.counters()
             t0 = time.perf_counter()
             for i in range(lo, lo + per_round):
                 eng.step(toks[i], i)
             dt = time.perf_counter() - t0
             settle(eng)
-            ms[m].append(dt / per_round * 1e3)
-            stall[m].append((eng.counters()["io_stall_ns"] - c0["io_stall_ns"]) / per_round / 1e6)
-    out = {"model": str(path), "budget": budget, "threads": threads, "rounds": rounds, "per_round": per_round,
-           "tokens": "held-out stories of " + corpus if corpus else "random",
-           "routes": trace.meta.get("source", "a trace") if trace is not None else "the model's own", "modes": {}}
-    for m in modes:
-        c = engines[m].counters()
-        looked = c["cache_hits"] + c["cache_misses"]
-        out["modes"][m] = {
-            "ms_per_token": statistics.median(ms[m]), "stall_ms_per_token": statistics.median(stall[m]),
-            "disk_mb_per_token": c["disk_bytes"] / (rounds * per_round) / 1e6,
-            "cache_hit_rate": c["cache_hits"] / looked if looked else None,
-            "prediction_hit_rate": c["expert_predict_hits"] / c["expert_predicted"] if c["expert_predicted"] else None,
-            "ratio_to_sync": ([statistics.median(a / b for a, b in zip(ms["sync"], ms[m]))] +
-                              [min(a / b for a, b in zip(ms["sync"], ms[m])),
-                               max(a / b for a, b in zip(ms["sync"], ms[m]))]) if "sync" in ms else None,
-            "samples_ms": ms[m]}
-        engines[m].close()
-    return out
+            ms[k].append(dt / per_round * 1e3)
+            stall[k].append((eng.counters()["io_stall_ns"] - c0["io_stall_ns"]) / per_round / 1e6)
+
+    def ratio(num: list[float], den: list[float]) -> list[float]:  # tok/s of den's engine over num's: speed-up
+        per = [a / b for a, b in zip(num, den)]
+        return [statistics.median(per), min(per), max(per)]
+
+    results = []
+    for si, sub in enumerate(subjects):
+        trace = sub["trace"]
+        out = {"model": sub["path"], "budget": budget, "threads": threads, "rounds": rounds, "per_round": per_round,
+               "tokens": "held-out stories of " + sub["corpus"] if sub["corpus"] else "random",
+               "routes": trace.meta.get("source", "a trace") if trace is not None else "the model's own",
+               "modes": {}}
+        for m in modes:
+            c = engines[si, m].counters()
+            looked = c["cache_hits"] + c["cache_misses"]
+            out["modes"][m] = {
+                "ms_per_token": statistics.median(ms[si, m]), "stall_ms_per_token": statistics.median(stall[si, m]),
+                "disk_mb_per_token": c["disk_bytes"] / (rounds * per_round) / 1e6,
+                "cache_hit_rate": c["cache_hits"] / looked if looked else None,
+                "prediction_hit_rate": (c["expert_predict_hits"] / c["expert_predicted"]
+                                        if c["expert_predicted"] else None),
+                "ratio_to_sync": ratio(ms[si, "sync"], ms[si, m]) if "sync" in modes else None,
+                # the same mode on the first subject, round by round (--together)
+                "ratio_to_first": ratio(ms[0, m], ms[si, m]) if si else None,
+                "samples_ms": ms[si, m]}
+            engines[si, m].close()
+        results.append(out)
+    return results
 
 
 def table(results: list[dict]) -> str:
-    lines = ["| model | budget | mode | ms/token | tok/s | I/O stall ms/token | sync: I/O / compute | disk MB/token "
-             "| cache hits | prediction hits | × sync (median, min–max over rounds) |",
-             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    first = any(x.get("ratio_to_first") for r in results for x in r["modes"].values())
+    lines = ["| model | routes | budget | mode | ms/token | tok/s | I/O stall ms/token | sync: I/O / compute "
+             "| disk MB/token | cache hits | prediction hits | × sync (median, min–max over rounds) |"
+             + (" × the first model's same mode |" if first else ""),
+             "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|" + ("---|" if first else "")]
     for r in results:
         sync = r["modes"].get("sync")
         split = (f"{sync['stall_ms_per_token'] / max(sync['ms_per_token'] - sync['stall_ms_per_token'], 1e-9):.2f}"
                  if sync else "–")
+        routes = r.get("routes", "the model's own")
+        routes = Path(routes).name if routes != "the model's own" else "own"
         for m, x in r["modes"].items():
-            rt = x["ratio_to_sync"]
             pct = (lambda v: "–" if v is None else f"{v:.0%}")
-            lines.append(f"| {Path(r['model']).name} | {r['budget']:.0%} | {m} | {x['ms_per_token']:.1f} | "
+            rat = (lambda v: f"{v[0]:.2f}× ({v[1]:.2f}–{v[2]:.2f})" if v else "–")
+            lines.append(f"| {Path(r['model']).name} | {routes} | {r['budget']:.0%} | {m} | {x['ms_per_token']:.1f} | "
                          f"{1e3 / x['ms_per_token']:.1f} | {x['stall_ms_per_token']:.1f} | {split} | "
                          f"{x['disk_mb_per_token']:.1f} | {pct(x['cache_hit_rate'])} | {pct(x['prediction_hit_rate'])} | "
-                         + (f"{rt[0]:.2f}× ({rt[1]:.2f}–{rt[2]:.2f})" if rt else "–") + " |")
+                         f"{rat(x['ratio_to_sync'])} |" + (f" {rat(x.get('ratio_to_first'))} |" if first else ""))
     return "\n".join(lines)
 
 
@@ -170,24 +197,32 @@ def main(argv: list[str] | None = None) -> int:
                     "per distance, and the cache's keep ranks then some misses, to settle)")
     ap.add_argument("--corpus", help="teacher-force the corpus's held-out stories instead of random tokens "
                     "(for trained models: their learned routing)")
-    ap.add_argument("--trace", help="route every engine by this route trace (benchmarks/route_trace.py) instead "
-                    "of the model's routers: one model's learned routing through another's expert cache")
+    ap.add_argument("--trace", help="route the engines by a route trace (benchmarks/route_trace.py) instead of "
+                    "the model's routers: one model's learned routing through another's expert cache; one file for "
+                    "every model, or a comma-separated list, one per model")
+    ap.add_argument("--together", action="store_true",
+                    help="alternate every model's engines in one loop (the models compare round by round: "
+                    "ratio_to_first); otherwise one model after the other")
     ap.add_argument("--out", default=None, help="write OUT.md and OUT.json")
     args = ap.parse_args(argv)
-    trace = None
-    if args.trace:
-        from cflow.runtime.routes import RouteTrace
+    from cflow.runtime.routes import RouteTrace
 
-        trace = RouteTrace.load(args.trace)
     modes = args.modes.split(",")
     for m in modes:
         parse_mode(m)
+    traces = [RouteTrace.load(t) if t else None for t in (args.trace.split(",") if args.trace else [])]
+    if len(traces) > 1 and len(traces) != len(args.models):
+        ap.error(f"--trace has {len(traces)} files for {len(args.models)} models: give one, or one per model")
+    traces = traces * len(args.models) if len(traces) == 1 else traces or [None] * len(args.models)
+    n_tok = args.warmup + args.rounds * args.per_round
+    subjects = [prepare(p, n_tok, args.corpus, t) for p, t in zip(args.models, traces)]
+    groups = [subjects] if args.together else [[s] for s in subjects]
     results = []
-    for path in args.models:
-        for b in (float(x) for x in args.budgets.split(",")):
-            results.append(measure(path, b, modes, args.threads, args.rounds, args.per_round, args.warmup,
-                                   args.corpus, trace))
-            print(table(results[-1:]).split("\n", 2)[2], flush=True)
+    for b in (float(x) for x in args.budgets.split(",")):
+        for group in groups:
+            got = measure(group, b, modes, args.threads, args.rounds, args.per_round, args.warmup)
+            results += got
+            print(table(got).split("\n", 2)[2], flush=True)
     text = (f"Command: `python benchmarks/expert_io_ab.py {' '.join(argv if argv is not None else sys.argv[1:])}`\n\n"
             + table(results) + "\n")
     print(text)
