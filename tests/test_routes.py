@@ -234,3 +234,31 @@ def test_a_dense_model_has_no_routes(tmp_path):
     eng = Engine.load(path, threads=1, experts="ram")
     with pytest.raises(RouteTraceError, match="routes no experts"):
         eng.record_routes(4)
+
+
+def test_the_replay_benchmark_runs_models_together(models, tmp_path):
+    """benchmarks/expert_io_ab.py --trace --together on two small models: one row per model and mode,
+    the second model's ratios to the first's same mode, the trace's routing in effect."""
+    import importlib.util
+    import json
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[1] / "benchmarks"
+    sys.path.insert(0, str(bench))
+    try:
+        spec = importlib.util.spec_from_file_location("expert_io_ab", bench / "expert_io_ab.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        trace, _ = recorded(models["a24"])
+        tpath = trace.save(tmp_path / "a24.npz")
+        out = tmp_path / "ab"
+        assert mod.main([str(models["a24"]), str(models["a24"]), "--trace", str(tpath), "--together",
+                         "--budgets", "0.6", "--modes", "sync,async:off", "--rounds", "2", "--per-round", "2",
+                         "--warmup", "2", "--out", str(out)]) == 0
+    finally:
+        sys.path.remove(str(bench))
+    res = json.loads(out.with_suffix(".json").read_text())
+    assert len(res) == 2 and all(set(r["modes"]) == {"sync", "async:off"} for r in res)
+    assert res[0]["modes"]["sync"]["ratio_to_first"] is None and len(res[1]["modes"]["sync"]["ratio_to_first"]) == 3
+    assert res[1]["routes"] == "a trace"  # recorded() names no source
