@@ -436,3 +436,23 @@ def test_compiled_training_learns_and_checkpoints(tc, tmp_path):
     assert res.steps == 3 and math.isfinite(res.history[-1]["loss"])
     done = train(cfg, run, out_dir=tmp_path / "c", resume=True)
     assert done.steps == 6 and done.evals[-1]["val_loss"] < res.history[0]["ce"]
+
+
+# ---- the device ------------------------------------------------------------------------------
+def test_device_auto_is_the_cpu_without_a_gpu_and_a_named_gpu_is_refused(tc, tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert loop.resolve_device(tc) == torch.device("cpu")  # "auto"
+    with pytest.raises(TrainError, match="no CUDA GPU"):
+        train(tiny_cfg("arch1"), dataclasses.replace(tc, device="cuda"), out_dir=tmp_path / "g")
+    assert not (tmp_path / "g").exists() or not ckpt.is_checkpoint(tmp_path / "g")
+    with pytest.raises(TrainError, match="device must be"):
+        dataclasses.replace(tc, device="tpu")
+
+
+def test_an_explicit_cpu_device_trains_as_auto_does_without_a_gpu(tc, tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cfg = tiny_cfg("arch4")
+    a = train(cfg, dataclasses.replace(tc, steps=4), out_dir=tmp_path / "a")
+    b = train(cfg, dataclasses.replace(tc, steps=4, device="cpu"), out_dir=tmp_path / "b")
+    assert [r["loss"] for r in a.history] == [r["loss"] for r in b.history]
+    assert ckpt.load_checkpoint(tmp_path / "b", with_train_state=False).meta["device"] == "cpu"

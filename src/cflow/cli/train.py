@@ -40,7 +40,7 @@ continue it with --resume. A second Ctrl-C quits at once and keeps the previous 
 # flag dest -> TrainConfig field (identical names); None defaults mean "not given".
 _TRAIN_FIELDS = ("steps", "tokens", "batch_size", "seq_len", "lr", "min_lr_ratio", "warmup", "weight_decay",
                  "grad_clip", "lb_weight", "z_weight", "eval_every", "eval_windows", "save_every", "log_every",
-                 "seed", "data", "val_fraction", "vocab_size", "threads", "cache_dir", "compile")
+                 "seed", "data", "val_fraction", "vocab_size", "threads", "cache_dir", "compile", "device")
 
 
 def _add_hparams(p: argparse.ArgumentParser, *, budget: bool) -> None:
@@ -86,6 +86,8 @@ _MACHINE_FLAGS = (
     ("--eval-windows", int, "validation windows per evaluation (default 64)"),
     ("--log-every", int, "steps between CSV log rows (default 10)"),
     ("--threads", int, "torch threads per process (default: cores / processes)"),
+    ("--device", str, "auto (default: a CUDA GPU when torch sees one, else the CPU), cpu, cuda or cuda:N; on a "
+                      "GPU the steps run in bf16 autocast"),
 )
 
 

@@ -55,7 +55,7 @@ def model_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     named_parameters() lists a tied tensor once, under the name registered first (tok_emb), so a
     tied lm_head is left out, as DESIGN.md wants.
     """
-    return {name: p.detach().contiguous() for name, p in model.named_parameters()}
+    return {name: p.detach().cpu().contiguous() for name, p in model.named_parameters()}
 
 
 def load_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:

@@ -172,6 +172,13 @@ def _existing(run_dir: Path, cfg: ModelConfig, tc: TrainConfig) -> str:
     return "done" if int(meta.get("step", 0)) >= tc.total_steps else "partial"
 
 
+def _device_words(tc: TrainConfig) -> str:
+    from cflow.train.loop import resolve_device
+
+    dev = resolve_device(tc)
+    return f"{torch.cuda.get_device_name(dev)} (bf16 autocast)" if dev.type == "cuda" else "CPU (fp32)"
+
+
 def _summary_from_disk(run_dir: Path, tc: TrainConfig) -> RunSummary:
     c = ckpt.load_checkpoint(run_dir, with_train_state=False)
     meta = c.meta
@@ -312,7 +319,8 @@ def render_markdown(summaries: list[RunSummary], *, base: TrainConfig, tokens: i
         f"{geo.get('n_experts')} experts top-{geo.get('top_k')} of d_expert {geo.get('d_expert')}, "
         f"vocab {geo.get('vocab_size')}" + (f"; overrides {overrides}" if overrides else "") + ".",
         "",
-        f"Machine: {platform.machine()}, {base.threads or torch.get_num_threads()} torch thread(s) per run, torch {torch.__version__}; "
+        f"Machine: {platform.machine()}, {_device_words(base)}, {base.threads or torch.get_num_threads()} torch "
+        f"thread(s) per run, torch {torch.__version__}; "
         f"written {time.strftime('%Y-%m-%d %H:%M')}.",
         "",
         "Each value is the mean over the seeds ± the half-width of its 95% t interval (none with one seed).",

@@ -105,6 +105,9 @@ class TrainConfig:
     threads: int = 0  # torch threads per process; 0: CPU cores / local processes
     cache_dir: str | None = None  # token and tokenizer cache; None: $CFLOW_CACHE or ~/.cache/cflow
     compile: bool = False  # the training step through torch.compile (evaluation stays eager)
+    # "auto": a CUDA GPU when torch sees one, else the CPU. On a GPU the forward and backward run in
+    # bf16 autocast (master weights, optimizer and loss stay fp32); on the CPU in fp32 throughout.
+    device: str = "auto"
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:
@@ -121,6 +124,8 @@ class TrainConfig:
         need(min(self.eval_every, self.save_every, self.threads) >= 0 and self.log_every > 0,
              "eval_every, save_every and threads must be >= 0, log_every positive")
         need(self.eval_windows > 0, "eval_windows must be positive")
+        need(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
+             f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
 
     @property
     def tokens_per_step(self) -> int:
@@ -181,6 +186,23 @@ def compute_loss(net: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, tc: Tra
     lb = aux.get("load_balance", torch.zeros(()))
     rz = aux.get("router_z", torch.zeros(()))
     return ce + tc.lb_weight * lb + tc.z_weight * rz, ce, lb, rz
+
+
+def resolve_device(tc: TrainConfig) -> torch.device:
+    """The device tc.device names ("auto": the first CUDA GPU if torch sees one, else the CPU)."""
+    if tc.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(tc.device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise TrainError(f"--device {tc.device}: torch sees no CUDA GPU here (torch {torch.__version__}, "
+                         f"{'a CPU build' if torch.version.cuda is None else 'CUDA ' + torch.version.cuda}); "
+                         "use --device cpu, or install a CUDA build of torch on a GPU machine")
+    return dev
+
+
+def autocast(dev: torch.device):
+    """bf16 autocast on a GPU (matmuls in bf16, reductions and the loss in fp32); nothing on the CPU."""
+    return torch.autocast(device_type=dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda")
 
 
 def count_params(model: torch.nn.Module) -> int:
@@ -300,10 +322,12 @@ def evaluate(model: torch.nn.Module, tokens: np.ndarray, tc: TrainConfig, d: _Di
     sums = torch.zeros(3, dtype=torch.float64)  # [loss_sum, correct, count]
     was_training = model.training
     model.eval()
+    dev = next(model.parameters()).device
     for x, y in tdata.eval_batches(tokens, starts, tc.seq_len, max(1, tc.batch_size // d.world_size),
                                    d.rank, d.world_size):
-        xt, yt = torch.from_numpy(x), torch.from_numpy(y)  # [b, T]
-        logits, _ = model(xt)  # [b, T, V]
+        xt, yt = torch.from_numpy(x).to(dev), torch.from_numpy(y).to(dev)  # [b, T]
+        with autocast(dev):
+            logits, _ = model(xt)  # [b, T, V]
         flat = logits.float().reshape(-1, logits.size(-1))
         sums[0] += F.cross_entropy(flat, yt.reshape(-1), reduction="sum").item()
         sums[1] += (flat.argmax(-1) == yt.reshape(-1)).sum().item()
@@ -425,14 +449,20 @@ def train(cfg: ModelConfig, tc: TrainConfig, *, out_dir: str | os.PathLike | Non
         if state is not None:
             _check_resume(state, cfg, tc, data, out)
 
+        dev = resolve_device(tc)
+        if dev.type == "cuda" and d.active:
+            raise TrainError("training on CUDA runs in one process: start it without torchrun (several "
+                             "processes train on the CPU only)")
         torch.manual_seed(tc.seed)
-        model = Transformer(cfg)
+        model = Transformer(cfg)  # initialised on the CPU: the same weights whatever the device
+        if state is not None:
+            ckpt.load_weights(model, state["weights"])
+        model.to(dev)
         opt = make_optimizer(model, tc)
         sampler = tdata.BatchSampler(data.train, tc.batch_size, tc.seq_len, tc.seed, d.rank, d.world_size)
         step, elapsed0 = 0, 0.0
         if state is not None:
-            ckpt.load_weights(model, state["weights"])
-            opt.load_state_dict(state["optimizer"])
+            opt.load_state_dict(state["optimizer"])  # moves the moments to the parameters' device
             sampler.load_state_dict(state["sampler"])
             torch.set_rng_state(state["rng"]["torch"])
             step, elapsed0 = int(state["step"]), float(state.get("elapsed_s", 0.0))
@@ -487,6 +517,7 @@ class _Run:
                  step, elapsed0, resumed) -> None:
         self.cfg, self.tc, self.d = cfg, tc, d
         self.model, self.opt, self.sampler, self.data = model, opt, sampler, data
+        self.device = next(model.parameters()).device
         self.out, self.tok_json, self.data_name, self.meta = out, tok_json, data_name, meta
         self.step, self.elapsed0 = step, elapsed0
         self.n_params = count_params(model)
@@ -571,7 +602,9 @@ class _Run:
         for g in self.opt.param_groups:
             g["lr"] = lr
         x, y = self.sampler.next()
-        loss, ce, lb, rz = compute_loss(self.net, torch.from_numpy(x), torch.from_numpy(y), tc)
+        dev = self.device
+        with autocast(dev):
+            loss, ce, lb, rz = compute_loss(self.net, torch.from_numpy(x).to(dev), torch.from_numpy(y).to(dev), tc)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         if tc.grad_clip > 0:
@@ -619,6 +652,8 @@ class _Run:
                 "val_tokens": int(len(self.data.val)),
                 "train_config": self.tc.to_dict(),
                 "world_size": self.d.world_size,
+                "device": (torch.cuda.get_device_name(self.device) + " (bf16 autocast)"
+                           if self.device.type == "cuda" else "cpu"),
                 "elapsed_s": round(elapsed, 3),
             }
             if self.log:
