@@ -14,11 +14,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cflow import _native
+from cflow import _native, dtypes
 from cflow import kquant as K
 from cflow import quant as Q
 from cflow.config import ModelConfig
 from cflow.fileformat import model_tensors
+from cflow.runtime import abi
+from cflow.runtime.errors import DtypeTableMismatchError, NativeMissingError
 
 EXPECTED = {
     "OP_KINDS": ("embed", "attn", "dense", "route", "experts", "resid", "final"),
@@ -72,6 +74,48 @@ def test_dtype_ids_are_cflow_quants():
     ids = {**Q.DTYPE_IDS, **K.KDTYPE_IDS}
     assert _native.DTYPE_IDS == ids
     assert _native.DTYPES == tuple(sorted(ids, key=ids.get))
+
+
+# ---- the Python statements the file format keeps, held against the C core's -------------------
+def test_dtype_table_is_the_c_cores():
+    """cflow.dtypes (what cflow.quant and cflow.kquant read) row for row as the core sizes tensors."""
+    assert _native.DTYPE_TABLE == dtypes.native_rows()
+    assert [row[:2] for row in _native.DTYPE_TABLE] == sorted(_native.DTYPE_IDS.items(), key=lambda kv: kv[1])
+    abi.check_dtype_table(_native.DTYPE_TABLE)  # what native_module() runs before handing the core out
+    for name, dtype_id, block_weights, _ in _native.DTYPE_TABLE:
+        shape = (3, 2 * block_weights)
+        assert _native.tiled_bytes(dtype_id, *shape) == Q.tensor_nbytes(name, shape), name
+
+
+def wrong_tables() -> dict[str, tuple[list, str]]:
+    """Copies of the Python table, each wrong in one way, and the difference the error must name."""
+    rows = list(dtypes.native_rows())
+    swap = lambda name, row: [row if r[0] == name else r for r in rows]  # noqa: E731
+    return {
+        "resized": (swap("q4_k", ("q4_k", 12, 256, 145)),
+                    "q4_k: cflow.dtypes has ('q4_k', 12, 256, 145), the compiled core ('q4_k', 12, 256, 144)"),
+        "renumbered": (swap("q8_0", ("q8_0", 9, 32, 34)),
+                       "q8_0: cflow.dtypes has ('q8_0', 9, 32, 34), the compiled core ('q8_0', 8, 32, 34)"),
+        "missing": (rows[:-1], f"{rows[-1][0]}: cflow.dtypes has None, the compiled core {rows[-1]}"),
+        "extra": (rows + [("q2_k", 10, 256, 84)],
+                  "q2_k: cflow.dtypes has ('q2_k', 10, 256, 84), the compiled core None"),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(wrong_tables()))
+def test_a_wrong_dtype_table_is_refused(case):
+    python_rows, difference = wrong_tables()[case]
+    with pytest.raises(DtypeTableMismatchError) as e:
+        abi.check_dtype_table(_native.DTYPE_TABLE, python_rows)
+    assert difference in str(e.value) and "pip install -e ." in str(e.value)
+    assert isinstance(e.value, NativeMissingError)  # callers that catch a stale core catch this too
+
+
+def test_a_core_with_another_dtype_table_is_not_handed_out(monkeypatch):
+    abi.native_module()
+    monkeypatch.setattr(_native, "DTYPE_TABLE", wrong_tables()["resized"][0])
+    with pytest.raises(DtypeTableMismatchError, match="q4_k: "):
+        abi.native_module()
 
 
 # ---- a tiny engine built straight from the exported names -----------------------------------

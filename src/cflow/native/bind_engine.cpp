@@ -326,6 +326,13 @@ void bind_contracts(nb::module_ &m) {
         }
     m.attr("DTYPE_IDS") = ids;
     m.attr("DTYPES") = as_tuple(dtypes);
+    // the block geometry the kernels and cf_tiled_bytes size tensors by, one (name, id, block
+    // weights, block bytes) row per dtype by id: cflow.runtime.abi holds it against cflow.dtypes
+    nb::list table;
+    for (int i = 0; i < CF_DTYPE_IDS; i++)
+        if (cf_dtype_names[i])
+            table.append(nb::make_tuple(cf_dtype_names[i], i, cf_block_weights(i), (int)cf_block_bytes(i)));
+    m.attr("DTYPE_TABLE") = nb::tuple(table);
     // the enum counts, by their C names, so tests can hold the tuples against the enums
     nb::dict counts;
     counts["CF_OP_KINDS"] = (int)CF_OP_KINDS;
