@@ -118,6 +118,40 @@ def test_a_core_with_another_dtype_table_is_not_handed_out(monkeypatch):
         abi.native_module()
 
 
+def test_file_format_constants_equal_the_c_cores():
+    """Constants the file format keeps for itself (it must work without the compiled core)."""
+    from cflow.fileformat.layout import ALIGN
+
+    assert Q.G == _native.ROW_GROUP  # a tile's row group: the file's "quant.group", the kernels' CF_G
+    assert ALIGN == _native.EXPERT_ALIGN  # O_DIRECT reads of expert spans need the file's alignment
+
+
+def test_limits_are_asked_of_the_c_core(monkeypatch):
+    """No Python copy of the core's limits is left: each is read from _native where it is used."""
+    from cflow.bench import cachesim
+    from cflow.runtime import experts as xp
+    from cflow.runtime import prefetch as P
+
+    for module, copy in ((xp, "SPEC_MAX_DEPTH"), (P, "MAX_BYTES"), (P, "DEFAULT"), (cachesim, "VISIT_SCORE")):
+        assert not hasattr(module, copy), f"{module.__name__}.{copy}"
+    sizes = xp.ModelSizes(file_bytes=1 << 30, expert_bytes=1 << 29, slot_bytes=4096, n_keys=64, top_k=2, inflight=1,
+                          kv_bytes=0, delta_expert=1, n_layers=48)
+    monkeypatch.setattr(_native, "SPEC_MAX_DEPTH", 3)
+    assert xp.decide(sizes, experts="disk", expert_cache=1 << 20, expert_prefetch=20).prefetch == 3
+    monkeypatch.setattr(_native, "PREFETCH_MAX", 4096)
+    monkeypatch.setattr(_native, "PREFETCH_DEFAULT", -7)
+    assert (P.to_mode(None), P.to_mode(4096), P.from_mode(-7), P.label(-7)) == (-7, 4096, None, "default")
+    with pytest.raises(ValueError, match=r"1\.\.4096 bytes"):
+        P.to_mode(4097)
+    # the cache replay's scores (two layers, each on its own clock, where the core's policy keeps an
+    # expert LRU evicts): with a routing worth nothing, "lrfu" is left with its ties, broken by recency
+    trace = [[[0], [0]], [[2], [0]], [[0], [1]], [[2], [0]]]  # [step][layer] -> experts
+    hits = {p: cachesim.simulate(trace, 3, p, n_experts=3, n_unique=2).hits for p in ("lrfu", "lru")}
+    assert hits == {"lrfu": 3, "lru": 2}
+    monkeypatch.setattr(_native, "EXPERT_VISIT_SCORE", 0)
+    assert cachesim.simulate(trace, 3, "lrfu", n_experts=3, n_unique=2).hits == hits["lru"]
+
+
 # ---- a tiny engine built straight from the exported names -----------------------------------
 def tiny_config(tied: bool) -> ModelConfig:
     return ModelConfig.from_name("arch2", vocab_size=50, d_model=64, n_layers=3, n_heads=2, n_kv_heads=1,
@@ -258,11 +292,8 @@ def test_sequences_are_a_trailing_keyword():
 
 def test_the_expert_cache_rules_are_the_c_cores():
     """Python sizes expert slots and the smallest cache by the C core's own rules, not copies."""
-    from cflow import _native
-    from cflow.fileformat.layout import ALIGN
     from cflow.runtime.experts import ModelSizes
 
-    assert _native.EXPERT_ALIGN == ALIGN  # O_DIRECT reads of expert spans need the file's alignment
     assert _native.expert_min_slots(2, 3) == 6
     sizes = ModelSizes(file_bytes=0, expert_bytes=0, slot_bytes=4096, n_keys=8, top_k=2, inflight=3, kv_bytes=0)
     assert sizes.min_slots == _native.expert_min_slots(2, 3) and sizes.min_cache == 6 * 4096

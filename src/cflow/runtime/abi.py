@@ -31,7 +31,7 @@ def native_module() -> Any:
     except ImportError as e:
         raise NativeMissingError(f"the compiled core cflow._native is not available ({e}); {_REBUILD}") from None
     for attr in ("NativeEngine", "OP_KINDS", "SOURCES", "LAYER_SLOTS", "DESC_FIELDS", "MAX_THREADS", "EXPERT_ALIGN",
-                 "DTYPE_TABLE"):
+                 "DTYPE_TABLE", "SPEC_MAX_DEPTH", "PREFETCH_DEFAULT", "PREFETCH_MAX", "EXPERT_VISIT_SCORE"):
         if not hasattr(_native, attr):
             raise NativeMissingError(f"cflow._native is older than this cflow (it has no {attr}); {_REBUILD}")
     check_dtype_table(_native.DTYPE_TABLE)
