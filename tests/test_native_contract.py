@@ -6,7 +6,10 @@ cflow.h / formats.c); cflow._native exports the tables and Python looks codes up
 tests pin the exported names, hold them against the enums' counts, against cflow.quant (and
 cflow.kquant for the K-quant dtypes) and the .cflow tensor names (cflow.fileformat.model_tensors),
 and check that NativeEngine refuses a descriptor whose rows are named otherwise than the engine
-expects, even when every shape fits.
+expects, even when every shape fits. What Python states for the file format, which must work
+without the compiled core (cflow.dtypes' table, cflow.weights' tensor names, the file's alignment
+and a tile's row group), is held equal to the core's; a wrong dtype table is refused by name; and
+the core's limits are read from it where they are used, with no copy left in Python.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cflow import _native, dtypes
+from cflow import _native, dtypes, weights
 from cflow import kquant as K
 from cflow import quant as Q
 from cflow.config import ModelConfig
@@ -116,6 +119,24 @@ def test_a_core_with_another_dtype_table_is_not_handed_out(monkeypatch):
     monkeypatch.setattr(_native, "DTYPE_TABLE", wrong_tables()["resized"][0])
     with pytest.raises(DtypeTableMismatchError, match="q4_k: "):
         abi.native_module()
+
+
+def test_tensor_names_are_the_c_cores():
+    """The file format's names (cflow.weights) are the descriptor's: the same set of slots, in file
+    order on one side and in the core's row order on the other (bound by name, so orders may differ)."""
+    assert weights.GLOBAL_NAMES == _native.GLOBAL_TENSORS
+    assert weights.EXPERT_SLOTS == _native.EXPERT_SLOTS
+    assert sorted(weights.LAYER_SLOTS + weights.QKV_PARTS) == sorted(_native.LAYER_SLOTS)
+    assert len(set(weights.LAYER_SLOTS + weights.QKV_PARTS)) == len(_native.LAYER_SLOTS)
+
+
+def test_layer_slots_are_the_file_order():
+    cfg = tiny_config(False).replace(qkv_bias=True, qk_norm=True, d_shared_expert=32)
+    slots = [w.slot for w in weights.layer_weights(cfg, 0) if w.expert is None]
+    assert slots == list(weights.LAYER_SLOTS)
+    by_parts = [w.slot for w in weights.layer_weights(cfg, 0, split_qkv=True) if w.expert is None]
+    k = weights.LAYER_SLOTS.index("attn.wqkv")
+    assert by_parts == [*weights.LAYER_SLOTS[:k], *weights.QKV_PARTS, *weights.LAYER_SLOTS[k + 1:]]
 
 
 def test_file_format_constants_equal_the_c_cores():
