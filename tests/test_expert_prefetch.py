@@ -264,10 +264,14 @@ def test_keep_ranks_hold_a_steps_first_layer(models, name, monkeypatch):
     assert depth == 0 and held[0] < E, held
 
 
-def test_depth_cap_matches_the_engine():
+def test_depth_cap_is_the_engines():
     from cflow import _native
 
-    assert xp.SPEC_MAX_DEPTH == _native.SPEC_MAX_DEPTH
+    sizes = xp.ModelSizes(file_bytes=1 << 30, expert_bytes=1 << 29, slot_bytes=4096, n_keys=64, top_k=2, inflight=1,
+                          kv_bytes=0, delta_expert=1, n_layers=4 * _native.SPEC_MAX_DEPTH)
+    asked = 2 * _native.SPEC_MAX_DEPTH
+    assert xp.decide(sizes, experts="disk", expert_cache=1 << 20, expert_prefetch=asked).prefetch == \
+        _native.SPEC_MAX_DEPTH
 
 
 # ---- options ---------------------------------------------------------------------------------------

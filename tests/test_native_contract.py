@@ -6,7 +6,10 @@ cflow.h / formats.c); cflow._native exports the tables and Python looks codes up
 tests pin the exported names, hold them against the enums' counts, against cflow.quant (and
 cflow.kquant for the K-quant dtypes) and the .cflow tensor names (cflow.fileformat.model_tensors),
 and check that NativeEngine refuses a descriptor whose rows are named otherwise than the engine
-expects, even when every shape fits.
+expects, even when every shape fits. What Python states for the file format, which must work
+without the compiled core (cflow.dtypes' table, cflow.weights' tensor names, the file's alignment
+and a tile's row group), is held equal to the core's; a wrong dtype table is refused by name; and
+the core's limits are read from it where they are used, with no copy left in Python.
 """
 
 from __future__ import annotations
@@ -14,11 +17,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cflow import _native
+from cflow import _native, dtypes, weights
 from cflow import kquant as K
 from cflow import quant as Q
 from cflow.config import ModelConfig
 from cflow.fileformat import model_tensors
+from cflow.runtime import abi
+from cflow.runtime.errors import DtypeTableMismatchError, NativeMissingError
 
 EXPECTED = {
     "OP_KINDS": ("embed", "attn", "dense", "route", "experts", "resid", "final"),
@@ -72,6 +77,100 @@ def test_dtype_ids_are_cflow_quants():
     ids = {**Q.DTYPE_IDS, **K.KDTYPE_IDS}
     assert _native.DTYPE_IDS == ids
     assert _native.DTYPES == tuple(sorted(ids, key=ids.get))
+
+
+# ---- the Python statements the file format keeps, held against the C core's -------------------
+def test_dtype_table_is_the_c_cores():
+    """cflow.dtypes (what cflow.quant and cflow.kquant read) row for row as the core sizes tensors."""
+    assert _native.DTYPE_TABLE == dtypes.native_rows()
+    assert [row[:2] for row in _native.DTYPE_TABLE] == sorted(_native.DTYPE_IDS.items(), key=lambda kv: kv[1])
+    abi.check_dtype_table(_native.DTYPE_TABLE)  # what native_module() runs before handing the core out
+    for name, dtype_id, block_weights, _ in _native.DTYPE_TABLE:
+        shape = (3, 2 * block_weights)
+        assert _native.tiled_bytes(dtype_id, *shape) == Q.tensor_nbytes(name, shape), name
+
+
+def wrong_tables() -> dict[str, tuple[list, str]]:
+    """Copies of the Python table, each wrong in one way, and the difference the error must name."""
+    rows = list(dtypes.native_rows())
+    swap = lambda name, row: [row if r[0] == name else r for r in rows]  # noqa: E731
+    return {
+        "resized": (swap("q4_k", ("q4_k", 12, 256, 145)),
+                    "q4_k: cflow.dtypes has ('q4_k', 12, 256, 145), the compiled core ('q4_k', 12, 256, 144)"),
+        "renumbered": (swap("q8_0", ("q8_0", 9, 32, 34)),
+                       "q8_0: cflow.dtypes has ('q8_0', 9, 32, 34), the compiled core ('q8_0', 8, 32, 34)"),
+        "missing": (rows[:-1], f"{rows[-1][0]}: cflow.dtypes has None, the compiled core {rows[-1]}"),
+        "extra": (rows + [("q2_k", 10, 256, 84)],
+                  "q2_k: cflow.dtypes has ('q2_k', 10, 256, 84), the compiled core None"),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(wrong_tables()))
+def test_a_wrong_dtype_table_is_refused(case):
+    python_rows, difference = wrong_tables()[case]
+    with pytest.raises(DtypeTableMismatchError) as e:
+        abi.check_dtype_table(_native.DTYPE_TABLE, python_rows)
+    assert difference in str(e.value) and "pip install -e ." in str(e.value)
+    assert isinstance(e.value, NativeMissingError)  # callers that catch a stale core catch this too
+
+
+def test_a_core_with_another_dtype_table_is_not_handed_out(monkeypatch):
+    abi.native_module()
+    monkeypatch.setattr(_native, "DTYPE_TABLE", wrong_tables()["resized"][0])
+    with pytest.raises(DtypeTableMismatchError, match="q4_k: "):
+        abi.native_module()
+
+
+def test_tensor_names_are_the_c_cores():
+    """The file format's names (cflow.weights) are the descriptor's: the same set of slots, in file
+    order on one side and in the core's row order on the other (bound by name, so orders may differ)."""
+    assert weights.GLOBAL_NAMES == _native.GLOBAL_TENSORS
+    assert weights.EXPERT_SLOTS == _native.EXPERT_SLOTS
+    assert sorted(weights.LAYER_SLOTS + weights.QKV_PARTS) == sorted(_native.LAYER_SLOTS)
+    assert len(set(weights.LAYER_SLOTS + weights.QKV_PARTS)) == len(_native.LAYER_SLOTS)
+
+
+def test_layer_slots_are_the_file_order():
+    cfg = tiny_config(False).replace(qkv_bias=True, qk_norm=True, d_shared_expert=32)
+    slots = [w.slot for w in weights.layer_weights(cfg, 0) if w.expert is None]
+    assert slots == list(weights.LAYER_SLOTS)
+    by_parts = [w.slot for w in weights.layer_weights(cfg, 0, split_qkv=True) if w.expert is None]
+    k = weights.LAYER_SLOTS.index("attn.wqkv")
+    assert by_parts == [*weights.LAYER_SLOTS[:k], *weights.QKV_PARTS, *weights.LAYER_SLOTS[k + 1:]]
+
+
+def test_file_format_constants_equal_the_c_cores():
+    """Constants the file format keeps for itself (it must work without the compiled core)."""
+    from cflow.fileformat.layout import ALIGN
+
+    assert Q.G == _native.ROW_GROUP  # a tile's row group: the file's "quant.group", the kernels' CF_G
+    assert ALIGN == _native.EXPERT_ALIGN  # O_DIRECT reads of expert spans need the file's alignment
+
+
+def test_limits_are_asked_of_the_c_core(monkeypatch):
+    """No Python copy of the core's limits is left: each is read from _native where it is used."""
+    from cflow.bench import cachesim
+    from cflow.runtime import experts as xp
+    from cflow.runtime import prefetch as P
+
+    for module, copy in ((xp, "SPEC_MAX_DEPTH"), (P, "MAX_BYTES"), (P, "DEFAULT"), (cachesim, "VISIT_SCORE")):
+        assert not hasattr(module, copy), f"{module.__name__}.{copy}"
+    sizes = xp.ModelSizes(file_bytes=1 << 30, expert_bytes=1 << 29, slot_bytes=4096, n_keys=64, top_k=2, inflight=1,
+                          kv_bytes=0, delta_expert=1, n_layers=48)
+    monkeypatch.setattr(_native, "SPEC_MAX_DEPTH", 3)
+    assert xp.decide(sizes, experts="disk", expert_cache=1 << 20, expert_prefetch=20).prefetch == 3
+    monkeypatch.setattr(_native, "PREFETCH_MAX", 4096)
+    monkeypatch.setattr(_native, "PREFETCH_DEFAULT", -7)
+    assert (P.to_mode(None), P.to_mode(4096), P.from_mode(-7), P.label(-7)) == (-7, 4096, None, "default")
+    with pytest.raises(ValueError, match=r"1\.\.4096 bytes"):
+        P.to_mode(4097)
+    # the cache replay's scores (two layers, each on its own clock, where the core's policy keeps an
+    # expert LRU evicts): with a routing worth nothing, "lrfu" is left with its ties, broken by recency
+    trace = [[[0], [0]], [[2], [0]], [[0], [1]], [[2], [0]]]  # [step][layer] -> experts
+    hits = {p: cachesim.simulate(trace, 3, p, n_experts=3, n_unique=2).hits for p in ("lrfu", "lru")}
+    assert hits == {"lrfu": 3, "lru": 2}
+    monkeypatch.setattr(_native, "EXPERT_VISIT_SCORE", 0)
+    assert cachesim.simulate(trace, 3, "lrfu", n_experts=3, n_unique=2).hits == hits["lru"]
 
 
 # ---- a tiny engine built straight from the exported names -----------------------------------
@@ -214,11 +313,8 @@ def test_sequences_are_a_trailing_keyword():
 
 def test_the_expert_cache_rules_are_the_c_cores():
     """Python sizes expert slots and the smallest cache by the C core's own rules, not copies."""
-    from cflow import _native
-    from cflow.fileformat.layout import ALIGN
     from cflow.runtime.experts import ModelSizes
 
-    assert _native.EXPERT_ALIGN == ALIGN  # O_DIRECT reads of expert spans need the file's alignment
     assert _native.expert_min_slots(2, 3) == 6
     sizes = ModelSizes(file_bytes=0, expert_bytes=0, slot_bytes=4096, n_keys=8, top_k=2, inflight=3, kv_bytes=0)
     assert sizes.min_slots == _native.expert_min_slots(2, 3) and sizes.min_cache == 6 * 4096

@@ -25,9 +25,10 @@ from cflow.runtime import EngineError
 from cflow.runtime import prefetch as P
 
 ISAS = _native.available_isas()
+DEFAULT, MAX_BYTES = _native.PREFETCH_DEFAULT, _native.PREFETCH_MAX  # the C core's modes (runtime.prefetch asks it)
 # the default mode, off, a sub-line distance, odd distances, Q6_K's own 8 KiB, and the largest
 # (far past the end of every matrix here: nothing is asked for there)
-MODES = [P.DEFAULT, P.OFF, 1, 100, 1000, 4097, 8192, P.MAX_BYTES]
+MODES = [DEFAULT, P.OFF, 1, 100, 1000, 4097, 8192, MAX_BYTES]
 QDTYPES = ["q4_0", "q4_1", "q8_0"]
 KDTYPES = list(K.KDTYPES)
 # (rows, cols, tile): short last groups, band tails, several tiles with a narrower last one
@@ -118,14 +119,14 @@ def test_threads_and_f32_matvec_same_bits_in_every_mode(isa):
 
 
 def test_modes_getter_and_bad_values():
-    assert _native.PREFETCH_DEFAULT == P.DEFAULT and _native.PREFETCH_MAX == P.MAX_BYTES
-    for m in (P.DEFAULT, P.OFF, 64, P.MAX_BYTES):
+    assert (P.default_mode(), P.OFF, P.max_bytes()) == (DEFAULT, _native.PREFETCH_OFF, MAX_BYTES) == (-1, 0, 1 << 20)
+    for m in (DEFAULT, P.OFF, 64, MAX_BYTES):
         _native.set_prefetch(m)
         assert _native.get_prefetch() == m
-    for bad in (-2, P.MAX_BYTES + 1):
+    for bad in (-2, MAX_BYTES + 1):
         with pytest.raises(ValueError, match="prefetch must be"):
             _native.set_prefetch(bad)
-        assert _native.get_prefetch() == P.MAX_BYTES  # unchanged
+        assert _native.get_prefetch() == MAX_BYTES  # unchanged
 
 
 def test_every_kernel_prefetch_goes_through_the_one_helper():
@@ -142,12 +143,12 @@ def test_every_kernel_prefetch_goes_through_the_one_helper():
 
 def test_python_spellings():
     assert [P.parse(s) for s in ("default", "off", "0", "1024", " OFF ")] == [None, 0, 0, 1024, 0]
-    for bad in ("on", "-1", "1.5", str(P.MAX_BYTES + 1), ""):
+    for bad in ("on", "-1", "1.5", str(MAX_BYTES + 1), ""):
         with pytest.raises(ValueError, match="off|default|distance"):
             P.parse(bad)
-    assert [P.label(v) for v in (None, P.DEFAULT, 0, 512)] == ["default", "default", "off", "512"]
-    assert [P.to_mode(v) for v in (None, 0, 512)] == [P.DEFAULT, 0, 512]
-    for bad in (-1, True, 1.0, "512", P.MAX_BYTES + 1):
+    assert [P.label(v) for v in (None, DEFAULT, 0, 512)] == ["default", "default", "off", "512"]
+    assert [P.to_mode(v) for v in (None, 0, 512)] == [DEFAULT, 0, 512]
+    for bad in (-1, True, 1.0, "512", MAX_BYTES + 1):
         with pytest.raises(EngineError) as e:
             P.to_mode(bad)
         assert e.value.flag == "--prefetch"
@@ -186,7 +187,7 @@ def test_engine_logits_same_bits_in_every_mode(moe_model, experts):
     with Engine.load(moe_model, prefetch=0, **kw) as eng:
         assert eng.prefetch == 0
         base = run_engine(eng, prompt, 6)
-        for value in (None, 64, 1000, P.MAX_BYTES):
+        for value in (None, 64, 1000, MAX_BYTES):
             eng.prefetch = value
             assert eng.prefetch == value
             got = run_engine(eng, prompt, 6)
@@ -198,7 +199,7 @@ def test_engine_logits_same_bits_in_every_mode(moe_model, experts):
 def test_engine_refuses_bad_values_before_loading(moe_model, tmp_path):
     from cflow.runtime import Engine
 
-    for bad in (-1, 2 * P.MAX_BYTES, "1024", True):
+    for bad in (-1, 2 * MAX_BYTES, "1024", True):
         with pytest.raises(EngineError, match="prefetch") as e:
             Engine.load(moe_model, prefetch=bad)
         assert e.value.flag == "--prefetch"

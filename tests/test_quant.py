@@ -8,6 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from cflow import dtypes
+from cflow import kquant as K
 from cflow import quant as Q
 
 gguf = pytest.importorskip("gguf")
@@ -124,6 +126,23 @@ def test_sizes():
                 ("q4_0", (4, 32), "cols"), ("f32", (-1, 4), "rows")]:
         with pytest.raises(Q.QuantError):
             Q.tensor_nbytes(*bad)
+
+
+def test_dtype_table_is_ggmls():
+    """cflow.dtypes, the one table cflow.quant and cflow.kquant read: GGML's ids and block sizes
+    (f32 / f16 in 32-value blocks of one field), each block's fields laid end to end."""
+    assert [d.name for d in dtypes.TABLE] == list(Q.DTYPES) and set(dtypes.BY_NAME) == set(Q.DTYPES)
+    for d in dtypes.TABLE:
+        ggml = GT[d.name.upper()]
+        qb, bb = gguf.GGML_QUANT_SIZES[ggml]
+        assert d.ggml_id == int(ggml), d.name
+        assert (d.block_weights, d.block_bytes) == ((Q.QK, Q.QK * bb) if d.plain else (qb, bb)), d.name
+        ends = [0] + [o + n for _, o, n in d.fields]
+        assert [o for _, o, _ in d.fields] == ends[:-1] and ends[-1] == d.block_bytes, d.name
+    # the views each module keeps are the table's rows
+    assert {**Q.BLOCK, **K.KBLOCK} == {d.name: (d.block_weights, d.block_bytes) for d in dtypes.TABLE if not d.plain}
+    assert Q.KQUANT_IDS == K.KDTYPE_IDS == {d.name: d.ggml_id for d in dtypes.TABLE if not d.produced}
+    assert K.K_SUPER == ("q4_k", "q5_k", "q6_k") and K.QK_K == dtypes.QK_K == 256
 
 
 # ---- tile layout ---------------------------------------------------------------------------

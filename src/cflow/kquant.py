@@ -2,8 +2,8 @@
 them (Q5_0, Q5_1): the numpy references the C kernels will be tested against (docs/kquants.md).
 
 Owns:
-- the GGML byte layouts of these types (`KBLOCK`, `GGML_FIELDS`), decoded bit-exactly as
-  `gguf.quants` decodes them (`dequantize_k`);
+- the GGML byte layouts of these types (`KBLOCK`, `GGML_FIELDS`: views of the registry in
+  cflow.dtypes), decoded bit-exactly as `gguf.quants` decodes them (`dequantize_k`);
 - their tile layout (`tile_kquant` / `untile_kquant`, `tile_kquant_loops`): the rule of
   `cflow.quant.tile_matrix` with a super-block of 256 weights in place of a 32-block, and the
   fields of each block stored struct-of-arrays in `TILE_FIELDS` order (scales first);
@@ -24,33 +24,26 @@ from typing import Sequence
 
 import numpy as np
 
-from cflow import quant
+from cflow import dtypes, quant
 from cflow.quant import G, TILE, QuantError, round_half_away
 
-QK_K = 256  # weights per K-quant super-block
+QK_K = dtypes.QK_K  # weights per K-quant super-block
 QK = quant.QK  # weights per 32-block (Q5_0 / Q5_1, and the K-quants' sub-blocks of Q4_K / Q5_K)
 K_SCALE_SIZE = 12  # bytes of packed 6-bit scales and mins in Q4_K / Q5_K
 
+# The formats of this module: cflow.dtypes' rows that cflow only copies from GGUF files.
+_ROWS = tuple(d for d in dtypes.TABLE if not d.produced)
 # dtype -> (weights per block, bytes per block), as gguf.constants.GGML_QUANT_SIZES.
-KBLOCK: dict[str, tuple[int, int]] = {
-    "q5_0": (32, 22), "q5_1": (32, 24),
-    "q4_k": (256, 144), "q5_k": (256, 176), "q6_k": (256, 210),
-}
+KBLOCK: dict[str, tuple[int, int]] = {d.name: (d.block_weights, d.block_bytes) for d in _ROWS}
 # GGML type ids (gguf.GGMLQuantizationType): cflow.quant's registry holds them.
 KDTYPE_IDS: dict[str, int] = quant.KQUANT_IDS
 KDTYPES = tuple(KBLOCK)
-K_SUPER = ("q4_k", "q5_k", "q6_k")  # the super-block (256) formats
+K_SUPER = tuple(d.name for d in _ROWS if d.block_weights == QK_K)  # the super-block (256) formats
 # Every quantized dtype this module handles (the existing ones delegate to cflow.quant).
 ALL_QUANT = quant.QUANT_DTYPES + KDTYPES
 
 # Fields of one block in GGML byte order: name -> (offset, bytes).
-GGML_FIELDS: dict[str, dict[str, tuple[int, int]]] = {
-    "q5_0": {"d": (0, 2), "qh": (2, 4), "qs": (6, 16)},
-    "q5_1": {"d": (0, 2), "m": (2, 2), "qh": (4, 4), "qs": (8, 16)},
-    "q4_k": {"d": (0, 2), "dmin": (2, 2), "scales": (4, 12), "qs": (16, 128)},
-    "q5_k": {"d": (0, 2), "dmin": (2, 2), "scales": (4, 12), "qh": (16, 32), "qs": (48, 128)},
-    "q6_k": {"ql": (0, 128), "qh": (128, 64), "scales": (192, 16), "d": (208, 2)},
-}
+GGML_FIELDS: dict[str, dict[str, tuple[int, int]]] = {d.name: {f: (o, n) for f, o, n in d.fields} for d in _ROWS}
 # The order a tile chunk stores the fields in (g rows of each field, one field after another):
 # the fp16 super-block scales, then the packed sub-block scales, then the quant bits. Only Q6_K
 # differs from GGML's order (GGML puts its scales and d after the quants).

@@ -4,9 +4,10 @@ cflow (writer, reader, C kernels, tests) is checked against.
 Owns, in one place:
 - the block formats (GGML semantics and type ids, bit-exact with ggml-quants.c's `_ref`
   quantizers): Q4_0, Q4_1, Q8_0, plus F16/F32 pass-through;
-- the registry of every dtype a file may store (`DTYPE_IDS`), including the K-quant family that
-  cflow runs as it is but never produces (Q4_K, Q5_K, Q6_K, Q5_0, Q5_1: layouts in cflow.kquant,
-  to which sizes, decoding and tiling delegate);
+- the views of the dtype registry (cflow.dtypes) that the rest of cflow reads: `DTYPE_IDS` (every
+  dtype a file may store), `BLOCK` and `BLOCK_FIELDS` (the formats encoded here), `KQUANT_IDS`
+  (the K-quant family that cflow runs as it is but never produces: Q4_K, Q5_K, Q6_K, Q5_0, Q5_1;
+  their decoding and tiling are cflow.kquant's, to which the functions here delegate);
 - the tile layout of a weight matrix (docs/DESIGN.md "Tile layout"): row bands of TR rows, tiles
   of TK inputs, row groups of G=8 rows whose blocks are stored struct-of-arrays (scales first);
 - the fused-matrix row arrangements (`fuse_qkv`, `interleave_gate_up`);
@@ -27,20 +28,23 @@ from typing import Sequence
 
 import numpy as np
 
+from cflow import dtypes
 from cflow.errors import CflowError
 
-QK = 32  # weights per block, every format
+QK = dtypes.QK  # weights per block of every format this module encodes
 G = 8  # rows per interleaved row group inside a tile
 TILE = (128, 256)  # default (TR rows, TK inputs)
 
-# dtype -> (weights per block, bytes per block); the quantized formats of the DESIGN contract.
-BLOCK: dict[str, tuple[int, int]] = {"q4_0": (32, 18), "q4_1": (32, 20), "q8_0": (32, 34)}
+# Every dtype below is a view of cflow.dtypes.TABLE, the one statement of ids and block sizes.
+# dtype -> (weights per block, bytes per block): the 32-block formats `quantize` produces.
+BLOCK: dict[str, tuple[int, int]] = {d.name: (d.block_weights, d.block_bytes) for d in dtypes.TABLE
+                                     if d.produced and not d.plain}
 # GGML types a file may hold and the engine runs as they are, but that cflow never produces itself:
 # the K-quants and the 32-block Q5_0 / Q5_1 llama.cpp writes beside them. Their byte and tile
 # layouts are defined in cflow.kquant (docs/kquants.md); the functions below delegate to it.
-KQUANT_IDS: dict[str, int] = {"q5_0": 6, "q5_1": 7, "q4_k": 12, "q5_k": 13, "q6_k": 14}
+KQUANT_IDS: dict[str, int] = {d.name: d.ggml_id for d in dtypes.TABLE if not d.produced}
 # GGML type ids (also the C enum cf_dtype).
-DTYPE_IDS: dict[str, int] = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q8_0": 8, **KQUANT_IDS}
+DTYPE_IDS: dict[str, int] = {d.name: d.ggml_id for d in dtypes.TABLE}
 DTYPES = tuple(DTYPE_IDS)
 QUANT_DTYPES = tuple(BLOCK)  # the formats `quantize` produces
 STORED_QUANT = QUANT_DTYPES + tuple(KQUANT_IDS)  # every quantized format a file may store
@@ -49,14 +53,8 @@ LAYOUTS = ("rows", "tiled")
 # Fields of one 32-weight block, in GGML byte order, as byte widths. A tile chunk stores each
 # field for the g rows of a group one after another (scales first). F16/F32 are treated as a
 # single 64/128-byte field so that plain matrices can be tiled the same way.
-BLOCK_FIELDS: dict[str, tuple[int, ...]] = {
-    "q4_0": (2, 16),
-    "q4_1": (2, 2, 16),
-    "q8_0": (2, 32),
-    "f16": (64,),
-    "f32": (128,),
-}
-_ELEM_BYTES = {"f32": 4, "f16": 2}
+BLOCK_FIELDS: dict[str, tuple[int, ...]] = {d.name: d.field_widths for d in dtypes.TABLE if d.produced}
+_ELEM_BYTES = {d.name: d.block_bytes // d.block_weights for d in dtypes.TABLE if d.plain}  # f32 4, f16 2
 
 
 class QuantError(CflowError, ValueError):

@@ -50,10 +50,17 @@ from typing import Callable, Collection, Iterable, Iterator
 from cflow.config import ModelConfig
 
 NODE_KINDS = ("embed", "attn", "dense", "router", "experts", "lm_head")
+# The tensor names, for the file format, which needs them without the compiled core. The C core
+# names the same tensors (_native.GLOBAL_TENSORS, LAYER_SLOTS, EXPERT_SLOTS) in the order of its
+# descriptor rows, an ABI order of its own (new slots go last) that Python never relies on: the
+# descriptor is built from the core's names and bound by name (cflow.runtime.abi). The names are
+# one set on both sides; tests/test_native_contract.py holds them equal.
 GLOBAL_NAMES = ("tok_emb", "norm", "lm_head")
+# A weight set's slots in `.cflow` order (layer_weights yields them so), plus QKV_PARTS in
+# attn.wqkv's place when the projection is stored by parts.
 LAYER_SLOTS = ("attn_norm", "attn.wqkv", "attn.qkv_bias", "attn.q_norm", "attn.k_norm", "attn.wo", "ffn_norm",
                "ffn.w_gate_up", "ffn.w_down", "moe_norm", "moe.router", "moe.shared_gate",
-               "moe.shared.w_gate_up", "moe.shared.w_down")  # (plus QKV_PARTS, attn.wqkv by parts)
+               "moe.shared.w_gate_up", "moe.shared.w_down")
 EXPERT_SLOTS = ("w_gate_up", "w_down")
 QKV_PARTS = ("attn.wq", "attn.wk", "attn.wv")  # attn.wqkv stored by parts (see above)
 

@@ -16,7 +16,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-VISIT_SCORE = 1 << 16  # native/experts.c: a routing's weight in a score, halved each routing of the layer
+from cflow.runtime.abi import native_module
+
 AGE_PER_KEY = 4  # the "lfu" alternative: counts halve every AGE_PER_KEY x n_keys accesses
 # ---- policies on a routing trace ------------------------------------------------------------------
 POLICIES = ("lrfu", "lru", "lfu", "opt")
@@ -56,7 +57,8 @@ def simulate(trace: Sequence[Sequence[Sequence[int]]], n_slots: int, policy: str
     pinned until `inflight` - 1 later layers have been acquired (1: released right away); nothing is
     pinned across steps. Policies (the victim is the lowest key, ties by least recent use):
       "lrfu"  the C core's, exactly (the engine's counters must match it): when a layer routes, its
-              experts' scores halve and the chosen ones gain VISIT_SCORE; evict the lowest score
+              experts' scores halve and the chosen ones gain _native.EXPERT_VISIT_SCORE; evict the
+              lowest score
       "lru"   least recently used
       "lfu"   use counts, halved every AGE_PER_KEY x n_keys accesses (a global clock)
       "opt"   Belady's: evict the one used furthest in the future (an upper bound)
@@ -80,6 +82,8 @@ def simulate(trace: Sequence[Sequence[Sequence[int]]], n_slots: int, policy: str
     last_use = [0] * n_slots
     nxt = [0] * n_slots
     freq = [0] * n_keys  # lfu: counts; lrfu: scores
+    # lrfu: a routing's weight in a score is the C core's own (experts.h CF_XVISIT_SCORE): the replay must match it
+    visit_score = native_module().EXPERT_VISIT_SCORE if policy == "lrfu" else 0
     tick = accesses = 0
     age = AGE_PER_KEY * n_keys
     rank = [0] * n_keys if keep is None else [int(keep[k // n_experts]) for k in range(n_keys)]
@@ -93,7 +97,7 @@ def simulate(trace: Sequence[Sequence[Sequence[int]]], n_slots: int, policy: str
                 for x in range(n_experts):
                     freq[base + x] >>= 1
                 for x in xs:
-                    freq[base + x] += VISIT_SCORE
+                    freq[base + x] += visit_score
             group = []
             for x in xs:
                 key = (l % n_unique) * n_experts + x

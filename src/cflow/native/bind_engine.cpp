@@ -359,6 +359,14 @@ void bind_contracts(nb::module_ &m) {
         }
     m.attr("DTYPE_IDS") = ids;
     m.attr("DTYPES") = as_tuple(dtypes);
+    // the block geometry the kernels and cf_tiled_bytes size tensors by, one (name, id, block
+    // weights, block bytes) row per dtype by id: cflow.runtime.abi holds it against cflow.dtypes
+    nb::list table;
+    for (int i = 0; i < CF_DTYPE_IDS; i++)
+        if (cf_dtype_names[i])
+            table.append(nb::make_tuple(cf_dtype_names[i], i, cf_block_weights(i), (int)cf_block_bytes(i)));
+    m.attr("DTYPE_TABLE") = nb::tuple(table);
+    m.attr("ROW_GROUP") = (int)CF_G;  // rows per interleaved group in a tile (cflow.quant.G)
     // the enum counts, by their C names, so tests can hold the tuples against the enums
     nb::dict counts;
     counts["CF_OP_KINDS"] = (int)CF_OP_KINDS;
@@ -379,6 +387,7 @@ void bind_contracts(nb::module_ &m) {
     m.attr("IO_FAULTS") = as_tuple(table_names(cf_xfault_names, CF_XFAULT_KINDS, "cf_xfault_names"));
     m.attr("EXPERT_READERS") = as_tuple(table_names(cf_xreader_names, CF_XREADER_KINDS, "cf_xreader_names"));
     m.attr("EXPERT_ALIGN") = (int)CF_XALIGN;
+    m.attr("EXPERT_VISIT_SCORE") = (int)CF_XVISIT_SCORE;
     m.def("expert_min_slots", [](int top_k, int inflight) { return cf_expert_min_slots(top_k, inflight); },
           nb::arg("top_k"), nb::arg("inflight"), "the smallest expert cache an engine accepts, in slots");
     m.def("plan_inflight", [](Plan plan, int n_moe) {

@@ -586,6 +586,7 @@ NB_MODULE(_native, m) {
           "kernel. An engine sets its own mode (NativeEngine.prefetch) at the start of each call.");
     m.def("get_prefetch", &cf_get_prefetch, "The process-wide software-prefetch mode (-1 default, 0 off, N bytes).");
     m.attr("PREFETCH_DEFAULT") = (int)CF_PREFETCH_DEFAULT;
+    m.attr("PREFETCH_OFF") = (int)CF_PREFETCH_OFF;
     m.attr("PREFETCH_MAX") = (int)CF_PREFETCH_MAX;
     m.def("tiled_bytes", [](int dtype, int rows, int cols, int tr, int tc) {
         cf_tiled w{nullptr, dtype, rows, cols, tr, tc};

@@ -42,10 +42,11 @@ enum cf_dtype {
     CF_Q6_K = 14,
     CF_DTYPE_IDS, /* one past the largest id: the size of tables indexed by dtype */
 };
-/* cf_dtype_names[id]: "f32", "f16", "q4_0", "q4_1", "q8_0" (cflow.quant.DTYPE_IDS's keys) and
- * "q5_0", "q5_1", "q4_k", "q5_k", "q6_k" (cflow.kquant.KDTYPE_IDS's); NULL for GGML ids the core
- * does not run. Exported to Python as _native.DTYPE_IDS (formats.c). The layouts of the K-quant
- * dtypes and their tiles: docs/kquants.md, Python twin cflow/kquant.py. */
+/* cf_dtype_names[id]: "f32", "f16", "q4_0", "q4_1", "q8_0", "q5_0", "q5_1", "q4_k", "q5_k",
+ * "q6_k"; NULL for GGML ids the core does not run. Exported to Python as _native.DTYPE_IDS, and
+ * with cf_block_weights / cf_block_bytes as _native.DTYPE_TABLE, which cflow.runtime.abi holds
+ * against the Python table (cflow/dtypes.py) when it loads the core (formats.c). The layouts of
+ * the K-quant dtypes and their tiles: docs/kquants.md, Python twin cflow/kquant.py. */
 extern const char *const cf_dtype_names[CF_DTYPE_IDS];
 
 /* The K-quants (256-weight super-blocks, read with the 256-block activation fields below). */

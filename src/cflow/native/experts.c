@@ -2,10 +2,10 @@
  *
  * Eviction: recency-weighted frequency on each layer's own clock ("layer LRFU"). Every expert has
  * a score; each time a layer routes (cf_xstore_visit), the scores of that layer's E experts halve
- * and the chosen ones gain VISIT_SCORE. So a score is sum over the layer's past routings of
- * 2^-(routings since), counted for the routings that chose it: an expert its layer chose last time
- * outranks every expert it did not (>= 1 against < 1), and among those, use further back breaks
- * the tie. The victim is the lowest score, ties broken by global recency.
+ * and the chosen ones gain CF_XVISIT_SCORE (experts.h). So a score is sum over the layer's past
+ * routings of 2^-(routings since), counted for the routings that chose it: an expert its layer
+ * chose last time outranks every expert it did not (>= 1 against < 1), and among those, use
+ * further back breaks the tie. The victim is the lowest score, ties broken by global recency.
  *
  * Why the layer's clock and not a global one: a decode step visits the layers in a cycle, so
  * between two uses of layer l's experts every other layer's are touched once. Plain LRU (global
@@ -48,7 +48,6 @@
 #include "uring.h"
 #include "util.h"
 
-#define VISIT_SCORE (1u << 16) /* a routing's weight; halves every routing of the layer after */
 #define WAIT_SPIN 256  /* pause iterations (a few us) before a waiter sleeps: reads take longer */
 
 enum { XS_EMPTY, XS_LOADING, XS_READY, XS_FAILED };
@@ -404,7 +403,7 @@ int cf_xstore_loading(const cf_xstore *xs, int slot) {
 void cf_xstore_visit(cf_xstore *xs, int set, const int *chosen, int n) {
     uint32_t *sc = xs->score + (size_t)set * xs->n_experts;
     for (int x = 0; x < xs->n_experts; x++) sc[x] >>= 1;
-    for (int i = 0; i < n; i++) sc[chosen[i]] += VISIT_SCORE; /* < 2 x VISIT_SCORE: no overflow */
+    for (int i = 0; i < n; i++) sc[chosen[i]] += CF_XVISIT_SCORE; /* < 2 x CF_XVISIT_SCORE: no overflow */
 }
 
 void cf_xstore_keep(cf_xstore *xs, int set, int rank) {

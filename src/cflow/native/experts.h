@@ -47,6 +47,10 @@ extern "C" {
 #endif
 
 #define CF_XALIGN 4096 /* O_DIRECT offsets, lengths and buffers; the .cflow alignment */
+/* A routing's weight in an expert's eviction score (experts.c, cf_xstore_visit); the score halves
+ * every routing of the layer after. Exported as _native.EXPERT_VISIT_SCORE for the policy's Python
+ * replay (cflow.bench.cachesim). */
+#define CF_XVISIT_SCORE (1u << 16)
 
 typedef struct {
     const char *path;      /* the model file; named in every error */

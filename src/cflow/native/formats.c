@@ -11,8 +11,7 @@
 
 /* ---- dtypes ------------------------------------------------------------------------------ */
 
-/* Names as cflow.quant.DTYPE_IDS and cflow.kquant.KDTYPE_IDS spell them; NULL where GGML has an
- * id the core does not run. */
+/* Names as cflow.dtypes spells them; NULL where GGML has an id the core does not run. */
 const char *const cf_dtype_names[CF_DTYPE_IDS] = {
     [CF_F32] = "f32",   [CF_F16] = "f16",   [CF_Q4_0] = "q4_0", [CF_Q4_1] = "q4_1",
     [CF_Q5_0] = "q5_0", [CF_Q5_1] = "q5_1", [CF_Q8_0] = "q8_0", [CF_Q4_K] = "q4_k",

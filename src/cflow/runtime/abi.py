@@ -5,6 +5,10 @@ The C core states each contract once and exports it: `OP_KINDS` and `SOURCES` (t
 `GLOBAL_TENSORS` / `LAYER_SLOTS` / `EXPERT_SLOTS` (the order of descriptor rows), `DESC_FIELDS`,
 `DTYPE_IDS`. Python never writes those numbers down: it looks every code up by name here, and
 passes each descriptor row's tensor name along so that C checks the two sides agree row by row.
+
+The dtype registry (names, GGML ids, block sizes) is stated on both sides, because the file
+format needs it without the compiled core (cflow.dtypes): `native_module` compares it with the
+core's `DTYPE_TABLE` before handing the core out, and refuses a core that disagrees.
 """
 
 from __future__ import annotations
@@ -13,7 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from cflow.runtime.errors import EngineError, NativeMissingError
+from cflow import dtypes
+from cflow.runtime.errors import DtypeTableMismatchError, EngineError, NativeMissingError
 from cflow.runtime.plan import Plan
 
 _REBUILD = "rebuild it with `pip install -e .` (needs a C compiler and CMake)"
@@ -25,10 +30,26 @@ def native_module() -> Any:
         from cflow import _native
     except ImportError as e:
         raise NativeMissingError(f"the compiled core cflow._native is not available ({e}); {_REBUILD}") from None
-    for attr in ("NativeEngine", "OP_KINDS", "SOURCES", "LAYER_SLOTS", "DESC_FIELDS", "MAX_THREADS", "EXPERT_ALIGN"):
+    for attr in ("NativeEngine", "OP_KINDS", "SOURCES", "LAYER_SLOTS", "DESC_FIELDS", "MAX_THREADS", "EXPERT_ALIGN",
+                 "DTYPE_TABLE", "SPEC_MAX_DEPTH", "PREFETCH_DEFAULT", "PREFETCH_MAX", "EXPERT_VISIT_SCORE"):
         if not hasattr(_native, attr):
             raise NativeMissingError(f"cflow._native is older than this cflow (it has no {attr}); {_REBUILD}")
+    check_dtype_table(_native.DTYPE_TABLE)
     return _native
+
+
+def check_dtype_table(native_rows: Any, python_rows: Any = None) -> None:
+    """Raise DtypeTableMismatchError unless the core's (name, GGML id, block weights, block bytes)
+    rows equal cflow.dtypes' (`python_rows`, default `dtypes.native_rows()`), naming each
+    difference: a dtype one side lacks, or one whose numbers differ."""
+    ours = {r[0]: tuple(r) for r in (dtypes.native_rows() if python_rows is None else python_rows)}
+    theirs = {r[0]: tuple(r) for r in native_rows}
+    if ours == theirs:
+        return
+    diffs = [f"{name}: cflow.dtypes has {ours.get(name)}, the compiled core {theirs.get(name)}"
+             for name in sorted(ours.keys() | theirs.keys()) if ours.get(name) != theirs.get(name)]
+    raise DtypeTableMismatchError("cflow's dtype table and its compiled core's disagree ((name, GGML id, block "
+                                  f"weights, block bytes); None: no such dtype): {'; '.join(diffs)}; {_REBUILD}")
 
 
 def encode_plan(plan: Plan, native: Any) -> np.ndarray:

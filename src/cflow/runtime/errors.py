@@ -33,3 +33,8 @@ class CorruptModelError(EngineError):
 
 class NativeMissingError(EngineError, ImportError):
     """The compiled core (cflow._native) is not built, or was built from another cflow."""
+
+
+class DtypeTableMismatchError(NativeMissingError):
+    """The compiled core's dtype table (ids, block sizes) differs from cflow.dtypes: the two were
+    built from different sources, and running would misread every tensor of the differing dtypes."""

@@ -68,7 +68,6 @@ from cflow.runtime.files import format_size, parse_size
 MODES = ("ram", "disk", "auto")
 IO_MODES = ("async", "sync")
 PREFETCH_MODES = ("auto", "off", "next-layer")  # or a depth: N layers ahead
-SPEC_MAX_DEPTH = 16  # native/engine.h CF_SPEC_MAX_DEPTH (checked in tests): deeper asks are capped
 # "auto"'s depth: one expert of a Mixtral-sized model takes about ten layers' compute to read, so the
 # read must start layers before its layer routes; the engine reads predictions from beyond the next
 # layer only while they prove right (engine_spec.c, spec_trusted), so a deep horizon costs little where
@@ -294,7 +293,7 @@ def decide(sizes: ModelSizes | None, *, experts: str = "auto", expert_cache: int
         why += f"; expert cache {format_size(budget)}"
     if depth is None:  # auto
         depth = AUTO_PREFETCH_DEPTH if expert_io == "async" else 0
-    depth = min(depth, SPEC_MAX_DEPTH)
+    depth = min(depth, native_module().SPEC_MAX_DEPTH)  # the engine caps deeper asks (engine.h CF_SPEC_MAX_DEPTH)
     if sizes.n_layers:
         depth = min(depth, sizes.n_layers - 1)
     if depth and expert_io != "async":

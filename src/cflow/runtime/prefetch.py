@@ -17,34 +17,46 @@ result.
 The C side keeps one process-wide mode that the kernels read; each engine has its own mode and
 makes it the process-wide one at the start of every native call, so engines with different modes
 in one process each run with theirs unless their calls overlap in time (then only speed changes).
-Here a mode is an int: -1 default, 0 off, N > 0 bytes ahead (C's encoding).
+A C mode is an int: the core's PREFETCH_DEFAULT (-1), 0 off, N > 0 bytes ahead up to its
+PREFETCH_MAX (1 MiB: a distance past that would outrun any cache); this module asks the core for
+both bounds rather than keeping copies. Python's own spelling of "off" is 0 (`OFF`), the same
+number C uses (tests hold it against PREFETCH_OFF), so 0 and distances pass through unchanged.
 """
 
 from __future__ import annotations
 
+from cflow.runtime.abi import native_module
 from cflow.runtime.errors import EngineError
 
-DEFAULT = -1  # CF_PREFETCH_DEFAULT
 OFF = 0
-MAX_BYTES = 1 << 20  # CF_PREFETCH_MAX: a distance past 1 MiB would outrun any cache
+
+
+def max_bytes() -> int:
+    """The farthest distance the kernels accept (the C core's CF_PREFETCH_MAX)."""
+    return native_module().PREFETCH_MAX
+
+
+def default_mode() -> int:
+    """The C mode meaning "each kernel's own choice" (CF_PREFETCH_DEFAULT)."""
+    return native_module().PREFETCH_DEFAULT
 
 
 def to_mode(prefetch: int | None) -> int:
     """Engine.load's `prefetch` (None, 0 or bytes ahead) as the C mode; EngineError if invalid."""
     if prefetch is None:
-        return DEFAULT
+        return default_mode()
     if isinstance(prefetch, bool) or not isinstance(prefetch, int):
         raise EngineError(f"prefetch must be None (the kernels' default), 0 (off) or bytes ahead "
-                          f"(1..{MAX_BYTES}), got {prefetch!r}", flag="--prefetch")
-    if not 0 <= prefetch <= MAX_BYTES:
-        raise EngineError(f"prefetch distance must be 0 (off) or 1..{MAX_BYTES} bytes ahead, got {prefetch}",
+                          f"(1..{max_bytes()}), got {prefetch!r}", flag="--prefetch")
+    if not 0 <= prefetch <= max_bytes():
+        raise EngineError(f"prefetch distance must be 0 (off) or 1..{max_bytes()} bytes ahead, got {prefetch}",
                           flag="--prefetch")
     return int(prefetch)
 
 
 def from_mode(mode: int) -> int | None:
     """The C mode back as Engine.load's `prefetch` value (None for the default)."""
-    return None if mode == DEFAULT else mode
+    return None if mode == default_mode() else mode
 
 
 def parse(text: str) -> int | None:
@@ -58,14 +70,14 @@ def parse(text: str) -> int | None:
     try:
         n = int(t)
     except ValueError:
-        raise ValueError(f"expected off, default or a distance in bytes (1..{MAX_BYTES}), got {text!r}") from None
-    if not 0 <= n <= MAX_BYTES:
-        raise ValueError(f"the distance must be 1..{MAX_BYTES} bytes (or off / default), got {text!r}")
+        raise ValueError(f"expected off, default or a distance in bytes (1..{max_bytes()}), got {text!r}") from None
+    if not 0 <= n <= max_bytes():
+        raise ValueError(f"the distance must be 1..{max_bytes()} bytes (or off / default), got {text!r}")
     return n
 
 
 def label(prefetch: int | None) -> str:
     """A mode as the command line spells it (parse's inverse): "default", "off" or "N" (bytes)."""
-    if prefetch is None or prefetch == DEFAULT:
+    if prefetch is None or prefetch == default_mode():
         return "default"
     return "off" if prefetch == OFF else str(prefetch)
