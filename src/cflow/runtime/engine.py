@@ -583,9 +583,10 @@ class Engine:
             raise routes_mod.RouteTraceError("the model routes no experts: there is no route trace to record")
         if rows < 1:
             raise routes_mod.RouteTraceError(f"rows must be at least 1, got {rows}")
-        depth = min(cfg.n_layers - 1, xp.SPEC_MAX_DEPTH) if depth is None else depth
-        if not 0 <= depth <= xp.SPEC_MAX_DEPTH:
-            raise routes_mod.RouteTraceError(f"depth must be 0..{xp.SPEC_MAX_DEPTH}, got {depth}")
+        deepest = abi.native_module().SPEC_MAX_DEPTH  # the engine's deepest speculation (engine.h)
+        depth = min(cfg.n_layers - 1, deepest) if depth is None else depth
+        if not 0 <= depth <= deepest:
+            raise routes_mod.RouteTraceError(f"depth must be 0..{deepest}, got {depth}")
         chosen = np.full((rows, cfg.n_layers, cfg.top_k), -1, np.int32)
         pred = np.full((rows, cfg.n_layers, depth, cfg.top_k), -1, np.int32)
         self._native.set_routes(routes_mod.RECORD, chosen, pred)
