@@ -130,23 +130,11 @@ def test_engine_prefill_blocks_equal_steps(tmp_path, monkeypatch, threads, windo
     assert np.array_equal(block, steps)
 
 
-@pytest.fixture(scope="module")
-def smollm2(tmp_path_factory):
-    from test_engine_smollm2 import _gguf
-
-    mp = pytest.MonkeyPatch()
-    mp.setenv("CFLOW_CACHE", str(tmp_path_factory.mktemp("cflow-cache")))
-    path = _gguf()
-    Engine.load(path, threads=1, n_ctx=128).close()  # the conversion, once
-    yield path
-    mp.undo()
-
-
 @pytest.mark.parametrize("threads", [1, 2])
-def test_smollm2_prefill_blocks_equal_steps(smollm2, monkeypatch, threads):
+def test_smollm2_prefill_blocks_equal_steps(smollm2_converted, monkeypatch, threads):
     # 9/3 heads of 64 (GQA 3), 30 layers; 70 tokens in calls of 32
     toks = [int(t) for t in np.random.default_rng(5).integers(0, 49152, 70)]
-    eng = Engine.load(smollm2, threads=threads, n_ctx=128, max_batch=32)
+    eng = Engine.load(smollm2_converted, threads=threads, n_ctx=128, max_batch=32)
     block = eng.prefill(toks).copy()
     eng.reset()
     monkeypatch.setenv("CFLOW_ATTN_BLOCK", "0")

@@ -27,9 +27,7 @@ def small_gguf(tmp_path) -> Path:
     return path
 
 
-@pytest.fixture(autouse=True)
-def _private_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("CFLOW_CACHE", str(tmp_path / "cache"))
+pytestmark = pytest.mark.usefixtures("private_cache")  # CFLOW_CACHE in each test's tmp_path (conftest)
 
 
 def test_a_truncated_gguf_says_it_is_cut_short(small_gguf, tmp_path, capsys):

@@ -42,10 +42,7 @@ KEY_FLAGS = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _private_cache(tmp_path, monkeypatch):
-    # chat keeps readline history and generate converts GGUFs into the cache: keep both out of ~/.cache
-    monkeypatch.setenv("CFLOW_CACHE", str(tmp_path / "cache"))
+pytestmark = pytest.mark.usefixtures("private_cache")  # CFLOW_CACHE in each test's tmp_path (conftest)
 
 
 def cflow(*args: str, stdin: str | None = None, timeout: float = 60) -> subprocess.CompletedProcess:

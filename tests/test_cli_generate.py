@@ -18,12 +18,7 @@ from cflow.runtime import DEFAULT_MODEL, EngineError, usable_threads
 
 from test_cli import PROMPT, cflow, needs_builtin, one_error_line
 
-pytestmark = needs_builtin
-
-
-@pytest.fixture(autouse=True)
-def _private_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("CFLOW_CACHE", str(tmp_path / "cache"))
+pytestmark = [needs_builtin, pytest.mark.usefixtures("private_cache")]  # private_cache: conftest
 
 
 # ---- --json ----------------------------------------------------------------------------------

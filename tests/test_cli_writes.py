@@ -29,9 +29,7 @@ def not_a_dir(path: str) -> str:
     return f"{Path(path).parent} is not a directory"
 
 
-@pytest.fixture(autouse=True)
-def _private_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("CFLOW_CACHE", str(tmp_path / "cache"))
+pytestmark = pytest.mark.usefixtures("private_cache")  # CFLOW_CACHE in each test's tmp_path (conftest)
 
 
 @pytest.fixture()

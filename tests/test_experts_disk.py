@@ -8,7 +8,7 @@ What is held against what:
   1-3 threads;
 - the bytes read: per step exactly the rounded spans of the experts that were missing (the engine's
   counter, and the kernel's own per-process count of storage reads, /proc/self/io, with O_DIRECT);
-- the cache's hits and misses against cflow.bench.cachesim.simulate, the Python statement of the
+- the cache's hits and misses against cachesim.simulate (tests/cachesim.py), the Python statement of the
   eviction policy (recency-weighted frequency on each layer's clock), on the routing trace of the
   same run;
 - the budget: never more slots than it pays for, a budget below top_k x layers in flight refused
@@ -30,8 +30,8 @@ import pytest
 pytest.importorskip("torch")
 
 from cflow.runtime import Engine, EngineError  # noqa: E402
-from cflow.bench import cachesim  # noqa: E402
 from cflow.runtime import experts as xp  # noqa: E402
+import cachesim  # noqa: E402 (tests/cachesim.py: the policy replayed)
 from test_engine import small_config, write_random_model  # noqa: E402
 
 # name -> (preset, config overrides, dtype, tile)

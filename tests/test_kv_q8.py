@@ -307,34 +307,22 @@ MAX_DLOGIT = 3.0
 TOP1_MIN = 0.92
 
 
-@pytest.fixture(scope="module")
-def smollm2(tmp_path_factory):
-    from test_engine_smollm2 import _gguf
-
-    mp = pytest.MonkeyPatch()
-    mp.setenv("CFLOW_CACHE", str(tmp_path_factory.mktemp("cflow-cache")))
-    path = _gguf()
-    Engine.load(path, threads=1, n_ctx=64).close()  # the conversion, once
-    yield path
-    mp.undo()
-
-
 def forced_logits(path, toks, **kw):
     with Engine.load(path, threads=2, n_ctx=len(toks), **kw) as eng:
         return np.stack([eng.step(t, pos).copy() for pos, t in enumerate(toks)]).astype(np.float64)
 
 
-def test_smollm2_q8_logits_close_to_f16(smollm2):
+def test_smollm2_q8_logits_close_to_f16(smollm2_converted):
     from cflow.train.data import SHIPPED_CORPUS
 
     from importlib.resources import files
 
     lines = files("cflow.data").joinpath(SHIPPED_CORPUS).read_text().splitlines()
-    with Engine.load(smollm2, threads=1, n_ctx=64) as eng:
+    with Engine.load(smollm2_converted, threads=1, n_ctx=64) as eng:
         toks = eng.tokenizer.encode("\n\n".join(json.loads(x)["text"] for x in lines[:30]))[:N_FORCED]
     assert len(toks) == N_FORCED
-    base = forced_logits(smollm2, toks)
-    got = forced_logits(smollm2, toks, cache_type_k="q8_0", cache_type_v="q8_0")
+    base = forced_logits(smollm2_converted, toks)
+    got = forced_logits(smollm2_converted, toks, cache_type_k="q8_0", cache_type_v="q8_0")
     lb = base - base.max(-1, keepdims=True)
     lb -= np.log(np.exp(lb).sum(-1, keepdims=True))
     lg = got - got.max(-1, keepdims=True)
@@ -349,10 +337,10 @@ def test_smollm2_q8_logits_close_to_f16(smollm2):
     assert kl.mean() > 0, "the q8_0 cache gave f16's logits: was it used?"
 
 
-def test_smollm2_greedy_text_same(smollm2):
+def test_smollm2_greedy_text_same(smollm2_converted):
     prompt = "The capital of France is"
     texts = []
     for kv in ("f16", "q8_0"):
-        with Engine.load(smollm2, threads=2, n_ctx=128, cache_type_k=kv, cache_type_v=kv) as eng:
+        with Engine.load(smollm2_converted, threads=2, n_ctx=128, cache_type_k=kv, cache_type_v=kv) as eng:
             texts.append(eng.complete(prompt, max_tokens=24, temperature=0).text)
     assert texts[0] == texts[1]

@@ -149,7 +149,7 @@ def test_file_format_constants_equal_the_c_cores():
 
 def test_limits_are_asked_of_the_c_core(monkeypatch):
     """No Python copy of the core's limits is left: each is read from _native where it is used."""
-    from cflow.bench import cachesim
+    import cachesim  # tests/cachesim.py: the policy replayed
     from cflow.runtime import experts as xp
     from cflow.runtime import prefetch as P
 

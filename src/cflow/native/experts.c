@@ -11,7 +11,7 @@
  * between two uses of layer l's experts every other layer's are touched once. Plain LRU (global
  * clock) then evicts exactly what the cycle needs next whenever the cache holds less than one
  * token's experts (hit rate 0), and a global LFU misses that routing persists from token to token.
- * Measured on a routing trace of the built-in model (cflow.bench.cachesim.simulate replays a
+ * Measured on a routing trace of the built-in model (tests/cachesim.py simulate replays a
  * trace through this policy, LRU, a global LFU and Belady's optimum): equal to or above LRU at
  * every budget, and well above it below one token's experts.
  *

@@ -21,7 +21,7 @@
  *             own count of the slots speculation holds or still has reads in flight for, within the
  *             slots beyond the minimum, so the plan's own pins always fit.
  *   policy    recency-weighted frequency on each layer's own clock, ties by recency (experts.c
- *             says why; cflow.bench.cachesim.simulate is its Python twin), after a per-weight-set
+ *             says why; tests/cachesim.py simulate is its Python twin), after a per-weight-set
  *             keep rank the engine may set (0 everywhere unless it does): a step's first layers,
  *             whose misses no read-ahead can hide, are evicted last.
  *   I/O       async: io_uring where the kernel offers it (uring.h: thread 0 submits, one reaper
@@ -49,7 +49,7 @@ extern "C" {
 #define CF_XALIGN 4096 /* O_DIRECT offsets, lengths and buffers; the .cflow alignment */
 /* A routing's weight in an expert's eviction score (experts.c, cf_xstore_visit); the score halves
  * every routing of the layer after. Exported as _native.EXPERT_VISIT_SCORE for the policy's Python
- * replay (cflow.bench.cachesim). */
+ * replay (tests/cachesim.py). */
 #define CF_XVISIT_SCORE (1u << 16)
 
 typedef struct {

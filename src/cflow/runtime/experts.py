@@ -48,7 +48,7 @@ container blocks io_uring (Engine.expert_cache["reader"], and "reader_note" says
 CFLOW_EXPERT_READER=threads forces the threads (for tests: uring-refused, a refused io_uring; inline,
 every read done when it is submitted, so nothing depends on when reads land).
 
-The cache's eviction policy replayed in Python, for tests and benchmarks: cflow.bench.cachesim.
+The cache's eviction policy replayed in Python, for the tests: tests/cachesim.py.
 """
 
 from __future__ import annotations

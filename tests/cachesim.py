@@ -1,11 +1,13 @@
-"""The expert cache's eviction policy in Python, on routing traces: what the C core's cache
-(native/experts.c) decides, replayed, and the alternatives it was chosen against.
+"""A test helper: the expert cache's eviction policy in Python, on routing traces: what the C core's
+cache (native/experts.c) decides, replayed, and the alternatives it was chosen against.
 
 `routing_trace` records the experts an engine chooses per token and layer; `simulate` replays such a
 trace through a cache of n slots under a policy ("lrfu": recency-weighted frequency on each layer's
 own clock, the C core's; LRU; a global LFU with aging; Belady's optimum for reference), with the
-C core's pins, its keep ranks and its minimum slots. The tests check the engine's hits and misses
-against it; benchmarks use it to try policies without the disk.
+C core's pins, its keep ranks and its minimum slots. tests/test_experts_disk.py checks the engine's
+hits and misses against it. It lives beside the tests, not in the package, because nothing the
+package runs (the engine, `cflow bench`, its claims) replays a trace; to try a policy without the
+disk, import it from here (`sys.path` holding tests/).
 """
 
 from __future__ import annotations
