@@ -10,6 +10,8 @@ later layer's router on the earlier layer's input, computed in numpy from the fi
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -236,7 +238,7 @@ def test_a_dense_model_has_no_routes(tmp_path):
         eng.record_routes(4)
 
 
-def test_the_replay_benchmark_runs_models_together(models, tmp_path):
+def test_the_replay_benchmark_runs_models_together(models, tmp_path, monkeypatch):
     """benchmarks/expert_io_ab.py --trace --together on two small models: one row per model and mode,
     the second model's ratios to the first's same mode, the trace's routing in effect."""
     import importlib.util
@@ -245,6 +247,8 @@ def test_the_replay_benchmark_runs_models_together(models, tmp_path):
     from pathlib import Path
 
     bench = Path(__file__).resolve().parents[1] / "benchmarks"
+    for var in ("CFLOW_EXPERT_READER", "CFLOW_EXPERT_QD", "CFLOW_EXPERT_KEEP"):  # the script sets them per mode
+        monkeypatch.setenv(var, os.environ.get(var, ""))
     sys.path.insert(0, str(bench))
     try:
         spec = importlib.util.spec_from_file_location("expert_io_ab", bench / "expert_io_ab.py")

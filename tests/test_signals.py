@@ -37,8 +37,16 @@ def command(name: str) -> list[str]:
     return base + ["analyze", "--preset", "arch2_4_combined", "--help"]  # parser only: over within ~0.3 s
 
 
+def as_from_a_terminal() -> None:
+    """In the child before exec: SIGINT at its default, as a shell at a terminal starts a command. A
+    shell without job control starts background commands with SIGINT ignored, and an ignored
+    SIGINT survives exec, so pytest run with `&` would hand that to every child."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def interrupt(argv: list[str], after: float) -> tuple[int, str]:
-    p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=as_from_a_terminal)
     time.sleep(after)
     p.send_signal(signal.SIGINT)
     try:
@@ -54,7 +62,7 @@ def startup_lines(argv: list[str]) -> list[str]:
     of these lines; only what comes after them is the interrupt's."""
     if "chat" not in argv:
         return []
-    r = subprocess.run(argv, input="", capture_output=True, text=True, timeout=60)
+    r = subprocess.run(argv, input="", capture_output=True, text=True, timeout=60, preexec_fn=as_from_a_terminal)
     return [line for line in r.stderr.splitlines() if line.strip()]
 
 
@@ -80,7 +88,8 @@ def test_the_handler_comes_before_any_other_import():
     code = ("import signal, sys; before = set(sys.modules); import cflow; "
             "assert not [m for m in set(sys.modules) - before if m.startswith('cflow.')], sys.modules; "
             "import cflow.cli; assert signal.getsignal(signal.SIGINT) is cflow.cli._interrupted_while_starting")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       preexec_fn=as_from_a_terminal)
     assert r.returncode == 0, r.stderr
     import cflow.cli
 
