@@ -20,9 +20,7 @@ pytest.importorskip("torch")
 from cflow.runtime import Engine  # noqa: E402
 from cflow.runtime.routes import RouteTrace, RouteTraceError  # noqa: E402
 from test_engine import small_config, write_random_model  # noqa: E402
-from test_experts_disk import budget_bytes, load_disk, round_up, tokens  # noqa: E402
-
-PREFILL, STEPS = 11, 14
+from test_experts_disk import PREFILL, STEPS, budget_bytes, load_disk, round_up, run, tokens  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -33,15 +31,6 @@ def models(tmp_path_factory):
         path = tmp_path_factory.mktemp(name) / "m.cflow"
         write_random_model(path, small_config(preset, tied=False, **kw), "q4_0", (64, 64))
         out[name] = path
-    return out
-
-
-def run(eng, seed=0):
-    """A prefill of PREFILL rows (max_batch 8: two calls), then STEPS decode steps; every logits vector."""
-    cfg = eng.config
-    out = [eng.prefill(tokens(cfg, PREFILL, seed)).copy()]
-    for i, t in enumerate(tokens(cfg, STEPS, seed + 1)):
-        out.append(eng.step(t, PREFILL + i).copy())
     return out
 
 
