@@ -44,7 +44,7 @@ from cflow.config import ModelConfig
 from cflow.errors import CflowError
 from cflow.fsutil import atomic_write_text, check_writable, writing
 from cflow.train import checkpoint as ckpt
-from cflow.train.loop import RESUME_FIXED, TrainConfig, TrainResult, train
+from cflow.train.loop import RESUME_FIXED, TrainConfig, TrainResult, describe_device, resolve_device, train
 
 DEFAULT_PRESETS = ("arch1", "arch2", "arch3", "arch4", "arch2_4_combined", "arch5")
 REPORT = "train_compare.md"
@@ -170,13 +170,6 @@ def _existing(run_dir: Path, cfg: ModelConfig, tc: TrainConfig) -> str:
         raise CompareError(f"{run_dir} holds a run with other settings (its, now): {diff}; give another "
                            "--runs-dir, or remove that directory to train it again")
     return "done" if int(meta.get("step", 0)) >= tc.total_steps else "partial"
-
-
-def _device_words(tc: TrainConfig) -> str:
-    from cflow.train.loop import resolve_device
-
-    dev = resolve_device(tc)
-    return f"{torch.cuda.get_device_name(dev)} (bf16 autocast)" if dev.type == "cuda" else "CPU (fp32)"
 
 
 def _summary_from_disk(run_dir: Path, tc: TrainConfig) -> RunSummary:
@@ -319,8 +312,8 @@ def render_markdown(summaries: list[RunSummary], *, base: TrainConfig, tokens: i
         f"{geo.get('n_experts')} experts top-{geo.get('top_k')} of d_expert {geo.get('d_expert')}, "
         f"vocab {geo.get('vocab_size')}" + (f"; overrides {overrides}" if overrides else "") + ".",
         "",
-        f"Machine: {platform.machine()}, {_device_words(base)}, {base.threads or torch.get_num_threads()} torch "
-        f"thread(s) per run, torch {torch.__version__}; "
+        f"Machine: {platform.machine()}, {describe_device(resolve_device(base))}, "
+        f"{base.threads or torch.get_num_threads()} torch thread(s) per run, torch {torch.__version__}; "
         f"written {time.strftime('%Y-%m-%d %H:%M')}.",
         "",
         "Each value is the mean over the seeds ± the half-width of its 95% t interval (none with one seed).",

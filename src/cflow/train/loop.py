@@ -205,6 +205,11 @@ def autocast(dev: torch.device):
     return torch.autocast(device_type=dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda")
 
 
+def describe_device(dev: torch.device) -> str:
+    """The device and precision a run trains in, as meta.json and the compare table say it."""
+    return f"{torch.cuda.get_device_name(dev)} (bf16 autocast)" if dev.type == "cuda" else "cpu"
+
+
 def count_params(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())  # parameters() counts a tied tensor once
 
@@ -652,8 +657,7 @@ class _Run:
                 "val_tokens": int(len(self.data.val)),
                 "train_config": self.tc.to_dict(),
                 "world_size": self.d.world_size,
-                "device": (torch.cuda.get_device_name(self.device) + " (bf16 autocast)"
-                           if self.device.type == "cuda" else "cpu"),
+                "device": describe_device(self.device),
                 "elapsed_s": round(elapsed, 3),
             }
             if self.log:
