@@ -166,6 +166,7 @@ class Engine:
         self._batch_logits = np.zeros((self.n_seq, self.config.vocab_size), np.float32)  # step_batch's
         self._rows_logits = np.zeros((self.n_seq, self.config.vocab_size), np.float32)  # step_rows' (grows)
         self.last_timings = Timings()
+        self._routes: tuple[str, np.ndarray, np.ndarray] | None = None  # a route trace's mode and arrays
         self.last_prompt_len = 0  # prompt tokens of the last generation
         self.last_finish_reason = ""  # "stop" or "length"
         self.seed: int | None = None  # the sampling seed the last generation used
@@ -605,7 +606,7 @@ class Engine:
 
     def route_trace(self, **meta: Any) -> routes_mod.RouteTrace:
         """The rows recorded since record_routes (a copy; recording goes on), with `meta` attached."""
-        mode = getattr(self, "_routes", None)
+        mode = self._routes
         if not mode or mode[0] != "record":
             raise routes_mod.RouteTraceError("no route trace is being recorded: call record_routes first")
         n = min(self._native.routes_pos, mode[1].shape[0])

@@ -93,12 +93,10 @@ class RouteTrace:
     def load(cls, path: str | os.PathLike) -> "RouteTrace":
         try:
             with np.load(path, allow_pickle=False) as z:
-                meta = json.loads(str(z["meta"]))
-                if meta.get("format") != FORMAT:
-                    raise RouteTraceError(f"{path}: format {meta.get('format')!r} is not {FORMAT!r}")
-                return cls(z["chosen"], z["pred"], meta)
+                chosen, pred, meta = z["chosen"], z["pred"], json.loads(str(z["meta"]))
         except (OSError, KeyError, ValueError) as e:
-            if isinstance(e, RouteTraceError):
-                raise
             raise RouteTraceError(f"{path} is not a route trace ({e}); write one with "
                                   f"Engine.record_routes / benchmarks/route_trace.py") from e
+        if meta.get("format") != FORMAT:
+            raise RouteTraceError(f"{path}: format {meta.get('format')!r} is not {FORMAT!r}")
+        return cls(chosen, pred, meta)
