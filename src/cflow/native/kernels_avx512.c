@@ -419,22 +419,12 @@ INLINE void sb_share(int dtype, const cf_span *sp, size_t group_bytes, const cf_
  * sb_share. */
 INLINE void sb_matmat_groups(int dtype, const cf_tiled *w, const cf_act_q8 *xs, int B, float *out, int ldo,
                              int g0, int g1) {
-    int g1_full = cf_min(g1, w->rows / CF_G);
     size_t bb = cf_block_bytes(dtype);
     int pf = cf_prefetch_distance(SB_AHEAD);
     const uint8_t *end = pf ? cf_tiled_end(w) : NULL;
-    if (g0 < g1_full) {
-        for (int b = 0; b < B; b++)
-            memset(out + (size_t)b * ldo, 0, sizeof(float) * (size_t)(g1_full - g0) * CF_G);
-        cf_span sp;
-        for (cf_span_begin(&sp, w, g0, g1_full); cf_span_next(&sp);)
-            sb_share(dtype, &sp, (size_t)CF_G * sp.nkt * bb, xs, B, out + (size_t)(sp.ga - g0) * CF_G, ldo, pf,
-                     end);
-    }
-    if (g1 > g1_full && g1 > g0) {
-        int gs = cf_max(g0, g1_full);
-        for (int b = 0; b < B; b++)
-            cf_matvec_groups_ref(w, &xs[b], out + (size_t)b * ldo + (size_t)(gs - g0) * CF_G, gs, g1);
+    CF_FOR_EACH_SHARE(sp, w, g0, g1, xs, B, out, ldo) {
+        sb_share(dtype, &sp, (size_t)CF_G * sp.nkt * bb, xs, B, out + (size_t)(sp.ga - g0) * CF_G, ldo, pf,
+                 end);
     }
 }
 
@@ -446,45 +436,34 @@ INLINE void sb_matmat_groups(int dtype, const cf_tiled *w, const cf_act_q8 *xs, 
  * At most SB_MAX_B tokens: sb_matmat_groups. */
 INLINE void matmat_groups(int dtype, const cf_tiled *w, const cf_act_q8 *xs, int B, float *out,
                           int ldo, int g0, int g1) {
-    int g1_full = cf_min(g1, w->rows / CF_G);
     size_t bb = cf_block_bytes(dtype);
     mm5_buf buf;
     int32_t corr[MM5_TB * MM5_KT];
     int pf = cf_prefetch_distance(MM5_AHEAD);
     const uint8_t *end = pf ? cf_tiled_end(w) : NULL;
-    if (g0 < g1_full) {
-        for (int b = 0; b < B; b++)
-            memset(out + (size_t)b * ldo, 0, sizeof(float) * (size_t)(g1_full - g0) * CF_G);
-        cf_span sp;
-        for (cf_span_begin(&sp, w, g0, g1_full); cf_span_next(&sp);) {
-            size_t group_bytes = (size_t)CF_G * sp.nkt * bb;
-            for (int b0 = 0; b0 < B; b0 += MM5_TB) {
-                int nb = cf_min(MM5_TB, B - b0);
-                if (dtype == CF_Q8_0) q8_block_sums(xs + b0, nb, sp.kb0, sp.nkt, corr);
-                for (int gr = sp.ga; gr < sp.gb; gr += 2 * MM5_NP) {
-                    int ng = cf_min(2 * MM5_NP, sp.gb - gr), np = (ng + 1) / 2;
-                    __mmask16 mask[MM5_NP];
-                    const uint8_t *p = sp.ptr + (size_t)(gr - sp.ga) * group_bytes;
-                    if (b0 == 0) /* later batches re-read these groups from cache */
-                        cf_prefetch_ahead(pf, p, (size_t)ng * group_bytes, end);
-                    for (int q = 0; q < np; q++) {
-                        int lone = 2 * q + 1 >= ng; /* a last group without a partner */
-                        mask[q] = lone ? 0x00ff : 0xffff;
-                        const uint8_t *pa = p + (size_t)(2 * q) * group_bytes;
-                        unpack_pair(dtype, pa, lone ? pa : pa + group_bytes, sp.nkt, &buf, q);
-                    }
-                    float *o = out + (size_t)b0 * ldo + (size_t)(gr - g0) * CF_G;
-                    for (int j = 0; j < nb; j += MM5_NT)
-                        mm5_run(cf_min(MM5_NT, nb - j), np, dtype, &buf, sp.nkt, xs + b0 + j, sp.kb0,
-                                corr + j * MM5_KT, o + (size_t)j * ldo, ldo, mask);
+    CF_FOR_EACH_SHARE(sp, w, g0, g1, xs, B, out, ldo) {
+        size_t group_bytes = (size_t)CF_G * sp.nkt * bb;
+        for (int b0 = 0; b0 < B; b0 += MM5_TB) {
+            int nb = cf_min(MM5_TB, B - b0);
+            if (dtype == CF_Q8_0) q8_block_sums(xs + b0, nb, sp.kb0, sp.nkt, corr);
+            for (int gr = sp.ga; gr < sp.gb; gr += 2 * MM5_NP) {
+                int ng = cf_min(2 * MM5_NP, sp.gb - gr), np = (ng + 1) / 2;
+                __mmask16 mask[MM5_NP];
+                const uint8_t *p = sp.ptr + (size_t)(gr - sp.ga) * group_bytes;
+                if (b0 == 0) /* later batches re-read these groups from cache */
+                    cf_prefetch_ahead(pf, p, (size_t)ng * group_bytes, end);
+                for (int q = 0; q < np; q++) {
+                    int lone = 2 * q + 1 >= ng; /* a last group without a partner */
+                    mask[q] = lone ? 0x00ff : 0xffff;
+                    const uint8_t *pa = p + (size_t)(2 * q) * group_bytes;
+                    unpack_pair(dtype, pa, lone ? pa : pa + group_bytes, sp.nkt, &buf, q);
                 }
+                float *o = out + (size_t)b0 * ldo + (size_t)(gr - g0) * CF_G;
+                for (int j = 0; j < nb; j += MM5_NT)
+                    mm5_run(cf_min(MM5_NT, nb - j), np, dtype, &buf, sp.nkt, xs + b0 + j, sp.kb0,
+                            corr + j * MM5_KT, o + (size_t)j * ldo, ldo, mask);
             }
         }
-    }
-    if (g1 > g1_full && g1 > g0) {
-        int gs = cf_max(g0, g1_full);
-        for (int b = 0; b < B; b++)
-            cf_matvec_groups_ref(w, &xs[b], out + (size_t)b * ldo + (size_t)(gs - g0) * CF_G, gs, g1);
     }
 }
 
@@ -665,39 +644,28 @@ INLINE void kq5_run(int nt, int np, int dtype, const kq5_buf *buf, int nkt, cons
 
 INLINE void kq5_matmat_groups(int dtype, const cf_tiled *w, const cf_act_q8 *xs, int B, float *out,
                               int ldo, int g0, int g1) {
-    int g1_full = cf_min(g1, w->rows / CF_G);
     size_t bb = cf_block_bytes(dtype);
     kq5_buf buf;
     int pf = cf_prefetch_distance(MM5_AHEAD);
     const uint8_t *end = pf ? cf_tiled_end(w) : NULL;
-    if (g0 < g1_full) {
-        for (int b = 0; b < B; b++)
-            memset(out + (size_t)b * ldo, 0, sizeof(float) * (size_t)(g1_full - g0) * CF_G);
-        cf_span sp;
-        for (cf_span_begin(&sp, w, g0, g1_full); cf_span_next(&sp);) {
-            size_t group_bytes = (size_t)CF_G * sp.nkt * bb;
-            for (int gr = sp.ga; gr < sp.gb; gr += 2 * MM5_NP) {
-                int ng = cf_min(2 * MM5_NP, sp.gb - gr), np = (ng + 1) / 2;
-                __mmask16 mask[MM5_NP];
-                const uint8_t *p = sp.ptr + (size_t)(gr - sp.ga) * group_bytes;
-                cf_prefetch_ahead(pf, p, (size_t)ng * group_bytes, end);
-                for (int q = 0; q < np; q++) {
-                    int lone = 2 * q + 1 >= ng;
-                    mask[q] = lone ? 0x00ff : 0xffff;
-                    const uint8_t *pa = p + (size_t)(2 * q) * group_bytes;
-                    kq5_unpack_pair(dtype, pa, lone ? pa : pa + group_bytes, sp.nkt, &buf, q);
-                }
-                float *o = out + (size_t)(gr - g0) * CF_G;
-                for (int j = 0; j < B; j += MM5_NT)
-                    kq5_run(cf_min(MM5_NT, B - j), np, dtype, &buf, sp.nkt, xs + j, sp.kb0,
-                            o + (size_t)j * ldo, ldo, mask);
+    CF_FOR_EACH_SHARE(sp, w, g0, g1, xs, B, out, ldo) {
+        size_t group_bytes = (size_t)CF_G * sp.nkt * bb;
+        for (int gr = sp.ga; gr < sp.gb; gr += 2 * MM5_NP) {
+            int ng = cf_min(2 * MM5_NP, sp.gb - gr), np = (ng + 1) / 2;
+            __mmask16 mask[MM5_NP];
+            const uint8_t *p = sp.ptr + (size_t)(gr - sp.ga) * group_bytes;
+            cf_prefetch_ahead(pf, p, (size_t)ng * group_bytes, end);
+            for (int q = 0; q < np; q++) {
+                int lone = 2 * q + 1 >= ng;
+                mask[q] = lone ? 0x00ff : 0xffff;
+                const uint8_t *pa = p + (size_t)(2 * q) * group_bytes;
+                kq5_unpack_pair(dtype, pa, lone ? pa : pa + group_bytes, sp.nkt, &buf, q);
             }
+            float *o = out + (size_t)(gr - g0) * CF_G;
+            for (int j = 0; j < B; j += MM5_NT)
+                kq5_run(cf_min(MM5_NT, B - j), np, dtype, &buf, sp.nkt, xs + j, sp.kb0,
+                        o + (size_t)j * ldo, ldo, mask);
         }
-    }
-    if (g1 > g1_full && g1 > g0) {
-        int gs = cf_max(g0, g1_full);
-        for (int b = 0; b < B; b++)
-            cf_matvec_groups_ref(w, &xs[b], out + (size_t)b * ldo + (size_t)(gs - g0) * CF_G, gs, g1);
     }
 }
 

@@ -16,8 +16,10 @@
 #define CFLOW_KERNELS_INTERNAL_H
 
 #include <stdatomic.h>
+#include <string.h>
 
 #include "cflow.h"
+#include "kernels_ref.h"
 #include "util.h"
 
 /* ---- software prefetch (claim C6; the modes: cflow.h, cf_set_prefetch) --------------------
@@ -91,6 +93,11 @@ typedef struct {
     /* walk state */
     const cf_tiled *w;
     int g0, g1, band, band_end, tile, n_tiles;
+    /* the driver's frame (cf_walk_begin; a bare cf_span_begin walk leaves it unset) */
+    const cf_act_q8 *xs;
+    float *out;
+    size_t ldo;
+    int B, g_end; /* g_end: the end of the whole range, short last group included */
 } cf_span;
 
 static inline void cf_span_begin(cf_span *s, const cf_tiled *w, int g0, int g1) {
@@ -126,6 +133,49 @@ static inline int cf_span_next(cf_span *s) {
              + (size_t)band_rows * s->kb0 * bb        /* tiles to the left */
              + (size_t)(s->ga - s->band * gpb) * CF_G * s->nkt * bb; /* groups above */
     return 1;
+}
+
+/* ---- the walk driver -----------------------------------------------------------------------
+ * Every fast kernel over the groups [g0, g1) of a tiled matrix has the same frame, written once
+ * here: zero the outputs of the full groups, visit their tile shares in file order, then send the
+ * short last group (a matrix whose rows are not a multiple of 8; no fast path handles it) through
+ * the reference. A kernel writes only what it does with one share:
+ *
+ *     CF_FOR_EACH_SHARE(sp, w, g0, g1, xs, B, out, ldo) {
+ *         ... groups [sp.ga, sp.gb) of one tile, from sp.ptr: output row r of activation b is
+ *             out[b * ldo + r - g0 * 8], already zeroed, to be accumulated into ...
+ *     }
+ *
+ * A mat-vec passes its one activation with B = 1 (ldo is then unused). The body must not `break`
+ * out of the walk: the short last group is computed when the shares run out. */
+#define CF_FOR_EACH_SHARE(sp, w, g0, g1, xs, B, out, ldo) \
+    for (cf_span sp = cf_walk_begin((w), (g0), (g1), (xs), (B), (out), (ldo)); cf_walk_next(&sp);)
+
+static inline cf_span cf_walk_begin(const cf_tiled *w, int g0, int g1, const cf_act_q8 *xs, int B,
+                                    float *out, size_t ldo) {
+    int full_end = cf_max(g0, cf_min(g1, w->rows / CF_G)); /* [g0, full_end): full groups */
+    cf_span s;
+    cf_span_begin(&s, w, g0, full_end);
+    s.xs = xs;
+    s.out = out;
+    s.ldo = ldo;
+    s.B = B;
+    s.g_end = g1;
+    if (full_end > g0)
+        for (int b = 0; b < B; b++)
+            memset(out + (size_t)b * ldo, 0, sizeof(float) * (size_t)(full_end - g0) * CF_G);
+    return s;
+}
+
+/* The next share (1), or, when the full groups are done, the short last group through the
+ * reference (0: the walk is over). */
+static inline int cf_walk_next(cf_span *s) {
+    if (cf_span_next(s)) return 1;
+    if (s->g_end > s->g1) /* s->g1: the end of the full groups, >= g0 */
+        for (int b = 0; b < s->B; b++)
+            cf_matvec_groups_ref(s->w, &s->xs[b], s->out + (size_t)b * s->ldo + (size_t)(s->g1 - s->g0) * CF_G,
+                                 s->g1, s->g_end);
+    return 0;
 }
 
 #endif /* CFLOW_KERNELS_INTERNAL_H */

@@ -264,33 +264,24 @@ INLINE __m256 q5_update512(int dtype, const uint8_t *c, const cf_act_q8 *x, int 
 /* ---- the walk: kernels_avx2.inc's matvec_groups ------------------------------------------------ */
 
 INLINE void kq512_matvec_groups(int dtype, const cf_tiled *w, const cf_act_q8 *x, float *out, int g0, int g1) {
-    int g1_full = cf_min(g1, w->rows / CF_G);
     size_t chunk = (size_t)CF_G * cf_block_bytes(dtype);
     int pf = cf_prefetch_distance(KQ512_AHEAD);
     const uint8_t *end = pf ? cf_tiled_end(w) : NULL;
-    if (g0 < g1_full) {
-        memset(out, 0, sizeof(float) * (size_t)(g1_full - g0) * CF_G);
-        cf_span sp;
-        for (cf_span_begin(&sp, w, g0, g1_full); cf_span_next(&sp);) {
-            const uint8_t *p = sp.ptr;
-            size_t group_bytes = sp.nkt * chunk;
-            for (int gr = sp.ga; gr < sp.gb; gr++, p += group_bytes) {
-                cf_prefetch_ahead(pf, p, group_bytes, end);
-                __m256 acc = _mm256_setzero_ps();
-                for (int kb = 0; kb < sp.nkt; kb++) {
-                    const uint8_t *c = p + kb * chunk;
-                    if (dtype == CF_Q6_K) acc = q6k_update(c, x, sp.kb0 + kb, acc);
-                    else if (dtype == CF_Q4_K || dtype == CF_Q5_K) acc = q45k_update(dtype, c, x, sp.kb0 + kb, acc);
-                    else acc = q5_update512(dtype, c, x, sp.kb0 + kb, acc);
-                }
-                float *o = out + (size_t)(gr - g0) * CF_G;
-                _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), acc));
+    CF_FOR_EACH_SHARE(sp, w, g0, g1, x, 1, out, 0) {
+        const uint8_t *p = sp.ptr;
+        size_t group_bytes = sp.nkt * chunk;
+        for (int gr = sp.ga; gr < sp.gb; gr++, p += group_bytes) {
+            cf_prefetch_ahead(pf, p, group_bytes, end);
+            __m256 acc = _mm256_setzero_ps();
+            for (int kb = 0; kb < sp.nkt; kb++) {
+                const uint8_t *c = p + kb * chunk;
+                if (dtype == CF_Q6_K) acc = q6k_update(c, x, sp.kb0 + kb, acc);
+                else if (dtype == CF_Q4_K || dtype == CF_Q5_K) acc = q45k_update(dtype, c, x, sp.kb0 + kb, acc);
+                else acc = q5_update512(dtype, c, x, sp.kb0 + kb, acc);
             }
+            float *o = out + (size_t)(gr - g0) * CF_G;
+            _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), acc));
         }
-    }
-    if (g1 > g1_full && g1 > g0) {
-        int gs = cf_max(g0, g1_full);
-        cf_matvec_groups_ref(w, x, out + (size_t)(gs - g0) * CF_G, gs, g1);
     }
 }
 
