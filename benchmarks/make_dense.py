@@ -1,4 +1,4 @@
-"""Random-weight dense Llama GGUFs for benchmarks: the ~1B model of docs/results/dense_1b.md.
+"""Random-weight dense Llama GGUFs for benchmarks: the ~1B model of docs/results/dense.md.
 
     python benchmarks/make_dense.py --out 1b.gguf                 # TinyLlama-1.1B geometry, Q4_0 (~620 MB)
     python benchmarks/make_dense.py --out 1b-q8.gguf --quant q8_0

@@ -2,7 +2,7 @@
 
     python benchmarks/story_quality.py --model src/cflow/models/default.cflow \
         --teacher SmolLM2-135M-Instruct.Q4_1.gguf --corpus data/stories-corpus.jsonl.xz \
-        --stories 300 --samples 64 --out docs/results/quality_default.json
+        --stories 300 --samples 64 --out docs/results/default_quality.json
 
 Held-out stories are the corpus's validation split (cflow.train.data.split_documents, the split
 training uses), the first --stories of them in corpus order, each cut to its first --max-bytes bytes. Prints one line per figure and writes

@@ -1,4 +1,4 @@
-"""benchmarks/make_dense.py: the random dense Llama GGUF behind the ~1B table (docs/results/dense_1b.md) is written as
+"""benchmarks/make_dense.py: the random dense Llama GGUF behind the ~1B table (docs/results/dense.md) is written as
 asked (geometry, type, reproducible bit for bit) and runs; bad geometry is refused by flag."""
 
 from __future__ import annotations

@@ -72,8 +72,7 @@ def test_tables_match_the_enum_counts():
 
 
 def test_dtype_ids_are_cflow_quants():
-    # the file format's dtypes (cflow.quant) and the K-quant kernels' (cflow.kquant; not yet in
-    # the file format, docs/kquants.md "What remains")
+    # the 32-block dtypes (cflow.quant) and the K-quant files' (cflow.kquant, docs/kquants.md)
     ids = {**Q.DTYPE_IDS, **K.KDTYPE_IDS}
     assert _native.DTYPE_IDS == ids
     assert _native.DTYPES == tuple(sorted(ids, key=ids.get))

@@ -590,7 +590,7 @@ def write_cflow(path: str | os.PathLike, g: Geometry, q: str = "q4_0", seed: int
 
 
 # ---- dense Llama GGUFs ------------------------------------------------------------------------
-# TinyLlama-1.1B's geometry: the ~1B dense model of the benchmarks (docs/results/dense_1b.md, C4, quants.py)
+# TinyLlama-1.1B's geometry: the ~1B dense model of the benchmarks (docs/results/dense.md, C4, quants.py)
 TINYLLAMA = dict(layers=22, d_model=2048, d_ff=5632, heads=32, kv_heads=4, vocab=32000)
 
 

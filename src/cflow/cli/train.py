@@ -117,7 +117,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     tsub = p.add_subparsers(dest="train_command", metavar="{compare}")
     c = tsub.add_parser(
-        "compare", help="train several presets x seeds on one budget and write docs/results/train_compare.md",
+        "compare", help="train several presets x seeds on one budget and write OUT/train_compare.md with its plot",
         description="Train each preset for each seed with the same data, geometry, batch and budget, each "
         "run in RUNS_DIR/PRESET/seedN; write a markdown table (val loss, perplexity, top-1 accuracy as "
         "means with 95%% intervals over the seeds, total and active params, weight bytes per token and "
@@ -137,7 +137,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     b = c.add_mutually_exclusive_group(required=True)
     b.add_argument("--tokens", type=int, help="the same token budget for every preset")
     b.add_argument("--minutes-per-run", type=float, help="the same wall time for every preset")
-    c.add_argument("--out", type=Path, default=Path("docs/results"), help="report directory (default docs/results)")
+    c.add_argument("--out", type=Path, default=Path("docs/results/family"),
+                   help="report directory (default docs/results/family, where the family table lives)")
     c.add_argument("--runs-dir", type=Path, default=Path("runs/compare"),
                    help="where each preset's checkpoint goes (default runs/compare)")
     _add_hparams(c, budget=False)

@@ -1,4 +1,4 @@
-"""Foreign tokenizer descriptions -> the tokenizer header dict of a `.cflow` file (docs/DESIGN.md).
+"""Foreign tokenizer descriptions -> the tokenizer header dict of a `.cflow` file (docs/FORMAT.md).
 
 Owns the import side of tokenizers, which only the converters need: reading an HF `tokenizers`
 JSON (our training checkpoints' `tokenizer.json`, `cflow.convert.checkpoint`) and respelling

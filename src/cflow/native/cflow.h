@@ -2,9 +2,8 @@
  * the thread pool. Every kernel has a scalar `_ref` version (kernels_ref.c) and may have ISA
  * versions (kernels_avx2.inc, ...); dispatch.c fills `cf_kernels` once from a CPU-feature probe.
  * The table holds exactly the kernels the engine calls (engine_build.c checks they are all there);
- * the bindings reach nothing else through it. (The K-quant and Q5_x entries and quantize_act_k
- * are there for the engine's K-quant binding, docs/kquants.md "What remains"; until it lands
- * only the test bindings call them.)
+ * the bindings reach nothing else through it (the K-quant and Q5_x entries and quantize_act_k
+ * included: K-quant files run on them, docs/kquants.md).
  *
  * Layout contracts are described in docs/DESIGN.md ("Tile layout"); the Python twin is
  * cflow/quant.py. Keep both in step: tests check one against the other.

@@ -122,8 +122,7 @@ def run(ctx: Context) -> ClaimResult:
     res.notes.append(f"Competitive means: the mean paired difference from arch1 (same seed, so the same batches) is at "
                      f"most {MARGIN} nats plus twice its standard error over seeds. Data: the shipped story corpus "
                      f"(TinyStories-like), not TinyStories itself; geometry: the presets' own (3.8M parameters), far "
-                     f"smaller than the paper's models, so this tests trainability at small scale only. Earlier "
-                     f"single-seed results: docs/results/train_compare.md.")
+                     f"smaller than the paper's models, so this tests trainability at small scale only.")
     plt = pyplot()
     if plt is not None:
         from cflow.train.compare import _smooth
