@@ -179,3 +179,32 @@ def test_c2_without_its_tools_says_so(tmp_path, monkeypatch):
     res = run_claims(tmp_path, quick=True, only="C2")
     assert res[0].verdict == core.INCONCLUSIVE and res[0].measured == "failed"
     assert "valgrind" in res[0].reason and "traceback" not in res[0].data
+
+
+def test_rule_judges_both_ways_and_says_why():
+    up = core.Rule("speedup", "median of 5 rounds of new / old", confirm=1.5, refute=1.1)
+    assert up.judge(1.5)[0] == core.CONFIRMED and up.judge(1.09)[0] == core.REFUTED
+    assert up.judge(1.2)[0] == core.INCONCLUSIVE and up.judge(None)[0] == core.INCONCLUSIVE
+    assert up.judge(float("nan"))[0] == core.INCONCLUSIVE
+    down = core.Rule("cost", "mean slowdown", confirm=0.02, refute=0.05, higher_is_better=False, unit="")
+    assert down.judge(0.01)[0] == core.CONFIRMED and down.judge(0.06)[0] == core.REFUTED
+    assert down.judge(0.03)[0] == core.INCONCLUSIVE
+    assert "confirmed if >= 1.5x, refuted if < 1.1x" in up.text()
+    assert "confirmed if <= 0.02, refuted if > 0.05" in down.text()
+    with pytest.raises(ValueError, match="on the confirmed side"):
+        core.Rule("bad", "x", confirm=1.0, refute=2.0)
+
+
+def test_judged_rules_are_printed_beside_their_values(tmp_path):
+    res = core.ClaimResult(id="C5", title="t", paper="p", paper_number="1.68x", ours="o", reason="r",
+                           commands=["cflow x"])
+    rule = core.Rule("async over sync", "median async / sync", confirm=1.5, refute=1.1)
+    assert res.apply(rule, 1.62) == (core.CONFIRMED, "async over sync: 1.62x reaches 1.5x")
+    assert res.apply(rule, 1.0, control=True)[0] == core.REFUTED
+    res.verdict = core.CONFIRMED
+    report.write(tmp_path, [res], {"command": "c", "quick": False, "machine": {}, "date": "d", "duration_s": 1})
+    md = (tmp_path / "report.md").read_text()
+    assert "| **async over sync**: median async / sync: confirmed if >= 1.5x" in md and "| 1.62x | confirmed |" in md
+    assert "(control: an input built to fail it)" in md and "| 1x | refuted |" in md
+    again = core.ClaimResult.from_dict(json.loads((tmp_path / "report.json").read_text())["claims"][0])
+    assert again.judged == res.judged

@@ -38,6 +38,48 @@ class Table:
         return "\n".join(lines)
 
 
+@dataclass(frozen=True)
+class Rule:
+    """A claim's verdict rule, written in code before the run and printed beside the number it judges.
+
+    `statistic` says exactly which number is judged: the quantity, the point of a sweep chosen in
+    advance (never the best point), the repetitions and how they combine. `judge` is the only way a
+    measured value becomes a verdict: confirmed when it reaches `confirm`, refuted when it is past
+    `refute` on the wrong side, inconclusive in between (or when there is no value).
+    """
+
+    name: str                # the part of the claim it decides, e.g. "async over sync at I/O = compute"
+    statistic: str           # what is judged, e.g. "median over 5 interleaved rounds of async / sync tok/s ..."
+    confirm: float           # confirmed at or beyond this
+    refute: float            # refuted beyond this on the other side
+    higher_is_better: bool = True
+    unit: str = "x"
+
+    def __post_init__(self) -> None:
+        ordered = self.refute <= self.confirm if self.higher_is_better else self.refute >= self.confirm
+        if not ordered:
+            raise ValueError(f"rule {self.name!r}: refute {self.refute} is on the confirmed side of {self.confirm}")
+
+    def _fmt(self, v: float) -> str:
+        return f"{v:.4g}{self.unit}"
+
+    def text(self) -> str:
+        ge, lt = (">=", "<") if self.higher_is_better else ("<=", ">")
+        return (f"{self.statistic}: confirmed if {ge} {self._fmt(self.confirm)}, refuted if {lt} "
+                f"{self._fmt(self.refute)}, otherwise inconclusive")
+
+    def judge(self, value: float | None) -> tuple[str, str]:
+        if value is None or not math.isfinite(value):
+            return INCONCLUSIVE, f"{self.name}: not measured"
+        sign = 1 if self.higher_is_better else -1
+        if sign * value >= sign * self.confirm:
+            return CONFIRMED, f"{self.name}: {self._fmt(value)} reaches {self._fmt(self.confirm)}"
+        if sign * value < sign * self.refute:
+            return REFUTED, f"{self.name}: {self._fmt(value)} is {'below' if sign > 0 else 'above'} {self._fmt(self.refute)}"
+        return INCONCLUSIVE, (f"{self.name}: {self._fmt(value)} is between {self._fmt(self.refute)} (refuted) and "
+                              f"{self._fmt(self.confirm)} (confirmed)")
+
+
 @dataclass
 class ClaimResult:
     id: str                      # "C1" .. "C8", "T1"
@@ -53,6 +95,9 @@ class ClaimResult:
     notes: list[str] = field(default_factory=list)      # paragraphs
     plots: list[tuple[str, str]] = field(default_factory=list)  # (file in the report dir, caption)
     parts: list[dict[str, str]] = field(default_factory=list)   # sub-findings: name, verdict, reason
+    # every Rule this run judged: name, rule (its text), value, verdict, reason, control (True: an input
+    # built to fail the rule, judged to show the rule can say refuted)
+    judged: list[dict[str, Any]] = field(default_factory=list)
     pending: str | None = None   # what a part that cannot be measured yet waits on
     measured: str = "measured"   # "measured" | "analytic" | "pending" | "partial" | "failed"
     data: dict[str, Any] = field(default_factory=dict)
@@ -60,6 +105,14 @@ class ClaimResult:
     duration_s: float = 0.0
     date: str = ""               # when this claim ran (a merged report holds sections of several runs)
     commit: str = ""             # the cflow commit it ran on
+
+    def apply(self, rule: Rule, value: float | None, control: bool = False) -> tuple[str, str]:
+        """Judge `value` by `rule` and record it (the report prints every judged rule beside its
+        value); returns (verdict, reason). control=True marks an input built to fail the rule."""
+        verdict, reason = rule.judge(value)
+        self.judged.append({"name": rule.name, "rule": rule.text(), "value": value, "unit": rule.unit,
+                            "verdict": verdict, "reason": reason, "control": control})
+        return verdict, reason
 
     def check(self) -> None:
         if self.verdict not in VERDICTS:

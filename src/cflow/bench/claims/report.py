@@ -39,6 +39,13 @@ def _section(r: ClaimResult) -> list[str]:
     if r.pending:
         lines += [f"**Pending:** {r.pending}", ""]
     lines += ["**Commands:**", "", "```bash", *r.commands, "```", ""]
+    if r.judged:
+        lines += ["| rule, fixed in code before the run | value | verdict |", "|---|---:|---|"]
+        for j in r.judged:
+            v = "–" if j["value"] is None else f"{j['value']:.4g}{j['unit']}"
+            name = j["name"] + (" (control: an input built to fail it)" if j["control"] else "")
+            lines.append(f"| **{name}**: {j['rule'].replace('|', '/')} | {v} | {j['verdict']} |")
+        lines.append("")
     if r.parts:
         lines += ["| part | verdict | why |", "|---|---|---|"]
         lines += [f"| {p['name']} | {p['verdict']} | {p['reason'].replace('|', '/')} |" for p in r.parts]
