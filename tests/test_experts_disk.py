@@ -194,7 +194,7 @@ def kernel_read_bytes() -> int | None:
 def test_disk_bytes_are_exactly_the_missing_experts(models, budget, monkeypatch):
     monkeypatch.setenv("CFLOW_EXPERT_DIRECT", "1")
     path = models["e8k1"]
-    # the demand path alone (speculative reads, counted apart: test_expert_prefetch.py)
+    # the demand path alone (speculative reads, counted apart: test_expert_speculation.py)
     eng = load_disk(path, budget_bytes(path, budget), "async", 2, expert_prefetch="off")
     cfg = eng.config
     span = {key: round_up(n) for key, (_, n) in eng.file.experts.items()}
