@@ -64,7 +64,7 @@ def settle(eng, timeout: float = 5.0) -> None:
     slot = eng.expert_cache["slot_bytes"]
     while time.monotonic() < end:
         c = eng.counters()
-        started = c["cache_misses"] - c["prefetch_used"] + c["prefetch_reads"]
+        started = c["cache_misses"] - c["speculation_reads_used"] + c["speculation_reads"]
         if c["disk_bytes"] >= started * slot:
             return
         time.sleep(0.002)
@@ -96,6 +96,7 @@ def measure(subjects: list[dict], budget: float, modes: list[str], threads: int,
     """Every (subject, mode) engine decodes its subject's tokens; all of them take turns in each
     round (the order rotating), so a drift of the machine hits every engine alike."""
     from cflow.runtime import Engine
+    from cflow.runtime.experts import speculation_hit_rate
 
     engines = {}
     for si, sub in enumerate(subjects):
@@ -148,8 +149,7 @@ def measure(subjects: list[dict], budget: float, modes: list[str], threads: int,
                 "ms_per_token": statistics.median(ms[si, m]), "stall_ms_per_token": statistics.median(stall[si, m]),
                 "disk_mb_per_token": c["disk_bytes"] / (rounds * per_round) / 1e6,
                 "cache_hit_rate": c["cache_hits"] / looked if looked else None,
-                "prediction_hit_rate": (c["expert_predict_hits"] / c["expert_predicted"]
-                                        if c["expert_predicted"] else None),
+                "speculation_hit_rate": speculation_hit_rate(c),
                 "ratio_to_sync": ratio(ms[si, "sync"], ms[si, m]) if "sync" in modes else None,
                 # the same mode on the first subject, round by round (--together)
                 "ratio_to_first": ratio(ms[0, m], ms[si, m]) if si else None,
@@ -162,7 +162,7 @@ def measure(subjects: list[dict], budget: float, modes: list[str], threads: int,
 def table(results: list[dict]) -> str:
     first = any(x.get("ratio_to_first") for r in results for x in r["modes"].values())
     lines = ["| model | routes | budget | mode | ms/token | tok/s | I/O stall ms/token | sync: I/O / compute "
-             "| disk MB/token | cache hits | prediction hits | × sync (median, min–max over rounds) |"
+             "| disk MB/token | cache hits | speculation hits | × sync (median, min–max over rounds) |"
              + (" × the first model's same mode |" if first else ""),
              "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|" + ("---|" if first else "")]
     for r in results:
@@ -176,7 +176,7 @@ def table(results: list[dict]) -> str:
             rat = (lambda v: f"{v[0]:.2f}× ({v[1]:.2f}–{v[2]:.2f})" if v else "–")
             lines.append(f"| {Path(r['model']).name} | {routes} | {r['budget']:.0%} | {m} | {x['ms_per_token']:.1f} | "
                          f"{1e3 / x['ms_per_token']:.1f} | {x['stall_ms_per_token']:.1f} | {split} | "
-                         f"{x['disk_mb_per_token']:.1f} | {pct(x['cache_hit_rate'])} | {pct(x['prediction_hit_rate'])} | "
+                         f"{x['disk_mb_per_token']:.1f} | {pct(x['cache_hit_rate'])} | {pct(x['speculation_hit_rate'])} | "
                          f"{rat(x['ratio_to_sync'])} |" + (f" {rat(x.get('ratio_to_first'))} |" if first else ""))
     return "\n".join(lines)
 

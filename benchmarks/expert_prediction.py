@@ -27,6 +27,7 @@ import numpy as np
 def measure(path: str, budget: float, depth: str, warmup: int, tokens: int, threads: int) -> dict:
     from cflow.fileformat import open_model
     from cflow.runtime import Engine
+    from cflow.runtime.experts import speculation_hit_rate
 
     with Engine.load(path, threads=1, n_ctx=16, experts="ram") as probe:
         converted, vocab = probe.path, probe.config.vocab_size
@@ -43,9 +44,9 @@ def measure(path: str, budget: float, depth: str, warmup: int, tokens: int, thre
         time.sleep(0.3)  # speculative reads nobody waited for land
         c = eng.counters()
     return {"model": Path(path).name, "depth": depth, "misses_per_token": c["cache_misses"] / tokens,
-            "predicted_chosen": c["expert_predict_hits"] / c["expert_predicted"] if c["expert_predicted"] else None,
-            "misses_read_early": c["prefetch_used"] / c["cache_misses"] if c["cache_misses"] else None,
-            "wasted_reads_per_token": (c["prefetch_reads"] - c["prefetch_used"]) / tokens}
+            "predicted_chosen": speculation_hit_rate(c),
+            "misses_read_early": c["speculation_reads_used"] / c["cache_misses"] if c["cache_misses"] else None,
+            "wasted_reads_per_token": (c["speculation_reads"] - c["speculation_reads_used"]) / tokens}
 
 
 def main(argv: list[str] | None = None) -> int:

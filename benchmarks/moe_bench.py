@@ -163,7 +163,7 @@ def fmt_row(r: dict, file_bytes: int) -> str:
     c = r.get("counters", {})
     hits, misses = c.get("cache_hits"), c.get("cache_misses")
     rate = f"{hits / (hits + misses):.0%}" if hits is not None and misses is not None and hits + misses else "–"
-    pred = f"{c['expert_predict_hits'] / c['expert_predicted']:.0%}" if c.get("expert_predicted") else "–"
+    pred = f"{c['speculation_hits'] / c['speculation_predicted']:.0%}" if c.get("speculation_predicted") else "–"
     stall = f"{c['io_stall_ns'] / 1e6 / r['tokens']:.1f}" if "io_stall_ns" in c else "–"
     return (f"| {what} | {lim} | {r['tok_s']:.2f} | {r['disk_bytes_per_token'] / 1e6:.1f} | {rate} | {pred} | "
             f"{stall} | {r['peak_rss_bytes'] / 1e9:.2f} | |")
@@ -337,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
              f"Memory read probe {machine['memory_read_gbs']:.1f} GB/s; disk read probe "
              + (f"{machine['disk_read_gbs']:.2f} GB/s" if machine["disk_read_gbs"] else "n/a")
              + f"; {args.threads} threads; {'cold' if not args.warm else 'warm'} page cache per run.", "",
-             "| engine | memory | tok/s | disk MB/token | expert cache hits | prediction hits | I/O stall ms/token "
+             "| engine | memory | tok/s | disk MB/token | expert cache hits | speculation hits | I/O stall ms/token "
              "| peak RSS GB | note |",
              "|---|---|---:|---:|---:|---:|---:|---:|---|"]
     lines += [fmt_row(r, file_bytes) for r in results]

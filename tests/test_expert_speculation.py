@@ -81,7 +81,7 @@ def min_slots(path, **kw) -> int:
 
 # ---- bit for bit ----------------------------------------------------------------------------------
 def depth_name(depth) -> str:
-    """expert_cache["prefetch"] for a depth in effect."""
+    """expert_cache["speculation"] for a depth in effect."""
     return "off" if not depth else "next-layer" if depth == 1 else f"{depth} layers"
 
 
@@ -99,16 +99,16 @@ def test_logits_bit_identical_with_prefetch(models, name, extra, depth):
         assert c["slots"] == min(ms + extra, n_keys)
         # no slot beyond the plan's minimum: speculation turns itself off
         d = min(xp.prefetch_depth(depth), eng.config.n_layers - 1)
-        assert c["prefetch"] == depth_name(0 if extra == 0 else d)
-        assert c["prefetch_slots"] == (c["slots"] - ms if extra else 0)
+        assert c["speculation"] == depth_name(0 if extra == 0 else d)
+        assert c["speculation_slots"] == (c["slots"] - ms if extra else 0)
         got = within(60, run, eng)
         for i, (g, w) in enumerate(zip(got, want)):
             assert np.array_equal(g, w), f"{name} +{extra} slots, threads={threads}: call {i} differs"
         k = eng.counters()
         if extra:  # a cold cache: layer 1's experts cannot be cached when layer 0 predicts them
-            assert k["expert_predicted"] > 0 and k["prefetch_reads"] > 0
+            assert k["speculation_predicted"] > 0 and k["speculation_reads"] > 0
         else:
-            assert k["expert_predicted"] == k["prefetch_reads"] == k["prefetch_used"] == 0
+            assert k["speculation_predicted"] == k["speculation_reads"] == k["speculation_reads_used"] == 0
         assert len(eng.expert_resident()) <= c["slots"]
         eng.close()
 
@@ -126,7 +126,7 @@ def test_counters_add_up_per_step(models, name, extra, depth, monkeypatch):
     assert len(span) == 1  # every expert the same size here: bytes are reads x span
     span = span.pop()
     direct = eng.expert_cache["read"] == "O_DIRECT"
-    spare = eng.expert_cache["prefetch_slots"]
+    spare = eng.expert_cache["speculation_slots"]
     eng.prefill(tokens(cfg, 4))
     start, io_start = settle(eng), kernel_read_bytes()
     spec_reads = 0
@@ -139,25 +139,25 @@ def test_counters_add_up_per_step(models, name, extra, depth, monkeypatch):
         # (from route(max(t - depth, 0))), whose union with the first has top_k .. 2 top_k experts
         once = cfg.top_k * (cfg.n_layers - 1)
         if depth == 1 or cfg.n_layers < 3:
-            assert d["expert_predicted"] == once
+            assert d["speculation_predicted"] == once
         else:
-            assert once <= d["expert_predicted"] <= once + cfg.top_k * (cfg.n_layers - 2)
-        assert d["expert_predict_hits"] <= d["expert_predicted"]
-        assert d["prefetch_reads"] <= d["expert_predicted"]
-        assert d["prefetch_used"] <= d["cache_misses"]
+            assert once <= d["speculation_predicted"] <= once + cfg.top_k * (cfg.n_layers - 2)
+        assert d["speculation_hits"] <= d["speculation_predicted"]
+        assert d["speculation_reads"] <= d["speculation_predicted"]
+        assert d["speculation_reads_used"] <= d["cache_misses"]
         assert d["cache_hits"] + d["cache_misses"] == cfg.n_layers * cfg.top_k
         # every read is a demand miss or a speculative read; speculative reads nobody waited for
         # may still be landing (disk_bytes counts a read when it lands), at most one per spare slot
         late = (reads_started(c1) - reads_started(start)) * span - (c1["disk_bytes"] - start["disk_bytes"])
         assert late % span == 0 and 0 <= late <= spare * span
-        spec_reads += d["prefetch_reads"]
+        spec_reads += d["speculation_reads"]
     c = settle(eng)
     assert c["disk_bytes"] == reads_started(c) * span
     if direct and io_start is not None:  # the kernel saw exactly these reads: no readahead, no re-reads
         assert kernel_read_bytes() - io_start == c["disk_bytes"] - start["disk_bytes"]
-    assert c["prefetch_used"] <= c["prefetch_reads"]  # since the load: each read is used at most once as such
+    assert c["speculation_reads_used"] <= c["speculation_reads"]  # since the load: each read is used at most once as such
     assert spec_reads > 0
-    rate = xp.prediction_hit_rate(c)
+    rate = xp.speculation_hit_rate(c)
     assert rate is not None and 0 <= rate <= 1
 
 
@@ -173,7 +173,7 @@ def test_prediction_is_exact_when_every_layer_shares_its_weights(models, slots, 
     eng = load(path, n, depth)
     cfg = eng.config
     assert cfg.n_layers >= 4  # depth 3 predicts from route(t-3) for a layer
-    assert cfg.n_unique_layers == 1 and eng.expert_cache["prefetch"] == depth_name(depth)
+    assert cfg.n_unique_layers == 1 and eng.expert_cache["speculation"] == depth_name(depth)
     want_pred = want_hits = 0
     prev = np.array(eng.expert_hits())
     calls = [("prefill", tokens(cfg, PREFILL))] + [("step", t) for t in tokens(cfg, STEPS, seed=1)]
@@ -191,13 +191,13 @@ def test_prediction_is_exact_when_every_layer_shares_its_weights(models, slots, 
             want_pred += len(pred)
             want_hits += len(pred & chosen[t])
     c = eng.counters()
-    assert (c["expert_predicted"], c["expert_predict_hits"]) == (want_pred, want_hits)
-    assert want_hits > 0 and xp.prediction_hit_rate(c) == want_hits / want_pred
+    assert (c["speculation_predicted"], c["speculation_hits"]) == (want_pred, want_hits)
+    assert want_hits > 0 and xp.speculation_hit_rate(c) == want_hits / want_pred
     # decoding, what layer l chose is pinned and cached (it just ran): nothing to read early (a batch
     # reads what its first wave did not pin, for layer l's later waves and l+1 alike); an earlier
     # layer's choice may have been evicted from a small cache since
     if depth == 1 or slots == "all":
-        assert c["prefetch_reads"] == after_prefill["prefetch_reads"]
+        assert c["speculation_reads"] == after_prefill["speculation_reads"]
 
 
 @pytest.mark.parametrize("name", ["arch1", "mixtral"])
@@ -222,11 +222,11 @@ def test_gate_reads_only_trusted_distances(models, name, monkeypatch):
         eng.close()
         return c
 
-    keys = ("cache_hits", "cache_misses", "prefetch_reads", "prefetch_used", "disk_bytes")
+    keys = ("cache_hits", "cache_misses", "speculation_reads", "speculation_reads_used", "disk_bytes")
     near, closed, opened = counters(1, "2"), counters(3, "2"), counters(3, "0")
     assert {k: closed[k] for k in keys} == {k: near[k] for k in keys}
-    assert closed["expert_predicted"] > near["expert_predicted"]  # it still predicts (to keep measuring)
-    assert opened["prefetch_reads"] > near["prefetch_reads"]  # 32 predictions in, every distance reads
+    assert closed["speculation_predicted"] > near["speculation_predicted"]  # it still predicts (to keep measuring)
+    assert opened["speculation_reads"] > near["speculation_reads"]  # 32 predictions in, every distance reads
 
 
 @pytest.mark.parametrize("name", ["arch1", "mixtral"])
@@ -279,16 +279,16 @@ def test_auto_turns_on_with_async_reads(models):
     for name, on in (("arch1", True), ("mixtral", True), ("delayed", True)):
         eng = load(models[name], 10**6, "auto")
         depth = min(xp.AUTO_PREFETCH_DEPTH, eng.config.n_layers - 1) if on else 0
-        assert eng.expert_cache["prefetch"] == depth_name(depth), name
-        assert eng.expert_cache["prefetch_depth"] == eng.residency.prefetch == depth
+        assert eng.expert_cache["speculation"] == depth_name(depth), name
+        assert eng.expert_cache["speculation_depth"] == eng.residency.prefetch == depth
         assert ("speculative prefetch" in eng.residency.reason) is on
         eng.close()
     eng = load(models["arch1"], 10**6, "auto", io="sync")
-    assert eng.expert_cache["prefetch"] == "off" and not eng.residency.prefetch
+    assert eng.expert_cache["speculation"] == "off" and not eng.residency.prefetch
     eng = load(models["arch1"], 10**6, "100")  # deeper than the model: capped at its last layer
     assert eng.residency.prefetch == eng.config.n_layers - 1
     eng = load(models["arch1"], 10**6, "off")
-    assert eng.expert_cache["prefetch"] == "off"
+    assert eng.expert_cache["speculation"] == "off"
     eng = Engine.load(models["arch1"], threads=1, experts="ram", expert_prefetch="next-layer")
     assert eng.expert_cache is None  # in RAM there is nothing to read
 
@@ -307,14 +307,14 @@ def test_minimum_cache_logs_that_prefetch_is_off(models):
     path = models["arch1"]
     lines: list[str] = []
     eng = load(path, min_slots(path), "next-layer", log=lines.append)
-    assert eng.expert_cache["prefetch"] == "off" and eng.residency.prefetch
-    assert any("prefetch off" in s and "minimum" in s for s in lines)
+    assert eng.expert_cache["speculation"] == "off" and eng.residency.prefetch
+    assert any("speculation off" in s and "minimum" in s for s in lines)
     lines.clear()
     eng = load(path, min_slots(path) + 1, "next-layer", log=lines.append)
-    assert any("prefetch next-layer in up to 1 spare slots" in s for s in lines)
+    assert any("speculation next-layer in up to 1 spare slots" in s for s in lines)
     lines.clear()
     eng = load(path, min_slots(path) + 2, 2, log=lines.append)
-    assert any("prefetch 2 layers ahead in up to 2 spare slots" in s for s in lines)
+    assert any("speculation 2 layers ahead in up to 2 spare slots" in s for s in lines)
 
 
 # ---- failures --------------------------------------------------------------------------------------
@@ -365,7 +365,7 @@ def test_cli_and_bench_report_the_prediction_hit_rate(models, capsys):
     off = capsys.readouterr().out
     assert main(args + ["--expert-prefetch", "next-layer"]) == 0
     out, err = capsys.readouterr()
-    assert out == off and "expert prefetch =" in err and "chosen by the layer predicted (next-layer ahead)" in err
+    assert out == off and "expert speculation =" in err and "chosen by the layer predicted (next-layer ahead)" in err
     assert main(args + ["--expert-prefetch", "2"]) == 0
     out, err = capsys.readouterr()
     assert out == off and "(2 layers ahead)" in err
@@ -377,11 +377,11 @@ def test_cli_and_bench_report_the_prediction_hit_rate(models, capsys):
     r = bench(path, threads=[1], pp=8, tg=8, reps=1, warmup=False, probe=False, footprint=False,
               experts="disk", expert_cache="400k", expert_prefetch="next-layer")
     row = next(x for x in r.to_dict()["rows"] if x["test"] == "tg8")
-    assert 0 <= row["expert_prediction_hit_rate"] <= 1 and r.to_dict()["experts"]["prefetch"] == "next-layer"
-    assert "prediction hit rate" in r.to_markdown()
+    assert 0 <= row["speculation_hit_rate"] <= 1 and r.to_dict()["experts"]["speculation"] == "next-layer"
+    assert "speculation hit rate" in r.to_markdown()
     r = bench(path, threads=[1], pp=0, tg=8, reps=1, warmup=False, probe=False, footprint=False,
               experts="disk", expert_cache="400k", expert_prefetch="off")
-    assert r.to_dict()["rows"][0]["expert_prediction_hit_rate"] is None
+    assert r.to_dict()["rows"][0]["speculation_hit_rate"] is None
 
 
 # ---- the async readers: io_uring, pread threads, and the fallback -----------------------------------

@@ -157,7 +157,7 @@ def test_logits_bit_identical_to_ram(models, name, io, budget, monkeypatch):
 
 def reads_started(c: dict) -> int:
     """Demand reads (misses no speculative read served) plus speculative reads."""
-    return c["cache_misses"] - c["prefetch_used"] + c["prefetch_reads"]
+    return c["cache_misses"] - c["speculation_reads_used"] + c["speculation_reads"]
 
 
 def settle(eng, seconds: float = 10.0) -> dict:

@@ -261,13 +261,15 @@ def print_timings(eng, t, prompt_shown: int) -> None:
         print(f"cflow: {'experts on disk':>16} = {c['disk_bytes'] / 1e6:10.2f} MB read ({c['disk_bytes'] / n / 1e6:.2f} MB "
               f"per token), cache hits {rate} of {looked} ({cache['slots']} slots, {cache['read']}, {cache['io']} I/O), "
               f"I/O stall {c['io_stall_ns'] / 1e6:.2f} ms", file=err)
-        if cache.get("prefetch_depth"):
-            from cflow.runtime.experts import prediction_hit_rate
+        if cache.get("speculation_depth"):
+            from cflow.runtime.experts import speculation_hit_rate
 
-            hit = prediction_hit_rate(c)
-            print(f"cflow: {'expert prefetch':>16} = predicted {c['expert_predicted']} experts, "
-                  f"{'-' if hit is None else f'{100 * hit:.1f}%'} chosen by the layer predicted ({cache['prefetch']} ahead); {c['prefetch_reads']} reads "
-                  f"started early, {c['prefetch_used']} of them used", file=err)
+            hit = speculation_hit_rate(c)
+            # wider than the 16-character labels above: the concept's full name, as the flag spells it
+            print(f"cflow: expert speculation = predicted {c['speculation_predicted']} experts, "
+                  f"{'-' if hit is None else f'{100 * hit:.1f}%'} chosen by the layer predicted "
+                  f"({cache['speculation']} ahead); {c['speculation_reads']} reads started early, "
+                  f"{c['speculation_reads_used']} of them used", file=err)
     total = (t.load_s + t.prompt_s + t.gen_s) * 1e3
     print(f"cflow: {'total time':>16} = {total:10.2f} ms / {prompt_shown + t.gen_tokens:5d} tokens", file=err)
 

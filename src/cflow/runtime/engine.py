@@ -549,17 +549,19 @@ class Engine:
         rows attention read, at the cache types' row sizes: cflow.runtime.kvcache), tokens, calls; with
         experts on disk also disk_bytes (read from the file), cache_hits, cache_misses (experts found
         in / read into the cache) and io_stall_ns (time the step waited for expert bytes); with
-        speculative prefetch expert_predicted, expert_predict_hits (predictions the next layer's
-        router confirmed), prefetch_reads (reads started for predictions) and prefetch_used (cache
-        misses such a read served; also in cache_misses)."""
+        expert speculation speculation_predicted (experts predicted for later layers),
+        speculation_hits (those the layer's router then chose), speculation_reads (reads started
+        for predictions) and speculation_reads_used (cache misses such a read served; also in
+        cache_misses)."""
         return dict(self._native.counters())
 
     @property
     def expert_cache(self) -> dict[str, Any] | None:
         """With experts on disk: slots, slot_bytes, cache_bytes (<= budget), budget, min_slots,
         layers_in_flight, io ("async" | "sync"), io_threads, read ("O_DIRECT" | "buffered"),
-        prefetch ("next-layer" | "off"), prefetch_slots (slots speculation may use). None when the
-        experts are in RAM."""
+        expert speculation in effect: speculation ("off" | "next-layer" | "N layers"),
+        speculation_depth (0: off), speculation_slots (slots it may use), keep_depth; reader,
+        reader_note. None when the experts are in RAM."""
         c = self._native.expert_cache
         return None if c is None else dict(c, budget=self.residency.budget)
 

@@ -23,7 +23,7 @@
                      also applies the routers of the next layers to layer l's MoE input to predict
                      their experts and starts reading those the cache lacks, in the slots beyond the
                      minimum (none: off by itself); results are the same bit for bit, the counters
-                     expert_predicted / expert_predict_hits give the prediction hit rate. N (an int,
+                     speculation_predicted / speculation_hits give its hit rate. N (an int,
                      or its digits as a string): up to N layers ahead (at most 16; predictions
                      beyond the next layer start reads only while >= 90% of them prove right);
                      "next-layer" = 1; "auto" (default): AUTO_PREFETCH_DEPTH layers when the
@@ -352,7 +352,7 @@ def native_options(cf: Any, res: Residency, inflight: int) -> dict:
                     np.int64).reshape(-1, 2)
     return {"path": os.fspath(cf.path), "span": np.ascontiguousarray(span), "budget": int(res.budget),
             "io": res.io, "io_threads": io_threads(cfg.top_k, inflight), "direct": direct_io_wanted(),
-            "prefetch": res.prefetch, "reader": reader_wanted(native_module())}
+            "speculation_depth": res.prefetch, "reader": reader_wanted(native_module())}
 
 
 # ---- the weights buffer ---------------------------------------------------------------------------
@@ -412,23 +412,23 @@ def describe(res: Residency, cache: dict | None) -> str:
     return (f"experts on disk: {res.reason}; {cache['slots']} slots of {format_size(cache['slot_bytes'])} "
             f"({format_size(cache['cache_bytes'])}), {cache['read']} reads, {cache['io']} I/O"
             + (f" ({cache['reader']})" if cache["io"] == "async" else "")
-            + (f" [{cache['reader_note']}]" if cache.get("reader_note") else "") + prefetch_note(res, cache))
+            + (f" [{cache['reader_note']}]" if cache.get("reader_note") else "") + speculation_note(res, cache))
 
 
-def prefetch_note(res: Residency, cache: dict) -> str:
-    """", prefetch ..." for logs: on (in how many slots), or asked for but off because the cache has
-    no slot beyond the minimum."""
-    if cache.get("prefetch_depth"):
-        ahead = "next-layer" if cache["prefetch_depth"] == 1 else f"{cache['prefetch']} ahead"
-        return f", prefetch {ahead} in up to {cache['prefetch_slots']} spare slots"
+def speculation_note(res: Residency, cache: dict) -> str:
+    """", speculation ..." for logs: on (in how many slots), or asked for but off because the cache
+    has no slot beyond the minimum."""
+    if cache.get("speculation_depth"):
+        ahead = "next-layer" if cache["speculation_depth"] == 1 else f"{cache['speculation']} ahead"
+        return f", speculation {ahead} in up to {cache['speculation_slots']} spare slots"
     if res.prefetch:
-        return ", prefetch off (the cache has no slot beyond the minimum the plan pins)"
+        return ", speculation off (the cache has no slot beyond the minimum the plan pins)"
     return ""
 
 
-def prediction_hit_rate(counters: dict) -> float | None:
+def speculation_hit_rate(counters: dict) -> float | None:
     """Share of the experts speculation predicted for a layer (each layer's union of predictions)
-    that its router then chose; None when nothing was predicted (prefetch off, experts in RAM)."""
-    n = counters.get("expert_predicted", 0)
-    return counters["expert_predict_hits"] / n if n else None
+    that its router then chose; None when nothing was predicted (speculation off, experts in RAM)."""
+    n = counters.get("speculation_predicted", 0)
+    return counters["speculation_hits"] / n if n else None
 
