@@ -39,12 +39,12 @@ import numpy as np
 
 
 def parse_mode(text: str) -> tuple[str, str, str, bool]:
-    """"sync" or "async:PREFETCH[:TAG...]" -> (io, prefetch, reader, keep). PREFETCH: off, next-layer,
-    auto or a depth. TAGs: the reader, auto (the default), threads (CFLOW_EXPERT_READER) or qdN
+    """"sync" or "async:SPECULATION[:TAG...]" -> (io, expert speculation, reader, keep). SPECULATION:
+    off, next-layer, auto or a depth. TAGs: the reader, auto (the default), threads (CFLOW_EXPERT_READER) or qdN
     (io_uring with N reads in the kernel at once, CFLOW_EXPERT_QD); nokeep: the cache without keep
     ranks (CFLOW_EXPERT_KEEP=0; experts.h), to measure what they add."""
     io, _, rest = text.partition(":")
-    pf, *tags = rest.split(":") if rest else [""]
+    sp, *tags = rest.split(":") if rest else [""]
     reader, keep = "auto", True
     for tag in tags:
         if tag in ("auto", "threads") or (tag.startswith("qd") and tag[2:].isdigit()):
@@ -53,9 +53,9 @@ def parse_mode(text: str) -> tuple[str, str, str, bool]:
             keep = False
         else:
             io = "?"
-    if io not in ("sync", "async") or (io == "sync" and (pf not in ("", "off") or tags)):
+    if io not in ("sync", "async") or (io == "sync" and (sp not in ("", "off") or tags)):
         raise SystemExit(f"mode {text!r}: use sync or async:off|next-layer|auto|N[:auto|threads|qdN][:nokeep]")
-    return io, (pf or "off") if io == "async" else "off", reader, keep
+    return io, (sp or "off") if io == "async" else "off", reader, keep
 
 
 def settle(eng, timeout: float = 5.0) -> None:
@@ -101,13 +101,13 @@ def measure(subjects: list[dict], budget: float, modes: list[str], threads: int,
     engines = {}
     for si, sub in enumerate(subjects):
         for m in modes:
-            io, pf, reader, keep = parse_mode(m)
+            io, sp, reader, keep = parse_mode(m)
             os.environ["CFLOW_EXPERT_READER"] = "threads" if reader == "threads" else "auto"  # read at load
             os.environ["CFLOW_EXPERT_QD"] = reader[2:] if reader.startswith("qd") else ""
             os.environ["CFLOW_EXPERT_KEEP"] = "1" if keep else "0"
             eng = Engine.load(sub["converted"], threads=threads, n_ctx=len(sub["tokens"]) + 8, experts="disk",
                               verify=False, expert_cache=int(budget * sub["expert_bytes"]), expert_io=io,
-                              expert_prefetch=pf)
+                              expert_speculation=sp)
             if sub["trace"] is not None:  # every engine of the subject routes by its trace, row after row
                 eng.replay_routes(sub["trace"])
             for i, t in enumerate(sub["tokens"][:warmup]):  # the cache's steady state
@@ -186,9 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("models", nargs="+", help="MoE GGUF or .cflow files")
     ap.add_argument("--budgets", default="0.9,0.95,0.97", help="expert-cache budgets, fractions of all experts")
     ap.add_argument("--modes", default="sync,async:off,async:1,async:16",
-                    help="sync and async:PREFETCH[:TAG...] (PREFETCH: off, next-layer, auto, or a depth; TAGs: the "
-                    "reader, auto = io_uring where the kernel offers it, threads = pread threads, qdN = io_uring with "
-                    "N reads in the kernel; nokeep = no keep ranks in the cache); sync is the unit")
+                    help="sync and async:SPECULATION[:TAG...] (expert speculation: off, next-layer, auto, or a "
+                    "depth; TAGs: the reader, auto = io_uring where the kernel offers it, threads = pread threads, "
+                    "qdN = io_uring with N reads in the kernel; nokeep = no keep ranks in the cache); sync is the unit")
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--per-round", type=int, default=8, help="tokens per engine per round")

@@ -1,6 +1,6 @@
-"""How well speculative prefetch predicts, by depth, from the engine's own counters (no timing).
+"""How well expert speculation predicts, by depth, from the engine's own counters (no timing).
 
-For each model and each --expert-prefetch depth: an engine with experts on disk and a cache of
+For each model and each --expert-speculation depth: an engine with experts on disk and a cache of
 --budget of all experts decodes --warmup teacher-forced tokens, then --tokens more, and reports per
 token the cache misses, the share of predicted experts their layer then chose (each layer's union of
 predictions), the share of misses a speculative read had already started, and the speculative reads
@@ -35,7 +35,7 @@ def measure(path: str, budget: float, depth: str, warmup: int, tokens: int, thre
         expert_bytes = sum(n for _, n in cf.experts.values())
     toks = [int(t) for t in np.random.default_rng(0).integers(1, vocab, warmup + tokens)]
     with Engine.load(converted, threads=threads, n_ctx=len(toks) + 8, experts="disk", verify=False,
-                     expert_cache=int(budget * expert_bytes), expert_prefetch=depth) as eng:
+                     expert_cache=int(budget * expert_bytes), expert_speculation=depth) as eng:
         for i, t in enumerate(toks[:warmup]):
             eng.step(t, i)
         eng.reset_counters()
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("models", nargs="+")
     ap.add_argument("--budget", type=float, default=0.95, help="expert cache, fraction of all experts")
-    ap.add_argument("--depths", default="off,1,4,15", help="--expert-prefetch values")
+    ap.add_argument("--depths", default="off,1,4,15", help="--expert-speculation values")
     ap.add_argument("--warmup", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("-t", "--threads", type=int, default=1)

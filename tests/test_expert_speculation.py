@@ -1,12 +1,13 @@
-"""Speculative prefetch of later layers' experts (native/engine.c, "speculative prefetch";
-Engine.load(expert_prefetch=...)): with experts on disk and async reads, route(l) also applies the
-routers of layers up to l+depth to its own input and starts reading the predicted experts early.
+"""Expert speculation: predicting later layers' experts and reading them early (native/engine_spec.c;
+Engine.load(expert_speculation=...), --expert-speculation): with experts on disk and async reads,
+route(l) also applies the routers of layers up to l+depth to its own input and starts reading the
+predicted experts early. (Not the kernels' software prefetch: test_prefetch.py.)
 
 What is held against what:
-- logits bit for bit against RAM-resident experts (and so against prefetch off), decode and
+- logits bit for bit against RAM-resident experts (and so against speculation off), decode and
   prefill batches, on models without a delay (delta_expert 0: arch1, a Mixtral layout without a
-  dense FFN, top-3 of 6) and on a delayed plan with prefetch forced on, at budgets from the
-  minimum (prefetch turns itself off) to every expert, 1-3 threads, depth 1 and deeper;
+  dense FFN, top-3 of 6) and on a delayed plan with speculation forced on, at budgets from the
+  minimum (speculation turns itself off) to every expert, 1-3 threads, depth 1 and deeper;
 - the counters: per decode step predictions are exactly top_k x (L - 1) at depth 1 (and between that
   and the two predictions a deeper layer gets at depth > 1), hits <= predictions,
   reads <= predictions, used <= reads, the cache's lookups top_k x L; every byte read is a demand
@@ -21,6 +22,9 @@ What is held against what:
 - failures: an injected I/O error or short read on any of the first reads, speculative or not,
   ends in ExpertIOError naming the file or in exact logits, never a hang, and decoding goes on
   exactly; a forked child (no reader threads) still computes the same logits;
+- the option: "auto" and its depth, the flag named in errors, the timings line and bench's hit rate,
+  and the old flag --expert-prefetch still working after a deprecation line (the old keyword
+  expert_prefetch=: test_options.py);
 - the async readers (io_uring where the kernel offers it, pread threads, and the threads after the
   kernel refused io_uring_setup): the same logits and the same clean failure. (The whole of
   test_experts_disk.py also passes with CFLOW_EXPERT_READER=threads and =uring-refused.)
@@ -47,7 +51,7 @@ MODELS = {
     "mixtral": ("arch3", {"d_ff": 0}, "q8_0", (32, 64)),  # no dense FFN: the Mixtral layout
     "e6k3": ("arch1", {"n_experts": 6, "top_k": 3}, "q4_1", (16, 32)),
     "shared": ("arch1", {"n_unique_layers": 1}, "q4_0", (64, 64)),  # every layer one weight set
-    "delayed": ("arch2_4_combined", {}, "q4_0", (64, 64)),  # delta_expert 2: the window, and prefetch too
+    "delayed": ("arch2_4_combined", {}, "q4_0", (64, 64)),  # delta_expert 2: the window, and speculation too
 }
 
 
@@ -61,15 +65,15 @@ def models(tmp_path_factory):
     return out
 
 
-def load(path, slots=None, prefetch="next-layer", threads=2, io="async", **kw):
+def load(path, slots=None, speculation="next-layer", threads=2, io="async", **kw):
     """Experts on disk in a cache of `slots` experts (None: the default budget)."""
     budget = None
     if slots is not None:
-        probe = Engine.load(path, threads=1, experts="disk", expert_io=io, max_batch=8, expert_prefetch="off")
+        probe = Engine.load(path, threads=1, experts="disk", expert_io=io, max_batch=8, expert_speculation="off")
         budget = slots * probe.expert_cache["slot_bytes"]
         probe.close()
     return Engine.load(path, threads=threads, experts="disk", expert_cache=budget, expert_io=io, max_batch=8,
-                       expert_prefetch=prefetch, **kw)
+                       expert_speculation=speculation, **kw)
 
 
 def min_slots(path, **kw) -> int:
@@ -88,7 +92,7 @@ def depth_name(depth) -> str:
 @pytest.mark.parametrize("depth", ["next-layer", 3])
 @pytest.mark.parametrize("extra", [0, 1, 3, 10**6])  # slots beyond the minimum (10**6: every expert)
 @pytest.mark.parametrize("name", ["arch1", "mixtral", "e6k3", "delayed"])
-def test_logits_bit_identical_with_prefetch(models, name, extra, depth):
+def test_logits_bit_identical_with_speculation(models, name, extra, depth):
     path = models[name]
     want = ram_run(path)
     ms = min_slots(path)
@@ -98,7 +102,7 @@ def test_logits_bit_identical_with_prefetch(models, name, extra, depth):
         n_keys = eng.config.n_experts * eng.config.n_unique_layers
         assert c["slots"] == min(ms + extra, n_keys)
         # no slot beyond the plan's minimum: speculation turns itself off
-        d = min(xp.prefetch_depth(depth), eng.config.n_layers - 1)
+        d = min(xp.parse_speculation(depth), eng.config.n_layers - 1)
         assert c["speculation"] == depth_name(0 if extra == 0 else d)
         assert c["speculation_slots"] == (c["slots"] - ms if extra else 0)
         got = within(60, run, eng)
@@ -270,7 +274,7 @@ def test_depth_cap_is_the_engines():
     sizes = xp.ModelSizes(file_bytes=1 << 30, expert_bytes=1 << 29, slot_bytes=4096, n_keys=64, top_k=2, inflight=1,
                           kv_bytes=0, delta_expert=1, n_layers=4 * _native.SPEC_MAX_DEPTH)
     asked = 2 * _native.SPEC_MAX_DEPTH
-    assert xp.decide(sizes, experts="disk", expert_cache=1 << 20, expert_prefetch=asked).prefetch == \
+    assert xp.decide(sizes, experts="disk", expert_cache=1 << 20, expert_speculation=asked).speculation_depth == \
         _native.SPEC_MAX_DEPTH
 
 
@@ -278,36 +282,36 @@ def test_depth_cap_is_the_engines():
 def test_auto_turns_on_with_async_reads(models):
     for name, on in (("arch1", True), ("mixtral", True), ("delayed", True)):
         eng = load(models[name], 10**6, "auto")
-        depth = min(xp.AUTO_PREFETCH_DEPTH, eng.config.n_layers - 1) if on else 0
+        depth = min(xp.AUTO_SPECULATION_DEPTH, eng.config.n_layers - 1) if on else 0
         assert eng.expert_cache["speculation"] == depth_name(depth), name
-        assert eng.expert_cache["speculation_depth"] == eng.residency.prefetch == depth
-        assert ("speculative prefetch" in eng.residency.reason) is on
+        assert eng.expert_cache["speculation_depth"] == eng.residency.speculation_depth == depth
+        assert ("expert speculation" in eng.residency.reason) is on
         eng.close()
     eng = load(models["arch1"], 10**6, "auto", io="sync")
-    assert eng.expert_cache["speculation"] == "off" and not eng.residency.prefetch
+    assert eng.expert_cache["speculation"] == "off" and not eng.residency.speculation_depth
     eng = load(models["arch1"], 10**6, "100")  # deeper than the model: capped at its last layer
-    assert eng.residency.prefetch == eng.config.n_layers - 1
+    assert eng.residency.speculation_depth == eng.config.n_layers - 1
     eng = load(models["arch1"], 10**6, "off")
     assert eng.expert_cache["speculation"] == "off"
-    eng = Engine.load(models["arch1"], threads=1, experts="ram", expert_prefetch="next-layer")
+    eng = Engine.load(models["arch1"], threads=1, experts="ram", expert_speculation="next-layer")
     assert eng.expert_cache is None  # in RAM there is nothing to read
 
 
-def test_bad_prefetch_options_name_the_flag(models):
+def test_bad_speculation_options_name_the_flag(models):
     with pytest.raises(EngineError, match="needs --expert-io async") as e:
         load(models["arch1"], 10**6, "next-layer", io="sync")
-    assert e.value.flag == "--expert-prefetch"
+    assert e.value.flag == "--expert-speculation"
     for bad in ("always", -1, "-2", "3x", True, 2.5):
-        with pytest.raises(EngineError, match="expert_prefetch must be one of") as e:
+        with pytest.raises(EngineError, match="expert_speculation must be one of") as e:
             load(models["arch1"], 10**6, bad)
-        assert e.value.flag == "--expert-prefetch"
+        assert e.value.flag == "--expert-speculation"
 
 
-def test_minimum_cache_logs_that_prefetch_is_off(models):
+def test_minimum_cache_logs_that_speculation_is_off(models):
     path = models["arch1"]
     lines: list[str] = []
     eng = load(path, min_slots(path), "next-layer", log=lines.append)
-    assert eng.expert_cache["speculation"] == "off" and eng.residency.prefetch
+    assert eng.expert_cache["speculation"] == "off" and eng.residency.speculation_depth
     assert any("speculation off" in s and "minimum" in s for s in lines)
     lines.clear()
     eng = load(path, min_slots(path) + 1, "next-layer", log=lines.append)
@@ -319,7 +323,7 @@ def test_minimum_cache_logs_that_prefetch_is_off(models):
 
 # ---- failures --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kind,delay_ms", [("eio", 0), ("short", 50)])
-def test_io_faults_with_prefetch(models, kind, delay_ms):
+def test_io_faults_with_speculation(models, kind, delay_ms):
     """A fault on each of the first reads in turn (demand or speculative): the step raises
     ExpertIOError naming the file, or (a speculative read of an expert nobody chose) returns the
     exact logits; either way the next steps are exact."""
@@ -348,39 +352,46 @@ def test_io_faults_with_prefetch(models, kind, delay_ms):
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
-def test_forked_child_with_prefetch(models):
+def test_forked_child_with_speculation(models):
     path = models["arch1"]
     check_forked_step(load(path, min_slots(path) + 3, threads=1), path)
 
 
 # ---- command line, bench ---------------------------------------------------------------------------
-def test_cli_and_bench_report_the_prediction_hit_rate(models, capsys):
+def test_cli_and_bench_report_the_speculation_hit_rate(models, capsys):
     from cflow.bench.suite import bench
     from cflow.cli import main
 
     path = str(models["arch1"])
     args = ["generate", "-m", path, "-p", "abc", "-n", "8", "--temp", "0", "-t", "1", "--experts", "disk",
             "--expert-cache", "400k"]
-    assert main(args + ["--expert-prefetch", "off", "--no-perf"]) == 0
+    assert main(args + ["--expert-speculation", "off", "--no-perf"]) == 0
     off = capsys.readouterr().out
-    assert main(args + ["--expert-prefetch", "next-layer"]) == 0
+    assert main(args + ["--expert-speculation", "next-layer"]) == 0
     out, err = capsys.readouterr()
     assert out == off and "expert speculation =" in err and "chosen by the layer predicted (next-layer ahead)" in err
+    assert "deprecated" not in err
+    assert main(args + ["--expert-speculation", "2"]) == 0
+    out, err = capsys.readouterr()
+    assert out == off and "(2 layers ahead)" in err
+    assert main(args + ["--expert-speculation", "soon"]) == 2
+    assert "--expert-speculation" in capsys.readouterr().err
+    assert main(args + ["--expert-speculation", "next-layer", "--expert-io", "sync"]) == 2
+    assert "--expert-speculation" in capsys.readouterr().err
+    # the old flag: the same run, and one line first saying it is deprecated
     assert main(args + ["--expert-prefetch", "2"]) == 0
     out, err = capsys.readouterr()
     assert out == off and "(2 layers ahead)" in err
-    assert main(args + ["--expert-prefetch", "soon"]) == 2
-    assert "--expert-prefetch" in capsys.readouterr().err
-    assert main(args + ["--expert-prefetch", "next-layer", "--expert-io", "sync"]) == 2
-    assert "--expert-prefetch" in capsys.readouterr().err
+    assert err.splitlines()[0] == "cflow: --expert-prefetch is deprecated; use --expert-speculation"
+    assert err.count("deprecated") == 1
 
     r = bench(path, threads=[1], pp=8, tg=8, reps=1, warmup=False, probe=False, footprint=False,
-              experts="disk", expert_cache="400k", expert_prefetch="next-layer")
+              experts="disk", expert_cache="400k", expert_speculation="next-layer")
     row = next(x for x in r.to_dict()["rows"] if x["test"] == "tg8")
     assert 0 <= row["speculation_hit_rate"] <= 1 and r.to_dict()["experts"]["speculation"] == "next-layer"
     assert "speculation hit rate" in r.to_markdown()
     r = bench(path, threads=[1], pp=0, tg=8, reps=1, warmup=False, probe=False, footprint=False,
-              experts="disk", expert_cache="400k", expert_prefetch="off")
+              experts="disk", expert_cache="400k", expert_speculation="off")
     assert r.to_dict()["rows"][0]["speculation_hit_rate"] is None
 
 
@@ -388,7 +399,7 @@ def test_cli_and_bench_report_the_prediction_hit_rate(models, capsys):
 @pytest.mark.parametrize("reader", ["auto", "threads", "uring-refused"])
 def test_readers_same_logits_and_clean_failures(models, reader, monkeypatch):
     """io_uring where the kernel offers it (auto), the pread threads, and the threads again after the
-    kernel refused io_uring_setup (as where a container blocks it): the same logits, with prefetch
+    kernel refused io_uring_setup (as where a container blocks it): the same logits, with speculation
     on; a failed read of an expert the first layer needs ends in ExpertIOError, then all goes on."""
     monkeypatch.setenv("CFLOW_EXPERT_READER", reader)
     path = models["arch1"]

@@ -158,7 +158,7 @@ def test_limits_are_asked_of_the_c_core(monkeypatch):
     sizes = xp.ModelSizes(file_bytes=1 << 30, expert_bytes=1 << 29, slot_bytes=4096, n_keys=64, top_k=2, inflight=1,
                           kv_bytes=0, delta_expert=1, n_layers=48)
     monkeypatch.setattr(_native, "SPEC_MAX_DEPTH", 3)
-    assert xp.decide(sizes, experts="disk", expert_cache=1 << 20, expert_prefetch=20).prefetch == 3
+    assert xp.decide(sizes, experts="disk", expert_cache=1 << 20, expert_speculation=20).speculation_depth == 3
     monkeypatch.setattr(_native, "PREFETCH_MAX", 4096)
     monkeypatch.setattr(_native, "PREFETCH_DEFAULT", -7)
     assert (P.to_mode(None), P.to_mode(4096), P.from_mode(-7), P.label(-7)) == (-7, 4096, None, "default")

@@ -9,7 +9,7 @@ the C engine's own count (`Engine.counters()`); the tensor table's figure
 (`experts="disk"`, or "auto" choosing it) the tg rows also report what the expert cache did, from
 the same counters: disk_bytes_per_token, expert_cache_hit_rate, io_stall_ms_per_token, and with
 expert speculation speculation_hit_rate (share of the experts predicted for a layer that it chose).
-`prefetch` (--prefetch off|default|N) sets the kernels' software prefetch (cflow.runtime.prefetch);
+`prefetch` (--prefetch off|default|N) sets the kernels' software prefetch (PREFETCHT0; cflow.runtime.prefetch);
 every cflow row records it.
 """
 
@@ -256,7 +256,7 @@ def bench(model: str | Path, *, threads: list[int] | None = None, pp: int = 512,
     `options` (EngineOptions; keywords override its fields, as in Engine.load) say how cflow loads
     the model, except its threads and n_ctx: the suite loads it once per count in `threads`, with a
     context sized to the tests (`n_ctx`, default: what the deepest test needs). verify=False skips
-    the checksum check of the model's first use; experts, expert_cache, expert_io, expert_prefetch
+    the checksum check of the model's first use; experts, expert_cache, expert_io, expert_speculation
     place a MoE model's experts; prefetch is the kernels' software prefetch, None (default), 0
     (off) or bytes ahead, recorded in every cflow row. cache_type_k, cache_type_v: the KV cache's
     row types ("f16", "q8_0"), for cflow and for the llama.cpp baseline alike (its type_k / type_v;
