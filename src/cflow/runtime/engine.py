@@ -219,7 +219,7 @@ class Engine:
         side by side on two halves of the threads (docs/DESIGN.md, "Overlapping independent nodes");
         same results bit for bit. `Engine.overlap` switches it between calls.
 
-        prefetch (software prefetch: PREFETCHT0 in the kernels, claim C6; cflow.runtime.prefetch; not
+        prefetch (software prefetch (PREFETCHT0) in the kernels, claim C6; cflow.runtime.prefetch; not
         expert speculation, which reads experts from disk): None (default) keeps each kernel's own
         choice (the mat-vec and gate/up 8 KiB, the avx512 batched kernels 4 KiB ahead); 0 turns every
         PREFETCH instruction off; N > 0 (at most 1 MiB) makes every weight-streaming kernel (mat-vec, gate/up,
