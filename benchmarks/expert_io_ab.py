@@ -39,12 +39,12 @@ import numpy as np
 
 
 def parse_mode(text: str) -> tuple[str, str, str, bool]:
-    """"sync" or "async:PREFETCH[:TAG...]" -> (io, prefetch, reader, keep). PREFETCH: off, next-layer,
-    auto or a depth. TAGs: the reader, auto (the default), threads (CFLOW_EXPERT_READER) or qdN
+    """"sync" or "async:SPECULATION[:TAG...]" -> (io, expert speculation, reader, keep). SPECULATION:
+    off, next-layer, auto or a depth. TAGs: the reader, auto (the default), threads (CFLOW_EXPERT_READER) or qdN
     (io_uring with N reads in the kernel at once, CFLOW_EXPERT_QD); nokeep: the cache without keep
     ranks (CFLOW_EXPERT_KEEP=0; experts.h), to measure what they add."""
     io, _, rest = text.partition(":")
-    pf, *tags = rest.split(":") if rest else [""]
+    sp, *tags = rest.split(":") if rest else [""]
     reader, keep = "auto", True
     for tag in tags:
         if tag in ("auto", "threads") or (tag.startswith("qd") and tag[2:].isdigit()):
@@ -53,9 +53,9 @@ def parse_mode(text: str) -> tuple[str, str, str, bool]:
             keep = False
         else:
             io = "?"
-    if io not in ("sync", "async") or (io == "sync" and (pf not in ("", "off") or tags)):
+    if io not in ("sync", "async") or (io == "sync" and (sp not in ("", "off") or tags)):
         raise SystemExit(f"mode {text!r}: use sync or async:off|next-layer|auto|N[:auto|threads|qdN][:nokeep]")
-    return io, (pf or "off") if io == "async" else "off", reader, keep
+    return io, (sp or "off") if io == "async" else "off", reader, keep
 
 
 def settle(eng, timeout: float = 5.0) -> None:
@@ -64,7 +64,7 @@ def settle(eng, timeout: float = 5.0) -> None:
     slot = eng.expert_cache["slot_bytes"]
     while time.monotonic() < end:
         c = eng.counters()
-        started = c["cache_misses"] - c["prefetch_used"] + c["prefetch_reads"]
+        started = c["cache_misses"] - c["speculation_reads_used"] + c["speculation_reads"]
         if c["disk_bytes"] >= started * slot:
             return
         time.sleep(0.002)
@@ -96,17 +96,18 @@ def measure(subjects: list[dict], budget: float, modes: list[str], threads: int,
     """Every (subject, mode) engine decodes its subject's tokens; all of them take turns in each
     round (the order rotating), so a drift of the machine hits every engine alike."""
     from cflow.runtime import Engine
+    from cflow.runtime.experts import speculation_hit_rate
 
     engines = {}
     for si, sub in enumerate(subjects):
         for m in modes:
-            io, pf, reader, keep = parse_mode(m)
+            io, sp, reader, keep = parse_mode(m)
             os.environ["CFLOW_EXPERT_READER"] = "threads" if reader == "threads" else "auto"  # read at load
             os.environ["CFLOW_EXPERT_QD"] = reader[2:] if reader.startswith("qd") else ""
             os.environ["CFLOW_EXPERT_KEEP"] = "1" if keep else "0"
             eng = Engine.load(sub["converted"], threads=threads, n_ctx=len(sub["tokens"]) + 8, experts="disk",
                               verify=False, expert_cache=int(budget * sub["expert_bytes"]), expert_io=io,
-                              expert_prefetch=pf)
+                              expert_speculation=sp)
             if sub["trace"] is not None:  # every engine of the subject routes by its trace, row after row
                 eng.replay_routes(sub["trace"])
             for i, t in enumerate(sub["tokens"][:warmup]):  # the cache's steady state
@@ -148,8 +149,7 @@ def measure(subjects: list[dict], budget: float, modes: list[str], threads: int,
                 "ms_per_token": statistics.median(ms[si, m]), "stall_ms_per_token": statistics.median(stall[si, m]),
                 "disk_mb_per_token": c["disk_bytes"] / (rounds * per_round) / 1e6,
                 "cache_hit_rate": c["cache_hits"] / looked if looked else None,
-                "prediction_hit_rate": (c["expert_predict_hits"] / c["expert_predicted"]
-                                        if c["expert_predicted"] else None),
+                "speculation_hit_rate": speculation_hit_rate(c),
                 "ratio_to_sync": ratio(ms[si, "sync"], ms[si, m]) if "sync" in modes else None,
                 # the same mode on the first subject, round by round (--together)
                 "ratio_to_first": ratio(ms[0, m], ms[si, m]) if si else None,
@@ -162,7 +162,7 @@ def measure(subjects: list[dict], budget: float, modes: list[str], threads: int,
 def table(results: list[dict]) -> str:
     first = any(x.get("ratio_to_first") for r in results for x in r["modes"].values())
     lines = ["| model | routes | budget | mode | ms/token | tok/s | I/O stall ms/token | sync: I/O / compute "
-             "| disk MB/token | cache hits | prediction hits | × sync (median, min–max over rounds) |"
+             "| disk MB/token | cache hits | speculation hits | × sync (median, min–max over rounds) |"
              + (" × the first model's same mode |" if first else ""),
              "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|" + ("---|" if first else "")]
     for r in results:
@@ -176,7 +176,7 @@ def table(results: list[dict]) -> str:
             rat = (lambda v: f"{v[0]:.2f}× ({v[1]:.2f}–{v[2]:.2f})" if v else "–")
             lines.append(f"| {Path(r['model']).name} | {routes} | {r['budget']:.0%} | {m} | {x['ms_per_token']:.1f} | "
                          f"{1e3 / x['ms_per_token']:.1f} | {x['stall_ms_per_token']:.1f} | {split} | "
-                         f"{x['disk_mb_per_token']:.1f} | {pct(x['cache_hit_rate'])} | {pct(x['prediction_hit_rate'])} | "
+                         f"{x['disk_mb_per_token']:.1f} | {pct(x['cache_hit_rate'])} | {pct(x['speculation_hit_rate'])} | "
                          f"{rat(x['ratio_to_sync'])} |" + (f" {rat(x.get('ratio_to_first'))} |" if first else ""))
     return "\n".join(lines)
 
@@ -186,9 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("models", nargs="+", help="MoE GGUF or .cflow files")
     ap.add_argument("--budgets", default="0.9,0.95,0.97", help="expert-cache budgets, fractions of all experts")
     ap.add_argument("--modes", default="sync,async:off,async:1,async:16",
-                    help="sync and async:PREFETCH[:TAG...] (PREFETCH: off, next-layer, auto, or a depth; TAGs: the "
-                    "reader, auto = io_uring where the kernel offers it, threads = pread threads, qdN = io_uring with "
-                    "N reads in the kernel; nokeep = no keep ranks in the cache); sync is the unit")
+                    help="sync and async:SPECULATION[:TAG...] (expert speculation: off, next-layer, auto, or a "
+                    "depth; TAGs: the reader, auto = io_uring where the kernel offers it, threads = pread threads, "
+                    "qdN = io_uring with N reads in the kernel; nokeep = no keep ranks in the cache); sync is the unit")
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--per-round", type=int, default=8, help="tokens per engine per round")

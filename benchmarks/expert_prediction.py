@@ -1,6 +1,6 @@
-"""How well speculative prefetch predicts, by depth, from the engine's own counters (no timing).
+"""How well expert speculation predicts, by depth, from the engine's own counters (no timing).
 
-For each model and each --expert-prefetch depth: an engine with experts on disk and a cache of
+For each model and each --expert-speculation depth: an engine with experts on disk and a cache of
 --budget of all experts decodes --warmup teacher-forced tokens, then --tokens more, and reports per
 token the cache misses, the share of predicted experts their layer then chose (each layer's union of
 predictions), the share of misses a speculative read had already started, and the speculative reads
@@ -27,6 +27,7 @@ import numpy as np
 def measure(path: str, budget: float, depth: str, warmup: int, tokens: int, threads: int) -> dict:
     from cflow.fileformat import open_model
     from cflow.runtime import Engine
+    from cflow.runtime.experts import speculation_hit_rate
 
     with Engine.load(path, threads=1, n_ctx=16, experts="ram") as probe:
         converted, vocab = probe.path, probe.config.vocab_size
@@ -34,7 +35,7 @@ def measure(path: str, budget: float, depth: str, warmup: int, tokens: int, thre
         expert_bytes = sum(n for _, n in cf.experts.values())
     toks = [int(t) for t in np.random.default_rng(0).integers(1, vocab, warmup + tokens)]
     with Engine.load(converted, threads=threads, n_ctx=len(toks) + 8, experts="disk", verify=False,
-                     expert_cache=int(budget * expert_bytes), expert_prefetch=depth) as eng:
+                     expert_cache=int(budget * expert_bytes), expert_speculation=depth) as eng:
         for i, t in enumerate(toks[:warmup]):
             eng.step(t, i)
         eng.reset_counters()
@@ -43,16 +44,16 @@ def measure(path: str, budget: float, depth: str, warmup: int, tokens: int, thre
         time.sleep(0.3)  # speculative reads nobody waited for land
         c = eng.counters()
     return {"model": Path(path).name, "depth": depth, "misses_per_token": c["cache_misses"] / tokens,
-            "predicted_chosen": c["expert_predict_hits"] / c["expert_predicted"] if c["expert_predicted"] else None,
-            "misses_read_early": c["prefetch_used"] / c["cache_misses"] if c["cache_misses"] else None,
-            "wasted_reads_per_token": (c["prefetch_reads"] - c["prefetch_used"]) / tokens}
+            "predicted_chosen": speculation_hit_rate(c),
+            "misses_read_early": c["speculation_reads_used"] / c["cache_misses"] if c["cache_misses"] else None,
+            "wasted_reads_per_token": (c["speculation_reads"] - c["speculation_reads_used"]) / tokens}
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("models", nargs="+")
     ap.add_argument("--budget", type=float, default=0.95, help="expert cache, fraction of all experts")
-    ap.add_argument("--depths", default="off,1,4,15", help="--expert-prefetch values")
+    ap.add_argument("--depths", default="off,1,4,15", help="--expert-speculation values")
     ap.add_argument("--warmup", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("-t", "--threads", type=int, default=1)

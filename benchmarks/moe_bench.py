@@ -8,16 +8,17 @@ memory, and for cflow the engine's counters (expert bytes, disk bytes, cache hit
 In the same run: the memory read probe and the disk read probe, so every number has its bound.
 
     python benchmarks/moe_bench.py --gguf moe.gguf [--cflow moe-pn.cflow] --limits 1,0.5 \
-        --budgets 0.25,0.5,1 --io sync,async [--prefetch off,next-layer] --tokens 32 --out docs/results/moe
+        --budgets 0.25,0.5,1 --io sync,async [--expert-speculation off,next-layer] --tokens 32 --out docs/results/moe
 
---prefetch runs each async disk configuration once per speculative-prefetch mode (Engine.load's
-expert_prefetch: auto, off, next-layer or a depth N; default "auto": on for the delay-free Mixtral
-layout, off for the pipeline-native model) and reports the prediction hit rate beside the cache hits.
+--expert-speculation runs each async disk configuration once per expert-speculation mode (Engine.load's
+expert_speculation: auto, off, next-layer or a depth N; default "auto": on for the delay-free Mixtral
+layout, off for the pipeline-native model) and reports the speculation hit rate beside the cache hits.
+(--prefetch, its old name, still works and says it is deprecated.)
 
 The async/sync curve (async should approach max(I/O, compute) where the two are equal):
 
     python benchmarks/moe_bench.py --gguf moe.gguf --limits budget --budgets 0.8,0.9,0.95,1 \
-        --io sync,async --prefetch off,1,15 --warmup 32 --tokens 64
+        --io sync,async --expert-speculation off,1,15 --warmup 32 --tokens 64
 
 `--limits budget` gives each cflow run a memory limit of the dense weights + its expert-cache budget +
 --limit-margin (so the page cache cannot hold the experts the cache lacks), and runs llama.cpp once per
@@ -163,7 +164,7 @@ def fmt_row(r: dict, file_bytes: int) -> str:
     c = r.get("counters", {})
     hits, misses = c.get("cache_hits"), c.get("cache_misses")
     rate = f"{hits / (hits + misses):.0%}" if hits is not None and misses is not None and hits + misses else "–"
-    pred = f"{c['expert_predict_hits'] / c['expert_predicted']:.0%}" if c.get("expert_predicted") else "–"
+    pred = f"{c['speculation_hits'] / c['speculation_predicted']:.0%}" if c.get("speculation_predicted") else "–"
     stall = f"{c['io_stall_ns'] / 1e6 / r['tokens']:.1f}" if "io_stall_ns" in c else "–"
     return (f"| {what} | {lim} | {r['tok_s']:.2f} | {r['disk_bytes_per_token'] / 1e6:.1f} | {rate} | {pred} | "
             f"{stall} | {r['peak_rss_bytes'] / 1e9:.2f} | |")
@@ -185,7 +186,7 @@ def summary(results: list[dict], disk_gbs: float | None) -> list[str]:
         io = r["counters"]["io_stall_ns"] / 1e6 / r["tokens"]
         for a in ok:
             if a["label"].startswith(f"{model} disk async") and a["budget"] == r["budget"]:
-                mode = a["label"].split("async", 1)[1].strip() or "prefetch auto"
+                mode = a["label"].split("async", 1)[1].strip() or "speculation auto"
                 stall = a["counters"]["io_stall_ns"] / 1e6 / a["tokens"]
                 disk = (f"{disk_gbs * 1e9 / a['disk_bytes_per_token']:.1f}"
                         if disk_gbs and a["disk_bytes_per_token"] > 0 else "–")
@@ -225,6 +226,8 @@ def plot(results: list[dict], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from cflow.cli.common import DeprecatedFlag
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gguf", required=True, help="a Mixtral-layout GGUF (both engines run it)")
     ap.add_argument("--cflow", help="also run this pipeline-native .cflow (e.g. arch2_4_combined) with cflow")
@@ -238,9 +241,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budgets", default="0.25,0.5,1",
                     help="cflow expert-cache budgets as fractions of all experts' bytes (disk mode)")
     ap.add_argument("--io", default="sync,async", help="cflow expert I/O modes to compare")
-    ap.add_argument("--prefetch", default="auto",
-                    help="speculative prefetch modes for the async disk runs (auto, off, next-layer, or a depth N "
+    ap.add_argument("--expert-speculation", default="auto",
+                    help="expert speculation modes for the async disk runs (auto, off, next-layer, or a depth N "
                     "in layers; e.g. off,1,15 to compare)")
+    ap.add_argument("--prefetch", dest="expert_speculation", action=DeprecatedFlag, new="--expert-speculation",
+                    default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # the old name, in older results' commands
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--prompt", type=int, default=8)
     ap.add_argument("--warm", action="store_true", help="keep the page cache between runs (default: cold)")
@@ -276,24 +281,24 @@ def main(argv: list[str] | None = None) -> int:
     by_budget = args.limits == "budget"
     limits = [None] if by_budget else [None if float(x) == 0 else int(float(x) * file_bytes)
                                        for x in args.limits.split(",")]
-    # (io, prefetch) per disk configuration: prefetch needs async reads, so sync runs once ("auto" is
-    # off with sync reads)
-    prefetch = args.prefetch.split(",")
-    modes = [(io, pf) for io in args.io.split(",") for pf in (prefetch if io == "async" else ["auto"])]
+    # (io, speculation) per disk configuration: speculation needs async reads, so sync runs once
+    # ("auto" is off with sync reads)
+    speculation = args.expert_speculation.split(",")
+    modes = [(io, sp) for io in args.io.split(",") for sp in (speculation if io == "async" else ["auto"])]
 
-    def pf_label(pf: str) -> str:  # the labels of earlier runs when prefetch is left alone
-        return "" if pf == "auto" else f" prefetch {pf}" if not pf.isdigit() else f" prefetch depth {pf}"
+    def sp_label(sp: str) -> str:  # the labels of earlier runs when speculation is left alone
+        return "" if sp == "auto" else f" speculation {sp}" if not sp.isdigit() else f" speculation depth {sp}"
 
     def budget_limit(total: int, experts: int, b: float) -> int:  # dense + cache + margin
         return int(total - experts + b * experts + args.limit_margin * 1e9)
 
     def disk_runs(model: str, label: str, experts: int, total: int, limit: int | None) -> list[dict]:
         runs = []
-        for io, pf in modes:
+        for io, sp in modes:
             for b in budgets:
-                run = dict(engine="cflow", model=model, label=f"{label} disk {io}{pf_label(pf)}", budget=b,
+                run = dict(engine="cflow", model=model, label=f"{label} disk {io}{sp_label(sp)}", budget=b,
                            load={"experts": "disk", "expert_cache": max(1, int(b * experts)), "expert_io": io,
-                                 "expert_prefetch": pf}, limit=limit)
+                                 "expert_speculation": sp}, limit=limit)
                 if by_budget:
                     run.update(limit=budget_limit(total, experts, b), limit_kind="budget")
                 runs.append(run)
@@ -337,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
              f"Memory read probe {machine['memory_read_gbs']:.1f} GB/s; disk read probe "
              + (f"{machine['disk_read_gbs']:.2f} GB/s" if machine["disk_read_gbs"] else "n/a")
              + f"; {args.threads} threads; {'cold' if not args.warm else 'warm'} page cache per run.", "",
-             "| engine | memory | tok/s | disk MB/token | expert cache hits | prediction hits | I/O stall ms/token "
+             "| engine | memory | tok/s | disk MB/token | expert cache hits | speculation hits | I/O stall ms/token "
              "| peak RSS GB | note |",
              "|---|---|---:|---:|---:|---:|---:|---:|---|"]
     lines += [fmt_row(r, file_bytes) for r in results]

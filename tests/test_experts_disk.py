@@ -157,7 +157,7 @@ def test_logits_bit_identical_to_ram(models, name, io, budget, monkeypatch):
 
 def reads_started(c: dict) -> int:
     """Demand reads (misses no speculative read served) plus speculative reads."""
-    return c["cache_misses"] - c["prefetch_used"] + c["prefetch_reads"]
+    return c["cache_misses"] - c["speculation_reads_used"] + c["speculation_reads"]
 
 
 def settle(eng, seconds: float = 10.0) -> dict:
@@ -194,8 +194,8 @@ def kernel_read_bytes() -> int | None:
 def test_disk_bytes_are_exactly_the_missing_experts(models, budget, monkeypatch):
     monkeypatch.setenv("CFLOW_EXPERT_DIRECT", "1")
     path = models["e8k1"]
-    # the demand path alone (speculative reads, counted apart: test_expert_prefetch.py)
-    eng = load_disk(path, budget_bytes(path, budget), "async", 2, expert_prefetch="off")
+    # the demand path alone (speculative reads, counted apart: test_expert_speculation.py)
+    eng = load_disk(path, budget_bytes(path, budget), "async", 2, expert_speculation="off")
     cfg = eng.config
     span = {key: round_up(n) for key, (_, n) in eng.file.experts.items()}
     eng.prefill(tokens(cfg, 4))  # dense pages mapped; the cache warm
@@ -233,7 +233,7 @@ def test_hits_follow_the_policy(models, name, io):
     lru_differs = False
     for budget in ("min", "mid"):
         # the policy alone: the replay knows nothing of speculative reads
-        eng = load_disk(path, budget_bytes(path, budget, io), io, 2, expert_prefetch="off")
+        eng = load_disk(path, budget_bytes(path, budget, io), io, 2, expert_speculation="off")
         cache = eng.expert_cache
         trace = cachesim.routing_trace(eng, tokens(eng.config, 40, seed=7))
         c = eng.counters()

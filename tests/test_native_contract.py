@@ -34,8 +34,8 @@ EXPECTED = {
                     "moe.shared_gate", "moe.shared.w_gate_up", "moe.shared.w_down"),
     "EXPERT_SLOTS": ("w_gate_up", "w_down"),
     "COUNTER_NAMES": ("attn", "dense", "router", "experts", "embed", "lm_head", "kv", "tokens", "calls",
-                      "disk_bytes", "cache_hits", "cache_misses", "io_stall_ns", "expert_predicted",
-                      "expert_predict_hits", "prefetch_reads", "prefetch_used"),
+                      "disk_bytes", "cache_hits", "cache_misses", "io_stall_ns",
+                      "speculation_predicted", "speculation_hits", "speculation_reads", "speculation_reads_used"),
     "IO_FAULTS": ("none", "eio", "short"),
     "EXPERT_READERS": ("auto", "threads", "uring-refused", "inline"),
     "PROFILE_KINDS": ("setup", "embed", "norm", "attn.qkv", "attn.cache", "attn.wo", "dense.gate_up", "dense.down",
@@ -157,7 +157,7 @@ def test_limits_are_asked_of_the_c_core(monkeypatch):
     sizes = xp.ModelSizes(file_bytes=1 << 30, expert_bytes=1 << 29, slot_bytes=4096, n_keys=64, top_k=2, inflight=1,
                           kv_bytes=0, delta_expert=1, n_layers=48)
     monkeypatch.setattr(_native, "SPEC_MAX_DEPTH", 3)
-    assert xp.decide(sizes, experts="disk", expert_cache=1 << 20, expert_prefetch=20).prefetch == 3
+    assert xp.decide(sizes, experts="disk", expert_cache=1 << 20, expert_speculation=20).speculation_depth == 3
     monkeypatch.setattr(_native, "PREFETCH_MAX", 4096)
     monkeypatch.setattr(_native, "PREFETCH_DEFAULT", -7)
     assert (P.to_mode(None), P.to_mode(4096), P.from_mode(-7), P.label(-7)) == (-7, 4096, None, "default")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import warnings
 
 import pytest
 
@@ -37,7 +38,7 @@ def test_defaults_are_engine_load_defaults():
     o = EngineOptions()
     assert o.to_dict() == dict(threads=None, n_ctx=None, n_seq=1, max_batch=DEFAULT_MAX_BATCH, mmap=True,
                                verify=True, cache_type_k="f16", cache_type_v="f16", experts="auto",
-                               expert_cache=None, expert_io="async", expert_delay=True, expert_prefetch="auto",
+                               expert_cache=None, expert_io="async", expert_delay=True, expert_speculation="auto",
                                readahead="auto", overlap=False, prefetch=None)
     with pytest.raises(dataclasses.FrozenInstanceError):
         o.threads = 2  # type: ignore[misc]
@@ -52,7 +53,7 @@ def test_defaults_are_engine_load_defaults():
     ("cache_type_v", "bf16", "-ctv", "not a KV cache type"),
     ("experts", "gpu", "--experts", "experts must be one of ram, disk, auto"),
     ("expert_io", "mmap", "--expert-io", "expert_io must be one of async, sync"),
-    ("expert_prefetch", "always", "--expert-prefetch", "expert_prefetch must be one of"),
+    ("expert_speculation", "always", "--expert-speculation", "expert_speculation must be one of"),
     ("expert_cache", "lots", "--expert-cache", "cannot read 'lots' as a size"),
     ("expert_cache", -1, "--expert-cache", "cannot be negative"),
     ("expert_cache", True, "--expert-cache", "byte count or a size"),
@@ -72,9 +73,9 @@ def test_equal_choices_compare_equal():
     assert EngineOptions(threads=0, n_ctx=0) == EngineOptions()
     assert EngineOptions(expert_cache="2M") == EngineOptions(expert_cache=2_000_000)
     assert EngineOptions(expert_cache="1MiB").expert_cache == 1 << 20
-    assert EngineOptions(expert_prefetch="3") == EngineOptions(expert_prefetch=3)
-    assert EngineOptions(expert_prefetch="off").expert_prefetch == 0
-    assert EngineOptions(expert_prefetch="next-layer").expert_prefetch == 1
+    assert EngineOptions(expert_speculation="3") == EngineOptions(expert_speculation=3)
+    assert EngineOptions(expert_speculation="off").expert_speculation == 0
+    assert EngineOptions(expert_speculation="next-layer").expert_speculation == 1
     assert EngineOptions(mmap=0, overlap=1) == EngineOptions(mmap=False, overlap=True)
     assert hash(EngineOptions(n_seq=2)) == hash(EngineOptions(n_seq=2))
 
@@ -92,6 +93,61 @@ def test_replace_and_build_apply_overrides():
         base.replace(thread=2)
     with pytest.raises(TypeError, match="options must be an EngineOptions"):
         EngineOptions.build(4)  # type: ignore[arg-type]
+
+
+# ---- renamed options ----------------------------------------------------------------------------
+DEPRECATED = "expert_prefetch is deprecated; use expert_speculation"
+
+
+def test_expert_prefetch_keyword_is_expert_speculation_with_a_warning():
+    """expert_speculation's old name still works, warns at the caller's line, and is no field."""
+    with pytest.warns(DeprecationWarning, match=DEPRECATED) as w:
+        opts = EngineOptions(expert_prefetch="next-layer")
+    assert opts == EngineOptions(expert_speculation=1) and w[0].filename == __file__
+    with pytest.warns(DeprecationWarning, match=DEPRECATED) as w:
+        assert EngineOptions(threads=1).replace(expert_prefetch="4") == EngineOptions(threads=1, expert_speculation=4)
+    assert w[0].filename == __file__
+    with pytest.warns(DeprecationWarning, match=DEPRECATED):
+        assert EngineOptions.build(None, expert_prefetch="off").expert_speculation == 0
+    assert "expert_prefetch" not in EngineOptions.names() and "expert_prefetch" not in opts.to_dict()
+    # a bad value through the old name is the new option's error
+    with pytest.warns(DeprecationWarning), pytest.raises(EngineError, match="expert_speculation must be one of"):
+        EngineOptions(expert_prefetch="always")
+    # both names at once: which one was meant cannot be told
+    with pytest.warns(DeprecationWarning), pytest.raises(TypeError, match="expert_prefetch is expert_speculation's old"):
+        EngineOptions(expert_prefetch=1, expert_speculation=2)
+    with pytest.warns(DeprecationWarning), pytest.raises(TypeError, match="give expert_speculation only"):
+        EngineOptions().replace(expert_prefetch=1, expert_speculation=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the new name warns of nothing
+        EngineOptions(expert_speculation=2).replace(expert_speculation="off")
+
+
+def test_engine_load_takes_the_old_keyword(moe_model):
+    with pytest.warns(DeprecationWarning, match=DEPRECATED) as w:
+        old = Engine.load(moe_model, threads=1, n_ctx=32, experts="disk", verify=False, expert_prefetch="off")
+    assert w[0].filename == __file__  # the warning points at this line, not into cflow
+    with old, Engine.load(moe_model, threads=1, n_ctx=32, experts="disk", verify=False,
+                          expert_speculation="off") as new:
+        assert old.options == new.options and old.options.expert_speculation == 0
+        assert old.expert_cache["speculation"] == new.expert_cache["speculation"] == "off"
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "serve", "bench"])
+def test_expert_prefetch_flag_is_a_hidden_deprecated_alias(command, capsys):
+    from cflow.cli.common import engine_options
+
+    args = ["-m", "x.cflow"] + (["hello"] if command == "generate" else [])
+    old = _parse(command, ["--expert-prefetch", "next-layer", *args])
+    assert capsys.readouterr().err == "cflow: --expert-prefetch is deprecated; use --expert-speculation\n"
+    new = _parse(command, ["--expert-speculation", "next-layer", *args])
+    assert capsys.readouterr().err == ""
+    assert engine_options(old) == engine_options(new) and engine_options(new).expert_speculation == 1
+    assert _parse(command, args).expert_speculation == "auto"  # the alias changes no default
+    with pytest.raises(SystemExit):
+        _parse(command, ["--help"])
+    shown = capsys.readouterr().out
+    assert "--expert-speculation" in shown and "--expert-prefetch" not in shown
 
 
 # ---- the engine ---------------------------------------------------------------------------------
@@ -144,7 +200,7 @@ def test_disk_residency_builds_its_plan_once(moe_model, monkeypatch):
 
 # ---- one mapping from flags: the CLI, bench and serve agree -------------------------------------
 # flags every engine-loading command has, and those only generate / chat / serve have
-SHARED = ["--no-verify", "-ctk", "q8_0", "--experts", "ram", "--expert-io", "sync", "--expert-prefetch", "off",
+SHARED = ["--no-verify", "-ctk", "q8_0", "--experts", "ram", "--expert-io", "sync", "--expert-speculation", "off",
           "--expert-cache", "64M"]
 MODEL = ["-t", "1", "-c", "48", "--no-mmap", "--readahead", "off"]
 FLAGS = MODEL + SHARED
@@ -174,12 +230,12 @@ def test_flags_map_to_options_in_one_place():
 
     args = _parse("generate", ["-m", "x.cflow", *FLAGS, "hello"])
     want = EngineOptions(threads=1, n_ctx=48, verify=False, mmap=False, readahead="off", cache_type_k="q8_0",
-                         experts="ram", expert_io="sync", expert_prefetch=0, expert_cache="64M")
+                         experts="ram", expert_io="sync", expert_speculation=0, expert_cache="64M")
     assert engine_options(args) == want
     assert engine_options(_parse("generate", ["hello"])) == EngineOptions()
     with pytest.raises(EngineError) as e:
-        engine_options(_parse("generate", ["--expert-prefetch", "sometimes", "hello"]))
-    assert e.value.flag == "--expert-prefetch"
+        engine_options(_parse("generate", ["--expert-speculation", "sometimes", "hello"]))
+    assert e.value.flag == "--expert-speculation"
 
 
 def test_cli_bench_and_serve_load_the_same_options(dense_model, monkeypatch):

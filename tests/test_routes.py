@@ -159,7 +159,7 @@ def test_replay_on_disk_reads_like_the_run_it_came_from(models, io, monkeypatch)
     # With async reads the hits and misses depend on when reads land (a loading slot cannot be
     # evicted): two plain runs of this model differ by a few. What is a function of the routing
     # alone is compared: sync's hits, misses and bytes; async's predictions and their hits.
-    keys = ["expert_predicted", "expert_predict_hits"] if io == "async" else ["cache_hits", "cache_misses",
+    keys = ["speculation_predicted", "speculation_hits"] if io == "async" else ["cache_hits", "cache_misses",
                                                                               "disk_bytes"]
     assert {k: c1[k] for k in keys} == {k: c0[k] for k in keys}
     if io == "sync":
@@ -168,7 +168,7 @@ def test_replay_on_disk_reads_like_the_run_it_came_from(models, io, monkeypatch)
 
 def test_speculation_follows_the_traces_predictions(models, monkeypatch):
     """A trace whose predictions are always wrong: nothing predicted is chosen, and the reads
-    started for them are wasted (prefetch_reads > prefetch_used = 0)."""
+    started for them are wasted (speculation_reads > speculation_reads_used = 0)."""
     monkeypatch.setenv("CFLOW_EXPERT_DIRECT", "1")
     path = models["a24"]
     own, _ = recorded(path)
@@ -181,8 +181,8 @@ def test_speculation_follows_the_traces_predictions(models, monkeypatch):
     eng.replay_routes(RouteTrace(chosen, pred))
     run(eng)
     c = eng.counters()
-    assert c["expert_predicted"] > 0 and c["expert_predict_hits"] == 0
-    assert c["prefetch_reads"] > 0 and c["prefetch_used"] == 0
+    assert c["speculation_predicted"] > 0 and c["speculation_hits"] == 0
+    assert c["speculation_reads"] > 0 and c["speculation_reads_used"] == 0
 
 
 def test_bad_traces_are_named_errors(models, tmp_path):

@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BUILD_DIR = ROOT / "build" / "sanitize"
 NATIVE_TESTS = ["tests/test_native_kernels.py", "tests/test_threadpool.py", "tests/test_native_contract.py",
                 "tests/test_engine.py", "tests/test_experts_disk.py", "tests/test_kquant_kernels.py",
-                "tests/test_expert_prefetch.py", "tests/test_attention_block.py", "tests/test_avx512.py"]
+                "tests/test_expert_speculation.py", "tests/test_attention_block.py", "tests/test_avx512.py"]
 # allocator_may_return_null: the engine's "out of memory" paths expect calloc to fail, not ASan to
 # abort. abort_on_error: die of SIGABRT, so pytest's faulthandler prints the Python stack (which
 # test) after the report.

@@ -384,7 +384,7 @@ def profile_model(model: str | Path, *, threads: list[int] | None = None, steps:
     """`cflow bench --profile`: load the model once per thread count (with a context that holds
     the test, and `batch` sequences when batch > 1) and profile it (profile_engine). `options`
     (EngineOptions; keywords override its fields, as in Engine.load: verify, the expert and KV
-    cache options, prefetch) say how; threads, n_ctx and n_seq are the profile's own."""
+    cache options, software prefetch) say how; threads, n_ctx and n_seq are the profile's own."""
     from cflow.runtime import Engine, usable_threads
     from cflow.runtime.options import EngineOptions
 

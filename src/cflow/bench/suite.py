@@ -8,8 +8,8 @@ the C engine's own count (`Engine.counters()`); the tensor table's figure
 (`Engine.weight_bytes_per_token()`) is shown beside it as a cross-check. With experts on disk
 (`experts="disk"`, or "auto" choosing it) the tg rows also report what the expert cache did, from
 the same counters: disk_bytes_per_token, expert_cache_hit_rate, io_stall_ms_per_token, and with
-speculative prefetch expert_prediction_hit_rate (share of the experts predicted for a layer that it chose).
-`prefetch` (--prefetch off|default|N) sets the kernels' software prefetch (cflow.runtime.prefetch);
+expert speculation speculation_hit_rate (share of the experts predicted for a layer that it chose).
+`prefetch` (--prefetch off|default|N) sets the kernels' software prefetch (PREFETCHT0; cflow.runtime.prefetch);
 every cflow row records it.
 """
 
@@ -74,13 +74,13 @@ class CflowRunner:
         c = self.engine.counters()
         if self.engine.expert_cache is None or not c.get("tokens"):
             return None
-        from cflow.runtime.experts import prediction_hit_rate
+        from cflow.runtime.experts import speculation_hit_rate
 
         looked = c["cache_hits"] + c["cache_misses"]
         return {"disk_bytes_per_token": c["disk_bytes"] / c["tokens"],
                 "expert_cache_hit_rate": c["cache_hits"] / looked if looked else None,
                 "io_stall_ms_per_token": c["io_stall_ns"] / 1e6 / c["tokens"],
-                "expert_prediction_hit_rate": prediction_hit_rate(c)}
+                "speculation_hit_rate": speculation_hit_rate(c)}
 
 
 @dataclass
@@ -128,7 +128,7 @@ class BenchReport:
     def _expert_fields(self, row: BenchRow) -> dict:
         if self.experts is None or row.engine != "cflow":
             return {}
-        keys = ("disk_bytes_per_token", "expert_cache_hit_rate", "io_stall_ms_per_token", "expert_prediction_hit_rate")
+        keys = ("disk_bytes_per_token", "expert_cache_hit_rate", "io_stall_ms_per_token", "speculation_hit_rate")
         got = self.expert_rows.get(f"{row.threads}:{row.test}") or {}
         return {k: got.get(k) for k in keys}
 
@@ -137,14 +137,14 @@ class BenchReport:
         if not x:
             return []
         lines = [f"experts on disk: cache {format_size(x['cache_bytes'])} ({x['slots']} slots of "
-                 f"{format_size(x['slot_bytes'])}), {x['read']} reads, {x['io']} I/O, prefetch "
-                 f"{x.get('prefetch', 'off')}; {x['reason']}"]
+                 f"{format_size(x['slot_bytes'])}), {x['read']} reads, {x['io']} I/O, expert "
+                 f"speculation {x.get('speculation', 'off')}; {x['reason']}"]
         for key, st in sorted(self.expert_rows.items()):
-            rate, pred = st["expert_cache_hit_rate"], st.get("expert_prediction_hit_rate")
+            rate, pred = st["expert_cache_hit_rate"], st.get("speculation_hit_rate")
             lines.append(f"  {key.split(':')[0]} thr {key.split(':')[1]}: {format_size(st['disk_bytes_per_token'])}/token "
                          f"from disk, hit rate {'–' if rate is None else f'{100 * rate:.1f}%'}, I/O stall "
                          f"{st['io_stall_ms_per_token']:.3f} ms/token"
-                         + ("" if pred is None else f", prediction hit rate {100 * pred:.1f}%"))
+                         + ("" if pred is None else f", speculation hit rate {100 * pred:.1f}%"))
         return lines
 
     def _compute_fields(self, row: BenchRow) -> dict:
@@ -256,7 +256,7 @@ def bench(model: str | Path, *, threads: list[int] | None = None, pp: int = 512,
     `options` (EngineOptions; keywords override its fields, as in Engine.load) say how cflow loads
     the model, except its threads and n_ctx: the suite loads it once per count in `threads`, with a
     context sized to the tests (`n_ctx`, default: what the deepest test needs). verify=False skips
-    the checksum check of the model's first use; experts, expert_cache, expert_io, expert_prefetch
+    the checksum check of the model's first use; experts, expert_cache, expert_io, expert_speculation
     place a MoE model's experts; prefetch is the kernels' software prefetch, None (default), 0
     (off) or bytes ahead, recorded in every cflow row. cache_type_k, cache_type_v: the KV cache's
     row types ("f16", "q8_0"), for cflow and for the llama.cpp baseline alike (its type_k / type_v;

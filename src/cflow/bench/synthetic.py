@@ -118,7 +118,7 @@ class Geometry:
     ctx: int = 4096
     # How much each layer writes into the residual (RESIDUAL_WRITE_GAIN). Small: the residual, and so
     # the routing, changes little from layer to layer, and a later layer's router applied to an
-    # earlier layer's input predicts its experts almost always (speculative prefetch); larger values
+    # earlier layer's input predicts its experts almost always (expert speculation); larger values
     # make routing less predictable across layers, as it may be in trained models.
     residual_gain: float = RESIDUAL_WRITE_GAIN
     rope_theta: float = 1e6

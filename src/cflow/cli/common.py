@@ -6,10 +6,12 @@ Owns:
   read or write cannot be);
 - `add_command`: a subcommand declared from one help text (summary, description, examples);
 - the model flags (-m -t -c --no-mmap --no-verify, and --experts --expert-cache --expert-io
-  --expert-prefetch for mixture-of-experts models), and `engine_options`, the one place where
+  --expert-speculation for mixture-of-experts models), and `engine_options`, the one place where
   flags become cflow.runtime.options.EngineOptions (generate, chat, serve and bench all build
   theirs there); loading the engine with the conversion progress bar, and the timing report on
   stderr;
+- renamed flags, still accepted under their old names with a deprecation line on stderr
+  (`DeprecatedFlag`: --expert-prefetch is now --expert-speculation);
 - the sampling flags (llama.cpp's names) and their checks, done before the model loads;
 - writes that fail as one line (`cannot write PATH: <strerror>`), checked before long work.
 """
@@ -24,7 +26,7 @@ from typing import Any
 from cflow.errors import CflowError
 from cflow.fsutil import WriteError, writing
 from cflow.runtime import DEFAULT_MODEL
-from cflow.runtime.experts import AUTO_PREFETCH_DEPTH
+from cflow.runtime.experts import AUTO_SPECULATION_DEPTH
 
 
 class UsageError(CflowError, ValueError):
@@ -127,13 +129,31 @@ def add_expert_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--expert-io", choices=["async", "sync"], default="async",
                    help="async (default): read a layer's chosen experts as soon as its router has chosen, on "
                    "reader threads, while compute goes on; sync: read, then compute (for comparison)")
-    g.add_argument("--expert-prefetch", default="auto", metavar="auto|off|next-layer|N",
-                   help="speculative prefetch (async I/O only; same results bit for bit): when a layer's router "
+    g.add_argument("--expert-speculation", default="auto", metavar="auto|off|next-layer|N",
+                   help="expert speculation (async I/O only; same results bit for bit): when a layer's router "
                    "has chosen, also apply the next N layers' routers to its input to predict their experts, and "
                    "start reading the ones the cache lacks early, in cache slots beyond the minimum. next-layer = "
                    f"1; off = 0; at most 16. Predictions beyond the next layer start reads only while at least 90%% "
-                   f"of them prove right. auto (default): {AUTO_PREFETCH_DEPTH} layers ahead with --expert-io async, "
-                   "off with sync")
+                   f"of them prove right. auto (default): {AUTO_SPECULATION_DEPTH} layers ahead with --expert-io "
+                   "async, off with sync")
+    g.add_argument("--expert-prefetch", dest="expert_speculation", action=DeprecatedFlag, new="--expert-speculation",
+                   default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # the old name, hidden from --help
+
+
+class DeprecatedFlag(argparse.Action):
+    """A flag's old name: sets the new flag's value (same dest) and prints one line on stderr saying
+    the name is deprecated. Hidden from --help (help=argparse.SUPPRESS) so that new users learn one
+    name; kept so that scripts written with the old one still run."""
+
+    def __init__(self, option_strings: list[str], dest: str, new: str, **kwargs: Any):
+        super().__init__(option_strings, dest, **kwargs)
+        self.new = new
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        print(f"cflow: {option_string} is deprecated; use {self.new}", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
 
 def check_model_flags(args: argparse.Namespace) -> None:
     """What can be said about -n and -c before the model loads (the engine checks -t and -c's upper
@@ -191,8 +211,8 @@ _OPTION_FLAGS: dict[str, tuple[str, Any]] = {
     "experts": ("experts", None),
     "expert_cache": ("expert_cache", None),
     "expert_io": ("expert_io", None),
-    "expert_prefetch": ("expert_prefetch", None),
-    "prefetch": ("prefetch", None),
+    "expert_speculation": ("expert_speculation", None),
+    "prefetch": ("prefetch", None),  # bench's --prefetch: the kernels' software prefetch
 }
 
 
@@ -261,13 +281,15 @@ def print_timings(eng, t, prompt_shown: int) -> None:
         print(f"cflow: {'experts on disk':>16} = {c['disk_bytes'] / 1e6:10.2f} MB read ({c['disk_bytes'] / n / 1e6:.2f} MB "
               f"per token), cache hits {rate} of {looked} ({cache['slots']} slots, {cache['read']}, {cache['io']} I/O), "
               f"I/O stall {c['io_stall_ns'] / 1e6:.2f} ms", file=err)
-        if cache.get("prefetch_depth"):
-            from cflow.runtime.experts import prediction_hit_rate
+        if cache.get("speculation_depth"):
+            from cflow.runtime.experts import speculation_hit_rate
 
-            hit = prediction_hit_rate(c)
-            print(f"cflow: {'expert prefetch':>16} = predicted {c['expert_predicted']} experts, "
-                  f"{'-' if hit is None else f'{100 * hit:.1f}%'} chosen by the layer predicted ({cache['prefetch']} ahead); {c['prefetch_reads']} reads "
-                  f"started early, {c['prefetch_used']} of them used", file=err)
+            hit = speculation_hit_rate(c)
+            # wider than the 16-character labels above: the concept's full name, as the flag spells it
+            print(f"cflow: expert speculation = predicted {c['speculation_predicted']} experts, "
+                  f"{'-' if hit is None else f'{100 * hit:.1f}%'} chosen by the layer predicted "
+                  f"({cache['speculation']} ahead); {c['speculation_reads']} reads started early, "
+                  f"{c['speculation_reads_used']} of them used", file=err)
     total = (t.load_s + t.prompt_s + t.gen_s) * 1e3
     print(f"cflow: {'total time':>16} = {total:10.2f} ms / {prompt_shown + t.gen_tokens:5d} tokens", file=err)
 

@@ -10,8 +10,8 @@
 //
 // Experts on disk: `experts` is a dict {"path": str, "span": int64 [n_unique * E, 2] (the file's
 // expert table: offset, bytes), "budget": int, "io": "async" | "sync", "io_threads": int,
-// "direct": bool, "prefetch": bool (optional, default False: speculative prefetch of the next
-// layer's experts, engine.c), "reader": "auto" | "threads" | "uring-refused" | "inline" (optional, default
+// "direct": bool, "speculation_depth": int (optional, default 0 = off: expert speculation's depth,
+// engine_spec.c), "reader": "auto" | "threads" | "uring-refused" | "inline" (optional, default
 // "auto": io_uring where the kernel offers it; the last one is for tests, experts.h)}. A call that fails on expert I/O or a changed file raises OSError; bad input
 // raises ValueError.
 #include <nanobind/nanobind.h>
@@ -99,7 +99,7 @@ struct NativeEngine {
             disk.async = io == "async";
             disk.n_io = nb::cast<int>(x["io_threads"]);
             disk.direct = nb::cast<bool>(x["direct"]) ? 1 : 0;
-            disk.speculate = x.contains("prefetch") ? nb::cast<int>(x["prefetch"]) : 0;
+            disk.spec_depth = x.contains("speculation_depth") ? nb::cast<int>(x["speculation_depth"]) : 0;
             if (x.contains("reader")) {
                 std::string r = nb::cast<std::string>(x["reader"]);
                 disk.reader = -1;
@@ -181,9 +181,10 @@ struct NativeEngine {
         d["io"] = x.async ? "async" : "sync";
         d["io_threads"] = x.n_io;
         d["read"] = x.direct ? "O_DIRECT" : "buffered";
-        d["prefetch"] = x.speculate ? (x.speculate == 1 ? "next-layer" : std::to_string(x.speculate) + " layers") : "off";
-        d["prefetch_depth"] = x.speculate;
-        d["prefetch_slots"] = x.spec_slots;
+        d["speculation"] = x.spec_depth ? (x.spec_depth == 1 ? "next-layer" : std::to_string(x.spec_depth) + " layers")
+                                        : "off";
+        d["speculation_depth"] = x.spec_depth;
+        d["speculation_slots"] = x.spec_slots;
         d["keep_depth"] = x.keep_depth;
         d["reader"] = x.async ? (x.uring ? "io_uring" : x.n_io ? "threads" : "inline") : "caller";
         d["reader_note"] = x.reader_note ? x.reader_note : "";
@@ -456,7 +457,8 @@ void cf_bind_engine(nb::module_ &m) {
                      [](const NativeEngine &s) { return cf_engine_profile_events_per_call(s.e); })
         .def_prop_ro("expert_cache", &NativeEngine::expert_cache,
                      "the expert cache (slots, slot_bytes, cache_bytes, min_slots, layers_in_flight, io, "
-                     "io_threads, read, prefetch, prefetch_slots, reader, reader_note); None when the experts are in RAM")
+                     "io_threads, read, speculation, speculation_depth, speculation_slots, keep_depth, reader, reader_note); "
+                     "None when the experts are in RAM")
         .def("expert_resident", &NativeEngine::expert_resident,
              "(layer, expert) of every expert the cache holds now")
         .def("_inject_io_fault", &NativeEngine::inject_io_fault, nb::arg("after"), nb::arg("kind"),

@@ -131,11 +131,12 @@ enum { CF_CNT_ATTN, CF_CNT_DENSE, CF_CNT_ROUTER, CF_CNT_EXPERTS, CF_CNT_EMBED, C
        /* experts on disk (all 0 when they are in RAM): bytes read from the file, experts found in
         * the cache / read, nanoseconds thread 0 waited for expert bytes (sync: spent reading) */
        CF_CNT_DISK_BYTES, CF_CNT_CACHE_HITS, CF_CNT_CACHE_MISSES, CF_CNT_IO_STALL_NS,
-       /* speculative prefetch (cf_disk_experts.speculate): experts predicted for later layers
-        * (each layer's union of predictions), those of them its route then chose, reads started early for predictions, and misses
-        * such a read served (counted in cache misses too: bytes read for this use, only early).
-        * Reads for experts nobody chose yet = prefetch_reads - prefetch_used. */
-       CF_CNT_PREDICTED, CF_CNT_PREDICT_HITS, CF_CNT_PREFETCH_READS, CF_CNT_PREFETCH_USED, CF_COUNTERS };
+       /* expert speculation (cf_disk_experts.spec_depth, engine_spec.c): experts predicted for later
+        * layers (each layer's union of predictions), those of them its route then chose, reads
+        * started early for predictions, and misses such a read served (counted in cache misses
+        * too: bytes read for this use, only early). Reads for experts nobody chose yet =
+        * speculation_reads - speculation_reads_used. */
+       CF_CNT_SPEC_PREDICTED, CF_CNT_SPEC_HITS, CF_CNT_SPEC_READS, CF_CNT_SPEC_READS_USED, CF_COUNTERS };
 extern const char *const cf_counter_names[CF_COUNTERS];
 typedef struct {
     uint64_t n[CF_COUNTERS];
@@ -192,7 +193,7 @@ int64_t cf_engine_profile_dropped(const cf_engine *e);
 /* Events one forward call records per thread at most (from the plan): the sizing of the buffers. */
 int cf_engine_profile_events_per_call(const cf_engine *e);
 
-/* Speculative prefetch looks at most this many layers ahead. */
+/* Expert speculation looks at most this many layers ahead. */
 #define CF_SPEC_MAX_DEPTH 16
 
 /* ---- experts on disk ---------------------------------------------------------------------------
@@ -208,9 +209,9 @@ typedef struct {
                            * experts op reads, then computes */
     int n_io;             /* reader threads (async) */
     int direct;           /* 1: O_DIRECT where the filesystem takes it */
-    int speculate;        /* depth (async only): at route(l), predict the experts of layers up to
-                           * l + depth (at most CF_SPEC_MAX_DEPTH) from route(l)'s input and start
-                           * their reads (engine_spec.c); 0: off; off by itself
+    int spec_depth;       /* expert speculation (async only): at route(l), predict the experts of
+                           * layers up to l + spec_depth (at most CF_SPEC_MAX_DEPTH) from route(l)'s
+                           * input and start their reads (engine_spec.c); 0: off; off by itself
                            * when the cache has no slot beyond the minimum */
     int reader;           /* async: CF_XREADER_* (experts.h): io_uring where the kernel offers it, else
                            * pread threads */
@@ -322,7 +323,7 @@ int64_t cf_engine_routes_pos(const cf_engine *e);
  * fails `delay_us` after it starts. */
 typedef struct {
     int n_slots, min_slots, inflight, async, n_io, direct;
-    int speculate;  /* speculative prefetch depth (0: off), in spec_slots = n_slots - min_slots slots at most */
+    int spec_depth; /* expert speculation's depth (0: off), in spec_slots = n_slots - min_slots slots at most */
     int spec_slots;
     int keep_depth; /* the speculation depth the cache's keep ranks follow (0: ranks off) */
     int uring;                /* the async reads go through io_uring (else pread threads) */

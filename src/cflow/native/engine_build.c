@@ -53,8 +53,8 @@ const char *const cf_counter_names[CF_COUNTERS] = {
     [CF_CNT_KV] = "kv", [CF_CNT_TOKENS] = "tokens", [CF_CNT_CALLS] = "calls",
     [CF_CNT_DISK_BYTES] = "disk_bytes", [CF_CNT_CACHE_HITS] = "cache_hits",
     [CF_CNT_CACHE_MISSES] = "cache_misses", [CF_CNT_IO_STALL_NS] = "io_stall_ns",
-    [CF_CNT_PREDICTED] = "expert_predicted", [CF_CNT_PREDICT_HITS] = "expert_predict_hits",
-    [CF_CNT_PREFETCH_READS] = "prefetch_reads", [CF_CNT_PREFETCH_USED] = "prefetch_used",
+    [CF_CNT_SPEC_PREDICTED] = "speculation_predicted", [CF_CNT_SPEC_HITS] = "speculation_hits",
+    [CF_CNT_SPEC_READS] = "speculation_reads", [CF_CNT_SPEC_READS_USED] = "speculation_reads_used",
 };
 
 int cf_desc_name(int n_experts, int row, char *out, size_t n) {
@@ -432,7 +432,7 @@ static int open_disk_experts(cf_engine *e, const cf_disk_experts *dx, char *err,
     free(off);
     free(len);
     if (!e->xs) return -1;
-    return cf_spec_open(e, dx->speculate, err, n);
+    return cf_spec_open(e, dx->spec_depth, err, n);
 }
 
 cf_engine *cf_engine_create(const cf_config *cfg, const uint8_t *buf, size_t buf_len,
@@ -607,7 +607,7 @@ int cf_engine_expert_cache(const cf_engine *e, cf_expert_cache_info *out) {
     out->direct = xi.direct;
     out->slot_bytes = xi.slot_bytes;
     out->cache_bytes = xi.cache_bytes;
-    out->speculate = e->spec.depth;
+    out->spec_depth = e->spec.depth;
     out->spec_slots = e->spec.room;
     out->keep_depth = cf_max(0, e->spec.keep_depth); /* -1 (or 0: no speculation) until ranks are set */
     out->uring = xi.uring;

@@ -24,7 +24,7 @@ int cf_acquire_wave(cf_engine *e, int l, int ms, int i0, int max) {
         if (sl < 0) break;
         slot[list[i]] = sl;
         e->cnt.n[miss ? CF_CNT_CACHE_MISSES : CF_CNT_CACHE_HITS]++;
-        if (miss == 2) e->cnt.n[CF_CNT_PREFETCH_USED]++; /* read early by speculation */
+        if (miss == 2) e->cnt.n[CF_CNT_SPEC_READS_USED]++; /* read early by speculation */
         if (miss == 1) e->xwave[nm++] = sl;
     }
     if (e->xasync) {
@@ -38,7 +38,7 @@ int cf_acquire_wave(cf_engine *e, int l, int ms, int i0, int max) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// speculative prefetch: at route(l), predict the experts of layers l+1 .. l+depth and start reads
+// expert speculation: at route(l), predict the experts of layers l+1 .. l+depth and start reads
 //
 // With delta_expert = 0 (plain Mixtral) experts(l) follows route(l) at once, so a layer's reads
 // overlap only each other and that layer's expert compute. Speculation starts later layers' reads
@@ -58,7 +58,7 @@ int cf_acquire_wave(cf_engine *e, int l, int ms, int i0, int max) {
 //
 // Which layers each route predicts: the next one (from the freshest input) and the one entering
 // the horizon, l + depth (the first route of a call predicts all of 1 .. depth). A layer's marks
-// are the union of its predictions; its route scores them (expert_predict_hits / expert_predicted:
+// are the union of its predictions; its route scores them (speculation_hits / speculation_predicted:
 // the share of predicted experts the layer chose). Two router evaluations per route, whatever the
 // depth: a router is E x d floats, and re-predicting every layer in the horizon at every route
 // would read depth of them.
@@ -74,7 +74,7 @@ int cf_acquire_wave(cf_engine *e, int l, int ms, int i0, int max) {
 // never evicts a pinned or loading one; nearer layers are served first, and a horizon that does
 // not fit the spare slots is cut short. At route(l) the pins predicted for l are dropped after its
 // first wave is pinned: the experts it chose sit in their slots (their acquire counts a cache miss
-// and prefetch_used), the others stay cached at a low score (their layer never chose them),
+// and speculation_reads_used), the others stay cached at a low score (their layer never chose them),
 // evicted first. Results are bit for bit those without speculation: it only changes which bytes
 // are read when.
 
@@ -106,7 +106,7 @@ static void spec_score(cf_engine *e, int l, const int *cnt) {
     uint16_t *mark = e->spec.mark + (size_t)l * e->c.n_experts;
     for (int x = 0; x < e->c.n_experts; x++) {
         if (!mark[x]) continue;
-        if (cnt[x]) e->cnt.n[CF_CNT_PREDICT_HITS]++;
+        if (cnt[x]) e->cnt.n[CF_CNT_SPEC_HITS]++;
         for (int k = 1; k <= CF_SPEC_MAX_DEPTH; k++)
             if (mark[x] >> (k - 1) & 1) {
                 if (++e->spec.dist_pred[k] > SPEC_WINDOW) { /* decay: recent routing counts most */
@@ -120,7 +120,7 @@ static void spec_score(cf_engine *e, int l, const int *cnt) {
 }
 
 /* May predictions made k layers ahead start reads? The next layer's always may (the issue's
- * next-layer prefetch); further ones once SPEC_MIN_SAMPLES predictions at that distance are in, and
+ * next-layer speculation); further ones once SPEC_MIN_SAMPLES predictions at that distance are in, and
  * while at least SPEC_MIN_PRECISION of them were chosen, over the last ~SPEC_WINDOW. A wrong read
  * costs a read and evicts a cached expert: where routing changes much from layer to layer, deep
  * predictions are often wrong, and reading them made a 95% cache miss twice as often, plus a wasted
@@ -214,7 +214,7 @@ static void spec_predict(cf_engine *e, int l, int target, int src_kind) {
     }
     for (int x = 0; x < E; x++)
         if (votes[x] > 0) {
-            if (!mark[x]) e->cnt.n[CF_CNT_PREDICTED]++;
+            if (!mark[x]) e->cnt.n[CF_CNT_SPEC_PREDICTED]++;
             mark[x] |= (uint16_t)(1u << (k_ahead - 1));
         }
     if (!trusted) return;
@@ -226,7 +226,7 @@ static void spec_predict(cf_engine *e, int l, int target, int src_kind) {
                 spec_hold(e, sl, target);
                 continue;
             }
-            if ((sl = cf_xstore_prefetch(e->xs, set * E + x)) < 0) { /* cannot happen within spec_room */
+            if ((sl = cf_xstore_speculate(e->xs, set * E + x)) < 0) { /* cannot happen within spec_room */
                 v = 0;
                 break;
             }
@@ -234,7 +234,7 @@ static void spec_predict(cf_engine *e, int l, int target, int src_kind) {
             e->spec.target[e->spec.n++] = target;
             e->xwave[nm++] = sl;
         }
-    e->cnt.n[CF_CNT_PREFETCH_READS] += (uint64_t)nm;
+    e->cnt.n[CF_CNT_SPEC_READS] += (uint64_t)nm;
     cf_xstore_submit(e->xs, e->xwave, nm, target);
 }
 

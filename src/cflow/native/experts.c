@@ -385,7 +385,7 @@ int cf_xstore_acquire(cf_xstore *xs, int key, int *miss) {
 
 int cf_xstore_lookup(const cf_xstore *xs, int key) { return xs->slot_of[key]; }
 
-int cf_xstore_prefetch(cf_xstore *xs, int key) {
+int cf_xstore_speculate(cf_xstore *xs, int key) {
     if (xs->slot_of[key] >= 0) return -1;
     int s = claim(xs, key, 1);
     if (s < 0) return -1;

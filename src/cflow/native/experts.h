@@ -15,9 +15,9 @@
  *   pins      a slot is pinned from the route that chose its expert until the experts op that used
  *             it; pinned and LOADING slots are never evicted. A call never pins more than
  *             top_k x (layers in flight) slots at a time, which is the smallest cache accepted.
- *   prefetch  speculation (engine_spec.c, cf_route_disk) claims slots for experts a route has not chosen
- *             yet (cf_xstore_prefetch): pinned and LOADING like a miss, and marked until an acquire
- *             uses the bytes (*miss = 2 then: read for this use, but early). The engine keeps its
+ *   spec      expert speculation (engine_spec.c, cf_route_disk) claims slots for experts a route
+ *             has not chosen yet (cf_xstore_speculate): pinned and LOADING like a miss, and marked
+ *             until an acquire uses the bytes (*miss = 2 then: read for this use, but early). The engine keeps its
  *             own count of the slots speculation holds or still has reads in flight for, within the
  *             slots beyond the minimum, so the plan's own pins always fit.
  *   policy    recency-weighted frequency on each layer's own clock, ties by recency (experts.c
@@ -112,7 +112,7 @@ int cf_xstore_acquire(cf_xstore *xs, int key, int *miss);
 int cf_xstore_lookup(const cf_xstore *xs, int key);
 /* Claim and pin a victim for key, which must not be cached (cf_xstore_lookup < 0), LOADING and
  * marked speculative: submit it like a miss, release it like any pin. -1 when no slot can be evicted. */
-int cf_xstore_prefetch(cf_xstore *xs, int key);
+int cf_xstore_speculate(cf_xstore *xs, int key);
 /* Pin a slot that holds a key already (cached or coming) without using it: speculation keeps an
  * expert predicted for a later layer from being evicted before that layer routes. */
 void cf_xstore_pin(cf_xstore *xs, int slot);

@@ -6,8 +6,9 @@
     plan       the per-token op plan (the delay semantics on the runtime side)
     abi        the boundary with cflow._native: descriptor and plan encoded by name
     threads    usable cores, thread-count checks, the decode thread tuner
-    experts    where a MoE model's experts live (RAM or disk with a byte budget) and why
-    prefetch   the kernels' software-prefetch modes (Engine.load(prefetch=...), claim C6)
+    experts    where a MoE model's experts live (RAM or disk with a byte budget) and why, and
+               expert speculation (later layers' experts predicted and read from disk early)
+    prefetch   the kernels' software prefetch (PREFETCHT0) modes (Engine.load(prefetch=...), claim C6)
     files      the GGUF conversion cache and checksum verdicts on disk
     errors     the runtime's named errors
 """

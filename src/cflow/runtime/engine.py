@@ -9,7 +9,7 @@
 Owns: loading (mmap by default; checksums verified on a file's first use; a .gguf converted once
 into the cache of cflow.runtime.files), the thread-count and context defaults, the KV-cache prefix
 reuse between calls, and the native step. What it loads and runs with (threads, context,
-sequences, KV-cache types, expert residency, read-ahead, prefetch, ...) is one
+sequences, KV-cache types, expert residency and speculation, read-ahead, software prefetch, ...) is one
 cflow.runtime.options.EngineOptions, checked when it is made; Engine.load's keyword arguments
 override its fields. One native call per token: `step()` runs the whole forward pass in C and
 writes the logits into a numpy array that is reused. The generation loop is
@@ -121,7 +121,7 @@ class Engine:
             sizes = xp.model_sizes(cf, self.n_ctx * self.n_seq,  # every sequence's KV cache
                                     xp.plan_inflight(disk_plan, native), self.cache_type_k, self.cache_type_v)
         self.residency = xp.decide(sizes, experts=opts.experts, expert_cache=opts.expert_cache,
-                                   expert_io=opts.expert_io, expert_prefetch=opts.expert_prefetch)
+                                   expert_io=opts.expert_io, expert_speculation=opts.expert_speculation)
         disk = self.residency.mode == "disk"
         buffer = cf.buffer
         mapped = isinstance(getattr(buffer, "base", None), np.memmap)
@@ -199,11 +199,12 @@ class Engine:
         then computes. With async reads and delta_expert > 0 the experts of layer l run just before
         layer l + delta_expert needs them, so their reads overlap the layers between (expert_delay=
         False runs them right after the router, for comparison); results are the same bit for bit.
-        expert_prefetch=N (async only) also predicts the experts of layers up to l+N when layer l
-        routes (their routers applied to layer l's MoE input) and starts their reads early, in cache
-        slots beyond the minimum; beyond the next layer only while those predictions prove right
-        ("next-layer" = 1, at most 16); "auto" (default) = 16 with async reads, "off" = 0. Bit for
-        bit the same results; counters() reports expert_predicted / expert_predict_hits.
+        expert_speculation=N (expert speculation, async only) also predicts the experts of layers up
+        to l+N when layer l routes (their routers applied to layer l's MoE input) and starts their
+        reads early, in cache slots beyond the minimum; beyond the next layer only while those
+        predictions prove right ("next-layer" = 1, at most 16); "auto" (default) = 16 with async
+        reads, "off" = 0. Bit for bit the same results; counters() reports speculation_predicted /
+        speculation_hits. (expert_prefetch=, its old name, still works with a DeprecationWarning.)
 
         n_seq: independent sequences (KV-cache slots of n_ctx positions each) that `step_batch`
         advances together in one pass over the weights; memory grows by one KV cache per sequence.
@@ -218,9 +219,10 @@ class Engine:
         side by side on two halves of the threads (docs/DESIGN.md, "Overlapping independent nodes");
         same results bit for bit. `Engine.overlap` switches it between calls.
 
-        prefetch (explicit software prefetch, claim C6; cflow.runtime.prefetch): None (default) keeps
-        each kernel's own choice (the mat-vec and gate/up 8 KiB, the avx512 batched kernels 4 KiB ahead); 0 turns every PREFETCH
-        instruction off; N > 0 (at most 1 MiB) makes every weight-streaming kernel (mat-vec, gate/up,
+        prefetch (software prefetch (PREFETCHT0) in the kernels, claim C6; cflow.runtime.prefetch; not
+        expert speculation, which reads experts from disk): None (default) keeps each kernel's own
+        choice (the mat-vec and gate/up 8 KiB, the avx512 batched kernels 4 KiB ahead); 0 turns every
+        PREFETCH instruction off; N > 0 (at most 1 MiB) makes every weight-streaming kernel (mat-vec, gate/up,
         the batched prefill kernels, all tables and dtypes, dense and expert weights) issue PREFETCHT0
         N bytes ahead of its reads. Same results bit for bit. The kernels read one process-wide mode:
         the engine sets its own at the start of every native call, so two engines stepping at the
@@ -326,8 +328,8 @@ class Engine:
 
     @property
     def prefetch(self) -> int | None:
-        """Software prefetch of this engine's calls: None (the kernels' default), 0 (off) or bytes
-        ahead; see Engine.load. Settable between calls; results do not depend on it."""
+        """Software prefetch (PREFETCHT0) of this engine's calls: None (the kernels' default), 0 (off)
+        or bytes ahead; see Engine.load. Settable between calls; results do not depend on it."""
         return prefetch_mod.from_mode(self._native.prefetch)
 
     @prefetch.setter
@@ -549,17 +551,19 @@ class Engine:
         rows attention read, at the cache types' row sizes: cflow.runtime.kvcache), tokens, calls; with
         experts on disk also disk_bytes (read from the file), cache_hits, cache_misses (experts found
         in / read into the cache) and io_stall_ns (time the step waited for expert bytes); with
-        speculative prefetch expert_predicted, expert_predict_hits (predictions the next layer's
-        router confirmed), prefetch_reads (reads started for predictions) and prefetch_used (cache
-        misses such a read served; also in cache_misses)."""
+        expert speculation speculation_predicted (experts predicted for later layers),
+        speculation_hits (those the layer's router then chose), speculation_reads (reads started
+        for predictions) and speculation_reads_used (cache misses such a read served; also in
+        cache_misses)."""
         return dict(self._native.counters())
 
     @property
     def expert_cache(self) -> dict[str, Any] | None:
         """With experts on disk: slots, slot_bytes, cache_bytes (<= budget), budget, min_slots,
         layers_in_flight, io ("async" | "sync"), io_threads, read ("O_DIRECT" | "buffered"),
-        prefetch ("next-layer" | "off"), prefetch_slots (slots speculation may use). None when the
-        experts are in RAM."""
+        expert speculation in effect: speculation ("off" | "next-layer" | "N layers"),
+        speculation_depth (0: off), speculation_slots (slots it may use), keep_depth; reader,
+        reader_note. None when the experts are in RAM."""
         c = self._native.expert_cache
         return None if c is None else dict(c, budget=self.residency.budget)
 

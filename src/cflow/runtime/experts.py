@@ -1,6 +1,6 @@
 """Expert residency: where a mixture-of-experts model keeps its experts while it runs.
 
-    Engine.load(path, experts="auto", expert_cache=None, expert_io="async", expert_prefetch="auto")
+    Engine.load(path, experts="auto", expert_cache=None, expert_io="async", expert_speculation="auto")
 
     experts="ram"    every expert stays in the file's mapping, like every other weight
     experts="disk"   dense weights (attention, norms, routers, embeddings, lm_head, dense FFN) stay
@@ -19,17 +19,19 @@
                      l + de's residual update (cflow.runtime.plan, delay_experts), so the reads
                      overlap de layers of attention and dense FFN (expert_delay=False: not moved);
                      "sync": the experts op reads, then computes (the baseline)
-    expert_prefetch  speculative prefetch (async only): when layer l's router has chosen, the engine
-                     also applies the routers of the next layers to layer l's MoE input to predict
-                     their experts and starts reading those the cache lacks, in the slots beyond the
-                     minimum (none: off by itself); results are the same bit for bit, the counters
-                     expert_predicted / expert_predict_hits give the prediction hit rate. N (an int,
-                     or its digits as a string): up to N layers ahead (at most 16; predictions
-                     beyond the next layer start reads only while >= 90% of them prove right);
-                     "next-layer" = 1; "auto" (default): AUTO_PREFETCH_DEPTH layers when the
-                     experts are on disk with async I/O (with delta_expert = 0, as in plain
-                     Mixtral, nothing else hides the reads; with a delay it adds to the window),
-                     else off; "off" = 0
+    expert_speculation
+                     (async only): when layer l's router has chosen, the engine also applies the
+                     routers of the next layers to layer l's MoE input to predict their experts and
+                     starts reading those the cache lacks, in the slots beyond the minimum (none:
+                     off by itself); results are the same bit for bit, the counters
+                     speculation_predicted / speculation_hits give its hit rate. N (an int, or its
+                     digits as a string): up to N layers ahead (at most 16; predictions beyond the
+                     next layer start reads only while >= 90% of them prove right); "next-layer" =
+                     1; "auto" (default): AUTO_SPECULATION_DEPTH layers when the experts are on
+                     disk with async I/O (with delta_expert = 0, as in plain Mixtral, nothing else
+                     hides the reads; with a delay it adds to the window), else off; "off" = 0.
+                     Not the kernels' software prefetch (Engine.load(prefetch=...),
+                     cflow.runtime.prefetch), which issues PREFETCHT0 for weights in memory.
 
 The memory this process may use (`probe_memory`) is the smallest of MemAvailable (/proc/meminfo) and
 the room under its cgroup's memory limit (v2 memory.max, v1 memory.limit_in_bytes, minus what the
@@ -67,13 +69,13 @@ from cflow.runtime.files import format_size, parse_size
 
 MODES = ("ram", "disk", "auto")
 IO_MODES = ("async", "sync")
-PREFETCH_MODES = ("auto", "off", "next-layer")  # or a depth: N layers ahead
+SPECULATION_MODES = ("auto", "off", "next-layer")  # or a depth: N layers ahead
 # "auto"'s depth: one expert of a Mixtral-sized model takes about ten layers' compute to read, so the
 # read must start layers before its layer routes; the engine reads predictions from beyond the next
 # layer only while they prove right (engine_spec.c, spec_trusted), so a deep horizon costs little where
 # routing is hard to predict. Measured against off and next-layer, with and without an expert
 # delay (docs/results/moe.md, "Async vs sync").
-AUTO_PREFETCH_DEPTH = 16
+AUTO_SPECULATION_DEPTH = 16
 NO_LIMIT = 1 << 60  # cgroup limits at or above this mean "none"
 
 
@@ -185,7 +187,7 @@ class ModelSizes:
     inflight: int  # layers whose experts a step may pin at once
     kv_bytes: int  # the KV cache at the engine's context
     delta_expert: int = 0  # the architecture's expert delay: 0 leaves reads nothing to hide behind
-    n_layers: int = 0  # caps the prefetch depth (0: unknown)
+    n_layers: int = 0  # caps the speculation depth (0: unknown)
 
     @property
     def min_slots(self) -> int:
@@ -225,7 +227,7 @@ class Residency:
     io: str  # "async" | "sync" (disk only)
     budget: int | None  # expert cache bytes (disk only)
     reason: str  # why this mode and budget, in words
-    prefetch: int = 0  # speculative prefetch depth: layers ahead whose experts are predicted (disk, async only)
+    speculation_depth: int = 0  # expert speculation: layers ahead whose experts are predicted (disk, async only)
 
 
 def parse_cache(value: int | str | None) -> int | None:
@@ -244,14 +246,14 @@ def parse_cache(value: int | str | None) -> int | None:
 
 def decide(sizes: ModelSizes | None, *, experts: str = "auto", expert_cache: int | str | None = None,
            expert_io: str = "async", memory: MemoryProbe | None = None,
-           expert_prefetch: str = "auto") -> Residency:
+           expert_speculation: int | str = "auto") -> Residency:
     """Where the experts live, how large their cache is, and whether reads are speculated. sizes
     None: a model without experts. `memory` defaults to probe_memory() (read only when needed)."""
     if experts not in MODES:
         raise EngineError(f"experts must be one of {', '.join(MODES)}, got {experts!r}", flag="--experts")
     if expert_io not in IO_MODES:
         raise EngineError(f"expert_io must be one of {', '.join(IO_MODES)}, got {expert_io!r}", flag="--expert-io")
-    depth = prefetch_depth(expert_prefetch)
+    depth = parse_speculation(expert_speculation)
     budget = parse_cache(expert_cache)
     if sizes is None:
         if experts == "disk":
@@ -292,29 +294,29 @@ def decide(sizes: ModelSizes | None, *, experts: str = "auto", expert_cache: int
     else:
         why += f"; expert cache {format_size(budget)}"
     if depth is None:  # auto
-        depth = AUTO_PREFETCH_DEPTH if expert_io == "async" else 0
+        depth = AUTO_SPECULATION_DEPTH if expert_io == "async" else 0
     depth = min(depth, native_module().SPEC_MAX_DEPTH)  # the engine caps deeper asks (engine.h CF_SPEC_MAX_DEPTH)
     if sizes.n_layers:
         depth = min(depth, sizes.n_layers - 1)
     if depth and expert_io != "async":
-        raise EngineError("speculative prefetch starts reads that run beside compute: it needs --expert-io async "
-                          "(or --expert-prefetch off)", flag="--expert-prefetch")
+        raise EngineError("expert speculation starts reads that run beside compute: it needs --expert-io async "
+                          "(or --expert-speculation off)", flag="--expert-speculation")
     if depth:
         ahead = "the next layer's experts" if depth == 1 else f"the experts of the next {depth} layers"
-        why += f"; speculative prefetch of {ahead}"
+        why += f"; expert speculation of {ahead}"
     return Residency("disk", expert_io, budget, why, depth)
 
 
-def prefetch_depth(value: int | str) -> int | None:
-    """expert_prefetch as a depth in layers (None: "auto"). Raises EngineError naming the flag."""
+def parse_speculation(value: int | str) -> int | None:
+    """expert_speculation as a depth in layers (None: "auto"). Raises EngineError naming the flag."""
     if isinstance(value, str) and value.isdigit():
         value = int(value)
     if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
         return value
-    if value in PREFETCH_MODES:
+    if value in SPECULATION_MODES:
         return {"auto": None, "off": 0, "next-layer": 1}[value]
-    raise EngineError(f"expert_prefetch must be one of {', '.join(PREFETCH_MODES)} or a number of layers ahead "
-                      f"(0 = off), got {value!r}", flag="--expert-prefetch")
+    raise EngineError(f"expert_speculation must be one of {', '.join(SPECULATION_MODES)} or a number of layers "
+                      f"ahead (0 = off), got {value!r}", flag="--expert-speculation")
 
 
 def direct_io_wanted() -> bool:
@@ -352,7 +354,7 @@ def native_options(cf: Any, res: Residency, inflight: int) -> dict:
                     np.int64).reshape(-1, 2)
     return {"path": os.fspath(cf.path), "span": np.ascontiguousarray(span), "budget": int(res.budget),
             "io": res.io, "io_threads": io_threads(cfg.top_k, inflight), "direct": direct_io_wanted(),
-            "prefetch": res.prefetch, "reader": reader_wanted(native_module())}
+            "speculation_depth": res.speculation_depth, "reader": reader_wanted(native_module())}
 
 
 # ---- the weights buffer ---------------------------------------------------------------------------
@@ -412,23 +414,23 @@ def describe(res: Residency, cache: dict | None) -> str:
     return (f"experts on disk: {res.reason}; {cache['slots']} slots of {format_size(cache['slot_bytes'])} "
             f"({format_size(cache['cache_bytes'])}), {cache['read']} reads, {cache['io']} I/O"
             + (f" ({cache['reader']})" if cache["io"] == "async" else "")
-            + (f" [{cache['reader_note']}]" if cache.get("reader_note") else "") + prefetch_note(res, cache))
+            + (f" [{cache['reader_note']}]" if cache.get("reader_note") else "") + speculation_note(res, cache))
 
 
-def prefetch_note(res: Residency, cache: dict) -> str:
-    """", prefetch ..." for logs: on (in how many slots), or asked for but off because the cache has
-    no slot beyond the minimum."""
-    if cache.get("prefetch_depth"):
-        ahead = "next-layer" if cache["prefetch_depth"] == 1 else f"{cache['prefetch']} ahead"
-        return f", prefetch {ahead} in up to {cache['prefetch_slots']} spare slots"
-    if res.prefetch:
-        return ", prefetch off (the cache has no slot beyond the minimum the plan pins)"
+def speculation_note(res: Residency, cache: dict) -> str:
+    """", speculation ..." for logs: on (in how many slots), or asked for but off because the cache
+    has no slot beyond the minimum."""
+    if cache.get("speculation_depth"):
+        ahead = "next-layer" if cache["speculation_depth"] == 1 else f"{cache['speculation']} ahead"
+        return f", speculation {ahead} in up to {cache['speculation_slots']} spare slots"
+    if res.speculation_depth:
+        return ", speculation off (the cache has no slot beyond the minimum the plan pins)"
     return ""
 
 
-def prediction_hit_rate(counters: dict) -> float | None:
+def speculation_hit_rate(counters: dict) -> float | None:
     """Share of the experts speculation predicted for a layer (each layer's union of predictions)
-    that its router then chose; None when nothing was predicted (prefetch off, experts in RAM)."""
-    n = counters.get("expert_predicted", 0)
-    return counters["expert_predict_hits"] / n if n else None
+    that its router then chose; None when nothing was predicted (speculation off, experts in RAM)."""
+    n = counters.get("speculation_predicted", 0)
+    return counters["speculation_hits"] / n if n else None
 

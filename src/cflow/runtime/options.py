@@ -10,8 +10,14 @@ options are made (`__post_init__`), with the runtime's named errors (EngineError
 command-line flag to change), so a bad value fails before a file is opened or converted. A few
 spellings are normalised there so that equal choices compare equal whoever made them (the CLI,
 the benchmark suite, the server): 0 threads and n_ctx 0 become None ("the default"), an
-expert_cache size "2G" becomes its byte count, an expert_prefetch depth written as digits becomes
-an int, and the on/off switches become bools.
+expert_cache size "2G" becomes its byte count, an expert_speculation depth written as digits
+becomes an int, and the on/off switches become bools.
+
+Two options are easy to mix up: `expert_speculation` predicts later layers' experts and starts
+their disk reads early (cflow.runtime.experts); `prefetch` is the kernels' software prefetch,
+PREFETCHT0 ahead of the weights they stream from memory (cflow.runtime.prefetch). A renamed option
+(RENAMED: expert_prefetch, expert_speculation's old name) is still accepted, with a
+DeprecationWarning, and sets its new field.
 
 What depends on the model (n_ctx against its max_seq_len, a q8_0 cache against its head_dim,
 threads against the C core's limit, experts="disk" for a dense model, an expert cache smaller than
@@ -25,7 +31,9 @@ The command line maps its flags to these fields in one place: cflow.cli.common.e
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+import sys
+import warnings
+from dataclasses import InitVar, dataclass
 from typing import Any
 
 from cflow.runtime import experts as xp
@@ -35,6 +43,8 @@ from cflow.runtime import readahead as readahead_mod
 from cflow.runtime.errors import EngineError
 
 DEFAULT_MAX_BATCH = 64  # prefill tokens per native call
+# old option name -> its new name: the old keyword is accepted with a DeprecationWarning
+RENAMED = {"expert_prefetch": "expert_speculation"}
 
 
 @dataclass(frozen=True)
@@ -53,12 +63,22 @@ class EngineOptions:
     expert_cache: int | None = None  # bytes ("2G" is accepted and stored as bytes); None: what memory leaves
     expert_io: str = "async"  # "async" | "sync"
     expert_delay: bool = True  # async reads: run layer l's experts just before layer l + delta_expert
-    expert_prefetch: int | str = "auto"  # speculation depth in layers, or "auto" / "off" / "next-layer"
+    # expert speculation: how many layers ahead experts are predicted and read early, in layers or
+    # "auto" / "off" / "next-layer" (cflow.runtime.experts)
+    expert_speculation: int | str = "auto"
     readahead: str = "auto"  # cold start (cflow.runtime.readahead): "auto" | "off" | "order" | "sweep"
     overlap: bool = False  # attn(l) beside dense(l) on two thread groups (experimental)
-    prefetch: int | None = None  # kernels' software prefetch: None default, 0 off, N bytes ahead
+    prefetch: int | None = None  # kernels' software prefetch (PREFETCHT0): None default, 0 off, N bytes ahead
+    # deprecated: expert_speculation's old name, an init-only keyword that sets it (not a field: it
+    # is in no to_dict(), and reading it gives None); replace() and Engine.load take it too
+    expert_prefetch: InitVar[int | str | None] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, expert_prefetch: int | str | None) -> None:
+        if expert_prefetch is not None:
+            _warn_renamed("expert_prefetch")
+            if self.expert_speculation != "auto":
+                raise TypeError(_both_names("expert_prefetch"))
+            self._set("expert_speculation", expert_prefetch)
         # the order of the checks is the order Engine.load made them before there were options
         readahead_mod.check_mode(self.readahead)
         prefetch_mod.to_mode(self.prefetch)
@@ -73,8 +93,8 @@ class EngineOptions:
         if self.expert_io not in xp.IO_MODES:
             raise EngineError(f"expert_io must be one of {', '.join(xp.IO_MODES)}, got {self.expert_io!r}",
                               flag="--expert-io")
-        depth = xp.prefetch_depth(self.expert_prefetch)  # None: "auto"
-        self._set("expert_prefetch", "auto" if depth is None else depth)
+        depth = xp.parse_speculation(self.expert_speculation)  # None: "auto"
+        self._set("expert_speculation", "auto" if depth is None else depth)
         self._set("expert_cache", xp.parse_cache(self.expert_cache))
         for name in ("mmap", "verify", "expert_delay", "overlap"):
             self._set(name, bool(getattr(self, name)))
@@ -88,7 +108,14 @@ class EngineOptions:
         return tuple(f.name for f in dataclasses.fields(cls))
 
     def replace(self, **changes: Any) -> "EngineOptions":
-        """A copy with `changes` applied (and checked); TypeError naming an unknown option."""
+        """A copy with `changes` applied (and checked); TypeError naming an unknown option. A
+        renamed option's old name (RENAMED) sets the new one, with a DeprecationWarning."""
+        for old, new in RENAMED.items():
+            if old in changes:
+                _warn_renamed(old)
+                if new in changes:
+                    raise TypeError(_both_names(old))
+                changes[new] = changes.pop(old)
         if not changes:
             return self
         unknown = sorted(set(changes) - set(self.names()))
@@ -111,6 +138,26 @@ class EngineOptions:
             raise TypeError(f"options must be an EngineOptions (or None), got {type(options).__name__} "
                             f"{options!r}; pass threads, n_ctx, ... as keywords")
         return options.replace(**overrides)
+
+
+def _warn_renamed(old: str) -> None:
+    warnings.warn(f"{old} is deprecated; use {RENAMED[old]}", DeprecationWarning,
+                  stacklevel=_stacklevel_outside_cflow())
+
+
+def _both_names(old: str) -> str:
+    return f"{old} is {RENAMED[old]}'s old name: give {RENAMED[old]} only"
+
+
+def _stacklevel_outside_cflow() -> int:
+    """The stacklevel, for a warnings.warn in the caller, of the first frame outside the cflow
+    package: the warning names the user's line whether they made the options or passed the keyword
+    to Engine.load (and Python's default filters show a DeprecationWarning only when that line is in
+    __main__)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] == "cflow":
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _int(name: str, value: Any, flag: str | None = None) -> int:

@@ -1,4 +1,4 @@
-"""Software prefetch of the weight-streaming kernels (claim C6): the modes and their spellings.
+"""Software prefetch (PREFETCHT0) in the weight-streaming kernels (claim C6): the modes and their spellings.
 
     Engine.load(path, prefetch=None)     # None: each kernel's default (mat-vec 8 KiB, avx512 batched 4 KiB ahead)
     Engine.load(path, prefetch=0)        # off: no PREFETCH instruction in any kernel
@@ -13,6 +13,10 @@ covered: the KV-cache reads of attention (not weights; short rows the hardware p
 and a different kernel family), the embedding row (one row per token: no stream to run ahead of)
 and the `_ref` kernels (they define the semantics, not the speed). Prefetch never changes a
 result.
+
+"Prefetch" in cflow means this alone: PREFETCHT0 for weights already in memory. Reading a MoE
+model's experts from disk before their layer routes is expert speculation (Engine.load's
+expert_speculation, cflow.runtime.experts), a different mechanism with its own option.
 
 The C side keeps one process-wide mode that the kernels read; each engine has its own mode and
 makes it the process-wide one at the start of every native call, so engines with different modes

@@ -1,12 +1,13 @@
-"""Speculative prefetch of later layers' experts (native/engine.c, "speculative prefetch";
-Engine.load(expert_prefetch=...)): with experts on disk and async reads, route(l) also applies the
-routers of layers up to l+depth to its own input and starts reading the predicted experts early.
+"""Expert speculation: predicting later layers' experts and reading them early (native/engine_spec.c;
+Engine.load(expert_speculation=...), --expert-speculation): with experts on disk and async reads,
+route(l) also applies the routers of layers up to l+depth to its own input and starts reading the
+predicted experts early. (Not the kernels' software prefetch: test_prefetch.py.)
 
 What is held against what:
-- logits bit for bit against RAM-resident experts (and so against prefetch off), decode and
+- logits bit for bit against RAM-resident experts (and so against speculation off), decode and
   prefill batches, on models without a delay (delta_expert 0: arch1, a Mixtral layout without a
-  dense FFN, top-3 of 6) and on a delayed plan with prefetch forced on, at budgets from the
-  minimum (prefetch turns itself off) to every expert, 1-3 threads, depth 1 and deeper;
+  dense FFN, top-3 of 6) and on a delayed plan with speculation forced on, at budgets from the
+  minimum (speculation turns itself off) to every expert, 1-3 threads, depth 1 and deeper;
 - the counters: per decode step predictions are exactly top_k x (L - 1) at depth 1 (and between that
   and the two predictions a deeper layer gets at depth > 1), hits <= predictions,
   reads <= predictions, used <= reads, the cache's lookups top_k x L; every byte read is a demand
@@ -21,6 +22,9 @@ What is held against what:
 - failures: an injected I/O error or short read on any of the first reads, speculative or not,
   ends in ExpertIOError naming the file or in exact logits, never a hang, and decoding goes on
   exactly; a forked child (no reader threads) still computes the same logits;
+- the option: "auto" and its depth, the flag named in errors, the timings line and bench's hit rate,
+  and the old flag --expert-prefetch still working after a deprecation line (the old keyword
+  expert_prefetch=: test_options.py);
 - the async readers (io_uring where the kernel offers it, pread threads, and the threads after the
   kernel refused io_uring_setup): the same logits and the same clean failure. (The whole of
   test_experts_disk.py also passes with CFLOW_EXPERT_READER=threads and =uring-refused.)
@@ -47,7 +51,7 @@ MODELS = {
     "mixtral": ("arch3", {"d_ff": 0}, "q8_0", (32, 64)),  # no dense FFN: the Mixtral layout
     "e6k3": ("arch1", {"n_experts": 6, "top_k": 3}, "q4_1", (16, 32)),
     "shared": ("arch1", {"n_unique_layers": 1}, "q4_0", (64, 64)),  # every layer one weight set
-    "delayed": ("arch2_4_combined", {}, "q4_0", (64, 64)),  # delta_expert 2: the window, and prefetch too
+    "delayed": ("arch2_4_combined", {}, "q4_0", (64, 64)),  # delta_expert 2: the window, and speculation too
 }
 
 
@@ -61,15 +65,15 @@ def models(tmp_path_factory):
     return out
 
 
-def load(path, slots=None, prefetch="next-layer", threads=2, io="async", **kw):
+def load(path, slots=None, speculation="next-layer", threads=2, io="async", **kw):
     """Experts on disk in a cache of `slots` experts (None: the default budget)."""
     budget = None
     if slots is not None:
-        probe = Engine.load(path, threads=1, experts="disk", expert_io=io, max_batch=8, expert_prefetch="off")
+        probe = Engine.load(path, threads=1, experts="disk", expert_io=io, max_batch=8, expert_speculation="off")
         budget = slots * probe.expert_cache["slot_bytes"]
         probe.close()
     return Engine.load(path, threads=threads, experts="disk", expert_cache=budget, expert_io=io, max_batch=8,
-                       expert_prefetch=prefetch, **kw)
+                       expert_speculation=speculation, **kw)
 
 
 def min_slots(path, **kw) -> int:
@@ -81,14 +85,14 @@ def min_slots(path, **kw) -> int:
 
 # ---- bit for bit ----------------------------------------------------------------------------------
 def depth_name(depth) -> str:
-    """expert_cache["prefetch"] for a depth in effect."""
+    """expert_cache["speculation"] for a depth in effect."""
     return "off" if not depth else "next-layer" if depth == 1 else f"{depth} layers"
 
 
 @pytest.mark.parametrize("depth", ["next-layer", 3])
 @pytest.mark.parametrize("extra", [0, 1, 3, 10**6])  # slots beyond the minimum (10**6: every expert)
 @pytest.mark.parametrize("name", ["arch1", "mixtral", "e6k3", "delayed"])
-def test_logits_bit_identical_with_prefetch(models, name, extra, depth):
+def test_logits_bit_identical_with_speculation(models, name, extra, depth):
     path = models[name]
     want = ram_run(path)
     ms = min_slots(path)
@@ -98,17 +102,17 @@ def test_logits_bit_identical_with_prefetch(models, name, extra, depth):
         n_keys = eng.config.n_experts * eng.config.n_unique_layers
         assert c["slots"] == min(ms + extra, n_keys)
         # no slot beyond the plan's minimum: speculation turns itself off
-        d = min(xp.prefetch_depth(depth), eng.config.n_layers - 1)
-        assert c["prefetch"] == depth_name(0 if extra == 0 else d)
-        assert c["prefetch_slots"] == (c["slots"] - ms if extra else 0)
+        d = min(xp.parse_speculation(depth), eng.config.n_layers - 1)
+        assert c["speculation"] == depth_name(0 if extra == 0 else d)
+        assert c["speculation_slots"] == (c["slots"] - ms if extra else 0)
         got = within(60, run, eng)
         for i, (g, w) in enumerate(zip(got, want)):
             assert np.array_equal(g, w), f"{name} +{extra} slots, threads={threads}: call {i} differs"
         k = eng.counters()
         if extra:  # a cold cache: layer 1's experts cannot be cached when layer 0 predicts them
-            assert k["expert_predicted"] > 0 and k["prefetch_reads"] > 0
+            assert k["speculation_predicted"] > 0 and k["speculation_reads"] > 0
         else:
-            assert k["expert_predicted"] == k["prefetch_reads"] == k["prefetch_used"] == 0
+            assert k["speculation_predicted"] == k["speculation_reads"] == k["speculation_reads_used"] == 0
         assert len(eng.expert_resident()) <= c["slots"]
         eng.close()
 
@@ -126,7 +130,7 @@ def test_counters_add_up_per_step(models, name, extra, depth, monkeypatch):
     assert len(span) == 1  # every expert the same size here: bytes are reads x span
     span = span.pop()
     direct = eng.expert_cache["read"] == "O_DIRECT"
-    spare = eng.expert_cache["prefetch_slots"]
+    spare = eng.expert_cache["speculation_slots"]
     eng.prefill(tokens(cfg, 4))
     start, io_start = settle(eng), kernel_read_bytes()
     spec_reads = 0
@@ -139,25 +143,25 @@ def test_counters_add_up_per_step(models, name, extra, depth, monkeypatch):
         # (from route(max(t - depth, 0))), whose union with the first has top_k .. 2 top_k experts
         once = cfg.top_k * (cfg.n_layers - 1)
         if depth == 1 or cfg.n_layers < 3:
-            assert d["expert_predicted"] == once
+            assert d["speculation_predicted"] == once
         else:
-            assert once <= d["expert_predicted"] <= once + cfg.top_k * (cfg.n_layers - 2)
-        assert d["expert_predict_hits"] <= d["expert_predicted"]
-        assert d["prefetch_reads"] <= d["expert_predicted"]
-        assert d["prefetch_used"] <= d["cache_misses"]
+            assert once <= d["speculation_predicted"] <= once + cfg.top_k * (cfg.n_layers - 2)
+        assert d["speculation_hits"] <= d["speculation_predicted"]
+        assert d["speculation_reads"] <= d["speculation_predicted"]
+        assert d["speculation_reads_used"] <= d["cache_misses"]
         assert d["cache_hits"] + d["cache_misses"] == cfg.n_layers * cfg.top_k
         # every read is a demand miss or a speculative read; speculative reads nobody waited for
         # may still be landing (disk_bytes counts a read when it lands), at most one per spare slot
         late = (reads_started(c1) - reads_started(start)) * span - (c1["disk_bytes"] - start["disk_bytes"])
         assert late % span == 0 and 0 <= late <= spare * span
-        spec_reads += d["prefetch_reads"]
+        spec_reads += d["speculation_reads"]
     c = settle(eng)
     assert c["disk_bytes"] == reads_started(c) * span
     if direct and io_start is not None:  # the kernel saw exactly these reads: no readahead, no re-reads
         assert kernel_read_bytes() - io_start == c["disk_bytes"] - start["disk_bytes"]
-    assert c["prefetch_used"] <= c["prefetch_reads"]  # since the load: each read is used at most once as such
+    assert c["speculation_reads_used"] <= c["speculation_reads"]  # since the load: each read is used at most once as such
     assert spec_reads > 0
-    rate = xp.prediction_hit_rate(c)
+    rate = xp.speculation_hit_rate(c)
     assert rate is not None and 0 <= rate <= 1
 
 
@@ -173,7 +177,7 @@ def test_prediction_is_exact_when_every_layer_shares_its_weights(models, slots, 
     eng = load(path, n, depth)
     cfg = eng.config
     assert cfg.n_layers >= 4  # depth 3 predicts from route(t-3) for a layer
-    assert cfg.n_unique_layers == 1 and eng.expert_cache["prefetch"] == depth_name(depth)
+    assert cfg.n_unique_layers == 1 and eng.expert_cache["speculation"] == depth_name(depth)
     want_pred = want_hits = 0
     prev = np.array(eng.expert_hits())
     calls = [("prefill", tokens(cfg, PREFILL))] + [("step", t) for t in tokens(cfg, STEPS, seed=1)]
@@ -191,13 +195,13 @@ def test_prediction_is_exact_when_every_layer_shares_its_weights(models, slots, 
             want_pred += len(pred)
             want_hits += len(pred & chosen[t])
     c = eng.counters()
-    assert (c["expert_predicted"], c["expert_predict_hits"]) == (want_pred, want_hits)
-    assert want_hits > 0 and xp.prediction_hit_rate(c) == want_hits / want_pred
+    assert (c["speculation_predicted"], c["speculation_hits"]) == (want_pred, want_hits)
+    assert want_hits > 0 and xp.speculation_hit_rate(c) == want_hits / want_pred
     # decoding, what layer l chose is pinned and cached (it just ran): nothing to read early (a batch
     # reads what its first wave did not pin, for layer l's later waves and l+1 alike); an earlier
     # layer's choice may have been evicted from a small cache since
     if depth == 1 or slots == "all":
-        assert c["prefetch_reads"] == after_prefill["prefetch_reads"]
+        assert c["speculation_reads"] == after_prefill["speculation_reads"]
 
 
 @pytest.mark.parametrize("name", ["arch1", "mixtral"])
@@ -222,11 +226,11 @@ def test_gate_reads_only_trusted_distances(models, name, monkeypatch):
         eng.close()
         return c
 
-    keys = ("cache_hits", "cache_misses", "prefetch_reads", "prefetch_used", "disk_bytes")
+    keys = ("cache_hits", "cache_misses", "speculation_reads", "speculation_reads_used", "disk_bytes")
     near, closed, opened = counters(1, "2"), counters(3, "2"), counters(3, "0")
     assert {k: closed[k] for k in keys} == {k: near[k] for k in keys}
-    assert closed["expert_predicted"] > near["expert_predicted"]  # it still predicts (to keep measuring)
-    assert opened["prefetch_reads"] > near["prefetch_reads"]  # 32 predictions in, every distance reads
+    assert closed["speculation_predicted"] > near["speculation_predicted"]  # it still predicts (to keep measuring)
+    assert opened["speculation_reads"] > near["speculation_reads"]  # 32 predictions in, every distance reads
 
 
 @pytest.mark.parametrize("name", ["arch1", "mixtral"])
@@ -270,7 +274,7 @@ def test_depth_cap_is_the_engines():
     sizes = xp.ModelSizes(file_bytes=1 << 30, expert_bytes=1 << 29, slot_bytes=4096, n_keys=64, top_k=2, inflight=1,
                           kv_bytes=0, delta_expert=1, n_layers=4 * _native.SPEC_MAX_DEPTH)
     asked = 2 * _native.SPEC_MAX_DEPTH
-    assert xp.decide(sizes, experts="disk", expert_cache=1 << 20, expert_prefetch=asked).prefetch == \
+    assert xp.decide(sizes, experts="disk", expert_cache=1 << 20, expert_speculation=asked).speculation_depth == \
         _native.SPEC_MAX_DEPTH
 
 
@@ -278,48 +282,48 @@ def test_depth_cap_is_the_engines():
 def test_auto_turns_on_with_async_reads(models):
     for name, on in (("arch1", True), ("mixtral", True), ("delayed", True)):
         eng = load(models[name], 10**6, "auto")
-        depth = min(xp.AUTO_PREFETCH_DEPTH, eng.config.n_layers - 1) if on else 0
-        assert eng.expert_cache["prefetch"] == depth_name(depth), name
-        assert eng.expert_cache["prefetch_depth"] == eng.residency.prefetch == depth
-        assert ("speculative prefetch" in eng.residency.reason) is on
+        depth = min(xp.AUTO_SPECULATION_DEPTH, eng.config.n_layers - 1) if on else 0
+        assert eng.expert_cache["speculation"] == depth_name(depth), name
+        assert eng.expert_cache["speculation_depth"] == eng.residency.speculation_depth == depth
+        assert ("expert speculation" in eng.residency.reason) is on
         eng.close()
     eng = load(models["arch1"], 10**6, "auto", io="sync")
-    assert eng.expert_cache["prefetch"] == "off" and not eng.residency.prefetch
+    assert eng.expert_cache["speculation"] == "off" and not eng.residency.speculation_depth
     eng = load(models["arch1"], 10**6, "100")  # deeper than the model: capped at its last layer
-    assert eng.residency.prefetch == eng.config.n_layers - 1
+    assert eng.residency.speculation_depth == eng.config.n_layers - 1
     eng = load(models["arch1"], 10**6, "off")
-    assert eng.expert_cache["prefetch"] == "off"
-    eng = Engine.load(models["arch1"], threads=1, experts="ram", expert_prefetch="next-layer")
+    assert eng.expert_cache["speculation"] == "off"
+    eng = Engine.load(models["arch1"], threads=1, experts="ram", expert_speculation="next-layer")
     assert eng.expert_cache is None  # in RAM there is nothing to read
 
 
-def test_bad_prefetch_options_name_the_flag(models):
+def test_bad_speculation_options_name_the_flag(models):
     with pytest.raises(EngineError, match="needs --expert-io async") as e:
         load(models["arch1"], 10**6, "next-layer", io="sync")
-    assert e.value.flag == "--expert-prefetch"
+    assert e.value.flag == "--expert-speculation"
     for bad in ("always", -1, "-2", "3x", True, 2.5):
-        with pytest.raises(EngineError, match="expert_prefetch must be one of") as e:
+        with pytest.raises(EngineError, match="expert_speculation must be one of") as e:
             load(models["arch1"], 10**6, bad)
-        assert e.value.flag == "--expert-prefetch"
+        assert e.value.flag == "--expert-speculation"
 
 
-def test_minimum_cache_logs_that_prefetch_is_off(models):
+def test_minimum_cache_logs_that_speculation_is_off(models):
     path = models["arch1"]
     lines: list[str] = []
     eng = load(path, min_slots(path), "next-layer", log=lines.append)
-    assert eng.expert_cache["prefetch"] == "off" and eng.residency.prefetch
-    assert any("prefetch off" in s and "minimum" in s for s in lines)
+    assert eng.expert_cache["speculation"] == "off" and eng.residency.speculation_depth
+    assert any("speculation off" in s and "minimum" in s for s in lines)
     lines.clear()
     eng = load(path, min_slots(path) + 1, "next-layer", log=lines.append)
-    assert any("prefetch next-layer in up to 1 spare slots" in s for s in lines)
+    assert any("speculation next-layer in up to 1 spare slots" in s for s in lines)
     lines.clear()
     eng = load(path, min_slots(path) + 2, 2, log=lines.append)
-    assert any("prefetch 2 layers ahead in up to 2 spare slots" in s for s in lines)
+    assert any("speculation 2 layers ahead in up to 2 spare slots" in s for s in lines)
 
 
 # ---- failures --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kind,delay_ms", [("eio", 0), ("short", 50)])
-def test_io_faults_with_prefetch(models, kind, delay_ms):
+def test_io_faults_with_speculation(models, kind, delay_ms):
     """A fault on each of the first reads in turn (demand or speculative): the step raises
     ExpertIOError naming the file, or (a speculative read of an expert nobody chose) returns the
     exact logits; either way the next steps are exact."""
@@ -348,47 +352,54 @@ def test_io_faults_with_prefetch(models, kind, delay_ms):
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
-def test_forked_child_with_prefetch(models):
+def test_forked_child_with_speculation(models):
     path = models["arch1"]
     check_forked_step(load(path, min_slots(path) + 3, threads=1), path)
 
 
 # ---- command line, bench ---------------------------------------------------------------------------
-def test_cli_and_bench_report_the_prediction_hit_rate(models, capsys):
+def test_cli_and_bench_report_the_speculation_hit_rate(models, capsys):
     from cflow.bench.suite import bench
     from cflow.cli import main
 
     path = str(models["arch1"])
     args = ["generate", "-m", path, "-p", "abc", "-n", "8", "--temp", "0", "-t", "1", "--experts", "disk",
             "--expert-cache", "400k"]
-    assert main(args + ["--expert-prefetch", "off", "--no-perf"]) == 0
+    assert main(args + ["--expert-speculation", "off", "--no-perf"]) == 0
     off = capsys.readouterr().out
-    assert main(args + ["--expert-prefetch", "next-layer"]) == 0
+    assert main(args + ["--expert-speculation", "next-layer"]) == 0
     out, err = capsys.readouterr()
-    assert out == off and "expert prefetch =" in err and "chosen by the layer predicted (next-layer ahead)" in err
+    assert out == off and "expert speculation =" in err and "chosen by the layer predicted (next-layer ahead)" in err
+    assert "deprecated" not in err
+    assert main(args + ["--expert-speculation", "2"]) == 0
+    out, err = capsys.readouterr()
+    assert out == off and "(2 layers ahead)" in err
+    assert main(args + ["--expert-speculation", "soon"]) == 2
+    assert "--expert-speculation" in capsys.readouterr().err
+    assert main(args + ["--expert-speculation", "next-layer", "--expert-io", "sync"]) == 2
+    assert "--expert-speculation" in capsys.readouterr().err
+    # the old flag: the same run, and one line first saying it is deprecated
     assert main(args + ["--expert-prefetch", "2"]) == 0
     out, err = capsys.readouterr()
     assert out == off and "(2 layers ahead)" in err
-    assert main(args + ["--expert-prefetch", "soon"]) == 2
-    assert "--expert-prefetch" in capsys.readouterr().err
-    assert main(args + ["--expert-prefetch", "next-layer", "--expert-io", "sync"]) == 2
-    assert "--expert-prefetch" in capsys.readouterr().err
+    assert err.splitlines()[0] == "cflow: --expert-prefetch is deprecated; use --expert-speculation"
+    assert err.count("deprecated") == 1
 
     r = bench(path, threads=[1], pp=8, tg=8, reps=1, warmup=False, probe=False, footprint=False,
-              experts="disk", expert_cache="400k", expert_prefetch="next-layer")
+              experts="disk", expert_cache="400k", expert_speculation="next-layer")
     row = next(x for x in r.to_dict()["rows"] if x["test"] == "tg8")
-    assert 0 <= row["expert_prediction_hit_rate"] <= 1 and r.to_dict()["experts"]["prefetch"] == "next-layer"
-    assert "prediction hit rate" in r.to_markdown()
+    assert 0 <= row["speculation_hit_rate"] <= 1 and r.to_dict()["experts"]["speculation"] == "next-layer"
+    assert "speculation hit rate" in r.to_markdown()
     r = bench(path, threads=[1], pp=0, tg=8, reps=1, warmup=False, probe=False, footprint=False,
-              experts="disk", expert_cache="400k", expert_prefetch="off")
-    assert r.to_dict()["rows"][0]["expert_prediction_hit_rate"] is None
+              experts="disk", expert_cache="400k", expert_speculation="off")
+    assert r.to_dict()["rows"][0]["speculation_hit_rate"] is None
 
 
 # ---- the async readers: io_uring, pread threads, and the fallback -----------------------------------
 @pytest.mark.parametrize("reader", ["auto", "threads", "uring-refused"])
 def test_readers_same_logits_and_clean_failures(models, reader, monkeypatch):
     """io_uring where the kernel offers it (auto), the pread threads, and the threads again after the
-    kernel refused io_uring_setup (as where a container blocks it): the same logits, with prefetch
+    kernel refused io_uring_setup (as where a container blocks it): the same logits, with speculation
     on; a failed read of an expert the first layer needs ends in ExpertIOError, then all goes on."""
     monkeypatch.setenv("CFLOW_EXPERT_READER", reader)
     path = models["arch1"]
