@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
@@ -116,11 +117,23 @@ def _stop_worker(rank: int, port: int, cfg: dict, tc: dict, out: str, result_dir
         return row
 
     loop._Run.train_step = train_step  # this process is the worker's own: nothing to undo
+    real_release = loop._Run.release_ddp
+    ddp_freed = []
+
+    def release_ddp(self):
+        # the DDP wrapper (and its reducer) must die here, before the group is destroyed, not later
+        # with the exception's traceback: freed there, it deadlocked in the process group's destructor
+        ref = weakref.ref(self.net)
+        real_release(self)
+        ddp_freed.append(ref() is None)
+
+    loop._Run.release_ddp = release_ddp
     try:
         train(ModelConfig.from_dict(cfg), TrainConfig.from_dict(tc), out_dir=out)
         outcome = {"stopped": False}
     except TrainInterrupted as e:
-        outcome = {"stopped": True, "step": e.step, "signum": e.signum, "saved_step": e.saved_step}
+        outcome = {"stopped": True, "step": e.step, "signum": e.signum, "saved_step": e.saved_step,
+                   "ddp_freed_before_group": ddp_freed}
     torch.save(outcome, Path(result_dir) / f"stop-rank{rank}.pt")
 
 
@@ -130,7 +143,8 @@ def test_ddp_signal_to_one_rank_stops_all_at_the_same_step(setup):
     mp.spawn(_stop_worker, args=(_free_port(), cfg.to_dict(), base.to_dict(), str(out), str(root)),
              nprocs=WORLD, join=True)
     outcomes = [torch.load(root / f"stop-rank{r}.pt") for r in range(WORLD)]
-    assert outcomes == [{"stopped": True, "step": 2, "signum": signal.SIGTERM, "saved_step": 2}] * WORLD
+    assert outcomes == [{"stopped": True, "step": 2, "signum": signal.SIGTERM, "saved_step": 2,
+                         "ddp_freed_before_group": [True]}] * WORLD
     c = ckpt.load_checkpoint(out)  # rank 0 saved, at the step every rank stopped at
     assert c.train_state["step"] == 2 and c.train_state["world_size"] == WORLD
     assert not list(root.glob("ddp-stopped.*"))

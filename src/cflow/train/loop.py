@@ -440,6 +440,7 @@ def train(cfg: ModelConfig, tc: TrainConfig, *, out_dir: str | os.PathLike | Non
     from cflow.model import Transformer
 
     d = _init_distributed()
+    run = None
     try:
         _set_threads(tc, d)
         out = Path(out_dir) if out_dir is not None else None
@@ -476,6 +477,8 @@ def train(cfg: ModelConfig, tc: TrainConfig, *, out_dir: str | os.PathLike | Non
                    progress, step, elapsed0, resume)
         return run.loop(until_step)
     finally:
+        if run is not None:
+            run.release_ddp()
         if d.owns_group:
             torch.distributed.destroy_process_group()
 
@@ -549,6 +552,14 @@ class _Run:
             # compiled step measured no faster than eager (1,863 against 1,856 tok/s over 40 steps,
             # one thread each, two runs side by side); it is here for larger, attention-heavy configs.
             self.net = torch.compile(self.net)
+
+    def release_ddp(self) -> None:
+        """Drop the DDP wrapper now, while the process group is still registered. Its reducer holds a
+        reference to the group; were it the last one, freeing the reducer would destroy the group
+        with the GIL held while a gloo worker thread may need the GIL to free a finished
+        collective's tensors: a deadlock (torch's blocking destructors under pybind11). It happened
+        when an exception's traceback kept this run alive until the caller's `except` ended."""
+        self.net = None
 
     def loop(self, until_step: int | None) -> TrainResult:
         stop = self.total if until_step is None else min(self.total, until_step)
