@@ -223,7 +223,6 @@ def run(ctx: Context) -> ClaimResult:
           f"{r['expected_reduction']:.2f}x", "/".join(map(str, r["distinct_experts_per_layer"]))] for r in rows]))
     exact = all(abs(r["measured_over_analytic"] - 1) < 1e-9 for r in rows)
     reductions = all(abs(r["all_over_measured"] - r["expected_reduction"]) < 1e-6 for r in rows)
-    best = max(rows, key=lambda r: r["all_over_measured"])
     res.commands = [ctx.rerun(ID)]
     # disk
     ok, why = disk_mode_available()
