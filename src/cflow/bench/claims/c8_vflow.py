@@ -12,6 +12,11 @@ order, sweeper when cold; cflow.runtime.readahead). Ratios are taken per repetit
 repetition's `.cflow` run, so a machine that drifts between repetitions shows as spread, not bias.
 The disk's own read bandwidth is probed in the same run (cflow.bench.disk).
 
+The verdict is RULE_COLD's, fixed before anything is measured: the ratio at the one variant fixed in
+advance (`.vflow` read as the engine reads it by default, against `.cflow` read as before), the
+median over repetitions, against a noise band. Its control, a start built to be slower: a small `.cflow`
+against one of the same architecture with four times the layers.
+
     cflow bench claims --only C8 --out /tmp/c8      # full: a ~1 GB model, 5 repetitions, prints the table
 """
 
@@ -22,8 +27,10 @@ import os
 import subprocess
 import sys
 
-from cflow.bench.claims.core import (CONFIRMED, INCONCLUSIVE, REFUTED, ClaimResult, Context, Table, fmt_bytes, mean,
-                                     pm, pyplot, quick_verdict, save, sd)
+import statistics
+
+from cflow.bench.claims.core import (ClaimResult, Context, Rule, Table, fmt_bytes, mean, pm, pyplot,
+                                     quick_verdict, save, sd)
 from cflow.bench import synthetic
 from cflow.bench.claims.models import make_moe_command, moe_geometry, random_params, write_random_model
 from cflow.config import ModelConfig
@@ -63,9 +70,7 @@ print(json.dumps({"import_s": t_import, "load_s": load_s, "first_token_s": first
 
 def make_models(ctx: Context) -> tuple[dict, str, list[str]]:
     if ctx.quick:
-        cfg = ModelConfig.from_name("arch2_4_combined", vocab_size=2048, d_model=256, n_layers=4, n_heads=4,
-                                    n_kv_heads=2, d_ff=512, n_experts=8, top_k=2, d_expert=512, max_seq_len=128,
-                                    tie_embeddings=True)
+        cfg = small_config()
         params = random_params(cfg, seed=8)
         paths = {o: write_random_model(ctx.work / f"c8.{o}", cfg, "q4_0", params=params) for o in ("cflow", "vflow")}
         return paths, "random arch2_4_combined, 4 layers, d 256, 8 experts top-2 (quick)", []
@@ -98,6 +103,19 @@ def make_cold(path, full: bool) -> str:
 VARIANTS = (("cflow", "off"), ("vflow", "off"), ("vflow", "order"), ("cflow", "sweep"), ("vflow", "auto"))
 BASE = ("cflow", "off")  # what the ratios are taken against
 DEFAULT = ("vflow", "auto")  # how the engine reads a .vflow by default: the claim's subject
+FULL_REPS, QUICK_REPS = 5, 2
+CONTROL_REPS = 3
+
+# ---- the verdict rule, fixed before the run ---------------------------------------------------
+# +-5%: a cold start on a VM (whose host may cache the image) varies by several % from run to run, and
+# the per-repetition ratios of the earlier runs of this claim spread about that much; a layout gain
+# smaller than that is not one this machine can show, as in the paper.
+RULE_COLD = Rule(".vflow starts faster from a cold cache",
+                 f"median over {FULL_REPS} repetitions ({QUICK_REPS} quick; variants in rotating order, the page "
+                 f"cache made cold before each run) of the per-repetition ratio of .cflow/off load + first token "
+                 f"time to .vflow/auto's (the engine's default read of a .vflow, fixed in advance; the other "
+                 f"variants are context)", confirm=1.05, refute=0.95)
+RULES = (RULE_COLD,)
 
 
 def run_child(path, threads: int, n: int, readahead: str = "auto", env: dict | None = None) -> dict:
@@ -133,6 +151,36 @@ def measure(paths: dict, reps: int, n: int, threads: int, full: bool, log=None) 
     return runs, how
 
 
+def small_config(layers: int = 4) -> ModelConfig:
+    return ModelConfig.from_name("arch2_4_combined", vocab_size=2048, d_model=256, n_layers=layers, n_heads=4,
+                                 n_kv_heads=2, d_ff=512, n_experts=8, top_k=2, d_expert=512, max_seq_len=128,
+                                 tie_embeddings=True)
+
+
+def control(ctx: Context, reps: int, n: int) -> list[float]:
+    """Per repetition: a small .cflow's cold load + first token time over that of the same
+    architecture with four times the layers (four times the bytes to fault in and the layers to run),
+    both .cflow/off, cold, order alternating: a start built to be slower. Small in every run: it only
+    has to show that the rule can say refuted."""
+    from cflow.runtime import Engine
+
+    pair = {"base": write_random_model(ctx.work / "c8_control.cflow", small_config(4), "q4_0", seed=80),
+            "x4": write_random_model(ctx.work / "c8_control_x4.cflow", small_config(16), "q4_0", seed=80)}
+    for p in pair.values():
+        Engine.load(p, threads=1, n_ctx=16).close()  # verified once, warm
+    out = []
+    for rep in range(reps):
+        t = {}
+        for which in (("base", "x4") if rep % 2 == 0 else ("x4", "base")):
+            make_cold(pair[which], full=not ctx.quick)
+            r = run_child(pair[which], ctx.threads, n, "off")
+            t[which] = r["load_s"] + r["first_token_s"]
+        out.append(t["base"] / t["x4"])
+        ctx.log(ID, f"control rep {rep + 1}/{reps}: {t['base'] * 1e3:.1f} ms, four times the layers "
+                    f"{t['x4'] * 1e3:.1f} ms")
+    return out
+
+
 def ratios(runs: dict, key: str, metric: str) -> list[float]:
     """Per repetition: the base variant's metric / this variant's (> 1: this one is faster)."""
     base = {r["rep"]: r[metric] for r in runs["/".join(BASE)]}
@@ -165,7 +213,7 @@ def run(ctx: Context) -> ClaimResult:
                     "cflow generate -m model.vflow -p 'Once upon a time' -n 8 --no-verify"]
     for p in paths.values():  # verify once, warm: later loads skip it, so a cold load reads only what it uses
         Engine.load(p, threads=1, n_ctx=16).close()
-    reps, n = (2, 4) if ctx.quick else (5, 16)
+    reps, n = (QUICK_REPS, 4) if ctx.quick else (FULL_REPS, 16)
     size = os.path.getsize(paths["cflow"])
     fs = disk.filesystem_type(paths["cflow"])
     probe = disk.probe(paths["cflow"])
@@ -185,23 +233,20 @@ def run(ctx: Context) -> ClaimResult:
     r_def = ratios(runs, "/".join(DEFAULT), "total_s")
     r_vo = ratios(runs, "vflow/off", "total_s")
     r_cs = ratios(runs, "cflow/sweep", "total_s")
-    gain = mean(r_def) - 1
-    # noise: the spread of the ratios themselves (two standard errors), at least 5%
-    noise = max(0.05, 2 * sd(r_def) / max(len(r_def), 1) ** 0.5)
+    judged = statistics.median(r_def)
+    v, why = res.apply(RULE_COLD, judged)
+    ctl = control(ctx, CONTROL_REPS, n)
+    res.apply(RULE_COLD, statistics.median(ctl), control=True)
+    res.data.update({"judged_ratio": judged, "control_ratios": ctl, "rule": RULE_COLD.text()})
+    gain = judged - 1
     faster = f"{abs(100 * gain):.1f}% {'faster' if gain >= 0 else 'slower'}"
-    res.ours_number = f".vflow (default read) {faster} to load + first token (noise ±{100 * noise:.0f}%)"
+    res.ours_number = f".vflow (default read) {faster} to load + first token (median ratio {judged:.3f})"
     res.ours = (f"load + first token from a cold page cache: .cflow {pm([r['total_s'] * 1e3 for r in runs['cflow/off']], '.1f')}"
                 f" ms, .vflow read in file order with read-ahead "
-                f"{pm([r['total_s'] * 1e3 for r in runs['/'.join(DEFAULT)]], '.1f')} ms (.vflow {faster}); the "
-                f"file order alone (.vflow, readahead off): ×{pm(r_vo, '.3f')}; the read-ahead alone (.cflow, "
-                f"sweep): ×{pm(r_cs, '.3f')}.")
-    if gain > noise:
-        v, why = CONFIRMED, f".vflow starts {100 * gain:.1f}% faster, beyond the noise (±{100 * noise:.0f}%)"
-    elif gain < -noise:
-        v, why = REFUTED, f".vflow starts {-100 * gain:.1f}% slower, beyond the noise (±{100 * noise:.0f}%)"
-    else:
-        v, why = INCONCLUSIVE, (f"the difference ({100 * gain:+.1f}%) is within the noise (±{100 * noise:.0f}%), "
-                                "as in the paper")
+                f"{pm([r['total_s'] * 1e3 for r in runs['/'.join(DEFAULT)]], '.1f')} ms (.vflow {faster}, the median "
+                f"of the per-repetition ratios); the file order alone (.vflow, readahead off): ×{pm(r_vo, '.3f')}; "
+                f"the read-ahead alone (.cflow, sweep): ×{pm(r_cs, '.3f')}. Control (a small .cflow against four "
+                f"times its layers): ×{statistics.median(ctl):.3f}.")
     res.verdict, res.reason = quick_verdict(ctx, v, why, f"a {fmt_bytes(size)} model, {reps} runs per variant, file "
                                                          "eviction only")
     cs = mean(r_cs) - 1
@@ -210,6 +255,11 @@ def run(ctx: Context) -> ClaimResult:
                    "read-ahead does not need the stage order when the plan runs layer by layer, which is the "
                    ".cflow order too.")
     res.measured = "measured"
+    res.notes.append(f"Control (the rule judged once more on an input built to fail it): the same per-repetition "
+                     f"ratio, {CONTROL_REPS} repetitions, between a small .cflow (4 layers, d 256) and one of the "
+                     f"same architecture with 16 layers, both cold and read as before (readahead off): "
+                     f"{', '.join(f'{x:.3f}' for x in ctl)}. It is small in every run: it only has to show that "
+                     "the rule says refuted when the second start really is slower.")
     res.notes.append("Cold means what the guest kernel can drop: in a VM the host may still cache the image's blocks, "
                      "so a 'cold' read can come back at memory speed (compare the disk probe with file size / "
                      "first-token time). The resident column is mincore's view before each run (0% = nothing of "
