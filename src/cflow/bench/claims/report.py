@@ -43,8 +43,11 @@ def _section(r: ClaimResult) -> list[str]:
         lines += ["| rule, fixed in code before the run | value | verdict |", "|---|---:|---|"]
         for j in r.judged:
             v = "–" if j["value"] is None else f"{j['value']:.4g}{j['unit']}"
-            name = j["name"] + (" (control: an input built to fail it)" if j["control"] else "")
-            lines.append(f"| **{name}**: {j['rule'].replace('|', '/')} | {v} | {j['verdict']} |")
+            if j["control"]:  # the rule's text is on its own row already
+                what = f"{j['name']} (control: an input built to fail it)"
+            else:
+                what = f"**{j['name']}**: {j['rule'].replace('|', '/')}"
+            lines.append(f"| {what} | {v} | {j['verdict']} |")
         lines.append("")
     if r.parts:
         lines += ["| part | verdict | why |", "|---|---|---|"]
