@@ -456,3 +456,26 @@ def test_an_explicit_cpu_device_trains_as_auto_does_without_a_gpu(tc, tmp_path, 
     b = train(cfg, dataclasses.replace(tc, steps=4, device="cpu"), out_dir=tmp_path / "b")
     assert [r["loss"] for r in a.history] == [r["loss"] for r in b.history]
     assert ckpt.load_checkpoint(tmp_path / "b", with_train_state=False).meta["device"] == "cpu"
+
+
+def test_bf16_precision_on_the_cpu_trains_in_autocast_and_says_so(tc, tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cfg = tiny_cfg("arch4")
+    fp32 = train(cfg, dataclasses.replace(tc, steps=6), out_dir=tmp_path / "fp32")
+    seen = []
+    real = loop.compute_loss
+
+    def spy(model, x, y, tc_):
+        seen.append(torch.is_autocast_enabled("cpu"))
+        return real(model, x, y, tc_)
+
+    monkeypatch.setattr(loop, "compute_loss", spy)
+    bf16 = train(cfg, dataclasses.replace(tc, steps=6, precision="bf16"), out_dir=tmp_path / "bf16")
+    assert seen and all(seen), "the steps did not run in autocast"
+    losses = [r["loss"] for r in bf16.history]
+    assert losses != [r["loss"] for r in fp32.history]  # bf16 matmuls round differently
+    assert losses[-1] < losses[0]  # and it still learns
+    assert ckpt.load_checkpoint(tmp_path / "bf16", with_train_state=False).meta["device"] == "cpu (bf16 autocast)"
+    assert ckpt.load_checkpoint(tmp_path / "fp32", with_train_state=False).meta["device"] == "cpu"
+    with pytest.raises(TrainError, match="precision must be one of auto, bf16, fp32"):
+        dataclasses.replace(tc, precision="fp16")

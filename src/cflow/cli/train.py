@@ -40,7 +40,8 @@ continue it with --resume. A second Ctrl-C quits at once and keeps the previous 
 # flag dest -> TrainConfig field (identical names); None defaults mean "not given".
 _TRAIN_FIELDS = ("steps", "tokens", "batch_size", "seq_len", "lr", "min_lr_ratio", "warmup", "weight_decay",
                  "grad_clip", "lb_weight", "z_weight", "eval_every", "eval_windows", "save_every", "log_every",
-                 "seed", "data", "val_fraction", "vocab_size", "threads", "cache_dir", "compile", "device")
+                 "seed", "data", "val_fraction", "vocab_size", "threads", "cache_dir", "compile", "device",
+                 "precision")
 
 
 def _add_hparams(p: argparse.ArgumentParser, *, budget: bool) -> None:
@@ -88,6 +89,8 @@ _MACHINE_FLAGS = (
     ("--threads", int, "torch threads per process (default: cores / processes)"),
     ("--device", str, "auto (default: a CUDA GPU when torch sees one, else the CPU), cpu, cuda or cuda:N; on a "
                       "GPU the steps run in bf16 autocast"),
+    ("--precision", str, "auto (default: bf16 autocast on a GPU, fp32 on the CPU), bf16 (autocast on the CPU too: "
+                         "1.2-1.3x faster where the CPU has AVX-512 BF16) or fp32"),
 )
 
 

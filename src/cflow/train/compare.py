@@ -312,7 +312,7 @@ def render_markdown(summaries: list[RunSummary], *, base: TrainConfig, tokens: i
         f"{geo.get('n_experts')} experts top-{geo.get('top_k')} of d_expert {geo.get('d_expert')}, "
         f"vocab {geo.get('vocab_size')}" + (f"; overrides {overrides}" if overrides else "") + ".",
         "",
-        f"Machine: {platform.machine()}, {describe_device(resolve_device(base))}, "
+        f"Machine: {platform.machine()}, {describe_device(resolve_device(base), base.precision)}, "
         f"{base.threads or torch.get_num_threads()} torch thread(s) per run, torch {torch.__version__}; "
         f"written {time.strftime('%Y-%m-%d %H:%M')}.",
         "",

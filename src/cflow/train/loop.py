@@ -50,6 +50,7 @@ from cflow.train import data as tdata
 LOG_FIELDS = ("step", "tokens", "lr", "loss", "ce", "load_balance", "router_z", "grad_norm",
               "val_loss", "val_ppl", "val_acc", "elapsed_s", "tok_per_s")
 # These decide which batches a run sees: a resumed run must keep them.
+PRECISIONS = ("auto", "bf16", "fp32")
 RESUME_FIXED = ("batch_size", "seq_len", "seed", "data", "val_fraction")
 
 
@@ -108,6 +109,10 @@ class TrainConfig:
     # "auto": a CUDA GPU when torch sees one, else the CPU. On a GPU the forward and backward run in
     # bf16 autocast (master weights, optimizer and loss stay fp32); on the CPU in fp32 throughout.
     device: str = "auto"
+    # "auto": bf16 autocast on a GPU, fp32 on the CPU; "bf16": autocast on either (on a CPU with
+    # AVX-512 BF16 it trained arch4-s 1.19x / 1.26x faster at 1 / 2 threads:
+    # benchmarks/train_speed.py --bf16); "fp32": never.
+    precision: str = "auto"
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:
@@ -116,6 +121,7 @@ class TrainConfig:
 
         need(self.steps > 0 or self.tokens > 0, f"steps must be positive, got {self.steps}")
         need(self.tokens >= 0, f"tokens must be >= 0, got {self.tokens}")
+        need(self.precision in PRECISIONS, f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         need(self.batch_size > 0 and self.seq_len > 0, "batch_size and seq_len must be positive")
         need(self.lr > 0 and 0 <= self.min_lr_ratio <= 1, "lr must be positive and min_lr_ratio in [0, 1]")
         need(self.warmup >= 0 and self.weight_decay >= 0 and self.grad_clip >= 0,
@@ -200,14 +206,21 @@ def resolve_device(tc: TrainConfig) -> torch.device:
     return dev
 
 
-def autocast(dev: torch.device):
-    """bf16 autocast on a GPU (matmuls in bf16, reductions and the loss in fp32); nothing on the CPU."""
-    return torch.autocast(device_type=dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda")
+def uses_bf16(dev: torch.device, precision: str) -> bool:
+    """Whether steps run in bf16 autocast: "auto" on a GPU only, "bf16" anywhere."""
+    return precision == "bf16" or (precision == "auto" and dev.type == "cuda")
 
 
-def describe_device(dev: torch.device) -> str:
+def autocast(dev: torch.device, precision: str = "auto"):
+    """bf16 autocast (matmuls in bf16; master weights, reductions and the loss in fp32) where
+    `precision` asks for it on this device (uses_bf16), else nothing."""
+    return torch.autocast(device_type=dev.type, dtype=torch.bfloat16, enabled=uses_bf16(dev, precision))
+
+
+def describe_device(dev: torch.device, precision: str = "auto") -> str:
     """The device and precision a run trains in, as meta.json and the compare table say it."""
-    return f"{torch.cuda.get_device_name(dev)} (bf16 autocast)" if dev.type == "cuda" else "cpu"
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    return f"{name} (bf16 autocast)" if uses_bf16(dev, precision) else name
 
 
 def count_params(model: torch.nn.Module) -> int:
@@ -331,7 +344,7 @@ def evaluate(model: torch.nn.Module, tokens: np.ndarray, tc: TrainConfig, d: _Di
     for x, y in tdata.eval_batches(tokens, starts, tc.seq_len, max(1, tc.batch_size // d.world_size),
                                    d.rank, d.world_size):
         xt, yt = torch.from_numpy(x).to(dev), torch.from_numpy(y).to(dev)  # [b, T]
-        with autocast(dev):
+        with autocast(dev, tc.precision):
             logits, _ = model(xt)  # [b, T, V]
         flat = logits.float().reshape(-1, logits.size(-1))
         sums[0] += F.cross_entropy(flat, yt.reshape(-1), reduction="sum").item()
@@ -619,7 +632,7 @@ class _Run:
             g["lr"] = lr
         x, y = self.sampler.next()
         dev = self.device
-        with autocast(dev):
+        with autocast(dev, tc.precision):
             loss, ce, lb, rz = compute_loss(self.net, torch.from_numpy(x).to(dev), torch.from_numpy(y).to(dev), tc)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -668,7 +681,7 @@ class _Run:
                 "val_tokens": int(len(self.data.val)),
                 "train_config": self.tc.to_dict(),
                 "world_size": self.d.world_size,
-                "device": describe_device(self.device),
+                "device": describe_device(self.device, self.tc.precision),
                 "elapsed_s": round(elapsed, 3),
             }
             if self.log:
