@@ -4,7 +4,7 @@ reuse and load are shares."""
 
 from __future__ import annotations
 
-import sys
+import importlib.util
 from pathlib import Path
 
 import numpy as np
@@ -12,11 +12,21 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import routing_stats  # noqa: E402
-
 from cflow.config import ModelConfig  # noqa: E402
 from cflow.model import Transformer  # noqa: E402
+
+
+def _load_by_path(name: str):
+    """benchmarks/NAME.py as a module, without putting benchmarks/ on sys.path: there its
+    kernels.py would shadow the `kernels` package that transformers imports when it finds one."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"benchmarks_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+routing_stats = _load_by_path("routing_stats")
 
 TINY = dict(vocab_size=67, d_model=48, n_heads=4, n_kv_heads=2, max_seq_len=40, n_layers=5, d_ff=40,
             n_experts=6, top_k=2, d_expert=24)

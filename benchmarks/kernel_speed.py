@@ -14,9 +14,9 @@ unpacked once) against B separate mat-vecs, hot matrices, 1 thread, in GMAC/s (b
 quantizing the B activations, as the wrappers do); the tables take turns within each round, and
 the "vs" column is each table's matmat speed relative to the first one listed (on a shared
 machine trust the ratios, not the absolute numbers):
-    python benchmarks/kernels.py --batch 64 --isa avxvnni avx512 --dtypes q4_0
+    python benchmarks/kernel_speed.py --batch 64 --isa avxvnni avx512 --dtypes q4_0
 
-    python benchmarks/kernels.py [--dtypes q4_0 q4_1 q8_0] [--threads 1 2] [--isa avx2]
+    python benchmarks/kernel_speed.py [--dtypes q4_0 q4_1 q8_0] [--threads 1 2] [--isa avx2]
                                  [--seconds 0.3] [--prefetch 8192] [--no-cold] [--batch 64]
 """
 
