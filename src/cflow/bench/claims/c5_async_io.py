@@ -129,7 +129,7 @@ def settle(eng, timeout: float = 5.0) -> None:
     slot = eng.expert_cache["slot_bytes"]
     while time.monotonic() < end:
         c = eng.counters()
-        started = c["cache_misses"] - c.get("prefetch_used", 0) + c.get("prefetch_reads", 0)
+        started = c["cache_misses"] - c.get("speculation_reads_used", 0) + c.get("speculation_reads", 0)
         if c["disk_bytes"] >= started * slot:
             return
         time.sleep(0.002)
