@@ -41,9 +41,8 @@ pytest.importorskip("torch")
 
 from cflow.runtime import Engine, EngineError  # noqa: E402
 from cflow.runtime import experts as xp  # noqa: E402
-from test_engine import small_config, write_random_model  # noqa: E402
 from test_experts_disk import (PREFILL, STEPS, check_forked_step, kernel_read_bytes, ram_run, reads_started,  # noqa: E402
-                               round_up, run, settle, tokens, within)
+                               round_up, run, settle, tokens, within, write_models)
 
 # name -> (preset, config overrides, dtype, tile)
 MODELS = {
@@ -57,12 +56,7 @@ MODELS = {
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    out = {}
-    for name, (preset, kw, dtype, tile) in MODELS.items():
-        path = tmp_path_factory.mktemp(name) / "m.cflow"
-        write_random_model(path, small_config(preset, tied=False, **kw), dtype, tile)
-        out[name] = path
-    return out
+    return write_models(tmp_path_factory, MODELS)
 
 
 def load(path, slots=None, speculation="next-layer", threads=2, io="async", **kw):

@@ -55,14 +55,19 @@ def round_up(n: int) -> int:
     return -(-n // _native.EXPERT_ALIGN) * _native.EXPERT_ALIGN
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
+def write_models(tmp_path_factory, table: dict) -> dict:
+    """{name: path} of a random untied model per row {name: (preset, overrides, dtype, tile)}."""
     out = {}
-    for name, (preset, kw, dtype, tile) in MODELS.items():
+    for name, (preset, kw, dtype, tile) in table.items():
         path = tmp_path_factory.mktemp(name) / "m.cflow"
         write_random_model(path, small_config(preset, tied=False, **kw), dtype, tile)
         out[name] = path
     return out
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return write_models(tmp_path_factory, MODELS)
 
 
 def tokens(cfg, n, seed=0):
