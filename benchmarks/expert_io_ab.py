@@ -58,16 +58,11 @@ def parse_mode(text: str) -> tuple[str, str, str, bool]:
     return io, (sp or "off") if io == "async" else "off", reader, keep
 
 
-def settle(eng, timeout: float = 5.0) -> None:
+def settle(eng) -> None:
     """Wait until every read the engine started has landed (speculative reads nobody waited for)."""
-    end = time.monotonic() + timeout
-    slot = eng.expert_cache["slot_bytes"]
-    while time.monotonic() < end:
-        c = eng.counters()
-        started = c["cache_misses"] - c["speculation_reads_used"] + c["speculation_reads"]
-        if c["disk_bytes"] >= started * slot:
-            return
-        time.sleep(0.002)
+    from cflow.runtime.experts import settle_reads
+
+    settle_reads(eng, timeout=5.0)
 
 
 def prepare(path: str, n_tok: int, corpus: str | None, trace) -> dict:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -160,20 +159,8 @@ def test_logits_bit_identical_to_ram(models, name, io, budget, monkeypatch):
         eng.close()
 
 
-def reads_started(c: dict) -> int:
-    """Demand reads (misses no speculative read served) plus speculative reads."""
-    return c["cache_misses"] - c["speculation_reads_used"] + c["speculation_reads"]
-
-
-def settle(eng, seconds: float = 10.0) -> dict:
-    """The counters once every read started has landed (speculative reads nobody waits for land on
-    their own time)."""
-    end = time.monotonic() + seconds
-    while True:
-        c = eng.counters()
-        if c["disk_bytes"] >= reads_started(c) * eng.expert_cache["slot_bytes"] or time.monotonic() > end:
-            return c
-        time.sleep(0.01)
+reads_started = xp.reads_started
+settle = xp.settle_reads  # the counters once every read started has landed
 
 
 def test_ram_residency_reads_nothing_from_disk(models):

@@ -434,3 +434,24 @@ def speculation_hit_rate(counters: dict) -> float | None:
     n = counters.get("speculation_predicted", 0)
     return counters["speculation_hits"] / n if n else None
 
+
+
+def reads_started(counters: dict) -> int:
+    """Expert reads an engine has started: demand reads (misses no speculative read served) plus
+    speculative reads (docs/DESIGN.md "Counting")."""
+    return counters["cache_misses"] - counters["speculation_reads_used"] + counters["speculation_reads"]
+
+
+def settle_reads(engine: Any, timeout: float = 10.0) -> dict:
+    """Wait until every read `engine` started has landed (speculative reads nobody waited for land
+    on their own time), or `timeout` seconds; the counters then. Benchmarks call it between runs so
+    no read spills into the next one's time; tests, so the byte counts are final."""
+    import time
+
+    slot = engine.expert_cache["slot_bytes"]
+    end = time.monotonic() + timeout
+    while True:
+        c = engine.counters()
+        if c["disk_bytes"] >= reads_started(c) * slot or time.monotonic() > end:
+            return c
+        time.sleep(0.002)

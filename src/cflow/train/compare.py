@@ -45,15 +45,13 @@ from cflow.errors import CflowError
 from cflow.fsutil import atomic_write_text, check_writable, writing
 from cflow.train import checkpoint as ckpt
 from cflow.train.loop import RESUME_FIXED, TrainConfig, TrainResult, describe_device, resolve_device, train
+from cflow.train.stats import mean_ci
 
 DEFAULT_PRESETS = ("arch1", "arch2", "arch3", "arch4", "arch2_4_combined", "arch5")
 REPORT = "train_compare.md"
 JSON_REPORT = "train_compare.json"
 PLOT = "train_compare_loss.png"
 DAG_QUANT = "q4_0"
-# Two-sided 95% Student t quantiles by degrees of freedom (scipy is not a dependency).
-_T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
-        12: 2.179, 15: 2.131, 20: 2.086, 30: 2.042}
 
 
 class CompareError(CflowError):
@@ -79,25 +77,6 @@ class RunSummary:
     seed: int = 0
     active_params: int = 0  # parameters a token's forward pass uses (top_k of the experts)
     run_dir: str = ""
-
-
-def t95(df: int) -> float:
-    """The two-sided 95% Student t quantile for df degrees of freedom (nearest tabulated below)."""
-    if df < 1:
-        return math.nan
-    return _T95[max(k for k in _T95 if k <= df)] if df <= 30 else 1.960
-
-
-def mean_ci(xs: list[float]) -> tuple[float, float]:
-    """(mean, half-width of its 95% t interval); the half-width is nan for one value."""
-    n = len(xs)
-    if n == 0:
-        return math.nan, math.nan
-    m = sum(xs) / n
-    if n == 1:
-        return m, math.nan
-    sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (n - 1))
-    return m, t95(n - 1) * sd / math.sqrt(n)
 
 
 def active_params(cfg: ModelConfig, total: int) -> int:

@@ -123,16 +123,11 @@ def full_model(ctx: Context, layers: int, experts: int, top_k: int):
         f" --arch {g.arch}"
 
 
-def settle(eng, timeout: float = 5.0) -> None:
+def settle(eng) -> None:
     """Wait until every read the engine started has landed, so none runs into the next run's time."""
-    end = time.monotonic() + timeout
-    slot = eng.expert_cache["slot_bytes"]
-    while time.monotonic() < end:
-        c = eng.counters()
-        started = c["cache_misses"] - c.get("speculation_reads_used", 0) + c.get("speculation_reads", 0)
-        if c["disk_bytes"] >= started * slot:
-            return
-        time.sleep(0.002)
+    from cflow.runtime.experts import settle_reads
+
+    settle_reads(eng, timeout=5.0)
 
 
 def load(ctx: Context, path, budget: int, mode: str, n_ctx: int):

@@ -26,12 +26,12 @@ import json
 import math
 import os
 import re
-import statistics
 from pathlib import Path
 from typing import Any
 
 from cflow.bench.claims.core import (CONFIRMED, INCONCLUSIVE, REFUTED, ClaimResult, Context, Rule, Table, pyplot,
                                      save)
+from cflow.train.stats import mean_ci
 
 ID, TITLE = "T1", "Delayed architectures train stably and competitively"
 PAPER = ("five candidate architectures trained on TinyStories converge with competitive perplexity: rewriting the "
@@ -69,26 +69,6 @@ RULE_STABLE = Rule(
     "ln(vocab), the loss of a uniform guess; a non-finite loss counts as 10",
     confirm=0.9, refute=1.0, higher_is_better=False, unit="")
 RULES = (RULE_COMPETITIVE, RULE_STABLE)
-
-# Two-sided 95% Student t quantiles by degrees of freedom (cflow.train.compare has the same table, but
-# importing it needs torch; reading a table must not).
-_T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
-        12: 2.179, 15: 2.131, 20: 2.086, 30: 2.042}
-
-
-def t95(df: int) -> float:
-    if df < 1:
-        return math.nan
-    return _T95[max(k for k in _T95 if k <= df)] if df <= 30 else 1.960
-
-
-def mean_ci(xs: list[float]) -> tuple[float, float]:
-    """(mean, half-width of its 95% t interval; nan for fewer than two values)."""
-    if not xs:
-        return math.nan, math.nan
-    m = statistics.fmean(xs)
-    return m, (t95(len(xs) - 1) * statistics.stdev(xs) / math.sqrt(len(xs)) if len(xs) > 1 else math.nan)
-
 
 # ---- the family table -------------------------------------------------------------------------
 def find_table(out: Path) -> Path | None:
