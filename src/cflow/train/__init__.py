@@ -4,6 +4,7 @@
 - `bpe`: byte-level BPE tokenizer training with HF `tokenizers`.
 - `loop`: `TrainConfig` and `train()` (AdamW, warmup + cosine, MoE aux losses, eval, DDP, resume).
 - `checkpoint`: the checkpoint directory of docs/DESIGN.md, written atomically.
+- `stats`: the 95% t interval of a mean over seeds (no torch; claim T1 uses it too).
 - `compare`: train the presets on one budget and write OUT/train_compare.md (the family table: docs/results/family/).
 
 Importing this package does not import torch; `loop`, `checkpoint` and `compare` do.
