@@ -21,6 +21,13 @@ model (e.g. one with Mixtral-sized experts and the same layers and top_k) by a t
 recorded routing (benchmarks/route_trace.py), speculation predicting what the trained model's
 predictor predicted.
 
+The delays alone: `--as-arch arch1,arch1,arch4,arch2_4_combined` loads ONE file once per preset
+named, with the file's config given that preset's delays and MoE input (cflow.config.PRESETS: the
+tensors are the same shapes for every preset, and with random weights and replayed routing nothing
+but the plan differs), so every engine reads the same bytes of the same file: no difference of
+files, of where they sit on the disk or of what the host has cached of them can enter the
+comparison. A preset named twice is the A/A control (two engines, two caches, one plan).
+
 Each engine holds its own cache (budget x all experts' bytes): four modes at 97% of a 2.7 GB model
 take about 10 GB of memory. Not for a memory-limited run (use moe_bench.py --limits).
 """
@@ -38,24 +45,28 @@ from pathlib import Path
 import numpy as np
 
 
-def parse_mode(text: str) -> tuple[str, str, str, bool]:
-    """"sync" or "async:SPECULATION[:TAG...]" -> (io, expert speculation, reader, keep). SPECULATION:
-    off, next-layer, auto or a depth. TAGs: the reader, auto (the default), threads (CFLOW_EXPERT_READER) or qdN
-    (io_uring with N reads in the kernel at once, CFLOW_EXPERT_QD); nokeep: the cache without keep
-    ranks (CFLOW_EXPERT_KEEP=0; experts.h), to measure what they add."""
+def parse_mode(text: str) -> tuple[str, str, str, bool, bool]:
+    """"sync" or "async:SPECULATION[:TAG...]" -> (io, expert speculation, reader, keep, gate_next).
+    SPECULATION: off, next-layer, auto or a depth. TAGs: the reader, auto (the default), threads
+    (CFLOW_EXPERT_READER) or qdN (io_uring with N reads in the kernel at once, CFLOW_EXPERT_QD);
+    nokeep: the cache without keep ranks (CFLOW_EXPERT_KEEP=0; experts.h), to measure what they add;
+    opennext: the next layer's predictions read whatever their precision (CFLOW_SPEC_GATE_NEXT=0,
+    engine_spec.c spec_trusted), to measure what gating them does."""
     io, _, rest = text.partition(":")
     sp, *tags = rest.split(":") if rest else [""]
-    reader, keep = "auto", True
+    reader, keep, gate_next = "auto", True, True
     for tag in tags:
         if tag in ("auto", "threads") or (tag.startswith("qd") and tag[2:].isdigit()):
             reader = tag
         elif tag == "nokeep":
             keep = False
+        elif tag == "opennext":
+            gate_next = False
         else:
             io = "?"
     if io not in ("sync", "async") or (io == "sync" and (sp not in ("", "off") or tags)):
-        raise SystemExit(f"mode {text!r}: use sync or async:off|next-layer|auto|N[:auto|threads|qdN][:nokeep]")
-    return io, (sp or "off") if io == "async" else "off", reader, keep
+        raise SystemExit(f"mode {text!r}: use sync or async:off|next-layer|auto|N[:auto|threads|qdN][:nokeep][:opennext]")
+    return io, (sp or "off") if io == "async" else "off", reader, keep, gate_next
 
 
 def settle(eng) -> None:
@@ -65,7 +76,31 @@ def settle(eng) -> None:
     settle_reads(eng, timeout=5.0)
 
 
-def prepare(path: str, n_tok: int, corpus: str | None, trace) -> dict:
+def as_arch(cfg, arch: str | None):
+    """The config with preset `arch`'s delays and MoE input (None: as the file says)."""
+    import dataclasses
+
+    from cflow.config import PRESETS
+
+    if arch is None:
+        return cfg
+    keys = ("delta_dense", "delta_expert", "moe_input")
+    return dataclasses.replace(cfg, **{k: PRESETS[arch][k] for k in keys if k in PRESETS[arch]})
+
+
+def open_engine(sub: dict, **kw):
+    """An engine over the subject's file, with the subject's preset's plan when it names one."""
+    from cflow.fileformat import open_model
+    from cflow.runtime import Engine
+
+    if sub.get("arch") is None:
+        return Engine.load(sub["converted"], verify=False, **kw)
+    cf = open_model(sub["converted"])
+    cf.config = as_arch(cf.config, sub["arch"])
+    return Engine(cf, **kw)
+
+
+def prepare(path: str, n_tok: int, corpus: str | None, trace, arch: str | None = None) -> dict:
     """A model's converted file, its total expert bytes and the tokens its engines decode."""
     from cflow.fileformat import open_model
     from cflow.runtime import Engine
@@ -83,26 +118,25 @@ def prepare(path: str, n_tok: int, corpus: str | None, trace) -> dict:
     with open_model(converted) as cf:
         expert_bytes = sum(n for _, n in cf.experts.values())
     return {"path": str(path), "converted": converted, "expert_bytes": expert_bytes, "tokens": toks,
-            "trace": trace, "corpus": corpus}
+            "trace": trace, "corpus": corpus, "arch": arch}
 
 
 def measure(subjects: list[dict], budget: float, modes: list[str], threads: int, rounds: int, per_round: int,
             warmup: int) -> list[dict]:
     """Every (subject, mode) engine decodes its subject's tokens; all of them take turns in each
     round (the order rotating), so a drift of the machine hits every engine alike."""
-    from cflow.runtime import Engine
     from cflow.runtime.experts import speculation_hit_rate
 
     engines = {}
     for si, sub in enumerate(subjects):
         for m in modes:
-            io, sp, reader, keep = parse_mode(m)
+            io, sp, reader, keep, gate_next = parse_mode(m)
             os.environ["CFLOW_EXPERT_READER"] = "threads" if reader == "threads" else "auto"  # read at load
             os.environ["CFLOW_EXPERT_QD"] = reader[2:] if reader.startswith("qd") else ""
             os.environ["CFLOW_EXPERT_KEEP"] = "1" if keep else "0"
-            eng = Engine.load(sub["converted"], threads=threads, n_ctx=len(sub["tokens"]) + 8, experts="disk",
-                              verify=False, expert_cache=int(budget * sub["expert_bytes"]), expert_io=io,
-                              expert_speculation=sp)
+            os.environ["CFLOW_SPEC_GATE_NEXT"] = "1" if gate_next else "0"
+            eng = open_engine(sub, threads=threads, n_ctx=len(sub["tokens"]) + 8, experts="disk",
+                              expert_cache=int(budget * sub["expert_bytes"]), expert_io=io, expert_speculation=sp)
             if sub["trace"] is not None:  # every engine of the subject routes by its trace, row after row
                 eng.replay_routes(sub["trace"])
             for i, t in enumerate(sub["tokens"][:warmup]):  # the cache's steady state
@@ -133,7 +167,7 @@ def measure(subjects: list[dict], budget: float, modes: list[str], threads: int,
     results = []
     for si, sub in enumerate(subjects):
         trace = sub["trace"]
-        out = {"model": sub["path"], "budget": budget, "threads": threads, "rounds": rounds, "per_round": per_round,
+        out = {"model": sub["path"] + (f" as {sub['arch']}" if sub.get("arch") else ""), "budget": budget, "threads": threads, "rounds": rounds, "per_round": per_round,
                "tokens": "held-out stories of " + sub["corpus"] if sub["corpus"] else "random",
                "routes": trace.meta.get("source", "a trace") if trace is not None else "the model's own",
                "modes": {}}
@@ -198,6 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--together", action="store_true",
                     help="alternate every model's engines in one loop (the models compare round by round: "
                     "ratio_to_first); otherwise one model after the other")
+    ap.add_argument("--as-arch", help="comma-separated presets: load the ONE model file once per preset, with "
+                    "that preset's delays and MoE input (the delays alone, on the same bytes; a preset twice is "
+                    "the A/A control); implies --together")
     ap.add_argument("--out", default=None, help="write OUT.md and OUT.json")
     args = ap.parse_args(argv)
     from cflow.runtime.routes import RouteTrace
@@ -205,12 +242,24 @@ def main(argv: list[str] | None = None) -> int:
     modes = args.modes.split(",")
     for m in modes:
         parse_mode(m)
+    archs: list[str | None] = [None] * len(args.models)
+    paths = list(args.models)
+    if args.as_arch:
+        if len(paths) != 1:
+            ap.error("--as-arch loads one model file as each preset: give exactly one model")
+        archs = args.as_arch.split(",")
+        from cflow.config import PRESETS
+
+        if bad := [a for a in archs if a not in PRESETS]:
+            ap.error(f"--as-arch: {', '.join(bad)} not a preset; choose from {', '.join(sorted(PRESETS))}")
+        paths, args.together = paths * len(archs), True
     traces = [RouteTrace.load(t) if t else None for t in (args.trace.split(",") if args.trace else [])]
-    if len(traces) > 1 and len(traces) != len(args.models):
-        ap.error(f"--trace has {len(traces)} files for {len(args.models)} models: give one, or one per model")
-    traces = traces * len(args.models) if len(traces) == 1 else traces or [None] * len(args.models)
+    if len(traces) > 1 and len(traces) != len(paths):
+        ap.error(f"--trace has {len(traces)} files for {len(paths)} engines: give one, or one per model "
+                 f"(or per --as-arch preset)")
+    traces = traces * len(paths) if len(traces) == 1 else traces or [None] * len(paths)
     n_tok = args.warmup + args.rounds * args.per_round
-    subjects = [prepare(p, n_tok, args.corpus, t) for p, t in zip(args.models, traces)]
+    subjects = [prepare(p, n_tok, args.corpus, t, a) for p, t, a in zip(paths, traces, archs)]
     groups = [subjects] if args.together else [[s] for s in subjects]
     results = []
     for b in (float(x) for x in args.budgets.split(",")):

@@ -16,9 +16,11 @@ What is held against what:
   router and norm of layer l+k are those of layer l, so a prediction made at route(l) is route(l)'s
   own choice: layer t is predicted chosen(t-1), and at depth D > 1 also chosen(max(t-D, 0)), and
   the hits follow from the routing trace (and are > 0);
-- the gate: predictions beyond the next layer start reads only at distances whose predictions prove
-  right; closed, depth 3 reads exactly what depth 1 reads (the inline reader makes the counts
-  independent of when reads land);
+- the gate: predictions start reads only at distances whose predictions prove right, the next
+  layer's too (the tiny random models here predict it far below the 90% bar, so every other test
+  opens it with CFLOW_SPEC_GATE_NEXT=0 to exercise the reads); closed, depth 3 reads exactly what
+  depth 1 reads, and depth 1 reads nothing at all (the inline reader makes the counts independent of
+  when reads land);
 - failures: an injected I/O error or short read on any of the first reads, speculative or not,
   ends in ExpertIOError naming the file or in exact logits, never a hang, and decoding goes on
   exactly; a forked child (no reader threads) still computes the same logits;
@@ -57,6 +59,13 @@ MODELS = {
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     return write_models(tmp_path_factory, MODELS)
+
+
+@pytest.fixture(autouse=True)
+def next_layer_always_reads(monkeypatch):
+    """The tests of the reads themselves need reads: the next layer's gate open from the first route
+    (the tiny random models' routing is far below the gate's bar). test_gate_* set it themselves."""
+    monkeypatch.setenv("CFLOW_SPEC_GATE_NEXT", "0")
 
 
 def load(path, slots=None, speculation="next-layer", threads=2, io="async", **kw):
@@ -200,18 +209,21 @@ def test_prediction_is_exact_when_every_layer_shares_its_weights(models, slots, 
 
 @pytest.mark.parametrize("name", ["arch1", "mixtral"])
 def test_gate_reads_only_trusted_distances(models, name, monkeypatch):
-    """Predictions beyond the next layer start reads only at distances whose predictions prove right
-    (engine.c spec_trusted). With the bar above 100% no distance beyond 1 is ever trusted: depth 3
-    then reads exactly what depth 1 reads (it still predicts, so it counts more predictions); with
-    the bar at 0 it reads its deeper predictions too. Logits stay exact either way."""
+    """Predictions start reads only at distances whose predictions prove right (engine_spec.c
+    spec_trusted), the next layer's included. With the bar above 100% no distance is ever trusted:
+    depth 3 then reads exactly what depth 1 reads, which is nothing (both still predict, to keep
+    measuring); with the bar at 0 every distance reads once 32 of its predictions are in; with the
+    next layer's gate open (CFLOW_SPEC_GATE_NEXT=0, the engine before learned routing was measured)
+    depth 1 reads under the closed bar. Logits stay exact every way."""
     path = models[name]
     want = ram_run(path)
 
     monkeypatch.setenv("CFLOW_EXPERT_READER", "inline")  # reads land when submitted: no timing in the counts
     monkeypatch.setenv("CFLOW_EXPERT_KEEP", "0")  # the gate alone: keep ranks follow it (tested below)
 
-    def counters(depth, bar):
+    def counters(depth, bar, gate_next="1"):
         monkeypatch.setenv("CFLOW_SPEC_MIN_PRECISION", bar)
+        monkeypatch.setenv("CFLOW_SPEC_GATE_NEXT", gate_next)
         eng = load(path, min_slots(path) + 6, depth, threads=1)
         assert eng.expert_cache["reader"] == "inline"
         got = within(60, run, eng)
@@ -222,9 +234,13 @@ def test_gate_reads_only_trusted_distances(models, name, monkeypatch):
 
     keys = ("cache_hits", "cache_misses", "speculation_reads", "speculation_reads_used", "disk_bytes")
     near, closed, opened = counters(1, "2"), counters(3, "2"), counters(3, "0")
+    assert near["speculation_predicted"] > 0 and near["speculation_reads"] == 0  # predicted, never read
     assert {k: closed[k] for k in keys} == {k: near[k] for k in keys}
     assert closed["speculation_predicted"] > near["speculation_predicted"]  # it still predicts (to keep measuring)
     assert opened["speculation_reads"] > near["speculation_reads"]  # 32 predictions in, every distance reads
+    near_open = counters(1, "2", gate_next="0")
+    assert near_open["speculation_reads"] > 0
+    assert near_open["speculation_predicted"] == near["speculation_predicted"]  # the same predictions, read now
 
 
 @pytest.mark.parametrize("name", ["arch1", "mixtral"])
@@ -237,6 +253,7 @@ def test_keep_ranks_hold_a_steps_first_layer(models, name, monkeypatch):
     want = ram_run(path)
     monkeypatch.setenv("CFLOW_EXPERT_READER", "inline")
     monkeypatch.setenv("CFLOW_SPEC_MIN_PRECISION", "0")  # every distance trusted once 32 predictions are in
+    monkeypatch.setenv("CFLOW_SPEC_GATE_NEXT", "1")  # the next layer too: keep depth counts from 0
     with Engine.load(path, threads=1) as probe:
         L, E = probe.config.n_layers, probe.config.n_experts
 

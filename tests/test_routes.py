@@ -166,10 +166,13 @@ def test_replay_on_disk_reads_like_the_run_it_came_from(models, io, monkeypatch)
         assert len(span) == 1 and c1["disk_bytes"] == c1["cache_misses"] * span.pop()
 
 
-def test_speculation_follows_the_traces_predictions(models, monkeypatch):
-    """A trace whose predictions are always wrong: nothing predicted is chosen, and the reads
-    started for them are wasted (speculation_reads > speculation_reads_used = 0)."""
+@pytest.mark.parametrize("gate_next", ["1", "0"])
+def test_speculation_follows_the_traces_predictions(models, monkeypatch, gate_next):
+    """A trace whose predictions are always wrong: nothing predicted is chosen. With the gate on
+    every distance (the default) no read starts for them at all; with the next layer always trusted
+    (CFLOW_SPEC_GATE_NEXT=0) reads start and are wasted (speculation_reads > speculation_reads_used = 0)."""
     monkeypatch.setenv("CFLOW_EXPERT_DIRECT", "1")
+    monkeypatch.setenv("CFLOW_SPEC_GATE_NEXT", gate_next)
     path = models["a24"]
     own, _ = recorded(path)
     eng = load_disk(path, budget_bytes(path, "mid"), "async", 2)
@@ -182,7 +185,10 @@ def test_speculation_follows_the_traces_predictions(models, monkeypatch):
     run(eng)
     c = eng.counters()
     assert c["speculation_predicted"] > 0 and c["speculation_hits"] == 0
-    assert c["speculation_reads"] > 0 and c["speculation_reads_used"] == 0
+    if gate_next == "1":
+        assert c["speculation_reads"] == 0
+    else:
+        assert c["speculation_reads"] > 0 and c["speculation_reads_used"] == 0
 
 
 def test_bad_traces_are_named_errors(models, tmp_path):
@@ -236,7 +242,7 @@ def test_the_replay_benchmark_runs_models_together(models, tmp_path, monkeypatch
     from pathlib import Path
 
     bench = Path(__file__).resolve().parents[1] / "benchmarks"
-    for var in ("CFLOW_EXPERT_READER", "CFLOW_EXPERT_QD", "CFLOW_EXPERT_KEEP"):  # the script sets them per mode
+    for var in ("CFLOW_EXPERT_READER", "CFLOW_EXPERT_QD", "CFLOW_EXPERT_KEEP", "CFLOW_SPEC_GATE_NEXT"):  # set per mode
         monkeypatch.setenv(var, os.environ.get(var, ""))
     sys.path.insert(0, str(bench))
     try:
@@ -255,3 +261,46 @@ def test_the_replay_benchmark_runs_models_together(models, tmp_path, monkeypatch
     assert len(res) == 2 and all(set(r["modes"]) == {"sync", "async:off"} for r in res)
     assert res[0]["modes"]["sync"]["ratio_to_first"] is None and len(res[1]["modes"]["sync"]["ratio_to_first"]) == 3
     assert res[1]["routes"] == "a trace"  # recorded() names no source
+
+
+def test_the_replay_benchmark_loads_one_file_as_each_preset(models, tmp_path, monkeypatch):
+    """expert_io_ab.py --as-arch: one file, one engine per preset named (its delays and MoE input in
+    the config, so its plan), arch1 twice as the A/A control; the trace routes all of them alike,
+    so in sync mode (which hides nothing) every engine misses the same experts of the same file."""
+    import importlib.util
+    import json
+    import sys
+    from pathlib import Path
+
+    from cflow.config import PRESETS
+
+    bench = Path(__file__).resolve().parents[1] / "benchmarks"
+    for var in ("CFLOW_EXPERT_READER", "CFLOW_EXPERT_QD", "CFLOW_EXPERT_KEEP", "CFLOW_SPEC_GATE_NEXT"):
+        monkeypatch.setenv(var, os.environ.get(var, ""))
+    sys.path.insert(0, str(bench))
+    try:
+        spec = importlib.util.spec_from_file_location("expert_io_ab", bench / "expert_io_ab.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        with Engine.load(models["a24"], threads=1, experts="ram") as probe:
+            cfg = probe.config
+        for arch in ("arch1", "arch4"):
+            got = mod.as_arch(cfg, arch)
+            assert (got.delta_dense, got.delta_expert, got.moe_input) == tuple(
+                PRESETS[arch][k] for k in ("delta_dense", "delta_expert", "moe_input"))
+            assert got.d_model == cfg.d_model and got.n_experts == cfg.n_experts
+        trace, _ = recorded(models["a24"])
+        tpath = trace.save(tmp_path / "a24.npz")
+        out = tmp_path / "ab"
+        assert mod.main([str(models["a24"]), "--as-arch", "arch1,arch1,arch2_4_combined", "--trace", str(tpath),
+                         "--budgets", "0.6", "--modes", "sync,async:2:opennext", "--rounds", "2", "--per-round", "2",
+                         "--warmup", "2", "--out", str(out)]) == 0
+        with pytest.raises(SystemExit):
+            mod.main([str(models["a24"]), "--as-arch", "arch1,nonsense", "--budgets", "0.6"])
+    finally:
+        sys.path.remove(str(bench))
+    res = json.loads(out.with_suffix(".json").read_text())
+    assert [r["model"].rsplit(" as ", 1)[1] for r in res] == ["arch1", "arch1", "arch2_4_combined"]
+    syncs = {r["modes"]["sync"]["disk_mb_per_token"] for r in res}
+    assert len(syncs) == 1 and syncs.pop() > 0  # the same routing, file and budget: the same misses
+    assert res[1]["modes"]["async:2:opennext"]["ratio_to_first"] is not None

@@ -89,6 +89,7 @@ typedef struct {
     uint16_t *mark;      /* [L, E] bit k-1: predicted at distance k for a layer not routed yet in this call */
     uint32_t dist_pred[CF_SPEC_MAX_DEPTH + 1], dist_hit[CF_SPEC_MAX_DEPTH + 1]; /* per distance, decayed */
     double min_precision; /* SPEC_MIN_PRECISION, or CFLOW_SPEC_MIN_PRECISION (tests, benchmarks) */
+    int gate_next;        /* 1: the next layer's predictions pass the same gate; 0: always read (CFLOW_SPEC_GATE_NEXT=0) */
     int keep;            /* 1: rank the cache's layers by how much of a miss speculation can hide */
     int keep_depth;      /* the trusted depth the ranks were last set for; -1: not set yet */
     int *votes;          /* [E] rows whose prediction chose each expert */

@@ -119,15 +119,21 @@ static void spec_score(cf_engine *e, int l, const int *cnt) {
     }
 }
 
-/* May predictions made k layers ahead start reads? The next layer's always may (the issue's
- * next-layer speculation); further ones once SPEC_MIN_SAMPLES predictions at that distance are in, and
- * while at least SPEC_MIN_PRECISION of them were chosen, over the last ~SPEC_WINDOW. A wrong read
- * costs a read and evicts a cached expert: where routing changes much from layer to layer, deep
- * predictions are often wrong, and reading them made a 95% cache miss twice as often, plus a wasted
- * read per token (docs/results/moe.md); the gate keeps the predicting (to keep measuring) and
- * stops the reading. */
+/* May predictions made k layers ahead start reads? Once SPEC_MIN_SAMPLES predictions at that
+ * distance are in, and while at least SPEC_MIN_PRECISION of them were chosen, over the last
+ * ~SPEC_WINDOW. A wrong read costs a whole read and evicts a cached expert; a right one only moves a
+ * read that would happen anyway earlier, by k layers' compute. One Mixtral-sized expert takes about
+ * ten layers' compute to read (engine_spec.c above), so at k = 1 a prediction pays for itself only
+ * when it is right about ten times in eleven: the same bar as the deeper distances. Random-weight
+ * models pass it (89-99% at k = 1); learned routing mostly does not (48-75%: the trained family's
+ * traces, docs/results/routing.md), and reading those predictions read 34-65% more bytes per token
+ * (docs/results/delay_window.md). Where routing changes much from layer to layer, deep predictions
+ * are often wrong too, and reading them made a 95% cache miss twice as often, plus a wasted read per
+ * token (docs/results/moe.md). The gate keeps the predicting (to keep measuring) and stops the
+ * reading. CFLOW_SPEC_GATE_NEXT=0 trusts the next layer always (what the engine did before the
+ * learned-routing runs; benchmarks compare the two). */
 static int spec_trusted(const cf_engine *e, int k) {
-    if (k <= 1) return 1;
+    if (k <= 1 && !e->spec.gate_next) return 1;
     if (e->spec.dist_pred[k] < SPEC_MIN_SAMPLES) return 0;
     return (double)e->spec.dist_hit[k] >= e->spec.min_precision * (double)e->spec.dist_pred[k];
 }
@@ -141,11 +147,12 @@ static int spec_trusted(const cf_engine *e, int k) {
  * misses to layers whose reads overlap compute and adds few (+7% in the replay of
  * tests/test_experts_disk.py: the churning last layers lose experts to the misses just before
  * them); with skewed routing it can cost more hits, which a step's first layers then do not stall
- * on. Off without speculation (sync reads hide nothing), or with CFLOW_EXPERT_KEEP=0 (benchmarks:
+ * on. Off without speculation (sync reads hide nothing), while not even the next layer is trusted
+ * (d = 0: every rank 0), or with CFLOW_EXPERT_KEEP=0 (benchmarks:
  * the policy alone). Measured: docs/results/moe.md. */
 static void keep_ranks(cf_engine *e) {
     if (!e->spec.keep) return;
-    int d = 1;
+    int d = 0;
     while (d < e->spec.depth && spec_trusted(e, d + 1)) d++;
     if (d == e->spec.keep_depth) return;
     e->spec.keep_depth = d;
@@ -288,6 +295,8 @@ int cf_spec_open(cf_engine *e, int depth, char *err, size_t n) {
     sp->depth = cf_min(depth, CF_SPEC_MAX_DEPTH);
     const char *mp = getenv("CFLOW_SPEC_MIN_PRECISION"); /* 0: every distance reads; > 1: only the next layer */
     sp->min_precision = mp && *mp ? atof(mp) : SPEC_MIN_PRECISION;
+    const char *gn = getenv("CFLOW_SPEC_GATE_NEXT");
+    sp->gate_next = !(gn && *gn == '0');
     sp->horizon = -1;
     const char *kp = getenv("CFLOW_EXPERT_KEEP"); /* 0: the policy without keep ranks */
     sp->keep = !(kp && *kp == '0');

@@ -25,8 +25,9 @@
                      starts reading those the cache lacks, in the slots beyond the minimum (none:
                      off by itself); results are the same bit for bit, the counters
                      speculation_predicted / speculation_hits give its hit rate. N (an int, or its
-                     digits as a string): up to N layers ahead (at most 16; predictions beyond the
-                     next layer start reads only while >= 90% of them prove right); "next-layer" =
+                     digits as a string): up to N layers ahead (at most 16; predictions at each
+                     distance, the next layer's too, start reads only while >= 90% of them prove
+                     right: learned routing mostly stays below that, random weights pass); "next-layer" =
                      1; "auto" (default): AUTO_SPECULATION_DEPTH layers when the experts are on
                      disk with async I/O (with delta_expert = 0, as in plain Mixtral, nothing else
                      hides the reads; with a delay it adds to the window), else off; "off" = 0.
@@ -71,8 +72,8 @@ MODES = ("ram", "disk", "auto")
 IO_MODES = ("async", "sync")
 SPECULATION_MODES = ("auto", "off", "next-layer")  # or a depth: N layers ahead
 # "auto"'s depth: one expert of a Mixtral-sized model takes about ten layers' compute to read, so the
-# read must start layers before its layer routes; the engine reads predictions from beyond the next
-# layer only while they prove right (engine_spec.c, spec_trusted), so a deep horizon costs little where
+# read must start layers before its layer routes; the engine reads predictions (the next layer's too)
+# only while they prove right (engine_spec.c, spec_trusted), so a deep horizon costs little where
 # routing is hard to predict. Measured against off and next-layer, with and without an expert
 # delay (docs/results/moe.md, "Async vs sync").
 AUTO_SPECULATION_DEPTH = 16
