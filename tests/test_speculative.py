@@ -76,7 +76,8 @@ PROMPT = [5, 6, 7, 8, 9, 10, 11, 5, 6, 7, 20, 21, 22, 5, 6, 7, 8, 9]
 
 def _spec(kind: str, paths, threads: int) -> Speculative | str:
     if kind == "ngram":
-        return Speculative("ngram", min_acceptance=0)  # never paused: every round verifies
+        # never paused, one-token matches too: random models' text repeats few longer n-grams
+        return Speculative("ngram", ngram_min=1, min_acceptance=0)
     name = kind if kind in ("draft", "small_draft") else "target"
     return Speculative(draft=Engine.load(paths[name], threads=threads), min_acceptance=0)
 
@@ -270,7 +271,8 @@ def test_sampling_through_the_loop_has_the_target_distribution(engines, exact, k
     proposal' must fail the same test."""
     target, draft = engines
     prompt = PROMPT if kind == "draft" else NGRAM_PROMPT
-    spec = Speculative(draft=draft, min_acceptance=0) if kind == "draft" else Speculative("ngram", min_acceptance=0)
+    spec = (Speculative(draft=draft, min_acceptance=0) if kind == "draft"
+            else Speculative("ngram", ngram_min=1, min_acceptance=0))
     counts = _sampled(target, prompt, spec, N_SEEDS)
     t = target.last_timings
     assert t.rounds == 1 and t.drafted == 1  # (the last run) the second token was verified
@@ -368,9 +370,30 @@ def test_gate_pauses_a_losing_proposer_and_output_is_unchanged(paths):
     eng = Engine.load(paths["target"], threads=1)
     prompt = list(range(100, 160))  # no repeats in the prompt: the lookup's guesses are rarely right
     plain = eng.complete(prompt, 120, temperature=0)
-    got = eng.complete(prompt, 120, temperature=0, speculative=Speculative("ngram", min_acceptance=0.99))
+    got = eng.complete(prompt, 120, temperature=0, speculative=Speculative("ngram", ngram_min=1, min_acceptance=0.99))
     assert got.tokens == plain.tokens
     assert got.timings.paused_steps > 0 and got.timings.rounds >= sp.GATE_WINDOW
+
+
+def test_draft_length_follows_the_accepted_runs():
+    d = sp.DraftLength(8, start=4)
+    assert d.k == 4
+    d.record(4, 4)
+    assert d.k == 8  # all kept: twice as many
+    d.record(8, 8)
+    assert d.k == 8  # at most draft_max
+    d.record(8, 2)
+    assert d.k == 3  # a rejection: one more than were kept
+    d.record(3, 0)
+    assert d.k == 1
+
+
+def test_fixed_length_when_not_adaptive(paths):
+    eng = Engine.load(paths["target"], threads=1)
+    own = Engine.load(paths["target"], threads=1)
+    c = eng.complete(PROMPT, 31, temperature=0, speculative=Speculative(draft=own, draft_max=5, adaptive=False))
+    t = c.timings
+    assert t.rounds == 5 and t.drafted == 25 and t.accepted == 25  # 1 + 5 x (5 kept + 1 bonus) tokens
 
 
 # ---- proposers -----------------------------------------------------------------------------------

@@ -19,7 +19,8 @@ scores all k+1 positions. Then, position by position, the standard rule decides:
   distribution (Leviathan et al. 2023, Chen et al. 2023). A deterministic proposer (the n-gram
   lookup) is a point mass: q(d_i) = 1, so d_i is kept with probability p(d_i).
 
-Every call thus emits 1 + (accepted) tokens. Positions of rejected tokens are rolled back: the
+Every call thus emits 1 + (accepted) tokens. How many tokens a round proposes follows the accepted
+runs (DraftLength), and the Gate pauses speculation while it loses. Positions of rejected tokens are rolled back: the
 engine's bookkeeping forgets them (Engine.truncate) and the next call overwrites their K/V. Every
 emitted token goes through cflow.runtime.generate.Generation.emit, the plain loop's own rules for
 stop ids, stop strings, max_tokens and the context end, so generation stops exactly where plain
@@ -60,14 +61,15 @@ if TYPE_CHECKING:
 PROPOSERS = ("ngram", "draft")
 DEFAULT_DRAFT_MAX = 8
 DEFAULT_NGRAM_MAX = 3
-DEFAULT_NGRAM_MIN = 1
+DEFAULT_NGRAM_MIN = 2  # a one-token match predicts poorly (docs/results/speculative.md)
 # The gate (see Gate): rounds it looks back over, the first pause (plain steps) and the longest.
 GATE_WINDOW = 8
 GATE_PAUSE = 16
 GATE_MAX_PAUSE = 256
 # What one more row costs in a target call, as a share of a one-row step (the measured cost curve,
 # docs/results/speculative.md): speculation pays while the acceptance rate exceeds it.
-ROW_COST = 0.1
+ROW_COST = 0.2
+DRAFT_START = 4  # the first round's proposals (DraftLength)
 
 
 class SpeculativeError(EngineError):
@@ -87,7 +89,9 @@ class Speculative:
     instead (--draft-min). ngram_max, ngram_min: the n-gram lookup tries suffixes of these lengths,
     longest first. min_acceptance: the Gate's threshold (None: ROW_COST for the n-gram lookup;
     ROW_COST plus the draft's weight bytes per token over the target's for a draft model);
-    0 keeps speculation always on."""
+    0 keeps speculation always on. adaptive: each round's length follows the accepted runs
+    (DraftLength: starts at DRAFT_START, doubles while all are kept, drops to one more than
+    were kept after a rejection); False: always draft_max."""
 
     proposer: str | None = None
     draft: Any = None  # an Engine
@@ -96,6 +100,7 @@ class Speculative:
     ngram_max: int = DEFAULT_NGRAM_MAX
     ngram_min: int = DEFAULT_NGRAM_MIN
     min_acceptance: float | None = None
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
         name = self.proposer if self.proposer is not None else ("draft" if self.draft is not None else "ngram")
@@ -324,6 +329,20 @@ class Gate:
             self.pause = self.first_pause
 
 
+class DraftLength:
+    """How many tokens the next round proposes (at most draft_max): after a round that kept every
+    proposal, twice as many; after a rejection, one more than were kept. A proposed token that is
+    rejected costs a row of the target call (ROW_COST of a step) for nothing, so the length follows
+    the runs of accepted tokens: long while the output copies its input, short when it does not."""
+
+    def __init__(self, draft_max: int, start: int | None = None) -> None:
+        self.max = draft_max
+        self.k = draft_max if start is None else max(1, min(start, draft_max))
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.k = min(self.max, 2 * drafted if accepted == drafted else accepted + 1)
+
+
 def min_rate(spec: Speculative, eng: "Engine") -> float:
     """The gate's threshold: spec.min_acceptance, or by default what one proposed token costs in
     plain steps: ROW_COST, plus for a draft model its weight bytes per token over the target's (a
@@ -343,6 +362,7 @@ def run(gen: Generation, spec: Speculative) -> Iterator[tuple[int, str]]:
     rng = sampler.rng
     proposer = make_proposer(spec, sampler.params)
     gate = Gate(min_rate(spec, eng))
+    length = DraftLength(spec.draft_max, DRAFT_START)
     tm.spec = proposer.name
     logits = gen.prefill()
     t_gen = time.perf_counter()
@@ -357,7 +377,7 @@ def run(gen: Generation, spec: Speculative) -> Iterator[tuple[int, str]]:
             # tok, the newest emitted token, is not in the cache yet: it runs at `pos` this round
             pos = len(gen.history) - 1
             # at most as many proposals as there are tokens left to emit after this round's first
-            k = min(spec.draft_max, gen.limit - gen.emitted - 1)
+            k = min(length.k if spec.adaptive else spec.draft_max, gen.limit - gen.emitted - 1)
             drafts: list[int] = []
             qs = None
             if k >= max(1, spec.draft_min):
@@ -399,6 +419,7 @@ def run(gen: Generation, spec: Speculative) -> Iterator[tuple[int, str]]:
                     break
             tm.accepted += accepted
             gate.record(n, accepted)
+            length.record(n, accepted)
             if not done:  # roll back: keep the text up to the newest token, which runs next round
                 eng.truncate(len(gen.history) - 1)
         tail = gen.finish()
