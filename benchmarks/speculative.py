@@ -168,7 +168,8 @@ def report(results: dict, modes: list[str], cmd: str, eng, args, sp) -> str:
         title = {"grounded": "Input-grounded tasks (the answer repeats the prompt)",
                  "free": "Free stories"}.get(group, group)
         lines += [f"## {title}", "",
-                  "| prompt | tokens | mode | tok/s | ratio (median of rounds) | acceptance | mean accepted | same output |",
+                  "| prompt | tokens | mode | tok/s | ratio (median of rounds) | acceptance | mean accepted "
+                  "| same output |",
                   "|---|---|---|---|---|---|---|---|"]
         for r in rows:
             for m in modes:
