@@ -432,6 +432,8 @@ def test_bad_settings_raise_named_errors(paths, engines):
         target.complete(PROMPT, 4, speculative=42)
     with pytest.raises(SpeculativeError, match="unknown speculative proposer"):
         target.complete(PROMPT, 4, speculative="lookahead")
+    with pytest.raises(SpeculativeError, match="an Engine of its own"):
+        target.complete(PROMPT, 4, speculative=target)
     other = Engine.load(paths["other_vocab"], threads=1)
     with pytest.raises(DraftVocabularyError, match="320 tokens against the target's 300.*same family"):
         target.complete(PROMPT, 4, speculative=other)

@@ -149,6 +149,9 @@ def resolve(value: Any, eng: "Engine") -> Speculative | None:
         raise SpeculativeError(f"speculative= takes None, 'ngram', a draft Engine or a Speculative, got "
                                f"{type(value).__name__}")
     if spec.draft is not None:
+        if spec.draft is eng:  # one KV cache cannot hold both the text and the draft's guesses
+            raise SpeculativeError("the draft model must be an Engine of its own, not the target itself: load the "
+                                   "file a second time (Engine.load(path)) to use a model as its own draft")
         check_draft(eng, spec.draft)
     return spec
 
