@@ -338,6 +338,8 @@ def test_stops_inside_an_accepted_block_where_plain_decoding_stops(paths, kind):
     got = eng.complete(PROMPT, 40, temperature=0, speculative=spec)
     assert got.tokens == want.tokens == plain.tokens[:plain.tokens.index(eos)] and got.finish_reason == "stop"
     assert got.timings.gen_tokens == want.timings.gen_tokens
+    if kind == "self":  # proposals after the stop were never judged: they count as neither
+        assert got.timings.accepted == got.timings.drafted > 0
     eng.tokenizer.eos_id = None
     # the end of the context
     small = Engine.load(paths["target"], threads=1, n_ctx=len(PROMPT) + 9)

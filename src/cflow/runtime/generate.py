@@ -35,7 +35,7 @@ class Timings:
     reused_tokens: int = 0  # prompt tokens whose KV cache was kept from the previous call
     # speculative decoding (cflow.runtime.speculative); spec "" when it was off
     spec: str = ""  # the proposer: "ngram" or "draft"
-    drafted: int = 0  # tokens proposed and verified
+    drafted: int = 0  # proposed tokens the target judged (those after a stop are not)
     accepted: int = 0  # of which the target accepted
     rounds: int = 0  # verification calls (target calls that scored at least one proposed token)
     draft_s: float = 0.0  # of gen_s, in the proposer (the draft model's steps, the n-gram lookup)

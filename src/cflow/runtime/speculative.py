@@ -403,26 +403,27 @@ def run(gen: Generation, spec: Speculative) -> Iterator[tuple[int, str]]:
             n = len(drafts)
             rows = eng.step_rows([0] * (n + 1), [tok] + drafts, range(pos, pos + n + 1))
             tm.rounds += 1
-            tm.drafted += n
-            accepted = 0
+            judged = accepted = 0  # proposals decided (those after a stop are not), and kept
             for i in range(n + 1):
                 check_finite(eng, rows[i], f"at position {pos + i}")
                 ts = time.perf_counter()
                 ids, p = sampler.probs(rows[i], gen.history)
                 if i < n:
                     kept, tok = verify(ids, p, drafts[i], *(qs[i] if qs else (None, None)), rng)
+                    judged += 1
+                    accepted += kept
+                    tm.drafted += 1
+                    tm.accepted += kept
                 else:  # every proposal kept: the bonus token, from the last row
                     kept, tok = False, draw(ids, p, rng)
                 tm.sample_s += time.perf_counter() - ts
-                accepted += kept
                 piece, done = gen.emit(tok)
                 if piece is not None:
                     yield tok, piece
                 if done or not kept:
                     break
-            tm.accepted += accepted
-            gate.record(n, accepted)
-            length.record(n, accepted)
+            gate.record(judged, accepted)
+            length.record(judged, accepted)
             if not done:  # roll back: keep the text up to the newest token, which runs next round
                 eng.truncate(len(gen.history) - 1)
         tail = gen.finish()
