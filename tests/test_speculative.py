@@ -388,15 +388,6 @@ def test_draft_length_follows_the_accepted_runs():
     assert d.k == 3  # a rejection: one more than were kept
     d.record(3, 0)
     assert d.k == 1
-    g = sp.DraftLength(7, start=1, group=4)  # rows k + 1 rounded up to groups of 4: k is 3 or 7
-    assert g.k == 3
-    g.record(3, 3)
-    assert g.k == 7
-    g.record(7, 2)
-    assert g.k == 3
-    g.record(3, 0)
-    assert g.k == 3
-    assert sp.DraftLength(2, start=1, group=4).k == 2  # never beyond draft_max
 
 
 def test_fixed_length_when_not_adaptive(paths):

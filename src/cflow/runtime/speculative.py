@@ -59,7 +59,7 @@ if TYPE_CHECKING:
     from cflow.runtime.engine import Engine
 
 PROPOSERS = ("ngram", "draft")
-DEFAULT_DRAFT_MAX = 7  # 8 rows per call: see ROW_GROUP
+DEFAULT_DRAFT_MAX = 8
 DEFAULT_NGRAM_MAX = 3
 DEFAULT_NGRAM_MIN = 2  # a one-token match predicts poorly (docs/results/speculative.md)
 # The gate (see Gate): rounds it looks back over, the first pause (plain steps) and the longest.
@@ -69,12 +69,7 @@ GATE_MAX_PAUSE = 256
 # What one more row costs in a target call, as a share of a one-row step (the measured cost curve,
 # docs/results/speculative.md): speculation pays while the acceptance rate exceeds it.
 ROW_COST = 0.2
-# Rows the batched kernels run together at small batches: the AVX-512 small-batch path runs up to 4
-# tokens with two accumulator chains each, up to 8 per pass, so 2..4 rows cost about the same, and
-# so do 5..8 (measured curve: docs/results/speculative.md). Hence the n-gram lookup proposes 3 or 7
-# tokens (4 or 8 rows), and draft_max is 7: an 8th proposal would start another pass.
-ROW_GROUP = 4
-DRAFT_START = 3  # the first round's proposals (DraftLength)
+DRAFT_START = 4  # the first round's proposals (DraftLength)
 
 
 class SpeculativeError(EngineError):
@@ -96,8 +91,7 @@ class Speculative:
     ROW_COST plus the draft's weight bytes per token over the target's for a draft model);
     0 keeps speculation always on. adaptive: each round's length follows the accepted runs
     (DraftLength: starts at DRAFT_START, doubles while all are kept, drops to one more than
-    were kept after a rejection; the n-gram lookup's rounded up to fill a group of ROW_GROUP
-    rows); False: always draft_max."""
+    were kept after a rejection); False: always draft_max."""
 
     proposer: str | None = None
     draft: Any = None  # an Engine
@@ -341,24 +335,15 @@ class Gate:
 class DraftLength:
     """How many tokens the next round proposes (at most draft_max): after a round that kept every
     proposal, twice as many; after a rejection, one more than were kept. A proposed token that is
-    rejected costs a row of the target call for nothing, so the length follows the runs of
-    accepted tokens: long while the output copies its input, short when it does not.
+    rejected costs a row of the target call (ROW_COST of a step) for nothing, so the length follows
+    the runs of accepted tokens: long while the output copies its input, short when it does not."""
 
-    group > 1 (free proposals: the n-gram lookup) rounds the length up so that the call's rows
-    (k + 1) fill a whole group: the batched kernels run rows in groups (ROW_GROUP), and a call of
-    2, 3 or 4 rows costs about the same (docs/results/speculative.md), so the extra guesses ride
-    free. A draft model pays a draft step per proposal: group 1, no rounding."""
-
-    def __init__(self, draft_max: int, start: int | None = None, group: int = 1) -> None:
-        self.max, self.group = draft_max, group
-        self.k = self._fit(draft_max if start is None else start)
-
-    def _fit(self, k: int) -> int:
-        k = -(-(k + 1) // self.group) * self.group - 1  # k + 1 rounded up to a multiple of group
-        return max(1, min(k, self.max))
+    def __init__(self, draft_max: int, start: int | None = None) -> None:
+        self.max = draft_max
+        self.k = draft_max if start is None else max(1, min(start, draft_max))
 
     def record(self, drafted: int, accepted: int) -> None:
-        self.k = self._fit(2 * drafted if accepted == drafted else accepted + 1)
+        self.k = min(self.max, 2 * drafted if accepted == drafted else accepted + 1)
 
 
 def min_rate(spec: Speculative, eng: "Engine") -> float:
@@ -380,7 +365,7 @@ def run(gen: Generation, spec: Speculative) -> Iterator[tuple[int, str]]:
     rng = sampler.rng
     proposer = make_proposer(spec, sampler.params)
     gate = Gate(min_rate(spec, eng))
-    length = DraftLength(spec.draft_max, DRAFT_START, ROW_GROUP if proposer.name == "ngram" else 1)
+    length = DraftLength(spec.draft_max, DRAFT_START)
     tm.spec = proposer.name
     logits = gen.prefill()
     t_gen = time.perf_counter()
