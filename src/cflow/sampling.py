@@ -237,6 +237,15 @@ def _top_p_full(logits: np.ndarray, p: float) -> tuple[np.ndarray, np.ndarray]:
     return top_p(*top_k(logits, 0), p)
 
 
+def draw(ids: np.ndarray, p: np.ndarray, rng: np.random.Generator) -> int:
+    """One id drawn from the distribution (ids, p) (p need not sum to 1 exactly): one uniform from
+    `rng`, none when there is a single id."""
+    if ids.size == 1:
+        return int(ids[0])
+    i = int(np.searchsorted(np.cumsum(p), rng.random() * p.sum(), side="right"))
+    return int(ids[min(i, ids.size - 1)])
+
+
 # ---- the sampler -------------------------------------------------------------------------------
 
 
@@ -286,11 +295,7 @@ class Sampler:
         return ids, tempered_softmax(vals, self.params.temperature)
 
     def sample(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
-        ids, p = self.probs(logits, history)
-        if ids.size == 1:
-            return int(ids[0])
-        i = int(np.searchsorted(np.cumsum(p), self.rng.random() * p.sum(), side="right"))
-        return int(ids[min(i, ids.size - 1)])
+        return draw(*self.probs(logits, history), self.rng)
 
     def _recent(self, history: Sequence[int]) -> Sequence[int]:
         n = self.params.repeat_last_n

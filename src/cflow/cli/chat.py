@@ -12,8 +12,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from cflow.cli.common import (UsageError, add_command, add_model_flags, add_sampling_flags, check_model_flags,
-                              check_sampling, load_engine, sampling_kwargs)
+from cflow.cli.common import (UsageError, add_command, add_model_flags, add_sampling_flags, add_speculative_flags,
+                              check_model_flags, check_sampling, check_speculative, load_engine, load_speculative,
+                              sampling_kwargs)
 from cflow.runtime import ContextOverflowError
 
 IN_CHAT_HELP = "commands: /exit (or Ctrl-D) quit, /reset start over, /help this text"
@@ -32,6 +33,7 @@ examples:
   cflow chat -m smollm2.cflow -sys "You are a concise assistant."
   cflow chat -m SmolLM2-135M-Instruct.Q4_1.gguf --temp 0 --perf
   printf 'Hi!\\nWhat is 2+2?\\n' | cflow chat -m smollm2.cflow -n 32
+  cflow chat -m smollm2.cflow --temp 0 --spec ngram --perf
 """
 
 
@@ -43,6 +45,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-n", "--n-predict", type=int, default=-1,
                    help="at most this many tokens per answer (default -1: until end of turn)")
     add_sampling_flags(p)
+    add_speculative_flags(p)
     p.add_argument("--perf", action="store_true", help="print tokens/s after each answer")
     p.set_defaults(func=run)
 
@@ -100,10 +103,12 @@ def run(args: argparse.Namespace) -> int:
     kw = sampling_kwargs(args)
     check_model_flags(args)
     check_sampling(kw)
+    spec = check_speculative(args)
     if sys.stdin is None:  # the shell closed it (`cflow chat <&-`): there is nothing to read turns from
         raise UsageError("stdin is closed, so there is no conversation to read; run cflow chat in a terminal, "
                          "or pipe the user turns into it, one per line")
     eng = load_engine(args)
+    kw["speculative"] = load_speculative(args, spec, eng)
     if not eng.tokenizer.chat_template:
         print(NO_TEMPLATE, file=sys.stderr)
     max_tokens = None if args.n_predict < 0 else args.n_predict
@@ -141,8 +146,10 @@ def run(args: argparse.Namespace) -> int:
             messages.append({"role": "assistant", "content": reply})
             if args.perf:
                 t = eng.last_timings
+                spec = (f", {t.spec}: {100 * t.acceptance_rate:.0f}% of {t.drafted} proposed accepted, "
+                        f"{t.mean_accepted:.2f} per call" if t.spec else "")
                 print(f"[{t.prompt_tokens} prompt tokens at {t.prompt_tps:.1f} t/s, {t.gen_tokens} tokens at "
-                      f"{t.gen_tps:.1f} t/s]", file=sys.stderr)
+                      f"{t.gen_tps:.1f} t/s{spec}]", file=sys.stderr)
     finally:
         _save_history(rl)
     return status

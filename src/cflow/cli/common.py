@@ -13,6 +13,8 @@ Owns:
 - renamed flags, still accepted under their old names with a deprecation line on stderr
   (`DeprecatedFlag`: --expert-prefetch is now --expert-speculation);
 - the sampling flags (llama.cpp's names) and their checks, done before the model loads;
+- the speculative decoding flags (--spec, --model-draft, --draft-max, --draft-min, ...): checked before
+  the model loads, the draft loaded beside it (cflow.runtime.speculative);
 - writes that fail as one line (`cannot write PATH: <strerror>`), checked before long work.
 """
 
@@ -290,8 +292,87 @@ def print_timings(eng, t, prompt_shown: int) -> None:
                   f"{'-' if hit is None else f'{100 * hit:.1f}%'} chosen by the layer predicted "
                   f"({cache['speculation']} ahead); {c['speculation_reads']} reads started early, "
                   f"{c['speculation_reads_used']} of them used", file=err)
+    if t.spec:
+        print(f"cflow: {'speculative':>16} = {t.spec}: {t.accepted} of {t.drafted} proposed tokens accepted "
+              f"({100 * t.acceptance_rate:.1f}%), {t.mean_accepted:.2f} per verification call ({t.rounds} calls), "
+              f"proposing {t.draft_s * 1e3:.2f} ms, {t.paused_steps} steps paused by the gate", file=err)
     total = (t.load_s + t.prompt_s + t.gen_s) * 1e3
     print(f"cflow: {'total time':>16} = {total:10.2f} ms / {prompt_shown + t.gen_tokens:5d} tokens", file=err)
+
+
+# ---- speculative decoding ------------------------------------------------------------------------
+SPEC_HELP = ("Speculative decoding guesses several tokens ahead and has the model check them all in one call; "
+             "the text is exactly what plain decoding gives (greedy: token for token; sampling: the same "
+             "distribution), only faster when the guesses are often right. ngram (prompt lookup) needs no second "
+             "model and helps when the answer repeats the prompt: summaries, rewrites, code edits, extraction; "
+             "draft needs a smaller model with the same vocabulary. When guesses keep failing, speculation pauses "
+             "itself (plain steps for a while), so it costs little where it does not help.")
+
+
+def add_speculative_flags(p: argparse.ArgumentParser) -> None:
+    """llama.cpp's flag names: --model-draft/-md, --draft-max (--draft, --draft-n), --draft-min."""
+    from cflow.runtime.speculative import DEFAULT_DRAFT_MAX, DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, DRAFT_START
+
+    g = p.add_argument_group("speculative decoding", SPEC_HELP)
+    g.add_argument("--spec", default=None, metavar="off|ngram|draft",
+                   help="off (default): plain decoding; ngram: propose the continuation of the latest earlier match "
+                   "of the last tokens in the prompt and the output so far; draft: a draft model proposes "
+                   "(needs --model-draft, which implies it)")
+    g.add_argument("-md", "--model-draft", default=None, metavar="FILE",
+                   help="the draft model (.cflow/.gguf) for --spec draft: much smaller than -m, with the same "
+                   "vocabulary (e.g. SmolLM2-135M for SmolLM2-1.7B); same -t and expert flags, context up to -c")
+    g.add_argument("--draft-max", "--draft", "--draft-n", dest="draft_max", type=int, default=DEFAULT_DRAFT_MAX,
+                   metavar="N", help=f"tokens proposed per verification call at most (default {DEFAULT_DRAFT_MAX}); the "
+                   f"first call proposes {DRAFT_START}, then twice as many while all are accepted and one more than "
+                   f"were accepted after a rejection (each proposed token costs a row of the call)")
+    g.add_argument("--draft-min", type=int, default=0, metavar="N",
+                   help="take a plain step instead when fewer than N tokens are proposed (default 0)")
+    g.add_argument("--spec-ngram-max", type=int, default=DEFAULT_NGRAM_MAX, metavar="N",
+                   help=f"ngram: the longest suffix looked up, in tokens; shorter ones are tried next "
+                   f"(default {DEFAULT_NGRAM_MAX})")
+    g.add_argument("--spec-ngram-min", type=int, default=DEFAULT_NGRAM_MIN, metavar="N",
+                   help=f"ngram: the shortest suffix looked up (default {DEFAULT_NGRAM_MIN})")
+
+
+def check_speculative(args: argparse.Namespace):
+    """The speculative settings the flags ask for, checked before any model loads (the draft, if
+    any, is still its path here: load_speculative loads it); None when off."""
+    from cflow.runtime.speculative import Speculative
+
+    name = args.spec if args.spec is not None else ("draft" if args.model_draft else "off")
+    if name == "off":
+        if args.model_draft:
+            raise UsageError("--model-draft was given with --spec off; drop one of them", flag="--spec")
+        return None
+    return Speculative(proposer=name, draft=args.model_draft, draft_max=args.draft_max, draft_min=args.draft_min,
+                       ngram_max=args.spec_ngram_max, ngram_min=args.spec_ngram_min)
+
+
+def load_speculative(args: argparse.Namespace, spec, eng):
+    """`spec` with its draft model loaded (the target's options; the target's context, or the draft's
+    own default when the draft allows less), its vocabulary checked against `eng`'s."""
+    import dataclasses
+
+    from cflow.runtime import Engine, EngineError
+    from cflow.runtime.speculative import check_draft
+
+    if spec is None or spec.draft is None:
+        return spec
+    try:
+        with progress_bar() as progress:
+            try:
+                draft = Engine.load(spec.draft, engine_options(args, n_ctx=eng.n_ctx), progress=progress, log=log)
+            except EngineError as e:  # a context longer than the draft allows: its own default
+                if e.flag != "-c":
+                    raise
+                draft = Engine.load(spec.draft, engine_options(args, n_ctx=None), progress=progress, log=log)
+    except EngineError as e:  # ModelNotFoundError included (it is an OSError too)
+        e.flag = "--model-draft"
+        raise
+    except OSError as e:
+        raise load_error(spec.draft, e) from None
+    check_draft(eng, draft)
+    return dataclasses.replace(spec, draft=draft)
 
 
 # ---- sampling ------------------------------------------------------------------------------------

@@ -10,8 +10,9 @@ import json
 import sys
 from pathlib import Path
 
-from cflow.cli.common import (UsageError, add_command, add_model_flags, add_sampling_flags, check_model_flags,
-                              check_sampling, load_engine, print_timings, sampling_kwargs)
+from cflow.cli.common import (UsageError, add_command, add_model_flags, add_sampling_flags, add_speculative_flags,
+                              check_model_flags, check_sampling, check_speculative, load_engine, load_speculative,
+                              print_timings, sampling_kwargs)
 
 
 HELP = """\
@@ -24,6 +25,8 @@ examples:
   cflow generate "Once upon a time" -n 64
   cflow generate -m smollm2.cflow -p "The capital of France is" --temp 0
   cflow generate -m smollm2.cflow -p "Hi" -n 16 --json | jq -r .text
+  cflow generate -m smollm2.cflow -f article_and_question.txt --temp 0 --spec ngram
+  cflow generate -m big.gguf --model-draft small.gguf --draft-max 6 -p "Once upon a time"
 """
 
 
@@ -36,6 +39,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="tokens to generate (default -1: until end of text or the context is full)")
     add_model_flags(p)
     add_sampling_flags(p)
+    add_speculative_flags(p)
     p.add_argument("--stop", "-r", "--reverse-prompt", action="append", default=[], metavar="TEXT",
                    help="stop when TEXT is generated (repeatable; TEXT is not printed)")
     p.add_argument("--ignore-eos", action="store_true",
@@ -45,7 +49,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-perf", action="store_true", help="do not print timings to stderr")
     p.add_argument("--json", action="store_true",
                    help="print nothing while generating, then one JSON object on stdout: text, tokens, "
-                   "prompt_tokens, finish_reason, timings, seed, model (no timing report on stderr)")
+                   "prompt_tokens, finish_reason, timings (with speculation: acceptance_rate, mean_accepted), "
+                   "seed, model (no timing report on stderr)")
     p.set_defaults(func=run)
 
 
@@ -70,14 +75,17 @@ def run(args: argparse.Namespace) -> int:
     kw = sampling_kwargs(args)
     check_model_flags(args)
     check_sampling(kw)
+    spec = check_speculative(args)
     prompt = read_prompt(args)
     eng = load_engine(args)
+    spec = load_speculative(args, spec, eng)
     max_tokens = None if args.n_predict < 0 else args.n_predict
-    kw.update(stop=args.stop, ignore_eos=args.ignore_eos)
+    kw.update(stop=args.stop, ignore_eos=args.ignore_eos, speculative=spec)
     if args.json:
         c = eng.complete(prompt, max_tokens, **kw)
         t = c.timings
-        timings = dict(dataclasses.asdict(t), prompt_tps=t.prompt_tps, gen_tps=t.gen_tps)
+        timings = dict(dataclasses.asdict(t), prompt_tps=t.prompt_tps, gen_tps=t.gen_tps,
+                       acceptance_rate=t.acceptance_rate, mean_accepted=t.mean_accepted)
         print(json.dumps({"text": c.text, "tokens": c.tokens, "prompt_tokens": c.prompt_tokens,
                           "finish_reason": c.finish_reason, "timings": timings, "seed": eng.seed,
                           "model": str(eng.path)}))

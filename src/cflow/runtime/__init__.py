@@ -3,6 +3,7 @@
     engine     Engine: load (verify, GGUF cache), prefill, step, counters
     options    EngineOptions: every load/run option, its default and its checks, in one frozen value
     generate   the generation loop, stop strings, Timings, Completion
+    speculative  speculative decoding: n-gram lookup and draft-model proposers, the acceptance rule
     plan       the per-token op plan (the delay semantics on the runtime side)
     abi        the boundary with cflow._native: descriptor and plan encoded by name
     threads    usable cores, thread-count checks, the decode thread tuner
@@ -19,7 +20,9 @@ from cflow.runtime.errors import (ContextOverflowError, CorruptModelError, Engin
 from cflow.runtime.experts import ExpertIOError
 from cflow.runtime.generate import Completion, Timings
 from cflow.runtime.options import EngineOptions
+from cflow.runtime.speculative import DraftVocabularyError, Speculative, SpeculativeError
 from cflow.runtime.threads import usable_threads
 
 __all__ = ["Engine", "EngineOptions", "DEFAULT_MODEL", "Completion", "Timings", "usable_threads", "EngineError", "ModelNotFoundError",
-           "ModelFormatError", "ContextOverflowError", "CorruptModelError", "NativeMissingError", "ExpertIOError"]
+           "ModelFormatError", "ContextOverflowError", "CorruptModelError", "NativeMissingError", "ExpertIOError",
+           "Speculative", "SpeculativeError", "DraftVocabularyError"]

@@ -371,6 +371,16 @@ class Engine:
         for i in range(self.n_seq) if seq is None else (self._seq_index(seq),):
             self._seqs[i].clear()
 
+    def truncate(self, n: int, seq: int = 0) -> None:
+        """Forget positions n.. of a sequence (speculative decoding's rollback of rejected tokens):
+        it then holds its first n tokens, and the next call may start at any position up to n. No
+        native work: a call at position p attends to positions 0..p only and overwrites the K/V it
+        runs, so the stale rows past n are never read."""
+        cached = self._seqs[self._seq_index(seq)]
+        if not 0 <= n <= len(cached):
+            raise EngineError(f"truncate: sequence {seq} holds {len(cached)} positions, cannot keep {n}")
+        del cached[n:]
+
     def _seq_index(self, seq: int) -> int:
         if isinstance(seq, bool) or not isinstance(seq, (int, np.integer)) or not 0 <= seq < self.n_seq:
             raise EngineError(f"sequence {seq!r} does not exist: this engine has {self.n_seq} "
@@ -646,29 +656,37 @@ class Engine:
                  repeat_penalty: float = 1.0, repeat_last_n: int = 64, seed: int | None = None,
                  presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                  logit_bias: Any = (), stop: Sequence[str] = (), add_bos: bool | None = None,
-                 ignore_eos: bool = False) -> Iterator[str]:
+                 ignore_eos: bool = False, speculative: Any = None) -> Iterator[str]:
         """Stream the continuation of `prompt` as text pieces.
 
         Sampling as cflow.sampling.SamplingParams (logit_bias: {token id: bias} or (id, bias) pairs).
         Stops at an end-of-sequence/end-of-turn token (unless ignore_eos), at a stop string (not
         included in the output), after `max_tokens` (None: until the context is full), or at the
-        end of the context. Timings of the run are in `self.last_timings` once it ends."""
+        end of the context. Timings of the run are in `self.last_timings` once it ends.
+
+        speculative (cflow.runtime.speculative; default None, off): "ngram" (prompt lookup), a draft
+        Engine with the same vocabulary, or a Speculative with the settings. The output is what
+        plain decoding gives: greedy token for token, sampling with the same distribution; the
+        timings add the acceptance rate and the mean accepted length."""
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                                 repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, seed=seed,
                                 presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                                 logit_bias=logit_bias)
-        for _, piece in run(self, prompt, max_tokens, params, stop, add_bos, ignore_eos):
+        for _, piece in run(self, prompt, max_tokens, params, stop, add_bos, ignore_eos, speculative):
             if piece:
                 yield piece
 
     def complete(self, prompt: str | Sequence[int], max_tokens: int | None = 128, **kw: Any) -> Completion:
-        """Non-streaming generate(): the whole text, the generated ids, the finish reason, timings."""
+        """Non-streaming generate(): the whole text, the generated ids, the finish reason, timings
+        (the keywords are generate()'s, speculative= included)."""
         stop = kw.pop("stop", ())
         add_bos = kw.pop("add_bos", None)
         ignore_eos = kw.pop("ignore_eos", False)
+        speculative = kw.pop("speculative", None)
         ids: list[int] = []
         parts: list[str] = []
-        for tok, piece in run(self, prompt, max_tokens, SamplingParams(**kw), stop, add_bos, ignore_eos):
+        for tok, piece in run(self, prompt, max_tokens, SamplingParams(**kw), stop, add_bos, ignore_eos,
+                              speculative):
             if tok >= 0:
                 ids.append(tok)
             parts.append(piece)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import numpy as np
 
@@ -33,6 +33,13 @@ class Timings:
     gen_s: float = 0.0  # decode steps + sampling
     sample_s: float = 0.0  # of which sampling
     reused_tokens: int = 0  # prompt tokens whose KV cache was kept from the previous call
+    # speculative decoding (cflow.runtime.speculative); spec "" when it was off
+    spec: str = ""  # the proposer: "ngram" or "draft"
+    drafted: int = 0  # proposed tokens the target judged (those after a stop are not)
+    accepted: int = 0  # of which the target accepted
+    rounds: int = 0  # verification calls (target calls that scored at least one proposed token)
+    draft_s: float = 0.0  # of gen_s, in the proposer (the draft model's steps, the n-gram lookup)
+    paused_steps: int = 0  # plain steps taken because the acceptance gate had paused speculation
 
     @property
     def prompt_tps(self) -> float:
@@ -41,6 +48,17 @@ class Timings:
     @property
     def gen_tps(self) -> float:
         return self.gen_tokens / self.gen_s if self.gen_s > 0 else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Share of the proposed tokens the target accepted (0 when none were proposed)."""
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted(self) -> float:
+        """Proposed tokens accepted per verification call (each call also emits one token of the
+        target's own: the correction or the bonus token)."""
+        return self.accepted / self.rounds if self.rounds else 0.0
 
 
 @dataclass
@@ -60,65 +78,119 @@ def check_finite(eng: "Engine", logits: np.ndarray, where: str) -> None:
 
 
 def run(eng: "Engine", prompt: str | Sequence[int], max_tokens: int | None, params: SamplingParams,
-        stop: Sequence[str] | str, add_bos: bool | None, ignore_eos: bool = False) -> Iterator[tuple[int, str]]:
-    """Yield (token id, newly visible text) per generated token; id -1 for a final flush."""
-    if max_tokens is not None and max_tokens < 0:
-        raise EngineError(f"max_tokens must be >= 0 (or None for no limit), got {max_tokens}", flag="-n")
-    stops = [s for s in ([stop] if isinstance(stop, str) else stop) if s]
-    ids = eng.encode(prompt, add_bos)
-    if not ids:
-        raise EngineError("the prompt is empty and the tokenizer adds no BOS token; give some text")
-    if len(ids) >= eng.n_ctx:
-        limit = eng.config.max_seq_len
-        fix = (f"raise the context with -c / n_ctx (the model allows up to {limit})" if eng.n_ctx < limit
-               else f"the context is already the model's maximum ({limit})")
-        raise ContextOverflowError(f"the prompt has {len(ids)} tokens but the context holds {eng.n_ctx}; "
-                                   f"shorten the prompt or {fix}", flag="-c")
-    sampler = Sampler(params)
-    stop_ids = frozenset() if ignore_eos else eng.tokenizer.stop_ids
-    detok = eng.tokenizer.stream(skip_special=True)
-    held = StopMatcher(stops)
-    tm = eng.last_timings = Timings(load_s=eng.load_s)
-    eng.last_prompt_len, eng.last_finish_reason = len(ids), "length"
-    eng.seed = sampler.seed
+        stop: Sequence[str] | str, add_bos: bool | None, ignore_eos: bool = False,
+        speculative: "Any" = None) -> Iterator[tuple[int, str]]:
+    """Yield (token id, newly visible text) per generated token; id -1 for a final flush.
+    `speculative` (None: off) is anything cflow.runtime.speculative.resolve takes; the output is
+    what plain decoding gives (greedy: token for token; sampling: the same distribution)."""
+    gen = Generation(eng, prompt, max_tokens, params, stop, add_bos, ignore_eos)
+    if speculative is not None:
+        from cflow.runtime import speculative as spec_mod
 
-    t0 = time.perf_counter()
-    logits = eng.eval(ids)
-    check_finite(eng, logits, "for the prompt")
-    tm.prompt_tokens = len(ids) - tm.reused_tokens
-    tm.prompt_s = time.perf_counter() - t0
+        spec = spec_mod.resolve(speculative, eng)
+        if spec is not None:
+            return spec_mod.run(gen, spec)
+    return _plain(gen)
 
-    history = list(ids)
-    # Every sampled token but the last runs through the model; the context bounds both.
-    limit = eng.n_ctx - len(ids) + 1
-    if max_tokens is not None:
-        limit = min(limit, max_tokens)
+
+def _plain(gen: "Generation") -> Iterator[tuple[int, str]]:
+    """One native call per generated token: sample, emit, step."""
+    eng, sampler, tm = gen.eng, gen.sampler, gen.timings
+    logits = gen.prefill()
     t_gen = time.perf_counter()
-    hit = False
     try:
-        for i in range(limit):
-            ts = time.perf_counter()
-            tok = sampler.sample(logits, history)
-            tm.sample_s += time.perf_counter() - ts
-            tm.gen_tokens += 1
-            if tok in stop_ids:
-                eng.last_finish_reason = "stop"
+        while gen.emitted < gen.limit:
+            tok = gen.sample(logits)
+            piece, done = gen.emit(tok)
+            if piece is not None:
+                yield tok, piece
+            if done:
                 break
-            history.append(tok)
-            text, hit = held.feed(detok.put(tok))
-            yield tok, text
-            if hit:
-                eng.last_finish_reason = "stop"
-                break
-            if i + 1 < limit:
-                logits = eng.step(tok, len(history) - 1)
-                check_finite(eng, logits, f"at position {len(history) - 1}")
-        if not hit:
-            tail, _ = held.feed(detok.flush(), final=True)
-            if tail:
-                yield -1, tail
+            logits = eng.step(tok, len(gen.history) - 1)
+            check_finite(eng, logits, f"at position {len(gen.history) - 1}")
+        tail = gen.finish()
+        if tail:
+            yield -1, tail
     finally:
         tm.gen_s = time.perf_counter() - t_gen
+
+
+class Generation:
+    """One generation's state and its contracts, shared by the plain loop (here) and the
+    speculative one (cflow.runtime.speculative): the checks on the request, the prompt's prefill
+    (reusing the cached prefix), the sampler, and `emit`, which decides for each generated token
+    what is shown and whether generation ends (a stop id, a stop string, max_tokens, the end of
+    the context). A loop only chooses which tokens to emit and which native calls compute them."""
+
+    def __init__(self, eng: "Engine", prompt: str | Sequence[int], max_tokens: int | None, params: SamplingParams,
+                 stop: Sequence[str] | str, add_bos: bool | None, ignore_eos: bool = False) -> None:
+        if max_tokens is not None and max_tokens < 0:
+            raise EngineError(f"max_tokens must be >= 0 (or None for no limit), got {max_tokens}", flag="-n")
+        stops = [s for s in ([stop] if isinstance(stop, str) else stop) if s]
+        ids = eng.encode(prompt, add_bos)
+        if not ids:
+            raise EngineError("the prompt is empty and the tokenizer adds no BOS token; give some text")
+        if len(ids) >= eng.n_ctx:
+            limit = eng.config.max_seq_len
+            fix = (f"raise the context with -c / n_ctx (the model allows up to {limit})" if eng.n_ctx < limit
+                   else f"the context is already the model's maximum ({limit})")
+            raise ContextOverflowError(f"the prompt has {len(ids)} tokens but the context holds {eng.n_ctx}; "
+                                       f"shorten the prompt or {fix}", flag="-c")
+        self.eng = eng
+        self.ids = ids
+        self.sampler = Sampler(params)
+        self.stop_ids = frozenset() if ignore_eos else eng.tokenizer.stop_ids
+        self.detok = eng.tokenizer.stream(skip_special=True)
+        self.held = StopMatcher(stops)
+        self.timings = eng.last_timings = Timings(load_s=eng.load_s)
+        eng.last_prompt_len, eng.last_finish_reason = len(ids), "length"
+        eng.seed = self.sampler.seed
+        self.history = list(ids)  # the prompt, then every emitted token
+        # Every sampled token but the last runs through the model; the context bounds both.
+        self.limit = eng.n_ctx - len(ids) + 1
+        if max_tokens is not None:
+            self.limit = min(self.limit, max_tokens)
+        self.emitted = 0  # tokens sampled and passed to emit (a stop id included)
+        self.hit = False  # a stop string ended generation
+
+    def prefill(self) -> np.ndarray:
+        """The logits after the prompt (the cached prefix is reused); timed as prompt eval."""
+        tm = self.timings
+        t0 = time.perf_counter()
+        logits = self.eng.eval(self.ids)
+        check_finite(self.eng, logits, "for the prompt")
+        tm.prompt_tokens = len(self.ids) - tm.reused_tokens
+        tm.prompt_s = time.perf_counter() - t0
+        return logits
+
+    def sample(self, logits: np.ndarray) -> int:
+        """Plain sampling at the next position (its history: the prompt and every emitted token)."""
+        ts = time.perf_counter()
+        tok = self.sampler.sample(logits, self.history)
+        self.timings.sample_s += time.perf_counter() - ts
+        return tok
+
+    def emit(self, tok: int) -> tuple[str | None, bool]:
+        """Emit the next generated token: (the text now visible, or None for a stop id, which is
+        not shown; whether generation ends here). Call only while emitted < limit."""
+        self.emitted += 1
+        self.timings.gen_tokens += 1
+        if tok in self.stop_ids:
+            self.eng.last_finish_reason = "stop"
+            return None, True
+        self.history.append(tok)
+        text, self.hit = self.held.feed(self.detok.put(tok))
+        if self.hit:
+            self.eng.last_finish_reason = "stop"
+        return text, self.hit or self.emitted >= self.limit
+
+    def finish(self) -> str:
+        """The text still held back (by the detokenizer or a possible stop string) when generation
+        ends without a stop string."""
+        if self.hit:
+            return ""
+        tail, _ = self.held.feed(self.detok.flush(), final=True)
+        return tail
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

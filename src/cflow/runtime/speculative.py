@@ -1,0 +1,433 @@
+"""Speculative decoding: guess several tokens cheaply, then let the model check them all in one call.
+
+    eng.complete(prompt, temperature=0, speculative="ngram")             # prompt lookup, no second model
+    draft = Engine.load("small.gguf")                                      # same vocabulary as eng
+    eng.complete(prompt, speculative=Speculative(draft=draft, draft_max=6))
+
+Each round a proposer guesses up to `draft_max` tokens d_1..d_k after the text so far; the model
+(the "target") runs the newest emitted token and d_1..d_k as k+1 consecutive rows of one native
+call (Engine.step_rows: one pass over the weights, each row bit for bit what step() gives), which
+scores all k+1 positions. Then, position by position, the standard rule decides:
+
+- greedy: d_i is kept while it equals the target's argmax there; the first mismatch is replaced by
+  the argmax. The output is token for token plain greedy decoding.
+- sampling: d_i is kept with probability min(1, p(d_i) / q(d_i)), p the target's distribution
+  there (the engine's Sampler: logit bias, penalties over the history up to that position, top-k,
+  top-p, min-p, temperature, exactly what plain sampling would use) and q the proposer's. A
+  rejected d_i is replaced by a draw from max(0, p - q), normalised; when all k are kept, one more
+  token (the bonus) is drawn from p at position k+1. The output has exactly the target's
+  distribution (Leviathan et al. 2023, Chen et al. 2023). A deterministic proposer (the n-gram
+  lookup) is a point mass: q(d_i) = 1, so d_i is kept with probability p(d_i).
+
+Every call thus emits 1 + (accepted) tokens. How many tokens a round proposes follows the accepted
+runs (DraftLength), and the Gate pauses speculation while it loses. Positions of rejected tokens are rolled back: the
+engine's bookkeeping forgets them (Engine.truncate) and the next call overwrites their K/V. Every
+emitted token goes through cflow.runtime.generate.Generation.emit, the plain loop's own rules for
+stop ids, stop strings, max_tokens and the context end, so generation stops exactly where plain
+decoding does; a round never proposes more tokens than are left to emit. One random stream (the
+Sampler's, seeded) serves the draft's draws, the acceptance tests and the corrections, in a fixed
+order, so a seed reproduces a run.
+
+Owns: the settings (Speculative, and `resolve`, which turns what a caller passed into them), the
+proposers (NgramProposer: prompt lookup decoding, llama.cpp's `lookup`; DraftProposer: a second
+Engine with the same vocabulary, whose KV cache follows the accepted text), the acceptance rule
+(`accept_probability`, `residual`, `verify`: one definition, used by the loop and the tests), the
+Gate that pauses speculation while it loses, and the loop (`run`).
+
+When it helps: a round costs one target call of k+1 rows instead of one row; on a CPU a decode
+step streams the weights once, so the extra rows cost little (docs/results/speculative.md has the
+measured cost curve) and each accepted token saves a whole step. The n-gram lookup wins when the
+output repeats the input (summaries, rewrites, code edits, extraction); on free text it finds few
+matches and costs nothing then (no match: a plain step). A draft model wins when it is much
+smaller than the target and agrees with it often.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
+
+import numpy as np
+
+from cflow.runtime.errors import EngineError
+from cflow.runtime.generate import Generation, check_finite
+from cflow.sampling import Sampler, SamplingParams, draw
+
+if TYPE_CHECKING:
+    from cflow.runtime.engine import Engine
+
+PROPOSERS = ("ngram", "draft")
+DEFAULT_DRAFT_MAX = 8
+DEFAULT_NGRAM_MAX = 3
+DEFAULT_NGRAM_MIN = 2  # a one-token match predicts poorly (docs/results/speculative.md)
+# The gate (see Gate): rounds it looks back over, the first pause (plain steps) and the longest.
+GATE_WINDOW = 8
+GATE_PAUSE = 16
+GATE_MAX_PAUSE = 256
+# What one more row costs in a target call, as a share of a one-row step (the measured cost curve,
+# docs/results/speculative.md): speculation pays while the acceptance rate exceeds it.
+ROW_COST = 0.2
+DRAFT_START = 4  # the first round's proposals (DraftLength)
+
+
+class SpeculativeError(EngineError):
+    """Speculative decoding was asked for with settings it cannot run."""
+
+
+class DraftVocabularyError(SpeculativeError):
+    """The draft model's vocabulary is not the target's, so its tokens would mean other text."""
+
+
+# ---- settings --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Speculative:
+    """How to speculate. proposer: "ngram" (prompt lookup) or "draft" (the `draft` Engine); None:
+    "draft" when a draft is given, else "ngram". draft_max: tokens proposed per round at most
+    (llama.cpp's --draft-max); draft_min: a round with fewer proposed tokens is a plain step
+    instead (--draft-min). ngram_max, ngram_min: the n-gram lookup tries suffixes of these lengths,
+    longest first. min_acceptance: the Gate's threshold (None: ROW_COST for the n-gram lookup;
+    ROW_COST plus the draft's weight bytes per token over the target's for a draft model);
+    0 keeps speculation always on. adaptive: each round's length follows the accepted runs
+    (DraftLength: starts at DRAFT_START, doubles while all are kept, drops to one more than
+    were kept after a rejection); False: always draft_max."""
+
+    proposer: str | None = None
+    draft: Any = None  # an Engine
+    draft_max: int = DEFAULT_DRAFT_MAX
+    draft_min: int = 0
+    ngram_max: int = DEFAULT_NGRAM_MAX
+    ngram_min: int = DEFAULT_NGRAM_MIN
+    min_acceptance: float | None = None
+    adaptive: bool = True
+
+    def __post_init__(self) -> None:
+        name = self.proposer if self.proposer is not None else ("draft" if self.draft is not None else "ngram")
+        if name not in PROPOSERS:
+            raise SpeculativeError(f"unknown speculative proposer {name!r}: use one of {', '.join(PROPOSERS)} "
+                                   f"(ngram: prompt lookup, no second model; draft: a smaller model with the same "
+                                   f"vocabulary, --model-draft FILE)", flag="--spec")
+        if name == "draft" and self.draft is None:
+            raise SpeculativeError("speculation with a draft model needs the draft model: --model-draft FILE "
+                                   "(Python: Speculative(draft=Engine.load(FILE)))", flag="--model-draft")
+        if name == "ngram" and self.draft is not None:
+            raise SpeculativeError("a draft model was given with the n-gram proposer; use --spec draft (or leave "
+                                   "--spec out: --model-draft implies it)", flag="--spec")
+        object.__setattr__(self, "proposer", name)
+        for field, flag, low in (("draft_max", "--draft-max", 1), ("draft_min", "--draft-min", 0),
+                                 ("ngram_min", "--spec-ngram-min", 1), ("ngram_max", "--spec-ngram-max", 1)):
+            v = getattr(self, field)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < low:
+                raise SpeculativeError(f"{field} must be an int >= {low}, got {v!r}", flag=flag)
+        if self.draft_min > self.draft_max:
+            raise SpeculativeError(f"draft_min ({self.draft_min}) is larger than draft_max ({self.draft_max}), so "
+                                   f"no round could ever speculate", flag="--draft-min")
+        if self.ngram_min > self.ngram_max:
+            raise SpeculativeError(f"ngram_min ({self.ngram_min}) is larger than ngram_max ({self.ngram_max})",
+                                   flag="--spec-ngram-min")
+        m = self.min_acceptance
+        if m is not None and (isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 <= m <= 1):
+            raise SpeculativeError(f"min_acceptance must be in [0, 1] (0: never pause), got {m!r}")
+
+
+def resolve(value: Any, eng: "Engine") -> Speculative | None:
+    """The Speculative a caller's `speculative=` means: None, False or "off": none; "ngram"; an
+    Engine: that engine as the draft model; a Speculative as it is. The draft's vocabulary is
+    checked against `eng`'s."""
+    from cflow.runtime.engine import Engine
+
+    if value is None or value is False or value == "off":
+        return None
+    if isinstance(value, str):
+        spec = Speculative(proposer=value)
+    elif isinstance(value, Engine):
+        spec = Speculative(draft=value)
+    elif isinstance(value, Speculative):
+        spec = value
+    else:
+        raise SpeculativeError(f"speculative= takes None, 'ngram', a draft Engine or a Speculative, got "
+                               f"{type(value).__name__}")
+    if spec.draft is not None:
+        if spec.draft is eng:  # one KV cache cannot hold both the text and the draft's guesses
+            raise SpeculativeError("the draft model must be an Engine of its own, not the target itself: load the "
+                                   "file a second time (Engine.load(path)) to use a model as its own draft")
+        check_draft(eng, spec.draft)
+    return spec
+
+
+def check_draft(eng: "Engine", draft: "Engine") -> None:
+    """A draft model must speak the target's vocabulary: the same number of tokens, the same text for each."""
+    a, b = eng.tokenizer.vocab, draft.tokenizer.vocab
+    same = eng.config.vocab_size == draft.config.vocab_size and (a is b or a == b)
+    if not same:
+        differ = (f"{draft.config.vocab_size} tokens against the target's {eng.config.vocab_size}"
+                  if draft.config.vocab_size != eng.config.vocab_size or len(a) != len(b)
+                  else f"the same size ({len(a)}) but other tokens (first at id "
+                       f"{next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)})")
+        raise DraftVocabularyError(
+            f"the draft model {draft.path} does not share the vocabulary of {eng.path}: it has {differ}. A draft "
+            f"must use the target's tokenizer: take a smaller model of the same family (e.g. SmolLM2-135M for "
+            f"SmolLM2-1.7B), or use --spec ngram, which needs no second model", flag="--model-draft")
+
+
+# ---- the acceptance rule -------------------------------------------------------------------------
+def prob_of(ids: np.ndarray, p: np.ndarray, x: int) -> float:
+    """p(x) of a distribution given as (ids, probabilities); 0 for an id outside it."""
+    return float(p[ids == x].sum())
+
+
+def accept_probability(px: float, qx: float) -> float:
+    """The chance of keeping a proposed token x: min(1, p(x) / q(x)) (q(x) > 0: x was drawn from q)."""
+    return 1.0 if px >= qx else px / qx
+
+
+def residual(p_ids: np.ndarray, p: np.ndarray, q_ids: np.ndarray | None, q: np.ndarray | None,
+             x: int) -> np.ndarray:
+    """max(0, p - q) over p's ids (not normalised: draw() scales): where the replacement of a
+    rejected x is drawn from. q None: the point mass at x (a deterministic proposer)."""
+    if q is None:
+        return np.where(p_ids == x, 0.0, p)
+    n = int(max(p_ids.max(), q_ids.max())) + 1
+    dense = np.zeros(n)
+    dense[q_ids] = q
+    return np.maximum(p - dense[p_ids], 0.0)
+
+
+def verify(p_ids: np.ndarray, p: np.ndarray, x: int, q_ids: np.ndarray | None, q: np.ndarray | None,
+           rng: np.random.Generator) -> tuple[bool, int]:
+    """Speculative rejection sampling of one proposed token x at one position: (kept, the token
+    emitted there). A uniform is drawn only when the decision is random (0 < acceptance < 1), so
+    greedy decoding draws nothing."""
+    qx = 1.0 if q is None else prob_of(q_ids, q, x)
+    a = accept_probability(prob_of(p_ids, p, x), qx)
+    if a >= 1.0 or (a > 0.0 and rng.random() < a):
+        return True, x
+    r = residual(p_ids, p, q_ids, q, x)
+    if not r.sum() > 0:  # p == q to rounding: a rejection had probability ~0; draw from p itself
+        r = p
+    return False, draw(p_ids, r, rng)
+
+
+# ---- proposers -----------------------------------------------------------------------------------
+class NgramProposer:
+    """Prompt lookup decoding: find the latest earlier occurrence of the text's last n tokens (n from
+    ngram_max down to ngram_min) in the prompt and the output so far, and propose what followed it.
+    A continuation that runs into the text's end repeats periodically (a loop in the output is
+    proposed as a loop). Deterministic: q is the point mass at each proposed token.
+
+    The index maps each n-gram to the position after its latest occurrence, updated with every
+    new token: O(ngram_max) dictionary operations per token, whatever the context length."""
+
+    name = "ngram"
+
+    def __init__(self, ngram_min: int, ngram_max: int) -> None:
+        self.sizes = range(ngram_max, ngram_min - 1, -1)
+        self.index: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in self.sizes}
+        self.done = 0  # n-grams ending before position `done` (continuation at done or before) are indexed
+
+    def propose(self, history: Sequence[int], k: int, rng: np.random.Generator) -> tuple[list[int], None]:
+        end = len(history)
+        # index the n-grams whose continuation starts at e in [done + 1, end) (the text's own last
+        # n-gram has none yet); zip keeps a long prompt's indexing at C speed, later e overwrite earlier
+        for n in self.sizes:
+            lo = max(self.done + 1, n)
+            if lo < end:
+                grams = zip(*(history[lo - n + i:end - n + i] for i in range(n)))
+                self.index[n].update(zip(grams, range(lo, end)))
+        self.done = max(self.done, end - 1)
+        for n in self.sizes:
+            if end < n:
+                continue
+            c = self.index[n].get(tuple(history[end - n:]))
+            if c is not None:
+                out: list[int] = []
+                for i in range(k):
+                    j = c + i
+                    out.append(history[j] if j < end else out[j - end])
+                return out, None
+        return [], None
+
+
+class DraftProposer:
+    """A draft model (its own Engine, same vocabulary) proposes by sampling from its own distribution
+    q with the generation's sampling parameters (greedy when the target is greedy), each token
+    after the text so far and the tokens it proposed before. Its KV cache follows the accepted
+    text: each round's Engine.eval keeps the prefix it shares with the text and runs the rest."""
+
+    name = "draft"
+
+    def __init__(self, draft: "Engine", params: SamplingParams) -> None:
+        self.eng = draft
+        self.sampler = Sampler(params)  # for q only: draws use the generation's random stream
+
+    def propose(self, history: Sequence[int], k: int,
+                rng: np.random.Generator) -> tuple[list[int], list[tuple[np.ndarray, np.ndarray]]]:
+        d = self.eng
+        # the last proposed token is not run: its positions end at len(history) + k - 2
+        k = min(k, d.n_ctx - len(history) + 1)
+        if k < 1:
+            return [], []
+        logits = d.eval(history)
+        seq = list(history)
+        out: list[int] = []
+        qs: list[tuple[np.ndarray, np.ndarray]] = []
+        for i in range(k):
+            check_finite(d, logits, f"in the draft model at position {len(seq) - 1}")
+            ids, q = self.sampler.probs(logits, seq)
+            x = draw(ids, q, rng)
+            out.append(x)
+            qs.append((ids, q))
+            seq.append(x)
+            if i + 1 < k:
+                logits = d.step(x, len(seq) - 1)
+        return out, qs
+
+
+def make_proposer(spec: Speculative, params: SamplingParams) -> NgramProposer | DraftProposer:
+    if spec.proposer == "draft":
+        return DraftProposer(spec.draft, params)
+    return NgramProposer(spec.ngram_min, spec.ngram_max)
+
+
+# ---- the gate ------------------------------------------------------------------------------------
+class Gate:
+    """Turns speculation off while it loses. After each verification round it looks at the last
+    `window` rounds; when they are all in and their acceptance rate (accepted / proposed) is below
+    `min_rate`, the next `pause` steps are plain steps, and the window starts empty again. A pause
+    that is followed by another failing window lasts twice as long (up to `max_pause`); a window
+    that passes resets the pause to its first length.
+
+    Why acceptance and not time: a round of k proposed tokens costs about 1 + ROW_COST x k plain
+    steps and emits 1 + (acceptance x k) tokens, so it pays when the acceptance rate exceeds
+    ROW_COST (plus the draft's own cost per proposed token); and counts, unlike clocks, keep a
+    seeded run reproducible."""
+
+    def __init__(self, min_rate: float, window: int = GATE_WINDOW, pause: int = GATE_PAUSE,
+                 max_pause: int = GATE_MAX_PAUSE) -> None:
+        self.min_rate, self.window, self.first_pause, self.max_pause = min_rate, window, pause, max_pause
+        self.recent: deque[tuple[int, int]] = deque(maxlen=window)
+        self.pause = pause  # the next pause's length
+        self.paused = 0  # plain steps left in the current pause
+        self.pauses = 0  # pauses so far
+
+    def open(self) -> bool:
+        """Whether this step may speculate; a closed gate counts the step against its pause."""
+        if self.paused:
+            self.paused -= 1
+            return False
+        return True
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.recent.append((drafted, accepted))
+        if len(self.recent) < self.window:
+            return
+        drafted_sum = sum(d for d, _ in self.recent)
+        if sum(a for _, a in self.recent) < self.min_rate * drafted_sum:
+            self.paused = self.pause
+            self.pauses += 1
+            self.pause = min(2 * self.pause, self.max_pause)
+            self.recent.clear()
+        else:
+            self.pause = self.first_pause
+
+
+class DraftLength:
+    """How many tokens the next round proposes (at most draft_max): after a round that kept every
+    proposal, twice as many; after a rejection, one more than were kept. A proposed token that is
+    rejected costs a row of the target call (ROW_COST of a step) for nothing, so the length follows
+    the runs of accepted tokens: long while the output copies its input, short when it does not."""
+
+    def __init__(self, draft_max: int, start: int | None = None) -> None:
+        self.max = draft_max
+        self.k = draft_max if start is None else max(1, min(start, draft_max))
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.k = min(self.max, 2 * drafted if accepted == drafted else accepted + 1)
+
+
+def min_rate(spec: Speculative, eng: "Engine") -> float:
+    """The gate's threshold: spec.min_acceptance, or by default what one proposed token costs in
+    plain steps: ROW_COST, plus for a draft model its weight bytes per token over the target's (a
+    decode step on a CPU streams the weights: its time follows their bytes)."""
+    if spec.min_acceptance is not None:
+        return float(spec.min_acceptance)
+    if spec.proposer == "draft":
+        return min(1.0, ROW_COST + spec.draft.weight_bytes_per_token() / eng.weight_bytes_per_token())
+    return ROW_COST
+
+
+# ---- the loop ------------------------------------------------------------------------------------
+def run(gen: Generation, spec: Speculative) -> Iterator[tuple[int, str]]:
+    """cflow.runtime.generate.run's loop with speculation: yields (token id, newly visible text)
+    per emitted token, id -1 for the final flush, exactly as the plain loop does."""
+    eng, sampler, tm = gen.eng, gen.sampler, gen.timings
+    rng = sampler.rng
+    proposer = make_proposer(spec, sampler.params)
+    gate = Gate(min_rate(spec, eng))
+    length = DraftLength(spec.draft_max, DRAFT_START)
+    tm.spec = proposer.name
+    logits = gen.prefill()
+    t_gen = time.perf_counter()
+    try:
+        done = gen.limit == 0
+        if not done:
+            tok = gen.sample(logits)
+            piece, done = gen.emit(tok)
+            if piece is not None:
+                yield tok, piece
+        while not done:
+            # tok, the newest emitted token, is not in the cache yet: it runs at `pos` this round
+            pos = len(gen.history) - 1
+            # at most as many proposals as there are tokens left to emit after this round's first
+            k = min(length.k if spec.adaptive else spec.draft_max, gen.limit - gen.emitted - 1)
+            drafts: list[int] = []
+            qs = None
+            if k >= max(1, spec.draft_min):
+                if gate.open():
+                    t0 = time.perf_counter()
+                    drafts, qs = proposer.propose(gen.history, k, rng)
+                    tm.draft_s += time.perf_counter() - t0
+                    if len(drafts) < spec.draft_min:
+                        drafts = []
+                else:
+                    tm.paused_steps += 1
+            if not drafts:  # a plain step
+                logits = eng.step(tok, pos)
+                check_finite(eng, logits, f"at position {pos}")
+                tok = gen.sample(logits)
+                piece, done = gen.emit(tok)
+                if piece is not None:
+                    yield tok, piece
+                continue
+            n = len(drafts)
+            rows = eng.step_rows([0] * (n + 1), [tok] + drafts, range(pos, pos + n + 1))
+            tm.rounds += 1
+            judged = accepted = 0  # proposals decided (those after a stop are not), and kept
+            for i in range(n + 1):
+                check_finite(eng, rows[i], f"at position {pos + i}")
+                ts = time.perf_counter()
+                ids, p = sampler.probs(rows[i], gen.history)
+                if i < n:
+                    kept, tok = verify(ids, p, drafts[i], *(qs[i] if qs else (None, None)), rng)
+                    judged += 1
+                    accepted += kept
+                    tm.drafted += 1
+                    tm.accepted += kept
+                else:  # every proposal kept: the bonus token, from the last row
+                    kept, tok = False, draw(ids, p, rng)
+                tm.sample_s += time.perf_counter() - ts
+                piece, done = gen.emit(tok)
+                if piece is not None:
+                    yield tok, piece
+                if done or not kept:
+                    break
+            gate.record(judged, accepted)
+            length.record(judged, accepted)
+            if not done:  # roll back: keep the text up to the newest token, which runs next round
+                eng.truncate(len(gen.history) - 1)
+        tail = gen.finish()
+        if tail:
+            yield -1, tail
+    finally:
+        tm.gen_s = time.perf_counter() - t_gen
