@@ -4,7 +4,7 @@ stream-chunk objects built from the batch generator's events. No HTTP here (cflo
 Every check raises `BadRequest` with the message, the parameter and an OpenAI error code, which
 the server returns as 400 `{"error": {"message", "type": "invalid_request_error", "param", "code"}}`.
 Types are checked strictly (a string where a number belongs is an error, not coerced). Fields
-other servers honour and this one does not (UNSUPPORTED: echo, suffix, tools, response_format
+other servers honour and this one does not (UNSUPPORTED: suffix, tools, response_format
 other than text, grammars, other samplers ...) are refused with a 400 naming the field whenever
 they hold anything but their no-op value, never silently ignored; fields that change nothing
 here (user, metadata, store ...) and unknown ones are ignored, as OpenAI's and llama-server's are.
@@ -15,6 +15,12 @@ max_tokens (or max_completion_tokens, or llama-server's n_predict), ignore_eos (
 logprobs (completions: an int, the number of alternatives; chat: a bool, with top_logprobs);
 n (choices, each decoded in its own slot; with a seed, choice i uses seed + i). Absent fields
 take the server's defaults (`cflow serve --temp ...`).
+
+echo (completions only, as OpenAI's legacy endpoint, vLLM and llama-server): the answer's text
+starts with the prompt, and with `logprobs` its logprobs start with the prompt's tokens, the
+first one's logprob and top_logprobs null (nothing predicts it); `max_tokens: 0` then scores the
+prompt alone. This is how loglikelihood evaluations (lm-eval's local-completions model) score
+text: prompt = context + continuation, sum the continuation's token_logprobs.
 """
 
 from __future__ import annotations
@@ -38,7 +44,6 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 # Fields that OpenAI or llama-server honour and this server does not: name -> (the values that
 # change nothing, what to say). Any other value is refused with 400 naming the field.
 UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "echo": ((False,), "echoing the prompt is not supported"),
     "suffix": (("",), "insertion (a suffix after the completion) is not supported"),
     "tools": (([],), "tools (function calling) are not supported"),
     "tool_choice": (("none", "auto"), "tools (function calling) are not supported"),
@@ -105,6 +110,7 @@ class GenSpec:
     prompt: str | list[int] | None = None   # completions
     messages: list[dict[str, Any]] | None = None   # chat, normalized to {"role", "content": str}
     model: str | None = None
+    echo: bool = False                      # completions: the prompt (and its logprobs) before the answer
 
 
 # ---- typed field access ------------------------------------------------------------------------
@@ -290,7 +296,8 @@ def parse_completion(body: Any, defaults: Defaults, names: Sequence[str] = (),
     elif not isinstance(p, str):
         raise BadRequest(f"'prompt' must be a string or an array of token ids, got {_json_type(p)}", "prompt",
                          "invalid_type")
-    return GenSpec("completion", prompt=p, **_common(body, defaults, names, "completion", vocab_size))
+    echo = _field(body, "echo", "bool", False)
+    return GenSpec("completion", prompt=p, echo=echo, **_common(body, defaults, names, "completion", vocab_size))
 
 
 def parse_chat(body: Any, defaults: Defaults, names: Sequence[str] = (),
@@ -312,6 +319,9 @@ def parse_chat(body: Any, defaults: Defaults, names: Sequence[str] = (),
                              "invalid_value")
         out.append({"role": "system" if role == "developer" else role,
                     "content": _content(m.get("content"), f"{where}.content")})
+    if _field(body, "echo", "bool", False):
+        raise BadRequest("'echo' is only supported on /v1/completions (send the rendered prompt there to score "
+                         "it)", "echo", "unsupported_parameter")
     return GenSpec("chat", messages=out, **_common(body, defaults, names, "chat", vocab_size))
 
 
@@ -362,7 +372,8 @@ class LogprobsBuilder:
             s = self.tok.token_to_piece(p.token)
             tokens.append(s)
             lps.append(p.logprob)
-            tops.append({self.tok.token_to_piece(i): lp for i, lp in (p.top or [])})
+            # an echoed prompt's first token has no logprob, and no alternatives either (null, as OpenAI's)
+            tops.append(None if p.logprob is None else {self.tok.token_to_piece(i): lp for i, lp in (p.top or [])})
             offsets.append(self.offset)
             self.offset += len(s)
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
