@@ -34,7 +34,7 @@ from cflow import __version__  # noqa: E402
 from cflow.errors import CflowError  # noqa: E402
 
 # Subcommand modules, in the order `cflow --help` lists them.
-COMMANDS = ["generate", "chat", "serve", "bench", "convert", "inspect", "cache", "analyze", "data", "train", "export"]
+COMMANDS = ["generate", "chat", "serve", "bench", "perplexity", "convert", "inspect", "cache", "analyze", "data", "train", "export"]
 
 
 def build_parser() -> argparse.ArgumentParser:
