@@ -231,3 +231,27 @@ def test_echo_streamed_and_bad_echo(live, engine):
                              ("/v1/completions", {"prompt": "Hi", "echo": "yes"}, "invalid_type")):
         status, r = post(live, body, path)
         assert status == 400 and r["error"]["param"] == "echo" and r["error"]["code"] == code, r
+
+
+@needs_builtin
+def test_tokenizer_routes(live, engine):
+    """vLLM's /tokenize, /detokenize and /tokenizer_info (lm-eval's remote tokenizer backend)."""
+    from test_serve import request
+
+    tok = engine.tokenizer
+    status, r = post(live, {"prompt": TEXT, "add_special_tokens": False}, "/tokenize")
+    assert status == 200 and r["tokens"] == engine.encode(TEXT, add_bos=False) and r["count"] == len(r["tokens"])
+    status, r2 = post(live, {"content": TEXT}, "/tokenize")  # llama-server's field; the model's BOS rule
+    assert status == 200 and r2["tokens"] == engine.encode(TEXT)
+    status, d = post(live, {"tokens": r["tokens"]}, "/detokenize")
+    assert status == 200 and d["prompt"] == TEXT == tok.decode(r["tokens"])
+    status, _, raw = request(live, "GET", "/tokenizer_info", key=None)
+    info = json.loads(raw)
+    assert status == 200 and info["eos_token"] == tok.token_to_piece(tok.eos_id)
+    assert post(live, {"prompt": info["eos_token"], "add_special_tokens": False}, "/tokenize")[1]["tokens"] == \
+        [tok.eos_id]
+    for path, body, param in (("/tokenize", {"prompt": 5}, "prompt"), ("/tokenize", {}, "prompt"),
+                              ("/tokenize", {"prompt": "a", "add_special_tokens": "no"}, "add_special_tokens"),
+                              ("/detokenize", {"tokens": [1, -1]}, "tokens"), ("/detokenize", {}, "tokens")):
+        status, r = post(live, body, path)
+        assert status == 400 and r["error"]["param"] == param, (path, body, r)

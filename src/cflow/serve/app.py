@@ -22,6 +22,9 @@ byte JSON-escaped, plus 64 KiB) is refused with 413 before it is read.
 Routes (each also without the /v1 prefix, as llama-server):
     POST /v1/completions, POST /v1/chat/completions    (stream: true -> server-sent events, then [DONE])
     GET  /v1/models, GET /health (503 while loading), GET /metrics (Prometheus text)
+    POST /tokenize, POST /detokenize, GET /tokenizer_info   (vLLM's shapes; /tokenize also takes
+         llama-server's "content"): the model's tokenizer over HTTP, so a client such as lm-eval
+         (tokenizer_backend "remote", which it picks by itself when these answer) needs no local copy
 With an API key every route but /health needs `Authorization: Bearer KEY` (401 otherwise).
 """
 
@@ -110,7 +113,10 @@ class Server:
             routes += [Route(f"{prefix}/completions", self.completions, methods=["POST"]),
                        Route(f"{prefix}/chat/completions", self.chat_completions, methods=["POST"]),
                        Route(f"{prefix}/models", self.models, methods=["GET"]),
-                       Route(f"{prefix}/health", self.health, methods=["GET"])]
+                       Route(f"{prefix}/health", self.health, methods=["GET"]),
+                       Route(f"{prefix}/tokenize", self.tokenize, methods=["POST"]),
+                       Route(f"{prefix}/detokenize", self.detokenize, methods=["POST"]),
+                       Route(f"{prefix}/tokenizer_info", self.tokenizer_info, methods=["GET"])]
         routes.append(Route("/metrics", self.metrics_text, methods=["GET"]))
         inner = Starlette(routes=routes, lifespan=self._lifespan,
                           exception_handlers={HTTPException: self._http_error, Exception: self._server_error})
@@ -168,6 +174,53 @@ class Server:
         return JSONResponse({"status": "ok", "slots_idle": g.n_slots - g.running, "slots_processing": g.running,
                              "queue": g.queue_depth})
 
+    def _ready(self) -> BatchGenerator:
+        if self.gen is None:
+            raise P.BadRequest("the model is still loading; retry shortly" if self.load_error is None else
+                               f"the model failed to load: {self.load_error}", None, "model_loading",
+                               status=503, type_="unavailable_error")
+        return self.gen
+
+    async def tokenize(self, request: Request) -> Response:
+        try:
+            gen = self._ready()
+            text, add_bos = P.parse_tokenize(await self._read_json(request))
+            try:
+                ids = await self._off_loop(gen.backend.encode, text, add_bos)
+            except Exception as e:  # the tokenizer refusing the text (e.g. unpaired surrogates)
+                raise P.BadRequest(f"cannot tokenize the prompt: {type(e).__name__}: {str(e)[:200]}", "prompt",
+                                   "invalid_value") from None
+        except P.BadRequest as e:
+            return self._error(e)
+        except ClientGone:
+            return nothing
+        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": gen.n_ctx})
+
+    async def detokenize(self, request: Request) -> Response:
+        try:
+            gen = self._ready()
+            ids = P.parse_detokenize(await self._read_json(request), gen.backend.vocab_size)
+            text = await self._off_loop(gen.backend.tokenizer.decode, ids)
+        except P.BadRequest as e:
+            return self._error(e)
+        except ClientGone:
+            return nothing
+        return JSONResponse({"prompt": text, "content": text})
+
+    async def tokenizer_info(self, request: Request) -> Response:
+        """vLLM's /tokenizer_info: the special tokens and the chat template (lm-eval's remote
+        tokenizer reads eos_token and bos_token here, and renders chat_template itself)."""
+        if self.gen is None:
+            return self._unavailable()
+        tok = self.gen.backend.tokenizer
+
+        def piece(i: int | None) -> str | None:
+            return None if i is None else tok.token_to_piece(i)
+
+        return JSONResponse({"tokenizer_class": "cflow", "eos_token": piece(tok.eos_id), "bos_token": piece(tok.bos_id),
+                             "pad_token": None, "add_bos_token": bool(tok.add_bos), "chat_template": tok.chat_template,
+                             "model_max_length": self.gen.n_ctx, "vocab_size": tok.vocab_size})
+
     async def models(self, request: Request) -> Response:
         if self.gen is None:
             return self._unavailable()
@@ -209,11 +262,7 @@ class Server:
     async def _generate(self, request: Request, kind: str) -> Any:
         endpoint = "chat_completions" if kind == "chat" else "completions"
         try:
-            gen = self.gen
-            if gen is None:
-                raise P.BadRequest("the model is still loading; retry shortly" if self.load_error is None else
-                                   f"the model failed to load: {self.load_error}", None, "model_loading",
-                                   status=503, type_="unavailable_error")
+            gen = self._ready()
             body = await self._read_json(request)
             parse = P.parse_chat if kind == "chat" else P.parse_completion
             spec = parse(body, self.defaults, self.names, gen.backend.vocab_size)

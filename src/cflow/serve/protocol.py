@@ -346,6 +346,30 @@ def _object(body: Any) -> dict[str, Any]:
     return body
 
 
+# ---- the tokenizer routes (vLLM's and llama-server's) ---------------------------------------------
+def parse_tokenize(body: Any) -> tuple[str, bool | None]:
+    """POST /tokenize: {"prompt": text} (vLLM; llama-server's "content" too), "add_special_tokens"
+    (default true: the model's own BOS rule; false: none). Returns (text, add_bos for encode)."""
+    body = _object(body)
+    name = "prompt" if "prompt" in body or "content" not in body else "content"
+    text = _field(body, name, "str")
+    if text is None:
+        raise BadRequest("'prompt' is required: the text to tokenize", "prompt", "missing_required_parameter")
+    special = _field(body, "add_special_tokens", "bool", True)
+    return text, (None if special else False)
+
+
+def parse_detokenize(body: Any, vocab_size: int) -> list[int]:
+    """POST /detokenize: {"tokens": [ids]}."""
+    body = _object(body)
+    ids = _field(body, "tokens", "array")
+    if ids is None:
+        raise BadRequest("'tokens' is required: the token ids to turn into text", "tokens", "missing_required_parameter")
+    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in ids):
+        raise BadRequest(f"'tokens' must be token ids in 0..{vocab_size - 1}", "tokens", "invalid_value")
+    return ids
+
+
 # ---- responses ---------------------------------------------------------------------------------
 def new_id(kind: str) -> str:
     return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
