@@ -26,6 +26,9 @@ Routes (each also without the /v1 prefix, as llama-server):
          llama-server's "content"): the model's tokenizer over HTTP, so a client such as lm-eval
          (tokenizer_backend "remote", which it picks by itself when these answer) needs no local copy
 With an API key every route but /health needs `Authorization: Bearer KEY` (401 otherwise).
+A server given a `replica` name (one replica of several behind a proxy: cflow.serve.ray) says it
+in an `x-cflow-replica` header on every response and in /health, so a client or a test can see
+which replica answered.
 """
 
 from __future__ import annotations
@@ -92,8 +95,9 @@ class Server:
     def __init__(self, load: Callable[[], BatchGenerator], *, model_name: str, aliases: tuple[str, ...] = (),
                  api_key: str | None = None, defaults: P.Defaults | None = None,
                  on_ready: Callable[[BatchGenerator], None] | None = None,
-                 on_load_error: Callable[[BaseException], None] | None = None) -> None:
+                 on_load_error: Callable[[BaseException], None] | None = None, replica: str | None = None) -> None:
         self._load = load
+        self.replica = replica
         self.model_name = model_name
         self.names = (model_name, *sorted(set(aliases) - {model_name}))  # the served id first
         self.api_key = api_key.encode("utf-8") if api_key else None
@@ -146,6 +150,26 @@ class Server:
         if self._on_ready:
             self._on_ready(gen)
 
+    def load_now(self) -> BatchGenerator:
+        """Load the model in this thread's time (start_loading, then wait for it); raise its error."""
+        self.start_loading()
+        assert self._loader is not None
+        self._loader.join()
+        if self.gen is None:
+            raise self.load_error or RuntimeError("the server was closed while the model loaded")
+        return self.gen
+
+    def healthy(self) -> str | None:
+        """Why this server cannot answer generation requests (None: it can): loading, failed, or its
+        generator's worker has stopped."""
+        if self.load_error is not None:
+            return f"the model failed to load: {self.load_error}"
+        if self.gen is None:
+            return "the model is loading" if not self._closed else "the server is closed"
+        if not self.gen.alive:
+            return "the batch generator's worker thread has stopped"
+        return None
+
     def close(self) -> None:
         """Stop the generator (running and queued requests end); a load still running is dropped."""
         self._closed = True
@@ -171,8 +195,11 @@ class Server:
         if self.gen is None:
             return self._unavailable()
         g = self.gen
-        return JSONResponse({"status": "ok", "slots_idle": g.n_slots - g.running, "slots_processing": g.running,
-                             "queue": g.queue_depth})
+        body = {"status": "ok", "slots_idle": g.n_slots - g.running, "slots_processing": g.running,
+                "queue": g.queue_depth}
+        if self.replica is not None:
+            body["replica"] = self.replica
+        return JSONResponse(body)
 
     def _ready(self) -> BatchGenerator:
         if self.gen is None:
@@ -373,9 +400,13 @@ class _Guard:
                 await resp(scope, receive, send)
                 return
 
+        replica = None if self.server.replica is None else self.server.replica.encode("latin-1", "replace")
+
         async def counted(message: Any) -> None:
             if message["type"] == "http.response.start":
                 metrics.response(message["status"])
+                if replica is not None:
+                    message = {**message, "headers": [*message.get("headers", ()), (b"x-cflow-replica", replica)]}
             await send(message)
 
         await self.app(scope, receive, counted)

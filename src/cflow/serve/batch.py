@@ -248,6 +248,11 @@ class BatchGenerator:
         return max(0, len(self._pending) - (self.n_slots - self.running))
 
     @property
+    def alive(self) -> bool:
+        """Whether the worker thread runs (False after close(), or if it died)."""
+        return self._thread.is_alive() and not self._closing
+
+    @property
     def running(self) -> int:
         return sum(s is not None for s in self._slots)
 
