@@ -36,7 +36,6 @@ What each piece is, and why:
 
 from __future__ import annotations
 
-import functools
 import os
 import socket
 import time
@@ -99,7 +98,11 @@ def application(load: Callable[[], Any], *, slots: int, replicas: int = 1, max_r
         raise ValueError(f"max_replicas ({max_replicas}) must be >= replicas ({replicas})")
     if slots < 1:
         raise ValueError(f"slots must be >= 1, got {slots}")
-    builder = functools.partial(build_app, load, dict(options or {}))
+    opts = dict(options or {})
+
+    def builder() -> Any:  # a plain function: serve.ingress calls it in the replica (a partial would be
+        return build_app(load, opts)  # taken for an ASGI app and pickled as one)
+
     cls = serve.ingress(builder)(Replica)
     kw: dict[str, Any] = {}
     if max_replicas is not None and max_replicas > replicas:
