@@ -4,7 +4,8 @@
   in the x-cflow-replica header and /health, and its check_health raises once its generator has
   stopped; `cflow serve` refuses the Ray flags without --ray, and --ray on port 0.
 - With Ray (slow; skipped when ray[serve] is not installed): a local Ray cluster, 2 replicas of
-  the built-in model (1 thread, 2 slots each) behind Ray Serve's proxy: concurrent requests are
+  the built-in model (1 thread, 2 slots each) behind Ray Serve's proxy, started by `cflow serve
+  --ray --replicas 2` (which Ctrl-C stops) and by cflow.serve.ray.application: concurrent requests are
   answered by both replicas (x-cflow-replica) with Engine.complete's greedy text; one replica
   killed (ray.kill of its actor): the service keeps answering every request, and Ray Serve
   brings the deployment back to 2 running replicas, a new one among them.
@@ -82,6 +83,42 @@ def post(url: str, body: dict, timeout: float = 120) -> tuple[int, dict, dict]:
             return r.status, dict(r.headers), json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, dict(e.headers), {"error": e.read().decode(errors="replace")}
+
+
+@pytest.mark.slow
+@needs_builtin
+def test_cflow_serve_ray_command():
+    """`cflow serve --ray --replicas 2`: its own local Ray cluster, both replicas answer on one port,
+    Ctrl-C shuts it down (exit 0). Before the module's cluster below starts (one at a time)."""
+    pytest.importorskip("ray.serve", reason="Ray Serve is not installed: pip install 'cflow-lm[ray]'")
+    import signal
+    import threading
+
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "cflow", "serve", "--ray", "--replicas", "2", "-np", "2", "-t", "1",
+                             "-c", "512", "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+    ready, lines = threading.Event(), []
+
+    def read() -> None:
+        for line in proc.stderr:
+            lines.append(line)
+            if "ready:" in line:
+                ready.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        assert ready.wait(300), "".join(lines)[-3000:]
+        res = _spread(f"http://127.0.0.1:{port}", 12)
+        assert all(s == 200 for s, _, _ in res) and len({r for _, r, _ in res}) == 2, res
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            code = proc.wait(120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            code = proc.wait()
+    assert code == 0, "".join(lines)[-3000:]
 
 
 @pytest.fixture(scope="module")
