@@ -38,7 +38,9 @@ KEY_FLAGS = {
     "train": ["--preset", "--out", "--steps"],
     "export": ["--quant", "--tile", "--json", "--mkdir"],
     "data": ["stories", "build"],
-    "serve": ["--model", "--port", "--host", "--parallel", "--api-key", "--ctx-size", "--threads"],
+    "serve": ["--model", "--port", "--host", "--parallel", "--api-key", "--ctx-size", "--threads", "--ray",
+              "--replicas", "--max-replicas"],
+    "perplexity": ["--model", "--file", "--ctx-size", "--chunks", "--threads", "--json"],
 }
 
 

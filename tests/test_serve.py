@@ -301,7 +301,7 @@ def test_n_choices_draw_consecutive_seeds(client, engine):
 
 
 UNSUPPORTED = [  # (endpoint, field, value): each refused with 400 naming the field
-    ("c", "echo", True), ("c", "suffix", " the end"), ("c", "best_of", 3),
+    ("c", "suffix", " the end"), ("c", "best_of", 3),
     ("c", "response_format", {"type": "json_object"}),
     ("c", "grammar", "root ::= \"a\""), ("c", "mirostat", 2), ("c", "typical_p", 0.5), ("c", "n_probs", 3),
     ("c", "dry_multiplier", 0.8), ("c", "samplers", ["top_k"]), ("c", "json_schema", {"type": "object"}),
@@ -310,7 +310,7 @@ UNSUPPORTED = [  # (endpoint, field, value): each refused with 400 naming the fi
     ("chat", "response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
     ("chat", "modalities", ["text", "audio"]), ("chat", "audio", {"voice": "alloy", "format": "wav"}),
     ("chat", "prediction", {"type": "content", "content": "x"}), ("chat", "web_search_options", {}),
-    ("chat", "echo", 1),
+    ("chat", "echo", True),  # echo is the completions endpoint's (tests/test_serve_score.py)
 ]
 NOOPS = [  # fields at their no-op value, and fields that change nothing here: accepted
     ("c", {"echo": False, "suffix": "", "best_of": 1, "response_format": {"type": "text"}, "user": "u",

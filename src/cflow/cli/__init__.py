@@ -23,9 +23,14 @@ def _interrupted_while_starting(signum: int, frame: object) -> None:
 
 # First, before the imports below (~0.3 s with the subcommands): main() hands Ctrl-C back to Python
 # (KeyboardInterrupt, caught there) when the command starts. Only Python's default is replaced, so
-# a host that set its own handler keeps it.
+# a host that set its own handler keeps it. Imported outside the main thread (a Ray Serve replica
+# unpickling `cflow serve --ray`'s loader, cli.serve.load_generator), no command starts here and
+# signal handlers cannot be set: leave them.
 if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-    signal.signal(signal.SIGINT, _interrupted_while_starting)
+    try:
+        signal.signal(signal.SIGINT, _interrupted_while_starting)
+    except ValueError:  # not the main thread
+        pass
 
 import argparse  # noqa: E402
 import importlib  # noqa: E402
@@ -34,7 +39,7 @@ from cflow import __version__  # noqa: E402
 from cflow.errors import CflowError  # noqa: E402
 
 # Subcommand modules, in the order `cflow --help` lists them.
-COMMANDS = ["generate", "chat", "serve", "bench", "convert", "inspect", "cache", "analyze", "data", "train", "export"]
+COMMANDS = ["generate", "chat", "serve", "bench", "perplexity", "convert", "inspect", "cache", "analyze", "data", "train", "export"]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -37,6 +37,12 @@ examples:
   cflow serve -m smollm2.cflow -c 8192 -np 8 --api-key secret --host 0.0.0.0
   curl -s localhost:8080/v1/chat/completions -H 'Content-Type: application/json' \\
        -d '{"messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 32}'
+  cflow serve -m model.gguf --ray --replicas 2 --max-replicas 4 -np 4 -t 2 --port 8000
+                                     # Ray Serve: 2..4 replicas behind one port (pip install "cflow-lm[ray]")
+
+Scoring (lm-eval's local-completions): POST /v1/completions with "echo": true, "logprobs": 1,
+"max_tokens": 0 returns every prompt token's logprob (the first one null), equal to
+Engine.score's; `cflow perplexity` scores a text file as llama-perplexity does.
 """
 
 
@@ -70,6 +76,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("-n", "--n-predict", type=int, default=-1,
                    help="default max_tokens of a request (default -1: until end of text or the slot's context)")
     g.add_argument("--verbose", action="store_true", help="log every request (uvicorn's access log)")
+    r = p.add_argument_group("scale-out on Ray Serve (pip install \"cflow-lm[ray]\"; cflow.serve.ray)")
+    r.add_argument("--ray", action="store_true",
+                   help="run --replicas copies of this server (each its own model, --parallel slots and -t threads) "
+                   "as Ray Serve replicas behind Ray Serve's HTTP proxy on --host:--port, which spreads requests "
+                   "over them and replaces a replica that dies or fails its health check")
+    r.add_argument("--replicas", type=int, default=1, metavar="N", help="replicas to start with (default 1)")
+    r.add_argument("--max-replicas", type=int, default=None, metavar="M",
+                   help="autoscale between --replicas and M on queue depth: Ray Serve adds a replica while each has "
+                   "more requests than --parallel slots (running + queued), and removes one when they idle "
+                   "(default: a fixed --replicas)")
+    r.add_argument("--ray-address", default=None, metavar="ADDR",
+                   help="join this Ray cluster (e.g. auto, or ray://head:10001) instead of starting a local one "
+                   "(default: $RAY_ADDRESS, else a local cluster)")
     add_sampling_flags(p)
     p.set_defaults(func=run)
 
@@ -89,6 +108,14 @@ def _check(args: argparse.Namespace) -> None:
         raise UsageError(f"must be >= 1, got {args.batch_size}", flag="-b")
     if not (args.timeout >= 0 and math.isfinite(args.timeout)):
         raise UsageError(f"must be a number of seconds >= 0 (0 = no limit), got {args.timeout}", flag="--timeout")
+    if args.replicas < 1:
+        raise UsageError(f"must be >= 1, got {args.replicas}", flag="--replicas")
+    if args.max_replicas is not None and args.max_replicas < args.replicas:
+        raise UsageError(f"must be >= --replicas ({args.replicas}), got {args.max_replicas}", flag="--max-replicas")
+    if (args.replicas > 1 or args.max_replicas is not None or args.ray_address) and not args.ray:
+        raise UsageError("--replicas, --max-replicas and --ray-address need --ray", flag="--ray")
+    if args.ray and args.port == 0:
+        raise UsageError("--ray needs a fixed port (Ray Serve's proxy listens on it)", flag="--port")
     if args.model is not None and not os.path.exists(args.model):  # fail before listening
         raise UsageError(f"model file {args.model} does not exist; give a .cflow/.vflow or .gguf file", flag="-m")
 
@@ -122,6 +149,58 @@ def model_name(args: argparse.Namespace) -> tuple[str, tuple[str, ...]]:
     return name, tuple(n for n in {path, base, stem, name} if n)
 
 
+def load_generator(args: argparse.Namespace) -> Any:
+    """The BatchGenerator the flags ask for (the model loaded, its slots made). A module-level
+    function of a plain Namespace, so a Ray replica can be handed it (functools.partial) and
+    load the same server in its own process."""
+    from cflow.runtime import EngineError
+    from cflow.serve.backend import load_backend
+    from cflow.serve.batch import BatchGenerator
+
+    per_slot = args.ctx_size // args.parallel if args.ctx_size else None
+    try:
+        options = engine_options(args, n_ctx=per_slot)  # -c is every slot's context together
+        with progress_bar() as progress:
+            backend = load_backend(args.model, n_slots=args.parallel, options=options, progress=progress, log=log)
+    except EngineError as e:
+        if getattr(e, "flag", None) == "-c" and per_slot:
+            raise EngineError(f"{e} (cflow serve's -c is the context of all {args.parallel} slots together: "
+                              f"{per_slot} tokens per slot here)", flag="-c") from None
+        raise
+    except OSError as e:
+        raise load_error(args.model, e) from None
+    return BatchGenerator(backend, prefill_chunk=args.batch_size, max_queue=args.max_queue,
+                          timeout=args.timeout or None)
+
+
+def app_options(args: argparse.Namespace) -> dict[str, Any]:
+    """create_app's keyword arguments the flags set: the model's names, the API key, the defaults."""
+    from cflow.sampling import SamplingParams
+    from cflow.serve.protocol import Defaults
+
+    name, aliases = model_name(args)
+    defaults = Defaults(SamplingParams(**sampling_kwargs(args)), None if args.n_predict < 0 else args.n_predict)
+    return dict(model_name=name, aliases=aliases, api_key=args.api_key, defaults=defaults)
+
+
+def _run_ray(args: argparse.Namespace) -> int:
+    import functools
+
+    try:
+        from ray import serve  # noqa: F401
+    except ImportError as e:
+        raise UsageError(f"--ray needs Ray Serve ({e.name or e} is missing): pip install \"cflow-lm[ray]\"",
+                         flag="--ray") from None
+    from cflow.serve.ray import serve_forever
+
+    if args.model is not None:  # the replicas may start in other folders
+        args.model = os.path.abspath(args.model)
+    serve_forever(functools.partial(load_generator, args), host=args.host, port=args.port, slots=args.parallel,
+                  replicas=args.replicas, max_replicas=args.max_replicas, options=app_options(args),
+                  address=args.ray_address, log=log)
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     kw = sampling_kwargs(args)
     _check(args)
@@ -133,29 +212,12 @@ def run(args: argparse.Namespace) -> int:
     except ImportError as e:
         raise UsageError(f"cflow serve needs the serve extra ({e.name or e} is missing): "
                          f"pip install \"cflow-lm[serve]\"") from None
-    from cflow.runtime import EngineError
-    from cflow.sampling import SamplingParams
-    from cflow.serve.backend import load_backend
+    if args.ray:
+        return _run_ray(args)
     from cflow.serve.batch import BatchGenerator
-    from cflow.serve.protocol import Defaults
-
-    per_slot = args.ctx_size // args.parallel if args.ctx_size else None
 
     def load() -> BatchGenerator:
-        try:
-            options = engine_options(args, n_ctx=per_slot)  # -c is every slot's context together
-            with progress_bar() as progress:
-                backend = load_backend(args.model, n_slots=args.parallel, options=options, progress=progress,
-                                       log=log)
-        except EngineError as e:
-            if getattr(e, "flag", None) == "-c" and per_slot:
-                raise EngineError(f"{e} (cflow serve's -c is the context of all {args.parallel} slots together: "
-                                  f"{per_slot} tokens per slot here)", flag="-c") from None
-            raise
-        except OSError as e:
-            raise load_error(args.model, e) from None
-        return BatchGenerator(backend, prefill_chunk=args.batch_size, max_queue=args.max_queue,
-                              timeout=args.timeout or None)
+        return load_generator(args)
 
     failure: list[BaseException] = []
     server: Any = None
@@ -170,10 +232,9 @@ def run(args: argparse.Namespace) -> int:
         if server is not None:
             server.should_exit = True
 
-    name, aliases = model_name(args)
-    defaults = Defaults(SamplingParams(**kw), None if args.n_predict < 0 else args.n_predict)
-    app = create_app(load, model_name=name, aliases=aliases, api_key=args.api_key, defaults=defaults,
-                     on_ready=on_ready, on_load_error=on_load_error)
+    opts = app_options(args)
+    name = opts["model_name"]
+    app = create_app(load, on_ready=on_ready, on_load_error=on_load_error, **opts)
     sock = _listen(args.host, args.port)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host

@@ -4,6 +4,7 @@
     options    EngineOptions: every load/run option, its default and its checks, in one frozen value
     generate   the generation loop, stop strings, Timings, Completion
     speculative  speculative decoding: n-gram lookup and draft-model proposers, the acceptance rule
+    score      scoring text: every token's logprob given the ones before it (Engine.score)
     plan       the per-token op plan (the delay semantics on the runtime side)
     abi        the boundary with cflow._native: descriptor and plan encoded by name
     threads    usable cores, thread-count checks, the decode thread tuner

@@ -546,6 +546,15 @@ class Engine:
                                        f"load the model with a larger context (-c / n_ctx, up to "
                                        f"{self.config.max_seq_len})", flag="-c")
 
+    def score(self, tokens: Sequence[int] | str, *, top: int = 0, seq: int = 0, add_bos: bool | None = None,
+              start: int = 1) -> Any:
+        """Each token's log-probability given the ones before it, from position `start` on (earlier
+        ones None), and `top` alternatives per position, run from position 0 of sequence `seq`: a
+        cflow.runtime.score.Scores (cflow.runtime.score.score)."""
+        from cflow.runtime.score import score
+
+        return score(self, tokens, top=top, seq=seq, add_bos=add_bos, start=start)
+
     def eval(self, tokens: Sequence[int]) -> np.ndarray:
         """Logits after `tokens`, reusing the cached prefix they share with the previous call."""
         toks = [int(t) for t in tokens]

@@ -22,7 +22,13 @@ byte JSON-escaped, plus 64 KiB) is refused with 413 before it is read.
 Routes (each also without the /v1 prefix, as llama-server):
     POST /v1/completions, POST /v1/chat/completions    (stream: true -> server-sent events, then [DONE])
     GET  /v1/models, GET /health (503 while loading), GET /metrics (Prometheus text)
+    POST /tokenize, POST /detokenize, GET /tokenizer_info   (vLLM's shapes; /tokenize also takes
+         llama-server's "content"): the model's tokenizer over HTTP, so a client such as lm-eval
+         (tokenizer_backend "remote", which it picks by itself when these answer) needs no local copy
 With an API key every route but /health needs `Authorization: Bearer KEY` (401 otherwise).
+A server given a `replica` name (one replica of several behind a proxy: cflow.serve.ray) says it
+in an `x-cflow-replica` header on every response and in /health, so a client or a test can see
+which replica answered.
 """
 
 from __future__ import annotations
@@ -89,8 +95,9 @@ class Server:
     def __init__(self, load: Callable[[], BatchGenerator], *, model_name: str, aliases: tuple[str, ...] = (),
                  api_key: str | None = None, defaults: P.Defaults | None = None,
                  on_ready: Callable[[BatchGenerator], None] | None = None,
-                 on_load_error: Callable[[BaseException], None] | None = None) -> None:
+                 on_load_error: Callable[[BaseException], None] | None = None, replica: str | None = None) -> None:
         self._load = load
+        self.replica = replica
         self.model_name = model_name
         self.names = (model_name, *sorted(set(aliases) - {model_name}))  # the served id first
         self.api_key = api_key.encode("utf-8") if api_key else None
@@ -110,7 +117,10 @@ class Server:
             routes += [Route(f"{prefix}/completions", self.completions, methods=["POST"]),
                        Route(f"{prefix}/chat/completions", self.chat_completions, methods=["POST"]),
                        Route(f"{prefix}/models", self.models, methods=["GET"]),
-                       Route(f"{prefix}/health", self.health, methods=["GET"])]
+                       Route(f"{prefix}/health", self.health, methods=["GET"]),
+                       Route(f"{prefix}/tokenize", self.tokenize, methods=["POST"]),
+                       Route(f"{prefix}/detokenize", self.detokenize, methods=["POST"]),
+                       Route(f"{prefix}/tokenizer_info", self.tokenizer_info, methods=["GET"])]
         routes.append(Route("/metrics", self.metrics_text, methods=["GET"]))
         inner = Starlette(routes=routes, lifespan=self._lifespan,
                           exception_handlers={HTTPException: self._http_error, Exception: self._server_error})
@@ -140,6 +150,26 @@ class Server:
         if self._on_ready:
             self._on_ready(gen)
 
+    def load_now(self) -> BatchGenerator:
+        """Load the model in this thread's time (start_loading, then wait for it); raise its error."""
+        self.start_loading()
+        assert self._loader is not None
+        self._loader.join()
+        if self.gen is None:
+            raise self.load_error or RuntimeError("the server was closed while the model loaded")
+        return self.gen
+
+    def healthy(self) -> str | None:
+        """Why this server cannot answer generation requests (None: it can): loading, failed, or its
+        generator's worker has stopped."""
+        if self.load_error is not None:
+            return f"the model failed to load: {self.load_error}"
+        if self.gen is None:
+            return "the model is loading" if not self._closed else "the server is closed"
+        if not self.gen.alive:
+            return "the batch generator's worker thread has stopped"
+        return None
+
     def close(self) -> None:
         """Stop the generator (running and queued requests end); a load still running is dropped."""
         self._closed = True
@@ -165,8 +195,58 @@ class Server:
         if self.gen is None:
             return self._unavailable()
         g = self.gen
-        return JSONResponse({"status": "ok", "slots_idle": g.n_slots - g.running, "slots_processing": g.running,
-                             "queue": g.queue_depth})
+        body = {"status": "ok", "slots_idle": g.n_slots - g.running, "slots_processing": g.running,
+                "queue": g.queue_depth}
+        if self.replica is not None:
+            body["replica"] = self.replica
+        return JSONResponse(body)
+
+    def _ready(self) -> BatchGenerator:
+        if self.gen is None:
+            raise P.BadRequest("the model is still loading; retry shortly" if self.load_error is None else
+                               f"the model failed to load: {self.load_error}", None, "model_loading",
+                               status=503, type_="unavailable_error")
+        return self.gen
+
+    async def tokenize(self, request: Request) -> Response:
+        try:
+            gen = self._ready()
+            text, add_bos = P.parse_tokenize(await self._read_json(request))
+            try:
+                ids = await self._off_loop(gen.backend.encode, text, add_bos)
+            except Exception as e:  # the tokenizer refusing the text (e.g. unpaired surrogates)
+                raise P.BadRequest(f"cannot tokenize the prompt: {type(e).__name__}: {str(e)[:200]}", "prompt",
+                                   "invalid_value") from None
+        except P.BadRequest as e:
+            return self._error(e)
+        except ClientGone:
+            return nothing
+        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": gen.n_ctx})
+
+    async def detokenize(self, request: Request) -> Response:
+        try:
+            gen = self._ready()
+            ids = P.parse_detokenize(await self._read_json(request), gen.backend.vocab_size)
+            text = await self._off_loop(gen.backend.tokenizer.decode, ids)
+        except P.BadRequest as e:
+            return self._error(e)
+        except ClientGone:
+            return nothing
+        return JSONResponse({"prompt": text, "content": text})
+
+    async def tokenizer_info(self, request: Request) -> Response:
+        """vLLM's /tokenizer_info: the special tokens and the chat template (lm-eval's remote
+        tokenizer reads eos_token and bos_token here, and renders chat_template itself)."""
+        if self.gen is None:
+            return self._unavailable()
+        tok = self.gen.backend.tokenizer
+
+        def piece(i: int | None) -> str | None:
+            return None if i is None else tok.token_to_piece(i)
+
+        return JSONResponse({"tokenizer_class": "cflow", "eos_token": piece(tok.eos_id), "bos_token": piece(tok.bos_id),
+                             "pad_token": None, "add_bos_token": bool(tok.add_bos), "chat_template": tok.chat_template,
+                             "model_max_length": self.gen.n_ctx, "vocab_size": tok.vocab_size})
 
     async def models(self, request: Request) -> Response:
         if self.gen is None:
@@ -209,11 +289,7 @@ class Server:
     async def _generate(self, request: Request, kind: str) -> Any:
         endpoint = "chat_completions" if kind == "chat" else "completions"
         try:
-            gen = self.gen
-            if gen is None:
-                raise P.BadRequest("the model is still loading; retry shortly" if self.load_error is None else
-                                   f"the model failed to load: {self.load_error}", None, "model_loading",
-                                   status=503, type_="unavailable_error")
+            gen = self._ready()
             body = await self._read_json(request)
             parse = P.parse_chat if kind == "chat" else P.parse_completion
             spec = parse(body, self.defaults, self.names, gen.backend.vocab_size)
@@ -225,7 +301,7 @@ class Server:
             try:
                 call.start(gen.submit_n(ids, [call.sink(i) for i in range(spec.n)], max_tokens=spec.max_tokens,
                                         params=spec.params, stop=spec.stop, ignore_eos=spec.ignore_eos,
-                                        logprobs=spec.logprobs))
+                                        logprobs=spec.logprobs, echo=spec.echo))
             except QueueFullError as e:
                 return self._error(P.BadRequest(str(e), None, "rate_limit_exceeded", status=429,
                                                 type_="rate_limit_error"), {"Retry-After": str(e.retry_after)})
@@ -324,9 +400,13 @@ class _Guard:
                 await resp(scope, receive, send)
                 return
 
+        replica = None if self.server.replica is None else self.server.replica.encode("latin-1", "replace")
+
         async def counted(message: Any) -> None:
             if message["type"] == "http.response.start":
                 metrics.response(message["status"])
+                if replica is not None:
+                    message = {**message, "headers": [*message.get("headers", ()), (b"x-cflow-replica", replica)]}
             await send(message)
 
         await self.app(scope, receive, counted)

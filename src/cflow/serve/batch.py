@@ -29,6 +29,13 @@ One worker thread owns the backend (engines are not thread-safe) and loops:
    Plain greedy rows (no bias, no penalty) take one argmax over the whole [B, V] block, and the
    chosen logit doubles as the row's finiteness check (argmax picks a NaN or +inf if there is one).
 
+Scoring the prompt (`echo`, for loglikelihood evaluations such as lm-eval's): such a job evaluates
+its whole prompt (a cached prefix has K/V but no logits) with every prompt row wanted in its
+step_rows chunks, riding beside the other slots' decode rows like any prompt chunk, so continuous
+batching goes on; each row's logits score the next prompt token (cflow.runtime.score, the same
+definition Engine.score uses, and rows are bit-exact whatever shares the call, so the numbers
+equal Engine.score's). The scores reach the sink as one Prompt event before the first Piece.
+
 A backend without `step_rows` gets the same iteration as two kinds of call: `prefill` per prompt
 chunk (a prompt fully evaluated samples its first token there), then one `step_batch` for the
 decode rows.
@@ -38,10 +45,10 @@ job ends with Failed(RequestTimeoutError) at the next iteration, queued or runni
 slot is free for the next one.
 
 Results reach the caller as events through the job's `sink`, called from the worker thread:
-`Piece` per generated token, then exactly one `Finished` or `Failed`. The sink must not block
-(the server's hands events to its event loop through cflow.serve.call.Mailbox). `submit_n`
-queues n jobs on one prompt (OpenAI's n), one slot each. The generation rules are
-those of cflow.runtime.generate.run (same Sampler, StopMatcher, stream detokenizer, stop ids,
+`Prompt` once for an echo job, `Piece` per generated token, then exactly one `Finished` or
+`Failed`. The sink must not block (the server's hands events to its event loop through
+cflow.serve.call.Mailbox). `submit_n` queues n jobs on one prompt (OpenAI's n), one slot each.
+The generation rules are those of cflow.runtime.generate.run (same Sampler, StopMatcher, stream detokenizer, stop ids,
 context limit), so greedy output equals `Engine.complete` token for token.
 """
 
@@ -63,6 +70,7 @@ import numpy as np
 from cflow.errors import CflowError
 from cflow.runtime.errors import ContextOverflowError, EngineError
 from cflow.runtime.generate import Completion, StopMatcher, Timings, check_finite, common_prefix
+from cflow.runtime.score import Scores, append_score, token_logprobs  # noqa: F401 (token_logprobs: its old home)
 from cflow.sampling import Sampler, SamplingParams
 
 DEFAULT_PREFILL_CHUNK = 64   # prompt tokens per scheduler iteration
@@ -99,6 +107,15 @@ class Piece:
 
 
 @dataclass(slots=True)
+class Prompt:
+    """The scores of a job's prompt (submit(..., echo=True)), delivered once, before its first
+    Piece: scores.logprobs[i] = log p(prompt[i] | prompt[:i]) (None for i = 0) and scores.top[i]
+    the job's `logprobs` alternatives (cflow.runtime.score; equal to Engine.score of the prompt)."""
+
+    scores: Scores
+
+
+@dataclass(slots=True)
 class Finished:
     """The end of a job. reason: "stop" (end-of-text or a stop string), "length" (max_tokens or the
     end of the slot's context) or "cancelled". `tail` is text to show after the last Piece."""
@@ -122,7 +139,7 @@ class Failed:
     error: BaseException
 
 
-Event = Piece | Finished | Failed
+Event = Prompt | Piece | Finished | Failed
 
 
 # ---- jobs --------------------------------------------------------------------------------------
@@ -140,6 +157,7 @@ class Job:
     sink: Callable[[Event], None]
     t_submit: float = field(default_factory=time.perf_counter)
     timeout: float | None = None  # seconds from t_submit (None: no limit)
+    echo: bool = False            # score the prompt: a Prompt event before the first Piece
     cancelled: bool = False
     done: bool = False
     _gen: Any = field(default=None, repr=False)
@@ -173,6 +191,7 @@ class _Seq:
     t_prefilled: float = 0.0
     leader: "_Seq | None" = None  # an older sequence still evaluating a longer prefix of this prompt
     lead_n: int = 0               # how much of it this one will copy from the leader's slot
+    scores: Scores | None = None  # echo: the prompt's scores so far (its whole prompt runs, nothing reused)
 
 
 # ---- the generator ---------------------------------------------------------------------------
@@ -229,6 +248,11 @@ class BatchGenerator:
         return max(0, len(self._pending) - (self.n_slots - self.running))
 
     @property
+    def alive(self) -> bool:
+        """Whether the worker thread runs (False after close(), or if it died)."""
+        return self._thread.is_alive() and not self._closing
+
+    @property
     def running(self) -> int:
         return sum(s is not None for s in self._slots)
 
@@ -239,19 +263,22 @@ class BatchGenerator:
 
     def submit(self, prompt: Sequence[int], sink: Callable[[Event], None], *, max_tokens: int | None = None,
                params: SamplingParams | None = None, stop: Sequence[str] | str = (), ignore_eos: bool = False,
-               logprobs: int | None = None, timeout: float | None = None) -> Job:
+               logprobs: int | None = None, timeout: float | None = None, echo: bool = False) -> Job:
         """Queue a job for the token ids `prompt`; events go to `sink` (called from the worker thread).
         `timeout`: seconds from now until the job is cancelled with RequestTimeoutError (None: the
-        generator's `timeout`; 0: none).
+        generator's `timeout`; 0: none). `echo`: score the prompt too (a Prompt event with every
+        prompt token's logprob and `logprobs` alternatives, before the first Piece); max_tokens 0
+        then scores the prompt and generates nothing.
 
         Raises ContextOverflowError when the prompt does not fit a slot, EngineError for an empty
         prompt or bad ids, QueueFullError when the wait queue is full, GeneratorClosedError after close()."""
         return self.submit_n(prompt, [sink], max_tokens=max_tokens, params=params, stop=stop, ignore_eos=ignore_eos,
-                             logprobs=logprobs, timeout=timeout)[0]
+                             logprobs=logprobs, timeout=timeout, echo=echo)[0]
 
     def submit_n(self, prompt: Sequence[int], sinks: Sequence[Callable[[Event], None]], *,
                  max_tokens: int | None = None, params: SamplingParams | None = None, stop: Sequence[str] | str = (),
-                 ignore_eos: bool = False, logprobs: int | None = None, timeout: float | None = None) -> list[Job]:
+                 ignore_eos: bool = False, logprobs: int | None = None, timeout: float | None = None,
+                 echo: bool = False) -> list[Job]:
         """One job per sink on the same prompt (OpenAI's `n`), each in its own slot, queued together
         or refused together. With a seed in `params`, job i samples with seed + i (job 0 draws what
         a single job with that seed draws); without one, each draws its own. Arguments and errors
@@ -277,7 +304,7 @@ class BatchGenerator:
                    for i in range(len(sinks))]
         now = time.perf_counter()
         jobs = [Job(next(self._ids), ids, max_tokens, per_job[i], stops, bool(ignore_eos), logprobs, sink,
-                    t_submit=now, timeout=limit, _gen=self) for i, sink in enumerate(sinks)]
+                    t_submit=now, timeout=limit, echo=bool(echo), _gen=self) for i, sink in enumerate(sinks)]
         with self._cond:
             if self._closing:
                 raise GeneratorClosedError("the generator is shutting down")
@@ -409,7 +436,10 @@ class BatchGenerator:
             if not free:
                 break
             self._pending.popleft()
-            slot = max(free, key=lambda i: (common_prefix(self._slot_tokens[i], job.prompt), -i))
+            # echo reuses nothing (it needs every position's logits): it takes the free slot whose
+            # cached prefix is least use to it, leaving a shared prefix to the requests that reuse one
+            sign = -1 if job.echo else 1
+            slot = max(free, key=lambda i: (sign * common_prefix(self._slot_tokens[i], job.prompt), -i))
             seq = _Seq(job, slot, time.perf_counter())
             self._slots[slot] = seq
             self._order.append(seq)
@@ -430,18 +460,21 @@ class BatchGenerator:
         seq.history = list(job.prompt)
         n = len(job.prompt)
         keep = min(common_prefix(self._slot_tokens[seq.slot], job.prompt), n - 1)
+        if job.echo:  # every prompt position's logits are needed, and a cached prefix has none
+            keep = 0
+            seq.scores = Scores(list(job.prompt), [None], [None], [None])
         del self._slot_tokens[seq.slot][keep:]
         seq.fed = seq.cached = keep
         # Every sampled token but the last runs through the model; the context bounds both (as run()).
         seq.limit = self.n_ctx - n + 1
         if job.max_tokens is not None:
             seq.limit = min(seq.limit, job.max_tokens)
-        if seq.limit <= 0:  # max_tokens 0: nothing to generate, nothing to evaluate
+        if seq.limit <= 0 and not job.echo:  # max_tokens 0: nothing to generate, nothing to evaluate
             if self.metrics:
                 self.metrics.admitted(seq.t_admit - job.t_submit, n, keep)
             self._end(seq, self._finished(seq, "length", ""))
             return
-        if self._copy is not None:
+        if self._copy is not None and not job.echo:
             self._share(seq)
         if self.metrics:
             self.metrics.admitted(seq.t_admit - job.t_submit, n, seq.cached)
@@ -542,7 +575,10 @@ class BatchGenerator:
             slots += [seq.slot] * k
             tokens += seq.job.prompt[seq.fed:seq.fed + k]
             positions += range(seq.fed, seq.fed + k)
-            want += [False] * (k - 1) + [seq.fed + k == len(seq.job.prompt)]
+            if seq.scores is not None:  # echo: every row's logits score the next prompt token
+                want += [True] * k
+            else:
+                want += [False] * (k - 1) + [seq.fed + k == len(seq.job.prompt)]
         t0 = time.perf_counter()
         try:
             logits = self._rows(slots, tokens, positions, want)
@@ -565,18 +601,54 @@ class BatchGenerator:
         for seq, k in chunks:
             self._slot_tokens[seq.slot].extend(seq.job.prompt[seq.fed:seq.fed + k])
             seq.fed += k
+            if seq.scores is not None:
+                first, row = row, row + k
+                if not self._score(seq, logits[first:row]):
+                    continue
+            elif seq.fed < len(seq.job.prompt):
+                continue
+            else:
+                row += 1
             if seq.fed < len(seq.job.prompt):
                 continue
             seq.t_prefilled = time.perf_counter()
-            last = logits[row]
-            row += 1
+            last = logits[row - 1]
             try:
                 check_finite(self.backend, last, "for the prompt")
             except Exception as e:
                 self._end(seq, Failed(e))
                 continue
-            self._sample(seq, last)
+            self._prompt_done(seq, last)
         self._count_emitted()
+
+    def _score(self, seq: _Seq, rows: np.ndarray) -> bool:
+        """An echo sequence just fed rows.shape[0] prompt tokens ending at seq.fed: score the prompt
+        tokens those rows predict. False when it failed (the sequence has ended)."""
+        prompt, scores = seq.job.prompt, seq.scores
+        assert scores is not None
+        try:
+            for j in range(len(rows)):
+                nxt = len(scores.logprobs)  # the position the next row predicts
+                if nxt >= len(prompt):
+                    break
+                check_finite(self.backend, rows[j], f"at prompt position {nxt - 1}")
+                append_score(scores, rows[j], prompt[nxt], seq.job.logprobs or 0)
+        except Exception as e:
+            self._end(seq, Failed(e))
+            return False
+        return True
+
+    def _prompt_done(self, seq: _Seq, last: np.ndarray) -> None:
+        """`seq`'s prompt is in and `last` its last row's logits: deliver the prompt's scores (echo),
+        then sample the first token (or end, when the job generates nothing)."""
+        if seq.scores is not None:
+            if not self._deliver(seq.job, Prompt(seq.scores)):
+                self._end(seq, self._finished(seq, "cancelled", ""))
+                return
+            if seq.limit <= 0:
+                self._finish(seq, "length")
+                return
+        self._sample(seq, last)
 
     def _prompt_left(self, seq: _Seq) -> int:
         """Prompt tokens `seq` has still to feed now: 0 when its prompt is in, its job is done, or it
@@ -595,24 +667,31 @@ class BatchGenerator:
             if not left:
                 continue
             n, k = len(seq.job.prompt), min(budget, left)
-            chunk = seq.job.prompt[seq.fed:seq.fed + k]
+            # echo needs every position's logits and prefill returns the last one's: a call per token
+            parts = [1] * k if seq.scores is not None else [k]
             t0 = time.perf_counter()
-            try:
-                logits = self.backend.prefill(seq.slot, chunk, seq.fed)
-                if seq.fed + k == n:
-                    check_finite(self.backend, logits, "for the prompt")
-            except Exception as e:
-                del self._slot_tokens[seq.slot][seq.fed:]
-                self._end(seq, Failed(e))
+            for m in parts:
+                chunk = seq.job.prompt[seq.fed:seq.fed + m]
+                try:
+                    logits = self.backend.prefill(seq.slot, chunk, seq.fed)
+                    if seq.fed + m == n:
+                        check_finite(self.backend, logits, "for the prompt")
+                except Exception as e:
+                    del self._slot_tokens[seq.slot][seq.fed:]
+                    self._end(seq, Failed(e))
+                    break
+                self._slot_tokens[seq.slot].extend(chunk)
+                seq.fed += m
+                budget -= m
+                if seq.scores is not None and not self._score(seq, logits[None]):
+                    break
+            if seq.job.done:
                 continue
-            self._slot_tokens[seq.slot].extend(chunk)
-            seq.fed += k
-            budget -= k
             if self.metrics:
                 self.metrics.prompt_evaluated(k, time.perf_counter() - t0)
             if seq.fed == n:
                 seq.t_prefilled = time.perf_counter()
-                self._sample(seq, logits)
+                self._prompt_done(seq, logits)
         self._count_emitted()
 
     def _decode(self) -> None:
@@ -754,18 +833,3 @@ def _check_timeout(timeout: float | None) -> float | None:
 def _timed_out(job: Job, generated: int) -> RequestTimeoutError:
     return RequestTimeoutError(f"the request did not finish within its timeout of {job.timeout:g} s "
                                f"({generated} tokens generated); it was cancelled")
-
-
-def token_logprobs(logits: np.ndarray, token: int, n: int) -> tuple[float, list[tuple[int, float]]]:
-    """log p(token) under softmax(logits) (the model's distribution, before sampling filters) and
-    the n most likely (id, logprob), best first."""
-    x = logits.astype(np.float64)
-    m = x.max()
-    lse = m + math.log(np.exp(x - m).sum())
-    top: list[tuple[int, float]] = []
-    if n > 0:
-        n = min(n, x.size)
-        idx = np.argpartition(-x, n - 1)[:n] if n < x.size else np.arange(x.size)
-        idx = idx[np.lexsort((idx, -x[idx]))]
-        top = [(int(i), float(x[i] - lse)) for i in idx]
-    return float(x[token] - lse), top

@@ -13,6 +13,10 @@ With n choices (OpenAI's `n`) a call has n jobs, one slot each; events carry the
 The answer ends when every choice has ended; the first failure ends it for all (an error object,
 or in a stream an error event then `data: [DONE]`). A job past the server's --timeout fails with
 RequestTimeoutError: 504 with code "request_timeout".
+
+With `echo` (completions) each choice's job first delivers a Prompt event: the prompt's text
+(the request's own string, or its token ids decoded) goes before the answer's text, and with
+`logprobs` the prompt's token scores before the answer's (streamed: one chunk carrying both).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from starlette.responses import JSONResponse as _StarletteJSON
 from starlette.responses import Response
 
 from cflow.serve import protocol as P
-from cflow.serve.batch import Failed, Finished, GeneratorClosedError, Piece, RequestTimeoutError
+from cflow.serve.batch import Failed, Finished, GeneratorClosedError, Piece, Prompt, RequestTimeoutError
 
 _MARK = "\x00"  # stands for the text in a pre-rendered chunk (JSON writes it as \u0000, never else here)
 
@@ -91,6 +95,7 @@ class Call:
         self.n_prompt = n_prompt
         self.logprobs = ([P.LogprobsBuilder(tokenizer, spec.kind) for _ in range(self.n)]
                          if spec.logprobs is not None else None)
+        self.tokenizer = tokenizer
         self.jobs: list[Any] = []
         self.result = "cancelled"
         self._inbox: list[tuple[int, Any]] = []
@@ -102,6 +107,12 @@ class Call:
 
     def start(self, jobs: list[Any]) -> None:
         self.jobs = jobs
+
+    def _echo(self, ev: Prompt) -> tuple[str, list[Piece]]:
+        """An echoed prompt: its text, and its tokens as Pieces carrying their scores."""
+        text = self.spec.prompt if isinstance(self.spec.prompt, str) else self.tokenizer.decode(ev.scores.tokens)
+        s = ev.scores
+        return text, [Piece(t, "", lp, top) for t, lp, top in zip(s.tokens, s.logprobs, s.top)]
 
     def push(self, item: tuple[int, Any]) -> None:
         """(The event loop.) One (choice, event) from the mailbox."""
@@ -164,6 +175,10 @@ class Call:
                     if isinstance(ev, Piece):
                         parts[i].append(ev.text)
                         pieces[i].append(ev)
+                    elif isinstance(ev, Prompt):
+                        text, prompt_pieces = self._echo(ev)
+                        parts[i].insert(0, text)
+                        pieces[i][:0] = prompt_pieces
                     else:
                         ends[i] = ev
                         self._ended(ev)
@@ -214,7 +229,11 @@ class Call:
             async for batch in self._events(receive):
                 out = []
                 for i, ev in batch:
-                    if isinstance(ev, Piece):
+                    if isinstance(ev, Prompt):
+                        text, prompt_pieces = self._echo(ev)
+                        lp = self.logprobs[i].entries(prompt_pieces) if self.logprobs else None
+                        out.append(sse(P.chunk_object(k, rid, created, model, text, None, lp, inc, index=i)))
+                    elif isinstance(ev, Piece):
                         if self.logprobs:
                             lp = self.logprobs[i].entries([ev])
                             out.append(sse(P.chunk_object(k, rid, created, model, ev.text, None, lp, inc, index=i)))

@@ -4,7 +4,7 @@ stream-chunk objects built from the batch generator's events. No HTTP here (cflo
 Every check raises `BadRequest` with the message, the parameter and an OpenAI error code, which
 the server returns as 400 `{"error": {"message", "type": "invalid_request_error", "param", "code"}}`.
 Types are checked strictly (a string where a number belongs is an error, not coerced). Fields
-other servers honour and this one does not (UNSUPPORTED: echo, suffix, tools, response_format
+other servers honour and this one does not (UNSUPPORTED: suffix, tools, response_format
 other than text, grammars, other samplers ...) are refused with a 400 naming the field whenever
 they hold anything but their no-op value, never silently ignored; fields that change nothing
 here (user, metadata, store ...) and unknown ones are ignored, as OpenAI's and llama-server's are.
@@ -15,6 +15,12 @@ max_tokens (or max_completion_tokens, or llama-server's n_predict), ignore_eos (
 logprobs (completions: an int, the number of alternatives; chat: a bool, with top_logprobs);
 n (choices, each decoded in its own slot; with a seed, choice i uses seed + i). Absent fields
 take the server's defaults (`cflow serve --temp ...`).
+
+echo (completions only, as OpenAI's legacy endpoint, vLLM and llama-server): the answer's text
+starts with the prompt, and with `logprobs` its logprobs start with the prompt's tokens, the
+first one's logprob and top_logprobs null (nothing predicts it); `max_tokens: 0` then scores the
+prompt alone. This is how loglikelihood evaluations (lm-eval's local-completions model) score
+text: prompt = context + continuation, sum the continuation's token_logprobs.
 """
 
 from __future__ import annotations
@@ -38,7 +44,6 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 # Fields that OpenAI or llama-server honour and this server does not: name -> (the values that
 # change nothing, what to say). Any other value is refused with 400 naming the field.
 UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "echo": ((False,), "echoing the prompt is not supported"),
     "suffix": (("",), "insertion (a suffix after the completion) is not supported"),
     "tools": (([],), "tools (function calling) are not supported"),
     "tool_choice": (("none", "auto"), "tools (function calling) are not supported"),
@@ -105,6 +110,7 @@ class GenSpec:
     prompt: str | list[int] | None = None   # completions
     messages: list[dict[str, Any]] | None = None   # chat, normalized to {"role", "content": str}
     model: str | None = None
+    echo: bool = False                      # completions: the prompt (and its logprobs) before the answer
 
 
 # ---- typed field access ------------------------------------------------------------------------
@@ -290,7 +296,8 @@ def parse_completion(body: Any, defaults: Defaults, names: Sequence[str] = (),
     elif not isinstance(p, str):
         raise BadRequest(f"'prompt' must be a string or an array of token ids, got {_json_type(p)}", "prompt",
                          "invalid_type")
-    return GenSpec("completion", prompt=p, **_common(body, defaults, names, "completion", vocab_size))
+    echo = _field(body, "echo", "bool", False)
+    return GenSpec("completion", prompt=p, echo=echo, **_common(body, defaults, names, "completion", vocab_size))
 
 
 def parse_chat(body: Any, defaults: Defaults, names: Sequence[str] = (),
@@ -312,6 +319,9 @@ def parse_chat(body: Any, defaults: Defaults, names: Sequence[str] = (),
                              "invalid_value")
         out.append({"role": "system" if role == "developer" else role,
                     "content": _content(m.get("content"), f"{where}.content")})
+    if _field(body, "echo", "bool", False):
+        raise BadRequest("'echo' is only supported on /v1/completions (send the rendered prompt there to score "
+                         "it)", "echo", "unsupported_parameter")
     return GenSpec("chat", messages=out, **_common(body, defaults, names, "chat", vocab_size))
 
 
@@ -334,6 +344,30 @@ def _object(body: Any) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise BadRequest(f"the request body must be a JSON object, got {_json_type(body)}", None, "invalid_type")
     return body
+
+
+# ---- the tokenizer routes (vLLM's and llama-server's) ---------------------------------------------
+def parse_tokenize(body: Any) -> tuple[str, bool | None]:
+    """POST /tokenize: {"prompt": text} (vLLM; llama-server's "content" too), "add_special_tokens"
+    (default true: the model's own BOS rule; false: none). Returns (text, add_bos for encode)."""
+    body = _object(body)
+    name = "prompt" if "prompt" in body or "content" not in body else "content"
+    text = _field(body, name, "str")
+    if text is None:
+        raise BadRequest("'prompt' is required: the text to tokenize", "prompt", "missing_required_parameter")
+    special = _field(body, "add_special_tokens", "bool", True)
+    return text, (None if special else False)
+
+
+def parse_detokenize(body: Any, vocab_size: int) -> list[int]:
+    """POST /detokenize: {"tokens": [ids]}."""
+    body = _object(body)
+    ids = _field(body, "tokens", "array")
+    if ids is None:
+        raise BadRequest("'tokens' is required: the token ids to turn into text", "tokens", "missing_required_parameter")
+    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in ids):
+        raise BadRequest(f"'tokens' must be token ids in 0..{vocab_size - 1}", "tokens", "invalid_value")
+    return ids
 
 
 # ---- responses ---------------------------------------------------------------------------------
@@ -362,7 +396,8 @@ class LogprobsBuilder:
             s = self.tok.token_to_piece(p.token)
             tokens.append(s)
             lps.append(p.logprob)
-            tops.append({self.tok.token_to_piece(i): lp for i, lp in (p.top or [])})
+            # an echoed prompt's first token has no logprob, and no alternatives either (null, as OpenAI's)
+            tops.append(None if p.logprob is None else {self.tok.token_to_piece(i): lp for i, lp in (p.top or [])})
             offsets.append(self.offset)
             self.offset += len(s)
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
