@@ -64,10 +64,13 @@ class MtpHeads:
     def inputs(self, h: np.ndarray) -> np.ndarray:
         """h [d] (a final normed hidden state) -> each head's normed lm_head input [N, d]."""
         h = np.asarray(h, np.float32)
-        z = h[None, :] + np.einsum("nij,nj->ni", self.w_down, _silu(np.einsum("nij,j->ni", self.w_up, h)))
+        # batched mat-vecs through matmul: einsum on these small shapes costs ~10x more
+        u = _silu(self.w_up @ h)  # [N, d]
+        z = h[None, :] + (self.w_down @ u[:, :, None])[:, :, 0]
         # RMSNorm as the model's: statistics in float32
         return (z / np.sqrt(np.mean(z * z, axis=-1, keepdims=True) + self.eps) * self.norm).astype(np.float32)
 
     def logits(self, h: np.ndarray) -> np.ndarray:
         """h [d] -> the heads' logits [N, V]: row j for the token 2+j after the one h predicts."""
-        return self.inputs(h) @ self.out.T
+        # one mat-vec per head: [N, d] @ out.T runs ~6x slower in numpy than N separate [V, d] @ [d]
+        return np.stack([self.out @ x for x in self.inputs(h)])
