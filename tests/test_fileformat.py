@@ -458,6 +458,8 @@ CRAFTED = {
                           F.MisalignedOffsetError),
     "expert_past_end": (lambda r: edit(r, lambda h: h["experts"][0].update(offset=h["file_bytes"])),
                         F.TensorOutOfBoundsError),
+    # a config that declares multi-token prediction heads the file does not carry
+    "mtp_heads_missing": (lambda r: edit(r, lambda h: h["config"].update(mtp_heads=1)), F.MtpHeadsError),
 }
 
 

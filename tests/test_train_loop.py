@@ -91,7 +91,7 @@ def test_loss_adds_weighted_aux_terms():
     x = torch.randint(0, 320, (2, 16))
     y = torch.randint(0, 320, (2, 16))
     tc = TrainConfig(lb_weight=0.5, z_weight=0.25)
-    loss, ce, lb, rz = compute_loss(model, x, y, tc)
+    loss, ce, lb, rz, _ = compute_loss(model, x, y, tc)
     logits, aux = model(x)
     ref_ce = torch.nn.functional.cross_entropy(logits.reshape(-1, 320), y.reshape(-1))
     assert ce.item() == pytest.approx(ref_ce.item(), rel=1e-6)
@@ -111,7 +111,7 @@ def test_every_preset_overfits_a_tiny_batch(preset):
     x, y = seq[:, :-1], seq[:, 1:]
     losses = []
     for _ in range(60):
-        loss, ce, _, _ = compute_loss(model, x, y, tc)
+        loss, ce, *_ = compute_loss(model, x, y, tc)
         opt.zero_grad()
         loss.backward()
         opt.step()

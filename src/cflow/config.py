@@ -20,6 +20,8 @@ positions max(0, p - W + 1)..p). MoE options of the imported families: moe_norm_
 the top_k routing weights renormalised to sum to 1, as Mixtral and Qwen3-MoE; off: the raw softmax
 probabilities, as Qwen2-MoE and OLMoE) and d_shared_expert (Qwen2-MoE: one SwiGLU expert every
 token runs, its output scaled by sigmoid(shared_gate . norm(z)), added to the routed sum).
+mtp_heads (default 0) adds multi-token prediction heads: head j predicts token t+2+j from the
+final normed hidden state of position t (`cflow train --mtp N`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ from typing import Any
 from cflow.errors import CflowError
 
 MOE_INPUTS = ("post_dense", "post_attn")
+# More heads than this predict so far ahead that their guesses are rarely accepted.
+MAX_MTP_HEADS = 8
 
 
 class ConfigError(CflowError, ValueError):
@@ -65,6 +69,10 @@ class ModelConfig:
     sliding_window: int = 0  # 0: full causal attention; W: each query sees its last W positions
     moe_norm_topk: bool = True  # renormalise the top_k routing weights to sum to 1
     d_shared_expert: int = 0  # 0: none; else hidden size of the gated shared expert (Qwen2-MoE)
+    # Multi-token prediction: head j (0..mtp_heads-1) maps the final normed hidden state h_t to a
+    # prediction of token t+2+j through the shared lm_head (cflow.model.MtpHead); the engine uses
+    # them as a self-speculative proposer (cflow.runtime.speculative.MtpProposer). 0: none.
+    mtp_heads: int = 0
     name: str = field(default="custom", compare=False)
 
     def __post_init__(self) -> None:
@@ -133,6 +141,8 @@ class ModelConfig:
         need(self.max_seq_len > 0, f"max_seq_len must be positive, got {self.max_seq_len}")
         need(self.qk_norm or not self.qk_norm_full, "qk_norm_full needs qk_norm")
         need(self.sliding_window >= 0, f"sliding_window must be >= 0 (0: none), got {self.sliding_window}")
+        need(0 <= self.mtp_heads <= MAX_MTP_HEADS,
+             f"mtp_heads must be in 0..{MAX_MTP_HEADS} (0: no multi-token prediction heads), got {self.mtp_heads}")
 
     # ---- derived quantities -----------------------------------------------------------------
     @property

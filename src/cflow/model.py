@@ -17,6 +17,12 @@ Layer l (x_l = residual entering layer l, x_0 = token embeddings; indices < 0 cl
 Expert outputs whose target layer j + delta_expert lies past the last layer are added to x_L
 before the final norm. The delays act along the layer axis only, so causal masking is unchanged.
 
+Multi-token prediction (cfg.mtp_heads = N > 0): with h_t = norm(x_L) at position t (what the
+lm_head reads), head j = 0..N-1 predicts token t+2+j as lm_head(MtpHead_j(h_t)), MtpHead_j(h) =
+RMSNorm_j(h + w_down_j silu(w_up_j h)) (the shared lm_head; its w_down starts small, so a fresh
+head starts as a copy of the next-token prediction). forward() returns their logits in
+aux["mtp_logits"]; the training loss adds their cross-entropy (cflow.train.loop.compute_loss).
+
 Conventions the C engine must share:
 - RMSNorm: x * rsqrt(mean(x^2) + eps) * weight, computed in float32.
 - Rotary ("half" / GPT-NeoX / HF Llama): pairs (x[j], x[j + hd/2]) rotate by angle
@@ -239,6 +245,20 @@ class Block(nn.Module):
         return y.view(B, T, d), aux
 
 
+class MtpHead(nn.Module):
+    """One multi-token prediction head: h [.., d] (the final normed hidden state) -> the normed
+    input of the shared lm_head for a token further ahead. A residual MLP (2 d^2 parameters)."""
+
+    def __init__(self, d_model: int, eps: float) -> None:
+        super().__init__()
+        self.w_up = nn.Linear(d_model, d_model, bias=False)
+        self.w_down = nn.Linear(d_model, d_model, bias=False)
+        self.norm = RMSNorm(d_model, eps)
+
+    def forward(self, h: Tensor) -> Tensor:
+        return self.norm(h + self.w_down(F.silu(self.w_up(h))))
+
+
 # ---- the model -------------------------------------------------------------------------------
 
 
@@ -251,6 +271,8 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_unique_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        # an empty ModuleList has no parameters: models without heads keep their state dict
+        self.mtp = nn.ModuleList(MtpHead(cfg.d_model, cfg.norm_eps) for _ in range(cfg.mtp_heads))
         cos, sin = rope_cos_sin(cfg.max_seq_len, cfg.head_dim, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)  # [max_seq_len, hd/2]
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -271,7 +293,8 @@ class Transformer(nn.Module):
                 p.fill_(1.0)
             elif name.endswith(".bias"):
                 p.zero_()
-            elif name.endswith(("attn.wo.weight", "ffn.w_down.weight", "moe.w_down", "shared.w_down.weight")):
+            elif name.endswith(("attn.wo.weight", "ffn.w_down.weight", "moe.w_down", "shared.w_down.weight")) or (
+                    name.startswith("mtp.") and name.endswith("w_down.weight")):
                 p.normal_(0.0, resid_std)
             else:
                 p.normal_(0.0, std)
@@ -285,7 +308,8 @@ class Transformer(nn.Module):
     # ---- forward -----------------------------------------------------------------------------
     def forward(self, idx: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
         """idx [B, T] -> (logits [B, T, V] float32, {"load_balance", "router_z"} averaged over
-        the MoE layers; zeros without MoE)."""
+        the MoE layers; zeros without MoE; with mtp_heads N > 0 also "mtp_logits": N tensors
+        [B, T, V], head j's at position t predicting token t+2+j)."""
         cfg = self.cfg
         B, T = idx.shape
         if T > cfg.max_seq_len:
@@ -313,8 +337,16 @@ class Transformer(nn.Module):
         x = xs[L]
         for m in pending[L]:
             x = x + m
-        logits = self.logits(self.norm(x))
-        return logits, self._mean_aux(aux, logits)
+        xn = self.norm(x)
+        logits = self.logits(xn)
+        out = self._mean_aux(aux, logits)
+        if len(self.mtp):
+            out["mtp_logits"] = self.mtp_logits(xn)
+        return logits, out
+
+    def mtp_logits(self, xn: Tensor) -> list[Tensor]:
+        """The heads' logits from final normed hidden states xn [.., d]: one [.., V] per head."""
+        return [self.logits(head(xn)) for head in self.mtp]
 
     def logits(self, xn: Tensor) -> Tensor:
         w = self.tok_emb.weight if self.lm_head is None else self.lm_head.weight  # [V, d]
@@ -355,6 +387,7 @@ class Transformer(nn.Module):
 
         from cflow.convert.encoder import split_fused, tensor_values
         from cflow.fileformat import open_model
+        from cflow import weights
         from cflow.weights import QKV_PARTS
 
         cf = open_model(path)
@@ -370,6 +403,8 @@ class Transformer(nn.Module):
         sd = {"tok_emb.weight": val("tok_emb"), "norm.weight": val("norm")}
         if not cfg.tie_embeddings:
             sd["lm_head.weight"] = val("lm_head")
+        for w in weights.mtp_weights(cfg):
+            sd[w.name + ".weight"] = val(w.name)
         for i in range(cfg.n_unique_layers):
             p = f"layers.{i}."
             sd[p + "attn_norm.weight"] = val(p + "attn_norm")

@@ -27,6 +27,9 @@ count bytes from them:
     layers.{i}.moe.experts.{e}.w_down  [d, d_exp]         experts   quantized
     norm                               [d]                lm_head   f32
     lm_head                            [vocab, d]         lm_head   quantized (absent when tied)
+    mtp.{j}.w_up                       [d, d]             mtp       f32      (mtp_heads > 0: head j,
+    mtp.{j}.w_down                     [d, d]             mtp       f32       j = 0..mtp_heads-1)
+    mtp.{j}.norm                       [d]                mtp       f32
 
 The shared expert belongs to the experts node (it runs beside the routed ones, scaled per row by
 sigmoid(shared_gate . norm(z)), which the router computes) but is not one of the E experts: it
@@ -34,7 +37,11 @@ has no expert index, is not in the expert table, and stays in RAM when the route
 disk. A token reads it whole, like a dense FFN.
 
 `i` is a weight set (0..n_unique_layers-1); layer l reads set l % n_unique_layers. Ordered as
-`.cflow` stores them: embeddings, each set, then the final norm and lm_head.
+`.cflow` stores them: embeddings, each set, then the final norm and lm_head, then the
+multi-token prediction heads. Those are not part of the decode step (no DAG node reads them, the
+C core does not bind them): the speculative proposer runs them in numpy from the hidden state the
+core hands back (cflow.runtime.mtp), so they stay f32 whatever the file's quant (2 d^2 + d floats a
+head).
 
 A tiled matrix has one dtype. GGUF K-quant files often store attn_v in another type than attn_q
 and attn_k (Q4_K_M: Q6_K or Q8_0 beside Q4_K / Q5_0); cflow keeps every block as it is, so such a
@@ -71,7 +78,7 @@ class Weight:
 
     name: str
     shape: tuple[int, ...]
-    node: str  # the decode-step DAG node kind that reads it (NODE_KINDS)
+    node: str  # the decode-step DAG node kind that reads it (NODE_KINDS), or "mtp" (read by no node)
     plain: bool  # stored f32 (norms, router); otherwise quantized at the model's quant
     set: int | None = None  # weight set, for tensors inside the layers
     expert: int | None = None
@@ -150,6 +157,21 @@ def global_weights(cfg: ModelConfig) -> tuple[list[Weight], list[Weight]]:
     return head, tail
 
 
+MTP_SLOTS = ("w_up", "w_down", "norm")  # a multi-token prediction head's tensors, `mtp.{j}.{slot}`
+
+
+def mtp_name(j: int, slot: str) -> str:
+    return f"mtp.{j}.{slot}"
+
+
+def mtp_weights(cfg: ModelConfig) -> list[Weight]:
+    """The multi-token prediction heads' tensors (none when cfg.mtp_heads is 0): head j computes
+    norm(h + w_down silu(w_up h)) from the final normed hidden state h (cflow.model.MtpHead)."""
+    d = cfg.d_model
+    shapes = {"w_up": (d, d), "w_down": (d, d), "norm": (d,)}
+    return [Weight(mtp_name(j, s), shapes[s], "mtp", True) for j in range(cfg.mtp_heads) for s in MTP_SLOTS]
+
+
 def model_weights(cfg: ModelConfig, split_qkv: Collection[int] = ()) -> Iterator[Weight]:
     """Every tensor a model of this config stores, in `.cflow` (layer-major) order; the weight
     sets in `split_qkv` store their projection by parts."""
@@ -158,6 +180,7 @@ def model_weights(cfg: ModelConfig, split_qkv: Collection[int] = ()) -> Iterator
     for i in range(cfg.n_unique_layers):
         yield from layer_weights(cfg, i, split_qkv=i in split_qkv)
     yield from tail
+    yield from mtp_weights(cfg)
 
 
 def count(cfg: ModelConfig, n_split_qkv: int = 0) -> int:
@@ -165,7 +188,8 @@ def count(cfg: ModelConfig, n_split_qkv: int = 0) -> int:
     computed without building it (a damaged header may claim billions of layers)."""
     per_set = 3 + cfg.qkv_bias + 2 * cfg.qk_norm + 3 * cfg.has_dense + (2 + 2 * cfg.n_experts) * cfg.has_moe \
         + 3 * cfg.has_shared_expert
-    return 2 + cfg.n_unique_layers * per_set + (not cfg.tie_embeddings) + 2 * n_split_qkv
+    return 2 + cfg.n_unique_layers * per_set + (not cfg.tie_embeddings) + 2 * n_split_qkv \
+        + len(MTP_SLOTS) * cfg.mtp_heads
 
 
 def node_weights(cfg: ModelConfig, kind: str, weight_set: int = 0, split_qkv: Collection[int] = ()) -> list[Weight]:

@@ -305,7 +305,9 @@ SPEC_HELP = ("Speculative decoding guesses several tokens ahead and has the mode
              "the text is exactly what plain decoding gives (greedy: token for token; sampling: the same "
              "distribution), only faster when the guesses are often right. ngram (prompt lookup) needs no second "
              "model and helps when the answer repeats the prompt: summaries, rewrites, code edits, extraction; "
-             "draft needs a smaller model with the same vocabulary. When guesses keep failing, speculation pauses "
+             "draft needs a smaller model with the same vocabulary; mtp uses the model's own multi-token "
+             "prediction heads (a model trained with `cflow train --mtp N`): no second model, free text too. "
+             "When guesses keep failing, speculation pauses "
              "itself (plain steps for a while), so it costs little where it does not help.")
 
 
@@ -314,10 +316,12 @@ def add_speculative_flags(p: argparse.ArgumentParser) -> None:
     from cflow.runtime.speculative import DEFAULT_DRAFT_MAX, DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, DRAFT_START
 
     g = p.add_argument_group("speculative decoding", SPEC_HELP)
-    g.add_argument("--spec", default=None, metavar="off|ngram|draft",
+    g.add_argument("--spec", default=None, metavar="off|ngram|draft|mtp",
                    help="off (default): plain decoding; ngram: propose the continuation of the latest earlier match "
                    "of the last tokens in the prompt and the output so far; draft: a draft model proposes "
-                   "(needs --model-draft, which implies it)")
+                   "(needs --model-draft, which implies it); mtp: the model's multi-token prediction heads "
+                   "propose up to one token per head (the model must have them: `cflow train --mtp N`, then "
+                   "`cflow export`)")
     g.add_argument("-md", "--model-draft", default=None, metavar="FILE",
                    help="the draft model (.cflow/.gguf) for --spec draft: much smaller than -m, with the same "
                    "vocabulary (e.g. SmolLM2-135M for SmolLM2-1.7B); same -t and expert flags, context up to -c")
@@ -356,6 +360,8 @@ def load_speculative(args: argparse.Namespace, spec, eng):
     from cflow.runtime import Engine, EngineError
     from cflow.runtime.speculative import check_draft
 
+    if spec is not None and spec.proposer == "mtp":
+        eng.mtp  # noqa: B018 (a model without heads is refused now, with how to train them: NoMtpHeadsError)
     if spec is None or spec.draft is None:
         return spec
     try:

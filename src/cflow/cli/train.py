@@ -31,6 +31,8 @@ examples:
   torchrun --standalone --nproc_per_node 2 -m cflow train --preset arch2_4_combined --out runs/ddp
   cflow train compare --tokens 20000000                     # the whole family, same budget
   cflow export runs/a24 a24.cflow                           # then run it with cflow generate
+  cflow train --preset arch4-s --mtp 2 --out runs/a4-mtp    # + 2 multi-token prediction heads
+  cflow export runs/a4-mtp a4.cflow && cflow generate -m a4.cflow --spec mtp -p "Once upon a time"
 
 --batch-size is the global batch: under torchrun each process takes batch_size / world_size.
 Ctrl-C (or SIGTERM) finishes the current step, saves a checkpoint there and exits (130 / 143);
@@ -39,7 +41,7 @@ continue it with --resume. A second Ctrl-C quits at once and keeps the previous 
 
 # flag dest -> TrainConfig field (identical names); None defaults mean "not given".
 _TRAIN_FIELDS = ("steps", "tokens", "batch_size", "seq_len", "lr", "min_lr_ratio", "warmup", "weight_decay",
-                 "grad_clip", "lb_weight", "z_weight", "eval_every", "eval_windows", "save_every", "log_every",
+                 "grad_clip", "lb_weight", "z_weight", "mtp_weight", "eval_every", "eval_windows", "save_every", "log_every",
                  "seed", "data", "val_fraction", "vocab_size", "threads", "cache_dir", "compile", "device",
                  "precision")
 
@@ -49,6 +51,11 @@ def _add_hparams(p: argparse.ArgumentParser, *, budget: bool) -> None:
     g.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a ModelConfig field, e.g. --set d_model=192 (repeatable)")
     g.add_argument("--vocab-size", type=int, help="tokenizer vocabulary to train (default: the preset's, 4096)")
+    g.add_argument("--mtp", type=int, metavar="N",
+                   help="add N multi-token prediction heads (--set mtp_heads=N): head j predicts the token 2+j "
+                   "ahead from the last hidden state through the shared lm_head, trained jointly (--mtp-weight); "
+                   "exported into the .cflow file, they make `cflow generate --spec mtp` speculate with no "
+                   "second model (default 0: none)")
     g = p.add_argument_group("data")
     g.add_argument("--data", help="PATH (.txt: documents separated by blank lines; .jsonl: a 'text' field), "
                    "'tinystories[:N|:all]' (HF datasets, needs network), or omit for the shipped story corpus")
@@ -80,6 +87,7 @@ _OPT_FLAGS = (
     ("--grad-clip", float, "gradient norm clip, 0 disables (default 1.0)"),
     ("--lb-weight", float, "MoE load-balancing loss weight (default 0.01)"),
     ("--z-weight", float, "router z-loss weight (default 0.001)"),
+    ("--mtp-weight", float, "weight of the multi-token heads' mean cross-entropy in the loss (default 0.3; --mtp)"),
     ("--seed", int, "seed of init and batch sampling (default 1337)"),
 )
 _MACHINE_FLAGS = (
@@ -148,6 +156,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.set_defaults(func=run_compare)
 
 
+def _overrides(args: argparse.Namespace) -> list[str]:
+    """The config overrides: --set's, then --mtp as mtp_heads."""
+    return list(args.overrides) + ([f"mtp_heads={args.mtp}"] if args.mtp is not None else [])
+
+
 def _given(args: argparse.Namespace) -> dict:
     return {f: getattr(args, f) for f in _TRAIN_FIELDS if getattr(args, f, None) is not None}
 
@@ -169,6 +182,7 @@ def _command(args: argparse.Namespace) -> str:
         words += ["--save-every", str(args.save_every)] if args.save_every is not None else []
     for s in args.overrides:
         words += ["--set", s]
+    words += ["--mtp", str(args.mtp)] if args.mtp is not None else []
     for f, v in _given(args).items():
         if f == "compile":
             words += ["--compile"] if v else []
@@ -195,7 +209,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         cfg = ModelConfig.from_name(args.preset or DEFAULT_PRESET)
         tc = TrainConfig(**_given(args))
-    cfg = cfg.with_overrides(args.overrides)
+    cfg = cfg.with_overrides(_overrides(args))
     out = args.out or Path("runs") / cfg.name
     try:
         res = train(cfg, tc, out_dir=out, resume=args.resume, overwrite=args.overwrite,
@@ -209,6 +223,10 @@ def run(args: argparse.Namespace) -> int:
         if ev:
             print(f"validation: loss {ev['val_loss']:.4f}, perplexity {ev['val_ppl']:.2f}, "
                   f"top-1 accuracy {ev['val_acc']:.4f}")
+            for j in range(cfg.mtp_heads):
+                if f"val_mtp{j}_loss" in ev:
+                    print(f"  mtp head {j} (token {2 + j} ahead): loss {ev[f'val_mtp{j}_loss']:.4f}, "
+                          f"top-1 accuracy {ev[f'val_mtp{j}_acc']:.4f}")
         print(f"checkpoint: {out}  (export: cflow export {out} {out.name}.cflow)")
     return 0
 
@@ -240,7 +258,7 @@ def run_compare(args: argparse.Namespace) -> int:
     progress = not args.no_progress
     try:
         summaries = compare(presets, base=base, tokens=args.tokens, minutes_per_run=args.minutes_per_run,
-                            overrides=args.overrides, runs_dir=args.runs_dir, out_dir=args.out, seeds=args.seeds,
+                            overrides=_overrides(args), runs_dir=args.runs_dir, out_dir=args.out, seeds=args.seeds,
                             command=_command(args), progress=progress)
     except TrainInterrupted as e:
         where = f"its checkpoint is step {e.saved_step}" if e.saved_step is not None else "no checkpoint yet"

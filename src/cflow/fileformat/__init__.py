@@ -29,7 +29,7 @@ No torch here: the runtime imports this module.
 from cflow.fileformat.errors import (BadMagicError, ChecksumError, DuplicateTensorError, ExpertTableError,
                                       FileTooShortError, FlagsError, FormatError, HeaderDecodeError,
                                       HeaderSchemaError, HeaderTooLargeError, InvalidConfigError,
-                                      MisalignedOffsetError, MissingTensorError, OverlapError, ShapeMismatchError,
+                                      MisalignedOffsetError, MissingTensorError, MtpHeadsError, OverlapError, ShapeMismatchError,
                                       TensorOutOfBoundsError, TrailingDataError, TruncatedFileError,
                                       UnknownDtypeError, UnknownLayoutError, UnsupportedVersionError)
 from cflow.fileformat.layout import (ALIGN, CHECKSUM_ALGO, CHECKSUM_HEX, FLAG_VFLOW, KNOWN_FLAGS, MAGIC,
@@ -45,7 +45,7 @@ __all__ = [
     "FormatError", "FileTooShortError", "BadMagicError", "UnsupportedVersionError", "FlagsError",
     "HeaderTooLargeError", "TruncatedFileError", "TrailingDataError", "HeaderDecodeError", "HeaderSchemaError",
     "InvalidConfigError", "UnknownDtypeError", "UnknownLayoutError", "ShapeMismatchError", "MisalignedOffsetError",
-    "TensorOutOfBoundsError", "OverlapError", "DuplicateTensorError", "MissingTensorError", "ExpertTableError",
+    "TensorOutOfBoundsError", "OverlapError", "DuplicateTensorError", "MissingTensorError", "MtpHeadsError", "ExpertTableError",
     "ChecksumError",
     "MAGIC", "VERSION", "FLAG_VFLOW", "KNOWN_FLAGS", "PREAMBLE", "ALIGN", "MAX_HEADER_BYTES", "ORDERS",
     "CHECKSUM_ALGO", "CHECKSUM_HEX", "ProgressFn", "TensorData", "TensorEntry", "WriteSummary",

@@ -78,6 +78,11 @@ class DuplicateTensorError(FormatError):
     """Two tensors have the same name."""
 
 
+class MtpHeadsError(FormatError):
+    """The multi-token prediction heads a file's config declares (mtp_heads) are not exactly the
+    `mtp.{j}.*` tensors it carries."""
+
+
 class MissingTensorError(FormatError, KeyError):
     """A tensor the model needs (or the caller asked for) is not in the file."""
 

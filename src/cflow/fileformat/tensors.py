@@ -9,7 +9,7 @@ from typing import Any, Collection, Iterable
 
 from cflow import weights
 from cflow.config import ModelConfig
-from cflow.fileformat.errors import FormatError, MissingTensorError
+from cflow.fileformat.errors import FormatError, MissingTensorError, MtpHeadsError
 from cflow.fileformat.layout import TensorData
 
 
@@ -22,6 +22,8 @@ def expected_shape(cfg: ModelConfig, name: str) -> tuple[int, ...] | None:
     """The shape the config implies for a canonical tensor name; None for any other name."""
     if name in weights.GLOBAL_NAMES:
         return model_tensors(cfg, layers=False).get(name)
+    if name.startswith("mtp."):
+        return {w.name: w.shape for w in weights.mtp_weights(cfg)}.get(name)
     parts = name.split(".")
     i = _index(parts[1]) if len(parts) >= 3 and parts[0] == "layers" else None
     if i is None or i >= cfg.n_unique_layers:
@@ -117,6 +119,23 @@ def expert_of(name: str) -> tuple[int, int] | None:
         if i is not None and e is not None:
             return i, e
     return None
+
+
+def check_mtp(cfg: ModelConfig, names: Iterable[str]) -> None:
+    """A file carries exactly the multi-token prediction heads its config declares: the tensors
+    mtp.{j}.w_up / w_down / norm for j < mtp_heads, and no other `mtp.` name."""
+    want = {w.name for w in weights.mtp_weights(cfg)}
+    have = {n for n in names if n.startswith("mtp.")}
+    if have == want:
+        return
+    missing, extra = sorted(want - have), sorted(have - want)
+    what = []
+    if missing:
+        what.append(f"lacks {len(missing)} of their tensors, e.g. {missing[:3]}")
+    if extra:
+        what.append(f"holds {len(extra)} tensor(s) of no declared head, e.g. {extra[:3]}")
+    raise MtpHeadsError(f"the config declares mtp_heads={cfg.mtp_heads} multi-token prediction head(s) but the "
+                        f"file {' and '.join(what)}; export the checkpoint again (`cflow export DIR OUT.cflow`)")
 
 
 def check_complete(names: Iterable[str], shapes: dict[str, tuple[int, ...]]) -> None:

@@ -18,7 +18,8 @@ from cflow.fileformat.errors import (BadMagicError, DuplicateTensorError, Expert
 from cflow.fileformat.layout import (MAX_INT, ALIGN, CHECKSUM_ALGO, CHECKSUM_HEX, FLAG_VFLOW, KNOWN_FLAGS, MAGIC,
                                       MAX_HEADER_BYTES, ORDERS, PREAMBLE, VERSION, TensorEntry, is_int, tile_ok,
                                       tile_problem)
-from cflow.fileformat.tensors import check_complete, expected_count, expected_shape, expert_of, model_tensors
+from cflow.fileformat.tensors import (check_complete, check_mtp, expected_count, expected_shape, expert_of,
+                                       model_tensors)
 
 
 def _get(d: dict, key: str, types: type, where: str) -> Any:
@@ -251,6 +252,7 @@ def check_config(h: dict, entries: dict[str, TensorEntry], require_complete: boo
         if want is not None and e.shape != want:
             raise ShapeMismatchError(f"tensor {name!r} has shape {e.shape} but the config needs {want}; "
                                      "the file is damaged")
+    check_mtp(cfg, entries)
     if require_complete:
         split = weights.split_qkv_sets(entries)
         n = expected_count(cfg, split)

@@ -18,7 +18,8 @@ from cflow.fileformat.errors import (DuplicateTensorError, FormatError, HeaderSc
 from cflow.fileformat.layout import (ALIGN, CHECKSUM_ALGO, CHECKSUM_HEX, FLAG_VFLOW, MAGIC, MAX_HEADER_BYTES,
                                       ORDERS, PREAMBLE, VERSION, ProgressFn, TensorData, WriteSummary, align_up,
                                       tensor_checksum, checksum_descriptor, tile_ok, tile_problem)
-from cflow.fileformat.tensors import check_complete, expected_shape, order_tensors, expert_of, model_tensors
+from cflow.fileformat.tensors import (check_complete, check_mtp, expected_shape, order_tensors, expert_of,
+                                       model_tensors)
 from cflow.fsutil import atomic_open
 
 
@@ -126,10 +127,13 @@ def write_model(path: str | os.PathLike, *, config: dict | ModelConfig, tokenize
             raise FormatError(f"tensor {t.name!r}: {problem}; write the file with a tile whose columns are "
                               f"a multiple of 256 (the default 128x256 is)")
         items.append(t)
+    check_mtp(cfg, sizes)
     if require_complete:
         check_complete(sizes, model_tensors(cfg, split_qkv=weights.split_qkv_sets(sizes)))
     items = order_tensors(items, cfg, order)
     cfg_dict, metadata = cfg.to_dict(), dict(metadata or {})
+    if not cfg.mtp_heads:  # files without heads stay what older cflow wrote, which older readers accept
+        del cfg_dict["mtp_heads"]
 
     # The header holds offsets that depend on the header's own length: iterate to a fixed point.
     data_start, checks = ALIGN, {t.name: f"{CHECKSUM_ALGO}:{'0' * CHECKSUM_HEX}" for t in items}

@@ -73,7 +73,8 @@ cf_config config_from(const nb::dict &d) {
 struct NativeEngine {
     cf_engine *e = nullptr;
     Bytes buf;  // keeps the mapped file alive
-    int vocab = 0, n_layers = 0, n_experts = 0, top_k = 0;
+    int vocab = 0, n_layers = 0, n_experts = 0, top_k = 0, d_model = 0;
+    bool keep = false;  // keep_hidden as last set
 
     NativeEngine(Bytes buffer, const nb::dict &cfg, Desc desc, const std::vector<std::string> &names,
                  Plan plan, int n_ring, int n_pending, int threads, int n_ctx, int max_batch, int n_moe,
@@ -123,6 +124,7 @@ struct NativeEngine {
                              threads, n_ctx, max_batch, n_seq, k_type, v_type, experts.is_none() ? nullptr : &disk, err, sizeof err);
         if (!e) throw nb::value_error(err);
         vocab = c.vocab;
+        d_model = c.d;
         n_layers = c.n_layers;
         n_experts = c.n_experts;
         top_k = c.top_k;
@@ -275,6 +277,17 @@ struct NativeEngine {
             rc = cf_step_rows(e, seqs.data(), tokens.data(), positions.data(), want.data(), (int)B, logits.data());
         }
         if (rc) raise_call_error();
+    }
+
+    // The last pass's final normed hidden states (cf_engine_hidden) copied into out[:n]; returns n.
+    int hidden(Logits2 out) const {
+        const float *h;
+        int n = cf_engine_hidden(e, &h);
+        if (out.shape(0) < (size_t)n || out.shape(1) != (size_t)d_model)
+            throw nb::value_error(("hidden: out must be float32 [>= " + std::to_string(n) + ", " +
+                                   std::to_string(d_model) + "]").c_str());
+        std::memcpy(out.data(), h, (size_t)n * d_model * sizeof(float));
+        return n;
     }
 
     nb::dict counters() const {
@@ -432,6 +445,9 @@ void cf_bind_engine(nb::module_ &m) {
                 if (cf_engine_copy_seq(s.e, src, dst, n)) s.raise_call_error();
             }, nb::arg("src"), nb::arg("dst"), nb::arg("n"),
              "Copy positions 0..n-1 of sequence src's KV cache into sequence dst's.")
+        .def("hidden", &NativeEngine::hidden, nb::arg("out"),
+             "copy the final normed hidden states of the rows whose logits the last pass wrote into "
+             "out[:n] (keep_hidden must be on); returns n")
         .def("counters", &NativeEngine::counters, "Bytes touched by category since reset_counters().")
         .def("expert_hits", &NativeEngine::expert_hits, "Routing counts per [layer][expert].")
         .def("reset_counters", [](NativeEngine &s) { cf_engine_reset_counters(s.e); })
@@ -488,6 +504,14 @@ void cf_bind_engine(nb::module_ &m) {
             },
             "software prefetch of this engine's calls: -1 the kernels' default, 0 off, N > 0 PREFETCHT0 N "
             "bytes ahead in every weight-streaming kernel; outputs do not depend on it")
+        .def_prop_rw(
+            "keep_hidden", [](const NativeEngine &s) { return s.keep; },
+            [](NativeEngine &s, bool on) {
+                cf_engine_set_keep_hidden(s.e, on);
+                s.keep = on;
+            },
+            "keep the final normed hidden state of every row that gets logits, for hidden() (off by "
+            "default; the logits do not depend on it)")
         .def_prop_ro("max_batch", [](const NativeEngine &s) { return cf_engine_max_batch(s.e); })
         .def_prop_ro("n_seq", [](const NativeEngine &s) { return cf_engine_n_seq(s.e); })
         .def_prop_ro("isa", [](const NativeEngine &s) { return std::string(cf_engine_isa(s.e)); });

@@ -615,7 +615,11 @@ static void op_final(cf_engine *e, int slot, int pslot, int ith, int nth) {
         const float *pd = pslot >= 0 ? e->s.pending + ((size_t)pslot * e->max_batch + b) * d : NULL;
         for (int j = 0; j < d; j++) z[j] = x[j] + (pd ? pd[j] : 0.0f);
         e->k->rmsnorm(ts->xb + (size_t)i * e->kmax, z, e->w.norm, d, e->c.norm_eps);
+        /* every thread norms every row (the same bits); thread 0 hands its copy out */
+        if (e->keep_hidden && ith == 0) memcpy(e->hidden + (size_t)i * d, ts->xb + (size_t)i * e->kmax,
+                                               (size_t)d * sizeof(float));
     }
+    if (e->keep_hidden && ith == 0) e->n_hidden = nb;
     quantize_rows(e, ts->xb, e->kmax, d, ts->act, NULL, nb, act_fmt(&e->w.lm_head));
     ph(e, ith, CF_PK_LM_HEAD, 0);
     int g0, g1;
@@ -732,6 +736,7 @@ static int forward(cf_engine *e, const int32_t *tokens, int B, float *logits, co
     e->B = B;
     e->logits = logits;
     e->n_lrow = 0;
+    e->n_hidden = 0; /* op_final sets it when it writes the rows' hidden states */
     for (int b = want ? 0 : B - 1; b < B; b++)
         if (!want || want[b]) e->lrow[e->n_lrow++] = b;
     attn_plan(e);
@@ -883,6 +888,16 @@ int cf_step_rows(cf_engine *e, const int *seq, const int32_t *tokens, const int 
                  float *logits) {
     if (check_rows(e, seq, tokens, pos, B, 0)) return -1;
     return run_rows(e, seq, tokens, pos, want, B, logits);
+}
+
+void cf_engine_set_keep_hidden(cf_engine *e, int on) {
+    e->keep_hidden = on != 0;
+    e->n_hidden = 0;
+}
+
+int cf_engine_hidden(const cf_engine *e, const float **out) {
+    *out = e->hidden;
+    return e->n_hidden;
 }
 
 int cf_engine_copy_seq(cf_engine *e, int src, int dst, int n) {

@@ -265,6 +265,15 @@ int cf_step_rows(cf_engine *e, const int *seq, const int32_t *tokens, const int 
  * choices on one prompt: the prompt runs once. Returns 0, or -1 for a bad sequence or n. */
 int cf_engine_copy_seq(cf_engine *e, int src, int dst, int n);
 
+/* The final normed hidden state (what the lm_head reads) of the rows whose logits the last
+ * forward pass wrote, for a self-speculative proposer (multi-token prediction heads run on it in
+ * Python). Off by default; while on, each pass copies those rows (d floats each) into an engine
+ * buffer. cf_engine_hidden points *out at that buffer and returns its row count: hidden row i
+ * belongs to logits row i of the last pass (a call of more than max_batch rows runs several
+ * passes: only the last one's rows are kept). The logits do not change. Not while a call runs. */
+void cf_engine_set_keep_hidden(cf_engine *e, int on);
+int cf_engine_hidden(const cf_engine *e, const float **out);
+
 const char *cf_engine_error(const cf_engine *e);
 int cf_engine_error_kind(const cf_engine *e); /* CF_ERR_* of the last failed call */
 void cf_engine_counters(const cf_engine *e, cf_counters *out);

@@ -360,6 +360,7 @@ static int alloc_state(cf_engine *e) {
     e->ablk = xcalloc(2 * B, sizeof(int), &fail);
     e->arow = xcalloc(B, sizeof(int), &fail);
     e->ones = xcalloc(B, 1, &fail);
+    e->hidden = xcalloc((size_t)B * c->d, sizeof(float), &fail);
     e->ts = xcalloc(e->n_threads, sizeof(cf_scratch), &fail);
     if (fail) return -1;
     memset(e->ones, 1, B);
@@ -542,7 +543,7 @@ void cf_engine_free(cf_engine *e) {
     void *bufs[] = {s->ring, s->h, s->f, s->pending, s->moe_in, s->qkv, s->att, s->hid, s->y,
                     s->rope, s->kcache, s->vcache, s->rlogits, s->exp_tok, s->exp_w, s->exp_n,
                     s->shexp_w, s->exp_list, s->exp_cnt, s->exp_pre, s->exp_slot, e->hits, e->plan,
-                    e->rseq, e->rpos, e->seen, e->lrow, e->ablk, e->arow, e->ones};
+                    e->rseq, e->rpos, e->seen, e->lrow, e->ablk, e->arow, e->ones, e->hidden};
     for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) free(bufs[i]);
     if (e->ts)
         for (int t = 0; t < e->n_threads; t++) free(e->ts[t].mem);

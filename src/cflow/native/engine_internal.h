@@ -129,6 +129,10 @@ struct cf_engine {
     float *logits;
     int *lrow, n_lrow; /* [max_batch] the rows whose logits the call writes, ascending: logits row i
                         * is row lrow[i]'s */
+    /* the final normed hidden state of those rows, hidden row i for lrow[i] (cf_engine_hidden),
+     * written only while keep_hidden is on; n_hidden rows valid (the last forward pass's) */
+    float *hidden;      /* [max_batch, d] */
+    int keep_hidden, n_hidden;
     /* attention work (forward(), thread 0): blocks of consecutive positions of one sequence that
      * take attention_block (<= ATTN_QBLOCK rows: first row, count), and the rows that go
      * one by one through the per-query kernel */

@@ -641,6 +641,40 @@ class Engine:
         self._native.set_routes(0, None, None)
         self._routes = None
 
+    # ---- the final hidden state (multi-token prediction, cflow.runtime.mtp) -------------------------
+    @property
+    def keep_hidden(self) -> bool:
+        """Whether each native call keeps the final normed hidden state (what the lm_head reads) of
+        the rows it computes logits for, for hidden(). Off by default; the logits do not depend on it."""
+        return bool(self._native.keep_hidden)
+
+    @keep_hidden.setter
+    def keep_hidden(self, on: bool) -> None:
+        self._native.keep_hidden = bool(on)
+
+    def hidden(self) -> np.ndarray:
+        """The final normed hidden states [n, d] of the rows the last call computed logits for, in
+        the order of its logits rows (step, prefill: the last row; step_rows: the wanted rows; a
+        call of more rows than max_batch: those of its last max_batch rows). Needs keep_hidden.
+        The array is reused by the next call: copy what you keep."""
+        if not self.keep_hidden:
+            raise EngineError("hidden() needs Engine.keep_hidden = True before the call it reads")
+        buf = self.__dict__.get("_hidden_buf")
+        if buf is None:
+            buf = self.__dict__["_hidden_buf"] = np.empty((self._native.max_batch, self.config.d_model), np.float32)
+        return buf[:self._native.hidden(buf)]
+
+    @property
+    def mtp(self) -> "Any":
+        """The model's multi-token prediction heads (cflow.runtime.mtp.MtpHeads; loaded on first use,
+        the output matrix dequantized then). NoMtpHeadsError when the model has none."""
+        heads = self.__dict__.get("_mtp")
+        if heads is None:
+            from cflow.runtime.mtp import MtpHeads
+
+            heads = self.__dict__["_mtp"] = MtpHeads(self.file)
+        return heads
+
     def weight_bytes_per_token(self) -> float:
         """Weight bytes one decode step reads (the file's own tensor sizes through the tensor table,
         cflow.weights.token_bytes; MoE layers count top_k experts of average size)."""

@@ -1,6 +1,7 @@
 """Speculative decoding: guess several tokens cheaply, then let the model check them all in one call.
 
     eng.complete(prompt, temperature=0, speculative="ngram")             # prompt lookup, no second model
+    eng.complete(prompt, speculative="mtp")          # the model's own multi-token heads (cflow train --mtp N)
     draft = Engine.load("small.gguf")                                      # same vocabulary as eng
     eng.complete(prompt, speculative=Speculative(draft=draft, draft_max=6))
 
@@ -30,7 +31,9 @@ order, so a seed reproduces a run.
 
 Owns: the settings (Speculative, and `resolve`, which turns what a caller passed into them), the
 proposers (NgramProposer: prompt lookup decoding, llama.cpp's `lookup`; DraftProposer: a second
-Engine with the same vocabulary, whose KV cache follows the accepted text), the acceptance rule
+Engine with the same vocabulary, whose KV cache follows the accepted text; MtpProposer: the
+model's own multi-token prediction heads, cflow.runtime.mtp, run on the final hidden state the
+target call just computed), the acceptance rule
 (`accept_probability`, `residual`, `verify`: one definition, used by the loop and the tests), the
 Gate that pauses speculation while it loses, and the loop (`run`).
 
@@ -39,7 +42,9 @@ step streams the weights once, so the extra rows cost little (docs/results/specu
 measured cost curve) and each accepted token saves a whole step. The n-gram lookup wins when the
 output repeats the input (summaries, rewrites, code edits, extraction); on free text it finds few
 matches and costs nothing then (no match: a plain step). A draft model wins when it is much
-smaller than the target and agrees with it often.
+smaller than the target and agrees with it often. Multi-token heads cost almost nothing (no
+second model: a few small mat-vecs on a hidden state the target computed anyway) and guess free
+text too, but only as far ahead as the model has heads.
 """
 
 from __future__ import annotations
@@ -58,7 +63,7 @@ from cflow.sampling import Sampler, SamplingParams, draw
 if TYPE_CHECKING:
     from cflow.runtime.engine import Engine
 
-PROPOSERS = ("ngram", "draft")
+PROPOSERS = ("ngram", "draft", "mtp")
 DEFAULT_DRAFT_MAX = 8
 DEFAULT_NGRAM_MAX = 3
 DEFAULT_NGRAM_MIN = 2  # a one-token match predicts poorly (docs/results/speculative.md)
@@ -83,8 +88,9 @@ class DraftVocabularyError(SpeculativeError):
 # ---- settings --------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Speculative:
-    """How to speculate. proposer: "ngram" (prompt lookup) or "draft" (the `draft` Engine); None:
-    "draft" when a draft is given, else "ngram". draft_max: tokens proposed per round at most
+    """How to speculate. proposer: "ngram" (prompt lookup), "draft" (the `draft` Engine) or "mtp"
+    (the model's multi-token prediction heads: at most mtp_heads tokens a round); None: "draft"
+    when a draft is given, else "ngram". draft_max: tokens proposed per round at most
     (llama.cpp's --draft-max); draft_min: a round with fewer proposed tokens is a plain step
     instead (--draft-min). ngram_max, ngram_min: the n-gram lookup tries suffixes of these lengths,
     longest first. min_acceptance: the Gate's threshold (None: ROW_COST for the n-gram lookup;
@@ -107,12 +113,13 @@ class Speculative:
         if name not in PROPOSERS:
             raise SpeculativeError(f"unknown speculative proposer {name!r}: use one of {', '.join(PROPOSERS)} "
                                    f"(ngram: prompt lookup, no second model; draft: a smaller model with the same "
-                                   f"vocabulary, --model-draft FILE)", flag="--spec")
+                                   f"vocabulary, --model-draft FILE; mtp: the model's own multi-token prediction "
+                                   f"heads, trained with `cflow train --mtp N`)", flag="--spec")
         if name == "draft" and self.draft is None:
             raise SpeculativeError("speculation with a draft model needs the draft model: --model-draft FILE "
                                    "(Python: Speculative(draft=Engine.load(FILE)))", flag="--model-draft")
-        if name == "ngram" and self.draft is not None:
-            raise SpeculativeError("a draft model was given with the n-gram proposer; use --spec draft (or leave "
+        if name != "draft" and self.draft is not None:
+            raise SpeculativeError(f"a draft model was given with the {name} proposer; use --spec draft (or leave "
                                    "--spec out: --model-draft implies it)", flag="--spec")
         object.__setattr__(self, "proposer", name)
         for field, flag, low in (("draft_max", "--draft-max", 1), ("draft_min", "--draft-min", 0),
@@ -132,9 +139,9 @@ class Speculative:
 
 
 def resolve(value: Any, eng: "Engine") -> Speculative | None:
-    """The Speculative a caller's `speculative=` means: None, False or "off": none; "ngram"; an
-    Engine: that engine as the draft model; a Speculative as it is. The draft's vocabulary is
-    checked against `eng`'s."""
+    """The Speculative a caller's `speculative=` means: None, False or "off": none; "ngram"; "mtp";
+    an Engine: that engine as the draft model; a Speculative as it is. The draft's vocabulary is
+    checked against `eng`'s; for "mtp", that `eng` has heads (cflow.runtime.mtp.NoMtpHeadsError)."""
     from cflow.runtime.engine import Engine
 
     if value is None or value is False or value == "off":
@@ -146,8 +153,10 @@ def resolve(value: Any, eng: "Engine") -> Speculative | None:
     elif isinstance(value, Speculative):
         spec = value
     else:
-        raise SpeculativeError(f"speculative= takes None, 'ngram', a draft Engine or a Speculative, got "
+        raise SpeculativeError(f"speculative= takes None, 'ngram', 'mtp', a draft Engine or a Speculative, got "
                                f"{type(value).__name__}")
+    if spec.proposer == "mtp":
+        eng.mtp  # noqa: B018 (loads the heads now: a model without them is refused before generating)
     if spec.draft is not None:
         if spec.draft is eng:  # one KV cache cannot hold both the text and the draft's guesses
             raise SpeculativeError("the draft model must be an Engine of its own, not the target itself: load the "
@@ -284,9 +293,55 @@ class DraftProposer:
         return out, qs
 
 
-def make_proposer(spec: Speculative, params: SamplingParams) -> NgramProposer | DraftProposer:
+class MtpProposer:
+    """Self-speculation with the model's multi-token prediction heads (cflow.runtime.mtp): head j
+    maps the final hidden state h of the position whose logits chose the newest token t to a
+    distribution over the token 2+j ahead of h's position, i.e. over the token j+1 after t. The
+    round's proposals are drawn from the heads in turn (q: each head's distribution under the
+    generation's sampling parameters, the sampler seeing the proposals before it, as a draft model
+    would; greedy: each head's argmax). At most mtp_heads proposals a round.
+
+    Which h: the loop hands over (`observe`) the hidden state of the row whose logits emitted the
+    newest token: the prompt's last row after prefill, a plain step's row, and in a verification
+    round the row of the last token it emitted (a kept proposal's row is the position before the
+    next one, so after the first rejection at row i, row i's h; when all were kept, the last row's).
+    The engine keeps every logits row's h while speculating (Engine.keep_hidden)."""
+
+    name = "mtp"
+
+    def __init__(self, eng: "Engine", params: SamplingParams) -> None:
+        self.heads = eng.mtp
+        self.sampler = Sampler(params)  # for q only: draws use the generation's random stream
+        self.h: np.ndarray | None = None
+
+    def observe(self, h: np.ndarray) -> None:
+        """The final hidden state of the row whose logits chose the newest token (copied)."""
+        self.h = np.array(h, np.float32)
+
+    def propose(self, history: Sequence[int], k: int,
+                rng: np.random.Generator) -> tuple[list[int], list[tuple[np.ndarray, np.ndarray]]]:
+        if self.h is None:
+            return [], []
+        logits = self.heads.logits(self.h)  # [N, V]
+        seq = list(history)
+        out: list[int] = []
+        qs: list[tuple[np.ndarray, np.ndarray]] = []
+        for j in range(min(k, self.heads.n)):
+            ids, q = self.sampler.probs(logits[j], seq)
+            x = draw(ids, q, rng)
+            out.append(x)
+            qs.append((ids, q))
+            seq.append(x)
+        self.h = None  # used: the next proposal needs the next call's h
+        return out, qs
+
+
+def make_proposer(spec: Speculative, params: SamplingParams,
+                  eng: "Engine") -> NgramProposer | DraftProposer | MtpProposer:
     if spec.proposer == "draft":
         return DraftProposer(spec.draft, params)
+    if spec.proposer == "mtp":
+        return MtpProposer(eng, params)
     return NgramProposer(spec.ngram_min, spec.ngram_max)
 
 
@@ -363,13 +418,22 @@ def run(gen: Generation, spec: Speculative) -> Iterator[tuple[int, str]]:
     per emitted token, id -1 for the final flush, exactly as the plain loop does."""
     eng, sampler, tm = gen.eng, gen.sampler, gen.timings
     rng = sampler.rng
-    proposer = make_proposer(spec, sampler.params)
+    proposer = make_proposer(spec, sampler.params, eng)
     gate = Gate(min_rate(spec, eng))
     length = DraftLength(spec.draft_max, DRAFT_START)
     tm.spec = proposer.name
-    logits = gen.prefill()
-    t_gen = time.perf_counter()
+    # a proposer that reads the target's hidden states (MtpProposer) gets, after each call, the
+    # one of the row whose logits chose the newest token
+    observe = getattr(proposer, "observe", None)
+    kept_hidden = eng.keep_hidden
+    if observe is not None:
+        eng.keep_hidden = True
+    t_gen = None
     try:
+        logits = gen.prefill()
+        if observe is not None:
+            observe(eng.hidden()[-1])
+        t_gen = time.perf_counter()
         done = gen.limit == 0
         if not done:
             tok = gen.sample(logits)
@@ -395,6 +459,8 @@ def run(gen: Generation, spec: Speculative) -> Iterator[tuple[int, str]]:
             if not drafts:  # a plain step
                 logits = eng.step(tok, pos)
                 check_finite(eng, logits, f"at position {pos}")
+                if observe is not None:
+                    observe(eng.hidden()[0])
                 tok = gen.sample(logits)
                 piece, done = gen.emit(tok)
                 if piece is not None:
@@ -417,6 +483,8 @@ def run(gen: Generation, spec: Speculative) -> Iterator[tuple[int, str]]:
                 else:  # every proposal kept: the bonus token, from the last row
                     kept, tok = False, draw(ids, p, rng)
                 tm.sample_s += time.perf_counter() - ts
+                if observe is not None and (i == n or not kept):  # tok came from row i: its h proposes next
+                    observe(eng.hidden()[i])
                 piece, done = gen.emit(tok)
                 if piece is not None:
                     yield tok, piece
@@ -430,4 +498,7 @@ def run(gen: Generation, spec: Speculative) -> Iterator[tuple[int, str]]:
         if tail:
             yield -1, tail
     finally:
-        tm.gen_s = time.perf_counter() - t_gen
+        if t_gen is not None:  # the prompt's time is prompt_s, not generation
+            tm.gen_s = time.perf_counter() - t_gen
+        if observe is not None:
+            eng.keep_hidden = kept_hidden

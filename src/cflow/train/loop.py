@@ -92,6 +92,9 @@ class TrainConfig:
     grad_clip: float = 1.0  # 0: no clipping
     lb_weight: float = 0.01  # MoE load-balancing loss weight
     z_weight: float = 0.001  # router z-loss weight
+    # Weight of the multi-token prediction heads' mean cross-entropy (models with mtp_heads > 0):
+    # small enough that the heads do not pull the shared trunk away from next-token prediction.
+    mtp_weight: float = 0.3
     eval_every: int = 200  # 0: evaluate only at the end
     eval_windows: int = 64  # validation windows (of seq_len tokens) per evaluation
     # Periodic checkpoints bound the work a crash or kill -9 loses; 200 steps is the default
@@ -127,6 +130,7 @@ class TrainConfig:
         need(self.warmup >= 0 and self.weight_decay >= 0 and self.grad_clip >= 0,
              "warmup, weight_decay and grad_clip must be >= 0")
         need(self.lb_weight >= 0 and self.z_weight >= 0, "lb_weight and z_weight must be >= 0")
+        need(self.mtp_weight >= 0, f"mtp_weight must be >= 0, got {self.mtp_weight}")
         need(min(self.eval_every, self.save_every, self.threads) >= 0 and self.log_every > 0,
              "eval_every, save_every and threads must be >= 0, log_every positive")
         need(self.eval_windows > 0, "eval_windows must be positive")
@@ -186,12 +190,35 @@ def make_optimizer(model: torch.nn.Module, tc: TrainConfig) -> torch.optim.AdamW
 
 
 def compute_loss(net: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, tc: TrainConfig):
-    """x, y int64 [B, T] -> (loss, ce, load_balance, router_z); loss = ce + weighted aux terms."""
+    """x, y int64 [B, T] -> (loss, ce, load_balance, router_z, mtp_ce); loss = ce + weighted aux
+    terms + mtp_weight x mtp_ce, mtp_ce the mean of the multi-token heads' cross-entropies (a
+    list of each head's, [] without heads)."""
     logits, aux = net(x)  # [B, T, V]
     ce = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
     lb = aux.get("load_balance", torch.zeros(()))
     rz = aux.get("router_z", torch.zeros(()))
-    return ce + tc.lb_weight * lb + tc.z_weight * rz, ce, lb, rz
+    loss = ce + tc.lb_weight * lb + tc.z_weight * rz
+    heads = mtp_losses(aux.get("mtp_logits", []), y)
+    if heads:
+        loss = loss + tc.mtp_weight * torch.stack(heads).mean()
+    return loss, ce, lb, rz, heads
+
+
+def mtp_targets(y: torch.Tensor, j: int) -> tuple[slice, torch.Tensor]:
+    """Head j's targets: at position t it predicts token t+2+j, which is y[t+1+j] (y is x shifted
+    by one); the last 1+j positions of a window have none and are left out. Returns (the
+    positions' slice, their targets [B, T-1-j])."""
+    return slice(0, y.size(1) - 1 - j), y[:, 1 + j:]
+
+
+def mtp_losses(head_logits: list[torch.Tensor], y: torch.Tensor) -> list[torch.Tensor]:
+    """Each multi-token head's mean cross-entropy over the positions that have a target."""
+    out = []
+    for j, lg in enumerate(head_logits):
+        pos, tgt = mtp_targets(y, j)
+        if tgt.numel():
+            out.append(F.cross_entropy(lg[:, pos].float().reshape(-1, lg.size(-1)), tgt.reshape(-1)))
+    return out
 
 
 def resolve_device(tc: TrainConfig) -> torch.device:
@@ -334,10 +361,13 @@ def _prepare(cfg: ModelConfig, tc: TrainConfig, d: _Dist, tokenizer_json: str | 
 # ---- evaluation ------------------------------------------------------------------------------
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, tokens: np.ndarray, tc: TrainConfig, d: _Dist | None = None) -> dict[str, float]:
-    """Validation loss, perplexity and top-1 accuracy over fixed, evenly spread windows."""
+    """Validation loss, perplexity and top-1 accuracy over fixed, evenly spread windows; with
+    multi-token heads also each head's (val_mtp{j}_loss, val_mtp{j}_acc: head j predicts the token
+    2+j ahead, over the positions that have one)."""
     d = d or _Dist()
     starts = tdata.eval_windows(tokens, tc.seq_len, tc.eval_windows)
-    sums = torch.zeros(3, dtype=torch.float64)  # [loss_sum, correct, count]
+    n_heads = getattr(getattr(model, "cfg", None), "mtp_heads", 0)
+    sums = torch.zeros(3 * (1 + n_heads), dtype=torch.float64)  # per (main, head j): [loss_sum, correct, count]
     was_training = model.training
     model.eval()
     dev = next(model.parameters()).device
@@ -345,16 +375,25 @@ def evaluate(model: torch.nn.Module, tokens: np.ndarray, tc: TrainConfig, d: _Di
                                    d.rank, d.world_size):
         xt, yt = torch.from_numpy(x).to(dev), torch.from_numpy(y).to(dev)  # [b, T]
         with autocast(dev, tc.precision):
-            logits, _ = model(xt)  # [b, T, V]
-        flat = logits.float().reshape(-1, logits.size(-1))
-        sums[0] += F.cross_entropy(flat, yt.reshape(-1), reduction="sum").item()
-        sums[1] += (flat.argmax(-1) == yt.reshape(-1)).sum().item()
-        sums[2] += yt.numel()
+            logits, aux = model(xt)  # [b, T, V]
+        pairs = [(logits, yt)] + [(lg[:, pos], tgt) for j, lg in enumerate(aux.get("mtp_logits", []))
+                                  for pos, tgt in [mtp_targets(yt, j)]]
+        for k, (lg, tgt) in enumerate(pairs):
+            flat = lg.float().reshape(-1, lg.size(-1))
+            sums[3 * k] += F.cross_entropy(flat, tgt.reshape(-1), reduction="sum").item()
+            sums[3 * k + 1] += (flat.argmax(-1) == tgt.reshape(-1)).sum().item()
+            sums[3 * k + 2] += tgt.numel()
     model.train(was_training)
     if d.active:
         torch.distributed.all_reduce(sums)
     loss = (sums[0] / sums[2]).item()
-    return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0)), "val_acc": (sums[1] / sums[2]).item()}
+    out = {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0)), "val_acc": (sums[1] / sums[2]).item()}
+    for j in range(n_heads):
+        k = 3 * (j + 1)
+        if sums[k + 2] > 0:
+            out[f"val_mtp{j}_loss"] = (sums[k] / sums[k + 2]).item()
+            out[f"val_mtp{j}_acc"] = (sums[k + 1] / sums[k + 2]).item()
+    return out
 
 
 # ---- logging ---------------------------------------------------------------------------------
@@ -633,7 +672,8 @@ class _Run:
         x, y = self.sampler.next()
         dev = self.device
         with autocast(dev, tc.precision):
-            loss, ce, lb, rz = compute_loss(self.net, torch.from_numpy(x).to(dev), torch.from_numpy(y).to(dev), tc)
+            loss, ce, lb, rz, heads = compute_loss(self.net, torch.from_numpy(x).to(dev), torch.from_numpy(y).to(dev),
+                                                   tc)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         if tc.grad_clip > 0:
@@ -643,9 +683,13 @@ class _Run:
                 [p.grad.norm() for p in self.model.parameters() if p.grad is not None])))
         self.opt.step()
         self.step += 1
-        loss_v, ce_v, lb_v, rz_v = self.d.mean([loss.item(), ce.item(), lb.detach().item(), rz.detach().item()])
-        return {"step": self.step, "tokens": self.step * tc.tokens_per_step, "lr": lr, "loss": loss_v,
-                "ce": ce_v, "load_balance": lb_v, "router_z": rz_v, "grad_norm": gnorm}
+        loss_v, ce_v, lb_v, rz_v, *heads_v = self.d.mean([loss.item(), ce.item(), lb.detach().item(),
+                                                           rz.detach().item(), *(h.item() for h in heads)])
+        row = {"step": self.step, "tokens": self.step * tc.tokens_per_step, "lr": lr, "loss": loss_v,
+               "ce": ce_v, "load_balance": lb_v, "router_z": rz_v, "grad_norm": gnorm}
+        if heads_v:  # in the step rows (history, progress); the CSV keeps its columns for resumed old runs
+            row["mtp_ce"] = sum(heads_v) / len(heads_v)
+        return row
 
     def run_eval(self) -> dict:
         m = evaluate(self.model, self.data.val, self.tc, self.d)
