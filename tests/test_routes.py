@@ -10,6 +10,7 @@ later layer's router on the earlier layer's input, computed in numpy from the fi
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import numpy as np
@@ -233,30 +234,39 @@ def test_a_dense_model_has_no_routes(tmp_path):
         eng.record_routes(4)
 
 
-def test_the_replay_benchmark_runs_models_together(models, tmp_path, monkeypatch):
-    """benchmarks/expert_io_ab.py --trace --together on two small models: one row per model and mode,
-    the second model's ratios to the first's same mode, the trace's routing in effect."""
+@contextlib.contextmanager
+def expert_io_ab(monkeypatch):
+    """benchmarks/expert_io_ab.py as a module, with benchmarks/ on sys.path only while it runs (it
+    imports route_trace) and the variables it sets per mode restored afterwards."""
     import importlib.util
-    import json
     import sys
     from pathlib import Path
 
     bench = Path(__file__).resolve().parents[1] / "benchmarks"
-    for var in ("CFLOW_EXPERT_READER", "CFLOW_EXPERT_QD", "CFLOW_EXPERT_KEEP", "CFLOW_SPEC_GATE_NEXT"):  # set per mode
+    for var in ("CFLOW_EXPERT_READER", "CFLOW_EXPERT_QD", "CFLOW_EXPERT_KEEP", "CFLOW_SPEC_GATE_NEXT"):
         monkeypatch.setenv(var, os.environ.get(var, ""))
     sys.path.insert(0, str(bench))
     try:
         spec = importlib.util.spec_from_file_location("expert_io_ab", bench / "expert_io_ab.py")
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
+        yield mod
+    finally:
+        sys.path.remove(str(bench))
+
+
+def test_the_replay_benchmark_runs_models_together(models, tmp_path, monkeypatch):
+    """benchmarks/expert_io_ab.py --trace --together on two small models: one row per model and mode,
+    the second model's ratios to the first's same mode, the trace's routing in effect."""
+    import json
+
+    with expert_io_ab(monkeypatch) as mod:
         trace, _ = recorded(models["a24"])
         tpath = trace.save(tmp_path / "a24.npz")
         out = tmp_path / "ab"
         assert mod.main([str(models["a24"]), str(models["a24"]), "--trace", str(tpath), "--together",
                          "--budgets", "0.6", "--modes", "sync,async:off", "--rounds", "2", "--per-round", "2",
                          "--warmup", "2", "--out", str(out)]) == 0
-    finally:
-        sys.path.remove(str(bench))
     res = json.loads(out.with_suffix(".json").read_text())
     assert len(res) == 2 and all(set(r["modes"]) == {"sync", "async:off"} for r in res)
     assert res[0]["modes"]["sync"]["ratio_to_first"] is None and len(res[1]["modes"]["sync"]["ratio_to_first"]) == 3
@@ -267,21 +277,11 @@ def test_the_replay_benchmark_loads_one_file_as_each_preset(models, tmp_path, mo
     """expert_io_ab.py --as-arch: one file, one engine per preset named (its delays and MoE input in
     the config, so its plan), arch1 twice as the A/A control; the trace routes all of them alike,
     so in sync mode (which hides nothing) every engine misses the same experts of the same file."""
-    import importlib.util
     import json
-    import sys
-    from pathlib import Path
 
     from cflow.config import PRESETS
 
-    bench = Path(__file__).resolve().parents[1] / "benchmarks"
-    for var in ("CFLOW_EXPERT_READER", "CFLOW_EXPERT_QD", "CFLOW_EXPERT_KEEP", "CFLOW_SPEC_GATE_NEXT"):
-        monkeypatch.setenv(var, os.environ.get(var, ""))
-    sys.path.insert(0, str(bench))
-    try:
-        spec = importlib.util.spec_from_file_location("expert_io_ab", bench / "expert_io_ab.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
+    with expert_io_ab(monkeypatch) as mod:
         with Engine.load(models["a24"], threads=1, experts="ram") as probe:
             cfg = probe.config
         for arch in ("arch1", "arch4"):
@@ -297,8 +297,6 @@ def test_the_replay_benchmark_loads_one_file_as_each_preset(models, tmp_path, mo
                          "--warmup", "2", "--out", str(out)]) == 0
         with pytest.raises(SystemExit):
             mod.main([str(models["a24"]), "--as-arch", "arch1,nonsense", "--budgets", "0.6"])
-    finally:
-        sys.path.remove(str(bench))
     res = json.loads(out.with_suffix(".json").read_text())
     assert [r["model"].rsplit(" as ", 1)[1] for r in res] == ["arch1", "arch1", "arch2_4_combined"]
     syncs = {r["modes"]["sync"]["disk_mb_per_token"] for r in res}
