@@ -26,6 +26,8 @@ class EvalResult:
 
 def evaluate_windows(engine, tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> EvalResult:
     """Score tokens[s+1 : s+seq_len+1] given tokens[s : s+seq_len] for every start s."""
+    from cflow.runtime.score import log_partition
+
     nll = 0.0
     hits = 0
     n = 0
@@ -34,8 +36,7 @@ def evaluate_windows(engine, tokens: np.ndarray, starts: np.ndarray, seq_len: in
         engine.reset()
         for pos in range(seq_len):
             logits = engine.step(int(window[pos]), pos).astype(np.float64)  # [V]
-            top = logits.max()
-            logz = top + np.log(np.exp(logits - top).sum())
+            logz = float(log_partition(logits)[0])
             target = int(window[pos + 1])
             nll += logz - logits[target]
             hits += int(np.argmax(logits) == target)

@@ -63,9 +63,9 @@ def start_token(engine: Any) -> int:
 
 
 def _log_softmax_rows(logits: np.ndarray) -> np.ndarray:
-    x = logits.astype(np.float64)
-    top = x.max(axis=1, keepdims=True)
-    return x - top - np.log(np.exp(x - top).sum(axis=1, keepdims=True))
+    from cflow.runtime.score import log_partition
+
+    return logits.astype(np.float64) - log_partition(logits)
 
 
 def token_nll(engine: Any, ids: Sequence[int]) -> float:
