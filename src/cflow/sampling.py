@@ -168,7 +168,12 @@ def top_k(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         ids = np.arange(n)
         return _sorted_desc(ids, logits)
     # Every value >= the threshold is kept, so whole ties at the boundary survive until the trim.
-    ids = np.flatnonzero(logits >= _kth_bound(logits, k))
+    bound = _kth_bound(logits, k)
+    if bound == -np.inf:
+        # fewer than k finite logits (a constraint's mask banned the rest): the banned ones would
+        # only trail the candidates with probability 0, and keeping them means sorting them all
+        bound = np.nextafter(np.float32(-np.inf), np.float32(0)) if np.isfinite(logits).any() else bound
+    ids = np.flatnonzero(logits >= bound)
     ids, vals = _sorted_desc(ids, logits[ids])
     return ids[:k], vals[:k]
 

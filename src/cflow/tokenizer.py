@@ -79,7 +79,8 @@ DEFAULT_CHAT_TEMPLATE = (
 )
 
 # Tokens that end a turn in common chat formats; generation stops on them as well as on EOS.
-_END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
+# <|eom_id|>: Llama 3.1 ends a tool call (an ipython turn the caller answers) with it
+_END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
 
 
 def _raise_exception(message: str) -> None:

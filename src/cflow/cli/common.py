@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from cflow.errors import CflowError
@@ -424,3 +425,62 @@ def check_sampling(kw: dict[str, Any]) -> None:
             SamplingParams(**{field: kw[field]})
         except SamplingError as e:
             raise UsageError(str(e), flag=flag) from None
+
+
+# ---- structured output --------------------------------------------------------------------------
+CONSTRAINT_HELP = """\
+Every generated token fits the constraint (tokens it forbids are masked before sampling; llguidance,
+`pip install 'cflow[structured]'`), and generation ends when it is complete. At most one."""
+
+
+def add_constraint_flags(p: argparse.ArgumentParser) -> None:
+    """llama.cpp's names: -j/--json-schema, --json-schema-file, --grammar, --grammar-file; and --regex."""
+    g = p.add_argument_group("structured output", CONSTRAINT_HELP)
+    g.add_argument("-j", "--json-schema", default=None, metavar="SCHEMA|FILE",
+                   help="a JSON schema, inline ('{...}') or a file holding one; '{}' for any JSON object")
+    g.add_argument("--json-schema-file", default=None, metavar="FILE", help="a file holding a JSON schema")
+    g.add_argument("--grammar", default=None, metavar="GRAMMAR|FILE",
+                   help="a GBNF grammar (llama.cpp's format; Lark too), inline or a file holding one "
+                   "(e.g. root ::= \"yes\" | \"no\")")
+    g.add_argument("--grammar-file", default=None, metavar="FILE", help="a file holding a GBNF or Lark grammar")
+    g.add_argument("--regex", default=None, metavar="PATTERN", help="a regular expression the whole output matches")
+
+
+def _read_constraint_file(path: str, flag: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"cannot read {flag} {path}: {getattr(e, 'strerror', None) or e}", flag=flag) from None
+
+
+def constraint_from_flags(args: argparse.Namespace):
+    """The cflow.constrain.ConstraintSpec the flags name (None: none); UsageError naming the flag."""
+    from cflow.constrain import ConstraintError, ConstraintSpec
+
+    given = []
+    if args.json_schema is not None:
+        v = args.json_schema
+        text = v if v.lstrip().startswith("{") else _read_constraint_file(v, "--json-schema")
+        given.append(("--json-schema", "json_schema", text))
+    if args.json_schema_file is not None:
+        given.append(("--json-schema-file", "json_schema", _read_constraint_file(args.json_schema_file,
+                                                                                  "--json-schema-file")))
+    if args.grammar is not None:
+        v = args.grammar
+        text = _read_constraint_file(v, "--grammar") if "\n" not in v and Path(v).is_file() else v
+        given.append(("--grammar", "grammar", text))
+    if args.grammar_file is not None:
+        given.append(("--grammar-file", "grammar", _read_constraint_file(args.grammar_file, "--grammar-file")))
+    if args.regex is not None:
+        given.append(("--regex", "regex", args.regex))
+    if not given:
+        return None
+    if len(given) > 1:
+        raise UsageError(f"give one constraint, not {' and '.join(f for f, _, _ in given)}", flag=given[1][0])
+    flag, kind, text = given[0]
+    try:
+        if kind == "json_schema" and text.strip() in ("{}", ""):
+            return ConstraintSpec("json_object")
+        return ConstraintSpec(kind, text)
+    except ConstraintError as e:
+        raise UsageError(f"{flag}: {e}", flag=flag) from None

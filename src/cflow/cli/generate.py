@@ -10,9 +10,9 @@ import json
 import sys
 from pathlib import Path
 
-from cflow.cli.common import (UsageError, add_command, add_model_flags, add_sampling_flags, add_speculative_flags,
-                              check_model_flags, check_sampling, check_speculative, load_engine, load_speculative,
-                              print_timings, sampling_kwargs)
+from cflow.cli.common import (UsageError, add_command, add_constraint_flags, add_model_flags, add_sampling_flags,
+                              add_speculative_flags, check_model_flags, check_sampling, check_speculative,
+                              constraint_from_flags, load_engine, load_speculative, print_timings, sampling_kwargs)
 
 
 HELP = """\
@@ -27,6 +27,8 @@ examples:
   cflow generate -m smollm2.cflow -p "Hi" -n 16 --json | jq -r .text
   cflow generate -m smollm2.cflow -f article_and_question.txt --temp 0 --spec ngram
   cflow generate -m big.gguf --model-draft small.gguf --draft-max 6 -p "Once upon a time"
+  cflow generate -m smollm2.gguf -p "A person as JSON:" --json-schema person.schema.json
+  cflow generate -m smollm2.gguf -p "Is the sky blue? Answer:" --grammar 'root ::= " yes" | " no"'
 """
 
 
@@ -40,6 +42,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_model_flags(p)
     add_sampling_flags(p)
     add_speculative_flags(p)
+    add_constraint_flags(p)
     p.add_argument("--stop", "-r", "--reverse-prompt", action="append", default=[], metavar="TEXT",
                    help="stop when TEXT is generated (repeatable; TEXT is not printed)")
     p.add_argument("--ignore-eos", action="store_true",
@@ -76,11 +79,12 @@ def run(args: argparse.Namespace) -> int:
     check_model_flags(args)
     check_sampling(kw)
     spec = check_speculative(args)
+    constraint = constraint_from_flags(args)
     prompt = read_prompt(args)
     eng = load_engine(args)
     spec = load_speculative(args, spec, eng)
     max_tokens = None if args.n_predict < 0 else args.n_predict
-    kw.update(stop=args.stop, ignore_eos=args.ignore_eos, speculative=spec)
+    kw.update(stop=args.stop, ignore_eos=args.ignore_eos, speculative=spec, constraint=constraint)
     if args.json:
         c = eng.complete(prompt, max_tokens, **kw)
         t = c.timings

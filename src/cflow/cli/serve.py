@@ -12,6 +12,7 @@ import math
 import os
 import socket
 import sys
+from pathlib import Path
 from typing import Any
 
 from cflow.cli.common import (UsageError, add_command, add_model_flags, add_sampling_flags, check_model_flags,
@@ -75,6 +76,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "its slot is freed and its client gets a 504 error (default 600; 0 = no limit)")
     g.add_argument("-n", "--n-predict", type=int, default=-1,
                    help="default max_tokens of a request (default -1: until end of text or the slot's context)")
+    g.add_argument("--chat-template-file", default=None, metavar="FILE",
+                   help="render chats with this Jinja chat template instead of the model file's (llama-server's "
+                   "flag): e.g. a template that lists `tools`, whose tool-call syntax (<tool_call> blocks, Llama 3 "
+                   "JSON, [TOOL_CALLS]) the server then parses; a template that ignores `tools` gets the generic "
+                   "JSON tool calls")
     g.add_argument("--verbose", action="store_true", help="log every request (uvicorn's access log)")
     r = p.add_argument_group("scale-out on Ray Serve (pip install \"cflow-lm[ray]\"; cflow.serve.ray)")
     r.add_argument("--ray", action="store_true",
@@ -108,6 +114,23 @@ def _check(args: argparse.Namespace) -> None:
         raise UsageError(f"must be >= 1, got {args.batch_size}", flag="-b")
     if not (args.timeout >= 0 and math.isfinite(args.timeout)):
         raise UsageError(f"must be a number of seconds >= 0 (0 = no limit), got {args.timeout}", flag="--timeout")
+    if args.chat_template_file is not None:
+        args.chat_template = read_chat_template(args.chat_template_file)
+
+
+def read_chat_template(path: str) -> str:
+    """The text of a --chat-template-file, checked to compile (UsageError naming the flag)."""
+    from cflow.tokenizer import ChatTemplateError, _compile_template
+
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+        _compile_template(text)
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"cannot read {path}: {getattr(e, 'strerror', None) or e}", flag="--chat-template-file") \
+            from None
+    except ChatTemplateError as e:
+        raise UsageError(f"{path}: {e}", flag="--chat-template-file") from None
+    return text
     if args.replicas < 1:
         raise UsageError(f"must be >= 1, got {args.replicas}", flag="--replicas")
     if args.max_replicas is not None and args.max_replicas < args.replicas:
@@ -169,6 +192,11 @@ def load_generator(args: argparse.Namespace) -> Any:
         raise
     except OSError as e:
         raise load_error(args.model, e) from None
+    template = getattr(args, "chat_template", None)
+    if template is not None:  # every tokenizer the backend renders chats with
+        engines = list(getattr(backend, "engines", ())) + [getattr(backend, "engine", None)]
+        for tok in {id(t): t for t in [backend.tokenizer] + [e.tokenizer for e in engines if e is not None]}.values():
+            tok.chat_template = template
     return BatchGenerator(backend, prefill_chunk=args.batch_size, max_queue=args.max_queue,
                           timeout=args.timeout or None)
 

@@ -44,6 +44,7 @@ from cflow.runtime import kvcache
 from cflow.runtime import readahead as readahead_mod
 from cflow.runtime.errors import (ContextOverflowError, CorruptModelError, EngineError, ModelFormatError,
                                   ModelNotFoundError)
+from cflow.constrain import constraint_spec
 from cflow.runtime.generate import Completion, Timings, common_prefix, run
 from cflow.runtime.options import DEFAULT_MAX_BATCH, EngineOptions  # noqa: F401 (DEFAULT_MAX_BATCH: its old home)
 from cflow.runtime.plan import build_plan
@@ -699,7 +700,8 @@ class Engine:
                  repeat_penalty: float = 1.0, repeat_last_n: int = 64, seed: int | None = None,
                  presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                  logit_bias: Any = (), stop: Sequence[str] = (), add_bos: bool | None = None,
-                 ignore_eos: bool = False, speculative: Any = None) -> Iterator[str]:
+                 ignore_eos: bool = False, speculative: Any = None, json_schema: Any = None,
+                 grammar: str | None = None, regex: str | None = None, constraint: Any = None) -> Iterator[str]:
         """Stream the continuation of `prompt` as text pieces.
 
         Sampling as cflow.sampling.SamplingParams (logit_bias: {token id: bias} or (id, bias) pairs).
@@ -710,12 +712,19 @@ class Engine:
         speculative (cflow.runtime.speculative; default None, off): "ngram" (prompt lookup), a draft
         Engine with the same vocabulary, or a Speculative with the settings. The output is what
         plain decoding gives: greedy token for token, sampling with the same distribution; the
-        timings add the acceptance rate and the mean accepted length."""
+        timings add the acceptance rate and the mean accepted length.
+
+        Structured output (cflow.constrain, needs llguidance): json_schema (a dict or its JSON
+        text; {} for any JSON object), grammar (GBNF as llama.cpp's, or Lark), regex, or a
+        ConstraintSpec as `constraint`; at most one. Every token then fits it (the forbidden ones
+        are masked before sampling) and generation ends when the constraint is complete.
+        ConstraintError when it is malformed."""
+        constraint = constraint_spec(json_schema, grammar, regex, constraint)
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                                 repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, seed=seed,
                                 presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                                 logit_bias=logit_bias)
-        for _, piece in run(self, prompt, max_tokens, params, stop, add_bos, ignore_eos, speculative):
+        for _, piece in run(self, prompt, max_tokens, params, stop, add_bos, ignore_eos, speculative, constraint):
             if piece:
                 yield piece
 
@@ -726,10 +735,12 @@ class Engine:
         add_bos = kw.pop("add_bos", None)
         ignore_eos = kw.pop("ignore_eos", False)
         speculative = kw.pop("speculative", None)
+        constraint = constraint_spec(kw.pop("json_schema", None), kw.pop("grammar", None), kw.pop("regex", None),
+                                     kw.pop("constraint", None))
         ids: list[int] = []
         parts: list[str] = []
         for tok, piece in run(self, prompt, max_tokens, SamplingParams(**kw), stop, add_bos, ignore_eos,
-                              speculative):
+                              speculative, constraint):
             if tok >= 0:
                 ids.append(tok)
             parts.append(piece)
@@ -744,8 +755,11 @@ class Engine:
         """Stream the answer to a conversation, rendered with the file's chat template."""
         return self.generate(self.chat_tokens(messages), max_tokens, **kw)
 
-    def chat_tokens(self, messages: list[dict[str, Any]]) -> list[int]:
-        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+    def chat_tokens(self, messages: list[dict[str, Any]], **template_kw: Any) -> list[int]:
+        """The conversation rendered with the file's chat template, generation prompt added;
+        `template_kw` reach the template as variables (e.g. tools=)."""
+        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                       **template_kw))
 
     def encode(self, prompt: str | Sequence[int], add_bos: bool | None = None) -> list[int]:
         """Token ids of a text prompt, or a list of ids checked against the vocabulary."""

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import numpy as np
 
+from cflow.constrain import overlap_pays, prefetch, sample as sample_constrained
 from cflow.runtime.errors import ContextOverflowError, CorruptModelError, EngineError
 from cflow.sampling import Sampler, SamplingParams
 
@@ -79,11 +80,16 @@ def check_finite(eng: "Engine", logits: np.ndarray, where: str) -> None:
 
 def run(eng: "Engine", prompt: str | Sequence[int], max_tokens: int | None, params: SamplingParams,
         stop: Sequence[str] | str, add_bos: bool | None, ignore_eos: bool = False,
-        speculative: "Any" = None) -> Iterator[tuple[int, str]]:
+        speculative: "Any" = None, constraint: "Any" = None) -> Iterator[tuple[int, str]]:
     """Yield (token id, newly visible text) per generated token; id -1 for a final flush.
     `speculative` (None: off) is anything cflow.runtime.speculative.resolve takes; the output is
-    what plain decoding gives (greedy: token for token; sampling: the same distribution)."""
-    gen = Generation(eng, prompt, max_tokens, params, stop, add_bos, ignore_eos)
+    what plain decoding gives (greedy: token for token; sampling: the same distribution).
+    `constraint` (None: off): a cflow.constrain.ConstraintSpec or a compiled Constraint; every
+    generated token then fits it, and generation ends when the grammar allows nothing more."""
+    gen = Generation(eng, prompt, max_tokens, params, stop, add_bos, ignore_eos, constraint)
+    if speculative is not None and gen.constraint is not None:
+        raise EngineError("speculative decoding under a JSON schema, grammar or regex is not supported; "
+                          "drop one of the two")
     if speculative is not None:
         from cflow.runtime import speculative as spec_mod
 
@@ -96,6 +102,8 @@ def run(eng: "Engine", prompt: str | Sequence[int], max_tokens: int | None, para
 def _plain(gen: "Generation") -> Iterator[tuple[int, str]]:
     """One native call per generated token: sample, emit, step."""
     eng, sampler, tm = gen.eng, gen.sampler, gen.timings
+    if gen.constraint is not None:  # the first mask, while the prompt is evaluated
+        prefetch([gen.constraint])
     logits = gen.prefill()
     t_gen = time.perf_counter()
     try:
@@ -106,6 +114,8 @@ def _plain(gen: "Generation") -> Iterator[tuple[int, str]]:
                 yield tok, piece
             if done:
                 break
+            if gen.constraint is not None:  # the next mask is computed while the step runs
+                prefetch([gen.constraint])
             logits = eng.step(tok, len(gen.history) - 1)
             check_finite(eng, logits, f"at position {len(gen.history) - 1}")
         tail = gen.finish()
@@ -123,7 +133,8 @@ class Generation:
     the context). A loop only chooses which tokens to emit and which native calls compute them."""
 
     def __init__(self, eng: "Engine", prompt: str | Sequence[int], max_tokens: int | None, params: SamplingParams,
-                 stop: Sequence[str] | str, add_bos: bool | None, ignore_eos: bool = False) -> None:
+                 stop: Sequence[str] | str, add_bos: bool | None, ignore_eos: bool = False,
+                 constraint: "Any" = None) -> None:
         if max_tokens is not None and max_tokens < 0:
             raise EngineError(f"max_tokens must be >= 0 (or None for no limit), got {max_tokens}", flag="-n")
         stops = [s for s in ([stop] if isinstance(stop, str) else stop) if s]
@@ -152,6 +163,9 @@ class Generation:
             self.limit = min(self.limit, max_tokens)
         self.emitted = 0  # tokens sampled and passed to emit (a stop id included)
         self.hit = False  # a stop string ended generation
+        self.constraint = as_constraint(constraint, eng.tokenizer, eng.config.vocab_size)
+        if self.constraint is not None:  # masks ahead: sampled, and a core free to compute them
+            self.constraint.eager = not self.sampler.params.greedy and overlap_pays(eng.threads)
 
     def prefill(self) -> np.ndarray:
         """The logits after the prompt (the cached prefix is reused); timed as prompt eval."""
@@ -166,7 +180,10 @@ class Generation:
     def sample(self, logits: np.ndarray) -> int:
         """Plain sampling at the next position (its history: the prompt and every emitted token)."""
         ts = time.perf_counter()
-        tok = self.sampler.sample(logits, self.history)
+        if self.constraint is not None:
+            tok = sample_constrained(self.sampler, self.constraint, logits, self.history)
+        else:
+            tok = self.sampler.sample(logits, self.history)
         self.timings.sample_s += time.perf_counter() - ts
         return tok
 
@@ -180,9 +197,13 @@ class Generation:
             return None, True
         self.history.append(tok)
         text, self.hit = self.held.feed(self.detok.put(tok))
-        if self.hit:
+        complete = False  # the constraint allows nothing more: ends as a stop id would
+        if self.constraint is not None:
+            self.constraint.advance(tok)
+            complete = self.constraint.finished
+        if self.hit or complete:
             self.eng.last_finish_reason = "stop"
-        return text, self.hit or self.emitted >= self.limit
+        return text, self.hit or complete or self.emitted >= self.limit
 
     def finish(self) -> str:
         """The text still held back (by the detokenizer or a possible stop string) when generation
@@ -191,6 +212,20 @@ class Generation:
             return ""
         tail, _ = self.held.feed(self.detok.flush(), final=True)
         return tail
+
+
+def as_constraint(constraint: Any, tokenizer: Any, n_vocab: int) -> Any:
+    """A compiled cflow.constrain.Constraint from a ConstraintSpec (a Constraint passes through;
+    None stays None)."""
+    if constraint is None:
+        return None
+    from cflow.constrain import Constraint, ConstraintSpec
+
+    if isinstance(constraint, ConstraintSpec):
+        return Constraint(constraint, tokenizer, n_vocab)
+    if isinstance(constraint, Constraint):
+        return constraint
+    raise EngineError(f"constraint must be a cflow.constrain.ConstraintSpec, got {type(constraint).__name__}")
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

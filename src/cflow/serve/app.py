@@ -52,9 +52,11 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from cflow.constrain import ConstraintError, compile_constraint
 from cflow.errors import CflowError
 from cflow.runtime.errors import ContextOverflowError
 from cflow.serve import protocol as P
+from cflow.serve import tools as tools_mod
 from cflow.serve.batch import BatchGenerator, GeneratorClosedError, QueueFullError
 from cflow.serve.call import Call, ClientGone, JSONResponse, Mailbox, nothing
 from cflow.serve.metrics import Metrics
@@ -110,6 +112,7 @@ class Server:
         self._loader: threading.Thread | None = None
         self._closed = False
         self._mailbox: Mailbox | None = None
+        self._tool_format: str | None = None  # the model's tool-call format (cflow.serve.tools), read once
         self.created = int(time.time())
         self._bulk = ThreadPoolExecutor(BULK_WORKERS, thread_name_prefix="cflow-bulk", initializer=_bulk_thread_init)
         routes = []
@@ -294,6 +297,7 @@ class Server:
             parse = P.parse_chat if kind == "chat" else P.parse_completion
             spec = parse(body, self.defaults, self.names, gen.backend.vocab_size)
             ids = await self._tokens(gen, spec)
+            constraint = await self._constraint(gen, spec)
             loop = asyncio.get_running_loop()
             if self._mailbox is None or self._mailbox.loop is not loop:
                 self._mailbox = Mailbox(loop)
@@ -301,7 +305,7 @@ class Server:
             try:
                 call.start(gen.submit_n(ids, [call.sink(i) for i in range(spec.n)], max_tokens=spec.max_tokens,
                                         params=spec.params, stop=spec.stop, ignore_eos=spec.ignore_eos,
-                                        logprobs=spec.logprobs, echo=spec.echo))
+                                        logprobs=spec.logprobs, echo=spec.echo, constraint=constraint))
             except QueueFullError as e:
                 return self._error(P.BadRequest(str(e), None, "rate_limit_exceeded", status=429,
                                                 type_="rate_limit_error"), {"Retry-After": str(e.retry_after)})
@@ -353,12 +357,29 @@ class Server:
         """fn(*args, **kw) on a bulk thread (below the loop's priority), awaited."""
         return await asyncio.get_running_loop().run_in_executor(self._bulk, functools.partial(fn, *args, **kw))
 
+    async def _constraint(self, gen: BatchGenerator, spec: P.GenSpec) -> Any:
+        """The request's constraint compiled against the tokenizer, off the event loop (the first one
+        builds llguidance's view of the vocabulary, ~0.5 s); 400 naming the field when malformed."""
+        wanted, param = spec.constraint, spec.constraint_param
+        if wanted is None and spec.tools is not None:  # the tool-call syntax, when the model must call
+            wanted, param = tools_mod.constraint_for(spec.tool_format, spec.tools, gen.backend.tokenizer), "tools"
+        if wanted is None:
+            return None
+        try:
+            return await self._off_loop(compile_constraint, wanted, gen.backend.tokenizer, gen.backend.vocab_size)
+        except ConstraintError as e:
+            raise P.BadRequest(f"'{param}': {e}", param, "invalid_value") from None
+
     async def _tokens(self, gen: BatchGenerator, spec: P.GenSpec) -> list[int]:
         backend = gen.backend
 
         def work() -> list[int]:
             if spec.kind == "chat":
-                return backend.chat_tokens(spec.messages)
+                if self._tool_format is None:
+                    self._tool_format = tools_mod.detect_format(backend.tokenizer)
+                spec.tool_format = self._tool_format
+                messages, template_kw = tools_mod.prepare(spec.tool_format, spec.messages, spec.tools)
+                return backend.chat_tokens(messages, **template_kw)
             return backend.encode(spec.prompt)
 
         try:

@@ -59,8 +59,9 @@ class BatchBackend(Protocol):
         """Token ids of a text prompt, or a list of ids checked against the vocabulary (thread-safe)."""
         ...
 
-    def chat_tokens(self, messages: list[dict[str, Any]]) -> list[int]:
-        """A conversation rendered with the model's chat template, generation prompt added (thread-safe)."""
+    def chat_tokens(self, messages: list[dict[str, Any]], **template_kw: Any) -> list[int]:
+        """A conversation rendered with the model's chat template, generation prompt added (thread-safe);
+        `template_kw` reach the template as variables (e.g. tools=)."""
         ...
 
     def prefill(self, slot: int, tokens: Sequence[int], pos0: int) -> np.ndarray:
@@ -132,8 +133,8 @@ class EngineSlots:
     def encode(self, prompt: str | Sequence[int], add_bos: bool | None = None) -> list[int]:
         return self.engines[0].encode(prompt, add_bos)
 
-    def chat_tokens(self, messages: list[dict[str, Any]]) -> list[int]:
-        return self.engines[0].chat_tokens(messages)
+    def chat_tokens(self, messages: list[dict[str, Any]], **template_kw: Any) -> list[int]:
+        return self.engines[0].chat_tokens(messages, **template_kw)
 
     # ---- the two model calls (one thread) ----------------------------------------------------
     def prefill(self, slot: int, tokens: Sequence[int], pos0: int) -> np.ndarray:
@@ -232,8 +233,8 @@ class EngineBatch:
     def encode(self, prompt: str | Sequence[int], add_bos: bool | None = None) -> list[int]:
         return self.engine.encode(prompt, add_bos)
 
-    def chat_tokens(self, messages: list[dict[str, Any]]) -> list[int]:
-        return self.engine.chat_tokens(messages)
+    def chat_tokens(self, messages: list[dict[str, Any]], **template_kw: Any) -> list[int]:
+        return self.engine.chat_tokens(messages, **template_kw)
 
     # ---- the two model calls (one thread) ----------------------------------------------------
     def prefill(self, slot: int, tokens: Sequence[int], pos0: int) -> np.ndarray:

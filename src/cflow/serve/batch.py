@@ -58,6 +58,7 @@ import collections
 import dataclasses
 import itertools
 import math
+import os
 import sys
 import threading
 import time
@@ -69,7 +70,8 @@ import numpy as np
 
 from cflow.errors import CflowError
 from cflow.runtime.errors import ContextOverflowError, EngineError
-from cflow.runtime.generate import Completion, StopMatcher, Timings, check_finite, common_prefix
+from cflow.constrain import overlap_pays, prefetch, sample as sample_constrained
+from cflow.runtime.generate import Completion, StopMatcher, Timings, as_constraint, check_finite, common_prefix
 from cflow.runtime.score import Scores, append_score, token_logprobs  # noqa: F401 (token_logprobs: its old home)
 from cflow.sampling import Sampler, SamplingParams
 
@@ -158,6 +160,7 @@ class Job:
     t_submit: float = field(default_factory=time.perf_counter)
     timeout: float | None = None  # seconds from t_submit (None: no limit)
     echo: bool = False            # score the prompt: a Prompt event before the first Piece
+    constraint: Any = None        # a compiled cflow.constrain.Constraint of this job's own (None: free text)
     cancelled: bool = False
     done: bool = False
     _gen: Any = field(default=None, repr=False)
@@ -227,6 +230,8 @@ class BatchGenerator:
         self._rows = getattr(backend, "step_rows", None)  # mixed prompt + decode calls (None: two kinds)
         self._max_rows = int(getattr(backend, "max_rows", 0) or 0)  # rows in one native pass (0: no cap)
         self._copy = getattr(backend, "copy_slot", None)  # K/V copies between slots (None: none)
+        self._threads = int(getattr(backend, "threads", 0) or os.cpu_count() or 1)
+        self._overlap = overlap_pays(self._threads)
         self._thread = threading.Thread(target=self._loop, name="cflow-batch", daemon=True)
         self._thread.start()
 
@@ -263,22 +268,26 @@ class BatchGenerator:
 
     def submit(self, prompt: Sequence[int], sink: Callable[[Event], None], *, max_tokens: int | None = None,
                params: SamplingParams | None = None, stop: Sequence[str] | str = (), ignore_eos: bool = False,
-               logprobs: int | None = None, timeout: float | None = None, echo: bool = False) -> Job:
+               logprobs: int | None = None, timeout: float | None = None, echo: bool = False,
+               constraint: Any = None) -> Job:
         """Queue a job for the token ids `prompt`; events go to `sink` (called from the worker thread).
         `timeout`: seconds from now until the job is cancelled with RequestTimeoutError (None: the
         generator's `timeout`; 0: none). `echo`: score the prompt too (a Prompt event with every
         prompt token's logprob and `logprobs` alternatives, before the first Piece); max_tokens 0
-        then scores the prompt and generates nothing.
+        then scores the prompt and generates nothing. `constraint`: a cflow.constrain.ConstraintSpec
+        (or a compiled Constraint) that every generated token must fit (JSON schema, grammar, regex);
+        the job ends with "stop" when it is complete.
 
         Raises ContextOverflowError when the prompt does not fit a slot, EngineError for an empty
-        prompt or bad ids, QueueFullError when the wait queue is full, GeneratorClosedError after close()."""
+        prompt or bad ids, QueueFullError when the wait queue is full, GeneratorClosedError after close(),
+        ConstraintError for a malformed constraint."""
         return self.submit_n(prompt, [sink], max_tokens=max_tokens, params=params, stop=stop, ignore_eos=ignore_eos,
-                             logprobs=logprobs, timeout=timeout, echo=echo)[0]
+                             logprobs=logprobs, timeout=timeout, echo=echo, constraint=constraint)[0]
 
     def submit_n(self, prompt: Sequence[int], sinks: Sequence[Callable[[Event], None]], *,
                  max_tokens: int | None = None, params: SamplingParams | None = None, stop: Sequence[str] | str = (),
                  ignore_eos: bool = False, logprobs: int | None = None, timeout: float | None = None,
-                 echo: bool = False) -> list[Job]:
+                 echo: bool = False, constraint: Any = None) -> list[Job]:
         """One job per sink on the same prompt (OpenAI's `n`), each in its own slot, queued together
         or refused together. With a seed in `params`, job i samples with seed + i (job 0 draws what
         a single job with that seed draws); without one, each draws its own. Arguments and errors
@@ -302,9 +311,15 @@ class BatchGenerator:
         seed = params.seed
         per_job = [params if i == 0 or seed is None or seed == -1 else dataclasses.replace(params, seed=seed + i)
                    for i in range(len(sinks))]
+        # compiled here, in the caller's thread (it can take a while), once; each job gets its own matcher
+        first = as_constraint(constraint, self.backend.tokenizer, self.backend.vocab_size)
+        if first is not None:  # masks ahead: sampled (greedy asks about the argmax first), and a core free
+            first.eager = not params.greedy and self._overlap
+        constraints = [first] + [first.copy() if first is not None else None for _ in sinks[1:]]
         now = time.perf_counter()
         jobs = [Job(next(self._ids), ids, max_tokens, per_job[i], stops, bool(ignore_eos), logprobs, sink,
-                    t_submit=now, timeout=limit, echo=bool(echo), _gen=self) for i, sink in enumerate(sinks)]
+                    t_submit=now, timeout=limit, echo=bool(echo), constraint=constraints[i], _gen=self)
+                for i, sink in enumerate(sinks)]
         with self._cond:
             if self._closing:
                 raise GeneratorClosedError("the generator is shutting down")
@@ -579,6 +594,7 @@ class BatchGenerator:
                 want += [True] * k
             else:
                 want += [False] * (k - 1) + [seq.fed + k == len(seq.job.prompt)]
+        self._prefetch_masks()
         t0 = time.perf_counter()
         try:
             logits = self._rows(slots, tokens, positions, want)
@@ -702,6 +718,7 @@ class BatchGenerator:
         slots = [s.slot for s in batch]
         tokens = [s.next_token for s in batch]
         positions = [len(s.history) - 1 for s in batch]
+        self._prefetch_masks()
         t0 = time.perf_counter()
         try:
             logits = self.backend.step_batch(slots, tokens, positions)
@@ -715,12 +732,18 @@ class BatchGenerator:
         self._sample_rows(batch, logits, positions)
         self._count_emitted()
 
+    def _prefetch_masks(self) -> None:
+        """Constrained sequences' next masks, computed on a background thread during the model call."""
+        pending = [s.job.constraint for s in self._order if s.job.constraint is not None and not s.job.done]
+        if pending:
+            prefetch(pending)
+
     def _sample_rows(self, batch: list[_Seq], logits: np.ndarray, positions: list[int]) -> None:
         """Rows 0..len(batch)-1 of `logits` are the decode rows of `batch` (fed their next_token
         at `positions`): record the fed tokens, sample and deliver each row's next one."""
         if not batch:
             return
-        plain = [s.sampler.plain_greedy for s in batch]
+        plain = [s.sampler.plain_greedy and s.job.constraint is None for s in batch]
         best = logits[:len(batch)].argmax(axis=1) if all(plain) else None  # one pass for the whole block
         for i, s in enumerate(batch):
             self._slot_tokens[s.slot].append(s.next_token)
@@ -746,7 +769,10 @@ class BatchGenerator:
         job = seq.job
         if tok < 0:
             try:
-                tok = seq.sampler.sample(logits, seq.history)
+                if job.constraint is None:
+                    tok = seq.sampler.sample(logits, seq.history)
+                else:
+                    tok = sample_constrained(seq.sampler, job.constraint, logits, seq.history)
             except CflowError as e:  # e.g. a logit_bias id beyond this model's vocabulary
                 self._end(seq, Failed(e))
                 return
@@ -760,6 +786,12 @@ class BatchGenerator:
             return
         seq.history.append(tok)
         text, hit = seq.held.feed(seq.detok.put(tok))
+        if job.constraint is not None:
+            try:
+                job.constraint.advance(tok)
+            except CflowError as e:
+                self._end(seq, Failed(e))
+                return
         lp = top = None
         if job.logprobs is not None:
             lp, top = token_logprobs(logits, tok, job.logprobs)
@@ -768,6 +800,8 @@ class BatchGenerator:
             self._end(seq, self._finished(seq, "cancelled", ""))
         elif hit:
             self._end(seq, self._finished(seq, "stop", ""))
+        elif job.constraint is not None and job.constraint.finished:  # nothing may follow: as a stop id
+            self._finish(seq, "stop")
         elif seq.count >= seq.limit:
             self._finish(seq, "length")
         else:

@@ -30,6 +30,7 @@ from starlette.responses import JSONResponse as _StarletteJSON
 from starlette.responses import Response
 
 from cflow.serve import protocol as P
+from cflow.serve.tools import ToolCallParser, parse_all
 from cflow.serve.batch import Failed, Finished, GeneratorClosedError, Piece, Prompt, RequestTimeoutError
 
 _MARK = "\x00"  # stands for the text in a pre-rendered chunk (JSON writes it as \u0000, never else here)
@@ -96,6 +97,10 @@ class Call:
         self.logprobs = ([P.LogprobsBuilder(tokenizer, spec.kind) for _ in range(self.n)]
                          if spec.logprobs is not None else None)
         self.tokenizer = tokenizer
+        # a chat with tools: each choice's text goes through a parser that takes the calls out
+        tools_on = spec.kind == "chat" and spec.tools is not None and spec.tools.choice != "none"
+        self.parsers = ([ToolCallParser(spec.tool_format or "generic", spec.tools) for _ in range(self.n)]
+                        if tools_on else None)
         self.jobs: list[Any] = []
         self.result = "cancelled"
         self._inbox: list[tuple[int, Any]] = []
@@ -190,9 +195,14 @@ class Call:
             self._done()
         if failed is not None:
             return failure(failed.error)
-        choices = [P.choice_object(self.kind, i, "".join(parts[i]) + ends[i].tail, ends[i].reason,
-                                   self.logprobs[i].entries(pieces[i]) if self.logprobs else None)
-                   for i in range(n)]
+        choices = []
+        for i in range(n):
+            text, calls = "".join(parts[i]) + ends[i].tail, None
+            if self.parsers:
+                text, calls = parse_all(self.spec.tool_format or "generic", self.spec.tools, text)
+            choices.append(P.choice_object(self.kind, i, text, ends[i].reason,
+                                           self.logprobs[i].entries(pieces[i]) if self.logprobs else None,
+                                           tool_calls=calls))
         return JSONResponse(P.completion_object(self.kind, self.rid, self.created, self.model, choices,
                                                 self._usage(ends)))
 
@@ -218,6 +228,16 @@ class Call:
         inc = self.spec.include_usage
         templates = self._templates()
         ends: list[Any] = [None] * self.n
+        parsers = self.parsers
+        n_calls = [0] * self.n  # tool calls sent per choice
+
+        def tool_chunks(i: int, text: str, calls: list, lp: Any = None) -> list[bytes]:
+            out_ = []
+            if text or lp is not None or calls:
+                out_.append(sse(P.chunk_object(k, rid, created, model, text if text or lp is not None else None,
+                                               None, lp, inc, index=i, tool_calls=calls, first_call=n_calls[i])))
+                n_calls[i] += len(calls)
+            return out_
         try:
             await send({"type": "http.response.start", "status": 200,
                         "headers": [(b"content-type", b"text/event-stream; charset=utf-8"),
@@ -233,6 +253,9 @@ class Call:
                         text, prompt_pieces = self._echo(ev)
                         lp = self.logprobs[i].entries(prompt_pieces) if self.logprobs else None
                         out.append(sse(P.chunk_object(k, rid, created, model, text, None, lp, inc, index=i)))
+                    elif isinstance(ev, Piece) and parsers:
+                        text, calls = parsers[i].feed(ev.text)
+                        out += tool_chunks(i, text, calls, self.logprobs[i].entries([ev]) if self.logprobs else None)
                     elif isinstance(ev, Piece):
                         if self.logprobs:
                             lp = self.logprobs[i].entries([ev])
@@ -244,10 +267,17 @@ class Call:
                     elif isinstance(ev, Finished):
                         ends[i] = ev
                         self._ended(ev)
-                        if ev.tail:
+                        reason = ev.reason
+                        if parsers:
+                            text, calls = parsers[i].feed(ev.tail)
+                            rest, more = parsers[i].finish()
+                            out += tool_chunks(i, text + rest, calls + more)
+                            if n_calls[i] and reason == "stop":
+                                reason = "tool_calls"
+                        elif ev.tail:
                             out.append(sse(P.chunk_object(k, rid, created, model, ev.tail, None, None, inc, index=i)))
                         out.append(sse(P.chunk_object(k, rid, created, model, None if k == "chat" else "",
-                                                      ev.reason, None, inc, index=i)))
+                                                      reason, None, inc, index=i)))
                         if all(e is not None for e in ends):
                             if inc:
                                 out.append(sse(P.usage_chunk(k, rid, created, model, self._usage(ends))))

@@ -4,8 +4,8 @@ stream-chunk objects built from the batch generator's events. No HTTP here (cflo
 Every check raises `BadRequest` with the message, the parameter and an OpenAI error code, which
 the server returns as 400 `{"error": {"message", "type": "invalid_request_error", "param", "code"}}`.
 Types are checked strictly (a string where a number belongs is an error, not coerced). Fields
-other servers honour and this one does not (UNSUPPORTED: suffix, tools, response_format
-other than text, grammars, other samplers ...) are refused with a 400 naming the field whenever
+other servers honour and this one does not (UNSUPPORTED: suffix, audio, other samplers ...)
+are refused with a 400 naming the field whenever
 they hold anything but their no-op value, never silently ignored; fields that change nothing
 here (user, metadata, store ...) and unknown ones are ignored, as OpenAI's and llama-server's are.
 
@@ -21,6 +21,13 @@ starts with the prompt, and with `logprobs` its logprobs start with the prompt's
 first one's logprob and top_logprobs null (nothing predicts it); `max_tokens: 0` then scores the
 prompt alone. This is how loglikelihood evaluations (lm-eval's local-completions model) score
 text: prompt = context + continuation, sum the continuation's token_logprobs.
+
+Structured output (cflow.constrain; at most one per request): OpenAI's `response_format`
+({"type": "json_object"}, or {"type": "json_schema", "json_schema": {"name", "schema", "strict"}};
+llama-server's {"type": "json_object", "schema": ...} too), llama-server's `json_schema` (a schema)
+and `grammar` (GBNF, or Lark), and `regex` (vLLM's `guided_regex`, `guided_json`, `guided_grammar`
+are read as the same). The constraint is compiled against the tokenizer before the request is
+queued, so a malformed one is a 400 naming the field and llguidance's reason.
 """
 
 from __future__ import annotations
@@ -45,19 +52,11 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 # change nothing, what to say). Any other value is refused with 400 naming the field.
 UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "suffix": (("",), "insertion (a suffix after the completion) is not supported"),
-    "tools": (([],), "tools (function calling) are not supported"),
-    "tool_choice": (("none", "auto"), "tools (function calling) are not supported"),
-    "functions": (([],), "functions (function calling) are not supported"),
-    "function_call": (("none", "auto"), "functions (function calling) are not supported"),
-    "response_format": (({"type": "text"},), "only the 'text' response_format is supported (no JSON mode or "
-                                             "JSON schema)"),
     "modalities": ((["text"],), "only text output is supported"),
     "audio": ((), "audio output is not supported"),
     "prediction": ((), "predicted outputs are not supported"),
     "web_search_options": ((), "web search is not supported"),
-    # llama-server's extra samplers and constraints
-    "grammar": (("",), "grammars are not supported"),
-    "json_schema": (({},), "JSON schemas are not supported"),
+    # llama-server's extra samplers
     "mirostat": ((0,), "mirostat sampling is not supported"),
     "typical_p": ((1,), "typical sampling is not supported"),
     "tfs_z": ((1,), "tail-free sampling is not supported"),
@@ -111,6 +110,10 @@ class GenSpec:
     messages: list[dict[str, Any]] | None = None   # chat, normalized to {"role", "content": str}
     model: str | None = None
     echo: bool = False                      # completions: the prompt (and its logprobs) before the answer
+    constraint: Any = None                  # a cflow.constrain.ConstraintSpec (None: free text)
+    constraint_param: str | None = None     # the request field it came from (for errors)
+    tools: Any = None                       # chat: a cflow.serve.tools.ToolRequest (None: no tools)
+    tool_format: str | None = None          # chat: the model's tool-call format (set by the server)
 
 
 # ---- typed field access ------------------------------------------------------------------------
@@ -247,8 +250,55 @@ def _common(body: dict[str, Any], defaults: Defaults, names: Sequence[str], kind
         logprobs = _field(body, "logprobs", "int")
         _range("logprobs", logprobs, 0, MAX_LOGPROBS)
 
+    constraint, constraint_param = _constraint(body)
     return dict(params=params, n=n, max_tokens=max_tokens, stop=stops, stream=stream, include_usage=include_usage,
-                ignore_eos=_field(body, "ignore_eos", "bool", False), logprobs=logprobs, model=model)
+                ignore_eos=_field(body, "ignore_eos", "bool", False), logprobs=logprobs, model=model,
+                constraint=constraint, constraint_param=constraint_param)
+
+
+# ---- structured output ---------------------------------------------------------------------------
+_CONSTRAINT_FIELDS = {"json_schema": "json_schema", "guided_json": "json_schema", "grammar": "grammar",
+                      "guided_grammar": "grammar", "regex": "regex", "guided_regex": "regex"}
+
+
+def _constraint(body: dict[str, Any]) -> tuple[Any, str | None]:
+    """The request's one constraint (cflow.constrain.ConstraintSpec) and the field that gave it."""
+    from cflow.constrain import ConstraintError, ConstraintSpec
+
+    found: list[tuple[str, str, Any]] = []  # (field, kind, source)
+    rf = _field(body, "response_format", "object")
+    if rf is not None:
+        t = rf.get("type")
+        if t == "json_object":
+            schema = rf.get("schema")
+            found.append(("response_format", "json_object", None) if schema is None else
+                         ("response_format", "json_schema", schema))
+        elif t == "json_schema":
+            js = rf.get("json_schema")
+            if not isinstance(js, dict):
+                raise BadRequest("'response_format' of type json_schema needs a 'json_schema' object "
+                                 "({\"name\": ..., \"schema\": {...}})", "response_format", "invalid_value")
+            schema = js.get("schema")
+            found.append(("response_format", "json_object", None) if schema is None else
+                         ("response_format", "json_schema", schema))
+        elif t != "text":
+            raise BadRequest(f"'response_format.type' must be one of text, json_object, json_schema, got {t!r}"[:300],
+                             "response_format", "invalid_value")
+    for name, kind in _CONSTRAINT_FIELDS.items():
+        v = body.get(name)
+        if v is None or v == "" or (kind == "json_schema" and v == {}):
+            continue  # llama-server sends these empty when unused
+        found.append((name, kind, v))
+    if not found:
+        return None, None
+    if len(found) > 1:
+        raise BadRequest(f"give at most one of response_format (json), json_schema, grammar, regex; this request has "
+                         f"{', '.join(f for f, _, _ in found)}", found[1][0], "invalid_value")
+    name, kind, source = found[0]
+    try:
+        return ConstraintSpec(kind, source), name
+    except ConstraintError as e:
+        raise BadRequest(f"'{name}': {e}", name, "invalid_value") from None
 
 
 def _same(v: Any, ok: Any) -> bool:
@@ -318,11 +368,29 @@ def parse_chat(body: Any, defaults: Defaults, names: Sequence[str] = (),
             raise BadRequest(f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}"[:300], f"{where}.role",
                              "invalid_value")
         out.append({"role": "system" if role == "developer" else role,
-                    "content": _content(m.get("content"), f"{where}.content")})
+                    "content": _content(m.get("content"), f"{where}.content"), **message_fields(m, where)})
     if _field(body, "echo", "bool", False):
         raise BadRequest("'echo' is only supported on /v1/completions (send the rendered prompt there to score "
                          "it)", "echo", "unsupported_parameter")
-    return GenSpec("chat", messages=out, **_common(body, defaults, names, "chat", vocab_size))
+    tools = parse_tool_request(body)
+    common = _common(body, defaults, names, "chat", vocab_size)
+    if tools is not None and tools.choice != "none" and common["constraint"] is not None:
+        raise BadRequest(f"'{common['constraint_param']}' cannot be combined with tools (the tool-call format is "
+                         f"itself a constraint); send tool_choice 'none' or drop one", common["constraint_param"],
+                         "invalid_value")
+    return GenSpec("chat", messages=out, tools=tools, **common)
+
+
+def parse_tool_request(body: dict[str, Any]) -> Any:
+    from cflow.serve.tools import parse_tool_request as parse
+
+    return parse(body)
+
+
+def message_fields(m: dict[str, Any], where: str) -> dict[str, Any]:
+    from cflow.serve.tools import message_fields as fields_
+
+    return fields_(m, where)
 
 
 def _content(c: Any, where: str) -> str:
@@ -409,11 +477,16 @@ class LogprobsBuilder:
         return {**one(p.token, p.logprob), "top_logprobs": [one(i, lp) for i, lp in (p.top or [])]}
 
 
-def choice_object(kind: str, index: int, text: str, finish: str, logprobs: Any = None) -> dict[str, Any]:
-    """One choice of a whole (not streamed) answer."""
+def choice_object(kind: str, index: int, text: str | None, finish: str, logprobs: Any = None,
+                  tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """One choice of a whole (not streamed) answer; a chat answer with tool calls has them in its
+    message (content None when there is no text besides), finish_reason "tool_calls"."""
     if kind == "chat":
-        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                "finish_reason": finish}
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if tool_calls:
+            message["tool_calls"] = tool_calls
+            finish = "tool_calls" if finish == "stop" else finish
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
 
@@ -425,14 +498,19 @@ def completion_object(kind: str, rid: str, created: int, model: str, choices: li
 
 def chunk_object(kind: str, rid: str, created: int, model: str, text: str | None, finish: str | None,
                  logprobs: Any = None, include_usage: bool = False, role: bool = False,
-                 index: int = 0) -> dict[str, Any]:
-    """One streamed chunk of choice `index` (text None: no content field, for the chat's final chunk)."""
+                 index: int = 0, tool_calls: list[dict[str, Any]] | None = None,
+                 first_call: int = 0) -> dict[str, Any]:
+    """One streamed chunk of choice `index` (text None: no content field, for the chat's final chunk).
+    `tool_calls`: whole calls, sent as deltas numbered from `first_call` (OpenAI's streamed
+    tool_calls: index, id, type, function {name, arguments})."""
     if kind == "chat":
         delta: dict[str, Any] = {}
         if role:
             delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
+        if tool_calls:
+            delta["tool_calls"] = [{"index": first_call + j, **c} for j, c in enumerate(tool_calls)]
         out = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
                "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
     else:

@@ -1,0 +1,730 @@
+"""OpenAI tool (function) calling: the request's `tools` checked, the chat history's tool calls
+and results made ready for the chat template, the constraint that makes the model call a tool
+when it must, and the parser that finds the calls in generated text. No HTTP and no engine here
+(cflow.serve.protocol reads the body, cflow.serve.app wires this in, cflow.constrain enforces).
+
+A model family calls tools in the syntax it was trained on; `detect_format` reads it off the chat
+template, and each format has its template input, grammar and parser:
+
+- "hermes" (Qwen2.5/Qwen3, SmolLM3, Hermes): text around blocks
+  `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`; `<tool_call>` is an added
+  (non-special) token, so it survives detokenization and the parser sees it.
+- "llama3" (Llama 3.1+ JSON tool calling): the answer is `{"name": ..., "parameters": {...}}`,
+  sometimes after the special `<|python_tag|>` (which the detokenizer drops).
+- "mistral" (v3 templates): the special `[TOOL_CALLS]` (dropped), then a JSON array of
+  `{"name", "arguments"}`.
+- "generic" (every other template, e.g. SmolLM2's plain ChatML; llama.cpp's generic handler):
+  the tools are described in a system message and the whole answer is one JSON object,
+  `{"tool_calls": [{"name", "arguments"}]}` or `{"response": "..."}`, always schema-constrained.
+
+Choices: calls with unknown names or unparsable arguments are left as content, never guessed
+at; a truncated answer stays content rather than being lost; `tool_choice: "none"` hides the
+tools from the model and parses nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import secrets
+import string
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+from cflow.serve.protocol import BadRequest, _json_type
+
+FORMATS = ("hermes", "llama3", "mistral", "generic")
+MAX_TOOLS = 128                      # OpenAI's limit
+_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+_ID_CHARS = string.ascii_letters + string.digits
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+PYTHON_TAG, TOOL_CALLS = "<|python_tag|>", "[TOOL_CALLS]"
+
+
+@dataclass(frozen=True)
+class ToolRequest:
+    tools: list[dict]     # each {"type": "function", "function": {"name", "description"?, "parameters"?}}
+    choice: str           # "auto" | "none" | "required" | "function"
+    name: str | None      # the named function when choice == "function"
+    parallel: bool        # parallel_tool_calls (default False, as llama-server's: small models repeat calls)
+
+
+# ---- the request -------------------------------------------------------------------------------
+def parse_tool_request(body: dict) -> ToolRequest | None:
+    """The tool fields of a chat request (`tools`, `tool_choice`, `parallel_tool_calls`, or the
+    legacy `functions`, `function_call`), checked. None when the request has no tools."""
+    if body.get("tools") is not None and body.get("functions") is not None:
+        raise BadRequest("give 'tools' or the legacy 'functions', not both", "functions", "invalid_value")
+    if body.get("tool_choice") is not None and body.get("function_call") is not None:
+        raise BadRequest("give 'tool_choice' or the legacy 'function_call', not both", "function_call",
+                         "invalid_value")
+    legacy = body.get("functions") is not None
+    key = "functions" if legacy else "tools"
+    raw = body.get(key)
+    raw = [] if raw is None else raw
+    if not isinstance(raw, list):
+        raise BadRequest(f"'{key}' must be an array of function tools, got {_json_type(raw)}", key, "invalid_type")
+    if len(raw) > MAX_TOOLS:
+        raise BadRequest(f"at most {MAX_TOOLS} tools, got {len(raw)}", key, "invalid_value")
+    tools, seen = [], set()
+    for i, t in enumerate(raw):
+        where = f"{key}[{i}]"
+        if not isinstance(t, dict):
+            raise BadRequest(f"{where} must be an object, got {_json_type(t)}", where, "invalid_type")
+        if legacy:
+            f = t
+        else:
+            if t.get("type") != "function":
+                raise BadRequest(f"{where}.type must be 'function', got {t.get('type')!r}"[:300], f"{where}.type",
+                                 "invalid_value")
+            f, where = t.get("function"), f"{where}.function"
+            if not isinstance(f, dict):
+                raise BadRequest(f"{where} must be an object {{name, description, parameters}}", where,
+                                 "invalid_type" if f is not None else "missing_required_parameter")
+        fn = _function(f, where)
+        if fn["name"] in seen:
+            raise BadRequest(f"{where}.name: the function '{fn['name']}' is defined twice", f"{where}.name",
+                             "invalid_value")
+        seen.add(fn["name"])
+        tools.append({"type": "function", "function": fn})
+
+    choice, name = _choice(body, legacy)
+    if name is not None and name not in seen:
+        param = "function_call" if legacy or body.get("function_call") is not None else "tool_choice"
+        raise BadRequest(f"'{param}' names the function '{name}', which is not among the tools", param,
+                         "invalid_value")
+    if not tools:
+        if choice == "required":
+            raise BadRequest("'tool_choice' is 'required' but no tools are given", "tool_choice", "invalid_value")
+        return None
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise BadRequest(f"'parallel_tool_calls' must be a boolean, got {_json_type(parallel)}",
+                         "parallel_tool_calls", "invalid_type")
+    # the legacy API returns one function_call per answer
+    # OpenAI defaults parallel_tool_calls to true; llama-server to false, which we follow: a small
+    # model allowed several calls tends to repeat the one it just made until max_tokens
+    return ToolRequest(tools, choice, name, False if parallel is None else parallel)
+
+
+def _function(f: dict, where: str) -> dict:
+    name = f.get("name")
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise BadRequest(f"{where}.name must be 1 to 64 letters, digits, '_' or '-', got {name!r}"[:300],
+                         f"{where}.name", "invalid_value" if name is not None else "missing_required_parameter")
+    out: dict[str, Any] = {"name": name}
+    desc = f.get("description")
+    if desc is not None:
+        if not isinstance(desc, str):
+            raise BadRequest(f"{where}.description must be a string, got {_json_type(desc)}", f"{where}.description",
+                             "invalid_type")
+        out["description"] = desc
+    params = f.get("parameters")
+    if params is not None:
+        p = f"{where}.parameters"
+        if not isinstance(params, dict):
+            raise BadRequest(f"{p} must be a JSON schema object, got {_json_type(params)}", p, "invalid_type")
+        if params.get("type", "object") != "object":
+            raise BadRequest(f"{p} must describe an object (type 'object'), got type {params['type']!r}"[:300], p,
+                             "invalid_value")
+        import jsonschema
+
+        try:
+            jsonschema.validators.validator_for(params).check_schema(params)
+        except jsonschema.SchemaError as e:
+            at = "".join(f"[{x!r}]" for x in e.path)
+            raise BadRequest(f"{p} is not a valid JSON schema: {e.message}{' at ' + at if at else ''}"[:500], p,
+                             "invalid_value") from None
+        out["parameters"] = params
+    return out
+
+
+def _choice(body: dict, legacy: bool) -> tuple[str, str | None]:
+    if body.get("function_call") is not None:
+        key, v = "function_call", body["function_call"]
+        named = isinstance(v, dict) and set(v) <= {"name"}
+        name = v.get("name") if named else None
+        modes = ("none", "auto")
+    else:
+        key, v = "tool_choice", body.get("tool_choice")
+        named = isinstance(v, dict) and v.get("type") == "function" and isinstance(v.get("function"), dict)
+        name = v["function"].get("name") if named else None
+        modes = ("none", "auto", "required")
+    if v is None:
+        return "auto", None
+    if isinstance(v, str) and v in modes:
+        return v, None
+    if named and isinstance(name, str):
+        return "function", name
+    shape = '{"name": ...}' if key == "function_call" else '{"type": "function", "function": {"name": ...}}'
+    raise BadRequest(f"'{key}' must be one of {', '.join(repr(m) for m in modes)} or {shape}, got "
+                     f"{json.dumps(v)}"[:300], key, "invalid_value")
+
+
+# ---- the history -------------------------------------------------------------------------------
+def message_fields(m: dict, where: str) -> dict:
+    """The tool fields of one incoming chat message, checked, as templates read them: an assistant's
+    `tool_calls` (arguments parsed into a dict: templates write `arguments | tojson`), a tool
+    result's `tool_call_id` and `name`. {} when there are none."""
+    role = m.get("role")
+    if role == "assistant":
+        tcs = m.get("tool_calls")
+        if tcs is None or tcs == []:
+            return {}
+        if not isinstance(tcs, list):
+            raise BadRequest(f"{where}.tool_calls must be an array, got {_json_type(tcs)}", f"{where}.tool_calls",
+                             "invalid_type")
+        out = []
+        for j, tc in enumerate(tcs):
+            w = f"{where}.tool_calls[{j}]"
+            if not isinstance(tc, dict):
+                raise BadRequest(f"{w} must be an object, got {_json_type(tc)}", w, "invalid_type")
+            if not isinstance(tc.get("id"), str):
+                raise BadRequest(f"{w}.id must be a string", f"{w}.id",
+                                 "missing_required_parameter" if tc.get("id") is None else "invalid_type")
+            if tc.get("type", "function") != "function":
+                raise BadRequest(f"{w}.type must be 'function', got {tc.get('type')!r}"[:300], f"{w}.type",
+                                 "invalid_value")
+            f = tc.get("function")
+            if not isinstance(f, dict):
+                raise BadRequest(f"{w}.function must be an object {{name, arguments}}", f"{w}.function",
+                                 "invalid_type" if f is not None else "missing_required_parameter")
+            if not isinstance(f.get("name"), str) or not f["name"]:
+                raise BadRequest(f"{w}.function.name must be a non-empty string", f"{w}.function.name",
+                                 "invalid_type")
+            out.append({"id": tc["id"], "type": "function",
+                        "function": {"name": f["name"], "arguments": _arguments(f.get("arguments"),
+                                                                                f"{w}.function.arguments")}})
+        return {"tool_calls": out}
+    if role == "tool":
+        tid, name = m.get("tool_call_id"), m.get("name")
+        if not isinstance(tid, str):
+            raise BadRequest(f"{where}.tool_call_id must be a string: the id of the call this answers",
+                             f"{where}.tool_call_id", "missing_required_parameter" if tid is None else "invalid_type")
+        if name is not None and not isinstance(name, str):
+            raise BadRequest(f"{where}.name must be a string, got {_json_type(name)}", f"{where}.name",
+                             "invalid_type")
+        return {"tool_call_id": tid, **({"name": name} if name is not None else {})}
+    return {}
+
+
+def _arguments(a: Any, where: str) -> dict:
+    # OpenAI sends a JSON string; a dict is accepted as it is, and "" (some clients' "no
+    # arguments") as {}
+    if isinstance(a, dict):
+        return a
+    if not isinstance(a, str):
+        raise BadRequest(f"{where} must be a string holding a JSON object, got {_json_type(a)}", where,
+                         "invalid_type" if a is not None else "missing_required_parameter")
+    if not a.strip():
+        return {}
+    try:
+        v = json.loads(a)
+    except ValueError as e:
+        raise BadRequest(f"{where} is not valid JSON ({e})"[:300], where, "invalid_value") from None
+    if not isinstance(v, dict):
+        raise BadRequest(f"{where} must be a JSON object, got {_json_type(v)}", where, "invalid_value")
+    return v
+
+
+# ---- the format --------------------------------------------------------------------------------
+def detect_format(tokenizer: Any) -> str:
+    """The tool-call format of a model, read off its chat template (`tokenizer.chat_template`):
+
+    - no template, or one that never reads `tools`: "generic";
+    - mentions `[TOOL_CALLS]` (and not `[ARGS]`, the v11 syntax `[TOOL_CALLS]name[ARGS]{...}`
+      this module does not parse, which gets "generic"): "mistral";
+    - mentions `<tool_call>`: "hermes";
+    - mentions `<|python_tag|>`, "Environment: ipython" or writes `"parameters": ` JSON calls:
+      "llama3";
+    - anything else: "generic".
+    """
+    t = getattr(tokenizer, "chat_template", None) or ""
+    if not re.search(r"\btools\b", t):
+        return "generic"
+    if TOOL_CALLS in t and "[ARGS]" not in t:
+        return "mistral"
+    if OPEN in t:
+        return "hermes"
+    if PYTHON_TAG in t or "Environment: ipython" in t or '"parameters": ' in t:
+        return "llama3"
+    return "generic"
+
+
+def prepare(fmt: str, messages: list[dict], req: ToolRequest | None) -> tuple[list[dict], dict]:
+    """(messages to render, extra chat-template kwargs). Native formats get `tools=` (not with
+    tool_choice "none": the model is not shown tools it may not call); "generic" gets the
+    tools in a system message and its history's calls and results as the JSON text it answers in.
+    `req` None (no tools in this request) is "none"."""
+    msgs = [dict(m) for m in messages]
+    on = req is not None and req.choice != "none"
+    if fmt == "generic":
+        msgs = _generic_history(msgs)
+        if on:
+            text = _generic_system(req)
+            if msgs and msgs[0].get("role") == "system":
+                msgs[0]["content"] = ((msgs[0].get("content") or "") + "\n\n" + text).lstrip()
+            else:
+                msgs.insert(0, {"role": "system", "content": text})
+        return msgs, {}
+    _name_results(msgs)
+    if fmt == "mistral":
+        _mistral_ids(msgs)
+    return msgs, ({"tools": req.tools} if on else {})
+
+
+def _name_results(msgs: list[dict]) -> None:
+    # Some templates print a tool result's name; clients often send only tool_call_id.
+    names = {}
+    for m in msgs:
+        for tc in m.get("tool_calls") or ():
+            names[tc["id"]] = tc["function"]["name"]
+        if m.get("role") == "tool" and "name" not in m and m.get("tool_call_id") in names:
+            m["name"] = names[m["tool_call_id"]]
+
+
+def _mistral_ids(msgs: list[dict]) -> None:
+    # Mistral's templates refuse any call id but 9 letters or digits; map ours ("call_...") the
+    # same way in the call and in its result, so they still match.
+    def short(i: str) -> str:
+        return i if re.fullmatch(r"[a-zA-Z0-9]{9}", i) else hashlib.sha256(i.encode()).hexdigest()[:9]
+    for m in msgs:
+        if m.get("tool_calls"):
+            m["tool_calls"] = [{**tc, "id": short(tc["id"])} for tc in m["tool_calls"]]
+        if m.get("role") == "tool" and isinstance(m.get("tool_call_id"), str):
+            m["tool_call_id"] = short(m["tool_call_id"])
+
+
+def _generic_history(msgs: list[dict]) -> list[dict]:
+    """Calls and results as text a template with no tool support prints (minja's polyfills):
+    the assistant's JSON answer, and results as one user message per run of tool messages
+    (a user turn, because strict templates refuse other roles and two user turns in a row)."""
+    out: list[dict] = []
+    prev_tool = False
+    for m in msgs:
+        if m.get("role") == "assistant" and m.get("tool_calls"):
+            obj: dict[str, Any] = {"response": m["content"]} if m.get("content") else {}
+            obj["tool_calls"] = [{"name": tc["function"]["name"], "arguments": tc["function"]["arguments"]}
+                                 for tc in m["tool_calls"]]
+            out.append({"role": "assistant", "content": json.dumps(obj, ensure_ascii=False)})
+        elif m.get("role") == "tool":
+            r = {k: m[k] for k in ("tool_call_id", "name") if k in m}
+            text = json.dumps({"tool_response": {**r, "content": m.get("content") or ""}}, ensure_ascii=False)
+            if prev_tool:
+                out[-1]["content"] += "\n" + text
+            else:
+                out.append({"role": "user", "content": text})
+        else:
+            out.append({k: v for k, v in m.items() if k not in ("tool_calls", "tool_call_id")})
+        prev_tool = m.get("role") == "tool"
+    return out
+
+
+def _generic_system(req: ToolRequest) -> str:
+    funcs = json.dumps([t["function"] for t in req.tools], ensure_ascii=False, indent=2)
+    call = '{"tool_calls": [{"name": "<function name>", "arguments": {<its arguments>}}]}'
+    if req.choice == "function":
+        call = call.replace("<function name>", req.name)
+        how = f'You must call the function "{req.name}", answering {call}.'
+    elif req.choice == "required":
+        how = f"You must call at least one tool, answering {call}."
+    else:
+        how = f'To call tools answer {call}; to reply to the user directly answer {{"response": "<your reply>"}}.'
+    once = "" if req.parallel else " Call one tool at a time."
+    return (f"You can call these tools (functions), described in JSON with their parameters' JSON schemas:\n"
+            f"{funcs}\n\nAnswer with one JSON object and nothing else. {how}{once}")
+
+
+# ---- what to enforce ---------------------------------------------------------------------------
+def constraint_for(fmt: str, req: ToolRequest | None, tokenizer: Any) -> Any:
+    """The cflow.constrain.ConstraintSpec to decode under, or None for free text: "generic"
+    always answers schema-constrained JSON (`generic_schema`); native formats are free with
+    tool_choice "auto" (the parser picks the calls out) and forced into the family's call syntax
+    with "required" or a named function (`native_grammar`, Lark)."""
+    if req is None or req.choice == "none":
+        return None
+    if fmt != "generic" and req.choice == "auto":
+        return None
+    from cflow.constrain import ConstraintSpec
+
+    if fmt == "generic":
+        return ConstraintSpec("json_schema", generic_schema(req))
+    return ConstraintSpec("lark", native_grammar(fmt, req, tokenizer))
+
+
+def _selected(req: ToolRequest) -> list[dict]:
+    return [t for t in req.tools if req.choice != "function" or t["function"]["name"] == req.name]
+
+
+def _args(fn: dict) -> dict:
+    """The arguments' schema: the tool's parameters, always an object; {"type": "object"} when
+    llguidance cannot compile them (an unsupported keyword such as `not`): the arguments are then
+    free, as they are in OpenAI's non-strict function calling, rather than the request failing."""
+    p = fn.get("parameters")
+    if p is None:
+        return {"type": "object"}
+    p = {k: v for k, v in p.items() if k != "$schema"}
+    p.setdefault("type", "object")
+    return p if _compiles(json.dumps(p, sort_keys=True)) else {"type": "object"}
+
+
+@lru_cache(maxsize=256)
+def _compiles(schema: str) -> bool:
+    try:
+        import llguidance
+    except ImportError:
+        return True
+    try:
+        return llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_json_schema(schema)) == ""
+    except Exception:
+        return False
+
+
+def generic_schema(req: ToolRequest) -> dict:
+    """The JSON schema of a "generic" answer: {"tool_calls": [call, ...]} (at least one; one when
+    not parallel), or also {"response": text} with tool_choice "auto". A call is
+    {"name": const, "arguments": that tool's parameters}, in that order."""
+    calls, defs = [], {}
+    for i, t in enumerate(_selected(req)):
+        args = _args(t["function"])
+        if _has_ref(args):
+            # A parameters schema's "#/..." refs point at its own root: move it under $defs and
+            # re-aim them, as it is nested in a bigger schema here.
+            defs[f"tool{i}"] = _rebase(args, f"#/$defs/tool{i}")
+            args = {"$ref": f"#/$defs/tool{i}"}
+        calls.append({"type": "object", "properties": {"name": {"const": t["function"]["name"]}, "arguments": args},
+                      "required": ["name", "arguments"], "additionalProperties": False})
+    items = {"type": "array", "items": calls[0] if len(calls) == 1 else {"anyOf": calls}, "minItems": 1}
+    if not req.parallel:
+        items["maxItems"] = 1
+    schema: dict[str, Any] = {"type": "object", "properties": {"tool_calls": items}, "required": ["tool_calls"],
+                              "additionalProperties": False}
+    if req.choice == "auto":
+        schema = {"anyOf": [{"type": "object", "properties": {"response": {"type": "string"}},
+                             "required": ["response"], "additionalProperties": False}, schema]}
+    if defs:
+        schema["$defs"] = defs
+    return schema
+
+
+def _has_ref(x: Any) -> bool:
+    if isinstance(x, dict):
+        return any(k == "$ref" or _has_ref(v) for k, v in x.items())
+    return isinstance(x, list) and any(_has_ref(v) for v in x)
+
+
+def _rebase(x: Any, root: str) -> Any:
+    if isinstance(x, dict):
+        return {k: (root + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#") else _rebase(v, root))
+                for k, v in x.items()}
+    return [_rebase(v, root) for v in x] if isinstance(x, list) else x
+
+
+def _token(tokenizer: Any, text: str, literal: bool) -> str | None:
+    """`text` in a Lark grammar: a special token by id (it is not text to llguidance), an added
+    token as its text; when the vocabulary lacks it, the text if `literal`, else None."""
+    special = getattr(tokenizer, "special", None) or {}
+    added = getattr(tokenizer, "added", None) or {}
+    n = getattr(tokenizer, "vocab_size", None)
+    if text in special and (n is None or special[text] < n):
+        return f"<[{special[text]}]>"
+    return json.dumps(text) if text in added or literal else None
+
+
+def native_grammar(fmt: str, req: ToolRequest, tokenizer: Any) -> str:
+    """Lark (llguidance's dialect) forcing one call, or several when parallel, in the family's
+    syntax, each `{"name": "<name>", "arguments": <%json of its parameters>}` ("parameters" for
+    llama3). Each call's arguments are their own %json so a schema's "#/..." refs stay valid."""
+    # The arguments get what a "json_schema" constraint gets (cflow.constrain): compact JSON with
+    # ", " and ": " (as these templates' `tojson` writes calls), objects closed to unlisted keys.
+    from cflow.constrain import JSON_OPTIONS, closed_objects
+
+    key = "parameters" if fmt == "llama3" else "arguments"
+    rules = []
+    tools = _selected(req)
+    for i, t in enumerate(tools):
+        head = json.dumps(f'{{"name": {json.dumps(t["function"]["name"])}, "{key}": ')
+        args = closed_objects(_args(t["function"]))
+        args = {"x-guidance": JSON_OPTIONS, **args}
+        rules.append(f'call_{i}: {head} args_{i} "}}"')
+        rules.append(f"args_{i}: %json {json.dumps(args)}")
+    rules.insert(0, "call: " + " | ".join(f"call_{i}" for i in range(len(tools))))
+    if fmt == "hermes":
+        block = f'{_token(tokenizer, OPEN, True)} "\\n" call "\\n" {_token(tokenizer, CLOSE, True)}'
+        start = ['start: block ("\\n" block)*' if req.parallel else "start: block", f"block: {block}"]
+    elif fmt == "llama3":
+        # Llama 3.1 writes one call per turn (its template refuses more), so one even when parallel
+        tag = _token(tokenizer, PYTHON_TAG, False)
+        start = [f"start: {tag}? call" if tag else "start: call"]
+    elif fmt == "mistral":
+        tag = _token(tokenizer, TOOL_CALLS, False)
+        more = ' (", " call)*' if req.parallel else ""
+        start = [f'start: {tag + " " if tag else ""}" "? "[" call{more} "]"']
+    else:
+        raise ValueError(f"no grammar for tool-call format {fmt!r} (one of hermes, llama3, mistral)")
+    return "\n".join(start + rules) + "\n"
+
+
+# ---- the answer --------------------------------------------------------------------------------
+def new_call(name: str, arguments: dict) -> dict:
+    return {"id": "call_" + "".join(secrets.choice(_ID_CHARS) for _ in range(24)), "type": "function",
+            "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False, separators=(",", ":"))}}
+
+
+class ToolCallParser:
+    """Splits generated text (special tokens already dropped) into content and tool calls as it
+    streams. `feed` returns the content that is safe to show now and the calls completed now,
+    holding back what may still turn out to be a call (a partial `<tool_call>`, a leading `{`);
+    `finish` returns the rest. The result does not depend on how the text was cut into pieces."""
+
+    def __init__(self, fmt: str, req: ToolRequest | None):
+        self.fmt = fmt
+        self.names = {t["function"]["name"] for t in req.tools} if req else set()
+        self.off = req is None or req.choice == "none" or fmt not in FORMATS
+        self.buf = ""
+        self.mode = "start"      # hermes: "start" | "call"; others: "start" | "text" | "hold" | "resp" | "tail"
+        self.after_call = False  # hermes: whitespace after a call is dropped
+        self.ws = ""             # hermes: the whitespace before the open call, shown if it is no call
+
+    def feed(self, text: str) -> tuple[str, list[dict]]:
+        if self.off:
+            return text, []
+        self.buf += text
+        return self._hermes(False) if self.fmt == "hermes" else self._leading(False)
+
+    def finish(self) -> tuple[str, list[dict]]:
+        if self.off:
+            return "", []
+        out = self._hermes(True) if self.fmt == "hermes" else self._leading(True)
+        self.buf = ""
+        return out
+
+    # -- hermes: content with <tool_call> blocks anywhere --
+    def _hermes(self, final: bool) -> tuple[str, list[dict]]:
+        content, calls = [], []
+        while True:
+            if self.mode == "call":
+                j = self.buf.find(CLOSE)
+                if j < 0 and not final:
+                    break
+                body, self.buf = (self.buf, "") if j < 0 else (self.buf[:j], self.buf[j + len(CLOSE):])
+                call = self._call(body)   # an unclosed block at the end counts if complete
+                if call:
+                    calls.append(call)
+                    self.after_call = True
+                else:
+                    content.append(self._text(self.ws + OPEN + body + (CLOSE if j >= 0 else "")))
+                self.mode = "start"
+                continue
+            i = self.buf.find(OPEN)
+            if i >= 0:
+                text, self.buf, self.mode = self.buf[:i], self.buf[i + len(OPEN):], "call"
+                kept = text.rstrip()
+                self.ws = text[len(kept):]
+                content.append(self._text(kept))
+                continue
+            cut = len(self.buf)
+            if not final:
+                # hold back what could begin a <tool_call>, and trailing whitespace (dropped if one follows)
+                cut -= next((k for k in range(min(len(OPEN) - 1, cut), 0, -1) if OPEN.startswith(self.buf[-k:])), 0)
+                while cut and self.buf[cut - 1].isspace():
+                    cut -= 1
+            content.append(self._text(self.buf[:cut]))
+            self.buf = self.buf[cut:]
+            break
+        return "".join(content), calls
+
+    def _text(self, s: str) -> str:
+        if self.after_call:
+            s = s.lstrip()
+            self.after_call = not s
+        return s
+
+    def _call(self, body: str) -> dict | None:
+        try:
+            obj = json.loads(body)
+        except ValueError:
+            return None
+        return self._valid(obj)
+
+    def _valid(self, obj: Any) -> dict | None:
+        """A call object {"name", "arguments" (or "parameters": Llama)} naming a known tool, as an
+        OpenAI tool call; None when it is anything else."""
+        if not isinstance(obj, dict) or obj.get("name") not in self.names:
+            return None
+        args = obj.get("arguments", obj.get("parameters", {}))
+        if isinstance(args, str):   # some models write the arguments as a JSON string
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError:
+                return None
+        return new_call(obj["name"], args) if isinstance(args, dict) else None
+
+    # -- llama3, mistral, generic: the answer is a call when it starts with JSON --
+    def _leading(self, final: bool) -> tuple[str, list[dict]]:
+        content: list[str] = []
+        calls: list[dict] = []
+        while True:
+            if self.mode == "start":
+                s = self.buf.lstrip()
+                for tag in (PYTHON_TAG, TOOL_CALLS):   # when the vocabulary has them as plain text
+                    if s.startswith(tag):
+                        s = s[len(tag):].lstrip()
+                    elif tag.startswith(s) and s and not final:
+                        return "", []
+                if not s:
+                    if final:
+                        content.append(self.buf)
+                        self.buf = ""
+                    break
+                if self.fmt == "generic":
+                    at = _match_prefix(s, ["{", None, '"response"', None, ":", None, '"'])
+                    if at == -1 and not final:
+                        break
+                    if at is not None and at >= 0:
+                        self.mode, self.buf = "resp", s[at:]
+                        continue
+                self.mode = "hold" if s[0] == {"llama3": "{", "mistral": "["}.get(self.fmt, "{") else "text"
+                continue
+            if self.mode == "text":
+                content.append(self.buf)
+                self.buf = ""
+            elif self.mode == "resp":
+                text, used, state = _json_string_chunk(self.buf)
+                content.append(text)
+                self.buf = self.buf[used:]
+                if state != "open":
+                    self.mode = "tail" if state == "closed" else "text"
+                    continue
+                if final:
+                    content.append(self.buf)   # an escape cut off at the end: as it was
+                    self.buf = ""
+            elif self.mode == "tail":
+                if final and self.buf.strip() != "}":
+                    content.append(self.buf)
+                    self.buf = ""
+            elif final:  # "hold": the whole answer is the candidate
+                text, found = self._whole(self.buf)
+                content.append(text)
+                calls += found
+                self.buf = ""
+            break
+        return "".join(content), calls
+
+    def _whole(self, raw: str) -> tuple[str, list[dict]]:
+        """Calls when the whole answer is valid call JSON, else the answer as content."""
+        s = raw.strip()
+        for tag in (PYTHON_TAG, TOOL_CALLS):
+            if s.startswith(tag):
+                s = s[len(tag):].lstrip()
+        objs = _json_values(s)
+        if objs is None:
+            return raw, []
+        if self.fmt == "generic":
+            if len(objs) != 1 or not isinstance(objs[0], dict):
+                return raw, []
+            o = objs[0]
+            text = o.get("response", "")
+            items = o.get("tool_calls", [o["tool_call"]] if "tool_call" in o else [])
+            if not isinstance(text, str) or not isinstance(items, list) or not (items or "response" in o) \
+                    or set(o) - {"response", "tool_calls", "tool_call"}:
+                return raw, []
+        else:  # llama3: objects separated by ";" (vLLM's convention); mistral: an array of them
+            items = [x for o in objs for x in (o if isinstance(o, list) else [o])]
+            text = ""
+        calls = [self._valid(x) for x in items]
+        if not all(calls) or (not calls and self.fmt != "generic"):
+            return raw, []
+        return text, calls  # type: ignore[return-value]
+
+
+def parse_all(fmt: str, req: ToolRequest | None, text: str) -> tuple[str | None, list[dict]]:
+    """(content, tool calls) of a whole answer; content None when there are calls and no text,
+    as OpenAI's."""
+    p = ToolCallParser(fmt, req)
+    c1, k1 = p.feed(text)
+    c2, k2 = p.finish()
+    content, calls = c1 + c2, k1 + k2
+    return (None if calls and not content.strip() else content), calls
+
+
+# ---- text helpers ------------------------------------------------------------------------------
+def _match_prefix(s: str, parts: list[str | None]) -> int | None:
+    """Where `s` matches the literals in `parts` (None: optional whitespace) in full: the index
+    after the match; -1 when `s` ends before the match does (undecided); None when it differs."""
+    i = 0
+    for p in parts:
+        if p is None:
+            while i < len(s) and s[i] in " \t\r\n":
+                i += 1
+            continue
+        n = min(len(p), len(s) - i)
+        if s[i:i + n] != p[:n]:
+            return None
+        if n < len(p):
+            return -1
+        i += n
+    return i
+
+
+_ESC = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
+_LOW_PREFIX = re.compile(r"(\\(u([dD]([c-fC-F][0-9a-fA-F]{0,2})?)?)?)?")
+_HEX4 = re.compile(r"[0-9a-fA-F]{4}")
+
+
+def _json_string_chunk(s: str) -> tuple[str, int, str]:
+    """Decode the inside of a JSON string from the start of `s` as far as it is complete:
+    (text, characters used, state): "closed" (used includes the closing quote), "open" (more
+    may follow; an escape cut off at the end is not used), "bad" (an invalid escape at `used`).
+    Each decision looks only at characters present, so any cut of the stream decodes alike."""
+    out, i, n = [], 0, len(s)
+    while i < n:
+        c = s[i]
+        if c == '"':
+            return "".join(out), i + 1, "closed"
+        if c != "\\":
+            out.append(c)
+            i += 1
+            continue
+        if i + 1 >= n:
+            break
+        e = s[i + 1]
+        if e in _ESC:
+            out.append(_ESC[e])
+            i += 2
+            continue
+        h = s[i + 2:i + 6]
+        if e != "u" or not re.fullmatch(r"[0-9a-fA-F]*", h):
+            return "".join(out), i, "bad"
+        if len(h) < 4:
+            break
+        cp = int(h, 16)
+        if 0xD800 <= cp < 0xDC00:   # a high surrogate: its pair is the next escape
+            nxt = s[i + 6:i + 12]
+            if len(nxt) < 6 and _LOW_PREFIX.fullmatch(nxt):
+                break
+            if nxt[:2] == "\\u" and _HEX4.fullmatch(nxt[2:]) and 0xDC00 <= int(nxt[2:], 16) < 0xE000:
+                out.append(chr(0x10000 + ((cp - 0xD800) << 10) + int(nxt[2:], 16) - 0xDC00))
+                i += 12
+                continue
+            cp = 0xFFFD
+        out.append("\ufffd" if 0xDC00 <= cp < 0xE000 else chr(cp))
+        i += 6
+    return "".join(out), i, "open"
+
+
+def _json_values(s: str) -> list[Any] | None:
+    """The JSON values `s` consists of, separated by whitespace or ";"; None if it is anything else."""
+    dec, out, i = json.JSONDecoder(), [], 0
+    while True:
+        while i < len(s) and (s[i].isspace() or (s[i] == ";" and out)):
+            i += 1
+        if i == len(s):
+            return out or None
+        try:
+            v, i = dec.raw_decode(s, i)
+        except ValueError:
+            return None
+        out.append(v)
