@@ -22,11 +22,11 @@ Owns:
   the allowed) and skips the mask at most steps; a greedy sequence's constraint therefore
   computes no mask ahead (`eager` False).
 
-Why llguidance and not xgrammar: llguidance has no dependencies (one abi3 wheel, ~5 MB), takes GBNF
-(llama-server's `grammar`), Lark, regex and JSON schema through one API, computes a mask in tens of
-microseconds without precompiling per-schema tables, and its tokenizer needs only each token's
-bytes. xgrammar pulls in torch/transformers-level dependencies for its tokenizer info, which the
-runtime must not need.
+Why llguidance and not xgrammar (measured: benchmarks/constraint_libraries.py): llguidance has no
+dependencies (one abi3 wheel), takes GBNF (llama-server's `grammar`), Lark, regex and JSON schema
+through one API, compiles a schema in ~1 ms and computes a mask in 0.01-0.05 ms on a 49k
+vocabulary. xgrammar's masks are ~20x cheaper (it precomputes per schema), but importing it
+imports torch and transformers, which the runtime and the server must not need.
 
 JSON output is compact-but-readable (", " and ": " separators, no other whitespace): a small model
 under a schema that allows free whitespace can emit newlines forever, and a fixed layout wastes no
