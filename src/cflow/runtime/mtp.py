@@ -41,7 +41,7 @@ class MtpHeads:
     """The heads of one model file, float32: w_up, w_down [N, d, d], norm [N, d], out [V, d]."""
 
     def __init__(self, cf: "CflowFile") -> None:
-        from cflow.convert.encoder import tensor_values  # numpy only (no torch)
+        from cflow.convert.encoder import stored_values  # numpy only (no torch)
 
         cfg = cf.config
         if cfg.mtp_heads < 1:
@@ -51,9 +51,7 @@ class MtpHeads:
                 f"it again (`cflow export RUN OUT.cflow`), or use --spec ngram (no heads needed)", flag="--spec")
 
         def val(name: str) -> np.ndarray:
-            e = cf.tensors[name]
-            return np.ascontiguousarray(tensor_values(e.dtype, e.shape, e.layout, cf.array(name), cf.tile),
-                                        dtype=np.float32)
+            return stored_values(cf, name)
 
         self.n, self.eps = cfg.mtp_heads, cfg.norm_eps
         self.w_up = np.stack([val(weights.mtp_name(j, "w_up")) for j in range(self.n)])  # [N, d, d]
