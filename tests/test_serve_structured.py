@@ -104,6 +104,8 @@ def test_grammar_regex_and_llama_server_schema_fields(client, stream):
     ({"regex": "(unclosed"}, "regex", "regex"),
     ({"json_schema": {"type": "object", "properties": {"a": {"type": 5}}}}, "json_schema", "invalid"),
     ({"regex": "a", "grammar": 'root ::= "a"'}, "regex", "at most one"),
+    ({"guided_choice": []}, "guided_choice", "non-empty list"),
+    ({"structured_outputs": {"yaml": "x"}}, "structured_outputs", "not supported"),
 ])
 def test_malformed_constraints_get_400_naming_the_problem(live, client, extra, param, words):
     status, _, raw = request(live, "POST", "/v1/chat/completions",
@@ -268,3 +270,16 @@ def test_bad_tool_history_gets_400(live):
                                        "function": {"name": "add", "arguments": "{not json"}}]}]
     status, _, raw = request(live, "POST", "/v1/chat/completions", {"messages": bad, "max_tokens": 4}, key=None)
     assert status == 400 and json.loads(raw)["error"]["param"] == "messages[1].tool_calls[0].function.arguments"
+
+
+def test_vllm_guided_fields(client):
+    def chat(**extra):
+        r = client.chat.completions.create(model=MODEL, messages=_ask("Pick a colour."), max_tokens=20, temperature=1.0,
+                                           seed=3, extra_body=extra)
+        return r.choices[0].message.content
+
+    assert chat(guided_choice=["red", "green", "blue"]) in ("red", "green", "blue")
+    assert chat(structured_outputs={"choice": ["cyan", "magenta"]}) in ("cyan", "magenta")
+    assert re.fullmatch(r"#[0-9a-f]{6}", chat(structured_outputs={"regex": "#[0-9a-f]{6}"}))
+    schema = {"type": "object", "properties": {"colour": {"enum": ["red", "blue"]}}, "required": ["colour"]}
+    jsonschema.validate(json.loads(chat(guided_json=schema)), schema)

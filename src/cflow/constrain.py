@@ -37,7 +37,8 @@ spec's default allows any, and a small model then invents keys until max_tokens)
 
 Kinds: "json_object" (any JSON object), "json_schema" (source: the schema, a dict or its JSON text),
 "regex", "grammar" (GBNF as llama.cpp's grammars, or Lark), "lark" (llguidance's Lark dialect,
-which embeds JSON schemas as `%json {...}` and names special tokens as `<[id]>`).
+which embeds JSON schemas as `%json {...}` and names special tokens as `<[id]>`), "choice" (one of
+a list of strings, vLLM's guided_choice).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ import numpy as np
 
 from cflow.errors import CflowError
 
-KINDS = ("json_object", "json_schema", "regex", "grammar", "lark")
+KINDS = ("json_object", "json_schema", "regex", "grammar", "lark", "choice")
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 MAX_SOURCE_CHARS = 1 << 20  # a schema or grammar larger than this is refused before compiling
 
@@ -96,6 +97,12 @@ class ConstraintSpec:
             if not isinstance(self.source, dict):
                 raise ConstraintError(f"a JSON schema must be an object, got {type(self.source).__name__}")
             size = len(json.dumps(self.source))
+        elif self.kind == "choice":
+            if (not isinstance(self.source, (list, tuple)) or not self.source
+                    or not all(isinstance(x, str) and x for x in self.source)):
+                raise ConstraintError("a choice constraint needs a non-empty list of non-empty strings")
+            object.__setattr__(self, "source", tuple(self.source))
+            size = sum(len(x) for x in self.source)
         else:
             if not isinstance(self.source, str) or not self.source.strip():
                 raise ConstraintError(f"the {self.what} must be a non-empty string")
@@ -106,7 +113,7 @@ class ConstraintSpec:
     @property
     def what(self) -> str:
         return {"json_object": "JSON object constraint", "json_schema": "JSON schema", "regex": "regex",
-                "grammar": "grammar", "lark": "Lark grammar"}[self.kind]
+                "grammar": "grammar", "lark": "Lark grammar", "choice": "choice"}[self.kind]
 
     def grammar(self) -> str:
         """llguidance's grammar for this constraint (not yet checked against a tokenizer)."""
@@ -123,6 +130,8 @@ class ConstraintSpec:
             return m.grammar_from_regex(self.source)
         if self.kind == "lark":
             return m.grammar_from_lark(self.source)
+        if self.kind == "choice":
+            return m.grammar_from_lark("start: " + " | ".join(json.dumps(x) for x in self.source))
         try:  # GBNF (llama.cpp) or Lark: llguidance tells them apart
             return llg.grammar_from("grammar", self.source)
         except Exception as e:  # its GBNF converter raises plain exceptions with a useful message

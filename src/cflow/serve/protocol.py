@@ -25,9 +25,18 @@ text: prompt = context + continuation, sum the continuation's token_logprobs.
 Structured output (cflow.constrain; at most one per request): OpenAI's `response_format`
 ({"type": "json_object"}, or {"type": "json_schema", "json_schema": {"name", "schema", "strict"}};
 llama-server's {"type": "json_object", "schema": ...} too), llama-server's `json_schema` (a schema)
-and `grammar` (GBNF, or Lark), and `regex` (vLLM's `guided_regex`, `guided_json`, `guided_grammar`
-are read as the same). The constraint is compiled against the tokenizer before the request is
+and `grammar` (GBNF, or Lark), and `regex`; vLLM's `guided_json`, `guided_regex`, `guided_grammar`,
+`guided_choice` and `structured_outputs` ({"json" | "regex" | "grammar" | "choice": ...}) are read
+as the same. The constraint is compiled against the tokenizer before the request is
 queued, so a malformed one is a 400 naming the field and llguidance's reason.
+
+speculative (cflow's own; cflow.serve.speculate): "ngram" (prompt lookup: the request's decode
+rows carry the tokens its prompt and output suggest, verified in the same call; the answer is
+what plain decoding gives), "off", true/false, or llama-server's object {"n_max": N, "n_min": M}
+(at most N, at least M proposed tokens per step; turns the n-gram lookup on). Absent: the
+server's default (`cflow serve --spec ngram|off`, whose --draft-max, --draft-min and
+--spec-ngram-min/max an "ngram" or object request starts from). A request with a structured-output
+constraint never speculates.
 """
 
 from __future__ import annotations
@@ -91,6 +100,7 @@ class Defaults:
 
     sampling: SamplingParams = field(default_factory=SamplingParams)
     max_tokens: int | None = None    # None: until end of text or the end of the slot's context
+    speculative: Any = None          # a cflow.runtime.Speculative with the n-gram proposer (None: off)
 
 
 @dataclass
@@ -114,6 +124,7 @@ class GenSpec:
     constraint_param: str | None = None     # the request field it came from (for errors)
     tools: Any = None                       # chat: a cflow.serve.tools.ToolRequest (None: no tools)
     tool_format: str | None = None          # chat: the model's tool-call format (set by the server)
+    speculative: Any = None                 # a cflow.runtime.Speculative (ngram) or None: plain decoding
 
 
 # ---- typed field access ------------------------------------------------------------------------
@@ -253,12 +264,58 @@ def _common(body: dict[str, Any], defaults: Defaults, names: Sequence[str], kind
     constraint, constraint_param = _constraint(body)
     return dict(params=params, n=n, max_tokens=max_tokens, stop=stops, stream=stream, include_usage=include_usage,
                 ignore_eos=_field(body, "ignore_eos", "bool", False), logprobs=logprobs, model=model,
-                constraint=constraint, constraint_param=constraint_param)
+                constraint=constraint, constraint_param=constraint_param,
+                speculative=_speculative(body, defaults.speculative))
+
+
+# ---- speculative decoding ------------------------------------------------------------------------
+SPEC_KEYS = ("n_max", "n_min")
+
+
+def _speculative(body: dict[str, Any], default: Any) -> Any:
+    """The request's speculative settings (cflow.runtime.Speculative, n-gram lookup) or None (off):
+    "ngram", "off", a boolean, or {"n_max": N, "n_min": M}; absent or null: the server's default."""
+    import dataclasses
+
+    from cflow.runtime.speculative import Speculative, SpeculativeError
+
+    v = body.get("speculative")
+    if v is None:
+        return default
+    base = default if default is not None else Speculative("ngram")
+    if v is False or v == "off":
+        return None
+    if v is True or v == "ngram":
+        return base
+    if isinstance(v, str):
+        why = ("the server speculates with the n-gram lookup only; a draft model and multi-token heads are "
+               "single-sequence for now" if v in ("draft", "mtp") else "use \"ngram\" or \"off\"")
+        raise BadRequest(f"'speculative' must be \"ngram\", \"off\", a boolean or {{\"n_max\": N, \"n_min\": M}}, "
+                         f"got {v!r}: {why}"[:300], "speculative", "invalid_value")
+    if not isinstance(v, dict):
+        raise BadRequest(f"'speculative' must be \"ngram\", \"off\", a boolean or {{\"n_max\": N, \"n_min\": M}}, got "
+                         f"{_json_type(v)}", "speculative", "invalid_type")
+    extra = [k for k in v if k not in SPEC_KEYS]
+    if extra:
+        raise BadRequest(f"'speculative' takes the keys {', '.join(SPEC_KEYS)}; got {extra[0]!r}"[:300], "speculative",
+                         "invalid_value")
+    change = {}
+    for key, field_ in (("n_max", "draft_max"), ("n_min", "draft_min")):
+        x = _field(v, key, "int")
+        if x is not None:
+            change[field_] = x
+    try:
+        return dataclasses.replace(base, **change)
+    except SpeculativeError as e:
+        msg = str(e).replace("draft_max", "n_max").replace("draft_min", "n_min")
+        raise BadRequest(f"'speculative': {msg}", "speculative", "invalid_value") from None
 
 
 # ---- structured output ---------------------------------------------------------------------------
 _CONSTRAINT_FIELDS = {"json_schema": "json_schema", "guided_json": "json_schema", "grammar": "grammar",
-                      "guided_grammar": "grammar", "regex": "regex", "guided_regex": "regex"}
+                      "guided_grammar": "grammar", "regex": "regex", "guided_regex": "regex",
+                      "guided_choice": "choice"}
+_STRUCTURED_OUTPUTS = {"json": "json_schema", "regex": "regex", "grammar": "grammar", "choice": "choice"}
 
 
 def _constraint(body: dict[str, Any]) -> tuple[Any, str | None]:
@@ -289,6 +346,16 @@ def _constraint(body: dict[str, Any]) -> tuple[Any, str | None]:
         if v is None or v == "" or (kind == "json_schema" and v == {}):
             continue  # llama-server sends these empty when unused
         found.append((name, kind, v))
+    so = _field(body, "structured_outputs", "object")  # vLLM's newer form
+    for key, v in (so or {}).items():
+        if key == "json_object" and v:
+            found.append(("structured_outputs", "json_object", None))
+        elif key in _STRUCTURED_OUTPUTS and v is not None:
+            found.append(("structured_outputs", _STRUCTURED_OUTPUTS[key], v))
+        elif key not in ("json_object", "disable_fallback", "disable_any_whitespace", "disable_additional_properties",
+                         "whitespace_pattern"):
+            raise BadRequest(f"'structured_outputs.{key}' is not supported (json, regex, grammar, choice, "
+                             f"json_object are)"[:300], "structured_outputs", "unsupported_parameter")
     if not found:
         return None, None
     if len(found) > 1:
