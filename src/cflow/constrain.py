@@ -70,7 +70,7 @@ def _llguidance() -> Any:
         import llguidance.numpy  # noqa: F401 (the mask helpers)
     except ImportError:
         raise ConstraintError("structured output (JSON schemas, grammars, regexes) needs llguidance: "
-                              "pip install 'cflow[structured]'  (or: pip install llguidance)") from None
+                              "pip install 'cflow-lm[structured]'  (or: pip install llguidance)") from None
     return llguidance
 
 

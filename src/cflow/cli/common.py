@@ -430,7 +430,7 @@ def check_sampling(kw: dict[str, Any]) -> None:
 # ---- structured output --------------------------------------------------------------------------
 CONSTRAINT_HELP = """\
 Every generated token fits the constraint (tokens it forbids are masked before sampling; llguidance,
-`pip install 'cflow[structured]'`), and generation ends when it is complete. At most one."""
+`pip install 'cflow-lm[structured]'`), and generation ends when it is complete. At most one."""
 
 
 def add_constraint_flags(p: argparse.ArgumentParser) -> None:
