@@ -15,8 +15,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from cflow.cli.common import (UsageError, add_command, add_model_flags, add_sampling_flags, check_model_flags,
-                              check_sampling, engine_options, load_error, log, progress_bar, sampling_kwargs)
+from cflow.cli.common import (UsageError, add_command, add_model_flags, add_sampling_flags, add_speculative_flags,
+                              check_model_flags, check_sampling, check_speculative, engine_options, load_error, log,
+                              progress_bar, sampling_kwargs)
 
 HELP = """\
 serve the model over HTTP (OpenAI-compatible API)
@@ -40,6 +41,13 @@ examples:
        -d '{"messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 32}'
   cflow serve -m model.gguf --ray --replicas 2 --max-replicas 4 -np 4 -t 2 --port 8000
                                      # Ray Serve: 2..4 replicas behind one port (pip install "cflow-lm[ray]")
+
+Speculative decoding (--spec ngram, or a request's "speculative": "ngram" | "off" |
+{"n_max": N, "n_min": M}): each speculating request's decode row carries the tokens the n-gram
+lookup of its prompt and output proposes, verified in the same batched call as the other
+requests' rows; the answer is plain decoding's (greedy: token for token), faster when it repeats
+its prompt. /metrics counts cflow_spec_draft_tokens_total and cflow_spec_accepted_tokens_total.
+A draft model (--model-draft) and --spec mtp are single-sequence only (cflow generate) for now.
 
 Scoring (lm-eval's local-completions): POST /v1/completions with "echo": true, "logprobs": 1,
 "max_tokens": 0 returns every prompt token's logprob (the first one null), equal to
@@ -96,6 +104,16 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="join this Ray cluster (e.g. auto, or ray://head:10001) instead of starting a local one "
                    "(default: $RAY_ADDRESS, else a local cluster)")
     add_sampling_flags(p)
+    add_speculative_flags(p)
+    for action in p._actions:  # the server speculates with the n-gram lookup only, for now
+        if "--spec" in action.option_strings:
+            action.metavar = "off|ngram"
+            action.help = ("the default of every request (its 'speculative' field overrides it): off (default): "
+                           "plain decoding; ngram: each request's decode row carries the continuation of the latest "
+                           "earlier match of its last tokens in its prompt and output, verified in the same batched "
+                           "call (draft and mtp are single-sequence only for now: cflow generate)")
+        elif "--model-draft" in action.option_strings:
+            action.help = "not supported by cflow serve yet (a draft model is single-sequence only: cflow generate)"
     p.set_defaults(func=run)
 
 
@@ -116,6 +134,22 @@ def _check(args: argparse.Namespace) -> None:
         raise UsageError(f"must be a number of seconds >= 0 (0 = no limit), got {args.timeout}", flag="--timeout")
     if args.chat_template_file is not None:
         args.chat_template = read_chat_template(args.chat_template_file)
+    if args.model_draft or args.spec in ("draft", "mtp"):
+        flag = "--model-draft" if args.model_draft else "--spec"
+        raise UsageError("cflow serve speculates with the n-gram lookup only (--spec ngram); a draft model and "
+                         "multi-token prediction heads are single-sequence for now (cflow generate --spec draft|mtp)",
+                         flag=flag)
+    args.speculative = check_speculative(args)
+    if args.replicas < 1:
+        raise UsageError(f"must be >= 1, got {args.replicas}", flag="--replicas")
+    if args.max_replicas is not None and args.max_replicas < args.replicas:
+        raise UsageError(f"must be >= --replicas ({args.replicas}), got {args.max_replicas}", flag="--max-replicas")
+    if (args.replicas > 1 or args.max_replicas is not None or args.ray_address) and not args.ray:
+        raise UsageError("--replicas, --max-replicas and --ray-address need --ray", flag="--ray")
+    if args.ray and args.port == 0:
+        raise UsageError("--ray needs a fixed port (Ray Serve's proxy listens on it)", flag="--port")
+    if args.model is not None and not os.path.exists(args.model):  # fail before listening
+        raise UsageError(f"model file {args.model} does not exist; give a .cflow/.vflow or .gguf file", flag="-m")
 
 
 def read_chat_template(path: str) -> str:
@@ -131,16 +165,6 @@ def read_chat_template(path: str) -> str:
     except ChatTemplateError as e:
         raise UsageError(f"{path}: {e}", flag="--chat-template-file") from None
     return text
-    if args.replicas < 1:
-        raise UsageError(f"must be >= 1, got {args.replicas}", flag="--replicas")
-    if args.max_replicas is not None and args.max_replicas < args.replicas:
-        raise UsageError(f"must be >= --replicas ({args.replicas}), got {args.max_replicas}", flag="--max-replicas")
-    if (args.replicas > 1 or args.max_replicas is not None or args.ray_address) and not args.ray:
-        raise UsageError("--replicas, --max-replicas and --ray-address need --ray", flag="--ray")
-    if args.ray and args.port == 0:
-        raise UsageError("--ray needs a fixed port (Ray Serve's proxy listens on it)", flag="--port")
-    if args.model is not None and not os.path.exists(args.model):  # fail before listening
-        raise UsageError(f"model file {args.model} does not exist; give a .cflow/.vflow or .gguf file", flag="-m")
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -207,7 +231,8 @@ def app_options(args: argparse.Namespace) -> dict[str, Any]:
     from cflow.serve.protocol import Defaults
 
     name, aliases = model_name(args)
-    defaults = Defaults(SamplingParams(**sampling_kwargs(args)), None if args.n_predict < 0 else args.n_predict)
+    defaults = Defaults(SamplingParams(**sampling_kwargs(args)), None if args.n_predict < 0 else args.n_predict,
+                        speculative=getattr(args, "speculative", None))
     return dict(model_name=name, aliases=aliases, api_key=args.api_key, defaults=defaults)
 
 

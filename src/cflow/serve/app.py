@@ -305,7 +305,8 @@ class Server:
             try:
                 call.start(gen.submit_n(ids, [call.sink(i) for i in range(spec.n)], max_tokens=spec.max_tokens,
                                         params=spec.params, stop=spec.stop, ignore_eos=spec.ignore_eos,
-                                        logprobs=spec.logprobs, echo=spec.echo, constraint=constraint))
+                                        logprobs=spec.logprobs, echo=spec.echo, constraint=constraint,
+                                        speculative=spec.speculative))
             except QueueFullError as e:
                 return self._error(P.BadRequest(str(e), None, "rate_limit_exceeded", status=429,
                                                 type_="rate_limit_error"), {"Retry-After": str(e.retry_after)})

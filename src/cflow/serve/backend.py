@@ -24,6 +24,11 @@ when the backend has it (both here do), otherwise `prefill` per prompt chunk and
     copy_slot(src, dst, n)   (optional)
         Give slot `dst` the K/V of slot `src`'s positions 0..n-1 (which src holds), so dst goes on
         from position n: a prompt prefix another slot holds is copied, not evaluated again.
+    truncate(slot, n)   (optional)
+        Forget positions n.. of `slot` (speculative decoding's rollback of rejected proposals,
+        cflow.serve.speculate): its bookkeeping then says it holds its first n tokens. No native
+        work: a call at position p reads positions 0..p only and overwrites the K/V it runs, so
+        the next call from position n writes over the stale rows.
 
 All may return arrays the next call reuses (callers copy what they keep). All raise
 `cflow.runtime.EngineError` for a bad position or token (the slot then keeps positions < the
@@ -183,6 +188,9 @@ class EngineSlots:
             out[r] = got[i]
         return out
 
+    def truncate(self, slot: int, n: int) -> None:
+        self.engines[slot].truncate(n)
+
     def copy_slot(self, src: int, dst: int, n: int) -> None:
         """The reference: dst's engine evaluates the tokens src holds (from what it shares with them)."""
         toks = self.engines[src].cached(0)[:n]
@@ -249,6 +257,9 @@ class EngineBatch:
 
     def copy_slot(self, src: int, dst: int, n: int) -> None:
         self.engine.copy_seq(src, dst, n)
+
+    def truncate(self, slot: int, n: int) -> None:
+        self.engine.truncate(n, seq=slot)
 
     def close(self) -> None:
         self.engine.close()

@@ -36,6 +36,18 @@ batching goes on; each row's logits score the next prompt token (cflow.runtime.s
 definition Engine.score uses, and rows are bit-exact whatever shares the call, so the numbers
 equal Engine.score's). The scores reach the sink as one Prompt event before the first Piece.
 
+Speculative decoding per request (submit(..., speculative="ngram"); cflow.serve.speculate): a
+speculating sequence's decode row becomes a block of rows in the same step_rows call: its next
+token and the k tokens its n-gram lookup (its prompt and output) proposes after it, at consecutive
+positions of its slot. Plain decode rows come first; proposals get the rows the pass has left
+after them and the prompt chunks (max_rows), and each sequence has its own Gate and DraftLength.
+The block is verified with cflow.runtime.speculative's rule and every emitted token takes the
+plain path of step 3, so the output is plain decoding's (greedy: token for token; seeded
+sampling: what Engine.complete with the same settings draws). Rollback: the slot's record
+(`_slot_tokens`, what prefix reuse reads) and the backend's (`truncate`) keep the next token and
+the accepted proposals; the rejected ones' K/V rows are overwritten by the next call. Constrained
+jobs, and backends without step_rows, decode plainly.
+
 A backend without `step_rows` gets the same iteration as two kinds of call: `prefill` per prompt
 chunk (a prompt fully evaluated samples its first token there), then one `step_batch` for the
 decode rows.
@@ -74,6 +86,7 @@ from cflow.constrain import overlap_pays, prefetch, sample as sample_constrained
 from cflow.runtime.generate import Completion, StopMatcher, Timings, as_constraint, check_finite, common_prefix
 from cflow.runtime.score import Scores, append_score, token_logprobs  # noqa: F401 (token_logprobs: its old home)
 from cflow.sampling import Sampler, SamplingParams
+from cflow.serve.speculate import SeqSpec, judge, resolve as resolve_speculative
 
 DEFAULT_PREFILL_CHUNK = 64   # prompt tokens per scheduler iteration
 DEFAULT_MAX_QUEUE = 256      # requests waiting for a slot before submit() refuses
@@ -132,6 +145,8 @@ class Finished:
     prompt_s: float = 0.0
     gen_s: float = 0.0
     seed: int | None = None
+    drafted: int = 0              # speculation: proposed tokens judged (cflow.serve.speculate)
+    accepted: int = 0             # of which accepted
 
 
 @dataclass(slots=True)
@@ -161,6 +176,7 @@ class Job:
     timeout: float | None = None  # seconds from t_submit (None: no limit)
     echo: bool = False            # score the prompt: a Prompt event before the first Piece
     constraint: Any = None        # a compiled cflow.constrain.Constraint of this job's own (None: free text)
+    speculative: Any = None       # a cflow.runtime.Speculative with the n-gram proposer (None: off)
     cancelled: bool = False
     done: bool = False
     _gen: Any = field(default=None, repr=False)
@@ -195,6 +211,7 @@ class _Seq:
     leader: "_Seq | None" = None  # an older sequence still evaluating a longer prefix of this prompt
     lead_n: int = 0               # how much of it this one will copy from the leader's slot
     scores: Scores | None = None  # echo: the prompt's scores so far (its whole prompt runs, nothing reused)
+    spec: SeqSpec | None = None   # speculation (cflow.serve.speculate; None: plain decode rows)
 
 
 # ---- the generator ---------------------------------------------------------------------------
@@ -230,6 +247,7 @@ class BatchGenerator:
         self._rows = getattr(backend, "step_rows", None)  # mixed prompt + decode calls (None: two kinds)
         self._max_rows = int(getattr(backend, "max_rows", 0) or 0)  # rows in one native pass (0: no cap)
         self._copy = getattr(backend, "copy_slot", None)  # K/V copies between slots (None: none)
+        self._truncate = getattr(backend, "truncate", None)  # forget a slot's positions (speculation's rollback)
         self._threads = int(getattr(backend, "threads", 0) or os.cpu_count() or 1)
         self._overlap = overlap_pays(self._threads)
         self._thread = threading.Thread(target=self._loop, name="cflow-batch", daemon=True)
@@ -269,25 +287,31 @@ class BatchGenerator:
     def submit(self, prompt: Sequence[int], sink: Callable[[Event], None], *, max_tokens: int | None = None,
                params: SamplingParams | None = None, stop: Sequence[str] | str = (), ignore_eos: bool = False,
                logprobs: int | None = None, timeout: float | None = None, echo: bool = False,
-               constraint: Any = None) -> Job:
+               constraint: Any = None, speculative: Any = None) -> Job:
         """Queue a job for the token ids `prompt`; events go to `sink` (called from the worker thread).
         `timeout`: seconds from now until the job is cancelled with RequestTimeoutError (None: the
         generator's `timeout`; 0: none). `echo`: score the prompt too (a Prompt event with every
         prompt token's logprob and `logprobs` alternatives, before the first Piece); max_tokens 0
         then scores the prompt and generates nothing. `constraint`: a cflow.constrain.ConstraintSpec
         (or a compiled Constraint) that every generated token must fit (JSON schema, grammar, regex);
-        the job ends with "stop" when it is complete.
+        the job ends with "stop" when it is complete. `speculative`: None or "off" (plain decoding),
+        "ngram" or a cflow.runtime.Speculative with the n-gram proposer (its draft_max, draft_min,
+        ngram_min/max, min_acceptance and adaptive apply): the job's decode rows carry its proposals
+        for verification (module docstring); its output is plain decoding's. A constrained job
+        never speculates.
 
         Raises ContextOverflowError when the prompt does not fit a slot, EngineError for an empty
         prompt or bad ids, QueueFullError when the wait queue is full, GeneratorClosedError after close(),
-        ConstraintError for a malformed constraint."""
+        ConstraintError for a malformed constraint, SpeculativeError for a speculative setting the
+        server cannot run (a draft model, "mtp": single-sequence only for now)."""
         return self.submit_n(prompt, [sink], max_tokens=max_tokens, params=params, stop=stop, ignore_eos=ignore_eos,
-                             logprobs=logprobs, timeout=timeout, echo=echo, constraint=constraint)[0]
+                             logprobs=logprobs, timeout=timeout, echo=echo, constraint=constraint,
+                             speculative=speculative)[0]
 
     def submit_n(self, prompt: Sequence[int], sinks: Sequence[Callable[[Event], None]], *,
                  max_tokens: int | None = None, params: SamplingParams | None = None, stop: Sequence[str] | str = (),
                  ignore_eos: bool = False, logprobs: int | None = None, timeout: float | None = None,
-                 echo: bool = False, constraint: Any = None) -> list[Job]:
+                 echo: bool = False, constraint: Any = None, speculative: Any = None) -> list[Job]:
         """One job per sink on the same prompt (OpenAI's `n`), each in its own slot, queued together
         or refused together. With a seed in `params`, job i samples with seed + i (job 0 draws what
         a single job with that seed draws); without one, each draws its own. Arguments and errors
@@ -306,6 +330,7 @@ class BatchGenerator:
         if not sinks:
             raise EngineError("submit_n needs at least one sink (one per sequence)")
         limit = self.timeout if timeout is None else _check_timeout(timeout)
+        spec = resolve_speculative(speculative)
         stops = [s for s in ([stop] if isinstance(stop, str) else list(stop)) if s]
         params = params or SamplingParams()
         seed = params.seed
@@ -318,7 +343,8 @@ class BatchGenerator:
         constraints = [first] + [first.copy() if first is not None else None for _ in sinks[1:]]
         now = time.perf_counter()
         jobs = [Job(next(self._ids), ids, max_tokens, per_job[i], stops, bool(ignore_eos), logprobs, sink,
-                    t_submit=now, timeout=limit, echo=bool(echo), constraint=constraints[i], _gen=self)
+                    t_submit=now, timeout=limit, echo=bool(echo), constraint=constraints[i], speculative=spec,
+                    _gen=self)
                 for i, sink in enumerate(sinks)]
         with self._cond:
             if self._closing:
@@ -338,13 +364,14 @@ class BatchGenerator:
 
     def complete_many(self, prompts: Sequence[str | Sequence[int]], max_tokens: int | None = 128, *,
                       stop: Sequence[str] | str = (), ignore_eos: bool = False, add_bos: bool | None = None,
-                      timeout: float | None = None, **sampling: Any) -> list[Completion]:
+                      timeout: float | None = None, speculative: Any = None, **sampling: Any) -> list[Completion]:
         """Run every prompt concurrently (batched over the slots); return a Completion each, in
         order. `sampling`: SamplingParams' fields; with a `seed`, prompt i uses seed + i. More
         prompts than the queue holds are submitted as earlier ones finish. A prompt that outlives
-        `timeout` (as submit's) raises RequestTimeoutError."""
+        `timeout` (as submit's) raises RequestTimeoutError. `speculative`: as submit's, for every prompt."""
         import queue
 
+        spec = resolve_speculative(speculative)
         seed = sampling.pop("seed", None)
         params = [SamplingParams(**sampling, seed=None if seed is None or seed == -1 else seed + i)
                   for i in range(len(prompts))]
@@ -361,7 +388,8 @@ class BatchGenerator:
                     i = len(jobs)
                     try:
                         jobs.append(self.submit(ids[i], lambda ev, i=i: results.put((i, ev)), max_tokens=max_tokens,
-                                                params=params[i], stop=stop, ignore_eos=ignore_eos, timeout=timeout))
+                                                params=params[i], stop=stop, ignore_eos=ignore_eos, timeout=timeout,
+                                                speculative=spec))
                     except QueueFullError:
                         if len(jobs) == done:
                             raise
@@ -373,7 +401,9 @@ class BatchGenerator:
                 elif isinstance(ev, Finished):
                     parts[i].append(ev.tail)
                     t = Timings(prompt_tokens=ev.prompt_tokens - ev.cached_tokens, prompt_s=ev.prompt_s,
-                                gen_tokens=ev.completion_tokens, gen_s=ev.gen_s, reused_tokens=ev.cached_tokens)
+                                gen_tokens=ev.completion_tokens, gen_s=ev.gen_s, reused_tokens=ev.cached_tokens,
+                                spec="" if spec is None else spec.proposer, drafted=ev.drafted,
+                                accepted=ev.accepted)
                     out[i] = Completion("".join(parts[i]), toks[i], ev.prompt_tokens, ev.reason, t)
                     done += 1
                 else:
@@ -473,6 +503,8 @@ class BatchGenerator:
         seq.held = StopMatcher(job.stop)
         seq.stop_ids = frozenset() if job.ignore_eos else self._stop_ids
         seq.history = list(job.prompt)
+        if job.speculative is not None and job.constraint is None:  # a constraint's masks go token by token
+            seq.spec = SeqSpec(job.speculative)
         n = len(job.prompt)
         keep = min(common_prefix(self._slot_tokens[seq.slot], job.prompt), n - 1)
         if job.echo:  # every prompt position's logits are needed, and a cached prefix has none
@@ -565,7 +597,8 @@ class BatchGenerator:
                 self._end(seq, Failed(_timed_out(job, len(seq.history) - len(job.prompt) if seq.history else 0)))
 
     def _step(self) -> None:
-        """One backend.step_rows call: a decode row per sequence with a token to feed, then the
+        """One backend.step_rows call: a decode row per sequence with a token to feed (plain ones
+        first, then each speculating sequence's block: its next token and its proposals), then the
         prompt chunks (module docstring, step 2)."""
         dec = [s for s in self._order if s.next_token >= 0 and not s.job.done]
         budget = self.prefill_chunk
@@ -582,10 +615,28 @@ class BatchGenerator:
         self.last_batch = len(dec)
         if not dec and not chunks:
             return
-        slots = [s.slot for s in dec]
-        tokens = [s.next_token for s in dec]
-        positions = [len(s.history) - 1 for s in dec]
-        want = [True] * len(dec)
+        # proposals fill the rows the pass has left (a proposal is a guess, a prompt row certain work)
+        room = self._max_rows - len(dec) - sum(k for _, k in chunks) if self._max_rows else sys.maxsize
+        plain: list[_Seq] = []
+        spec: list[_Seq] = []
+        for s in dec:
+            if s.spec is not None and room > 0 and s.spec.propose(s.history, s.limit - s.count - 1, room,
+                                                                  s.sampler.rng):
+                room -= len(s.spec.drafts)
+                spec.append(s)
+            else:
+                plain.append(s)
+        dec = plain + spec
+        slots = [s.slot for s in plain]
+        tokens = [s.next_token for s in plain]
+        positions = [len(s.history) - 1 for s in plain]
+        want = [True] * len(plain)
+        for s in spec:
+            n, pos = len(s.spec.drafts), len(s.history) - 1
+            slots += [s.slot] * (n + 1)
+            tokens += [s.next_token] + s.spec.drafts
+            positions += range(pos, pos + n + 1)
+            want += [True] * (n + 1)
         for seq, k in chunks:
             slots += [seq.slot] * k
             tokens += seq.job.prompt[seq.fed:seq.fed + k]
@@ -612,8 +663,12 @@ class BatchGenerator:
                 self.metrics.decode_step(len(dec), dt)
             if chunks:
                 self.metrics.prompt_evaluated(sum(k for _, k in chunks), dt)
-        self._sample_rows(dec, logits, positions)
-        row = len(dec)
+        self._sample_rows(plain, logits, positions)
+        row = len(plain)
+        for s in spec:
+            n = len(s.spec.drafts) + 1
+            self._verify(s, logits[row:row + n])
+            row += n
         for seq, k in chunks:
             self._slot_tokens[seq.slot].extend(seq.job.prompt[seq.fed:seq.fed + k])
             seq.fed += k
@@ -636,6 +691,38 @@ class BatchGenerator:
                 continue
             self._prompt_done(seq, last)
         self._count_emitted()
+
+    def _verify(self, seq: _Seq, rows: np.ndarray) -> None:
+        """A speculating sequence's block came back: rows[i] are the logits after its next token
+        (i = 0) or its i-th proposal. Judge the proposals in order (cflow.serve.speculate.judge),
+        emitting each token down the plain path (_sample) until a rejection (its replacement is
+        emitted), the bonus token after the last row, or a token that ends the sequence. The slot
+        keeps the K/V of the next token and the kept proposals; the rejected ones' rows are
+        forgotten (backend.truncate: the next call overwrites them)."""
+        st, drafts = seq.spec, seq.spec.drafts
+        held = self._slot_tokens[seq.slot]
+        pos = len(seq.history) - 1  # where the next token ran
+        held.append(seq.next_token)
+        seq.next_token = -1
+        for i in range(len(drafts) + 1):
+            draft = drafts[i] if i < len(drafts) else None
+            try:
+                kept, tok = judge(seq.sampler, rows[i], seq.history, draft, self.backend, pos + i)
+            except Exception as e:
+                self._end(seq, Failed(e))
+                break
+            if draft is not None:
+                st.judged(kept)
+            if kept:  # its row ran it after the text so far: its K/V are the slot's now
+                held.append(draft)
+            self._sample(seq, rows[i], tok)
+            if seq.job.done or not kept:
+                break
+        judged, accepted = st.end_block()
+        if self.metrics:
+            self.metrics.speculated(judged, accepted)
+        if self._truncate is not None:
+            self._truncate(seq.slot, len(held))
 
     def _score(self, seq: _Seq, rows: np.ndarray) -> bool:
         """An echo sequence just fed rows.shape[0] prompt tokens ending at seq.fed: score the prompt
@@ -823,7 +910,9 @@ class BatchGenerator:
         return Finished(reason, tail, len(job.prompt), generated, seq.cached, queue_s=seq.t_admit - job.t_submit,
                         ttft_s=seq.t_first - job.t_submit if seq.t_first else 0.0,
                         prompt_s=t_pre - seq.t_admit, gen_s=now - t_pre if seq.t_prefilled else 0.0,
-                        seed=seq.sampler.seed if seq.sampler is not None else None)
+                        seed=seq.sampler.seed if seq.sampler is not None else None,
+                        drafted=seq.spec.drafted if seq.spec is not None else 0,
+                        accepted=seq.spec.accepted if seq.spec is not None else 0)
 
     def _end(self, seq: _Seq, event: Event) -> None:
         """Deliver the last event of `seq` and free its slot."""

@@ -208,7 +208,8 @@ class Call:
 
     def _usage(self, ends: list[Finished]) -> dict[str, Any]:
         # the prompt is counted once, as OpenAI does, however many choices decoded it
-        return P.usage(self.n_prompt, sum(e.completion_tokens for e in ends), min(e.cached_tokens for e in ends))
+        return P.usage(self.n_prompt, sum(e.completion_tokens for e in ends), min(e.cached_tokens for e in ends),
+                       sum(e.drafted for e in ends), sum(e.accepted for e in ends))
 
     # ---- streamed ------------------------------------------------------------------------------
     def _templates(self) -> list[tuple[bytes, bytes] | None]:

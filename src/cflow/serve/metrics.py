@@ -11,6 +11,9 @@ library. Updated from the batch worker thread and the HTTP event loop, so every 
     cflow_generated_tokens_total              tokens generated
     cflow_decode_steps_total                  batched decode steps
     cflow_decode_sequences_total              sequences advanced by them (/ steps = mean batch size)
+    cflow_spec_draft_tokens_total             speculation: proposed tokens the model judged
+    cflow_spec_accepted_tokens_total          of which accepted (/ draft tokens = acceptance rate)
+    cflow_spec_rounds_total                   verification blocks (a sequence's next token + its proposals)
     cflow_queue_depth                         requests waiting for a slot (gauge)
     cflow_requests_running                    requests in a slot (gauge)
     cflow_slots                               slots (--parallel) (gauge)
@@ -93,6 +96,9 @@ class Metrics:
         self.generated_tokens = 0
         self.steps = 0
         self.step_sequences = 0
+        self.spec_drafted = 0
+        self.spec_accepted = 0
+        self.spec_rounds = 0
         self.gen_rate = _Rate()
         self.prompt_rate = _Rate()
         self.ttft = _Histogram(LATENCY_BUCKETS)
@@ -118,6 +124,13 @@ class Metrics:
         with self._lock:
             self.steps += 1
             self.step_sequences += batch
+
+    def speculated(self, drafted: int, accepted: int) -> None:
+        """One sequence's verification block: `drafted` proposals judged, `accepted` of them kept."""
+        with self._lock:
+            self.spec_rounds += 1
+            self.spec_drafted += drafted
+            self.spec_accepted += accepted
 
     def first_token(self, ttft_s: float) -> None:
         with self._lock:
@@ -171,6 +184,15 @@ class Metrics:
             metric("cflow_decode_sequences_total", "counter",
                    "Sequences advanced by the decode steps (divided by the steps: the mean batch size).",
                    [f"cflow_decode_sequences_total {self.step_sequences}"])
+            metric("cflow_spec_draft_tokens_total", "counter",
+                   "Speculative decoding: proposed tokens the model judged.",
+                   [f"cflow_spec_draft_tokens_total {self.spec_drafted}"])
+            metric("cflow_spec_accepted_tokens_total", "counter",
+                   "Speculative decoding: proposed tokens accepted (divided by the draft tokens: the acceptance "
+                   "rate).", [f"cflow_spec_accepted_tokens_total {self.spec_accepted}"])
+            metric("cflow_spec_rounds_total", "counter",
+                   "Speculative decoding: verification blocks (a sequence's next token and its proposals in one "
+                   "call).", [f"cflow_spec_rounds_total {self.spec_rounds}"])
             running = gen.running if gen is not None else 0
             queued = gen.queue_depth if gen is not None else 0
             metric("cflow_queue_depth", "gauge", "Requests waiting for a slot.", [f"cflow_queue_depth {queued}"])

@@ -270,6 +270,7 @@ def _common(body: dict[str, Any], defaults: Defaults, names: Sequence[str], kind
 
 # ---- speculative decoding ------------------------------------------------------------------------
 SPEC_KEYS = ("n_max", "n_min")
+MAX_DRAFT = 64            # speculative.n_max at most: proposals ride in the call's rows (the backend's max_rows)
 
 
 def _speculative(body: dict[str, Any], default: Any) -> Any:
@@ -301,9 +302,17 @@ def _speculative(body: dict[str, Any], default: Any) -> Any:
                          "invalid_value")
     change = {}
     for key, field_ in (("n_max", "draft_max"), ("n_min", "draft_min")):
-        x = _field(v, key, "int")
-        if x is not None:
-            change[field_] = x
+        x = v.get(key)
+        if x is None:
+            continue
+        if isinstance(x, bool) or not isinstance(x, int):
+            raise BadRequest(f"'speculative.{key}' must be an integer, got {_json_type(x)}", "speculative",
+                             "invalid_type")
+        low = 1 if key == "n_max" else 0
+        if not low <= x <= MAX_DRAFT:
+            raise BadRequest(f"'speculative.{key}' must be between {low} and {MAX_DRAFT}, got {x}", "speculative",
+                             "invalid_value")
+        change[field_] = x
     try:
         return dataclasses.replace(base, **change)
     except SpeculativeError as e:
@@ -510,9 +519,16 @@ def new_id(kind: str) -> str:
     return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached: int = 0) -> dict[str, Any]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
+def usage(prompt_tokens: int, completion_tokens: int, cached: int = 0, drafted: int = 0,
+          accepted: int = 0) -> dict[str, Any]:
+    """OpenAI's usage object; with speculation (drafted > 0), the proposed tokens the model kept and
+    rejected as completion_tokens_details' accepted/rejected_prediction_tokens."""
+    out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+           "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
+    if drafted:
+        out["completion_tokens_details"] = {"accepted_prediction_tokens": accepted,
+                                            "rejected_prediction_tokens": drafted - accepted}
+    return out
 
 
 class LogprobsBuilder:
