@@ -49,6 +49,16 @@ requests' rows; the answer is plain decoding's (greedy: token for token), faster
 its prompt. /metrics counts cflow_spec_draft_tokens_total and cflow_spec_accepted_tokens_total.
 A draft model (--model-draft) and --spec mtp are single-sequence only (cflow generate) for now.
 
+Structured output: "response_format" ({"type": "json_object"} or {"type": "json_schema",
+"json_schema": {"schema": {...}}}), llama-server's "json_schema" and "grammar" (GBNF), "regex",
+vLLM's "guided_json" / "guided_regex" / "guided_grammar" / "guided_choice" / "structured_outputs":
+every token fits (llguidance masks), each request under its own constraint; a malformed one gets
+400 naming it. Tool calls: "tools" with "tool_choice" auto | none | required | a named function,
+"tool" messages in the history; the chat template decides the syntax (Qwen2.5/Hermes <tool_call>,
+Llama 3.1 JSON, Mistral [TOOL_CALLS]; any other template gets llama.cpp's generic JSON format), and
+the answer's calls come back as "tool_calls" (streamed as delta.tool_calls). --chat-template-file
+serves a model with another template.
+
 Scoring (lm-eval's local-completions): POST /v1/completions with "echo": true, "logprobs": 1,
 "max_tokens": 0 returns every prompt token's logprob (the first one null), equal to
 Engine.score's; `cflow perplexity` scores a text file as llama-perplexity does.
