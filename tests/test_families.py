@@ -1,7 +1,9 @@
 """The GGUF families beyond Llama, end to end: Qwen2 (q/k/v biases, NEOX RoPE, tied embeddings),
 Qwen3 (per-head RMSNorm of q and k before RoPE, head_dim != d_model / n_heads) and Mistral (arch
 "llama" carrying `llama.attention.sliding_window`), a llama file with q/k/v biases (permuted with
-Q/K, as convert_hf_to_gguf.py does), plus cflow's own sliding-window attention.
+Q/K, as convert_hf_to_gguf.py does), a llama file with Llama 3's RoPE frequency factors (the
+rope_freqs tensor; its control: the reference without them misses llama.cpp by far), plus
+cflow's own sliding-window attention.
 
 Each GGUF is written here with gguf.GGUFWriter the way convert_hf_to_gguf.py writes that family
 (Q/K rows permuted for llama only; weights Q8_0, norms and biases F32; d 256, 2 layers, GQA 4/2),
@@ -56,11 +58,23 @@ T = gguf.GGMLQuantizationType
 D, HEADS, KV_HEADS, LAYERS, FF, CTX = 256, 4, 2, 2, 512, 64
 EPS, THETA = 1e-6, 1e6
 WINDOW, STEPS = 16, 32
-# llama_bias: a llama file with q/k/v biases (llama.cpp reads them as optional), permuted with Q/K
-FAMILIES = ("qwen2", "qwen3", "mistral", "llama_bias")
-ARCH = {"qwen2": "qwen2", "qwen3": "qwen3", "mistral": "llama", "llama_bias": "llama"}
+# llama_bias: a llama file with q/k/v biases (llama.cpp reads them as optional), permuted with Q/K;
+# llama3: a llama file with Llama 3's RoPE frequency factors (the rope_freqs tensor)
+FAMILIES = ("qwen2", "qwen3", "mistral", "llama_bias", "llama3")
+ARCH = {"qwen2": "qwen2", "qwen3": "qwen3", "mistral": "llama", "llama_bias": "llama", "llama3": "llama"}
 BIASED = ("qwen2", "llama_bias")
-PERMUTED = ("mistral", "llama_bias")
+PERMUTED = ("mistral", "llama_bias", "llama3")
+
+
+def rope_factors(family: str) -> tuple:
+    """llama3: a factor per rotation pair, log-uniform in [1/16, 16] (Llama 3's own run from 1 on the
+    fast pairs to 8 on the slow ones, which over 32 positions would barely move a logit: these move
+    every pair by far, so a runtime that ignores them fails), float32 as the file stores them."""
+    if family != "llama3":
+        return ()
+    rng = np.random.default_rng(11)
+    f = np.exp(rng.uniform(np.log(1 / 16), np.log(16), head_dim(family) // 2)).astype(np.float32)
+    return tuple(float(x) for x in f)
 
 
 def head_dim(family: str) -> int:
@@ -86,8 +100,9 @@ def family_weights(family: str, seed: int = 0) -> dict[str, np.ndarray]:
         w["output.weight"] = mat(V, D)
     for i in range(LAYERS):
         b = f"blk.{i}."
-        w.update({b + "attn_norm.weight": norm(), b + "attn_q.weight": mat(q, D, gain=0.6),
-                  b + "attn_k.weight": mat(kv, D, gain=0.6), b + "attn_v.weight": mat(kv, D),
+        qk_gain = 2.0 if family == "llama3" else 0.6  # peaked attention: the rotation angles matter
+        w.update({b + "attn_norm.weight": norm(), b + "attn_q.weight": mat(q, D, gain=qk_gain),
+                  b + "attn_k.weight": mat(kv, D, gain=qk_gain), b + "attn_v.weight": mat(kv, D),
                   b + "attn_output.weight": mat(D, q, gain=0.5), b + "ffn_norm.weight": norm(),
                   b + "ffn_gate.weight": mat(FF, D), b + "ffn_up.weight": mat(FF, D),
                   b + "ffn_down.weight": mat(D, FF, gain=0.5)})
@@ -97,6 +112,8 @@ def family_weights(family: str, seed: int = 0) -> dict[str, np.ndarray]:
                       b + "attn_v.bias": (0.3 * rng.standard_normal(kv)).astype(np.float32)})
         if family == "qwen3":
             w.update({b + "attn_q_norm.weight": norm(hd, 0.3), b + "attn_k_norm.weight": norm(hd, 0.3)})
+    if family == "llama3":
+        w["rope_freqs.weight"] = np.array(rope_factors(family), np.float32)
     return w
 
 
@@ -140,7 +157,7 @@ def expected_config(family: str, window: int | None = None) -> ModelConfig:
                        head_dim=head_dim(family), d_ff=FF, n_experts=0, top_k=0, d_expert=0, rope_theta=THETA,
                        norm_eps=float(np.float32(EPS)), max_seq_len=CTX, tie_embeddings=family == "qwen2",
                        qkv_bias=family in BIASED, qk_norm=family == "qwen3", sliding_window=window,
-                       name=ARCH[family])
+                       rope_freq_factors=rope_factors(family), name=ARCH[family])
 
 
 def reference_state(path: Path, family: str, drop: str = "") -> dict[str, np.ndarray]:
@@ -231,7 +248,7 @@ def test_biases_and_norms_are_the_gguf_values(family_run):
     """bq | bk | bv fused in that order, un-permuted with Q/K for llama only (qwen2 is NEOX); q/k
     norms as stored."""
     family, src, dst, _, _ = family_run
-    if family == "mistral":
+    if family in ("mistral", "llama3"):
         pytest.skip("no biases or q/k norms in this family")
     sd, f = reference_state(src, family), open_model(dst)
 
@@ -311,6 +328,9 @@ def test_reference_matches_llama_cpp_and_needs_the_feature(family_run, llama_cpp
               moe=False)
     elif family in BIASED:
         assert far(reference_logits(cfg, reference_state(src, family, drop="bias"), toks), llama_cpp_run)
+    elif family == "llama3":
+        assert far(reference_logits(cfg.replace(rope_freq_factors=()), reference_state(src, family), toks),
+                   llama_cpp_run)
     else:
         assert far(reference_logits(cfg.replace(qk_norm=False), reference_state(src, family, drop="qk_norm"), toks),
                    llama_cpp_run)
@@ -322,6 +342,9 @@ def test_transformers_loads_the_gguf(family_run):
     so there it is compared before W."""
     family, src, _, toks, got = family_run
     transformers = pytest.importorskip("transformers")
+    if family == "llama3":
+        pytest.skip("transformers' GGUF loader drops the rope_freqs tensor (its Llama 3 RoPE scaling is a "
+                    "parametric form; this file's factors are arbitrary)")
     try:
         hf = transformers.AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name,
                                                                dtype=torch.float32)

@@ -60,6 +60,9 @@ class ModelConfig:
     moe_input: str = "post_dense"
     n_unique_layers: int = 0  # 0: every layer has its own weights; k: layer l uses weights of l % k
     rope_theta: float = 10000.0
+    # Llama 3's RoPE frequency factors (GGUF rope_freqs): () plain RoPE; else head_dim/2 divisors,
+    # rotation pair j turning by pos * rope_theta^(-2j/head_dim) / rope_freq_factors[j]
+    rope_freq_factors: tuple = ()
     norm_eps: float = 1e-5
     max_seq_len: int = 512
     tie_embeddings: bool = True
@@ -98,6 +101,12 @@ class ModelConfig:
                     object.__setattr__(self, f.name, float(v))
             elif f.type in ("bool", bool):
                 ok, what = isinstance(v, bool), "true or false"
+            elif f.type in ("tuple", tuple):  # of finite numbers (JSON gives a list)
+                ok = isinstance(v, (list, tuple)) and all(
+                    isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in v)
+                what = "a list of finite numbers"
+                if ok:
+                    object.__setattr__(self, f.name, tuple(float(x) for x in v))
             else:
                 ok, what = isinstance(v, str), "a string"
             if not ok:
@@ -137,6 +146,10 @@ class ModelConfig:
         need(1 <= self.n_unique_layers <= self.n_layers,
              f"n_unique_layers must be in 1..n_layers ({self.n_layers}), got {self.n_unique_layers}")
         need(self.rope_theta > 0, f"rope_theta must be positive, got {self.rope_theta}")
+        need(not self.rope_freq_factors or (len(self.rope_freq_factors) == self.head_dim // 2
+                                            and all(x > 0 for x in self.rope_freq_factors)),
+             f"rope_freq_factors must be empty or head_dim/2 = {self.head_dim // 2} positive numbers, "
+             f"got {len(self.rope_freq_factors)}")
         need(self.norm_eps > 0, f"norm_eps must be positive, got {self.norm_eps}")
         need(self.max_seq_len > 0, f"max_seq_len must be positive, got {self.max_seq_len}")
         need(self.qk_norm or not self.qk_norm_full, "qk_norm_full needs qk_norm")
@@ -240,6 +253,8 @@ def parse_overrides(assignments: list[str]) -> dict[str, Any]:
                 out[key] = int(raw)
             elif t in ("float", float):
                 out[key] = float(raw)
+            elif t in ("tuple", tuple):
+                out[key] = tuple(float(x) for x in raw.split(",") if x.strip())
             elif t in ("bool", bool):
                 low = raw.strip().lower()
                 if low not in ("1", "0", "true", "false", "yes", "no"):

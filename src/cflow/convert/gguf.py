@@ -11,6 +11,10 @@ Choices:
   and k -> attn.q_norm / attn.k_norm, head_dim from attention.key_length). Anything else is a
   named error listing what is supported, never a best-effort guess; `mistral3` (YaRN RoPE
   scaling and attention temperature) is named as not yet supported.
+- RoPE: plain, or with Llama 3's frequency factors (Llama 3.1+ GGUFs carry them as the F32
+  tensor rope_freqs.weight [head_dim/2]; they go into the config, rope_freq_factors, and each
+  rotation pair's frequency is divided by its factor, as llama.cpp does). Any other
+  `rope.scaling.type` (linear, yarn) is refused by name.
 - Sliding windows: a `llama.attention.sliding_window` (Mistral 7B v0.1 GGUFs carry one as arch
   "llama") is honoured: position p attends to the last W positions, as the model was trained and
   as HF transformers runs it. llama.cpp's llama graph ignores the key (a plain causal cache), so
@@ -261,9 +265,9 @@ def gguf_config(g: GGUFModel) -> ModelConfig:
     else:
         moe = dict(d_ff=ffn, name=arch)
     scaling = g.get(p + "rope.scaling.type")
-    if (scaling not in (None, "none")) or "rope_freqs.weight" in g.tensors:
-        raise GGUFError(f"{g.path.name} uses RoPE scaling ({scaling or 'rope_freqs'}); cflow implements "
-                        "plain RoPE only")
+    if scaling not in (None, "none"):
+        raise GGUFError(f"{g.path.name} uses {scaling} RoPE scaling; cflow implements plain RoPE and Llama 3's "
+                        "frequency factors (rope_freqs) only")
     d = int(g.require(p + "embedding_length"))
     n_heads = int(g.require(p + "attention.head_count"))
     n_kv = int(g.get(p + "attention.head_count_kv") or n_heads)
@@ -291,9 +295,17 @@ def gguf_config(g: GGUFModel) -> ModelConfig:
             tie_embeddings="output.weight" not in g.tensors,
             qkv_bias="blk.0.attn_q.bias" in g.tensors, qk_norm="blk.0.attn_q_norm.weight" in g.tensors,
             qk_norm_full=arch == "olmoe",
-            sliding_window=_window(g), **moe)
+            sliding_window=_window(g), rope_freq_factors=_rope_factors(g), **moe)
     except ConfigError as e:
         raise GGUFError(f"{g.path.name}: its hyperparameters do not form a valid model: {e}") from None
+
+
+def _rope_factors(g: GGUFModel) -> tuple:
+    """Llama 3's RoPE frequency factors (the rope_freqs tensor, F32 [head_dim/2]), or ()."""
+    t = g.tensors.get("rope_freqs.weight")
+    if t is None:
+        return ()
+    return tuple(float(x) for x in np.asarray(t.data, np.float32).reshape(-1))
 
 
 def _window(g: GGUFModel) -> int:
@@ -497,6 +509,8 @@ _IGNORED_SUFFIXES = ("attn_rot_embd",)
 
 def _check_tensor_names(g: GGUFModel, cfg: ModelConfig) -> None:
     expected = {"token_embd.weight", "output_norm.weight"}
+    if cfg.rope_freq_factors:  # read into the config (_rope_factors)
+        expected.add("rope_freqs.weight")
     if not cfg.tie_embeddings:
         expected.add("output.weight")
     layout = moe_layout(g) if cfg.has_moe else None

@@ -132,8 +132,12 @@ def write_model(path: str | os.PathLike, *, config: dict | ModelConfig, tokenize
         check_complete(sizes, model_tensors(cfg, split_qkv=weights.split_qkv_sets(sizes)))
     items = order_tensors(items, cfg, order)
     cfg_dict, metadata = cfg.to_dict(), dict(metadata or {})
-    if not cfg.mtp_heads:  # files without heads stay what older cflow wrote, which older readers accept
+    # optional fields at their default are left out: such files stay what older cflow wrote, which
+    # older readers accept
+    if not cfg.mtp_heads:
         del cfg_dict["mtp_heads"]
+    if not cfg.rope_freq_factors:
+        del cfg_dict["rope_freq_factors"]
 
     # The header holds offsets that depend on the header's own length: iterate to a fixed point.
     data_start, checks = ALIGN, {t.name: f"{CHECKSUM_ALGO}:{'0' * CHECKSUM_HEX}" for t in items}

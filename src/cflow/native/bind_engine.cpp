@@ -67,6 +67,12 @@ cf_config config_from(const nb::dict &d) {
     c.qk_norm_full = nb::cast<bool>(d["qk_norm_full"]) ? 1 : 0;
     c.moe_norm_topk = nb::cast<bool>(d["moe_norm_topk"]) ? 1 : 0;
     c.d_shexp = i("d_shared_expert");
+    nb::sequence factors = nb::cast<nb::sequence>(d["rope_freq_factors"]);
+    size_t nf = nb::len(factors);
+    if (nf > (size_t)(CF_MAX_HEAD_DIM / 2))
+        throw nb::value_error("rope_freq_factors: more than CF_MAX_HEAD_DIM / 2 values");
+    c.n_rope_factors = (int)nf;
+    for (size_t j = 0; j < nf; j++) c.rope_factors[j] = nb::cast<float>(factors[j]);
     return c;
 }
 

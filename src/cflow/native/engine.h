@@ -39,6 +39,8 @@
 extern "C" {
 #endif
 
+#define CF_MAX_HEAD_DIM 512         /* the widest attention head the engine takes */
+
 typedef struct {
     int vocab, d, n_layers, n_heads, n_kv, hd;
     int d_ff;                      /* 0: no dense FFN */
@@ -53,6 +55,8 @@ typedef struct {
     int qk_norm_full;              /* 1: qk_norm over the whole q and k vectors (OLMoE), before RoPE */
     int d_shexp;                   /* 0: none; else the shared expert's hidden size (moe.shared.*), run
                                     * on every row, scaled by sigmoid(moe.shared_gate . moe_in) */
+    int n_rope_factors;            /* 0: plain RoPE; hd/2: rope_factors divide the pairs' frequencies */
+    float rope_factors[CF_MAX_HEAD_DIM / 2];  /* Llama 3's rope_freqs */
 } cf_config;
 
 /* ---- contracts with Python ---------------------------------------------------------------------
