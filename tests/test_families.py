@@ -1,9 +1,9 @@
 """The GGUF families beyond Llama, end to end: Qwen2 (q/k/v biases, NEOX RoPE, tied embeddings),
 Qwen3 (per-head RMSNorm of q and k before RoPE, head_dim != d_model / n_heads) and Mistral (arch
 "llama" carrying `llama.attention.sliding_window`), a llama file with q/k/v biases (permuted with
-Q/K, as convert_hf_to_gguf.py does), a llama file with Llama 3's RoPE frequency factors (the
-rope_freqs tensor; its control: the reference without them misses llama.cpp by far), plus
-cflow's own sliding-window attention.
+Q/K, as convert_hf_to_gguf.py does), llama files with Llama 3's RoPE frequency factors (the
+rope_freqs tensor) and with YaRN RoPE scaling (their control: the reference without the scaling
+misses llama.cpp by far), plus cflow's own sliding-window attention.
 
 Each GGUF is written here with gguf.GGUFWriter the way convert_hf_to_gguf.py writes that family
 (Q/K rows permuted for llama only; weights Q8_0, norms and biases F32; d 256, 2 layers, GQA 4/2),
@@ -59,11 +59,33 @@ D, HEADS, KV_HEADS, LAYERS, FF, CTX = 256, 4, 2, 2, 512, 64
 EPS, THETA = 1e-6, 1e6
 WINDOW, STEPS = 16, 32
 # llama_bias: a llama file with q/k/v biases (llama.cpp reads them as optional), permuted with Q/K;
-# llama3: a llama file with Llama 3's RoPE frequency factors (the rope_freqs tensor)
-FAMILIES = ("qwen2", "qwen3", "mistral", "llama_bias", "llama3")
-ARCH = {"qwen2": "qwen2", "qwen3": "qwen3", "mistral": "llama", "llama_bias": "llama", "llama3": "llama"}
+# llama3: a llama file with Llama 3's RoPE frequency factors (the rope_freqs tensor); llama_yarn:
+# one with YaRN RoPE scaling (factor 4 over an original context of 16 positions)
+FAMILIES = ("qwen2", "qwen3", "mistral", "llama_bias", "llama3", "llama_yarn")
+ARCH = {"qwen2": "qwen2", "qwen3": "qwen3", "mistral": "llama", "llama_bias": "llama", "llama3": "llama",
+        "llama_yarn": "llama"}
 BIASED = ("qwen2", "llama_bias")
-PERMUTED = ("mistral", "llama_bias", "llama3")
+PERMUTED = ("mistral", "llama_bias", "llama3", "llama_yarn")
+ROPE_SCALED = ("llama3", "llama_yarn")
+YARN_FACTOR, YARN_ORIG = 4.0, 16
+
+
+def yarn(hd: int) -> tuple[tuple, float]:
+    """(per-pair divisors, mscale) of YaRN as ggml_rope_yarn_corr_dims / rope_yarn define it
+    (beta_fast 32, beta_slow 1, ext_factor 1, attn_factor 1), written out here in float32 as ggml
+    computes it."""
+    f32 = np.float32
+
+    def corr(beta):
+        return f32(hd) * np.log(f32(YARN_ORIG) / (f32(beta) * f32(2 * np.pi))) / (f32(2) * np.log(f32(THETA)))
+
+    low, high = max(f32(0), np.floor(corr(32.0))), min(f32(hd - 1), np.ceil(corr(1.0)))
+    out = []
+    for j in range(hd // 2):
+        y = (f32(j) - low) / max(f32(0.001), high - low)
+        ramp = f32(1) - min(f32(1), max(f32(0), y))
+        out.append(float(1 / (f32(1 / YARN_FACTOR) * (1 - ramp) + ramp)))
+    return tuple(out), float(1 + 0.1 * np.log(YARN_FACTOR))
 
 
 def rope_factors(family: str) -> tuple:
@@ -100,7 +122,9 @@ def family_weights(family: str, seed: int = 0) -> dict[str, np.ndarray]:
         w["output.weight"] = mat(V, D)
     for i in range(LAYERS):
         b = f"blk.{i}."
-        qk_gain = 2.0 if family == "llama3" else 0.6  # peaked attention: the rotation angles matter
+        # peaked attention, so the rotation angles matter; YaRN's mscale sharpens it 1.3x more, and at 2.0
+        # the int8 engine's rounding would reach the tolerance on the float reference
+        qk_gain = {"llama3": 2.0, "llama_yarn": 1.5}.get(family, 0.6)
         w.update({b + "attn_norm.weight": norm(), b + "attn_q.weight": mat(q, D, gain=qk_gain),
                   b + "attn_k.weight": mat(kv, D, gain=qk_gain), b + "attn_v.weight": mat(kv, D),
                   b + "attn_output.weight": mat(D, q, gain=0.5), b + "ffn_norm.weight": norm(),
@@ -142,6 +166,10 @@ def write_family_gguf(path: Path, family: str, seed: int = 0) -> None:
         wr.add_value_length(hd)
     if family == "mistral":
         wr.add_sliding_window(WINDOW)
+    if family == "llama_yarn":
+        wr.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        wr.add_rope_scaling_factor(YARN_FACTOR)
+        wr.add_rope_scaling_orig_ctx_len(YARN_ORIG)
     add_tiny_tokenizer(wr)
     for name, x in w.items():
         add_tensor(wr, name, x, T.F32 if x.ndim == 1 else T.Q8_0)
@@ -158,6 +186,23 @@ def expected_config(family: str, window: int | None = None) -> ModelConfig:
                        norm_eps=float(np.float32(EPS)), max_seq_len=CTX, tie_embeddings=family == "qwen2",
                        qkv_bias=family in BIASED, qk_norm=family == "qwen3", sliding_window=window,
                        rope_freq_factors=rope_factors(family), name=ARCH[family])
+
+
+def expected_rope(family: str) -> dict:
+    if family == "llama_yarn":
+        factors, mscale = yarn(head_dim(family))
+        return dict(rope_freq_factors=factors, rope_mscale=mscale)
+    return {}
+
+
+def same_config(got: ModelConfig, want: ModelConfig, family: str) -> None:
+    """Equal, the YaRN divisors to float32 precision (the converter computes them in float64)."""
+    rope = expected_rope(family)
+    if rope:
+        np.testing.assert_allclose(got.rope_freq_factors, rope["rope_freq_factors"], rtol=1e-5)
+        assert abs(got.rope_mscale - rope["rope_mscale"]) < 1e-6
+        got = got.replace(rope_freq_factors=(), rope_mscale=1.0)
+    assert got == want
 
 
 def reference_state(path: Path, family: str, drop: str = "") -> dict[str, np.ndarray]:
@@ -232,9 +277,9 @@ def llama_cpp_run(family_run):
 # ---- import ----------------------------------------------------------------------------------
 def test_config_and_metadata(family_run):
     family, src, dst, _, _ = family_run
-    assert gguf_config(GGUFModel(src)) == expected_config(family)
+    same_config(gguf_config(GGUFModel(src)), expected_config(family), family)
     f = open_model(dst)
-    assert f.config == expected_config(family)
+    same_config(f.config, expected_config(family), family)
     source = f.header["metadata"]["source"]
     assert source["architecture"] == ARCH[family]
     assert "sliding_window_ignored" not in source  # the Mistral file's window is honoured
@@ -248,7 +293,7 @@ def test_biases_and_norms_are_the_gguf_values(family_run):
     """bq | bk | bv fused in that order, un-permuted with Q/K for llama only (qwen2 is NEOX); q/k
     norms as stored."""
     family, src, dst, _, _ = family_run
-    if family in ("mistral", "llama3"):
+    if family in ("mistral",) + ROPE_SCALED:
         pytest.skip("no biases or q/k norms in this family")
     sd, f = reference_state(src, family), open_model(dst)
 
@@ -296,7 +341,8 @@ def test_refused_architectures(tmp_path, arch, match):
 # ---- the engine against the oracles ----------------------------------------------------------
 def test_engine_matches_reference(family_run):
     family, src, _, toks, got = family_run
-    check(got, reference_logits(expected_config(family), reference_state(src, family), toks), moe=False)
+    cfg = expected_config(family).replace(**expected_rope(family))
+    check(got, reference_logits(cfg, reference_state(src, family), toks), moe=False)
 
 
 def before_window(family: str, logits: np.ndarray) -> np.ndarray:
@@ -313,7 +359,7 @@ def test_reference_matches_llama_cpp_and_needs_the_feature(family_run, llama_cpp
     """llama.cpp and the float reference agree; without the family's feature they do not (the
     NEOX/permuted RoPE choice is covered too: a wrong one fails test_engine_matches_llama_cpp)."""
     family, src, _, toks, _ = family_run
-    cfg = expected_config(family)
+    cfg = expected_config(family).replace(**expected_rope(family))
     ref = reference_logits(cfg, reference_state(src, family), toks)
     check(before_window(family, ref), before_window(family, llama_cpp_run), moe=False)
     if family == "mistral":
@@ -328,9 +374,9 @@ def test_reference_matches_llama_cpp_and_needs_the_feature(family_run, llama_cpp
               moe=False)
     elif family in BIASED:
         assert far(reference_logits(cfg, reference_state(src, family, drop="bias"), toks), llama_cpp_run)
-    elif family == "llama3":
-        assert far(reference_logits(cfg.replace(rope_freq_factors=()), reference_state(src, family), toks),
-                   llama_cpp_run)
+    elif family in ROPE_SCALED:
+        assert far(reference_logits(cfg.replace(rope_freq_factors=(), rope_mscale=1.0), reference_state(src, family),
+                                    toks), llama_cpp_run)
     else:
         assert far(reference_logits(cfg.replace(qk_norm=False), reference_state(src, family, drop="qk_norm"), toks),
                    llama_cpp_run)
@@ -342,9 +388,9 @@ def test_transformers_loads_the_gguf(family_run):
     so there it is compared before W."""
     family, src, _, toks, got = family_run
     transformers = pytest.importorskip("transformers")
-    if family == "llama3":
-        pytest.skip("transformers' GGUF loader drops the rope_freqs tensor (its Llama 3 RoPE scaling is a "
-                    "parametric form; this file's factors are arbitrary)")
+    if family in ROPE_SCALED:
+        pytest.skip("transformers' GGUF loader drops the rope_freqs tensor and the YaRN keys (its RoPE scaling "
+                    "is a parametric form of its own; this file's factors are arbitrary)")
     try:
         hf = transformers.AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name,
                                                                dtype=torch.float32)
@@ -464,3 +510,34 @@ def test_all_options_against_the_dequantized_reference(tmp_path, n_heads, n_kv_h
     got = teacher_forced(Engine.load(path, threads=2).step, toks)
     check(got, teacher_forced(lambda t, pos: ref.step(t).numpy(), toks), moe=False)
     assert rel_err(Engine.load(path, threads=2, max_batch=5).prefill(toks), got[-1]) < 1e-5
+
+
+@pytest.mark.parametrize("extra, match", [
+    ({"rope.scaling.type": "yarn", "rope.scaling.yarn_log_multiplier": 0.1}, "yarn_log_multiplier = 0.1"),
+    ({"rope.scaling.type": "yarn", "rope.scaling.attn_factor": 0.5}, "attn_factor = 0.5"),
+    ({"rope.scaling.type": "longrope"}, "longrope RoPE scaling"),
+])
+def test_rope_scalings_cflow_does_not_run_are_refused_by_name(tmp_path, extra, match):
+    from cflow.convert.gguf import GGUFError
+
+    src = tmp_path / "m.gguf"
+    w = family_weights("llama_yarn")
+    wr = gguf.GGUFWriter(str(src), "llama")
+    for f, v in ((wr.add_block_count, LAYERS), (wr.add_context_length, CTX), (wr.add_embedding_length, D),
+                 (wr.add_feed_forward_length, FF), (wr.add_head_count, HEADS), (wr.add_head_count_kv, KV_HEADS),
+                 (wr.add_rope_freq_base, THETA), (wr.add_layer_norm_rms_eps, EPS)):
+        f(v)
+    wr.add_rope_scaling_factor(YARN_FACTOR)
+    wr.add_rope_scaling_orig_ctx_len(YARN_ORIG)
+    for key, v in extra.items():
+        (wr.add_string if isinstance(v, str) else wr.add_float32)(f"llama.{key}", v)
+    add_tiny_tokenizer(wr)
+    for name, x in w.items():
+        add_tensor(wr, name, x, T.F32 if x.ndim == 1 else T.Q8_0)
+    wr.write_header_to_file()
+    wr.write_kv_data_to_file()
+    wr.write_tensors_to_file()
+    wr.close()
+    with pytest.raises(GGUFError, match=match):
+        convert(src, tmp_path / "m.cflow")
+    assert not (tmp_path / "m.cflow").exists()

@@ -63,6 +63,8 @@ class ModelConfig:
     # Llama 3's RoPE frequency factors (GGUF rope_freqs): () plain RoPE; else head_dim/2 divisors,
     # rotation pair j turning by pos * rope_theta^(-2j/head_dim) / rope_freq_factors[j]
     rope_freq_factors: tuple = ()
+    # YaRN's magnitude correction: cos and sin (so q and k) scaled by it; 1.0 without YaRN
+    rope_mscale: float = 1.0
     norm_eps: float = 1e-5
     max_seq_len: int = 512
     tie_embeddings: bool = True
@@ -150,6 +152,7 @@ class ModelConfig:
                                             and all(x > 0 for x in self.rope_freq_factors)),
              f"rope_freq_factors must be empty or head_dim/2 = {self.head_dim // 2} positive numbers, "
              f"got {len(self.rope_freq_factors)}")
+        need(self.rope_mscale > 0, f"rope_mscale must be positive, got {self.rope_mscale}")
         need(self.norm_eps > 0, f"norm_eps must be positive, got {self.norm_eps}")
         need(self.max_seq_len > 0, f"max_seq_len must be positive, got {self.max_seq_len}")
         need(self.qk_norm or not self.qk_norm_full, "qk_norm_full needs qk_norm")

@@ -73,15 +73,17 @@ class RMSNorm(nn.Module):
         return (xf * self.weight.float()).to(x.dtype)
 
 
-def rope_cos_sin(n_pos: int, head_dim: int, theta: float, factors: tuple = ()) -> tuple[Tensor, Tensor]:
+def rope_cos_sin(n_pos: int, head_dim: int, theta: float, factors: tuple = (),
+                 mscale: float = 1.0) -> tuple[Tensor, Tensor]:
     """cos, sin tables [n_pos, head_dim/2] (float32) for positions 0..n_pos-1; `factors` (Llama 3's
-    rope_freqs, head_dim/2 of them) divide the pairs' frequencies."""
+    rope_freqs, YaRN's interpolation: head_dim/2 of them) divide the pairs' frequencies, and
+    `mscale` (YaRN's) multiplies both tables."""
     j = torch.arange(head_dim // 2, dtype=torch.float64)
     inv_freq = theta ** (-2.0 * j / head_dim)  # [hd/2]
     if factors:
         inv_freq = inv_freq / torch.tensor(factors, dtype=torch.float64)
     ang = torch.arange(n_pos, dtype=torch.float64)[:, None] * inv_freq[None, :]  # [n_pos, hd/2]
-    return ang.cos().float(), ang.sin().float()
+    return (mscale * ang.cos()).float(), (mscale * ang.sin()).float()
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -276,7 +278,7 @@ class Transformer(nn.Module):
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         # an empty ModuleList has no parameters: models without heads keep their state dict
         self.mtp = nn.ModuleList(MtpHead(cfg.d_model, cfg.norm_eps) for _ in range(cfg.mtp_heads))
-        cos, sin = rope_cos_sin(cfg.max_seq_len, cfg.head_dim, cfg.rope_theta, cfg.rope_freq_factors)
+        cos, sin = rope_cos_sin(cfg.max_seq_len, cfg.head_dim, cfg.rope_theta, cfg.rope_freq_factors, cfg.rope_mscale)
         self.register_buffer("rope_cos", cos, persistent=False)  # [max_seq_len, hd/2]
         self.register_buffer("rope_sin", sin, persistent=False)
         self.reset_parameters()
@@ -504,7 +506,7 @@ class ReferenceDecoder:
         self.out_w = self.tok_emb if model.lm_head is None else model.lm_head.weight.detach().float()
         self.norm_w = model.norm.weight.detach().float()
         self.cos, self.sin = rope_cos_sin(self.max_seq_len, cfg.head_dim, cfg.rope_theta,
-                                          cfg.rope_freq_factors)  # [S, hd/2]
+                                          cfg.rope_freq_factors, cfg.rope_mscale)  # [S, hd/2]
         L, d, S = cfg.n_layers, cfg.d_model, self.max_seq_len
         self.k_cache = torch.zeros(L, S, cfg.n_kv_heads, cfg.head_dim)
         self.v_cache = torch.zeros(L, S, cfg.n_kv_heads, cfg.head_dim)

@@ -9,12 +9,14 @@ Choices:
 - `general.architecture` "llama" (Llama, SmolLM, TinyLlama, Mistral, Mixtral ...), "qwen2"
   (Qwen2 / Qwen2.5: q/k/v biases -> attn.qkv_bias) and "qwen3" (dense Qwen3: per-head RMSNorm of q
   and k -> attn.q_norm / attn.k_norm, head_dim from attention.key_length). Anything else is a
-  named error listing what is supported, never a best-effort guess; `mistral3` (YaRN RoPE
-  scaling and attention temperature) is named as not yet supported.
-- RoPE: plain, or with Llama 3's frequency factors (Llama 3.1+ GGUFs carry them as the F32
-  tensor rope_freqs.weight [head_dim/2]; they go into the config, rope_freq_factors, and each
-  rotation pair's frequency is divided by its factor, as llama.cpp does). Any other
-  `rope.scaling.type` (linear, yarn) is refused by name.
+  named error listing what is supported, never a best-effort guess; `mistral3` (its
+  attention temperature scaling) is named as not yet supported.
+- RoPE: plain; Llama 3's frequency factors (Llama 3.1+ GGUFs carry them as the F32 tensor
+  rope_freqs.weight [head_dim/2]); linear scaling; YaRN (ext_factor 1, attn_factor 1). Each is,
+  as llama.cpp's ggml_rope_ext computes it, a divisor of each rotation pair's frequency
+  (config rope_freq_factors) and for YaRN a scale of cos and sin (rope_mscale). YaRN variants
+  with their own magnitude rules (yarn_log_multiplier, attn_factor) and other scaling types
+  (longrope ...) are refused by name.
 - Sliding windows: a `llama.attention.sliding_window` (Mistral 7B v0.1 GGUFs carry one as arch
   "llama") is honoured: position p attends to the last W positions, as the model was trained and
   as HF transformers runs it. llama.cpp's llama graph ignores the key (a plain causal cache), so
@@ -83,7 +85,7 @@ _MOE_ONLY = ("qwen2moe", "qwen3moe", "olmoe")  # every layer has experts (llama:
 # the others listed above use NEOX RoPE, the "half" convention cflow runs, and are stored as is.
 _PERMUTED_QK = ("llama",)
 # Known architectures cflow does not run yet, with what is missing.
-_NOT_YET = {"mistral3": "mistral3 (YaRN RoPE scaling and attention temperature)"}
+_NOT_YET = {"mistral3": "mistral3 (its attention temperature scaling)"}
 _NATIVE = {d.upper(): d for d in STORED_QUANT}  # GGML type name -> the dtype its blocks keep
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
 
@@ -264,10 +266,6 @@ def gguf_config(g: GGUFModel) -> ModelConfig:
             moe["d_shared_expert"] = int(g.get(p + "expert_shared_feed_forward_length") or ffn)
     else:
         moe = dict(d_ff=ffn, name=arch)
-    scaling = g.get(p + "rope.scaling.type")
-    if scaling not in (None, "none"):
-        raise GGUFError(f"{g.path.name} uses {scaling} RoPE scaling; cflow implements plain RoPE and Llama 3's "
-                        "frequency factors (rope_freqs) only")
     d = int(g.require(p + "embedding_length"))
     n_heads = int(g.require(p + "attention.head_count"))
     n_kv = int(g.get(p + "attention.head_count_kv") or n_heads)
@@ -295,17 +293,59 @@ def gguf_config(g: GGUFModel) -> ModelConfig:
             tie_embeddings="output.weight" not in g.tensors,
             qkv_bias="blk.0.attn_q.bias" in g.tensors, qk_norm="blk.0.attn_q_norm.weight" in g.tensors,
             qk_norm_full=arch == "olmoe",
-            sliding_window=_window(g), rope_freq_factors=_rope_factors(g), **moe)
+            sliding_window=_window(g), **_rope_scaling(g, p, head_dim), **moe)
     except ConfigError as e:
         raise GGUFError(f"{g.path.name}: its hyperparameters do not form a valid model: {e}") from None
 
 
-def _rope_factors(g: GGUFModel) -> tuple:
-    """Llama 3's RoPE frequency factors (the rope_freqs tensor, F32 [head_dim/2]), or ()."""
+def _rope_scaling(g: GGUFModel, p: str, head_dim: int) -> dict[str, Any]:
+    """rope_freq_factors and rope_mscale (ModelConfig) from the file's RoPE scaling, as llama.cpp's
+    ggml_rope_ext computes it: Llama 3's factors (the rope_freqs tensor, F32 [head_dim/2]) divide
+    pair j's frequency; "linear" scaling divides every pair's by rope.scaling.factor; "yarn"
+    (ext_factor 1, attn_factor 1) mixes, per pair, the interpolated (x freq_scale) and the
+    extrapolated angle by a ramp between the pairs that turn beta_fast and beta_slow times over
+    the original context, which is again a per-pair divisor, and scales cos/sin by
+    1 + 0.1 ln(factor). YaRN variants with their own magnitude rules (yarn_log_multiplier, an
+    attn_factor or ext_factor other than 1) are refused by name."""
+    half = head_dim // 2
     t = g.tensors.get("rope_freqs.weight")
-    if t is None:
-        return ()
-    return tuple(float(x) for x in np.asarray(t.data, np.float32).reshape(-1))
+    factors = (np.asarray(t.data, np.float64).reshape(-1) if t is not None else np.ones(half))
+    if factors.size != half:
+        raise GGUFError(f"{g.path.name}: rope_freqs.weight has {factors.size} values; head_dim {head_dim} needs {half}")
+    scaling, mscale = g.get(p + "rope.scaling.type"), 1.0
+    if scaling not in (None, "none"):
+        factor = float(g.require(p + "rope.scaling.factor"))
+        if not factor > 0:
+            raise GGUFError(f"{g.path.name}: {p}rope.scaling.factor must be positive, got {factor}")
+        if scaling == "linear":
+            factors = factors * factor
+        elif scaling == "yarn":
+            for key, neutral in (("rope.scaling.yarn_log_multiplier", 0.0), ("rope.scaling.attn_factor", 1.0),
+                                 ("rope.scaling.yarn_attn_factor", 1.0), ("rope.scaling.yarn_ext_factor", 1.0)):
+                v = g.get(p + key)
+                if v is not None and float(v) != neutral and not (key.endswith("ext_factor") and float(v) < 0):
+                    raise GGUFError(f"{g.path.name} uses YaRN with {p}{key} = {v}; cflow implements plain YaRN "
+                                    f"(ext_factor 1, attn_factor 1, no log multiplier) only")
+            theta = float(g.get(p + "rope.freq_base") or 10000.0)
+            n_orig = float(g.require(p + "rope.scaling.original_context_length"))
+            beta_fast = float(g.get(p + "rope.scaling.yarn_beta_fast") or 32.0)
+            beta_slow = float(g.get(p + "rope.scaling.yarn_beta_slow") or 1.0)
+
+            def corr_dim(turns: float) -> float:  # the pair index that turns `turns` times over n_orig
+                return head_dim * np.log(n_orig / (turns * 2 * np.pi)) / (2 * np.log(theta))
+
+            low = max(0.0, np.floor(corr_dim(beta_fast)))
+            high = min(head_dim - 1.0, np.ceil(corr_dim(beta_slow)))
+            j = np.arange(half, dtype=np.float64)
+            mix = 1.0 - np.clip((j - low) / max(0.001, high - low), 0.0, 1.0)  # 1: extrapolate, 0: interpolate
+            factors = factors / ((1.0 / factor) * (1.0 - mix) + mix)
+            mscale = 1.0 + 0.1 * np.log(factor)
+        else:
+            raise GGUFError(f"{g.path.name} uses {scaling} RoPE scaling; cflow implements plain RoPE, Llama 3's "
+                            "frequency factors, linear and YaRN scaling")
+    if t is None and scaling in (None, "none"):
+        return {}
+    return {"rope_freq_factors": tuple(float(x) for x in factors), "rope_mscale": float(mscale)}
 
 
 def _window(g: GGUFModel) -> int:
@@ -509,7 +549,7 @@ _IGNORED_SUFFIXES = ("attn_rot_embd",)
 
 def _check_tensor_names(g: GGUFModel, cfg: ModelConfig) -> None:
     expected = {"token_embd.weight", "output_norm.weight"}
-    if cfg.rope_freq_factors:  # read into the config (_rope_factors)
+    if "rope_freqs.weight" in g.tensors and cfg.rope_freq_factors:  # read into the config (_rope_scaling)
         expected.add("rope_freqs.weight")
     if not cfg.tie_embeddings:
         expected.add("output.weight")

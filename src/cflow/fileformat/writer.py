@@ -138,6 +138,8 @@ def write_model(path: str | os.PathLike, *, config: dict | ModelConfig, tokenize
         del cfg_dict["mtp_heads"]
     if not cfg.rope_freq_factors:
         del cfg_dict["rope_freq_factors"]
+    if cfg.rope_mscale == 1.0:
+        del cfg_dict["rope_mscale"]
 
     # The header holds offsets that depend on the header's own length: iterate to a fixed point.
     data_start, checks = ALIGN, {t.name: f"{CHECKSUM_ALGO}:{'0' * CHECKSUM_HEX}" for t in items}

@@ -73,6 +73,7 @@ cf_config config_from(const nb::dict &d) {
         throw nb::value_error("rope_freq_factors: more than CF_MAX_HEAD_DIM / 2 values");
     c.n_rope_factors = (int)nf;
     for (size_t j = 0; j < nf; j++) c.rope_factors[j] = nb::cast<float>(factors[j]);
+    c.rope_mscale = f("rope_mscale");
     return c;
 }
 

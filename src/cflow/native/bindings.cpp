@@ -389,7 +389,7 @@ Out<float> softmax(In1<float> x, std::optional<std::string> isa) {
 std::tuple<Out<float>, Out<float>> rope_table(int head_dim, int pos, float theta) {
     if (head_dim < 2 || head_dim % 2) bad_input("head_dim " + std::to_string(head_dim) + " must be even");
     auto c = new_array<float>(head_dim / 2), s = new_array<float>(head_dim / 2);
-    cf_rope_table(c.data(), s.data(), head_dim, pos, theta, NULL);
+    cf_rope_table(c.data(), s.data(), head_dim, pos, theta, NULL, 1.0f);
     return {c, s};
 }
 
@@ -398,7 +398,7 @@ Out<float> rope(In1<float> x, int n_heads, int head_dim, int pos, float theta, s
     if (head_dim < 2 || head_dim % 2) bad_input("head_dim " + std::to_string(head_dim) + " must be even");
     check_len(x.size(), (size_t)n_heads * head_dim, "x");
     std::vector<float> c(head_dim / 2), s(head_dim / 2);
-    cf_rope_table(c.data(), s.data(), head_dim, pos, theta, NULL);
+    cf_rope_table(c.data(), s.data(), head_dim, pos, theta, NULL, 1.0f);
     auto out = new_array<float>(x.size());
     std::memcpy(out.data(), x.data(), sizeof(float) * x.size());
     t->rope(out.data(), n_heads, head_dim, c.data(), s.data());

@@ -266,8 +266,10 @@ int cf_get_prefetch(void);
 
 /* Small scalar routines that need no table. */
 /* cos/sin[j] = cos/sin(pos * theta^(-2j/head_dim)) for j < head_dim/2 (computed in double). */
-/* factors: NULL, or head_dim/2 divisors of the pairs' frequencies (Llama 3's rope_freqs) */
-void cf_rope_table(float *cos, float *sin, int head_dim, int pos, float theta, const float *factors);
+/* factors: NULL, or head_dim/2 divisors of the pairs' frequencies (Llama 3's rope_freqs, YaRN's
+ * interpolation); mscale multiplies both tables (YaRN; 1: none) */
+void cf_rope_table(float *cos, float *sin, int head_dim, int pos, float theta, const float *factors,
+                   float mscale);
 /* The k largest of x[0..n), largest first (ties: lower index first); k <= n. The reference
  * of the table's topk (kernels_ref.c). */
 void cf_topk(const float *x, int n, int k, int *idx, float *val);

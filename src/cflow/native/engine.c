@@ -720,7 +720,7 @@ static int forward(cf_engine *e, const int32_t *tokens, int B, float *logits, co
     for (int b = 0; b < B; b++) {
         float *cs = e->s.rope + (size_t)b * c->hd;
         cf_rope_table(cs, cs + c->hd / 2, c->hd, e->rpos[b], c->rope_theta,
-                      c->n_rope_factors ? c->rope_factors : NULL);
+                      c->n_rope_factors ? c->rope_factors : NULL, c->rope_mscale);
     }
     memset(e->s.pending, 0, (size_t)e->n_pending * e->max_batch * c->d * sizeof(float));
     e->failed = CF_ERR_NONE;

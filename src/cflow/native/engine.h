@@ -56,7 +56,8 @@ typedef struct {
     int d_shexp;                   /* 0: none; else the shared expert's hidden size (moe.shared.*), run
                                     * on every row, scaled by sigmoid(moe.shared_gate . moe_in) */
     int n_rope_factors;            /* 0: plain RoPE; hd/2: rope_factors divide the pairs' frequencies */
-    float rope_factors[CF_MAX_HEAD_DIM / 2];  /* Llama 3's rope_freqs */
+    float rope_factors[CF_MAX_HEAD_DIM / 2];  /* Llama 3's rope_freqs; YaRN's interpolation */
+    float rope_mscale;             /* cos and sin scaled by it (YaRN); 1: none */
 } cf_config;
 
 /* ---- contracts with Python ---------------------------------------------------------------------

@@ -78,6 +78,8 @@ static int check_config(const cf_config *c, char *err, size_t n) {
         bad = "head_dim must be positive, even and at most CF_MAX_HEAD_DIM (512)";
     else if (c->n_rope_factors != 0 && c->n_rope_factors != c->hd / 2)
         bad = "rope_freq_factors must be empty or head_dim/2 values";
+    else if (!(c->rope_mscale > 0))
+        bad = "rope_mscale must be positive";
     else if (c->n_heads % c->n_kv)
         bad = "n_heads must be a multiple of n_kv_heads";
     else if (c->d % CF_QK || (c->n_heads * c->hd) % CF_QK)

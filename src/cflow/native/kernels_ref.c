@@ -295,12 +295,13 @@ static void f32_to_q8_0_ref(uint8_t *out, const float *x, int n) {
 
 /* ---- table-free helpers ------------------------------------------------------------------ */
 
-void cf_rope_table(float *cos_, float *sin_, int head_dim, int pos, float theta, const float *factors) {
+void cf_rope_table(float *cos_, float *sin_, int head_dim, int pos, float theta, const float *factors,
+                   float mscale) {
     for (int j = 0; j < head_dim / 2; j++) {
         double angle = (double)pos * pow((double)theta, -2.0 * j / head_dim);
         if (factors) angle /= (double)factors[j];
-        cos_[j] = (float)cos(angle);
-        sin_[j] = (float)sin(angle);
+        cos_[j] = (float)(mscale * cos(angle));
+        sin_[j] = (float)(mscale * sin(angle));
     }
 }
 
