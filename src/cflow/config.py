@@ -192,7 +192,8 @@ class ModelConfig:
 
     # ---- (de)serialization ------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The fields as JSON shapes them (a tuple as a list), so to_dict() == json.loads(to_json())."""
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
