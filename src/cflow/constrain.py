@@ -276,10 +276,14 @@ class Constraint:
         if self._pending is not None:
             self.wait()
         if not self._ready:
-            import llguidance.numpy as lnp
+            self._fill()
 
-            lnp.fill_next_token_bitmask(self.matcher, self.mask, 0)
-            self._ready = True
+    def _fill(self) -> None:
+        # no wait() here: prefetch's worker runs this while _pending holds its own future
+        import llguidance.numpy as lnp
+
+        lnp.fill_next_token_bitmask(self.matcher, self.mask, 0)
+        self._ready = True
 
     def wait(self) -> None:
         """Finish a background mask computation (prefetch), re-raising what it raised."""
@@ -310,11 +314,9 @@ def overlap_pays(threads: int) -> bool:
     forced = os.environ.get("CFLOW_MASK_OVERLAP")
     if forced in ("0", "1"):
         return forced == "1"
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    return cores > threads
+    from cflow.runtime.threads import usable_threads  # here: cflow.runtime imports this module
+
+    return usable_threads() > threads
 
 
 _POOL: ThreadPoolExecutor | None = None
@@ -343,12 +345,9 @@ def prefetch(constraints: Sequence[Constraint]) -> None:
 
 
 def _compute_all(todo: list[Constraint]) -> None:
-    import llguidance.numpy as lnp
-
     for c in todo:
         if not c._ready:
-            lnp.fill_next_token_bitmask(c.matcher, c.mask, 0)
-            c._ready = True
+            c._fill()
 
 
 def sample(sampler: Any, constraint: Constraint, logits: np.ndarray, history: Sequence[int]) -> int:
@@ -363,9 +362,15 @@ def sample(sampler: Any, constraint: Constraint, logits: np.ndarray, history: Se
     return sampler.sample(constraint.apply(logits), history)
 
 
-def compile_constraint(spec: ConstraintSpec | None, tokenizer: Any, n_vocab: int | None = None) -> Constraint | None:
-    """`spec` compiled against `tokenizer` (None stays None): ConstraintError when it is malformed."""
-    return None if spec is None else Constraint(spec, tokenizer, n_vocab)
+def compile_constraint(spec: "ConstraintSpec | Constraint | None", tokenizer: Any,
+                       n_vocab: int | None = None) -> Constraint | None:
+    """`spec` compiled against `tokenizer` (a compiled Constraint passes through; None stays None):
+    ConstraintError when it is malformed or not a constraint at all."""
+    if spec is None or isinstance(spec, Constraint):
+        return spec
+    if not isinstance(spec, ConstraintSpec):
+        raise ConstraintError(f"constraint must be a cflow.constrain.ConstraintSpec, got {type(spec).__name__}")
+    return Constraint(spec, tokenizer, n_vocab)
 
 
 def constraint_spec(json_schema: Any = None, grammar: str | None = None, regex: str | None = None,

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import numpy as np
 
-from cflow.constrain import overlap_pays, prefetch, sample as sample_constrained
+from cflow.constrain import compile_constraint, overlap_pays, prefetch, sample as sample_constrained
 from cflow.runtime.errors import ContextOverflowError, CorruptModelError, EngineError
 from cflow.sampling import Sampler, SamplingParams
 
@@ -163,7 +163,7 @@ class Generation:
             self.limit = min(self.limit, max_tokens)
         self.emitted = 0  # tokens sampled and passed to emit (a stop id included)
         self.hit = False  # a stop string ended generation
-        self.constraint = as_constraint(constraint, eng.tokenizer, eng.config.vocab_size)
+        self.constraint = compile_constraint(constraint, eng.tokenizer, eng.config.vocab_size)
         if self.constraint is not None:  # masks ahead: sampled, and a core free to compute them
             self.constraint.eager = not self.sampler.params.greedy and overlap_pays(eng.threads)
 
@@ -212,20 +212,6 @@ class Generation:
             return ""
         tail, _ = self.held.feed(self.detok.flush(), final=True)
         return tail
-
-
-def as_constraint(constraint: Any, tokenizer: Any, n_vocab: int) -> Any:
-    """A compiled cflow.constrain.Constraint from a ConstraintSpec (a Constraint passes through;
-    None stays None)."""
-    if constraint is None:
-        return None
-    from cflow.constrain import Constraint, ConstraintSpec
-
-    if isinstance(constraint, ConstraintSpec):
-        return Constraint(constraint, tokenizer, n_vocab)
-    if isinstance(constraint, Constraint):
-        return constraint
-    raise EngineError(f"constraint must be a cflow.constrain.ConstraintSpec, got {type(constraint).__name__}")
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

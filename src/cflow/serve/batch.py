@@ -82,8 +82,8 @@ import numpy as np
 
 from cflow.errors import CflowError
 from cflow.runtime.errors import ContextOverflowError, EngineError
-from cflow.constrain import overlap_pays, prefetch, sample as sample_constrained
-from cflow.runtime.generate import Completion, StopMatcher, Timings, as_constraint, check_finite, common_prefix
+from cflow.constrain import compile_constraint, overlap_pays, prefetch, sample as sample_constrained
+from cflow.runtime.generate import Completion, StopMatcher, Timings, check_finite, common_prefix
 from cflow.runtime.score import Scores, append_score, token_logprobs  # noqa: F401 (token_logprobs: its old home)
 from cflow.sampling import Sampler, SamplingParams
 from cflow.serve.speculate import SeqSpec, judge, resolve as resolve_speculative
@@ -337,7 +337,7 @@ class BatchGenerator:
         per_job = [params if i == 0 or seed is None or seed == -1 else dataclasses.replace(params, seed=seed + i)
                    for i in range(len(sinks))]
         # compiled here, in the caller's thread (it can take a while), once; each job gets its own matcher
-        first = as_constraint(constraint, self.backend.tokenizer, self.backend.vocab_size)
+        first = compile_constraint(constraint, self.backend.tokenizer, self.backend.vocab_size)
         if first is not None:  # masks ahead: sampled (greedy asks about the argmax first), and a core free
             first.eager = not params.greedy and self._overlap
         constraints = [first] + [first.copy() if first is not None else None for _ in sinks[1:]]
