@@ -141,7 +141,13 @@ def family_weights(family: str, seed: int = 0) -> dict[str, np.ndarray]:
     return w
 
 
-def write_family_gguf(path: Path, family: str, seed: int = 0) -> None:
+YARN_KEYS = {"rope.scaling.type": "yarn", "rope.scaling.factor": YARN_FACTOR,
+             "rope.scaling.original_context_length": YARN_ORIG}
+
+
+def write_family_gguf(path: Path, family: str, seed: int = 0, rope_keys: dict | None = None) -> None:
+    """`rope_keys`: {key under the arch's prefix: value} written over the family's own RoPE scaling
+    (llama_yarn: YARN_KEYS)."""
     w = family_weights(family, seed)
     hd = head_dim(family)
     if family in PERMUTED:  # a LlamaModel in convert_hf_to_gguf.py: Q and K permuted, biases too
@@ -166,10 +172,9 @@ def write_family_gguf(path: Path, family: str, seed: int = 0) -> None:
         wr.add_value_length(hd)
     if family == "mistral":
         wr.add_sliding_window(WINDOW)
-    if family == "llama_yarn":
-        wr.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-        wr.add_rope_scaling_factor(YARN_FACTOR)
-        wr.add_rope_scaling_orig_ctx_len(YARN_ORIG)
+    for key, v in {**(YARN_KEYS if family == "llama_yarn" else {}), **(rope_keys or {})}.items():
+        add = wr.add_string if isinstance(v, str) else wr.add_uint32 if isinstance(v, int) else wr.add_float32
+        add(f"{ARCH[family]}.{key}", v)
     add_tiny_tokenizer(wr)
     for name, x in w.items():
         add_tensor(wr, name, x, T.F32 if x.ndim == 1 else T.Q8_0)
@@ -521,23 +526,7 @@ def test_rope_scalings_cflow_does_not_run_are_refused_by_name(tmp_path, extra, m
     from cflow.convert.gguf import GGUFError
 
     src = tmp_path / "m.gguf"
-    w = family_weights("llama_yarn")
-    wr = gguf.GGUFWriter(str(src), "llama")
-    for f, v in ((wr.add_block_count, LAYERS), (wr.add_context_length, CTX), (wr.add_embedding_length, D),
-                 (wr.add_feed_forward_length, FF), (wr.add_head_count, HEADS), (wr.add_head_count_kv, KV_HEADS),
-                 (wr.add_rope_freq_base, THETA), (wr.add_layer_norm_rms_eps, EPS)):
-        f(v)
-    wr.add_rope_scaling_factor(YARN_FACTOR)
-    wr.add_rope_scaling_orig_ctx_len(YARN_ORIG)
-    for key, v in extra.items():
-        (wr.add_string if isinstance(v, str) else wr.add_float32)(f"llama.{key}", v)
-    add_tiny_tokenizer(wr)
-    for name, x in w.items():
-        add_tensor(wr, name, x, T.F32 if x.ndim == 1 else T.Q8_0)
-    wr.write_header_to_file()
-    wr.write_kv_data_to_file()
-    wr.write_tensors_to_file()
-    wr.close()
+    write_family_gguf(src, "llama_yarn", rope_keys=extra)
     with pytest.raises(GGUFError, match=match):
         convert(src, tmp_path / "m.cflow")
     assert not (tmp_path / "m.cflow").exists()

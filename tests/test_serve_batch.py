@@ -111,20 +111,26 @@ def test_batched_seeded_sampling_equals_engine_complete(engine, gen4):
         assert c.tokens == ref.tokens and c.text == ref.text, p
 
 
-def run_jobs(gen, jobs):
-    """Submit (prompt ids, submit kwargs) pairs at once; the tokens and the end event of each."""
+def run_job_events(gen, jobs, timeout: float = 60):
+    """Submit (prompt ids, submit kwargs) pairs at once; the Pieces and the end event of each."""
     q: queue.SimpleQueue = queue.SimpleQueue()
     for i, (ids, kw) in enumerate(jobs):
         gen.submit(ids, lambda ev, i=i: q.put((i, ev)), **kw)
-    toks: list[list[int]] = [[] for _ in jobs]
+    pieces: list[list[Piece]] = [[] for _ in jobs]
     ends: list = [None] * len(jobs)
     while any(e is None for e in ends):
-        i, ev = q.get(timeout=60)
+        i, ev = q.get(timeout=timeout)
         if isinstance(ev, Piece):
-            toks[i].append(ev.token)
+            pieces[i].append(ev)
         else:
             ends[i] = ev
-    return toks, ends
+    return pieces, ends
+
+
+def run_jobs(gen, jobs):
+    """run_job_events, with each job's tokens instead of its Pieces."""
+    pieces, ends = run_job_events(gen, jobs)
+    return [[p.token for p in ps] for ps in pieces], ends
 
 
 def test_mixed_sampling_settings_in_one_batch_equal_engine_complete(engine, gen4):

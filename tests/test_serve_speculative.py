@@ -22,7 +22,6 @@
 from __future__ import annotations
 
 import json
-import queue
 import subprocess
 import sys
 
@@ -32,8 +31,10 @@ from cflow.runtime import Engine, Speculative, SpeculativeError
 from cflow.runtime import speculative as sp
 from cflow.sampling import SamplingParams
 from cflow.serve.backend import EngineSlots, load_backend
-from cflow.serve.batch import BatchGenerator, Failed, Piece
+from cflow.serve.batch import BatchGenerator, Failed
 from cflow.serve.protocol import BadRequest, Defaults, parse_chat, parse_completion
+
+from test_serve_batch import run_job_events
 
 PASSAGE = ("Photosynthesis is the process by which green plants use sunlight to make food from carbon dioxide and "
            "water. It takes place in the chloroplasts, which contain the green pigment chlorophyll. Oxygen is "
@@ -53,19 +54,10 @@ def smol(smollm2_converted):
 
 
 def run_jobs(gen, jobs):
-    """Submit (prompt ids, submit kwargs) pairs at once: the Pieces and the end event of each."""
-    q: queue.SimpleQueue = queue.SimpleQueue()
-    for i, (ids, kw) in enumerate(jobs):
-        gen.submit(ids, lambda ev, i=i: q.put((i, ev)), **kw)
-    pieces: list[list[Piece]] = [[] for _ in jobs]
-    ends: list = [None] * len(jobs)
-    while any(e is None for e in ends):
-        i, ev = q.get(timeout=120)
-        if isinstance(ev, Piece):
-            pieces[i].append(ev)
-        else:
-            assert not isinstance(ev, Failed), ev.error
-            ends[i] = ev
+    """test_serve_batch.run_job_events (the Pieces and the end event of each job), none failed."""
+    pieces, ends = run_job_events(gen, jobs, timeout=120)
+    for end in ends:
+        assert not isinstance(end, Failed), end.error
     return pieces, ends
 
 
