@@ -5,27 +5,54 @@ runs, or files given in the rule's order: arch1, its A/A copy, arch4, arch2_4_co
 
 Per file: the A/A control and the sync control by mode (the run is valid only within 0.95-1.05;
 the sync control counts in a same-routing run, named by "same" in the file name), each delayed
-preset's median per-round ratio to arch1 in the same mode and its verdict (>= 1.05 buys, <= 0.95
-costs), the issue's target (arch4 async:16 over its sync, and over arch1's fastest async mode),
-and the next-layer gate's pooled ratio async:16 / async:16:opennext.
+preset's ratio to arch1 in the same mode and its verdict (>= 1.05 buys, <= 0.95 costs), the
+issue's target (arch4 async:16 over its sync, and over arch1's fastest async mode), and the
+next-layer gate's pooled ratio async:16 / async:16:opennext.
+
+Every ratio is the rule's statistic for the file's protocol: the median of the per-round ratios for
+one process (the rule of 2026-12-03); for a file pooled from `expert_io_ab.py --processes N` (its
+results carry `process_rounds`: the rule as revised on 2026-12-05), each process's median
+per-round ratio, then their geometric mean, so that every load order weighs alike.
 """
 import json
+import math
 import statistics
 import sys
 from pathlib import Path
 
+BLOCKS: list[int] | None = None  # rounds per process of the file being judged (None: one process)
+
+
+def per_process(per_round: list[float]) -> list[float]:
+    """Each process's median of a per-round series (one process: the one median)."""
+    blocks = BLOCKS or [len(per_round)]
+    meds, lo = [], 0
+    for n in blocks:
+        meds.append(statistics.median(per_round[lo:lo + n]))
+        lo += n
+    return meds
+
+
+def combine(per_round: list[float]) -> float:
+    meds = per_process(per_round)
+    return math.exp(sum(math.log(v) for v in meds) / len(meds))
+
+
 def med_ratio(a, b):  # tok/s of b's engine over a's: a_ms / b_ms per round
-    return statistics.median([x / y for x, y in zip(a, b)])
+    return combine([x / y for x, y in zip(a, b)])
+
 
 def verdicts(path, same_routing):
+    global BLOCKS
     res = json.load(open(path))
+    BLOCKS = res[0].get("process_rounds")
     names = [r["model"].rsplit(" as ", 1)[-1] if " as " in r["model"] else Path(r["model"]).stem.replace("-s", "")
              for r in res]
     names[1] = names[1] + " (A/A)"
     modes = list(res[0]["modes"])
     ms = {(names[i], m): res[i]["modes"][m]["samples_ms"] for i in range(len(res)) for m in modes}
     base = names[0]
-    out = {"file": path, "budget": res[0]["budget"], "rounds": res[0]["rounds"]}
+    out = {"file": path, "budget": res[0]["budget"], "rounds": res[0]["rounds"], "process_rounds": BLOCKS}
     aa = {m: med_ratio(ms[base, m], ms[names[1], m]) for m in modes}
     out["aa"] = aa
     valid = all(0.95 <= v <= 1.05 for v in aa.values())
@@ -50,11 +77,13 @@ def verdicts(path, same_routing):
         out["target_vs_best_d0"] = med_ratio(ms[base, best], ms["arch4", "async:16"])
         out["target_met"] = out["target_vs_sync"] >= 1.5 and out["target_vs_best_d0"] >= 1.2
     # gate: async:16 / async:16:opennext per round, pooled over arch1, arch4, a24 (not the A/A copy)
-    if "async:16:opennext" in modes:
-        per = []
-        for n in [base] + names[2:]:
-            per += [o / g for g, o in zip(ms[n, "async:16"], ms[n, "async:16:opennext"])]
-        out["gate_ratio"] = statistics.median(per)
+    if "async:16:opennext" in modes:  # per process: the median over its rounds of all three presets
+        series = {n: [o / g for g, o in zip(ms[n, "async:16"], ms[n, "async:16:opennext"])] for n in [base] + names[2:]}
+        blocks, meds, lo = BLOCKS or [len(ms[base, "sync"])], [], 0
+        for k in blocks:
+            meds.append(statistics.median([v for s_ in series.values() for v in s_[lo:lo + k]]))
+            lo += k
+        out["gate_ratio"] = math.exp(sum(math.log(v) for v in meds) / len(meds))
         out["gate_ships"] = out["gate_ratio"] >= 1.0
         out["gate_per_preset"] = {n: med_ratio(ms[n, "async:16:opennext"], ms[n, "async:16"]) for n in [base] + names[2:]}
     return out

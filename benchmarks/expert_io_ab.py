@@ -28,6 +28,16 @@ but the plan differs), so every engine reads the same bytes of the same file: no
 files, of where they sit on the disk or of what the host has cached of them can enter the
 comparison. A preset named twice is the A/A control (two engines, two caches, one plan).
 
+Load order (`--processes N`): on the VM these pages were measured on, the first engine a process loads
+decodes 1.1-1.3x slower than identical engines loaded after it (an A/A control caught it; cause not
+found), so an engine's place in the load order is a bias no rotation of turns inside a process can
+remove. `--processes N` runs the comparison in N fresh processes one after the other, process p
+loading the models (and each model's modes) rotated by p -- with N = the number of models, a Latin
+square: every model is loaded in every position once -- and pools them: per-round samples
+concatenated (rounds pair within a process), and each ratio also as the geometric mean over the
+processes of each process's median per-round ratio (`*_latin`), which weighs every load order
+alike. `--rotate-load P` is one such process by hand.
+
 Each engine holds its own cache (budget x all experts' bytes): four modes at 97% of a 2.7 GB model
 take about 10 GB of memory. Not for a memory-limited run (use moe_bench.py --limits).
 """
@@ -37,8 +47,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import math
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -121,15 +134,23 @@ def prepare(path: str, n_tok: int, corpus: str | None, trace, arch: str | None =
             "trace": trace, "corpus": corpus, "arch": arch}
 
 
+def rotated(items: list, by: int) -> list:
+    k = by % len(items) if items else 0
+    return items[k:] + items[:k]
+
+
 def measure(subjects: list[dict], budget: float, modes: list[str], threads: int, rounds: int, per_round: int,
-            warmup: int) -> list[dict]:
+            warmup: int, rotate: int = 0) -> list[dict]:
     """Every (subject, mode) engine decodes its subject's tokens; all of them take turns in each
-    round (the order rotating), so a drift of the machine hits every engine alike."""
+    round (the order rotating), so a drift of the machine hits every engine alike. The engines are
+    loaded subject by subject, the subjects and each subject's modes rotated by `rotate` (the
+    process's row of the load-order Latin square; results stay in the subjects' order)."""
     from cflow.runtime.experts import speculation_hit_rate
 
     engines = {}
-    for si, sub in enumerate(subjects):
-        for m in modes:
+    for si in rotated(list(range(len(subjects))), rotate):
+        sub = subjects[si]
+        for m in rotated(list(modes), rotate):
             io, sp, reader, keep, gate_next = parse_mode(m)
             os.environ["CFLOW_EXPERT_READER"] = "threads" if reader == "threads" else "auto"  # read at load
             os.environ["CFLOW_EXPERT_QD"] = reader[2:] if reader.startswith("qd") else ""
@@ -160,17 +181,13 @@ def measure(subjects: list[dict], budget: float, modes: list[str], threads: int,
             ms[k].append(dt / per_round * 1e3)
             stall[k].append((eng.counters()["io_stall_ns"] - c0["io_stall_ns"]) / per_round / 1e6)
 
-    def ratio(num: list[float], den: list[float]) -> list[float]:  # tok/s of den's engine over num's: speed-up
-        per = [a / b for a, b in zip(num, den)]
-        return [statistics.median(per), min(per), max(per)]
-
     results = []
     for si, sub in enumerate(subjects):
         trace = sub["trace"]
         out = {"model": sub["path"] + (f" as {sub['arch']}" if sub.get("arch") else ""), "budget": budget, "threads": threads, "rounds": rounds, "per_round": per_round,
                "tokens": "held-out stories of " + sub["corpus"] if sub["corpus"] else "random",
                "routes": trace.meta.get("source", "a trace") if trace is not None else "the model's own",
-               "modes": {}}
+               "load_rotation": rotate, "modes": {}}
         for m in modes:
             c = engines[si, m].counters()
             looked = c["cache_hits"] + c["cache_misses"]
@@ -182,18 +199,97 @@ def measure(subjects: list[dict], budget: float, modes: list[str], threads: int,
                 "ratio_to_sync": ratio(ms[si, "sync"], ms[si, m]) if "sync" in modes else None,
                 # the same mode on the first subject, round by round (--together)
                 "ratio_to_first": ratio(ms[0, m], ms[si, m]) if si else None,
-                "samples_ms": ms[si, m]}
+                "samples_ms": ms[si, m], "stall_samples_ms": stall[si, m]}
             engines[si, m].close()
         results.append(out)
     return results
 
 
+def ratio(num: list[float], den: list[float]) -> list[float]:
+    """Per round, num's ms over den's ms (den's engine's speed-up): [median, min, max]."""
+    per = [a / b for a, b in zip(num, den)]
+    return [statistics.median(per), min(per), max(per)]
+
+
+def latin(num: list[float], den: list[float], blocks: list[int]) -> float:
+    """The geometric mean over processes (blocks of rounds) of each process's median per-round ratio."""
+    meds, lo = [], 0
+    for n in blocks:
+        meds.append(statistics.median(a / b for a, b in zip(num[lo:lo + n], den[lo:lo + n])))
+        lo += n
+    return math.exp(sum(math.log(v) for v in meds) / len(meds))
+
+
+def pool(runs: list[list[dict]]) -> list[dict]:
+    """One result list from several processes' (each a list over the same subjects and modes):
+    samples concatenated in process order (round i of a process pairs with round i of the same
+    process), medians and ratios over the concatenation, counters averaged, and each ratio's
+    load-order-balanced value (`ratio_to_sync_latin`, `ratio_to_first_latin`)."""
+    blocks = [runs_i[0]["rounds"] for runs_i in runs]
+    pooled = []
+    for si, first in enumerate(runs[0]):
+        out = {k: v for k, v in first.items() if k not in ("modes", "load_rotation", "rounds")}
+        out.update(rounds=sum(blocks), process_rounds=blocks, load_rotations=[r[si]["load_rotation"] for r in runs],
+                   modes={})
+        for m in first["modes"]:
+            per = [r[si]["modes"][m] for r in runs]
+            samples = [x for p in per for x in p["samples_ms"]]
+            stalls = [x for p in per for x in p["stall_samples_ms"]]
+
+            def mean(key):
+                vals = [p[key] for p in per if p[key] is not None]
+                return sum(vals) / len(vals) if vals else None
+
+            x = {"ms_per_token": statistics.median(samples), "stall_ms_per_token": statistics.median(stalls),
+                 "disk_mb_per_token": mean("disk_mb_per_token"), "cache_hit_rate": mean("cache_hit_rate"),
+                 "speculation_hit_rate": mean("speculation_hit_rate"), "samples_ms": samples, "stall_samples_ms": stalls}
+            out["modes"][m] = x
+        pooled.append(out)
+    modes = list(pooled[0]["modes"])
+    for si, out in enumerate(pooled):
+        for m, x in out["modes"].items():
+            sync = pooled[si]["modes"].get("sync")
+            x["ratio_to_sync"] = ratio(sync["samples_ms"], x["samples_ms"]) if sync else None
+            x["ratio_to_sync_latin"] = latin(sync["samples_ms"], x["samples_ms"], blocks) if sync else None
+            ref = pooled[0]["modes"][m]["samples_ms"]
+            x["ratio_to_first"] = ratio(ref, x["samples_ms"]) if si else None
+            x["ratio_to_first_latin"] = latin(ref, x["samples_ms"], blocks) if si else None
+    assert all(set(o["modes"]) == set(modes) for o in pooled)
+    return pooled
+
+
+def in_processes(argv: list[str], n: int) -> list[dict]:
+    """Run this script's comparison (argv without --processes/--out) in n fresh processes, process
+    p loading the engines rotated by p; pool their results (per budget)."""
+    with tempfile.TemporaryDirectory(prefix="expert_io_ab.") as tmp:
+        runs = []
+        for p in range(n):
+            out = Path(tmp) / f"p{p}"
+            print(f"-- process {p + 1}/{n}: load order rotated by {p}", flush=True)
+            subprocess.run([sys.executable, str(Path(__file__).resolve()), *argv, "--rotate-load", str(p),
+                            "--out", str(out)], check=True)
+            runs.append(json.loads(out.with_suffix(".json").read_text()))
+    n_groups = len(runs[0])
+    if any(len(r) != n_groups for r in runs):
+        raise SystemExit("the processes reported different numbers of results")
+    # each process's list: budgets x groups x subjects, in the same order; pool position by position
+    results, i = [], 0
+    while i < n_groups:
+        width = sum(1 for r in runs[0][i:] if r["budget"] == runs[0][i]["budget"])
+        results += pool([r[i:i + width] for r in runs])
+        i += width
+    return results
+
+
 def table(results: list[dict]) -> str:
     first = any(x.get("ratio_to_first") for r in results for x in r["modes"].values())
+    latin_cols = any("ratio_to_sync_latin" in x for r in results for x in r["modes"].values())
     lines = ["| model | routes | budget | mode | ms/token | tok/s | I/O stall ms/token | sync: I/O / compute "
              "| disk MB/token | cache hits | speculation hits | × sync (median, min–max over rounds) |"
-             + (" × the first model's same mode |" if first else ""),
-             "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|" + ("---|" if first else "")]
+             + (" × the first model's same mode |" if first else "")
+             + (" × sync, load-balanced | × the first model's, load-balanced |" if latin_cols else ""),
+             "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|" + ("---|" if first else "")
+             + ("---:|---:|" if latin_cols else "")]
     for r in results:
         sync = r["modes"].get("sync")
         split = (f"{sync['stall_ms_per_token'] / max(sync['ms_per_token'] - sync['stall_ms_per_token'], 1e-9):.2f}"
@@ -203,10 +299,13 @@ def table(results: list[dict]) -> str:
         for m, x in r["modes"].items():
             pct = (lambda v: "–" if v is None else f"{v:.0%}")
             rat = (lambda v: f"{v[0]:.2f}× ({v[1]:.2f}–{v[2]:.2f})" if v else "–")
+            num = (lambda v: "–" if v is None else f"{v:.2f}×")
             lines.append(f"| {Path(r['model']).name} | {routes} | {r['budget']:.0%} | {m} | {x['ms_per_token']:.1f} | "
                          f"{1e3 / x['ms_per_token']:.1f} | {x['stall_ms_per_token']:.1f} | {split} | "
                          f"{x['disk_mb_per_token']:.1f} | {pct(x['cache_hit_rate'])} | {pct(x['speculation_hit_rate'])} | "
-                         f"{rat(x['ratio_to_sync'])} |" + (f" {rat(x.get('ratio_to_first'))} |" if first else ""))
+                         f"{rat(x['ratio_to_sync'])} |" + (f" {rat(x.get('ratio_to_first'))} |" if first else "")
+                         + (f" {num(x.get('ratio_to_sync_latin'))} | {num(x.get('ratio_to_first_latin'))} |"
+                            if latin_cols else ""))
     return "\n".join(lines)
 
 
@@ -235,8 +334,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--as-arch", help="comma-separated presets: load the ONE model file once per preset, with "
                     "that preset's delays and MoE input (the delays alone, on the same bytes; a preset twice is "
                     "the A/A control); implies --together")
+    ap.add_argument("--processes", type=int, default=1,
+                    help="run the comparison in N fresh processes, process p loading the models and modes rotated "
+                    "by p (N = the number of models: a Latin square of load orders), and pool them (see above)")
+    ap.add_argument("--rotate-load", type=int, default=0, help="load the models and modes rotated by P (one "
+                    "process of --processes)")
     ap.add_argument("--out", default=None, help="write OUT.md and OUT.json")
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = ap.parse_args(argv)
+    if args.processes < 1:
+        ap.error("--processes must be >= 1")
+    if args.processes > 1:
+        child = strip_options(argv, {"--processes": 1, "--out": 1, "--rotate-load": 1})
+        results = in_processes(child, args.processes)
+        return report(results, argv, args.out)
     from cflow.runtime.routes import RouteTrace
 
     modes = args.modes.split(",")
@@ -264,14 +375,33 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for b in (float(x) for x in args.budgets.split(",")):
         for group in groups:
-            got = measure(group, b, modes, args.threads, args.rounds, args.per_round, args.warmup)
+            got = measure(group, b, modes, args.threads, args.rounds, args.per_round, args.warmup, args.rotate_load)
             results += got
             print(table(got).split("\n", 2)[2], flush=True)
-    text = (f"Command: `python benchmarks/expert_io_ab.py {' '.join(argv if argv is not None else sys.argv[1:])}`\n\n"
-            + table(results) + "\n")
+    return report(results, argv, args.out)
+
+
+def strip_options(argv: list[str], drop: dict[str, int]) -> list[str]:
+    """argv without the named options (each with its value, as `--opt V` or `--opt=V`)."""
+    out, i = [], 0
+    while i < len(argv):
+        a = argv[i]
+        if a in drop:
+            i += 1 + drop[a]
+            continue
+        if a.split("=", 1)[0] in drop and "=" in a:
+            i += 1
+            continue
+        out.append(a)
+        i += 1
+    return out
+
+
+def report(results: list[dict], argv: list[str], out_path: str | None) -> int:
+    text = f"Command: `python benchmarks/expert_io_ab.py {' '.join(argv)}`\n\n" + table(results) + "\n"
     print(text)
-    if args.out:
-        out = Path(args.out)
+    if out_path:
+        out = Path(out_path)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.with_suffix(".md").write_text(text)
         out.with_suffix(".json").write_text(json.dumps(results, indent=1))

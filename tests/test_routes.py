@@ -302,3 +302,48 @@ def test_the_replay_benchmark_loads_one_file_as_each_preset(models, tmp_path, mo
     syncs = {r["modes"]["sync"]["disk_mb_per_token"] for r in res}
     assert len(syncs) == 1 and syncs.pop() > 0  # the same routing, file and budget: the same misses
     assert res[1]["modes"]["async:2:opennext"]["ratio_to_first"] is not None
+
+
+def test_the_replay_benchmark_balances_load_order_across_processes(models, tmp_path, monkeypatch):
+    """expert_io_ab.py --processes N: N fresh processes, process p loading the engines rotated by p
+    (each model in each load position once when N = the number of models), pooled: every process's
+    rounds concatenated, and the load-order-balanced ratios beside the plain ones."""
+    import json
+
+    with expert_io_ab(monkeypatch) as mod:
+        trace, _ = recorded(models["a24"])
+        tpath = trace.save(tmp_path / "a24.npz")
+        out = tmp_path / "ab"
+        assert mod.main([str(models["a24"]), "--as-arch", "arch1,arch1,arch2_4_combined", "--trace", str(tpath),
+                         "--budgets", "0.6", "--modes", "sync,async:off", "--rounds", "2", "--per-round", "2",
+                         "--warmup", "2", "--processes", "3", "--out", str(out)]) == 0
+    res = json.loads(out.with_suffix(".json").read_text())
+    assert [r["model"].rsplit(" as ", 1)[1] for r in res] == ["arch1", "arch1", "arch2_4_combined"]
+    for r in res:
+        assert r["process_rounds"] == [2, 2, 2] and r["load_rotations"] == [0, 1, 2] and r["rounds"] == 6
+        for x in r["modes"].values():
+            assert len(x["samples_ms"]) == 6 and len(x["stall_samples_ms"]) == 6
+            assert x["ratio_to_sync_latin"] > 0
+    assert res[0]["modes"]["sync"]["ratio_to_first_latin"] is None and res[1]["modes"]["sync"]["ratio_to_first_latin"] > 0
+    assert res[0]["modes"]["sync"]["ratio_to_sync_latin"] == pytest.approx(1.0)
+
+
+def test_the_load_balanced_ratio_cancels_a_handicap_that_follows_the_load_order(monkeypatch):
+    """Two identical engines; whichever a process loads first runs 1.25x slower. One process (A first)
+    shows a 1.25x A/A gap; two processes with the order swapped pool to 1.0 under the balanced
+    statistic. The plain pooled median does not cancel it when the processes' spreads differ."""
+    with expert_io_ab(monkeypatch) as mod:
+        a = [125.0, 126.0, 124.0, 100.0, 101.0, 99.0]  # process 0: A loaded first; process 1: B first
+        b = [100.0, 100.0, 100.0, 125.0, 125.0, 125.0]
+        one = mod.ratio(a[:3], b[:3])[0]
+        assert one == pytest.approx(1.25)
+        assert mod.latin(a, b, [3, 3]) == pytest.approx(1.0, abs=0.01)
+        runs = [[{"model": m, "budget": 0.5, "threads": 1, "rounds": 3, "per_round": 1, "tokens": "random",
+                  "routes": "own", "load_rotation": p,
+                  "modes": {"sync": {"ms_per_token": 0, "stall_ms_per_token": 0, "disk_mb_per_token": 1.0,
+                                     "cache_hit_rate": 0.5, "speculation_hit_rate": None,
+                                     "samples_ms": s[3 * p:3 * p + 3], "stall_samples_ms": [0.0] * 3}}}
+                 for m, s in (("A", a), ("B", b))] for p in (0, 1)]
+        pooled = mod.pool(runs)
+    assert pooled[1]["modes"]["sync"]["ratio_to_first_latin"] == pytest.approx(1.0, abs=0.01)
+    assert pooled[1]["modes"]["sync"]["samples_ms"] == b and pooled[0]["process_rounds"] == [3, 3]
