@@ -281,6 +281,14 @@ def test_request_field_parses():
         with pytest.raises(BadRequest) as e:
             parse_completion({**body, "speculative": bad}, d)
         assert e.value.param == "speculative" and e.value.status == 400, bad
+    # llama-server's flat keys read as the object; with the object too, or wrong, a named 400
+    flat = parse_completion({**body, "speculative.n_max": 3, "speculative.n_min": 2}, d).speculative
+    assert flat == Speculative("ngram", draft_max=3, draft_min=2)
+    assert parse_completion({**body, "speculative.n_max": 4}, on).speculative == Speculative("ngram", draft_max=4)
+    for bad in ({"speculative.n_max": 0}, {"speculative.p_min": 0.5}, {"speculative.n_max": 3, "speculative": "ngram"}):
+        with pytest.raises(BadRequest) as e:
+            parse_completion({**body, **bad}, d)
+        assert e.value.param == "speculative" and e.value.status == 400, bad
 
 
 def test_cli_refuses_a_draft_model_and_mtp(tmp_path):

@@ -33,7 +33,8 @@ queued, so a malformed one is a 400 naming the field and llguidance's reason.
 speculative (cflow's own; cflow.serve.speculate): "ngram" (prompt lookup: the request's decode
 rows carry the tokens its prompt and output suggest, verified in the same call; the answer is
 what plain decoding gives), "off", true/false, or llama-server's object {"n_max": N, "n_min": M}
-(at most N, at least M proposed tokens per step; turns the n-gram lookup on). Absent: the
+(at most N, at least M proposed tokens per step; turns the n-gram lookup on), also spelled as
+llama-server's flat keys "speculative.n_max" / "speculative.n_min". Absent: the
 server's default (`cflow serve --spec ngram|off`, whose --draft-max, --draft-min and
 --spec-ngram-min/max an "ngram" or object request starts from). A request with a structured-output
 constraint never speculates.
@@ -281,6 +282,12 @@ def _speculative(body: dict[str, Any], default: Any) -> Any:
     from cflow.runtime.speculative import Speculative, SpeculativeError
 
     v = body.get("speculative")
+    flat = {k.split(".", 1)[1]: x for k, x in body.items() if k.startswith("speculative.")}
+    if flat:  # llama-server's spelling: "speculative.n_max": N at the top level of the body
+        if v is not None:
+            raise BadRequest("give 'speculative' or llama-server's flat keys ('speculative.n_max', "
+                             "'speculative.n_min'), not both", "speculative", "invalid_value")
+        v = flat
     if v is None:
         return default
     base = default if default is not None else Speculative("ngram")
