@@ -211,3 +211,48 @@ def test_cli_bench_reports_the_disk_tier(tiny_model, capsys):
     assert main(["bench", "-m", str(path), "-t", "1", "-p", "0", "-n", "2", "-r", "1", "--no-probe",
                  "--no-footprint", "--experts", "ram", "--json", "-q"]) == 0
     assert json.loads(capsys.readouterr().out)["rows"][0].get("disk_bytes_per_token") is None
+
+
+def test_spec_test_runs_plain_and_speculative_side_by_side(smollm2_converted, capsys):
+    """--spec ngram on SmolLM2: one speculative row per thread count, both decodings of exactly -n
+    tokens from the default grounded prompt (a shipped story under the chat template), the same
+    greedy tokens, the proposer's counts; JSON and markdown carry them."""
+    from cflow.bench.speculative import GROUNDED_ASK
+    from cflow.runtime.speculative import Speculative
+
+    rep = bench(smollm2_converted, threads=[1], pp=0, tg=24, reps=2, probe=False, footprint=False,
+                spec=Speculative("ngram"))
+    (row,) = rep.spec_rows
+    assert row.proposer == "ngram" and row.threads == 1 and row.n_tokens == 24 and row.prompt_tokens > 50
+    assert len(row.plain_ts) == len(row.spec_ts) == 2 and row.identical
+    assert row.rounds > 0 and 0 <= row.accepted <= row.drafted
+    d = rep.to_dict()["speculative"][0]
+    assert d["speedup"] > 0 and d["acceptance_rate"] == row.acceptance_rate
+    assert "| 1 | ngram |" in rep.to_markdown()
+    from cflow.bench.speculative import default_prompt
+    from cflow.runtime import Engine
+
+    with Engine.load(smollm2_converted, threads=1) as eng:
+        ids = default_prompt(eng)
+        text = eng.tokenizer.decode(ids)
+    assert len(ids) == row.prompt_tokens and GROUNDED_ASK.strip() in text and "<|im_start|>user" in text
+    assert main(["bench", "-m", str(smollm2_converted), "-t", "1", "-p", "0", "-n", "8", "-r", "1", "--no-probe",
+                 "--no-footprint", "-q", "--json", "--spec", "ngram", "--spec-prompt",
+                 "one two three four one two three four one two"]) == 0
+    (got,) = json.loads(capsys.readouterr().out)["speculative"]
+    assert got["n_tokens"] == 8 and got["identical"] and got["prompt_tokens"] >= 10
+
+
+def test_spec_test_bad_requests(tiny_model, capsys):
+    path, _ = tiny_model
+    for args, want in ((["--spec-prompt", "x"], "--spec-prompt"), (["--spec", "ngram", "--profile"], "--spec"),
+                       (["--spec", "mtp"], "--mtp"),  # a model without heads: refused before any test runs
+                       (["--spec", "ngram", "--spec-prompt", "@/nonexistent/p.txt"], "--spec-prompt")):
+        code = main(["bench", "-m", str(path), "-t", "1", "-p", "0", "-n", "4", "-r", "1", "--no-probe",
+                     "--no-footprint", "-q", *args])
+        err = capsys.readouterr().err
+        assert code != 0 and want in err, (args, err)
+    with pytest.raises(CflowError, match="-n >= 1"):
+        from cflow.runtime.speculative import Speculative
+
+        bench(path, threads=[1], pp=4, tg=0, reps=1, probe=False, footprint=False, spec=Speculative("ngram"))

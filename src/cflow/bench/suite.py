@@ -101,6 +101,7 @@ class BenchReport:
     experts: dict | None = None  # disk residency: Engine.expert_cache plus why (None: experts in RAM)
     expert_rows: dict[str, dict] = field(default_factory=dict)  # "threads:test" -> CflowRunner.expert_stats()
     prefetch: str = "default"  # cflow's software prefetch: "default", "off" or bytes ahead (prefetch.label)
+    spec_rows: list = field(default_factory=list)  # cflow.bench.speculative.SpecRow per thread count (--spec)
     date: str = field(default_factory=lambda: _dt.datetime.now().isoformat(timespec="seconds"))
 
     def ratio(self, row: BenchRow) -> float | None:
@@ -123,6 +124,7 @@ class BenchReport:
             "rows": [dict(r.to_dict(), ratio_cflow_over_this=self.ratio(r), pct_of_probe=self._pct(r),
                           prefetch=self.prefetch if r.engine == "cflow" else None,
                           **self._compute_fields(r), **self._expert_fields(r)) for r in self.rows],
+            "speculative": [r.to_dict() for r in self.spec_rows],
         }
 
     def _expert_fields(self, row: BenchRow) -> dict:
@@ -243,13 +245,20 @@ class BenchReport:
                 f"{r.bytes_per_token / 1e6:.1f} | {r.effective_gbs:.1f} | " if r.bytes_per_token else
                 f"| {r.engine} | {r.threads} | {r.test} | {r.mean_ts:.2f} ± {r.stddev_ts:.2f} | – | – | ")
             lines[-1] += (f"{pct:.0f}% | " if pct else "– | ") + (f"{ratio:.2f}× |" if ratio else "– |")
+        if self.spec_rows:
+            from cflow.bench.speculative import MARKDOWN_HEAD
+
+            lines += ["", "Speculative decoding against plain greedy decoding from the same prompt (both generate "
+                      "exactly the same number of tokens, alternating):", "", MARKDOWN_HEAD,
+                      *(r.markdown_row() for r in self.spec_rows)]
         return "\n".join(lines)
 
 
 def bench(model: str | Path, *, threads: list[int] | None = None, pp: int = 512, tg: int = 128,
           reps: int = 5, warmup: bool = True, compare: str | None = None, n_ctx: int | None = None,
           probe: bool = True, footprint: bool = True, progress: Callable[[str], None] | None = None,
-          depths: list[int] | None = None, options: EngineOptions | None = None, **overrides: Any) -> BenchReport:
+          depths: list[int] | None = None, options: EngineOptions | None = None, spec: Any = None,
+          spec_prompt: str | None = None, **overrides: Any) -> BenchReport:
     """Run the suite. threads: the counts to test (default: every usable core; 0 also means that);
     the tg test always runs exactly `tg` decode steps, whatever token comes (EOS included), like
     llama-bench; depths: context depths to run each test at (llama-bench's -d; default [0]).
@@ -260,7 +269,10 @@ def bench(model: str | Path, *, threads: list[int] | None = None, pp: int = 512,
     place a MoE model's experts; prefetch is the kernels' software prefetch, None (default), 0
     (off) or bytes ahead, recorded in every cflow row. cache_type_k, cache_type_v: the KV cache's
     row types ("f16", "q8_0"), for cflow and for the llama.cpp baseline alike (its type_k / type_v;
-    a q8_0 V cache needs its flash attention, which is then on for it); every row records them."""
+    a q8_0 V cache needs its flash attention, which is then on for it); every row records them.
+    spec (a cflow.runtime.speculative.Speculative; its draft, if any, a path loaded here at each
+    thread count): also time speculative against plain greedy decoding of `tg` tokens from
+    `spec_prompt` (text or token ids; default: cflow.bench.speculative.default_prompt), report.spec_rows."""
     from cflow.bench.bandwidth import int8_peak, read_bandwidth
 
     model = str(model)
@@ -275,15 +287,24 @@ def bench(model: str | Path, *, threads: list[int] | None = None, pp: int = 512,
 
     opts = EngineOptions.build(options, **overrides)  # a bad value fails before anything runs
     # Loading once up front converts a .gguf into the cache and tells us the model's context limit.
+    if spec is not None and tg < 1:
+        raise CflowError("the speculative test generates -n tokens: give -n >= 1")
     with CflowRunner(model, threads[0], None, progress=progress, options=opts).engine as eng:
         max_ctx = eng.config.max_seq_len
         table_bytes = eng.weight_bytes_per_token()
         macs = eng.matmul_macs_per_token()
         isa = eng.isa
+        if spec is not None and spec_prompt is None:
+            from cflow.bench.speculative import default_prompt
+
+            spec_prompt = default_prompt(eng)
+        spec_need = len(eng.encode(spec_prompt)) + tg + 1 if spec is not None else 0
+        if spec is not None and spec.proposer == "mtp":
+            eng.mtp  # noqa: B018 (a model without heads is refused now, before any test runs)
     depths = list(depths or [0])
     if any(d < 0 for d in depths):
         raise CflowError(f"depths must be >= 0, got {depths}")
-    need = max(depths) + max(pp, tg)
+    need = max(max(depths) + max(pp, tg), spec_need)
     n_ctx = n_ctx or min(max_ctx, need + 8)  # like llama-bench: room for the test, no more
     if need > n_ctx:
         raise CflowError(f"the test needs {need} positions (depth {max(depths)} + {max(pp, tg)}) but the context "
@@ -345,7 +366,30 @@ def bench(model: str | Path, *, threads: list[int] | None = None, pp: int = 512,
                 r.bytes_per_token = ours.get(r.test)
         report.rows += rows
         report.machine["isa"] = runners[0].engine.isa
+        if spec is not None:
+            report.spec_rows.append(_spec_test(runners[0].engine, spec, spec_prompt, tg, reps, warmup, opts, n_ctx,
+                                               progress))
         for r in runners:
             if hasattr(r, "close"):
                 r.close()
     return report
+
+
+def _spec_test(eng, spec, prompt, n: int, reps: int, warmup: bool, opts: EngineOptions, n_ctx: int,
+               progress):
+    """The speculative test on `eng`, its draft model (a path in `spec`) loaded with the same options."""
+    import dataclasses
+
+    from cflow.bench.speculative import run_spec_test
+    from cflow.runtime import Engine
+    from cflow.runtime.speculative import resolve
+
+    draft = None
+    if spec.draft is not None:
+        draft = Engine.load(spec.draft, opts.replace(threads=eng.threads, n_ctx=n_ctx), log=progress)
+        spec = dataclasses.replace(spec, draft=draft)
+    try:
+        return run_spec_test(eng, resolve(spec, eng), prompt, n, reps, warmup, progress)
+    finally:
+        if draft is not None:
+            draft.close()

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from cflow.cli.common import (UsageError, add_cache_flags, add_command, add_expert_flags, add_verify_flag,
-                              engine_options, load_error, write_text)
+from cflow.cli.common import (UsageError, add_cache_flags, add_command, add_expert_flags, add_speculative_flags,
+                              add_verify_flag, check_speculative, engine_options, load_error, write_text)
 from cflow.fsutil import check_writable
 
 
@@ -58,6 +58,14 @@ examples:
   cflow bench -m smollm2.cflow -t 1,2 --profile --trace trace.json
   cflow bench -m smollm2.cflow -t 1 --prefetch 1024 --json --out pf1024.json
   cflow bench -m smollm2.cflow -t 2 -p 0 -n 32 --profile --batch 8   # + batched steps of 8 sequences
+  cflow bench -m SmolLM2-135M-Instruct.Q4_1.gguf -t 2 -p 0 -n 128 --spec ngram --json
+  cflow bench -m big.gguf --model-draft small.gguf -p 0 --spec-prompt @article_and_question.txt
+
+With --spec (ngram, draft or mtp) every thread count also runs a speculative test: plain and
+speculative greedy decoding each generate exactly -n tokens from --spec-prompt (by default a story
+from the package's corpus and the request to repeat it: an input-grounded task), alternating; the
+report gives both speeds, their ratio, the acceptance rate, the accepted tokens per verification
+call and whether the two outputs were identical.
 """
 
 
@@ -84,6 +92,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_verify_flag(p)
     add_cache_flags(p)
     add_expert_flags(p)
+    add_speculative_flags(p)
+    p.add_argument("--spec-prompt", default=None, metavar="TEXT|@FILE",
+                   help="with --spec: the prompt the speculative test decodes from (@FILE reads a UTF-8 file); "
+                   "default: a shipped story and the request to repeat it")
     p.add_argument("--prefetch", type=_prefetch, default=None, metavar="off|default|N",
                    help="software prefetch (PREFETCHT0) in cflow's kernels (claim C6; not --expert-speculation, "
                    "which reads experts from disk early): default = each kernel's own choice (mat-vec and gate/up "
@@ -158,6 +170,15 @@ def run_claims(args: argparse.Namespace) -> int:
     return 0
 
 
+def _read_prompt(text: str) -> str:
+    if not text.startswith("@"):
+        return text
+    try:
+        return open(text[1:], encoding="utf-8").read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"cannot read the prompt file {text[1:]!r}: {e}", flag="--spec-prompt") from None
+
+
 def _options(args: argparse.Namespace):
     """The engine options of the model flags. -t here is a list of counts the suite loads the
     model with one at a time, and the suite sizes the context to its tests: neither is an option."""
@@ -182,6 +203,13 @@ def run(args: argparse.Namespace) -> int:
                          flag="--batch")
     if args.profile and args.n_prompt + args.n_gen == 0:
         raise UsageError("nothing to profile: -p and -n are both 0", flag="--profile")
+    spec = check_speculative(args)
+    if spec is not None and args.profile:
+        raise UsageError("--profile measures plain steps; drop --spec", flag="--spec")
+    if args.spec_prompt is not None and spec is None:
+        raise UsageError("--spec-prompt is the speculative test's prompt: add --spec ngram|draft|mtp",
+                         flag="--spec-prompt")
+    spec_prompt = _read_prompt(args.spec_prompt) if args.spec_prompt is not None else None
     if args.out:
         check_writable(args.out, file=True)  # before minutes of measuring, not after
     if args.trace:
@@ -193,7 +221,8 @@ def run(args: argparse.Namespace) -> int:
         report = bench(args.model, threads=args.threads, pp=args.n_prompt, tg=args.n_gen,
                        reps=args.repetitions, warmup=not args.no_warmup, compare=args.compare,
                        probe=not args.no_probe, footprint=not args.no_footprint,
-                       progress=progress, depths=args.n_depth, options=_options(args))
+                       progress=progress, depths=args.n_depth, options=_options(args), spec=spec,
+                       spec_prompt=spec_prompt)
     except OSError as e:  # the model unreadable, or the cache a .gguf is converted into unwritable
         raise load_error(args.model, e) from None
     text = report.to_json() if args.json or args.output == "json" else report.to_markdown()
