@@ -1,5 +1,5 @@
-"""GGUF (llama.cpp) Llama, Qwen2 and Qwen3 models, dense and mixture-of-experts (Mixtral, Qwen2-MoE,
-Qwen3-MoE) -> `.cflow`.
+"""GGUF (llama.cpp) Llama, Qwen2, Qwen3 and Gemma 3 models, dense and mixture-of-experts (Mixtral,
+Qwen2-MoE, Qwen3-MoE, OLMoE) -> `.cflow`.
 
 Owns reading a GGUF file (through the `gguf` package's GGUFReader, memory-mapped): its
 hyperparameters -> ModelConfig, its tokenizer -> the header dict of cflow.tokenizer, and its
@@ -10,7 +10,25 @@ Choices:
   (Qwen2 / Qwen2.5: q/k/v biases -> attn.qkv_bias) and "qwen3" (dense Qwen3: per-head RMSNorm of q
   and k -> attn.q_norm / attn.k_norm, head_dim from attention.key_length). Anything else is a
   named error listing what is supported, never a best-effort guess; `mistral3` (its
-  attention temperature scaling) is named as not yet supported.
+  attention temperature scaling) and `gemma4` are named as not yet supported, and a vision
+  projector (`clip` mmproj files, or vision tensors inside a text GGUF) is refused by name.
+- "gemma3" (Gemma 3 text models, as llama.cpp's gemma3 graph runs them): the token embedding times
+  sqrtf(d) (embed_scale); GeGLU FFN (ffn_act "gelu_tanh"); per-head RMSNorm of q and k before
+  RoPE (attn_q_norm / attn_k_norm [hd]); an RMSNorm of the attention output and of the FFN output
+  before each joins the residual (post_attention_norm -> attn_post_norm, post_ffw_norm ->
+  ffn_post_norm: post_norms); NEOX RoPE (not permuted); head_dim from attention.key_length; tied
+  embeddings (output.weight when present). Norm weights are used as stored: convert_hf_to_gguf
+  adds Gemma3RMSNorm's 1 to every norm weight, so the GGUF holds (1 + w). With a
+  `gemma3.attention.sliding_window` W > 0, layers alternate local and global as llama.cpp's swa
+  pattern: `attention.sliding_window_pattern` N (default 6; a per-layer bool array is read as the
+  period it repeats, else refused), layer l local iff l % N < N - 1 (sliding_window_pattern); the
+  local layers attend to the last W positions and rotate with `rope.freq_base_swa` (llama.cpp's
+  default 10000) unscaled (rope_theta_local), the global ones with rope.freq_base and the file's
+  linear scaling. Without a window every layer is global. Scores are scaled by 1/sqrt(hd), or for
+  a 62-layer (27B) model by 1/sqrt(d / n_heads) (llama.cpp's rule; attn_scale). Refused by name:
+  final_logit_softcapping (llama.cpp applies it; no Gemma 3 checkpoint sets it), YaRN and
+  rope_freqs scaling, SWA-specific head sizes. Not exact: llama.cpp's CPU GELU reads a table over
+  fp16 inputs, cflow computes it in f32 (a 1e-3 relative difference inside the FFN).
 - RoPE: plain; Llama 3's frequency factors (Llama 3.1+ GGUFs carry them as the F32 tensor
   rope_freqs.weight [head_dim/2]); linear scaling; YaRN (ext_factor 1, attn_factor 1). Each is,
   as llama.cpp's ggml_rope_ext computes it, a divisor of each rotation pair's frequency
@@ -21,7 +39,9 @@ Choices:
   "llama") is honoured: position p attends to the last W positions, as the model was trained and
   as HF transformers runs it. llama.cpp's llama graph ignores the key (a plain causal cache), so
   past W positions cflow and llama.cpp differ on such a file; `cflow convert --sliding-window 0`
-  (convert_gguf(sliding_window=0)) gives llama.cpp's behaviour. Other architectures' windows are not read (Qwen2 configs carry a window
+  (convert_gguf(sliding_window=0)) gives llama.cpp's behaviour. gemma3's window is part of its
+  local/global pattern (above) and runs as llama.cpp runs it; the override is refused there.
+  Other architectures' windows are not read (Qwen2 configs carry a window
   with use_sliding_window off, which the GGUF does not record) and are noted in the metadata
   (source.sliding_window_ignored).
 - Mixture-of-experts llama files (Mixtral and its merges: `llama.expert_count` > 0) become
@@ -77,7 +97,7 @@ from cflow.quant import STORED_QUANT, TILE, row_bytes
 from cflow.tokenizer import Tokenizer, TokenizerError, unicode_to_bytes
 from cflow.weights import Weight
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "olmoe")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "olmoe", "gemma3")
 # Architectures with experts, and whether llama.cpp renormalises their top-k routing weights.
 _MOE_NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False}
 _MOE_ONLY = ("qwen2moe", "qwen3moe", "olmoe")  # every layer has experts (llama: only Mixtral files do)
@@ -85,7 +105,10 @@ _MOE_ONLY = ("qwen2moe", "qwen3moe", "olmoe")  # every layer has experts (llama:
 # the others listed above use NEOX RoPE, the "half" convention cflow runs, and are stored as is.
 _PERMUTED_QK = ("llama",)
 # Known architectures cflow does not run yet, with what is missing.
-_NOT_YET = {"mistral3": "mistral3 (its attention temperature scaling)"}
+_NOT_YET = {"mistral3": "mistral3 (its attention temperature scaling)",
+            "gemma4": "gemma4 (its per-layer embeddings and attention variants)"}
+# GGUF tensor-name prefixes of vision towers and projectors (llama.cpp's mmproj files use them).
+_VISION_PREFIXES = ("v.", "mm.", "vision_", "mmproj.")
 _NATIVE = {d.upper(): d for d in STORED_QUANT}  # GGML type name -> the dtype its blocks keep
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
 
@@ -215,10 +238,16 @@ class GGUFModel:
 
 # ---- hyperparameters -------------------------------------------------------------------------
 def gguf_config(g: GGUFModel) -> ModelConfig:
-    """ModelConfig of a llama, qwen2, qwen3, qwen2moe or qwen3moe GGUF (SmolLM2-135M: 30 layers,
-    d=576, heads 9/3), named after the architecture, or "mixtral" for a llama one with experts (see
-    the module docstring)."""
+    """ModelConfig of a llama, qwen2, qwen3, qwen2moe, qwen3moe, olmoe or gemma3 GGUF (SmolLM2-135M:
+    30 layers, d=576, heads 9/3), named after the architecture, or "mixtral" for a llama one with
+    experts (see the module docstring)."""
     arch = g.architecture
+    if arch == "clip" or any(n.startswith(_VISION_PREFIXES) for n in g.tensors):
+        what = g.get("clip.projector_type") or "vision"
+        raise UnsupportedArchitectureError(
+            f"{g.path.name} holds a vision tower ({what!r} projector: an mmproj file or vision tensors such as "
+            f"{next((n for n in g.tensors if n.startswith(_VISION_PREFIXES)), 'v.*')}); cflow runs the text model "
+            "only: convert the text GGUF without the projector")
     if arch in _NOT_YET:
         raise UnsupportedArchitectureError(
             f"{g.path.name} is a {arch!r} model: {_NOT_YET[arch]} is not yet supported by cflow; it "
@@ -227,7 +256,7 @@ def gguf_config(g: GGUFModel) -> ModelConfig:
         raise UnsupportedArchitectureError(
             f"{g.path.name} is a {arch!r} model; cflow converts GGUF architectures "
             f"{list(SUPPORTED_ARCHITECTURES)} (Llama 2/3, SmolLM, TinyLlama, Mistral, Mixtral, Qwen2, "
-            "Qwen2.5, Qwen3, Qwen2-MoE, Qwen3-MoE, OLMoE)")
+            "Qwen2.5, Qwen3, Qwen2-MoE, Qwen3-MoE, OLMoE, Gemma 3)")
     p = f"{arch}."
     n_experts = int(g.get(p + "expert_count") or 0)
     ffn = int(g.require(p + "feed_forward_length"))
@@ -276,6 +305,14 @@ def gguf_config(g: GGUFModel) -> ModelConfig:
                         "cflow rotates whole heads")
     if int(g.get(p + "attention.value_length") or head_dim) != head_dim:
         raise GGUFError(f"{g.path.name} has value heads of a different size than key heads; unsupported")
+    for key, same in (("attention.key_length_swa", head_dim), ("attention.value_length_swa", head_dim),
+                      ("rope.dimension_count_swa", rot)):
+        v = g.get(p + key)
+        if v is not None and int(v) != same:
+            raise GGUFError(f"{g.path.name}: {p}{key} = {v}, other than the global layers' {same}; cflow runs one "
+                            "head size on every layer")
+    if arch == "gemma3":
+        _gemma3_checks(g, p)
     emb = g.tensors.get("token_embd.weight")
     if emb is None:
         raise GGUFError(f"{g.path.name} lacks token_embd.weight")
@@ -293,7 +330,8 @@ def gguf_config(g: GGUFModel) -> ModelConfig:
             tie_embeddings="output.weight" not in g.tensors,
             qkv_bias="blk.0.attn_q.bias" in g.tensors, qk_norm="blk.0.attn_q_norm.weight" in g.tensors,
             qk_norm_full=arch == "olmoe",
-            sliding_window=_window(g), **_rope_scaling(g, p, head_dim), **moe)
+            sliding_window=_window(g), **_rope_scaling(g, p, head_dim), **moe,
+            **(_gemma3(g, p, d, n_heads) if arch == "gemma3" else {}))
     except ConfigError as e:
         raise GGUFError(f"{g.path.name}: its hyperparameters do not form a valid model: {e}") from None
 
@@ -349,10 +387,61 @@ def _rope_scaling(g: GGUFModel, p: str, head_dim: int) -> dict[str, Any]:
 
 
 def _window(g: GGUFModel) -> int:
-    """The sliding window the model runs with: the file's, for arch llama (Mistral); else 0
-    (module docstring)."""
+    """The sliding window the model runs with: the file's, for arch llama (Mistral) and gemma3; else
+    0 (module docstring)."""
     w = g.get(f"{g.architecture}.attention.sliding_window")
-    return int(w) if w and g.architecture == "llama" else 0
+    return int(w) if w and g.architecture in ("llama", "gemma3") else 0
+
+
+def _gemma3_checks(g: GGUFModel, p: str) -> None:
+    """What a gemma3 file may carry that cflow does not run: refused by name (module docstring)."""
+    cap = g.get(p + "final_logit_softcapping")
+    if cap:
+        raise GGUFError(f"{g.path.name} caps its logits ({p}final_logit_softcapping = {cap}); cflow does not "
+                        "implement final logit soft-capping (no Gemma 3 checkpoint sets it)")
+    if g.get(p + "attn_logit_softcapping"):
+        raise GGUFError(f"{g.path.name} caps its attention logits ({p}attn_logit_softcapping); Gemma 3 does not, "
+                        "and cflow does not implement it")
+    scaling = g.get(p + "rope.scaling.type")
+    if scaling not in (None, "none", "linear") or "rope_freqs.weight" in g.tensors:
+        raise GGUFError(f"{g.path.name} is a gemma3 model with {scaling or 'rope_freqs'} RoPE scaling; cflow runs "
+                        "gemma3 files with plain or linear RoPE scaling (what Gemma 3 uses)")
+
+
+def _gemma3(g: GGUFModel, p: str, d: int, n_heads: int) -> dict[str, Any]:
+    """The Gemma 3 fields of ModelConfig, as llama.cpp's llama_model_gemma3 reads the file (module
+    docstring)."""
+    n_layers = int(g.require(p + "block_count"))
+    out: dict[str, Any] = dict(embed_scale=float(np.sqrt(np.float32(d))), post_norms=True, ffn_act="gelu_tanh")
+    if n_layers == 62:  # llama.cpp: the 27B model scales by 1/sqrt(d / n_heads) (gemma_pytorch's config)
+        out["attn_scale"] = float(np.float32(1.0) / np.sqrt(np.float32(d // n_heads)))
+    window = int(g.get(p + "attention.sliding_window") or 0)
+    if window <= 0:
+        return out  # every layer global, with the file's RoPE (llama.cpp's LLAMA_SWA_TYPE_NONE)
+    out["sliding_window_pattern"] = _swa_period(g, p, n_layers)
+    base = float(g.get(p + "rope.freq_base_swa") or 10000.0)  # llama-hparams.h's default
+    out["rope_theta_local"] = base
+    return out
+
+
+def _swa_period(g: GGUFModel, p: str, n_layers: int) -> int:
+    """sliding_window_pattern from `attention.sliding_window_pattern`: a period N (default 6; 0: every
+    layer local), or a per-layer array of local flags, which must repeat some period N the way
+    llama.cpp's set_swa_pattern lays it out (l local iff l % N < N - 1)."""
+    v = g.get(p + "attention.sliding_window_pattern")
+    if v is None:
+        return 6
+    if not isinstance(v, (list, tuple)):
+        return int(v)
+    flags = [bool(x) for x in v][:n_layers]
+    if len(flags) != n_layers:
+        raise GGUFError(f"{g.path.name}: {p}attention.sliding_window_pattern has {len(v)} entries for {n_layers} "
+                        "layers")
+    for n in [0] + list(range(1, n_layers + 1)):
+        if flags == [n == 0 or layer % n < n - 1 for layer in range(n_layers)]:
+            return n
+    raise GGUFError(f"{g.path.name}: {p}attention.sliding_window_pattern {flags} is not periodic (every N-th layer "
+                    "global); cflow runs periodic local/global patterns")
 
 
 # ---- tokenizer -------------------------------------------------------------------------------
@@ -464,6 +553,7 @@ def _head_dim(rows: int, n_heads: int) -> int:
 _GGUF_PARTS = {"attn_norm": ("attn_norm",), "attn.wqkv": ("attn_q", "attn_k", "attn_v"),
                "attn.wo": ("attn_output",), "ffn_norm": ("ffn_norm",), "ffn.w_gate_up": ("ffn_gate", "ffn_up"),
                "ffn.w_down": ("ffn_down",), "moe.shared_gate": ("ffn_gate_inp_shexp",),
+               "attn_post_norm": ("post_attention_norm",), "ffn_post_norm": ("post_ffw_norm",),
                "moe.shared.w_gate_up": ("ffn_gate_shexp", "ffn_up_shexp"), "moe.shared.w_down": ("ffn_down_shexp",)}
 _SHARED = ("moe.shared_gate", "moe.shared.w_gate_up", "moe.shared.w_down")
 # Plain tensors of the attention options, concatenated from these GGUF tensors (bq | bk | bv).
@@ -562,6 +652,8 @@ def _check_tensor_names(g: GGUFModel, cfg: ModelConfig) -> None:
             expected |= {f"blk.{i}.{n}" for n in _GGUF_VECTORS["attn.q_norm"] + _GGUF_VECTORS["attn.k_norm"]}
         if cfg.has_dense:
             expected |= {f"blk.{i}.{n}.weight" for n in _DENSE}
+        if cfg.post_norms:
+            expected |= {f"blk.{i}.{n}.weight" for n in ("post_attention_norm", "post_ffw_norm")}
         if cfg.has_shared_expert:
             expected |= {f"blk.{i}.{n}.weight" for slot in _SHARED for n in _GGUF_PARTS[slot]}
         if cfg.has_moe:
@@ -603,7 +695,8 @@ def _check_shape(s: Source, shape: tuple[int, ...]) -> None:
 def convert_gguf(src: str | os.PathLike, dst: str | os.PathLike, *, quant: str = "q4_0",
                  tile: tuple[int, int] = TILE, order: str = "cflow", progress=None,
                  requantize: bool = True, sliding_window: int | None = None) -> ConversionResult:
-    """Convert a llama / qwen2 / qwen3 / qwen2moe / qwen3moe GGUF file into a .cflow/.vflow file.
+    """Convert a llama / qwen2 / qwen3 / qwen2moe / qwen3moe / olmoe / gemma3 GGUF file into a
+    .cflow/.vflow file.
 
     `quant` applies only to tensors that are not already Q4_0/Q4_1/Q8_0 (those stay bit-exact);
     requantize=False refuses tensors in other quantized formats (NotNativeError) instead.
@@ -614,6 +707,9 @@ def convert_gguf(src: str | os.PathLike, dst: str | os.PathLike, *, quant: str =
     g = GGUFModel(src)
     cfg = gguf_config(g)
     if sliding_window is not None:  # the caller's choice over the file's (0: none, as llama.cpp runs it)
+        if cfg.sliding_window_pattern:
+            raise GGUFError(f"{g.path.name} alternates local and global layers ({g.architecture}); its window "
+                            "is part of the model as llama.cpp runs it: convert it without a sliding window override")
         try:
             cfg = cfg.replace(sliding_window=int(sliding_window))
         except ConfigError as e:
