@@ -22,7 +22,9 @@ The engine's prefill equals its step-by-step decoding bit for bit (1e-5), and th
 on every other kernel table this CPU has (in a subprocess with CFLOW_ISA, as test_every_isa.py).
 The tokenizer: cflow's reading of the file's vocabulary tokenizes and detokenizes as llama.cpp on
 the same gemma3 file, over test_tokenizer_gguf's tricky strings (a trained vocabulary of a few
-hundred pieces: no real Gemma vocabulary is available offline).
+hundred pieces plus Gemma's turn markers: no real Gemma vocabulary is available offline). The chat
+template: Gemma 3's own, carried by the file, renders through cflow's jinja path as llama.cpp's
+built-in gemma format does.
 """
 
 from __future__ import annotations
@@ -58,8 +60,32 @@ WINDOW, PATTERN, STEPS = 8, 3, 32
 ROOT = Path(__file__).resolve().parents[1]
 
 
+# Gemma 3's chat template (google/gemma-3-*-it tokenizer_config.json, which convert_hf_to_gguf
+# copies into tokenizer.chat_template), written out here.
+GEMMA3_TEMPLATE = (
+    "{{ bos_token }}\n{%- if messages[0]['role'] == 'system' -%}\n    {%- if messages[0]['content'] is string -%}\n"
+    "        {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}\n    {%- else -%}\n"
+    "        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}\n    {%- endif -%}\n"
+    "    {%- set loop_messages = messages[1:] -%}\n{%- else -%}\n    {%- set first_user_prefix = \"\" -%}\n"
+    "    {%- set loop_messages = messages -%}\n{%- endif -%}\n{%- for message in loop_messages -%}\n"
+    "    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}\n"
+    "        {{ raise_exception(\"Conversation roles must alternate user/assistant/user/assistant/...\") }}\n"
+    "    {%- endif -%}\n    {%- if (message['role'] == 'assistant') -%}\n        {%- set role = \"model\" -%}\n"
+    "    {%- else -%}\n        {%- set role = message['role'] -%}\n    {%- endif -%}\n"
+    "    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else \"\") }}\n"
+    "    {%- if message['content'] is string -%}\n        {{ message['content'] | trim }}\n"
+    "    {%- elif message['content'] is iterable -%}\n        {%- for item in message['content'] -%}\n"
+    "            {%- if item['type'] == 'image' -%}\n                {{ '<start_of_image>' }}\n"
+    "            {%- elif item['type'] == 'text' -%}\n                {{ item['text'] | trim }}\n"
+    "            {%- endif -%}\n        {%- endfor -%}\n    {%- else -%}\n"
+    "        {{ raise_exception(\"Invalid content type\") }}\n    {%- endif -%}\n    {{ '<end_of_turn>\n' }}\n"
+    "{%- endfor -%}\n{%- if add_generation_prompt -%}\n    {{'<start_of_turn>model\n'}}\n{%- endif -%}\n")
+
+
 def vocab() -> tuple[list[str], list[float], list[int]]:
-    return trained_spm_vocab()
+    """test_tokenizer_gguf's trained SentencePiece vocabulary plus Gemma's turn markers (control)."""
+    tokens, scores, types = trained_spm_vocab()
+    return tokens + ["<start_of_turn>", "<end_of_turn>"], scores + [0.0, 0.0], types + [3, 3]
 
 
 def gemma_weights(seed: int = 0) -> dict[str, np.ndarray]:
@@ -124,6 +150,7 @@ def write_gemma3_gguf(path: Path, seed: int = 0, *, window: int = WINDOW, patter
     wr.add_bos_token_id(1)
     wr.add_eos_token_id(2)
     wr.add_add_space_prefix(False)  # Gemma3Model.set_vocab
+    wr.add_chat_template(GEMMA3_TEMPLATE)
     for name, x in w.items():
         if name.startswith("blk.") and int(name.split(".")[1]) >= layers:
             continue
@@ -440,3 +467,31 @@ def test_every_other_kernel_table(isa):
     assert r.returncode == 0, out[-4000:]
     m = re.search(r"(\d+) passed", out)
     assert m and int(m.group(1)) == len(ISA_TESTS) and "skipped" not in out, out[-4000:]
+
+
+# ---- the chat template -------------------------------------------------------------------------
+def test_chat_template_renders_as_llama_cpp(gemma_run):
+    """The file's template through cflow's jinja path renders what llama.cpp's built-in gemma
+    format (llama_chat_apply_template, which recognises the template by <start_of_turn>) gives,
+    after the BOS the template writes itself; the turn end stops generation."""
+    import ctypes
+
+    import llama_cpp
+
+    from cflow.runtime import Engine
+
+    eng = Engine.load(gemma_run[1], threads=1)
+    tok = eng.tokenizer
+    assert tok.special["<end_of_turn>"] in tok.stop_ids
+    chats = [[{"role": "user", "content": "Hello there!"}],
+             [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": " Why? "},
+              {"role": "assistant", "content": "Because."}, {"role": "user", "content": "日本 😀\nok"}]]
+    for chat in chats:
+        for add in (True, False):
+            msgs = (llama_cpp.llama_chat_message * len(chat))(
+                *[llama_cpp.llama_chat_message(m["role"].encode(), m["content"].encode()) for m in chat])
+            buf = ctypes.create_string_buffer(4096)
+            n = llama_cpp.llama_chat_apply_template(GEMMA3_TEMPLATE.encode(), msgs, len(chat), add, buf, len(buf))
+            assert 0 < n < len(buf)
+            theirs = tok.vocab[tok.bos_id] + buf.raw[:n].decode()
+            assert tok.apply_chat_template(chat, add_generation_prompt=add) == theirs
