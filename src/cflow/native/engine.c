@@ -137,15 +137,11 @@ static void gate_up_rows(const cf_engine *e, const cf_tiled *w, const cf_act_q8 
               cf_max(1, w->tile_rows / (2 * CF_G)));
 }
 
-/* GELU, tanh approximation (Gemma's gelu_pytorch_tanh), in f32. llama.cpp's CPU backend reads it
- * from a table over fp16 inputs instead: within 0.1% of this. */
-static inline float gelu_tanh(float x) {
-    return 0.5f * x * (1.0f + tanhf(0.79788456080286535588f * x * (1.0f + 0.044715f * x * x)));
-}
-
 /* hid[t, 8p..8p+8) = gelu_tanh(gate) * up for the group pairs [p0, p1) (a GeGLU, ffn_gelu): the
  * interleaved matrix's rows (gate group p is its group 2p, up group p its group 2p + 1) through the
- * plain mat-vec into s->gu, then the product per pair. The pairs are the thread's own: no barrier. */
+ * plain mat-vec into s->gu, then the table's geglu per pair (f32; llama.cpp's CPU backend reads
+ * GELU from a table over fp16 inputs instead, within 0.1% of it). The pairs are the thread's own:
+ * no barrier. */
 static void geglu_rows(const cf_engine *e, const cf_tiled *w, const cf_act_q8 *act, int hstride, const int *tok,
                        int n, int p0, int p1) {
     if (p0 >= p1) return;
@@ -153,11 +149,7 @@ static void geglu_rows(const cf_engine *e, const cf_tiled *w, const cf_act_q8 *a
     matvec_rows(e, w, act, e->s.gu, gstride, tok, n, 2 * p0, 2 * p1);
     for (int i = 0; i < n; i++) {
         size_t t = tok ? (size_t)tok[i] : (size_t)i;
-        const float *g = e->s.gu + t * gstride;
-        float *h = e->s.hid + t * hstride;
-        for (int p = p0; p < p1; p++)
-            for (int j = 0; j < CF_G; j++)
-                h[p * CF_G + j] = gelu_tanh(g[2 * p * CF_G + j]) * g[(2 * p + 1) * CF_G + j];
+        e->k->geglu(e->s.hid + t * hstride + (size_t)p0 * CF_G, e->s.gu + t * gstride + (size_t)2 * p0 * CF_G, p1 - p0);
     }
 }
 
