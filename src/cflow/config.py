@@ -20,7 +20,8 @@ positions max(0, p - W + 1)..p), on every layer, or (sliding_window_pattern N > 
 the "local" layers l with l % N < N - 1 while every N-th layer attends to the whole context;
 rope_theta_local > 0 gives the local layers a RoPE base of their own and no RoPE scaling (the
 global layers keep rope_theta, rope_freq_factors and rope_mscale); attn_scale > 0 replaces the
-scores' 1/sqrt(head_dim).
+scores' 1/sqrt(head_dim); attn_temp_scale > 0 (Llama 4 / Mistral 3's attention temperature)
+multiplies the query at position p by 1 + attn_temp_scale * ln(floor(p / attn_temp_floor) + 1).
 Gemma options: embed_scale multiplies the token embeddings (sqrt(d_model)); post_norms adds an
 RMSNorm of the attention output and of the dense FFN output before each joins the residual
 (h_l = x_l + norm(a_l), x_{l+1} = h_l + norm(f_l)); ffn_act "gelu_tanh" makes the dense FFN a
@@ -86,6 +87,9 @@ class ModelConfig:
     sliding_window_pattern: int = 0
     rope_theta_local: float = 0.0  # 0: local layers rotate like global ones; > 0: their own base, unscaled
     attn_scale: float = 0.0  # 0: scores scaled by 1/sqrt(head_dim); else by this
+    # Llama 4 / Mistral 3 attention temperature: q at position p times 1 + s * ln(floor(p / floor) + 1)
+    attn_temp_scale: float = 0.0  # s; 0: none
+    attn_temp_floor: int = 0  # positions per step of the temperature (the YaRN original context)
     embed_scale: float = 1.0  # the token embeddings are multiplied by it (Gemma: sqrt(d_model))
     post_norms: bool = False  # RMSNorm of the attention and dense FFN outputs before the residual (Gemma)
     ffn_act: str = "silu"  # the dense FFN's gate activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
@@ -182,6 +186,9 @@ class ModelConfig:
              f"{self.rope_theta_local}")
         need(self.attn_scale >= 0, f"attn_scale must be >= 0 (0: 1/sqrt(head_dim)), got {self.attn_scale}")
         need(self.embed_scale > 0, f"embed_scale must be positive, got {self.embed_scale}")
+        need(self.attn_temp_scale >= 0 and self.attn_temp_floor >= 0 and (self.attn_temp_scale == 0) == (
+             self.attn_temp_floor == 0), "attn_temp_scale and attn_temp_floor are >= 0 and set together "
+             f"(got {self.attn_temp_scale}, {self.attn_temp_floor})")
         need(self.ffn_act in FFN_ACTS, f"ffn_act must be one of {FFN_ACTS}, got {self.ffn_act!r}")
         need(self.n_experts == 0 or (self.ffn_act == "silu" and not self.post_norms),
              "ffn_act gelu_tanh and post_norms are for dense models (n_experts = 0)")
@@ -228,6 +235,12 @@ class ModelConfig:
         if self.rope_theta_local > 0 and self.is_local(layer):
             return self.rope_theta_local, (), 1.0
         return self.rope_theta, self.rope_freq_factors, self.rope_mscale
+
+    def q_temperature(self, pos: int) -> float:
+        """What the query at position `pos` is multiplied by (attn_temp_scale; 1 without it)."""
+        if not self.attn_temp_scale:
+            return 1.0
+        return math.log(pos // self.attn_temp_floor + 1) * self.attn_temp_scale + 1.0
 
     @property
     def scores_scale(self) -> float:

@@ -30,7 +30,8 @@ Conventions the C engine must share:
 - Family options: the q/k/v bias is added before anything else; qk_norm is RMSNorm over each
   head's hd values (same eps), before RoPE (qk_norm_full: over the whole q and the whole k vector); a sliding window W masks keys older than p - W + 1
   on the local layers (cfg.is_local: all, or all but every sliding_window_pattern-th), which rotate
-  with rope_theta_local when it is set (cfg.layer_rope); scores are scaled by cfg.scores_scale.
+  with rope_theta_local when it is set (cfg.layer_rope); scores are scaled by cfg.scores_scale; the
+  rotated q at position p is multiplied by cfg.q_temperature(p) (Llama 4 / Mistral 3).
 - Gemma options: x_0 = tok_emb[token] * embed_scale; post_norms: h = x + post_attn_norm(a),
   x' = h + post_ffn_norm(f); ffn_act "gelu_tanh": w_down(gelu_tanh(w_gate x) * w_up x).
 - GQA: query head h reads kv head h // (n_heads / n_kv_heads); scores are scaled by 1/sqrt(hd).
@@ -116,8 +117,9 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(cfg.q_dim if self.qk_full else cfg.head_dim, cfg.norm_eps)
             self.k_norm = RMSNorm(cfg.kv_dim if self.qk_full else cfg.head_dim, cfg.norm_eps)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, window: int = 0) -> Tensor:
-        """`window`: the layer's sliding window (0: the whole context; cfg.layer_window)."""
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, window: int = 0, q_scale: Tensor | None = None) -> Tensor:
+        """`window`: the layer's sliding window (0: the whole context; cfg.layer_window); `q_scale`
+        [T]: each position's query temperature (cfg.q_temperature), or None."""
         B, T, _ = x.shape
         q, k = self.wq(x), self.wk(x)
         if self.qk_full:  # OLMoE: over all heads at once
@@ -128,6 +130,8 @@ class Attention(nn.Module):
         if hasattr(self, "q_norm") and not self.qk_full:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if q_scale is not None:
+            q = q * q_scale.to(q.dtype)[:, None]
         rep = self.nh // self.nkv
         # repeat_interleave: query head h reads kv head h // rep (HF Llama's repeat_kv).
         k = k.repeat_interleave(rep, dim=1)  # [B, nh, T, hd]
@@ -255,8 +259,8 @@ class Block(nn.Module):
             self.moe_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
             self.moe = MoE(cfg)
 
-    def attend(self, x: Tensor, cos: Tensor, sin: Tensor, window: int = 0) -> Tensor:
-        a = self.attn(self.attn_norm(x), cos, sin, window)
+    def attend(self, x: Tensor, cos: Tensor, sin: Tensor, window: int = 0, q_scale: Tensor | None = None) -> Tensor:
+        a = self.attn(self.attn_norm(x), cos, sin, window, q_scale)
         return self.attn_post_norm(a) if hasattr(self, "attn_post_norm") else a
 
     def dense(self, u: Tensor) -> Tensor:
@@ -344,6 +348,9 @@ class Transformer(nn.Module):
             raise ModelError(f"sequence length {T} exceeds max_seq_len {cfg.max_seq_len}; "
                              f"crop the input or raise max_seq_len in the config")
         L, dd, de = cfg.n_layers, cfg.delta_dense, cfg.delta_expert
+        q_scale = None
+        if cfg.attn_temp_scale:
+            q_scale = torch.tensor([cfg.q_temperature(p) for p in range(T)], dtype=torch.float32, device=idx.device)
         emb = self.tok_emb(idx)
         xs = [emb * cfg.embed_scale if cfg.embed_scale != 1.0 else emb]  # xs[l] = x_l [B, T, d]
         # pending[t]: expert outputs that join x_{t+1}; pending[L]: added before the final norm.
@@ -354,7 +361,7 @@ class Transformer(nn.Module):
             local = cfg.rope_theta_local > 0 and cfg.is_local(layer)
             cos = (self.rope_cos_local if local else self.rope_cos)[:T]
             sin = (self.rope_sin_local if local else self.rope_sin)[:T]
-            h = x + blk.attend(x, cos, sin, cfg.layer_window(layer))
+            h = x + blk.attend(x, cos, sin, cfg.layer_window(layer), q_scale)
             f = blk.dense(h if dd == 0 else xs[max(layer + 1 - dd, 0)]) if cfg.has_dense else None
             if cfg.has_moe:
                 z = h + f if (cfg.moe_input == "post_dense" and f is not None) else h
@@ -502,7 +509,7 @@ class ReferenceDecoder:
         q = W.wq xn; k = W.wk xn; v = W.wv xn                         # [nh*hd], [nkv*hd] x2
         (qkv_bias: + W.bq, W.bk, W.bv; qk_norm: rmsnorm each q head by W.q_norm, each k head by W.k_norm)
         t0 = max(0, p - W + 1) with W = cfg.layer_window(l) > 0 (a local layer), else 0
-        rotate q and k per head at position p ("half" convention); store k, v at k/v_cache[l, p]
+        rotate q and k per head at position p ("half" convention), q times q_temperature(p); store k, v at k/v_cache[l, p]
         for head h: g = h // (nh/nkv)
           s[t] = q_h . k_cache[l, t, g] / sqrt(hd) (or * attn_scale), t = t0..p;  o_h = sum_t softmax(s)[t] v_cache[l, t, g]
         h = x + W.wo o                                                  (post_norms: x + rmsnorm(W.wo o, W.attn_post_norm))
@@ -615,7 +622,7 @@ class ReferenceDecoder:
         cos, sin = (t[p : p + 1] for t in self.rope[layer])  # [1, hd/2]
         self.k_cache[layer, p] = apply_rope(k, cos, sin)
         self.v_cache[layer, p] = v
-        q = apply_rope(q, cos, sin)
+        q = apply_rope(q, cos, sin) * float(torch.tensor(cfg.q_temperature(p), dtype=torch.float32))
         o = torch.empty(nh, hd)
         rep = nh // nkv
         window = cfg.layer_window(layer)

@@ -82,6 +82,8 @@ cf_config config_from(const nb::dict &d) {
     std::string act = nb::cast<std::string>(d["ffn_act"]);
     if (act != "silu" && act != "gelu_tanh") throw nb::value_error("ffn_act: the engine runs \"silu\" and \"gelu_tanh\"");
     c.ffn_gelu = act == "gelu_tanh";
+    c.attn_temp_scale = f("attn_temp_scale");
+    c.attn_temp_floor = i("attn_temp_floor");
     return c;
 }
 

@@ -234,6 +234,10 @@ static void qkv_heads(cf_engine *e, const cf_layer *w, int l, size_t layer_kv, i
     float *row = e->s.qkv + (size_t)b * (nh + 2 * c->n_kv) * hd;
     /* local layers with a RoPE base of their own (Gemma 3) take their own table */
     const float *cs = (e->s.rope_local && layer_local(c, l) ? e->s.rope_local : e->s.rope) + (size_t)b * hd;
+    /* the attention temperature (Llama 4 / Mistral 3): rotated q heads times 1 + s ln(p / floor + 1),
+     * as llama.cpp's ggml_mul of Qcur by its per-position scale (log in double, rounded to float) */
+    float qt = c->attn_temp_scale > 0 ? (float)(log((double)(p / c->attn_temp_floor) + 1.0) * c->attn_temp_scale + 1.0)
+                                      : 1.0f;
     for (int u = u0; u < u1; u++) {
         float *v = row + (size_t)u * hd;
         int kvh = u < nh + c->n_kv ? u - nh : u - nh - c->n_kv;
@@ -243,7 +247,11 @@ static void qkv_heads(cf_engine *e, const cf_layer *w, int l, size_t layer_kv, i
             if (w->q_norm && !c->qk_norm_full) e->k->rmsnorm(v, v, u < nh ? w->q_norm : w->k_norm, hd, c->norm_eps);
             e->k->rope(v, 1, hd, cs, cs + hd / 2);
         }
-        if (u < nh) continue;
+        if (u < nh) {
+            if (qt != 1.0f)
+                for (int i = 0; i < hd; i++) v[i] *= qt;
+            continue;
+        }
         int is_k = u < nh + c->n_kv, type = is_k ? e->k_type : e->v_type;
         uint8_t *row = (is_k ? e->s.kcache : e->s.vcache) + (base + (size_t)kvh * e->n_ctx + p) * (is_k ? e->krow : e->vrow);
         if (type == CF_Q8_0)

@@ -67,6 +67,9 @@ typedef struct {
     int post_norms;                /* 1: RMSNorm (attn_post_norm, ffn_post_norm [d]) of the attention and
                                     * dense FFN outputs before they join the residual (Gemma) */
     int ffn_gelu;                  /* 1: the dense FFN is GeGLU, gelu_tanh(gate) * up, instead of SwiGLU */
+    float attn_temp_scale;         /* s > 0: the rotated q at position p times 1 + s ln(p / floor + 1)
+                                    * (integer division; Llama 4 / Mistral 3); 0: none */
+    int attn_temp_floor;           /* positions per step of that temperature (> 0 when s > 0) */
 } cf_config;
 
 /* ---- contracts with Python ---------------------------------------------------------------------
