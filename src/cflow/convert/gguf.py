@@ -1,5 +1,5 @@
-"""GGUF (llama.cpp) Llama, Qwen2, Qwen3 and Gemma 3 models, dense and mixture-of-experts (Mixtral,
-Qwen2-MoE, Qwen3-MoE, OLMoE) -> `.cflow`.
+"""GGUF (llama.cpp) Llama, Qwen2, Qwen3, Gemma 3 and Mistral 3 models, dense and mixture-of-experts
+(Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) -> `.cflow`.
 
 Owns reading a GGUF file (through the `gguf` package's GGUFReader, memory-mapped): its
 hyperparameters -> ModelConfig, its tokenizer -> the header dict of cflow.tokenizer, and its
@@ -9,9 +9,16 @@ Choices:
 - `general.architecture` "llama" (Llama, SmolLM, TinyLlama, Mistral, Mixtral ...), "qwen2"
   (Qwen2 / Qwen2.5: q/k/v biases -> attn.qkv_bias) and "qwen3" (dense Qwen3: per-head RMSNorm of q
   and k -> attn.q_norm / attn.k_norm, head_dim from attention.key_length). Anything else is a
-  named error listing what is supported, never a best-effort guess; `mistral3` (its
-  attention temperature scaling) and `gemma4` are named as not yet supported, and a vision
-  projector (`clip` mmproj files, or vision tensors inside a text GGUF) is refused by name.
+  named error listing what is supported, never a best-effort guess; `gemma4` is named as not yet
+  supported, and a vision projector (`clip` mmproj files, or vision tensors inside a text GGUF)
+  is refused by name.
+- "mistral3" (Ministral 3, Mistral Small 3.x text; llama.cpp's llama_model_mistral3, dense only:
+  a file with experts is refused): a Llama (Q/K permuted like llama files, undone here) whose
+  rotated query at position p is multiplied by 1 + beta * ln(floor(p / n_orig) + 1) when the file
+  has `attention.temperature_scale` beta (Llama 4's temperature; llama.cpp's offset for mistral3
+  is 0), n_orig the YaRN original context (`rope.scaling.original_context_length`, else
+  context_length): config attn_temp_scale / attn_temp_floor. Its YaRN carries
+  `rope.scaling.yarn_log_multiplier` (mscale_all_dim), which the RoPE bullet below reads.
 - "gemma3" (Gemma 3 text models, as llama.cpp's gemma3 graph runs them): the token embedding times
   sqrtf(d) (embed_scale); GeGLU FFN (ffn_act "gelu_tanh"); per-head RMSNorm of q and k before
   RoPE (attn_q_norm / attn_k_norm [hd]); an RMSNorm of the attention output and of the FFN output
@@ -32,8 +39,10 @@ Choices:
 - RoPE: plain; Llama 3's frequency factors (Llama 3.1+ GGUFs carry them as the F32 tensor
   rope_freqs.weight [head_dim/2]); linear scaling; YaRN (ext_factor 1, attn_factor 1). Each is,
   as llama.cpp's ggml_rope_ext computes it, a divisor of each rotation pair's frequency
-  (config rope_freq_factors) and for YaRN a scale of cos and sin (rope_mscale). YaRN variants
-  with their own magnitude rules (yarn_log_multiplier, attn_factor) and other scaling types
+  (config rope_freq_factors) and for YaRN a scale of cos and sin (rope_mscale): 1 + 0.1 ln(factor),
+  or with a `yarn_log_multiplier` m, (1 + 0.1 ln f) / (1 + 0.1 m ln f) (llama.cpp's
+  yarn_attn_factor for it, times ggml's own YaRN magnitude; DeepSeek-V2's special case aside).
+  YaRN variants with other magnitude rules (attn_factor, ext_factor) and other scaling types
   (longrope ...) are refused by name.
 - Sliding windows: a `llama.attention.sliding_window` (Mistral 7B v0.1 GGUFs carry one as arch
   "llama") is honoured: position p attends to the last W positions, as the model was trained and
@@ -97,16 +106,15 @@ from cflow.quant import STORED_QUANT, TILE, row_bytes
 from cflow.tokenizer import Tokenizer, TokenizerError, unicode_to_bytes
 from cflow.weights import Weight
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "olmoe", "gemma3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "olmoe", "gemma3", "mistral3")
 # Architectures with experts, and whether llama.cpp renormalises their top-k routing weights.
 _MOE_NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False}
 _MOE_ONLY = ("qwen2moe", "qwen3moe", "olmoe")  # every layer has experts (llama: only Mixtral files do)
 # Architectures whose Q/K rows convert_hf_to_gguf permutes for ggml's adjacent-pair ("NORM") RoPE;
 # the others listed above use NEOX RoPE, the "half" convention cflow runs, and are stored as is.
-_PERMUTED_QK = ("llama",)
+_PERMUTED_QK = ("llama", "mistral3")
 # Known architectures cflow does not run yet, with what is missing.
-_NOT_YET = {"mistral3": "mistral3 (its attention temperature scaling)",
-            "gemma4": "gemma4 (its per-layer embeddings and attention variants)"}
+_NOT_YET = {"gemma4": "gemma4 (its per-layer embeddings and attention variants)"}
 # GGUF tensor-name prefixes of vision towers and projectors (llama.cpp's mmproj files use them).
 _VISION_PREFIXES = ("v.", "mm.", "vision_", "mmproj.")
 _NATIVE = {d.upper(): d for d in STORED_QUANT}  # GGML type name -> the dtype its blocks keep
@@ -238,7 +246,7 @@ class GGUFModel:
 
 # ---- hyperparameters -------------------------------------------------------------------------
 def gguf_config(g: GGUFModel) -> ModelConfig:
-    """ModelConfig of a llama, qwen2, qwen3, qwen2moe, qwen3moe, olmoe or gemma3 GGUF (SmolLM2-135M:
+    """ModelConfig of a llama, qwen2, qwen3, qwen2moe, qwen3moe, olmoe, gemma3 or mistral3 GGUF (SmolLM2-135M:
     30 layers, d=576, heads 9/3), named after the architecture, or "mixtral" for a llama one with
     experts (see the module docstring)."""
     arch = g.architecture
@@ -256,7 +264,7 @@ def gguf_config(g: GGUFModel) -> ModelConfig:
         raise UnsupportedArchitectureError(
             f"{g.path.name} is a {arch!r} model; cflow converts GGUF architectures "
             f"{list(SUPPORTED_ARCHITECTURES)} (Llama 2/3, SmolLM, TinyLlama, Mistral, Mixtral, Qwen2, "
-            "Qwen2.5, Qwen3, Qwen2-MoE, Qwen3-MoE, OLMoE, Gemma 3)")
+            "Qwen2.5, Qwen3, Qwen2-MoE, Qwen3-MoE, OLMoE, Gemma 3, Ministral 3 / Mistral Small 3)")
     p = f"{arch}."
     n_experts = int(g.get(p + "expert_count") or 0)
     ffn = int(g.require(p + "feed_forward_length"))
@@ -331,7 +339,8 @@ def gguf_config(g: GGUFModel) -> ModelConfig:
             qkv_bias="blk.0.attn_q.bias" in g.tensors, qk_norm="blk.0.attn_q_norm.weight" in g.tensors,
             qk_norm_full=arch == "olmoe",
             sliding_window=_window(g), **_rope_scaling(g, p, head_dim), **moe,
-            **(_gemma3(g, p, d, n_heads) if arch == "gemma3" else {}))
+            **(_gemma3(g, p, d, n_heads) if arch == "gemma3" else {}),
+            **(_temperature(g, p) if arch == "mistral3" else {}))
     except ConfigError as e:
         raise GGUFError(f"{g.path.name}: its hyperparameters do not form a valid model: {e}") from None
 
@@ -358,12 +367,12 @@ def _rope_scaling(g: GGUFModel, p: str, head_dim: int) -> dict[str, Any]:
         if scaling == "linear":
             factors = factors * factor
         elif scaling == "yarn":
-            for key, neutral in (("rope.scaling.yarn_log_multiplier", 0.0), ("rope.scaling.attn_factor", 1.0),
-                                 ("rope.scaling.yarn_attn_factor", 1.0), ("rope.scaling.yarn_ext_factor", 1.0)):
+            for key, neutral in (("rope.scaling.attn_factor", 1.0), ("rope.scaling.yarn_attn_factor", 1.0),
+                                 ("rope.scaling.yarn_ext_factor", 1.0)):
                 v = g.get(p + key)
                 if v is not None and float(v) != neutral and not (key.endswith("ext_factor") and float(v) < 0):
-                    raise GGUFError(f"{g.path.name} uses YaRN with {p}{key} = {v}; cflow implements plain YaRN "
-                                    f"(ext_factor 1, attn_factor 1, no log multiplier) only")
+                    raise GGUFError(f"{g.path.name} uses YaRN with {p}{key} = {v}; cflow implements YaRN with "
+                                    f"ext_factor 1 and attn_factor 1 (and a log multiplier) only")
             theta = float(g.get(p + "rope.freq_base") or 10000.0)
             n_orig = float(g.require(p + "rope.scaling.original_context_length"))
             beta_fast = float(g.get(p + "rope.scaling.yarn_beta_fast") or 32.0)
@@ -377,7 +386,12 @@ def _rope_scaling(g: GGUFModel, p: str, head_dim: int) -> dict[str, Any]:
             j = np.arange(half, dtype=np.float64)
             mix = 1.0 - np.clip((j - low) / max(0.001, high - low), 0.0, 1.0)  # 1: extrapolate, 0: interpolate
             factors = factors / ((1.0 / factor) * (1.0 - mix) + mix)
-            mscale = 1.0 + 0.1 * np.log(factor)
+            # ggml scales cos/sin by attn_factor * (1 + 0.1 ln f), and llama.cpp's context sets
+            # attn_factor to mscale(f, 1) / mscale(f, m) / (1 + 0.1 ln f), m the log multiplier
+            # (mscale_all_dim; 0 without one), mscale(f, m) = 1 + 0.1 m ln f (1 for f <= 1)
+            log_mul = float(g.get(p + "rope.scaling.yarn_log_multiplier") or 0.0)
+            ms = lambda m: 1.0 if factor <= 1 else 1.0 + 0.1 * m * np.log(factor)  # noqa: E731
+            mscale = ms(1.0) / ms(log_mul)
         else:
             raise GGUFError(f"{g.path.name} uses {scaling} RoPE scaling; cflow implements plain RoPE, Llama 3's "
                             "frequency factors, linear and YaRN scaling")
@@ -391,6 +405,17 @@ def _window(g: GGUFModel) -> int:
     0 (module docstring)."""
     w = g.get(f"{g.architecture}.attention.sliding_window")
     return int(w) if w and g.architecture in ("llama", "gemma3") else 0
+
+
+def _temperature(g: GGUFModel, p: str) -> dict[str, Any]:
+    """attn_temp_scale / attn_temp_floor of a mistral3 file, as llama_model_mistral3 reads them."""
+    beta = float(g.get(p + "attention.temperature_scale") or 0.0)
+    if beta == 0.0:
+        return {}
+    floor = int(g.get(p + "rope.scaling.original_context_length") or g.require(p + "context_length"))
+    if floor <= 0:
+        raise GGUFError(f"{g.path.name}: the attention temperature needs a positive original context length")
+    return {"attn_temp_scale": beta, "attn_temp_floor": floor}
 
 
 def _gemma3_checks(g: GGUFModel, p: str) -> None:
@@ -695,8 +720,8 @@ def _check_shape(s: Source, shape: tuple[int, ...]) -> None:
 def convert_gguf(src: str | os.PathLike, dst: str | os.PathLike, *, quant: str = "q4_0",
                  tile: tuple[int, int] = TILE, order: str = "cflow", progress=None,
                  requantize: bool = True, sliding_window: int | None = None) -> ConversionResult:
-    """Convert a llama / qwen2 / qwen3 / qwen2moe / qwen3moe / olmoe / gemma3 GGUF file into a
-    .cflow/.vflow file.
+    """Convert a llama / qwen2 / qwen3 / qwen2moe / qwen3moe / olmoe / gemma3 / mistral3 GGUF file into
+    a .cflow/.vflow file.
 
     `quant` applies only to tensors that are not already Q4_0/Q4_1/Q8_0 (those stay bit-exact);
     requantize=False refuses tensors in other quantized formats (NotNativeError) instead.
