@@ -23,10 +23,11 @@ global layers keep rope_theta, rope_freq_factors and rope_mscale); attn_scale > 
 scores' 1/sqrt(head_dim); attn_temp_scale > 0 (Llama 4 / Mistral 3's attention temperature)
 multiplies the query at position p by 1 + attn_temp_scale * ln(floor(p / attn_temp_floor) + 1).
 Gemma options: embed_scale multiplies the token embeddings (sqrt(d_model)); post_norms adds an
-RMSNorm of the attention output and of the dense FFN output before each joins the residual
-(h_l = x_l + norm(a_l), x_{l+1} = h_l + norm(f_l)); ffn_act "gelu_tanh" makes the dense FFN a
-GeGLU, w_down(gelu_tanh(w_gate x) * w_up x), instead of SwiGLU ("silu"). MoE options of the imported families: moe_norm_topk (default on:
-the top_k routing weights renormalised to sum to 1, as Mixtral and Qwen3-MoE; off: the raw softmax
+RMSNorm of the attention output and of the dense FFN output before each joins the residual (h_l =
+x_l + norm(a_l), x_{l+1} = h_l + norm(f_l)); ffn_act "gelu_tanh" makes the dense FFN a GeGLU,
+w_down(gelu_tanh(w_gate x) * w_up x), instead of SwiGLU ("silu"). MoE options of the imported
+families: moe_norm_topk (default on: the top_k routing weights renormalised to sum to 1, as Mixtral
+and Qwen3-MoE; off: the raw softmax
 probabilities, as Qwen2-MoE and OLMoE) and d_shared_expert (Qwen2-MoE: one SwiGLU expert every
 token runs, its output scaled by sigmoid(shared_gate . norm(z)), added to the routed sum).
 mtp_heads (default 0) adds multi-token prediction heads: head j predicts token t+2+j from the

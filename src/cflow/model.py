@@ -27,11 +27,12 @@ Conventions the C engine must share:
 - RMSNorm: x * rsqrt(mean(x^2) + eps) * weight, computed in float32.
 - Rotary ("half" / GPT-NeoX / HF Llama): pairs (x[j], x[j + hd/2]) rotate by angle
   pos * theta^(-2j/hd); angles are computed in float64, then cos/sin rounded to float32.
-- Family options: the q/k/v bias is added before anything else; qk_norm is RMSNorm over each
-  head's hd values (same eps), before RoPE (qk_norm_full: over the whole q and the whole k vector); a sliding window W masks keys older than p - W + 1
-  on the local layers (cfg.is_local: all, or all but every sliding_window_pattern-th), which rotate
-  with rope_theta_local when it is set (cfg.layer_rope); scores are scaled by cfg.scores_scale; the
-  rotated q at position p is multiplied by cfg.q_temperature(p) (Llama 4 / Mistral 3).
+- Family options: the q/k/v bias is added before anything else; qk_norm is RMSNorm over each head's
+  hd values (same eps), before RoPE (qk_norm_full: over the whole q and the whole k vector); a
+  sliding window W masks keys older than p - W + 1 on the local layers (cfg.is_local: all, or all
+  but every sliding_window_pattern-th), which rotate with rope_theta_local when it is set
+  (cfg.layer_rope); scores are scaled by cfg.scores_scale; the rotated q at position p is multiplied
+  by cfg.q_temperature(p) (Llama 4 / Mistral 3).
 - Gemma options: x_0 = tok_emb[token] * embed_scale; post_norms: h = x + post_attn_norm(a),
   x' = h + post_ffn_norm(f); ffn_act "gelu_tanh": w_down(gelu_tanh(w_gate x) * w_up x).
 - GQA: query head h reads kv head h // (n_heads / n_kv_heads); scores are scaled by 1/sqrt(hd).
@@ -509,13 +510,15 @@ class ReferenceDecoder:
         q = W.wq xn; k = W.wk xn; v = W.wv xn                         # [nh*hd], [nkv*hd] x2
         (qkv_bias: + W.bq, W.bk, W.bv; qk_norm: rmsnorm each q head by W.q_norm, each k head by W.k_norm)
         t0 = max(0, p - W + 1) with W = cfg.layer_window(l) > 0 (a local layer), else 0
-        rotate q and k per head at position p ("half" convention), q times q_temperature(p); store k, v at k/v_cache[l, p]
+        rotate q and k per head at position p ("half" convention; RoPE of layer_rope(l)), q times
+        q_temperature(p); store k, v at k/v_cache[l, p]
         for head h: g = h // (nh/nkv)
-          s[t] = q_h . k_cache[l, t, g] / sqrt(hd) (or * attn_scale), t = t0..p;  o_h = sum_t softmax(s)[t] v_cache[l, t, g]
-        h = x + W.wo o                                                  (post_norms: x + rmsnorm(W.wo o, W.attn_post_norm))
+          s[t] = q_h . k_cache[l, t, g] / sqrt(hd) (or * attn_scale), t = t0..p
+          o_h = sum_t softmax(s)[t] v_cache[l, t, g]
+        h = x + W.wo o                         (post_norms: x + rmsnorm(W.wo o, W.attn_post_norm))
         f = 0
         if dense: u = h if dd == 0 else ring[max(l + 1 - dd, 0) % H]   # x_{l+1-dd}, clamped to x_0
-                  f = swiglu(rmsnorm(u, W.ffn_norm))                    (gelu_tanh: geglu; post_norms: rmsnorm(f, W.ffn_post_norm))
+                  f = swiglu(rmsnorm(u, W.ffn_norm))   (gelu_tanh: geglu; post_norms: rmsnorm(f, W.ffn_post_norm))
         if moe:   z = h + f if moe_input == "post_dense" else h
                   zn = rmsnorm(z, W.moe_norm); probs = softmax(W.router zn)   # [E], float32
                   top-k experts e_i with weights w_i = probs[e_i] / sum_i probs[e_i]

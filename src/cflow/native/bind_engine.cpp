@@ -80,7 +80,8 @@ cf_config config_from(const nb::dict &d) {
     c.embed_scale = f("embed_scale");
     c.post_norms = nb::cast<bool>(d["post_norms"]) ? 1 : 0;
     std::string act = nb::cast<std::string>(d["ffn_act"]);
-    if (act != "silu" && act != "gelu_tanh") throw nb::value_error("ffn_act: the engine runs \"silu\" and \"gelu_tanh\"");
+    if (act != "silu" && act != "gelu_tanh")
+        throw nb::value_error("ffn_act: the engine runs \"silu\" and \"gelu_tanh\"");
     c.ffn_gelu = act == "gelu_tanh";
     c.attn_temp_scale = f("attn_temp_scale");
     c.attn_temp_floor = i("attn_temp_floor");

@@ -645,7 +645,8 @@ NB_MODULE(_native, m) {
           arg("tile_rows") = 128, arg("tile_cols") = 256, arg("isa") = none, arg("pool") = none, arg("iters") = 100);
     m.def("rmsnorm", &rmsnorm, arg("x"), arg("w"), arg("eps") = 1e-5f, arg("isa") = none);
     m.def("geglu", &geglu, arg("gu"), arg("isa") = none,
-          "gelu_tanh(gate) * up over pairs of 8 gate and 8 up values (an interleaved gate/up row), as the engine's GeGLU");
+          "gelu_tanh(gate) * up over pairs of 8 gate and 8 up values (an interleaved gate/up row), "
+          "as the engine's GeGLU");
     m.def("matvec_f32", &matvec_f32, arg("W"), arg("x"), arg("isa") = none);
     m.def("softmax", &softmax, arg("x"), arg("isa") = none);
     m.def("rope_table", &rope_table, arg("head_dim"), arg("pos"), arg("theta"));

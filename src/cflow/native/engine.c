@@ -149,15 +149,17 @@ static void geglu_rows(const cf_engine *e, const cf_tiled *w, const cf_act_q8 *a
     matvec_rows(e, w, act, e->s.gu, gstride, tok, n, 2 * p0, 2 * p1);
     for (int i = 0; i < n; i++) {
         size_t t = tok ? (size_t)tok[i] : (size_t)i;
-        e->k->geglu(e->s.hid + t * hstride + (size_t)p0 * CF_G, e->s.gu + t * gstride + (size_t)2 * p0 * CF_G, p1 - p0);
+        e->k->geglu(e->s.hid + t * hstride + (size_t)p0 * CF_G, e->s.gu + t * gstride + (size_t)2 * p0 * CF_G,
+                    p1 - p0);
     }
 }
 
-/* One SwiGLU FFN (fused gate_up, then down) for tokens tok[0..n) whose quantized input is in
- * ts->act; out[t, own rows] = down(hid); GeGLU instead when gelu is set (geglu_rows). When `scale` is given, out[t] += scale[i] * result
- * instead (expert outputs into a pending slot). A barrier separates gate_up from down; the one
- * after down is skipped when `tail` is 0: the caller's next step only touches this thread's own
- * rows (the RESID op splits rows exactly like a [d, *] mat-vec does). */
+/* One SwiGLU FFN (fused gate_up, then down; GeGLU when gelu is set: geglu_rows) for tokens
+ * tok[0..n) whose quantized input is in ts->act; out[t, own rows] = down(hid). When `scale` is
+ * given, out[t] += scale[i] * result instead (expert outputs into a pending slot). A barrier
+ * separates gate_up from down; the one after down is skipped when `tail` is 0: the caller's next
+ * step only touches this thread's own rows (the RESID op splits rows exactly like a [d, *] mat-vec
+ * does). */
 static void ffn(cf_engine *e, const cf_tiled *gate_up, const cf_tiled *down, int hdim, int gelu,
                 const int *tok, int n, float *out, const float *scale, int tail, int pk, int ith, int nth) {
     cf_state *s = &e->s;
@@ -236,8 +238,8 @@ static void qkv_heads(cf_engine *e, const cf_layer *w, int l, size_t layer_kv, i
     const float *cs = (e->s.rope_local && layer_local(c, l) ? e->s.rope_local : e->s.rope) + (size_t)b * hd;
     /* the attention temperature (Llama 4 / Mistral 3): rotated q heads times 1 + s ln(p / floor + 1),
      * as llama.cpp's ggml_mul of Qcur by its per-position scale (log in double, rounded to float) */
-    float qt = c->attn_temp_scale > 0 ? (float)(log((double)(p / c->attn_temp_floor) + 1.0) * c->attn_temp_scale + 1.0)
-                                      : 1.0f;
+    float qt = 1.0f;
+    if (c->attn_temp_scale > 0) qt = (float)(log((double)(p / c->attn_temp_floor) + 1.0) * c->attn_temp_scale + 1.0);
     for (int u = u0; u < u1; u++) {
         float *v = row + (size_t)u * hd;
         int kvh = u < nh + c->n_kv ? u - nh : u - nh - c->n_kv;

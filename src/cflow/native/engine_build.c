@@ -107,7 +107,8 @@ static int check_config(const cf_config *c, char *err, size_t n) {
         bad = "sliding_window_pattern, rope_theta_local and attn_scale must be >= 0, embed_scale positive";
     else if ((c->post_norms | c->ffn_gelu) & ~1 || ((c->post_norms || c->ffn_gelu) && c->n_experts))
         bad = "post_norms and ffn_gelu must be 0 or 1, and are for dense models (no experts)";
-    else if (!(c->attn_temp_scale >= 0) || c->attn_temp_floor < 0 || (c->attn_temp_scale > 0) != (c->attn_temp_floor > 0))
+    else if (!(c->attn_temp_scale >= 0) || c->attn_temp_floor < 0 ||
+             (c->attn_temp_scale > 0) != (c->attn_temp_floor > 0))
         bad = "attn_temp_scale and attn_temp_floor must be >= 0 and set together";
     if (bad) cf_set_err(err, n, "bad model config: %s", bad);
     return bad ? -1 : 0;
