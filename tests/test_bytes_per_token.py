@@ -25,6 +25,18 @@ def test_dag_engine_and_counters_agree(tmp_path, preset, tied, options):
     cfg = small_config(preset, tied=tied).replace(qkv_bias=options, qk_norm=options)
     if options and cfg.has_moe:
         cfg = cfg.replace(d_shared_expert=64, moe_norm_topk=False)
+    counts_agree(tmp_path, cfg)
+
+
+def test_gemma_options_are_counted(tmp_path):
+    """Gemma's post-norms are weights of the attn and dense nodes; its window pattern and GeGLU read
+    the same matrices."""
+    counts_agree(tmp_path, small_config("llama", tied=True).replace(
+        qk_norm=True, post_norms=True, ffn_act="gelu_tanh", embed_scale=3.0, sliding_window=4,
+        sliding_window_pattern=3, rope_theta_local=100.0))
+
+
+def counts_agree(tmp_path, cfg):
     path = tmp_path / "m.cflow"
     write_random_model(path, cfg, "q4_0", (64, 64))
     eng = Engine.load(path, threads=1)

@@ -3,7 +3,10 @@ Qwen3 (per-head RMSNorm of q and k before RoPE, head_dim != d_model / n_heads) a
 "llama" carrying `llama.attention.sliding_window`), a llama file with q/k/v biases (permuted with
 Q/K, as convert_hf_to_gguf.py does), llama files with Llama 3's RoPE frequency factors (the
 rope_freqs tensor) and with YaRN RoPE scaling (their control: the reference without the scaling
-misses llama.cpp by far), plus cflow's own sliding-window attention.
+misses llama.cpp by far), Mistral 3 (arch "mistral3": permuted like llama, YaRN with a log
+multiplier, and Llama 4's attention temperature, which llama.cpp applies to q from position
+n_orig on: its control, the reference without it, agrees before n_orig and misses by far after),
+plus cflow's own sliding-window attention.
 
 Each GGUF is written here with gguf.GGUFWriter the way convert_hf_to_gguf.py writes that family
 (Q/K rows permuted for llama only; weights Q8_0, norms and biases F32; d 256, 2 layers, GQA 4/2),
@@ -61,13 +64,18 @@ WINDOW, STEPS = 16, 32
 # llama_bias: a llama file with q/k/v biases (llama.cpp reads them as optional), permuted with Q/K;
 # llama3: a llama file with Llama 3's RoPE frequency factors (the rope_freqs tensor); llama_yarn:
 # one with YaRN RoPE scaling (factor 4 over an original context of 16 positions)
-FAMILIES = ("qwen2", "qwen3", "mistral", "llama_bias", "llama3", "llama_yarn")
+FAMILIES = ("qwen2", "qwen3", "mistral", "llama_bias", "llama3", "llama_yarn", "mistral3")
 ARCH = {"qwen2": "qwen2", "qwen3": "qwen3", "mistral": "llama", "llama_bias": "llama", "llama3": "llama",
-        "llama_yarn": "llama"}
+        "llama_yarn": "llama", "mistral3": "mistral3"}
 BIASED = ("qwen2", "llama_bias")
-PERMUTED = ("mistral", "llama_bias", "llama3", "llama_yarn")
-ROPE_SCALED = ("llama3", "llama_yarn")
+PERMUTED = ("mistral", "llama_bias", "llama3", "llama_yarn", "mistral3")
+ROPE_SCALED = ("llama3", "llama_yarn", "mistral3")
 YARN_FACTOR, YARN_ORIG = 4.0, 16
+# mistral3: YaRN's log multiplier (mscale_all_dim; Ministral 3 has 1, which cancels the magnitude
+# correction: 3 turns it to 0.80, far from plain YaRN's 1.14, so the rule is seen) and the
+# temperature's beta (Ministral 3: 0.1; 0.5 moves the logits past position YARN_ORIG by far more
+# than the tolerance)
+LOG_MUL, TEMP_BETA = 3.0, 0.5
 
 
 def yarn(hd: int) -> tuple[tuple, float]:
@@ -86,6 +94,16 @@ def yarn(hd: int) -> tuple[tuple, float]:
         ramp = f32(1) - min(f32(1), max(f32(0), y))
         out.append(float(1 / (f32(1 / YARN_FACTOR) * (1 - ramp) + ramp)))
     return tuple(out), float(1 + 0.1 * np.log(YARN_FACTOR))
+
+
+def yarn_mscale(family: str) -> float:
+    """The cos/sin scale llama.cpp's YaRN ends with: 1 + 0.1 ln f, or with a log multiplier m
+    (mistral3) (1 + 0.1 ln f) / (1 + 0.1 m ln f) (its context's yarn_attn_factor times ggml's
+    1 + 0.1 ln f), in float32 as llama.cpp computes it."""
+    f32, lf = np.float32, np.log(np.float32(YARN_FACTOR))
+    if family == "mistral3":
+        return float(f32(f32(1) + f32(0.1) * lf) / f32(f32(1) + f32(0.1) * f32(LOG_MUL) * lf))
+    return float(1 + 0.1 * np.log(YARN_FACTOR))
 
 
 def rope_factors(family: str) -> tuple:
@@ -124,7 +142,7 @@ def family_weights(family: str, seed: int = 0) -> dict[str, np.ndarray]:
         b = f"blk.{i}."
         # peaked attention, so the rotation angles matter; YaRN's mscale sharpens it 1.3x more, and at 2.0
         # the int8 engine's rounding would reach the tolerance on the float reference
-        qk_gain = {"llama3": 2.0, "llama_yarn": 1.5}.get(family, 0.6)
+        qk_gain = {"llama3": 2.0, "llama_yarn": 1.5, "mistral3": 1.5}.get(family, 0.6)
         w.update({b + "attn_norm.weight": norm(), b + "attn_q.weight": mat(q, D, gain=qk_gain),
                   b + "attn_k.weight": mat(kv, D, gain=qk_gain), b + "attn_v.weight": mat(kv, D),
                   b + "attn_output.weight": mat(D, q, gain=0.5), b + "ffn_norm.weight": norm(),
@@ -172,7 +190,9 @@ def write_family_gguf(path: Path, family: str, seed: int = 0, rope_keys: dict | 
         wr.add_value_length(hd)
     if family == "mistral":
         wr.add_sliding_window(WINDOW)
-    for key, v in {**(YARN_KEYS if family == "llama_yarn" else {}), **(rope_keys or {})}.items():
+    extra = {"llama_yarn": YARN_KEYS, "mistral3": {**YARN_KEYS, "rope.scaling.yarn_log_multiplier": LOG_MUL,
+                                                   "attention.temperature_scale": TEMP_BETA}}.get(family, {})
+    for key, v in {**extra, **(rope_keys or {})}.items():
         add = wr.add_string if isinstance(v, str) else wr.add_uint32 if isinstance(v, int) else wr.add_float32
         add(f"{ARCH[family]}.{key}", v)
     add_tiny_tokenizer(wr)
@@ -190,13 +210,14 @@ def expected_config(family: str, window: int | None = None) -> ModelConfig:
                        head_dim=head_dim(family), d_ff=FF, n_experts=0, top_k=0, d_expert=0, rope_theta=THETA,
                        norm_eps=float(np.float32(EPS)), max_seq_len=CTX, tie_embeddings=family == "qwen2",
                        qkv_bias=family in BIASED, qk_norm=family == "qwen3", sliding_window=window,
-                       rope_freq_factors=rope_factors(family), name=ARCH[family])
+                       rope_freq_factors=rope_factors(family), name=ARCH[family],
+                       **(dict(attn_temp_scale=TEMP_BETA, attn_temp_floor=YARN_ORIG) if family == "mistral3" else {}))
 
 
 def expected_rope(family: str) -> dict:
-    if family == "llama_yarn":
-        factors, mscale = yarn(head_dim(family))
-        return dict(rope_freq_factors=factors, rope_mscale=mscale)
+    if family in ("llama_yarn", "mistral3"):
+        factors, _ = yarn(head_dim(family))
+        return dict(rope_freq_factors=factors, rope_mscale=yarn_mscale(family))
     return {}
 
 
@@ -328,7 +349,7 @@ def test_config_checks_the_options():
         cfg.replace(qk_norm=1)
 
 
-@pytest.mark.parametrize("arch, match", [("mistral3", "mistral3.*not yet supported"),
+@pytest.mark.parametrize("arch, match", [("gemma4", "gemma4.*not yet supported"),
                                          ("gemma2", "'gemma2' model; cflow converts GGUF architectures")])
 def test_refused_architectures(tmp_path, arch, match):
     wr = gguf.GGUFWriter(str(tmp_path / "m.gguf"), arch)
@@ -380,11 +401,37 @@ def test_reference_matches_llama_cpp_and_needs_the_feature(family_run, llama_cpp
     elif family in BIASED:
         assert far(reference_logits(cfg, reference_state(src, family, drop="bias"), toks), llama_cpp_run)
     elif family in ROPE_SCALED:
+        if family == "mistral3":  # the temperature: 1 before position n_orig, far from it after
+            cold = reference_logits(cfg.replace(attn_temp_scale=0.0, attn_temp_floor=0), reference_state(src, family),
+                                    toks)
+            np.testing.assert_array_equal(cold[:YARN_ORIG], ref[:YARN_ORIG])
+            assert far(cold[YARN_ORIG:], llama_cpp_run[YARN_ORIG:])
+            # and the log multiplier's magnitude rule: plain YaRN's (1 + 0.1 ln f) misses
+            plain = cfg.replace(rope_mscale=float(1 + 0.1 * np.log(YARN_FACTOR)))
+            assert far(reference_logits(plain, reference_state(src, family), toks), llama_cpp_run)
         assert far(reference_logits(cfg.replace(rope_freq_factors=(), rope_mscale=1.0), reference_state(src, family),
                                     toks), llama_cpp_run)
     else:
         assert far(reference_logits(cfg.replace(qk_norm=False), reference_state(src, family, drop="qk_norm"), toks),
                    llama_cpp_run)
+
+
+@pytest.mark.parametrize("family_run", ["mistral3"], indirect=True)
+def test_temperature_prefill_equals_steps(family_run):
+    """The temperature is per row: prefill blocks that cross position YARN_ORIG and rows of several
+    sequences give the steps' logits."""
+    from test_engine import rel_err
+
+    from cflow.runtime import Engine
+
+    _, _, dst, toks, got = family_run
+    eng = Engine.load(dst, threads=2, max_batch=5)
+    for n in (YARN_ORIG - 1, YARN_ORIG + 3, STEPS):
+        assert rel_err(eng.prefill(toks[:n]), got[n - 1]) < 1e-5
+    two = Engine.load(dst, threads=2, n_seq=2)
+    two.prefill(toks[:YARN_ORIG], seq=0)
+    rows = two.step_rows([0, 0, 1], [toks[YARN_ORIG], toks[YARN_ORIG + 1], toks[0]], [YARN_ORIG, YARN_ORIG + 1, 0])
+    assert rel_err(rows[1], got[YARN_ORIG + 1]) < 1e-5 and rel_err(rows[2], got[0]) < 1e-5
 
 
 def test_transformers_loads_the_gguf(family_run):
@@ -518,7 +565,7 @@ def test_all_options_against_the_dequantized_reference(tmp_path, n_heads, n_kv_h
 
 
 @pytest.mark.parametrize("extra, match", [
-    ({"rope.scaling.type": "yarn", "rope.scaling.yarn_log_multiplier": 0.1}, "yarn_log_multiplier = 0.1"),
+    ({"rope.scaling.type": "yarn", "rope.scaling.yarn_ext_factor": 0.5}, "yarn_ext_factor = 0.5"),
     ({"rope.scaling.type": "yarn", "rope.scaling.attn_factor": 0.5}, "attn_factor = 0.5"),
     ({"rope.scaling.type": "longrope"}, "longrope RoPE scaling"),
 ])

@@ -185,7 +185,7 @@ def run_toy(cfg: ModelConfig) -> dict[str, list[torch.Tensor]]:
         return scale * F.one_hot(torch.tensor(i), d).float()
 
     for layer, blk in enumerate(model.layers):
-        blk.attend = lambda x, cos, sin: (seen["x"].append(x[0, 0].clone()), torch.zeros_like(x))[1]
+        blk.attend = lambda x, cos, sin, *rest: (seen["x"].append(x[0, 0].clone()), torch.zeros_like(x))[1]
         blk.dense = lambda u, l=layer: (seen["u"].append(u[0, 0].clone()), onehot(l).expand_as(u))[1]
         blk.experts = lambda z, l=layer: (seen["z"].append(z[0, 0].clone()),
                                           (onehot(3 + l, 10.0).expand_as(z), {}))[1]

@@ -31,7 +31,7 @@ EXPECTED = {
     "GLOBAL_TENSORS": ("tok_emb", "norm", "lm_head"),
     "LAYER_SLOTS": ("attn_norm", "attn.wqkv", "attn.wo", "ffn_norm", "ffn.w_gate_up", "ffn.w_down", "moe_norm",
                     "moe.router", "attn.qkv_bias", "attn.q_norm", "attn.k_norm", "attn.wq", "attn.wk", "attn.wv",
-                    "moe.shared_gate", "moe.shared.w_gate_up", "moe.shared.w_down"),
+                    "moe.shared_gate", "moe.shared.w_gate_up", "moe.shared.w_down", "attn_post_norm", "ffn_post_norm"),
     "EXPERT_SLOTS": ("w_gate_up", "w_down"),
     "COUNTER_NAMES": ("attn", "dense", "router", "experts", "embed", "lm_head", "kv", "tokens", "calls",
                       "disk_bytes", "cache_hits", "cache_misses", "io_stall_ns",
@@ -132,10 +132,16 @@ def test_tensor_names_are_the_c_cores():
 def test_layer_slots_are_the_file_order():
     cfg = tiny_config(False).replace(qkv_bias=True, qk_norm=True, d_shared_expert=32)
     slots = [w.slot for w in weights.layer_weights(cfg, 0) if w.expert is None]
-    assert slots == list(weights.LAYER_SLOTS)
+    post = ("attn_post_norm", "ffn_post_norm")  # Gemma's post-norms exist in dense models only
+    assert slots == [s for s in weights.LAYER_SLOTS if s not in post]
+    dense = cfg.replace(n_experts=0, top_k=0, d_expert=0, d_shared_expert=0, delta_dense=0, moe_input="post_dense",
+                        post_norms=True)
+    slots = [w.slot for w in weights.layer_weights(dense, 0)]
+    assert slots == [s for s in weights.LAYER_SLOTS if not s.startswith("moe")]
     by_parts = [w.slot for w in weights.layer_weights(cfg, 0, split_qkv=True) if w.expert is None]
     k = weights.LAYER_SLOTS.index("attn.wqkv")
-    assert by_parts == [*weights.LAYER_SLOTS[:k], *weights.QKV_PARTS, *weights.LAYER_SLOTS[k + 1:]]
+    assert by_parts == [s for s in (*weights.LAYER_SLOTS[:k], *weights.QKV_PARTS, *weights.LAYER_SLOTS[k + 1:])
+                        if s not in post]
 
 
 def test_file_format_constants_equal_the_c_cores():
@@ -238,11 +244,12 @@ def make_engine(cfg: ModelConfig, buf, desc, names, threads: int = 2):
 def test_row_names_are_the_file_formats(tied, options):
     """Every tensor a .cflow file of the config holds has its descriptor row, under its name (q|k|v
     fused, or stored by parts); the rows left over are exactly those of what the config turns off
-    (tied lm_head, attention options, the shared expert)."""
+    (tied lm_head, attention options, the shared expert; Gemma's post-norms, which MoE models lack)."""
     cfg = tiny_config(tied).replace(qkv_bias=options, qk_norm=options, d_shared_expert=32 if options else 0)
     names = row_names(cfg)
     assert len(names) == len(set(names))
     unused = {"lm_head"} if tied else set()
+    unused |= {f"layers.{i}.{s}" for i in range(cfg.n_unique_layers) for s in ("attn_post_norm", "ffn_post_norm")}
     if not options:
         unused |= {f"layers.{i}.{s}" for i in range(cfg.n_unique_layers)
                    for s in ("attn.qkv_bias", "attn.q_norm", "attn.k_norm", "moe.shared_gate", "moe.shared.w_gate_up",

@@ -16,8 +16,18 @@ Expert outputs whose target layer lies past the last layer are added before the 
 Attention options of the imported families (all off by default, so older files load unchanged):
 qkv_bias (Qwen2), qk_norm (Qwen3; with qk_norm_full, OLMoE: one RMSNorm over the whole q and
 the whole k vector instead of one per head) and sliding_window (a query at position p attends to
-positions max(0, p - W + 1)..p). MoE options of the imported families: moe_norm_topk (default on:
-the top_k routing weights renormalised to sum to 1, as Mixtral and Qwen3-MoE; off: the raw softmax
+positions max(0, p - W + 1)..p), on every layer, or (sliding_window_pattern N > 0, Gemma 3) on
+the "local" layers l with l % N < N - 1 while every N-th layer attends to the whole context;
+rope_theta_local > 0 gives the local layers a RoPE base of their own and no RoPE scaling (the
+global layers keep rope_theta, rope_freq_factors and rope_mscale); attn_scale > 0 replaces the
+scores' 1/sqrt(head_dim); attn_temp_scale > 0 (Llama 4 / Mistral 3's attention temperature)
+multiplies the query at position p by 1 + attn_temp_scale * ln(floor(p / attn_temp_floor) + 1).
+Gemma options: embed_scale multiplies the token embeddings (sqrt(d_model)); post_norms adds an
+RMSNorm of the attention output and of the dense FFN output before each joins the residual (h_l =
+x_l + norm(a_l), x_{l+1} = h_l + norm(f_l)); ffn_act "gelu_tanh" makes the dense FFN a GeGLU,
+w_down(gelu_tanh(w_gate x) * w_up x), instead of SwiGLU ("silu"). MoE options of the imported
+families: moe_norm_topk (default on: the top_k routing weights renormalised to sum to 1, as Mixtral
+and Qwen3-MoE; off: the raw softmax
 probabilities, as Qwen2-MoE and OLMoE) and d_shared_expert (Qwen2-MoE: one SwiGLU expert every
 token runs, its output scaled by sigmoid(shared_gate . norm(z)), added to the routed sum).
 mtp_heads (default 0) adds multi-token prediction heads: head j predicts token t+2+j from the
@@ -35,6 +45,7 @@ from typing import Any
 from cflow.errors import CflowError
 
 MOE_INPUTS = ("post_dense", "post_attn")
+FFN_ACTS = ("silu", "gelu_tanh")
 # More heads than this predict so far ahead that their guesses are rarely accepted.
 MAX_MTP_HEADS = 8
 
@@ -72,6 +83,17 @@ class ModelConfig:
     qk_norm: bool = False  # per-head RMSNorm on q and on k before RoPE (Qwen3)
     qk_norm_full: bool = False  # qk_norm over the whole q [q_dim] and k [kv_dim] vectors (OLMoE)
     sliding_window: int = 0  # 0: full causal attention; W: each query sees its last W positions
+    # 0: the window (if any) on every layer; N > 0: only layers l with l % N < N - 1 ("local") are
+    # windowed, every N-th layer is global (llama.cpp's swa pattern, Gemma 3: N = 6)
+    sliding_window_pattern: int = 0
+    rope_theta_local: float = 0.0  # 0: local layers rotate like global ones; > 0: their own base, unscaled
+    attn_scale: float = 0.0  # 0: scores scaled by 1/sqrt(head_dim); else by this
+    # Llama 4 / Mistral 3 attention temperature: q at position p times 1 + s * ln(floor(p / floor) + 1)
+    attn_temp_scale: float = 0.0  # s; 0: none
+    attn_temp_floor: int = 0  # positions per step of the temperature (the YaRN original context)
+    embed_scale: float = 1.0  # the token embeddings are multiplied by it (Gemma: sqrt(d_model))
+    post_norms: bool = False  # RMSNorm of the attention and dense FFN outputs before the residual (Gemma)
+    ffn_act: str = "silu"  # the dense FFN's gate activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
     moe_norm_topk: bool = True  # renormalise the top_k routing weights to sum to 1
     d_shared_expert: int = 0  # 0: none; else hidden size of the gated shared expert (Qwen2-MoE)
     # Multi-token prediction: head j (0..mtp_heads-1) maps the final normed hidden state h_t to a
@@ -157,6 +179,20 @@ class ModelConfig:
         need(self.max_seq_len > 0, f"max_seq_len must be positive, got {self.max_seq_len}")
         need(self.qk_norm or not self.qk_norm_full, "qk_norm_full needs qk_norm")
         need(self.sliding_window >= 0, f"sliding_window must be >= 0 (0: none), got {self.sliding_window}")
+        need(self.sliding_window_pattern >= 0,
+             f"sliding_window_pattern must be >= 0 (0: every layer windowed), got {self.sliding_window_pattern}")
+        need(self.sliding_window > 0 or (self.sliding_window_pattern == 0 and self.rope_theta_local == 0),
+             "sliding_window_pattern and rope_theta_local describe windowed layers: they need sliding_window > 0")
+        need(self.rope_theta_local >= 0, f"rope_theta_local must be >= 0 (0: as global layers), got "
+             f"{self.rope_theta_local}")
+        need(self.attn_scale >= 0, f"attn_scale must be >= 0 (0: 1/sqrt(head_dim)), got {self.attn_scale}")
+        need(self.embed_scale > 0, f"embed_scale must be positive, got {self.embed_scale}")
+        need(self.attn_temp_scale >= 0 and self.attn_temp_floor >= 0 and (self.attn_temp_scale == 0) == (
+             self.attn_temp_floor == 0), "attn_temp_scale and attn_temp_floor are >= 0 and set together "
+             f"(got {self.attn_temp_scale}, {self.attn_temp_floor})")
+        need(self.ffn_act in FFN_ACTS, f"ffn_act must be one of {FFN_ACTS}, got {self.ffn_act!r}")
+        need(self.n_experts == 0 or (self.ffn_act == "silu" and not self.post_norms),
+             "ffn_act gelu_tanh and post_norms are for dense models (n_experts = 0)")
         need(0 <= self.mtp_heads <= MAX_MTP_HEADS,
              f"mtp_heads must be in 0..{MAX_MTP_HEADS} (0: no multi-token prediction heads), got {self.mtp_heads}")
 
@@ -185,6 +221,32 @@ class ModelConfig:
     def history_depth(self) -> int:
         """Residuals the decoder must keep: max(delta_dense, delta_expert) + 1."""
         return max(self.delta_dense, self.delta_expert) + 1
+
+    def is_local(self, layer: int) -> bool:
+        """Whether layer `layer` attends through the sliding window (a "local" layer)."""
+        n = self.sliding_window_pattern
+        return self.sliding_window > 0 and (n == 0 or layer % n < n - 1)
+
+    def layer_window(self, layer: int) -> int:
+        """The window of layer `layer`: sliding_window on local layers, 0 (the whole context) on others."""
+        return self.sliding_window if self.is_local(layer) else 0
+
+    def layer_rope(self, layer: int) -> tuple[float, tuple, float]:
+        """(theta, frequency factors, mscale) layer `layer` rotates q and k with."""
+        if self.rope_theta_local > 0 and self.is_local(layer):
+            return self.rope_theta_local, (), 1.0
+        return self.rope_theta, self.rope_freq_factors, self.rope_mscale
+
+    def q_temperature(self, pos: int) -> float:
+        """What the query at position `pos` is multiplied by (attn_temp_scale; 1 without it)."""
+        if not self.attn_temp_scale:
+            return 1.0
+        return math.log(pos // self.attn_temp_floor + 1) * self.attn_temp_scale + 1.0
+
+    @property
+    def scores_scale(self) -> float:
+        """What the attention scores q.k are multiplied by."""
+        return self.attn_scale if self.attn_scale > 0 else 1.0 / math.sqrt(self.head_dim)
 
     def weight_layer(self, layer: int) -> int:
         """Index of the weight set layer `layer` uses (arch5 shares weights across layers)."""

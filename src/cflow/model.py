@@ -27,10 +27,16 @@ Conventions the C engine must share:
 - RMSNorm: x * rsqrt(mean(x^2) + eps) * weight, computed in float32.
 - Rotary ("half" / GPT-NeoX / HF Llama): pairs (x[j], x[j + hd/2]) rotate by angle
   pos * theta^(-2j/hd); angles are computed in float64, then cos/sin rounded to float32.
-- Family options: the q/k/v bias is added before anything else; qk_norm is RMSNorm over each
-  head's hd values (same eps), before RoPE (qk_norm_full: over the whole q and the whole k vector); a sliding window W masks keys older than p - W + 1.
+- Family options: the q/k/v bias is added before anything else; qk_norm is RMSNorm over each head's
+  hd values (same eps), before RoPE (qk_norm_full: over the whole q and the whole k vector); a
+  sliding window W masks keys older than p - W + 1 on the local layers (cfg.is_local: all, or all
+  but every sliding_window_pattern-th), which rotate with rope_theta_local when it is set
+  (cfg.layer_rope); scores are scaled by cfg.scores_scale; the rotated q at position p is multiplied
+  by cfg.q_temperature(p) (Llama 4 / Mistral 3).
+- Gemma options: x_0 = tok_emb[token] * embed_scale; post_norms: h = x + post_attn_norm(a),
+  x' = h + post_ffn_norm(f); ffn_act "gelu_tanh": w_down(gelu_tanh(w_gate x) * w_up x).
 - GQA: query head h reads kv head h // (n_heads / n_kv_heads); scores are scaled by 1/sqrt(hd).
-- SwiGLU: w_down(silu(w_gate x) * w_up x).
+- SwiGLU: w_down(silu(w_gate x) * w_up x) (GeGLU with ffn_act "gelu_tanh").
 - Router: softmax over all E logits (float32), top-k, the k weights renormalised to sum to 1
   (moe_norm_topk; off: the k softmax probabilities as they are).
 - Shared expert (d_shared_expert > 0): every token adds sigmoid(shared_gate . zn) * swiglu_sh(zn)
@@ -102,7 +108,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.nh, self.nkv, self.hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.window = cfg.sliding_window
+        self.scale = cfg.attn_scale or None  # None: SDPA's own 1/sqrt(hd)
         self.wq = nn.Linear(cfg.d_model, cfg.q_dim, bias=cfg.qkv_bias)
         self.wk = nn.Linear(cfg.d_model, cfg.kv_dim, bias=cfg.qkv_bias)
         self.wv = nn.Linear(cfg.d_model, cfg.kv_dim, bias=cfg.qkv_bias)
@@ -112,7 +118,9 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(cfg.q_dim if self.qk_full else cfg.head_dim, cfg.norm_eps)
             self.k_norm = RMSNorm(cfg.kv_dim if self.qk_full else cfg.head_dim, cfg.norm_eps)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, window: int = 0, q_scale: Tensor | None = None) -> Tensor:
+        """`window`: the layer's sliding window (0: the whole context; cfg.layer_window); `q_scale`
+        [T]: each position's query temperature (cfg.q_temperature), or None."""
         B, T, _ = x.shape
         q, k = self.wq(x), self.wk(x)
         if self.qk_full:  # OLMoE: over all heads at once
@@ -123,29 +131,39 @@ class Attention(nn.Module):
         if hasattr(self, "q_norm") and not self.qk_full:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if q_scale is not None:
+            q = q * q_scale.to(q.dtype)[:, None]
         rep = self.nh // self.nkv
         # repeat_interleave: query head h reads kv head h // rep (HF Llama's repeat_kv).
         k = k.repeat_interleave(rep, dim=1)  # [B, nh, T, hd]
         v = v.repeat_interleave(rep, dim=1)
-        if self.window:
+        if window:
             t = torch.arange(T, device=x.device)
             ago = t[:, None] - t[None, :]  # [T, T] query position minus key position
-            mask = (ago >= 0) & (ago < self.window)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            mask = (ago >= 0) & (ago < window)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
         else:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, nh, T, hd]
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)  # [B, nh, T, hd]
         return self.wo(y.transpose(1, 2).reshape(B, T, self.nh * self.hd))
 
 
+def ffn_act(name: str):
+    """The gate activation of config ffn_act: silu (SwiGLU) or gelu_tanh (GeGLU)."""
+    return F.silu if name == "silu" else (lambda x: F.gelu(x, approximate="tanh"))
+
+
 class SwiGLU(nn.Module):
-    def __init__(self, d_model: int, d_hidden: int) -> None:
+    """SwiGLU, or with act="gelu_tanh" GeGLU: w_down(act(w_gate x) * w_up x)."""
+
+    def __init__(self, d_model: int, d_hidden: int, act: str = "silu") -> None:
         super().__init__()
         self.w_gate = nn.Linear(d_model, d_hidden, bias=False)
         self.w_up = nn.Linear(d_model, d_hidden, bias=False)
         self.w_down = nn.Linear(d_hidden, d_model, bias=False)
+        self.act = ffn_act(act)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+        return self.w_down(self.act(self.w_gate(x)) * self.w_up(x))
 
 
 class MoE(nn.Module):
@@ -231,18 +249,24 @@ class Block(nn.Module):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = Attention(cfg)
+        if cfg.post_norms:
+            self.attn_post_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         if cfg.has_dense:
             self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-            self.ffn = SwiGLU(cfg.d_model, cfg.d_ff)
+            self.ffn = SwiGLU(cfg.d_model, cfg.d_ff, cfg.ffn_act)
+            if cfg.post_norms:
+                self.ffn_post_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         if cfg.has_moe:
             self.moe_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
             self.moe = MoE(cfg)
 
-    def attend(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        return self.attn(self.attn_norm(x), cos, sin)
+    def attend(self, x: Tensor, cos: Tensor, sin: Tensor, window: int = 0, q_scale: Tensor | None = None) -> Tensor:
+        a = self.attn(self.attn_norm(x), cos, sin, window, q_scale)
+        return self.attn_post_norm(a) if hasattr(self, "attn_post_norm") else a
 
     def dense(self, u: Tensor) -> Tensor:
-        return self.ffn(self.ffn_norm(u))
+        f = self.ffn(self.ffn_norm(u))
+        return self.ffn_post_norm(f) if hasattr(self, "ffn_post_norm") else f
 
     def experts(self, z: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
         B, T, d = z.shape
@@ -281,6 +305,10 @@ class Transformer(nn.Module):
         cos, sin = rope_cos_sin(cfg.max_seq_len, cfg.head_dim, cfg.rope_theta, cfg.rope_freq_factors, cfg.rope_mscale)
         self.register_buffer("rope_cos", cos, persistent=False)  # [max_seq_len, hd/2]
         self.register_buffer("rope_sin", sin, persistent=False)
+        if cfg.rope_theta_local > 0:  # the local layers' own (unscaled) RoPE
+            cos, sin = rope_cos_sin(cfg.max_seq_len, cfg.head_dim, cfg.rope_theta_local)
+            self.register_buffer("rope_cos_local", cos, persistent=False)
+            self.register_buffer("rope_sin_local", sin, persistent=False)
         self.reset_parameters()
 
     def block(self, layer: int) -> Block:
@@ -321,14 +349,20 @@ class Transformer(nn.Module):
             raise ModelError(f"sequence length {T} exceeds max_seq_len {cfg.max_seq_len}; "
                              f"crop the input or raise max_seq_len in the config")
         L, dd, de = cfg.n_layers, cfg.delta_dense, cfg.delta_expert
-        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
-        xs = [self.tok_emb(idx)]  # xs[l] = x_l [B, T, d]
+        q_scale = None
+        if cfg.attn_temp_scale:
+            q_scale = torch.tensor([cfg.q_temperature(p) for p in range(T)], dtype=torch.float32, device=idx.device)
+        emb = self.tok_emb(idx)
+        xs = [emb * cfg.embed_scale if cfg.embed_scale != 1.0 else emb]  # xs[l] = x_l [B, T, d]
         # pending[t]: expert outputs that join x_{t+1}; pending[L]: added before the final norm.
         pending: list[list[Tensor]] = [[] for _ in range(L + 1)]
         aux: list[dict[str, Tensor]] = []
         for layer in range(L):
             blk, x = self.block(layer), xs[layer]
-            h = x + blk.attend(x, cos, sin)
+            local = cfg.rope_theta_local > 0 and cfg.is_local(layer)
+            cos = (self.rope_cos_local if local else self.rope_cos)[:T]
+            sin = (self.rope_sin_local if local else self.rope_sin)[:T]
+            h = x + blk.attend(x, cos, sin, cfg.layer_window(layer), q_scale)
             f = blk.dense(h if dd == 0 else xs[max(layer + 1 - dd, 0)]) if cfg.has_dense else None
             if cfg.has_moe:
                 z = h + f if (cfg.moe_input == "post_dense" and f is not None) else h
@@ -423,6 +457,10 @@ class Transformer(nn.Module):
                 sd[p + "attn.q_norm.weight"] = val(p + "attn.q_norm")
                 sd[p + "attn.k_norm.weight"] = val(p + "attn.k_norm")
             sd[p + "attn.wo.weight"] = val(p + "attn.wo")
+            if cfg.post_norms:
+                sd[p + "attn_post_norm.weight"] = val(p + "attn_post_norm")
+                if cfg.has_dense:
+                    sd[p + "ffn_post_norm.weight"] = val(p + "ffn_post_norm")
             if cfg.has_dense:
                 sd[p + "ffn_norm.weight"] = val(p + "ffn_norm")
                 sd[p + "ffn.w_gate.weight"], sd[p + "ffn.w_up.weight"] = parts(p + "ffn.w_gate_up")
@@ -450,8 +488,8 @@ def _rmsnorm(x: Tensor, w: Tensor, eps: float) -> Tensor:
     return x * torch.rsqrt(x.pow(2).mean() + eps) * w
 
 
-def _swiglu(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor) -> Tensor:
-    return w_down @ (F.silu(w_gate @ x) * (w_up @ x))
+def _swiglu(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, act=F.silu) -> Tensor:
+    return w_down @ (act(w_gate @ x) * (w_up @ x))
 
 
 class ReferenceDecoder:
@@ -465,20 +503,22 @@ class ReferenceDecoder:
                                   the final norm)
 
     step(token) at position p = number of tokens seen so far:
-      ring[0] = tok_emb[token]; pending = 0; late = 0                 # x_0
+      ring[0] = tok_emb[token] * embed_scale; pending = 0; late = 0   # x_0
       for l in 0..L-1 (weights W = set l % n_unique_layers):
         x  = ring[l % H]
         xn = rmsnorm(x, W.attn_norm)
         q = W.wq xn; k = W.wk xn; v = W.wv xn                         # [nh*hd], [nkv*hd] x2
         (qkv_bias: + W.bq, W.bk, W.bv; qk_norm: rmsnorm each q head by W.q_norm, each k head by W.k_norm)
-        t0 = max(0, p - sliding_window + 1) when sliding_window > 0, else 0
-        rotate q and k per head at position p ("half" convention); store k, v at k/v_cache[l, p]
+        t0 = max(0, p - W + 1) with W = cfg.layer_window(l) > 0 (a local layer), else 0
+        rotate q and k per head at position p ("half" convention; RoPE of layer_rope(l)), q times
+        q_temperature(p); store k, v at k/v_cache[l, p]
         for head h: g = h // (nh/nkv)
-          s[t] = q_h . k_cache[l, t, g] / sqrt(hd), t = t0..p;  o_h = sum_t softmax(s)[t] v_cache[l, t, g]
-        h = x + W.wo o
+          s[t] = q_h . k_cache[l, t, g] / sqrt(hd) (or * attn_scale), t = t0..p
+          o_h = sum_t softmax(s)[t] v_cache[l, t, g]
+        h = x + W.wo o                         (post_norms: x + rmsnorm(W.wo o, W.attn_post_norm))
         f = 0
         if dense: u = h if dd == 0 else ring[max(l + 1 - dd, 0) % H]   # x_{l+1-dd}, clamped to x_0
-                  f = swiglu(rmsnorm(u, W.ffn_norm))
+                  f = swiglu(rmsnorm(u, W.ffn_norm))   (gelu_tanh: geglu; post_norms: rmsnorm(f, W.ffn_post_norm))
         if moe:   z = h + f if moe_input == "post_dense" else h
                   zn = rmsnorm(z, W.moe_norm); probs = softmax(W.router zn)   # [E], float32
                   top-k experts e_i with weights w_i = probs[e_i] / sum_i probs[e_i]
@@ -505,8 +545,14 @@ class ReferenceDecoder:
         self.tok_emb = model.tok_emb.weight.detach().float()  # [V, d]
         self.out_w = self.tok_emb if model.lm_head is None else model.lm_head.weight.detach().float()
         self.norm_w = model.norm.weight.detach().float()
-        self.cos, self.sin = rope_cos_sin(self.max_seq_len, cfg.head_dim, cfg.rope_theta,
-                                          cfg.rope_freq_factors, cfg.rope_mscale)  # [S, hd/2]
+        # [S, hd/2] per layer: global layers' and (rope_theta_local) local layers' tables
+        tables = {}
+        self.rope = []
+        for layer in range(cfg.n_layers):
+            key = cfg.layer_rope(layer)
+            if key not in tables:
+                tables[key] = rope_cos_sin(self.max_seq_len, cfg.head_dim, *key)
+            self.rope.append(tables[key])
         L, d, S = cfg.n_layers, cfg.d_model, self.max_seq_len
         self.k_cache = torch.zeros(L, S, cfg.n_kv_heads, cfg.head_dim)
         self.v_cache = torch.zeros(L, S, cfg.n_kv_heads, cfg.head_dim)
@@ -530,18 +576,23 @@ class ReferenceDecoder:
         if not 0 <= token < cfg.vocab_size:
             raise ModelError(f"token id {token} is outside the vocabulary (0..{cfg.vocab_size - 1})")
         L, H, P = cfg.n_layers, cfg.history_depth, cfg.delta_expert + 1
-        self.ring[0] = self.tok_emb[token]
+        self.ring[0] = self.tok_emb[token] * cfg.embed_scale
         self.pending.zero_()
         self.late.zero_()
         for layer in range(L):
             W = self.sets[cfg.weight_layer(layer)]
             x = self.ring[layer % H].clone()
-            h = x + self._attention(W, layer, _rmsnorm(x, W["attn_norm.weight"], cfg.norm_eps))
+            a = self._attention(W, layer, _rmsnorm(x, W["attn_norm.weight"], cfg.norm_eps))
+            if cfg.post_norms:
+                a = _rmsnorm(a, W["attn_post_norm.weight"], cfg.norm_eps)
+            h = x + a
             f = torch.zeros_like(h)
             if cfg.has_dense:
                 u = h if cfg.delta_dense == 0 else self.ring[max(layer + 1 - cfg.delta_dense, 0) % H]
                 f = _swiglu(_rmsnorm(u, W["ffn_norm.weight"], cfg.norm_eps),
-                            W["ffn.w_gate.weight"], W["ffn.w_up.weight"], W["ffn.w_down.weight"])
+                            W["ffn.w_gate.weight"], W["ffn.w_up.weight"], W["ffn.w_down.weight"], ffn_act(cfg.ffn_act))
+                if cfg.post_norms:
+                    f = _rmsnorm(f, W["ffn_post_norm.weight"], cfg.norm_eps)
             if cfg.has_moe:
                 z = h + f if cfg.moe_input == "post_dense" else h
                 m = self._experts(W, _rmsnorm(z, W["moe_norm.weight"], cfg.norm_eps))
@@ -571,17 +622,19 @@ class ReferenceDecoder:
         if cfg.qk_norm and not cfg.qk_norm_full:  # per head, before RoPE
             q = torch.stack([_rmsnorm(h, W["attn.q_norm.weight"], cfg.norm_eps) for h in q])
             k = torch.stack([_rmsnorm(h, W["attn.k_norm.weight"], cfg.norm_eps) for h in k])
-        cos, sin = self.cos[p : p + 1], self.sin[p : p + 1]  # [1, hd/2]
+        cos, sin = (t[p : p + 1] for t in self.rope[layer])  # [1, hd/2]
         self.k_cache[layer, p] = apply_rope(k, cos, sin)
         self.v_cache[layer, p] = v
-        q = apply_rope(q, cos, sin)
+        q = apply_rope(q, cos, sin) * float(torch.tensor(cfg.q_temperature(p), dtype=torch.float32))
         o = torch.empty(nh, hd)
         rep = nh // nkv
-        first = max(0, p - cfg.sliding_window + 1) if cfg.sliding_window else 0
+        window = cfg.layer_window(layer)
+        first = max(0, p - window + 1) if window else 0
         for head in range(nh):
             keys = self.k_cache[layer, first : p + 1, head // rep]  # [n, hd]
             vals = self.v_cache[layer, first : p + 1, head // rep]  # [n, hd]
-            att = (keys @ q[head] / math.sqrt(hd)).softmax(dim=0)  # [n]
+            s = keys @ q[head] * cfg.attn_scale if cfg.attn_scale else keys @ q[head] / math.sqrt(hd)
+            att = s.softmax(dim=0)  # [n]
             o[head] = att @ vals
         return W["attn.wo.weight"] @ o.flatten()
 

@@ -15,9 +15,11 @@ count bytes from them:
     layers.{i}.attn.q_norm             [hd] or [q]        attn      f32      (qk_norm; [q], [kv] with
     layers.{i}.attn.k_norm             [hd] or [kv]       attn      f32       qk_norm_full)
     layers.{i}.attn.wo                 [d, q]             attn      quantized
+    layers.{i}.attn_post_norm          [d]                attn      f32      (post_norms: Gemma)
     layers.{i}.ffn_norm                [d]                dense     f32      (d_ff > 0)
     layers.{i}.ffn.w_gate_up           [2 d_ff, d]        dense     quantized (gate, up interleaved)
     layers.{i}.ffn.w_down              [d, d_ff]          dense     quantized
+    layers.{i}.ffn_post_norm           [d]                dense     f32      (post_norms, d_ff > 0)
     layers.{i}.moe_norm                [d]                router    f32      (n_experts > 0)
     layers.{i}.moe.router              [E, d]             router    f32
     layers.{i}.moe.shared_gate         [d]                router    f32      (d_shared_expert > 0)
@@ -65,8 +67,8 @@ NODE_KINDS = ("embed", "attn", "dense", "router", "experts", "lm_head")
 GLOBAL_NAMES = ("tok_emb", "norm", "lm_head")
 # A weight set's slots in `.cflow` order (layer_weights yields them so), plus QKV_PARTS in
 # attn.wqkv's place when the projection is stored by parts.
-LAYER_SLOTS = ("attn_norm", "attn.wqkv", "attn.qkv_bias", "attn.q_norm", "attn.k_norm", "attn.wo", "ffn_norm",
-               "ffn.w_gate_up", "ffn.w_down", "moe_norm", "moe.router", "moe.shared_gate",
+LAYER_SLOTS = ("attn_norm", "attn.wqkv", "attn.qkv_bias", "attn.q_norm", "attn.k_norm", "attn.wo", "attn_post_norm",
+               "ffn_norm", "ffn.w_gate_up", "ffn.w_down", "ffn_post_norm", "moe_norm", "moe.router", "moe.shared_gate",
                "moe.shared.w_gate_up", "moe.shared.w_down")
 EXPERT_SLOTS = ("w_gate_up", "w_down")
 QKV_PARTS = ("attn.wq", "attn.wk", "attn.wv")  # attn.wqkv stored by parts (see above)
@@ -130,10 +132,14 @@ def layer_weights(cfg: ModelConfig, i: int, experts: Iterable[int] | None = None
         out += [Weight(p + "attn.q_norm", (cfg.q_dim if full else cfg.head_dim,), "attn", True, i),
                 Weight(p + "attn.k_norm", (cfg.kv_dim if full else cfg.head_dim,), "attn", True, i)]
     out.append(Weight(p + "attn.wo", (d, cfg.q_dim), "attn", False, i))
+    if cfg.post_norms:
+        out.append(Weight(p + "attn_post_norm", (d,), "attn", True, i))
     if cfg.has_dense:
         out += [Weight(p + "ffn_norm", (d,), "dense", True, i),
                 Weight(p + "ffn.w_gate_up", (2 * cfg.d_ff, d), "dense", False, i),
                 Weight(p + "ffn.w_down", (d, cfg.d_ff), "dense", False, i)]
+        if cfg.post_norms:
+            out.append(Weight(p + "ffn_post_norm", (d,), "dense", True, i))
     if cfg.has_moe:
         out += [Weight(p + "moe_norm", (d,), "router", True, i),
                 Weight(p + "moe.router", (cfg.n_experts, d), "router", True, i)]
@@ -187,7 +193,7 @@ def count(cfg: ModelConfig, n_split_qkv: int = 0) -> int:
     """How many tensors `model_weights(cfg)` yields (with `n_split_qkv` sets stored by parts),
     computed without building it (a damaged header may claim billions of layers)."""
     per_set = 3 + cfg.qkv_bias + 2 * cfg.qk_norm + 3 * cfg.has_dense + (2 + 2 * cfg.n_experts) * cfg.has_moe \
-        + 3 * cfg.has_shared_expert
+        + 3 * cfg.has_shared_expert + cfg.post_norms * (1 + cfg.has_dense)
     return 2 + cfg.n_unique_layers * per_set + (not cfg.tie_embeddings) + 2 * n_split_qkv \
         + len(MTP_SLOTS) * cfg.mtp_heads
 

@@ -595,23 +595,27 @@ TINYLLAMA = dict(layers=22, d_model=2048, d_ff=5632, heads=32, kv_heads=4, vocab
 
 
 def write_dense_gguf(path: str | os.PathLike, *, layers: int, d_model: int, d_ff: int, heads: int,
-                     kv_heads: int, vocab: int, quant: str = "q4_0", seed: int = 0, ctx: int = 2048) -> Path:
+                     kv_heads: int, vocab: int, quant: str = "q4_0", seed: int = 0, ctx: int = 2048,
+                     arch: str = "llama", head_dim: int = 0, rope_theta: float = 10000.0,
+                     keys: dict | None = None) -> Path:
     """A random-weight Llama GGUF (dense, e.g. TinyLlama-1.1B's geometry), written with the gguf
     package and this module's random blocks and tokenizer.
     quant "f16": float weights of the quantized files' per-tensor std (the source llama.cpp's quantizer turns
-    into K-quant files, benchmarks/quants.py)."""
+    into K-quant files, benchmarks/quants.py). arch: "llama", or another architecture of the same
+    tensors ("mistral3"); head_dim: the heads' width when not d_model / heads (written as
+    key_length); keys: more `{arch}.` metadata (RoPE scaling, the attention temperature ...)."""
     import gguf
 
     T = gguf.GGMLQuantizationType
     qtype = {"q4_0": T.Q4_0, "q4_1": T.Q4_1, "q8_0": T.Q8_0, "f16": T.F16}[quant]
-    hd = d_model // heads
-    kv = kv_heads * hd
+    hd = head_dim or d_model // heads
+    kv, q_dim = kv_heads * hd, heads * hd
     tensors: list[tuple[str, tuple[int, ...], str]] = [("token_embd.weight", (vocab, d_model), "m")]
     for i in range(layers):
         b = f"blk.{i}."
-        tensors += [(b + "attn_norm.weight", (d_model,), "n"), (b + "attn_q.weight", (d_model, d_model), "m"),
+        tensors += [(b + "attn_norm.weight", (d_model,), "n"), (b + "attn_q.weight", (q_dim, d_model), "m"),
                     (b + "attn_k.weight", (kv, d_model), "m"), (b + "attn_v.weight", (kv, d_model), "m"),
-                    (b + "attn_output.weight", (d_model, d_model), "m"), (b + "ffn_norm.weight", (d_model,), "n"),
+                    (b + "attn_output.weight", (d_model, q_dim), "m"), (b + "ffn_norm.weight", (d_model,), "n"),
                     (b + "ffn_gate.weight", (d_ff, d_model), "m"), (b + "ffn_up.weight", (d_ff, d_model), "m"),
                     (b + "ffn_down.weight", (d_model, d_ff), "m")]
     tensors += [("output_norm.weight", (d_model,), "n"), ("output.weight", (vocab, d_model), "m")]
@@ -628,7 +632,7 @@ def write_dense_gguf(path: str | os.PathLike, *, layers: int, d_model: int, d_ff
 
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    wr = gguf.GGUFWriter(str(tmp), "llama")
+    wr = gguf.GGUFWriter(str(tmp), arch)
     wr.add_name(f"random dense {layers}L d{d_model} ff{d_ff} {quant}")
     wr.add_block_count(layers)
     wr.add_context_length(ctx)
@@ -637,9 +641,15 @@ def write_dense_gguf(path: str | os.PathLike, *, layers: int, d_model: int, d_ff
     wr.add_head_count(heads)
     wr.add_head_count_kv(kv_heads)
     wr.add_rope_dimension_count(hd)
-    wr.add_rope_freq_base(10000.0)
+    if head_dim:
+        wr.add_key_length(hd)
+        wr.add_value_length(hd)
+    wr.add_rope_freq_base(rope_theta)
     wr.add_layer_norm_rms_eps(1e-5)
     wr.add_vocab_size(vocab)
+    for key, v in (keys or {}).items():
+        add = wr.add_string if isinstance(v, str) else wr.add_uint32 if isinstance(v, int) else wr.add_float32
+        add(f"{arch}.{key}", v)
     wr.add_file_type(int({"q4_0": gguf.LlamaFileType.MOSTLY_Q4_0, "q4_1": gguf.LlamaFileType.MOSTLY_Q4_1,
                           "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "f16": gguf.LlamaFileType.MOSTLY_F16}[quant]))
     wr.add_quantization_version(gguf.GGML_QUANT_VERSION)
@@ -659,6 +669,81 @@ def write_dense_gguf(path: str | os.PathLike, *, layers: int, d_model: int, d_ff
             f.write(np.ones(shape, np.float32).tobytes())
         else:
             f.write(memoryview(matrix(name, shape[0], shape[1]).reshape(-1).view(np.uint8)))
+        wr.write_padding(f, nbytes(shape, kind))
+    f.flush()
+    os.fsync(f.fileno())
+    wr.close()
+    os.replace(tmp, path)
+    return path
+
+
+GEMMA3_1B = dict(layers=26, d_model=1152, d_ff=6912, heads=4, kv_heads=1, head_dim=256, vocab=262144, window=512)
+
+
+def write_gemma3_gguf(path: str | os.PathLike, *, layers: int, d_model: int, d_ff: int, heads: int, kv_heads: int,
+                      head_dim: int, vocab: int, window: int, quant: str = "q4_0", seed: int = 0,
+                      ctx: int = 4096) -> Path:
+    """A random-weight Gemma 3 text GGUF (e.g. Gemma 3 1B's geometry) in llama.cpp's gemma3 layout:
+    head_dim from key_length, per-head q/k norms, post-attention and post-FFN norms, tied
+    embeddings, `window` on the local layers (llama.cpp's default pattern: every 6th layer global),
+    this module's random blocks and byte-level tokenizer. Norm weights are 1 (the file's 1 + w), so
+    activations stay of order one through the post-norms."""
+    import gguf
+
+    T = gguf.GGMLQuantizationType
+    qtype = {"q4_0": T.Q4_0, "q4_1": T.Q4_1, "q8_0": T.Q8_0}[quant]
+    q_dim, kv = heads * head_dim, kv_heads * head_dim
+    tensors: list[tuple[str, tuple[int, ...], str]] = [("token_embd.weight", (vocab, d_model), "m")]
+    for i in range(layers):
+        b = f"blk.{i}."
+        tensors += [(b + "attn_norm.weight", (d_model,), "n"), (b + "attn_q.weight", (q_dim, d_model), "m"),
+                    (b + "attn_k.weight", (kv, d_model), "m"), (b + "attn_v.weight", (kv, d_model), "m"),
+                    (b + "attn_q_norm.weight", (head_dim,), "n"), (b + "attn_k_norm.weight", (head_dim,), "n"),
+                    (b + "attn_output.weight", (d_model, q_dim), "m"),
+                    (b + "post_attention_norm.weight", (d_model,), "n"),
+                    (b + "ffn_norm.weight", (d_model,), "n"), (b + "ffn_gate.weight", (d_ff, d_model), "m"),
+                    (b + "ffn_up.weight", (d_ff, d_model), "m"), (b + "ffn_down.weight", (d_model, d_ff), "m"),
+                    (b + "post_ffw_norm.weight", (d_model,), "n")]
+    tensors.append(("output_norm.weight", (d_model,), "n"))
+
+    def nbytes(shape: tuple[int, ...], kind: str) -> int:
+        return 4 * shape[0] if kind == "n" else shape[0] * row_bytes(quant, shape[1])
+
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    wr = gguf.GGUFWriter(str(tmp), "gemma3")
+    wr.add_name(f"random gemma3 {layers}L d{d_model} ff{d_ff} hd{head_dim} {quant}")
+    wr.add_block_count(layers)
+    wr.add_context_length(ctx)
+    wr.add_embedding_length(d_model)
+    wr.add_feed_forward_length(d_ff)
+    wr.add_head_count(heads)
+    wr.add_head_count_kv(kv_heads)
+    wr.add_key_length(head_dim)
+    wr.add_value_length(head_dim)
+    wr.add_rope_freq_base(1e6)
+    wr.add_layer_norm_rms_eps(1e-6)
+    wr.add_sliding_window(window)
+    wr.add_file_type(int({"q4_0": gguf.LlamaFileType.MOSTLY_Q4_0, "q4_1": gguf.LlamaFileType.MOSTLY_Q4_1,
+                          "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[quant]))
+    wr.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    add_tokenizer(wr, vocab)
+    for name, shape, kind in tensors:
+        if kind == "n":
+            wr.add_tensor_info(name, shape, np.dtype(np.float32), nbytes(shape, kind))
+        else:
+            wr.add_tensor_info(name, shape, np.dtype(np.float32), nbytes(shape, kind), raw_dtype=qtype)
+    wr.write_header_to_file()
+    wr.write_kv_data_to_file()
+    wr.write_ti_data_to_file()
+    f = wr.fout[0]
+    wr.write_padding(f, f.tell())
+    for name, shape, kind in tensors:
+        if kind == "n":
+            f.write(np.ones(shape, np.float32).tobytes())
+        else:
+            rows = random_rows(tensor_rng(seed, name), quant, shape[0], shape[1])
+            f.write(memoryview(rows.reshape(-1).view(np.uint8)))
         wr.write_padding(f, nbytes(shape, kind))
     f.flush()
     os.fsync(f.fileno())

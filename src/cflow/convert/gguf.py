@@ -1,5 +1,5 @@
-"""GGUF (llama.cpp) Llama, Qwen2 and Qwen3 models, dense and mixture-of-experts (Mixtral, Qwen2-MoE,
-Qwen3-MoE) -> `.cflow`.
+"""GGUF (llama.cpp) Llama, Qwen2, Qwen3, Gemma 3 and Mistral 3 models, dense and mixture-of-experts
+(Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) -> `.cflow`.
 
 Owns reading a GGUF file (through the `gguf` package's GGUFReader, memory-mapped): its
 hyperparameters -> ModelConfig, its tokenizer -> the header dict of cflow.tokenizer, and its
@@ -9,19 +9,48 @@ Choices:
 - `general.architecture` "llama" (Llama, SmolLM, TinyLlama, Mistral, Mixtral ...), "qwen2"
   (Qwen2 / Qwen2.5: q/k/v biases -> attn.qkv_bias) and "qwen3" (dense Qwen3: per-head RMSNorm of q
   and k -> attn.q_norm / attn.k_norm, head_dim from attention.key_length). Anything else is a
-  named error listing what is supported, never a best-effort guess; `mistral3` (its
-  attention temperature scaling) is named as not yet supported.
+  named error listing what is supported, never a best-effort guess; `gemma4` is named as not yet
+  supported, and a vision projector (`clip` mmproj files, or vision tensors inside a text GGUF)
+  is refused by name.
+- "mistral3" (Ministral 3, Mistral Small 3.x text; llama.cpp's llama_model_mistral3, dense only:
+  a file with experts is refused): a Llama (Q/K permuted like llama files, undone here) whose
+  rotated query at position p is multiplied by 1 + beta * ln(floor(p / n_orig) + 1) when the file
+  has `attention.temperature_scale` beta (Llama 4's temperature; llama.cpp's offset for mistral3
+  is 0), n_orig the YaRN original context (`rope.scaling.original_context_length`, else
+  context_length): config attn_temp_scale / attn_temp_floor. Its YaRN carries
+  `rope.scaling.yarn_log_multiplier` (mscale_all_dim), which the RoPE bullet below reads.
+- "gemma3" (Gemma 3 text models, as llama.cpp's gemma3 graph runs them): the token embedding times
+  sqrtf(d) (embed_scale); GeGLU FFN (ffn_act "gelu_tanh"); per-head RMSNorm of q and k before
+  RoPE (attn_q_norm / attn_k_norm [hd]); an RMSNorm of the attention output and of the FFN output
+  before each joins the residual (post_attention_norm -> attn_post_norm, post_ffw_norm ->
+  ffn_post_norm: post_norms); NEOX RoPE (not permuted); head_dim from attention.key_length; tied
+  embeddings (output.weight when present). Norm weights are used as stored: convert_hf_to_gguf
+  adds Gemma3RMSNorm's 1 to every norm weight, so the GGUF holds (1 + w). With a
+  `gemma3.attention.sliding_window` W > 0, layers alternate local and global as llama.cpp's swa
+  pattern: `attention.sliding_window_pattern` N (default 6; a per-layer bool array is read as the
+  period it repeats, else refused), layer l local iff l % N < N - 1 (sliding_window_pattern); the
+  local layers attend to the last W positions and rotate with `rope.freq_base_swa` (llama.cpp's
+  default 10000) unscaled (rope_theta_local), the global ones with rope.freq_base and the file's
+  linear scaling. Without a window every layer is global. Scores are scaled by 1/sqrt(hd), or for
+  a 62-layer (27B) model by 1/sqrt(d / n_heads) (llama.cpp's rule; attn_scale). Refused by name:
+  final_logit_softcapping (llama.cpp applies it; no Gemma 3 checkpoint sets it), YaRN and
+  rope_freqs scaling, SWA-specific head sizes. Not exact: llama.cpp's CPU GELU reads a table over
+  fp16 inputs, cflow computes it in f32 (a 1e-3 relative difference inside the FFN).
 - RoPE: plain; Llama 3's frequency factors (Llama 3.1+ GGUFs carry them as the F32 tensor
   rope_freqs.weight [head_dim/2]); linear scaling; YaRN (ext_factor 1, attn_factor 1). Each is,
   as llama.cpp's ggml_rope_ext computes it, a divisor of each rotation pair's frequency
-  (config rope_freq_factors) and for YaRN a scale of cos and sin (rope_mscale). YaRN variants
-  with their own magnitude rules (yarn_log_multiplier, attn_factor) and other scaling types
+  (config rope_freq_factors) and for YaRN a scale of cos and sin (rope_mscale): 1 + 0.1 ln(factor),
+  or with a `yarn_log_multiplier` m, (1 + 0.1 ln f) / (1 + 0.1 m ln f) (llama.cpp's
+  yarn_attn_factor for it, times ggml's own YaRN magnitude; DeepSeek-V2's special case aside).
+  YaRN variants with other magnitude rules (attn_factor, ext_factor) and other scaling types
   (longrope ...) are refused by name.
 - Sliding windows: a `llama.attention.sliding_window` (Mistral 7B v0.1 GGUFs carry one as arch
   "llama") is honoured: position p attends to the last W positions, as the model was trained and
   as HF transformers runs it. llama.cpp's llama graph ignores the key (a plain causal cache), so
   past W positions cflow and llama.cpp differ on such a file; `cflow convert --sliding-window 0`
-  (convert_gguf(sliding_window=0)) gives llama.cpp's behaviour. Other architectures' windows are not read (Qwen2 configs carry a window
+  (convert_gguf(sliding_window=0)) gives llama.cpp's behaviour. gemma3's window is part of its
+  local/global pattern (above) and runs as llama.cpp runs it; the override is refused there.
+  Other architectures' windows are not read (Qwen2 configs carry a window
   with use_sliding_window off, which the GGUF does not record) and are noted in the metadata
   (source.sliding_window_ignored).
 - Mixture-of-experts llama files (Mixtral and its merges: `llama.expert_count` > 0) become
@@ -77,15 +106,17 @@ from cflow.quant import STORED_QUANT, TILE, row_bytes
 from cflow.tokenizer import Tokenizer, TokenizerError, unicode_to_bytes
 from cflow.weights import Weight
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "olmoe")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "olmoe", "gemma3", "mistral3")
 # Architectures with experts, and whether llama.cpp renormalises their top-k routing weights.
 _MOE_NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False}
 _MOE_ONLY = ("qwen2moe", "qwen3moe", "olmoe")  # every layer has experts (llama: only Mixtral files do)
 # Architectures whose Q/K rows convert_hf_to_gguf permutes for ggml's adjacent-pair ("NORM") RoPE;
 # the others listed above use NEOX RoPE, the "half" convention cflow runs, and are stored as is.
-_PERMUTED_QK = ("llama",)
+_PERMUTED_QK = ("llama", "mistral3")
 # Known architectures cflow does not run yet, with what is missing.
-_NOT_YET = {"mistral3": "mistral3 (its attention temperature scaling)"}
+_NOT_YET = {"gemma4": "gemma4 (its per-layer embeddings and attention variants)"}
+# GGUF tensor-name prefixes of vision towers and projectors (llama.cpp's mmproj files use them).
+_VISION_PREFIXES = ("v.", "mm.", "vision_", "mmproj.")
 _NATIVE = {d.upper(): d for d in STORED_QUANT}  # GGML type name -> the dtype its blocks keep
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
 
@@ -215,10 +246,16 @@ class GGUFModel:
 
 # ---- hyperparameters -------------------------------------------------------------------------
 def gguf_config(g: GGUFModel) -> ModelConfig:
-    """ModelConfig of a llama, qwen2, qwen3, qwen2moe or qwen3moe GGUF (SmolLM2-135M: 30 layers,
-    d=576, heads 9/3), named after the architecture, or "mixtral" for a llama one with experts (see
-    the module docstring)."""
+    """ModelConfig of a llama, qwen2, qwen3, qwen2moe, qwen3moe, olmoe, gemma3 or mistral3 GGUF (SmolLM2-135M:
+    30 layers, d=576, heads 9/3), named after the architecture, or "mixtral" for a llama one with
+    experts (see the module docstring)."""
     arch = g.architecture
+    if arch == "clip" or any(n.startswith(_VISION_PREFIXES) for n in g.tensors):
+        what = g.get("clip.projector_type") or "vision"
+        raise UnsupportedArchitectureError(
+            f"{g.path.name} holds a vision tower ({what!r} projector: an mmproj file or vision tensors such as "
+            f"{next((n for n in g.tensors if n.startswith(_VISION_PREFIXES)), 'v.*')}); cflow runs the text model "
+            "only: convert the text GGUF without the projector")
     if arch in _NOT_YET:
         raise UnsupportedArchitectureError(
             f"{g.path.name} is a {arch!r} model: {_NOT_YET[arch]} is not yet supported by cflow; it "
@@ -227,7 +264,7 @@ def gguf_config(g: GGUFModel) -> ModelConfig:
         raise UnsupportedArchitectureError(
             f"{g.path.name} is a {arch!r} model; cflow converts GGUF architectures "
             f"{list(SUPPORTED_ARCHITECTURES)} (Llama 2/3, SmolLM, TinyLlama, Mistral, Mixtral, Qwen2, "
-            "Qwen2.5, Qwen3, Qwen2-MoE, Qwen3-MoE, OLMoE)")
+            "Qwen2.5, Qwen3, Qwen2-MoE, Qwen3-MoE, OLMoE, Gemma 3, Ministral 3 / Mistral Small 3)")
     p = f"{arch}."
     n_experts = int(g.get(p + "expert_count") or 0)
     ffn = int(g.require(p + "feed_forward_length"))
@@ -276,6 +313,14 @@ def gguf_config(g: GGUFModel) -> ModelConfig:
                         "cflow rotates whole heads")
     if int(g.get(p + "attention.value_length") or head_dim) != head_dim:
         raise GGUFError(f"{g.path.name} has value heads of a different size than key heads; unsupported")
+    for key, same in (("attention.key_length_swa", head_dim), ("attention.value_length_swa", head_dim),
+                      ("rope.dimension_count_swa", rot)):
+        v = g.get(p + key)
+        if v is not None and int(v) != same:
+            raise GGUFError(f"{g.path.name}: {p}{key} = {v}, other than the global layers' {same}; cflow runs one "
+                            "head size on every layer")
+    if arch == "gemma3":
+        _gemma3_checks(g, p)
     emb = g.tensors.get("token_embd.weight")
     if emb is None:
         raise GGUFError(f"{g.path.name} lacks token_embd.weight")
@@ -293,7 +338,9 @@ def gguf_config(g: GGUFModel) -> ModelConfig:
             tie_embeddings="output.weight" not in g.tensors,
             qkv_bias="blk.0.attn_q.bias" in g.tensors, qk_norm="blk.0.attn_q_norm.weight" in g.tensors,
             qk_norm_full=arch == "olmoe",
-            sliding_window=_window(g), **_rope_scaling(g, p, head_dim), **moe)
+            sliding_window=_window(g), **_rope_scaling(g, p, head_dim), **moe,
+            **(_gemma3(g, p, d, n_heads) if arch == "gemma3" else {}),
+            **(_temperature(g, p) if arch == "mistral3" else {}))
     except ConfigError as e:
         raise GGUFError(f"{g.path.name}: its hyperparameters do not form a valid model: {e}") from None
 
@@ -320,12 +367,12 @@ def _rope_scaling(g: GGUFModel, p: str, head_dim: int) -> dict[str, Any]:
         if scaling == "linear":
             factors = factors * factor
         elif scaling == "yarn":
-            for key, neutral in (("rope.scaling.yarn_log_multiplier", 0.0), ("rope.scaling.attn_factor", 1.0),
-                                 ("rope.scaling.yarn_attn_factor", 1.0), ("rope.scaling.yarn_ext_factor", 1.0)):
+            for key, neutral in (("rope.scaling.attn_factor", 1.0), ("rope.scaling.yarn_attn_factor", 1.0),
+                                 ("rope.scaling.yarn_ext_factor", 1.0)):
                 v = g.get(p + key)
                 if v is not None and float(v) != neutral and not (key.endswith("ext_factor") and float(v) < 0):
-                    raise GGUFError(f"{g.path.name} uses YaRN with {p}{key} = {v}; cflow implements plain YaRN "
-                                    f"(ext_factor 1, attn_factor 1, no log multiplier) only")
+                    raise GGUFError(f"{g.path.name} uses YaRN with {p}{key} = {v}; cflow implements YaRN with "
+                                    f"ext_factor 1 and attn_factor 1 (and a log multiplier) only")
             theta = float(g.get(p + "rope.freq_base") or 10000.0)
             n_orig = float(g.require(p + "rope.scaling.original_context_length"))
             beta_fast = float(g.get(p + "rope.scaling.yarn_beta_fast") or 32.0)
@@ -339,7 +386,12 @@ def _rope_scaling(g: GGUFModel, p: str, head_dim: int) -> dict[str, Any]:
             j = np.arange(half, dtype=np.float64)
             mix = 1.0 - np.clip((j - low) / max(0.001, high - low), 0.0, 1.0)  # 1: extrapolate, 0: interpolate
             factors = factors / ((1.0 / factor) * (1.0 - mix) + mix)
-            mscale = 1.0 + 0.1 * np.log(factor)
+            # ggml scales cos/sin by attn_factor * (1 + 0.1 ln f), and llama.cpp's context sets
+            # attn_factor to mscale(f, 1) / mscale(f, m) / (1 + 0.1 ln f), m the log multiplier
+            # (mscale_all_dim; 0 without one), mscale(f, m) = 1 + 0.1 m ln f (1 for f <= 1)
+            log_mul = float(g.get(p + "rope.scaling.yarn_log_multiplier") or 0.0)
+            ms = lambda m: 1.0 if factor <= 1 else 1.0 + 0.1 * m * np.log(factor)  # noqa: E731
+            mscale = ms(1.0) / ms(log_mul)
         else:
             raise GGUFError(f"{g.path.name} uses {scaling} RoPE scaling; cflow implements plain RoPE, Llama 3's "
                             "frequency factors, linear and YaRN scaling")
@@ -349,10 +401,72 @@ def _rope_scaling(g: GGUFModel, p: str, head_dim: int) -> dict[str, Any]:
 
 
 def _window(g: GGUFModel) -> int:
-    """The sliding window the model runs with: the file's, for arch llama (Mistral); else 0
-    (module docstring)."""
+    """The sliding window the model runs with: the file's, for arch llama (Mistral) and gemma3; else
+    0 (module docstring)."""
     w = g.get(f"{g.architecture}.attention.sliding_window")
-    return int(w) if w and g.architecture == "llama" else 0
+    return int(w) if w and g.architecture in ("llama", "gemma3") else 0
+
+
+def _temperature(g: GGUFModel, p: str) -> dict[str, Any]:
+    """attn_temp_scale / attn_temp_floor of a mistral3 file, as llama_model_mistral3 reads them."""
+    beta = float(g.get(p + "attention.temperature_scale") or 0.0)
+    if beta == 0.0:
+        return {}
+    floor = int(g.get(p + "rope.scaling.original_context_length") or g.require(p + "context_length"))
+    if floor <= 0:
+        raise GGUFError(f"{g.path.name}: the attention temperature needs a positive original context length")
+    return {"attn_temp_scale": beta, "attn_temp_floor": floor}
+
+
+def _gemma3_checks(g: GGUFModel, p: str) -> None:
+    """What a gemma3 file may carry that cflow does not run: refused by name (module docstring)."""
+    cap = g.get(p + "final_logit_softcapping")
+    if cap:
+        raise GGUFError(f"{g.path.name} caps its logits ({p}final_logit_softcapping = {cap}); cflow does not "
+                        "implement final logit soft-capping (no Gemma 3 checkpoint sets it)")
+    if g.get(p + "attn_logit_softcapping"):
+        raise GGUFError(f"{g.path.name} caps its attention logits ({p}attn_logit_softcapping); Gemma 3 does not, "
+                        "and cflow does not implement it")
+    scaling = g.get(p + "rope.scaling.type")
+    if scaling not in (None, "none", "linear") or "rope_freqs.weight" in g.tensors:
+        raise GGUFError(f"{g.path.name} is a gemma3 model with {scaling or 'rope_freqs'} RoPE scaling; cflow runs "
+                        "gemma3 files with plain or linear RoPE scaling (what Gemma 3 uses)")
+
+
+def _gemma3(g: GGUFModel, p: str, d: int, n_heads: int) -> dict[str, Any]:
+    """The Gemma 3 fields of ModelConfig, as llama.cpp's llama_model_gemma3 reads the file (module
+    docstring)."""
+    n_layers = int(g.require(p + "block_count"))
+    out: dict[str, Any] = dict(embed_scale=float(np.sqrt(np.float32(d))), post_norms=True, ffn_act="gelu_tanh")
+    if n_layers == 62:  # llama.cpp: the 27B model scales by 1/sqrt(d / n_heads) (gemma_pytorch's config)
+        out["attn_scale"] = float(np.float32(1.0) / np.sqrt(np.float32(d // n_heads)))
+    window = int(g.get(p + "attention.sliding_window") or 0)
+    if window <= 0:
+        return out  # every layer global, with the file's RoPE (llama.cpp's LLAMA_SWA_TYPE_NONE)
+    out["sliding_window_pattern"] = _swa_period(g, p, n_layers)
+    base = float(g.get(p + "rope.freq_base_swa") or 10000.0)  # llama-hparams.h's default
+    out["rope_theta_local"] = base
+    return out
+
+
+def _swa_period(g: GGUFModel, p: str, n_layers: int) -> int:
+    """sliding_window_pattern from `attention.sliding_window_pattern`: a period N (default 6; 0: every
+    layer local), or a per-layer array of local flags, which must repeat some period N the way
+    llama.cpp's set_swa_pattern lays it out (l local iff l % N < N - 1)."""
+    v = g.get(p + "attention.sliding_window_pattern")
+    if v is None:
+        return 6
+    if not isinstance(v, (list, tuple)):
+        return int(v)
+    flags = [bool(x) for x in v][:n_layers]
+    if len(flags) != n_layers:
+        raise GGUFError(f"{g.path.name}: {p}attention.sliding_window_pattern has {len(v)} entries for {n_layers} "
+                        "layers")
+    for n in [0] + list(range(1, n_layers + 1)):
+        if flags == [n == 0 or layer % n < n - 1 for layer in range(n_layers)]:
+            return n
+    raise GGUFError(f"{g.path.name}: {p}attention.sliding_window_pattern {flags} is not periodic (every N-th layer "
+                    "global); cflow runs periodic local/global patterns")
 
 
 # ---- tokenizer -------------------------------------------------------------------------------
@@ -464,6 +578,7 @@ def _head_dim(rows: int, n_heads: int) -> int:
 _GGUF_PARTS = {"attn_norm": ("attn_norm",), "attn.wqkv": ("attn_q", "attn_k", "attn_v"),
                "attn.wo": ("attn_output",), "ffn_norm": ("ffn_norm",), "ffn.w_gate_up": ("ffn_gate", "ffn_up"),
                "ffn.w_down": ("ffn_down",), "moe.shared_gate": ("ffn_gate_inp_shexp",),
+               "attn_post_norm": ("post_attention_norm",), "ffn_post_norm": ("post_ffw_norm",),
                "moe.shared.w_gate_up": ("ffn_gate_shexp", "ffn_up_shexp"), "moe.shared.w_down": ("ffn_down_shexp",)}
 _SHARED = ("moe.shared_gate", "moe.shared.w_gate_up", "moe.shared.w_down")
 # Plain tensors of the attention options, concatenated from these GGUF tensors (bq | bk | bv).
@@ -562,6 +677,8 @@ def _check_tensor_names(g: GGUFModel, cfg: ModelConfig) -> None:
             expected |= {f"blk.{i}.{n}" for n in _GGUF_VECTORS["attn.q_norm"] + _GGUF_VECTORS["attn.k_norm"]}
         if cfg.has_dense:
             expected |= {f"blk.{i}.{n}.weight" for n in _DENSE}
+        if cfg.post_norms:
+            expected |= {f"blk.{i}.{n}.weight" for n in ("post_attention_norm", "post_ffw_norm")}
         if cfg.has_shared_expert:
             expected |= {f"blk.{i}.{n}.weight" for slot in _SHARED for n in _GGUF_PARTS[slot]}
         if cfg.has_moe:
@@ -603,7 +720,8 @@ def _check_shape(s: Source, shape: tuple[int, ...]) -> None:
 def convert_gguf(src: str | os.PathLike, dst: str | os.PathLike, *, quant: str = "q4_0",
                  tile: tuple[int, int] = TILE, order: str = "cflow", progress=None,
                  requantize: bool = True, sliding_window: int | None = None) -> ConversionResult:
-    """Convert a llama / qwen2 / qwen3 / qwen2moe / qwen3moe GGUF file into a .cflow/.vflow file.
+    """Convert a llama / qwen2 / qwen3 / qwen2moe / qwen3moe / olmoe / gemma3 / mistral3 GGUF file into
+    a .cflow/.vflow file.
 
     `quant` applies only to tensors that are not already Q4_0/Q4_1/Q8_0 (those stay bit-exact);
     requantize=False refuses tensors in other quantized formats (NotNativeError) instead.
@@ -614,6 +732,9 @@ def convert_gguf(src: str | os.PathLike, dst: str | os.PathLike, *, quant: str =
     g = GGUFModel(src)
     cfg = gguf_config(g)
     if sliding_window is not None:  # the caller's choice over the file's (0: none, as llama.cpp runs it)
+        if cfg.sliding_window_pattern:
+            raise GGUFError(f"{g.path.name} alternates local and global layers ({g.architecture}); its window "
+                            "is part of the model as llama.cpp runs it: convert it without a sliding window override")
         try:
             cfg = cfg.replace(sliding_window=int(sliding_window))
         except ConfigError as e:

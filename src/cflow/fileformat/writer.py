@@ -140,6 +140,11 @@ def write_model(path: str | os.PathLike, *, config: dict | ModelConfig, tokenize
         del cfg_dict["rope_freq_factors"]
     if cfg.rope_mscale == 1.0:
         del cfg_dict["rope_mscale"]
+    for key, default in (("sliding_window_pattern", 0), ("rope_theta_local", 0.0), ("attn_scale", 0.0),
+                         ("embed_scale", 1.0), ("post_norms", False), ("ffn_act", "silu"), ("attn_temp_scale", 0.0),
+                         ("attn_temp_floor", 0)):
+        if cfg_dict[key] == default:
+            del cfg_dict[key]
 
     # The header holds offsets that depend on the header's own length: iterate to a fixed point.
     data_start, checks = ALIGN, {t.name: f"{CHECKSUM_ALGO}:{'0' * CHECKSUM_HEX}" for t in items}

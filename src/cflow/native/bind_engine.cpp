@@ -74,6 +74,17 @@ cf_config config_from(const nb::dict &d) {
     c.n_rope_factors = (int)nf;
     for (size_t j = 0; j < nf; j++) c.rope_factors[j] = nb::cast<float>(factors[j]);
     c.rope_mscale = f("rope_mscale");
+    c.swa_pattern = i("sliding_window_pattern");
+    c.rope_theta_local = f("rope_theta_local");
+    c.attn_scale = f("attn_scale");
+    c.embed_scale = f("embed_scale");
+    c.post_norms = nb::cast<bool>(d["post_norms"]) ? 1 : 0;
+    std::string act = nb::cast<std::string>(d["ffn_act"]);
+    if (act != "silu" && act != "gelu_tanh")
+        throw nb::value_error("ffn_act: the engine runs \"silu\" and \"gelu_tanh\"");
+    c.ffn_gelu = act == "gelu_tanh";
+    c.attn_temp_scale = f("attn_temp_scale");
+    c.attn_temp_floor = i("attn_temp_floor");
     return c;
 }
 

@@ -369,6 +369,14 @@ Out<float> rmsnorm(In1<float> x, In1<float> w, float eps, std::optional<std::str
     return out;
 }
 
+Out<float> geglu(In1<float> gu, std::optional<std::string> isa) {
+    const cf_kernel_table *t = table(isa);
+    if (gu.size() % (2 * CF_G)) throw nb::value_error("geglu: gu holds pairs of 8 gate and 8 up values");
+    auto out = new_array<float>(gu.size() / 2);
+    t->geglu(out.data(), gu.data(), (int)(gu.size() / (2 * CF_G)));
+    return out;
+}
+
 Out<float> matvec_f32(In2<float> W, In1<float> x, std::optional<std::string> isa) {
     const cf_kernel_table *t = table(isa);
     check_len(x.size(), W.shape(1), "x");
@@ -636,6 +644,9 @@ NB_MODULE(_native, m) {
     m.def("bench_matvec", &bench_matvec, arg("buf"), arg("copies"), arg("dtype"), arg("rows"), arg("cols"), arg("x"),
           arg("tile_rows") = 128, arg("tile_cols") = 256, arg("isa") = none, arg("pool") = none, arg("iters") = 100);
     m.def("rmsnorm", &rmsnorm, arg("x"), arg("w"), arg("eps") = 1e-5f, arg("isa") = none);
+    m.def("geglu", &geglu, arg("gu"), arg("isa") = none,
+          "gelu_tanh(gate) * up over pairs of 8 gate and 8 up values (an interleaved gate/up row), "
+          "as the engine's GeGLU");
     m.def("matvec_f32", &matvec_f32, arg("W"), arg("x"), arg("isa") = none);
     m.def("softmax", &softmax, arg("x"), arg("isa") = none);
     m.def("rope_table", &rope_table, arg("head_dim"), arg("pos"), arg("theta"));

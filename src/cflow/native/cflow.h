@@ -221,6 +221,12 @@ typedef struct {
     /* One cache row x[0..n) (n a multiple of 32) into n / 32 q8_0 blocks, bit for bit ggml's
      * quantize_row_q8_0_ref (the reference is kernels_ref.c's). */
     void (*f32_to_q8_0)(uint8_t *out, const float *x, int n);
+    /* GeGLU's product (Gemma's FFN) over the rows of an interleaved gate/up matrix: for pair
+     * p < n_pairs, h[8p + j] = gelu_tanh(gu[16p + j]) * gu[16p + 8 + j] (j < CF_G), with
+     * gelu_tanh(x) = 0.5 x (1 + tanh(c (x + 0.044715 x^3))), c = sqrt(2/pi), which the reference
+     * computes so (as PyTorch's and ggml's formula); the vector tables as the same function
+     * x / (1 + exp(-2c (x + 0.044715 x^3))). */
+    void (*geglu)(float *h, const float *gu, int n_pairs);
 } cf_kernel_table;
 
 /* The table chosen for this CPU (set up on first use; CFLOW_ISA=ref|avx2 overrides). */

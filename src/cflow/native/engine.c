@@ -137,12 +137,30 @@ static void gate_up_rows(const cf_engine *e, const cf_tiled *w, const cf_act_q8 
               cf_max(1, w->tile_rows / (2 * CF_G)));
 }
 
-/* One SwiGLU FFN (fused gate_up, then down) for tokens tok[0..n) whose quantized input is in
- * ts->act; out[t, own rows] = down(hid). When `scale` is given, out[t] += scale[i] * result
- * instead (expert outputs into a pending slot). A barrier separates gate_up from down; the one
- * after down is skipped when `tail` is 0: the caller's next step only touches this thread's own
- * rows (the RESID op splits rows exactly like a [d, *] mat-vec does). */
-static void ffn(cf_engine *e, const cf_tiled *gate_up, const cf_tiled *down, int hdim,
+/* hid[t, 8p..8p+8) = gelu_tanh(gate) * up for the group pairs [p0, p1) (a GeGLU, ffn_gelu): the
+ * interleaved matrix's rows (gate group p is its group 2p, up group p its group 2p + 1) through the
+ * plain mat-vec into s->gu, then the table's geglu per pair (f32; llama.cpp's CPU backend reads
+ * GELU from a table over fp16 inputs instead, within 0.1% of it). The pairs are the thread's own:
+ * no barrier. */
+static void geglu_rows(const cf_engine *e, const cf_tiled *w, const cf_act_q8 *act, int hstride, const int *tok,
+                       int n, int p0, int p1) {
+    if (p0 >= p1) return;
+    int gstride = 2 * e->hmax;
+    matvec_rows(e, w, act, e->s.gu, gstride, tok, n, 2 * p0, 2 * p1);
+    for (int i = 0; i < n; i++) {
+        size_t t = tok ? (size_t)tok[i] : (size_t)i;
+        e->k->geglu(e->s.hid + t * hstride + (size_t)p0 * CF_G, e->s.gu + t * gstride + (size_t)2 * p0 * CF_G,
+                    p1 - p0);
+    }
+}
+
+/* One SwiGLU FFN (fused gate_up, then down; GeGLU when gelu is set: geglu_rows) for tokens
+ * tok[0..n) whose quantized input is in ts->act; out[t, own rows] = down(hid). When `scale` is
+ * given, out[t] += scale[i] * result instead (expert outputs into a pending slot). A barrier
+ * separates gate_up from down; the one after down is skipped when `tail` is 0: the caller's next
+ * step only touches this thread's own rows (the RESID op splits rows exactly like a [d, *] mat-vec
+ * does). */
+static void ffn(cf_engine *e, const cf_tiled *gate_up, const cf_tiled *down, int hdim, int gelu,
                 const int *tok, int n, float *out, const float *scale, int tail, int pk, int ith, int nth) {
     cf_state *s = &e->s;
     cf_scratch *ts = &e->ts[ith];
@@ -158,7 +176,8 @@ static void ffn(cf_engine *e, const cf_tiled *gate_up, const cf_tiled *down, int
     }
     ph(e, ith, pk, -1); /* pk: the gate_up phase; pk + 1 the down phase */
     cf_split_range(hdim / CF_G, ith, nth, 1, &p0, &p1);
-    gate_up_rows(e, gate_up, in, s->hid, e->hmax, rows, n, p0, p1);
+    if (gelu) geglu_rows(e, gate_up, in, e->hmax, rows, n, p0, p1);
+    else gate_up_rows(e, gate_up, in, s->hid, e->hmax, rows, n, p0, p1);
     sync_threads(e, ith, pk + 1);
 
     quantize_rows(e, s->hid, e->hmax, hdim, ts->act2, rows, n, act_fmt(down));
@@ -186,22 +205,41 @@ static void op_embed(cf_engine *e, int slot, int ith, int nth) {
     ph(e, ith, CF_PK_EMBED, 0);
     cf_split_range(e->B, ith, nth, 1, &b0, &b1);
     float *x = e->s.ring + (size_t)slot * e->max_batch * d;
-    for (int b = b0; b < b1; b++) e->k->embed_row(&e->w.tok_emb, e->tokens[b], x + (size_t)b * d);
+    for (int b = b0; b < b1; b++) {
+        float *xb = x + (size_t)b * d, sc = e->c.embed_scale;
+        e->k->embed_row(&e->w.tok_emb, e->tokens[b], xb);
+        if (sc != 1.0f) /* Gemma: the embedding times sqrt(d), in f32 as llama.cpp's ggml_scale */
+            for (int j = 0; j < d; j++) xb[j] *= sc;
+    }
     if (ith == 0)
         e->cnt.n[CF_CNT_EMBED] += (uint64_t)e->B * (d / cf_block_weights(e->w.tok_emb.dtype)) *
                                   cf_block_bytes(e->w.tok_emb.dtype);
     sync_threads(e, ith, -1);
 }
 
+/* Whether layer l is "local": it attends through the sliding window (every layer when there is a
+ * window and no pattern; with a pattern N, the layers l % N < N - 1, as llama.cpp's swa pattern). */
+static inline int layer_local(const cf_config *c, int l) {
+    return c->sliding_window > 0 && (c->swa_pattern == 0 || l % c->swa_pattern < c->swa_pattern - 1);
+}
+
+/* The window of layer l: 0 (the whole context) on global layers. */
+static inline int layer_window(const cf_config *c, int l) { return layer_local(c, l) ? c->sliding_window : 0; }
+
 /* Heads [u0, u1) of token b's fused QKV output (q heads, then k heads, then v heads): add the
  * bias, normalise q and k heads (qk_norm), rotate them; store k and v in the cache at the token's
  * position (fp16, or q8_0 blocks). layer_kv: the layer's first cache row. */
-static void qkv_heads(cf_engine *e, const cf_layer *w, size_t layer_kv, int b, int u0, int u1) {
+static void qkv_heads(cf_engine *e, const cf_layer *w, int l, size_t layer_kv, int b, int u0, int u1) {
     const cf_config *c = &e->c;
     int hd = c->hd, nh = c->n_heads, p = e->rpos[b];
     size_t base = (size_t)e->rseq[b] * e->seq_kv + layer_kv; /* the row's own sequence slot */
     float *row = e->s.qkv + (size_t)b * (nh + 2 * c->n_kv) * hd;
-    const float *cs = e->s.rope + (size_t)b * hd;
+    /* local layers with a RoPE base of their own (Gemma 3) take their own table */
+    const float *cs = (e->s.rope_local && layer_local(c, l) ? e->s.rope_local : e->s.rope) + (size_t)b * hd;
+    /* the attention temperature (Llama 4 / Mistral 3): rotated q heads times 1 + s ln(p / floor + 1),
+     * as llama.cpp's ggml_mul of Qcur by its per-position scale (log in double, rounded to float) */
+    float qt = 1.0f;
+    if (c->attn_temp_scale > 0) qt = (float)(log((double)(p / c->attn_temp_floor) + 1.0) * c->attn_temp_scale + 1.0);
     for (int u = u0; u < u1; u++) {
         float *v = row + (size_t)u * hd;
         int kvh = u < nh + c->n_kv ? u - nh : u - nh - c->n_kv;
@@ -211,7 +249,11 @@ static void qkv_heads(cf_engine *e, const cf_layer *w, size_t layer_kv, int b, i
             if (w->q_norm && !c->qk_norm_full) e->k->rmsnorm(v, v, u < nh ? w->q_norm : w->k_norm, hd, c->norm_eps);
             e->k->rope(v, 1, hd, cs, cs + hd / 2);
         }
-        if (u < nh) continue;
+        if (u < nh) {
+            if (qt != 1.0f)
+                for (int i = 0; i < hd; i++) v[i] *= qt;
+            continue;
+        }
         int is_k = u < nh + c->n_kv, type = is_k ? e->k_type : e->v_type;
         uint8_t *row = (is_k ? e->s.kcache : e->s.vcache) + (base + (size_t)kvh * e->n_ctx + p) * (is_k ? e->krow : e->vrow);
         if (type == CF_Q8_0)
@@ -236,9 +278,9 @@ static void qkv_rows(const cf_engine *e, const cf_layer *w, const cf_act_q8 *act
     }
 }
 
-/* First cached position row b attends to: the sliding window keeps the last W. */
-static int attn_first(const cf_engine *e, int b) {
-    int W = e->c.sliding_window;
+/* First cached position row b attends to at layer l: a local layer's sliding window keeps the last W. */
+static int attn_first(const cf_engine *e, int b, int l) {
+    int W = layer_window(&e->c, l);
     return W > 0 && e->rpos[b] >= W ? e->rpos[b] - W + 1 : 0;
 }
 
@@ -279,7 +321,7 @@ static void attn_plan(cf_engine *e) {
  * heads fastest, so both the causal growth of the rows and the heads spread over the threads;
  * an item writes only its heads of its rows. The thread's scratch holds a whole block's score
  * rows: group * min(ATTN_QBLOCK, max_batch) rows of at most n_ctx (attn_score_rows). */
-static void attn_blocks(cf_engine *e, size_t layer_kv, float *scores, int ith, int nth) {
+static void attn_blocks(cf_engine *e, int l, size_t layer_kv, float *scores, int ith, int nth) {
     const cf_config *c = &e->c;
     int hd = c->hd, group = c->n_heads / c->n_kv, q_dim = c->n_heads * hd;
     int qkv_dim = q_dim + 2 * c->n_kv * hd;
@@ -287,8 +329,8 @@ static void attn_blocks(cf_engine *e, size_t layer_kv, float *scores, int ith, i
         int kvh = it % c->n_kv, b0 = e->ablk[2 * (it / c->n_kv)], nq = e->ablk[2 * (it / c->n_kv) + 1];
         size_t base = (size_t)e->rseq[b0] * e->seq_kv + layer_kv;
         cf_attn_block_shape sh = {.n_heads = c->n_heads, .n_kv_heads = c->n_kv, .head_dim = hd,
-                                  .max_seq = e->n_ctx, .scale = 1.0f / sqrtf((float)hd),
-                                  .pos0 = e->rpos[b0], .n_q = nq, .window = c->sliding_window,
+                                  .max_seq = e->n_ctx, .scale = e->attn_scale,
+                                  .pos0 = e->rpos[b0], .n_q = nq, .window = layer_window(c, l),
                                   .ldq = qkv_dim, .ldo = q_dim};
         float *out = e->s.att + (size_t)b0 * q_dim, *q = e->s.qkv + (size_t)b0 * qkv_dim;
         const uint8_t *k = e->s.kcache + base * e->krow, *v = e->s.vcache + base * e->vrow;
@@ -325,7 +367,7 @@ static void op_attn(cf_engine *e, int l, int slot, int ith, int nth) {
         // Larger shares first: the thread with the later rows streams them slower (d_split).
         split_big_first(n_units, ith, nth, &u0, &u1);
         qkv_rows(e, w, ts->act, B, u0 * gph, u1 * gph);
-        for (int b = 0; b < B; b++) qkv_heads(e, w, layer_kv, b, u0, u1);
+        for (int b = 0; b < B; b++) qkv_heads(e, w, l, layer_kv, b, u0, u1);
     } else {
         cf_split_range(qkv_dim / CF_G + (qkv_dim % CF_G != 0), ith, nth, 1, &g0, &g1);
         qkv_rows(e, w, ts->act, B, g0, g1);
@@ -341,20 +383,19 @@ static void op_attn(cf_engine *e, int l, int slot, int ith, int nth) {
             sync_threads(e, ith, CF_PK_QKV);
         }
         cf_split_range(B * n_units, ith, nth, 1, &i0, &i1);
-        for (int i = i0; i < i1; i++) qkv_heads(e, w, layer_kv, i / n_units, i % n_units, i % n_units + 1);
+        for (int i = i0; i < i1; i++) qkv_heads(e, w, l, layer_kv, i / n_units, i % n_units, i % n_units + 1);
     }
     sync_threads(e, ith, CF_PK_ATTN);
 
     // attention: runs of a sequence's consecutive rows in blocks (each K/V row read once per
     // block), then this thread's (row, head) items of the other rows, one kernel call per row
-    attn_blocks(e, layer_kv, ts->scores, ith, nth);
+    attn_blocks(e, l, layer_kv, ts->scores, ith, nth);
     cf_split_range(e->n_arow * c->n_heads, ith, nth, 1, &i0, &i1);
     for (int i = i0; i < i1;) {
         int b = e->arow[i / c->n_heads], h0 = i % c->n_heads, h1 = cf_min(c->n_heads, h0 + i1 - i);
-        int t0 = attn_first(e, b);
+        int t0 = attn_first(e, b, l);
         cf_attn_shape sh = {.n_heads = c->n_heads, .n_kv_heads = c->n_kv, .head_dim = hd,
-                            .max_seq = e->n_ctx, .n_pos = e->rpos[b] + 1 - t0,
-                            .scale = 1.0f / sqrtf((float)hd)};
+                            .max_seq = e->n_ctx, .n_pos = e->rpos[b] + 1 - t0, .scale = e->attn_scale};
         /* row b sees only its sequence, from position t0 on */
         size_t base = (size_t)e->rseq[b] * e->seq_kv + layer_kv + (size_t)t0;
         const uint8_t *k = s->kcache + base * e->krow, *v = s->vcache + base * e->vrow;
@@ -368,19 +409,36 @@ static void op_attn(cf_engine *e, int l, int slot, int ith, int nth) {
     }
     sync_threads(e, ith, CF_PK_WO);
 
-    // output projection into h, plus the residual, for this thread's rows
+    // output projection into h, plus the residual, for this thread's rows; with post_norms (Gemma)
+    // the projection goes to y first, and once every row is whole (a barrier) each thread norms the
+    // rows (all of each, the same bits on every thread, into its own scratch) and adds its share
     quantize_rows(e, s->att, q_dim, q_dim, ts->act, NULL, B, act_fmt(&w->wo));
     int glo[2], ghi[2], np = d_split(cf_n_groups(&w->wo), ith, nth, glo, ghi);
-    for (int q = 0; q < np; q++) matvec_rows(e, &w->wo, ts->act, s->h, d, NULL, B, glo[q], ghi[q]);
+    const float *post = w->attn_post_norm;
+    float *o = post ? s->y : s->h;
+    for (int q = 0; q < np; q++) matvec_rows(e, &w->wo, ts->act, o, d, NULL, B, glo[q], ghi[q]);
+    if (post) {
+        sync_threads(e, ith, CF_PK_NORM);
+        for (int b = 0; b < B; b++)
+            e->k->rmsnorm(ts->xb + (size_t)b * e->kmax, s->y + (size_t)b * d, post, d, c->norm_eps);
+    }
     for (int q = 0; q < np; q++) {
         int r0 = glo[q] * CF_G, r1 = cf_min(ghi[q] * CF_G, d);
-        for (int b = 0; b < B; b++)
-            for (int r = r0; r < r1; r++) s->h[(size_t)b * d + r] += x[(size_t)b * d + r];
+        for (int b = 0; b < B; b++) {
+            const float *xr = x + (size_t)b * d;
+            float *hr = s->h + (size_t)b * d;
+            if (post) {
+                const float *nr = ts->xb + (size_t)b * e->kmax;
+                for (int r = r0; r < r1; r++) hr[r] = xr[r] + nr[r];
+            } else {
+                for (int r = r0; r < r1; r++) hr[r] += xr[r];
+            }
+        }
     }
     if (ith == 0) {
         e->cnt.n[CF_CNT_ATTN] += w->attn_bytes;
         for (int b = 0; b < B; b++)
-            e->cnt.n[CF_CNT_KV] += (uint64_t)(e->rpos[b] + 1 - attn_first(e, b)) * c->n_kv * (e->krow + e->vrow);
+            e->cnt.n[CF_CNT_KV] += (uint64_t)(e->rpos[b] + 1 - attn_first(e, b, l)) * c->n_kv * (e->krow + e->vrow);
     }
     sync_threads(e, ith, -1);
 }
@@ -399,7 +457,9 @@ static void op_dense(cf_engine *e, int l, int src_kind, int slot, int tail, int 
                                               w->ffn_norm, d, e->c.norm_eps);
     quantize_rows(e, ts->xb, e->kmax, d, ts->act, NULL, B, act_fmt(&w->gate_up));
     if (ith == 0) e->cnt.n[CF_CNT_DENSE] += w->dense_bytes;
-    ffn(e, &w->gate_up, &w->down, e->c.d_ff, NULL, B, e->s.f, NULL, tail, CF_PK_DENSE_GATE_UP, ith, nth);
+    /* with a post-norm the RESID op norms whole rows of f: they must be complete (the tail barrier) */
+    ffn(e, &w->gate_up, &w->down, e->c.d_ff, e->c.ffn_gelu, NULL, B, e->s.f, NULL, tail || w->ffn_post_norm,
+        CF_PK_DENSE_GATE_UP, ith, nth);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -483,7 +543,7 @@ static void op_route(cf_engine *e, int l, int src_kind, int ms, int ith) {
 static void shared_expert(cf_engine *e, const cf_layer *w, int ms, float *out, int ith, int nth) {
     if (!e->c.d_shexp) return;
     if (ith == 0) e->cnt.n[CF_CNT_EXPERTS] += w->shexp_bytes;
-    ffn(e, &w->shexp_gate_up, &w->shexp_down, e->c.d_shexp, NULL, e->B, out,
+    ffn(e, &w->shexp_gate_up, &w->shexp_down, e->c.d_shexp, 0, NULL, e->B, out,
         e->s.shexp_w + (size_t)ms * e->max_batch, 1, CF_PK_EXP_GATE_UP, ith, nth);
 }
 
@@ -506,7 +566,7 @@ static void op_experts(cf_engine *e, int l, int pslot, int ms, int tail, int ith
         int n = exp_n[x];
         if (!n) continue; // untouched: its tiles are never read
         if (ith == 0) e->cnt.n[CF_CNT_EXPERTS] += w->exp_bytes[x];
-        ffn(e, &w->exp_gate_up[x], &w->exp_down[x], c->d_exp, exp_tok + (size_t)x * B, n, out,
+        ffn(e, &w->exp_gate_up[x], &w->exp_down[x], c->d_exp, 0, exp_tok + (size_t)x * B, n, out,
             exp_w + (size_t)x * B, x < last || tail, CF_PK_EXP_GATE_UP, ith, nth);
     }
 }
@@ -563,7 +623,7 @@ static int op_experts_disk(cf_engine *e, int l, int pslot, int ms, int tail, int
         gu.data = data + e->xrel[2 * key];
         dn.data = data + e->xrel[2 * key + 1];
         if (ith == 0) e->cnt.n[CF_CNT_EXPERTS] += w->exp_bytes[x];
-        ffn(e, &gu, &dn, c->d_exp, exp_tok + (size_t)x * B, exp_n[x], out, exp_w + (size_t)x * B,
+        ffn(e, &gu, &dn, c->d_exp, 0, exp_tok + (size_t)x * B, exp_n[x], out, exp_w + (size_t)x * B,
             i + 1 < n || tail, CF_PK_EXP_GATE_UP, ith, nth);
         /* Unpinning is safe before the other threads finish this expert: the slot is only reused
          * by a later acquire of thread 0, and those come after a barrier (the one ending this ffn,
@@ -577,6 +637,13 @@ static void op_resid(cf_engine *e, int l, int slot, int add_f, int pslot, int it
     cf_state *s = &e->s;
     int d = e->c.d;
     ph(e, ith, CF_PK_RESID, l);
+    /* post_norms (Gemma): f joins normed; every thread norms each whole row (op_dense ended at a
+     * barrier) into its scratch, the same bits everywhere, and adds its own rows */
+    const float *post = add_f ? e->w.sets[l % e->c.n_unique].ffn_post_norm : NULL;
+    float *fn = e->ts[ith].xb;
+    if (post)
+        for (int b = 0; b < e->B; b++)
+            e->k->rmsnorm(fn + (size_t)b * e->kmax, s->f + (size_t)b * d, post, d, e->c.norm_eps);
     // the same rows as this thread's share of a [d, *] mat-vec (wo, down): d_split, see ffn()
     int glo[2], ghi[2], np = d_split((d + CF_G - 1) / CF_G, ith, nth, glo, ghi);
     float *x = s->ring + (size_t)slot * e->max_batch * d;
@@ -587,7 +654,8 @@ static void op_resid(cf_engine *e, int l, int slot, int add_f, int pslot, int it
             size_t o = (size_t)b * d;
             for (int r = r0; r < r1; r++) {
                 float v = s->h[o + r];
-                if (add_f) v += s->f[o + r];
+                if (post) v += fn[(size_t)b * e->kmax + r];
+                else if (add_f) v += s->f[o + r];
                 if (pend) {
                     v += pend[o + r];
                     pend[o + r] = 0.0f;
@@ -721,6 +789,10 @@ static int forward(cf_engine *e, const int32_t *tokens, int B, float *logits, co
         float *cs = e->s.rope + (size_t)b * c->hd;
         cf_rope_table(cs, cs + c->hd / 2, c->hd, e->rpos[b], c->rope_theta,
                       c->n_rope_factors ? c->rope_factors : NULL, c->rope_mscale);
+        if (e->s.rope_local) { /* local layers' own base, unscaled (rope_theta_local) */
+            cs = e->s.rope_local + (size_t)b * c->hd;
+            cf_rope_table(cs, cs + c->hd / 2, c->hd, e->rpos[b], c->rope_theta_local, NULL, 1.0f);
+        }
     }
     memset(e->s.pending, 0, (size_t)e->n_pending * e->max_batch * c->d * sizeof(float));
     e->failed = CF_ERR_NONE;

@@ -58,6 +58,18 @@ typedef struct {
     int n_rope_factors;            /* 0: plain RoPE; hd/2: rope_factors divide the pairs' frequencies */
     float rope_factors[CF_MAX_HEAD_DIM / 2];  /* Llama 3's rope_freqs; YaRN's interpolation */
     float rope_mscale;             /* cos and sin scaled by it (YaRN); 1: none */
+    int swa_pattern;               /* 0: sliding_window on every layer; N: only on "local" layers l with
+                                    * l % N < N - 1, the others attend to the whole context (Gemma 3) */
+    float rope_theta_local;        /* 0: local layers rotate as the others; > 0: local layers' RoPE base,
+                                    * without rope_factors / rope_mscale */
+    float attn_scale;              /* 0: scores scaled by 1/sqrt(hd); else by this */
+    float embed_scale;             /* the token embedding is multiplied by it (Gemma: sqrt(d)); 1: none */
+    int post_norms;                /* 1: RMSNorm (attn_post_norm, ffn_post_norm [d]) of the attention and
+                                    * dense FFN outputs before they join the residual (Gemma) */
+    int ffn_gelu;                  /* 1: the dense FFN is GeGLU, gelu_tanh(gate) * up, instead of SwiGLU */
+    float attn_temp_scale;         /* s > 0: the rotated q at position p times 1 + s ln(p / floor + 1)
+                                    * (integer division; Llama 4 / Mistral 3); 0: none */
+    int attn_temp_floor;           /* positions per step of that temperature (> 0 when s > 0) */
 } cf_config;
 
 /* ---- contracts with Python ---------------------------------------------------------------------
@@ -82,7 +94,7 @@ extern const char *const cf_desc_field_names[CF_DESC_FIELDS]; /* "offset", "dtyp
 enum { CF_T_TOK_EMB, CF_T_NORM, CF_T_LM_HEAD, CF_T_GLOBAL };
 enum { CF_S_ATTN_NORM, CF_S_WQKV, CF_S_WO, CF_S_FFN_NORM, CF_S_GATE_UP, CF_S_DOWN, CF_S_MOE_NORM,
        CF_S_ROUTER, CF_S_QKV_BIAS, CF_S_Q_NORM, CF_S_K_NORM, CF_S_WQ, CF_S_WK, CF_S_WV, CF_S_SHEXP_GATE,
-       CF_S_SHEXP_GATE_UP, CF_S_SHEXP_DOWN, CF_SLOTS_PER_SET };
+       CF_S_SHEXP_GATE_UP, CF_S_SHEXP_DOWN, CF_S_ATTN_POST_NORM, CF_S_FFN_POST_NORM, CF_SLOTS_PER_SET };
 enum { CF_E_GATE_UP, CF_E_DOWN, CF_EXPERT_SLOTS };
 extern const char *const cf_global_names[CF_T_GLOBAL];
 extern const char *const cf_slot_names[CF_SLOTS_PER_SET];

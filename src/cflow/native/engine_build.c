@@ -27,7 +27,8 @@ const char *const cf_slot_names[CF_SLOTS_PER_SET] = {
     [CF_S_MOE_NORM] = "moe_norm", [CF_S_ROUTER] = "moe.router", [CF_S_QKV_BIAS] = "attn.qkv_bias",
     [CF_S_Q_NORM] = "attn.q_norm", [CF_S_K_NORM] = "attn.k_norm", [CF_S_WQ] = "attn.wq", [CF_S_WK] = "attn.wk",
     [CF_S_WV] = "attn.wv", [CF_S_SHEXP_GATE] = "moe.shared_gate", [CF_S_SHEXP_GATE_UP] = "moe.shared.w_gate_up",
-    [CF_S_SHEXP_DOWN] = "moe.shared.w_down",
+    [CF_S_SHEXP_DOWN] = "moe.shared.w_down", [CF_S_ATTN_POST_NORM] = "attn_post_norm",
+    [CF_S_FFN_POST_NORM] = "ffn_post_norm",
 };
 const char *const cf_expert_slot_names[CF_EXPERT_SLOTS] = {
     [CF_E_GATE_UP] = "w_gate_up", [CF_E_DOWN] = "w_down",
@@ -102,6 +103,13 @@ static int check_config(const cf_config *c, char *err, size_t n) {
         bad = "qk_norm_full must be 0 or 1, needs qk_norm, and does not go with qkv_bias";
     else if (c->d_shexp < 0 || c->d_shexp % CF_QK || (c->d_shexp && !c->n_experts))
         bad = "d_shared_expert must be a multiple of 32, and needs experts";
+    else if (c->swa_pattern < 0 || !(c->rope_theta_local >= 0) || !(c->attn_scale >= 0) || !(c->embed_scale > 0))
+        bad = "sliding_window_pattern, rope_theta_local and attn_scale must be >= 0, embed_scale positive";
+    else if ((c->post_norms | c->ffn_gelu) & ~1 || ((c->post_norms || c->ffn_gelu) && c->n_experts))
+        bad = "post_norms and ffn_gelu must be 0 or 1, and are for dense models (no experts)";
+    else if (!(c->attn_temp_scale >= 0) || c->attn_temp_floor < 0 ||
+             (c->attn_temp_scale > 0) != (c->attn_temp_floor > 0))
+        bad = "attn_temp_scale and attn_temp_floor must be >= 0 and set together";
     if (bad) cf_set_err(err, n, "bad model config: %s", bad);
     return bad ? -1 : 0;
 }
@@ -208,11 +216,16 @@ static int bind_weights(cf_engine *e, const uint8_t *buf, size_t len, const int6
             L->qkv_fmt = act_fmt(&L->wqkv);
         }
         SET(CF_S_WO, c->d, q_dim, 0, &L->wo, &fdummy);
+        if (c->post_norms) {
+            SET(CF_S_ATTN_POST_NORM, 1, c->d, 1, &dummy, &L->attn_post_norm);
+            if (c->d_ff) SET(CF_S_FFN_POST_NORM, 1, c->d, 1, &dummy, &L->ffn_post_norm);
+        }
         /* the counters count every weight byte a node reads, its f32 norms and bias included
          * (cflow.weights) */
         L->attn_bytes = norm_bytes + cf_tiled_bytes(&L->wo) +
                         (L->qkv_split ? cf_tiled_bytes(&L->wq) + cf_tiled_bytes(&L->wk) + cf_tiled_bytes(&L->wv)
                                       : cf_tiled_bytes(&L->wqkv));
+        if (c->post_norms) L->attn_bytes += norm_bytes;
         if (c->qkv_bias) {
             SET(CF_S_QKV_BIAS, 1, q_dim + 2 * kv_dim, 1, &dummy, &L->qkv_bias);
             L->attn_bytes += (uint64_t)(q_dim + 2 * kv_dim) * sizeof(float);
@@ -227,7 +240,8 @@ static int bind_weights(cf_engine *e, const uint8_t *buf, size_t len, const int6
             SET(CF_S_FFN_NORM, 1, c->d, 1, &dummy, &L->ffn_norm);
             SET(CF_S_GATE_UP, 2 * c->d_ff, c->d, 0, &L->gate_up, &fdummy);
             SET(CF_S_DOWN, c->d, c->d_ff, 0, &L->down, &fdummy);
-            L->dense_bytes = norm_bytes + cf_tiled_bytes(&L->gate_up) + cf_tiled_bytes(&L->down);
+            L->dense_bytes = norm_bytes * (1 + (c->post_norms != 0)) + cf_tiled_bytes(&L->gate_up) +
+                             cf_tiled_bytes(&L->down);
         }
         if (!E) continue;
         SET(CF_S_MOE_NORM, 1, c->d, 1, &dummy, &L->moe_norm);
@@ -344,6 +358,8 @@ static int alloc_state(cf_engine *e) {
     s->hid = xcalloc(B * e->hmax, sizeof(float), &fail);
     s->y = xcalloc(B * d, sizeof(float), &fail);
     s->rope = xcalloc(B * c->hd, sizeof(float), &fail);
+    if (c->rope_theta_local > 0) s->rope_local = xcalloc(B * c->hd, sizeof(float), &fail);
+    if (c->ffn_gelu) s->gu = xcalloc(B * 2 * e->hmax, sizeof(float), &fail);
     // calloc'd pages are mapped lazily, so a long context costs memory only once it is used
     s->kcache = xcalloc(kv, e->krow, &fail);
     s->vcache = xcalloc(kv, e->vrow, &fail);
@@ -502,6 +518,7 @@ cf_engine *cf_engine_create(const cf_config *cfg, const uint8_t *buf, size_t buf
     e->n_ops = n_ops;
     e->hmax = cf_max(cfg->d_ff, cfg->n_experts ? cf_max(cfg->d_exp, cfg->d_shexp) : 0);
     e->kmax = cf_max(cf_max(cfg->d, cfg->n_heads * cfg->hd), e->hmax);
+    e->attn_scale = cfg->attn_scale > 0 ? cfg->attn_scale : 1.0f / sqrtf((float)cfg->hd);
     e->bar.n = e->active = n_threads;
     e->prefetch = CF_PREFETCH_DEFAULT;
     if (bind_weights(e, buf, buf_len, desc, names, n_desc, err, err_len) ||
@@ -545,7 +562,7 @@ void cf_engine_free(cf_engine *e) {
     }
     cf_state *s = &e->s;
     void *bufs[] = {s->ring, s->h, s->f, s->pending, s->moe_in, s->qkv, s->att, s->hid, s->y,
-                    s->rope, s->kcache, s->vcache, s->rlogits, s->exp_tok, s->exp_w, s->exp_n,
+                    s->rope, s->rope_local, s->gu, s->kcache, s->vcache, s->rlogits, s->exp_tok, s->exp_w, s->exp_n,
                     s->shexp_w, s->exp_list, s->exp_cnt, s->exp_pre, s->exp_slot, e->hits, e->plan,
                     e->rseq, e->rpos, e->seen, e->lrow, e->ablk, e->arow, e->ones, e->hidden};
     for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) free(bufs[i]);

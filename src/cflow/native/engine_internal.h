@@ -22,6 +22,7 @@ typedef struct {
     const float *router;                          /* [E, d] row-major */
     const float *qkv_bias;                        /* [q_dim + 2 kv_dim] or NULL */
     const float *q_norm, *k_norm;                 /* [hd] or NULL */
+    const float *attn_post_norm, *ffn_post_norm;  /* [d] or NULL (post_norms) */
     cf_tiled wqkv;                                /* [q_dim + 2 kv_dim, d] */
     cf_tiled wq, wk, wv;                          /* its three parts, when stored apart (qkv_split) */
     int qkv_split;                                /* 1: q, k, v are three matrices (their dtypes differ) */
@@ -62,6 +63,8 @@ typedef struct {
     float *hid;        /* [B, hmax] silu(gate) * up */
     float *y;          /* [B, d] expert down-projection output */
     float *rope;       /* [B, hd] cos[hd/2] then sin[hd/2] for each token's position */
+    float *rope_local; /* [B, hd] the same for local layers with a base of their own (rope_theta_local), or NULL */
+    float *gu;         /* [B, 2 hmax] a GeGLU's raw gate|up rows (ffn_gelu), or NULL */
     uint8_t *kcache;   /* [n_seq, L, n_kv, n_ctx] rows of krow bytes (fp16 or q8_0), rotated keys */
     uint8_t *vcache;   /* [n_seq, L, n_kv, n_ctx] rows of vrow bytes */
     float *rlogits;    /* [B, E] router probabilities */
@@ -111,6 +114,7 @@ struct cf_engine {
     cf_state s;
     cf_scratch *ts; /* [n_threads] */
     int n_threads, n_ctx, max_batch, kmax, hmax;
+    float attn_scale; /* what q.k is multiplied by: c.attn_scale, or 1/sqrt(hd) */
     int n_seq;      /* KV-cache slots: sequence s owns kcache/vcache[s] */
     size_t seq_kv;  /* cache rows per sequence slot: L * n_kv * n_ctx */
     int k_type, v_type; /* cache row types, CF_F16 or CF_Q8_0 (cflow.h, "The 8-bit KV cache") */

@@ -34,8 +34,8 @@ int cf_engine_profile_events_per_call(const cf_engine *e) {
     for (int i = 0; i < e->n_ops; i++) {
         switch (e->plan[(size_t)i * CF_OP_FIELDS]) {
         case CF_OP_EMBED: n += 2; break;
-        case CF_OP_ATTN: n += 10; break;  /* norm, qkv, (wait, qkv), wait, attn, wait, wo, wait */
-        case CF_OP_DENSE: n += 5; break;  /* norm, gate_up, wait, down, wait */
+        case CF_OP_ATTN: n += 12; break;  /* norm, qkv, (wait, qkv), wait, attn, wait, wo, (wait, norm), wait */
+        case CF_OP_DENSE: n += 5; break;  /* norm, gate_up, wait, down, wait (post_norms: always) */
         case CF_OP_ROUTE: n += 2; break;
         case CF_OP_EXPERTS: n += 1 + 8 * (int64_t)nx; break; /* io, wave wait, io, gate_up, wait, down, wait */
         case CF_OP_RESID: n += 2; break;

@@ -164,6 +164,14 @@ static void matvec_f32_ref(float *y, const float *W, const float *x, int rows, i
     for (int r = 0; r < rows; r++) y[r] = dot_f32_ref(W + (size_t)r * cols, x, cols);
 }
 
+static void geglu_ref(float *h, const float *gu, int n_pairs) {
+    for (int p = 0; p < n_pairs; p++)
+        for (int j = 0; j < CF_G; j++) {
+            float x = gu[2 * p * CF_G + j], u = gu[(2 * p + 1) * CF_G + j];
+            h[p * CF_G + j] = 0.5f * x * (1.0f + tanhf(0.79788456080286535588f * x * (1.0f + 0.044715f * x * x))) * u;
+        }
+}
+
 static void softmax_ref(float *x, int n) {
     float mx = x[0];
     for (int i = 1; i < n; i++) mx = fmaxf(mx, x[i]);
@@ -346,6 +354,7 @@ static const cf_kernel_table TABLE_REF = {
     .attention_q8kv = cf_attention_q8kv_ref,
     .attention_block_q8kv = cf_attention_block_q8kv_ref,
     .f32_to_q8_0 = f32_to_q8_0_ref,
+    .geglu = geglu_ref,
 };
 
 const cf_kernel_table *cf_kernels_ref(void) { return &TABLE_REF; }
