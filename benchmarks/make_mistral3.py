@@ -16,11 +16,10 @@ same file, bit for bit.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
-from cflow.bench.synthetic import write_dense_gguf
+from cflow.bench.synthetic import check_geometry, geometry_parser, write_dense_gguf
 
 MINISTRAL3_3B = dict(layers=26, d_model=3072, d_ff=9216, heads=32, kv_heads=8, head_dim=128, vocab=131072)
 KEYS = {"rope.scaling.type": "yarn", "rope.scaling.factor": 16.0,
@@ -29,19 +28,9 @@ KEYS = {"rope.scaling.type": "yarn", "rope.scaling.factor": 16.0,
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", required=True, type=Path, help="the GGUF to write")
-    p.add_argument("--quant", default="q4_0", choices=("q4_0", "q4_1", "q8_0"), help="weight type (q4_0)")
-    p.add_argument("--seed", type=int, default=0, help="weights' seed (0)")
-    p.add_argument("--ctx", type=int, default=4096, help="the file's context length (4096)")
-    for k, v in MINISTRAL3_3B.items():
-        p.add_argument("--" + k.replace("_", "-"), type=int, default=v, help=f"default {v} (Ministral 3 3B)")
+    p = geometry_parser(__doc__, MINISTRAL3_3B, "Ministral 3 3B")
     a = p.parse_args(argv)
-    if a.heads % a.kv_heads:
-        p.error("--heads must be a multiple of --kv-heads")
-    if a.d_model % 32 or a.d_ff % 32 or (a.heads * a.head_dim) % 32:
-        p.error("--d-model, --d-ff and --heads x --head-dim must be multiples of 32 (the quantized block)")
+    check_geometry(p, a)
     path = write_dense_gguf(a.out, layers=a.layers, d_model=a.d_model, d_ff=a.d_ff, heads=a.heads,
                             kv_heads=a.kv_heads, vocab=a.vocab, quant=a.quant, seed=a.seed, ctx=a.ctx,
                             arch="mistral3", head_dim=a.head_dim, rope_theta=1e6, keys=KEYS)

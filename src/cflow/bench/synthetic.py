@@ -44,7 +44,7 @@ import weakref
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -594,6 +594,34 @@ def write_cflow(path: str | os.PathLike, g: Geometry, q: str = "q4_0", seed: int
 TINYLLAMA = dict(layers=22, d_model=2048, d_ff=5632, heads=32, kv_heads=4, vocab=32000)
 
 
+def _write_tensors(wr: Any, tensors: list[tuple[str, tuple[int, ...], str]], nbytes: Callable, qtype: Any,
+                   matrix: Callable[[str, tuple[int, ...]], np.ndarray], tmp: Path, path: Path) -> Path:
+    """The rest of a GGUF whose metadata `wr` holds: the tensor table, then each tensor's data (kind
+    "n": an F32 norm of ones, the file's 1 + w for Gemma; "m": `matrix(name, shape)`'s quant blocks,
+    raw type `qtype`), fsynced, moved from `tmp` to `path`."""
+    for name, shape, kind in tensors:
+        if kind == "n":
+            wr.add_tensor_info(name, shape, np.dtype(np.float32), nbytes(shape, kind))
+        else:
+            wr.add_tensor_info(name, shape, np.dtype(np.float32), nbytes(shape, kind), raw_dtype=qtype)
+    wr.write_header_to_file()
+    wr.write_kv_data_to_file()
+    wr.write_ti_data_to_file()
+    f = wr.fout[0]
+    wr.write_padding(f, f.tell())
+    for name, shape, kind in tensors:
+        if kind == "n":
+            f.write(np.ones(shape, np.float32).tobytes())
+        else:
+            f.write(memoryview(matrix(name, shape).reshape(-1).view(np.uint8)))
+        wr.write_padding(f, nbytes(shape, kind))
+    f.flush()
+    os.fsync(f.fileno())
+    wr.close()
+    os.replace(tmp, path)
+    return path
+
+
 def write_dense_gguf(path: str | os.PathLike, *, layers: int, d_model: int, d_ff: int, heads: int,
                      kv_heads: int, vocab: int, quant: str = "q4_0", seed: int = 0, ctx: int = 2048,
                      arch: str = "llama", head_dim: int = 0, rope_theta: float = 10000.0,
@@ -654,27 +682,7 @@ def write_dense_gguf(path: str | os.PathLike, *, layers: int, d_model: int, d_ff
                           "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "f16": gguf.LlamaFileType.MOSTLY_F16}[quant]))
     wr.add_quantization_version(gguf.GGML_QUANT_VERSION)
     add_tokenizer(wr, vocab)
-    for name, shape, kind in tensors:
-        if kind == "n":
-            wr.add_tensor_info(name, shape, np.dtype(np.float32), nbytes(shape, kind))
-        else:
-            wr.add_tensor_info(name, shape, np.dtype(np.float32), nbytes(shape, kind), raw_dtype=qtype)
-    wr.write_header_to_file()
-    wr.write_kv_data_to_file()
-    wr.write_ti_data_to_file()
-    f = wr.fout[0]
-    wr.write_padding(f, f.tell())
-    for name, shape, kind in tensors:
-        if kind == "n":
-            f.write(np.ones(shape, np.float32).tobytes())
-        else:
-            f.write(memoryview(matrix(name, shape[0], shape[1]).reshape(-1).view(np.uint8)))
-        wr.write_padding(f, nbytes(shape, kind))
-    f.flush()
-    os.fsync(f.fileno())
-    wr.close()
-    os.replace(tmp, path)
-    return path
+    return _write_tensors(wr, tensors, nbytes, qtype, lambda name, shape: matrix(name, shape[0], shape[1]), tmp, path)
 
 
 GEMMA3_1B = dict(layers=26, d_model=1152, d_ff=6912, heads=4, kv_heads=1, head_dim=256, vocab=262144, window=512)
@@ -728,25 +736,29 @@ def write_gemma3_gguf(path: str | os.PathLike, *, layers: int, d_model: int, d_f
                           "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[quant]))
     wr.add_quantization_version(gguf.GGML_QUANT_VERSION)
     add_tokenizer(wr, vocab)
-    for name, shape, kind in tensors:
-        if kind == "n":
-            wr.add_tensor_info(name, shape, np.dtype(np.float32), nbytes(shape, kind))
-        else:
-            wr.add_tensor_info(name, shape, np.dtype(np.float32), nbytes(shape, kind), raw_dtype=qtype)
-    wr.write_header_to_file()
-    wr.write_kv_data_to_file()
-    wr.write_ti_data_to_file()
-    f = wr.fout[0]
-    wr.write_padding(f, f.tell())
-    for name, shape, kind in tensors:
-        if kind == "n":
-            f.write(np.ones(shape, np.float32).tobytes())
-        else:
-            rows = random_rows(tensor_rng(seed, name), quant, shape[0], shape[1])
-            f.write(memoryview(rows.reshape(-1).view(np.uint8)))
-        wr.write_padding(f, nbytes(shape, kind))
-    f.flush()
-    os.fsync(f.fileno())
-    wr.close()
-    os.replace(tmp, path)
-    return path
+    return _write_tensors(wr, tensors, nbytes, qtype,
+                          lambda name, shape: random_rows(tensor_rng(seed, name), quant, shape[0], shape[1]), tmp, path)
+
+
+def geometry_parser(doc: str, defaults: dict[str, int], label: str):
+    """The command line of a benchmarks/make_<family>.py script: --out, --quant, --seed, --ctx and
+    one integer flag per geometry field of `defaults` (the real model `label`'s values)."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0], epilog=doc.split("\n\n", 1)[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, type=Path, help="the GGUF to write")
+    p.add_argument("--quant", default="q4_0", choices=("q4_0", "q4_1", "q8_0"), help="weight type (q4_0)")
+    p.add_argument("--seed", type=int, default=0, help="weights' seed (0)")
+    p.add_argument("--ctx", type=int, default=4096, help="the file's context length (4096)")
+    for k, v in defaults.items():
+        p.add_argument("--" + k.replace("_", "-"), type=int, default=v, help=f"default {v} ({label})")
+    return p
+
+
+def check_geometry(p: Any, a: Any) -> None:
+    """geometry_parser's arguments: heads in whole KV groups, widths in whole quant blocks."""
+    if a.heads % a.kv_heads:
+        p.error("--heads must be a multiple of --kv-heads")
+    if a.d_model % 32 or a.d_ff % 32 or (a.heads * a.head_dim) % 32:
+        p.error("--d-model, --d-ff and --heads x --head-dim must be multiples of 32 (the quantized block)")
