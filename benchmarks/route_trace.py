@@ -63,7 +63,9 @@ def model_file(path: str, tmp: Path) -> str:
     return str(out)
 
 
-def record(path: str, corpus: str, n_tokens: int, window: int, threads: int):
+def record(path: str, corpus: str, n_tokens: int, window: int, threads: int, source: str | None = None):
+    """The trace of `path` decoding the corpus's held-out stories; `source` names the model in it
+    (default: path; a checkpoint's directory rather than the temporary file exported from it)."""
     from cflow.runtime import Engine
 
     with Engine.load(path, threads=threads, experts="ram", n_ctx=window) as eng:
@@ -71,7 +73,7 @@ def record(path: str, corpus: str, n_tokens: int, window: int, threads: int):
         eng.record_routes(len(stream))
         for i, t in enumerate(stream):
             eng.step(t, i % window)
-        return eng.route_trace(source=str(path), corpus=corpus, tokens=len(stream), window=window)
+        return eng.route_trace(source=source or str(path), corpus=corpus, tokens=len(stream), window=window)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="the trace file to write (.npz)")
     a = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        trace = record(model_file(a.model, Path(tmp)), a.corpus, a.tokens, a.window, a.threads)
+        trace = record(model_file(a.model, Path(tmp)), a.corpus, a.tokens, a.window, a.threads, source=a.model)
     trace.meta["predictability"] = predictability(trace)
     trace.save(a.out)
     print(json.dumps({"out": a.out, "rows": trace.rows, "layers": trace.n_layers, "top_k": trace.top_k,
