@@ -1,4 +1,4 @@
-"""The C kernels of Q5_0, Q5_1, Q4_K, Q5_K and Q6_K (cflow._native) against cflow.kquant.
+"""The C kernels of Q5_0, Q5_1, Q4_K, Q5_K, Q6_K and MXFP4 (cflow._native) against cflow.kquant.
 
 Two chains, as tests/test_native_kernels.py does for Q4_0 / Q4_1 / Q8_0:
 - the "ref" table equals the numpy oracle kquant.matvec_k_q8_ref (the exact integer dots of

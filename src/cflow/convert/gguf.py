@@ -79,8 +79,9 @@ Choices:
   (not permuted), and q/k RMSNorm over the whole q and k vectors (attn_q_norm [n_heads * hd],
   attn_k_norm [n_kv_heads * hd]): qk_norm_full, which the engine runs with a barrier between the
   projection and the norms.
-- Q4_0 / Q4_1 / Q8_0 tensors go into tiles bit for bit (cflow's formats are GGML's). Every other
-  type (F16, F32, BF16, K-quants ...) is dequantized with `gguf.quants.dequantize` and quantized
+- Q4_0 / Q4_1 / Q8_0 tensors go into tiles bit for bit (cflow's formats are GGML's), and so do
+  the K-quant files' types and MXFP4 (the experts of gpt-oss and of llama.cpp's MXFP4_MOE files;
+  cflow.kquant). Every other type (F16, F32, BF16, IQ* ...) is dequantized with `gguf.quants.dequantize` and quantized
   to --quant; the introduced error is measured and reported.
 - convert_hf_to_gguf.py stores a llama file's Q and K (weights and biases) with the rows of each
   head permuted for ggml's adjacent-pair RoPE:  W_gguf = W.reshape(H, 2, hd/2, K).swapaxes(1, 2)

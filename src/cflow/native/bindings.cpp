@@ -76,7 +76,7 @@ void check_len(size_t got, size_t want, const char *what) {
 cf_tiled tiled_view(const uint8_t *data, size_t size, int dtype, int rows, int cols, int tile_rows, int tile_cols) {
     if (dtype < 0 || dtype >= CF_DTYPE_IDS || dtype == CF_F32 || dtype == CF_F16 || !cf_dtype_names[dtype])
         bad_input("tiled dtype id " + std::to_string(dtype) + " is not a quantized type; use 2 (q4_0), 3 (q4_1), "
-                  "6 (q5_0), 7 (q5_1), 8 (q8_0), 12 (q4_k), 13 (q5_k) or 14 (q6_k)");
+                  "6 (q5_0), 7 (q5_1), 8 (q8_0), 12 (q4_k), 13 (q5_k), 14 (q6_k) or 39 (mxfp4)");
     int qb = cf_block_weights(dtype);
     std::string qbs = std::to_string(qb);
     if (rows < 1 || cols < 1 || cols % qb)

@@ -332,7 +332,7 @@ void cf_topk(const float *x, int n, int k, int *idx, float *val) {
 /* Every quantized dtype runs through the same walk (chunk_row_dot picks the block format). */
 #define CF_ALL_QDTYPES(FN)                                                                     \
     {[CF_Q4_0] = FN, [CF_Q4_1] = FN, [CF_Q5_0] = FN, [CF_Q5_1] = FN, [CF_Q8_0] = FN,            \
-     [CF_Q4_K] = FN, [CF_Q5_K] = FN, [CF_Q6_K] = FN}
+     [CF_Q4_K] = FN, [CF_Q5_K] = FN, [CF_Q6_K] = FN, [CF_MXFP4] = FN}
 
 static const cf_kernel_table TABLE_REF = {
     .name = "ref",
