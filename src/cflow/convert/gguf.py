@@ -9,8 +9,9 @@ Choices:
 - `general.architecture` "llama" (Llama, SmolLM, TinyLlama, Mistral, Mixtral ...), "qwen2"
   (Qwen2 / Qwen2.5: q/k/v biases -> attn.qkv_bias) and "qwen3" (dense Qwen3: per-head RMSNorm of q
   and k -> attn.q_norm / attn.k_norm, head_dim from attention.key_length). Anything else is a
-  named error listing what is supported, never a best-effort guess; `gemma4` is named as not yet
-  supported, and a vision projector (`clip` mmproj files, or vision tensors inside a text GGUF)
+  named error listing what is supported, never a best-effort guess; `gemma4` and `gpt-oss` are
+  named as not yet supported (gpt-oss: with what its graph needs; its MXFP4 blocks are a format
+  cflow runs), and a vision projector (`clip` mmproj files, or vision tensors inside a text GGUF)
   is refused by name.
 - "mistral3" (Ministral 3, Mistral Small 3.x text; llama.cpp's llama_model_mistral3, dense only:
   a file with experts is refused): a Llama (Q/K permuted like llama files, undone here) whose
@@ -115,7 +116,10 @@ _MOE_ONLY = ("qwen2moe", "qwen3moe", "olmoe")  # every layer has experts (llama:
 # the others listed above use NEOX RoPE, the "half" convention cflow runs, and are stored as is.
 _PERMUTED_QK = ("llama", "mistral3")
 # Known architectures cflow does not run yet, with what is missing.
-_NOT_YET = {"gemma4": "gemma4 (its per-layer embeddings and attention variants)"}
+_NOT_YET = {"gemma4": "gemma4 (its per-layer embeddings and attention variants)",
+            # its MXFP4 experts run (cflow.kquant); the graph around them does not yet
+            "gpt-oss": "gpt-oss (attention sinks, biases on q/k/v/o, the router and the experts, OpenAI's "
+                       "clamped SwiGLU, softmax over the top-k router logits)"}
 # GGUF tensor-name prefixes of vision towers and projectors (llama.cpp's mmproj files use them).
 _VISION_PREFIXES = ("v.", "mm.", "vision_", "mmproj.")
 _NATIVE = {d.upper(): d for d in STORED_QUANT}  # GGML type name -> the dtype its blocks keep
