@@ -27,10 +27,10 @@
  *   Q5_0 / Q5_1  four rows per zmm (q5_update512); per 32-weight block of the group 2 loads,
  *         the 5th bits as byte masks (vpshufb + vptestmb) added by a masked vpaddb, 4 vpdpbusd,
  *         a 5-instruction fold, then q5_update's float operations.
- *   MXFP4 four rows per zmm as Q5_0 (mx_update512): nibbles -> signed doubled E2M1 values by one
- *         vpshufb against the 16-entry table; vpdpbusd takes |w| (vpabsb) against x negated where
- *         w < 0 (vpmovb2m + masked vpsubb; x is never -128), the exact integers of the AVX2
- *         sign trick, then kernels_kquant_avx2.inc's mx_update float operations.
+ *   MXFP4 four rows per zmm as Q5_0 (mx_update512): nibbles -> doubled E2M1 values + 12 (unsigned)
+ *         by one vpshufb against the 16-entry table, 4 vpdpbusd, the fold, minus 12 * sum(x)
+ *         of the block: kernels_kquant_avx2.inc's exact integers, then mx_update's float
+ *         operations.
  * The 8 rows' 16-dword partials are folded into one vector (lane i = row i) once per
  * super-block; then the float operations of kernels_kquant_avx2.inc's kq_finish_qd (and of
  * kernels_avx512.c's batched K-quant kernels) per row and super-block:
@@ -281,7 +281,8 @@ INLINE __m256 e8m0_half8(const uint8_t *p) {
 INLINE __m256 mx_update512(const uint8_t *c, const cf_act_q8 *x, int kb, __m256 acc) {
     const int8_t *xk = x->qs + (size_t)kb * CF_QK;
     const __m512i m4 = _mm512_set1_epi8(0x0f), zero = _mm512_setzero_si512();
-    const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)cf_mxfp4_values));
+    static const int8_t values_u[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
+    const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)values_u)); /* values + 12 */
     __m512i xa = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)xk));
     __m512i xb = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(xk + 16)));
     __m512i a[2];
@@ -289,14 +290,19 @@ INLINE __m256 mx_update512(const uint8_t *c, const cf_act_q8 *x, int kb, __m256 
         __m512i v = _mm512_loadu_si512(c + 8 + 64 * h);
         __m512i lo = _mm512_shuffle_epi8(table, _mm512_and_si512(v, m4));
         __m512i hi = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(v, 4), m4));
-        __m512i xl = _mm512_mask_sub_epi8(xa, _mm512_movepi8_mask(lo), zero, xa);
-        __m512i xh = _mm512_mask_sub_epi8(xb, _mm512_movepi8_mask(hi), zero, xb);
-        a[h] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, _mm512_abs_epi8(lo), xl), _mm512_abs_epi8(hi), xh);
+        a[h] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, lo, xa), hi, xb);
     }
     __m512i p = _mm512_add_epi32(_mm512_unpacklo_epi32(a[0], a[1]), _mm512_unpackhi_epi32(a[0], a[1]));
     p = _mm512_add_epi32(p, _mm512_shuffle_epi32(p, _MM_SHUFFLE(1, 0, 3, 2)));
     __m256i isum = _mm512_castsi512_si256(
         _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0), p));
+    /* 12 * sum(x): the offset of the table's values, exact */
+    __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), _mm256_loadu_si256((const __m256i *)xk)),
+                                  _mm256_set1_epi16(1));
+    __m128i s2 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+    s2 = _mm_add_epi32(s2, _mm_shuffle_epi32(s2, 0x4e));
+    s2 = _mm_add_epi32(s2, _mm_shuffle_epi32(s2, 0xb1));
+    isum = _mm256_sub_epi32(isum, _mm256_mullo_epi32(_mm256_broadcastd_epi32(s2), _mm256_set1_epi32(12)));
     __m256 fsum = _mm256_cvtepi32_ps(isum);
     return _mm256_fmadd_ps(e8m0_half8(c), _mm256_mul_ps(fsum, _mm256_broadcast_ss(x->d + kb)), acc);
 }
