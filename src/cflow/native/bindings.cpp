@@ -377,6 +377,14 @@ Out<float> geglu(In1<float> gu, std::optional<std::string> isa) {
     return out;
 }
 
+Out<float> swiglu_oai(In1<float> gu, float alpha, float limit, std::optional<std::string> isa) {
+    const cf_kernel_table *t = table(isa);
+    if (gu.size() % (2 * CF_G)) throw nb::value_error("swiglu_oai: gu holds pairs of 8 gate and 8 up values");
+    auto out = new_array<float>(gu.size() / 2);
+    t->swiglu_oai(out.data(), gu.data(), (int)(gu.size() / (2 * CF_G)), alpha, limit);
+    return out;
+}
+
 Out<float> matvec_f32(In2<float> W, In1<float> x, std::optional<std::string> isa) {
     const cf_kernel_table *t = table(isa);
     check_len(x.size(), W.shape(1), "x");
@@ -647,6 +655,9 @@ NB_MODULE(_native, m) {
     m.def("geglu", &geglu, arg("gu"), arg("isa") = none,
           "gelu_tanh(gate) * up over pairs of 8 gate and 8 up values (an interleaved gate/up row), "
           "as the engine's GeGLU");
+    m.def("swiglu_oai", &swiglu_oai, arg("gu"), arg("alpha") = 1.702f, arg("limit") = 7.0f, arg("isa") = none,
+          "OpenAI's clamped SwiGLU over pairs of 8 gate and 8 up values: min(g, limit) * sigmoid(alpha "
+          "min(g, limit)) * (clamp(u, -limit, limit) + 1), as gpt-oss's experts (llama.cpp's swiglu_oai)");
     m.def("matvec_f32", &matvec_f32, arg("W"), arg("x"), arg("isa") = none);
     m.def("softmax", &softmax, arg("x"), arg("isa") = none);
     m.def("rope_table", &rope_table, arg("head_dim"), arg("pos"), arg("theta"));

@@ -228,6 +228,11 @@ typedef struct {
      * computes so (as PyTorch's and ggml's formula); the vector tables as the same function
      * x / (1 + exp(-2c (x + 0.044715 x^3))). */
     void (*geglu)(float *h, const float *gu, int n_pairs);
+    /* OpenAI's SwiGLU (gpt-oss's experts, llama.cpp's swiglu_oai) over the same pairs, after the
+     * gate and up biases: x = min(gate, limit), y = clamp(up, -limit, limit),
+     * h = x / (1 + exp(-alpha x)) * (y + 1) (gpt-oss: alpha 1.702, limit 7). For the gpt-oss
+     * graph the engine does not run yet (tests/test_gptoss.py pins it against llama.cpp). */
+    void (*swiglu_oai)(float *h, const float *gu, int n_pairs, float alpha, float limit);
 } cf_kernel_table;
 
 /* The table chosen for this CPU (set up on first use; CFLOW_ISA=ref|avx2 overrides). */

@@ -172,6 +172,15 @@ static void geglu_ref(float *h, const float *gu, int n_pairs) {
         }
 }
 
+static void swiglu_oai_ref(float *h, const float *gu, int n_pairs, float alpha, float limit) {
+    for (int p = 0; p < n_pairs; p++)
+        for (int j = 0; j < CF_G; j++) {
+            float x = fminf(gu[2 * p * CF_G + j], limit);
+            float y = fmaxf(fminf(gu[(2 * p + 1) * CF_G + j], limit), -limit);
+            h[p * CF_G + j] = x / (1.0f + expf(-alpha * x)) * (y + 1.0f);
+        }
+}
+
 static void softmax_ref(float *x, int n) {
     float mx = x[0];
     for (int i = 1; i < n; i++) mx = fmaxf(mx, x[i]);
@@ -355,6 +364,7 @@ static const cf_kernel_table TABLE_REF = {
     .attention_block_q8kv = cf_attention_block_q8kv_ref,
     .f32_to_q8_0 = f32_to_q8_0_ref,
     .geglu = geglu_ref,
+    .swiglu_oai = swiglu_oai_ref,
 };
 
 const cf_kernel_table *cf_kernels_ref(void) { return &TABLE_REF; }
