@@ -18,7 +18,7 @@ from gguf.quants import dequantize as gguf_dequantize  # noqa: E402
 from gguf.quants import quantize as gguf_quantize  # noqa: E402
 
 GGML = {"q4_0": GT.Q4_0, "q4_1": GT.Q4_1, "q8_0": GT.Q8_0, "q5_0": GT.Q5_0, "q5_1": GT.Q5_1,
-        "q4_k": GT.Q4_K, "q5_k": GT.Q5_K, "q6_k": GT.Q6_K}
+        "q4_k": GT.Q4_K, "q5_k": GT.Q5_K, "q6_k": GT.Q6_K, "mxfp4": GT.MXFP4}
 NEW = list(K.KDTYPES)
 # (rows, cols) with band tails (129 = 128 + 1), short groups (7, 13), and narrow last tiles
 SHAPES = [(1, 256), (7, 512), (13, 768), (129, 256), (136, 1280)]
@@ -37,6 +37,8 @@ def random_blocks(dtype: str, rows: int, cols: int, seed: int = 0) -> np.ndarray
             o, _ = fields[name]
             v = (rng.standard_normal((rows, cols // qb)) * 0.01).astype(np.float16)
             b[..., o:o + 2] = v[..., None].view(np.uint8).reshape(rows, cols // qb, 2)
+    if dtype == "mxfp4":  # exponents of real weights' scales (2^-20 .. 2^4): every product finite
+        b[..., 0] = rng.integers(107, 132, (rows, cols // qb), dtype=np.uint8)
     return b.reshape(rows, -1)
 
 
@@ -85,6 +87,28 @@ def test_dequantize_gguf_quantized_q5(dtype):
     w[0] = 0
     b = gguf_quantize(w, GGML[dtype])
     assert K.dequantize_k(b, dtype, 576).tobytes() == gguf_floats(b, dtype, 576).tobytes()
+
+
+def test_mxfp4_by_hand_and_extreme_exponents():
+    """ggml's layout: byte 0 the E8M0 exponent, byte 1 + j weight j (low nibble) and j + 16 (high);
+    values E2M1 (0, .5, 1, 1.5, 2, 3, 4, 6, sign in bit 3) times 2^(e - 127). Exponents 0 and 1 are
+    subnormal halves (2^-128, 2^-127), 255 is 2^127 with no NaN: all bit for bit as gguf."""
+    b = np.zeros((1, 17), np.uint8)
+    b[0, 0] = 127  # scale 1
+    b[0, 1:17] = np.arange(16, dtype=np.uint8) | (np.arange(16, dtype=np.uint8)[::-1] << 4)
+    w = K.dequantize_k(b, "mxfp4", 32)[0]
+    e2m1 = [0, .5, 1, 1.5, 2, 3, 4, 6, 0, -.5, -1, -1.5, -2, -3, -4, -6]
+    assert list(w[:16]) == e2m1 and list(w[16:]) == e2m1[::-1]
+    assert list(K.e8m0_half(np.array([0, 1, 2, 127, 128, 255], np.uint8))) == [
+        2.0 ** -128, 2.0 ** -127, 2.0 ** -126, 0.5, 1.0, 2.0 ** 127]
+    e = np.array([0, 1, 2, 126, 127, 128, 200, 254], np.uint8)
+    blocks = np.random.default_rng(7).integers(0, 256, (8, 17), dtype=np.uint8)
+    blocks[:, 0] = e
+    assert K.dequantize_k(blocks, "mxfp4", 32).tobytes() == gguf_floats(blocks, "mxfp4", 32).tobytes()
+    w = np.random.default_rng(8).standard_normal((5, 96)).astype(np.float32)
+    q = gguf_quantize(w, GT.MXFP4)  # gguf's own quantizer: cflow decodes its blocks as gguf does
+    assert K.dequantize_k(q, "mxfp4", 96).tobytes() == gguf_floats(q, "mxfp4", 96).tobytes()
+    assert np.abs(K.dequantize_k(q, "mxfp4", 96) - w).max() < 0.5 * np.abs(w).max()
 
 
 def test_scale_min_unpacking_by_hand():

@@ -1,4 +1,4 @@
-"""The C kernels of Q5_0, Q5_1, Q4_K, Q5_K and Q6_K (cflow._native) against cflow.kquant.
+"""The C kernels of Q5_0, Q5_1, Q4_K, Q5_K, Q6_K and MXFP4 (cflow._native) against cflow.kquant.
 
 Two chains, as tests/test_native_kernels.py does for Q4_0 / Q4_1 / Q8_0:
 - the "ref" table equals the numpy oracle kquant.matvec_k_q8_ref (the exact integer dots of
@@ -171,6 +171,8 @@ def test_fast_tables_agree_bit_for_bit(dtype):
     if len(FAST_ISAS) < 2:
         pytest.skip("one fast table on this CPU")
     fills = [(0xFF, 0xFF), (0x00, 0x80), (0xFF, 0x7F), (0x00, 0x3F)]
+    if dtype == "mxfp4":  # nibble 7 (+6, doubled 12): the largest unsigned operand, value + 12 = 24
+        fills.append((0x77, 0x00))
     qb = K.block_geometry(dtype)[0]
     for i, (rows, cols, tile) in enumerate(shapes(dtype)):
         rng = rng_for("kagree", dtype, i)

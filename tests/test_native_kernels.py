@@ -365,6 +365,32 @@ def test_geglu(isa):
         _native.geglu(gu[:12], isa=isa)
 
 
+@pytest.mark.parametrize("isa", ALL_ISAS)
+def test_swiglu_oai(isa):
+    """OpenAI's clamped SwiGLU (gpt-oss: alpha 1.702, limit 7) over interleaved pairs against
+    float64, gates and ups from -12 to 12 so both clamps bite; and the clamps are seen: the same
+    kernel with a limit past every input gives the unclamped values, far from the clamped ones."""
+    rng = rng_for("swiglu_oai", 41)
+    x = np.concatenate([np.linspace(-12, 12, 161), rng.standard_normal(159) * 5]).astype(np.float32)
+    u = np.concatenate([np.linspace(12, -12, 161), rng.standard_normal(159) * 5]).astype(np.float32)
+    gu = np.stack([x.reshape(-1, 8), u.reshape(-1, 8)], axis=1).reshape(-1)  # [pairs, gate 8 | up 8]
+
+    def want(limit, alpha=1.702):
+        g = np.minimum(x.astype(np.float64), limit)
+        y = np.clip(u.astype(np.float64), -limit, limit)
+        return g / (1 + np.exp(-alpha * g)) * (y + 1)
+
+    w = want(7.0)
+    got = _native.swiglu_oai(gu, 1.702, 7.0, isa=isa)
+    assert_close(got, w, np.abs(w) + 1e-30, EXP_RTOL * 4, "swiglu_oai")
+    loose = _native.swiglu_oai(gu, 1.702, 100.0, isa=isa)
+    assert_close(loose, want(100.0), np.abs(want(100.0)) + 1e-30, EXP_RTOL * 4, "swiglu_oai unclamped")
+    bites = np.abs(w - want(100.0)) > 0.1  # where a clamp changes the value (not where the gate is ~0)
+    assert bites.sum() > 50 and np.all(np.abs(loose - got)[bites] > 0.05)
+    with pytest.raises(ValueError, match="pairs of 8"):
+        _native.swiglu_oai(gu[:12], isa=isa)
+
+
 # one row: a plain dot product, over every vector-body / tail split (the router's E x d is small)
 @pytest.mark.parametrize("rows,cols", [(1, n) for n in NS] + [(3, 33), (8, 576), (64, 257)])
 @pytest.mark.parametrize("isa", ALL_ISAS)

@@ -110,7 +110,7 @@ def test_plain_round_trip(dtype, np_dtype):
 def test_sizes():
     assert Q.BLOCK == {"q4_0": (32, 18), "q4_1": (32, 20), "q8_0": (32, 34)}
     assert Q.DTYPE_IDS == {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q8_0": 8,
-                           "q5_0": 6, "q5_1": 7, "q4_k": 12, "q5_k": 13, "q6_k": 14}
+                           "q5_0": 6, "q5_1": 7, "q4_k": 12, "q5_k": 13, "q6_k": 14, "mxfp4": 39}
     assert [Q.block_bytes(d) for d in ("q4_0", "q4_1", "q8_0", "f16", "f32")] == [18, 20, 34, 64, 128]
     assert Q.tensor_nbytes("q4_0", (576, 1536), "tiled") == 576 * 48 * 18
     assert Q.tensor_nbytes("q8_0", (4, 9, 64)) == 36 * 68

@@ -56,6 +56,9 @@ TABLE: tuple[Dtype, ...] = (
           produced=False),
     Dtype("q6_k", 14, QK_K, 210, (("ql", 0, 128), ("qh", 128, 64), ("scales", 192, 16), ("d", 208, 2)),
           produced=False),
+    # OCP MXFP4 as ggml stores it (gpt-oss's experts): one E8M0 exponent byte, then 16 bytes of
+    # E2M1 nibbles in Q4_0's order (byte j: weight j low, weight j + 16 high). Copied, never produced.
+    Dtype("mxfp4", 39, QK, 17, (("e", 0, 1), ("qs", 1, 16)), produced=False),
 )
 BY_NAME: dict[str, Dtype] = {d.name: d for d in TABLE}
 

@@ -1,5 +1,6 @@
-"""K-quant block formats (Q4_K, Q5_K, Q6_K) and the 32-block fallbacks llama.cpp writes beside
-them (Q5_0, Q5_1): the numpy references the C kernels will be tested against (docs/kquants.md).
+"""K-quant block formats (Q4_K, Q5_K, Q6_K), the 32-block fallbacks llama.cpp writes beside
+them (Q5_0, Q5_1) and MXFP4 (gpt-oss's experts): the numpy references the C kernels are tested
+against (docs/kquants.md).
 
 Owns:
 - the GGML byte layouts of these types (`KBLOCK`, `GGML_FIELDS`: views of the registry in
@@ -53,7 +54,22 @@ TILE_FIELDS: dict[str, tuple[str, ...]] = {
     "q4_k": ("d", "dmin", "scales", "qs"),
     "q5_k": ("d", "dmin", "scales", "qh", "qs"),
     "q6_k": ("d", "scales", "ql", "qh"),
+    "mxfp4": ("e", "qs"),
 }
+
+# MXFP4's E2M1 values doubled, by nibble (ggml's kvalues_mxfp4): 0, .5, 1, 1.5, 2, 3, 4, 6 and
+# their negatives times 2, so they are int8 and the kernels can take integer dots; the block
+# scale is halved to match (`e8m0_half`). Nibble 8 is -0, stored as 0.
+MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)
+
+
+def e8m0_half(e: np.ndarray) -> np.ndarray:
+    """An E8M0 exponent byte -> float32 2^(e - 128), half the block scale 2^(e - 127) (ggml's
+    GGML_E8M0_TO_FP32_HALF): e >= 2 as the normal float with exponent field e - 1, e = 0 and 1 as
+    the subnormals 2^-128 and 2^-127 (no NaN: e = 255 is 2^127)."""
+    e = np.asarray(e, np.uint8).astype(np.uint32)
+    bits = np.where(e < 2, np.uint32(0x00200000) << e, (e - np.uint32(1)) << np.uint32(23))
+    return bits.astype(np.uint32).view(np.float32)
 
 
 # ---- sizes ---------------------------------------------------------------------------------
@@ -110,8 +126,12 @@ def scale_min_k4(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def unpack_q(b: np.ndarray, dtype: str) -> np.ndarray:
     """Unsigned quants of blocks [n, B] -> uint8 [n, weights] in weight order: 0..31 (q5_0,
-    q5_1, q5_k), 0..15 (q4_k), 0..63 (q6_k; the weight is q - 32)."""
+    q5_1, q5_k), 0..15 (q4_k; mxfp4: the index into MXFP4_VALUES), 0..63 (q6_k; the weight is
+    q - 32)."""
     n = b.shape[0]
+    if dtype == "mxfp4":  # nibble indices into MXFP4_VALUES, Q4_0's order
+        qs = _field(b, dtype, "qs")
+        return np.concatenate([qs & 15, qs >> 4], axis=1)
     if dtype in ("q5_0", "q5_1"):
         qs = _field(b, dtype, "qs")
         lo = np.concatenate([qs & 15, qs >> 4], axis=1)  # weight j: qs[j] & 15, j+16: qs[j] >> 4
@@ -139,7 +159,7 @@ def unpack_q(b: np.ndarray, dtype: str) -> np.ndarray:
 def dequantize_k(blocks: np.ndarray, dtype: str, cols: int) -> np.ndarray:
     """Decode GGML bytes [R, row_bytes] to float32 [R, cols], bit-exact with gguf.quants (the
     same float32 operations in the same order: Q4_K/Q5_K (d*sc)*q - dmin*m; Q6_K (d*sc)*(q-32);
-    Q5_0 d*(q-16); Q5_1 d*q + m)."""
+    Q5_0 d*(q-16); Q5_1 d*q + m; MXFP4 e8m0_half(e) * MXFP4_VALUES[q])."""
     if dtype in quant.QUANT_DTYPES:
         return quant.dequantize(blocks, dtype, cols)
     blocks = quant.check_blocks(blocks, dtype, cols, row_bytes_k)
@@ -148,6 +168,10 @@ def dequantize_k(blocks: np.ndarray, dtype: str, cols: int) -> np.ndarray:
     b = blocks.reshape(R * (cols // qb), bb)
     n = b.shape[0]
     q = unpack_q(b, dtype)
+    if dtype == "mxfp4":
+        with np.errstate(over="ignore"):  # e near 255 overflows to inf, as in ggml and gguf
+            w = e8m0_half(_field(b, dtype, "e")) * MXFP4_VALUES[q].astype(np.float32)
+        return w.reshape(R, cols).astype(np.float32)
     d = _f16(b, dtype, "d")[:, None]
     if dtype == "q5_0":
         w = d * (q.astype(np.int8) - np.int8(16)).astype(np.float32)
@@ -287,6 +311,8 @@ def matvec_k_q8_ref(tiled: np.ndarray, dtype: str, rows: int, cols: int, x: np.n
     - q5_0 / q5_1: x by `quant.quantize_act` (32-blocks: these rows are not multiples of 256);
       per 32-block y += d * dx * dot(q, qx) - 16 * d * s  (q5_0)  or  + m * s  (q5_1),
       s = dx * sum(qx) as for Q4_0 / Q4_1;
+    - mxfp4: x by `quant.quantize_act`; per 32-block y += e8m0_half(e) * dx * dot(v, qx), v the
+      doubled int8 values (MXFP4_VALUES), the dot exact in integers;
     - q4_0 / q4_1 / q8_0: `quant.matvec_q8_ref`."""
     if dtype in quant.QUANT_DTYPES:
         return quant.matvec_q8_ref(tiled, dtype, rows, cols, x, tile)
@@ -296,6 +322,12 @@ def matvec_k_q8_ref(tiled: np.ndarray, dtype: str, rows: int, cols: int, x: np.n
     qb, B = KBLOCK[dtype]
     nb = cols // qb
     b = blocks.reshape(rows, nb, B)
+    if dtype == "mxfp4":
+        qx, dx, _ = quant.quantize_act(x)
+        v = MXFP4_VALUES[unpack_q(b.reshape(rows * nb, B), dtype)].reshape(rows, nb, QK).astype(np.int64)
+        dots = np.einsum("rki,ki->rk", v, qx.reshape(nb, QK).astype(np.int64)).astype(np.float64)
+        d = e8m0_half(_field(b, dtype, "e")[..., 0]).astype(np.float64)
+        return (d * dx.astype(np.float64) * dots).sum(axis=1)
     d = _f16(b, dtype, "d").astype(np.float64)  # [rows, nb]
     if dtype in K_SUPER:
         qx, dx, bsums = quantize_act_k(x)

@@ -6,7 +6,7 @@ Owns, in one place:
   quantizers): Q4_0, Q4_1, Q8_0, plus F16/F32 pass-through;
 - the views of the dtype registry (cflow.dtypes) that the rest of cflow reads: `DTYPE_IDS` (every
   dtype a file may store), `BLOCK` and `BLOCK_FIELDS` (the formats encoded here), `KQUANT_IDS`
-  (the K-quant family that cflow runs as it is but never produces: Q4_K, Q5_K, Q6_K, Q5_0, Q5_1;
+  (the formats cflow runs as it is but never produces: Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, MXFP4;
   their decoding and tiling are cflow.kquant's, to which the functions here delegate);
 - the tile layout of a weight matrix (docs/DESIGN.md "Tile layout"): row bands of TR rows, tiles
   of TK inputs, row groups of G=8 rows whose blocks are stored struct-of-arrays (scales first);

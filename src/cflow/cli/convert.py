@@ -21,7 +21,7 @@ Convert a GGUF file (llama.cpp architectures: llama, qwen2, qwen3, qwen2moe, qwe
 (text), mistral3 (dense); the llama one covers Llama 2/3, SmolLM, TinyLlama, Mistral and Mixtral) or
 a cflow training checkpoint
 directory into cflow's tiled model file. GGUF tensors in a format the engine runs (Q4_0, Q4_1, Q8_0, and the
-K-quant files' Q4_K, Q5_K, Q6_K, Q5_0, Q5_1) are copied bit for bit whatever --quant says: cflow
+K-quant files' Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, and MXFP4) are copied bit for bit whatever --quant says: cflow
 never requantizes them, and when --quant is given the summary lists the tensors that kept another
 type. F32/F16/BF16 weights are quantized to --quant (default q4_0) and the error this introduces
 is reported. GGUF tensors in a quantized format cflow has no kernel for (Q2_K, Q3_K, IQ*, ...)
@@ -125,7 +125,7 @@ def kept_note(quant: str, kept: dict[str, list[str]]) -> str:
     parts = [f"{dtype}: " + ", ".join(names[:3]) + (f", ... ({len(names)} in all)" if len(names) > 3 else "")
              for dtype, names in sorted(kept.items())]
     return (f"--quant {quant} was not applied to {n} tensor(s) that keep their GGUF type ({'; '.join(parts)}). "
-            f"cflow copies GGUF blocks it has kernels for (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, Q5_0, Q5_1) bit "
+            f"cflow copies GGUF blocks it has kernels for (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, MXFP4) bit "
             f"for bit and never requantizes them; --quant applies only to weights that need quantizing (F16, "
             f"F32, BF16, and types without a kernel such as Q3_K). For {quant} throughout, convert an F16/F32 GGUF")
 

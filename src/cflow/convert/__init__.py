@@ -65,7 +65,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, quant: str | None
     """Convert a GGUF file or a checkpoint directory into a .cflow/.vflow file.
 
     `quant` is the format for weights that must be quantized: default q4_0. For GGUF input,
-    tensors in a format the engine runs (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, Q5_0, Q5_1) keep it bit
+    tensors in a format the engine runs (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, MXFP4) keep it bit
     for bit whatever `quant` says (`cflow convert` says which did when --quant was given), float
     tensors are quantized to `quant`, and tensors in another quantized format (Q2_K, Q3_K, I-quants,
     ...) are re-quantized only when `quant` is given explicitly; otherwise NotNativeError names the

@@ -2,8 +2,8 @@
 
 Owns the step between "a source hands us weight matrices" and "the writer gets TensorData":
 - which dtype each matrix is stored in (blocks already in a format the engine runs (Q4_0, Q4_1,
-  Q8_0, Q4_K, Q5_K, Q6_K, Q5_0, Q5_1) pass through bit for bit; float weights are quantized to the
-  requested format; other quantized formats are refused unless re-quantizing was asked for);
+  Q8_0, Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, MXFP4) pass through bit for bit; float weights are
+  quantized to the requested format; other quantized formats are refused unless re-quantizing was asked for);
 - the fused layouts of docs/DESIGN.md (q|k|v rows; gate/up interleaved per 8-row group), including
   the honest handling of fused parts that arrive in different dtypes (a tiled matrix has one dtype:
   q, k, v are then stored as three tensors, cflow.weights.QKV_PARTS, losslessly; gate and up,
@@ -33,7 +33,7 @@ QUANT_CHOICES = quant.QUANT_DTYPES  # what --quant may produce: q4_0, q4_1, q8_0
 # Source formats that are plain numbers: quantizing them is the normal first quantization.
 FLOAT_SOURCES = ("F32", "F16", "BF16", "F64", "FLOAT32", "FLOAT16", "BFLOAT16")
 # Higher is more precise (bits per weight); breaks ties when fused parts disagree on their dtype.
-_PRECISION = {"q4_0": 0, "q4_1": 1, "q4_k": 2, "q5_0": 3, "q5_1": 4, "q5_k": 5, "q6_k": 6, "q8_0": 7}
+_PRECISION = {"mxfp4": -1, "q4_0": 0, "q4_1": 1, "q4_k": 2, "q5_0": 3, "q5_1": 4, "q5_k": 5, "q6_k": 6, "q8_0": 7}
 
 
 class ConvertError(CflowError, ValueError):

@@ -9,8 +9,9 @@ Choices:
 - `general.architecture` "llama" (Llama, SmolLM, TinyLlama, Mistral, Mixtral ...), "qwen2"
   (Qwen2 / Qwen2.5: q/k/v biases -> attn.qkv_bias) and "qwen3" (dense Qwen3: per-head RMSNorm of q
   and k -> attn.q_norm / attn.k_norm, head_dim from attention.key_length). Anything else is a
-  named error listing what is supported, never a best-effort guess; `gemma4` is named as not yet
-  supported, and a vision projector (`clip` mmproj files, or vision tensors inside a text GGUF)
+  named error listing what is supported, never a best-effort guess; `gemma4` and `gpt-oss` are
+  named as not yet supported (gpt-oss: with what its graph needs; its MXFP4 blocks are a format
+  cflow runs), and a vision projector (`clip` mmproj files, or vision tensors inside a text GGUF)
   is refused by name.
 - "mistral3" (Ministral 3, Mistral Small 3.x text; llama.cpp's llama_model_mistral3, dense only:
   a file with experts is refused): a Llama (Q/K permuted like llama files, undone here) whose
@@ -79,8 +80,9 @@ Choices:
   (not permuted), and q/k RMSNorm over the whole q and k vectors (attn_q_norm [n_heads * hd],
   attn_k_norm [n_kv_heads * hd]): qk_norm_full, which the engine runs with a barrier between the
   projection and the norms.
-- Q4_0 / Q4_1 / Q8_0 tensors go into tiles bit for bit (cflow's formats are GGML's). Every other
-  type (F16, F32, BF16, K-quants ...) is dequantized with `gguf.quants.dequantize` and quantized
+- Q4_0 / Q4_1 / Q8_0 tensors go into tiles bit for bit (cflow's formats are GGML's), and so do
+  the K-quant files' types and MXFP4 (the experts of gpt-oss and of llama.cpp's MXFP4_MOE files;
+  cflow.kquant). Every other type (F16, F32, BF16, IQ* ...) is dequantized with `gguf.quants.dequantize` and quantized
   to --quant; the introduced error is measured and reported.
 - convert_hf_to_gguf.py stores a llama file's Q and K (weights and biases) with the rows of each
   head permuted for ggml's adjacent-pair RoPE:  W_gguf = W.reshape(H, 2, hd/2, K).swapaxes(1, 2)
@@ -114,7 +116,10 @@ _MOE_ONLY = ("qwen2moe", "qwen3moe", "olmoe")  # every layer has experts (llama:
 # the others listed above use NEOX RoPE, the "half" convention cflow runs, and are stored as is.
 _PERMUTED_QK = ("llama", "mistral3")
 # Known architectures cflow does not run yet, with what is missing.
-_NOT_YET = {"gemma4": "gemma4 (its per-layer embeddings and attention variants)"}
+_NOT_YET = {"gemma4": "gemma4 (its per-layer embeddings and attention variants)",
+            # its MXFP4 experts run (cflow.kquant); the graph around them does not yet
+            "gpt-oss": "gpt-oss (attention sinks, biases on q/k/v/o, the router and the experts, OpenAI's "
+                       "clamped SwiGLU, softmax over the top-k router logits)"}
 # GGUF tensor-name prefixes of vision towers and projectors (llama.cpp's mmproj files use them).
 _VISION_PREFIXES = ("v.", "mm.", "vision_", "mmproj.")
 _NATIVE = {d.upper(): d for d in STORED_QUANT}  # GGML type name -> the dtype its blocks keep

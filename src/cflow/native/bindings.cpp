@@ -76,7 +76,7 @@ void check_len(size_t got, size_t want, const char *what) {
 cf_tiled tiled_view(const uint8_t *data, size_t size, int dtype, int rows, int cols, int tile_rows, int tile_cols) {
     if (dtype < 0 || dtype >= CF_DTYPE_IDS || dtype == CF_F32 || dtype == CF_F16 || !cf_dtype_names[dtype])
         bad_input("tiled dtype id " + std::to_string(dtype) + " is not a quantized type; use 2 (q4_0), 3 (q4_1), "
-                  "6 (q5_0), 7 (q5_1), 8 (q8_0), 12 (q4_k), 13 (q5_k) or 14 (q6_k)");
+                  "6 (q5_0), 7 (q5_1), 8 (q8_0), 12 (q4_k), 13 (q5_k), 14 (q6_k) or 39 (mxfp4)");
     int qb = cf_block_weights(dtype);
     std::string qbs = std::to_string(qb);
     if (rows < 1 || cols < 1 || cols % qb)
@@ -377,6 +377,14 @@ Out<float> geglu(In1<float> gu, std::optional<std::string> isa) {
     return out;
 }
 
+Out<float> swiglu_oai(In1<float> gu, float alpha, float limit, std::optional<std::string> isa) {
+    const cf_kernel_table *t = table(isa);
+    if (gu.size() % (2 * CF_G)) throw nb::value_error("swiglu_oai: gu holds pairs of 8 gate and 8 up values");
+    auto out = new_array<float>(gu.size() / 2);
+    t->swiglu_oai(out.data(), gu.data(), (int)(gu.size() / (2 * CF_G)), alpha, limit);
+    return out;
+}
+
 Out<float> matvec_f32(In2<float> W, In1<float> x, std::optional<std::string> isa) {
     const cf_kernel_table *t = table(isa);
     check_len(x.size(), W.shape(1), "x");
@@ -647,6 +655,9 @@ NB_MODULE(_native, m) {
     m.def("geglu", &geglu, arg("gu"), arg("isa") = none,
           "gelu_tanh(gate) * up over pairs of 8 gate and 8 up values (an interleaved gate/up row), "
           "as the engine's GeGLU");
+    m.def("swiglu_oai", &swiglu_oai, arg("gu"), arg("alpha") = 1.702f, arg("limit") = 7.0f, arg("isa") = none,
+          "OpenAI's clamped SwiGLU over pairs of 8 gate and 8 up values: min(g, limit) * sigmoid(alpha "
+          "min(g, limit)) * (clamp(u, -limit, limit) + 1), as gpt-oss's experts (llama.cpp's swiglu_oai)");
     m.def("matvec_f32", &matvec_f32, arg("W"), arg("x"), arg("isa") = none);
     m.def("softmax", &softmax, arg("x"), arg("isa") = none);
     m.def("rope_table", &rope_table, arg("head_dim"), arg("pos"), arg("theta"));

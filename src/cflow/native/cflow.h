@@ -39,10 +39,11 @@ enum cf_dtype {
     CF_Q4_K = 12,
     CF_Q5_K = 13,
     CF_Q6_K = 14,
+    CF_MXFP4 = 39, /* gpt-oss's experts: E8M0 scale + 32 E2M1 nibbles (cflow.kquant, docs/kquants.md) */
     CF_DTYPE_IDS, /* one past the largest id: the size of tables indexed by dtype */
 };
 /* cf_dtype_names[id]: "f32", "f16", "q4_0", "q4_1", "q8_0", "q5_0", "q5_1", "q4_k", "q5_k",
- * "q6_k"; NULL for GGML ids the core does not run. Exported to Python as _native.DTYPE_IDS, and
+ * "q6_k", "mxfp4"; NULL for GGML ids the core does not run. Exported to Python as _native.DTYPE_IDS, and
  * with cf_block_weights / cf_block_bytes as _native.DTYPE_TABLE, which cflow.runtime.abi holds
  * against the Python table (cflow/dtypes.py) when it loads the core (formats.c). The layouts of
  * the K-quant dtypes and their tiles: docs/kquants.md, Python twin cflow/kquant.py. */
@@ -66,7 +67,7 @@ cf_half cf_float_to_half(float f); /* round to nearest even, like F16C */
 /* An activation vector quantized to int8, in one or both of two formats. Buffers are owned by
  * the caller (no allocation in kernels).
  *   32-block (quantize_act): x[i] ~= d[b] * qs[i], s[b] = d[b] * sum(qs in block b), b = i / 32.
- *     Read by the Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 kernels.
+ *     Read by the Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and MXFP4 kernels.
  *   256-block (quantize_act_k; n a multiple of 256): x[i] ~= dk[b] * qk[i], b = i / 256, and
  *     bsums[j] = sum(qk[16j .. 16j+15]) (cflow.kquant.quantize_act_k, docs/kquants.md). Read by
  *     the Q4_K, Q5_K and Q6_K kernels.
@@ -85,15 +86,15 @@ typedef struct {
 /* A tiled weight matrix W[rows, cols] living in caller-owned memory (usually an mmap). */
 typedef struct {
     const uint8_t *data;
-    int dtype;     /* CF_Q4_0, CF_Q4_1, CF_Q5_0, CF_Q5_1, CF_Q8_0, CF_Q4_K, CF_Q5_K or CF_Q6_K */
+    int dtype;     /* CF_Q4_0, CF_Q4_1, CF_Q5_0, CF_Q5_1, CF_Q8_0, CF_Q4_K, CF_Q5_K, CF_Q6_K or CF_MXFP4 */
     int rows;
     int cols;      /* multiple of cf_block_weights(dtype) */
     int tile_rows; /* TR, multiple of CF_G (default 128) */
     int tile_cols; /* TK, multiple of cf_block_weights(dtype) (default 256) */
 } cf_tiled;
 
-/* Bytes of one block of `dtype` (cf_block_weights weights) for one row: 18, 20, 22, 24, 34 for
- * Q4_0, Q4_1, Q5_0, Q5_1, Q8_0; 144, 176, 210 for Q4_K, Q5_K, Q6_K; 128 for F32 and 64 for F16
+/* Bytes of one block of `dtype` (cf_block_weights weights) for one row: 18, 20, 22, 24, 34, 17 for
+ * Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, MXFP4; 144, 176, 210 for Q4_K, Q5_K, Q6_K; 128 for F32 and 64 for F16
  * (per 32 weights); 0 if the dtype is unknown (formats.c). */
 size_t cf_block_bytes(int dtype);
 /* Total bytes of a tiled matrix (formats.c). */
@@ -227,6 +228,11 @@ typedef struct {
      * computes so (as PyTorch's and ggml's formula); the vector tables as the same function
      * x / (1 + exp(-2c (x + 0.044715 x^3))). */
     void (*geglu)(float *h, const float *gu, int n_pairs);
+    /* OpenAI's SwiGLU (gpt-oss's experts, llama.cpp's swiglu_oai) over the same pairs, after the
+     * gate and up biases: x = min(gate, limit), y = clamp(up, -limit, limit),
+     * h = x / (1 + exp(-alpha x)) * (y + 1) (gpt-oss: alpha 1.702, limit 7). For the gpt-oss
+     * graph the engine does not run yet (tests/test_gptoss.py pins it against llama.cpp). */
+    void (*swiglu_oai)(float *h, const float *gu, int n_pairs, float alpha, float limit);
 } cf_kernel_table;
 
 /* The table chosen for this CPU (set up on first use; CFLOW_ISA=ref|avx2 overrides). */

@@ -142,7 +142,7 @@ static int bind_tensor(const int64_t *desc, int n_experts, int i, int rows, int 
         int64_t tr = row[CF_DESC_TR], tc = row[CF_DESC_TC];
         if (dt <= CF_F16 || dt >= CF_DTYPE_IDS || !cf_dtype_names[dt]) {
             cf_set_err(err, n, "tensor %s has dtype id %lld; the engine runs Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, "
-                    "Q4_K, Q5_K or Q6_K matrices (re-convert the model)", what, (long long)dt);
+                    "Q4_K, Q5_K, Q6_K or MXFP4 matrices (re-convert the model)", what, (long long)dt);
             return -1;
         }
         int qb = cf_block_weights((int)dt); /* a tile holds whole blocks */
@@ -490,7 +490,7 @@ cf_engine *cf_engine_create(const cf_config *cfg, const uint8_t *buf, size_t buf
     e->c = *cfg;
     e->k = cf_kernels();
     // every entry of the table: it holds exactly what the engine calls (cflow.h)
-    int dts[] = {CF_Q4_0, CF_Q4_1, CF_Q5_0, CF_Q5_1, CF_Q8_0, CF_Q4_K, CF_Q5_K, CF_Q6_K};
+    int dts[] = {CF_Q4_0, CF_Q4_1, CF_Q5_0, CF_Q5_1, CF_Q8_0, CF_Q4_K, CF_Q5_K, CF_Q6_K, CF_MXFP4};
     int missing = !e->k->quantize_act || !e->k->quantize_act_k || !e->k->rmsnorm ||
         !e->k->matvec_f32 || !e->k->softmax || !e->k->rope || !e->k->attention || !e->k->attention_block ||
         !e->k->embed_row || !e->k->f32_to_f16 || !e->k->topk || !e->k->attention_q8kv ||

@@ -15,7 +15,7 @@
 const char *const cf_dtype_names[CF_DTYPE_IDS] = {
     [CF_F32] = "f32",   [CF_F16] = "f16",   [CF_Q4_0] = "q4_0", [CF_Q4_1] = "q4_1",
     [CF_Q5_0] = "q5_0", [CF_Q5_1] = "q5_1", [CF_Q8_0] = "q8_0", [CF_Q4_K] = "q4_k",
-    [CF_Q5_K] = "q5_k", [CF_Q6_K] = "q6_k",
+    [CF_Q5_K] = "q5_k", [CF_Q6_K] = "q6_k", [CF_MXFP4] = "mxfp4",
 };
 
 /* ---- tile geometry ----------------------------------------------------------------------- */
@@ -32,6 +32,7 @@ size_t cf_block_bytes(int dtype) {
     case CF_Q4_K: return 144;
     case CF_Q5_K: return 176;
     case CF_Q6_K: return 210;
+    case CF_MXFP4: return 17;
     default: return 0;
     }
 }

@@ -60,7 +60,7 @@ static inline size_t cf_chunk_qs_offset(int dtype, int g) {
 
 /* The fields of one block in a tile chunk of g rows, in chunk order (cflow.kquant.TILE_FIELDS):
  * field f of row i is the `size` bytes at chunk + g * tile + i * size, and at offset `ggml` of
- * the row's GGML block. For the 32-block formats Q5_0 / Q5_1 and the K-quants. */
+ * the row's GGML block. For the 32-block formats Q5_0 / Q5_1 / MXFP4 and the K-quants. */
 typedef struct {
     int n;
     struct {
@@ -74,12 +74,14 @@ static inline const cf_kfields *cf_tile_fields(int dtype) {
     static const cf_kfields q4_k = {4, {{0, 0, 2}, {2, 2, 2}, {4, 4, 12}, {16, 16, 128}}}; /* d dmin scales qs */
     static const cf_kfields q5_k = {5, {{0, 0, 2}, {2, 2, 2}, {4, 4, 12}, {16, 16, 32}, {48, 48, 128}}}; /* + qh */
     static const cf_kfields q6_k = {4, {{208, 0, 2}, {192, 2, 16}, {0, 18, 128}, {128, 146, 64}}}; /* d scales ql qh */
+    static const cf_kfields mxfp4 = {2, {{0, 0, 1}, {1, 1, 16}}}; /* e qs */
     switch (dtype) {
     case CF_Q5_0: return &q5_0;
     case CF_Q5_1: return &q5_1;
     case CF_Q4_K: return &q4_k;
     case CF_Q5_K: return &q5_k;
     case CF_Q6_K: return &q6_k;
+    case CF_MXFP4: return &mxfp4;
     default: return NULL;
     }
 }

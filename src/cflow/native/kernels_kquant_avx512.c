@@ -1,6 +1,6 @@
 /* kernels_kquant_avx512.c — the mat-vec (and fused gate/up) of the K-quant files' types (Q4_K,
  * Q5_K, Q6_K, and the 32-block Q5_0 / Q5_1 that llama.cpp writes at widths not a multiple of 256)
- * on 512-bit registers
+ * and of MXFP4 (gpt-oss's experts) on 512-bit registers
  * with AVX512-VNNI, for the avx512 table (kernels_avx512.c installs them: cf_kquant_avx512_install).
  *
  * Compiled with the avx512 object's flags (-mavx512f -mavx512bw -mavx512vl -mavx512vnni, no VBMI).
@@ -27,6 +27,10 @@
  *   Q5_0 / Q5_1  four rows per zmm (q5_update512); per 32-weight block of the group 2 loads,
  *         the 5th bits as byte masks (vpshufb + vptestmb) added by a masked vpaddb, 4 vpdpbusd,
  *         a 5-instruction fold, then q5_update's float operations.
+ *   MXFP4 four rows per zmm as Q5_0 (mx_update512): nibbles -> doubled E2M1 values + 12 (unsigned)
+ *         by one vpshufb against the 16-entry table, 4 vpdpbusd, the fold, minus 12 * sum(x)
+ *         of the block: kernels_kquant_avx2.inc's exact integers, then mx_update's float
+ *         operations.
  * The 8 rows' 16-dword partials are folded into one vector (lane i = row i) once per
  * super-block; then the float operations of kernels_kquant_avx2.inc's kq_finish_qd (and of
  * kernels_avx512.c's batched K-quant kernels) per row and super-block:
@@ -261,6 +265,48 @@ INLINE __m256 q5_update512(int dtype, const uint8_t *c, const cf_act_q8 *x, int 
     return _mm256_fmadd_ps(d, _mm256_fmadd_ps(fsum, bd, neg16s), acc);
 }
 
+/* ---- MXFP4 (32-weight blocks) ------------------------------------------------------------------- */
+
+/* Lane i = 2^(e_i - 128) from the 8 exponent bytes at p (kernels_kquant_avx2.inc's e8m0_half8). */
+INLINE __m256 e8m0_half8(const uint8_t *p) {
+    __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    __m256i norm = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+    __m256i sub = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+    return _mm256_castsi256_ps(_mm256_blendv_epi8(norm, sub, _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e)));
+}
+
+/* One full group's block (chunk c, g = 8: e[8]@0 qs[8][16]@8, 136 B) against activation block kb:
+ * 128-bit lane r of load h = row 4h + r, low nibbles weights 0..15, high 16..31; the same exact
+ * row sums as mx_update, folded as in q5_update512, then mx_update's float operations. */
+INLINE __m256 mx_update512(const uint8_t *c, const cf_act_q8 *x, int kb, __m256 acc) {
+    const int8_t *xk = x->qs + (size_t)kb * CF_QK;
+    const __m512i m4 = _mm512_set1_epi8(0x0f), zero = _mm512_setzero_si512();
+    static const int8_t values_u[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
+    const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)values_u)); /* values + 12 */
+    __m512i xa = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)xk));
+    __m512i xb = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(xk + 16)));
+    __m512i a[2];
+    for (int h = 0; h < 2; h++) {
+        __m512i v = _mm512_loadu_si512(c + 8 + 64 * h);
+        __m512i lo = _mm512_shuffle_epi8(table, _mm512_and_si512(v, m4));
+        __m512i hi = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(v, 4), m4));
+        a[h] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, lo, xa), hi, xb);
+    }
+    __m512i p = _mm512_add_epi32(_mm512_unpacklo_epi32(a[0], a[1]), _mm512_unpackhi_epi32(a[0], a[1]));
+    p = _mm512_add_epi32(p, _mm512_shuffle_epi32(p, _MM_SHUFFLE(1, 0, 3, 2)));
+    __m256i isum = _mm512_castsi512_si256(
+        _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0), p));
+    /* 12 * sum(x): the offset of the table's values, exact */
+    __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), _mm256_loadu_si256((const __m256i *)xk)),
+                                  _mm256_set1_epi16(1));
+    __m128i s2 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+    s2 = _mm_add_epi32(s2, _mm_shuffle_epi32(s2, 0x4e));
+    s2 = _mm_add_epi32(s2, _mm_shuffle_epi32(s2, 0xb1));
+    isum = _mm256_sub_epi32(isum, _mm256_mullo_epi32(_mm256_broadcastd_epi32(s2), _mm256_set1_epi32(12)));
+    __m256 fsum = _mm256_cvtepi32_ps(isum);
+    return _mm256_fmadd_ps(e8m0_half8(c), _mm256_mul_ps(fsum, _mm256_broadcast_ss(x->d + kb)), acc);
+}
+
 /* ---- the walk: kernels_avx2.inc's matvec_groups ------------------------------------------------ */
 
 INLINE void kq512_matvec_groups(int dtype, const cf_tiled *w, const cf_act_q8 *x, float *out, int g0, int g1) {
@@ -275,7 +321,8 @@ INLINE void kq512_matvec_groups(int dtype, const cf_tiled *w, const cf_act_q8 *x
             __m256 acc = _mm256_setzero_ps();
             for (int kb = 0; kb < sp.nkt; kb++) {
                 const uint8_t *c = p + kb * chunk;
-                if (dtype == CF_Q6_K) acc = q6k_update(c, x, sp.kb0 + kb, acc);
+                if (dtype == CF_MXFP4) acc = mx_update512(c, x, sp.kb0 + kb, acc);
+                else if (dtype == CF_Q6_K) acc = q6k_update(c, x, sp.kb0 + kb, acc);
                 else if (dtype == CF_Q4_K || dtype == CF_Q5_K) acc = q45k_update(dtype, c, x, sp.kb0 + kb, acc);
                 else acc = q5_update512(dtype, c, x, sp.kb0 + kb, acc);
             }
@@ -305,6 +352,10 @@ static void matvec_q6_k_avx512(const cf_tiled *w, const cf_act_q8 *x, float *y, 
     kq512_matvec_groups(CF_Q6_K, w, x, y + (size_t)g0 * CF_G, g0, g1);
 }
 
+static void matvec_mxfp4_avx512(const cf_tiled *w, const cf_act_q8 *x, float *y, int g0, int g1) {
+    kq512_matvec_groups(CF_MXFP4, w, x, y + (size_t)g0 * CF_G, g0, g1);
+}
+
 /* ---- fused gate+up+SiLU: kernels_avx2.inc's gate_up over this mat-vec --------------------------- */
 
 /* exp_ps / silu_ps: simd_silu.h (one definition, the same bits everywhere). */
@@ -331,6 +382,10 @@ static void gate_up_q6_k_avx512(const cf_tiled *w, const cf_act_q8 *x, float *y,
     kq512_gate_up(CF_Q6_K, w, x, y, p0, p1);
 }
 
+static void gate_up_mxfp4_avx512(const cf_tiled *w, const cf_act_q8 *x, float *y, int p0, int p1) {
+    kq512_gate_up(CF_MXFP4, w, x, y, p0, p1);
+}
+
 /* Called by kernels_avx512.c's table_init on its copy of the AVX2-family table: every other
  * entry (Q4_0 / Q4_1 / Q8_0 mat-vec, the batched kernels) stays as it is. */
 void cf_kquant_avx512_install(cf_kernel_table *t) {
@@ -344,4 +399,6 @@ void cf_kquant_avx512_install(cf_kernel_table *t) {
     t->gate_up[CF_Q4_K] = gate_up_q4_k_avx512;
     t->gate_up[CF_Q5_K] = gate_up_q5_k_avx512;
     t->gate_up[CF_Q6_K] = gate_up_q6_k_avx512;
+    t->matvec[CF_MXFP4] = matvec_mxfp4_avx512;
+    t->gate_up[CF_MXFP4] = gate_up_mxfp4_avx512;
 }

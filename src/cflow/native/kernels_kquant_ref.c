@@ -1,5 +1,6 @@
-/* kernels_kquant_ref.c — the scalar reference of the K-quant formats (Q4_K, Q5_K, Q6_K) and of
- * the 32-block formats llama.cpp writes beside them (Q5_0, Q5_1): the 256-block activation
+/* kernels_kquant_ref.c — the scalar reference of the K-quant formats (Q4_K, Q5_K, Q6_K), of
+ * the 32-block formats llama.cpp writes beside them (Q5_0, Q5_1) and of MXFP4 (gpt-oss's experts:
+ * an E8M0 exponent byte and 32 E2M1 nibbles, cf_mxfp4_values): the 256-block activation
  * quantizer, one row's dot product with one block, and one block dequantized. kernels_ref.c
  * walks the tiles and calls these for the new dtypes; the ISA files fall back to them.
  *
@@ -41,6 +42,19 @@ void cf_quantize_act_k_ref(const float *x, cf_act_q8 *out) {
 
 /* ---- one block --------------------------------------------------------------------------- */
 
+/* MXFP4's E2M1 values doubled (0, .5, 1, 1.5, 2, 3, 4, 6, negatives; nibble 8 is -0), so the
+ * kernels dot integers; the scale is halved to match (cf_e8m0_half). cflow.kquant.MXFP4_VALUES. */
+const int8_t cf_mxfp4_values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+float cf_e8m0_half(uint8_t e) {
+    /* 2^(e - 128): the float with exponent field e - 1, or for e < 2 the subnormal 2^-128 / 2^-127
+     * (ggml's GGML_E8M0_TO_FP32_HALF; no NaN for 255) */
+    uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
 void cf_kq_gather(int dtype, const uint8_t *chunk, int g, int i, uint8_t *blk) {
     const cf_kfields *fs = cf_tile_fields(dtype);
     for (int f = 0; f < fs->n; f++)
@@ -56,6 +70,12 @@ static float half_at(const uint8_t *p) {
 /* The unsigned quants of a GGML block in weight order (cflow.kquant.unpack_q). */
 static void unpack_q(int dtype, const uint8_t *b, uint8_t *q) {
     switch (dtype) {
+    case CF_MXFP4: /* the nibbles' indices into cf_mxfp4_values, Q4_0's order */
+        for (int j = 0; j < 16; j++) {
+            q[j] = b[1 + j] & 15;
+            q[j + 16] = b[1 + j] >> 4;
+        }
+        break;
     case CF_Q5_0:
     case CF_Q5_1: {
         const uint8_t *qh = b + (dtype == CF_Q5_0 ? 2 : 4), *qs = qh + 4;
@@ -96,6 +116,12 @@ static void unpack_q(int dtype, const uint8_t *b, uint8_t *q) {
 float cf_kq_block_dot(int dtype, const uint8_t *b, const cf_act_q8 *x, int kb) {
     uint8_t q[CF_QK_K];
     unpack_q(dtype, b, q);
+    if (dtype == CF_MXFP4) { /* no offset: the values are signed; one scale per block */
+        const int8_t *xq = x->qs + (size_t)kb * CF_QK;
+        int isum = 0;
+        for (int j = 0; j < CF_QK; j++) isum += cf_mxfp4_values[q[j]] * xq[j];
+        return cf_e8m0_half(b[0]) * (x->d[kb] * (float)isum);
+    }
     float d = half_at(b + (dtype == CF_Q6_K ? 208 : 0));
     if (dtype == CF_Q5_0 || dtype == CF_Q5_1) { /* as Q4_0 / Q4_1: the offset through s */
         const int8_t *xq = x->qs + (size_t)kb * CF_QK;
@@ -134,6 +160,11 @@ float cf_kq_block_dot(int dtype, const uint8_t *b, const cf_act_q8 *x, int kb) {
 void cf_kq_dequant_block(int dtype, const uint8_t *b, float *out) {
     uint8_t q[CF_QK_K];
     unpack_q(dtype, b, q);
+    if (dtype == CF_MXFP4) {
+        float d = cf_e8m0_half(b[0]);
+        for (int j = 0; j < CF_QK; j++) out[j] = d * (float)cf_mxfp4_values[q[j]];
+        return;
+    }
     float d = half_at(b + (dtype == CF_Q6_K ? 208 : 0));
     switch (dtype) {
     case CF_Q5_0:

@@ -172,6 +172,15 @@ static void geglu_ref(float *h, const float *gu, int n_pairs) {
         }
 }
 
+static void swiglu_oai_ref(float *h, const float *gu, int n_pairs, float alpha, float limit) {
+    for (int p = 0; p < n_pairs; p++)
+        for (int j = 0; j < CF_G; j++) {
+            float x = fminf(gu[2 * p * CF_G + j], limit);
+            float y = fmaxf(fminf(gu[(2 * p + 1) * CF_G + j], limit), -limit);
+            h[p * CF_G + j] = x / (1.0f + expf(-alpha * x)) * (y + 1.0f);
+        }
+}
+
 static void softmax_ref(float *x, int n) {
     float mx = x[0];
     for (int i = 1; i < n; i++) mx = fmaxf(mx, x[i]);
@@ -332,7 +341,7 @@ void cf_topk(const float *x, int n, int k, int *idx, float *val) {
 /* Every quantized dtype runs through the same walk (chunk_row_dot picks the block format). */
 #define CF_ALL_QDTYPES(FN)                                                                     \
     {[CF_Q4_0] = FN, [CF_Q4_1] = FN, [CF_Q5_0] = FN, [CF_Q5_1] = FN, [CF_Q8_0] = FN,            \
-     [CF_Q4_K] = FN, [CF_Q5_K] = FN, [CF_Q6_K] = FN}
+     [CF_Q4_K] = FN, [CF_Q5_K] = FN, [CF_Q6_K] = FN, [CF_MXFP4] = FN}
 
 static const cf_kernel_table TABLE_REF = {
     .name = "ref",
@@ -355,6 +364,7 @@ static const cf_kernel_table TABLE_REF = {
     .attention_block_q8kv = cf_attention_block_q8kv_ref,
     .f32_to_q8_0 = f32_to_q8_0_ref,
     .geglu = geglu_ref,
+    .swiglu_oai = swiglu_oai_ref,
 };
 
 const cf_kernel_table *cf_kernels_ref(void) { return &TABLE_REF; }

@@ -20,12 +20,14 @@ void cf_attention_q8kv_ref(float *out, const float *q, const void *k, const void
 void cf_attention_block_q8kv_ref(float *out, const float *q, const void *k, const void *v, int k_type,
                                  int v_type, float *att, const cf_attn_block_shape *s, int h0, int h1);
 
-/* kernels_kquant_ref.c: the Q5_0 / Q5_1 / K-quant blocks, one row and one block at a time. */
+/* kernels_kquant_ref.c: the Q5_0 / Q5_1 / MXFP4 / K-quant blocks, one row and one block at a time. */
+extern const int8_t cf_mxfp4_values[16]; /* MXFP4's E2M1 values doubled, by nibble */
+float cf_e8m0_half(uint8_t e);           /* half an E8M0 scale, 2^(e - 128), as ggml decodes it */
 #define CF_KBLOCK_MAX 210 /* bytes of the largest block (Q6_K) */
 void cf_quantize_act_k_ref(const float *x, cf_act_q8 *out);
 /* Row i's block out of a chunk of g rows (cf_tile_fields), back in GGML byte order. */
 void cf_kq_gather(int dtype, const uint8_t *chunk, int g, int i, uint8_t *blk);
-/* One GGML block (block column kb) times the activation: Q5_0 / Q5_1 read x's 32-block fields,
+/* One GGML block (block column kb) times the activation: Q5_0 / Q5_1 / MXFP4 read x's 32-block fields,
  * the K-quants its 256-block fields (cflow.h). */
 float cf_kq_block_dot(int dtype, const uint8_t *blk, const cf_act_q8 *x, int kb);
 /* One GGML block to fp32, bit for bit cflow.kquant.dequantize_k. */
