@@ -50,7 +50,9 @@ def rng_for(*key) -> np.random.Generator:
 
 def matrix(dtype, rows, cols, tile):
     """Q4_0 / Q4_1 / Q8_0 quantized from random floats; the K-family as random bytes with finite
-    fp16 scales (every bit pattern; tests/test_kquant.py's random_blocks, without its gguf need)."""
+    fp16 scales (every bit pattern; tests/test_kquant.py's random_blocks, without its gguf need);
+    MXFP4 as random nibbles with E8M0 exponents near 2^0 (a random exponent byte reaches 2^127,
+    whose sums overflow to inf and NaN, and NaN never compares equal)."""
     rng = rng_for(dtype, rows, cols, tile)
     if dtype in QDTYPES:
         return Q.quantize_tiled(rng.standard_normal((rows, cols), dtype=np.float32), dtype, tile)
@@ -62,6 +64,8 @@ def matrix(dtype, rows, cols, tile):
             o = fields[name][0]
             v = (rng.standard_normal((rows, cols // qb)) * 0.01).astype(np.float16)
             b[..., o:o + 2] = v[..., None].view(np.uint8).reshape(rows, cols // qb, 2)
+    if "e" in fields:  # MXFP4's scale byte: 2^(e - 128)
+        b[..., fields["e"][0]] = rng.integers(118, 131, (rows, cols // qb), dtype=np.uint8)
     return K.tile_kquant(b.reshape(rows, -1), dtype, rows, cols, tile)
 
 
