@@ -46,6 +46,7 @@ using RoutePreds = nb::ndarray<int32_t, nb::ndim<4>, nb::c_contig, nb::device::c
 cf_config config_from(const nb::dict &d) {
     auto i = [&](const char *k) { return nb::cast<int>(d[k]); };
     auto f = [&](const char *k) { return nb::cast<float>(d[k]); };
+    auto b = [&](const char *k) { return nb::cast<bool>(d[k]) ? 1 : 0; };
     cf_config c{};
     c.vocab = i("vocab_size");
     c.d = i("d_model");
@@ -58,14 +59,14 @@ cf_config config_from(const nb::dict &d) {
     c.top_k = i("top_k");
     c.d_exp = i("d_expert");
     c.n_unique = i("n_unique_layers");
-    c.tie_embeddings = nb::cast<bool>(d["tie_embeddings"]) ? 1 : 0;
+    c.tie_embeddings = b("tie_embeddings");
     c.rope_theta = f("rope_theta");
     c.norm_eps = f("norm_eps");
-    c.qkv_bias = nb::cast<bool>(d["qkv_bias"]) ? 1 : 0;
-    c.qk_norm = nb::cast<bool>(d["qk_norm"]) ? 1 : 0;
+    c.qkv_bias = b("qkv_bias");
+    c.qk_norm = b("qk_norm");
     c.sliding_window = i("sliding_window");
-    c.qk_norm_full = nb::cast<bool>(d["qk_norm_full"]) ? 1 : 0;
-    c.moe_norm_topk = nb::cast<bool>(d["moe_norm_topk"]) ? 1 : 0;
+    c.qk_norm_full = b("qk_norm_full");
+    c.moe_norm_topk = b("moe_norm_topk");
     c.d_shexp = i("d_shared_expert");
     nb::sequence factors = nb::cast<nb::sequence>(d["rope_freq_factors"]);
     size_t nf = nb::len(factors);
@@ -78,7 +79,7 @@ cf_config config_from(const nb::dict &d) {
     c.rope_theta_local = f("rope_theta_local");
     c.attn_scale = f("attn_scale");
     c.embed_scale = f("embed_scale");
-    c.post_norms = nb::cast<bool>(d["post_norms"]) ? 1 : 0;
+    c.post_norms = b("post_norms");
     std::string act = nb::cast<std::string>(d["ffn_act"]);
     if (act != "silu" && act != "gelu_tanh")
         throw nb::value_error("ffn_act: the engine runs \"silu\" and \"gelu_tanh\"");
