@@ -15,44 +15,27 @@ results carry `process_rounds`: the rule as revised on 2026-12-05), each process
 per-round ratio, then their geometric mean, so that every load order weighs alike.
 """
 import json
-import math
 import statistics
 import sys
 from pathlib import Path
 
-BLOCKS: list[int] | None = None  # rounds per process of the file being judged (None: one process)
-
-
-def per_process(per_round: list[float]) -> list[float]:
-    """Each process's median of a per-round series (one process: the one median)."""
-    blocks = BLOCKS or [len(per_round)]
-    meds, lo = [], 0
-    for n in blocks:
-        meds.append(statistics.median(per_round[lo:lo + n]))
-        lo += n
-    return meds
-
-
-def combine(per_round: list[float]) -> float:
-    meds = per_process(per_round)
-    return math.exp(sum(math.log(v) for v in meds) / len(meds))
-
-
-def med_ratio(a, b):  # tok/s of b's engine over a's: a_ms / b_ms per round
-    return combine([x / y for x, y in zip(a, b)])
+from expert_io_ab import balanced, latin
 
 
 def verdicts(path, same_routing):
-    global BLOCKS
     res = json.load(open(path))
-    BLOCKS = res[0].get("process_rounds")
+    blocks = res[0].get("process_rounds")  # rounds per process (None: one process)
+
+    def med_ratio(a, b):  # tok/s of b's engine over a's: a_ms / b_ms per round, the rule's statistic
+        return latin(a, b, blocks or [len(a)])
+
     names = [r["model"].rsplit(" as ", 1)[-1] if " as " in r["model"] else Path(r["model"]).stem.replace("-s", "")
              for r in res]
     names[1] = names[1] + " (A/A)"
     modes = list(res[0]["modes"])
     ms = {(names[i], m): res[i]["modes"][m]["samples_ms"] for i in range(len(res)) for m in modes}
     base = names[0]
-    out = {"file": path, "budget": res[0]["budget"], "rounds": res[0]["rounds"], "process_rounds": BLOCKS}
+    out = {"file": path, "budget": res[0]["budget"], "rounds": res[0]["rounds"], "process_rounds": blocks}
     aa = {m: med_ratio(ms[base, m], ms[names[1], m]) for m in modes}
     out["aa"] = aa
     valid = all(0.95 <= v <= 1.05 for v in aa.values())
@@ -79,11 +62,7 @@ def verdicts(path, same_routing):
     # gate: async:16 / async:16:opennext per round, pooled over arch1, arch4, a24 (not the A/A copy)
     if "async:16:opennext" in modes:  # per process: the median over its rounds of all three presets
         series = {n: [o / g for g, o in zip(ms[n, "async:16"], ms[n, "async:16:opennext"])] for n in [base] + names[2:]}
-        blocks, meds, lo = BLOCKS or [len(ms[base, "sync"])], [], 0
-        for k in blocks:
-            meds.append(statistics.median([v for s_ in series.values() for v in s_[lo:lo + k]]))
-            lo += k
-        out["gate_ratio"] = math.exp(sum(math.log(v) for v in meds) / len(meds))
+        out["gate_ratio"] = balanced(list(series.values()), blocks or [len(ms[base, "sync"])])
         out["gate_ships"] = out["gate_ratio"] >= 1.0
         out["gate_per_preset"] = {n: med_ratio(ms[n, "async:16:opennext"], ms[n, "async:16"]) for n in [base] + names[2:]}
     return out

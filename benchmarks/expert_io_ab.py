@@ -211,13 +211,19 @@ def ratio(num: list[float], den: list[float]) -> list[float]:
     return [statistics.median(per), min(per), max(per)]
 
 
-def latin(num: list[float], den: list[float], blocks: list[int]) -> float:
-    """The geometric mean over processes (blocks of rounds) of each process's median per-round ratio."""
+def balanced(series: list[list[float]], blocks: list[int]) -> float:
+    """The geometric mean over processes (blocks of rounds) of each process's median, the median of
+    that process's rounds of every series pooled."""
     meds, lo = [], 0
     for n in blocks:
-        meds.append(statistics.median(a / b for a, b in zip(num[lo:lo + n], den[lo:lo + n])))
+        meds.append(statistics.median(v for s in series for v in s[lo:lo + n]))
         lo += n
     return math.exp(sum(math.log(v) for v in meds) / len(meds))
+
+
+def latin(num: list[float], den: list[float], blocks: list[int]) -> float:
+    """The geometric mean over processes of each process's median per-round ratio num / den."""
+    return balanced([[a / b for a, b in zip(num, den)]], blocks)
 
 
 def pool(runs: list[list[dict]]) -> list[dict]:
