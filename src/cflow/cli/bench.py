@@ -6,7 +6,8 @@ import argparse
 import sys
 
 from cflow.cli.common import (UsageError, add_cache_flags, add_command, add_expert_flags, add_speculative_flags,
-                              add_verify_flag, check_speculative, engine_options, load_error, write_text)
+                              add_verify_flag, check_speculative, engine_options, load_error, read_flag_file,
+                              write_text)
 from cflow.fsutil import check_writable
 
 
@@ -170,15 +171,6 @@ def run_claims(args: argparse.Namespace) -> int:
     return 0
 
 
-def _read_prompt(text: str) -> str:
-    if not text.startswith("@"):
-        return text
-    try:
-        return open(text[1:], encoding="utf-8").read()
-    except (OSError, UnicodeDecodeError) as e:
-        raise UsageError(f"cannot read the prompt file {text[1:]!r}: {e}", flag="--spec-prompt") from None
-
-
 def _options(args: argparse.Namespace):
     """The engine options of the model flags. -t here is a list of counts the suite loads the
     model with one at a time, and the suite sizes the context to its tests: neither is an option."""
@@ -209,7 +201,9 @@ def run(args: argparse.Namespace) -> int:
     if args.spec_prompt is not None and spec is None:
         raise UsageError("--spec-prompt is the speculative test's prompt: add --spec ngram|draft|mtp",
                          flag="--spec-prompt")
-    spec_prompt = _read_prompt(args.spec_prompt) if args.spec_prompt is not None else None
+    spec_prompt = args.spec_prompt
+    if spec_prompt is not None and spec_prompt.startswith("@"):
+        spec_prompt = read_flag_file(spec_prompt[1:], "--spec-prompt")
     if args.out:
         check_writable(args.out, file=True)  # before minutes of measuring, not after
     if args.trace:

@@ -446,7 +446,8 @@ def add_constraint_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--regex", default=None, metavar="PATTERN", help="a regular expression the whole output matches")
 
 
-def _read_constraint_file(path: str, flag: str) -> str:
+def read_flag_file(path: str, flag: str) -> str:
+    """A UTF-8 file a flag names; UsageError naming the flag when it cannot be read."""
     try:
         return Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
@@ -460,17 +461,17 @@ def constraint_from_flags(args: argparse.Namespace):
     given = []
     if args.json_schema is not None:
         v = args.json_schema
-        text = v if v.lstrip().startswith("{") else _read_constraint_file(v, "--json-schema")
+        text = v if v.lstrip().startswith("{") else read_flag_file(v, "--json-schema")
         given.append(("--json-schema", "json_schema", text))
     if args.json_schema_file is not None:
-        given.append(("--json-schema-file", "json_schema", _read_constraint_file(args.json_schema_file,
+        given.append(("--json-schema-file", "json_schema", read_flag_file(args.json_schema_file,
                                                                                   "--json-schema-file")))
     if args.grammar is not None:
         v = args.grammar
-        text = _read_constraint_file(v, "--grammar") if "\n" not in v and Path(v).is_file() else v
+        text = read_flag_file(v, "--grammar") if "\n" not in v and Path(v).is_file() else v
         given.append(("--grammar", "grammar", text))
     if args.grammar_file is not None:
-        given.append(("--grammar-file", "grammar", _read_constraint_file(args.grammar_file, "--grammar-file")))
+        given.append(("--grammar-file", "grammar", read_flag_file(args.grammar_file, "--grammar-file")))
     if args.regex is not None:
         given.append(("--regex", "regex", args.regex))
     if not given:
