@@ -4,21 +4,16 @@ asked (geometry, type, reproducible bit for bit) and runs; bad geometry is refus
 from __future__ import annotations
 
 import hashlib
-import importlib.util
-from pathlib import Path
 
 import pytest
+from bench_scripts import load_benchmark
 
 pytest.importorskip("gguf")
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "make_dense.py"
 SMALL = ["--layers", "2", "--d-model", "256", "--d-ff", "320", "--heads", "4", "--kv-heads", "2", "--vocab", "300"]
 
 
 def make_dense():
-    spec = importlib.util.spec_from_file_location("make_dense", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("make_dense")
 
 
 @pytest.mark.parametrize("quant", ["q4_0", "q8_0"])

@@ -5,22 +5,17 @@ it; bad geometry is refused by flag."""
 from __future__ import annotations
 
 import hashlib
-import importlib.util
-from pathlib import Path
 
 import pytest
+from bench_scripts import load_benchmark
 
 pytest.importorskip("gguf")
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "make_gemma3.py"
 SMALL = ["--layers", "7", "--d-model", "256", "--d-ff", "320", "--heads", "4", "--kv-heads", "1", "--head-dim", "96",
          "--vocab", "300", "--window", "8"]
 
 
 def make_gemma3():
-    spec = importlib.util.spec_from_file_location("make_gemma3", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("make_gemma3")
 
 
 def test_writes_the_geometry_and_runs(tmp_path):

@@ -5,23 +5,18 @@ runs, and llama.cpp loads it."""
 from __future__ import annotations
 
 import hashlib
-import importlib.util
-from pathlib import Path
 
 import numpy as np
 import pytest
+from bench_scripts import load_benchmark
 
 pytest.importorskip("gguf")
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "make_mistral3.py"
 SMALL = ["--layers", "2", "--d-model", "256", "--d-ff", "320", "--heads", "4", "--kv-heads", "2", "--head-dim", "96",
          "--vocab", "300"]
 
 
 def make_mistral3():
-    spec = importlib.util.spec_from_file_location("make_mistral3", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("make_mistral3")
 
 
 def test_writes_the_geometry_and_runs(tmp_path):

@@ -4,8 +4,6 @@ reuse and load are shares."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,19 +12,10 @@ torch = pytest.importorskip("torch")
 
 from cflow.config import ModelConfig  # noqa: E402
 from cflow.model import Transformer  # noqa: E402
+from bench_scripts import load_benchmark  # noqa: E402
 
 
-def _load_by_path(name: str):
-    """benchmarks/NAME.py as a module, without putting benchmarks/ on sys.path: there its
-    kernels.py would shadow the `kernels` package that transformers imports when it finds one."""
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"benchmarks_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-routing_stats = _load_by_path("routing_stats")
+routing_stats = load_benchmark("routing_stats")
 
 TINY = dict(vocab_size=67, d_model=48, n_heads=4, n_kv_heads=2, max_seq_len=40, n_layers=5, d_ff=40,
             n_experts=6, top_k=2, d_expert=24)
