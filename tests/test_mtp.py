@@ -229,6 +229,72 @@ def test_sampled_mtp_speculation_runs_and_reproduces(runs):
     eng.close()
 
 
+def test_server_speculates_with_the_heads(runs, monkeypatch):
+    """cflow serve's generator (cflow.serve.speculate): jobs with speculative="mtp" beside a plain
+    one, at once: greedy jobs give plain greedy's tokens, seeded sampled ones draw exactly what
+    Engine.complete(speculative="mtp") draws with the same counts, and every proposal was made
+    from the hidden state of the row whose logits chose that job's newest token (spoiled
+    proposals make rounds end on rejections too, as in the single-sequence test above)."""
+    from cflow.serve.batch import BatchGenerator, Failed
+    from cflow.sampling import SamplingParams
+
+    from test_serve_batch import run_job_events
+
+    path = runs["mtp"][1]
+    spec = Speculative("mtp", min_acceptance=0)
+    sample = dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05)
+    texts = ["Once upon a time there was a little girl named Lily.", "Lily saw a", "The dog ran to the park and"]
+    with Engine.load(path, threads=1) as eng:
+        ids = [eng.encode(t) for t in texts]
+        greedy = [eng.complete(i, 32, temperature=0, ignore_eos=True).tokens for i in ids]
+        sampled = [eng.complete(i, 24, seed=3 + k, ignore_eos=True, speculative=spec, **sample)
+                   for k, i in enumerate(ids)]
+    seen: list[tuple[list[int], np.ndarray]] = []
+    propose = sp.MtpProposer.propose
+
+    def spy(self, history, k, rng):
+        if self.h is not None:
+            seen.append((list(history), self.h.copy()))
+        out, qs = propose(self, history, k, rng)
+        if len(out) == 2 and len(seen) % 3 == 0 and not self.sampler.params.temperature:
+            out[-1] = (out[-1] + 1) % self.heads.out.shape[0]
+        return out, qs
+
+    monkeypatch.setattr(sp.MtpProposer, "propose", spy)
+    with BatchGenerator.load(path, parallel=3, threads=1, n_ctx=128) as gen:
+        jobs = [(i, dict(max_tokens=32, ignore_eos=True, params=SamplingParams(temperature=0),
+                         speculative=spec if k != 1 else None)) for k, i in enumerate(ids)]
+        pieces, ends = run_job_events(gen, jobs)
+        assert not any(isinstance(e, Failed) for e in ends), ends
+        for k, (ps, end) in enumerate(zip(pieces, ends)):
+            assert [x.token for x in ps] == greedy[k], k
+            assert (end.drafted > 0) == (k != 1)
+        assert 0 < sum(e.accepted for e in ends) < sum(e.drafted for e in ends)
+        outputs = [i + [x.token for x in ps] for i, ps in zip(ids, pieces)]
+        jobs = [(i, dict(max_tokens=24, ignore_eos=True, speculative=spec, params=SamplingParams(**sample, seed=3 + k)))
+                for k, i in enumerate(ids)]
+        pieces, ends = run_job_events(gen, jobs)
+        for ps, end, ref in zip(pieces, ends, sampled):
+            assert [x.token for x in ps] == ref.tokens
+            assert (end.drafted, end.accepted) == (ref.timings.drafted, ref.timings.accepted)
+    # the greedy jobs' proposals: the state of position len(history) - 2 of that job's text
+    ref = Engine.load(path, threads=1)
+    ref.keep_hidden = True
+    states = []
+    for text in outputs:
+        st = []
+        for p, tok in enumerate(text):
+            ref.step(tok, p)
+            st.append(ref.hidden()[0].copy())
+        states.append(st)
+    ref.close()
+    greedy_seen = [(h, x) for h, x in seen if any(o[:len(h)] == h for o in outputs)]
+    assert len(greedy_seen) > 10
+    for history, h in greedy_seen:
+        j = next(j for j, o in enumerate(outputs) if o[:len(history)] == history)
+        assert np.array_equal(h, states[j][len(history) - 2]), "a proposal used another row's state"
+
+
 def test_mtp_without_heads_is_a_named_error(runs):
     eng = Engine.load(runs["plain"][1], threads=1)
     with pytest.raises(NoMtpHeadsError, match="cflow train --mtp"):

@@ -16,7 +16,15 @@
   job draws exactly what Engine.complete with the same speculative settings draws;
 - through a live `cflow serve --spec ngram`: its answers equal a plain server's, the request
   field turns speculation on and off, bad values get 400 naming the field, /metrics counts the
-  proposed and accepted tokens; the server refuses a draft model and mtp.
+  proposed and accepted tokens; "draft" without a draft model and "mtp" without heads get 400;
+- a draft model (random target, a noisy copy as draft): several jobs at once, greedy ones give
+  plain greedy's tokens and seeded sampled ones exactly what Engine.complete with the same draft
+  draws (same proposal counts), at 1 and 2 threads; the draft's calls serve all drafting jobs
+  together; a failing draft ends only its jobs; the draft's slots follow the accepted text;
+  through a live `cflow serve --model-draft`: answers equal the plain server's, metrics count;
+- what a generator or `cflow serve` cannot run is refused by name (no draft model, no heads, a
+  draft of another vocabulary, the reference backend for heads), the CLI before listening.
+(The heads in the server: tests/test_mtp.py.)
 """
 
 from __future__ import annotations
@@ -252,16 +260,111 @@ def test_sampling_has_the_target_distribution(model, request, monkeypatch):
         assert stat > 3 * crit, (stat, crit)
 
 
+# ---- a draft model ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def draft_pair(tmp_path_factory):
+    """test_speculative's random target and a draft that agrees with it often (its weights with
+    noise on the final norm), and a draft with another vocabulary."""
+    from test_speculative import _write
+
+    d = tmp_path_factory.mktemp("spec-serve-draft")
+    return (_write(d / "target.cflow", 0, max_seq_len=512), _write(d / "draft.cflow", 0, noise=0.1, max_seq_len=512),
+            _write(d / "other.cflow", 2, vocab_size=320, max_seq_len=512))
+
+
+DRAFT_PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 5, 6, 7], [40, 41, 42], list(range(60, 110)), [5, 6, 7, 8]]
+
+
+def check_draft_slots(gen) -> None:
+    """The draft's record of each slot is the draft engine's own, and a prefix of some text the
+    target's slot holds or held (the draft follows the accepted text)."""
+    dr = gen.speculation.draft
+    for slot in range(gen.n_slots):
+        assert dr.held[slot] == dr.engine.cached(slot), slot
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_draft_model_greedy_and_seeded_jobs_equal_engine_complete(draft_pair, threads):
+    """Several jobs at once through a draft model, some plain: greedy jobs give plain greedy's
+    tokens; seeded sampled jobs (penalties included) draw exactly what Engine.complete with the
+    same draft model and seed draws, with the same proposal counts; the draft's slots follow."""
+    from test_speculative import SAMPLE_PARAMS
+
+    target, draft, _ = draft_pair
+    spec = Speculative(draft=draft, min_acceptance=0)  # the path stands for the generator's draft model
+    with Engine.load(target, threads=1) as eng, Engine.load(draft, threads=1) as d:
+        ref_spec = Speculative(draft=d, min_acceptance=0)
+        greedy = [eng.complete(p, 40, temperature=0, ignore_eos=True).tokens for p in DRAFT_PROMPTS]
+        sampled = [eng.complete(p, 30, seed=7 + i, ignore_eos=True, speculative=ref_spec, **SAMPLE_PARAMS)
+                   for i, p in enumerate(DRAFT_PROMPTS)]
+    with BatchGenerator.load(target, parallel=4, threads=threads, n_ctx=512, model_draft=draft) as gen:
+        jobs = [(p, dict(max_tokens=40, ignore_eos=True, params=SamplingParams(temperature=0),
+                         speculative=spec if i != 1 else None)) for i, p in enumerate(DRAFT_PROMPTS)]
+        pieces, ends = run_jobs(gen, jobs)
+        for i, (ps, end) in enumerate(zip(pieces, ends)):
+            assert [x.token for x in ps] == greedy[i], i
+            assert (end.drafted > 0) == (i != 1)
+        assert sum(e.accepted for e in ends) > 20
+        check_draft_slots(gen)
+        jobs = [(p, dict(max_tokens=30, ignore_eos=True, speculative=spec,
+                         params=SamplingParams(**SAMPLE_PARAMS, seed=7 + i))) for i, p in enumerate(DRAFT_PROMPTS)]
+        pieces, ends = run_jobs(gen, jobs)
+        for ps, end, ref in zip(pieces, ends, sampled):
+            assert [x.token for x in ps] == ref.tokens
+            assert (end.drafted, end.accepted) == (ref.timings.drafted, ref.timings.accepted)
+        assert sum(e.drafted for e in ends) > sum(e.accepted for e in ends) > 0  # kept and rejected both
+        check_draft_slots(gen)
+
+
+def test_draft_model_batches_its_calls_and_a_failure_ends_only_its_jobs(draft_pair):
+    """The draft runs one catch-up call and then one call per further proposal for all drafting
+    jobs together (not one per job); a draft call that fails ends the drafting jobs with its error
+    and the others go on."""
+    target, draft, _ = draft_pair
+    with BatchGenerator.load(target, parallel=3, threads=1, n_ctx=512, model_draft=draft) as gen:
+        backend = gen.speculation.draft.backend
+        inner = backend.step_rows
+        calls: list[list[int]] = []
+        backend.step_rows = lambda s, t, p, w: calls.append(list(s)) or inner(s, t, p, w)
+        jobs = [(p, dict(max_tokens=12, ignore_eos=True, params=SamplingParams(temperature=0),
+                         speculative=Speculative("draft", draft=draft, draft_max=3, adaptive=False,
+                                                 min_acceptance=0))) for p in DRAFT_PROMPTS[:3]]
+        run_jobs(gen, jobs)
+        assert any(len(set(c)) == 3 for c in calls), "the three jobs' draft rows never shared a call"
+
+        def broken(s, t, p, w):
+            raise RuntimeError("draft exploded")
+
+        backend.step_rows = broken
+        pieces, ends = run_job_events(gen, [(DRAFT_PROMPTS[0], dict(max_tokens=8, speculative="draft")),
+                                            (DRAFT_PROMPTS[1], dict(max_tokens=8))], timeout=60)
+        assert isinstance(ends[0], Failed) and "draft exploded" in str(ends[0].error)
+        assert not isinstance(ends[1], Failed) and ends[1].completion_tokens == 8
+
+
 # ---- settings ------------------------------------------------------------------------------------
-def test_submit_refuses_what_the_server_cannot_run(random_model):
+def test_submit_refuses_what_the_generator_cannot_run(random_model, draft_pair):
+    from cflow.runtime.mtp import NoMtpHeadsError
+    from cflow.runtime.speculative import DraftVocabularyError
+
+    sink = lambda ev: None  # noqa: E731
     with BatchGenerator.load(random_model, parallel=1, threads=1) as gen:
-        sink = lambda ev: None  # noqa: E731
-        for bad in ("mtp", "draft", Speculative("mtp"), "fast", 3):
-            with pytest.raises(SpeculativeError, match="n-gram lookup only|ngram"):
+        for bad in ("draft", Speculative("draft", draft="x.gguf")):
+            with pytest.raises(SpeculativeError, match="no draft model.*--model-draft"):
                 gen.submit([1, 2, 3], sink, speculative=bad)
-        with Engine.load(random_model, threads=1) as draft:
-            with pytest.raises(SpeculativeError, match="single-sequence"):
-                gen.submit([1, 2, 3], sink, speculative=Speculative(draft=draft))
+        for bad in ("mtp", Speculative("mtp")):
+            with pytest.raises(NoMtpHeadsError, match="cflow train --mtp"):
+                gen.submit([1, 2, 3], sink, speculative=bad)
+        for bad in ("fast", 3):
+            with pytest.raises(SpeculativeError, match="ngram"):
+                gen.submit([1, 2, 3], sink, speculative=bad)
+    target, _, other = draft_pair
+    with pytest.raises(DraftVocabularyError, match="vocabulary"):
+        BatchGenerator.load(target, parallel=1, threads=1, model_draft=other)
+    # the reference backend has no hidden states for the heads
+    with BatchGenerator(EngineSlots.load(target, n_slots=1, threads=1)) as gen:
+        with pytest.raises(SpeculativeError, match="batched backend"):
+            gen.submit([1, 2, 3], sink, speculative="mtp")
 
 
 def test_request_field_parses():
@@ -276,7 +379,14 @@ def test_request_field_parses():
     assert parse_completion({**body, "speculative": True}, on).speculative == on.speculative
     got = parse_chat({"messages": [{"role": "user", "content": "x"}], "speculative": {"n_max": 3, "n_min": 2}}, on)
     assert got.speculative == Speculative("ngram", draft_max=3, draft_min=2)
-    for bad in ("draft", "mtp", "yes", 3, [], {"n_max": 0}, {"n_max": 100}, {"n_max": "4"}, {"p_min": 0.5},
+    # "draft" and "mtp" go to the generator by name, or as the server's default when it is that proposer
+    assert parse_completion({**body, "speculative": "draft"}, on).speculative == "draft"
+    assert parse_completion({**body, "speculative": "mtp"}, d).speculative == "mtp"
+    drafting = Defaults(speculative=Speculative("draft", draft="small.gguf", draft_max=5))
+    assert parse_completion({**body, "speculative": "draft"}, drafting).speculative == drafting.speculative
+    assert parse_completion({**body, "speculative": {"n_max": 2}}, drafting).speculative == \
+        Speculative("draft", draft="small.gguf", draft_max=2)
+    for bad in ("yes", "Draft", 3, [], {"n_max": 0}, {"n_max": 100}, {"n_max": "4"}, {"p_min": 0.5},
                 {"n_max": 2, "n_min": 3}):
         with pytest.raises(BadRequest) as e:
             parse_completion({**body, "speculative": bad}, d)
@@ -291,11 +401,16 @@ def test_request_field_parses():
         assert e.value.param == "speculative" and e.value.status == 400, bad
 
 
-def test_cli_refuses_a_draft_model_and_mtp(tmp_path):
-    for args in (["--spec", "mtp"], ["--spec", "draft", "--model-draft", "x.gguf"], ["--model-draft", "x.gguf"]):
-        r = subprocess.run([sys.executable, "-m", "cflow", "serve", "--port", "0", *args], capture_output=True,
-                           text=True, timeout=60, cwd=tmp_path)
-        assert r.returncode == 2 and "n-gram lookup only" in r.stderr, r.stderr
+def test_cli_refuses_what_it_cannot_run_before_listening(tmp_path, draft_pair):
+    target, draft, other = draft_pair
+    cases = ((["--model-draft", "missing.gguf"], "--model-draft", "does not exist"),
+             (["--spec", "draft"], "--model-draft", "needs the draft model"),
+             (["-m", str(target), "--spec", "mtp"], "", "cflow train --mtp"),
+             (["-m", str(target), "--model-draft", str(other)], "", "vocabulary"))
+    for args, flag, why in cases:
+        r = subprocess.run([sys.executable, "-m", "cflow", "serve", "--port", "0", "-np", "1", "-t", "1", *args],
+                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        assert r.returncode != 0 and flag in r.stderr and why in r.stderr, (args, r.stderr)
 
 
 # ---- the live server -----------------------------------------------------------------------------
@@ -350,10 +465,39 @@ def test_live_server_speculates_per_request(smol):
                                   "stream": True, "logprobs": 2}, key=KEY)
         chunks = [json.loads(x[6:]) for x in raw.decode().split("\n\n") if x.startswith("data: {")]
         assert status == 200 and "".join(c["choices"][0]["text"] for c in chunks) == answers["/v1/completions"]
-        for bad in ("draft", 7, {"n_max": 0}, {"q": 1}):
+        for bad in ("draft", "mtp", 7, {"n_max": 0}, {"q": 1}):  # no draft model, no heads
             status, err = ask(spec_srv, {"speculative": bad})
             assert status == 400 and err["error"]["param"] == "speculative", err
     finally:
         plain_srv.stop()
         if spec_srv is not None:
             spec_srv.stop()
+
+
+def test_live_server_speculates_with_a_draft_model(draft_pair):
+    pytest.importorskip("starlette")
+    pytest.importorskip("uvicorn")
+    from test_serve import KEY, Live, metrics, request
+
+    target, draft, _ = draft_pair
+    srv = Live("-m", str(target), "-np", "2", "-t", "1", "-c", "1024", "--api-key", KEY, "--model-draft", str(draft))
+    try:
+        def ask(extra):
+            status, _, raw = request(srv, "POST", "/v1/completions",
+                                     {"prompt": DRAFT_PROMPTS[0], "max_tokens": 40, "temperature": 0,
+                                      "ignore_eos": True, **extra}, key=KEY)
+            assert status == 200, raw
+            return json.loads(raw)
+
+        plain = ask({"speculative": "off"})
+        assert metrics(srv)["cflow_spec_draft_tokens_total"] == 0
+        for extra in ({}, {"speculative": "draft"}, {"speculative": {"n_max": 3}}):  # the default is the draft
+            before = metrics(srv)["cflow_spec_draft_tokens_total"]
+            got = ask(extra)
+            assert got["choices"][0]["text"] == plain["choices"][0]["text"], extra
+            assert got["usage"]["completion_tokens_details"]["accepted_prediction_tokens"] > 0
+            assert metrics(srv)["cflow_spec_draft_tokens_total"] > before
+        status, _, raw = request(srv, "POST", "/v1/completions", {"prompt": "x", "speculative": "mtp"}, key=KEY)
+        assert status == 400 and json.loads(raw)["error"]["param"] == "speculative"
+    finally:
+        srv.stop()

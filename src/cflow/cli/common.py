@@ -358,28 +358,37 @@ def load_speculative(args: argparse.Namespace, spec, eng):
     own default when the draft allows less), its vocabulary checked against `eng`'s."""
     import dataclasses
 
-    from cflow.runtime import Engine, EngineError
+    from cflow.runtime import Engine
     from cflow.runtime.speculative import check_draft
 
     if spec is not None and spec.proposer == "mtp":
         eng.mtp  # noqa: B018 (a model without heads is refused now, with how to train them: NoMtpHeadsError)
     if spec is None or spec.draft is None:
         return spec
+    draft = load_draft(args, spec.draft, eng.n_ctx, lambda path, options, **kw: Engine.load(path, options, **kw))
+    check_draft(eng, draft)
+    return dataclasses.replace(spec, draft=draft)
+
+
+def load_draft(args: argparse.Namespace, path: str, n_ctx: int, load: Any) -> Any:
+    """A draft model loaded by `load(path, options, progress=, log=)` (Engine.load, or a serving
+    backend's loader) with the flags' options and the target's context `n_ctx`, or the draft's own
+    default context when it allows less; errors name --model-draft."""
+    from cflow.runtime import EngineError
+
     try:
         with progress_bar() as progress:
             try:
-                draft = Engine.load(spec.draft, engine_options(args, n_ctx=eng.n_ctx), progress=progress, log=log)
+                return load(path, engine_options(args, n_ctx=n_ctx), progress=progress, log=log)
             except EngineError as e:  # a context longer than the draft allows: its own default
                 if e.flag != "-c":
                     raise
-                draft = Engine.load(spec.draft, engine_options(args, n_ctx=None), progress=progress, log=log)
+                return load(path, engine_options(args, n_ctx=None), progress=progress, log=log)
     except EngineError as e:  # ModelNotFoundError included (it is an OSError too)
         e.flag = "--model-draft"
         raise
     except OSError as e:
-        raise load_error(spec.draft, e) from None
-    check_draft(eng, draft)
-    return dataclasses.replace(spec, draft=draft)
+        raise load_error(path, e) from None
 
 
 # ---- sampling ------------------------------------------------------------------------------------

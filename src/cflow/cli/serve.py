@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from cflow.cli.common import (UsageError, add_command, add_model_flags, add_sampling_flags, add_speculative_flags,
-                              check_model_flags, check_sampling, check_speculative, engine_options, load_error, log,
-                              progress_bar, sampling_kwargs)
+                              check_model_flags, check_sampling, check_speculative, engine_options, load_draft,
+                              load_error, log, progress_bar, sampling_kwargs)
 
 HELP = """\
 serve the model over HTTP (OpenAI-compatible API)
@@ -42,12 +42,15 @@ examples:
   cflow serve -m model.gguf --ray --replicas 2 --max-replicas 4 -np 4 -t 2 --port 8000
                                      # Ray Serve: 2..4 replicas behind one port (pip install "cflow-lm[ray]")
 
-Speculative decoding (--spec ngram, or a request's "speculative": "ngram" | "off" |
-{"n_max": N, "n_min": M}): each speculating request's decode row carries the tokens the n-gram
-lookup of its prompt and output proposes, verified in the same batched call as the other
-requests' rows; the answer is plain decoding's (greedy: token for token), faster when it repeats
-its prompt. /metrics counts cflow_spec_draft_tokens_total and cflow_spec_accepted_tokens_total.
-A draft model (--model-draft) and --spec mtp are single-sequence only (cflow generate) for now.
+Speculative decoding (--spec ngram|draft|mtp, or a request's "speculative": "ngram" | "draft" |
+"mtp" | "off" | {"n_max": N, "n_min": M}): each speculating request's decode row carries the
+tokens its proposer guesses, verified in the same batched call as the other requests' rows; the
+answer is plain decoding's (greedy: token for token). ngram: the lookup of its prompt and output
+(fast when the answer repeats the prompt); draft: a smaller model with the same vocabulary
+(--model-draft FILE, one slot per --parallel slot, run batched for every drafting request before
+the target's call); mtp: the model's own multi-token heads (cflow train --mtp N). /metrics counts
+cflow_spec_draft_tokens_total and cflow_spec_accepted_tokens_total.
+  cflow serve -m SmolLM2-360M.gguf --model-draft SmolLM2-135M.gguf -np 4   # "speculative": "draft"
 
 Structured output: "response_format" ({"type": "json_object"} or {"type": "json_schema",
 "json_schema": {"schema": {...}}}), llama-server's "json_schema" and "grammar" (GBNF), "regex",
@@ -115,15 +118,16 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "(default: $RAY_ADDRESS, else a local cluster)")
     add_sampling_flags(p)
     add_speculative_flags(p)
-    for action in p._actions:  # the server speculates with the n-gram lookup only, for now
+    for action in p._actions:  # the server's meaning: a default that each request may override
         if "--spec" in action.option_strings:
-            action.metavar = "off|ngram"
-            action.help = ("the default of every request (its 'speculative' field overrides it): off (default): "
-                           "plain decoding; ngram: each request's decode row carries the continuation of the latest "
-                           "earlier match of its last tokens in its prompt and output, verified in the same batched "
-                           "call (draft and mtp are single-sequence only for now: cflow generate)")
+            action.help = ("the default of every request (its 'speculative' field overrides it): off (default, or "
+                           "draft with --model-draft): plain decoding; ngram: each request's decode row carries the "
+                           "continuation of the latest earlier match of its last tokens in its prompt and output; "
+                           "draft: the --model-draft model's guesses; mtp: the model's multi-token heads; all "
+                           "verified in the same batched call")
         elif "--model-draft" in action.option_strings:
-            action.help = "not supported by cflow serve yet (a draft model is single-sequence only: cflow generate)"
+            action.help = ("a smaller model with the same vocabulary to speculate with (requests' \"speculative\": "
+                           "\"draft\"; the default with no --spec): one KV slot per --parallel slot")
     p.set_defaults(func=run)
 
 
@@ -144,12 +148,10 @@ def _check(args: argparse.Namespace) -> None:
         raise UsageError(f"must be a number of seconds >= 0 (0 = no limit), got {args.timeout}", flag="--timeout")
     if args.chat_template_file is not None:
         args.chat_template = read_chat_template(args.chat_template_file)
-    if args.model_draft or args.spec in ("draft", "mtp"):
-        flag = "--model-draft" if args.model_draft else "--spec"
-        raise UsageError("cflow serve speculates with the n-gram lookup only (--spec ngram); a draft model and "
-                         "multi-token prediction heads are single-sequence for now (cflow generate --spec draft|mtp)",
-                         flag=flag)
     args.speculative = check_speculative(args)
+    if args.model_draft is not None and not os.path.exists(args.model_draft):  # fail before listening
+        raise UsageError(f"draft model file {args.model_draft} does not exist; give a .cflow/.vflow or .gguf file",
+                         flag="--model-draft")
     if args.replicas < 1:
         raise UsageError(f"must be >= 1, got {args.replicas}", flag="--replicas")
     if args.max_replicas is not None and args.max_replicas < args.replicas:
@@ -231,8 +233,32 @@ def load_generator(args: argparse.Namespace) -> Any:
         engines = list(getattr(backend, "engines", ())) + [getattr(backend, "engine", None)]
         for tok in {id(t): t for t in [backend.tokenizer] + [e.tokenizer for e in engines if e is not None]}.values():
             tok.chat_template = template
-    return BatchGenerator(backend, prefill_chunk=args.batch_size, max_queue=args.max_queue,
-                          timeout=args.timeout or None)
+    draft = None
+    try:
+        if getattr(args, "model_draft", None):
+            draft = _load_draft(args, backend)
+        gen = BatchGenerator(backend, prefill_chunk=args.batch_size, max_queue=args.max_queue,
+                             timeout=args.timeout or None, draft=draft)
+    except BaseException:
+        backend.close()
+        if draft is not None:
+            draft.close()
+        raise
+    try:  # the default speculation must run here (e.g. --spec mtp on a model without heads): say so now
+        gen.speculation.resolve(getattr(args, "speculative", None))
+    except BaseException:
+        gen.close()
+        raise
+    return gen
+
+
+def _load_draft(args: argparse.Namespace, backend: Any) -> Any:
+    """The --model-draft model, one slot per target slot, with the target's context per slot (or
+    the draft's own default when it allows less)."""
+    from cflow.serve.backend import load_backend
+
+    return load_draft(args, args.model_draft, backend.n_ctx,
+                      lambda path, options, **kw: load_backend(path, n_slots=args.parallel, options=options, **kw))
 
 
 def app_options(args: argparse.Namespace) -> dict[str, Any]:

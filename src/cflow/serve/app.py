@@ -55,6 +55,8 @@ from starlette.routing import Route
 from cflow.constrain import ConstraintError, compile_constraint
 from cflow.errors import CflowError
 from cflow.runtime.errors import ContextOverflowError
+from cflow.runtime.mtp import NoMtpHeadsError
+from cflow.runtime.speculative import SpeculativeError
 from cflow.serve import protocol as P
 from cflow.serve import tools as tools_mod
 from cflow.serve.batch import BatchGenerator, GeneratorClosedError, QueueFullError
@@ -315,6 +317,8 @@ class Server:
             except ContextOverflowError as e:
                 raise P.BadRequest(str(e), "messages" if kind == "chat" else "prompt",
                                    "context_length_exceeded") from None
+            except (SpeculativeError, NoMtpHeadsError) as e:  # "draft" without --model-draft, "mtp" without heads
+                raise P.BadRequest(str(e), "speculative", "invalid_value") from None
             except CflowError as e:
                 raise P.BadRequest(str(e), "prompt", "invalid_value") from None
         except P.BadRequest as e:

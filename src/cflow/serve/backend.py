@@ -29,6 +29,9 @@ when the backend has it (both here do), otherwise `prefill` per prompt chunk and
         cflow.serve.speculate): its bookkeeping then says it holds its first n tokens. No native
         work: a call at position p reads positions 0..p only and overwrites the K/V it runs, so
         the next call from position n writes over the stale rows.
+    keep_hidden, hidden() -> [W, d], mtp   (optional)
+        The final hidden states of the last call's W logits rows while keep_hidden is on, and the
+        model's multi-token prediction heads: what speculation with the heads reads.
 
 All may return arrays the next call reuses (callers copy what they keep). All raise
 `cflow.runtime.EngineError` for a bad position or token (the slot then keeps positions < the
@@ -260,6 +263,25 @@ class EngineBatch:
 
     def truncate(self, slot: int, n: int) -> None:
         self.engine.truncate(n, seq=slot)
+
+    # ---- multi-token prediction heads (cflow.serve.speculate) -----------------------------------
+    @property
+    def keep_hidden(self) -> bool:
+        """Whether each call keeps the final hidden states of its logits rows (hidden())."""
+        return self.engine.keep_hidden
+
+    @keep_hidden.setter
+    def keep_hidden(self, on: bool) -> None:
+        self.engine.keep_hidden = on
+
+    def hidden(self) -> np.ndarray:
+        """The last call's logits rows' final hidden states [W, d] (Engine.hidden; reused: copy)."""
+        return self.engine.hidden()
+
+    @property
+    def mtp(self) -> Any:
+        """The model's multi-token prediction heads (NoMtpHeadsError when it has none)."""
+        return self.engine.mtp
 
     def close(self) -> None:
         self.engine.close()

@@ -36,11 +36,14 @@ batching goes on; each row's logits score the next prompt token (cflow.runtime.s
 definition Engine.score uses, and rows are bit-exact whatever shares the call, so the numbers
 equal Engine.score's). The scores reach the sink as one Prompt event before the first Piece.
 
-Speculative decoding per request (submit(..., speculative="ngram"); cflow.serve.speculate): a
-speculating sequence's decode row becomes a block of rows in the same step_rows call: its next
-token and the k tokens its n-gram lookup (its prompt and output) proposes after it, at consecutive
-positions of its slot. Plain decode rows come first; proposals get the rows the pass has left
-after them and the prompt chunks (max_rows), and each sequence has its own Gate and DraftLength.
+Speculative decoding per request (submit(..., speculative="ngram" | "draft" | "mtp");
+cflow.serve.speculate): a speculating sequence's decode row becomes a block of rows in the same
+step_rows call: its next token and the k tokens its proposer guesses after it (the n-gram lookup
+over its prompt and output; the generator's draft model, run for all drafting sequences in
+batched calls of its own before the target's; the model's multi-token heads on the hidden state
+of the row that chose its newest token), at consecutive positions of its slot. Plain decode
+rows come first; proposals get the rows the pass has left after them and the prompt chunks
+(max_rows), and each sequence has its own Gate and DraftLength.
 The block is verified with cflow.runtime.speculative's rule and every emitted token takes the
 plain path of step 3, so the output is plain decoding's (greedy: token for token; seeded
 sampling: what Engine.complete with the same settings draws). Rollback: the slot's record
@@ -86,7 +89,7 @@ from cflow.constrain import compile_constraint, overlap_pays, prefetch, sample a
 from cflow.runtime.generate import Completion, StopMatcher, Timings, check_finite, common_prefix
 from cflow.runtime.score import Scores, append_score, token_logprobs  # noqa: F401 (token_logprobs: its old home)
 from cflow.sampling import Sampler, SamplingParams
-from cflow.serve.speculate import SeqSpec, judge, resolve as resolve_speculative
+from cflow.serve.speculate import SeqSpec, Speculation, judge
 
 DEFAULT_PREFILL_CHUNK = 64   # prompt tokens per scheduler iteration
 DEFAULT_MAX_QUEUE = 256      # requests waiting for a slot before submit() refuses
@@ -176,7 +179,7 @@ class Job:
     timeout: float | None = None  # seconds from t_submit (None: no limit)
     echo: bool = False            # score the prompt: a Prompt event before the first Piece
     constraint: Any = None        # a compiled cflow.constrain.Constraint of this job's own (None: free text)
-    speculative: Any = None       # a cflow.runtime.Speculative with the n-gram proposer (None: off)
+    speculative: Any = None       # a resolved cflow.runtime.Speculative (None: off; cflow.serve.speculate)
     cancelled: bool = False
     done: bool = False
     _gen: Any = field(default=None, repr=False)
@@ -220,7 +223,7 @@ class BatchGenerator:
 
     def __init__(self, backend: Any, *, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
                  max_queue: int = DEFAULT_MAX_QUEUE, timeout: float | None = None, metrics: Any = None,
-                 own_backend: bool = True) -> None:
+                 own_backend: bool = True, draft: Any = None) -> None:
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         if max_queue < 0:
@@ -249,6 +252,10 @@ class BatchGenerator:
         self._copy = getattr(backend, "copy_slot", None)  # K/V copies between slots (None: none)
         self._truncate = getattr(backend, "truncate", None)  # forget a slot's positions (speculation's rollback)
         self._threads = int(getattr(backend, "threads", 0) or os.cpu_count() or 1)
+        # what jobs may speculate with (cflow.serve.speculate): the n-gram lookup; `draft`, a
+        # BatchBackend over a model with the target's vocabulary (owned like the backend); the heads
+        self.speculation = Speculation(backend, draft)
+        self._keep_hidden = False  # whether the backend keeps its logits rows' hidden states (heads)
         self._overlap = overlap_pays(self._threads)
         self._thread = threading.Thread(target=self._loop, name="cflow-batch", daemon=True)
         self._thread.start()
@@ -256,13 +263,23 @@ class BatchGenerator:
     @classmethod
     def load(cls, path: Any = None, *, parallel: int = 4, threads: int | None = None, n_ctx: int | None = None,
              prefill_chunk: int = DEFAULT_PREFILL_CHUNK, max_queue: int = DEFAULT_MAX_QUEUE,
-             timeout: float | None = None, **load_kw: Any) -> "BatchGenerator":
+             timeout: float | None = None, model_draft: Any = None, **load_kw: Any) -> "BatchGenerator":
         """`parallel` slots of `n_ctx` positions each over the model at `path` (serve.backend.load_backend:
-        one engine whose decode step advances every slot in one pass over the weights)."""
+        one engine whose decode step advances every slot in one pass over the weights). `model_draft`:
+        a model with the same vocabulary to speculate with (speculative="draft"), loaded the same way."""
         from cflow.serve.backend import load_backend
 
-        return cls(load_backend(path, n_slots=parallel, threads=threads, n_ctx=n_ctx, **load_kw),
-                   prefill_chunk=prefill_chunk, max_queue=max_queue, timeout=timeout)
+        backend = load_backend(path, n_slots=parallel, threads=threads, n_ctx=n_ctx, **load_kw)
+        draft = None
+        try:
+            if model_draft is not None:
+                draft = load_backend(model_draft, n_slots=parallel, threads=threads, n_ctx=backend.n_ctx, **load_kw)
+            return cls(backend, prefill_chunk=prefill_chunk, max_queue=max_queue, timeout=timeout, draft=draft)
+        except BaseException:
+            backend.close()
+            if draft is not None:
+                draft.close()
+            raise
 
     # ---- the caller's side -------------------------------------------------------------------
     @property
@@ -295,7 +312,8 @@ class BatchGenerator:
         then scores the prompt and generates nothing. `constraint`: a cflow.constrain.ConstraintSpec
         (or a compiled Constraint) that every generated token must fit (JSON schema, grammar, regex);
         the job ends with "stop" when it is complete. `speculative`: None or "off" (plain decoding),
-        "ngram" or a cflow.runtime.Speculative with the n-gram proposer (its draft_max, draft_min,
+        "ngram" (prompt lookup), "draft" (the generator's draft model), "mtp" (the model's own
+        multi-token heads) or a cflow.runtime.Speculative (its proposer, draft_max, draft_min,
         ngram_min/max, min_acceptance and adaptive apply): the job's decode rows carry its proposals
         for verification (module docstring); its output is plain decoding's. A constrained job
         never speculates.
@@ -303,7 +321,7 @@ class BatchGenerator:
         Raises ContextOverflowError when the prompt does not fit a slot, EngineError for an empty
         prompt or bad ids, QueueFullError when the wait queue is full, GeneratorClosedError after close(),
         ConstraintError for a malformed constraint, SpeculativeError for a speculative setting the
-        server cannot run (a draft model, "mtp": single-sequence only for now)."""
+        generator cannot run ("draft" without a draft model, "mtp" without heads)."""
         return self.submit_n(prompt, [sink], max_tokens=max_tokens, params=params, stop=stop, ignore_eos=ignore_eos,
                              logprobs=logprobs, timeout=timeout, echo=echo, constraint=constraint,
                              speculative=speculative)[0]
@@ -330,7 +348,7 @@ class BatchGenerator:
         if not sinks:
             raise EngineError("submit_n needs at least one sink (one per sequence)")
         limit = self.timeout if timeout is None else _check_timeout(timeout)
-        spec = resolve_speculative(speculative)
+        spec = self.speculation.resolve(speculative)
         stops = [s for s in ([stop] if isinstance(stop, str) else list(stop)) if s]
         params = params or SamplingParams()
         seed = params.seed
@@ -371,7 +389,7 @@ class BatchGenerator:
         `timeout` (as submit's) raises RequestTimeoutError. `speculative`: as submit's, for every prompt."""
         import queue
 
-        spec = resolve_speculative(speculative)
+        spec = self.speculation.resolve(speculative)
         seed = sampling.pop("seed", None)
         params = [SamplingParams(**sampling, seed=None if seed is None or seed == -1 else seed + i)
                   for i in range(len(prompts))]
@@ -422,6 +440,8 @@ class BatchGenerator:
             self._thread.join()
         if self._own_backend:
             self.backend.close()
+            if self.speculation.draft is not None:
+                self.speculation.draft.backend.close()
 
     def __enter__(self) -> "BatchGenerator":
         return self
@@ -504,7 +524,7 @@ class BatchGenerator:
         seq.stop_ids = frozenset() if job.ignore_eos else self._stop_ids
         seq.history = list(job.prompt)
         if job.speculative is not None and job.constraint is None:  # a constraint's masks go token by token
-            seq.spec = SeqSpec(job.speculative)
+            seq.spec = self.speculation.sequence(job.speculative, job.params)
         n = len(job.prompt)
         keep = min(common_prefix(self._slot_tokens[seq.slot], job.prompt), n - 1)
         if job.echo:  # every prompt position's logits are needed, and a cached prefix has none
@@ -617,15 +637,7 @@ class BatchGenerator:
             return
         # proposals fill the rows the pass has left (a proposal is a guess, a prompt row certain work)
         room = self._max_rows - len(dec) - sum(k for _, k in chunks) if self._max_rows else sys.maxsize
-        plain: list[_Seq] = []
-        spec: list[_Seq] = []
-        for s in dec:
-            if s.spec is not None and room > 0 and s.spec.propose(s.history, s.limit - s.count - 1, room,
-                                                                  s.sampler.rng):
-                room -= len(s.spec.drafts)
-                spec.append(s)
-            else:
-                plain.append(s)
+        plain, spec = self._propose(dec, room)
         dec = plain + spec
         slots = [s.slot for s in plain]
         tokens = [s.next_token for s in plain]
@@ -646,6 +658,7 @@ class BatchGenerator:
             else:
                 want += [False] * (k - 1) + [seq.fed + k == len(seq.job.prompt)]
         self._prefetch_masks()
+        heads = self._hidden_wanted()
         t0 = time.perf_counter()
         try:
             logits = self._rows(slots, tokens, positions, want)
@@ -663,11 +676,17 @@ class BatchGenerator:
                 self.metrics.decode_step(len(dec), dt)
             if chunks:
                 self.metrics.prompt_evaluated(sum(k for _, k in chunks), dt)
-        self._sample_rows(plain, logits, positions)
+        # the hidden state of every logits row, for the sequences whose heads propose (a call of
+        # more rows than one native pass keeps only its last pass's: none then)
+        hidden = None
+        if heads:
+            h = self.backend.hidden()
+            hidden = h if h.shape[0] == logits.shape[0] else None
+        self._sample_rows(plain, logits, positions, hidden)
         row = len(plain)
         for s in spec:
             n = len(s.spec.drafts) + 1
-            self._verify(s, logits[row:row + n])
+            self._verify(s, logits[row:row + n], hidden[row:row + n] if hidden is not None else None)
             row += n
         for seq, k in chunks:
             self._slot_tokens[seq.slot].extend(seq.job.prompt[seq.fed:seq.fed + k])
@@ -689,17 +708,57 @@ class BatchGenerator:
             except Exception as e:
                 self._end(seq, Failed(e))
                 continue
+            if seq.spec is not None and seq.spec.observes:
+                seq.spec.observe(hidden[row - 1] if hidden is not None else None)
             self._prompt_done(seq, last)
         self._count_emitted()
 
-    def _verify(self, seq: _Seq, rows: np.ndarray) -> None:
+    def _propose(self, dec: list[_Seq], room: int) -> tuple[list[_Seq], list[_Seq]]:
+        """This iteration's proposals (cflow.serve.speculate) within the `room` rows the call has
+        left: the n-gram lookup and the heads per sequence, the draft model for all its sequences
+        in batched calls of its own. Returns the decode rows' sequences: (plain, speculating)."""
+        asks = []
+        for s in dec:
+            st = s.spec
+            k = st.plan(s.limit - s.count - 1, room) if st is not None and room > 0 else 0
+            if not k:
+                continue
+            if st.kind == "draft":
+                asks.append((st, s.slot, s.history, k, s.sampler.rng))
+                room -= k
+            else:
+                st.propose(s.history, k, s.sampler.rng)
+                room -= len(st.drafts)
+        if asks:
+            failed = self.speculation.draft.propose(asks)
+            for s in dec:
+                if s.slot in failed and s.spec is not None and s.spec.kind == "draft":
+                    self._end(s, Failed(failed[s.slot]))
+        plain: list[_Seq] = []
+        spec: list[_Seq] = []
+        for s in dec:
+            if s.job.done:
+                continue
+            (spec if s.spec is not None and s.spec.settle() else plain).append(s)
+        return plain, spec
+
+    def _hidden_wanted(self) -> bool:
+        """Whether this call must keep its rows' hidden states (a sequence proposes with the
+        target's heads); tells the backend when that changes."""
+        want = any(s.spec is not None and s.spec.observes for s in self._order)
+        if want != self._keep_hidden:
+            self.backend.keep_hidden = self._keep_hidden = want
+        return want
+
+    def _verify(self, seq: _Seq, rows: np.ndarray, hidden: np.ndarray | None = None) -> None:
         """A speculating sequence's block came back: rows[i] are the logits after its next token
         (i = 0) or its i-th proposal. Judge the proposals in order (cflow.serve.speculate.judge),
         emitting each token down the plain path (_sample) until a rejection (its replacement is
         emitted), the bonus token after the last row, or a token that ends the sequence. The slot
         keeps the K/V of the next token and the kept proposals; the rejected ones' rows are
-        forgotten (backend.truncate: the next call overwrites them)."""
-        st, drafts = seq.spec, seq.spec.drafts
+        forgotten (backend.truncate: the next call overwrites them). `hidden`: the rows' hidden
+        states, for a sequence whose heads propose (the one of the row that emits its newest token)."""
+        st, drafts, qs = seq.spec, seq.spec.drafts, seq.spec.qs
         held = self._slot_tokens[seq.slot]
         pos = len(seq.history) - 1  # where the next token ran
         held.append(seq.next_token)
@@ -707,7 +766,8 @@ class BatchGenerator:
         for i in range(len(drafts) + 1):
             draft = drafts[i] if i < len(drafts) else None
             try:
-                kept, tok = judge(seq.sampler, rows[i], seq.history, draft, self.backend, pos + i)
+                kept, tok = judge(seq.sampler, rows[i], seq.history, draft, qs[i] if draft is not None else None,
+                                  self.backend, pos + i)
             except Exception as e:
                 self._end(seq, Failed(e))
                 break
@@ -715,6 +775,8 @@ class BatchGenerator:
                 st.judged(kept)
             if kept:  # its row ran it after the text so far: its K/V are the slot's now
                 held.append(draft)
+            elif st.observes:  # tok comes from row i: its hidden state proposes next
+                st.observe(hidden[i] if hidden is not None else None)
             self._sample(seq, rows[i], tok)
             if seq.job.done or not kept:
                 break
@@ -825,9 +887,11 @@ class BatchGenerator:
         if pending:
             prefetch(pending)
 
-    def _sample_rows(self, batch: list[_Seq], logits: np.ndarray, positions: list[int]) -> None:
+    def _sample_rows(self, batch: list[_Seq], logits: np.ndarray, positions: list[int],
+                     hidden: np.ndarray | None = None) -> None:
         """Rows 0..len(batch)-1 of `logits` are the decode rows of `batch` (fed their next_token
-        at `positions`): record the fed tokens, sample and deliver each row's next one."""
+        at `positions`): record the fed tokens, sample and deliver each row's next one. `hidden`:
+        the rows' hidden states, handed to the sequences whose heads propose."""
         if not batch:
             return
         plain = [s.sampler.plain_greedy and s.job.constraint is None for s in batch]
@@ -848,6 +912,8 @@ class BatchGenerator:
             except Exception as e:
                 self._end(s, Failed(e))
                 continue
+            if s.spec is not None and s.spec.observes:
+                s.spec.observe(hidden[i] if hidden is not None else None)
             self._sample(s, row, tok)
 
     def _sample(self, seq: _Seq, logits: np.ndarray, tok: int = -1) -> None:

@@ -30,14 +30,15 @@ and `grammar` (GBNF, or Lark), and `regex`; vLLM's `guided_json`, `guided_regex`
 as the same. The constraint is compiled against the tokenizer before the request is
 queued, so a malformed one is a 400 naming the field and llguidance's reason.
 
-speculative (cflow's own; cflow.serve.speculate): "ngram" (prompt lookup: the request's decode
-rows carry the tokens its prompt and output suggest, verified in the same call; the answer is
-what plain decoding gives), "off", true/false, or llama-server's object {"n_max": N, "n_min": M}
-(at most N, at least M proposed tokens per step; turns the n-gram lookup on), also spelled as
-llama-server's flat keys "speculative.n_max" / "speculative.n_min". Absent: the
-server's default (`cflow serve --spec ngram|off`, whose --draft-max, --draft-min and
---spec-ngram-min/max an "ngram" or object request starts from). A request with a structured-output
-constraint never speculates.
+speculative (cflow's own; cflow.serve.speculate): the request's decode rows carry tokens a
+proposer guesses, verified in the same call; the answer is what plain decoding gives. "ngram"
+(prompt lookup: what its prompt and output suggest), "draft" (the server's --model-draft), "mtp"
+(the model's multi-token heads), "off", true/false (true: "ngram"), or llama-server's object
+{"n_max": N, "n_min": M} (at most N, at least M proposed tokens per step, with the server's
+proposer, the n-gram lookup when it has none), also spelled as llama-server's flat keys
+"speculative.n_max" / "speculative.n_min". Absent: the server's default (`cflow serve --spec
+ngram|draft|mtp|off`, whose --draft-max, --draft-min and --spec-ngram-min/max a named or object
+request starts from). A request with a structured-output constraint never speculates.
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ class Defaults:
 
     sampling: SamplingParams = field(default_factory=SamplingParams)
     max_tokens: int | None = None    # None: until end of text or the end of the slot's context
-    speculative: Any = None          # a cflow.runtime.Speculative with the n-gram proposer (None: off)
+    speculative: Any = None          # a cflow.runtime.Speculative (None: off)
 
 
 @dataclass
@@ -125,7 +126,7 @@ class GenSpec:
     constraint_param: str | None = None     # the request field it came from (for errors)
     tools: Any = None                       # chat: a cflow.serve.tools.ToolRequest (None: no tools)
     tool_format: str | None = None          # chat: the model's tool-call format (set by the server)
-    speculative: Any = None                 # a cflow.runtime.Speculative (ngram) or None: plain decoding
+    speculative: Any = None                 # a cflow.runtime.Speculative, "draft", "mtp" or None: plain decoding
 
 
 # ---- typed field access ------------------------------------------------------------------------
@@ -275,8 +276,10 @@ MAX_DRAFT = 64            # speculative.n_max at most: proposals ride in the cal
 
 
 def _speculative(body: dict[str, Any], default: Any) -> Any:
-    """The request's speculative settings (cflow.runtime.Speculative, n-gram lookup) or None (off):
-    "ngram", "off", a boolean, or {"n_max": N, "n_min": M}; absent or null: the server's default."""
+    """The request's speculative settings or None (off): "ngram", "draft", "mtp", "off", a boolean,
+    or {"n_max": N, "n_min": M}; absent or null: the server's default. A cflow.runtime.Speculative,
+    or the name "draft" / "mtp" when the default is not that proposer (the generator resolves it
+    and answers for what the server lacks: cflow.serve.speculate.Speculation)."""
     import dataclasses
 
     from cflow.runtime.speculative import Speculative, SpeculativeError
@@ -293,16 +296,18 @@ def _speculative(body: dict[str, Any], default: Any) -> Any:
     base = default if default is not None else Speculative("ngram")
     if v is False or v == "off":
         return None
-    if v is True or v == "ngram":
-        return base
+    if v is True:
+        v = "ngram"
+    if v in ("ngram", "draft", "mtp"):
+        if default is not None and default.proposer == v:
+            return default
+        return Speculative("ngram") if v == "ngram" else v
     if isinstance(v, str):
-        why = ("the server speculates with the n-gram lookup only; a draft model and multi-token heads are "
-               "single-sequence for now" if v in ("draft", "mtp") else "use \"ngram\" or \"off\"")
-        raise BadRequest(f"'speculative' must be \"ngram\", \"off\", a boolean or {{\"n_max\": N, \"n_min\": M}}, "
-                         f"got {v!r}: {why}"[:300], "speculative", "invalid_value")
+        raise BadRequest(f"'speculative' must be \"ngram\", \"draft\", \"mtp\", \"off\", a boolean or "
+                         f"{{\"n_max\": N, \"n_min\": M}}, got {v!r}"[:300], "speculative", "invalid_value")
     if not isinstance(v, dict):
-        raise BadRequest(f"'speculative' must be \"ngram\", \"off\", a boolean or {{\"n_max\": N, \"n_min\": M}}, got "
-                         f"{_json_type(v)}", "speculative", "invalid_type")
+        raise BadRequest(f"'speculative' must be \"ngram\", \"draft\", \"mtp\", \"off\", a boolean or "
+                         f"{{\"n_max\": N, \"n_min\": M}}, got {_json_type(v)}", "speculative", "invalid_type")
     extra = [k for k in v if k not in SPEC_KEYS]
     if extra:
         raise BadRequest(f"'speculative' takes the keys {', '.join(SPEC_KEYS)}; got {extra[0]!r}"[:300], "speculative",
