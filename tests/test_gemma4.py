@@ -47,8 +47,8 @@ to U+2581 before merging; pre-split only into runs of newlines and runs of anyth
 (`[^\\n]+|[\\n]+`: a merge across a newline never applies); a piece left without a token falls back to
 <0xXX> byte tokens; add_bos is on without the file saying so (the tokenize call can still ask for
 none).
-`gemma4_tokenize` writes that down and is held against llama.cpp on a trained vocabulary; cflow's
-GGUF tokenizer reader refuses the type by name today (it reads "gpt2" and "llama").
+`gemma4_tokenize` writes that down and is held against llama.cpp on a trained vocabulary; so is
+cflow's tokenizer for the type (cflow.tokenizer_gemma4), special tokens and decoding included.
 
 cflow's converter refuses a gemma4 file by name (also tests/test_gemma3.py); the engine and the
 PyTorch reference will be held against this oracle when they learn the architecture.
@@ -446,11 +446,53 @@ def test_vocabulary_controls(vocab_llm):
     assert pieces[-2:] == [byte_token(b) for b in "Ж".encode()], pieces
 
 
-def test_cflow_refuses_the_vocabulary_by_name(vocab_llm):
-    """cflow's GGUF tokenizer reader supports "gpt2" (byte-level BPE) and "llama" (SentencePiece):
-    a "gemma4" vocabulary is refused with its name, not read as either."""
+CHAT = ["Fine,   thanks.\n\nNew line here.", "<|turn>user\nHi there<turn|>\n<|turn>model\n", "<bos>x<eos> <pad>y", "<|turn><|turn>", "Hello\n\n<turn|>"]
+
+
+def test_cflow_tokenizes_as_llama_cpp(vocab_llm):
+    """cflow's reading of the file's "gemma4" vocabulary (cflow.tokenizer_gemma4) gives llama.cpp's ids
+    with and without BOS (special tokens written in the text parsed, as cflow always does) over the
+    tricky strings and turn markup, and decodes as llama_detokenize."""
+    from test_tokenizer_gguf import cflow_from_gguf
+
+    path, llm = vocab_llm
+    tok = cflow_from_gguf(path)
+    assert tok.model == "gemma4" and tok.add_bos and not tok.add_space_prefix and tok.bos_id == 2
+    for text in TRICKY + CHAT:
+        for bos in (False, True):
+            assert tok.encode(text, add_bos=bos) == llm.tokenize(text.encode(), add_bos=bos, special=True), text
+        ids = llm.tokenize(text.encode(), add_bos=True, special=False)
+        assert tok.decode(ids) == detokenize(llama_cpp, llm, ids, remove_special=False, unparse_special=True)
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(merges=[]), "needs its 'merges'"),
+    (dict(merges=["▁ zzz"]), "not all tokens"),
+    (dict(merges=["▁"]), "not two tokens"),
+    (dict(pre="gpt2"), "no 'pre'"),
+    (dict(token_types=None), "needs 'token_types'"),
+])
+def test_bad_gemma4_headers_are_named(vocab_llm, change, match):
+    from test_tokenizer_gguf import cflow_from_gguf
+
+    from cflow.tokenizer import Tokenizer, TokenizerError
+
+    header = {**cflow_from_gguf(vocab_llm[0]).to_header(), **change}
+    with pytest.raises(TokenizerError, match=match):
+        Tokenizer(header)
+
+
+def test_a_gemma4_vocabulary_without_byte_tokens_is_refused(tmp_path):
+    """llama.cpp falls back to <0xXX> tokens for characters outside the vocabulary; without them
+    cflow refuses the file by name rather than tokenize differently."""
+    from test_tokenizer_gguf import write_vocab_gguf
+
     from cflow.convert.gguf import gguf_tokenizer
     from cflow.tokenizer import TokenizerError
 
-    with pytest.raises(TokenizerError, match="'gemma4' tokenizer"):
-        gguf_tokenizer(GGUFModel(vocab_llm[0]))
+    tokens, types, merges = gemma4_vocab()
+    keep = [i for i, t in enumerate(types) if t != 6]
+    path = write_vocab_gguf(tmp_path / "v.gguf", "gemma4", [tokens[i] for i in keep], [types[i] for i in keep],
+                            merges=merges)
+    with pytest.raises(TokenizerError, match="'gemma4' tokenizer that cflow cannot use.*byte-fallback"):
+        gguf_tokenizer(GGUFModel(path))

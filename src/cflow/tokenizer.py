@@ -11,8 +11,10 @@ header from foreign descriptions (an HF tokenizer.json, a GGUF vocabulary) is th
 sides and of tokenizer training (`cflow.train.bpe`).
 
 Choices:
-- Two models, both llama.cpp's: "bpe" (GPT-2 byte-level BPE, GGUF "gpt2") and "spm"
-  (SentencePiece-style pieces with scores and byte fallback, GGUF "llama"; cflow.tokenizer_spm).
+- Three models, all llama.cpp's: "bpe" (GPT-2 byte-level BPE, GGUF "gpt2"), "spm"
+  (SentencePiece-style pieces with scores and byte fallback, GGUF "llama"; cflow.tokenizer_spm)
+  and "gemma4" (SentencePiece-spelled pieces merged by BPE ranks, GGUF "gemma4";
+  cflow.tokenizer_gemma4).
 - The byte-level pre-tokenizer (how text is cut into words before BPE) is not part of the
   vocabulary; GGUF names it in `tokenizer.ggml.pre` and we keep that name in the header (`pre`).
   `cflow.tokenizer_pre.PRE_TOKENIZERS` maps names to llama.cpp's regex splits; an unknown name is
@@ -34,7 +36,7 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
-from cflow import tokenizer_spm as spm
+from cflow import tokenizer_gemma4 as gemma4, tokenizer_spm as spm
 from cflow.errors import CflowError
 from cflow.tokenizer_pre import build_pre_tokenizer, pre_tokenizer_spec
 
@@ -150,6 +152,8 @@ class Tokenizer:
 
         if self.model == "spm":
             tk = spm.build_spm(self.header)
+        elif self.model == "gemma4":
+            tk = gemma4.build_gemma4(self.header, TokenizerError)
         else:
             vocab = {tok: i for i, tok in enumerate(self.vocab)}
             merges = [_split_merge(m) for m in self.merges]
@@ -165,7 +169,7 @@ class Tokenizer:
 
     def _token_bytes(self) -> list[bytes]:
         """The bytes each id decodes to: specials and added tokens as their text, others un-spelled."""
-        if self.model == "spm":
+        if self.model in ("spm", "gemma4"):  # both spell pieces with "▁" and <0xXX> byte tokens
             return spm.spm_token_bytes(self.vocab, self.header["token_types"])
         inv = unicode_to_bytes()
         literal = {i: t for t, i in {**self.special, **self.added}.items()}
@@ -335,9 +339,9 @@ def _validated(h: Any) -> dict[str, Any]:
     missing = [k for k in _HEADER_KEYS if k not in h]
     if missing:
         raise TokenizerError(f"the tokenizer header lacks {missing}; re-convert the model with this cflow")
-    if h["model"] not in ("bpe", "spm"):
+    if h["model"] not in ("bpe", "spm", "gemma4"):
         raise TokenizerError(f"tokenizer model {h['model']!r} is not supported; cflow has byte-level "
-                             "'bpe' and SentencePiece-style 'spm'")
+                             "'bpe', SentencePiece-style 'spm' and Gemma 4's 'gemma4'")
     vocab, merges = h["vocab"], h["merges"]
     if not (isinstance(vocab, list) and vocab and all(isinstance(t, str) for t in vocab)):
         raise TokenizerError("tokenizer 'vocab' must be a non-empty list of strings")
@@ -348,6 +352,8 @@ def _validated(h: Any) -> dict[str, Any]:
             raise TokenizerError("an spm tokenizer has no 'merges' (its scores imply them) and no 'pre'; "
                                  "write [] and null")
         spm.validate_spm(h, TokenizerError)
+    elif h["model"] == "gemma4":
+        gemma4.validate_gemma4(h, TokenizerError)
     else:
         pre_tokenizer_spec(h["pre"])
     n = len(vocab)

@@ -478,21 +478,24 @@ def _swa_period(g: GGUFModel, p: str, n_layers: int) -> int:
 def gguf_tokenizer(g: GGUFModel) -> dict[str, Any]:
     """The tokenizer header dict (docs/FORMAT.md) from the file's tokenizer.ggml.* keys.
 
-    GGUF "gpt2" vocabularies become "bpe" headers, "llama" ones (SentencePiece) "spm" headers.
+    GGUF "gpt2" vocabularies become "bpe" headers, "llama" ones (SentencePiece) "spm" headers,
+    "gemma4" ones "gemma4" headers.
     Where a key is absent we take llama.cpp's default (llama_vocab::impl::load): pre-tokenizer
     "default"; add_bos by pre-tokenizer for BPE, true for SPM; SPM BOS/EOS ids 1/2 and
     add_space_prefix true.
     """
     model = g.get("tokenizer.ggml.model")
-    if model not in ("gpt2", "llama"):
+    if model not in ("gpt2", "llama", "gemma4"):
         raise TokenizerError(f"{g.path.name} has a {model!r} tokenizer; cflow supports GGUF 'gpt2' "
-                             "(byte-level BPE) and 'llama' (SentencePiece-style) vocabularies")
+                             "(byte-level BPE), 'llama' (SentencePiece-style) and 'gemma4' vocabularies")
     tokens = list(g.require("tokenizer.ggml.tokens"))
     types = [int(t) for t in (g.get("tokenizer.ggml.token_type") or [1] * len(tokens))]
     if len(types) != len(tokens):
         raise TokenizerError(f"{g.path.name} has {len(tokens)} tokens but {len(types)} token types")
     if model == "llama":
         return _gguf_spm_tokenizer(g, tokens, types)
+    if model == "gemma4":
+        return _gguf_gemma4_tokenizer(g, tokens, types)
     merges = list(g.get("tokenizer.ggml.merges") or [])
     if not merges:
         raise TokenizerError(f"{g.path.name} has a byte-level vocabulary but no merges; cannot rebuild BPE")
@@ -530,6 +533,28 @@ def _gguf_token_id(g: GGUFModel, name: str, n: int, default: int | None) -> int 
     v = g.get(f"tokenizer.ggml.{name}_token_id")
     v = default if v is None else int(v)
     return v if v is not None and 0 <= v < n else None
+
+
+def _gguf_gemma4_tokenizer(g: GGUFModel, tokens: list[str], types: list[int]) -> dict[str, Any]:
+    """The "gemma4" header of a GGUF "gemma4" vocabulary (cflow.tokenizer_gemma4): specials and added
+    tokens by type as for "llama"; llama.cpp adds BOS unless the file says otherwise."""
+    from cflow import tokenizer_gemma4 as gemma4, tokenizer_spm as spm
+
+    special = {t: i for i, (t, ty) in enumerate(zip(tokens, types)) if ty in (spm.CONTROL, spm.UNKNOWN)}
+    added = {t: i for i, (t, ty) in enumerate(zip(tokens, types)) if ty == spm.USER_DEFINED}
+    add_bos = g.get("tokenizer.ggml.add_bos_token")
+    header = {"model": "gemma4", "vocab": tokens, "merges": list(g.get("tokenizer.ggml.merges") or []),
+              "token_types": types, "bos_id": _gguf_token_id(g, "bos", len(tokens), None),
+              "eos_id": _gguf_token_id(g, "eos", len(tokens), None),
+              "add_bos": True if add_bos is None else bool(add_bos),
+              "chat_template": g.get("tokenizer.chat_template"), "special": special, "pre": None}
+    if added:
+        header["added"] = added
+    try:
+        gemma4.validate_gemma4(header, TokenizerError)
+    except TokenizerError as e:
+        raise TokenizerError(f"{g.path.name} has a 'gemma4' tokenizer that cflow cannot use: {e}") from None
+    return header
 
 
 def _gguf_spm_tokenizer(g: GGUFModel, tokens: list[str], types: list[int]) -> dict[str, Any]:
