@@ -9,7 +9,9 @@ The file (`write_gemma4_gguf`), 6 layers, d 128, 4 heads / 2 KV heads:
   ffn_{gate,up,down} GeGLU, post_ffw_norm, tied embeddings scaled by sqrt(d), NEOX RoPE), with:
 - `attention.sliding_window_pattern` as a per-layer bool array (local layers 0, 1, 3, 4);
   local layers have their own head size (`attention.key_length_swa` / `value_length_swa` 32,
-  `rope.dimension_count_swa` 32, `rope.freq_base_swa` 1e4), global ones 64 (`key_length`) and the
+  `rope.dimension_count_swa` 32, `rope.freq_base_swa` 10; real files: 1e4 local, 1e6 global, here
+  10 and 1000 so that both bases and the factors turn the pairs visibly within 40 positions), global
+  ones 64 (`key_length`) and the
   one shared `rope_freqs.weight` [64 / 2] as RoPE frequency factors (Gemma 4's "proportional"
   RoPE: factor 1 on the first quarter of the pairs, 1e30 on the rest, which leaves them unrotated);
 - `attention.shared_kv_layers` 3: layers 3..5 own no K/V (no attn_k / attn_v / attn_k_norm) and read
@@ -37,9 +39,14 @@ The graph (`reference_logits`), as llama.cpp (llama-cpp-python 0.3.36) computes 
     x = x * layer_output_scale
   logits = cap * tanh((rms(x) * output_norm) E^T / cap)
 
-Not covered here: Gemma 4's MoE layers (26B-A4B: a shared dense MLP plus experts, router on
-rms(x) / sqrt(d) * ffn_gate_inp.scale, pre_ffw_norm_2 / post_ffw_norm_{1,2}, ffn_down_exps.scale),
-which llama.cpp builds when blk.N.ffn_gate_inp is present, and the vision / audio towers.
+A second file adds Gemma 4's MoE to every layer (26B-A4B's layers; llama.cpp builds them where
+blk.N.ffn_gate_inp is present; keys expert_count, expert_used_count, expert_feed_forward_length):
+the dense MLP stays as a shared expert, and the FFN branch becomes
+    f = rms(dense MLP(rms(x) * ffn_norm)) * post_ffw_norm_1 + rms(experts(x)) * post_ffw_norm_2
+before post_ffw_norm, with `experts` as its docstring says (router ffn_gate_inp [E, d] on
+rms(x) / sqrt(d) * ffn_gate_inp.scale [d], merged ffn_gate_up_exps [E, 2 F, d] gate rows first,
+ffn_down_exps [E, d, F] times ffn_down_exps.scale [E], expert input rms(x) * pre_ffw_norm_2).
+Not covered: the vision / audio towers (and their projector files).
 
 The vocabulary: `tokenizer.ggml.model` "gemma4" is a new vocabulary type in llama.cpp: BPE (merge
 ranks, `tokenizer.ggml.merges`) over raw UTF-8 characters, not GPT-2's byte alphabet; spaces escaped
@@ -89,11 +96,13 @@ FF = [96, 96, 96, 192, 192, 192]
 NO_V = {2}  # layers without attn_v (V from K's projection)
 WINDOW, CTX, THETA, THETA_SWA, EPS, SOFTCAP = 8, 256, 1000.0, 10.0, 1e-6, 10.0
 ROTATED_PAIRS = 8  # of HD // 2: rope_freqs is 1 on these, 1e30 (no rotation) on the rest
+E, TOP_K, F_EXP = 4, 2, 64  # the MoE file's experts (every layer: the dense MLP as shared expert)
 STEPS = 40
 # The oracle's tolerances (measured, llama-cpp-python 0.3.36, AVX-512). All-F32 file, seeds 0 and 1:
 # median max|dlogit|/std 0.05-0.12%, every position <= 0.27% (llama.cpp keeps K/V in fp16 and its
 # CPU GELU reads an fp16 table; nothing else separates it from the float64 reference), so median
-# <= 0.5%, every position <= 1%; the controls miss by 21-830% (median), 80x that. The Q8_0 file
+# <= 0.5%, every position <= 1%; the controls miss by 21-830% (median), 80x that. The F32 MoE file:
+# median 0.06-0.08%, every position <= 0.2%, its controls miss by 22-86%. The Q8_0 file
 # (llama.cpp rounds each mat-mul's input to int8 per 32 values, which the scale-1 attention's peaked
 # softmax amplifies): median 4.2%, max 9.9%, argmax equal at all 40 decisive positions; held to
 # median <= 8% (under half the smallest control's miss) and argmax where decisive.
@@ -177,7 +186,7 @@ def head_dim(layer: int) -> int:
     return HD_SWA if LOCAL[layer] else HD
 
 
-def gemma4_weights(seed: int) -> dict[str, np.ndarray]:
+def gemma4_weights(seed: int, moe: bool = False) -> dict[str, np.ndarray]:
     """Float weights under GGUF names (numpy order). Embeddings large enough that the tied logits
     reach the soft cap; q/k norms around 1, so with attention scale 1 the scores are peaked and the
     RoPE bases, factors and the window matter; post-norms and per-layer scales spread so that every
@@ -211,12 +220,19 @@ def gemma4_weights(seed: int) -> dict[str, np.ndarray]:
             w.update({b + "attn_k.weight": mat(KV_HEADS * hd, D), b + "attn_k_norm.weight": norm(hd, 1.0, 0.2)})
             if i not in NO_V:  # uneven column gains: |W_v h| varies from token to token, so V's norm matters
                 w[b + "attn_v.weight"] = mat(KV_HEADS * hd, D) * np.exp(1.5 * rng.standard_normal(D)).astype(np.float32)
+        if moe:
+            w.update({b + "ffn_gate_inp.weight": mat(E, D, gain=16.0), b + "ffn_gate_inp.scale": norm(spread=0.3),
+                      b + "pre_ffw_norm_2.weight": norm(), b + "post_ffw_norm_1.weight": norm(mean=0.5),
+                      b + "post_ffw_norm_2.weight": norm(mean=0.5),
+                      b + "ffn_gate_up_exps.weight": mat(E, 2 * F_EXP, D, gain=2.0),
+                      b + "ffn_down_exps.weight": mat(E, D, F_EXP),
+                      b + "ffn_down_exps.scale": np.exp(rng.standard_normal(E)).astype(np.float32)})
     return w
 
 
-def write_gemma4_gguf(path, seed: int = 0, native: bool = False) -> None:
+def write_gemma4_gguf(path, seed: int = 0, native: bool = False, moe: bool = False) -> None:
     """The test's gemma4 GGUF; native=True stores the matrices Q8_0 (norms, scales and factors F32),
-    else every tensor F32."""
+    else every tensor F32; moe: every layer also has experts (26B-A4B's layers)."""
     wr = gguf.GGUFWriter(str(path), ARCH)
     wr.add_name("tiny-gemma4")
     wr.add_block_count(LAYERS)
@@ -239,8 +255,12 @@ def write_gemma4_gguf(path, seed: int = 0, native: bool = False) -> None:
     wr.add_shared_kv_layers(SHARED_KV)
     wr.add_embedding_length_per_layer_input(P)
     wr.add_final_logit_softcapping(SOFTCAP)
+    if moe:
+        wr.add_expert_count(E)
+        wr.add_expert_used_count(TOP_K)
+        wr.add_expert_feed_forward_length(F_EXP)
     add_gemma4_vocab(wr)
-    for name, x in gemma4_weights(seed).items():
+    for name, x in gemma4_weights(seed, moe).items():
         add_tensor(wr, name, x, T.Q8_0 if native and x.ndim == 2 else T.F32)
     wr.write_header_to_file()
     wr.write_kv_data_to_file()
@@ -272,7 +292,7 @@ def rope(x: torch.Tensor, theta: float, factors: torch.Tensor) -> torch.Tensor:
 def reference_logits(path, toks: list[int], ple: bool = True, ple_tokens: bool = True, shared_kv: bool = True,
                      value_norm: bool = True, unit_scale: bool = True, window: bool = True,
                      rope_factors: bool = True, local_base: bool = True, out_scale: bool = True,
-                     softcap: bool = True) -> np.ndarray:
+                     softcap: bool = True, **moe_drops) -> np.ndarray:
     """[n, V] logits of the graph in the module docstring (float64), from the GGUF's dequantized
     weights; each flag set False drops one feature (the controls)."""
     g = GGUFModel(path)
@@ -318,6 +338,8 @@ def reference_logits(path, toks: list[int], ple: bool = True, ple_tokens: bool =
         x = x + rms(o @ v(b + "attn_output.weight").T, v(b + "post_attention_norm.weight"))
         f = rms(x, v(b + "ffn_norm.weight"))
         f = (gelu_tanh(f @ v(b + "ffn_gate.weight").T) * (f @ v(b + "ffn_up.weight").T)) @ v(b + "ffn_down.weight").T
+        if b + "ffn_gate_inp.weight" in names:
+            f = rms(f, v(b + "post_ffw_norm_1.weight")) + rms(experts(v, b, x, **moe_drops), v(b + "post_ffw_norm_2.weight"))
         x = x + rms(f, v(b + "post_ffw_norm.weight"))
         if ple:
             gate = gelu_tanh(x @ v(b + "inp_gate.weight").T) * per_layer[:, i]
@@ -328,6 +350,28 @@ def reference_logits(path, toks: list[int], ple: bool = True, ple_tokens: bool =
     if softcap:
         logits = SOFTCAP * torch.tanh(logits / SOFTCAP)
     return logits.numpy()
+
+
+def experts(v, b: str, x: torch.Tensor, router_norm: bool = True, weighted: bool = True, gate_first: bool = True,
+            down_scale: bool = True) -> torch.Tensor:
+    """The MoE branch of a layer on the residual x (after attention): router logits
+    W_r (rms(x) / sqrt(d) * ffn_gate_inp.scale), softmax over all experts, the top k kept and
+    renormalised to sum 1 (a factor per token that post_ffw_norm_2 cancels: no control can see
+    it); expert e: W_down,e (gelu_tanh(g) * u) * ffn_down_exps.scale[e], [g; u] (gate rows first) =
+    W_gate_up,e (rms(x) * pre_ffw_norm_2). The flags drop one feature each."""
+    r = (rms(x) / np.sqrt(D) * v(b + "ffn_gate_inp.scale")) if router_norm else x
+    probs = torch.softmax(r @ v(b + "ffn_gate_inp.weight").T, dim=-1)
+    top = probs.topk(TOP_K, dim=-1)
+    wts = top.values / top.values.sum(-1, keepdim=True) if weighted else torch.full_like(top.values, 1 / TOP_K)
+    h = rms(x, v(b + "pre_ffw_norm_2.weight"))
+    gu, down, scale = v(b + "ffn_gate_up_exps.weight"), v(b + "ffn_down_exps.weight"), v(b + "ffn_down_exps.scale")
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(TOP_K):
+            e = int(top.indices[t, j])
+            g, u = (gu[e] @ h[t]).split(F_EXP) if gate_first else (gu[e] @ h[t]).split(F_EXP)[::-1]
+            out[t] += wts[t, j] * (down[e] @ (gelu_tanh(g) * u)) * (scale[e] if down_scale else 1.0)
+    return out
 
 
 def sequence(n: int = STEPS, seed: int = 7) -> list[int]:
@@ -386,6 +430,41 @@ def test_each_feature_matters(g4, control):
     the oracle sees each."""
     path, toks, lc = g4
     errs, _, _ = compare(reference_logits(path, toks, **CONTROLS[control]), lc)
+    assert np.median(errs) > 3 * MEDIAN_TOL, (control, np.round(errs, 3))
+
+
+@pytest.fixture(scope="module", params=[0, 1])
+def g4_moe(request, tmp_path_factory):
+    """The all-F32 MoE file of one weight seed and llama.cpp's teacher-forced logits on it."""
+    seed = request.param
+    path = tmp_path_factory.mktemp(f"gemma4_moe_{seed}") / "m.gguf"
+    write_gemma4_gguf(path, seed, moe=True)
+    toks = sequence(seed=30 + seed)
+    return path, toks, llama_cpp_logits(path, toks)
+
+
+def test_moe_reference_matches_llama_cpp(g4_moe):
+    """Measured median 0.06-0.08%, every position <= 0.2% (seeds 0 and 1): the F32 tolerances."""
+    path, toks, lc = g4_moe
+    errs, margins, agree = compare(reference_logits(path, toks), lc)
+    msg = f"max|dlogit|/std per position: {np.round(errs, 4)}"
+    assert np.median(errs) <= F32_MEDIAN_TOL and errs.max() <= F32_MAX_TOL, msg
+    assert agree[margins > 0.2].all(), msg
+
+
+MOE_CONTROLS = {
+    "router on the raw residual": dict(router_norm=False),
+    "experts averaged, not weighted by the router": dict(weighted=False),
+    "up rows first in ffn_gate_up_exps": dict(gate_first=False),
+    "no per-expert output scale": dict(down_scale=False),
+}
+
+
+@pytest.mark.parametrize("control", list(MOE_CONTROLS))
+def test_each_moe_feature_matters(g4_moe, control):
+    """Measured misses 22-86% (median over positions)."""
+    path, toks, lc = g4_moe
+    errs, _, _ = compare(reference_logits(path, toks, **MOE_CONTROLS[control]), lc)
     assert np.median(errs) > 3 * MEDIAN_TOL, (control, np.round(errs, 3))
 
 
