@@ -55,7 +55,8 @@ to U+2581 before merging; pre-split only into runs of newlines and runs of anyth
 <0xXX> byte tokens; add_bos is on without the file saying so (the tokenize call can still ask for
 none).
 `gemma4_tokenize` writes that down and is held against llama.cpp on a trained vocabulary; so is
-cflow's tokenizer for the type (cflow.tokenizer_gemma4), special tokens and decoding included.
+cflow's tokenizer for the type (cflow.tokenizer_gemma4), special tokens and decoding included, and
+through a converted .cflow (a Llama carrying the vocabulary) in the engine.
 
 cflow's converter refuses a gemma4 file by name (also tests/test_gemma3.py); the engine and the
 PyTorch reference will be held against this oracle when they learn the architecture.
@@ -581,3 +582,35 @@ def test_a_gemma4_vocabulary_without_byte_tokens_is_refused(tmp_path):
                             merges=merges)
     with pytest.raises(TokenizerError, match="'gemma4' tokenizer that cflow cannot use.*byte-fallback"):
         gguf_tokenizer(GGUFModel(path))
+
+
+def test_a_gemma4_vocabulary_survives_conversion(tmp_path):
+    """A random one-layer Llama carrying the "gemma4" vocabulary (the architecture is still refused):
+    the .cflow keeps the tokenizer, the engine encodes like llama.cpp and streams what it decodes."""
+    from test_tokenizer_gguf import write_vocab_gguf
+
+    from cflow.convert.gguf import convert_gguf
+    from cflow.runtime import Engine
+
+    tokens, types, merges = gemma4_vocab()
+    rng = np.random.default_rng(0)
+    shapes = {"token_embd.weight": (len(tokens), 64), "output_norm.weight": (64,), "output.weight": (len(tokens), 64)}
+    shapes.update({f"blk.0.{n}.weight": s for n, s in {
+        "attn_norm": (64,), "attn_q": (64, 64), "attn_k": (64, 64), "attn_v": (64, 64), "attn_output": (64, 64),
+        "ffn_norm": (64,), "ffn_gate": (128, 64), "ffn_up": (128, 64), "ffn_down": (64, 128)}.items()})
+    weights = {n: (rng.standard_normal(s) * 0.1 + (len(s) == 1)).astype(np.float32) for n, s in shapes.items()}
+    path = write_vocab_gguf(tmp_path / "m.gguf", "gemma4", tokens, types, merges=merges, tensors=weights,
+                            extra={"add_bos_token_id": 2, "add_eos_token_id": 1})
+    convert_gguf(path, tmp_path / "m.cflow", quant="q8_0")
+    eng = Engine.load(tmp_path / "m.cflow", threads=1, n_ctx=64)
+    llm = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
+    try:
+        assert eng.tokenizer.model == "gemma4"
+        for text in TRICKY + CHAT:
+            assert eng.encode(text) == llm.tokenize(text.encode(), add_bos=True, special=True), text
+    finally:
+        llm.close()
+    out = eng.complete("Once upon a time", max_tokens=6, temperature=0.0, ignore_eos=True)
+    tok = eng.tokenizer
+    assert len(out.tokens) == 6 and out.text == b"".join(
+        tok.token_to_bytes(i) for i in out.tokens if not tok.is_special(i)).decode("utf-8", "replace")
