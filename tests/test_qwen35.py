@@ -31,7 +31,12 @@ attn_norm); x += ffn(rms(x) * post_attention_norm), with mix one of:
   head; NEOX RoPE on the first rope.dimension_count dims of each head only (the rest pass; the
   M-RoPE sections all see the token's position for text); causal softmax(q k^T / sqrt(hd)), head
   h reading kv head h // (H/Hkv); o = attn * sigmoid(gate); mix = W_o o.
-Then the final RMSNorm and the output matrix.
+The FFN: SwiGLU W_down (silu(W_gate h) * W_up h) in qwen35; in qwen35moe (`moe_ffn`) the router's
+softmax over all E logits (ffn_gate_inp [E, d]), the top-k of it renormalised to sum 1, SwiGLU
+experts ffn_{gate,up}_exps [E, d_exp, d], ffn_down_exps [E, d, d_exp], plus a shared SwiGLU
+expert ffn_{gate,up,down}_shexp scaled by sigmoid(ffn_gate_inp_shexp . h) (a [d] vector: one
+gate per token); keys expert_count, expert_used_count, expert_feed_forward_length,
+expert_shared_feed_forward_length. Then the final RMSNorm and the output matrix.
 
 The oracle is checked on the all-F32 file (llama.cpp then runs float weights on float
 activations); each control misses by far (see test_each_feature_matters). cflow's converter
@@ -59,17 +64,20 @@ from cflow.convert.gguf import GGUFModel, UnsupportedArchitectureError  # noqa: 
 from cflow.model import apply_rope, rope_cos_sin  # noqa: E402
 
 T = gguf.GGMLQuantizationType
-ARCH = "qwen35"
 D, LAYERS, F, INTERVAL = 128, 4, 192, 2
 HEADS, KV_HEADS, HD, N_ROT = 4, 2, 32, 16  # full attention: partial RoPE over 16 of 32 dims
 SECTIONS = [3, 3, 2, 0]  # M-RoPE sections (pairs), summing to N_ROT / 2 as Qwen3.5's [11, 11, 10, 0] do
 HK, HV, DS, KCONV = 2, 4, 32, 4  # delta net: 2 q/k heads, 4 v heads, head dims 32, conv over 4 tokens
 KEY_DIM, VALUE_DIM = HK * DS, HV * DS
 CONV_DIM = 2 * KEY_DIM + VALUE_DIM
+E, TOP_K, FX, FS = 8, 2, 64, 96  # qwen35moe: 8 experts of width 64, 2 used, a shared expert of width 96
 CTX, THETA, EPS = 256, 10000.0, 1e-6
 STEPS = 40
 # Tolerances as tests/test_gptoss.py's on its all-F32 file: median max|dlogit|/std <= 2%, >= 95%
-# of positions <= 4% (llama.cpp keeps the full layers' K/V in fp16; the rest is float32).
+# of positions <= 4% (llama.cpp keeps the full layers' K/V in fp16; the rest is float32). Measured
+# (llama-cpp-python 0.3.36, AVX-512, seeds 0 and 1, 40 positions): qwen35 median 0.04%, max 0.11%,
+# the same through llama.cpp's one-call prefill; qwen35moe median 0.04%, max 0.15%; the controls
+# miss by 60-400% (median).
 F32_MEDIAN_TOL, F32_MAX_TOL, F32_WITHIN = 0.02, 0.04, 0.95
 
 
@@ -78,9 +86,10 @@ def is_full_attention(il: int) -> bool:
     return (il + 1) % INTERVAL == 0
 
 
-def qwen35_weights(seed: int) -> dict[str, np.ndarray]:
+def qwen35_weights(seed: int, moe: bool = False) -> dict[str, np.ndarray]:
     """Float weights under GGUF names (numpy order), sized so every feature moves the logits:
-    decays exp(g) spread over ~0.2-0.95, betas over ~0.1-0.9, attention gates over (0, 1)."""
+    decays exp(g) spread over ~0.2-0.95, betas over ~0.1-0.9, attention gates over (0, 1); with
+    moe, qwen35moe's FFN (router, experts, the shared expert and its gate) instead of the dense."""
     rng = np.random.default_rng(seed)
     V = len(tiny_vocab())
 
@@ -94,9 +103,17 @@ def qwen35_weights(seed: int) -> dict[str, np.ndarray]:
          "output.weight": mat(V, D, gain=4.0)}
     for i in range(LAYERS):
         b = f"blk.{i}."
-        w.update({b + "attn_norm.weight": 1 + vec(D, 0.1), b + "post_attention_norm.weight": 1 + vec(D, 0.1),
-                  b + "ffn_gate.weight": mat(F, D, gain=2.0), b + "ffn_up.weight": mat(F, D, gain=2.0),
-                  b + "ffn_down.weight": mat(D, F)})
+        w.update({b + "attn_norm.weight": 1 + vec(D, 0.1), b + "post_attention_norm.weight": 1 + vec(D, 0.1)})
+        if moe:
+            w.update({b + "ffn_gate_inp.weight": mat(E, D, gain=2.0),
+                      b + "ffn_gate_exps.weight": mat(E, FX, D, gain=2.0), b + "ffn_up_exps.weight": mat(E, FX, D, gain=2.0),
+                      b + "ffn_down_exps.weight": mat(E, D, FX, gain=1.5),
+                      b + "ffn_gate_inp_shexp.weight": mat(D, gain=1.5),
+                      b + "ffn_gate_shexp.weight": mat(FS, D, gain=2.0), b + "ffn_up_shexp.weight": mat(FS, D, gain=2.0),
+                      b + "ffn_down_shexp.weight": mat(D, FS, gain=1.5)})
+        else:
+            w.update({b + "ffn_gate.weight": mat(F, D, gain=2.0), b + "ffn_up.weight": mat(F, D, gain=2.0),
+                      b + "ffn_down.weight": mat(D, F)})
         if is_full_attention(i):
             w.update({b + "attn_q.weight": mat(HEADS * 2 * HD, D, gain=2.0),
                       b + "attn_k.weight": mat(KV_HEADS * HD, D, gain=2.0),
@@ -113,15 +130,22 @@ def qwen35_weights(seed: int) -> dict[str, np.ndarray]:
     return w
 
 
-def write_qwen35_gguf(path, seed: int = 0, quant=None) -> None:
-    """The qwen35 file of one weight seed, every tensor F32, or with `quant` (a GGML type) for the
-    2-D matrices llama.cpp quantizes (the projections, not the conv, norms or per-head vectors)."""
-    wr = gguf.GGUFWriter(str(path), ARCH)
-    wr.add_name("tiny-qwen35")
+def write_qwen35_gguf(path, seed: int = 0, quant=None, moe: bool = False) -> None:
+    """The qwen35 (or with moe, qwen35moe) file of one weight seed, every tensor F32, or with
+    `quant` (a GGML type) for the matrices llama.cpp quantizes (projections and experts, not the
+    conv, norms or per-head vectors)."""
+    arch = "qwen35moe" if moe else "qwen35"
+    wr = gguf.GGUFWriter(str(path), arch)
+    wr.add_name(f"tiny-{arch}")
     wr.add_block_count(LAYERS)
     wr.add_context_length(CTX)
     wr.add_embedding_length(D)
-    wr.add_feed_forward_length(F)
+    wr.add_feed_forward_length(FS if moe else F)
+    if moe:
+        wr.add_expert_count(E)
+        wr.add_expert_used_count(TOP_K)
+        wr.add_expert_feed_forward_length(FX)
+        wr.add_expert_shared_feed_forward_length(FS)
     wr.add_head_count(HEADS)
     wr.add_head_count_kv(KV_HEADS)
     wr.add_key_length(HD)
@@ -137,8 +161,8 @@ def write_qwen35_gguf(path, seed: int = 0, quant=None) -> None:
     wr.add_ssm_group_count(HK)
     wr.add_full_attention_interval(INTERVAL)
     add_tiny_tokenizer(wr)
-    for name, x in qwen35_weights(seed).items():
-        quantized = quant is not None and x.ndim == 2 and "conv1d" not in name and "token_embd" not in name
+    for name, x in qwen35_weights(seed, moe).items():
+        quantized = quant is not None and x.ndim >= 2 and "conv1d" not in name and "token_embd" not in name
         add_tensor(wr, name, x, quant if quantized else T.F32)
     wr.write_header_to_file()
     wr.write_kv_data_to_file()
@@ -215,11 +239,33 @@ def full_attention(v, b: str, h: torch.Tensor, gate=True, partial_rope=True) -> 
     return o.reshape(n, HEADS * HD) @ v(b + "attn_output.weight").T
 
 
-def reference_logits(path, toks: list[int], pattern=True, gate=True, partial_rope=True, **dnet) -> np.ndarray:
+def moe_ffn(v, b: str, h: torch.Tensor, norm_topk=True, shared=True, shared_gate=True) -> torch.Tensor:
+    """qwen35moe's FFN of the module docstring over h [n, d]."""
+    probs = torch.softmax(h @ v(b + "ffn_gate_inp.weight").T, -1)  # [n, E]
+    top = probs.topk(TOP_K, dim=-1)
+    wts = top.values / top.values.sum(-1, keepdim=True) if norm_topk else top.values
+    wg, wu, wd = v(b + "ffn_gate_exps.weight"), v(b + "ffn_up_exps.weight"), v(b + "ffn_down_exps.weight")
+    out = torch.zeros_like(h)
+    for t in range(h.shape[0]):
+        for j in range(TOP_K):
+            e = int(top.indices[t, j])
+            out[t] += wts[t, j] * (wd[e] @ (torch.nn.functional.silu(wg[e] @ h[t]) * (wu[e] @ h[t])))
+    if shared:
+        sh = torch.nn.functional.silu(h @ v(b + "ffn_gate_shexp.weight").T) * (h @ v(b + "ffn_up_shexp.weight").T)
+        sh = sh @ v(b + "ffn_down_shexp.weight").T
+        if shared_gate:
+            sh = sh * torch.sigmoid(h @ v(b + "ffn_gate_inp_shexp.weight"))[:, None]
+        out = out + sh
+    return out
+
+
+def reference_logits(path, toks: list[int], pattern=True, gate=True, partial_rope=True, norm_topk=True,
+                     shared=True, shared_gate=True, **dnet) -> np.ndarray:
     """[n, V] logits of the graph in the module docstring (float64), from the GGUF's weights; the
     flags drop one feature each (the controls). pattern=False runs the blocks as if the full
     attention layers came first in each group (blocks 1, 0, 3, 2): a wrong layer pattern."""
     g = GGUFModel(path)
+    moe = g.architecture == "qwen35moe"
     v = lambda n: torch.from_numpy(gguf_values(g, n).astype(np.float64))  # noqa: E731
     x = v("token_embd.weight")[torch.tensor(toks)]
     order = list(range(LAYERS)) if pattern else [i ^ 1 for i in range(LAYERS)]
@@ -231,6 +277,9 @@ def reference_logits(path, toks: list[int], pattern=True, gate=True, partial_rop
         else:
             x = x + delta_net(v, b, h, **dnet)
         h = rms(x, v(b + "post_attention_norm.weight"))
+        if moe:
+            x = x + moe_ffn(v, b, h, norm_topk=norm_topk, shared=shared, shared_gate=shared_gate)
+            continue
         ffn = torch.nn.functional.silu(h @ v(b + "ffn_gate.weight").T) * (h @ v(b + "ffn_up.weight").T)
         x = x + ffn @ v(b + "ffn_down.weight").T
     return (rms(x, v("output_norm.weight")) @ v("output.weight").T).numpy()
@@ -246,12 +295,58 @@ def q35(request, tmp_path_factory):
     return path, toks, llama_cpp_logits(path, toks)
 
 
-def test_reference_matches_llama_cpp(q35):
-    path, toks, lc = q35
-    errs, margins, agree = compare(reference_logits(path, toks), lc)
+@pytest.fixture(scope="module", params=[0, 1])
+def q35moe(request, tmp_path_factory):
+    """The all-F32 qwen35moe file of one weight seed and llama.cpp's teacher-forced logits on it."""
+    seed = request.param
+    path = tmp_path_factory.mktemp(f"qwen35moe_{seed}") / "m.gguf"
+    write_qwen35_gguf(path, seed, moe=True)
+    toks = tokens(STEPS, seed=60 + seed)
+    return path, toks, llama_cpp_logits(path, toks)
+
+
+def llama_cpp_prefill_logits(path, toks: list[int]) -> np.ndarray:
+    """[n, V] logits from one llama_decode of the whole sequence (llama.cpp's prefill: its chunked
+    parallel form of the delta rule rather than the token-by-token recurrence)."""
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=128, logits_all=True, n_threads=1, n_threads_batch=1,
+                          verbose=False)
+    try:
+        llm.eval(toks)
+        return np.array(llm.scores[:len(toks)], dtype=np.float64)
+    finally:
+        llm.close()
+
+
+def assert_matches(got: np.ndarray, want: np.ndarray) -> None:
+    errs, margins, agree = compare(got, want)
     msg = f"max|dlogit|/std per position: {np.round(errs, 4)}"
     assert np.median(errs) <= F32_MEDIAN_TOL and np.mean(errs <= F32_MAX_TOL) >= F32_WITHIN, msg
     assert agree[margins > 0.2].all(), msg
+
+
+def test_reference_matches_llama_cpp(q35):
+    path, toks, lc = q35
+    assert_matches(reference_logits(path, toks), lc)
+
+
+def test_reference_matches_llama_cpp_prefill(q35):
+    """The recurrence the reference steps is what llama.cpp's one-call prefill computes too."""
+    path, toks, _ = q35
+    assert_matches(reference_logits(path, toks), llama_cpp_prefill_logits(path, toks))
+
+
+def test_moe_reference_matches_llama_cpp(q35moe):
+    path, toks, lc = q35moe
+    assert_matches(reference_logits(path, toks), lc)
+
+
+@pytest.mark.parametrize("drop", ["norm_topk", "shared", "shared_gate"])
+def test_each_moe_feature_matters(q35moe, drop):
+    """qwen35moe's FFN without the top-k renormalisation, the shared expert, or its sigmoid gate
+    misses llama.cpp by far."""
+    path, toks, lc = q35moe
+    errs, _, _ = compare(reference_logits(path, toks, **{drop: False}), lc)
+    assert np.median(errs) > 3 * MEDIAN_TOL, (drop, np.round(errs, 3))
 
 
 @pytest.mark.parametrize("drop", ["conv", "decay", "beta", "l2", "tiled", "gated_norm", "gate", "partial_rope",
@@ -264,7 +359,8 @@ def test_each_feature_matters(q35, drop):
     assert np.median(errs) > 3 * MEDIAN_TOL, (drop, np.round(errs, 3))
 
 
-def test_llama_cpp_runs_a_quantized_copy_and_cflow_refuses_it_by_name(tmp_path):
+@pytest.mark.parametrize("moe", [False, True], ids=["qwen35", "qwen35moe"])
+def test_llama_cpp_runs_a_quantized_copy_and_cflow_refuses_it_by_name(tmp_path, moe):
     """The same graph with its projections in Q8_0 (what a shipped file quantizes): llama.cpp loads
     and runs it; cflow's converter refuses the file by name, saying what it lacks, and writes
     nothing. (The float reference is not held to it: llama.cpp rounds every quantized mat-mul's
@@ -272,13 +368,15 @@ def test_llama_cpp_runs_a_quantized_copy_and_cflow_refuses_it_by_name(tmp_path):
     median, over 16 positions; cflow's engine, which rounds the same way, is the one to compare
     with llama.cpp on this file.)"""
     path = tmp_path / "q8.gguf"
-    write_qwen35_gguf(path, seed=0, quant=T.Q8_0)
+    write_qwen35_gguf(path, seed=0, quant=T.Q8_0, moe=moe)
     types = {t.name: t.tensor_type for t in gguf.GGUFReader(str(path)).tensors}
     assert types["blk.0.attn_qkv.weight"] == T.Q8_0 and types["blk.1.attn_q.weight"] == T.Q8_0
     assert types["blk.0.ssm_conv1d.weight"] == T.F32
+    assert (types.get("blk.0.ffn_gate_exps.weight") == T.Q8_0) == moe
     toks = tokens(16, seed=3)
     lc = llama_cpp_logits(path, toks)
     assert lc.shape == (len(toks), len(tiny_vocab())) and np.isfinite(lc).all()
-    with pytest.raises(UnsupportedArchitectureError, match="qwen35.*Gated DeltaNet.*not yet supported"):
+    with pytest.raises(UnsupportedArchitectureError, match=("qwen35moe.*Gated DeltaNet.*shared expert.*not yet supported" if moe
+                                                            else "'qwen35'.*Gated DeltaNet.*not yet supported")):
         convert(path, tmp_path / "m.cflow")
     assert not (tmp_path / "m.cflow").exists()
