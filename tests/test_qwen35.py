@@ -181,11 +181,15 @@ def l2norm(x: torch.Tensor) -> torch.Tensor:
 def delta_net(v, b: str, h: torch.Tensor, conv=True, decay=True, beta=True, l2=True, tiled=True,
               gated_norm=True) -> torch.Tensor:
     """The Gated DeltaNet mix of the module docstring over h [n, d], token by token (the decode
-    recurrence: conv state and S carried from row to row)."""
+    recurrence: conv state and S carried from row to row); its sizes are the weights' (the
+    layer's v(name) accessor and name prefix b), so tests of cflow's kernel reuse it at any size."""
     n = h.shape[0]
     u = h @ v(b + "attn_qkv.weight").T  # [n, conv_dim]
-    z = (h @ v(b + "attn_gate.weight").T).view(n, HV, DS)
     w_conv = v(b + "ssm_conv1d.weight")  # [conv_dim, d_conv]: column d_conv-1 weighs the current token
+    (CONV_DIM, KCONV), HV, DS = w_conv.shape, v(b + "ssm_a").shape[0], v(b + "ssm_norm.weight").shape[0]
+    HK = (CONV_DIM - HV * DS) // (2 * DS)
+    KEY_DIM, VALUE_DIM = HK * DS, HV * DS
+    z = (h @ v(b + "attn_gate.weight").T).view(n, HV, DS)
     if conv:
         padded = torch.cat([torch.zeros(KCONV - 1, CONV_DIM, dtype=u.dtype), u])
         c = sum(padded[j:j + n] * w_conv[:, j] for j in range(KCONV))
