@@ -1,6 +1,6 @@
 """cflow's Gated DeltaNet token step (src/cflow/native/deltanet.c, the scalar reference the engine's
-qwen35 layers will run) against the float reference of llama.cpp's graph (tests/test_qwen35.py's
-delta_net, itself held to llama.cpp there), token by token with the conv and recurrent state
+qwen35 layers will run) against the float reference of llama.cpp's layer (tests/deltanet_reference.py,
+held to llama.cpp by tests/test_qwen35.py), token by token with the conv and recurrent state
 carried in the caller's arrays, at Qwen3.5's head layout and at odd sizes."""
 
 from __future__ import annotations
@@ -9,14 +9,12 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
-pytest.importorskip("gguf")
-pytest.importorskip("llama_cpp")  # test_qwen35 imports the oracle's helpers
 
-from test_qwen35 import EPS, delta_net  # noqa: E402
+from deltanet_reference import delta_net  # noqa: E402
 
 from cflow import _native  # noqa: E402
 
-D, STEPS = 48, 24
+D, STEPS, EPS = 48, 24, 1e-6
 
 
 def layer_weights(rng, hk: int, hv: int, dh: int, kconv: int) -> dict[str, np.ndarray]:
@@ -54,7 +52,7 @@ def native_outputs(w: dict[str, np.ndarray], hk: int, h: np.ndarray, carry: bool
 
 def reference_outputs(w: dict[str, np.ndarray], h: np.ndarray, **drop) -> np.ndarray:
     v = lambda n: torch.from_numpy(w[n].astype(np.float64))  # noqa: E731
-    return delta_net(v, "", torch.from_numpy(h.astype(np.float64)), **drop).numpy()
+    return delta_net(v, "", torch.from_numpy(h.astype(np.float64)), EPS, **drop).numpy()
 
 
 def rel_err(got: np.ndarray, want: np.ndarray) -> float:

@@ -15,9 +15,11 @@ post_attention_norm (the norm before the FFN), a dense SwiGLU ffn_{gate,up,down}
   [Hkv*hd, d], attn_q_norm / attn_k_norm [hd], attn_output [d, H*hd].
 Metadata: qwen35.ssm.{conv_kernel, inner_size (= Hv*dv), state_size (= dk = dv), time_step_rank
 (= Hv), group_count (= Hk)}, qwen35.full_attention_interval, qwen35.rope.dimension_sections,
-rope.dimension_count (the rotated dims: partial RoPE), attention.key_length / value_length.
+rope.dimension_count (the rotated dims: partial RoPE), attention.key_length / value_length
+(qwen35moe.* the same).
 
-The graph (`reference_logits`), as llama.cpp 0.3.36 computes it, per layer x += mix(rms(x) *
+The graph (`reference_logits`; the delta-net layer in tests/deltanet_reference.py), as
+llama.cpp 0.3.36 computes it, per layer x += mix(rms(x) *
 attn_norm); x += ffn(rms(x) * post_attention_norm), with mix one of:
 - Gated DeltaNet, per token t: u = W_qkv h (the conv's input), z = W_gate h;
   c = silu(causal depthwise conv over u of the last d_conv tokens, the current one last,
@@ -28,8 +30,9 @@ attn_norm); x += ffn(rms(x) * post_attention_norm), with mix one of:
   per head, state S [dk, dv]: S = exp(g) S; S += k (beta (v - S^T k))^T; o = S^T q / sqrt(dk);
   o = rms(o per head) * ssm_norm * silu(z); mix = W_out o.
 - full attention: [q | gate] per head from attn_q; q = rms(q) * q_norm, k = rms(k) * k_norm per
-  head; NEOX RoPE on the first rope.dimension_count dims of each head only (the rest pass; the
-  M-RoPE sections all see the token's position for text); causal softmax(q k^T / sqrt(hd)), head
+  head; NEOX RoPE on the first rope.dimension_count dims of each head only (the rest pass;
+  llama.cpp's M-RoPE, whose sections all carry the token's position for text, matches it);
+  causal softmax(q k^T / sqrt(hd)), head
   h reading kv head h // (H/Hkv); o = attn * sigmoid(gate); mix = W_o o.
 The FFN: SwiGLU W_down (silu(W_gate h) * W_up h) in qwen35; in qwen35moe (`moe_ffn`) the router's
 softmax over all E logits (ffn_gate_inp [E, d]), the top-k of it renormalised to sum 1, SwiGLU
@@ -62,6 +65,7 @@ from test_moe_llamacpp import MEDIAN_TOL, llama_cpp_logits, private_cache  # noq
 from cflow.convert import convert  # noqa: E402
 from cflow.convert.gguf import GGUFModel, UnsupportedArchitectureError  # noqa: E402
 from cflow.model import apply_rope, rope_cos_sin  # noqa: E402
+from deltanet_reference import delta_net as gated_delta_net, rms_norm  # noqa: E402
 
 T = gguf.GGMLQuantizationType
 D, LAYERS, F, INTERVAL = 128, 4, 192, 2
@@ -172,52 +176,13 @@ def write_qwen35_gguf(path, seed: int = 0, quant=None, moe: bool = False) -> Non
 
 
 def rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * w
+    return rms_norm(x, w, EPS)
 
 
-def l2norm(x: torch.Tensor) -> torch.Tensor:
-    return x / x.norm(dim=-1, keepdim=True).clamp(min=EPS)
-
-
-def delta_net(v, b: str, h: torch.Tensor, conv=True, decay=True, beta=True, l2=True, tiled=True,
-              gated_norm=True) -> torch.Tensor:
-    """The Gated DeltaNet mix of the module docstring over h [n, d], token by token (the decode
-    recurrence: conv state and S carried from row to row); its sizes are the weights' (the
-    layer's v(name) accessor and name prefix b), so tests of cflow's kernel reuse it at any size."""
-    n = h.shape[0]
-    u = h @ v(b + "attn_qkv.weight").T  # [n, conv_dim]
-    w_conv = v(b + "ssm_conv1d.weight")  # [conv_dim, d_conv]: column d_conv-1 weighs the current token
-    (CONV_DIM, KCONV), HV, DS = w_conv.shape, v(b + "ssm_a").shape[0], v(b + "ssm_norm.weight").shape[0]
-    HK = (CONV_DIM - HV * DS) // (2 * DS)
-    KEY_DIM, VALUE_DIM = HK * DS, HV * DS
-    z = (h @ v(b + "attn_gate.weight").T).view(n, HV, DS)
-    if conv:
-        padded = torch.cat([torch.zeros(KCONV - 1, CONV_DIM, dtype=u.dtype), u])
-        c = sum(padded[j:j + n] * w_conv[:, j] for j in range(KCONV))
-    else:  # the control: the current token's tap only
-        c = u * w_conv[:, KCONV - 1]
-    c = torch.nn.functional.silu(c)
-    q = c[:, :KEY_DIM].reshape(n, HK, DS)
-    k = c[:, KEY_DIM:2 * KEY_DIM].reshape(n, HK, DS)
-    vv = c[:, 2 * KEY_DIM:].reshape(n, HV, DS)
-    if l2:
-        q, k = l2norm(q), l2norm(k)
-    heads = torch.arange(HV) % HK if tiled else torch.arange(HV) // (HV // HK)
-    q, k = q[:, heads], k[:, heads]  # [n, HV, DS]
-    bt = torch.sigmoid(h @ v(b + "ssm_beta.weight").T) if beta else torch.ones(n, HV, dtype=h.dtype)
-    g = torch.nn.functional.softplus(h @ v(b + "ssm_alpha.weight").T + v(b + "ssm_dt.bias")) * v(b + "ssm_a")
-    if not decay:
-        g = torch.zeros_like(g)
-    S = torch.zeros(HV, DS, DS, dtype=h.dtype)  # [head, key dim, value dim]
-    out = torch.empty(n, HV, DS, dtype=h.dtype)
-    for t in range(n):
-        S = S * g[t].exp()[:, None, None]
-        recalled = torch.einsum("hkv,hk->hv", S, k[t])
-        S = S + torch.einsum("hk,hv->hkv", k[t], bt[t][:, None] * (vv[t] - recalled))
-        out[t] = torch.einsum("hkv,hk->hv", S, q[t]) / np.sqrt(DS)
-    o = rms(out, v(b + "ssm_norm.weight"))
-    o = o * torch.nn.functional.silu(z) if gated_norm else o
-    return o.reshape(n, VALUE_DIM) @ v(b + "ssm_out.weight").T
+def delta_net(v, b: str, h: torch.Tensor, **drop) -> torch.Tensor:
+    """The Gated DeltaNet mix of the module docstring (deltanet_reference.delta_net) at this
+    file's eps; `drop` names the features a control leaves out."""
+    return gated_delta_net(v, b, h, EPS, **drop)
 
 
 def full_attention(v, b: str, h: torch.Tensor, gate=True, partial_rope=True) -> torch.Tensor:
