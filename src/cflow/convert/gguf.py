@@ -119,7 +119,13 @@ _PERMUTED_QK = ("llama", "mistral3")
 _NOT_YET = {"gemma4": "gemma4 (its per-layer embeddings and attention variants)",
             # its MXFP4 experts run (cflow.kquant); the graph around them does not yet
             "gpt-oss": "gpt-oss (attention sinks, biases on q/k/v/o, the router and the experts, OpenAI's "
-                       "clamped SwiGLU, softmax over the top-k router logits)"}
+                       "clamped SwiGLU, softmax over the top-k router logits)",
+            # tests/test_qwen35.py pins llama.cpp's graph down (reference + controls)
+            "qwen35": "qwen35 (Gated DeltaNet linear-attention layers with their per-sequence conv and "
+                      "recurrent state, gated full attention with partial RoPE)",
+            "qwen35moe": "qwen35moe (Gated DeltaNet linear-attention layers with their per-sequence conv and "
+                         "recurrent state, gated full attention with partial RoPE, experts with a gated "
+                         "shared expert)"}
 # GGUF tensor-name prefixes of vision towers and projectors (llama.cpp's mmproj files use them).
 _VISION_PREFIXES = ("v.", "mm.", "vision_", "mmproj.")
 _NATIVE = {d.upper(): d for d in STORED_QUANT}  # GGML type name -> the dtype its blocks keep

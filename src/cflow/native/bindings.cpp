@@ -29,6 +29,7 @@
 namespace nb = nanobind;
 
 void cf_bind_engine(nb::module_ &m); // bind_engine.cpp
+void cf_bind_deltanet(nb::module_ &m); // bind_deltanet.cpp
 
 namespace {
 
@@ -679,4 +680,5 @@ NB_MODULE(_native, m) {
     m.def("f16_to_f32", &f16_to_f32, arg("h"), "fp16 bits (or float16) to float32 with the scalar cf_half_to_float.");
 
     cf_bind_engine(m);
+    cf_bind_deltanet(m);
 }
