@@ -118,6 +118,9 @@ _PERMUTED_QK = ("llama", "mistral3")
 # Known architectures cflow does not run yet, with what is missing.
 _NOT_YET = {"gemma4": "gemma4 (its per-layer embeddings and attention variants)",
             # its MXFP4 experts run (cflow.kquant); the graph around them does not yet
+            # cflow.model_deepseek2 is its float reference (tests/test_deepseek2.py); the engine lacks MLA
+            "deepseek2": "deepseek2 (DeepSeek-V2/V3, Kimi-K2: multi-head latent attention with its latent KV "
+                         "cache, DeepSeek's grouped sigmoid/softmax routing, leading dense layers)",
             "gpt-oss": "gpt-oss (attention sinks, biases on q/k/v/o, the router and the experts, OpenAI's "
                        "clamped SwiGLU, softmax over the top-k router logits)"}
 # GGUF tensor-name prefixes of vision towers and projectors (llama.cpp's mmproj files use them).
