@@ -447,3 +447,34 @@ def test_every_other_kernel_table(isa):
     assert r.returncode == 0, out[-4000:]
     m = re.search(r"(\d+) passed", out)
     assert m and int(m.group(1)) == 2 * len(ISA_TESTS) and "skipped" not in out, out[-4000:]
+
+
+ENGINE_CONTROLS = {
+    "no group limit": dict(moe_groups=0, moe_groups_used=0),
+    "no YaRN mscale": dict(attn_scale=1 / np.sqrt(NOPE + ROPE)),
+    "no correction bias": dict(moe_router_bias=False),
+    "no shared expert": dict(d_shared_expert=0),
+    "rope rows not reordered": {},
+}
+
+
+@pytest.mark.parametrize("drop", sorted(ENGINE_CONTROLS))
+def test_engine_controls_miss(engine_run, drop, monkeypatch, tmp_path):
+    """The engine on a conversion with one feature dropped misses llama.cpp by far (median over 3x
+    the bound test_engine_matches_llama_cpp_and_reference holds it to): each feature is one the
+    engine runs, and the comparison sees it. (v2 files have no correction bias.)"""
+    import cflow.convert.gguf_deepseek2 as ds
+
+    variant, d, _, toks, lc, ref = engine_run
+    if drop == "no correction bias" and variant != "v3":
+        pytest.skip("v2 files carry no correction bias")
+    over = ENGINE_CONTROLS[drop]
+    real = ds.deepseek2_model_config
+    monkeypatch.setattr(ds, "deepseek2_model_config", lambda g: real(g).replace(**over))
+    monkeypatch.setattr(ds, "_check_deepseek2_names", lambda g, cfg: None)  # the dropped tensors stay unread
+    if drop == "rope rows not reordered":
+        monkeypatch.setattr(ds, "_half_rope_rows", lambda rows, *a: np.arange(rows))
+    convert(d / "m.gguf", tmp_path / "m.cflow")
+    lc_ref, _, _ = compare(lc, ref)
+    errs, _, _ = compare(engine_logits(tmp_path / "m.cflow", toks), lc)
+    assert np.median(errs) > 3 * 1.5 * np.median(lc_ref), (drop, np.round(errs, 3), np.median(lc_ref))
