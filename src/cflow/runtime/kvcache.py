@@ -33,11 +33,13 @@ def check_model(config: Any, type_k: str, type_v: str) -> None:
         raise EngineError(f"this model's cache holds one latent row per token (multi-head latent attention), read "
                           f"as keys and as values: cache_type_k and cache_type_v must agree (got {type_k}, {type_v})",
                           flag=FLAGS["v"])
-    width = config.kv_lora_rank + config.qk_rope_dim if getattr(config, "kv_lora_rank", 0) else config.head_dim
+    mla = getattr(config, "kv_lora_rank", 0)
+    width = config.kv_lora_rank + config.qk_rope_dim if mla else config.head_dim
+    what = f"latent cache rows are {width} wide" if mla else f"head_dim is {width}"
     for which, t in (("k", type_k), ("v", type_v)):
         if t == "q8_0" and width % quant.QK:
             raise EngineError(f"cache_type_{which} q8_0 stores rows in blocks of {quant.QK} values, and this "
-                              f"model's cache rows are {width} wide; use f16", flag=FLAGS[which])
+                              f"model's {what}; use f16", flag=FLAGS[which])
 
 
 def row_bytes(cache_type: str, head_dim: int) -> int:
