@@ -478,3 +478,30 @@ def test_engine_controls_miss(engine_run, drop, monkeypatch, tmp_path):
     lc_ref, _, _ = compare(lc, ref)
     errs, _, _ = compare(engine_logits(tmp_path / "m.cflow", toks), lc)
     assert np.median(errs) > 3 * 1.5 * np.median(lc_ref), (drop, np.round(errs, 3), np.median(lc_ref))
+
+
+@pytest.mark.parametrize("layout", ["legacy attn_kv_b", "plain attn_q"])
+def test_engine_runs_the_other_layouts(tmp_path, layout):
+    """The legacy attn_kv_b (split into the per-head up-projections at conversion) and the plain
+    query (one attn_q, the engine's wq path) through the engine, as test_engine_matches_llama_cpp_
+    and_reference holds the split layout."""
+    path = tmp_path / "m.gguf"
+    kw = dict(legacy_kv_b=True) if layout == "legacy attn_kv_b" else dict(
+        q_lora=0, keys={"attention.q_lora_rank": (0, gguf.GGUFValueType.UINT32)})
+    w = deepseek2_weights_random(2, q_lora=kw.get("q_lora", Q_LORA), legacy_kv_b=kw.get("legacy_kv_b", False), tame=True)
+    write_deepseek2_gguf(path, quantized=True, weights=w, **kw)
+    convert(path, tmp_path / "m.cflow")
+    toks = tokens(STEPS, seed=32)
+    lc, ref = llama_cpp_logits(path, toks), reference(path).forward(toks)
+    got = engine_logits(tmp_path / "m.cflow", toks)
+    e_lc, _, _ = compare(got, lc)
+    lc_ref, _, _ = compare(lc, ref)
+    assert np.median(e_lc) <= 1.5 * np.median(lc_ref), (layout, np.round(e_lc, 3), np.round(lc_ref, 3))
+
+
+def test_vflow_order_runs_the_same(engine_run, tmp_path):
+    """The decode-schedule order (.vflow) of a deepseek2 file holds the same tensors and gives the
+    same logits bit for bit."""
+    _, d, _, toks, _, _ = engine_run
+    convert(d / "m.gguf", tmp_path / "m.vflow")
+    np.testing.assert_array_equal(engine_logits(tmp_path / "m.vflow", toks[:8]), engine_logits(d / "m.cflow", toks[:8]))
