@@ -349,6 +349,10 @@ def test_converter_reads_deepseek2(engine_run):
     assert (c.moe_gating, c.moe_router_bias, c.moe_groups, c.moe_groups_used, c.moe_weights_scale,
             c.moe_norm_topk) == ("sigmoid" if variant == "v3" else "softmax", variant == "v3", GROUPS, GROUPS_USED,
                                  VARIANTS[variant]["scale"], VARIANTS[variant]["norm"])
+    from cflow import weights  # the tensor count a header check uses, without listing the tensors
+
+    for cfg in (c, c.replace(q_lora_rank=0), c.replace(moe_router_bias=False, d_shared_expert=0)):
+        assert weights.count(cfg) == len(list(weights.model_weights(cfg)))
 
 
 def test_engine_matches_llama_cpp_and_reference(engine_run):

@@ -217,13 +217,14 @@ def model_weights(cfg: ModelConfig, split_qkv: Collection[int] = ()) -> Iterator
 def count(cfg: ModelConfig, n_split_qkv: int = 0) -> int:
     """How many tensors `model_weights(cfg)` yields (with `n_split_qkv` sets stored by parts),
     computed without building it (a damaged header may claim billions of layers)."""
-    if cfg.mla or cfg.n_dense_lead:  # layers differ: bounded by the validated geometry, count them
-        return sum(1 for _ in model_weights(cfg))
-    per_set = 3 + cfg.qkv_bias + 2 * cfg.qk_norm + 3 * cfg.has_dense + (2 + 2 * cfg.n_experts) * cfg.has_moe \
-        + (2 + cfg.shared_expert_gate) * cfg.has_shared_expert + cfg.moe_router_bias * cfg.has_moe \
-        + cfg.post_norms * (1 + cfg.has_dense)
-    return 2 + cfg.n_unique_layers * per_set + (not cfg.tie_embeddings) + 2 * n_split_qkv \
-        + len(MTP_SLOTS) * cfg.mtp_heads
+    # attention: attn_norm, wo, then wqkv (+ bias, norms) or latent attention's (MLA_SLOTS, wq or 3)
+    attn = 2 + cfg.post_norms + (5 + 2 * bool(cfg.q_lora_rank) if cfg.mla else 1 + cfg.qkv_bias + 2 * cfg.qk_norm)
+    dense = (3 + cfg.post_norms) * cfg.has_dense
+    moe = (2 + 2 * cfg.n_experts + cfg.moe_router_bias + (2 + cfg.shared_expert_gate) * cfg.has_shared_expert) \
+        * cfg.has_moe
+    sets, lead = cfg.n_unique_layers, cfg.n_dense_lead  # leading dense layers: dense or MoE, not both
+    layers = sets * attn + (lead * dense + (sets - lead) * moe if lead else sets * (dense + moe))
+    return 2 + layers + (not cfg.tie_embeddings) + 2 * n_split_qkv + len(MTP_SLOTS) * cfg.mtp_heads
 
 
 def node_weights(cfg: ModelConfig, kind: str, weight_set: int = 0, split_qkv: Collection[int] = ()) -> list[Weight]:
