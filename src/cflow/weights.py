@@ -224,7 +224,8 @@ def count(cfg: ModelConfig, n_split_qkv: int = 0) -> int:
         * cfg.has_moe
     sets, lead = cfg.n_unique_layers, cfg.n_dense_lead  # leading dense layers: dense or MoE, not both
     layers = sets * attn + (lead * dense + (sets - lead) * moe if lead else sets * (dense + moe))
-    return 2 + layers + (not cfg.tie_embeddings) + 2 * n_split_qkv + len(MTP_SLOTS) * cfg.mtp_heads
+    # (latent attention's plain query is named attn.wq, which split_qkv_sets counts; it splits nothing)
+    return 2 + layers + (not cfg.tie_embeddings) + 2 * n_split_qkv * (not cfg.mla) + len(MTP_SLOTS) * cfg.mtp_heads
 
 
 def node_weights(cfg: ModelConfig, kind: str, weight_set: int = 0, split_qkv: Collection[int] = ()) -> list[Weight]:
