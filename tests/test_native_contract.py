@@ -31,7 +31,9 @@ EXPECTED = {
     "GLOBAL_TENSORS": ("tok_emb", "norm", "lm_head"),
     "LAYER_SLOTS": ("attn_norm", "attn.wqkv", "attn.wo", "ffn_norm", "ffn.w_gate_up", "ffn.w_down", "moe_norm",
                     "moe.router", "attn.qkv_bias", "attn.q_norm", "attn.k_norm", "attn.wq", "attn.wk", "attn.wv",
-                    "moe.shared_gate", "moe.shared.w_gate_up", "moe.shared.w_down", "attn_post_norm", "ffn_post_norm"),
+                    "moe.shared_gate", "moe.shared.w_gate_up", "moe.shared.w_down", "attn_post_norm", "ffn_post_norm",
+                    "attn.wq_a", "attn.q_a_norm", "attn.wq_b", "attn.wkv_a", "attn.kv_a_norm", "attn.wk_b", "attn.wv_b",
+                    "moe.router_bias"),
     "EXPERT_SLOTS": ("w_gate_up", "w_down"),
     "COUNTER_NAMES": ("attn", "dense", "router", "experts", "embed", "lm_head", "kv", "tokens", "calls",
                       "disk_bytes", "cache_hits", "cache_misses", "io_stall_ns",
@@ -125,14 +127,14 @@ def test_tensor_names_are_the_c_cores():
     order on one side and in the core's row order on the other (bound by name, so orders may differ)."""
     assert weights.GLOBAL_NAMES == _native.GLOBAL_TENSORS
     assert weights.EXPERT_SLOTS == _native.EXPERT_SLOTS
-    assert sorted(weights.LAYER_SLOTS + weights.QKV_PARTS) == sorted(_native.LAYER_SLOTS)
-    assert len(set(weights.LAYER_SLOTS + weights.QKV_PARTS)) == len(_native.LAYER_SLOTS)
+    assert sorted(weights.LAYER_SLOTS + weights.QKV_PARTS + weights.MLA_SLOTS) == sorted(_native.LAYER_SLOTS)
+    assert len(set(weights.LAYER_SLOTS + weights.QKV_PARTS + weights.MLA_SLOTS)) == len(_native.LAYER_SLOTS)
 
 
 def test_layer_slots_are_the_file_order():
     cfg = tiny_config(False).replace(qkv_bias=True, qk_norm=True, d_shared_expert=32)
     slots = [w.slot for w in weights.layer_weights(cfg, 0) if w.expert is None]
-    post = ("attn_post_norm", "ffn_post_norm")  # Gemma's post-norms exist in dense models only
+    post = ("attn_post_norm", "ffn_post_norm", "moe.router_bias")  # Gemma's post-norms: dense only; DeepSeek's bias
     assert slots == [s for s in weights.LAYER_SLOTS if s not in post]
     dense = cfg.replace(n_experts=0, top_k=0, d_expert=0, d_shared_expert=0, delta_dense=0, moe_input="post_dense",
                         post_norms=True)
@@ -244,12 +246,14 @@ def make_engine(cfg: ModelConfig, buf, desc, names, threads: int = 2):
 def test_row_names_are_the_file_formats(tied, options):
     """Every tensor a .cflow file of the config holds has its descriptor row, under its name (q|k|v
     fused, or stored by parts); the rows left over are exactly those of what the config turns off
-    (tied lm_head, attention options, the shared expert; Gemma's post-norms, which MoE models lack)."""
+    (tied lm_head, attention options, the shared expert; Gemma's post-norms, which MoE models lack;
+    DeepSeek's latent attention and router bias, tests/test_deepseek2.py)."""
     cfg = tiny_config(tied).replace(qkv_bias=options, qk_norm=options, d_shared_expert=32 if options else 0)
     names = row_names(cfg)
     assert len(names) == len(set(names))
     unused = {"lm_head"} if tied else set()
-    unused |= {f"layers.{i}.{s}" for i in range(cfg.n_unique_layers) for s in ("attn_post_norm", "ffn_post_norm")}
+    unused |= {f"layers.{i}.{s}" for i in range(cfg.n_unique_layers)
+               for s in ("attn_post_norm", "ffn_post_norm", "moe.router_bias") + weights.MLA_SLOTS}
     if not options:
         unused |= {f"layers.{i}.{s}" for i in range(cfg.n_unique_layers)
                    for s in ("attn.qkv_bias", "attn.q_norm", "attn.k_norm", "moe.shared_gate", "moe.shared.w_gate_up",

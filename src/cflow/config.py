@@ -46,6 +46,7 @@ from cflow.errors import CflowError
 
 MOE_INPUTS = ("post_dense", "post_attn")
 FFN_ACTS = ("silu", "gelu_tanh")
+MOE_GATINGS = ("softmax", "sigmoid")
 # More heads than this predict so far ahead that their guesses are rarely accepted.
 MAX_MTP_HEADS = 8
 
@@ -96,6 +97,23 @@ class ModelConfig:
     ffn_act: str = "silu"  # the dense FFN's gate activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
     moe_norm_topk: bool = True  # renormalise the top_k routing weights to sum to 1
     d_shared_expert: int = 0  # 0: none; else hidden size of the gated shared expert (Qwen2-MoE)
+    # DeepSeek-V2/V3 (GGUF deepseek2). Multi-head latent attention when kv_lora_rank > 0: head_dim is
+    # a query/key head (qk_nope + qk_rope_dim), n_kv_heads 1 (one latent per token: kv_lora_rank
+    # normalised floats + the roped qk_rope_dim-wide k_pe, the whole KV cache); q_lora_rank > 0: the
+    # query through a rank-q_lora_rank bottleneck with an RMSNorm; v_head_dim: a head's value width.
+    # The rotated part is the last qk_rope_dim of each head ("half" convention after conversion).
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_rope_dim: int = 0
+    v_head_dim: int = 0
+    # layers 0..n_dense_lead-1 have only the dense FFN, the others only the MoE block (0: every layer both)
+    n_dense_lead: int = 0
+    moe_gating: str = "softmax"  # router scores: "softmax" over all experts, or "sigmoid" each (V3)
+    moe_router_bias: bool = False  # a per-expert bias added to the scores for choosing only (V3)
+    moe_groups: int = 0  # > 1: experts in that many equal groups; only the moe_groups_used best
+    moe_groups_used: int = 0  # groups (by the sum of their two best scores) may be chosen
+    moe_weights_scale: float = 1.0  # the routing weights are multiplied by it (routed_scaling_factor)
+    shared_expert_gate: bool = True  # False: the shared expert joins unscaled (DeepSeek) instead of sigmoid-gated
     # Multi-token prediction: head j (0..mtp_heads-1) maps the final normed hidden state h_t to a
     # prediction of token t+2+j through the shared lm_head (cflow.model.MtpHead); the engine uses
     # them as a self-speculative proposer (cflow.runtime.speculative.MtpProposer). 0: none.
@@ -170,9 +188,9 @@ class ModelConfig:
         need(1 <= self.n_unique_layers <= self.n_layers,
              f"n_unique_layers must be in 1..n_layers ({self.n_layers}), got {self.n_unique_layers}")
         need(self.rope_theta > 0, f"rope_theta must be positive, got {self.rope_theta}")
-        need(not self.rope_freq_factors or (len(self.rope_freq_factors) == self.head_dim // 2
+        need(not self.rope_freq_factors or (len(self.rope_freq_factors) == self.rope_dim // 2
                                             and all(x > 0 for x in self.rope_freq_factors)),
-             f"rope_freq_factors must be empty or head_dim/2 = {self.head_dim // 2} positive numbers, "
+             f"rope_freq_factors must be empty or rope_dim/2 = {self.rope_dim // 2} positive numbers, "
              f"got {len(self.rope_freq_factors)}")
         need(self.rope_mscale > 0, f"rope_mscale must be positive, got {self.rope_mscale}")
         need(self.norm_eps > 0, f"norm_eps must be positive, got {self.norm_eps}")
@@ -193,8 +211,49 @@ class ModelConfig:
         need(self.ffn_act in FFN_ACTS, f"ffn_act must be one of {FFN_ACTS}, got {self.ffn_act!r}")
         need(self.n_experts == 0 or (self.ffn_act == "silu" and not self.post_norms),
              "ffn_act gelu_tanh and post_norms are for dense models (n_experts = 0)")
+        self._validate_deepseek(need)
         need(0 <= self.mtp_heads <= MAX_MTP_HEADS,
              f"mtp_heads must be in 0..{MAX_MTP_HEADS} (0: no multi-token prediction heads), got {self.mtp_heads}")
+
+    def _validate_deepseek(self, need) -> None:
+        """The DeepSeek-V2/V3 options (multi-head latent attention, leading dense layers, routing)."""
+        if self.kv_lora_rank:
+            need(self.kv_lora_rank > 0 and self.q_lora_rank >= 0, "kv_lora_rank and q_lora_rank must be >= 0")
+            need(self.n_kv_heads == 1, f"latent attention (kv_lora_rank > 0) has one KV head, got {self.n_kv_heads}")
+            need(0 < self.qk_rope_dim < self.head_dim and self.qk_rope_dim % 2 == 0,
+                 f"qk_rope_dim must be even and in 1..head_dim-1 ({self.head_dim}), got {self.qk_rope_dim}")
+            need(self.v_head_dim > 0, f"v_head_dim must be positive with latent attention, got {self.v_head_dim}")
+            need(not (self.qkv_bias or self.qk_norm or self.sliding_window or self.post_norms or self.attn_temp_scale),
+                 "latent attention does not go with qkv_bias, qk_norm, sliding windows, post_norms or a temperature")
+        else:
+            need(self.q_lora_rank == 0 and self.qk_rope_dim == 0 and self.v_head_dim == 0,
+                 "q_lora_rank, qk_rope_dim and v_head_dim belong to latent attention (kv_lora_rank > 0)")
+        need(self.moe_gating in MOE_GATINGS, f"moe_gating must be one of {MOE_GATINGS}, got {self.moe_gating!r}")
+        need(self.moe_weights_scale > 0, f"moe_weights_scale must be positive, got {self.moe_weights_scale}")
+        if self.moe_groups > 1:
+            need(self.n_experts % self.moe_groups == 0 and 1 <= self.moe_groups_used <= self.moe_groups,
+                 f"moe_groups ({self.moe_groups}) must divide n_experts ({self.n_experts}) and moe_groups_used "
+                 f"({self.moe_groups_used}) be in 1..moe_groups")
+        else:
+            need(self.moe_groups_used <= 1, "moe_groups_used needs moe_groups > 1")
+        if self.n_dense_lead:
+            need(0 < self.n_dense_lead < self.n_layers and self.has_dense and self.has_moe,
+                 f"n_dense_lead ({self.n_dense_lead}) must be in 1..n_layers-1 with both a dense FFN and experts")
+            need(self.delta_dense == 0 and self.delta_expert == 0 and self.moe_input == "post_attn"
+                 and self.n_unique_layers == self.n_layers,
+                 "n_dense_lead runs undelayed layers (delta_dense = delta_expert = 0, moe_input post_attn) "
+                 "with weights of their own (n_unique_layers = n_layers)")
+
+    @property
+    def mla(self) -> bool:
+        """Whether attention is multi-head latent attention (DeepSeek)."""
+        return self.kv_lora_rank > 0
+
+    def layer_has_dense(self, layer: int) -> bool:
+        return self.has_dense and (not self.n_dense_lead or layer < self.n_dense_lead)
+
+    def layer_has_moe(self, layer: int) -> bool:
+        return self.has_moe and (not self.n_dense_lead or layer >= self.n_dense_lead)
 
     # ---- derived quantities -----------------------------------------------------------------
     @property
@@ -204,6 +263,11 @@ class ModelConfig:
     @property
     def kv_dim(self) -> int:
         return self.n_kv_heads * self.head_dim
+
+    @property
+    def rope_dim(self) -> int:
+        """How many dims of a head RoPE turns: all of it, or qk_rope_dim under latent attention."""
+        return self.qk_rope_dim if self.kv_lora_rank else self.head_dim
 
     @property
     def has_dense(self) -> bool:

@@ -294,6 +294,11 @@ class MtpHead(nn.Module):
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
+        if cfg.mla or cfg.n_dense_lead or cfg.moe_gating != "softmax" or cfg.moe_router_bias or cfg.moe_groups \
+                or cfg.moe_weights_scale != 1.0 or not cfg.shared_expert_gate:
+            raise ModelError(f"config {cfg.name!r} is DeepSeek's (latent attention, leading dense layers or its "
+                             "routing), which this trainable model does not build; its float reference is "
+                             "cflow.model_deepseek2 (from the GGUF)")
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         # Only the unique weight sets exist; layer l calls layers[l % n_unique_layers].

@@ -68,8 +68,14 @@ GLOBAL_NAMES = ("tok_emb", "norm", "lm_head")
 # A weight set's slots in `.cflow` order (layer_weights yields them so), plus QKV_PARTS in
 # attn.wqkv's place when the projection is stored by parts.
 LAYER_SLOTS = ("attn_norm", "attn.wqkv", "attn.qkv_bias", "attn.q_norm", "attn.k_norm", "attn.wo", "attn_post_norm",
-               "ffn_norm", "ffn.w_gate_up", "ffn.w_down", "ffn_post_norm", "moe_norm", "moe.router", "moe.shared_gate",
-               "moe.shared.w_gate_up", "moe.shared.w_down")
+               "ffn_norm", "ffn.w_gate_up", "ffn.w_down", "ffn_post_norm", "moe_norm", "moe.router", "moe.router_bias",
+               "moe.shared_gate", "moe.shared.w_gate_up", "moe.shared.w_down")
+# Multi-head latent attention's tensors (config kv_lora_rank > 0), in attn.wqkv's place: the query
+# (attn.wq, or attn.wq_a -> attn.q_a_norm -> attn.wq_b), the latent and k_pe projection and the
+# latent's norm, and per head the latent's up-projections for keys (attn.wk_b [H kv_lora, qk_nope])
+# and values (attn.wv_b [H v_head, kv_lora]), always stored Q8_0 (their inputs, qk_nope or
+# kv_lora_rank wide, need not fill a K-quant's 256-block).
+MLA_SLOTS = ("attn.wq_a", "attn.q_a_norm", "attn.wq_b", "attn.wkv_a", "attn.kv_a_norm", "attn.wk_b", "attn.wv_b")
 EXPERT_SLOTS = ("w_gate_up", "w_down")
 QKV_PARTS = ("attn.wq", "attn.wk", "attn.wv")  # attn.wqkv stored by parts (see above)
 
@@ -120,7 +126,9 @@ def layer_weights(cfg: ModelConfig, i: int, experts: Iterable[int] | None = None
     split_qkv: the projection as its three parts instead of attn.wqkv."""
     d, p = cfg.d_model, f"layers.{i}."
     out = [Weight(p + "attn_norm", (d,), "attn", True, i)]
-    if split_qkv:
+    if cfg.mla:
+        out += _mla_weights(cfg, i)
+    elif split_qkv:
         out += [Weight(p + part, (rows, d), "attn", False, i)
                 for part, rows in zip(QKV_PARTS, (cfg.q_dim, cfg.kv_dim, cfg.kv_dim))]
     else:
@@ -131,27 +139,44 @@ def layer_weights(cfg: ModelConfig, i: int, experts: Iterable[int] | None = None
         full = cfg.qk_norm_full
         out += [Weight(p + "attn.q_norm", (cfg.q_dim if full else cfg.head_dim,), "attn", True, i),
                 Weight(p + "attn.k_norm", (cfg.kv_dim if full else cfg.head_dim,), "attn", True, i)]
-    out.append(Weight(p + "attn.wo", (d, cfg.q_dim), "attn", False, i))
+    out.append(Weight(p + "attn.wo", (d, cfg.n_heads * cfg.v_head_dim if cfg.mla else cfg.q_dim), "attn", False, i))
     if cfg.post_norms:
         out.append(Weight(p + "attn_post_norm", (d,), "attn", True, i))
-    if cfg.has_dense:
+    if cfg.layer_has_dense(i):
         out += [Weight(p + "ffn_norm", (d,), "dense", True, i),
                 Weight(p + "ffn.w_gate_up", (2 * cfg.d_ff, d), "dense", False, i),
                 Weight(p + "ffn.w_down", (d, cfg.d_ff), "dense", False, i)]
         if cfg.post_norms:
             out.append(Weight(p + "ffn_post_norm", (d,), "dense", True, i))
-    if cfg.has_moe:
+    if cfg.layer_has_moe(i):
         out += [Weight(p + "moe_norm", (d,), "router", True, i),
                 Weight(p + "moe.router", (cfg.n_experts, d), "router", True, i)]
+        if cfg.moe_router_bias:
+            out.append(Weight(p + "moe.router_bias", (cfg.n_experts,), "router", True, i))
         if cfg.has_shared_expert:
             ds = cfg.d_shared_expert
-            out += [Weight(p + "moe.shared_gate", (d,), "router", True, i),
-                    Weight(p + "moe.shared.w_gate_up", (2 * ds, d), "experts", False, i),
+            if cfg.shared_expert_gate:
+                out.append(Weight(p + "moe.shared_gate", (d,), "router", True, i))
+            out += [Weight(p + "moe.shared.w_gate_up", (2 * ds, d), "experts", False, i),
                     Weight(p + "moe.shared.w_down", (d, ds), "experts", False, i)]
         for e in range(cfg.n_experts) if experts is None else experts:
             out += [Weight(expert_name(i, e, "w_gate_up"), (2 * cfg.d_expert, d), "experts", False, i, e),
                     Weight(expert_name(i, e, "w_down"), (d, cfg.d_expert), "experts", False, i, e)]
     return out
+
+
+def _mla_weights(cfg: ModelConfig, i: int) -> list[Weight]:
+    """Latent attention's projections of weight set i (MLA_SLOTS), attn.wo aside."""
+    d, p, H, ql, kvl = cfg.d_model, f"layers.{i}.", cfg.n_heads, cfg.q_lora_rank, cfg.kv_lora_rank
+    if ql:
+        out = [Weight(p + "attn.wq_a", (ql, d), "attn", False, i), Weight(p + "attn.q_a_norm", (ql,), "attn", True, i),
+               Weight(p + "attn.wq_b", (cfg.q_dim, ql), "attn", False, i)]
+    else:
+        out = [Weight(p + "attn.wq", (cfg.q_dim, d), "attn", False, i)]
+    return out + [Weight(p + "attn.wkv_a", (kvl + cfg.qk_rope_dim, d), "attn", False, i),
+                  Weight(p + "attn.kv_a_norm", (kvl,), "attn", True, i),
+                  Weight(p + "attn.wk_b", (H * kvl, cfg.head_dim - cfg.qk_rope_dim), "attn", False, i),
+                  Weight(p + "attn.wv_b", (H * cfg.v_head_dim, kvl), "attn", False, i)]
 
 
 def global_weights(cfg: ModelConfig) -> tuple[list[Weight], list[Weight]]:
@@ -192,10 +217,15 @@ def model_weights(cfg: ModelConfig, split_qkv: Collection[int] = ()) -> Iterator
 def count(cfg: ModelConfig, n_split_qkv: int = 0) -> int:
     """How many tensors `model_weights(cfg)` yields (with `n_split_qkv` sets stored by parts),
     computed without building it (a damaged header may claim billions of layers)."""
-    per_set = 3 + cfg.qkv_bias + 2 * cfg.qk_norm + 3 * cfg.has_dense + (2 + 2 * cfg.n_experts) * cfg.has_moe \
-        + 3 * cfg.has_shared_expert + cfg.post_norms * (1 + cfg.has_dense)
-    return 2 + cfg.n_unique_layers * per_set + (not cfg.tie_embeddings) + 2 * n_split_qkv \
-        + len(MTP_SLOTS) * cfg.mtp_heads
+    # attention: attn_norm, wo, then wqkv (+ bias, norms) or latent attention's (MLA_SLOTS, wq or 3)
+    attn = 2 + cfg.post_norms + (5 + 2 * bool(cfg.q_lora_rank) if cfg.mla else 1 + cfg.qkv_bias + 2 * cfg.qk_norm)
+    dense = (3 + cfg.post_norms) * cfg.has_dense
+    moe = (2 + 2 * cfg.n_experts + cfg.moe_router_bias + (2 + cfg.shared_expert_gate) * cfg.has_shared_expert) \
+        * cfg.has_moe
+    sets, lead = cfg.n_unique_layers, cfg.n_dense_lead  # leading dense layers: dense or MoE, not both
+    layers = sets * attn + (lead * dense + (sets - lead) * moe if lead else sets * (dense + moe))
+    # (latent attention's plain query is named attn.wq, which split_qkv_sets counts; it splits nothing)
+    return 2 + layers + (not cfg.tie_embeddings) + 2 * n_split_qkv * (not cfg.mla) + len(MTP_SLOTS) * cfg.mtp_heads
 
 
 def node_weights(cfg: ModelConfig, kind: str, weight_set: int = 0, split_qkv: Collection[int] = ()) -> list[Weight]:
@@ -225,7 +255,7 @@ def token_bytes(cfg: ModelConfig, size: Callable[[Weight], int], split_qkv: Coll
         for w in ws:
             if w.expert is None:  # the shared expert too: every token reads it
                 out[w.node] += size(w)
-        if cfg.has_moe:
+        if cfg.layer_has_moe(layer):
             per = [0] * cfg.n_experts
             for w in ws:
                 if w.expert is not None:

@@ -598,9 +598,9 @@ def _write_tensors(wr: Any, tensors: list[tuple[str, tuple[int, ...], str]], nby
                    matrix: Callable[[str, tuple[int, ...]], np.ndarray], tmp: Path, path: Path) -> Path:
     """The rest of a GGUF whose metadata `wr` holds: the tensor table, then each tensor's data (kind
     "n": an F32 norm of ones, the file's 1 + w for Gemma; "m": `matrix(name, shape)`'s quant blocks,
-    raw type `qtype`), fsynced, moved from `tmp` to `path`."""
+    raw type `qtype`; "f": `matrix(name, shape)`'s F32 values), fsynced, moved from `tmp` to `path`."""
     for name, shape, kind in tensors:
-        if kind == "n":
+        if kind in ("n", "f"):
             wr.add_tensor_info(name, shape, np.dtype(np.float32), nbytes(shape, kind))
         else:
             wr.add_tensor_info(name, shape, np.dtype(np.float32), nbytes(shape, kind), raw_dtype=qtype)
@@ -612,6 +612,8 @@ def _write_tensors(wr: Any, tensors: list[tuple[str, tuple[int, ...], str]], nby
     for name, shape, kind in tensors:
         if kind == "n":
             f.write(np.ones(shape, np.float32).tobytes())
+        elif kind == "f":
+            f.write(np.ascontiguousarray(matrix(name, shape), np.float32).tobytes())
         else:
             f.write(memoryview(matrix(name, shape).reshape(-1).view(np.uint8)))
         wr.write_padding(f, nbytes(shape, kind))

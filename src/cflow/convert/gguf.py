@@ -108,7 +108,8 @@ from cflow.quant import STORED_QUANT, TILE, row_bytes
 from cflow.tokenizer import Tokenizer, TokenizerError, unicode_to_bytes
 from cflow.weights import Weight
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "olmoe", "gemma3", "mistral3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "olmoe", "gemma3", "mistral3",
+                           "deepseek2")  # deepseek2: cflow.convert.gguf_deepseek2
 # Architectures with experts, and whether llama.cpp renormalises their top-k routing weights.
 _MOE_NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False}
 _MOE_ONLY = ("qwen2moe", "qwen3moe", "olmoe")  # every layer has experts (llama: only Mixtral files do)
@@ -766,7 +767,13 @@ def convert_gguf(src: str | os.PathLike, dst: str | os.PathLike, *, quant: str =
     t0 = time.perf_counter()
     check_quant(quant)
     g = GGUFModel(src)
-    cfg = gguf_config(g)
+    deepseek = g.architecture == "deepseek2"
+    if deepseek:
+        from cflow.convert.gguf_deepseek2 import deepseek2_model_config
+
+        cfg = deepseek2_model_config(g)
+    else:
+        cfg = gguf_config(g)
     if sliding_window is not None:  # the caller's choice over the file's (0: none, as llama.cpp runs it)
         if cfg.sliding_window_pattern:
             raise GGUFError(f"{g.path.name} alternates local and global layers ({g.architecture}); its window "
@@ -785,13 +792,19 @@ def convert_gguf(src: str | os.PathLike, dst: str | os.PathLike, *, quant: str =
               "file_type": g.get("general.file_type"), "architecture": g.architecture,
               "family": cfg.name}
     if cfg.has_moe:
-        source["expert_layout"] = moe_layout(g)
+        source["expert_layout"] = "merged" if deepseek else moe_layout(g)
     window = g.get(f"{g.architecture}.attention.sliding_window")
     if window and not cfg.sliding_window:
         source["sliding_window_ignored"] = int(window)
     metadata = {"source": source,
                 "converter": "cflow.convert.gguf"}
-    return write_conversion(src, dst, cfg, tok, gguf_tensors(g, cfg, enc), enc, metadata, order=order, tile=tile,
+    if deepseek:
+        from cflow.convert.gguf_deepseek2 import deepseek2_tensors
+
+        tensors = deepseek2_tensors(g, cfg, enc)
+    else:
+        tensors = gguf_tensors(g, cfg, enc)
+    return write_conversion(src, dst, cfg, tok, tensors, enc, metadata, order=order, tile=tile,
                             progress=progress, started=t0)
 
 

@@ -86,6 +86,24 @@ cf_config config_from(const nb::dict &d) {
     c.ffn_gelu = act == "gelu_tanh";
     c.attn_temp_scale = f("attn_temp_scale");
     c.attn_temp_floor = i("attn_temp_floor");
+    c.mla_kv_lora = i("kv_lora_rank");
+    if (c.mla_kv_lora) { /* the engine's head is the absorbed one: a latent cache row (engine.h) */
+        c.mla_q_lora = i("q_lora_rank");
+        c.mla_qk = c.hd;
+        c.mla_rope = i("qk_rope_dim");
+        c.mla_v = i("v_head_dim");
+        c.hd = c.mla_kv_lora + c.mla_rope;
+    }
+    c.n_dense_lead = i("n_dense_lead");
+    std::string gating = nb::cast<std::string>(d["moe_gating"]);
+    if (gating != "softmax" && gating != "sigmoid")
+        throw nb::value_error("moe_gating: the engine runs \"softmax\" and \"sigmoid\"");
+    c.moe_sigmoid = gating == "sigmoid";
+    c.moe_router_bias = b("moe_router_bias");
+    c.moe_groups = i("moe_groups");
+    c.moe_groups_used = i("moe_groups_used");
+    c.moe_w_scale = f("moe_weights_scale");
+    c.shexp_ungated = !b("shared_expert_gate");
     return c;
 }
 

@@ -284,9 +284,8 @@ static int attn_first(const cf_engine *e, int b, int l) {
     return W > 0 && e->rpos[b] >= W ? e->rpos[b] - W + 1 : 0;
 }
 
-/* Query rows per work item of the block attention: each K/V row converted once serves
- * ATTN_QBLOCK queries times the query heads of its kv head. */
-#define ATTN_QBLOCK 16
+/* ATTN_QBLOCK (engine_internal.h): each K/V row converted once serves that many queries times the
+ * query heads of its kv head. */
 
 /* Rows of n_ctx floats in each thread's score scratch: one per query head (the per-query kernel),
  * or one per query head of a kv head and row of a block (attn_blocks), whichever is more. */
@@ -484,6 +483,44 @@ static void record_predictions(cf_engine *e, int l, int src_kind) {
     }
 }
 
+/* The router's scores of one row, in place in pr[E] (softmax over all, or a sigmoid each: DeepSeek-V3),
+ * and when choose is set its top_k choice: by the scores plus the router bias (DeepSeek-V3: the bias
+ * chooses, the scores weigh), among the moe_groups_used groups whose two best biased scores sum
+ * highest (moe_groups > 1), as llama.cpp's build_moe_ffn. val gets the chosen experts' scores;
+ * sel (E floats of scratch) the biased scores. */
+static void route_scores(const cf_engine *e, const cf_layer *w, float *pr, float *sel, int choose, int *chosen,
+                         float *val) {
+    const cf_config *c = &e->c;
+    int E = c->n_experts;
+    if (c->moe_sigmoid)
+        for (int x = 0; x < E; x++) pr[x] = 1.0f / (1.0f + expf(-pr[x]));
+    else
+        e->k->softmax(pr, E);
+    if (!choose) return;
+    if (!w->router_bias && c->moe_groups <= 1) {
+        e->k->topk(pr, E, c->top_k, chosen, val);
+        return;
+    }
+    for (int x = 0; x < E; x++) sel[x] = pr[x] + (w->router_bias ? w->router_bias[x] : 0.0f);
+    if (c->moe_groups > 1) {
+        int G = c->moe_groups, per = E / G, top2[2], keep[64];
+        float gs[64], gv[64], v2[2];
+        for (int g = 0; g < G; g++) {
+            int n2 = per < 2 ? per : 2;
+            e->k->topk(sel + (size_t)g * per, per, n2, top2, v2);
+            gs[g] = n2 == 2 ? v2[0] + v2[1] : v2[0];
+        }
+        e->k->topk(gs, G, c->moe_groups_used, keep, gv);
+        int used[64] = {0};
+        for (int k = 0; k < c->moe_groups_used; k++) used[keep[k]] = 1;
+        for (int g = 0; g < G; g++)
+            if (!used[g])
+                for (int x = g * per; x < (g + 1) * per; x++) sel[x] = -INFINITY;
+    }
+    e->k->topk(sel, E, c->top_k, chosen, val);
+    for (int k = 0; k < c->top_k; k++) val[k] = pr[chosen[k]];
+}
+
 /* Thread 0 normalises the MoE input, runs the router (f32) and fills per-expert token lists:
  * softmax over all E logits, top-k, the k weights renormalised to sum to 1 (moe_norm_topk; else
  * kept as they are). With a shared expert it also computes each row's weight for it. */
@@ -504,26 +541,29 @@ static void op_route(cf_engine *e, int l, int src_kind, int ms, int ith) {
             float *mi = moe_in + (size_t)b * d, *pr = s->rlogits + (size_t)b * E;
             e->k->rmsnorm(mi, z, w->moe_norm, d, c->norm_eps);
             e->k->matvec_f32(pr, w->router, mi, E, d);
-            e->k->softmax(pr, E);
             int chosen[64];
             float val[64], wsum = 0.0f;
             int32_t *rc = cf_routes_chosen(e, b, l);
             if (rc && e->routes.mode == CF_ROUTES_REPLAY) { /* the trace's experts, the router's weights */
+                route_scores(e, w, pr, NULL, 0, chosen, val);
                 for (int k = 0; k < c->top_k; k++) val[k] = pr[chosen[k] = rc[k]];
             } else {
-                e->k->topk(pr, E, c->top_k, chosen, val);
+                route_scores(e, w, pr, z, 1, chosen, val);
                 if (rc) memcpy(rc, chosen, (size_t)c->top_k * sizeof *rc); /* recording */
             }
             for (int k = 0; k < c->top_k; k++) wsum += val[k];
             if (!c->moe_norm_topk) wsum = 1.0f;
+            else if (c->moe_sigmoid) wsum = fmaxf(wsum, 6.103515625e-5f); /* llama.cpp's clamp of the sum */
             for (int k = 0; k < c->top_k; k++) {
                 int x = chosen[k], n = exp_n[x]++;
                 exp_tok[(size_t)x * B + n] = b;
-                exp_w[(size_t)x * B + n] = val[k] / wsum;
+                exp_w[(size_t)x * B + n] = val[k] / wsum * c->moe_w_scale;
                 e->hits[(size_t)l * E + x]++;
             }
         }
-        if (c->d_shexp)
+        if (c->d_shexp && c->shexp_ungated)
+            for (int b = 0; b < e->B; b++) s->shexp_w[(size_t)ms * B + b] = 1.0f;
+        else if (c->d_shexp)
             for (int b = 0; b < e->B; b++) {
                 float g;
                 e->k->matvec_f32(&g, w->shexp_gate, moe_in + (size_t)b * d, 1, d);
@@ -761,7 +801,10 @@ static void forward_task(void *ctx, int ith, int nth) {
         }
         switch (op[0]) {
         case CF_OP_EMBED: op_embed(e, a, ith, nth); break;
-        case CF_OP_ATTN: op_attn(e, l, a, ith, nth); break;
+        case CF_OP_ATTN:
+            if (e->c.mla_kv_lora) cf_op_attn_mla(e, l, a, ith, nth);
+            else op_attn(e, l, a, ith, nth);
+            break;
         case CF_OP_DENSE: op_dense(e, l, a, b, tail, ith, nth); break;
         case CF_OP_ROUTE: op_route(e, l, a, b, ith); break;
         case CF_OP_EXPERTS:
@@ -785,9 +828,10 @@ static void forward_task(void *ctx, int ith, int nth) {
 static int forward(cf_engine *e, const int32_t *tokens, int B, float *logits, const uint8_t *want) {
     const cf_config *c = &e->c;
     int64_t pt0 = e->prof_on ? cf_prof_open(e, 0, CF_PK_SETUP, 0) : 0;
+    int rd = c->mla_kv_lora ? c->mla_rope : c->hd; /* the dims RoPE turns: latent attention's k_pe part */
     for (int b = 0; b < B; b++) {
         float *cs = e->s.rope + (size_t)b * c->hd;
-        cf_rope_table(cs, cs + c->hd / 2, c->hd, e->rpos[b], c->rope_theta,
+        cf_rope_table(cs, cs + rd / 2, rd, e->rpos[b], c->rope_theta,
                       c->n_rope_factors ? c->rope_factors : NULL, c->rope_mscale);
         if (e->s.rope_local) { /* local layers' own base, unscaled (rope_theta_local) */
             cs = e->s.rope_local + (size_t)b * c->hd;
@@ -992,3 +1036,17 @@ int cf_engine_copy_seq(cf_engine *e, int src, int dst, int n) {
     }
     return 0;
 }
+
+// ---------------------------------------------------------------------------------------------
+// the shared pieces, for the other attention (engine_mla.c)
+
+void cf_quantize_rows(const cf_engine *e, const float *x, int stride, int K, cf_act_q8 *act, const int *tok, int n,
+                      int fmt) {
+    quantize_rows(e, x, stride, K, act, tok, n, fmt);
+}
+void cf_matvec_rows(const cf_engine *e, const cf_tiled *w, const cf_act_q8 *act, float *y, int ystride,
+                    const int *tok, int n, int g0, int g1) {
+    matvec_rows(e, w, act, y, ystride, tok, n, g0, g1);
+}
+int cf_d_split(int ng, int ith, int nth, int lo[2], int hi[2]) { return d_split(ng, ith, nth, lo, hi); }
+int cf_attn_first(const cf_engine *e, int b, int l) { return attn_first(e, b, l); }

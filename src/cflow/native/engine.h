@@ -39,7 +39,7 @@
 extern "C" {
 #endif
 
-#define CF_MAX_HEAD_DIM 512         /* the widest attention head the engine takes */
+#define CF_MAX_HEAD_DIM 576         /* the widest attention head the engine takes (DeepSeek's absorbed 512 + 64) */
 
 typedef struct {
     int vocab, d, n_layers, n_heads, n_kv, hd;
@@ -70,6 +70,18 @@ typedef struct {
     float attn_temp_scale;         /* s > 0: the rotated q at position p times 1 + s ln(p / floor + 1)
                                     * (integer division; Llama 4 / Mistral 3); 0: none */
     int attn_temp_floor;           /* positions per step of that temperature (> 0 when s > 0) */
+    /* DeepSeek-V2/V3. Multi-head latent attention when mla_kv_lora > 0 (engine_mla.c): then hd is
+     * the absorbed head, mla_kv_lora + mla_rope (a latent cache row: the normalised latent, then
+     * the roped k_pe), n_kv is 1, and RoPE turns the last mla_rope dims of each query/key head of
+     * mla_qk dims (mla_q_lora > 0: the query through wq_a, q_a_norm, wq_b; 0: one wq);
+     * mla_v: a head's value width (wo's input is n_heads * mla_v). */
+    int mla_kv_lora, mla_q_lora, mla_qk, mla_rope, mla_v;
+    int n_dense_lead;              /* > 0: sets < n_dense_lead only dense, the others only MoE */
+    int moe_sigmoid;               /* 1: router scores sigmoid(logit) each; 0: softmax over all */
+    int moe_router_bias;           /* 1: moe.router_bias [E] added to the scores to choose (not to weigh) */
+    int moe_groups, moe_groups_used; /* > 1: only the best moe_groups_used groups (sum of top 2) */
+    float moe_w_scale;             /* the routing weights times it */
+    int shexp_ungated;             /* 1: the shared expert joins unscaled (no moe.shared_gate) */
 } cf_config;
 
 /* ---- contracts with Python ---------------------------------------------------------------------
@@ -94,7 +106,10 @@ extern const char *const cf_desc_field_names[CF_DESC_FIELDS]; /* "offset", "dtyp
 enum { CF_T_TOK_EMB, CF_T_NORM, CF_T_LM_HEAD, CF_T_GLOBAL };
 enum { CF_S_ATTN_NORM, CF_S_WQKV, CF_S_WO, CF_S_FFN_NORM, CF_S_GATE_UP, CF_S_DOWN, CF_S_MOE_NORM,
        CF_S_ROUTER, CF_S_QKV_BIAS, CF_S_Q_NORM, CF_S_K_NORM, CF_S_WQ, CF_S_WK, CF_S_WV, CF_S_SHEXP_GATE,
-       CF_S_SHEXP_GATE_UP, CF_S_SHEXP_DOWN, CF_S_ATTN_POST_NORM, CF_S_FFN_POST_NORM, CF_SLOTS_PER_SET };
+       CF_S_SHEXP_GATE_UP, CF_S_SHEXP_DOWN, CF_S_ATTN_POST_NORM, CF_S_FFN_POST_NORM,
+       /* latent attention (cf_config.mla_kv_lora > 0; engine_mla.c) and DeepSeek's router bias */
+       CF_S_WQ_A, CF_S_Q_A_NORM, CF_S_WQ_B, CF_S_WKV_A, CF_S_KV_A_NORM, CF_S_WK_B, CF_S_WV_B, CF_S_ROUTER_BIAS,
+       CF_SLOTS_PER_SET };
 enum { CF_E_GATE_UP, CF_E_DOWN, CF_EXPERT_SLOTS };
 extern const char *const cf_global_names[CF_T_GLOBAL];
 extern const char *const cf_slot_names[CF_SLOTS_PER_SET];

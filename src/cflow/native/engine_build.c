@@ -28,7 +28,9 @@ const char *const cf_slot_names[CF_SLOTS_PER_SET] = {
     [CF_S_Q_NORM] = "attn.q_norm", [CF_S_K_NORM] = "attn.k_norm", [CF_S_WQ] = "attn.wq", [CF_S_WK] = "attn.wk",
     [CF_S_WV] = "attn.wv", [CF_S_SHEXP_GATE] = "moe.shared_gate", [CF_S_SHEXP_GATE_UP] = "moe.shared.w_gate_up",
     [CF_S_SHEXP_DOWN] = "moe.shared.w_down", [CF_S_ATTN_POST_NORM] = "attn_post_norm",
-    [CF_S_FFN_POST_NORM] = "ffn_post_norm",
+    [CF_S_FFN_POST_NORM] = "ffn_post_norm", [CF_S_WQ_A] = "attn.wq_a", [CF_S_Q_A_NORM] = "attn.q_a_norm",
+    [CF_S_WQ_B] = "attn.wq_b", [CF_S_WKV_A] = "attn.wkv_a", [CF_S_KV_A_NORM] = "attn.kv_a_norm",
+    [CF_S_WK_B] = "attn.wk_b", [CF_S_WV_B] = "attn.wv_b", [CF_S_ROUTER_BIAS] = "moe.router_bias",
 };
 const char *const cf_expert_slot_names[CF_EXPERT_SLOTS] = {
     [CF_E_GATE_UP] = "w_gate_up", [CF_E_DOWN] = "w_down",
@@ -76,9 +78,9 @@ static int check_config(const cf_config *c, char *err, size_t n) {
     if (c->vocab <= 0 || c->d <= 0 || c->n_layers <= 0 || c->n_heads <= 0 || c->n_kv <= 0)
         bad = "sizes must be positive";
     else if (c->hd <= 0 || c->hd % 2 || c->hd > CF_MAX_HEAD_DIM)
-        bad = "head_dim must be positive, even and at most CF_MAX_HEAD_DIM (512)";
-    else if (c->n_rope_factors != 0 && c->n_rope_factors != c->hd / 2)
-        bad = "rope_freq_factors must be empty or head_dim/2 values";
+        bad = "head_dim must be positive, even and at most CF_MAX_HEAD_DIM (576)";
+    else if (c->n_rope_factors != 0 && c->n_rope_factors != (c->mla_kv_lora ? c->mla_rope : c->hd) / 2)
+        bad = "rope_freq_factors must be empty or rope_dim/2 values";
     else if (!(c->rope_mscale > 0))
         bad = "rope_mscale must be positive";
     else if (c->n_heads % c->n_kv)
@@ -110,6 +112,7 @@ static int check_config(const cf_config *c, char *err, size_t n) {
     else if (!(c->attn_temp_scale >= 0) || c->attn_temp_floor < 0 ||
              (c->attn_temp_scale > 0) != (c->attn_temp_floor > 0))
         bad = "attn_temp_scale and attn_temp_floor must be >= 0 and set together";
+    if (!bad) bad = cf_mla_check_config(c);
     if (bad) cf_set_err(err, n, "bad model config: %s", bad);
     return bad ? -1 : 0;
 }
@@ -200,31 +203,57 @@ static int bind_weights(cf_engine *e, const uint8_t *buf, size_t len, const int6
         cf_layer *L = &e->w.sets[i];
 #define SET(slot, r, k, f32, t, fp) BIND(cf_desc_index(E, i, slot), r, k, f32, t, fp)
         SET(CF_S_ATTN_NORM, 1, c->d, 1, &dummy, &L->attn_norm);
-        /* q|k|v fused, or its three parts when the file stores them apart (cflow.weights) */
-        L->qkv_split = desc[(size_t)cf_desc_index(E, i, CF_S_WQKV) * CF_DESC_FIELDS + CF_DESC_DTYPE] < 0 &&
-                       desc[(size_t)cf_desc_index(E, i, CF_S_WQ) * CF_DESC_FIELDS + CF_DESC_DTYPE] >= 0;
-        if (L->qkv_split) {
-            if (q_dim % CF_G || kv_dim % CF_G)
-                return cf_set_err(err, n, "weight set %d stores q, k, v apart, which needs q_dim and kv_dim "
-                                  "multiples of %d (got %d, %d)", i, CF_G, q_dim, kv_dim), -1;
-            SET(CF_S_WQ, q_dim, c->d, 0, &L->wq, &fdummy);
-            SET(CF_S_WK, kv_dim, c->d, 0, &L->wk, &fdummy);
-            SET(CF_S_WV, kv_dim, c->d, 0, &L->wv, &fdummy);
-            L->qkv_fmt = act_fmt(&L->wq) | act_fmt(&L->wk) | act_fmt(&L->wv);
+        if (c->mla_kv_lora) { /* latent attention (engine_mla.c) */
+            int H = c->n_heads, ql = c->mla_q_lora, kvl = c->mla_kv_lora, qdim = H * c->mla_qk;
+            if (ql) {
+                SET(CF_S_WQ_A, ql, c->d, 0, &L->wq_a, &fdummy);
+                SET(CF_S_Q_A_NORM, 1, ql, 1, &dummy, &L->q_a_norm);
+                SET(CF_S_WQ_B, qdim, ql, 0, &L->wq_b, &fdummy);
+                L->qkv_fmt = act_fmt(&L->wq_a);
+                L->attn_bytes = cf_tiled_bytes(&L->wq_a) + (uint64_t)ql * 4 + cf_tiled_bytes(&L->wq_b);
+            } else {
+                SET(CF_S_WQ, qdim, c->d, 0, &L->wq, &fdummy);
+                L->qkv_fmt = act_fmt(&L->wq);
+                L->attn_bytes = cf_tiled_bytes(&L->wq);
+            }
+            SET(CF_S_WKV_A, kvl + c->mla_rope, c->d, 0, &L->wkv_a, &fdummy);
+            SET(CF_S_KV_A_NORM, 1, kvl, 1, &dummy, &L->kv_a_norm);
+            SET(CF_S_WK_B, H * kvl, c->mla_qk - c->mla_rope, 0, &L->wk_b, &fdummy);
+            SET(CF_S_WV_B, H * c->mla_v, kvl, 0, &L->wv_b, &fdummy);
+            SET(CF_S_WO, c->d, H * c->mla_v, 0, &L->wo, &fdummy);
+            if (cf_is_kquant(L->wk_b.dtype) || cf_is_kquant(L->wv_b.dtype))
+                return cf_set_err(err, n, "weight set %d: attn.wk_b and attn.wv_b must be a 32-block type (Q8_0), "
+                                  "their inputs are one head wide; re-convert the model", i), -1;
+            L->qkv_fmt |= act_fmt(&L->wkv_a);
+            L->attn_bytes += norm_bytes + cf_tiled_bytes(&L->wkv_a) + (uint64_t)kvl * 4 + cf_tiled_bytes(&L->wk_b) +
+                             cf_tiled_bytes(&L->wv_b) + cf_tiled_bytes(&L->wo);
         } else {
-            SET(CF_S_WQKV, q_dim + 2 * kv_dim, c->d, 0, &L->wqkv, &fdummy);
-            L->qkv_fmt = act_fmt(&L->wqkv);
+            /* q|k|v fused, or its three parts when the file stores them apart (cflow.weights) */
+            L->qkv_split = desc[(size_t)cf_desc_index(E, i, CF_S_WQKV) * CF_DESC_FIELDS + CF_DESC_DTYPE] < 0 &&
+                           desc[(size_t)cf_desc_index(E, i, CF_S_WQ) * CF_DESC_FIELDS + CF_DESC_DTYPE] >= 0;
+            if (L->qkv_split) {
+                if (q_dim % CF_G || kv_dim % CF_G)
+                    return cf_set_err(err, n, "weight set %d stores q, k, v apart, which needs q_dim and kv_dim "
+                                      "multiples of %d (got %d, %d)", i, CF_G, q_dim, kv_dim), -1;
+                SET(CF_S_WQ, q_dim, c->d, 0, &L->wq, &fdummy);
+                SET(CF_S_WK, kv_dim, c->d, 0, &L->wk, &fdummy);
+                SET(CF_S_WV, kv_dim, c->d, 0, &L->wv, &fdummy);
+                L->qkv_fmt = act_fmt(&L->wq) | act_fmt(&L->wk) | act_fmt(&L->wv);
+            } else {
+                SET(CF_S_WQKV, q_dim + 2 * kv_dim, c->d, 0, &L->wqkv, &fdummy);
+                L->qkv_fmt = act_fmt(&L->wqkv);
+            }
+            SET(CF_S_WO, c->d, q_dim, 0, &L->wo, &fdummy);
+            if (c->post_norms) {
+                SET(CF_S_ATTN_POST_NORM, 1, c->d, 1, &dummy, &L->attn_post_norm);
+                if (c->d_ff) SET(CF_S_FFN_POST_NORM, 1, c->d, 1, &dummy, &L->ffn_post_norm);
+            }
+            /* the counters count every weight byte a node reads, its f32 norms and bias included
+             * (cflow.weights) */
+            L->attn_bytes = norm_bytes + cf_tiled_bytes(&L->wo) +
+                            (L->qkv_split ? cf_tiled_bytes(&L->wq) + cf_tiled_bytes(&L->wk) + cf_tiled_bytes(&L->wv)
+                                          : cf_tiled_bytes(&L->wqkv));
         }
-        SET(CF_S_WO, c->d, q_dim, 0, &L->wo, &fdummy);
-        if (c->post_norms) {
-            SET(CF_S_ATTN_POST_NORM, 1, c->d, 1, &dummy, &L->attn_post_norm);
-            if (c->d_ff) SET(CF_S_FFN_POST_NORM, 1, c->d, 1, &dummy, &L->ffn_post_norm);
-        }
-        /* the counters count every weight byte a node reads, its f32 norms and bias included
-         * (cflow.weights) */
-        L->attn_bytes = norm_bytes + cf_tiled_bytes(&L->wo) +
-                        (L->qkv_split ? cf_tiled_bytes(&L->wq) + cf_tiled_bytes(&L->wk) + cf_tiled_bytes(&L->wv)
-                                      : cf_tiled_bytes(&L->wqkv));
         if (c->post_norms) L->attn_bytes += norm_bytes;
         if (c->qkv_bias) {
             SET(CF_S_QKV_BIAS, 1, q_dim + 2 * kv_dim, 1, &dummy, &L->qkv_bias);
@@ -236,22 +265,26 @@ static int bind_weights(cf_engine *e, const uint8_t *buf, size_t len, const int6
             SET(CF_S_K_NORM, 1, kn, 1, &dummy, &L->k_norm);
             L->attn_bytes += (uint64_t)(qn + kn) * sizeof(float);
         }
-        if (c->d_ff) {
+        if (c->d_ff && (!c->n_dense_lead || i < c->n_dense_lead)) {
             SET(CF_S_FFN_NORM, 1, c->d, 1, &dummy, &L->ffn_norm);
             SET(CF_S_GATE_UP, 2 * c->d_ff, c->d, 0, &L->gate_up, &fdummy);
             SET(CF_S_DOWN, c->d, c->d_ff, 0, &L->down, &fdummy);
             L->dense_bytes = norm_bytes * (1 + (c->post_norms != 0)) + cf_tiled_bytes(&L->gate_up) +
                              cf_tiled_bytes(&L->down);
         }
-        if (!E) continue;
+        if (!E || i < c->n_dense_lead) continue;
         SET(CF_S_MOE_NORM, 1, c->d, 1, &dummy, &L->moe_norm);
         SET(CF_S_ROUTER, E, c->d, 1, &dummy, &L->router);
         L->router_bytes = norm_bytes + (uint64_t)E * c->d * 4;
+        if (c->moe_router_bias) {
+            SET(CF_S_ROUTER_BIAS, 1, E, 1, &dummy, &L->router_bias);
+            L->router_bytes += (uint64_t)E * 4;
+        }
         if (c->d_shexp) {
-            SET(CF_S_SHEXP_GATE, 1, c->d, 1, &dummy, &L->shexp_gate);
+            if (!c->shexp_ungated) SET(CF_S_SHEXP_GATE, 1, c->d, 1, &dummy, &L->shexp_gate);
             SET(CF_S_SHEXP_GATE_UP, 2 * c->d_shexp, c->d, 0, &L->shexp_gate_up, &fdummy);
             SET(CF_S_SHEXP_DOWN, c->d, c->d_shexp, 0, &L->shexp_down, &fdummy);
-            L->router_bytes += norm_bytes; /* the route computes the shared expert's weight */
+            if (!c->shexp_ungated) L->router_bytes += norm_bytes; /* the route computes the shared expert's weight */
             L->shexp_bytes = cf_tiled_bytes(&L->shexp_gate_up) + cf_tiled_bytes(&L->shexp_down);
             L->exp_fmt |= act_fmt(&L->shexp_gate_up);
         }
@@ -272,6 +305,11 @@ static int bind_weights(cf_engine *e, const uint8_t *buf, size_t len, const int6
     return 0;
 }
 
+/* With leading dense layers (n_dense_lead) a layer has the dense FFN or the MoE block, not both. */
+static int lead_ok(const cf_config *c, int l, int dense) {
+    return !c->n_dense_lead || (dense ? l < c->n_dense_lead : l >= c->n_dense_lead);
+}
+
 static int check_plan(const cf_engine *e, const int32_t *plan, int n_ops, char *err, size_t n) {
     const cf_config *c = &e->c;
     if (n_ops < 2 || plan[0] != CF_OP_EMBED || plan[(size_t)(n_ops - 1) * CF_OP_FIELDS] != CF_OP_FINAL)
@@ -284,13 +322,13 @@ static int check_plan(const cf_engine *e, const int32_t *plan, int n_ops, char *
         if (k < 0 || k >= CF_OP_KINDS || l < 0 || l >= c->n_layers) ok = 0;
         else if (k == CF_OP_EMBED || k == CF_OP_ATTN) ok = ring_ok;
         else if (k == CF_OP_DENSE)
-            ok = c->d_ff > 0 && (a == CF_SRC_H || (a == CF_SRC_RING && b >= 0 && b < e->n_ring));
+            ok = c->d_ff > 0 && (a == CF_SRC_H || (a == CF_SRC_RING && b >= 0 && b < e->n_ring)) && lead_ok(c, l, 1);
         else if (k == CF_OP_ROUTE)
-            ok = c->n_experts > 0 && (a == CF_SRC_H || (a == CF_SRC_HF && c->d_ff > 0)) && moe_ok;
+            ok = c->n_experts > 0 && (a == CF_SRC_H || (a == CF_SRC_HF && c->d_ff > 0)) && moe_ok && lead_ok(c, l, 0);
         else if (k == CF_OP_EXPERTS)
-            ok = c->n_experts > 0 && pend_ok && moe_ok;
+            ok = c->n_experts > 0 && pend_ok && moe_ok && lead_ok(c, l, 0);
         else if (k == CF_OP_RESID)
-            ok = ring_ok && (b == 0 || (b == 1 && c->d_ff > 0)) && cc >= -1 && cc < e->n_pending;
+            ok = ring_ok && (b == 0 || (b == 1 && c->d_ff > 0 && lead_ok(c, l, 1))) && cc >= -1 && cc < e->n_pending;
         else if (k == CF_OP_FINAL)
             ok = ring_ok && b >= -1 && b < e->n_pending && i == n_ops - 1;
         if (!ok) {
@@ -358,6 +396,11 @@ static int alloc_state(cf_engine *e) {
     s->hid = xcalloc(B * e->hmax, sizeof(float), &fail);
     s->y = xcalloc(B * d, sizeof(float), &fail);
     s->rope = xcalloc(B * c->hd, sizeof(float), &fail);
+    if (c->mla_kv_lora) { /* latent attention's own rows (engine_mla.c) */
+        s->mla_a = xcalloc(B * (c->mla_q_lora + c->mla_kv_lora + c->mla_rope), sizeof(float), &fail);
+        s->mla_q = xcalloc(B * c->n_heads * c->mla_qk, sizeof(float), &fail);
+        s->mla_o = xcalloc(B * c->n_heads * c->mla_v, sizeof(float), &fail);
+    }
     if (c->rope_theta_local > 0) s->rope_local = xcalloc(B * c->hd, sizeof(float), &fail);
     if (c->ffn_gelu) s->gu = xcalloc(B * 2 * e->hmax, sizeof(float), &fail);
     // calloc'd pages are mapped lazily, so a long context costs memory only once it is used
@@ -430,6 +473,8 @@ static int open_disk_experts(cf_engine *e, const cf_disk_experts *dx, char *err,
     int bad = -1;
     for (int k = 0; k < n_keys && bad < 0; k++) {
         const cf_layer *L = &e->w.sets[k / E];
+        off[k] = len[k] = 0;
+        if (k / E < c->n_dense_lead) continue; /* a leading dense layer: no experts, never routed */
         const cf_tiled *t[2] = {&L->exp_gate_up[k % E], &L->exp_down[k % E]};
         off[k] = dx->span[2 * k];
         len[k] = dx->span[2 * k + 1];
@@ -510,7 +555,8 @@ cf_engine *cf_engine_create(const cf_config *cfg, const uint8_t *buf, size_t buf
     e->k_type = k_type;
     e->v_type = v_type;
     e->krow = cf_kv_row_bytes(k_type, cfg->hd);
-    e->vrow = cf_kv_row_bytes(v_type, cfg->hd);
+    e->vrow = cfg->mla_kv_lora ? 0 : cf_kv_row_bytes(v_type, cfg->hd); /* latent attention: V is K's latent */
+    if (cfg->mla_kv_lora) e->v_type = k_type;
     e->n_ring = n_ring;
     e->n_pending = n_pending;
     e->n_moe = n_moe;
@@ -564,7 +610,8 @@ void cf_engine_free(cf_engine *e) {
     void *bufs[] = {s->ring, s->h, s->f, s->pending, s->moe_in, s->qkv, s->att, s->hid, s->y,
                     s->rope, s->rope_local, s->gu, s->kcache, s->vcache, s->rlogits, s->exp_tok, s->exp_w, s->exp_n,
                     s->shexp_w, s->exp_list, s->exp_cnt, s->exp_pre, s->exp_slot, e->hits, e->plan,
-                    e->rseq, e->rpos, e->seen, e->lrow, e->ablk, e->arow, e->ones, e->hidden};
+                    e->rseq, e->rpos, e->seen, e->lrow, e->ablk, e->arow, e->ones, e->hidden, s->mla_a, s->mla_q,
+                    s->mla_o};
     for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) free(bufs[i]);
     if (e->ts)
         for (int t = 0; t < e->n_threads; t++) free(e->ts[t].mem);

@@ -33,6 +33,11 @@ typedef struct {
     cf_tiled *exp_gate_up, *exp_down;             /* [E] of [2 d_exp, d] and [d, d_exp] */
     const float *shexp_gate;                      /* [d] or NULL: the shared expert's gate */
     cf_tiled shexp_gate_up, shexp_down;           /* [2 d_shexp, d], [d, d_shexp]: always in RAM */
+    /* latent attention (engine_mla.c); wq above is its plain query when there is no q_a */
+    cf_tiled wq_a, wq_b, wkv_a;                   /* [q_lora, d], [H qk, q_lora], [kv_lora + rope, d] */
+    cf_tiled wk_b, wv_b;                          /* [H kv_lora, qk - rope], [H v, kv_lora]: per head */
+    const float *q_a_norm, *kv_a_norm;            /* [q_lora], [kv_lora] */
+    const float *router_bias;                     /* [E] or NULL: added to the scores to choose */
     uint64_t attn_bytes, dense_bytes, router_bytes, shexp_bytes;
     uint64_t *exp_bytes;                          /* [E] gate_up + down */
 } cf_layer;
@@ -67,6 +72,9 @@ typedef struct {
     float *gu;         /* [B, 2 hmax] a GeGLU's raw gate|up rows (ffn_gelu), or NULL */
     uint8_t *kcache;   /* [n_seq, L, n_kv, n_ctx] rows of krow bytes (fp16 or q8_0), rotated keys */
     uint8_t *vcache;   /* [n_seq, L, n_kv, n_ctx] rows of vrow bytes */
+    float *mla_a;      /* [B, q_lora + kv_lora + rope] latent attention: the low-rank query, then latent | k_pe */
+    float *mla_q;      /* [B, H qk] its query heads (nope | rope) */
+    float *mla_o;      /* [B, H v] its heads' values (wo's input) */
     float *rlogits;    /* [B, E] router probabilities */
     /* the routing of each moe slot */
     int *exp_tok;      /* [n_moe, E, B] tokens routed to each expert */
@@ -213,6 +221,21 @@ static inline void sync_threads(cf_engine *e, int ith, int next) {
 
 /* engine.c: rows of the per-thread attention score scratch (alloc_state sizes it). */
 int cf_attn_score_rows(const cf_engine *e);
+/* engine.c, for engine_mla.c: the pieces every attention shares. */
+void cf_quantize_rows(const cf_engine *e, const float *x, int stride, int K, cf_act_q8 *act, const int *tok, int n,
+                      int fmt);
+void cf_matvec_rows(const cf_engine *e, const cf_tiled *w, const cf_act_q8 *act, float *y, int ystride,
+                    const int *tok, int n, int g0, int g1);
+int cf_d_split(int ng, int ith, int nth, int lo[2], int hi[2]);
+int cf_attn_first(const cf_engine *e, int b, int l);
+/* Query rows per work item of the block attention (engine.c's attn_plan blocks). */
+#define ATTN_QBLOCK 16
+
+/* engine_mla.c: multi-head latent attention (cf_config.mla_kv_lora > 0), the ATTN op of such a
+ * model: h = ring[slot] + Attn_l(norm(ring[slot])) over the latent cache. */
+void cf_op_attn_mla(cf_engine *e, int l, int slot, int ith, int nth);
+/* What of the config latent attention cannot run with (NULL: fine). */
+const char *cf_mla_check_config(const cf_config *c);
 
 /* engine_spec.c, thread 0. After the route of layer l into moe slot ms: list the chosen experts,
  * acquire the first wave (async), score and extend the speculation. */

@@ -542,7 +542,8 @@ cf_xstore *cf_xstore_open(const cf_xstore_opts *o, char *err, size_t n) {
     }
     int64_t largest = 0;
     for (int k = 0; k < o->n_keys; k++) {
-        if (o->offset[k] < 0 || o->offset[k] % CF_XALIGN || o->nbytes[k] <= 0) {
+        /* an empty span: a key of a layer without experts (DeepSeek's leading dense layers), never read */
+        if (o->offset[k] < 0 || o->offset[k] % CF_XALIGN || o->nbytes[k] < 0) {
             cf_set_err(err, n, "expert %d of layer %d has span (%lld, %lld bytes); expert spans must start on "
                     "a 4096-byte boundary (re-convert the model)", k % o->n_experts, k / o->n_experts,
                     (long long)o->offset[k], (long long)o->nbytes[k]);

@@ -351,7 +351,8 @@ def native_options(cf: Any, res: Residency, inflight: int) -> dict:
     """The `experts` argument of NativeEngine for a disk residency."""
 
     cfg = cf.config
-    span = np.array([cf.experts[(i, x)] for i in range(cfg.n_unique_layers) for x in range(cfg.n_experts)],
+    # a layer without experts (DeepSeek's leading dense layers) has none in the table: empty spans
+    span = np.array([cf.experts.get((i, x), (0, 0)) for i in range(cfg.n_unique_layers) for x in range(cfg.n_experts)],
                     np.int64).reshape(-1, 2)
     return {"path": os.fspath(cf.path), "span": np.ascontiguousarray(span), "budget": int(res.budget),
             "io": res.io, "io_threads": io_threads(cfg.top_k, inflight), "direct": direct_io_wanted(),

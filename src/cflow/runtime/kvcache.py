@@ -29,10 +29,17 @@ def check_cache_type(name: Any, which: str) -> str:
 
 def check_model(config: Any, type_k: str, type_v: str) -> None:
     """A q8_0 cache stores rows in blocks of 32 values: refuse a head_dim that is not a multiple."""
+    if getattr(config, "kv_lora_rank", 0) and type_v != type_k:
+        raise EngineError(f"this model's cache holds one latent row per token (multi-head latent attention), read "
+                          f"as keys and as values: cache_type_k and cache_type_v must agree (got {type_k}, {type_v})",
+                          flag=FLAGS["v"])
+    mla = getattr(config, "kv_lora_rank", 0)
+    width = config.kv_lora_rank + config.qk_rope_dim if mla else config.head_dim
+    what = f"latent cache rows are {width} wide" if mla else f"head_dim is {width}"
     for which, t in (("k", type_k), ("v", type_v)):
-        if t == "q8_0" and config.head_dim % quant.QK:
+        if t == "q8_0" and width % quant.QK:
             raise EngineError(f"cache_type_{which} q8_0 stores rows in blocks of {quant.QK} values, and this "
-                              f"model's head_dim is {config.head_dim}; use f16", flag=FLAGS[which])
+                              f"model's {what}; use f16", flag=FLAGS[which])
 
 
 def row_bytes(cache_type: str, head_dim: int) -> int:
@@ -41,6 +48,10 @@ def row_bytes(cache_type: str, head_dim: int) -> int:
 
 
 def cache_bytes(config: Any, n_ctx: int, type_k: str = "f16", type_v: str = "f16") -> int:
-    """Bytes of one sequence's K and V caches at n_ctx positions."""
+    """Bytes of one sequence's K and V caches at n_ctx positions. Multi-head latent attention
+    (config kv_lora_rank > 0) caches one row of kv_lora_rank + qk_rope_dim values per layer and
+    position, which serves as key and as value (native/engine_mla.c)."""
+    if getattr(config, "kv_lora_rank", 0):
+        return config.n_layers * n_ctx * row_bytes(type_k, config.kv_lora_rank + config.qk_rope_dim)
     hd = config.head_dim
     return config.n_layers * config.n_kv_heads * n_ctx * (row_bytes(type_k, hd) + row_bytes(type_v, hd))

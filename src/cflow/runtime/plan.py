@@ -129,6 +129,11 @@ def build_plan(cfg: ModelConfig, delay_experts: bool = False, file_order: bool =
     ops = [Op("embed", 0, 0)]
     for l in range(L):
         ops.append(Op("attn", l, l % H))
+        if cfg.n_dense_lead:  # DeepSeek: the leading layers dense, the others MoE (undelayed)
+            moe = l >= cfg.n_dense_lead
+            ops += [Op("route", l, 0, src="h"), Op("experts", l, 0, 0)] if moe else [Op("dense", l, src="h")]
+            ops.append(Op("resid", l, (l + 1) % H, int(not moe), 0 if moe else -1))
+            continue
         if cfg.has_dense:
             if dd == 0:
                 ops.append(Op("dense", l, src="h"))
