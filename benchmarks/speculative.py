@@ -8,8 +8,8 @@ input-grounded tasks, where the answer repeats much of the prompt: rewrite, code
 summary...; and 3 free stories), greedy generation of -n tokens with plain decoding, plain
 decoding again (the A/A control: what noise alone does to a ratio), the n-gram lookup and, with
 --self-draft, SmolLM2 as its own draft model (the draft mechanism's cost at 100% acceptance: a
-draft as large as the target cannot win; no smaller model with SmolLM2's vocabulary ships with
-the package). The modes alternate within each round and their order rotates from round to round;
+draft as large as the target cannot win; a small one with SmolLM2's vocabulary is trained, not
+shipped: --model-draft below). The modes alternate within each round and their order rotates from round to round;
 a prompt's ratio is the median over rounds of (mode tok/s / plain tok/s) of the same round. Every
 greedy output must equal plain decoding's token for token: the script checks and reports it.
 
