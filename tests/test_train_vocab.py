@@ -195,6 +195,24 @@ def test_bad_tokenizer_files_are_named(tmp_path, smollm2_gguf):
         vocab.read_vocabulary(tmp_path / "bad.json")
     with pytest.raises(TrainError, match="drop --vocab-size"):
         TrainConfig(tokenizer=str(smollm2_gguf), vocab_size=4096)
+    from test_tokenizer_gguf import write_vocab_gguf
+
+    spm = write_vocab_gguf(tmp_path / "spm.gguf", "llama", ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+                           + ["▁a"], [2, 3, 3] + [6] * 256 + [1], scores=[0.0] * 259 + [-1.0])
+    with pytest.raises(vocab.VocabularyError, match="SentencePiece-style"):
+        vocab.read_vocabulary(spm)
+
+
+def test_an_hf_tokenizer_json_is_a_vocabulary_too(corpus_file, tmp_path):
+    from cflow.train import bpe
+
+    hf = bpe.train_bpe(tdata.open_corpus(corpus_file).documents(), 300)
+    bpe.save_tokenizer(hf, tmp_path / "tokenizer.json")
+    header = vocab.read_vocabulary(tmp_path / "tokenizer.json")
+    assert header["eos_id"] == hf.token_to_id(bpe.EOS) and len(header["vocab"]) == hf.get_vocab_size()
+    for text in VARIED:
+        assert vocab.training_tokenizer(header).encode(text, add_special_tokens=False).ids == \
+            hf.encode(text, add_special_tokens=False).ids
 
 
 def test_cli_names_the_errors_and_documents_the_flag(tmp_path, smollm2_gguf):
