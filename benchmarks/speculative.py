@@ -8,8 +8,8 @@ input-grounded tasks, where the answer repeats much of the prompt: rewrite, code
 summary...; and 3 free stories), greedy generation of -n tokens with plain decoding, plain
 decoding again (the A/A control: what noise alone does to a ratio), the n-gram lookup and, with
 --self-draft, SmolLM2 as its own draft model (the draft mechanism's cost at 100% acceptance: a
-draft as large as the target cannot win; no smaller model with SmolLM2's vocabulary ships with
-the package). The modes alternate within each round and their order rotates from round to round;
+draft as large as the target cannot win; a small one with SmolLM2's vocabulary is trained, not
+shipped: --model-draft below). The modes alternate within each round and their order rotates from round to round;
 a prompt's ratio is the median over rounds of (mode tok/s / plain tok/s) of the same round. Every
 greedy output must equal plain decoding's token for token: the script checks and reports it.
 
@@ -28,6 +28,12 @@ n-gram lookup, and adds its report to --out as a section after what the file hol
 implied), instead of replacing it:
 
     python benchmarks/speculative.py --mtp -m a4-mtp.cflow -n 128 -r 5
+
+--model-draft FILE adds a draft model with SmolLM2's vocabulary (`cflow train --preset draft-smollm2
+--tokenizer SmolLM2.gguf`, exported) as the mode "draft", on the same prompts as the n-gram lookup,
+and adds its report to --out as a section (as --mtp does):
+
+    python benchmarks/speculative.py --model-draft draft-smollm2.cflow -t 2 -r 3
 """
 
 from __future__ import annotations
@@ -156,6 +162,9 @@ def main() -> int:
     ap.add_argument("--ngram-max", type=int, default=None, help="default: the library's")
     ap.add_argument("--ngram-min", type=int, default=None, help="default: the library's")
     ap.add_argument("--self-draft", action="store_true", help="also the model as its own draft")
+    ap.add_argument("--model-draft", default=None, metavar="FILE",
+                    help="also a draft model with the target's vocabulary (mode 'draft'); the report is added "
+                    "to --out as a new section")
     ap.add_argument("--curve", action="store_true", help="also the step_rows cost curve")
     ap.add_argument("--llama-cpp", action="store_true",
                     help="also llama.cpp (llama-cpp-python) plain and with prompt lookup decoding, same prompts")
@@ -184,6 +193,8 @@ def main() -> int:
     if args.mtp:
         modes["mtp"] = Speculative("mtp", **{k: v for k, v in kw.items() if k == "draft_max"})
     modes["ngram"] = Speculative("ngram", **kw)
+    if args.model_draft:
+        modes["draft"] = Speculative(draft=Engine.load(args.model_draft, threads=args.threads), **kw)
     if args.self_draft:
         modes["self-draft"] = Speculative(draft=Engine.load(model, threads=args.threads, n_ctx=1024), **kw)
     tasks = {"stories": STORY_PROMPTS} if args.mtp else json.loads(PROMPTS.read_text())
@@ -216,7 +227,7 @@ def main() -> int:
     mode_names = list(modes) + (["llama.cpp plain", "llama.cpp lookup"] if llama is not None else [])
     text = report(results, mode_names, cmd, eng, args, sp)
     out = Path(args.out)
-    if (args.mtp or args.append) and out.is_file():
+    if (args.mtp or args.model_draft or args.append) and out.is_file():
         text = out.read_text().rstrip("\n") + "\n\n" + text
     elif out.is_file():  # a fresh report keeps the sections other commands wrote (each names its command)
         kept = [sec for sec in out.read_text().split("\n## ") if sec.startswith(KEPT_SECTIONS)]
@@ -229,7 +240,8 @@ def main() -> int:
     return 0
 
 
-KEPT_SECTIONS = ("Multi-token prediction heads",)  # --mtp's sections, which a plain run does not redo
+# --mtp's and --model-draft's sections, which a plain run does not redo
+KEPT_SECTIONS = ("Multi-token prediction heads", "Draft model")
 
 
 def geomean(xs: list[float]) -> float:
@@ -237,9 +249,14 @@ def geomean(xs: list[float]) -> float:
 
 
 def report(results: dict, modes: list[str], cmd: str, eng, args, sp) -> str:
-    title = (f"Multi-token prediction heads: {eng.config.name} with {eng.config.mtp_heads} heads "
-             f"({Path(eng.path).name})" if args.mtp else "Speculative decoding on SmolLM2-135M-Instruct (Q4_1)")
-    top = "##" if args.mtp or args.append else "#"  # a section of a file, or the file
+    if args.mtp:
+        title = f"Multi-token prediction heads: {eng.config.name} with {eng.config.mtp_heads} heads ({Path(eng.path).name})"
+    elif args.model_draft:
+        target = Path(args.model).name if args.model else "SmolLM2-135M-Instruct (Q4_1)"
+        title = f"Draft model: {Path(args.model_draft).name} for {target}"
+    else:
+        title = "Speculative decoding on SmolLM2-135M-Instruct (Q4_1)"
+    top = "##" if args.mtp or args.model_draft or args.append else "#"  # a section of a file, or the file
     lines = [f"{top} {title}", "",
              f"Produced by `{cmd}` ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
              f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, kernels {eng.isa}, "

@@ -420,4 +420,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     **{name: {**_SMALL, **_MOE, **arch} for name, arch in ARCHITECTURES.items()},
     **{f"{name}-s": {**_SIZE_S, **arch} for name, arch in ARCHITECTURES.items() if name != "arch5"},
     "llama": {**_SMALL, "d_ff": 384, "n_experts": 0, "top_k": 0, "d_expert": 0},
+    # A dense draft for SmolLM2 (train it with `--tokenizer SmolLM2.gguf`, whose 49,152-token
+    # vocabulary sets vocab_size): the tied embedding, 9.4M of its 11M parameters, is also the output
+    # layer, so d_model decides what a draft step costs; four narrow layers add 1.6M.
+    "draft-smollm2": {"vocab_size": 49152, "d_model": 192, "n_layers": 4, "n_heads": 6, "n_kv_heads": 2,
+                      "d_ff": 512, "n_experts": 0, "top_k": 0, "d_expert": 0, "max_seq_len": 2048},
 }

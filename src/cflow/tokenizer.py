@@ -186,6 +186,11 @@ class Tokenizer:
     def to_header(self) -> dict[str, Any]:
         return dict(self.header)
 
+    @property
+    def hf(self):
+        """The HF `tokenizers` object encode() runs (without BOS): what training borrows to see these ids."""
+        return self._tk
+
     # ---- properties --------------------------------------------------------------------------
     @property
     def vocab_size(self) -> int:

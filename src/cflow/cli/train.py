@@ -33,6 +33,10 @@ examples:
   cflow export runs/a24 a24.cflow                           # then run it with cflow generate
   cflow train --preset arch4-s --mtp 2 --out runs/a4-mtp    # + 2 multi-token prediction heads
   cflow export runs/a4-mtp a4.cflow && cflow generate -m a4.cflow --spec mtp -p "Once upon a time"
+  cflow train --preset draft-smollm2 --tokenizer SmolLM2-135M-Instruct.Q4_1.gguf \
+      --data data/stories-corpus.jsonl.xz --out runs/draft          # a draft that speaks SmolLM2's vocabulary
+  cflow export runs/draft draft.cflow && \
+      cflow generate -m SmolLM2-135M-Instruct.Q4_1.gguf --spec draft --model-draft draft.cflow -p "Once"
 
 --batch-size is the global batch: under torchrun each process takes batch_size / world_size.
 Ctrl-C (or SIGTERM) finishes the current step, saves a checkpoint there and exits (130 / 143);
@@ -42,8 +46,8 @@ continue it with --resume. A second Ctrl-C quits at once and keeps the previous 
 # flag dest -> TrainConfig field (identical names); None defaults mean "not given".
 _TRAIN_FIELDS = ("steps", "tokens", "batch_size", "seq_len", "lr", "min_lr_ratio", "warmup", "weight_decay",
                  "grad_clip", "lb_weight", "z_weight", "mtp_weight", "eval_every", "eval_windows", "save_every", "log_every",
-                 "seed", "data", "val_fraction", "vocab_size", "threads", "cache_dir", "compile", "device",
-                 "precision")
+                 "seed", "data", "val_fraction", "vocab_size", "tokenizer", "threads", "cache_dir", "compile",
+                 "device", "precision")
 
 
 def _add_hparams(p: argparse.ArgumentParser, *, budget: bool) -> None:
@@ -51,6 +55,13 @@ def _add_hparams(p: argparse.ArgumentParser, *, budget: bool) -> None:
     g.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a ModelConfig field, e.g. --set d_model=192 (repeatable)")
     g.add_argument("--vocab-size", type=int, help="tokenizer vocabulary to train (default: the preset's, 4096)")
+    g.add_argument("--tokenizer", metavar="FILE",
+                   help="train with the vocabulary of an existing model instead of a new BPE: a GGUF file (its "
+                   "tokenizer.ggml.* keys) or an HF tokenizer.json. Text is tokenized by the engine's own tokenizer "
+                   "for that file, so the ids are the ones the engine gives that model; the checkpoint keeps the "
+                   "vocabulary (vocabulary.json) and `cflow export` writes it, so the model can serve as that "
+                   "model's draft (--spec draft --model-draft). The vocabulary sets vocab_size: not with "
+                   "--vocab-size. Byte-level BPE vocabularies only")
     g.add_argument("--mtp", type=int, metavar="N",
                    help="add N multi-token prediction heads (--set mtp_heads=N): head j predicts the token 2+j "
                    "ahead from the last hidden state through the shared lm_head, trained jointly (--mtp-weight); "
@@ -111,7 +122,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "train", help="train a pipeline-native model; `cflow train compare` trains the whole family",
         description="Train a model of the architecture family on the shipped stories (default), a local "
-        "file or TinyStories, with a byte-level BPE tokenizer trained on the same data. Writes a "
+        "file or TinyStories, with a byte-level BPE tokenizer trained on the same data (or, with "
+        "--tokenizer FILE, the vocabulary of an existing model). Writes a "
         "checkpoint directory (model.safetensors, config.json, tokenizer.json, train_state.pt, "
         "meta.json, train_log.csv) that --resume continues exactly and `cflow export` converts.",
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -1,7 +1,8 @@
 """Our training checkpoints -> `.cflow` (`cflow export`, and `cflow convert DIR ...`).
 
 Owns reading a checkpoint directory (docs/DESIGN.md "Training checkpoint directory": only
-model.safetensors, config.json and tokenizer.json are needed) and mapping its parameters onto the
+model.safetensors, config.json and tokenizer.json are needed, and vocabulary.json where the run
+borrowed a model's vocabulary) and mapping its parameters onto the
 .cflow tensor names: fused wqkv, interleaved w_gate_up, experts stored one by one (each expert's
 gate_up then down, so its tiles are contiguous), router and norms as F32. arch5 stores only its
 `n_unique_layers` weight sets, exactly as the checkpoint does.
@@ -27,6 +28,7 @@ from cflow.convert.hf_tokenizer import hf_json_to_header
 from cflow.fsutil import read_json_dict
 from cflow.quant import TILE
 from cflow.tokenizer import Tokenizer, TokenizerError
+from cflow.train.vocab import VOCABULARY_NAME, read_vocabulary_file
 from cflow.weights import Weight
 
 NEEDED = ("model.safetensors", "config.json", "tokenizer.json")
@@ -111,10 +113,14 @@ def read_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.
         raise CheckpointFormatError(f"{p / 'config.json'}: {e}") from None
     params = read_weights(p / "model.safetensors")
     check_weights(cfg, params)
+    # A borrowed vocabulary (cflow train --tokenizer) is written as it was read from its model, so
+    # the exported file's vocabulary is that model's; else the trained BPE's tokenizer.json.
+    vocab_file = p / VOCABULARY_NAME
     try:
-        tok = Tokenizer(hf_json_to_header(p / "tokenizer.json")).to_header()
+        borrowed = read_vocabulary_file(p)
+        tok = Tokenizer(borrowed if borrowed is not None else hf_json_to_header(p / "tokenizer.json")).to_header()
     except TokenizerError as e:
-        raise CheckpointFormatError(f"{p / 'tokenizer.json'}: {e}") from None
+        raise CheckpointFormatError(f"{vocab_file if vocab_file.is_file() else p / 'tokenizer.json'}: {e}") from None
     if len(tok["vocab"]) > cfg.vocab_size:
         raise CheckpointFormatError(f"{p}: the tokenizer has {len(tok['vocab'])} tokens but the model "
                                     f"only {cfg.vocab_size} embeddings")

@@ -2,6 +2,7 @@
 
 - `data`: corpus sources, the split by document hash, the token cache, the resumable batch sampler.
 - `bpe`: byte-level BPE tokenizer training with HF `tokenizers`.
+- `vocab`: a borrowed vocabulary (`--tokenizer` GGUF / tokenizer.json) instead of a trained BPE.
 - `loop`: `TrainConfig` and `train()` (AdamW, warmup + cosine, MoE aux losses, eval, DDP, resume).
 - `checkpoint`: the checkpoint directory of docs/DESIGN.md, written atomically.
 - `stats`: the 95% t interval of a mean over seeds (no torch; claim T1 uses it too).

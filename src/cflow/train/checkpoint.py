@@ -3,6 +3,8 @@
     DIR/model.safetensors   parameters, DESIGN.md names (a tied lm_head is not stored)
     DIR/config.json         ModelConfig.to_json()
     DIR/tokenizer.json      HF tokenizers JSON (byte-level BPE)
+    DIR/vocabulary.json     only with a borrowed vocabulary (`cflow train --tokenizer`, cflow.train.vocab):
+                            its .cflow tokenizer header, which export writes unchanged
     DIR/train_state.pt      optimizer, schedule, RNG, sampler state, step, train config (--resume)
     DIR/meta.json           preset, command line, tokens seen, eval metrics
     DIR/train_log.csv       the CSV log up to this checkpoint (the loop keeps appending to it)
@@ -29,6 +31,7 @@ import torch
 from cflow.config import ModelConfig
 from cflow.errors import CflowError
 from cflow.fsutil import fsync_dir, fsync_file, writing
+from cflow.train.vocab import VOCABULARY_NAME, read_vocabulary_file
 
 FILES = ("model.safetensors", "config.json", "tokenizer.json", "train_state.pt", "meta.json")
 LOG_NAME = "train_log.csv"
@@ -46,6 +49,7 @@ class Checkpoint:
     tokenizer_json: str
     train_state: dict[str, Any] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
+    vocabulary: dict[str, Any] | None = None  # a borrowed vocabulary's tokenizer header
 
 
 # ---- weights ---------------------------------------------------------------------------------
@@ -78,7 +82,8 @@ def load_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> No
 # ---- save ------------------------------------------------------------------------------------
 def save_checkpoint(out_dir: str | os.PathLike, *, weights: dict[str, torch.Tensor], config: ModelConfig,
                     tokenizer_json: str, train_state: dict[str, Any] | None = None,
-                    meta: dict[str, Any] | None = None, log_file: str | os.PathLike | None = None) -> Path:
+                    meta: dict[str, Any] | None = None, log_file: str | os.PathLike | None = None,
+                    vocabulary: dict[str, Any] | None = None) -> Path:
     """Write a complete checkpoint to a temporary directory, then rename it to `out_dir`."""
     from safetensors.torch import save_file
 
@@ -91,6 +96,8 @@ def save_checkpoint(out_dir: str | os.PathLike, *, weights: dict[str, torch.Tens
             save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt", "producer": "cflow.train"})
             (tmp / "config.json").write_text(config.to_json() + "\n")
             (tmp / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
+            if vocabulary is not None:
+                (tmp / VOCABULARY_NAME).write_text(json.dumps(vocabulary, ensure_ascii=False), encoding="utf-8")
             torch.save(train_state or {}, tmp / "train_state.pt")
             (tmp / "meta.json").write_text(json.dumps(meta or {}, indent=2, sort_keys=True, default=str) + "\n")
             if log_file is not None and Path(log_file).is_file():
@@ -152,4 +159,6 @@ def load_checkpoint(path: str | os.PathLike, *, with_train_state: bool = True) -
     weights = load_file(str(p / "model.safetensors"))
     state = torch.load(p / "train_state.pt", map_location="cpu", weights_only=True) if with_train_state else {}
     meta = json.loads((p / "meta.json").read_text())
-    return Checkpoint(p, config, weights, (p / "tokenizer.json").read_text(encoding="utf-8"), state, meta)
+    return Checkpoint(p, config, weights, (p / "tokenizer.json").read_text(encoding="utf-8"), state, meta,
+                      read_vocabulary_file(p))
+

@@ -8,13 +8,15 @@ Owns everything between "a corpus" and "a batch of token ids":
 - The split is by document and depends only on the document's text: a document goes to
   validation when the first 8 bytes of its BLAKE2b hash, read as a fraction, fall below
   `val_fraction`. Reordering, adding or removing other documents never moves a document across.
-- Tokens are cached as flat uint16 (uint32 for vocabularies over 65536) arrays, `<|eos|>` after
-  every document, memory-mapped at run time. The cache key hashes the corpus fingerprint (file
-  contents, or path+size+mtime for very large files), the tokenizer JSON and the split, so a
-  change in any of them re-tokenizes. Cache entries are written to a temporary directory and
-  renamed into place, so a crash or a concurrent writer never leaves a half-written entry. The
-  cache lives in `cflow.fsutil.cache_dir()` unless a directory is given; a cache that cannot be
-  written raises `cflow.fsutil.WriteError` before any tokenizing is done.
+- Tokens are cached as flat uint16 (uint32 for vocabularies over 65536) arrays, `<|eos|>` (a
+  borrowed vocabulary's EOS, cflow.train.vocab) after every document, memory-mapped at run time.
+  The cache key hashes the corpus fingerprint (file contents, or path+size+mtime for very large
+  files), the tokenizer JSON (and a borrowed vocabulary's header) and the split, so a change in
+  any of them re-tokenizes, and a borrowed vocabulary's tokens never share an entry with a
+  trained BPE's. Cache entries are written to a temporary directory and renamed into place, so a
+  crash or a concurrent writer never leaves a half-written entry. The cache lives in
+  `cflow.fsutil.cache_dir()` unless a directory is given; a cache that cannot be written raises
+  `cflow.fsutil.WriteError` before any tokenizing is done.
 - `BatchSampler` draws random windows with a seeded numpy generator whose state can be saved
   and restored (exact resume). Every rank draws the same global batch and keeps its own disjoint
   slice, so a DDP run sees exactly the batches of a single-process run.
@@ -268,24 +270,35 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 
 def prepare_data(corpus: Corpus, tokenizer, *, cache_dir: str | os.PathLike | None = None,
-                 val_fraction: float = DEFAULT_VAL_FRACTION) -> TokenData:
-    """Tokenize `corpus` once (cached under cache_dir/tokens/KEY) and memory-map the result."""
+                 val_fraction: float = DEFAULT_VAL_FRACTION, vocabulary: dict | None = None) -> TokenData:
+    """Tokenize `corpus` once (cached under cache_dir/tokens/KEY) and memory-map the result.
+
+    vocabulary: the tokenizer header of a borrowed vocabulary (cflow.train.vocab), whose EOS then
+    separates documents; None: a trained BPE, separated by its <|eos|>.
+    """
     cache = Path(cache_dir) if cache_dir is not None else fsutil.cache_dir()
     vocab_size = tokenizer.get_vocab_size()
-    eos_id = tokenizer.token_to_id(bpe.EOS)
-    key = _hash_key({"corpus": corpus.fingerprint, "tokenizer": bpe.tokenizer_hash(tokenizer),
-                     "val_fraction": val_fraction, "format": _CACHE_FORMAT})
+    eos_id = tokenizer.token_to_id(bpe.EOS) if vocabulary is None else vocabulary["eos_id"]
+    parts = {"corpus": corpus.fingerprint, "tokenizer": bpe.tokenizer_hash(tokenizer),
+             "val_fraction": val_fraction, "format": _CACHE_FORMAT}
+    if vocabulary is not None:
+        # The tokenizer JSON already differs from any trained BPE's; the header also fixes the
+        # separator (eos_id), which that JSON does not carry. Trained BPEs keep their old keys.
+        from cflow.train.vocab import header_hash
+
+        parts["vocabulary"] = header_hash(vocabulary)
+    key = _hash_key(parts)
     entry = cache / "tokens" / key[:24]
     if not (entry / "meta.json").is_file():
         train_docs, val_docs = split_documents(corpus.documents(), val_fraction)
         with fsutil.writing(entry):
-            _build_entry(entry, corpus.name, train_docs, val_docs, tokenizer)
+            _build_entry(entry, corpus.name, train_docs, val_docs, tokenizer, eos_id)
     return _open_entry(entry, key, eos_id, vocab_size)
 
 
-def _build_entry(entry: Path, corpus_name: str, train_docs: list[str], val_docs: list[str], tokenizer) -> None:
+def _build_entry(entry: Path, corpus_name: str, train_docs: list[str], val_docs: list[str], tokenizer,
+                 eos_id: int) -> None:
     dtype = token_dtype(tokenizer.get_vocab_size())
-    eos_id = tokenizer.token_to_id(bpe.EOS)
     entry.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=entry.name + ".tmp-", dir=entry.parent))
     try:

@@ -51,7 +51,7 @@ LOG_FIELDS = ("step", "tokens", "lr", "loss", "ce", "load_balance", "router_z", 
               "val_loss", "val_ppl", "val_acc", "elapsed_s", "tok_per_s")
 # These decide which batches a run sees: a resumed run must keep them.
 PRECISIONS = ("auto", "bf16", "fp32")
-RESUME_FIXED = ("batch_size", "seq_len", "seed", "data", "val_fraction")
+RESUME_FIXED = ("batch_size", "seq_len", "seed", "data", "val_fraction", "tokenizer")
 
 
 class TrainError(CflowError):
@@ -106,6 +106,9 @@ class TrainConfig:
     data: str | None = None  # None: shipped corpus; a .txt/.jsonl path; "tinystories[:N]"
     val_fraction: float = tdata.DEFAULT_VAL_FRACTION
     vocab_size: int = 0  # tokenizer vocabulary to train; 0: the model config's vocab_size
+    # A GGUF model or HF tokenizer.json whose vocabulary to train with instead of a new BPE
+    # (cflow.train.vocab): a draft model for speculative decoding must speak its target's.
+    tokenizer: str | None = None
     threads: int = 0  # torch threads per process; 0: CPU cores / local processes
     cache_dir: str | None = None  # token and tokenizer cache; None: $CFLOW_CACHE or ~/.cache/cflow
     compile: bool = False  # the training step through torch.compile (evaluation stays eager)
@@ -136,6 +139,9 @@ class TrainConfig:
         need(self.eval_windows > 0, "eval_windows must be positive")
         need(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
              f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        need(not (self.tokenizer and self.vocab_size),
+             f"vocab_size {self.vocab_size} was given together with tokenizer {self.tokenizer!r}: a borrowed "
+             "vocabulary has its own size; drop --vocab-size")
 
     @property
     def tokens_per_step(self) -> int:
@@ -343,19 +349,26 @@ def _rank0_first(d: _Dist, fn: Callable[[], Any]) -> Any:
     return out
 
 
-def _prepare(cfg: ModelConfig, tc: TrainConfig, d: _Dist, tokenizer_json: str | None, progress: bool):
-    from cflow.train import bpe
+def _prepare(cfg: ModelConfig, tc: TrainConfig, d: _Dist, tokenizer_json: str | None, vocabulary: dict | None,
+             progress: bool):
+    """(corpus, tokenizer, token data, borrowed vocabulary header or None). A resumed run brings its
+    tokenizer JSON and, with a borrowed vocabulary, that header (the checkpoint's, not the file's again)."""
+    from cflow.train import bpe, vocab
 
     corpus = tdata.open_corpus(tc.data)
-    if tokenizer_json is not None:
+    if vocabulary is None and tokenizer_json is None and tc.tokenizer:
+        vocabulary = vocab.read_vocabulary(tc.tokenizer)
+    if vocabulary is not None:
+        tok = vocab.training_tokenizer(vocabulary)
+    elif tokenizer_json is not None:
         tok = bpe.tokenizer_from_str(tokenizer_json)
     else:
-        vocab = tc.vocab_size or cfg.vocab_size
-        tok = _rank0_first(d, lambda: tdata.get_tokenizer(corpus, vocab, cache_dir=tc.cache_dir,
+        size = tc.vocab_size or cfg.vocab_size
+        tok = _rank0_first(d, lambda: tdata.get_tokenizer(corpus, size, cache_dir=tc.cache_dir,
                                                           val_fraction=tc.val_fraction, progress=progress))
     data = _rank0_first(d, lambda: tdata.prepare_data(corpus, tok, cache_dir=tc.cache_dir,
-                                                      val_fraction=tc.val_fraction))
-    return corpus, tok, data
+                                                      val_fraction=tc.val_fraction, vocabulary=vocabulary))
+    return corpus, tok, data, vocabulary
 
 
 # ---- evaluation ------------------------------------------------------------------------------
@@ -499,7 +512,8 @@ def train(cfg: ModelConfig, tc: TrainConfig, *, out_dir: str | os.PathLike | Non
         state, tok_json = _check_out_dir(out, resume, overwrite, cfg, tc)
         if out is not None and d.rank == 0:
             fsutil.check_writable(out)  # now, not after the tokenizer and the first save_every steps
-        corpus, tok, data = _prepare(cfg, tc, d, tok_json, progress is True and d.rank == 0)
+        vocabulary = state.get("vocabulary") if state is not None else None
+        corpus, tok, data, vocabulary = _prepare(cfg, tc, d, tok_json, vocabulary, progress is True and d.rank == 0)
         cfg = cfg.replace(vocab_size=tok.get_vocab_size()) if cfg.vocab_size != tok.get_vocab_size() else cfg
         if tc.seq_len > cfg.max_seq_len:
             raise TrainError(f"seq_len {tc.seq_len} exceeds the model's max_seq_len {cfg.max_seq_len}; "
@@ -526,7 +540,7 @@ def train(cfg: ModelConfig, tc: TrainConfig, *, out_dir: str | os.PathLike | Non
             step, elapsed0 = int(state["step"]), float(state.get("elapsed_s", 0.0))
 
         run = _Run(cfg, tc, d, model, opt, sampler, data, out, tok.to_str(), corpus.name, meta or {},
-                   progress, step, elapsed0, resume)
+                   progress, step, elapsed0, resume, vocabulary)
         return run.loop(until_step)
     finally:
         if run is not None:
@@ -545,7 +559,7 @@ def _check_out_dir(out: Path | None, resume: bool, overwrite: bool, cfg: ModelCo
     if resume:
         c = ckpt.load_checkpoint(out)
         state = dict(c.train_state)
-        state["weights"], state["config"] = c.weights, c.config
+        state["weights"], state["config"], state["vocabulary"] = c.weights, c.config, c.vocabulary
         return state, c.tokenizer_json
     if ckpt.is_checkpoint(out) and not overwrite:
         raise TrainError(f"{out} already holds a checkpoint; pass --resume to continue it, --overwrite to "
@@ -574,7 +588,8 @@ class _Run:
     """The state of one training call; methods are the loop's steps."""
 
     def __init__(self, cfg, tc, d, model, opt, sampler, data, out, tok_json, data_name, meta, progress,
-                 step, elapsed0, resumed) -> None:
+                 step, elapsed0, resumed, vocabulary=None) -> None:
+        self.vocabulary = vocabulary
         self.cfg, self.tc, self.d = cfg, tc, d
         self.model, self.opt, self.sampler, self.data = model, opt, sampler, data
         self.device = next(model.parameters()).device
@@ -732,7 +747,7 @@ class _Run:
                 self.log.close()
             ckpt.save_checkpoint(self.out, weights=ckpt.model_weights(self.model), config=self.cfg,
                                  tokenizer_json=self.tok_json, train_state=state, meta=meta,
-                                 log_file=self.out / ckpt.LOG_NAME if self.log else None)
+                                 log_file=self.out / ckpt.LOG_NAME if self.log else None, vocabulary=self.vocabulary)
             if self.log:
                 self.log.open()
             self.progress({"event": "save", "step": self.step, "path": str(self.out)})
