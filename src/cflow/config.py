@@ -30,6 +30,13 @@ families: moe_norm_topk (default on: the top_k routing weights renormalised to s
 and Qwen3-MoE; off: the raw softmax
 probabilities, as Qwen2-MoE and OLMoE) and d_shared_expert (Qwen2-MoE: one SwiGLU expert every
 token runs, its output scaled by sigmoid(shared_gate . norm(z)), added to the routed sum).
+gpt-oss options (all off by default): attn_sinks (each query head's learned logit joins its
+softmax's denominator only, attn.sinks [n_heads]), attn_out_bias (the output projection adds
+attn.wo_bias [d]), moe_bias (the router adds moe.router_bias [E]; each expert's gate, up and down
+add their biases, stored beside the expert's matrices so they travel with it to disk),
+moe_gating "softmax_topk" (the top_k chosen on the raw logits, their weights the softmax over
+those k; default "softmax": over all E, then top_k) and expert_act "swiglu_oai" (OpenAI's clamped
+SwiGLU, min(g, 7) * sigmoid(1.702 min(g, 7)) * (clamp(u, -7, 7) + 1); default "silu").
 mtp_heads (default 0) adds multi-token prediction heads: head j predicts token t+2+j from the
 final normed hidden state of position t (`cflow train --mtp N`).
 """
@@ -46,6 +53,10 @@ from cflow.errors import CflowError
 
 MOE_INPUTS = ("post_dense", "post_attn")
 FFN_ACTS = ("silu", "gelu_tanh")
+MOE_GATINGS = ("softmax", "softmax_topk")
+EXPERT_ACTS = ("silu", "swiglu_oai")
+# OpenAI's SwiGLU (expert_act "swiglu_oai"): llama.cpp's build_moe_ffn hard-codes them for gpt-oss
+SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT = 1.702, 7.0
 # More heads than this predict so far ahead that their guesses are rarely accepted.
 MAX_MTP_HEADS = 8
 
@@ -96,6 +107,11 @@ class ModelConfig:
     ffn_act: str = "silu"  # the dense FFN's gate activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
     moe_norm_topk: bool = True  # renormalise the top_k routing weights to sum to 1
     d_shared_expert: int = 0  # 0: none; else hidden size of the gated shared expert (Qwen2-MoE)
+    attn_sinks: bool = False  # each query head's learned sink logit joins its softmax's denominator (gpt-oss)
+    attn_out_bias: bool = False  # the output projection adds a bias (gpt-oss)
+    moe_bias: bool = False  # router and expert gate/up/down biases (gpt-oss)
+    moe_gating: str = "softmax"  # "softmax": over all E, then top_k; "softmax_topk": top_k, then softmax over k
+    expert_act: str = "silu"  # the experts' activation: "silu" (SwiGLU) or "swiglu_oai" (gpt-oss)
     # Multi-token prediction: head j (0..mtp_heads-1) maps the final normed hidden state h_t to a
     # prediction of token t+2+j through the shared lm_head (cflow.model.MtpHead); the engine uses
     # them as a self-speculative proposer (cflow.runtime.speculative.MtpProposer). 0: none.
@@ -193,6 +209,10 @@ class ModelConfig:
         need(self.ffn_act in FFN_ACTS, f"ffn_act must be one of {FFN_ACTS}, got {self.ffn_act!r}")
         need(self.n_experts == 0 or (self.ffn_act == "silu" and not self.post_norms),
              "ffn_act gelu_tanh and post_norms are for dense models (n_experts = 0)")
+        need(self.moe_gating in MOE_GATINGS, f"moe_gating must be one of {MOE_GATINGS}, got {self.moe_gating!r}")
+        need(self.expert_act in EXPERT_ACTS, f"expert_act must be one of {EXPERT_ACTS}, got {self.expert_act!r}")
+        need(self.n_experts > 0 or (not self.moe_bias and self.moe_gating == "softmax" and self.expert_act == "silu"),
+             "moe_bias, moe_gating and expert_act describe experts: they need n_experts > 0")
         need(0 <= self.mtp_heads <= MAX_MTP_HEADS,
              f"mtp_heads must be in 0..{MAX_MTP_HEADS} (0: no multi-token prediction heads), got {self.mtp_heads}")
 

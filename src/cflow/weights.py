@@ -15,6 +15,8 @@ count bytes from them:
     layers.{i}.attn.q_norm             [hd] or [q]        attn      f32      (qk_norm; [q], [kv] with
     layers.{i}.attn.k_norm             [hd] or [kv]       attn      f32       qk_norm_full)
     layers.{i}.attn.wo                 [d, q]             attn      quantized
+    layers.{i}.attn.wo_bias            [d]                attn      f32      (attn_out_bias)
+    layers.{i}.attn.sinks              [n_heads]          attn      f32      (attn_sinks)
     layers.{i}.attn_post_norm          [d]                attn      f32      (post_norms: Gemma)
     layers.{i}.ffn_norm                [d]                dense     f32      (d_ff > 0)
     layers.{i}.ffn.w_gate_up           [2 d_ff, d]        dense     quantized (gate, up interleaved)
@@ -22,11 +24,14 @@ count bytes from them:
     layers.{i}.ffn_post_norm           [d]                dense     f32      (post_norms, d_ff > 0)
     layers.{i}.moe_norm                [d]                router    f32      (n_experts > 0)
     layers.{i}.moe.router              [E, d]             router    f32
+    layers.{i}.moe.router_bias         [E]                router    f32      (moe_bias)
     layers.{i}.moe.shared_gate         [d]                router    f32      (d_shared_expert > 0)
     layers.{i}.moe.shared.w_gate_up    [2 d_sh, d]        experts   quantized (the shared expert:
     layers.{i}.moe.shared.w_down       [d, d_sh]          experts   quantized  every token, in RAM)
     layers.{i}.moe.experts.{e}.w_gate_up [2 d_exp, d]     experts   quantized
     layers.{i}.moe.experts.{e}.w_down  [d, d_exp]         experts   quantized
+    layers.{i}.moe.experts.{e}.b_gate_up [2 d_exp]        experts   f32      (moe_bias: gate, up biases
+    layers.{i}.moe.experts.{e}.b_down  [d]                experts   f32       interleaved as w_gate_up's rows)
     norm                               [d]                lm_head   f32
     lm_head                            [vocab, d]         lm_head   quantized (absent when tied)
     mtp.{j}.w_up                       [d, d]             mtp       f32      (mtp_heads > 0: head j,
@@ -44,6 +49,9 @@ multi-token prediction heads. Those are not part of the decode step (no DAG node
 C core does not bind them): the speculative proposer runs them in numpy from the hidden state the
 core hands back (cflow.runtime.mtp), so they stay f32 whatever the file's quant (2 d^2 + d floats a
 head).
+
+An expert's biases (moe_bias) are tensors of the expert, stored right after its matrices, so they
+are inside the expert's span of the file and travel with it when experts are read from disk.
 
 A tiled matrix has one dtype. GGUF K-quant files often store attn_v in another type than attn_q
 and attn_k (Q4_K_M: Q6_K or Q8_0 beside Q4_K / Q5_0); cflow keeps every block as it is, so such a
@@ -69,8 +77,8 @@ GLOBAL_NAMES = ("tok_emb", "norm", "lm_head")
 # attn.wqkv's place when the projection is stored by parts.
 LAYER_SLOTS = ("attn_norm", "attn.wqkv", "attn.qkv_bias", "attn.q_norm", "attn.k_norm", "attn.wo", "attn_post_norm",
                "ffn_norm", "ffn.w_gate_up", "ffn.w_down", "ffn_post_norm", "moe_norm", "moe.router", "moe.shared_gate",
-               "moe.shared.w_gate_up", "moe.shared.w_down")
-EXPERT_SLOTS = ("w_gate_up", "w_down")
+               "moe.shared.w_gate_up", "moe.shared.w_down", "attn.wo_bias", "attn.sinks", "moe.router_bias")
+EXPERT_SLOTS = ("w_gate_up", "w_down", "b_gate_up", "b_down")
 QKV_PARTS = ("attn.wq", "attn.wk", "attn.wv")  # attn.wqkv stored by parts (see above)
 
 
@@ -132,6 +140,10 @@ def layer_weights(cfg: ModelConfig, i: int, experts: Iterable[int] | None = None
         out += [Weight(p + "attn.q_norm", (cfg.q_dim if full else cfg.head_dim,), "attn", True, i),
                 Weight(p + "attn.k_norm", (cfg.kv_dim if full else cfg.head_dim,), "attn", True, i)]
     out.append(Weight(p + "attn.wo", (d, cfg.q_dim), "attn", False, i))
+    if cfg.attn_out_bias:
+        out.append(Weight(p + "attn.wo_bias", (d,), "attn", True, i))
+    if cfg.attn_sinks:
+        out.append(Weight(p + "attn.sinks", (cfg.n_heads,), "attn", True, i))
     if cfg.post_norms:
         out.append(Weight(p + "attn_post_norm", (d,), "attn", True, i))
     if cfg.has_dense:
@@ -143,6 +155,8 @@ def layer_weights(cfg: ModelConfig, i: int, experts: Iterable[int] | None = None
     if cfg.has_moe:
         out += [Weight(p + "moe_norm", (d,), "router", True, i),
                 Weight(p + "moe.router", (cfg.n_experts, d), "router", True, i)]
+        if cfg.moe_bias:
+            out.append(Weight(p + "moe.router_bias", (cfg.n_experts,), "router", True, i))
         if cfg.has_shared_expert:
             ds = cfg.d_shared_expert
             out += [Weight(p + "moe.shared_gate", (d,), "router", True, i),
@@ -151,6 +165,9 @@ def layer_weights(cfg: ModelConfig, i: int, experts: Iterable[int] | None = None
         for e in range(cfg.n_experts) if experts is None else experts:
             out += [Weight(expert_name(i, e, "w_gate_up"), (2 * cfg.d_expert, d), "experts", False, i, e),
                     Weight(expert_name(i, e, "w_down"), (d, cfg.d_expert), "experts", False, i, e)]
+            if cfg.moe_bias:
+                out += [Weight(expert_name(i, e, "b_gate_up"), (2 * cfg.d_expert,), "experts", True, i, e),
+                        Weight(expert_name(i, e, "b_down"), (d,), "experts", True, i, e)]
     return out
 
 
@@ -192,8 +209,10 @@ def model_weights(cfg: ModelConfig, split_qkv: Collection[int] = ()) -> Iterator
 def count(cfg: ModelConfig, n_split_qkv: int = 0) -> int:
     """How many tensors `model_weights(cfg)` yields (with `n_split_qkv` sets stored by parts),
     computed without building it (a damaged header may claim billions of layers)."""
-    per_set = 3 + cfg.qkv_bias + 2 * cfg.qk_norm + 3 * cfg.has_dense + (2 + 2 * cfg.n_experts) * cfg.has_moe \
-        + 3 * cfg.has_shared_expert + cfg.post_norms * (1 + cfg.has_dense)
+    per_expert = 2 + 2 * cfg.moe_bias
+    per_set = 3 + cfg.qkv_bias + 2 * cfg.qk_norm + 3 * cfg.has_dense \
+        + (2 + cfg.moe_bias + per_expert * cfg.n_experts) * cfg.has_moe \
+        + 3 * cfg.has_shared_expert + cfg.post_norms * (1 + cfg.has_dense) + cfg.attn_out_bias + cfg.attn_sinks
     return 2 + cfg.n_unique_layers * per_set + (not cfg.tie_embeddings) + 2 * n_split_qkv \
         + len(MTP_SLOTS) * cfg.mtp_heads
 

@@ -142,7 +142,8 @@ def write_model(path: str | os.PathLike, *, config: dict | ModelConfig, tokenize
         del cfg_dict["rope_mscale"]
     for key, default in (("sliding_window_pattern", 0), ("rope_theta_local", 0.0), ("attn_scale", 0.0),
                          ("embed_scale", 1.0), ("post_norms", False), ("ffn_act", "silu"), ("attn_temp_scale", 0.0),
-                         ("attn_temp_floor", 0)):
+                         ("attn_temp_floor", 0), ("attn_sinks", False), ("attn_out_bias", False), ("moe_bias", False),
+                         ("moe_gating", "softmax"), ("expert_act", "silu")):
         if cfg_dict[key] == default:
             del cfg_dict[key]
 

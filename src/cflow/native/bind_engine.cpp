@@ -86,6 +86,16 @@ cf_config config_from(const nb::dict &d) {
     c.ffn_gelu = act == "gelu_tanh";
     c.attn_temp_scale = f("attn_temp_scale");
     c.attn_temp_floor = i("attn_temp_floor");
+    c.attn_sinks = b("attn_sinks");
+    c.attn_out_bias = b("attn_out_bias");
+    c.moe_bias = b("moe_bias");
+    std::string gating = nb::cast<std::string>(d["moe_gating"]), eact = nb::cast<std::string>(d["expert_act"]);
+    if (gating != "softmax" && gating != "softmax_topk")
+        throw nb::value_error("moe_gating: the engine runs \"softmax\" and \"softmax_topk\"");
+    if (eact != "silu" && eact != "swiglu_oai")
+        throw nb::value_error("expert_act: the engine runs \"silu\" and \"swiglu_oai\"");
+    c.moe_gating = gating == "softmax_topk" ? CF_GATING_SOFTMAX_TOPK : CF_GATING_SOFTMAX;
+    c.expert_act = eact == "swiglu_oai" ? CF_ACT_SWIGLU_OAI : CF_ACT_SILU;
     return c;
 }
 
