@@ -572,15 +572,17 @@ class ReferenceDecoder:
         q_temperature(p); store k, v at k/v_cache[l, p]
         for head h: g = h // (nh/nkv)
           s[t] = q_h . k_cache[l, t, g] / sqrt(hd) (or * attn_scale), t = t0..p
-          o_h = sum_t softmax(s)[t] v_cache[l, t, g]
-        h = x + W.wo o                         (post_norms: x + rmsnorm(W.wo o, W.attn_post_norm))
+          o_h = sum_t softmax(s)[t] v_cache[l, t, g]   (attn_sinks: softmax([s, sinks[h]])[:-1])
+        h = x + W.wo o (+ W.wo_bias)           (post_norms: x + rmsnorm(W.wo o, W.attn_post_norm))
         f = 0
         if dense: u = h if dd == 0 else ring[max(l + 1 - dd, 0) % H]   # x_{l+1-dd}, clamped to x_0
                   f = swiglu(rmsnorm(u, W.ffn_norm))   (gelu_tanh: geglu; post_norms: rmsnorm(f, W.ffn_post_norm))
         if moe:   z = h + f if moe_input == "post_dense" else h
                   zn = rmsnorm(z, W.moe_norm); probs = softmax(W.router zn)   # [E], float32
                   top-k experts e_i with weights w_i = probs[e_i] / sum_i probs[e_i]
-                  (moe_norm_topk off: w_i = probs[e_i])
+                  (moe_norm_topk off: w_i = probs[e_i]; moe_gating "softmax_topk": e_i the top-k
+                  of the logits (+ router bias), w = softmax of those k; expert_act "swiglu_oai":
+                  each expert the biased clamped SwiGLU of the module docstring)
                   m = sum_i w_i * swiglu_{e_i}(zn)  (+ sigmoid(shared_gate . zn) * swiglu_sh(zn))
                   t = l + de; if t < L: pending[t % (de+1)] += m  else: late += m
         x_next = h + f + pending[l % (de+1)]; pending[l % (de+1)] = 0    # slot reused by l+de+1
