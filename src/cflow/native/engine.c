@@ -158,16 +158,16 @@ static void geglu_rows(const cf_engine *e, const cf_tiled *w, const cf_act_q8 *a
  * experts, CF_ACT_SWIGLU_OAI): like geglu_rows, the raw rows through the plain mat-vec into s->gu,
  * then the bias (interleaved like the rows; NULL: none) and the table's swiglu_oai per pair. */
 static void swiglu_oai_rows(const cf_engine *e, const cf_tiled *w, const float *bias, const cf_act_q8 *act,
-                            int hstride, const int *tok, int n, int p0, int p1) {
+                            float *hid, float *gu_rows, int hstride, const int *tok, int n, int p0, int p1) {
     if (p0 >= p1) return;
     int gstride = 2 * e->hmax, n_rows = 2 * (p1 - p0) * CF_G;
-    matvec_rows(e, w, act, e->s.gu, gstride, tok, n, 2 * p0, 2 * p1);
+    matvec_rows(e, w, act, gu_rows, gstride, tok, n, 2 * p0, 2 * p1);
     for (int i = 0; i < n; i++) {
         size_t t = tok ? (size_t)tok[i] : (size_t)i;
-        float *gu = e->s.gu + t * gstride + (size_t)2 * p0 * CF_G;
+        float *gu = gu_rows + t * gstride + (size_t)2 * p0 * CF_G;
         if (bias)
             for (int j = 0; j < n_rows; j++) gu[j] += bias[(size_t)2 * p0 * CF_G + j];
-        e->k->swiglu_oai(e->s.hid + t * hstride + (size_t)p0 * CF_G, gu, p1 - p0, CF_OAI_ALPHA, CF_OAI_LIMIT);
+        e->k->swiglu_oai(hid + t * hstride + (size_t)p0 * CF_G, gu, p1 - p0, CF_OAI_ALPHA, CF_OAI_LIMIT);
     }
 }
 
@@ -199,7 +199,7 @@ static void ffn(cf_engine *e, const cf_tiled *gate_up, const cf_tiled *down, int
     ph(e, ith, pk, -1); /* pk: the gate_up phase; pk + 1 the down phase */
     cf_split_range(hdim / CF_G, ith, nth, 1, &p0, &p1);
     if (act == FFN_GELU) geglu_rows(e, gate_up, in, e->hmax, rows, n, p0, p1);
-    else if (act == FFN_OAI) swiglu_oai_rows(e, gate_up, b_gu, in, e->hmax, rows, n, p0, p1);
+    else if (act == FFN_OAI) swiglu_oai_rows(e, gate_up, b_gu, in, s->hid, s->gu, e->hmax, rows, n, p0, p1);
     else gate_up_rows(e, gate_up, in, s->hid, e->hmax, rows, n, p0, p1);
     sync_threads(e, ith, pk + 1);
 
@@ -585,6 +585,48 @@ static void shared_expert(cf_engine *e, const cf_layer *w, int ms, float *out, i
         e->s.shexp_w + (size_t)ms * e->max_batch, 1, CF_PK_EXP_GATE_UP, ith, nth);
 }
 
+/* The routed experts of a one-row call (decode) with experts in RAM: each expert's gate/up into a
+ * row of hid (and gu) of its own, one barrier, then each expert's down, summed into out in
+ * ascending expert order: the operations ffn() does expert by expert, in the same order, so the
+ * same bits, with 2 barriers a layer instead of 2 per expert (a barrier costs most where a thread
+ * is descheduled: docs/results/gptoss.md). xs: the k chosen experts, ascending; wts: their weights. */
+static void experts_one_row(cf_engine *e, const cf_layer *w, const int *xs, const float *wts, int k, float *out,
+                            int tail, int ith, int nth) {
+    const cf_config *c = &e->c;
+    cf_state *s = &e->s;
+    cf_scratch *ts = &e->ts[ith];
+    int d = c->d, p0, p1, oai = c->expert_act == CF_ACT_SWIGLU_OAI;
+    ph(e, ith, CF_PK_EXP_GATE_UP, -1);
+    cf_split_range(c->d_exp / CF_G, ith, nth, 1, &p0, &p1);
+    for (int i = 0; i < k; i++) {
+        int x = xs[i];
+        float *hid = s->hid + (size_t)i * e->hmax;
+        if (oai)
+            swiglu_oai_rows(e, &w->exp_gate_up[x], c->moe_bias ? w->exp_b_gate_up[x] : NULL, ts->act, hid,
+                            s->gu + (size_t)i * 2 * e->hmax, e->hmax, NULL, 1, p0, p1);
+        else
+            gate_up_rows(e, &w->exp_gate_up[x], ts->act, hid, e->hmax, NULL, 1, p0, p1);
+        if (ith == 0) e->cnt.n[CF_CNT_EXPERTS] += w->exp_bytes[x];
+    }
+    sync_threads(e, ith, CF_PK_EXP_DOWN);
+    for (int i = 0; i < k; i++) {
+        int x = xs[i];
+        const cf_tiled *down = &w->exp_down[x];
+        const float *bd = c->moe_bias ? w->exp_b_down[x] : NULL;
+        quantize_rows(e, s->hid + (size_t)i * e->hmax, e->hmax, c->d_exp, ts->act2, NULL, 1, act_fmt(down));
+        int glo[2], ghi[2], np = d_split(cf_n_groups(down), ith, nth, glo, ghi);
+        for (int q = 0; q < np; q++) matvec_rows(e, down, ts->act2, s->y, d, NULL, 1, glo[q], ghi[q]);
+        for (int q = 0; q < np; q++) {
+            int r0 = glo[q] * CF_G, r1 = cf_min(ghi[q] * CF_G, d);
+            if (bd)
+                for (int r = r0; r < r1; r++) out[r] += wts[i] * (s->y[r] + bd[r]);
+            else
+                for (int r = r0; r < r1; r++) out[r] += wts[i] * s->y[r];
+        }
+    }
+    if (tail) sync_threads(e, ith, -1);
+}
+
 static void op_experts(cf_engine *e, int l, int pslot, int ms, int tail, int ith, int nth) {
     const cf_config *c = &e->c;
     const cf_layer *w = &e->w.sets[l % c->n_unique];
@@ -597,6 +639,17 @@ static void op_experts(cf_engine *e, int l, int pslot, int ms, int tail, int ith
     ph(e, ith, CF_PK_NORM, l);
     quantize_rows(e, s->moe_in + (size_t)ms * B * c->d, c->d, c->d, e->ts[ith].act, NULL, e->B, w->exp_fmt);
     shared_expert(e, w, ms, out, ith, nth);
+    if (e->B == 1) { /* decode: every chosen expert has the one row */
+        int xs[64], k = 0;
+        float wts[64];
+        for (int x = 0; x < c->n_experts; x++)
+            if (exp_n[x]) {
+                wts[k] = exp_w[(size_t)x * B];
+                xs[k++] = x;
+            }
+        experts_one_row(e, w, xs, wts, k, out, tail, ith, nth);
+        return;
+    }
     int last = -1;
     for (int x = 0; x < c->n_experts; x++)
         if (exp_n[x]) last = x;

@@ -382,11 +382,13 @@ static int alloc_state(cf_engine *e) {
     s->moe_in = xcalloc(M * B * d, sizeof(float), &fail);
     s->qkv = xcalloc(B * (q_dim + 2 * kv_dim), sizeof(float), &fail);
     s->att = xcalloc(B * q_dim, sizeof(float), &fail);
-    s->hid = xcalloc(B * e->hmax, sizeof(float), &fail);
+    /* a one-row call's routed experts each take a row (experts_one_row) */
+    size_t hid_rows = cf_max((int)B, c->n_experts ? c->top_k : 1);
+    s->hid = xcalloc(hid_rows * e->hmax, sizeof(float), &fail);
     s->y = xcalloc(B * d, sizeof(float), &fail);
     s->rope = xcalloc(B * c->hd, sizeof(float), &fail);
     if (c->rope_theta_local > 0) s->rope_local = xcalloc(B * c->hd, sizeof(float), &fail);
-    if (c->ffn_gelu || c->expert_act == CF_ACT_SWIGLU_OAI) s->gu = xcalloc(B * 2 * e->hmax, sizeof(float), &fail);
+    if (c->ffn_gelu || c->expert_act == CF_ACT_SWIGLU_OAI) s->gu = xcalloc(hid_rows * 2 * e->hmax, sizeof(float), &fail);
     // calloc'd pages are mapped lazily, so a long context costs memory only once it is used
     s->kcache = xcalloc(kv, e->krow, &fail);
     s->vcache = xcalloc(kv, e->vrow, &fail);
