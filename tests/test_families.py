@@ -350,7 +350,6 @@ def test_config_checks_the_options():
 
 
 @pytest.mark.parametrize("arch, match", [("gemma4", "gemma4.*not yet supported"),
-                                         ("gpt-oss", "gpt-oss.*attention sinks.*not yet supported"),
                                          ("gemma2", "'gemma2' model; cflow converts GGUF architectures")])
 def test_refused_architectures(tmp_path, arch, match):
     wr = gguf.GGUFWriter(str(tmp_path / "m.gguf"), arch)

@@ -33,8 +33,8 @@ EXPECTED = {
                     "moe.router", "attn.qkv_bias", "attn.q_norm", "attn.k_norm", "attn.wq", "attn.wk", "attn.wv",
                     "moe.shared_gate", "moe.shared.w_gate_up", "moe.shared.w_down", "attn_post_norm", "ffn_post_norm",
                     "attn.wq_a", "attn.q_a_norm", "attn.wq_b", "attn.wkv_a", "attn.kv_a_norm", "attn.wk_b", "attn.wv_b",
-                    "moe.router_bias"),
-    "EXPERT_SLOTS": ("w_gate_up", "w_down"),
+                    "moe.router_bias", "attn.wo_bias", "attn.sinks"),
+    "EXPERT_SLOTS": ("w_gate_up", "w_down", "b_gate_up", "b_down"),
     "COUNTER_NAMES": ("attn", "dense", "router", "experts", "embed", "lm_head", "kv", "tokens", "calls",
                       "disk_bytes", "cache_hits", "cache_misses", "io_stall_ns",
                       "speculation_predicted", "speculation_hits", "speculation_reads", "speculation_reads_used"),
@@ -134,16 +134,23 @@ def test_tensor_names_are_the_c_cores():
 def test_layer_slots_are_the_file_order():
     cfg = tiny_config(False).replace(qkv_bias=True, qk_norm=True, d_shared_expert=32)
     slots = [w.slot for w in weights.layer_weights(cfg, 0) if w.expert is None]
-    post = ("attn_post_norm", "ffn_post_norm", "moe.router_bias")  # Gemma's post-norms: dense only; DeepSeek's bias
-    assert slots == [s for s in weights.LAYER_SLOTS if s not in post]
+    post = ("attn_post_norm", "ffn_post_norm")  # Gemma's post-norms exist in dense models only
+    gptoss = ("attn.wo_bias", "attn.sinks", "moe.router_bias")  # gpt-oss's (DeepSeek's router bias too)
+    assert slots == [s for s in weights.LAYER_SLOTS if s not in post + gptoss]
+    oss = tiny_config(False).replace(qkv_bias=True, attn_sinks=True, attn_out_bias=True, moe_bias=True)
+    slots = [w.slot for w in weights.layer_weights(oss, 0) if w.expert is None]
+    assert slots == ["attn_norm", "attn.wqkv", "attn.qkv_bias", "attn.wo", "attn.wo_bias", "attn.sinks", "ffn_norm",
+                     "ffn.w_gate_up", "ffn.w_down", "moe_norm", "moe.router", "moe.router_bias"]
+    assert [w.slot.rsplit(".", 1)[1] for w in weights.layer_weights(oss, 0) if w.expert == 1] == list(
+        weights.EXPERT_SLOTS)
     dense = cfg.replace(n_experts=0, top_k=0, d_expert=0, d_shared_expert=0, delta_dense=0, moe_input="post_dense",
                         post_norms=True)
     slots = [w.slot for w in weights.layer_weights(dense, 0)]
-    assert slots == [s for s in weights.LAYER_SLOTS if not s.startswith("moe")]
+    assert slots == [s for s in weights.LAYER_SLOTS if not s.startswith("moe") and s not in gptoss]
     by_parts = [w.slot for w in weights.layer_weights(cfg, 0, split_qkv=True) if w.expert is None]
     k = weights.LAYER_SLOTS.index("attn.wqkv")
     assert by_parts == [s for s in (*weights.LAYER_SLOTS[:k], *weights.QKV_PARTS, *weights.LAYER_SLOTS[k + 1:])
-                        if s not in post]
+                        if s not in post + gptoss]
 
 
 def test_file_format_constants_equal_the_c_cores():
@@ -254,6 +261,10 @@ def test_row_names_are_the_file_formats(tied, options):
     unused = {"lm_head"} if tied else set()
     unused |= {f"layers.{i}.{s}" for i in range(cfg.n_unique_layers)
                for s in ("attn_post_norm", "ffn_post_norm", "moe.router_bias") + weights.MLA_SLOTS}
+    # gpt-oss's tensors, which these configs do not turn on (test_gptoss_engine runs them)
+    unused |= {f"layers.{i}.{s}" for i in range(cfg.n_unique_layers) for s in ("attn.wo_bias", "attn.sinks")}
+    unused |= {f"layers.{i}.moe.experts.{e}.{s}" for i in range(cfg.n_unique_layers) for e in range(cfg.n_experts)
+               for s in ("b_gate_up", "b_down")}
     if not options:
         unused |= {f"layers.{i}.{s}" for i in range(cfg.n_unique_layers)
                    for s in ("attn.qkv_bias", "attn.q_norm", "attn.k_norm", "moe.shared_gate", "moe.shared.w_gate_up",
@@ -297,7 +308,7 @@ def test_names_must_cover_every_row():
         make_engine(cfg, buf, desc, names[:-1])
     names[-1] = "layers.1.moe.experts.2.w_up"
     with pytest.raises(ValueError, match=r"descriptor row \d+ is named 'layers.1.moe.experts.2.w_up', the engine "
-                                         r"expects 'layers.1.moe.experts.2.w_down' there"):
+                                         r"expects 'layers.1.moe.experts.2.b_down' there"):
         make_engine(cfg, buf, desc, names)
 
 

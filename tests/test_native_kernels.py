@@ -67,9 +67,10 @@ def lo_of(p: int, window: int) -> int:
     return max(0, p - window + 1) if window else 0
 
 
-def attention_oracle(q, k, v, n_heads, n_kv, pos0, window):
+def attention_oracle(q, k, v, n_heads, n_kv, pos0, window, sinks=None):
     """float64 causal attention of the queries q[i] (at positions pos0 + i, sliding window or 0)
-    over the caches k, v [n_kv, seq, head_dim], and the bound its fp32 rounding is measured against."""
+    over the caches k, v [n_kv, seq, head_dim], and the bound its fp32 rounding is measured against;
+    sinks: None, or [n_heads] logits that join each head's softmax denominator only (gpt-oss)."""
     hd = k.shape[2]
     k64, v64 = k.astype(np.float64), v.astype(np.float64)
     want, bound = np.zeros(q.shape), np.zeros(q.shape)
@@ -79,8 +80,9 @@ def attention_oracle(q, k, v, n_heads, n_kv, pos0, window):
         for h in range(n_heads):
             kv = h // (n_heads // n_kv)
             s = k64[kv, lo:p + 1] @ q[i, h * hd:(h + 1) * hd].astype(np.float64) / np.sqrt(hd)
-            w = np.exp(s - s.max())
-            w /= w.sum()
+            top = s.max() if sinks is None else max(s.max(), float(sinks[h]))
+            w = np.exp(s - top)
+            w /= w.sum() + (0.0 if sinks is None else np.exp(float(sinks[h]) - top))
             want[i, h * hd:(h + 1) * hd] = w @ v64[kv, lo:p + 1]
             bound[i, h * hd:(h + 1) * hd] = w @ np.abs(v64[kv, lo:p + 1]) * (1 + np.abs(s).max())
     return want, bound + 1e-30

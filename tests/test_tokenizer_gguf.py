@@ -59,6 +59,8 @@ SPLITS = {
     "tekken": {SENTENCE: ["I", "'m", " ", "1", "2", "3", "4", "5", " DON", "'T", " stop", "!!\n\n", " ", " ok"],
                "HelloWorld XMLHttpRequest camelCase": ["Hello", "World", " XMLHttp", "Request", " camel", "Case"],
                "ÉCOLE école": ["É", "COLE", " école"]},
+    "gpt-4o": {SENTENCE: ["I'm", " ", "123", "45", " DON'T", " stop", "!!\n\n", " ", " ok"],
+               "HelloWorld XMLHttpRequest it's": ["Hello", "World", " XMLHttp", "Request", " it's"]},
     "deepseek-llm": {"Hello, 世界123!\n  ok 日本": ["Hello", ",", " ", "世界", "123", "!", "\n", " ", " ok", " ",
                                                   "日本"],
                      "x \u20031": ["x", " \u2003", "1"]},  # U+2003 lies in the CJK class's range, yet is no member
@@ -375,7 +377,7 @@ BPE_TRICKY = TRICKY + [
 
 @pytest.mark.oracle
 @pytest.mark.parametrize("pre", ["default", "gpt-2", "smollm", "llama-bpe", "qwen2", "tekken", "deepseek-llm",
-                                 "deepseek-coder", "falcon", "dbrx", None])
+                                 "deepseek-coder", "falcon", "dbrx", "gpt-4o", None])
 def test_bpe_gguf_matches_llama_cpp(smol_vocab, tmp_path, pre):
     llama_cpp = llama_cpp_or_skip()
     tokens, types, merges, smol = smol_vocab

@@ -30,6 +30,13 @@ families: moe_norm_topk (default on: the top_k routing weights renormalised to s
 and Qwen3-MoE; off: the raw softmax
 probabilities, as Qwen2-MoE and OLMoE) and d_shared_expert (Qwen2-MoE: one SwiGLU expert every
 token runs, its output scaled by sigmoid(shared_gate . norm(z)), added to the routed sum).
+gpt-oss options (all off by default): attn_sinks (each query head's learned logit joins its
+softmax's denominator only, attn.sinks [n_heads]), attn_out_bias (the output projection adds
+attn.wo_bias [d]), moe_bias (the router adds moe.router_bias [E]; each expert's gate, up and down
+add their biases, stored beside the expert's matrices so they travel with it to disk),
+moe_gating "softmax_topk" (the top_k chosen on the raw logits, their weights the softmax over
+those k; default "softmax": over all E, then top_k) and expert_act "swiglu_oai" (OpenAI's clamped
+SwiGLU, min(g, 7) * sigmoid(1.702 min(g, 7)) * (clamp(u, -7, 7) + 1); default "silu").
 mtp_heads (default 0) adds multi-token prediction heads: head j predicts token t+2+j from the
 final normed hidden state of position t (`cflow train --mtp N`).
 """
@@ -46,7 +53,10 @@ from cflow.errors import CflowError
 
 MOE_INPUTS = ("post_dense", "post_attn")
 FFN_ACTS = ("silu", "gelu_tanh")
-MOE_GATINGS = ("softmax", "sigmoid")
+MOE_GATINGS = ("softmax", "sigmoid", "softmax_topk")
+EXPERT_ACTS = ("silu", "swiglu_oai")
+# OpenAI's SwiGLU (expert_act "swiglu_oai"): llama.cpp's build_moe_ffn hard-codes them for gpt-oss
+SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT = 1.702, 7.0
 # More heads than this predict so far ahead that their guesses are rarely accepted.
 MAX_MTP_HEADS = 8
 
@@ -108,12 +118,18 @@ class ModelConfig:
     v_head_dim: int = 0
     # layers 0..n_dense_lead-1 have only the dense FFN, the others only the MoE block (0: every layer both)
     n_dense_lead: int = 0
-    moe_gating: str = "softmax"  # router scores: "softmax" over all experts, or "sigmoid" each (V3)
+    # router scores: "softmax" over all experts, then top_k; "sigmoid" each (DeepSeek V3); "softmax_topk":
+    # top_k of the logits (plus moe_bias's router bias), their weights the softmax over those k (gpt-oss)
+    moe_gating: str = "softmax"
     moe_router_bias: bool = False  # a per-expert bias added to the scores for choosing only (V3)
     moe_groups: int = 0  # > 1: experts in that many equal groups; only the moe_groups_used best
     moe_groups_used: int = 0  # groups (by the sum of their two best scores) may be chosen
     moe_weights_scale: float = 1.0  # the routing weights are multiplied by it (routed_scaling_factor)
     shared_expert_gate: bool = True  # False: the shared expert joins unscaled (DeepSeek) instead of sigmoid-gated
+    attn_sinks: bool = False  # each query head's learned sink logit joins its softmax's denominator (gpt-oss)
+    attn_out_bias: bool = False  # the output projection adds a bias (gpt-oss)
+    moe_bias: bool = False  # router and expert gate/up/down biases (gpt-oss)
+    expert_act: str = "silu"  # the experts' activation: "silu" (SwiGLU) or "swiglu_oai" (gpt-oss)
     # Multi-token prediction: head j (0..mtp_heads-1) maps the final normed hidden state h_t to a
     # prediction of token t+2+j through the shared lm_head (cflow.model.MtpHead); the engine uses
     # them as a self-speculative proposer (cflow.runtime.speculative.MtpProposer). 0: none.
@@ -212,6 +228,11 @@ class ModelConfig:
         need(self.n_experts == 0 or (self.ffn_act == "silu" and not self.post_norms),
              "ffn_act gelu_tanh and post_norms are for dense models (n_experts = 0)")
         self._validate_deepseek(need)
+        need(self.expert_act in EXPERT_ACTS, f"expert_act must be one of {EXPERT_ACTS}, got {self.expert_act!r}")
+        need(self.n_experts > 0 or (not self.moe_bias and self.moe_gating == "softmax" and self.expert_act == "silu"),
+             "moe_bias, moe_gating and expert_act describe experts: they need n_experts > 0")
+        need(not (self.moe_bias and self.moe_router_bias),
+             "moe_bias (gpt-oss) and moe_router_bias (DeepSeek) are two uses of one router bias: one at most")
         need(0 <= self.mtp_heads <= MAX_MTP_HEADS,
              f"mtp_heads must be in 0..{MAX_MTP_HEADS} (0: no multi-token prediction heads), got {self.mtp_heads}")
 

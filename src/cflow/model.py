@@ -41,6 +41,12 @@ Conventions the C engine must share:
   (moe_norm_topk; off: the k softmax probabilities as they are).
 - Shared expert (d_shared_expert > 0): every token adds sigmoid(shared_gate . zn) * swiglu_sh(zn)
   to the routed sum m (zn = norm(z), the router's input).
+- gpt-oss options: attn_sinks: head h's softmax runs over its scores and one more logit
+  attn.sinks[h], whose share is dropped (softmax([s, sink])[:-1]); attn_out_bias: wo adds a bias;
+  moe_bias: the router and each expert's gate, up and down add biases; moe_gating "softmax_topk":
+  the top-k of the router logits (plus bias), weighted by the softmax over those k; expert_act
+  "swiglu_oai": g = min(w_gate x + b, 7), u = clamp(w_up x + b, -7, 7),
+  w_down(g * sigmoid(1.702 g) * (u + 1)) + b_down.
 - Layer l uses weight set l % n_unique_layers (arch5 really shares the parameter tensors).
 
 Short names: B batch, T time, d d_model, V vocab, E experts, k top_k, hd head_dim,
@@ -55,7 +61,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from cflow.config import ModelConfig
+from cflow.config import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT, ModelConfig
 from cflow.errors import CflowError
 
 
@@ -112,7 +118,9 @@ class Attention(nn.Module):
         self.wq = nn.Linear(cfg.d_model, cfg.q_dim, bias=cfg.qkv_bias)
         self.wk = nn.Linear(cfg.d_model, cfg.kv_dim, bias=cfg.qkv_bias)
         self.wv = nn.Linear(cfg.d_model, cfg.kv_dim, bias=cfg.qkv_bias)
-        self.wo = nn.Linear(cfg.q_dim, cfg.d_model, bias=False)
+        self.wo = nn.Linear(cfg.q_dim, cfg.d_model, bias=cfg.attn_out_bias)
+        if cfg.attn_sinks:  # [nh] one learned logit per query head (gpt-oss)
+            self.sinks = nn.Parameter(torch.zeros(cfg.n_heads))
         self.qk_full = cfg.qk_norm_full
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.q_dim if self.qk_full else cfg.head_dim, cfg.norm_eps)
@@ -137,7 +145,9 @@ class Attention(nn.Module):
         # repeat_interleave: query head h reads kv head h // rep (HF Llama's repeat_kv).
         k = k.repeat_interleave(rep, dim=1)  # [B, nh, T, hd]
         v = v.repeat_interleave(rep, dim=1)
-        if window:
+        if hasattr(self, "sinks"):
+            y = attend_with_sinks(q, k, v, self.sinks, window, self.scale or 1.0 / math.sqrt(self.hd))
+        elif window:
             t = torch.arange(T, device=x.device)
             ago = t[:, None] - t[None, :]  # [T, T] query position minus key position
             mask = (ago >= 0) & (ago < window)
@@ -145,6 +155,28 @@ class Attention(nn.Module):
         else:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)  # [B, nh, T, hd]
         return self.wo(y.transpose(1, 2).reshape(B, T, self.nh * self.hd))
+
+
+def attend_with_sinks(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor, window: int, scale: float) -> Tensor:
+    """Causal attention (q, k, v [B, nh, T, hd], k and v already repeated per query head) whose
+    head h softmax also holds the logit sinks[h], its share dropped; `window` > 0 keeps the last
+    `window` positions."""
+    T = q.shape[2]
+    t = torch.arange(T, device=q.device)
+    ago = t[:, None] - t[None, :]
+    mask = (ago >= 0) & ((ago < window) if window else True)
+    s = (q @ k.transpose(-1, -2)) * scale  # [B, nh, T, T]
+    s = s.masked_fill(~mask, float("-inf"))
+    sink = sinks.to(s.dtype).view(1, -1, 1, 1).expand(s.shape[0], -1, T, 1)
+    a = torch.cat([s, sink], dim=-1).softmax(dim=-1)[..., :T]
+    return a @ v
+
+
+def swiglu_oai(g: Tensor, u: Tensor) -> Tensor:
+    """OpenAI's clamped SwiGLU (gpt-oss's experts) on the biased gate and up pre-activations."""
+    g = g.clamp(max=SWIGLU_OAI_LIMIT)
+    u = u.clamp(-SWIGLU_OAI_LIMIT, SWIGLU_OAI_LIMIT)
+    return g * torch.sigmoid(SWIGLU_OAI_ALPHA * g) * (u + 1)
 
 
 def ffn_act(name: str):
@@ -179,10 +211,15 @@ class MoE(nn.Module):
         super().__init__()
         E, d, dx = cfg.n_experts, cfg.d_model, cfg.d_expert
         self.n_experts, self.top_k, self.norm_topk = E, cfg.top_k, cfg.moe_norm_topk
-        self.router = nn.Linear(d, E, bias=False)
+        self.gating, self.oai = cfg.moe_gating, cfg.expert_act == "swiglu_oai"
+        self.router = nn.Linear(d, E, bias=cfg.moe_bias)
         self.w_gate = nn.Parameter(torch.empty(E, dx, d))
         self.w_up = nn.Parameter(torch.empty(E, dx, d))
         self.w_down = nn.Parameter(torch.empty(E, d, dx))
+        if cfg.moe_bias:  # gpt-oss: each expert's gate, up and down biases
+            self.b_gate = nn.Parameter(torch.zeros(E, dx))
+            self.b_up = nn.Parameter(torch.zeros(E, dx))
+            self.b_down = nn.Parameter(torch.zeros(E, d))
         if cfg.has_shared_expert:
             self.shared = SwiGLU(d, cfg.d_shared_expert)
             self.shared_gate = nn.Parameter(torch.empty(d))  # [d], the table's moe.shared_gate
@@ -198,6 +235,9 @@ class MoE(nn.Module):
         """x [N, d] -> (router logits [N, E] f32, probs [N, E], weights [N, k], experts [N, k])."""
         logits = self.router(x).float()
         probs = logits.softmax(dim=-1)
+        if self.gating == "softmax_topk":  # gpt-oss: the softmax over the k chosen logits
+            top, idx = logits.topk(self.top_k, dim=-1)
+            return logits, probs, top.softmax(dim=-1), idx
         w, idx = probs.topk(self.top_k, dim=-1)
         return logits, probs, w / w.sum(dim=-1, keepdim=True) if self.norm_topk else w, idx
 
@@ -223,10 +263,17 @@ class MoE(nn.Module):
         for e, n in enumerate(counts):
             # Empty slices still run, so every parameter gets a (zero) gradient: DDP-safe.
             xe = xs[start:start + n]  # [n_e, d]
-            he = F.silu(xe @ self.w_gate[e].T) * (xe @ self.w_up[e].T)  # [n_e, dx]
-            outs.append(he @ self.w_down[e].T)  # [n_e, d]
+            outs.append(self.expert(e, xe))  # [n_e, d]
             start += n
         return tok, torch.cat(outs) * w.reshape(-1)[order, None].to(x.dtype)  # [N*k, d]
+
+    def expert(self, e: int, x: Tensor) -> Tensor:
+        """Expert e on x [n, d]: SwiGLU, or (gpt-oss) the biased clamped SwiGLU."""
+        if self.oai:
+            g = x @ self.w_gate[e].T + self.b_gate[e]
+            u = x @ self.w_up[e].T + self.b_up[e]
+            return swiglu_oai(g, u) @ self.w_down[e].T + self.b_down[e]
+        return (F.silu(x @ self.w_gate[e].T) * (x @ self.w_up[e].T)) @ self.w_down[e].T
 
     def _aux(self, logits: Tensor, probs: Tensor, idx: Tensor) -> dict[str, Tensor]:
         # Switch-Transformer balance: E * sum_e f_e * P_e, with f_e the share of the N*k routing
@@ -294,7 +341,7 @@ class MtpHead(nn.Module):
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        if cfg.mla or cfg.n_dense_lead or cfg.moe_gating != "softmax" or cfg.moe_router_bias or cfg.moe_groups \
+        if cfg.mla or cfg.n_dense_lead or cfg.moe_gating == "sigmoid" or cfg.moe_router_bias or cfg.moe_groups \
                 or cfg.moe_weights_scale != 1.0 or not cfg.shared_expert_gate:
             raise ModelError(f"config {cfg.name!r} is DeepSeek's (latent attention, leading dense layers or its "
                              "routing), which this trainable model does not build; its float reference is "
@@ -432,6 +479,7 @@ class Transformer(nn.Module):
         from cflow.convert.encoder import split_fused, stored_values
         from cflow.fileformat import open_model
         from cflow import weights
+        from cflow.quant import deinterleave_gate_up
         from cflow.weights import QKV_PARTS
 
         cf = open_model(path)
@@ -462,6 +510,10 @@ class Transformer(nn.Module):
                 sd[p + "attn.q_norm.weight"] = val(p + "attn.q_norm")
                 sd[p + "attn.k_norm.weight"] = val(p + "attn.k_norm")
             sd[p + "attn.wo.weight"] = val(p + "attn.wo")
+            if cfg.attn_out_bias:
+                sd[p + "attn.wo.bias"] = val(p + "attn.wo_bias")
+            if cfg.attn_sinks:
+                sd[p + "attn.sinks"] = val(p + "attn.sinks")
             if cfg.post_norms:
                 sd[p + "attn_post_norm.weight"] = val(p + "attn_post_norm")
                 if cfg.has_dense:
@@ -477,6 +529,12 @@ class Transformer(nn.Module):
                       for e in range(cfg.n_experts)]
                 for j, key in enumerate(("moe.w_gate", "moe.w_up", "moe.w_down")):
                     sd[p + key] = np.stack([x[j] for x in ex])
+                if cfg.moe_bias:
+                    sd[p + "moe.router.bias"] = val(p + "moe.router_bias")
+                    bias = [list(deinterleave_gate_up(val(f"{p}moe.experts.{e}.b_gate_up")))
+                            + [val(f"{p}moe.experts.{e}.b_down")] for e in range(cfg.n_experts)]
+                    for j, key in enumerate(("moe.b_gate", "moe.b_up", "moe.b_down")):
+                        sd[p + key] = np.stack([b[j] for b in bias])
                 if cfg.has_shared_expert:
                     sd[p + "moe.shared_gate"] = val(p + "moe.shared_gate")
                     sd[p + "moe.shared.w_gate.weight"], sd[p + "moe.shared.w_up.weight"] = parts(
@@ -519,15 +577,17 @@ class ReferenceDecoder:
         q_temperature(p); store k, v at k/v_cache[l, p]
         for head h: g = h // (nh/nkv)
           s[t] = q_h . k_cache[l, t, g] / sqrt(hd) (or * attn_scale), t = t0..p
-          o_h = sum_t softmax(s)[t] v_cache[l, t, g]
-        h = x + W.wo o                         (post_norms: x + rmsnorm(W.wo o, W.attn_post_norm))
+          o_h = sum_t softmax(s)[t] v_cache[l, t, g]   (attn_sinks: softmax([s, sinks[h]])[:-1])
+        h = x + W.wo o (+ W.wo_bias)           (post_norms: x + rmsnorm(W.wo o, W.attn_post_norm))
         f = 0
         if dense: u = h if dd == 0 else ring[max(l + 1 - dd, 0) % H]   # x_{l+1-dd}, clamped to x_0
                   f = swiglu(rmsnorm(u, W.ffn_norm))   (gelu_tanh: geglu; post_norms: rmsnorm(f, W.ffn_post_norm))
         if moe:   z = h + f if moe_input == "post_dense" else h
                   zn = rmsnorm(z, W.moe_norm); probs = softmax(W.router zn)   # [E], float32
                   top-k experts e_i with weights w_i = probs[e_i] / sum_i probs[e_i]
-                  (moe_norm_topk off: w_i = probs[e_i])
+                  (moe_norm_topk off: w_i = probs[e_i]; moe_gating "softmax_topk": e_i the top-k
+                  of the logits (+ router bias), w = softmax of those k; expert_act "swiglu_oai":
+                  each expert the biased clamped SwiGLU of the module docstring)
                   m = sum_i w_i * swiglu_{e_i}(zn)  (+ sigmoid(shared_gate . zn) * swiglu_sh(zn))
                   t = l + de; if t < L: pending[t % (de+1)] += m  else: late += m
         x_next = h + f + pending[l % (de+1)]; pending[l % (de+1)] = 0    # slot reused by l+de+1
@@ -639,14 +699,24 @@ class ReferenceDecoder:
             keys = self.k_cache[layer, first : p + 1, head // rep]  # [n, hd]
             vals = self.v_cache[layer, first : p + 1, head // rep]  # [n, hd]
             s = keys @ q[head] * cfg.attn_scale if cfg.attn_scale else keys @ q[head] / math.sqrt(hd)
-            att = s.softmax(dim=0)  # [n]
+            if cfg.attn_sinks:  # the sink joins the softmax; its share is dropped
+                att = torch.cat([s, W["attn.sinks"][head:head + 1]]).softmax(dim=0)[:-1]
+            else:
+                att = s.softmax(dim=0)  # [n]
             o[head] = att @ vals
-        return W["attn.wo.weight"] @ o.flatten()
+        out = W["attn.wo.weight"] @ o.flatten()
+        return out + W["attn.wo.bias"] if cfg.attn_out_bias else out
 
     def _experts(self, W: dict[str, Tensor], zn: Tensor) -> Tensor:
-        probs = (W["moe.router.weight"] @ zn).softmax(dim=0)  # [E]
-        w, idx = probs.topk(self.cfg.top_k)
-        if self.cfg.moe_norm_topk:
+        logits = W["moe.router.weight"] @ zn  # [E]
+        if self.cfg.moe_bias:
+            logits = logits + W["moe.router.bias"]
+        if self.cfg.moe_gating == "softmax_topk":  # the top-k logits, then the softmax over them
+            top, idx = logits.topk(self.cfg.top_k)
+            w = top.softmax(dim=0)
+        else:
+            w, idx = logits.softmax(dim=0).topk(self.cfg.top_k)
+        if self.cfg.moe_norm_topk and self.cfg.moe_gating == "softmax":
             w = w / w.sum()
         m = torch.zeros_like(zn)
         if self.cfg.has_shared_expert:
@@ -654,5 +724,10 @@ class ReferenceDecoder:
             m += gate * _swiglu(zn, W["moe.shared.w_gate.weight"], W["moe.shared.w_up.weight"],
                                 W["moe.shared.w_down.weight"])
         for wi, e in zip(w.tolist(), idx.tolist()):
-            m += wi * _swiglu(zn, W["moe.w_gate"][e], W["moe.w_up"][e], W["moe.w_down"][e])
+            if self.cfg.expert_act == "swiglu_oai":
+                g = W["moe.w_gate"][e] @ zn + W["moe.b_gate"][e]
+                u = W["moe.w_up"][e] @ zn + W["moe.b_up"][e]
+                m += wi * (W["moe.w_down"][e] @ swiglu_oai(g, u) + W["moe.b_down"][e])
+            else:
+                m += wi * _swiglu(zn, W["moe.w_gate"][e], W["moe.w_up"][e], W["moe.w_down"][e])
         return m

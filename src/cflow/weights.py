@@ -15,6 +15,8 @@ count bytes from them:
     layers.{i}.attn.q_norm             [hd] or [q]        attn      f32      (qk_norm; [q], [kv] with
     layers.{i}.attn.k_norm             [hd] or [kv]       attn      f32       qk_norm_full)
     layers.{i}.attn.wo                 [d, q]             attn      quantized
+    layers.{i}.attn.wo_bias            [d]                attn      f32      (attn_out_bias)
+    layers.{i}.attn.sinks              [n_heads]          attn      f32      (attn_sinks)
     layers.{i}.attn_post_norm          [d]                attn      f32      (post_norms: Gemma)
     layers.{i}.ffn_norm                [d]                dense     f32      (d_ff > 0)
     layers.{i}.ffn.w_gate_up           [2 d_ff, d]        dense     quantized (gate, up interleaved)
@@ -22,11 +24,14 @@ count bytes from them:
     layers.{i}.ffn_post_norm           [d]                dense     f32      (post_norms, d_ff > 0)
     layers.{i}.moe_norm                [d]                router    f32      (n_experts > 0)
     layers.{i}.moe.router              [E, d]             router    f32
+    layers.{i}.moe.router_bias         [E]                router    f32      (moe_bias)
     layers.{i}.moe.shared_gate         [d]                router    f32      (d_shared_expert > 0)
     layers.{i}.moe.shared.w_gate_up    [2 d_sh, d]        experts   quantized (the shared expert:
     layers.{i}.moe.shared.w_down       [d, d_sh]          experts   quantized  every token, in RAM)
     layers.{i}.moe.experts.{e}.w_gate_up [2 d_exp, d]     experts   quantized
     layers.{i}.moe.experts.{e}.w_down  [d, d_exp]         experts   quantized
+    layers.{i}.moe.experts.{e}.b_gate_up [2 d_exp]        experts   f32      (moe_bias: gate, up biases
+    layers.{i}.moe.experts.{e}.b_down  [d]                experts   f32       interleaved as w_gate_up's rows)
     norm                               [d]                lm_head   f32
     lm_head                            [vocab, d]         lm_head   quantized (absent when tied)
     mtp.{j}.w_up                       [d, d]             mtp       f32      (mtp_heads > 0: head j,
@@ -44,6 +49,9 @@ multi-token prediction heads. Those are not part of the decode step (no DAG node
 C core does not bind them): the speculative proposer runs them in numpy from the hidden state the
 core hands back (cflow.runtime.mtp), so they stay f32 whatever the file's quant (2 d^2 + d floats a
 head).
+
+An expert's biases (moe_bias) are tensors of the expert, stored right after its matrices, so they
+are inside the expert's span of the file and travel with it when experts are read from disk.
 
 A tiled matrix has one dtype. GGUF K-quant files often store attn_v in another type than attn_q
 and attn_k (Q4_K_M: Q6_K or Q8_0 beside Q4_K / Q5_0); cflow keeps every block as it is, so such a
@@ -67,16 +75,16 @@ NODE_KINDS = ("embed", "attn", "dense", "router", "experts", "lm_head")
 GLOBAL_NAMES = ("tok_emb", "norm", "lm_head")
 # A weight set's slots in `.cflow` order (layer_weights yields them so), plus QKV_PARTS in
 # attn.wqkv's place when the projection is stored by parts.
-LAYER_SLOTS = ("attn_norm", "attn.wqkv", "attn.qkv_bias", "attn.q_norm", "attn.k_norm", "attn.wo", "attn_post_norm",
-               "ffn_norm", "ffn.w_gate_up", "ffn.w_down", "ffn_post_norm", "moe_norm", "moe.router", "moe.router_bias",
-               "moe.shared_gate", "moe.shared.w_gate_up", "moe.shared.w_down")
+LAYER_SLOTS = ("attn_norm", "attn.wqkv", "attn.qkv_bias", "attn.q_norm", "attn.k_norm", "attn.wo", "attn.wo_bias",
+               "attn.sinks", "attn_post_norm", "ffn_norm", "ffn.w_gate_up", "ffn.w_down", "ffn_post_norm", "moe_norm",
+               "moe.router", "moe.router_bias", "moe.shared_gate", "moe.shared.w_gate_up", "moe.shared.w_down")
 # Multi-head latent attention's tensors (config kv_lora_rank > 0), in attn.wqkv's place: the query
 # (attn.wq, or attn.wq_a -> attn.q_a_norm -> attn.wq_b), the latent and k_pe projection and the
 # latent's norm, and per head the latent's up-projections for keys (attn.wk_b [H kv_lora, qk_nope])
 # and values (attn.wv_b [H v_head, kv_lora]), always stored Q8_0 (their inputs, qk_nope or
 # kv_lora_rank wide, need not fill a K-quant's 256-block).
 MLA_SLOTS = ("attn.wq_a", "attn.q_a_norm", "attn.wq_b", "attn.wkv_a", "attn.kv_a_norm", "attn.wk_b", "attn.wv_b")
-EXPERT_SLOTS = ("w_gate_up", "w_down")
+EXPERT_SLOTS = ("w_gate_up", "w_down", "b_gate_up", "b_down")
 QKV_PARTS = ("attn.wq", "attn.wk", "attn.wv")  # attn.wqkv stored by parts (see above)
 
 
@@ -140,6 +148,10 @@ def layer_weights(cfg: ModelConfig, i: int, experts: Iterable[int] | None = None
         out += [Weight(p + "attn.q_norm", (cfg.q_dim if full else cfg.head_dim,), "attn", True, i),
                 Weight(p + "attn.k_norm", (cfg.kv_dim if full else cfg.head_dim,), "attn", True, i)]
     out.append(Weight(p + "attn.wo", (d, cfg.n_heads * cfg.v_head_dim if cfg.mla else cfg.q_dim), "attn", False, i))
+    if cfg.attn_out_bias:
+        out.append(Weight(p + "attn.wo_bias", (d,), "attn", True, i))
+    if cfg.attn_sinks:
+        out.append(Weight(p + "attn.sinks", (cfg.n_heads,), "attn", True, i))
     if cfg.post_norms:
         out.append(Weight(p + "attn_post_norm", (d,), "attn", True, i))
     if cfg.layer_has_dense(i):
@@ -151,7 +163,7 @@ def layer_weights(cfg: ModelConfig, i: int, experts: Iterable[int] | None = None
     if cfg.layer_has_moe(i):
         out += [Weight(p + "moe_norm", (d,), "router", True, i),
                 Weight(p + "moe.router", (cfg.n_experts, d), "router", True, i)]
-        if cfg.moe_router_bias:
+        if cfg.moe_router_bias or cfg.moe_bias:
             out.append(Weight(p + "moe.router_bias", (cfg.n_experts,), "router", True, i))
         if cfg.has_shared_expert:
             ds = cfg.d_shared_expert
@@ -162,6 +174,9 @@ def layer_weights(cfg: ModelConfig, i: int, experts: Iterable[int] | None = None
         for e in range(cfg.n_experts) if experts is None else experts:
             out += [Weight(expert_name(i, e, "w_gate_up"), (2 * cfg.d_expert, d), "experts", False, i, e),
                     Weight(expert_name(i, e, "w_down"), (d, cfg.d_expert), "experts", False, i, e)]
+            if cfg.moe_bias:
+                out += [Weight(expert_name(i, e, "b_gate_up"), (2 * cfg.d_expert,), "experts", True, i, e),
+                        Weight(expert_name(i, e, "b_down"), (d,), "experts", True, i, e)]
     return out
 
 
@@ -217,11 +232,13 @@ def model_weights(cfg: ModelConfig, split_qkv: Collection[int] = ()) -> Iterator
 def count(cfg: ModelConfig, n_split_qkv: int = 0) -> int:
     """How many tensors `model_weights(cfg)` yields (with `n_split_qkv` sets stored by parts),
     computed without building it (a damaged header may claim billions of layers)."""
-    # attention: attn_norm, wo, then wqkv (+ bias, norms) or latent attention's (MLA_SLOTS, wq or 3)
-    attn = 2 + cfg.post_norms + (5 + 2 * bool(cfg.q_lora_rank) if cfg.mla else 1 + cfg.qkv_bias + 2 * cfg.qk_norm)
+    # attention: attn_norm, wo (+ bias, sinks), then wqkv (+ bias, norms) or latent attention's (MLA_SLOTS, wq or 3)
+    attn = 2 + cfg.post_norms + cfg.attn_out_bias + cfg.attn_sinks \
+        + (5 + 2 * bool(cfg.q_lora_rank) if cfg.mla else 1 + cfg.qkv_bias + 2 * cfg.qk_norm)
     dense = (3 + cfg.post_norms) * cfg.has_dense
-    moe = (2 + 2 * cfg.n_experts + cfg.moe_router_bias + (2 + cfg.shared_expert_gate) * cfg.has_shared_expert) \
-        * cfg.has_moe
+    per_expert = 2 + 2 * cfg.moe_bias  # its matrices, and gpt-oss's biases
+    moe = (2 + per_expert * cfg.n_experts + (cfg.moe_router_bias or cfg.moe_bias)
+           + (2 + cfg.shared_expert_gate) * cfg.has_shared_expert) * cfg.has_moe
     sets, lead = cfg.n_unique_layers, cfg.n_dense_lead  # leading dense layers: dense or MoE, not both
     layers = sets * attn + (lead * dense + (sets - lead) * moe if lead else sets * (dense + moe))
     # (latent attention's plain query is named attn.wq, which split_qkv_sets counts; it splits nothing)

@@ -597,13 +597,15 @@ TINYLLAMA = dict(layers=22, d_model=2048, d_ff=5632, heads=32, kv_heads=4, vocab
 def _write_tensors(wr: Any, tensors: list[tuple[str, tuple[int, ...], str]], nbytes: Callable, qtype: Any,
                    matrix: Callable[[str, tuple[int, ...]], np.ndarray], tmp: Path, path: Path) -> Path:
     """The rest of a GGUF whose metadata `wr` holds: the tensor table, then each tensor's data (kind
-    "n": an F32 norm of ones, the file's 1 + w for Gemma; "m": `matrix(name, shape)`'s quant blocks,
-    raw type `qtype`; "f": `matrix(name, shape)`'s F32 values), fsynced, moved from `tmp` to `path`."""
+    "n": an F32 norm of ones, the file's 1 + w for Gemma; "f": `matrix(name, shape)`'s F32 values;
+    any other kind: `matrix(name, shape)`'s bytes, raw type `qtype`, or `qtype[kind]` when it is a
+    dict of kinds), fsynced, moved from `tmp` to `path`."""
     for name, shape, kind in tensors:
         if kind in ("n", "f"):
             wr.add_tensor_info(name, shape, np.dtype(np.float32), nbytes(shape, kind))
         else:
-            wr.add_tensor_info(name, shape, np.dtype(np.float32), nbytes(shape, kind), raw_dtype=qtype)
+            raw = qtype[kind] if isinstance(qtype, dict) else qtype
+            wr.add_tensor_info(name, shape, np.dtype(np.float32), nbytes(shape, kind), raw_dtype=raw)
     wr.write_header_to_file()
     wr.write_kv_data_to_file()
     wr.write_ti_data_to_file()

@@ -1,5 +1,5 @@
 """GGUF (llama.cpp) Llama, Qwen2, Qwen3, Gemma 3 and Mistral 3 models, dense and mixture-of-experts
-(Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) -> `.cflow`.
+(Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss) -> `.cflow`.
 
 Owns reading a GGUF file (through the `gguf` package's GGUFReader, memory-mapped): its
 hyperparameters -> ModelConfig, its tokenizer -> the header dict of cflow.tokenizer, and its
@@ -9,10 +9,22 @@ Choices:
 - `general.architecture` "llama" (Llama, SmolLM, TinyLlama, Mistral, Mixtral ...), "qwen2"
   (Qwen2 / Qwen2.5: q/k/v biases -> attn.qkv_bias) and "qwen3" (dense Qwen3: per-head RMSNorm of q
   and k -> attn.q_norm / attn.k_norm, head_dim from attention.key_length). Anything else is a
-  named error listing what is supported, never a best-effort guess; `gemma4` and `gpt-oss` are
-  named as not yet supported (gpt-oss: with what its graph needs; its MXFP4 blocks are a format
-  cflow runs), and a vision projector (`clip` mmproj files, or vision tensors inside a text GGUF)
+  named error listing what is supported, never a best-effort guess; `gemma4` is named as not yet
+  supported, and a vision projector (`clip` mmproj files, or vision tensors inside a text GGUF)
   is refused by name.
+- "gpt-oss" (OpenAI's gpt-oss, as llama.cpp's llm_build_openai_moe_iswa runs it): q/k/v biases
+  (qkv_bias), the output projection's bias (attn_output.bias -> attn.wo_bias: attn_out_bias), a
+  learned sink logit per query head (attn_sinks.weight [n_heads] -> attn.sinks: attn_sinks), NEOX
+  RoPE (not permuted) with the file's YaRN (below), head_dim from attention.key_length; every
+  layer a MoE and no dense FFN, the norm before it `post_attention_norm` (-> moe_norm), the router
+  ffn_gate_inp with its bias (-> moe.router_bias), the top-k chosen on the biased logits and
+  weighted by the softmax over those k (moe_gating "softmax_topk", no renormalisation), experts
+  of hidden size expert_feed_forward_length whose gate/up/down add the F32 biases
+  ffn_{gate,up,down}_exps.bias [E, rows] (-> experts.{e}.b_gate_up, interleaved like the rows, and
+  b_down: moe_bias) and run OpenAI's clamped SwiGLU (expert_act "swiglu_oai", alpha 1.702, limit
+  7, as llama.cpp hard-codes them). With `attention.sliding_window` W the even layers attend to
+  the last W positions and the odd ones to the whole context (llama.cpp's set_swa_pattern(2):
+  sliding_window_pattern 2). The MXFP4 experts and Q8_0 attention keep their blocks.
 - "mistral3" (Ministral 3, Mistral Small 3.x text; llama.cpp's llama_model_mistral3, dense only:
   a file with experts is refused): a Llama (Q/K permuted like llama files, undone here) whose
   rotated query at position p is multiplied by 1 + beta * ln(floor(p / n_orig) + 1) when the file
@@ -108,19 +120,17 @@ from cflow.quant import STORED_QUANT, TILE, row_bytes
 from cflow.tokenizer import Tokenizer, TokenizerError, unicode_to_bytes
 from cflow.weights import Weight
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "olmoe", "gemma3", "mistral3",
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "olmoe", "gemma3", "mistral3", "gpt-oss",
                            "deepseek2")  # deepseek2: cflow.convert.gguf_deepseek2
-# Architectures with experts, and whether llama.cpp renormalises their top-k routing weights.
-_MOE_NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False}
-_MOE_ONLY = ("qwen2moe", "qwen3moe", "olmoe")  # every layer has experts (llama: only Mixtral files do)
+# Architectures with experts, and whether llama.cpp renormalises their top-k routing weights
+# (gpt-oss: its softmax over the k chosen logits sums to 1 already).
+_MOE_NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False, "gpt-oss": False}
+_MOE_ONLY = ("qwen2moe", "qwen3moe", "olmoe", "gpt-oss")  # every layer has experts (llama: only Mixtral files do)
 # Architectures whose Q/K rows convert_hf_to_gguf permutes for ggml's adjacent-pair ("NORM") RoPE;
 # the others listed above use NEOX RoPE, the "half" convention cflow runs, and are stored as is.
 _PERMUTED_QK = ("llama", "mistral3")
 # Known architectures cflow does not run yet, with what is missing.
 _NOT_YET = {"gemma4": "gemma4 (its per-layer embeddings and attention variants)",
-            # its MXFP4 experts run (cflow.kquant); the graph around them does not yet
-            "gpt-oss": "gpt-oss (attention sinks, biases on q/k/v/o, the router and the experts, OpenAI's "
-                       "clamped SwiGLU, softmax over the top-k router logits)",
             # tests/test_qwen35.py pins llama.cpp's graph down (reference + controls)
             "qwen35": "qwen35 (Gated DeltaNet linear-attention layers with their per-sequence conv and "
                       "recurrent state, gated full attention with partial RoPE)",
@@ -276,7 +286,7 @@ def gguf_config(g: GGUFModel) -> ModelConfig:
         raise UnsupportedArchitectureError(
             f"{g.path.name} is a {arch!r} model; cflow converts GGUF architectures "
             f"{list(SUPPORTED_ARCHITECTURES)} (Llama 2/3, SmolLM, TinyLlama, Mistral, Mixtral, Qwen2, "
-            "Qwen2.5, Qwen3, Qwen2-MoE, Qwen3-MoE, OLMoE, Gemma 3, Ministral 3 / Mistral Small 3)")
+            "Qwen2.5, Qwen3, Qwen2-MoE, Qwen3-MoE, OLMoE, Gemma 3, Ministral 3 / Mistral Small 3, gpt-oss)")
     p = f"{arch}."
     n_experts = int(g.get(p + "expert_count") or 0)
     ffn = int(g.require(p + "feed_forward_length"))
@@ -302,7 +312,7 @@ def gguf_config(g: GGUFModel) -> ModelConfig:
                             "cflow does not")
         if arch == "olmoe":  # llama.cpp sizes its experts by feed_forward_length alone
             d_expert = ffn
-        elif arch == "llama":
+        elif arch in ("llama", "gpt-oss"):
             # Mixtral's converter writes the expert hidden size as feed_forward_length; a few
             # newer ones also write expert_feed_forward_length, which then wins.
             d_expert = int(g.get(p + "expert_feed_forward_length") or ffn)
@@ -352,7 +362,8 @@ def gguf_config(g: GGUFModel) -> ModelConfig:
             qk_norm_full=arch == "olmoe",
             sliding_window=_window(g), **_rope_scaling(g, p, head_dim), **moe,
             **(_gemma3(g, p, d, n_heads) if arch == "gemma3" else {}),
-            **(_temperature(g, p) if arch == "mistral3" else {}))
+            **(_temperature(g, p) if arch == "mistral3" else {}),
+            **(dict(_GPTOSS, **_gptoss_pattern(g)) if arch == "gpt-oss" else {}))
     except ConfigError as e:
         raise GGUFError(f"{g.path.name}: its hyperparameters do not form a valid model: {e}") from None
 
@@ -413,10 +424,19 @@ def _rope_scaling(g: GGUFModel, p: str, head_dim: int) -> dict[str, Any]:
 
 
 def _window(g: GGUFModel) -> int:
-    """The sliding window the model runs with: the file's, for arch llama (Mistral) and gemma3; else
-    0 (module docstring)."""
+    """The sliding window the model runs with: the file's, for arch llama (Mistral), gemma3 and
+    gpt-oss; else 0 (module docstring)."""
     w = g.get(f"{g.architecture}.attention.sliding_window")
-    return int(w) if w and g.architecture in ("llama", "gemma3") else 0
+    return int(w) if w and g.architecture in ("llama", "gemma3", "gpt-oss") else 0
+
+
+# The gpt-oss fields of ModelConfig (module docstring); its window, if any, is on the even layers.
+_GPTOSS = dict(attn_sinks=True, attn_out_bias=True, moe_bias=True, moe_gating="softmax_topk", expert_act="swiglu_oai")
+
+
+def _gptoss_pattern(g: GGUFModel) -> dict[str, Any]:
+    """llama.cpp's set_swa_pattern(2) for gpt-oss: with a window, layer l is local iff l % 2 == 0."""
+    return {"sliding_window_pattern": 2} if _window(g) else {}
 
 
 def _temperature(g: GGUFModel, p: str) -> dict[str, Any]:
@@ -613,6 +633,7 @@ def _head_dim(rows: int, n_heads: int) -> int:
 # ---- conversion ------------------------------------------------------------------------------
 # GGUF names of the parts of each tensor of the table (cflow.weights), per layer slot.
 _GGUF_PARTS = {"attn_norm": ("attn_norm",), "attn.wqkv": ("attn_q", "attn_k", "attn_v"),
+               "attn.sinks": ("attn_sinks",),
                "attn.wo": ("attn_output",), "ffn_norm": ("ffn_norm",), "ffn.w_gate_up": ("ffn_gate", "ffn_up"),
                "ffn.w_down": ("ffn_down",), "moe.shared_gate": ("ffn_gate_inp_shexp",),
                "attn_post_norm": ("post_attention_norm",), "ffn_post_norm": ("post_ffw_norm",),
@@ -620,13 +641,37 @@ _GGUF_PARTS = {"attn_norm": ("attn_norm",), "attn.wqkv": ("attn_q", "attn_k", "a
 _SHARED = ("moe.shared_gate", "moe.shared.w_gate_up", "moe.shared.w_down")
 # Plain tensors of the attention options, concatenated from these GGUF tensors (bq | bk | bv).
 _GGUF_VECTORS = {"attn.qkv_bias": ("attn_q.bias", "attn_k.bias", "attn_v.bias"),
-                 "attn.q_norm": ("attn_q_norm.weight",), "attn.k_norm": ("attn_k_norm.weight",)}
+                 "attn.q_norm": ("attn_q_norm.weight",), "attn.k_norm": ("attn_k_norm.weight",),
+                 "attn.wo_bias": ("attn_output.bias",), "moe.router_bias": ("ffn_gate_inp.bias",)}
 _GGUF_GLOBAL = {"tok_emb": "token_embd.weight", "norm": "output_norm.weight", "lm_head": "output.weight"}
 # A MoE layer (Mixtral): the norm before the MoE is the file's ffn_norm, the router ffn_gate_inp,
 # and each expert's gate/up/down either a slice of a 3-D stack ("merged", what convert_hf_to_gguf
 # writes today) or one 2-D tensor per expert ("split", older files).
 _GGUF_MOE = {"moe_norm": "ffn_norm", "moe.router": "ffn_gate_inp"}
 _EXPERT_PARTS = {"w_gate_up": ("ffn_gate", "ffn_up"), "w_down": ("ffn_down",)}
+# moe_bias (gpt-oss): each expert's biases, its row of the F32 [E, rows] stacks ffn_*_exps.bias
+_EXPERT_BIASES = {"b_gate_up": ("ffn_gate_exps.bias", "ffn_up_exps.bias"), "b_down": ("ffn_down_exps.bias",)}
+
+
+def _moe_norm_name(g: GGUFModel) -> str:
+    """The file's norm before the MoE: gpt-oss names it post_attention_norm, the others ffn_norm."""
+    return "post_attention_norm" if g.architecture == "gpt-oss" else _GGUF_MOE["moe_norm"]
+
+
+def _expert_bias(g: GGUFModel, cfg: ModelConfig, layer: int, expert: int, slot: str) -> np.ndarray:
+    """Expert `expert`'s bias `slot` (b_gate_up: gate and up interleaved per 8 rows, like w_gate_up)."""
+    from cflow.quant import interleave_gate_up
+
+    parts = []
+    for name in _EXPERT_BIASES[slot]:
+        full = f"blk.{layer}.{name}"
+        v = g.vector(full)
+        if v.size % cfg.n_experts:
+            raise GGUFError(f"{g.path.name}: {full} holds {v.size} values, not one row per expert of {cfg.n_experts}")
+        parts.append(v.reshape(cfg.n_experts, -1)[expert])
+    if len(parts) == 2:
+        return interleave_gate_up(parts[0][:, None], parts[1][:, None]).reshape(-1)
+    return parts[0]
 
 
 def _expert_sources(g: GGUFModel, layer: int, expert: int, slot: str, layout: str) -> list[Source]:
@@ -649,6 +694,12 @@ def gguf_tensors(g: GGUFModel, cfg: ModelConfig, enc: Encoder) -> Iterator[Any]:
         if w.set is None:
             name = _GGUF_GLOBAL[w.name]
             return g.vector(name) if w.plain else [g.source(name)]
+        if w.expert is not None and w.plain:
+            v = _expert_bias(g, cfg, w.set, w.expert, w.slot.rsplit(".", 1)[1])
+            if v.shape != w.shape:
+                raise GGUFError(f"{g.path.name}: expert {w.expert}'s {w.slot.rsplit('.', 1)[1]} of layer {w.set} holds "
+                                f"{v.size} values, the config implies {w.shape[0]}")
+            return v
         if w.expert is not None:
             srcs = _expert_sources(g, w.set, w.expert, w.slot.rsplit(".", 1)[1], layout)
             for s in srcs:  # the encoder checks that the parts agree; the config says how large
@@ -666,7 +717,7 @@ def gguf_tensors(g: GGUFModel, cfg: ModelConfig, enc: Encoder) -> Iterator[Any]:
                 parts[1] = parts[1][unpermute_qk_index(cfg.kv_dim, cfg.n_kv_heads)]
             return np.concatenate(parts)
         if w.slot in _GGUF_MOE:
-            name = f"blk.{w.set}.{_GGUF_MOE[w.slot]}.weight"
+            name = f"blk.{w.set}.{_moe_norm_name(g) if w.slot == 'moe_norm' else _GGUF_MOE[w.slot]}.weight"
             if w.slot == "moe_norm":
                 return g.vector(name)
             router = g.source(name)
@@ -718,8 +769,15 @@ def _check_tensor_names(g: GGUFModel, cfg: ModelConfig) -> None:
             expected |= {f"blk.{i}.{n}.weight" for n in ("post_attention_norm", "post_ffw_norm")}
         if cfg.has_shared_expert:
             expected |= {f"blk.{i}.{n}.weight" for slot in _SHARED for n in _GGUF_PARTS[slot]}
+        if cfg.attn_out_bias:
+            expected |= {f"blk.{i}.{n}" for n in _GGUF_VECTORS["attn.wo_bias"]}
+        if cfg.attn_sinks:
+            expected.add(f"blk.{i}.attn_sinks.weight")
+        if cfg.moe_bias:
+            expected |= {f"blk.{i}.{n}" for n in _GGUF_VECTORS["moe.router_bias"]}
+            expected |= {f"blk.{i}.{n}" for names in _EXPERT_BIASES.values() for n in names}
         if cfg.has_moe:
-            expected |= {f"blk.{i}.{n}.weight" for n in _GGUF_MOE.values()}
+            expected |= {f"blk.{i}.{n}.weight" for n in (_moe_norm_name(g), _GGUF_MOE["moe.router"])}
             if layout == "merged":
                 expected |= {f"blk.{i}.{n}_exps.weight" for n in ("ffn_gate", "ffn_up", "ffn_down")}
             else:

@@ -142,7 +142,11 @@ def write_model(path: str | os.PathLike, *, config: dict | ModelConfig, tokenize
         del cfg_dict["rope_mscale"]
     for key, default in (("sliding_window_pattern", 0), ("rope_theta_local", 0.0), ("attn_scale", 0.0),
                          ("embed_scale", 1.0), ("post_norms", False), ("ffn_act", "silu"), ("attn_temp_scale", 0.0),
-                         ("attn_temp_floor", 0)):
+                         ("attn_temp_floor", 0), ("attn_sinks", False), ("attn_out_bias", False), ("moe_bias", False),
+                         ("moe_gating", "softmax"), ("expert_act", "silu"), ("kv_lora_rank", 0), ("q_lora_rank", 0),
+                         ("qk_rope_dim", 0), ("v_head_dim", 0), ("n_dense_lead", 0), ("moe_router_bias", False),
+                         ("moe_groups", 0), ("moe_groups_used", 0), ("moe_weights_scale", 1.0),
+                         ("shared_expert_gate", True)):
         if cfg_dict[key] == default:
             del cfg_dict[key]
 

@@ -95,15 +95,23 @@ cf_config config_from(const nb::dict &d) {
         c.hd = c.mla_kv_lora + c.mla_rope;
     }
     c.n_dense_lead = i("n_dense_lead");
-    std::string gating = nb::cast<std::string>(d["moe_gating"]);
-    if (gating != "softmax" && gating != "sigmoid")
-        throw nb::value_error("moe_gating: the engine runs \"softmax\" and \"sigmoid\"");
-    c.moe_sigmoid = gating == "sigmoid";
     c.moe_router_bias = b("moe_router_bias");
     c.moe_groups = i("moe_groups");
     c.moe_groups_used = i("moe_groups_used");
     c.moe_w_scale = f("moe_weights_scale");
     c.shexp_ungated = !b("shared_expert_gate");
+    c.attn_sinks = b("attn_sinks");
+    c.attn_out_bias = b("attn_out_bias");
+    c.moe_bias = b("moe_bias");
+    std::string gating = nb::cast<std::string>(d["moe_gating"]), eact = nb::cast<std::string>(d["expert_act"]);
+    if (gating != "softmax" && gating != "softmax_topk" && gating != "sigmoid")
+        throw nb::value_error("moe_gating: the engine runs \"softmax\", \"softmax_topk\" and \"sigmoid\"");
+    if (eact != "silu" && eact != "swiglu_oai")
+        throw nb::value_error("expert_act: the engine runs \"silu\" and \"swiglu_oai\"");
+    c.moe_gating = gating == "softmax_topk" ? CF_GATING_SOFTMAX_TOPK
+                   : gating == "sigmoid"    ? CF_GATING_SIGMOID
+                                            : CF_GATING_SOFTMAX;
+    c.expert_act = eact == "swiglu_oai" ? CF_ACT_SWIGLU_OAI : CF_ACT_SILU;
     return c;
 }
 

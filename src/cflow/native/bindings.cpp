@@ -455,16 +455,25 @@ static int check_kv_caches(const AnyIn &k, const AnyIn &v, int n_heads, int n_kv
     return hd;
 }
 
+// Attention sinks of the two test entries: none, or one logit per query head.
+static const float *sinks_of(const std::optional<In1<float>> &sinks, int n_heads) {
+    if (!sinks) return nullptr;
+    check_len(sinks->size(), (size_t)n_heads, "sinks");
+    return sinks->data();
+}
+
 Out<float> attention(In1<float> q, AnyIn k, AnyIn v, int n_heads, int n_kv_heads, int n_pos,
                      std::optional<float> scale, std::optional<std::string> isa, Pool *pool,
-                     const std::string &k_type_name, const std::string &v_type_name) {
+                     const std::string &k_type_name, const std::string &v_type_name,
+                     std::optional<In1<float>> sinks) {
     const cf_kernel_table *t = table(isa);
     int k_type = cache_type_id(k_type_name, "k_type"), v_type = cache_type_id(v_type_name, "v_type");
     int hd = check_kv_caches(k, v, n_heads, n_kv_heads, k_type, v_type);
     int max_seq = (int)k.shape(1);
     if (n_pos < 1 || n_pos > max_seq) bad_input("n_pos " + std::to_string(n_pos) + " is outside [1, " + std::to_string(max_seq) + "]");
     check_len(q.size(), (size_t)n_heads * hd, "q");
-    cf_attn_shape s{n_heads, n_kv_heads, hd, max_seq, n_pos, scale ? *scale : 1.0f / std::sqrt((float)hd)};
+    cf_attn_shape s{n_heads, n_kv_heads, hd, max_seq, n_pos, scale ? *scale : 1.0f / std::sqrt((float)hd),
+                    sinks_of(sinks, n_heads)};
     const void *kp = k.data(), *vp = v.data();
     auto out = new_array<float>(q.size());
     float *op = out.data();
@@ -487,7 +496,8 @@ Out<float> attention(In1<float> q, AnyIn k, AnyIn v, int n_heads, int n_kv_heads
 // [n_kv_heads, max_seq, head_dim]; a pool splits the heads, each range with its own scratch.
 Out<float> attention_block(In1<float> q, AnyIn k, AnyIn v, int n_heads, int n_kv_heads, int pos0, int window,
                            std::optional<float> scale, std::optional<std::string> isa, Pool *pool,
-                           const std::string &k_type_name, const std::string &v_type_name) {
+                           const std::string &k_type_name, const std::string &v_type_name,
+                           std::optional<In1<float>> sinks) {
     const cf_kernel_table *t = table(isa);
     int k_type = cache_type_id(k_type_name, "k_type"), v_type = cache_type_id(v_type_name, "v_type");
     int hd = check_kv_caches(k, v, n_heads, n_kv_heads, k_type, v_type);
@@ -499,7 +509,7 @@ Out<float> attention_block(In1<float> q, AnyIn k, AnyIn v, int n_heads, int n_kv
                   " do not fit the cache of " + std::to_string(max_seq));
     if (window < 0) bad_input("window must be 0 (none) or a number of positions");
     cf_attn_block_shape s{n_heads, n_kv_heads, hd, max_seq, scale ? *scale : 1.0f / std::sqrt((float)hd),
-                          pos0, n_q, window, q_dim, q_dim};
+                          pos0, n_q, window, q_dim, q_dim, sinks_of(sinks, n_heads)};
     int n_last = pos0 + n_q - cf_attn_lo(&s, n_q - 1);
     const void *kp = k.data(), *vp = v.data();
     auto out = new_array<float>(q.size());
@@ -665,11 +675,13 @@ NB_MODULE(_native, m) {
     m.def("rope", &rope, arg("x"), arg("n_heads"), arg("head_dim"), arg("pos"), arg("theta"), arg("isa") = none);
     m.def("attention", &attention, arg("q"), arg("k"), arg("v"), arg("n_heads"), arg("n_kv_heads"), arg("n_pos"),
           arg("scale") = none, arg("isa") = none, arg("pool") = none, arg("k_type") = "f16", arg("v_type") = "f16",
+          arg("sinks") = none,
           "One query over caches k, v [n_kv_heads, max_seq, row] (positions [0, n_pos)): fp16 rows of head_dim, "
-          "or with k_type / v_type 'q8_0' uint8 rows of head_dim / 32 q8_0 blocks (attention_q8kv).");
+          "or with k_type / v_type 'q8_0' uint8 rows of head_dim / 32 q8_0 blocks (attention_q8kv); sinks: "
+          "[n_heads] logits that join each head's softmax denominator (gpt-oss).");
     m.def("attention_block", &attention_block, arg("q"), arg("k"), arg("v"), arg("n_heads"), arg("n_kv_heads"),
           arg("pos0"), arg("window") = 0, arg("scale") = none, arg("isa") = none, arg("pool") = none,
-          arg("k_type") = "f16", arg("v_type") = "f16",
+          arg("k_type") = "f16", arg("v_type") = "f16", arg("sinks") = none,
           "Queries q [n_q * n_heads * head_dim] at positions pos0.. over caches k, v [n_kv_heads, max_seq, row] "
           "(fp16, or q8_0 rows as in attention), causal (window > 0: the last `window` positions); "
           "[n_q * n_heads * head_dim].");

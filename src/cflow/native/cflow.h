@@ -126,6 +126,10 @@ typedef struct {
     int max_seq;    /* the cache's second dimension (stride between kv heads) */
     int n_pos;      /* positions to attend over, 1..max_seq */
     float scale;    /* usually 1/sqrt(head_dim) */
+    /* NULL, or attention sinks (gpt-oss): [n_heads] logits, one per query head, that join that
+     * head's softmax as one more (scaled) score with no value: the softmax's max and denominator
+     * include exp(sinks[h] - max), its weights over the positions then sum to less than 1. */
+    const float *sinks;
 } cf_attn_shape;
 
 /* A block of consecutive queries of one sequence (a prefill chunk) against that sequence's cache.
@@ -141,6 +145,7 @@ typedef struct {
     int n_q;        /* queries in the block, >= 1 */
     int window;     /* 0: the whole prefix; W > 0: a query at p sees [max(0, p - W + 1), p] */
     int ldq, ldo;   /* floats between consecutive queries' rows of q and of out */
+    const float *sinks; /* NULL, or [n_heads] attention sinks (cf_attn_shape) */
 } cf_attn_block_shape;
 
 /* First position query i of a block attends to (the engine's attn_first for the same window). */
@@ -230,8 +235,7 @@ typedef struct {
     void (*geglu)(float *h, const float *gu, int n_pairs);
     /* OpenAI's SwiGLU (gpt-oss's experts, llama.cpp's swiglu_oai) over the same pairs, after the
      * gate and up biases: x = min(gate, limit), y = clamp(up, -limit, limit),
-     * h = x / (1 + exp(-alpha x)) * (y + 1) (gpt-oss: alpha 1.702, limit 7). For the gpt-oss
-     * graph the engine does not run yet (tests/test_gptoss.py pins it against llama.cpp). */
+     * h = x / (1 + exp(-alpha x)) * (y + 1) (gpt-oss: alpha 1.702, limit 7; engine.h CF_ACT_*). */
     void (*swiglu_oai)(float *h, const float *gu, int n_pairs, float alpha, float limit);
 } cf_kernel_table;
 

@@ -154,14 +154,36 @@ static void geglu_rows(const cf_engine *e, const cf_tiled *w, const cf_act_q8 *a
     }
 }
 
-/* One SwiGLU FFN (fused gate_up, then down; GeGLU when gelu is set: geglu_rows) for tokens
+/* hid[t, 8p..8p+8) = swiglu_oai(gate + b_gate, up + b_up) for the group pairs [p0, p1) (gpt-oss's
+ * experts, CF_ACT_SWIGLU_OAI): like geglu_rows, the raw rows through the plain mat-vec into s->gu,
+ * then the bias (interleaved like the rows; NULL: none) and the table's swiglu_oai per pair. */
+static void swiglu_oai_rows(const cf_engine *e, const cf_tiled *w, const float *bias, const cf_act_q8 *act,
+                            float *hid, float *gu_rows, int hstride, const int *tok, int n, int p0, int p1) {
+    if (p0 >= p1) return;
+    int gstride = 2 * e->hmax, n_rows = 2 * (p1 - p0) * CF_G;
+    matvec_rows(e, w, act, gu_rows, gstride, tok, n, 2 * p0, 2 * p1);
+    for (int i = 0; i < n; i++) {
+        size_t t = tok ? (size_t)tok[i] : (size_t)i;
+        float *gu = gu_rows + t * gstride + (size_t)2 * p0 * CF_G;
+        if (bias)
+            for (int j = 0; j < n_rows; j++) gu[j] += bias[(size_t)2 * p0 * CF_G + j];
+        e->k->swiglu_oai(hid + t * hstride + (size_t)p0 * CF_G, gu, p1 - p0, CF_OAI_ALPHA, CF_OAI_LIMIT);
+    }
+}
+
+/* The activations ffn() runs: SwiGLU (fused into the gate_up kernels), GeGLU, OpenAI's SwiGLU. */
+enum { FFN_SILU, FFN_GELU, FFN_OAI };
+
+/* One SwiGLU FFN (fused gate_up, then down; GeGLU when act is FFN_GELU: geglu_rows; OpenAI's
+ * SwiGLU with the expert's biases b_gu (gate|up, interleaved) and b_down when FFN_OAI) for tokens
  * tok[0..n) whose quantized input is in ts->act; out[t, own rows] = down(hid). When `scale` is
  * given, out[t] += scale[i] * result instead (expert outputs into a pending slot). A barrier
  * separates gate_up from down; the one after down is skipped when `tail` is 0: the caller's next
  * step only touches this thread's own rows (the RESID op splits rows exactly like a [d, *] mat-vec
  * does). */
-static void ffn(cf_engine *e, const cf_tiled *gate_up, const cf_tiled *down, int hdim, int gelu,
-                const int *tok, int n, float *out, const float *scale, int tail, int pk, int ith, int nth) {
+static void ffn(cf_engine *e, const cf_tiled *gate_up, const cf_tiled *down, int hdim, int act, const float *b_gu,
+                const float *b_down, const int *tok, int n, float *out, const float *scale, int tail, int pk, int ith,
+                int nth) {
     cf_state *s = &e->s;
     cf_scratch *ts = &e->ts[ith];
     int d = e->c.d, p0, p1;
@@ -176,7 +198,8 @@ static void ffn(cf_engine *e, const cf_tiled *gate_up, const cf_tiled *down, int
     }
     ph(e, ith, pk, -1); /* pk: the gate_up phase; pk + 1 the down phase */
     cf_split_range(hdim / CF_G, ith, nth, 1, &p0, &p1);
-    if (gelu) geglu_rows(e, gate_up, in, e->hmax, rows, n, p0, p1);
+    if (act == FFN_GELU) geglu_rows(e, gate_up, in, e->hmax, rows, n, p0, p1);
+    else if (act == FFN_OAI) swiglu_oai_rows(e, gate_up, b_gu, in, s->hid, s->gu, e->hmax, rows, n, p0, p1);
     else gate_up_rows(e, gate_up, in, s->hid, e->hmax, rows, n, p0, p1);
     sync_threads(e, ith, pk + 1);
 
@@ -191,7 +214,10 @@ static void ffn(cf_engine *e, const cf_tiled *gate_up, const cf_tiled *down, int
             int t = tok ? tok[i] : i;
             float *o = out + (size_t)t * d;
             const float *yy = s->y + (size_t)(rows ? rows[i] : i) * d;
-            for (int r = r0; r < r1; r++) o[r] += scale[i] * yy[r];
+            if (b_down) /* the expert's down bias joins before its routing weight, as in llama.cpp */
+                for (int r = r0; r < r1; r++) o[r] += scale[i] * (yy[r] + b_down[r]);
+            else
+                for (int r = r0; r < r1; r++) o[r] += scale[i] * yy[r];
         }
     }
     if (tail) sync_threads(e, ith, -1);
@@ -322,6 +348,7 @@ static void attn_plan(cf_engine *e) {
  * rows: group * min(ATTN_QBLOCK, max_batch) rows of at most n_ctx (attn_score_rows). */
 static void attn_blocks(cf_engine *e, int l, size_t layer_kv, float *scores, int ith, int nth) {
     const cf_config *c = &e->c;
+    const cf_layer *w = &e->w.sets[l % c->n_unique];
     int hd = c->hd, group = c->n_heads / c->n_kv, q_dim = c->n_heads * hd;
     int qkv_dim = q_dim + 2 * c->n_kv * hd;
     for (int it = ith; it < e->n_ablk * c->n_kv; it += nth) {
@@ -330,7 +357,7 @@ static void attn_blocks(cf_engine *e, int l, size_t layer_kv, float *scores, int
         cf_attn_block_shape sh = {.n_heads = c->n_heads, .n_kv_heads = c->n_kv, .head_dim = hd,
                                   .max_seq = e->n_ctx, .scale = e->attn_scale,
                                   .pos0 = e->rpos[b0], .n_q = nq, .window = layer_window(c, l),
-                                  .ldq = qkv_dim, .ldo = q_dim};
+                                  .ldq = qkv_dim, .ldo = q_dim, .sinks = w->sinks};
         float *out = e->s.att + (size_t)b0 * q_dim, *q = e->s.qkv + (size_t)b0 * qkv_dim;
         const uint8_t *k = e->s.kcache + base * e->krow, *v = e->s.vcache + base * e->vrow;
         if (e->k_type == CF_F16 && e->v_type == CF_F16)
@@ -394,7 +421,8 @@ static void op_attn(cf_engine *e, int l, int slot, int ith, int nth) {
         int b = e->arow[i / c->n_heads], h0 = i % c->n_heads, h1 = cf_min(c->n_heads, h0 + i1 - i);
         int t0 = attn_first(e, b, l);
         cf_attn_shape sh = {.n_heads = c->n_heads, .n_kv_heads = c->n_kv, .head_dim = hd,
-                            .max_seq = e->n_ctx, .n_pos = e->rpos[b] + 1 - t0, .scale = e->attn_scale};
+                            .max_seq = e->n_ctx, .n_pos = e->rpos[b] + 1 - t0, .scale = e->attn_scale,
+                            .sinks = w->sinks};
         /* row b sees only its sequence, from position t0 on */
         size_t base = (size_t)e->rseq[b] * e->seq_kv + layer_kv + (size_t)t0;
         const uint8_t *k = s->kcache + base * e->krow, *v = s->vcache + base * e->vrow;
@@ -426,6 +454,8 @@ static void op_attn(cf_engine *e, int l, int slot, int ith, int nth) {
         for (int b = 0; b < B; b++) {
             const float *xr = x + (size_t)b * d;
             float *hr = s->h + (size_t)b * d;
+            if (w->wo_bias) /* gpt-oss: (W_o a + b_o) + x, as llama.cpp adds the bias, then the residual */
+                for (int r = r0; r < r1; r++) hr[r] += w->wo_bias[r];
             if (post) {
                 const float *nr = ts->xb + (size_t)b * e->kmax;
                 for (int r = r0; r < r1; r++) hr[r] = xr[r] + nr[r];
@@ -457,7 +487,8 @@ static void op_dense(cf_engine *e, int l, int src_kind, int slot, int tail, int 
     quantize_rows(e, ts->xb, e->kmax, d, ts->act, NULL, B, act_fmt(&w->gate_up));
     if (ith == 0) e->cnt.n[CF_CNT_DENSE] += w->dense_bytes;
     /* with a post-norm the RESID op norms whole rows of f: they must be complete (the tail barrier) */
-    ffn(e, &w->gate_up, &w->down, e->c.d_ff, e->c.ffn_gelu, NULL, B, e->s.f, NULL, tail || w->ffn_post_norm,
+    ffn(e, &w->gate_up, &w->down, e->c.d_ff, e->c.ffn_gelu ? FFN_GELU : FFN_SILU, NULL, NULL, NULL, B, e->s.f, NULL,
+        tail || w->ffn_post_norm,
         CF_PK_DENSE_GATE_UP, ith, nth);
 }
 
@@ -483,7 +514,8 @@ static void record_predictions(cf_engine *e, int l, int src_kind) {
     }
 }
 
-/* The router's scores of one row, in place in pr[E] (softmax over all, or a sigmoid each: DeepSeek-V3),
+/* The router's scores of one row, in place in pr[E] (softmax over all, or a sigmoid each: DeepSeek-V3;
+ * gpt-oss: the logits plus the router bias, chosen by them, op_route taking the softmax over the k),
  * and when choose is set its top_k choice: by the scores plus the router bias (DeepSeek-V3: the bias
  * chooses, the scores weigh), among the moe_groups_used groups whose two best biased scores sum
  * highest (moe_groups > 1), as llama.cpp's build_moe_ffn. val gets the chosen experts' scores;
@@ -492,7 +524,13 @@ static void route_scores(const cf_engine *e, const cf_layer *w, float *pr, float
                          float *val) {
     const cf_config *c = &e->c;
     int E = c->n_experts;
-    if (c->moe_sigmoid)
+    if (c->moe_gating == CF_GATING_SOFTMAX_TOPK) { /* gpt-oss: the biased logits; op_route weighs the k */
+        if (w->router_bias)
+            for (int x = 0; x < E; x++) pr[x] += w->router_bias[x];
+        if (choose) e->k->topk(pr, E, c->top_k, chosen, val);
+        return;
+    }
+    if (c->moe_gating == CF_GATING_SIGMOID)
         for (int x = 0; x < E; x++) pr[x] = 1.0f / (1.0f + expf(-pr[x]));
     else
         e->k->softmax(pr, E);
@@ -523,7 +561,9 @@ static void route_scores(const cf_engine *e, const cf_layer *w, float *pr, float
 
 /* Thread 0 normalises the MoE input, runs the router (f32) and fills per-expert token lists:
  * softmax over all E logits, top-k, the k weights renormalised to sum to 1 (moe_norm_topk; else
- * kept as they are). With a shared expert it also computes each row's weight for it. */
+ * kept as they are); or (CF_GATING_SOFTMAX_TOPK, gpt-oss) the top-k of the logits plus the
+ * router's bias, weighted by the softmax over those k. With a shared expert it also computes each
+ * row's weight for it. */
 static void op_route(cf_engine *e, int l, int src_kind, int ms, int ith) {
     const cf_config *c = &e->c;
     const cf_layer *w = &e->w.sets[l % c->n_unique];
@@ -551,9 +591,10 @@ static void op_route(cf_engine *e, int l, int src_kind, int ms, int ith) {
                 route_scores(e, w, pr, z, 1, chosen, val);
                 if (rc) memcpy(rc, chosen, (size_t)c->top_k * sizeof *rc); /* recording */
             }
+            if (c->moe_gating == CF_GATING_SOFTMAX_TOPK) e->k->softmax(val, c->top_k); /* sums to 1 */
             for (int k = 0; k < c->top_k; k++) wsum += val[k];
-            if (!c->moe_norm_topk) wsum = 1.0f;
-            else if (c->moe_sigmoid) wsum = fmaxf(wsum, 6.103515625e-5f); /* llama.cpp's clamp of the sum */
+            if (!c->moe_norm_topk || c->moe_gating == CF_GATING_SOFTMAX_TOPK) wsum = 1.0f;
+            else if (c->moe_gating == CF_GATING_SIGMOID) wsum = fmaxf(wsum, 6.103515625e-5f); /* llama.cpp's clamp */
             for (int k = 0; k < c->top_k; k++) {
                 int x = chosen[k], n = exp_n[x]++;
                 exp_tok[(size_t)x * B + n] = b;
@@ -576,6 +617,8 @@ static void op_route(cf_engine *e, int l, int src_kind, int ms, int ith) {
     sync_threads(e, ith, -1);
 }
 
+static inline int expert_act(const cf_config *c) { return c->expert_act == CF_ACT_SWIGLU_OAI ? FFN_OAI : FFN_SILU; }
+
 /* The shared expert on every row of moe slot ms, scaled by the route's per-row weight, into out;
  * its weights are in RAM whatever the routed experts' residency, and it runs before them in both
  * experts ops (the same summation order). The routed experts that follow (a route chooses at
@@ -583,8 +626,50 @@ static void op_route(cf_engine *e, int l, int src_kind, int ms, int ith) {
 static void shared_expert(cf_engine *e, const cf_layer *w, int ms, float *out, int ith, int nth) {
     if (!e->c.d_shexp) return;
     if (ith == 0) e->cnt.n[CF_CNT_EXPERTS] += w->shexp_bytes;
-    ffn(e, &w->shexp_gate_up, &w->shexp_down, e->c.d_shexp, 0, NULL, e->B, out,
+    ffn(e, &w->shexp_gate_up, &w->shexp_down, e->c.d_shexp, FFN_SILU, NULL, NULL, NULL, e->B, out,
         e->s.shexp_w + (size_t)ms * e->max_batch, 1, CF_PK_EXP_GATE_UP, ith, nth);
+}
+
+/* The routed experts of a one-row call (decode) with experts in RAM: each expert's gate/up into a
+ * row of hid (and gu) of its own, one barrier, then each expert's down, summed into out in
+ * ascending expert order: the operations ffn() does expert by expert, in the same order, so the
+ * same bits, with 2 barriers a layer instead of 2 per expert (a barrier costs most where a thread
+ * is descheduled: docs/results/gptoss.md). xs: the k chosen experts, ascending; wts: their weights. */
+static void experts_one_row(cf_engine *e, const cf_layer *w, const int *xs, const float *wts, int k, float *out,
+                            int tail, int ith, int nth) {
+    const cf_config *c = &e->c;
+    cf_state *s = &e->s;
+    cf_scratch *ts = &e->ts[ith];
+    int d = c->d, p0, p1, oai = c->expert_act == CF_ACT_SWIGLU_OAI;
+    ph(e, ith, CF_PK_EXP_GATE_UP, -1);
+    cf_split_range(c->d_exp / CF_G, ith, nth, 1, &p0, &p1);
+    for (int i = 0; i < k; i++) {
+        int x = xs[i];
+        float *hid = s->hid + (size_t)i * e->hmax;
+        if (oai)
+            swiglu_oai_rows(e, &w->exp_gate_up[x], c->moe_bias ? w->exp_b_gate_up[x] : NULL, ts->act, hid,
+                            s->gu + (size_t)i * 2 * e->hmax, e->hmax, NULL, 1, p0, p1);
+        else
+            gate_up_rows(e, &w->exp_gate_up[x], ts->act, hid, e->hmax, NULL, 1, p0, p1);
+        if (ith == 0) e->cnt.n[CF_CNT_EXPERTS] += w->exp_bytes[x];
+    }
+    sync_threads(e, ith, CF_PK_EXP_DOWN);
+    for (int i = 0; i < k; i++) {
+        int x = xs[i];
+        const cf_tiled *down = &w->exp_down[x];
+        const float *bd = c->moe_bias ? w->exp_b_down[x] : NULL;
+        quantize_rows(e, s->hid + (size_t)i * e->hmax, e->hmax, c->d_exp, ts->act2, NULL, 1, act_fmt(down));
+        int glo[2], ghi[2], np = d_split(cf_n_groups(down), ith, nth, glo, ghi);
+        for (int q = 0; q < np; q++) matvec_rows(e, down, ts->act2, s->y, d, NULL, 1, glo[q], ghi[q]);
+        for (int q = 0; q < np; q++) {
+            int r0 = glo[q] * CF_G, r1 = cf_min(ghi[q] * CF_G, d);
+            if (bd)
+                for (int r = r0; r < r1; r++) out[r] += wts[i] * (s->y[r] + bd[r]);
+            else
+                for (int r = r0; r < r1; r++) out[r] += wts[i] * s->y[r];
+        }
+    }
+    if (tail) sync_threads(e, ith, -1);
 }
 
 static void op_experts(cf_engine *e, int l, int pslot, int ms, int tail, int ith, int nth) {
@@ -599,6 +684,17 @@ static void op_experts(cf_engine *e, int l, int pslot, int ms, int tail, int ith
     ph(e, ith, CF_PK_NORM, l);
     quantize_rows(e, s->moe_in + (size_t)ms * B * c->d, c->d, c->d, e->ts[ith].act, NULL, e->B, w->exp_fmt);
     shared_expert(e, w, ms, out, ith, nth);
+    if (e->B == 1) { /* decode: every chosen expert has the one row */
+        int xs[64], k = 0;
+        float wts[64];
+        for (int x = 0; x < c->n_experts; x++)
+            if (exp_n[x]) {
+                wts[k] = exp_w[(size_t)x * B];
+                xs[k++] = x;
+            }
+        experts_one_row(e, w, xs, wts, k, out, tail, ith, nth);
+        return;
+    }
     int last = -1;
     for (int x = 0; x < c->n_experts; x++)
         if (exp_n[x]) last = x;
@@ -606,7 +702,8 @@ static void op_experts(cf_engine *e, int l, int pslot, int ms, int tail, int ith
         int n = exp_n[x];
         if (!n) continue; // untouched: its tiles are never read
         if (ith == 0) e->cnt.n[CF_CNT_EXPERTS] += w->exp_bytes[x];
-        ffn(e, &w->exp_gate_up[x], &w->exp_down[x], c->d_exp, 0, exp_tok + (size_t)x * B, n, out,
+        ffn(e, &w->exp_gate_up[x], &w->exp_down[x], c->d_exp, expert_act(c), c->moe_bias ? w->exp_b_gate_up[x] : NULL,
+            c->moe_bias ? w->exp_b_down[x] : NULL, exp_tok + (size_t)x * B, n, out,
             exp_w + (size_t)x * B, x < last || tail, CF_PK_EXP_GATE_UP, ith, nth);
     }
 }
@@ -660,10 +757,15 @@ static int op_experts_disk(cf_engine *e, int l, int pslot, int ms, int tail, int
         }
         const uint8_t *data = cf_xstore_data(e->xs, sl);
         cf_tiled gu = w->exp_gate_up[x], dn = w->exp_down[x];
-        gu.data = data + e->xrel[2 * key];
-        dn.data = data + e->xrel[2 * key + 1];
+        const int64_t *rel = e->xrel + (size_t)CF_EXPERT_SLOTS * key;
+        gu.data = data + rel[CF_E_GATE_UP];
+        dn.data = data + rel[CF_E_DOWN];
+        /* the biases from the slot too: they travel with the expert (cflow.weights) */
+        const float *bgu = c->moe_bias ? (const float *)(data + rel[CF_E_B_GATE_UP]) : NULL;
+        const float *bdn = c->moe_bias ? (const float *)(data + rel[CF_E_B_DOWN]) : NULL;
         if (ith == 0) e->cnt.n[CF_CNT_EXPERTS] += w->exp_bytes[x];
-        ffn(e, &gu, &dn, c->d_exp, 0, exp_tok + (size_t)x * B, exp_n[x], out, exp_w + (size_t)x * B,
+        ffn(e, &gu, &dn, c->d_exp, expert_act(c), bgu, bdn, exp_tok + (size_t)x * B, exp_n[x], out,
+            exp_w + (size_t)x * B,
             i + 1 < n || tail, CF_PK_EXP_GATE_UP, ith, nth);
         /* Unpinning is safe before the other threads finish this expert: the slot is only reused
          * by a later acquire of thread 0, and those come after a barrier (the one ending this ffn,

@@ -77,12 +77,30 @@ typedef struct {
      * mla_v: a head's value width (wo's input is n_heads * mla_v). */
     int mla_kv_lora, mla_q_lora, mla_qk, mla_rope, mla_v;
     int n_dense_lead;              /* > 0: sets < n_dense_lead only dense, the others only MoE */
-    int moe_sigmoid;               /* 1: router scores sigmoid(logit) each; 0: softmax over all */
     int moe_router_bias;           /* 1: moe.router_bias [E] added to the scores to choose (not to weigh) */
     int moe_groups, moe_groups_used; /* > 1: only the best moe_groups_used groups (sum of top 2) */
     float moe_w_scale;             /* the routing weights times it */
     int shexp_ungated;             /* 1: the shared expert joins unscaled (no moe.shared_gate) */
+    /* gpt-oss (all 0: off) */
+    int attn_sinks;                /* 1: query head h's sink logit attn.sinks[h] joins its softmax's
+                                    * denominator only (cflow.h, cf_attn_shape.sinks) */
+    int attn_out_bias;             /* 1: the output projection adds attn.wo_bias [d] */
+    int moe_bias;                  /* 1: the router adds moe.router_bias [E]; each expert's gate|up and
+                                    * down add b_gate_up [2 d_exp] (interleaved like w_gate_up) and b_down [d] */
+    int moe_gating;                /* CF_GATING_*: how the router's logits become the top_k weights */
+    int expert_act;                /* CF_ACT_*: the experts' activation */
 } cf_config;
+
+/* cf_config.moe_gating: softmax over all E logits, then top_k (renormalised when moe_norm_topk);
+ * sigmoid of each logit, then top_k (DeepSeek V3: the router bias joins the scores to choose only,
+ * the sum renormalising is clamped as llama.cpp's); or top_k of the raw logits (plus the router
+ * bias), their weights the softmax over those k (gpt-oss). */
+enum { CF_GATING_SOFTMAX, CF_GATING_SOFTMAX_TOPK, CF_GATING_SIGMOID };
+/* cf_config.expert_act: SwiGLU, fused into the gate_up kernels; or OpenAI's clamped SwiGLU after
+ * the gate/up biases (the table's swiglu_oai, alpha CF_OAI_ALPHA, limit CF_OAI_LIMIT: gpt-oss). */
+enum { CF_ACT_SILU, CF_ACT_SWIGLU_OAI };
+#define CF_OAI_ALPHA 1.702f
+#define CF_OAI_LIMIT 7.0f
 
 /* ---- contracts with Python ---------------------------------------------------------------------
  * Every code Python hands over (descriptor fields and row order, op kinds, sources) and every
@@ -107,10 +125,11 @@ enum { CF_T_TOK_EMB, CF_T_NORM, CF_T_LM_HEAD, CF_T_GLOBAL };
 enum { CF_S_ATTN_NORM, CF_S_WQKV, CF_S_WO, CF_S_FFN_NORM, CF_S_GATE_UP, CF_S_DOWN, CF_S_MOE_NORM,
        CF_S_ROUTER, CF_S_QKV_BIAS, CF_S_Q_NORM, CF_S_K_NORM, CF_S_WQ, CF_S_WK, CF_S_WV, CF_S_SHEXP_GATE,
        CF_S_SHEXP_GATE_UP, CF_S_SHEXP_DOWN, CF_S_ATTN_POST_NORM, CF_S_FFN_POST_NORM,
-       /* latent attention (cf_config.mla_kv_lora > 0; engine_mla.c) and DeepSeek's router bias */
-       CF_S_WQ_A, CF_S_Q_A_NORM, CF_S_WQ_B, CF_S_WKV_A, CF_S_KV_A_NORM, CF_S_WK_B, CF_S_WV_B, CF_S_ROUTER_BIAS,
-       CF_SLOTS_PER_SET };
-enum { CF_E_GATE_UP, CF_E_DOWN, CF_EXPERT_SLOTS };
+       /* latent attention (cf_config.mla_kv_lora > 0; engine_mla.c) */
+       CF_S_WQ_A, CF_S_Q_A_NORM, CF_S_WQ_B, CF_S_WKV_A, CF_S_KV_A_NORM, CF_S_WK_B, CF_S_WV_B,
+       /* the router's bias (DeepSeek V3: to choose; gpt-oss: on the logits), gpt-oss's wo bias and sinks */
+       CF_S_ROUTER_BIAS, CF_S_WO_BIAS, CF_S_SINKS, CF_SLOTS_PER_SET };
+enum { CF_E_GATE_UP, CF_E_DOWN, CF_E_B_GATE_UP, CF_E_B_DOWN, CF_EXPERT_SLOTS };
 extern const char *const cf_global_names[CF_T_GLOBAL];
 extern const char *const cf_slot_names[CF_SLOTS_PER_SET];
 extern const char *const cf_expert_slot_names[CF_EXPERT_SLOTS];

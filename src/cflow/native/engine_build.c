@@ -31,9 +31,10 @@ const char *const cf_slot_names[CF_SLOTS_PER_SET] = {
     [CF_S_FFN_POST_NORM] = "ffn_post_norm", [CF_S_WQ_A] = "attn.wq_a", [CF_S_Q_A_NORM] = "attn.q_a_norm",
     [CF_S_WQ_B] = "attn.wq_b", [CF_S_WKV_A] = "attn.wkv_a", [CF_S_KV_A_NORM] = "attn.kv_a_norm",
     [CF_S_WK_B] = "attn.wk_b", [CF_S_WV_B] = "attn.wv_b", [CF_S_ROUTER_BIAS] = "moe.router_bias",
+    [CF_S_WO_BIAS] = "attn.wo_bias", [CF_S_SINKS] = "attn.sinks",
 };
 const char *const cf_expert_slot_names[CF_EXPERT_SLOTS] = {
-    [CF_E_GATE_UP] = "w_gate_up", [CF_E_DOWN] = "w_down",
+    [CF_E_GATE_UP] = "w_gate_up", [CF_E_DOWN] = "w_down", [CF_E_B_GATE_UP] = "b_gate_up", [CF_E_B_DOWN] = "b_down",
 };
 const char *const cf_op_kind_names[CF_OP_KINDS] = {
     [CF_OP_EMBED] = "embed", [CF_OP_ATTN] = "attn", [CF_OP_DENSE] = "dense",
@@ -112,6 +113,20 @@ static int check_config(const cf_config *c, char *err, size_t n) {
     else if (!(c->attn_temp_scale >= 0) || c->attn_temp_floor < 0 ||
              (c->attn_temp_scale > 0) != (c->attn_temp_floor > 0))
         bad = "attn_temp_scale and attn_temp_floor must be >= 0 and set together";
+    else if ((c->attn_sinks | c->attn_out_bias | c->moe_bias | c->moe_router_bias) & ~1)
+        bad = "attn_sinks, attn_out_bias, moe_bias and moe_router_bias must be 0 or 1";
+    else if (c->attn_out_bias && c->post_norms)
+        bad = "attn_out_bias does not go with post_norms";
+    else if ((c->moe_gating != CF_GATING_SOFTMAX && c->moe_gating != CF_GATING_SOFTMAX_TOPK &&
+              c->moe_gating != CF_GATING_SIGMOID) ||
+             (c->expert_act != CF_ACT_SILU && c->expert_act != CF_ACT_SWIGLU_OAI))
+        bad = "moe_gating and expert_act must be one of the engine's (CF_GATING_*, CF_ACT_*)";
+    else if (!c->n_experts && (c->moe_bias || c->moe_router_bias || c->moe_gating || c->expert_act))
+        bad = "moe_bias, moe_router_bias, moe_gating and expert_act need experts";
+    else if (c->moe_bias && c->moe_router_bias)
+        bad = "moe_bias (gpt-oss) and moe_router_bias (DeepSeek) are two uses of one router bias: one at most";
+    else if (c->expert_act == CF_ACT_SWIGLU_OAI && c->d_shexp)
+        bad = "expert_act swiglu_oai does not go with a shared expert";
     if (!bad) bad = cf_mla_check_config(c);
     if (bad) cf_set_err(err, n, "bad model config: %s", bad);
     return bad ? -1 : 0;
@@ -244,6 +259,8 @@ static int bind_weights(cf_engine *e, const uint8_t *buf, size_t len, const int6
                 L->qkv_fmt = act_fmt(&L->wqkv);
             }
             SET(CF_S_WO, c->d, q_dim, 0, &L->wo, &fdummy);
+            if (c->attn_out_bias) SET(CF_S_WO_BIAS, 1, c->d, 1, &dummy, &L->wo_bias);
+            if (c->attn_sinks) SET(CF_S_SINKS, 1, c->n_heads, 1, &dummy, &L->sinks);
             if (c->post_norms) {
                 SET(CF_S_ATTN_POST_NORM, 1, c->d, 1, &dummy, &L->attn_post_norm);
                 if (c->d_ff) SET(CF_S_FFN_POST_NORM, 1, c->d, 1, &dummy, &L->ffn_post_norm);
@@ -255,6 +272,7 @@ static int bind_weights(cf_engine *e, const uint8_t *buf, size_t len, const int6
                                           : cf_tiled_bytes(&L->wqkv));
         }
         if (c->post_norms) L->attn_bytes += norm_bytes;
+        L->attn_bytes += (uint64_t)(c->attn_out_bias * c->d + c->attn_sinks * c->n_heads) * sizeof(float);
         if (c->qkv_bias) {
             SET(CF_S_QKV_BIAS, 1, q_dim + 2 * kv_dim, 1, &dummy, &L->qkv_bias);
             L->attn_bytes += (uint64_t)(q_dim + 2 * kv_dim) * sizeof(float);
@@ -276,7 +294,7 @@ static int bind_weights(cf_engine *e, const uint8_t *buf, size_t len, const int6
         SET(CF_S_MOE_NORM, 1, c->d, 1, &dummy, &L->moe_norm);
         SET(CF_S_ROUTER, E, c->d, 1, &dummy, &L->router);
         L->router_bytes = norm_bytes + (uint64_t)E * c->d * 4;
-        if (c->moe_router_bias) {
+        if (c->moe_router_bias || c->moe_bias) {
             SET(CF_S_ROUTER_BIAS, 1, E, 1, &dummy, &L->router_bias);
             L->router_bytes += (uint64_t)E * 4;
         }
@@ -291,12 +309,20 @@ static int bind_weights(cf_engine *e, const uint8_t *buf, size_t len, const int6
         L->exp_gate_up = calloc(E, sizeof(cf_tiled));
         L->exp_down = calloc(E, sizeof(cf_tiled));
         L->exp_bytes = calloc(E, sizeof(uint64_t));
-        if (!L->exp_gate_up || !L->exp_down || !L->exp_bytes) return cf_set_err(err, n, "out of memory"), -1;
+        L->exp_b_gate_up = calloc(E, sizeof(float *));
+        L->exp_b_down = calloc(E, sizeof(float *));
+        if (!L->exp_gate_up || !L->exp_down || !L->exp_bytes || !L->exp_b_gate_up || !L->exp_b_down)
+            return cf_set_err(err, n, "out of memory"), -1;
         for (int x = 0; x < E; x++) {
             int s0 = CF_SLOTS_PER_SET + CF_EXPERT_SLOTS * x;
             SET(s0 + CF_E_GATE_UP, 2 * c->d_exp, c->d, 0, &L->exp_gate_up[x], &fdummy);
             SET(s0 + CF_E_DOWN, c->d, c->d_exp, 0, &L->exp_down[x], &fdummy);
             L->exp_bytes[x] = cf_tiled_bytes(&L->exp_gate_up[x]) + cf_tiled_bytes(&L->exp_down[x]);
+            if (c->moe_bias) {
+                SET(s0 + CF_E_B_GATE_UP, 1, 2 * c->d_exp, 1, &dummy, &L->exp_b_gate_up[x]);
+                SET(s0 + CF_E_B_DOWN, 1, c->d, 1, &dummy, &L->exp_b_down[x]);
+                L->exp_bytes[x] += (uint64_t)(2 * c->d_exp + c->d) * sizeof(float);
+            }
             L->exp_fmt |= act_fmt(&L->exp_gate_up[x]);
         }
 #undef SET
@@ -393,7 +419,9 @@ static int alloc_state(cf_engine *e) {
     s->moe_in = xcalloc(M * B * d, sizeof(float), &fail);
     s->qkv = xcalloc(B * (q_dim + 2 * kv_dim), sizeof(float), &fail);
     s->att = xcalloc(B * q_dim, sizeof(float), &fail);
-    s->hid = xcalloc(B * e->hmax, sizeof(float), &fail);
+    /* a one-row call's routed experts each take a row (experts_one_row) */
+    size_t hid_rows = cf_max((int)B, c->n_experts ? c->top_k : 1);
+    s->hid = xcalloc(hid_rows * e->hmax, sizeof(float), &fail);
     s->y = xcalloc(B * d, sizeof(float), &fail);
     s->rope = xcalloc(B * c->hd, sizeof(float), &fail);
     if (c->mla_kv_lora) { /* latent attention's own rows (engine_mla.c) */
@@ -402,7 +430,7 @@ static int alloc_state(cf_engine *e) {
         s->mla_o = xcalloc(B * c->n_heads * c->mla_v, sizeof(float), &fail);
     }
     if (c->rope_theta_local > 0) s->rope_local = xcalloc(B * c->hd, sizeof(float), &fail);
-    if (c->ffn_gelu) s->gu = xcalloc(B * 2 * e->hmax, sizeof(float), &fail);
+    if (c->ffn_gelu || c->expert_act == CF_ACT_SWIGLU_OAI) s->gu = xcalloc(hid_rows * 2 * e->hmax, sizeof(float), &fail);
     // calloc'd pages are mapped lazily, so a long context costs memory only once it is used
     s->kcache = xcalloc(kv, e->krow, &fail);
     s->vcache = xcalloc(kv, e->vrow, &fail);
@@ -462,7 +490,7 @@ static int open_disk_experts(cf_engine *e, const cf_disk_experts *dx, char *err,
     const cf_config *c = &e->c;
     int E = c->n_experts, n_keys = c->n_unique * E;
     if (!E) return cf_set_err(err, n, "this model has no experts; there is nothing to keep on disk"), -1;
-    e->xrel = calloc((size_t)n_keys * 2, sizeof *e->xrel);
+    e->xrel = calloc((size_t)n_keys * CF_EXPERT_SLOTS, sizeof *e->xrel);
     e->xwave = calloc(E, sizeof *e->xwave);
     int64_t *off = malloc(sizeof(int64_t) * n_keys), *len = malloc(sizeof(int64_t) * n_keys);
     if (!e->xrel || !e->xwave || !off || !len) {
@@ -475,13 +503,19 @@ static int open_disk_experts(cf_engine *e, const cf_disk_experts *dx, char *err,
         const cf_layer *L = &e->w.sets[k / E];
         off[k] = len[k] = 0;
         if (k / E < c->n_dense_lead) continue; /* a leading dense layer: no experts, never routed */
-        const cf_tiled *t[2] = {&L->exp_gate_up[k % E], &L->exp_down[k % E]};
+        /* the expert's tensors (CF_E_* order): its matrices, and with moe_bias its biases */
+        const void *at_[CF_EXPERT_SLOTS] = {L->exp_gate_up[k % E].data, L->exp_down[k % E].data,
+                                            c->moe_bias ? L->exp_b_gate_up[k % E] : NULL,
+                                            c->moe_bias ? L->exp_b_down[k % E] : NULL};
+        uint64_t nb_[CF_EXPERT_SLOTS] = {cf_tiled_bytes(&L->exp_gate_up[k % E]), cf_tiled_bytes(&L->exp_down[k % E]),
+                                         (uint64_t)2 * c->d_exp * sizeof(float), (uint64_t)c->d * sizeof(float)};
         off[k] = dx->span[2 * k];
         len[k] = dx->span[2 * k + 1];
-        for (int j = 0; j < 2; j++) {
-            int64_t at = (int64_t)(t[j]->data - e->buf);
-            e->xrel[2 * k + j] = at - off[k];
-            if (at < off[k] || at + (int64_t)cf_tiled_bytes(t[j]) > off[k] + len[k]) bad = k;
+        for (int j = 0; j < CF_EXPERT_SLOTS; j++) {
+            if (!at_[j]) continue;
+            int64_t at = (int64_t)((const uint8_t *)at_[j] - e->buf);
+            e->xrel[(size_t)CF_EXPERT_SLOTS * k + j] = at - off[k];
+            if (at < off[k] || at + (int64_t)nb_[j] > off[k] + len[k]) bad = k;
         }
     }
     if (bad >= 0) {
@@ -603,6 +637,8 @@ void cf_engine_free(cf_engine *e) {
             free(e->w.sets[i].exp_gate_up);
             free(e->w.sets[i].exp_down);
             free(e->w.sets[i].exp_bytes);
+            free((void *)e->w.sets[i].exp_b_gate_up);
+            free((void *)e->w.sets[i].exp_b_down);
         }
         free(e->w.sets);
     }

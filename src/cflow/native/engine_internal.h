@@ -23,6 +23,10 @@ typedef struct {
     const float *qkv_bias;                        /* [q_dim + 2 kv_dim] or NULL */
     const float *q_norm, *k_norm;                 /* [hd] or NULL */
     const float *attn_post_norm, *ffn_post_norm;  /* [d] or NULL (post_norms) */
+    const float *wo_bias;                         /* [d] or NULL (attn_out_bias) */
+    const float *sinks;                           /* [n_heads] or NULL (attn_sinks) */
+    const float *router_bias;                     /* [E] or NULL (moe_bias: on the logits; moe_router_bias:
+                                                   * added to the scores to choose) */
     cf_tiled wqkv;                                /* [q_dim + 2 kv_dim, d] */
     cf_tiled wq, wk, wv;                          /* its three parts, when stored apart (qkv_split) */
     int qkv_split;                                /* 1: q, k, v are three matrices (their dtypes differ) */
@@ -31,13 +35,14 @@ typedef struct {
     cf_tiled gate_up;                             /* [2 d_ff, d], gate/up interleaved per group */
     cf_tiled down;                                /* [d, d_ff] */
     cf_tiled *exp_gate_up, *exp_down;             /* [E] of [2 d_exp, d] and [d, d_exp] */
+    const float **exp_b_gate_up, **exp_b_down;    /* [E] of [2 d_exp] and [d], NULL without moe_bias;
+                                                   * in RAM, pointers into the buffer (on disk: xrel) */
     const float *shexp_gate;                      /* [d] or NULL: the shared expert's gate */
     cf_tiled shexp_gate_up, shexp_down;           /* [2 d_shexp, d], [d, d_shexp]: always in RAM */
     /* latent attention (engine_mla.c); wq above is its plain query when there is no q_a */
     cf_tiled wq_a, wq_b, wkv_a;                   /* [q_lora, d], [H qk, q_lora], [kv_lora + rope, d] */
     cf_tiled wk_b, wv_b;                          /* [H kv_lora, qk - rope], [H v, kv_lora]: per head */
     const float *q_a_norm, *kv_a_norm;            /* [q_lora], [kv_lora] */
-    const float *router_bias;                     /* [E] or NULL: added to the scores to choose */
     uint64_t attn_bytes, dense_bytes, router_bytes, shexp_bytes;
     uint64_t *exp_bytes;                          /* [E] gate_up + down */
 } cf_layer;
@@ -69,7 +74,7 @@ typedef struct {
     float *y;          /* [B, d] expert down-projection output */
     float *rope;       /* [B, hd] cos[hd/2] then sin[hd/2] for each token's position */
     float *rope_local; /* [B, hd] the same for local layers with a base of their own (rope_theta_local), or NULL */
-    float *gu;         /* [B, 2 hmax] a GeGLU's raw gate|up rows (ffn_gelu), or NULL */
+    float *gu;         /* [B, 2 hmax] raw gate|up rows of a GeGLU (ffn_gelu) or of swiglu_oai experts, or NULL */
     uint8_t *kcache;   /* [n_seq, L, n_kv, n_ctx] rows of krow bytes (fp16 or q8_0), rotated keys */
     uint8_t *vcache;   /* [n_seq, L, n_kv, n_ctx] rows of vrow bytes */
     float *mla_a;      /* [B, q_lora + kv_lora + rope] latent attention: the low-rank query, then latent | k_pe */
@@ -158,7 +163,8 @@ struct cf_engine {
     cf_xstore *xs;
     int xasync;
     const uint8_t *buf;  /* the weights buffer: tensor offsets are pointers into it */
-    int64_t *xrel;       /* [n_unique * E][2] gate_up, down offsets inside the expert's span */
+    int64_t *xrel;       /* [n_unique * E][CF_EXPERT_SLOTS] each expert tensor's offset inside the expert's span
+                          * (the biases' only with moe_bias) */
     int *xwave;          /* [E] slots a wave must read (thread 0) */
     int wave_end;        /* published by thread 0 before a barrier (op_experts_disk) */
     cf_spec spec;        /* expert speculation (engine_spec.c); off when spec.depth is 0 */

@@ -197,6 +197,8 @@ void cf_predict_route(cf_engine *e, int b, int target, int src_kind, int *chosen
     for (int i = 0; i < d; i++) z[i] = hb[i] + (src_kind == CF_SRC_HF ? s->f[(size_t)b * d + i] : 0.0f);
     e->k->rmsnorm(zn, z, w->moe_norm, d, c->norm_eps);
     e->k->matvec_f32(pr, w->router, zn, E, d);
+    if (w->router_bias) /* gpt-oss: the choice is the top_k of the biased logits (softmax keeps the order) */
+        for (int x = 0; x < E; x++) pr[x] += w->router_bias[x];
     e->k->softmax(pr, E);
     e->k->topk(pr, E, c->top_k, chosen, val);
 }

@@ -181,17 +181,23 @@ static void swiglu_oai_ref(float *h, const float *gu, int n_pairs, float alpha, 
         }
 }
 
-static void softmax_ref(float *x, int n) {
+/* softmax of x[0..n) in place; with a sink (attention sinks, cflow.h) one more logit *sink joins
+ * the max and the denominator, its own weight dropped. */
+static void softmax_sink_ref(float *x, int n, const float *sink) {
     float mx = x[0];
     for (int i = 1; i < n; i++) mx = fmaxf(mx, x[i]);
+    if (sink) mx = fmaxf(mx, *sink);
     double sum = 0.0;
     for (int i = 0; i < n; i++) {
         x[i] = expf(x[i] - mx);
         sum += x[i];
     }
+    if (sink) sum += expf(*sink - mx);
     float inv = (float)(1.0 / sum);
     for (int i = 0; i < n; i++) x[i] *= inv;
 }
+
+static void softmax_ref(float *x, int n) { softmax_sink_ref(x, n, NULL); }
 
 static void rope_ref(float *x, int n_heads, int head_dim, const float *cos, const float *sin) {
     int half = head_dim / 2;
@@ -218,7 +224,7 @@ void cf_attention_ref(float *out, const float *q, const cf_half *k, const cf_hal
             for (int j = 0; j < hd; j++) dot += qh[j] * cf_half_to_float(kt[j]);
             a[t] = dot * s->scale;
         }
-        softmax_ref(a, s->n_pos);
+        softmax_sink_ref(a, s->n_pos, s->sinks ? s->sinks + h : NULL);
         float *oh = out + (size_t)h * hd;
         for (int j = 0; j < hd; j++) oh[j] = 0.0f;
         for (int t = 0; t < s->n_pos; t++) {
@@ -234,7 +240,7 @@ void cf_attention_block_ref(float *out, const float *q, const cf_half *k, const 
     for (int i = 0; i < s->n_q; i++) {
         int lo = cf_attn_lo(s, i);
         cf_attn_shape one = {.n_heads = s->n_heads, .n_kv_heads = s->n_kv_heads, .head_dim = s->head_dim,
-                             .max_seq = s->max_seq, .n_pos = s->pos0 + i + 1 - lo, .scale = s->scale};
+                             .max_seq = s->max_seq, .n_pos = s->pos0 + i + 1 - lo, .scale = s->scale, .sinks = s->sinks};
         size_t off = (size_t)lo * s->head_dim;
         cf_attention_ref(out + (size_t)i * s->ldo, q + (size_t)i * s->ldq, k + off, v + off, att, &one, h0, h1);
     }
@@ -273,7 +279,7 @@ void cf_attention_q8kv_ref(float *out, const float *q, const void *k, const void
             for (int j = 0; j < hd; j++) dot += qh[j] * kv_value(kt, k_type, j);
             a[t] = dot * s->scale;
         }
-        softmax_ref(a, s->n_pos);
+        softmax_sink_ref(a, s->n_pos, s->sinks ? s->sinks + h : NULL);
         float *oh = out + (size_t)h * hd;
         for (int j = 0; j < hd; j++) oh[j] = 0.0f;
         for (int t = 0; t < s->n_pos; t++) {
@@ -290,7 +296,7 @@ void cf_attention_block_q8kv_ref(float *out, const float *q, const void *k, cons
     for (int i = 0; i < s->n_q; i++) {
         int lo = cf_attn_lo(s, i);
         cf_attn_shape one = {.n_heads = s->n_heads, .n_kv_heads = s->n_kv_heads, .head_dim = s->head_dim,
-                             .max_seq = s->max_seq, .n_pos = s->pos0 + i + 1 - lo, .scale = s->scale};
+                             .max_seq = s->max_seq, .n_pos = s->pos0 + i + 1 - lo, .scale = s->scale, .sinks = s->sinks};
         cf_attention_q8kv_ref(out + (size_t)i * s->ldo, q + (size_t)i * s->ldq, (const uint8_t *)k + lo * krb,
                               (const uint8_t *)v + lo * vrb, k_type, v_type, att, &one, h0, h1);
     }
