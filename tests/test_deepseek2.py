@@ -28,11 +28,6 @@ controls (a file of another seed) are 10x farther.
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -44,6 +39,7 @@ llama_cpp = pytest.importorskip(
 gguf = pytest.importorskip("gguf")
 torch = pytest.importorskip("torch")
 
+from isa_runner import other_isas, run_under  # noqa: E402
 from test_convert_gguf import add_tensor, add_tiny_tokenizer, tiny_vocab  # noqa: E402
 from test_convert_gguf_moe import compare, teacher_forced, tokens  # noqa: E402
 from test_moe_llamacpp import MEDIAN_TOL, llama_cpp_logits  # noqa: E402
@@ -54,7 +50,6 @@ from cflow.convert.gguf_deepseek2 import deepseek2_config, deepseek2_weights  # 
 from cflow.model_deepseek2 import DeepSeek2Cache, DeepSeek2Reference  # noqa: E402
 
 T = gguf.GGMLQuantizationType
-ROOT = Path(__file__).resolve().parents[1]
 ARCH = "deepseek2"
 D, HEADS, Q_LORA, KV_LORA, NOPE, ROPE, V_HEAD = 128, 4, 64, 32, 32, 16, 32
 LAYERS, LEAD, FF, E, TOP_K, FE, GROUPS, GROUPS_USED, SHARED = 4, 1, 192, 8, 2, 64, 2, 1, 1
@@ -423,34 +418,14 @@ def test_converter_refuses_what_llama_cpp_reads_differently(tmp_path):
 
 
 # ---- every kernel table ------------------------------------------------------------------------
-_RUNNER = ("import sys, pytest\n"
-           "from cflow import _native\n"
-           "print('kernel table:', _native.isa(), flush=True)\n"
-           "sys.exit(pytest.main(sys.argv[1:]))\n")
 ISA_TESTS = [f"tests/test_deepseek2.py::{t}" for t in ("test_engine_matches_llama_cpp_and_reference",
                                                        "test_prefill_equals_steps_and_threads_agree")]
 
 
-def _other_isas() -> list:
-    from cflow import _native
-
-    others = [isa for isa in _native.available_isas() if isa != _native.isa()]
-    return others or [pytest.param(None, marks=pytest.mark.skip(reason="this CPU runs one kernel table"))]
-
-
-@pytest.mark.parametrize("isa", _other_isas())
+@pytest.mark.parametrize("isa", other_isas())
 def test_every_other_kernel_table(isa):
     """The engine tests above under each other kernel table (CFLOW_ISA=ref, avx2, ...)."""
-    if os.environ.get("CFLOW_ISA"):
-        pytest.skip("already running under CFLOW_ISA (the subprocess of this test)")
-    env = {**os.environ, "CFLOW_ISA": isa}
-    r = subprocess.run([sys.executable, "-c", _RUNNER, "-q", "-p", "no:cacheprovider", *ISA_TESTS],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    out = r.stdout + r.stderr
-    assert f"kernel table: {isa}\n" in out, out[-4000:]
-    assert r.returncode == 0, out[-4000:]
-    m = re.search(r"(\d+) passed", out)
-    assert m and int(m.group(1)) == 2 * len(ISA_TESTS) and "skipped" not in out, out[-4000:]
+    run_under(isa, ISA_TESTS, 2 * len(ISA_TESTS))
 
 
 ENGINE_CONTROLS = {

@@ -29,10 +29,6 @@ built-in gemma format does.
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -48,6 +44,7 @@ pytestmark = pytest.mark.oracle  # llama.cpp (llama-cpp-python) is the oracle he
 gguf = pytest.importorskip("gguf")
 torch = pytest.importorskip("torch")
 
+from isa_runner import other_isas, run_under  # noqa: E402
 from test_convert_gguf import add_tensor  # noqa: E402
 from test_convert_gguf_moe import gguf_values, teacher_forced  # noqa: E402
 from test_moe_llamacpp import MAX_TOL, MEDIAN_TOL, check, compare, far  # noqa: E402  (skips without llama_cpp)
@@ -57,7 +54,6 @@ T = gguf.GGMLQuantizationType
 D, HEADS, KV_HEADS, HD, LAYERS, FF, CTX = 256, 4, 2, 96, 6, 512, 64
 EPS, THETA, LOCAL_THETA, FACTOR = 1e-6, 1e6, 10000.0, 8.0
 WINDOW, PATTERN, STEPS = 8, 3, 32
-ROOT = Path(__file__).resolve().parents[1]
 
 
 # Gemma 3's chat template (google/gemma-3-*-it tokenizer_config.json, which convert_hf_to_gguf
@@ -441,32 +437,12 @@ def test_tokenizer_matches_llama_cpp(gemma_run):
 
 
 # ---- every kernel table ------------------------------------------------------------------------
-_RUNNER = ("import sys, pytest\n"
-           "from cflow import _native\n"
-           "print('kernel table:', _native.isa(), flush=True)\n"
-           "sys.exit(pytest.main(sys.argv[1:]))\n")
 ISA_TESTS = [f"tests/test_gemma3.py::{t}" for t in ("test_engine_matches_reference", "test_prefill_equals_steps")]
 
 
-def _other_isas() -> list:
-    from cflow import _native
-
-    others = [isa for isa in _native.available_isas() if isa != _native.isa()]
-    return others or [pytest.param(None, marks=pytest.mark.skip(reason="this CPU runs one kernel table"))]
-
-
-@pytest.mark.parametrize("isa", _other_isas())
+@pytest.mark.parametrize("isa", other_isas())
 def test_every_other_kernel_table(isa):
-    if os.environ.get("CFLOW_ISA"):
-        pytest.skip("already running under CFLOW_ISA (the subprocess of this test)")
-    env = {**os.environ, "CFLOW_ISA": isa}
-    r = subprocess.run([sys.executable, "-c", _RUNNER, "-q", "-p", "no:cacheprovider", *ISA_TESTS],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    out = r.stdout + r.stderr
-    assert f"kernel table: {isa}\n" in out, out[-4000:]
-    assert r.returncode == 0, out[-4000:]
-    m = re.search(r"(\d+) passed", out)
-    assert m and int(m.group(1)) == len(ISA_TESTS) and "skipped" not in out, out[-4000:]
+    run_under(isa, ISA_TESTS, len(ISA_TESTS))
 
 
 # ---- the chat template -------------------------------------------------------------------------

@@ -22,11 +22,6 @@ RAM's logits bit for bit.
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -36,6 +31,7 @@ pytestmark = pytest.mark.oracle
 gguf = pytest.importorskip("gguf")
 torch = pytest.importorskip("torch")
 
+from isa_runner import other_isas, run_under  # noqa: E402
 from test_convert_gguf_moe import compare, gguf_values, teacher_forced, tokens  # noqa: E402
 from test_gptoss import (F32_MAX_TOL, F32_MEDIAN_TOL, F32_WITHIN, LAYERS, WINDOW, reference_logits,  # noqa: E402
                          write_gptoss_gguf)
@@ -45,7 +41,6 @@ from cflow.convert import convert  # noqa: E402
 from cflow.convert.gguf import GGUFModel, gguf_config  # noqa: E402
 from cflow.fileformat import open_model  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 # Positions teacher-forced, as test_moe_llamacpp's: a route that flips on a near-tie of two router
 # logits (the int8 roundings of two engines differ there) changes a few positions after it too, and
 # the argmax check needs enough decisive positions to absorb one.
@@ -248,30 +243,10 @@ def test_experts_from_disk_are_bit_identical(native):
 
 
 # ---- every kernel table ------------------------------------------------------------------------
-_RUNNER = ("import sys, pytest\n"
-           "from cflow import _native\n"
-           "print('kernel table:', _native.isa(), flush=True)\n"
-           "sys.exit(pytest.main(sys.argv[1:]))\n")
 ISA_TESTS = [f"tests/test_gptoss_engine.py::{t}" for t in ("test_engine_matches_reference", "test_prefill_equals_steps",
                                                           "test_q8_kv_cache")]
 
 
-def _other_isas() -> list:
-    from cflow import _native
-
-    others = [isa for isa in _native.available_isas() if isa != _native.isa()]
-    return others or [pytest.param(None, marks=pytest.mark.skip(reason="this CPU runs one kernel table"))]
-
-
-@pytest.mark.parametrize("isa", _other_isas())
+@pytest.mark.parametrize("isa", other_isas())
 def test_every_other_kernel_table(isa):
-    if os.environ.get("CFLOW_ISA"):
-        pytest.skip("already running under CFLOW_ISA (the subprocess of this test)")
-    env = {**os.environ, "CFLOW_ISA": isa}
-    r = subprocess.run([sys.executable, "-c", _RUNNER, "-q", "-p", "no:cacheprovider", *ISA_TESTS],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    out = r.stdout + r.stderr
-    assert f"kernel table: {isa}\n" in out, out[-4000:]
-    assert r.returncode == 0, out[-4000:]
-    m = re.search(r"(\d+) passed", out)
-    assert m and int(m.group(1)) == 2 * len(ISA_TESTS) and "skipped" not in out, out[-4000:]
+    run_under(isa, ISA_TESTS, 2 * len(ISA_TESTS))

@@ -4,11 +4,10 @@ families' tolerance of llama.cpp on the same file, and bad geometry is refused b
 
 from __future__ import annotations
 
-import hashlib
 
 import numpy as np
 import pytest
-from bench_scripts import load_benchmark
+from bench_scripts import assert_rewrites_same_bytes, load_benchmark
 
 pytest.importorskip("gguf")
 SMALL = ["--layers", "2", "--d-model", "256", "--d-ff", "256", "--heads", "4", "--kv-heads", "2", "--experts", "4",
@@ -34,9 +33,7 @@ def test_writes_the_geometry_and_runs(tmp_path):
         assert (c.sliding_window, c.sliding_window_pattern, c.attn_sinks, c.expert_act) == (8, 2, True, "swiglu_oai")
         got = teacher_forced(eng.step, toks)
     assert np.isfinite(got).all()
-    again = tmp_path / "again.gguf"
-    make_gptoss().main([*SMALL, "--out", str(again)])
-    assert hashlib.sha256(out.read_bytes()).digest() == hashlib.sha256(again.read_bytes()).digest()
+    assert_rewrites_same_bytes(make_gptoss().main, SMALL, out, tmp_path / "again.gguf")
     try:
         from test_moe_llamacpp import MEDIAN_TOL, llama_cpp_logits
     except Exception:  # the llama.cpp oracle is not installed
