@@ -563,25 +563,13 @@ def _gguf_token_id(g: GGUFModel, name: str, n: int, default: int | None) -> int 
 
 
 def _gguf_gemma4_tokenizer(g: GGUFModel, tokens: list[str], types: list[int]) -> dict[str, Any]:
-    """The "gemma4" header of a GGUF "gemma4" vocabulary (cflow.tokenizer_gemma4): specials and added
-    tokens by type as for "llama"; llama.cpp adds BOS unless the file says otherwise."""
-    from cflow import tokenizer_gemma4 as gemma4, tokenizer_spm as spm
+    """The "gemma4" header of a GGUF "gemma4" vocabulary (cflow.tokenizer_gemma4): BPE ranks over
+    SentencePiece-spelled pieces; llama.cpp has no default BOS/EOS ids for it."""
+    from cflow import tokenizer_gemma4 as gemma4
 
-    special = {t: i for i, (t, ty) in enumerate(zip(tokens, types)) if ty in (spm.CONTROL, spm.UNKNOWN)}
-    added = {t: i for i, (t, ty) in enumerate(zip(tokens, types)) if ty == spm.USER_DEFINED}
-    add_bos = g.get("tokenizer.ggml.add_bos_token")
     header = {"model": "gemma4", "vocab": tokens, "merges": list(g.get("tokenizer.ggml.merges") or []),
-              "token_types": types, "bos_id": _gguf_token_id(g, "bos", len(tokens), None),
-              "eos_id": _gguf_token_id(g, "eos", len(tokens), None),
-              "add_bos": True if add_bos is None else bool(add_bos),
-              "chat_template": g.get("tokenizer.chat_template"), "special": special, "pre": None}
-    if added:
-        header["added"] = added
-    try:
-        gemma4.validate_gemma4(header, TokenizerError)
-    except TokenizerError as e:
-        raise TokenizerError(f"{g.path.name} has a 'gemma4' tokenizer that cflow cannot use: {e}") from None
-    return header
+              "token_types": types, **_typed_tokens(g, tokens, types, bos=None, eos=None)}
+    return _validated(g, header, gemma4.validate_gemma4, "a 'gemma4' tokenizer")
 
 
 def _gguf_spm_tokenizer(g: GGUFModel, tokens: list[str], types: list[int]) -> dict[str, Any]:
@@ -590,23 +578,38 @@ def _gguf_spm_tokenizer(g: GGUFModel, tokens: list[str], types: list[int]) -> di
 
     scores = g.get("tokenizer.ggml.scores")
     scores = [float(s) for s in scores] if scores is not None else [0.0] * len(tokens)
-    special = {t: i for i, (t, ty) in enumerate(zip(tokens, types)) if ty in (spm.CONTROL, spm.UNKNOWN)}
-    added = {t: i for i, (t, ty) in enumerate(zip(tokens, types)) if ty == spm.USER_DEFINED}
-    add_bos = g.get("tokenizer.ggml.add_bos_token")
     prefix = g.get("tokenizer.ggml.add_space_prefix")
     header = {"model": "spm", "vocab": tokens, "merges": [], "scores": scores, "token_types": types,
               "add_space_prefix": True if prefix is None else bool(prefix),
-              "bos_id": _gguf_token_id(g, "bos", len(tokens), 1),
-              "eos_id": _gguf_token_id(g, "eos", len(tokens), 2),
+              **_typed_tokens(g, tokens, types, bos=1, eos=2)}
+    return _validated(g, header, spm.validate_spm, "a 'llama' tokenizer (SentencePiece)")
+
+
+def _typed_tokens(g: GGUFModel, tokens: list[str], types: list[int], bos: int | None,
+                  eos: int | None) -> dict[str, Any]:
+    """The header fields the SentencePiece-style vocabularies ("llama", "gemma4") share: specials
+    (control and unknown tokens) and added tokens (user-defined) by token type, BOS/EOS ids with
+    llama.cpp's defaults `bos` / `eos`, BOS added unless the file says otherwise, the template."""
+    from cflow import tokenizer_spm as spm
+
+    special = {t: i for i, (t, ty) in enumerate(zip(tokens, types)) if ty in (spm.CONTROL, spm.UNKNOWN)}
+    added = {t: i for i, (t, ty) in enumerate(zip(tokens, types)) if ty == spm.USER_DEFINED}
+    add_bos = g.get("tokenizer.ggml.add_bos_token")
+    fields = {"bos_id": _gguf_token_id(g, "bos", len(tokens), bos),
+              "eos_id": _gguf_token_id(g, "eos", len(tokens), eos),
               "add_bos": True if add_bos is None else bool(add_bos),
               "chat_template": g.get("tokenizer.chat_template"), "special": special, "pre": None}
     if added:
-        header["added"] = added
+        fields["added"] = added
+    return fields
+
+
+def _validated(g: GGUFModel, header: dict[str, Any], validate: Any, what: str) -> dict[str, Any]:
+    """`header` once `validate(header, TokenizerError)` accepts it; its complaint names the file."""
     try:
-        spm.validate_spm(header, TokenizerError)
+        validate(header, TokenizerError)
     except TokenizerError as e:
-        raise TokenizerError(f"{g.path.name} has a 'llama' tokenizer (SentencePiece) that cflow cannot use: {e}") \
-            from None
+        raise TokenizerError(f"{g.path.name} has {what} that cflow cannot use: {e}") from None
     return header
 
 
