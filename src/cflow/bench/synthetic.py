@@ -392,6 +392,40 @@ def _diag(order: list[str], k: int) -> Iterator[tuple[str, str]]:
     yield order[k], order[k]
 
 
+def start_gguf(tmp: str | os.PathLike, arch: str, name: str, *, layers: int, ctx: int, d_model: int, d_ff: int,
+               heads: int, kv_heads: int, rope_theta: float, eps: float, file_type: Any,
+               key_length: int | None = None, value_length: int | None = None,
+               rope_dims: int | None = None) -> Any:
+    """A GGUFWriter on `tmp` holding the header every random-weight family file shares (name, block
+    count, context, widths, heads, RoPE base, RMS eps, file type; key/value length and rotated dims
+    where given). `file_type`: a weight type name ("q4_0", "q4_1", "q8_0", "f16") or a
+    gguf.LlamaFileType. The caller adds its family's keys, the tokenizer and the tensors."""
+    import gguf
+
+    if isinstance(file_type, str):
+        file_type = {"q4_0": gguf.LlamaFileType.MOSTLY_Q4_0, "q4_1": gguf.LlamaFileType.MOSTLY_Q4_1,
+                     "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "f16": gguf.LlamaFileType.MOSTLY_F16}[file_type]
+    wr = gguf.GGUFWriter(str(tmp), arch)
+    wr.add_name(name)
+    wr.add_block_count(layers)
+    wr.add_context_length(ctx)
+    wr.add_embedding_length(d_model)
+    wr.add_feed_forward_length(d_ff)
+    wr.add_head_count(heads)
+    wr.add_head_count_kv(kv_heads)
+    if key_length is not None:
+        wr.add_key_length(key_length)
+    if value_length is not None:
+        wr.add_value_length(value_length)
+    if rope_dims is not None:
+        wr.add_rope_dimension_count(rope_dims)
+    wr.add_rope_freq_base(rope_theta)
+    wr.add_layer_norm_rms_eps(eps)
+    wr.add_file_type(int(file_type))
+    wr.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    return wr
+
+
 def add_tokenizer(wr: Any, vocab: int) -> None:
     """Write the byte-level BPE tokenizer of `tokenizer_parts(vocab)` into a GGUFWriter's metadata."""
     tokens, types, merges = tokenizer_parts(vocab)
@@ -462,23 +496,14 @@ def write_gguf(path: str | os.PathLike, g: Geometry, q: str = "q4_0", seed: int 
     os.close(fd)
     tensors = gguf_tensors(g)
     try:
-        wr = gguf.GGUFWriter(tmp, "llama")
-        wr.add_name(f"random MoE {g.layers}L d{g.d_model} {g.experts}x{g.d_ff} top{g.top_k} {q}")
+        wr = start_gguf(tmp, "llama", f"random MoE {g.layers}L d{g.d_model} {g.experts}x{g.d_ff} top{g.top_k} {q}",
+                        layers=g.layers, ctx=g.ctx, d_model=g.d_model, d_ff=g.d_ff, heads=g.heads,
+                        kv_heads=g.kv_heads, rope_theta=g.rope_theta, eps=g.norm_eps, file_type=ftype,
+                        rope_dims=g.head_dim)
         wr.add_description(f"random weights from cflow.bench.synthetic, seed {seed}")
-        wr.add_block_count(g.layers)
-        wr.add_context_length(g.ctx)
-        wr.add_embedding_length(g.d_model)
-        wr.add_feed_forward_length(g.d_ff)
-        wr.add_head_count(g.heads)
-        wr.add_head_count_kv(g.kv_heads)
-        wr.add_rope_dimension_count(g.head_dim)
-        wr.add_rope_freq_base(g.rope_theta)
-        wr.add_layer_norm_rms_eps(g.norm_eps)
         wr.add_expert_count(g.experts)
         wr.add_expert_used_count(g.top_k)
         wr.add_vocab_size(g.vocab)
-        wr.add_file_type(int(ftype))
-        wr.add_quantization_version(gguf.GGML_QUANT_VERSION)
         add_tokenizer(wr, g.vocab)
         wr.add_chat_template(CHAT_TEMPLATE)
         for t in tensors:
@@ -664,27 +689,14 @@ def write_dense_gguf(path: str | os.PathLike, *, layers: int, d_model: int, d_ff
 
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    wr = gguf.GGUFWriter(str(tmp), arch)
-    wr.add_name(f"random dense {layers}L d{d_model} ff{d_ff} {quant}")
-    wr.add_block_count(layers)
-    wr.add_context_length(ctx)
-    wr.add_embedding_length(d_model)
-    wr.add_feed_forward_length(d_ff)
-    wr.add_head_count(heads)
-    wr.add_head_count_kv(kv_heads)
-    wr.add_rope_dimension_count(hd)
-    if head_dim:
-        wr.add_key_length(hd)
-        wr.add_value_length(hd)
-    wr.add_rope_freq_base(rope_theta)
-    wr.add_layer_norm_rms_eps(1e-5)
+    wr = start_gguf(tmp, arch, f"random dense {layers}L d{d_model} ff{d_ff} {quant}", layers=layers, ctx=ctx,
+                    d_model=d_model, d_ff=d_ff, heads=heads, kv_heads=kv_heads, rope_theta=rope_theta, eps=1e-5,
+                    file_type=quant, key_length=hd if head_dim else None,
+                    value_length=hd if head_dim else None, rope_dims=hd)
     wr.add_vocab_size(vocab)
     for key, v in (keys or {}).items():
         add = wr.add_string if isinstance(v, str) else wr.add_uint32 if isinstance(v, int) else wr.add_float32
         add(f"{arch}.{key}", v)
-    wr.add_file_type(int({"q4_0": gguf.LlamaFileType.MOSTLY_Q4_0, "q4_1": gguf.LlamaFileType.MOSTLY_Q4_1,
-                          "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "f16": gguf.LlamaFileType.MOSTLY_F16}[quant]))
-    wr.add_quantization_version(gguf.GGML_QUANT_VERSION)
     add_tokenizer(wr, vocab)
     return _write_tensors(wr, tensors, nbytes, qtype, lambda name, shape: matrix(name, shape[0], shape[1]), tmp, path)
 
@@ -723,22 +735,10 @@ def write_gemma3_gguf(path: str | os.PathLike, *, layers: int, d_model: int, d_f
 
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    wr = gguf.GGUFWriter(str(tmp), "gemma3")
-    wr.add_name(f"random gemma3 {layers}L d{d_model} ff{d_ff} hd{head_dim} {quant}")
-    wr.add_block_count(layers)
-    wr.add_context_length(ctx)
-    wr.add_embedding_length(d_model)
-    wr.add_feed_forward_length(d_ff)
-    wr.add_head_count(heads)
-    wr.add_head_count_kv(kv_heads)
-    wr.add_key_length(head_dim)
-    wr.add_value_length(head_dim)
-    wr.add_rope_freq_base(1e6)
-    wr.add_layer_norm_rms_eps(1e-6)
+    wr = start_gguf(tmp, "gemma3", f"random gemma3 {layers}L d{d_model} ff{d_ff} hd{head_dim} {quant}", layers=layers,
+                    ctx=ctx, d_model=d_model, d_ff=d_ff, heads=heads, kv_heads=kv_heads, rope_theta=1e6, eps=1e-6,
+                    file_type=quant, key_length=head_dim, value_length=head_dim)
     wr.add_sliding_window(window)
-    wr.add_file_type(int({"q4_0": gguf.LlamaFileType.MOSTLY_Q4_0, "q4_1": gguf.LlamaFileType.MOSTLY_Q4_1,
-                          "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[quant]))
-    wr.add_quantization_version(gguf.GGML_QUANT_VERSION)
     add_tokenizer(wr, vocab)
     return _write_tensors(wr, tensors, nbytes, qtype,
                           lambda name, shape: random_rows(tensor_rng(seed, name), quant, shape[0], shape[1]), tmp, path)

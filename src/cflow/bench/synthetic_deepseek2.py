@@ -14,7 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
-from cflow.bench.synthetic import _write_tensors, add_tokenizer, random_rows, router_values, tensor_rng
+from cflow.bench.synthetic import _write_tensors, add_tokenizer, random_rows, router_values, start_gguf, \
+    tensor_rng
 from cflow.quant import row_bytes
 
 # DeepSeek-V3 (671B): its widths; the benchmark takes fewer layers and experts (--layers, --experts).
@@ -69,21 +70,12 @@ def write_deepseek2_gguf(path: str | os.PathLike, *, layers: int, dense_layers: 
 
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    wr = gguf.GGUFWriter(str(tmp), "deepseek2")
-    wr.add_name(f"random deepseek2 {layers}L d{d_model} h{heads} kv{kv_lora} E{experts} {quant}")
-    wr.add_block_count(layers)
-    wr.add_context_length(ctx)
-    wr.add_embedding_length(d_model)
-    wr.add_feed_forward_length(d_ff)
-    wr.add_head_count(heads)
-    wr.add_head_count_kv(1)
-    wr.add_key_length(kv_lora + qk_rope)
-    wr.add_value_length(kv_lora)
+    wr = start_gguf(tmp, "deepseek2", f"random deepseek2 {layers}L d{d_model} h{heads} kv{kv_lora} E{experts} {quant}",
+                    layers=layers, ctx=ctx, d_model=d_model, d_ff=d_ff, heads=heads, kv_heads=1, rope_theta=10000.0,
+                    eps=1e-6, file_type=quant, key_length=kv_lora + qk_rope, value_length=kv_lora,
+                    rope_dims=qk_rope)
     wr.add_key_length_mla(qk)
     wr.add_value_length_mla(v_head)
-    wr.add_rope_dimension_count(qk_rope)
-    wr.add_rope_freq_base(10000.0)
-    wr.add_layer_norm_rms_eps(1e-6)
     wr.add_q_lora_rank(q_lora)
     wr.add_kv_lora_rank(kv_lora)
     wr.add_leading_dense_block_count(dense_layers)
@@ -96,8 +88,5 @@ def write_deepseek2_gguf(path: str | os.PathLike, *, layers: int, dense_layers: 
     wr.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
     wr.add_expert_group_count(groups)
     wr.add_expert_group_used_count(groups_used)
-    wr.add_file_type(int({"q4_0": gguf.LlamaFileType.MOSTLY_Q4_0, "q4_1": gguf.LlamaFileType.MOSTLY_Q4_1,
-                          "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[quant]))
-    wr.add_quantization_version(gguf.GGML_QUANT_VERSION)
     add_tokenizer(wr, vocab)
     return _write_tensors(wr, tensors, nbytes, qtype, values, tmp, path)

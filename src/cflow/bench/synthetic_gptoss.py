@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from cflow.bench.synthetic import GAIN, _random_bytes, _write_tensors, add_tokenizer, random_rows, router_values, \
-    tensor_rng
+    start_gguf, tensor_rng
 from cflow.quant import row_bytes
 
 # gpt-oss-20b's geometry (its config.json: hidden 2880, 24 layers, 64 query heads and 8 KV heads of
@@ -92,19 +92,10 @@ def write_gptoss_gguf(path: str | os.PathLike, *, layers: int, d_model: int, d_f
 
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    wr = gguf.GGUFWriter(str(tmp), "gpt-oss")
-    wr.add_name(f"random gpt-oss {layers}L d{d_model} E{experts} top{top_k} mxfp4")
-    wr.add_block_count(layers)
-    wr.add_context_length(ctx)
-    wr.add_embedding_length(d_model)
-    wr.add_feed_forward_length(d_ff)
-    wr.add_head_count(heads)
-    wr.add_head_count_kv(kv_heads)
-    wr.add_key_length(head_dim)
-    wr.add_value_length(head_dim)
-    wr.add_rope_dimension_count(head_dim)
-    wr.add_rope_freq_base(150000.0)
-    wr.add_layer_norm_rms_eps(1e-5)
+    wr = start_gguf(tmp, "gpt-oss", f"random gpt-oss {layers}L d{d_model} E{experts} top{top_k} mxfp4", layers=layers,
+                    ctx=ctx, d_model=d_model, d_ff=d_ff, heads=heads, kv_heads=kv_heads, rope_theta=150000.0,
+                    eps=1e-5, file_type=gguf.LlamaFileType.MOSTLY_MXFP4_MOE, key_length=head_dim,
+                    value_length=head_dim, rope_dims=head_dim)
     wr.add_sliding_window(window)
     wr.add_expert_count(experts)
     wr.add_expert_used_count(top_k)
@@ -112,7 +103,5 @@ def write_gptoss_gguf(path: str | os.PathLike, *, layers: int, d_model: int, d_f
     wr.add_rope_scaling_type(gguf.RopeScalingType.YARN)
     wr.add_rope_scaling_factor(32.0)
     wr.add_rope_scaling_orig_ctx_len(4096)
-    wr.add_file_type(int(gguf.LlamaFileType.MOSTLY_MXFP4_MOE))
-    wr.add_quantization_version(gguf.GGML_QUANT_VERSION)
     add_tokenizer(wr, vocab)
     return _write_tensors(wr, tensors, nbytes, {"q": T.Q8_0, "x": T.MXFP4, "f": T.F32, "r": T.F32}, data, tmp, path)
