@@ -66,6 +66,12 @@ SPLITS = {
                      "x \u20031": ["x", " \u2003", "1"]},  # U+2003 lies in the CJK class's range, yet is no member
     "deepseek-coder": {"Hello, 世界123!\n  ok 日本": ["Hello", ",", " ", "世界", "1", "2", "3", "!", "\n", " ",
                                                     " ok", " ", "日本"]},
+    # qwen35 keeps combining marks in words; deepseek-v3 lets one punctuation mark lead an ASCII word
+    # only, cuts digits by three first and kana with kanji; kimi-k2 (llama.cpp's scanner) ignores case
+    "qwen35": {"cafe\u0301 nai\u0308ve": ["cafe\u0301", " nai\u0308ve"]},
+    "deepseek-v3": {"x.Привет x.Net 12345ab ひらがな漢字": ["x", ".", "Привет", " x", ".Net", " ", "123", "45", "ab", " ",
+                                                      "ひらがな漢字"]},
+    "kimi-k2": {"getUserName it's 汉字abc": ["getUserName", " it's", " ", "汉字", "abc"]},
 }
 
 
@@ -372,12 +378,15 @@ BPE_TRICKY = TRICKY + [
     "price: $100+200=300 <a|b> ^~", "path/to/file.txt\n/usr/bin", "'s 'S 'ſ",
     "Ĳssel ǅ µ Ω K \u1f7d\u1fbe \u2126\u212a",
     "....!!!???", "中文123abc", "x\u0085y\u2028z", "           many", "1234567890123 ١٢٣٤٥", "it's it’s",
-    "x \u20031 \u3000\u3000, a\u1680b\u205f\u2028c\u202f"]  # Unicode spaces: llama.cpp's literal classes never match them
+    "x \u20031 \u3000\u3000, a\u1680b\u205f\u2028c\u202f",
+    # case changes, combining marks, kana beside kanji, Han outside the basic block, ASCII words led by punctuation
+    "getUserName iPhone 汉字abc12345DEF e\u0301cole .Net #include <x> 𠀀𠀁x 豈a ひらがなカタカナ漢字 it's IT'S"]  # Unicode spaces: llama.cpp's literal classes never match them
 
 
 @pytest.mark.oracle
 @pytest.mark.parametrize("pre", ["default", "gpt-2", "smollm", "llama-bpe", "qwen2", "tekken", "deepseek-llm",
-                                 "deepseek-coder", "falcon", "dbrx", "gpt-4o", None])
+                                 "deepseek-coder", "falcon", "dbrx", "gpt-4o", "qwen35", "deepseek-v3", "kimi-k2",
+                                 None])
 def test_bpe_gguf_matches_llama_cpp(smol_vocab, tmp_path, pre):
     llama_cpp = llama_cpp_or_skip()
     tokens, types, merges, smol = smol_vocab
@@ -393,6 +402,60 @@ def test_bpe_gguf_matches_llama_cpp(smol_vocab, tmp_path, pre):
         ids = tok.encode(text, add_bos=False)
         assert ids == llm.tokenize(text.encode(), add_bos=False, special=True), text
         assert tok.decode(ids) == llm.detokenize(ids, special=True).decode("utf-8", "replace") == text
+
+
+# The newer names beside the name each was derived from (the control), and texts on which the two
+# split differently: combining marks inside words (qwen35, deepseek-v3), digits cut first, kana and
+# CJK runs, a punctuation mark leading only ASCII words (deepseek-v3), Han runs and case-blind letter
+# runs (kimi-k2).
+_MARKS, _CYRILLIC, _KANA = "cafe\u0301 nai\u0308ve क्षत्रिय", "x.Привет .Net (мир) 12345abc", "ひらがなカタカナ漢字 汉字abc"
+_CAMEL, _HAN = "getUserName iPhone XMLHttp it's IT'S", "𠀀𠀁x 豈a 12 345 6789"
+_NEAR = {"qwen35": ("qwen2", [_MARKS]), "deepseek-v3": ("llama-bpe", [_MARKS, _CYRILLIC, _KANA, _HAN]),
+         "kimi-k2": ("gpt-4o", [_CAMEL])}
+
+
+def _whole_word_vocab(word_lists: list[list[str]]) -> tuple[list[str], list[str]]:
+    """The byte alphabet plus, for every word (byte-level spelled), the merges that build it from
+    the left one byte at a time: BPE then gives each word of a split one token, so two splits
+    that differ give different token sequences."""
+    from cflow.tokenizer import bytes_to_unicode
+
+    alphabet = bytes_to_unicode()
+    tokens = [alphabet[b] for b in range(256)]
+    seen, merges = set(tokens), []
+    for word_list in word_lists:
+        for w in word_list:
+            s = "".join(alphabet[b] for b in w.encode())
+            for k in range(2, len(s) + 1):
+                if s[:k] not in seen:
+                    seen.add(s[:k])
+                    tokens.append(s[:k])
+                    merges.append(f"{s[:k - 1]} {s[k - 1]}")
+    return tokens, merges
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("pre", sorted(_NEAR))
+def test_newer_names_split_where_llama_cpp_splits(tmp_path, pre):
+    # SmolLM2's merges seldom cross the places where these names differ from their neighbours, so
+    # the vocabulary is built from the splits themselves (ours and the neighbour's words, whole);
+    # the neighbour is the control, which llama.cpp must tell apart on the name's own texts.
+    llama_cpp = llama_cpp_or_skip()
+    from cflow.convert.gguf import GGUFModel, gguf_tokenizer
+
+    near, own = _NEAR[pre]
+    texts = [_MARKS, _CYRILLIC, _KANA, _CAMEL, _HAN]
+    tokens, merges = _whole_word_vocab([words(p, t) for t in texts for p in (pre, near)])
+    path = write_vocab_gguf(tmp_path / "v.gguf", "gpt2", tokens, [1] * len(tokens), merges=merges, pre=pre,
+                            extra={"add_bos_token_id": 0})
+    llm = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
+    header = gguf_tokenizer(GGUFModel(path))
+    ours, control = Tokenizer(header), Tokenizer({**header, "pre": near})
+    for text in texts:
+        theirs = llm.tokenize(text.encode(), add_bos=False, special=True)
+        assert ours.encode(text, add_bos=False) == theirs, (pre, text, words(pre, text))
+        if text in own:
+            assert control.encode(text, add_bos=False) != theirs, (near, text)
 
 
 @pytest.mark.oracle

@@ -36,6 +36,22 @@ TEKKEN = (r"[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))*((?=[\p{L}])([^A-Z]))+"
 GPT4O = (r"[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))*((?=[\p{L}])([^A-Z]))+" + _CONTRACTIONS + "?"
          r"|[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))+((?=[\p{L}])([^A-Z]))*" + _CONTRACTIONS + "?"
          r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# qwen35: qwen2's split with combining marks (\p{M}) kept inside words
+QWEN35 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+"
+          r"|\s+(?!\S)|\s+")
+# deepseek-v3 (also hunyuan-dense, joyai-llm): digits by three, then kana and the CJK block, then
+# words (one ASCII punctuation mark may lead an ASCII word), punctuation and symbol runs, spaces
+DEEPSEEK3 = (r"\p{N}{1,3}", "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
+             r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
+             r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# kimi-k2: llama.cpp does not run Moonshot's pattern but a hand-written scanner in its place
+# (unicode_regex_split_custom_kimi_k2) that drops the pattern's case classes: a word is any run of
+# non-Han letters ("getUserName" stays whole), Han runs are words of their own. Han is llama.cpp's
+# unicode_cpt_is_han ranges, not the Unicode script.
+_HAN = ("\u4e00-\u9fff\u3400-\u4dbf\U00020000-\U0002a6df\U0002a700-\U0002b73f\U0002b740-\U0002b81f"
+        "\U0002b820-\U0002ceaf\U0002ceb0-\U0002ebef\uf900-\ufaff\U0002f800-\U0002fa1f")
+KIMI_K2 = (f"[{_HAN}]+|[^\\r\\n\\p{{L}}\\p{{N}}]?[\\p{{L}}&&[^{_HAN}]]+(?:'[sStTmMdD]|'[rR][eE]|'[vV][eE]|'[lL][lL])?"
+           r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 # Code points that Unicode normalization would replace (Greek with oxia, Ohm, Kelvin) are escaped,
 # so that no editor can silently turn a range into another or an empty one.
 _DEEPSEEK_LETTERS = (
@@ -75,6 +91,10 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     "hunyuan": _QWEN2,
     "tekken": PreTokenizer((TEKKEN,), ignore_merges=True, add_bos=True),
     "gpt-4o": PreTokenizer((GPT4O,)),
+    "qwen35": PreTokenizer((QWEN35,)),
+    "deepseek-v3": PreTokenizer(DEEPSEEK3), "hunyuan-dense": PreTokenizer(DEEPSEEK3),
+    "joyai-llm": PreTokenizer(DEEPSEEK3),
+    "kimi-k2": PreTokenizer((KIMI_K2,)),
     "deepseek-llm": PreTokenizer(("[\r\n]", rf"\s?[{_DEEPSEEK_LETTERS}]+", "\\s?[!-/:-~！-／：-～‘-‟\u3001-。]+",
                                   r"\s+$", _CJK, r"\p{N}+")),
     "deepseek-coder": PreTokenizer(("[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", _CJK, r"\p{N}")),
