@@ -121,7 +121,7 @@ from cflow.tokenizer import Tokenizer, TokenizerError, unicode_to_bytes
 from cflow.weights import Weight
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "olmoe", "gemma3", "mistral3", "gpt-oss",
-                           "deepseek2")  # deepseek2: cflow.convert.gguf_deepseek2
+                           "deepseek2", "gemma4")  # deepseek2, gemma4: cflow.convert.gguf_deepseek2, gguf_gemma4
 # Architectures with experts, and whether llama.cpp renormalises their top-k routing weights
 # (gpt-oss: its softmax over the k chosen logits sums to 1 already).
 _MOE_NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False, "gpt-oss": False}
@@ -130,8 +130,7 @@ _MOE_ONLY = ("qwen2moe", "qwen3moe", "olmoe", "gpt-oss")  # every layer has expe
 # the others listed above use NEOX RoPE, the "half" convention cflow runs, and are stored as is.
 _PERMUTED_QK = ("llama", "mistral3")
 # Known architectures cflow does not run yet, with what is missing.
-_NOT_YET = {"gemma4": "gemma4 (its per-layer embeddings and attention variants)",
-            # tests/test_qwen35.py pins llama.cpp's graph down (reference + controls)
+_NOT_YET = {# tests/test_qwen35.py pins llama.cpp's graph down (reference + controls)
             "qwen35": "qwen35 (Gated DeltaNet linear-attention layers with their per-sequence conv and "
                       "recurrent state, gated full attention with partial RoPE)",
             "qwen35moe": "qwen35moe (Gated DeltaNet linear-attention layers with their per-sequence conv and "
@@ -278,6 +277,10 @@ def gguf_config(g: GGUFModel) -> ModelConfig:
             f"{g.path.name} holds a vision tower ({what!r} projector: an mmproj file or vision tensors such as "
             f"{next((n for n in g.tensors if n.startswith(_VISION_PREFIXES)), 'v.*')}); cflow runs the text model "
             "only: convert the text GGUF without the projector")
+    if arch == "gemma4":  # its per-layer shapes: a module of its own
+        from cflow.convert.gguf_gemma4 import gemma4_config
+
+        return gemma4_config(g)
     if arch in _NOT_YET:
         raise UnsupportedArchitectureError(
             f"{g.path.name} is a {arch!r} model: {_NOT_YET[arch]} is not yet supported by cflow; it "
@@ -286,7 +289,7 @@ def gguf_config(g: GGUFModel) -> ModelConfig:
         raise UnsupportedArchitectureError(
             f"{g.path.name} is a {arch!r} model; cflow converts GGUF architectures "
             f"{list(SUPPORTED_ARCHITECTURES)} (Llama 2/3, SmolLM, TinyLlama, Mistral, Mixtral, Qwen2, "
-            "Qwen2.5, Qwen3, Qwen2-MoE, Qwen3-MoE, OLMoE, Gemma 3, Ministral 3 / Mistral Small 3, gpt-oss)")
+            "Qwen2.5, Qwen3, Qwen2-MoE, Qwen3-MoE, OLMoE, Gemma 3, Gemma 4, Ministral 3 / Mistral Small 3, gpt-oss)")
     p = f"{arch}."
     n_experts = int(g.get(p + "expert_count") or 0)
     ffn = int(g.require(p + "feed_forward_length"))
@@ -860,6 +863,10 @@ def convert_gguf(src: str | os.PathLike, dst: str | os.PathLike, *, quant: str =
         from cflow.convert.gguf_deepseek2 import deepseek2_tensors
 
         tensors = deepseek2_tensors(g, cfg, enc)
+    elif g.architecture == "gemma4":
+        from cflow.convert.gguf_gemma4 import gemma4_tensors
+
+        tensors = gemma4_tensors(g, cfg, enc)
     else:
         tensors = gguf_tensors(g, cfg, enc)
     return write_conversion(src, dst, cfg, tok, tensors, enc, metadata, order=order, tile=tile,

@@ -112,6 +112,13 @@ cf_config config_from(const nb::dict &d) {
                    : gating == "sigmoid"    ? CF_GATING_SIGMOID
                                             : CF_GATING_SOFTMAX;
     c.expert_act = eact == "swiglu_oai" ? CF_ACT_SWIGLU_OAI : CF_ACT_SILU;
+    c.hd_local = i("head_dim_local");
+    c.n_shared_kv = i("shared_kv_layers");
+    c.d_ff_shared_kv = i("d_ff_shared_kv");
+    c.v_norm = b("v_norm");
+    c.ple_dim = i("per_layer_dim");
+    c.out_scale = b("layer_out_scale");
+    c.logit_softcap = f("logit_softcap");
     return c;
 }
 

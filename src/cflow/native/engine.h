@@ -89,6 +89,17 @@ typedef struct {
                                     * down add b_gate_up [2 d_exp] (interleaved like w_gate_up) and b_down [d] */
     int moe_gating;                /* CF_GATING_*: how the router's logits become the top_k weights */
     int expert_act;                /* CF_ACT_*: the experts' activation */
+    /* Gemma 4 (all 0: off; engine_gemma4.c). Layers differ in shape: the geometry of layer l is
+     * e->geo[l] (engine_internal.h), and the KV cache is laid out per layer at its own row size */
+    int hd_local;                  /* > 0: the local layers' head size (hd is the global layers') */
+    int n_shared_kv;               /* the last n_shared_kv layers own no K/V: they attend over the cache
+                                    * of the last KV-owning layer of their kind (llama.cpp's rule) */
+    int d_ff_shared_kv;            /* > 0: the dense FFN width of those layers */
+    int v_norm;                    /* 1: each V head through an unweighted RMSNorm before the cache */
+    int ple_dim;                   /* P > 0: per-layer embeddings (global ple_emb, ple_proj, ple_norm; per
+                                    * set ple.w_gate, ple.w_proj, ple_post_norm), the PLE op after RESID */
+    int out_scale;                 /* 1: the PLE op multiplies the layer's output by out_scale [1] */
+    float logit_softcap;           /* c > 0: logits = c tanh(logits / c) */
 } cf_config;
 
 /* cf_config.moe_gating: softmax over all E logits, then top_k (renormalised when moe_norm_topk);
@@ -121,14 +132,16 @@ extern const char *const cf_desc_field_names[CF_DESC_FIELDS]; /* "offset", "dtyp
 /* Global tensors first, then per weight set: CF_SLOTS_PER_SET fixed slots, then per expert
  * CF_EXPERT_SLOTS slots. Names: "tok_emb"; "layers.{set}.attn_norm";
  * "layers.{set}.moe.experts.{e}.w_gate_up" (the .cflow tensor names, DESIGN.md). */
-enum { CF_T_TOK_EMB, CF_T_NORM, CF_T_LM_HEAD, CF_T_GLOBAL };
+enum { CF_T_TOK_EMB, CF_T_NORM, CF_T_LM_HEAD, CF_T_PLE_EMB, CF_T_PLE_PROJ, CF_T_PLE_NORM, CF_T_GLOBAL };
 enum { CF_S_ATTN_NORM, CF_S_WQKV, CF_S_WO, CF_S_FFN_NORM, CF_S_GATE_UP, CF_S_DOWN, CF_S_MOE_NORM,
        CF_S_ROUTER, CF_S_QKV_BIAS, CF_S_Q_NORM, CF_S_K_NORM, CF_S_WQ, CF_S_WK, CF_S_WV, CF_S_SHEXP_GATE,
        CF_S_SHEXP_GATE_UP, CF_S_SHEXP_DOWN, CF_S_ATTN_POST_NORM, CF_S_FFN_POST_NORM,
        /* latent attention (cf_config.mla_kv_lora > 0; engine_mla.c) */
        CF_S_WQ_A, CF_S_Q_A_NORM, CF_S_WQ_B, CF_S_WKV_A, CF_S_KV_A_NORM, CF_S_WK_B, CF_S_WV_B,
        /* the router's bias (DeepSeek V3: to choose; gpt-oss: on the logits), gpt-oss's wo bias and sinks */
-       CF_S_ROUTER_BIAS, CF_S_WO_BIAS, CF_S_SINKS, CF_SLOTS_PER_SET };
+       CF_S_ROUTER_BIAS, CF_S_WO_BIAS, CF_S_SINKS,
+       /* Gemma 4's per-layer-embedding block and layer output scale */
+       CF_S_PLE_GATE, CF_S_PLE_PROJ, CF_S_PLE_POST_NORM, CF_S_OUT_SCALE, CF_SLOTS_PER_SET };
 enum { CF_E_GATE_UP, CF_E_DOWN, CF_E_B_GATE_UP, CF_E_B_DOWN, CF_EXPERT_SLOTS };
 extern const char *const cf_global_names[CF_T_GLOBAL];
 extern const char *const cf_slot_names[CF_SLOTS_PER_SET];
@@ -161,13 +174,15 @@ int cf_desc_name(int n_experts, int row, char *out, size_t n);
  *                                            ring[a] = h + f + pending[c]
  *   FINAL   a = ring slot, b = pending slot to add (-1: none)
  *                                            logits = lm_head(norm(ring[a] + pending[b]))
+ *   PLE     a = ring slot                    ring[a] = (ring[a] + PLE_l(ring[a])) * out_scale_l
+ *                                            (Gemma 4, after RESID(l); engine_gemma4.c)
  * Every ROUTE(l) is followed by one EXPERTS(l) on the same moe slot, and no other ROUTE writes
  * that slot in between. The routes between a ROUTE and its EXPERTS (itself included) are the
  * layers in flight; with experts on disk, each pins top_k cache slots at most, so the cache must
  * hold top_k x (the most layers in flight) experts.
  */
 enum { CF_OP_EMBED, CF_OP_ATTN, CF_OP_DENSE, CF_OP_ROUTE, CF_OP_EXPERTS, CF_OP_RESID,
-       CF_OP_FINAL, CF_OP_KINDS };
+       CF_OP_FINAL, CF_OP_PLE, CF_OP_KINDS };
 enum { CF_SRC_H = 0, CF_SRC_RING = 1, CF_SRC_HF = 2, CF_SRC_KINDS };
 #define CF_OP_FIELDS 5
 extern const char *const cf_op_kind_names[CF_OP_KINDS]; /* "embed", "attn", ... */

@@ -1,0 +1,193 @@
+"""Gemma 4 (dense, text only) through cflow: the converter (cflow.convert.gguf_gemma4) and the engine
+(native/engine_gemma4.c and the per-layer geometry), held against llama.cpp and the float reference
+on tests/test_gemma4.py's file (its writer, its float64 reference of llama.cpp's graph).
+
+The engine runs the file with its matrices Q8_0 (write_gemma4_gguf(native=True): both engines then
+run the same weight blocks and round each mat-mul's input to int8 per 32 values). On this file the
+scale-1 attention's peaked softmax amplifies that rounding: llama.cpp itself is 4.5% (median
+max|dlogit|/std) from the float reference over the dequantized weights (tests/test_gemma4.py), so
+the engine is held as tests/test_deepseek2.py holds its engine: its median distance from llama.cpp
+and from the reference each at most 1.5x llama.cpp's own from the reference, and the argmax equal
+to llama.cpp's at 90% of the positions where llama.cpp's top-1 margin exceeds 0.2 std. The
+controls (the engine on a conversion whose config drops one feature) miss llama.cpp by over 3x that
+bound. Features without a config knob to drop (the shared-KV layers' source, V from K's
+projection, the per-layer head sizes and FFN widths) change tensor shapes: a wrong reading of those
+is seen by the parity test itself.
+
+Also: the converted config and tensors, prefill (blocks of rows, batched kernels) and batched rows
+of two sequences equal the steps, copying a sequence's cache (laid out per layer at each layer's
+head size), 1 and 2 threads give the same bits, every other kernel table (tests/isa_runner.py),
+and the variants cflow does not run refused by name.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.oracle  # compares against llama.cpp (llama-cpp-python)
+
+gguf = pytest.importorskip("gguf")
+torch = pytest.importorskip("torch")
+
+import test_gemma4 as g4  # noqa: E402  (skips without llama_cpp)
+from isa_runner import other_isas, run_under  # noqa: E402
+from test_convert_gguf_moe import compare, teacher_forced  # noqa: E402
+from test_moe_llamacpp import llama_cpp_logits  # noqa: E402
+
+from cflow.convert import convert  # noqa: E402
+from cflow.convert.gguf import GGUFError, GGUFModel, UnsupportedArchitectureError, gguf_config  # noqa: E402
+
+PARITY, MARGIN, AGREE = 1.5, 0.2, 0.9  # tests/test_deepseek2.py's rule (module docstring)
+
+
+def engine_logits(path, toks, threads: int = 1) -> np.ndarray:
+    from cflow.runtime import Engine
+
+    return teacher_forced(Engine.load(path, threads=threads, n_ctx=64).step, toks)
+
+
+@pytest.fixture(scope="module", params=[0, 1])
+def run(request, tmp_path_factory):
+    """(gguf, cflow, tokens, engine, llama.cpp, reference logits) of the Q8_0 file of one seed."""
+    seed = request.param
+    d = tmp_path_factory.mktemp(f"gemma4_engine_{seed}")
+    src, dst = d / "m.gguf", d / "m.cflow"
+    g4.write_gemma4_gguf(src, seed, native=True)
+    convert(src, dst)
+    toks = g4.sequence(seed=30 + seed)
+    return src, dst, toks, engine_logits(dst, toks), llama_cpp_logits(src, toks), g4.reference_logits(src, toks)
+
+
+def test_config_and_tensors(run):
+    from cflow.fileformat import open_model
+
+    src, dst = run[0], run[1]
+    cfg = gguf_config(GGUFModel(src))
+    assert (cfg.head_dim, cfg.head_dim_local, cfg.shared_kv_layers, cfg.d_ff, cfg.d_ff_shared_kv) == (
+        g4.HD, g4.HD_SWA, g4.SHARED_KV, g4.FF[0], g4.FF[-1])
+    assert (cfg.per_layer_dim, cfg.logit_softcap, cfg.attn_scale, cfg.rope_theta_local, cfg.sliding_window) == (
+        g4.P, g4.SOFTCAP, 1.0, g4.THETA_SWA, g4.WINDOW)
+    assert cfg.v_norm and cfg.layer_out_scale and cfg.post_norms and cfg.qk_norm and cfg.ffn_act == "gelu_tanh"
+    assert [cfg.is_local(layer) for layer in range(g4.LAYERS)] == g4.LOCAL
+    assert [cfg.kv_source(layer) for layer in range(g4.LAYERS)] == [g4.kv_source(layer) for layer in range(g4.LAYERS)]
+    assert len(cfg.rope_freq_factors) == g4.HD // 2 and cfg.rope_freq_factors[g4.ROTATED_PAIRS] > 1e29
+    f = open_model(dst, verify=True)
+    shapes = {n: tuple(e.shape) for n, e in f.tensors.items()}
+    assert shapes["layers.0.attn.wqkv"] == ((g4.HEADS + 2 * g4.KV_HEADS) * g4.HD_SWA, g4.D)
+    assert shapes["layers.2.attn.wqkv"] == ((g4.HEADS + 2 * g4.KV_HEADS) * g4.HD, g4.D)
+    assert shapes["layers.3.attn.wqkv"] == (g4.HEADS * g4.HD_SWA, g4.D) and "layers.3.attn.k_norm" not in shapes
+    assert shapes["layers.5.ffn.w_down"] == (g4.D, g4.FF[5]) and shapes["ple_emb"][1] == g4.LAYERS * g4.P
+    assert shapes["layers.4.out_scale"] == (1,) and shapes["layers.1.ple.w_proj"] == (g4.D, g4.P)
+
+
+def test_v_is_ks_rows_where_attn_v_is_absent(run):
+    """Layer 2 has no attn_v: its V rows are K's (V is normed without weights: llama.cpp's V)."""
+    from cflow.convert.encoder import split_fused, stored_values
+    from cflow.fileformat import open_model
+
+    f = open_model(run[1])
+    for layer, same in ((2, True), (1, False)):
+        _, k, v = split_fused(stored_values(f, f"layers.{layer}.attn.wqkv"), f.tensors[f"layers.{layer}.attn.wqkv"].meta)
+        assert np.array_equal(k, v) == same
+
+
+def test_engine_matches_llama_cpp_and_reference(run):
+    _, _, _, got, lc, ref = run
+    e_lc, margins, agree = compare(got, lc)
+    e_ref, _, _ = compare(got, ref)
+    lc_ref, _, _ = compare(lc, ref)
+    msg = (f"engine vs llama.cpp {np.round(e_lc, 3)}\nengine vs reference {np.round(e_ref, 3)}\n"
+           f"llama.cpp vs reference {np.round(lc_ref, 3)}")
+    assert np.median(e_lc) <= PARITY * np.median(lc_ref) and np.median(e_ref) <= PARITY * np.median(lc_ref), msg
+    assert agree[margins > MARGIN].mean() >= AGREE, msg
+
+
+ENGINE_CONTROLS = {
+    "no per-layer embeddings": dict(per_layer_dim=0),
+    "V not normalised": dict(v_norm=False),
+    "scores scaled by 1/sqrt(head_dim)": dict(attn_scale=float(1 / np.sqrt(g4.HD))),
+    "local layers without their window": dict(sliding_window=g4.CTX),
+    "global layers without the RoPE factors": dict(rope_freq_factors=()),
+    "local layers with the global RoPE base": dict(rope_theta_local=g4.THETA),
+    "no layer output scale": dict(layer_out_scale=False),
+    "no final soft cap": dict(logit_softcap=0.0),
+}
+
+
+@pytest.mark.parametrize("drop", list(ENGINE_CONTROLS))
+def test_engine_controls_miss(run, drop, monkeypatch, tmp_path):
+    """The engine on a conversion with one feature dropped misses llama.cpp by over 3x the bound
+    test_engine_matches_llama_cpp_and_reference holds it to."""
+    import cflow.convert.gguf_gemma4 as conv
+
+    src, _, toks, _, lc, ref = run
+    real = conv.gemma4_config
+    monkeypatch.setattr(conv, "gemma4_config", lambda g: real(g).replace(**ENGINE_CONTROLS[drop]))
+    monkeypatch.setattr(conv, "check_gemma4_names", lambda g, used: None)  # the dropped tensors stay unread
+    convert(src, tmp_path / "m.cflow")
+    errs, _, _ = compare(engine_logits(tmp_path / "m.cflow", toks), lc)
+    lc_ref, _, _ = compare(lc, ref)
+    assert np.median(errs) > 3 * PARITY * np.median(lc_ref), (drop, np.round(errs, 3), np.median(lc_ref))
+
+
+def test_prefill_equals_steps(run):
+    """Prefill (block attention over both head sizes and the shared caches, the batched kernels, the
+    per-layer inputs of a batch) and batched rows of two sequences equal the steps; a copied
+    sequence continues as the original."""
+    from test_engine import rel_err
+
+    from cflow.runtime import Engine
+
+    _, dst, toks, got = run[:4]
+    eng = Engine.load(dst, threads=2, max_batch=7, n_ctx=64)
+    for n in (g4.WINDOW - 1, g4.WINDOW + 3, g4.STEPS):
+        assert rel_err(eng.prefill(toks[:n]), got[n - 1]) < 1e-5
+    two = Engine.load(dst, threads=2, n_seq=2, n_ctx=64)
+    two.prefill(toks[:20], seq=0)
+    rows = two.step_rows([0, 0, 1], [toks[20], toks[21], toks[0]], [20, 21, 0])
+    assert rel_err(rows[1], got[21]) < 1e-5 and rel_err(rows[2], got[0]) < 1e-5
+    two.copy_seq(0, 1, 22)
+    assert rel_err(two.step_rows([1], [toks[22]], [22])[0], got[22]) < 1e-5
+
+
+def test_engine_threads_agree(run):
+    _, dst, toks, got = run[:4]
+    np.testing.assert_array_equal(engine_logits(dst, toks[:12], threads=2), got[:12])
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(moe=True), "gemma4 model with experts"),
+])
+def test_what_cflow_does_not_run_is_refused_by_name(tmp_path, change, match):
+    path = tmp_path / "m.gguf"
+    g4.write_gemma4_gguf(path, seed=0, **change)
+    with pytest.raises(UnsupportedArchitectureError, match=match):
+        convert(path, tmp_path / "m.cflow")
+    assert not (tmp_path / "m.cflow").exists()
+
+
+def test_an_unread_tensor_is_refused(tmp_path, monkeypatch):
+    """A tensor the conversion would not read (here attn_v on a shared-KV layer) is refused by name."""
+    path = tmp_path / "m.gguf"
+    real = g4.gemma4_weights
+
+    def weights(seed, moe=False):
+        w = real(seed, moe)
+        w["blk.4.attn_v.weight"] = w["blk.0.attn_q.weight"][: g4.KV_HEADS * g4.HD_SWA]
+        return w
+
+    monkeypatch.setattr(g4, "gemma4_weights", weights)
+    g4.write_gemma4_gguf(path, seed=0)
+    with pytest.raises(GGUFError, match="does not know how to use.*blk.4.attn_v"):
+        convert(path, tmp_path / "m.cflow")
+
+
+# ---- every kernel table ------------------------------------------------------------------------
+ISA_TESTS = [f"tests/test_gemma4_engine.py::{t}" for t in ("test_engine_matches_llama_cpp_and_reference",
+                                                            "test_prefill_equals_steps")]
+
+
+@pytest.mark.parametrize("isa", other_isas())
+def test_every_other_kernel_table(isa):
+    run_under(isa, ISA_TESTS, 2 * len(ISA_TESTS))
