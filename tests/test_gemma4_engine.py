@@ -49,14 +49,18 @@ def engine_logits(path, toks, threads: int = 1) -> np.ndarray:
 
 @pytest.fixture(scope="module", params=[0, 1])
 def run(request, tmp_path_factory):
-    """(gguf, cflow, tokens, engine, llama.cpp, reference logits) of the Q8_0 file of one seed."""
+    """(gguf, cflow, tokens, engine, llama.cpp, test_gemma4's float64 reference, cflow.model_gemma4's
+    fp32 reference logits) of the Q8_0 file of one seed."""
+    from cflow.model_gemma4 import Gemma4Reference
+
     seed = request.param
     d = tmp_path_factory.mktemp(f"gemma4_engine_{seed}")
     src, dst = d / "m.gguf", d / "m.cflow"
     g4.write_gemma4_gguf(src, seed, native=True)
     convert(src, dst)
     toks = g4.sequence(seed=30 + seed)
-    return src, dst, toks, engine_logits(dst, toks), llama_cpp_logits(src, toks), g4.reference_logits(src, toks)
+    return (src, dst, toks, engine_logits(dst, toks), llama_cpp_logits(src, toks), g4.reference_logits(src, toks),
+            Gemma4Reference.from_cflow(dst).forward(toks))
 
 
 def test_config_and_tensors(run):
@@ -93,14 +97,39 @@ def test_v_is_ks_rows_where_attn_v_is_absent(run):
 
 
 def test_engine_matches_llama_cpp_and_reference(run):
-    _, _, _, got, lc, ref = run
+    _, _, _, got, lc, ref, fp32 = run
     e_lc, margins, agree = compare(got, lc)
     e_ref, _, _ = compare(got, ref)
+    e_fp32, _, _ = compare(got, fp32)
     lc_ref, _, _ = compare(lc, ref)
     msg = (f"engine vs llama.cpp {np.round(e_lc, 3)}\nengine vs reference {np.round(e_ref, 3)}\n"
-           f"llama.cpp vs reference {np.round(lc_ref, 3)}")
-    assert np.median(e_lc) <= PARITY * np.median(lc_ref) and np.median(e_ref) <= PARITY * np.median(lc_ref), msg
+           f"engine vs fp32 reference {np.round(e_fp32, 3)}\nllama.cpp vs reference {np.round(lc_ref, 3)}")
+    bound = PARITY * np.median(lc_ref)
+    assert np.median(e_lc) <= bound and np.median(e_ref) <= bound and np.median(e_fp32) <= bound, msg
     assert agree[margins > MARGIN].mean() >= AGREE, msg
+
+
+def test_fp32_reference_is_the_graph(run):
+    """cflow.model_gemma4 over the .cflow's weights (the GGUF's Q8_0 blocks, kept bit for bit) is
+    test_gemma4's float64 graph, which that file holds to llama.cpp, within float32 rounding
+    (test_gemma3's bound for two float forms of one model: 1e-4 of the logits' std)."""
+    ref, fp32 = run[5], run[6]
+    assert np.abs(fp32 - ref).max() / ref.std() < 1e-4
+
+
+@pytest.mark.parametrize("drop", ["no per-layer embeddings", "V not normalised", "no layer output scale",
+                                  "local layers with the global RoPE base", "no final soft cap"])
+def test_fp32_reference_controls_miss(run, drop):
+    """The fp32 reference reads its features from the config: without one it misses llama.cpp by far
+    (the engine controls' bound)."""
+    from cflow.fileformat import open_model
+    from cflow.model_gemma4 import Gemma4Reference
+
+    _, dst, toks, _, lc, ref, _ = run
+    cfg = open_model(dst).config.replace(**ENGINE_CONTROLS[drop])
+    errs, _, _ = compare(Gemma4Reference.from_cflow(dst, cfg).forward(toks), lc)
+    lc_ref, _, _ = compare(lc, ref)
+    assert np.median(errs) > 3 * PARITY * np.median(lc_ref), (drop, np.round(errs, 3))
 
 
 ENGINE_CONTROLS = {
@@ -121,7 +150,7 @@ def test_engine_controls_miss(run, drop, monkeypatch, tmp_path):
     test_engine_matches_llama_cpp_and_reference holds it to."""
     import cflow.convert.gguf_gemma4 as conv
 
-    src, _, toks, _, lc, ref = run
+    src, _, toks, _, lc, ref, _ = run
     real = conv.gemma4_config
     monkeypatch.setattr(conv, "gemma4_config", lambda g: real(g).replace(**ENGINE_CONTROLS[drop]))
     monkeypatch.setattr(conv, "check_gemma4_names", lambda g, used: None)  # the dropped tensors stay unread
