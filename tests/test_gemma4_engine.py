@@ -180,6 +180,20 @@ def test_prefill_equals_steps(run):
     assert rel_err(two.step_rows([1], [toks[22]], [22])[0], got[22]) < 1e-5
 
 
+def test_vflow_and_bytes_per_token(run, tmp_path):
+    """The .vflow data order runs bit for bit as the .cflow; the weight bytes a token reads, by the
+    tensor table (a row of ple_emb, ple_proj whole), are what the engine counts."""
+    from cflow.runtime import Engine
+
+    src, dst, toks, got = run[:4]
+    convert(src, tmp_path / "m.vflow")
+    np.testing.assert_array_equal(engine_logits(tmp_path / "m.vflow", toks[:6]), got[:6])
+    eng = Engine.load(dst, threads=1, n_ctx=64)
+    eng.step(toks[0], 0)
+    counted = sum(v for k, v in eng.counters().items() if k in ("attn", "dense", "embed", "lm_head"))
+    assert counted == pytest.approx(eng.weight_bytes_per_token(), rel=1e-3)
+
+
 def test_engine_threads_agree(run):
     _, dst, toks, got = run[:4]
     np.testing.assert_array_equal(engine_logits(dst, toks[:12], threads=2), got[:12])

@@ -280,9 +280,9 @@ def node_weights(cfg: ModelConfig, kind: str, weight_set: int = 0, split_qkv: Co
     reads one row of tok_emb and `lm_head` reads tok_emb itself when embeddings are tied."""
     if kind == "embed":
         return global_weights(cfg)[0]
-    if kind == "lm_head":
+    if kind == "lm_head":  # tied: tok_emb itself (not the per-layer embeddings beside it)
         head, tail = global_weights(cfg)
-        return tail + (head if cfg.tie_embeddings else [])
+        return tail + (head[:1] if cfg.tie_embeddings else [])
     return [w for w in layer_weights(cfg, weight_set, split_qkv=weight_set in split_qkv) if w.node == kind]
 
 
