@@ -1,4 +1,4 @@
-"""GGUF (llama.cpp) Llama, Qwen2, Qwen3, Gemma 3 and Mistral 3 models, dense and mixture-of-experts
+"""GGUF (llama.cpp) Llama, Qwen2, Qwen3, Gemma 3, Gemma 4 and Mistral 3 models, dense and mixture-of-experts
 (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss) -> `.cflow`.
 
 Owns reading a GGUF file (through the `gguf` package's GGUFReader, memory-mapped): its
@@ -9,9 +9,10 @@ Choices:
 - `general.architecture` "llama" (Llama, SmolLM, TinyLlama, Mistral, Mixtral ...), "qwen2"
   (Qwen2 / Qwen2.5: q/k/v biases -> attn.qkv_bias) and "qwen3" (dense Qwen3: per-head RMSNorm of q
   and k -> attn.q_norm / attn.k_norm, head_dim from attention.key_length). Anything else is a
-  named error listing what is supported, never a best-effort guess; `gemma4` is named as not yet
-  supported, and a vision projector (`clip` mmproj files, or vision tensors inside a text GGUF)
-  is refused by name.
+  named error listing what is supported, never a best-effort guess; a vision projector (`clip`
+  mmproj files, or vision tensors inside a text GGUF) is refused by name. "gemma4" (dense Gemma 4;
+  its MoE files refused by name) and "deepseek2" have modules of their own
+  (cflow.convert.gguf_gemma4, gguf_deepseek2).
 - "gpt-oss" (OpenAI's gpt-oss, as llama.cpp's llm_build_openai_moe_iswa runs it): q/k/v biases
   (qkv_bias), the output projection's bias (attn_output.bias -> attn.wo_bias: attn_out_bias), a
   learned sink logit per query head (attn_sinks.weight [n_heads] -> attn.sinks: attn_sinks), NEOX
