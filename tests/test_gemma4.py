@@ -58,8 +58,8 @@ none).
 cflow's tokenizer for the type (cflow.tokenizer_gemma4), special tokens and decoding included, and
 through a converted .cflow (a Llama carrying the vocabulary) in the engine.
 
-cflow converts and runs the dense files (tests/test_gemma4_engine.py holds its engine against this
-oracle) and refuses the MoE ones by name.
+cflow converts and runs both files (tests/test_gemma4_engine.py holds its engine against this
+oracle).
 """
 
 from __future__ import annotations
@@ -230,9 +230,10 @@ def gemma4_weights(seed: int, moe: bool = False) -> dict[str, np.ndarray]:
     return w
 
 
-def write_gemma4_gguf(path, seed: int = 0, native: bool = False, moe: bool = False) -> None:
+def write_gemma4_gguf(path, seed: int = 0, native: bool | str = False, moe: bool = False) -> None:
     """The test's gemma4 GGUF; native=True stores the matrices Q8_0 (norms, scales and factors F32),
-    else every tensor F32; moe: every layer also has experts (26B-A4B's layers)."""
+    native="experts" the expert stacks too, else every tensor F32; moe: every layer also has experts
+    (26B-A4B's layers)."""
     wr = gguf.GGUFWriter(str(path), ARCH)
     wr.add_name("tiny-gemma4")
     wr.add_block_count(LAYERS)
@@ -261,7 +262,7 @@ def write_gemma4_gguf(path, seed: int = 0, native: bool = False, moe: bool = Fal
         wr.add_expert_feed_forward_length(F_EXP)
     add_gemma4_vocab(wr)
     for name, x in gemma4_weights(seed, moe).items():
-        add_tensor(wr, name, x, T.Q8_0 if native and x.ndim == 2 else T.F32)
+        add_tensor(wr, name, x, T.Q8_0 if native and (x.ndim == 2 or (x.ndim == 3 and native == "experts")) else T.F32)
     wr.write_header_to_file()
     wr.write_kv_data_to_file()
     wr.write_tensors_to_file()

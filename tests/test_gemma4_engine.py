@@ -17,7 +17,9 @@ is seen by the parity test itself.
 Also: the converted config and tensors, prefill (blocks of rows, batched kernels) and batched rows
 of two sequences equal the steps, copying a sequence's cache (laid out per layer at each layer's
 head size), 1 and 2 threads give the same bits, every other kernel table (tests/isa_runner.py),
-and the variants cflow does not run refused by name.
+a tensor the conversion would not read refused by name. The MoE layers (test_gemma4's MoE file,
+its expert stacks Q8_0 as well): the same parity rule, controls, prefill, threads, and experts
+read from disk bit for bit as in RAM.
 """
 
 from __future__ import annotations
@@ -36,15 +38,16 @@ from test_convert_gguf_moe import compare, teacher_forced  # noqa: E402
 from test_moe_llamacpp import llama_cpp_logits  # noqa: E402
 
 from cflow.convert import convert  # noqa: E402
-from cflow.convert.gguf import GGUFError, GGUFModel, UnsupportedArchitectureError, gguf_config  # noqa: E402
+from cflow.convert.gguf import GGUFError, GGUFModel, gguf_config  # noqa: E402
 
 PARITY, MARGIN, AGREE = 1.5, 0.2, 0.9  # tests/test_deepseek2.py's rule (module docstring)
 
 
-def engine_logits(path, toks, threads: int = 1) -> np.ndarray:
+def engine_logits(path, toks, threads: int = 1, **opts) -> np.ndarray:
     from cflow.runtime import Engine
 
-    return teacher_forced(Engine.load(path, threads=threads, n_ctx=64).step, toks)
+    with Engine.load(path, threads=threads, n_ctx=64, **opts) as eng:
+        return teacher_forced(eng.step, toks)
 
 
 @pytest.fixture(scope="module", params=[0, 1])
@@ -199,15 +202,82 @@ def test_engine_threads_agree(run):
     np.testing.assert_array_equal(engine_logits(dst, toks[:12], threads=2), got[:12])
 
 
-@pytest.mark.parametrize("change, match", [
-    (dict(moe=True), "gemma4 model with experts"),
-])
-def test_what_cflow_does_not_run_is_refused_by_name(tmp_path, change, match):
-    path = tmp_path / "m.gguf"
-    g4.write_gemma4_gguf(path, seed=0, **change)
-    with pytest.raises(UnsupportedArchitectureError, match=match):
-        convert(path, tmp_path / "m.cflow")
-    assert not (tmp_path / "m.cflow").exists()
+# ---- the MoE layers (26B-A4B's) --------------------------------------------------------------
+@pytest.fixture(scope="module", params=[0, 1])
+def moe_run(request, tmp_path_factory):
+    """As `run`, for test_gemma4's MoE file (every layer also has experts) with its expert stacks
+    Q8_0 too, so both engines run the same blocks."""
+    from cflow.model_gemma4 import Gemma4Reference
+
+    seed = request.param
+    d = tmp_path_factory.mktemp(f"gemma4_moe_{seed}")
+    src, dst = d / "m.gguf", d / "m.cflow"
+    g4.write_gemma4_gguf(src, seed, native="experts", moe=True)
+    convert(src, dst)
+    toks = g4.sequence(seed=30 + seed)
+    return (src, dst, toks, engine_logits(dst, toks), llama_cpp_logits(src, toks), g4.reference_logits(src, toks),
+            Gemma4Reference.from_cflow(dst).forward(toks))
+
+
+def test_moe_config(moe_run):
+    cfg = gguf_config(GGUFModel(moe_run[0]))
+    assert (cfg.n_experts, cfg.top_k, cfg.d_expert, cfg.d_ff, cfg.moe_input, cfg.expert_act) == (
+        g4.E, g4.TOP_K, g4.F_EXP, g4.FF[0], "post_attn", "gelu_tanh")
+    assert cfg.moe_router_norm and cfg.expert_scale and cfg.moe_out_norms and cfg.moe_norm_topk
+
+
+def test_moe_engine_matches_llama_cpp_and_reference(moe_run):
+    """The rule of test_engine_matches_llama_cpp_and_reference; the fp32 reference is the float64
+    graph within float32 rounding."""
+    test_engine_matches_llama_cpp_and_reference(moe_run)
+    test_fp32_reference_is_the_graph(moe_run)
+
+
+MOE_CONTROLS = {"router on the experts' input norm": dict(moe_router_norm=False),
+                "no per-expert output scale": dict(expert_scale=False)}
+
+
+@pytest.mark.parametrize("drop", list(MOE_CONTROLS))
+def test_moe_controls_miss(moe_run, drop, monkeypatch, tmp_path):
+    """Without a MoE feature the engine misses llama.cpp by over 3x the parity bound (the top-k
+    renormalisation has no control: moe_post_norm cancels it, tests/test_gemma4.py)."""
+    import cflow.convert.gguf_gemma4 as conv
+
+    src, _, toks, _, lc, ref, _ = moe_run
+    real = conv.gemma4_config
+    monkeypatch.setattr(conv, "gemma4_config", lambda g: real(g).replace(**MOE_CONTROLS[drop]))
+    monkeypatch.setattr(conv, "check_gemma4_names", lambda g, used: None)
+    convert(src, tmp_path / "m.cflow")
+    errs, _, _ = compare(engine_logits(tmp_path / "m.cflow", toks), lc)
+    lc_ref, _, _ = compare(lc, ref)
+    assert np.median(errs) > 3 * PARITY * np.median(lc_ref), (drop, np.round(errs, 3), np.median(lc_ref))
+
+
+def test_moe_prefill_equals_steps_and_threads_agree(moe_run):
+    """Prefill (the routed rows gathered per expert, GeGLU over the batched kernels) equals the
+    steps; 2 threads give the 1-thread bits."""
+    from test_engine import rel_err
+
+    from cflow.runtime import Engine
+
+    _, dst, toks, got = moe_run[:4]
+    with Engine.load(dst, threads=2, max_batch=7, n_ctx=64) as eng:
+        for n in (g4.WINDOW + 3, g4.STEPS):
+            assert rel_err(eng.prefill(toks[:n]), got[n - 1]) < 1e-5
+    np.testing.assert_array_equal(engine_logits(dst, toks[:12], threads=2), got[:12])
+
+
+@pytest.mark.parametrize("io", ["sync", "async"])
+def test_moe_experts_on_disk_are_bit_identical(moe_run, io):
+    """Experts read from the file into the smallest cache the engine takes (every step misses and
+    evicts) give the logits of the experts in RAM, bit for bit."""
+    from cflow.runtime import Engine
+
+    _, dst, toks, got = moe_run[:4]
+    with Engine.load(dst, threads=1, experts="disk", expert_cache=None, expert_io=io) as probe:
+        c = probe.expert_cache
+    disk = engine_logits(dst, toks[:12], experts="disk", expert_io=io, expert_cache=c["min_slots"] * c["slot_bytes"])
+    np.testing.assert_array_equal(disk, got[:12])
 
 
 def test_an_unread_tensor_is_refused(tmp_path, monkeypatch):
@@ -228,7 +298,9 @@ def test_an_unread_tensor_is_refused(tmp_path, monkeypatch):
 
 # ---- every kernel table ------------------------------------------------------------------------
 ISA_TESTS = [f"tests/test_gemma4_engine.py::{t}" for t in ("test_engine_matches_llama_cpp_and_reference",
-                                                            "test_prefill_equals_steps")]
+                                                            "test_prefill_equals_steps",
+                                                            "test_moe_engine_matches_llama_cpp_and_reference",
+                                                            "test_moe_prefill_equals_steps_and_threads_agree")]
 
 
 @pytest.mark.parametrize("isa", other_isas())

@@ -34,7 +34,7 @@ EXPECTED = {
                     "moe.shared_gate", "moe.shared.w_gate_up", "moe.shared.w_down", "attn_post_norm", "ffn_post_norm",
                     "attn.wq_a", "attn.q_a_norm", "attn.wq_b", "attn.wkv_a", "attn.kv_a_norm", "attn.wk_b", "attn.wv_b",
                     "moe.router_bias", "attn.wo_bias", "attn.sinks", "ple.w_gate", "ple.w_proj", "ple_post_norm",
-                    "out_scale"),
+                    "out_scale", "moe.router_norm", "moe.expert_scale", "ffn_post_norm_1", "moe_post_norm"),
     "EXPERT_SLOTS": ("w_gate_up", "w_down", "b_gate_up", "b_down"),
     "COUNTER_NAMES": ("attn", "dense", "router", "experts", "embed", "lm_head", "kv", "tokens", "calls",
                       "disk_bytes", "cache_hits", "cache_misses", "io_stall_ns",
@@ -138,7 +138,7 @@ def test_layer_slots_are_the_file_order():
     post = ("attn_post_norm", "ffn_post_norm")  # Gemma's post-norms exist in dense models only
     # gpt-oss's (DeepSeek's router bias too), and Gemma 4's per-layer block (tests/test_gemma4_engine.py)
     gptoss = ("attn.wo_bias", "attn.sinks", "moe.router_bias", "ple.w_gate", "ple.w_proj", "ple_post_norm",
-              "out_scale")
+              "out_scale", "moe.router_norm", "moe.expert_scale", "ffn_post_norm_1", "moe_post_norm")
     assert slots == [s for s in weights.LAYER_SLOTS if s not in post + gptoss]
     oss = tiny_config(False).replace(qkv_bias=True, attn_sinks=True, attn_out_bias=True, moe_bias=True)
     slots = [w.slot for w in weights.layer_weights(oss, 0) if w.expert is None]
@@ -265,7 +265,8 @@ def test_row_names_are_the_file_formats(tied, options):
     unused |= {"ple_emb", "ple_proj", "ple_norm"}  # Gemma 4's (tests/test_gemma4_engine.py)
     unused |= {f"layers.{i}.{s}" for i in range(cfg.n_unique_layers)
                for s in ("attn_post_norm", "ffn_post_norm", "moe.router_bias", "ple.w_gate", "ple.w_proj",
-                         "ple_post_norm", "out_scale") + weights.MLA_SLOTS}
+                         "ple_post_norm", "out_scale", "moe.router_norm", "moe.expert_scale", "ffn_post_norm_1",
+                         "moe_post_norm") + weights.MLA_SLOTS}
     # gpt-oss's tensors, which these configs do not turn on (test_gptoss_engine runs them)
     unused |= {f"layers.{i}.{s}" for i in range(cfg.n_unique_layers) for s in ("attn.wo_bias", "attn.sinks")}
     unused |= {f"layers.{i}.moe.experts.{e}.{s}" for i in range(cfg.n_unique_layers) for e in range(cfg.n_experts)

@@ -47,7 +47,11 @@ ple_emb [vocab, L P], ple_proj [L P, d], ple_norm [P]; per layer ple.w_gate [P, 
 [d, P], ple_post_norm [d]): with x0 the scaled embedding, layer l's input
 ple_l = (rms(ple_proj x0 / sqrt(d))[l] * ple_norm + ple_emb[t][l] sqrt(P)) / sqrt(2), and after the
 layer's FFN x += rms(ple.w_proj (gelu_tanh(ple.w_gate x) * ple_l)) * ple_post_norm; layer_out_scale:
-then x *= out_scale [1] of the layer; logit_softcap c > 0: logits = c tanh(logits / c).
+then x *= out_scale [1] of the layer; logit_softcap c > 0: logits = c tanh(logits / c). Gemma 4's
+MoE layers (26B-A4B: the dense FFN beside the experts, moe_input "post_attn", expert_act
+"gelu_tanh"): moe_router_norm: the router reads rms(z) * moe.router_norm [d] instead of the
+experts' input norm(z); expert_scale: expert e's output times moe.expert_scale[e]; moe_out_norms:
+x_{l+1} = h + ffn_post_norm(rms(f) * ffn_post_norm_1 + rms(m) * moe_post_norm), m the experts' sum.
 mtp_heads (default 0) adds multi-token prediction heads: head j predicts token t+2+j from the
 final normed hidden state of position t (`cflow train --mtp N`).
 """
@@ -65,7 +69,7 @@ from cflow.errors import CflowError
 MOE_INPUTS = ("post_dense", "post_attn")
 FFN_ACTS = ("silu", "gelu_tanh")
 MOE_GATINGS = ("softmax", "sigmoid", "softmax_topk")
-EXPERT_ACTS = ("silu", "swiglu_oai")
+EXPERT_ACTS = ("silu", "swiglu_oai", "gelu_tanh")
 # OpenAI's SwiGLU (expert_act "swiglu_oai"): llama.cpp's build_moe_ffn hard-codes them for gpt-oss
 SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT = 1.702, 7.0
 # More heads than this predict so far ahead that their guesses are rarely accepted.
@@ -149,6 +153,9 @@ class ModelConfig:
     per_layer_dim: int = 0  # P: per-layer embeddings; 0: none
     layer_out_scale: bool = False  # each layer's output times its out_scale
     logit_softcap: float = 0.0  # c > 0: logits = c tanh(logits / c)
+    moe_router_norm: bool = False  # the router reads rms(z) * moe.router_norm, not the experts' input
+    expert_scale: bool = False  # expert e's output times moe.expert_scale[e]
+    moe_out_norms: bool = False  # f and the experts' sum each normed, their sum through ffn_post_norm
     # Multi-token prediction: head j (0..mtp_heads-1) maps the final normed hidden state h_t to a
     # prediction of token t+2+j through the shared lm_head (cflow.model.MtpHead); the engine uses
     # them as a self-speculative proposer (cflow.runtime.speculative.MtpProposer). 0: none.
@@ -244,8 +251,8 @@ class ModelConfig:
              self.attn_temp_floor == 0), "attn_temp_scale and attn_temp_floor are >= 0 and set together "
              f"(got {self.attn_temp_scale}, {self.attn_temp_floor})")
         need(self.ffn_act in FFN_ACTS, f"ffn_act must be one of {FFN_ACTS}, got {self.ffn_act!r}")
-        need(self.n_experts == 0 or (self.ffn_act == "silu" and not self.post_norms),
-             "ffn_act gelu_tanh and post_norms are for dense models (n_experts = 0)")
+        need(self.n_experts == 0 or self.moe_out_norms or (self.ffn_act == "silu" and not self.post_norms),
+             "ffn_act gelu_tanh and post_norms are for dense models (n_experts = 0) or Gemma 4's (moe_out_norms)")
         self._validate_deepseek(need)
         self._validate_gemma4(need)
         need(self.expert_act in EXPERT_ACTS, f"expert_act must be one of {EXPERT_ACTS}, got {self.expert_act!r}")
@@ -292,10 +299,16 @@ class ModelConfig:
              and self.logit_softcap >= 0, "head_dim_local, shared_kv_layers, d_ff_shared_kv, per_layer_dim and "
              "logit_softcap must be >= 0")
         if g4 or self.layer_out_scale or self.v_norm:
-            need(self.n_unique_layers == self.n_layers and not self.has_moe and not self.mla
-                 and self.delta_dense == 0 and self.history_depth == 1,
+            need(self.n_unique_layers == self.n_layers and not self.mla and self.delta_dense == 0
+                 and self.history_depth == 1,
                  "head_dim_local, shared_kv_layers, d_ff_shared_kv, per_layer_dim, v_norm and layer_out_scale "
-                 "(Gemma 4) are for dense models with a weight set per layer and no delays")
+                 "(Gemma 4) need a weight set per layer and no delays")
+        if self.moe_router_norm or self.expert_scale or self.moe_out_norms:
+            need(self.has_moe, "moe_router_norm, expert_scale and moe_out_norms (Gemma 4) need experts")
+        if self.moe_out_norms:
+            need(self.has_dense and self.post_norms and not self.n_dense_lead and self.moe_input == "post_attn",
+                 "moe_out_norms joins a dense FFN beside the experts in every layer (post_norms, moe_input "
+                 "post_attn)")
         if self.head_dim_local:
             need(self.head_dim_local % 2 == 0 and self.sliding_window_pattern > 0,
                  f"head_dim_local ({self.head_dim_local}) must be even and needs local and global layers "

@@ -12,6 +12,9 @@ head size, the layer's RoPE base and factors, window and cache source from the c
     shared-KV layer: k, v of layer kv_source(l)
     x += rms(W_o softmax(q . k * attn_scale, causal, window) v) * attn_post_norm
     x += rms(W_down (gelu_tanh(W_gate f) * W_up f)) * ffn_post_norm,   f = rms(x) * ffn_norm
+      (MoE layers: x += rms(rms(that FFN) * ffn_post_norm_1 + rms(m) * moe_post_norm) * ffn_post_norm,
+       m = sum over the top_k of softmax(router (rms(x) * router_norm)), renormalised, of
+       w_e expert_scale[e] W_down,e (gelu_tanh(W_gate,e u) * W_up,e u), u = rms(x) * moe_norm)
     x += rms(ple.w_proj (gelu_tanh(ple.w_gate x) * ple[l])) * ple_post_norm;  x *= out_scale
     logits = c tanh(((rms(x) * norm) lm_head^T) / c)
 
@@ -35,7 +38,8 @@ from cflow.model import apply_rope, ffn_act, rope_cos_sin
 def is_gemma4(cfg: ModelConfig) -> bool:
     """Whether the config uses a Gemma 4 field (this module's, not cflow.model.Transformer's)."""
     return bool(cfg.head_dim_local or cfg.shared_kv_layers or cfg.d_ff_shared_kv or cfg.per_layer_dim or cfg.v_norm
-                or cfg.layer_out_scale or cfg.logit_softcap)
+                or cfg.layer_out_scale or cfg.logit_softcap or cfg.moe_router_norm or cfg.expert_scale
+                or cfg.moe_out_norms)
 
 
 def _rms(x: Tensor, w: Tensor | None, eps: float) -> Tensor:
@@ -110,6 +114,12 @@ class Gemma4Reference:
             x = x + (_rms(a, W[p + "attn_post_norm"], eps) if cfg.post_norms else a)
             f = _rms(x, W[p + "ffn_norm"], eps)
             f = (act(f @ W[p + "ffn.w_gate"].T) * (f @ W[p + "ffn.w_up"].T)) @ W[p + "ffn.w_down"].T
+            if cfg.has_moe:
+                m = self._experts(layer, x)
+                if cfg.moe_out_norms:
+                    f = _rms(f, W[p + "ffn_post_norm_1"], eps) + _rms(m, W[p + "moe_post_norm"], eps)
+                else:
+                    f = (_rms(f, W[p + "ffn_post_norm"], eps) if cfg.post_norms else f) + m
             x = x + (_rms(f, W[p + "ffn_post_norm"], eps) if cfg.post_norms else f)
             if cfg.per_layer_dim:
                 g = F.gelu(x @ W[p + "ple.w_gate"].T, approximate="tanh") * ple[:, layer]
@@ -120,3 +130,20 @@ class Gemma4Reference:
         if cfg.logit_softcap:
             logits = cfg.logit_softcap * torch.tanh(logits / cfg.logit_softcap)
         return logits.double().numpy()
+
+    def _experts(self, layer: int, z: Tensor) -> Tensor:
+        """The experts' sum of layer `layer` on its input z [n, d] (the module docstring)."""
+        cfg, W, p, eps = self.cfg, self.w, f"layers.{layer}.", self.cfg.norm_eps
+        u = _rms(z, W[p + "moe_norm"], eps)
+        r = _rms(z, W[p + "moe.router_norm"], eps) if cfg.moe_router_norm else u
+        top = torch.softmax(r @ W[p + "moe.router"].T, -1).topk(cfg.top_k, -1)
+        wts = top.values / top.values.sum(-1, keepdim=True) if cfg.moe_norm_topk else top.values
+        act, out = ffn_act(cfg.expert_act), torch.zeros_like(z)
+        for t in range(z.shape[0]):
+            for j in range(cfg.top_k):
+                e = int(top.indices[t, j])
+                q = f"{p}moe.experts.{e}."
+                y = W[q + "w_down"] @ (act(W[q + "w_gate"] @ u[t]) * (W[q + "w_up"] @ u[t]))
+                out[t] += wts[t, j] * y * (W[p + "moe.expert_scale"][e] if cfg.expert_scale else 1.0)
+        return out
+

@@ -35,6 +35,10 @@ count bytes from them:
     layers.{i}.moe.experts.{e}.w_down  [d, d_exp]         experts   quantized
     layers.{i}.moe.experts.{e}.b_gate_up [2 d_exp]        experts   f32      (moe_bias: gate, up biases
     layers.{i}.moe.experts.{e}.b_down  [d]                experts   f32       interleaved as w_gate_up's rows)
+    layers.{i}.moe.router_norm         [d]                router    f32      (Gemma 4's MoE: moe_router_norm;
+    layers.{i}.moe.expert_scale        [E]                router    f32       expert_scale;
+    layers.{i}.ffn_post_norm_1         [d]                dense     f32       moe_out_norms: the
+    layers.{i}.moe_post_norm           [d]                dense     f32       branches' norms)
     layers.{i}.ple.w_gate              [P, d]             dense     quantized (per_layer_dim P > 0:
     layers.{i}.ple.w_proj              [d, P]             dense     quantized  Gemma 4's per-layer
     layers.{i}.ple_post_norm           [d]                dense     f32        embeddings' block)
@@ -89,6 +93,7 @@ GLOBAL_NAMES = ("tok_emb", "norm", "lm_head", "ple_emb", "ple_proj", "ple_norm")
 LAYER_SLOTS = ("attn_norm", "attn.wqkv", "attn.qkv_bias", "attn.q_norm", "attn.k_norm", "attn.wo", "attn.wo_bias",
                "attn.sinks", "attn_post_norm", "ffn_norm", "ffn.w_gate_up", "ffn.w_down", "ffn_post_norm", "moe_norm",
                "moe.router", "moe.router_bias", "moe.shared_gate", "moe.shared.w_gate_up", "moe.shared.w_down",
+               "moe.router_norm", "moe.expert_scale", "ffn_post_norm_1", "moe_post_norm",
                "ple.w_gate", "ple.w_proj", "ple_post_norm", "out_scale")
 # Multi-head latent attention's tensors (config kv_lora_rank > 0), in attn.wqkv's place: the query
 # (attn.wq, or attn.wq_a -> attn.q_a_norm -> attn.wq_b), the latent and k_pe projection and the
@@ -176,12 +181,7 @@ def layer_weights(cfg: ModelConfig, i: int, experts: Iterable[int] | None = None
                 Weight(p + "ffn.w_down", (d, d_ff), "dense", False, i)]
         if cfg.post_norms:
             out.append(Weight(p + "ffn_post_norm", (d,), "dense", True, i))
-    if cfg.per_layer_dim:
-        P = cfg.per_layer_dim
-        out += [Weight(p + "ple.w_gate", (P, d), "dense", False, i), Weight(p + "ple.w_proj", (d, P), "dense", False, i),
-                Weight(p + "ple_post_norm", (d,), "dense", True, i)]
-    if cfg.layer_out_scale:
-        out.append(Weight(p + "out_scale", (1,), "dense", True, i))
+    expert_weights = []
     if cfg.layer_has_moe(i):
         out += [Weight(p + "moe_norm", (d,), "router", True, i),
                 Weight(p + "moe.router", (cfg.n_experts, d), "router", True, i)]
@@ -193,13 +193,25 @@ def layer_weights(cfg: ModelConfig, i: int, experts: Iterable[int] | None = None
                 out.append(Weight(p + "moe.shared_gate", (d,), "router", True, i))
             out += [Weight(p + "moe.shared.w_gate_up", (2 * ds, d), "experts", False, i),
                     Weight(p + "moe.shared.w_down", (d, ds), "experts", False, i)]
+        if cfg.moe_router_norm:
+            out.append(Weight(p + "moe.router_norm", (d,), "router", True, i))
+        if cfg.expert_scale:
+            out.append(Weight(p + "moe.expert_scale", (cfg.n_experts,), "router", True, i))
+        if cfg.moe_out_norms:
+            out += [Weight(p + "ffn_post_norm_1", (d,), "dense", True, i), Weight(p + "moe_post_norm", (d,), "dense", True, i)]
         for e in range(cfg.n_experts) if experts is None else experts:
-            out += [Weight(expert_name(i, e, "w_gate_up"), (2 * cfg.d_expert, d), "experts", False, i, e),
-                    Weight(expert_name(i, e, "w_down"), (d, cfg.d_expert), "experts", False, i, e)]
+            expert_weights += [Weight(expert_name(i, e, "w_gate_up"), (2 * cfg.d_expert, d), "experts", False, i, e),
+                               Weight(expert_name(i, e, "w_down"), (d, cfg.d_expert), "experts", False, i, e)]
             if cfg.moe_bias:
-                out += [Weight(expert_name(i, e, "b_gate_up"), (2 * cfg.d_expert,), "experts", True, i, e),
-                        Weight(expert_name(i, e, "b_down"), (d,), "experts", True, i, e)]
-    return out
+                expert_weights += [Weight(expert_name(i, e, "b_gate_up"), (2 * cfg.d_expert,), "experts", True, i, e),
+                                   Weight(expert_name(i, e, "b_down"), (d,), "experts", True, i, e)]
+    if cfg.per_layer_dim:
+        P = cfg.per_layer_dim
+        out += [Weight(p + "ple.w_gate", (P, d), "dense", False, i), Weight(p + "ple.w_proj", (d, P), "dense", False, i),
+                Weight(p + "ple_post_norm", (d,), "dense", True, i)]
+    if cfg.layer_out_scale:
+        out.append(Weight(p + "out_scale", (1,), "dense", True, i))
+    return out + expert_weights
 
 
 def _mla_weights(cfg: ModelConfig, i: int) -> list[Weight]:
@@ -265,7 +277,8 @@ def count(cfg: ModelConfig, n_split_qkv: int = 0) -> int:
     dense = (3 + cfg.post_norms) * cfg.has_dense
     per_expert = 2 + 2 * cfg.moe_bias  # its matrices, and gpt-oss's biases
     moe = (2 + per_expert * cfg.n_experts + (cfg.moe_router_bias or cfg.moe_bias)
-           + (2 + cfg.shared_expert_gate) * cfg.has_shared_expert) * cfg.has_moe
+           + (2 + cfg.shared_expert_gate) * cfg.has_shared_expert
+           + cfg.moe_router_norm + cfg.expert_scale + 2 * cfg.moe_out_norms) * cfg.has_moe
     sets, lead = cfg.n_unique_layers, cfg.n_dense_lead  # leading dense layers: dense or MoE, not both
     layers = sets * attn + (lead * dense + (sets - lead) * moe if lead else sets * (dense + moe))
     # Gemma 4: no k_norm on the shared-KV layers; the per-layer block; the output scale

@@ -17,7 +17,14 @@ What llama.cpp 0.3.36 reads (tests/test_gemma4.py pins the graph down), and how 
 - per-layer embeddings (`embedding_length_per_layer_input` P: per_layer_token_embd,
   per_layer_model_proj, per_layer_proj_norm; per layer inp_gate, proj, post_norm), each layer's
   layer_output_scale, `final_logit_softcapping`.
-Refused by name: experts (26B-A4B's MoE layers), attention logit soft-capping, partial RoPE,
+- experts (26B-A4B: `expert_count`, `expert_used_count`, `expert_feed_forward_length`; every layer
+  with ffn_gate_inp): the dense MLP stays beside them (d_ff), the router ffn_gate_inp [E, d] reads
+  rms(x) * ffn_gate_inp.scale / sqrt(d) (stored as moe.router_norm: moe_router_norm), softmax over
+  all experts, top-k renormalised; each expert's input rms(x) * pre_ffw_norm_2 (moe_norm), its
+  gate and up the two halves of ffn_gate_up_exps (gate rows first), GeGLU, ffn_down_exps times
+  ffn_down_exps.scale[e] (moe.expert_scale: expert_scale); the branches joined as
+  post_ffw_norm(rms(dense) * post_ffw_norm_1 + rms(experts) * post_ffw_norm_2) (moe_out_norms).
+Refused by name: attention logit soft-capping, partial RoPE,
 value heads of another size than key heads, vision / audio towers (gguf_config's check).
 """
 
@@ -29,7 +36,7 @@ import numpy as np
 
 from cflow.config import ConfigError, ModelConfig
 from cflow.convert.encoder import Encoder
-from cflow.convert.gguf import GGUFError, GGUFModel, UnsupportedArchitectureError, _check_shape, _swa_period
+from cflow.convert.gguf import GGUFError, GGUFModel, _check_shape, _swa_period
 from cflow.weights import model_weights
 
 ARCH = "gemma4"
@@ -39,7 +46,11 @@ _GLOBAL = {"tok_emb": "token_embd.weight", "norm": "output_norm.weight", "ple_em
 _LAYER = {"attn_norm": "attn_norm", "attn.q_norm": "attn_q_norm", "attn.k_norm": "attn_k_norm",
           "attn.wo": "attn_output", "attn_post_norm": "post_attention_norm", "ffn_norm": "ffn_norm",
           "ffn.w_down": "ffn_down", "ffn_post_norm": "post_ffw_norm", "ple.w_gate": "inp_gate", "ple.w_proj": "proj",
-          "ple_post_norm": "post_norm", "out_scale": "layer_output_scale"}
+          "ple_post_norm": "post_norm", "out_scale": "layer_output_scale",
+          # the MoE layers'
+          "moe_norm": "pre_ffw_norm_2", "moe.router": "ffn_gate_inp", "moe.expert_scale": "ffn_down_exps",
+          "ffn_post_norm_1": "post_ffw_norm_1", "moe_post_norm": "post_ffw_norm_2"}
+_SCALES = ("moe.expert_scale", "moe.router_norm")  # read from a `.scale` tensor (GGUF ffn_*.scale)
 
 
 def _one(g: GGUFModel, key: str, n_layers: int) -> int:
@@ -72,11 +83,16 @@ def gemma4_config(g: GGUFModel) -> ModelConfig:
     if g.architecture != ARCH:
         raise GGUFError(f"{g.path.name} is a {g.architecture!r} model, not {ARCH!r}")
     p, name = f"{ARCH}.", g.path.name
-    if int(g.get(p + "expert_count") or 0) > 0:
-        raise UnsupportedArchitectureError(
-            f"{name} is a gemma4 model with experts (26B-A4B's MoE layers: a dense MLP beside routed experts "
-            "with router norm and scale, merged gate_up and per-expert scales); cflow runs the dense gemma4 "
-            "models and not yet these")
+    n_experts = int(g.get(p + "expert_count") or 0)
+    moe: dict[str, Any] = dict(n_experts=0, top_k=0, d_expert=0)
+    if n_experts > 0:
+        if g.get(p + "expert_used_count") is None or g.get(p + "expert_feed_forward_length") is None:
+            raise GGUFError(f"{name} has {n_experts} experts but no {p}expert_used_count or "
+                            f"{p}expert_feed_forward_length; the file is incomplete")
+        moe = dict(n_experts=n_experts, top_k=int(g.get(p + "expert_used_count")),
+                   d_expert=int(g.get(p + "expert_feed_forward_length")), moe_input="post_attn", moe_norm_topk=True,
+                   expert_act="gelu_tanh", moe_router_norm=True, moe_out_norms=True,
+                   expert_scale="blk.0.ffn_down_exps.scale" in g.tensors)
     if g.get(p + "attn_logit_softcapping"):
         raise GGUFError(f"{name} caps its attention logits ({p}attn_logit_softcapping); cflow does not")
     L = int(g.require(p + "block_count"))
@@ -103,7 +119,7 @@ def gemma4_config(g: GGUFModel) -> ModelConfig:
     try:
         return ModelConfig(
             vocab_size=int(emb.shape[1]), d_model=d, n_layers=L, n_heads=n_heads, n_kv_heads=n_kv, head_dim=hd,
-            d_ff=d_ff, n_experts=0, top_k=0, d_expert=0, name=ARCH,
+            d_ff=d_ff, **moe, name=ARCH,
             rope_theta=float(g.get(p + "rope.freq_base") or 10000.0), rope_freq_factors=factors,
             norm_eps=float(g.get(p + "attention.layer_norm_rms_epsilon") or 1e-6),
             max_seq_len=int(g.get(p + "context_length") or 2048), tie_embeddings="output.weight" not in g.tensors,
@@ -131,6 +147,12 @@ def _sources(g: GGUFModel, cfg: ModelConfig, slot: str, layer: int | None) -> li
                 b + ("attn_v.weight" if b + "attn_v.weight" in g.tensors else "attn_k.weight")]
     if slot == "ffn.w_gate_up":
         return [b + "ffn_gate.weight", b + "ffn_up.weight"]
+    if slot == "moe.router_norm":
+        return [b + "ffn_gate_inp.scale"]
+    if slot == "moe.expert_scale":
+        return [b + "ffn_down_exps.scale"]
+    if slot.startswith("moe.experts."):  # a slice of the merged stacks
+        return [b + ("ffn_gate_up_exps.weight" if slot.endswith("w_gate_up") else "ffn_down_exps.weight")]
     return [b + _LAYER[slot] + ".weight"]
 
 
@@ -143,9 +165,14 @@ def gemma4_tensors(g: GGUFModel, cfg: ModelConfig, enc: Encoder) -> Iterator[Any
     for w, names in table:
         if w.plain:
             v = g.vector(names[0])
-            if v.shape != w.shape:
-                raise GGUFError(f"{g.path.name}: {names[0]} holds {v.size} values, the config implies {w.shape[0]}")
-            yield enc.vector(w.name, v)
+            if v.size != int(np.prod(w.shape)):
+                raise GGUFError(f"{g.path.name}: {names[0]} holds {v.size} values, the config implies {list(w.shape)}")
+            if w.slot == "moe.router_norm":  # llama.cpp: rms(x) / sqrt(d) * scale
+                v = v / np.float32(np.sqrt(cfg.d_model))
+            yield enc.vector(w.name, v.reshape(w.shape))
+            continue
+        if w.expert is not None:
+            yield _expert_tensor(g, cfg, enc, w, names[0])
             continue
         srcs = [g.source(n) for n in names]
         rows = [cfg.layer_q_dim(w.set), cfg.layer_kv_dim(w.set), cfg.layer_kv_dim(w.set)] if w.fused == "qkv" \
@@ -158,6 +185,18 @@ def gemma4_tensors(g: GGUFModel, cfg: ModelConfig, enc: Encoder) -> Iterator[Any
             yield enc.gate_up(w.name, *srcs)
         else:
             yield enc.matrix(w.name, srcs[0])
+
+
+def _expert_tensor(g: GGUFModel, cfg: ModelConfig, enc: Encoder, w, name: str):
+    """Expert w.expert's w_gate_up (the gate rows then the up rows of its ffn_gate_up_exps slice,
+    interleaved as cflow stores a gate_up) or w_down."""
+    src = g.source(name, w.expert)
+    F = cfg.d_expert
+    if w.fused == "gate_up":
+        _check_shape(src, (2 * F, cfg.d_model))
+        return enc.gate_up(w.name, src.take_rows(np.arange(F)), src.take_rows(np.arange(F, 2 * F)))
+    _check_shape(src, w.shape)
+    return enc.matrix(w.name, src)
 
 
 def check_gemma4_names(g: GGUFModel, used: set[str]) -> None:

@@ -587,7 +587,13 @@ static void op_route(cf_engine *e, int l, int src_kind, int ms, int ith) {
             for (int i = 0; i < d; i++) z[i] = hb[i] + (src_kind == CF_SRC_HF ? s->f[(size_t)b * d + i] : 0.0f);
             float *mi = moe_in + (size_t)b * d, *pr = s->rlogits + (size_t)b * E;
             e->k->rmsnorm(mi, z, w->moe_norm, d, c->norm_eps);
-            e->k->matvec_f32(pr, w->router, mi, E, d);
+            if (w->router_norm) { /* Gemma 4: the router reads its own norm of z (scratch row 2) */
+                float *rz = e->ts[0].xb + e->kmax;
+                e->k->rmsnorm(rz, z, w->router_norm, d, c->norm_eps);
+                e->k->matvec_f32(pr, w->router, rz, E, d);
+            } else {
+                e->k->matvec_f32(pr, w->router, mi, E, d);
+            }
             int chosen[64];
             float val[64], wsum = 0.0f;
             int32_t *rc = cf_routes_chosen(e, b, l);
@@ -605,7 +611,7 @@ static void op_route(cf_engine *e, int l, int src_kind, int ms, int ith) {
             for (int k = 0; k < c->top_k; k++) {
                 int x = chosen[k], n = exp_n[x]++;
                 exp_tok[(size_t)x * B + n] = b;
-                exp_w[(size_t)x * B + n] = val[k] / wsum * c->moe_w_scale;
+                exp_w[(size_t)x * B + n] = val[k] / wsum * c->moe_w_scale * (w->expert_scale ? w->expert_scale[x] : 1.0f);
                 e->hits[(size_t)l * E + x]++;
             }
         }
@@ -624,7 +630,9 @@ static void op_route(cf_engine *e, int l, int src_kind, int ms, int ith) {
     sync_threads(e, ith, -1);
 }
 
-static inline int expert_act(const cf_config *c) { return c->expert_act == CF_ACT_SWIGLU_OAI ? FFN_OAI : FFN_SILU; }
+static inline int expert_act(const cf_config *c) {
+    return c->expert_act == CF_ACT_SWIGLU_OAI ? FFN_OAI : c->expert_act == CF_ACT_GELU ? FFN_GELU : FFN_SILU;
+}
 
 /* The shared expert on every row of moe slot ms, scaled by the route's per-row weight, into out;
  * its weights are in RAM whatever the routed experts' residency, and it runs before them in both
@@ -691,7 +699,7 @@ static void op_experts(cf_engine *e, int l, int pslot, int ms, int tail, int ith
     ph(e, ith, CF_PK_NORM, l);
     quantize_rows(e, s->moe_in + (size_t)ms * B * c->d, c->d, c->d, e->ts[ith].act, NULL, e->B, w->exp_fmt);
     shared_expert(e, w, ms, out, ith, nth);
-    if (e->B == 1) { /* decode: every chosen expert has the one row */
+    if (e->B == 1 && c->expert_act != CF_ACT_GELU) { /* decode: every chosen expert has the one row */
         int xs[64], k = 0;
         float wts[64];
         for (int x = 0; x < c->n_experts; x++)
@@ -790,7 +798,12 @@ static void op_resid(cf_engine *e, int l, int slot, int add_f, int pslot, int it
      * barrier) into its scratch, the same bits everywhere, and adds its own rows */
     const float *post = add_f ? e->w.sets[l % e->c.n_unique].ffn_post_norm : NULL;
     float *fn = e->ts[ith].xb;
-    if (post)
+    int joined = post && e->c.moe_out_norms && pslot >= 0;
+    if (joined) { /* Gemma 4's MoE layer: f and the experts' sum joined into fn; every thread has read the
+                   * whole pending rows before any clears its share (the barrier) */
+        cf_moe_out_norms(e, l, pslot, ith);
+        sync_threads(e, ith, CF_PK_RESID);
+    } else if (post)
         for (int b = 0; b < e->B; b++)
             e->k->rmsnorm(fn + (size_t)b * e->kmax, s->f + (size_t)b * d, post, d, e->c.norm_eps);
     // the same rows as this thread's share of a [d, *] mat-vec (wo, down): d_split, see ffn()
@@ -806,7 +819,7 @@ static void op_resid(cf_engine *e, int l, int slot, int add_f, int pslot, int it
                 if (post) v += fn[(size_t)b * e->kmax + r];
                 else if (add_f) v += s->f[o + r];
                 if (pend) {
-                    v += pend[o + r];
+                    if (!joined) v += pend[o + r];
                     pend[o + r] = 0.0f;
                 }
                 x[o + r] = v;
@@ -904,7 +917,8 @@ static void forward_task(void *ctx, int ith, int nth) {
     for (int i = 0; i < e->n_ops; i++) {
         const int32_t *op = e->plan + (size_t)i * CF_OP_FIELDS;
         int l = op[1], a = op[2], b = op[3], c = op[4];
-        int tail = i + 1 == e->n_ops || op[CF_OP_FIELDS] != CF_OP_RESID; /* barrier needed after */
+        /* barrier needed after (Gemma 4's RESID norms whole rows of the experts' sum) */
+        int tail = i + 1 == e->n_ops || op[CF_OP_FIELDS] != CF_OP_RESID || e->c.moe_out_norms;
         if (overlap_pair(e, i, nth)) {
             const int32_t *nx = op + CF_OP_FIELDS;
             int na = e->grp[0].bar.n;

@@ -100,6 +100,11 @@ typedef struct {
                                     * set ple.w_gate, ple.w_proj, ple_post_norm), the PLE op after RESID */
     int out_scale;                 /* 1: the PLE op multiplies the layer's output by out_scale [1] */
     float logit_softcap;           /* c > 0: logits = c tanh(logits / c) */
+    /* Gemma 4's MoE layers (26B-A4B: the dense FFN beside the experts) */
+    int moe_router_norm;           /* 1: the router reads rms(z) * moe.router_norm [d], not moe_in */
+    int expert_scale;              /* 1: expert e's output times moe.expert_scale[e] (on its routing weight) */
+    int moe_out_norms;             /* 1: RESID adds ffn_post_norm(rms(f) * ffn_post_norm_1 + rms(experts) *
+                                    * moe_post_norm) instead of f and the experts' sum */
 } cf_config;
 
 /* cf_config.moe_gating: softmax over all E logits, then top_k (renormalised when moe_norm_topk);
@@ -109,7 +114,7 @@ typedef struct {
 enum { CF_GATING_SOFTMAX, CF_GATING_SOFTMAX_TOPK, CF_GATING_SIGMOID };
 /* cf_config.expert_act: SwiGLU, fused into the gate_up kernels; or OpenAI's clamped SwiGLU after
  * the gate/up biases (the table's swiglu_oai, alpha CF_OAI_ALPHA, limit CF_OAI_LIMIT: gpt-oss). */
-enum { CF_ACT_SILU, CF_ACT_SWIGLU_OAI };
+enum { CF_ACT_SILU, CF_ACT_SWIGLU_OAI, CF_ACT_GELU };  /* CF_ACT_GELU: GeGLU experts (Gemma 4) */
 #define CF_OAI_ALPHA 1.702f
 #define CF_OAI_LIMIT 7.0f
 
@@ -141,7 +146,9 @@ enum { CF_S_ATTN_NORM, CF_S_WQKV, CF_S_WO, CF_S_FFN_NORM, CF_S_GATE_UP, CF_S_DOW
        /* the router's bias (DeepSeek V3: to choose; gpt-oss: on the logits), gpt-oss's wo bias and sinks */
        CF_S_ROUTER_BIAS, CF_S_WO_BIAS, CF_S_SINKS,
        /* Gemma 4's per-layer-embedding block and layer output scale */
-       CF_S_PLE_GATE, CF_S_PLE_PROJ, CF_S_PLE_POST_NORM, CF_S_OUT_SCALE, CF_SLOTS_PER_SET };
+       CF_S_PLE_GATE, CF_S_PLE_PROJ, CF_S_PLE_POST_NORM, CF_S_OUT_SCALE,
+       /* Gemma 4's MoE layers */
+       CF_S_ROUTER_NORM, CF_S_EXPERT_SCALE, CF_S_FFN_POST_NORM_1, CF_S_MOE_POST_NORM, CF_SLOTS_PER_SET };
 enum { CF_E_GATE_UP, CF_E_DOWN, CF_E_B_GATE_UP, CF_E_B_DOWN, CF_EXPERT_SLOTS };
 extern const char *const cf_global_names[CF_T_GLOBAL];
 extern const char *const cf_slot_names[CF_SLOTS_PER_SET];

@@ -34,6 +34,8 @@ const char *const cf_slot_names[CF_SLOTS_PER_SET] = {
     [CF_S_WK_B] = "attn.wk_b", [CF_S_WV_B] = "attn.wv_b", [CF_S_ROUTER_BIAS] = "moe.router_bias",
     [CF_S_WO_BIAS] = "attn.wo_bias", [CF_S_SINKS] = "attn.sinks", [CF_S_PLE_GATE] = "ple.w_gate",
     [CF_S_PLE_PROJ] = "ple.w_proj", [CF_S_PLE_POST_NORM] = "ple_post_norm", [CF_S_OUT_SCALE] = "out_scale",
+    [CF_S_ROUTER_NORM] = "moe.router_norm", [CF_S_EXPERT_SCALE] = "moe.expert_scale",
+    [CF_S_FFN_POST_NORM_1] = "ffn_post_norm_1", [CF_S_MOE_POST_NORM] = "moe_post_norm",
 };
 const char *const cf_expert_slot_names[CF_EXPERT_SLOTS] = {
     [CF_E_GATE_UP] = "w_gate_up", [CF_E_DOWN] = "w_down", [CF_E_B_GATE_UP] = "b_gate_up", [CF_E_B_DOWN] = "b_down",
@@ -110,8 +112,8 @@ static int check_config(const cf_config *c, char *err, size_t n) {
         bad = "d_shared_expert must be a multiple of 32, and needs experts";
     else if (c->swa_pattern < 0 || !(c->rope_theta_local >= 0) || !(c->attn_scale >= 0) || !(c->embed_scale > 0))
         bad = "sliding_window_pattern, rope_theta_local and attn_scale must be >= 0, embed_scale positive";
-    else if ((c->post_norms | c->ffn_gelu) & ~1 || ((c->post_norms || c->ffn_gelu) && c->n_experts))
-        bad = "post_norms and ffn_gelu must be 0 or 1, and are for dense models (no experts)";
+    else if ((c->post_norms | c->ffn_gelu) & ~1 || ((c->post_norms || c->ffn_gelu) && c->n_experts && !c->moe_out_norms))
+        bad = "post_norms and ffn_gelu must be 0 or 1, and are for dense models (no experts) but Gemma 4's";
     else if (!(c->attn_temp_scale >= 0) || c->attn_temp_floor < 0 ||
              (c->attn_temp_scale > 0) != (c->attn_temp_floor > 0))
         bad = "attn_temp_scale and attn_temp_floor must be >= 0 and set together";
@@ -121,7 +123,7 @@ static int check_config(const cf_config *c, char *err, size_t n) {
         bad = "attn_out_bias does not go with post_norms";
     else if ((c->moe_gating != CF_GATING_SOFTMAX && c->moe_gating != CF_GATING_SOFTMAX_TOPK &&
               c->moe_gating != CF_GATING_SIGMOID) ||
-             (c->expert_act != CF_ACT_SILU && c->expert_act != CF_ACT_SWIGLU_OAI))
+             (c->expert_act != CF_ACT_SILU && c->expert_act != CF_ACT_SWIGLU_OAI && c->expert_act != CF_ACT_GELU))
         bad = "moe_gating and expert_act must be one of the engine's (CF_GATING_*, CF_ACT_*)";
     else if (!c->n_experts && (c->moe_bias || c->moe_router_bias || c->moe_gating || c->expert_act))
         bad = "moe_bias, moe_router_bias, moe_gating and expert_act need experts";
@@ -319,6 +321,19 @@ static int bind_weights(cf_engine *e, const uint8_t *buf, size_t len, const int6
             SET(CF_S_ROUTER_BIAS, 1, E, 1, &dummy, &L->router_bias);
             L->router_bytes += (uint64_t)E * 4;
         }
+        if (c->moe_router_norm) {
+            SET(CF_S_ROUTER_NORM, 1, c->d, 1, &dummy, &L->router_norm);
+            L->router_bytes += norm_bytes;
+        }
+        if (c->expert_scale) {
+            SET(CF_S_EXPERT_SCALE, 1, E, 1, &dummy, &L->expert_scale);
+            L->router_bytes += (uint64_t)E * 4;
+        }
+        if (c->moe_out_norms) { /* counted with the dense FFN, whose output they norm */
+            SET(CF_S_FFN_POST_NORM_1, 1, c->d, 1, &dummy, &L->ffn_post_norm_1);
+            SET(CF_S_MOE_POST_NORM, 1, c->d, 1, &dummy, &L->moe_post_norm);
+            L->dense_bytes += 2 * norm_bytes;
+        }
         if (c->d_shexp) {
             if (!c->shexp_ungated) SET(CF_S_SHEXP_GATE, 1, c->d, 1, &dummy, &L->shexp_gate);
             SET(CF_S_SHEXP_GATE_UP, 2 * c->d_shexp, c->d, 0, &L->shexp_gate_up, &fdummy);
@@ -462,7 +477,7 @@ static int alloc_state(cf_engine *e) {
     }
     s->ones = xcalloc(e->hd_max, sizeof(float), &fail);
     for (int i = 0; !fail && i < e->hd_max; i++) s->ones[i] = 1.0f;
-    if (c->ffn_gelu || c->expert_act == CF_ACT_SWIGLU_OAI) s->gu = xcalloc(hid_rows * 2 * e->hmax, sizeof(float), &fail);
+    if (c->ffn_gelu || c->expert_act != CF_ACT_SILU) s->gu = xcalloc(hid_rows * 2 * e->hmax, sizeof(float), &fail);
     // calloc'd pages are mapped lazily, so a long context costs memory only once it is used
     s->kcache = xcalloc(e->n_seq, e->seq_kbytes, &fail);
     s->vcache = xcalloc(e->n_seq, e->seq_vbytes, &fail);

@@ -14,6 +14,11 @@
  *     x = (x + rms(ple.w_proj (gelu_tanh(ple.w_gate x) * ple[l])) * ple_post_norm) * out_scale
  * (cf_op_ple). Both split their mat-vecs over the threads by row groups like every other op and
  * allocate nothing: the rows live in cf_state (ple, ple_tok, ple_g, ple_gu, ple_h).
+ *
+ * The MoE layers (26B-A4B; the plan's dense, route, experts and RESID ops as for any MoE model):
+ * the router reads its own norm of the layer input (moe.router_norm = ffn_gate_inp.scale / sqrt(d),
+ * in ROUTE), each expert's output is scaled (moe.expert_scale, on its routing weight), the experts
+ * are GeGLU, and RESID joins the two branches normed (cf_moe_out_norms).
  */
 #include <math.h>
 #include <stdlib.h>
@@ -24,13 +29,19 @@
 
 const char *cf_gemma4_check_config(const cf_config *c) {
     int any = c->hd_local || c->n_shared_kv || c->d_ff_shared_kv || c->ple_dim || c->v_norm || c->out_scale;
+    if ((c->moe_router_norm | c->expert_scale | c->moe_out_norms) & ~1)
+        return "moe_router_norm, expert_scale and moe_out_norms must be 0 or 1";
+    if ((c->moe_router_norm || c->expert_scale || c->moe_out_norms) && !c->n_experts)
+        return "moe_router_norm, expert_scale and moe_out_norms need experts";
+    if (c->moe_out_norms && (!c->d_ff || !c->post_norms || c->n_dense_lead))
+        return "moe_out_norms joins a dense FFN beside the experts in every layer (post_norms)";
     if (c->hd_local < 0 || c->n_shared_kv < 0 || c->d_ff_shared_kv < 0 || c->ple_dim < 0 || !(c->logit_softcap >= 0) ||
         (c->v_norm | c->out_scale) & ~1)
         return "hd_local, n_shared_kv, d_ff_shared_kv, ple_dim and logit_softcap must be >= 0, v_norm and "
                "out_scale 0 or 1";
     if (!any) return NULL;
-    if (c->n_experts || c->mla_kv_lora || c->n_unique != c->n_layers)
-        return "Gemma 4's per-layer shapes need a dense model with a weight set per layer";
+    if (c->mla_kv_lora || c->n_unique != c->n_layers)
+        return "Gemma 4's per-layer shapes need a weight set per layer";
     if (c->hd_local && (c->hd_local % 2 || c->hd_local > CF_MAX_HEAD_DIM || (c->n_heads * c->hd_local) % CF_QK ||
                         c->swa_pattern <= 0 || c->sliding_window <= 0 || !(c->attn_scale > 0)))
         return "hd_local must be even, at most CF_MAX_HEAD_DIM, n_heads * hd_local a multiple of 32, and needs "
@@ -40,6 +51,20 @@ const char *cf_gemma4_check_config(const cf_config *c) {
         return "d_ff_shared_kv must be a multiple of 32 and needs n_shared_kv";
     if (c->ple_dim % CF_QK) return "ple_dim must be a multiple of 32 (it is the input width of ple.w_proj)";
     return NULL;
+}
+
+void cf_moe_out_norms(cf_engine *e, int l, int pslot, int ith) {
+    const cf_layer *w = &e->w.sets[l % e->c.n_unique];
+    int d = e->c.d;
+    float eps = e->c.norm_eps, *z = e->ts[ith].xb + (size_t)e->max_batch * e->kmax; /* the scratch's extra row */
+    const float *pend = e->s.pending + (size_t)pslot * e->max_batch * d;
+    for (int b = 0; b < e->B; b++) {
+        float *fn = e->ts[ith].xb + (size_t)b * e->kmax;
+        e->k->rmsnorm(fn, e->s.f + (size_t)b * d, w->ffn_post_norm_1, d, eps);
+        e->k->rmsnorm(z, pend + (size_t)b * d, w->moe_post_norm, d, eps);
+        for (int j = 0; j < d; j++) fn[j] += z[j];
+        e->k->rmsnorm(fn, fn, w->ffn_post_norm, d, eps);
+    }
 }
 
 int cf_layer_geometry(cf_engine *e, char *err, size_t n) {

@@ -46,6 +46,8 @@ typedef struct {
     /* Gemma 4: the per-layer-embedding block (ple_dim > 0) and the layer output scale */
     cf_tiled ple_gate, ple_proj;                  /* [P, d], [d, P] */
     const float *ple_post_norm, *out_scale;       /* [d], [1] or NULL */
+    const float *router_norm, *expert_scale;      /* [d], [E] or NULL (Gemma 4's MoE) */
+    const float *ffn_post_norm_1, *moe_post_norm; /* [d] or NULL (moe_out_norms) */
     uint64_t ple_bytes;                           /* counted as dense */
     uint64_t attn_bytes, dense_bytes, router_bytes, shexp_bytes;
     uint64_t *exp_bytes;                          /* [E] gate_up + down */
@@ -266,6 +268,10 @@ int cf_attn_first(const cf_engine *e, int b, int l);
 void cf_ple_inputs(cf_engine *e, int slot, int ith, int nth);
 /* The PLE op: ring[slot] = (ring[slot] + the per-layer block of layer l) * out_scale. */
 void cf_op_ple(cf_engine *e, int l, int slot, int ith, int nth);
+/* Gemma 4's MoE layer, in RESID (every thread, whole rows, after the experts' barrier): each row
+ * b's ffn_post_norm(rms(f) * ffn_post_norm_1 + rms(pending[pslot]) * moe_post_norm) into
+ * ts[ith].xb row b (what RESID adds to h). */
+void cf_moe_out_norms(cf_engine *e, int l, int pslot, int ith);
 /* What of the config the Gemma 4 pieces cannot run with (NULL: fine). */
 const char *cf_gemma4_check_config(const cf_config *c);
 /* Lay the layers out (e->geo, seq_kbytes / seq_vbytes, hd_max) from the config and the cache row
