@@ -10,8 +10,8 @@ Choices:
   (Qwen2 / Qwen2.5: q/k/v biases -> attn.qkv_bias) and "qwen3" (dense Qwen3: per-head RMSNorm of q
   and k -> attn.q_norm / attn.k_norm, head_dim from attention.key_length). Anything else is a
   named error listing what is supported, never a best-effort guess; a vision projector (`clip`
-  mmproj files, or vision tensors inside a text GGUF) is refused by name. "gemma4" (dense Gemma 4;
-  its MoE files refused by name) and "deepseek2" have modules of their own
+  mmproj files, or vision tensors inside a text GGUF) is refused by name. "gemma4" (Gemma 4, dense
+  and MoE) and "deepseek2" have modules of their own
   (cflow.convert.gguf_gemma4, gguf_deepseek2).
 - "gpt-oss" (OpenAI's gpt-oss, as llama.cpp's llm_build_openai_moe_iswa runs it): q/k/v biases
   (qkv_bias), the output projection's bias (attn_output.bias -> attn.wo_bias: attn_out_bias), a
