@@ -197,6 +197,32 @@ def test_vflow_and_bytes_per_token(run, tmp_path):
     assert counted == pytest.approx(eng.weight_bytes_per_token(), rel=1e-3)
 
 
+def test_q8_kv_cache(run):
+    """The 8-bit KV cache, its rows sized per layer (32- and 64-wide heads: one and two blocks):
+    close to the fp16 cache's logits (tests/test_gptoss_engine.py's bound: median <= 2x
+    MEDIAN_TOL), and its prefill equals its steps."""
+    from test_engine import rel_err
+    from test_moe_llamacpp import MEDIAN_TOL
+
+    from cflow.runtime import Engine
+
+    _, dst, toks, fp16 = run[:4]
+    kv = dict(cache_type_k="q8_0", cache_type_v="q8_0")
+    got = engine_logits(dst, toks, **kv)
+    errs = compare(got, fp16)[0]
+    assert np.median(errs) <= 2 * MEDIAN_TOL, np.round(errs, 3)
+    with Engine.load(dst, threads=2, max_batch=16, n_ctx=64, **kv) as eng:
+        assert rel_err(eng.prefill(toks), got[-1]) < 1e-5
+
+
+def test_every_tensor_has_a_byte_category(run, moe_run):
+    """`cflow inspect`'s byte split files every Gemma 4 tensor under a category (none under "other")."""
+    from cflow.fileformat import open_model, tensor_category
+
+    for path in (run[1], moe_run[1]):
+        assert {n: tensor_category(n) for n in open_model(path).tensors if tensor_category(n) == "other"} == {}
+
+
 def test_engine_threads_agree(run):
     _, dst, toks, got = run[:4]
     np.testing.assert_array_equal(engine_logits(dst, toks[:12], threads=2), got[:12])
