@@ -655,7 +655,7 @@ static void experts_one_row(cf_engine *e, const cf_layer *w, const int *xs, cons
     const cf_config *c = &e->c;
     cf_state *s = &e->s;
     cf_scratch *ts = &e->ts[ith];
-    int d = c->d, p0, p1, oai = c->expert_act == CF_ACT_SWIGLU_OAI;
+    int d = c->d, p0, p1, oai = c->expert_act == CF_ACT_SWIGLU_OAI, gelu = c->expert_act == CF_ACT_GELU;
     ph(e, ith, CF_PK_EXP_GATE_UP, -1);
     cf_split_range(c->d_exp / CF_G, ith, nth, 1, &p0, &p1);
     for (int i = 0; i < k; i++) {
@@ -664,7 +664,11 @@ static void experts_one_row(cf_engine *e, const cf_layer *w, const int *xs, cons
         if (oai)
             swiglu_oai_rows(e, &w->exp_gate_up[x], c->moe_bias ? w->exp_b_gate_up[x] : NULL, ts->act, hid,
                             s->gu + (size_t)i * 2 * e->hmax, e->hmax, NULL, 1, p0, p1);
-        else
+        else if (gelu && p0 < p1) { /* geglu_rows' operations, into the expert's own rows of gu and hid */
+            float *gu = s->gu + (size_t)i * 2 * e->hmax;
+            matvec_rows(e, &w->exp_gate_up[x], ts->act, gu, 2 * e->hmax, NULL, 1, 2 * p0, 2 * p1);
+            e->k->geglu(hid + (size_t)p0 * CF_G, gu + (size_t)2 * p0 * CF_G, p1 - p0);
+        } else if (!gelu)
             gate_up_rows(e, &w->exp_gate_up[x], ts->act, hid, e->hmax, NULL, 1, p0, p1);
         if (ith == 0) e->cnt.n[CF_CNT_EXPERTS] += w->exp_bytes[x];
     }
@@ -699,7 +703,7 @@ static void op_experts(cf_engine *e, int l, int pslot, int ms, int tail, int ith
     ph(e, ith, CF_PK_NORM, l);
     quantize_rows(e, s->moe_in + (size_t)ms * B * c->d, c->d, c->d, e->ts[ith].act, NULL, e->B, w->exp_fmt);
     shared_expert(e, w, ms, out, ith, nth);
-    if (e->B == 1 && c->expert_act != CF_ACT_GELU) { /* decode: every chosen expert has the one row */
+    if (e->B == 1) { /* decode: every chosen expert has the one row */
         int xs[64], k = 0;
         float wts[64];
         for (int x = 0; x < c->n_experts; x++)
