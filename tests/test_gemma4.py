@@ -58,8 +58,8 @@ none).
 cflow's tokenizer for the type (cflow.tokenizer_gemma4), special tokens and decoding included, and
 through a converted .cflow (a Llama carrying the vocabulary) in the engine.
 
-cflow's converter refuses a gemma4 file by name (also tests/test_gemma3.py); the engine and the
-PyTorch reference will be held against this oracle when they learn the architecture.
+cflow converts and runs both files (tests/test_gemma4_engine.py holds its engine against this
+oracle).
 """
 
 from __future__ import annotations
@@ -82,8 +82,7 @@ from test_convert_gguf_moe import compare, gguf_values  # noqa: E402
 from test_moe_llamacpp import MEDIAN_TOL, llama_cpp_logits, private_cache  # noqa: E402,F401
 from test_tokenizer_gguf import CORPUS, TRICKY, detokenize  # noqa: E402
 
-from cflow.convert import convert  # noqa: E402
-from cflow.convert.gguf import GGUFModel, UnsupportedArchitectureError  # noqa: E402
+from cflow.convert.gguf import GGUFModel  # noqa: E402
 from cflow.tokenizer_spm import byte_token  # noqa: E402
 
 T = gguf.GGMLQuantizationType
@@ -231,9 +230,10 @@ def gemma4_weights(seed: int, moe: bool = False) -> dict[str, np.ndarray]:
     return w
 
 
-def write_gemma4_gguf(path, seed: int = 0, native: bool = False, moe: bool = False) -> None:
+def write_gemma4_gguf(path, seed: int = 0, native: bool | str = False, moe: bool = False) -> None:
     """The test's gemma4 GGUF; native=True stores the matrices Q8_0 (norms, scales and factors F32),
-    else every tensor F32; moe: every layer also has experts (26B-A4B's layers)."""
+    native="experts" the expert stacks too, else every tensor F32; moe: every layer also has experts
+    (26B-A4B's layers)."""
     wr = gguf.GGUFWriter(str(path), ARCH)
     wr.add_name("tiny-gemma4")
     wr.add_block_count(LAYERS)
@@ -262,7 +262,7 @@ def write_gemma4_gguf(path, seed: int = 0, native: bool = False, moe: bool = Fal
         wr.add_expert_feed_forward_length(F_EXP)
     add_gemma4_vocab(wr)
     for name, x in gemma4_weights(seed, moe).items():
-        add_tensor(wr, name, x, T.Q8_0 if native and x.ndim == 2 else T.F32)
+        add_tensor(wr, name, x, T.Q8_0 if native and (x.ndim == 2 or (x.ndim == 3 and native == "experts")) else T.F32)
     wr.write_header_to_file()
     wr.write_kv_data_to_file()
     wr.write_tensors_to_file()
@@ -475,10 +475,10 @@ def test_each_moe_feature_matters(g4_moe, control):
     assert np.median(errs) > 3 * MEDIAN_TOL, (control, np.round(errs, 3))
 
 
-def test_llama_cpp_runs_the_q8_0_file_and_cflow_refuses_it_by_name(tmp_path):
+def test_llama_cpp_runs_the_q8_0_file(tmp_path):
     """The matrices Q8_0: llama.cpp runs it within Q8_MEDIAN_TOL of the float reference over the
-    dequantized weights, the same argmax where decisive; cflow's converter refuses gemma4 by name
-    and writes nothing."""
+    dequantized weights, the same argmax where decisive (cflow's engine on it:
+    tests/test_gemma4_engine.py)."""
     path = tmp_path / "q8.gguf"
     write_gemma4_gguf(path, seed=0, native=True)
     assert {t.name: t.tensor_type for t in gguf.GGUFReader(str(path)).tensors}["blk.0.attn_q.weight"] == T.Q8_0
@@ -486,9 +486,6 @@ def test_llama_cpp_runs_the_q8_0_file_and_cflow_refuses_it_by_name(tmp_path):
     errs, margins, agree = compare(reference_logits(path, toks), llama_cpp_logits(path, toks))
     safe = margins > 0.2
     assert np.median(errs) <= Q8_MEDIAN_TOL and safe.sum() >= 10 and agree[safe].mean() >= 0.95, np.round(errs, 3)
-    with pytest.raises(UnsupportedArchitectureError, match="gemma4.*not yet supported"):
-        convert(path, tmp_path / "m.cflow")
-    assert not (tmp_path / "m.cflow").exists()
 
 
 # ---- the vocabulary ---------------------------------------------------------------------------
@@ -585,7 +582,7 @@ def test_a_gemma4_vocabulary_without_byte_tokens_is_refused(tmp_path):
 
 
 def test_a_gemma4_vocabulary_survives_conversion(tmp_path):
-    """A random one-layer Llama carrying the "gemma4" vocabulary (the architecture is still refused):
+    """A random one-layer Llama carrying the "gemma4" vocabulary (the vocabulary alone):
     the .cflow keeps the tokenizer, the engine encodes like llama.cpp and streams what it decodes."""
     from test_tokenizer_gguf import write_vocab_gguf
 

@@ -26,14 +26,15 @@ from cflow.runtime import abi
 from cflow.runtime.errors import DtypeTableMismatchError, NativeMissingError
 
 EXPECTED = {
-    "OP_KINDS": ("embed", "attn", "dense", "route", "experts", "resid", "final"),
+    "OP_KINDS": ("embed", "attn", "dense", "route", "experts", "resid", "final", "ple"),
     "DESC_FIELDS": ("offset", "dtype", "rows", "cols", "tile_rows", "tile_cols"),
-    "GLOBAL_TENSORS": ("tok_emb", "norm", "lm_head"),
+    "GLOBAL_TENSORS": ("tok_emb", "norm", "lm_head", "ple_emb", "ple_proj", "ple_norm"),
     "LAYER_SLOTS": ("attn_norm", "attn.wqkv", "attn.wo", "ffn_norm", "ffn.w_gate_up", "ffn.w_down", "moe_norm",
                     "moe.router", "attn.qkv_bias", "attn.q_norm", "attn.k_norm", "attn.wq", "attn.wk", "attn.wv",
                     "moe.shared_gate", "moe.shared.w_gate_up", "moe.shared.w_down", "attn_post_norm", "ffn_post_norm",
                     "attn.wq_a", "attn.q_a_norm", "attn.wq_b", "attn.wkv_a", "attn.kv_a_norm", "attn.wk_b", "attn.wv_b",
-                    "moe.router_bias", "attn.wo_bias", "attn.sinks"),
+                    "moe.router_bias", "attn.wo_bias", "attn.sinks", "ple.w_gate", "ple.w_proj", "ple_post_norm",
+                    "out_scale", "moe.router_norm", "moe.expert_scale", "ffn_post_norm_1", "moe_post_norm"),
     "EXPERT_SLOTS": ("w_gate_up", "w_down", "b_gate_up", "b_down"),
     "COUNTER_NAMES": ("attn", "dense", "router", "experts", "embed", "lm_head", "kv", "tokens", "calls",
                       "disk_bytes", "cache_hits", "cache_misses", "io_stall_ns",
@@ -135,7 +136,9 @@ def test_layer_slots_are_the_file_order():
     cfg = tiny_config(False).replace(qkv_bias=True, qk_norm=True, d_shared_expert=32)
     slots = [w.slot for w in weights.layer_weights(cfg, 0) if w.expert is None]
     post = ("attn_post_norm", "ffn_post_norm")  # Gemma's post-norms exist in dense models only
-    gptoss = ("attn.wo_bias", "attn.sinks", "moe.router_bias")  # gpt-oss's (DeepSeek's router bias too)
+    # gpt-oss's (DeepSeek's router bias too), and Gemma 4's per-layer block (tests/test_gemma4_engine.py)
+    gptoss = ("attn.wo_bias", "attn.sinks", "moe.router_bias", "ple.w_gate", "ple.w_proj", "ple_post_norm",
+              "out_scale", "moe.router_norm", "moe.expert_scale", "ffn_post_norm_1", "moe_post_norm")
     assert slots == [s for s in weights.LAYER_SLOTS if s not in post + gptoss]
     oss = tiny_config(False).replace(qkv_bias=True, attn_sinks=True, attn_out_bias=True, moe_bias=True)
     slots = [w.slot for w in weights.layer_weights(oss, 0) if w.expert is None]
@@ -259,8 +262,11 @@ def test_row_names_are_the_file_formats(tied, options):
     names = row_names(cfg)
     assert len(names) == len(set(names))
     unused = {"lm_head"} if tied else set()
+    unused |= {"ple_emb", "ple_proj", "ple_norm"}  # Gemma 4's (tests/test_gemma4_engine.py)
     unused |= {f"layers.{i}.{s}" for i in range(cfg.n_unique_layers)
-               for s in ("attn_post_norm", "ffn_post_norm", "moe.router_bias") + weights.MLA_SLOTS}
+               for s in ("attn_post_norm", "ffn_post_norm", "moe.router_bias", "ple.w_gate", "ple.w_proj",
+                         "ple_post_norm", "out_scale", "moe.router_norm", "moe.expert_scale", "ffn_post_norm_1",
+                         "moe_post_norm") + weights.MLA_SLOTS}
     # gpt-oss's tensors, which these configs do not turn on (test_gptoss_engine runs them)
     unused |= {f"layers.{i}.{s}" for i in range(cfg.n_unique_layers) for s in ("attn.wo_bias", "attn.sinks")}
     unused |= {f"layers.{i}.moe.experts.{e}.{s}" for i in range(cfg.n_unique_layers) for e in range(cfg.n_experts)

@@ -37,6 +37,21 @@ add their biases, stored beside the expert's matrices so they travel with it to 
 moe_gating "softmax_topk" (the top_k chosen on the raw logits, their weights the softmax over
 those k; default "softmax": over all E, then top_k) and expert_act "swiglu_oai" (OpenAI's clamped
 SwiGLU, min(g, 7) * sigmoid(1.702 min(g, 7)) * (clamp(u, -7, 7) + 1); default "silu").
+Gemma 4 options (all off by default): head_dim_local > 0 gives the local layers a head size of
+their own (head_dim is then the global layers'); shared_kv_layers N > 0: the last N layers own no
+K/V and attend over the cache of an earlier layer of their kind (kv_source: llama.cpp's rule, the
+last KV-owning local layer for a local one, the last global one for a global one); d_ff_shared_kv
+> 0 is the FFN width of those layers (Gemma 4 E2B's double-wide MLP); v_norm: each V head through
+an unweighted RMSNorm before the cache; per_layer_dim P > 0: per-layer embeddings (cflow.weights:
+ple_emb [vocab, L P], ple_proj [L P, d], ple_norm [P]; per layer ple.w_gate [P, d], ple.w_proj
+[d, P], ple_post_norm [d]): with x0 the scaled embedding, layer l's input
+ple_l = (rms(ple_proj x0 / sqrt(d))[l] * ple_norm + ple_emb[t][l] sqrt(P)) / sqrt(2), and after the
+layer's FFN x += rms(ple.w_proj (gelu_tanh(ple.w_gate x) * ple_l)) * ple_post_norm; layer_out_scale:
+then x *= out_scale [1] of the layer; logit_softcap c > 0: logits = c tanh(logits / c). Gemma 4's
+MoE layers (26B-A4B: the dense FFN beside the experts, moe_input "post_attn", expert_act
+"gelu_tanh"): moe_router_norm: the router reads rms(z) * moe.router_norm [d] instead of the
+experts' input norm(z); expert_scale: expert e's output times moe.expert_scale[e]; moe_out_norms:
+x_{l+1} = h + ffn_post_norm(rms(f) * ffn_post_norm_1 + rms(m) * moe_post_norm), m the experts' sum.
 mtp_heads (default 0) adds multi-token prediction heads: head j predicts token t+2+j from the
 final normed hidden state of position t (`cflow train --mtp N`).
 """
@@ -54,7 +69,7 @@ from cflow.errors import CflowError
 MOE_INPUTS = ("post_dense", "post_attn")
 FFN_ACTS = ("silu", "gelu_tanh")
 MOE_GATINGS = ("softmax", "sigmoid", "softmax_topk")
-EXPERT_ACTS = ("silu", "swiglu_oai")
+EXPERT_ACTS = ("silu", "swiglu_oai", "gelu_tanh")
 # OpenAI's SwiGLU (expert_act "swiglu_oai"): llama.cpp's build_moe_ffn hard-codes them for gpt-oss
 SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT = 1.702, 7.0
 # More heads than this predict so far ahead that their guesses are rarely accepted.
@@ -130,6 +145,17 @@ class ModelConfig:
     attn_out_bias: bool = False  # the output projection adds a bias (gpt-oss)
     moe_bias: bool = False  # router and expert gate/up/down biases (gpt-oss)
     expert_act: str = "silu"  # the experts' activation: "silu" (SwiGLU) or "swiglu_oai" (gpt-oss)
+    # Gemma 4 (module docstring); all off by default
+    head_dim_local: int = 0  # 0: local layers have head_dim; else their own head size
+    shared_kv_layers: int = 0  # the last N layers reuse an earlier layer's K/V (kv_source)
+    d_ff_shared_kv: int = 0  # 0: d_ff; else the FFN width of the shared-KV layers
+    v_norm: bool = False  # V heads through an unweighted RMSNorm
+    per_layer_dim: int = 0  # P: per-layer embeddings; 0: none
+    layer_out_scale: bool = False  # each layer's output times its out_scale
+    logit_softcap: float = 0.0  # c > 0: logits = c tanh(logits / c)
+    moe_router_norm: bool = False  # the router reads rms(z) * moe.router_norm, not the experts' input
+    expert_scale: bool = False  # expert e's output times moe.expert_scale[e]
+    moe_out_norms: bool = False  # f and the experts' sum each normed, their sum through ffn_post_norm
     # Multi-token prediction: head j (0..mtp_heads-1) maps the final normed hidden state h_t to a
     # prediction of token t+2+j through the shared lm_head (cflow.model.MtpHead); the engine uses
     # them as a self-speculative proposer (cflow.runtime.speculative.MtpProposer). 0: none.
@@ -225,9 +251,10 @@ class ModelConfig:
              self.attn_temp_floor == 0), "attn_temp_scale and attn_temp_floor are >= 0 and set together "
              f"(got {self.attn_temp_scale}, {self.attn_temp_floor})")
         need(self.ffn_act in FFN_ACTS, f"ffn_act must be one of {FFN_ACTS}, got {self.ffn_act!r}")
-        need(self.n_experts == 0 or (self.ffn_act == "silu" and not self.post_norms),
-             "ffn_act gelu_tanh and post_norms are for dense models (n_experts = 0)")
+        need(self.n_experts == 0 or self.moe_out_norms or (self.ffn_act == "silu" and not self.post_norms),
+             "ffn_act gelu_tanh and post_norms are for dense models (n_experts = 0) or Gemma 4's (moe_out_norms)")
         self._validate_deepseek(need)
+        self._validate_gemma4(need)
         need(self.expert_act in EXPERT_ACTS, f"expert_act must be one of {EXPERT_ACTS}, got {self.expert_act!r}")
         need(self.n_experts > 0 or (not self.moe_bias and self.moe_gating == "softmax" and self.expert_act == "silu"),
              "moe_bias, moe_gating and expert_act describe experts: they need n_experts > 0")
@@ -264,6 +291,62 @@ class ModelConfig:
                  and self.n_unique_layers == self.n_layers,
                  "n_dense_lead runs undelayed layers (delta_dense = delta_expert = 0, moe_input post_attn) "
                  "with weights of their own (n_unique_layers = n_layers)")
+
+    def _validate_gemma4(self, need) -> None:
+        """The Gemma 4 options: per-layer geometry needs one weight set per layer and a dense model."""
+        g4 = self.head_dim_local or self.shared_kv_layers or self.d_ff_shared_kv or self.per_layer_dim
+        need(min(self.head_dim_local, self.shared_kv_layers, self.d_ff_shared_kv, self.per_layer_dim) >= 0
+             and self.logit_softcap >= 0, "head_dim_local, shared_kv_layers, d_ff_shared_kv, per_layer_dim and "
+             "logit_softcap must be >= 0")
+        if g4 or self.layer_out_scale or self.v_norm:
+            need(self.n_unique_layers == self.n_layers and not self.mla and self.delta_dense == 0
+                 and self.history_depth == 1,
+                 "head_dim_local, shared_kv_layers, d_ff_shared_kv, per_layer_dim, v_norm and layer_out_scale "
+                 "(Gemma 4) need a weight set per layer and no delays")
+        if self.moe_router_norm or self.expert_scale or self.moe_out_norms:
+            need(self.has_moe, "moe_router_norm, expert_scale and moe_out_norms (Gemma 4) need experts")
+        if self.moe_out_norms:
+            need(self.has_dense and self.post_norms and not self.n_dense_lead and self.moe_input == "post_attn",
+                 "moe_out_norms joins a dense FFN beside the experts in every layer (post_norms, moe_input "
+                 "post_attn)")
+        if self.head_dim_local:
+            need(self.head_dim_local % 2 == 0 and self.sliding_window_pattern > 0,
+                 f"head_dim_local ({self.head_dim_local}) must be even and needs local and global layers "
+                 "(sliding_window_pattern > 0)")
+        if self.d_ff_shared_kv:
+            need(self.shared_kv_layers > 0, "d_ff_shared_kv needs shared_kv_layers > 0")
+        if self.shared_kv_layers:
+            need(self.shared_kv_layers < self.n_layers,
+                 f"shared_kv_layers ({self.shared_kv_layers}) must leave a layer with K/V of its own")
+            for layer in range(self.n_layers - self.shared_kv_layers, self.n_layers):
+                src = self.kv_source(layer)
+                need(0 <= src and self.is_local(src) == self.is_local(layer),
+                     f"shared-KV layer {layer} would read layer {src}'s cache, which is not of its kind "
+                     "(local / global)")
+
+    def layer_has_kv(self, layer: int) -> bool:
+        """Whether layer `layer` computes K/V of its own (the shared-KV layers read another's)."""
+        return layer < self.n_layers - self.shared_kv_layers
+
+    def kv_source(self, layer: int) -> int:
+        """The layer whose K/V cache `layer` attends over: itself, or for a shared-KV layer the last
+        KV-owning layer of its kind, counted as llama.cpp does (n_kv - 2 local, n_kv - 1 global)."""
+        if self.layer_has_kv(layer):
+            return layer
+        return self.n_layers - self.shared_kv_layers - (2 if self.is_local(layer) else 1)
+
+    def layer_head_dim(self, layer: int) -> int:
+        return self.head_dim_local if self.head_dim_local and self.is_local(layer) else self.head_dim
+
+    def layer_q_dim(self, layer: int) -> int:
+        return self.n_heads * self.layer_head_dim(layer)
+
+    def layer_kv_dim(self, layer: int) -> int:
+        """The K (and V) width layer `layer` projects: 0 on the shared-KV layers."""
+        return self.n_kv_heads * self.layer_head_dim(layer) if self.layer_has_kv(layer) else 0
+
+    def layer_d_ff(self, layer: int) -> int:
+        return self.d_ff_shared_kv if self.d_ff_shared_kv and not self.layer_has_kv(layer) else self.d_ff
 
     @property
     def mla(self) -> bool:

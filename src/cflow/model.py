@@ -346,6 +346,11 @@ class Transformer(nn.Module):
             raise ModelError(f"config {cfg.name!r} is DeepSeek's (latent attention, leading dense layers or its "
                              "routing), which this trainable model does not build; its float reference is "
                              "cflow.model_deepseek2 (from the GGUF)")
+        from cflow.model_gemma4 import is_gemma4
+
+        if is_gemma4(cfg):
+            raise ModelError(f"config {cfg.name!r} is Gemma 4's (per-layer shapes, shared K/V, per-layer embeddings), "
+                             "which this trainable model does not build; its float reference is cflow.model_gemma4")
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         # Only the unique weight sets exist; layer l calls layers[l % n_unique_layers].

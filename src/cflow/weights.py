@@ -7,6 +7,9 @@ count bytes from them:
 
     name                               shape              node      stored
     tok_emb                            [vocab, d]         embed     quantized (one row per token)
+    ple_emb                            [vocab, L P]       embed     quantized (per_layer_dim P > 0: a row
+    ple_proj                           [L P, d]           embed     quantized  per token, the projection
+    ple_norm                           [P]                embed     f32        and norm of every token)
     layers.{i}.attn_norm               [d]                attn      f32
     layers.{i}.attn.wqkv               [q + 2 kv, d]      attn      quantized (wq, wk, wv fused)
       or layers.{i}.attn.wq / wk / wv  [q, d] [kv, d] [kv, d]       the same rows as three tensors,
@@ -32,6 +35,14 @@ count bytes from them:
     layers.{i}.moe.experts.{e}.w_down  [d, d_exp]         experts   quantized
     layers.{i}.moe.experts.{e}.b_gate_up [2 d_exp]        experts   f32      (moe_bias: gate, up biases
     layers.{i}.moe.experts.{e}.b_down  [d]                experts   f32       interleaved as w_gate_up's rows)
+    layers.{i}.moe.router_norm         [d]                router    f32      (Gemma 4's MoE: moe_router_norm;
+    layers.{i}.moe.expert_scale        [E]                router    f32       expert_scale;
+    layers.{i}.ffn_post_norm_1         [d]                dense     f32       moe_out_norms: the
+    layers.{i}.moe_post_norm           [d]                dense     f32       branches' norms)
+    layers.{i}.ple.w_gate              [P, d]             dense     quantized (per_layer_dim P > 0:
+    layers.{i}.ple.w_proj              [d, P]             dense     quantized  Gemma 4's per-layer
+    layers.{i}.ple_post_norm           [d]                dense     f32        embeddings' block)
+    layers.{i}.out_scale               [1]                dense     f32      (layer_out_scale)
     norm                               [d]                lm_head   f32
     lm_head                            [vocab, d]         lm_head   quantized (absent when tied)
     mtp.{j}.w_up                       [d, d]             mtp       f32      (mtp_heads > 0: head j,
@@ -42,6 +53,10 @@ The shared expert belongs to the experts node (it runs beside the routed ones, s
 sigmoid(shared_gate . norm(z)), which the router computes) but is not one of the E experts: it
 has no expert index, is not in the expert table, and stays in RAM when the routed experts live on
 disk. A token reads it whole, like a dense FFN.
+
+Gemma 4's layers differ in shape (config head_dim_local, shared_kv_layers, d_ff_shared_kv): set i
+(= layer i there) has q = n_heads * layer_head_dim(i), kv = layer_kv_dim(i) (0 on a shared-KV
+layer: attn.wqkv holds only q rows and there is no k_norm) and d_ff = layer_d_ff(i).
 
 `i` is a weight set (0..n_unique_layers-1); layer l reads set l % n_unique_layers. Ordered as
 `.cflow` stores them: embeddings, each set, then the final norm and lm_head, then the
@@ -72,12 +87,14 @@ NODE_KINDS = ("embed", "attn", "dense", "router", "experts", "lm_head")
 # descriptor rows, an ABI order of its own (new slots go last) that Python never relies on: the
 # descriptor is built from the core's names and bound by name (cflow.runtime.abi). The names are
 # one set on both sides; tests/test_native_contract.py holds them equal.
-GLOBAL_NAMES = ("tok_emb", "norm", "lm_head")
+GLOBAL_NAMES = ("tok_emb", "norm", "lm_head", "ple_emb", "ple_proj", "ple_norm")
 # A weight set's slots in `.cflow` order (layer_weights yields them so), plus QKV_PARTS in
 # attn.wqkv's place when the projection is stored by parts.
 LAYER_SLOTS = ("attn_norm", "attn.wqkv", "attn.qkv_bias", "attn.q_norm", "attn.k_norm", "attn.wo", "attn.wo_bias",
                "attn.sinks", "attn_post_norm", "ffn_norm", "ffn.w_gate_up", "ffn.w_down", "ffn_post_norm", "moe_norm",
-               "moe.router", "moe.router_bias", "moe.shared_gate", "moe.shared.w_gate_up", "moe.shared.w_down")
+               "moe.router", "moe.router_bias", "moe.shared_gate", "moe.shared.w_gate_up", "moe.shared.w_down",
+               "moe.router_norm", "moe.expert_scale", "ffn_post_norm_1", "moe_post_norm",
+               "ple.w_gate", "ple.w_proj", "ple_post_norm", "out_scale")
 # Multi-head latent attention's tensors (config kv_lora_rank > 0), in attn.wqkv's place: the query
 # (attn.wq, or attn.wq_a -> attn.q_a_norm -> attn.wq_b), the latent and k_pe projection and the
 # latent's norm, and per head the latent's up-projections for keys (attn.wk_b [H kv_lora, qk_nope])
@@ -133,21 +150,24 @@ def layer_weights(cfg: ModelConfig, i: int, experts: Iterable[int] | None = None
     """Tensors of weight set i (and of the given experts, default all), in `.cflow` order;
     split_qkv: the projection as its three parts instead of attn.wqkv."""
     d, p = cfg.d_model, f"layers.{i}."
+    # the set's geometry: the model's, or Gemma 4's per-layer head size / shared K/V (set i = layer i)
+    hd, q_dim, kv_dim = cfg.layer_head_dim(i), cfg.layer_q_dim(i), cfg.layer_kv_dim(i)
     out = [Weight(p + "attn_norm", (d,), "attn", True, i)]
     if cfg.mla:
         out += _mla_weights(cfg, i)
     elif split_qkv:
         out += [Weight(p + part, (rows, d), "attn", False, i)
-                for part, rows in zip(QKV_PARTS, (cfg.q_dim, cfg.kv_dim, cfg.kv_dim))]
+                for part, rows in zip(QKV_PARTS, (q_dim, kv_dim, kv_dim))]
     else:
-        out.append(Weight(p + "attn.wqkv", (cfg.q_dim + 2 * cfg.kv_dim, d), "attn", False, i))
+        out.append(Weight(p + "attn.wqkv", (q_dim + 2 * kv_dim, d), "attn", False, i))
     if cfg.qkv_bias:
-        out.append(Weight(p + "attn.qkv_bias", (cfg.q_dim + 2 * cfg.kv_dim,), "attn", True, i))
+        out.append(Weight(p + "attn.qkv_bias", (q_dim + 2 * kv_dim,), "attn", True, i))
     if cfg.qk_norm:
         full = cfg.qk_norm_full
-        out += [Weight(p + "attn.q_norm", (cfg.q_dim if full else cfg.head_dim,), "attn", True, i),
-                Weight(p + "attn.k_norm", (cfg.kv_dim if full else cfg.head_dim,), "attn", True, i)]
-    out.append(Weight(p + "attn.wo", (d, cfg.n_heads * cfg.v_head_dim if cfg.mla else cfg.q_dim), "attn", False, i))
+        out.append(Weight(p + "attn.q_norm", (q_dim if full else hd,), "attn", True, i))
+        if kv_dim:
+            out.append(Weight(p + "attn.k_norm", (kv_dim if full else hd,), "attn", True, i))
+    out.append(Weight(p + "attn.wo", (d, cfg.n_heads * cfg.v_head_dim if cfg.mla else q_dim), "attn", False, i))
     if cfg.attn_out_bias:
         out.append(Weight(p + "attn.wo_bias", (d,), "attn", True, i))
     if cfg.attn_sinks:
@@ -155,11 +175,13 @@ def layer_weights(cfg: ModelConfig, i: int, experts: Iterable[int] | None = None
     if cfg.post_norms:
         out.append(Weight(p + "attn_post_norm", (d,), "attn", True, i))
     if cfg.layer_has_dense(i):
+        d_ff = cfg.layer_d_ff(i)
         out += [Weight(p + "ffn_norm", (d,), "dense", True, i),
-                Weight(p + "ffn.w_gate_up", (2 * cfg.d_ff, d), "dense", False, i),
-                Weight(p + "ffn.w_down", (d, cfg.d_ff), "dense", False, i)]
+                Weight(p + "ffn.w_gate_up", (2 * d_ff, d), "dense", False, i),
+                Weight(p + "ffn.w_down", (d, d_ff), "dense", False, i)]
         if cfg.post_norms:
             out.append(Weight(p + "ffn_post_norm", (d,), "dense", True, i))
+    expert_weights = []
     if cfg.layer_has_moe(i):
         out += [Weight(p + "moe_norm", (d,), "router", True, i),
                 Weight(p + "moe.router", (cfg.n_experts, d), "router", True, i)]
@@ -171,13 +193,25 @@ def layer_weights(cfg: ModelConfig, i: int, experts: Iterable[int] | None = None
                 out.append(Weight(p + "moe.shared_gate", (d,), "router", True, i))
             out += [Weight(p + "moe.shared.w_gate_up", (2 * ds, d), "experts", False, i),
                     Weight(p + "moe.shared.w_down", (d, ds), "experts", False, i)]
+        if cfg.moe_router_norm:
+            out.append(Weight(p + "moe.router_norm", (d,), "router", True, i))
+        if cfg.expert_scale:
+            out.append(Weight(p + "moe.expert_scale", (cfg.n_experts,), "router", True, i))
+        if cfg.moe_out_norms:
+            out += [Weight(p + "ffn_post_norm_1", (d,), "dense", True, i), Weight(p + "moe_post_norm", (d,), "dense", True, i)]
         for e in range(cfg.n_experts) if experts is None else experts:
-            out += [Weight(expert_name(i, e, "w_gate_up"), (2 * cfg.d_expert, d), "experts", False, i, e),
-                    Weight(expert_name(i, e, "w_down"), (d, cfg.d_expert), "experts", False, i, e)]
+            expert_weights += [Weight(expert_name(i, e, "w_gate_up"), (2 * cfg.d_expert, d), "experts", False, i, e),
+                               Weight(expert_name(i, e, "w_down"), (d, cfg.d_expert), "experts", False, i, e)]
             if cfg.moe_bias:
-                out += [Weight(expert_name(i, e, "b_gate_up"), (2 * cfg.d_expert,), "experts", True, i, e),
-                        Weight(expert_name(i, e, "b_down"), (d,), "experts", True, i, e)]
-    return out
+                expert_weights += [Weight(expert_name(i, e, "b_gate_up"), (2 * cfg.d_expert,), "experts", True, i, e),
+                                   Weight(expert_name(i, e, "b_down"), (d,), "experts", True, i, e)]
+    if cfg.per_layer_dim:
+        P = cfg.per_layer_dim
+        out += [Weight(p + "ple.w_gate", (P, d), "dense", False, i), Weight(p + "ple.w_proj", (d, P), "dense", False, i),
+                Weight(p + "ple_post_norm", (d,), "dense", True, i)]
+    if cfg.layer_out_scale:
+        out.append(Weight(p + "out_scale", (1,), "dense", True, i))
+    return out + expert_weights
 
 
 def _mla_weights(cfg: ModelConfig, i: int) -> list[Weight]:
@@ -197,6 +231,11 @@ def _mla_weights(cfg: ModelConfig, i: int) -> list[Weight]:
 def global_weights(cfg: ModelConfig) -> tuple[list[Weight], list[Weight]]:
     """(the tensors before the layers, the tensors after them)."""
     head = [Weight("tok_emb", (cfg.vocab_size, cfg.d_model), "embed", False)]
+    if cfg.per_layer_dim:
+        lp = cfg.n_layers * cfg.per_layer_dim
+        head += [Weight("ple_emb", (cfg.vocab_size, lp), "embed", False),
+                 Weight("ple_proj", (lp, cfg.d_model), "embed", False),
+                 Weight("ple_norm", (cfg.per_layer_dim,), "embed", True)]
     tail = [Weight("norm", (cfg.d_model,), "lm_head", True)]
     if not cfg.tie_embeddings:
         tail.append(Weight("lm_head", (cfg.vocab_size, cfg.d_model), "lm_head", False))
@@ -238,9 +277,13 @@ def count(cfg: ModelConfig, n_split_qkv: int = 0) -> int:
     dense = (3 + cfg.post_norms) * cfg.has_dense
     per_expert = 2 + 2 * cfg.moe_bias  # its matrices, and gpt-oss's biases
     moe = (2 + per_expert * cfg.n_experts + (cfg.moe_router_bias or cfg.moe_bias)
-           + (2 + cfg.shared_expert_gate) * cfg.has_shared_expert) * cfg.has_moe
+           + (2 + cfg.shared_expert_gate) * cfg.has_shared_expert
+           + cfg.moe_router_norm + cfg.expert_scale + 2 * cfg.moe_out_norms) * cfg.has_moe
     sets, lead = cfg.n_unique_layers, cfg.n_dense_lead  # leading dense layers: dense or MoE, not both
     layers = sets * attn + (lead * dense + (sets - lead) * moe if lead else sets * (dense + moe))
+    # Gemma 4: no k_norm on the shared-KV layers; the per-layer block; the output scale
+    layers += sets * (3 * bool(cfg.per_layer_dim) + cfg.layer_out_scale) - cfg.qk_norm * cfg.shared_kv_layers
+    layers += 3 * bool(cfg.per_layer_dim)  # ple_emb, ple_proj, ple_norm
     # (latent attention's plain query is named attn.wq, which split_qkv_sets counts; it splits nothing)
     return 2 + layers + (not cfg.tie_embeddings) + 2 * n_split_qkv * (not cfg.mla) + len(MTP_SLOTS) * cfg.mtp_heads
 
@@ -250,9 +293,9 @@ def node_weights(cfg: ModelConfig, kind: str, weight_set: int = 0, split_qkv: Co
     reads one row of tok_emb and `lm_head` reads tok_emb itself when embeddings are tied."""
     if kind == "embed":
         return global_weights(cfg)[0]
-    if kind == "lm_head":
+    if kind == "lm_head":  # tied: tok_emb itself (not the per-layer embeddings beside it)
         head, tail = global_weights(cfg)
-        return tail + (head if cfg.tie_embeddings else [])
+        return tail + (head[:1] if cfg.tie_embeddings else [])
     return [w for w in layer_weights(cfg, weight_set, split_qkv=weight_set in split_qkv) if w.node == kind]
 
 
@@ -264,8 +307,10 @@ def token_bytes(cfg: ModelConfig, size: Callable[[Weight], int], split_qkv: Coll
     expert whole. KV-cache reads
     are not weights and are not counted here (the engine's counters report them separately)."""
     out = dict.fromkeys(NODE_KINDS, 0.0)
-    emb = global_weights(cfg)[0][0]
+    emb, *ple = global_weights(cfg)[0]
     out["embed"] = size(emb) / cfg.vocab_size
+    if ple:  # Gemma 4: a row of ple_emb, and ple_proj and ple_norm whole
+        out["embed"] += size(ple[0]) / cfg.vocab_size + size(ple[1]) + size(ple[2])
     out["lm_head"] = float(sum(size(w) for w in node_weights(cfg, "lm_head")))
     for layer in range(cfg.n_layers):
         ws = layer_weights(cfg, cfg.weight_layer(layer), split_qkv=cfg.weight_layer(layer) in split_qkv)

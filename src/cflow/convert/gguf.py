@@ -1,4 +1,4 @@
-"""GGUF (llama.cpp) Llama, Qwen2, Qwen3, Gemma 3 and Mistral 3 models, dense and mixture-of-experts
+"""GGUF (llama.cpp) Llama, Qwen2, Qwen3, Gemma 3, Gemma 4 and Mistral 3 models, dense and mixture-of-experts
 (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss) -> `.cflow`.
 
 Owns reading a GGUF file (through the `gguf` package's GGUFReader, memory-mapped): its
@@ -9,9 +9,10 @@ Choices:
 - `general.architecture` "llama" (Llama, SmolLM, TinyLlama, Mistral, Mixtral ...), "qwen2"
   (Qwen2 / Qwen2.5: q/k/v biases -> attn.qkv_bias) and "qwen3" (dense Qwen3: per-head RMSNorm of q
   and k -> attn.q_norm / attn.k_norm, head_dim from attention.key_length). Anything else is a
-  named error listing what is supported, never a best-effort guess; `gemma4` is named as not yet
-  supported, and a vision projector (`clip` mmproj files, or vision tensors inside a text GGUF)
-  is refused by name.
+  named error listing what is supported, never a best-effort guess; a vision projector (`clip`
+  mmproj files, or vision tensors inside a text GGUF) is refused by name. "gemma4" (Gemma 4, dense
+  and MoE) and "deepseek2" have modules of their own
+  (cflow.convert.gguf_gemma4, gguf_deepseek2).
 - "gpt-oss" (OpenAI's gpt-oss, as llama.cpp's llm_build_openai_moe_iswa runs it): q/k/v biases
   (qkv_bias), the output projection's bias (attn_output.bias -> attn.wo_bias: attn_out_bias), a
   learned sink logit per query head (attn_sinks.weight [n_heads] -> attn.sinks: attn_sinks), NEOX
@@ -121,7 +122,7 @@ from cflow.tokenizer import Tokenizer, TokenizerError, unicode_to_bytes
 from cflow.weights import Weight
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "olmoe", "gemma3", "mistral3", "gpt-oss",
-                           "deepseek2")  # deepseek2: cflow.convert.gguf_deepseek2
+                           "deepseek2", "gemma4")  # deepseek2, gemma4: cflow.convert.gguf_deepseek2, gguf_gemma4
 # Architectures with experts, and whether llama.cpp renormalises their top-k routing weights
 # (gpt-oss: its softmax over the k chosen logits sums to 1 already).
 _MOE_NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False, "gpt-oss": False}
@@ -130,8 +131,7 @@ _MOE_ONLY = ("qwen2moe", "qwen3moe", "olmoe", "gpt-oss")  # every layer has expe
 # the others listed above use NEOX RoPE, the "half" convention cflow runs, and are stored as is.
 _PERMUTED_QK = ("llama", "mistral3")
 # Known architectures cflow does not run yet, with what is missing.
-_NOT_YET = {"gemma4": "gemma4 (its per-layer embeddings and attention variants)",
-            # tests/test_qwen35.py pins llama.cpp's graph down (reference + controls)
+_NOT_YET = {# tests/test_qwen35.py pins llama.cpp's graph down (reference + controls)
             "qwen35": "qwen35 (Gated DeltaNet linear-attention layers with their per-sequence conv and "
                       "recurrent state, gated full attention with partial RoPE)",
             "qwen35moe": "qwen35moe (Gated DeltaNet linear-attention layers with their per-sequence conv and "
@@ -278,6 +278,10 @@ def gguf_config(g: GGUFModel) -> ModelConfig:
             f"{g.path.name} holds a vision tower ({what!r} projector: an mmproj file or vision tensors such as "
             f"{next((n for n in g.tensors if n.startswith(_VISION_PREFIXES)), 'v.*')}); cflow runs the text model "
             "only: convert the text GGUF without the projector")
+    if arch == "gemma4":  # its per-layer shapes: a module of its own
+        from cflow.convert.gguf_gemma4 import gemma4_config
+
+        return gemma4_config(g)
     if arch in _NOT_YET:
         raise UnsupportedArchitectureError(
             f"{g.path.name} is a {arch!r} model: {_NOT_YET[arch]} is not yet supported by cflow; it "
@@ -286,7 +290,7 @@ def gguf_config(g: GGUFModel) -> ModelConfig:
         raise UnsupportedArchitectureError(
             f"{g.path.name} is a {arch!r} model; cflow converts GGUF architectures "
             f"{list(SUPPORTED_ARCHITECTURES)} (Llama 2/3, SmolLM, TinyLlama, Mistral, Mixtral, Qwen2, "
-            "Qwen2.5, Qwen3, Qwen2-MoE, Qwen3-MoE, OLMoE, Gemma 3, Ministral 3 / Mistral Small 3, gpt-oss)")
+            "Qwen2.5, Qwen3, Qwen2-MoE, Qwen3-MoE, OLMoE, Gemma 3, Gemma 4, Ministral 3 / Mistral Small 3, gpt-oss)")
     p = f"{arch}."
     n_experts = int(g.get(p + "expert_count") or 0)
     ffn = int(g.require(p + "feed_forward_length"))
@@ -863,6 +867,10 @@ def convert_gguf(src: str | os.PathLike, dst: str | os.PathLike, *, quant: str =
         from cflow.convert.gguf_deepseek2 import deepseek2_tensors
 
         tensors = deepseek2_tensors(g, cfg, enc)
+    elif g.architecture == "gemma4":
+        from cflow.convert.gguf_gemma4 import gemma4_tensors
+
+        tensors = gemma4_tensors(g, cfg, enc)
     else:
         tensors = gguf_tensors(g, cfg, enc)
     return write_conversion(src, dst, cfg, tok, tensors, enc, metadata, order=order, tile=tile,

@@ -95,12 +95,13 @@ def order_tensors(items: list[TensorData], cfg: ModelConfig, order: str) -> list
 def tensor_category(name: str) -> str:
     """Byte-accounting category: embeddings, attention, dense, router, experts, shared_expert
     (RAM-resident like dense), norms, other."""
-    if name in ("tok_emb", "lm_head"):
+    if name in ("tok_emb", "lm_head", "ple_emb", "ple_proj"):  # ple_*: Gemma 4's per-layer embeddings
         return "embeddings"
-    if name == "norm" or name.endswith("_norm"):
+    if name == "norm" or name.endswith(("_norm", "_norm_1", ".out_scale")):
         return "norms"
-    for key, cat in ((".attn.", "attention"), (".ffn.", "dense"), (".moe.experts.", "experts"),
-                     (".moe.shared.", "shared_expert"), (".moe.router", "router"), (".moe.shared_gate", "router")):
+    for key, cat in ((".attn.", "attention"), (".ffn.", "dense"), (".ple.", "dense"), (".moe.experts.", "experts"),
+                     (".moe.shared.", "shared_expert"), (".moe.router", "router"), (".moe.shared_gate", "router"),
+                     (".moe.expert_scale", "router")):
         if key in name:
             return cat
     return "other"

@@ -146,7 +146,10 @@ def write_model(path: str | os.PathLike, *, config: dict | ModelConfig, tokenize
                          ("moe_gating", "softmax"), ("expert_act", "silu"), ("kv_lora_rank", 0), ("q_lora_rank", 0),
                          ("qk_rope_dim", 0), ("v_head_dim", 0), ("n_dense_lead", 0), ("moe_router_bias", False),
                          ("moe_groups", 0), ("moe_groups_used", 0), ("moe_weights_scale", 1.0),
-                         ("shared_expert_gate", True)):
+                         ("shared_expert_gate", True), ("head_dim_local", 0), ("shared_kv_layers", 0),
+                         ("d_ff_shared_kv", 0), ("v_norm", False), ("per_layer_dim", 0), ("layer_out_scale", False),
+                         ("logit_softcap", 0.0), ("moe_router_norm", False), ("expert_scale", False),
+                         ("moe_out_norms", False)):
         if cfg_dict[key] == default:
             del cfg_dict[key]
 

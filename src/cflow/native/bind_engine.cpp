@@ -106,12 +106,22 @@ cf_config config_from(const nb::dict &d) {
     std::string gating = nb::cast<std::string>(d["moe_gating"]), eact = nb::cast<std::string>(d["expert_act"]);
     if (gating != "softmax" && gating != "softmax_topk" && gating != "sigmoid")
         throw nb::value_error("moe_gating: the engine runs \"softmax\", \"softmax_topk\" and \"sigmoid\"");
-    if (eact != "silu" && eact != "swiglu_oai")
-        throw nb::value_error("expert_act: the engine runs \"silu\" and \"swiglu_oai\"");
+    if (eact != "silu" && eact != "swiglu_oai" && eact != "gelu_tanh")
+        throw nb::value_error("expert_act: the engine runs \"silu\", \"swiglu_oai\" and \"gelu_tanh\"");
     c.moe_gating = gating == "softmax_topk" ? CF_GATING_SOFTMAX_TOPK
                    : gating == "sigmoid"    ? CF_GATING_SIGMOID
                                             : CF_GATING_SOFTMAX;
-    c.expert_act = eact == "swiglu_oai" ? CF_ACT_SWIGLU_OAI : CF_ACT_SILU;
+    c.expert_act = eact == "swiglu_oai" ? CF_ACT_SWIGLU_OAI : eact == "gelu_tanh" ? CF_ACT_GELU : CF_ACT_SILU;
+    c.hd_local = i("head_dim_local");
+    c.n_shared_kv = i("shared_kv_layers");
+    c.d_ff_shared_kv = i("d_ff_shared_kv");
+    c.v_norm = b("v_norm");
+    c.ple_dim = i("per_layer_dim");
+    c.out_scale = b("layer_out_scale");
+    c.logit_softcap = f("logit_softcap");
+    c.moe_router_norm = b("moe_router_norm");
+    c.expert_scale = b("expert_scale");
+    c.moe_out_norms = b("moe_out_norms");
     return c;
 }
 

@@ -240,28 +240,34 @@ static void op_embed(cf_engine *e, int slot, int ith, int nth) {
     if (ith == 0)
         e->cnt.n[CF_CNT_EMBED] += (uint64_t)e->B * (d / cf_block_weights(e->w.tok_emb.dtype)) *
                                   cf_block_bytes(e->w.tok_emb.dtype);
+    if (e->c.ple_dim) { /* Gemma 4: every layer's input from the whole embedded rows */
+        sync_threads(e, ith, CF_PK_EMBED);
+        cf_ple_inputs(e, slot, ith, nth);
+    }
     sync_threads(e, ith, -1);
 }
 
-/* Whether layer l is "local": it attends through the sliding window (every layer when there is a
- * window and no pattern; with a pattern N, the layers l % N < N - 1, as llama.cpp's swa pattern). */
-static inline int layer_local(const cf_config *c, int l) {
-    return c->sliding_window > 0 && (c->swa_pattern == 0 || l % c->swa_pattern < c->swa_pattern - 1);
-}
+static inline int layer_local(const cf_config *c, int l) { return cf_layer_local(c, l); }
 
 /* The window of layer l: 0 (the whole context) on global layers. */
 static inline int layer_window(const cf_config *c, int l) { return layer_local(c, l) ? c->sliding_window : 0; }
 
+/* Width of a row of s->qkv at layer l: its q heads, and its k and v heads when it owns K/V. */
+static inline int qkv_width(const cf_engine *e, int l) {
+    return (e->c.n_heads + (e->geo[l].has_kv ? 2 * e->c.n_kv : 0)) * e->geo[l].hd;
+}
+
 /* Heads [u0, u1) of token b's fused QKV output (q heads, then k heads, then v heads): add the
  * bias, normalise q and k heads (qk_norm), rotate them; store k and v in the cache at the token's
- * position (fp16, or q8_0 blocks). layer_kv: the layer's first cache row. */
-static void qkv_heads(cf_engine *e, const cf_layer *w, int l, size_t layer_kv, int b, int u0, int u1) {
+ * position (fp16, or q8_0 blocks), v normalised first with v_norm (Gemma 4). */
+static void qkv_heads(cf_engine *e, const cf_layer *w, int l, int b, int u0, int u1) {
     const cf_config *c = &e->c;
-    int hd = c->hd, nh = c->n_heads, p = e->rpos[b];
-    size_t base = (size_t)e->rseq[b] * e->seq_kv + layer_kv; /* the row's own sequence slot */
-    float *row = e->s.qkv + (size_t)b * (nh + 2 * c->n_kv) * hd;
+    int hd = e->geo[l].hd, nh = c->n_heads, p = e->rpos[b];
+    size_t krow = e->geo[l].krow, vrow = e->geo[l].vrow;
+    float *row = e->s.qkv + (size_t)b * qkv_width(e, l);
     /* local layers with a RoPE base of their own (Gemma 3) take their own table */
-    const float *cs = (e->s.rope_local && layer_local(c, l) ? e->s.rope_local : e->s.rope) + (size_t)b * hd;
+    const float *cs = e->s.rope_local && layer_local(c, l) ? e->s.rope_local + (size_t)b * e->hd_max
+                                                           : e->s.rope + (size_t)b * c->hd;
     /* the attention temperature (Llama 4 / Mistral 3): rotated q heads times 1 + s ln(p / floor + 1),
      * as llama.cpp's ggml_mul of Qcur by its per-position scale (log in double, rounded to float) */
     float qt = 1.0f;
@@ -281,7 +287,8 @@ static void qkv_heads(cf_engine *e, const cf_layer *w, int l, size_t layer_kv, i
             continue;
         }
         int is_k = u < nh + c->n_kv, type = is_k ? e->k_type : e->v_type;
-        uint8_t *row = (is_k ? e->s.kcache : e->s.vcache) + (base + (size_t)kvh * e->n_ctx + p) * (is_k ? e->krow : e->vrow);
+        if (!is_k && c->v_norm) e->k->rmsnorm(v, v, e->s.ones, hd, c->norm_eps);
+        uint8_t *row = cf_kv_rows(e, e->rseq[b], l, is_k) + ((size_t)kvh * e->n_ctx + p) * (is_k ? krow : vrow);
         if (type == CF_Q8_0)
             e->k->f32_to_q8_0(row, v, hd);
         else
@@ -291,8 +298,8 @@ static void qkv_heads(cf_engine *e, const cf_layer *w, int l, size_t layer_kv, i
 
 /* Row groups [g0, g1) of the q|k|v projection for the B tokens into s->qkv: one mat-vec over the
  * fused matrix, or the pieces of [g0, g1) that fall in each of its three parts. */
-static void qkv_rows(const cf_engine *e, const cf_layer *w, const cf_act_q8 *act, int B, int g0, int g1) {
-    int qkv_dim = (e->c.n_heads + 2 * e->c.n_kv) * e->c.hd;
+static void qkv_rows(const cf_engine *e, const cf_layer *w, const cf_act_q8 *act, int l, int B, int g0, int g1) {
+    int qkv_dim = qkv_width(e, l);
     if (!w->qkv_split) {
         matvec_rows(e, &w->wqkv, act, e->s.qkv, qkv_dim, NULL, B, g0, g1);
         return;
@@ -346,20 +353,19 @@ static void attn_plan(cf_engine *e) {
  * heads fastest, so both the causal growth of the rows and the heads spread over the threads;
  * an item writes only its heads of its rows. The thread's scratch holds a whole block's score
  * rows: group * min(ATTN_QBLOCK, max_batch) rows of at most n_ctx (attn_score_rows). */
-static void attn_blocks(cf_engine *e, int l, size_t layer_kv, float *scores, int ith, int nth) {
+static void attn_blocks(cf_engine *e, int l, float *scores, int ith, int nth) {
     const cf_config *c = &e->c;
     const cf_layer *w = &e->w.sets[l % c->n_unique];
-    int hd = c->hd, group = c->n_heads / c->n_kv, q_dim = c->n_heads * hd;
-    int qkv_dim = q_dim + 2 * c->n_kv * hd;
+    int hd = e->geo[l].hd, group = c->n_heads / c->n_kv, q_dim = c->n_heads * hd;
+    int qkv_dim = qkv_width(e, l);
     for (int it = ith; it < e->n_ablk * c->n_kv; it += nth) {
         int kvh = it % c->n_kv, b0 = e->ablk[2 * (it / c->n_kv)], nq = e->ablk[2 * (it / c->n_kv) + 1];
-        size_t base = (size_t)e->rseq[b0] * e->seq_kv + layer_kv;
         cf_attn_block_shape sh = {.n_heads = c->n_heads, .n_kv_heads = c->n_kv, .head_dim = hd,
                                   .max_seq = e->n_ctx, .scale = e->attn_scale,
                                   .pos0 = e->rpos[b0], .n_q = nq, .window = layer_window(c, l),
                                   .ldq = qkv_dim, .ldo = q_dim, .sinks = w->sinks};
         float *out = e->s.att + (size_t)b0 * q_dim, *q = e->s.qkv + (size_t)b0 * qkv_dim;
-        const uint8_t *k = e->s.kcache + base * e->krow, *v = e->s.vcache + base * e->vrow;
+        const uint8_t *k = cf_kv_rows(e, e->rseq[b0], l, 1), *v = cf_kv_rows(e, e->rseq[b0], l, 0);
         if (e->k_type == CF_F16 && e->v_type == CF_F16)
             e->k->attention_block(out, q, (const cf_half *)k, (const cf_half *)v, scores, &sh, kvh * group,
                                   (kvh + 1) * group);
@@ -374,8 +380,8 @@ static void op_attn(cf_engine *e, int l, int slot, int ith, int nth) {
     const cf_layer *w = &e->w.sets[l % c->n_unique];
     cf_state *s = &e->s;
     cf_scratch *ts = &e->ts[ith];
-    int d = c->d, hd = c->hd, B = e->B, q_dim = c->n_heads * hd, kv_dim = c->n_kv * hd;
-    int qkv_dim = q_dim + 2 * kv_dim;
+    int d = c->d, hd = e->geo[l].hd, B = e->B, q_dim = c->n_heads * hd, kv_dim = c->n_kv * hd;
+    int qkv_dim = qkv_width(e, l);
     const float *x = s->ring + (size_t)slot * e->max_batch * d;
 
     // norm, quantize (every thread, private), then this thread's heads of the fused QKV
@@ -384,19 +390,19 @@ static void op_attn(cf_engine *e, int l, int slot, int ith, int nth) {
                                               w->attn_norm, d, c->norm_eps);
     quantize_rows(e, ts->xb, e->kmax, d, ts->act, NULL, B, w->qkv_fmt);
     ph(e, ith, CF_PK_QKV, l);
-    size_t layer_kv = (size_t)l * c->n_kv * e->n_ctx; /* the layer's first cache row */
-    int g0, g1, i0, i1, n_units = c->n_heads + 2 * c->n_kv; /* q heads, k heads, v heads */
+    /* q heads, then k heads and v heads (none on a layer that reads another's cache: Gemma 4) */
+    int g0, g1, i0, i1, n_units = c->n_heads + (e->geo[l].has_kv ? 2 * c->n_kv : 0);
     if (hd % CF_G == 0 && !c->qk_norm_full) {
         // Split by whole heads, so the thread that computes a head also rotates it and stores
         // it in the cache: no barrier between the projection and RoPE.
         int u0, u1, gph = hd / CF_G;
         // Larger shares first: the thread with the later rows streams them slower (d_split).
         split_big_first(n_units, ith, nth, &u0, &u1);
-        qkv_rows(e, w, ts->act, B, u0 * gph, u1 * gph);
-        for (int b = 0; b < B; b++) qkv_heads(e, w, l, layer_kv, b, u0, u1);
+        qkv_rows(e, w, ts->act, l, B, u0 * gph, u1 * gph);
+        for (int b = 0; b < B; b++) qkv_heads(e, w, l, b, u0, u1);
     } else {
         cf_split_range(qkv_dim / CF_G + (qkv_dim % CF_G != 0), ith, nth, 1, &g0, &g1);
-        qkv_rows(e, w, ts->act, B, g0, g1);
+        qkv_rows(e, w, ts->act, l, B, g0, g1);
         sync_threads(e, ith, CF_PK_QKV);
         if (c->qk_norm_full) { /* OLMoE: one RMSNorm over each token's whole q and whole k, before RoPE */
             int b0, b1;
@@ -409,13 +415,13 @@ static void op_attn(cf_engine *e, int l, int slot, int ith, int nth) {
             sync_threads(e, ith, CF_PK_QKV);
         }
         cf_split_range(B * n_units, ith, nth, 1, &i0, &i1);
-        for (int i = i0; i < i1; i++) qkv_heads(e, w, l, layer_kv, i / n_units, i % n_units, i % n_units + 1);
+        for (int i = i0; i < i1; i++) qkv_heads(e, w, l, i / n_units, i % n_units, i % n_units + 1);
     }
     sync_threads(e, ith, CF_PK_ATTN);
 
     // attention: runs of a sequence's consecutive rows in blocks (each K/V row read once per
     // block), then this thread's (row, head) items of the other rows, one kernel call per row
-    attn_blocks(e, l, layer_kv, ts->scores, ith, nth);
+    attn_blocks(e, l, ts->scores, ith, nth);
     cf_split_range(e->n_arow * c->n_heads, ith, nth, 1, &i0, &i1);
     for (int i = i0; i < i1;) {
         int b = e->arow[i / c->n_heads], h0 = i % c->n_heads, h1 = cf_min(c->n_heads, h0 + i1 - i);
@@ -424,8 +430,8 @@ static void op_attn(cf_engine *e, int l, int slot, int ith, int nth) {
                             .max_seq = e->n_ctx, .n_pos = e->rpos[b] + 1 - t0, .scale = e->attn_scale,
                             .sinks = w->sinks};
         /* row b sees only its sequence, from position t0 on */
-        size_t base = (size_t)e->rseq[b] * e->seq_kv + layer_kv + (size_t)t0;
-        const uint8_t *k = s->kcache + base * e->krow, *v = s->vcache + base * e->vrow;
+        const uint8_t *k = cf_kv_rows(e, e->rseq[b], l, 1) + (size_t)t0 * e->geo[l].krow;
+        const uint8_t *v = cf_kv_rows(e, e->rseq[b], l, 0) + (size_t)t0 * e->geo[l].vrow;
         if (e->k_type == CF_F16 && e->v_type == CF_F16)
             e->k->attention(s->att + (size_t)b * q_dim, s->qkv + (size_t)b * qkv_dim, (const cf_half *)k,
                             (const cf_half *)v, ts->scores, &sh, h0, h1);
@@ -467,7 +473,8 @@ static void op_attn(cf_engine *e, int l, int slot, int ith, int nth) {
     if (ith == 0) {
         e->cnt.n[CF_CNT_ATTN] += w->attn_bytes;
         for (int b = 0; b < B; b++)
-            e->cnt.n[CF_CNT_KV] += (uint64_t)(e->rpos[b] + 1 - attn_first(e, b, l)) * c->n_kv * (e->krow + e->vrow);
+            e->cnt.n[CF_CNT_KV] += (uint64_t)(e->rpos[b] + 1 - attn_first(e, b, l)) * c->n_kv *
+                                   (e->geo[l].krow + e->geo[l].vrow);
     }
     sync_threads(e, ith, -1);
 }
@@ -487,7 +494,7 @@ static void op_dense(cf_engine *e, int l, int src_kind, int slot, int tail, int 
     quantize_rows(e, ts->xb, e->kmax, d, ts->act, NULL, B, act_fmt(&w->gate_up));
     if (ith == 0) e->cnt.n[CF_CNT_DENSE] += w->dense_bytes;
     /* with a post-norm the RESID op norms whole rows of f: they must be complete (the tail barrier) */
-    ffn(e, &w->gate_up, &w->down, e->c.d_ff, e->c.ffn_gelu ? FFN_GELU : FFN_SILU, NULL, NULL, NULL, B, e->s.f, NULL,
+    ffn(e, &w->gate_up, &w->down, e->geo[l].d_ff, e->c.ffn_gelu ? FFN_GELU : FFN_SILU, NULL, NULL, NULL, B, e->s.f, NULL,
         tail || w->ffn_post_norm,
         CF_PK_DENSE_GATE_UP, ith, nth);
 }
@@ -580,7 +587,13 @@ static void op_route(cf_engine *e, int l, int src_kind, int ms, int ith) {
             for (int i = 0; i < d; i++) z[i] = hb[i] + (src_kind == CF_SRC_HF ? s->f[(size_t)b * d + i] : 0.0f);
             float *mi = moe_in + (size_t)b * d, *pr = s->rlogits + (size_t)b * E;
             e->k->rmsnorm(mi, z, w->moe_norm, d, c->norm_eps);
-            e->k->matvec_f32(pr, w->router, mi, E, d);
+            if (w->router_norm) { /* Gemma 4: the router reads its own norm of z (scratch row 2) */
+                float *rz = e->ts[0].xb + e->kmax;
+                e->k->rmsnorm(rz, z, w->router_norm, d, c->norm_eps);
+                e->k->matvec_f32(pr, w->router, rz, E, d);
+            } else {
+                e->k->matvec_f32(pr, w->router, mi, E, d);
+            }
             int chosen[64];
             float val[64], wsum = 0.0f;
             int32_t *rc = cf_routes_chosen(e, b, l);
@@ -598,7 +611,7 @@ static void op_route(cf_engine *e, int l, int src_kind, int ms, int ith) {
             for (int k = 0; k < c->top_k; k++) {
                 int x = chosen[k], n = exp_n[x]++;
                 exp_tok[(size_t)x * B + n] = b;
-                exp_w[(size_t)x * B + n] = val[k] / wsum * c->moe_w_scale;
+                exp_w[(size_t)x * B + n] = val[k] / wsum * c->moe_w_scale * (w->expert_scale ? w->expert_scale[x] : 1.0f);
                 e->hits[(size_t)l * E + x]++;
             }
         }
@@ -617,7 +630,9 @@ static void op_route(cf_engine *e, int l, int src_kind, int ms, int ith) {
     sync_threads(e, ith, -1);
 }
 
-static inline int expert_act(const cf_config *c) { return c->expert_act == CF_ACT_SWIGLU_OAI ? FFN_OAI : FFN_SILU; }
+static inline int expert_act(const cf_config *c) {
+    return c->expert_act == CF_ACT_SWIGLU_OAI ? FFN_OAI : c->expert_act == CF_ACT_GELU ? FFN_GELU : FFN_SILU;
+}
 
 /* The shared expert on every row of moe slot ms, scaled by the route's per-row weight, into out;
  * its weights are in RAM whatever the routed experts' residency, and it runs before them in both
@@ -640,7 +655,7 @@ static void experts_one_row(cf_engine *e, const cf_layer *w, const int *xs, cons
     const cf_config *c = &e->c;
     cf_state *s = &e->s;
     cf_scratch *ts = &e->ts[ith];
-    int d = c->d, p0, p1, oai = c->expert_act == CF_ACT_SWIGLU_OAI;
+    int d = c->d, p0, p1, oai = c->expert_act == CF_ACT_SWIGLU_OAI, gelu = c->expert_act == CF_ACT_GELU;
     ph(e, ith, CF_PK_EXP_GATE_UP, -1);
     cf_split_range(c->d_exp / CF_G, ith, nth, 1, &p0, &p1);
     for (int i = 0; i < k; i++) {
@@ -649,7 +664,11 @@ static void experts_one_row(cf_engine *e, const cf_layer *w, const int *xs, cons
         if (oai)
             swiglu_oai_rows(e, &w->exp_gate_up[x], c->moe_bias ? w->exp_b_gate_up[x] : NULL, ts->act, hid,
                             s->gu + (size_t)i * 2 * e->hmax, e->hmax, NULL, 1, p0, p1);
-        else
+        else if (gelu && p0 < p1) { /* geglu_rows' operations, into the expert's own rows of gu and hid */
+            float *gu = s->gu + (size_t)i * 2 * e->hmax;
+            matvec_rows(e, &w->exp_gate_up[x], ts->act, gu, 2 * e->hmax, NULL, 1, 2 * p0, 2 * p1);
+            e->k->geglu(hid + (size_t)p0 * CF_G, gu + (size_t)2 * p0 * CF_G, p1 - p0);
+        } else if (!gelu)
             gate_up_rows(e, &w->exp_gate_up[x], ts->act, hid, e->hmax, NULL, 1, p0, p1);
         if (ith == 0) e->cnt.n[CF_CNT_EXPERTS] += w->exp_bytes[x];
     }
@@ -783,7 +802,12 @@ static void op_resid(cf_engine *e, int l, int slot, int add_f, int pslot, int it
      * barrier) into its scratch, the same bits everywhere, and adds its own rows */
     const float *post = add_f ? e->w.sets[l % e->c.n_unique].ffn_post_norm : NULL;
     float *fn = e->ts[ith].xb;
-    if (post)
+    int joined = post && e->c.moe_out_norms && pslot >= 0;
+    if (joined) { /* Gemma 4's MoE layer: f and the experts' sum joined into fn; every thread has read the
+                   * whole pending rows before any clears its share (the barrier) */
+        cf_moe_out_norms(e, l, pslot, ith);
+        sync_threads(e, ith, CF_PK_RESID);
+    } else if (post)
         for (int b = 0; b < e->B; b++)
             e->k->rmsnorm(fn + (size_t)b * e->kmax, s->f + (size_t)b * d, post, d, e->c.norm_eps);
     // the same rows as this thread's share of a [d, *] mat-vec (wo, down): d_split, see ffn()
@@ -799,7 +823,7 @@ static void op_resid(cf_engine *e, int l, int slot, int add_f, int pslot, int it
                 if (post) v += fn[(size_t)b * e->kmax + r];
                 else if (add_f) v += s->f[o + r];
                 if (pend) {
-                    v += pend[o + r];
+                    if (!joined) v += pend[o + r];
                     pend[o + r] = 0.0f;
                 }
                 x[o + r] = v;
@@ -835,6 +859,12 @@ static void op_final(cf_engine *e, int slot, int pslot, int ith, int nth) {
     int g0, g1;
     cf_split_range(cf_n_groups(&e->w.lm_head), ith, nth, 1, &g0, &g1);
     matvec_rows(e, &e->w.lm_head, ts->act, e->logits, e->c.vocab, NULL, nb, g0, g1);
+    float cap = e->c.logit_softcap;
+    if (cap > 0) /* Gemma 4: c tanh(logits / c), on this thread's own rows, as llama.cpp's scale, tanh, scale */
+        for (int i = 0; i < nb; i++) {
+            float *lg = e->logits + (size_t)i * e->c.vocab;
+            for (int r = g0 * CF_G; r < cf_min(g1 * CF_G, e->c.vocab); r++) lg[r] = tanhf(lg[r] / cap) * cap;
+        }
     if (ith == 0)
         e->cnt.n[CF_CNT_LM_HEAD] += (uint64_t)d * sizeof(float) + cf_tiled_bytes(&e->w.lm_head);
 }
@@ -891,7 +921,8 @@ static void forward_task(void *ctx, int ith, int nth) {
     for (int i = 0; i < e->n_ops; i++) {
         const int32_t *op = e->plan + (size_t)i * CF_OP_FIELDS;
         int l = op[1], a = op[2], b = op[3], c = op[4];
-        int tail = i + 1 == e->n_ops || op[CF_OP_FIELDS] != CF_OP_RESID; /* barrier needed after */
+        /* barrier needed after (Gemma 4's RESID norms whole rows of the experts' sum) */
+        int tail = i + 1 == e->n_ops || op[CF_OP_FIELDS] != CF_OP_RESID || e->c.moe_out_norms;
         if (overlap_pair(e, i, nth)) {
             const int32_t *nx = op + CF_OP_FIELDS;
             int na = e->grp[0].bar.n;
@@ -915,6 +946,7 @@ static void forward_task(void *ctx, int ith, int nth) {
             break;
         case CF_OP_RESID: op_resid(e, l, a, b, c, ith, nth); break;
         case CF_OP_FINAL: op_final(e, a, b, ith, nth); break;
+        case CF_OP_PLE: cf_op_ple(e, l, a, ith, nth); break;
         }
     }
     /* thread 0 goes on to join the others (closed in forward()); the others are done */
@@ -935,9 +967,10 @@ static int forward(cf_engine *e, const int32_t *tokens, int B, float *logits, co
         float *cs = e->s.rope + (size_t)b * c->hd;
         cf_rope_table(cs, cs + rd / 2, rd, e->rpos[b], c->rope_theta,
                       c->n_rope_factors ? c->rope_factors : NULL, c->rope_mscale);
-        if (e->s.rope_local) { /* local layers' own base, unscaled (rope_theta_local) */
-            cs = e->s.rope_local + (size_t)b * c->hd;
-            cf_rope_table(cs, cs + c->hd / 2, c->hd, e->rpos[b], c->rope_theta_local, NULL, 1.0f);
+        if (e->s.rope_local) { /* local layers' own base, unscaled (rope_theta_local), and head size */
+            int hl = c->hd_local ? c->hd_local : c->hd;
+            cs = e->s.rope_local + (size_t)b * e->hd_max;
+            cf_rope_table(cs, cs + hl / 2, hl, e->rpos[b], c->rope_theta_local, NULL, 1.0f);
         }
     }
     memset(e->s.pending, 0, (size_t)e->n_pending * e->max_batch * c->d * sizeof(float));
@@ -1128,13 +1161,16 @@ int cf_engine_copy_seq(cf_engine *e, int src, int dst, int n) {
     }
     e->err_kind = CF_ERR_NONE;
     if (src == dst || n == 0) return 0;
-    /* [s][L][n_kv][n_ctx] rows (krow / vrow bytes each, fp16 or q8_0): one contiguous run of n
-     * rows per (layer, kv head) */
-    size_t runs = (size_t)e->c.n_layers * e->c.n_kv;
-    for (size_t r = 0; r < runs; r++) {
-        size_t from = (size_t)src * e->seq_kv + r * e->n_ctx, to = (size_t)dst * e->seq_kv + r * e->n_ctx;
-        memcpy(e->s.kcache + to * e->krow, e->s.kcache + from * e->krow, (size_t)n * e->krow);
-        memcpy(e->s.vcache + to * e->vrow, e->s.vcache + from * e->vrow, (size_t)n * e->vrow);
+    /* per KV-owning layer [n_kv][n_ctx] rows (its krow / vrow bytes each, fp16 or q8_0): one
+     * contiguous run of n rows per (layer, kv head) */
+    for (int l = 0; l < e->c.n_layers; l++) {
+        const cf_layer_geo *g = &e->geo[l];
+        if (!g->has_kv) continue;
+        for (int h = 0; h < e->c.n_kv; h++) {
+            size_t r = (size_t)h * e->n_ctx;
+            memcpy(cf_kv_rows(e, dst, l, 1) + r * g->krow, cf_kv_rows(e, src, l, 1) + r * g->krow, (size_t)n * g->krow);
+            memcpy(cf_kv_rows(e, dst, l, 0) + r * g->vrow, cf_kv_rows(e, src, l, 0) + r * g->vrow, (size_t)n * g->vrow);
+        }
     }
     return 0;
 }

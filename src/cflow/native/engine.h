@@ -89,6 +89,22 @@ typedef struct {
                                     * down add b_gate_up [2 d_exp] (interleaved like w_gate_up) and b_down [d] */
     int moe_gating;                /* CF_GATING_*: how the router's logits become the top_k weights */
     int expert_act;                /* CF_ACT_*: the experts' activation */
+    /* Gemma 4 (all 0: off; engine_gemma4.c). Layers differ in shape: the geometry of layer l is
+     * e->geo[l] (engine_internal.h), and the KV cache is laid out per layer at its own row size */
+    int hd_local;                  /* > 0: the local layers' head size (hd is the global layers') */
+    int n_shared_kv;               /* the last n_shared_kv layers own no K/V: they attend over the cache
+                                    * of the last KV-owning layer of their kind (llama.cpp's rule) */
+    int d_ff_shared_kv;            /* > 0: the dense FFN width of those layers */
+    int v_norm;                    /* 1: each V head through an unweighted RMSNorm before the cache */
+    int ple_dim;                   /* P > 0: per-layer embeddings (global ple_emb, ple_proj, ple_norm; per
+                                    * set ple.w_gate, ple.w_proj, ple_post_norm), the PLE op after RESID */
+    int out_scale;                 /* 1: the PLE op multiplies the layer's output by out_scale [1] */
+    float logit_softcap;           /* c > 0: logits = c tanh(logits / c) */
+    /* Gemma 4's MoE layers (26B-A4B: the dense FFN beside the experts) */
+    int moe_router_norm;           /* 1: the router reads rms(z) * moe.router_norm [d], not moe_in */
+    int expert_scale;              /* 1: expert e's output times moe.expert_scale[e] (on its routing weight) */
+    int moe_out_norms;             /* 1: RESID adds ffn_post_norm(rms(f) * ffn_post_norm_1 + rms(experts) *
+                                    * moe_post_norm) instead of f and the experts' sum */
 } cf_config;
 
 /* cf_config.moe_gating: softmax over all E logits, then top_k (renormalised when moe_norm_topk);
@@ -98,7 +114,7 @@ typedef struct {
 enum { CF_GATING_SOFTMAX, CF_GATING_SOFTMAX_TOPK, CF_GATING_SIGMOID };
 /* cf_config.expert_act: SwiGLU, fused into the gate_up kernels; or OpenAI's clamped SwiGLU after
  * the gate/up biases (the table's swiglu_oai, alpha CF_OAI_ALPHA, limit CF_OAI_LIMIT: gpt-oss). */
-enum { CF_ACT_SILU, CF_ACT_SWIGLU_OAI };
+enum { CF_ACT_SILU, CF_ACT_SWIGLU_OAI, CF_ACT_GELU };  /* CF_ACT_GELU: GeGLU experts (Gemma 4) */
 #define CF_OAI_ALPHA 1.702f
 #define CF_OAI_LIMIT 7.0f
 
@@ -121,14 +137,18 @@ extern const char *const cf_desc_field_names[CF_DESC_FIELDS]; /* "offset", "dtyp
 /* Global tensors first, then per weight set: CF_SLOTS_PER_SET fixed slots, then per expert
  * CF_EXPERT_SLOTS slots. Names: "tok_emb"; "layers.{set}.attn_norm";
  * "layers.{set}.moe.experts.{e}.w_gate_up" (the .cflow tensor names, DESIGN.md). */
-enum { CF_T_TOK_EMB, CF_T_NORM, CF_T_LM_HEAD, CF_T_GLOBAL };
+enum { CF_T_TOK_EMB, CF_T_NORM, CF_T_LM_HEAD, CF_T_PLE_EMB, CF_T_PLE_PROJ, CF_T_PLE_NORM, CF_T_GLOBAL };
 enum { CF_S_ATTN_NORM, CF_S_WQKV, CF_S_WO, CF_S_FFN_NORM, CF_S_GATE_UP, CF_S_DOWN, CF_S_MOE_NORM,
        CF_S_ROUTER, CF_S_QKV_BIAS, CF_S_Q_NORM, CF_S_K_NORM, CF_S_WQ, CF_S_WK, CF_S_WV, CF_S_SHEXP_GATE,
        CF_S_SHEXP_GATE_UP, CF_S_SHEXP_DOWN, CF_S_ATTN_POST_NORM, CF_S_FFN_POST_NORM,
        /* latent attention (cf_config.mla_kv_lora > 0; engine_mla.c) */
        CF_S_WQ_A, CF_S_Q_A_NORM, CF_S_WQ_B, CF_S_WKV_A, CF_S_KV_A_NORM, CF_S_WK_B, CF_S_WV_B,
        /* the router's bias (DeepSeek V3: to choose; gpt-oss: on the logits), gpt-oss's wo bias and sinks */
-       CF_S_ROUTER_BIAS, CF_S_WO_BIAS, CF_S_SINKS, CF_SLOTS_PER_SET };
+       CF_S_ROUTER_BIAS, CF_S_WO_BIAS, CF_S_SINKS,
+       /* Gemma 4's per-layer-embedding block and layer output scale */
+       CF_S_PLE_GATE, CF_S_PLE_PROJ, CF_S_PLE_POST_NORM, CF_S_OUT_SCALE,
+       /* Gemma 4's MoE layers */
+       CF_S_ROUTER_NORM, CF_S_EXPERT_SCALE, CF_S_FFN_POST_NORM_1, CF_S_MOE_POST_NORM, CF_SLOTS_PER_SET };
 enum { CF_E_GATE_UP, CF_E_DOWN, CF_E_B_GATE_UP, CF_E_B_DOWN, CF_EXPERT_SLOTS };
 extern const char *const cf_global_names[CF_T_GLOBAL];
 extern const char *const cf_slot_names[CF_SLOTS_PER_SET];
@@ -161,13 +181,15 @@ int cf_desc_name(int n_experts, int row, char *out, size_t n);
  *                                            ring[a] = h + f + pending[c]
  *   FINAL   a = ring slot, b = pending slot to add (-1: none)
  *                                            logits = lm_head(norm(ring[a] + pending[b]))
+ *   PLE     a = ring slot                    ring[a] = (ring[a] + PLE_l(ring[a])) * out_scale_l
+ *                                            (Gemma 4, after RESID(l); engine_gemma4.c)
  * Every ROUTE(l) is followed by one EXPERTS(l) on the same moe slot, and no other ROUTE writes
  * that slot in between. The routes between a ROUTE and its EXPERTS (itself included) are the
  * layers in flight; with experts on disk, each pins top_k cache slots at most, so the cache must
  * hold top_k x (the most layers in flight) experts.
  */
 enum { CF_OP_EMBED, CF_OP_ATTN, CF_OP_DENSE, CF_OP_ROUTE, CF_OP_EXPERTS, CF_OP_RESID,
-       CF_OP_FINAL, CF_OP_KINDS };
+       CF_OP_FINAL, CF_OP_PLE, CF_OP_KINDS };
 enum { CF_SRC_H = 0, CF_SRC_RING = 1, CF_SRC_HF = 2, CF_SRC_KINDS };
 #define CF_OP_FIELDS 5
 extern const char *const cf_op_kind_names[CF_OP_KINDS]; /* "embed", "attn", ... */

@@ -20,6 +20,7 @@ const char *const cf_desc_field_names[CF_DESC_FIELDS] = {
 };
 const char *const cf_global_names[CF_T_GLOBAL] = {
     [CF_T_TOK_EMB] = "tok_emb", [CF_T_NORM] = "norm", [CF_T_LM_HEAD] = "lm_head",
+    [CF_T_PLE_EMB] = "ple_emb", [CF_T_PLE_PROJ] = "ple_proj", [CF_T_PLE_NORM] = "ple_norm",
 };
 const char *const cf_slot_names[CF_SLOTS_PER_SET] = {
     [CF_S_ATTN_NORM] = "attn_norm", [CF_S_WQKV] = "attn.wqkv", [CF_S_WO] = "attn.wo",
@@ -31,7 +32,10 @@ const char *const cf_slot_names[CF_SLOTS_PER_SET] = {
     [CF_S_FFN_POST_NORM] = "ffn_post_norm", [CF_S_WQ_A] = "attn.wq_a", [CF_S_Q_A_NORM] = "attn.q_a_norm",
     [CF_S_WQ_B] = "attn.wq_b", [CF_S_WKV_A] = "attn.wkv_a", [CF_S_KV_A_NORM] = "attn.kv_a_norm",
     [CF_S_WK_B] = "attn.wk_b", [CF_S_WV_B] = "attn.wv_b", [CF_S_ROUTER_BIAS] = "moe.router_bias",
-    [CF_S_WO_BIAS] = "attn.wo_bias", [CF_S_SINKS] = "attn.sinks",
+    [CF_S_WO_BIAS] = "attn.wo_bias", [CF_S_SINKS] = "attn.sinks", [CF_S_PLE_GATE] = "ple.w_gate",
+    [CF_S_PLE_PROJ] = "ple.w_proj", [CF_S_PLE_POST_NORM] = "ple_post_norm", [CF_S_OUT_SCALE] = "out_scale",
+    [CF_S_ROUTER_NORM] = "moe.router_norm", [CF_S_EXPERT_SCALE] = "moe.expert_scale",
+    [CF_S_FFN_POST_NORM_1] = "ffn_post_norm_1", [CF_S_MOE_POST_NORM] = "moe_post_norm",
 };
 const char *const cf_expert_slot_names[CF_EXPERT_SLOTS] = {
     [CF_E_GATE_UP] = "w_gate_up", [CF_E_DOWN] = "w_down", [CF_E_B_GATE_UP] = "b_gate_up", [CF_E_B_DOWN] = "b_down",
@@ -39,7 +43,7 @@ const char *const cf_expert_slot_names[CF_EXPERT_SLOTS] = {
 const char *const cf_op_kind_names[CF_OP_KINDS] = {
     [CF_OP_EMBED] = "embed", [CF_OP_ATTN] = "attn", [CF_OP_DENSE] = "dense",
     [CF_OP_ROUTE] = "route", [CF_OP_EXPERTS] = "experts", [CF_OP_RESID] = "resid",
-    [CF_OP_FINAL] = "final",
+    [CF_OP_FINAL] = "final", [CF_OP_PLE] = "ple",
 };
 const char *const cf_prof_kind_names[CF_PROF_KINDS] = {
     [CF_PK_SETUP] = "setup", [CF_PK_EMBED] = "embed", [CF_PK_NORM] = "norm", [CF_PK_QKV] = "attn.qkv",
@@ -108,8 +112,8 @@ static int check_config(const cf_config *c, char *err, size_t n) {
         bad = "d_shared_expert must be a multiple of 32, and needs experts";
     else if (c->swa_pattern < 0 || !(c->rope_theta_local >= 0) || !(c->attn_scale >= 0) || !(c->embed_scale > 0))
         bad = "sliding_window_pattern, rope_theta_local and attn_scale must be >= 0, embed_scale positive";
-    else if ((c->post_norms | c->ffn_gelu) & ~1 || ((c->post_norms || c->ffn_gelu) && c->n_experts))
-        bad = "post_norms and ffn_gelu must be 0 or 1, and are for dense models (no experts)";
+    else if ((c->post_norms | c->ffn_gelu) & ~1 || ((c->post_norms || c->ffn_gelu) && c->n_experts && !c->moe_out_norms))
+        bad = "post_norms and ffn_gelu must be 0 or 1, and are for dense models (no experts) but Gemma 4's";
     else if (!(c->attn_temp_scale >= 0) || c->attn_temp_floor < 0 ||
              (c->attn_temp_scale > 0) != (c->attn_temp_floor > 0))
         bad = "attn_temp_scale and attn_temp_floor must be >= 0 and set together";
@@ -119,7 +123,7 @@ static int check_config(const cf_config *c, char *err, size_t n) {
         bad = "attn_out_bias does not go with post_norms";
     else if ((c->moe_gating != CF_GATING_SOFTMAX && c->moe_gating != CF_GATING_SOFTMAX_TOPK &&
               c->moe_gating != CF_GATING_SIGMOID) ||
-             (c->expert_act != CF_ACT_SILU && c->expert_act != CF_ACT_SWIGLU_OAI))
+             (c->expert_act != CF_ACT_SILU && c->expert_act != CF_ACT_SWIGLU_OAI && c->expert_act != CF_ACT_GELU))
         bad = "moe_gating and expert_act must be one of the engine's (CF_GATING_*, CF_ACT_*)";
     else if (!c->n_experts && (c->moe_bias || c->moe_router_bias || c->moe_gating || c->expert_act))
         bad = "moe_bias, moe_router_bias, moe_gating and expert_act need experts";
@@ -128,6 +132,7 @@ static int check_config(const cf_config *c, char *err, size_t n) {
     else if (c->expert_act == CF_ACT_SWIGLU_OAI && c->d_shexp)
         bad = "expert_act swiglu_oai does not go with a shared expert";
     if (!bad) bad = cf_mla_check_config(c);
+    if (!bad) bad = cf_gemma4_check_config(c);
     if (bad) cf_set_err(err, n, "bad model config: %s", bad);
     return bad ? -1 : 0;
 }
@@ -189,7 +194,7 @@ static int bind_tensor(const int64_t *desc, int n_experts, int i, int rows, int 
 static int bind_weights(cf_engine *e, const uint8_t *buf, size_t len, const int64_t *desc,
                         const char *const *names, int n_desc, char *err, size_t n) {
     const cf_config *c = &e->c;
-    int E = c->n_experts, q_dim = c->n_heads * c->hd, kv_dim = c->n_kv * c->hd;
+    int E = c->n_experts;
     if (n_desc != cf_desc_count(E, c->n_unique)) {
         cf_set_err(err, n, "tensor table has %d rows, the config needs %d", n_desc, cf_desc_count(E, c->n_unique));
         return -1;
@@ -211,11 +216,19 @@ static int bind_weights(cf_engine *e, const uint8_t *buf, size_t len, const int6
     BIND(CF_T_NORM, 1, c->d, 1, &dummy, &e->w.norm);
     if (c->tie_embeddings) e->w.lm_head = e->w.tok_emb;
     else BIND(CF_T_LM_HEAD, c->vocab, c->d, 0, &e->w.lm_head, &fdummy);
+    if (c->ple_dim) { /* Gemma 4's per-layer embeddings (engine_gemma4.c) */
+        BIND(CF_T_PLE_EMB, c->vocab, c->n_layers * c->ple_dim, 0, &e->w.ple_emb, &fdummy);
+        BIND(CF_T_PLE_PROJ, c->n_layers * c->ple_dim, c->d, 0, &e->w.ple_proj, &fdummy);
+        BIND(CF_T_PLE_NORM, 1, c->ple_dim, 1, &dummy, &e->w.ple_norm);
+    }
     e->w.sets = calloc(c->n_unique, sizeof *e->w.sets);
     if (!e->w.sets) return cf_set_err(err, n, "out of memory"), -1;
     const uint64_t norm_bytes = (uint64_t)c->d * sizeof(float);
     for (int i = 0; i < c->n_unique; i++) {
         cf_layer *L = &e->w.sets[i];
+        /* the set's geometry (e->geo: Gemma 4's layers differ; a set per layer there) */
+        const cf_layer_geo *G = &e->geo[i];
+        int hd = G->hd, q_dim = c->n_heads * hd, kv_dim = G->has_kv ? c->n_kv * hd : 0, d_ff = G->d_ff;
 #define SET(slot, r, k, f32, t, fp) BIND(cf_desc_index(E, i, slot), r, k, f32, t, fp)
         SET(CF_S_ATTN_NORM, 1, c->d, 1, &dummy, &L->attn_norm);
         if (c->mla_kv_lora) { /* latent attention (engine_mla.c) */
@@ -278,17 +291,27 @@ static int bind_weights(cf_engine *e, const uint8_t *buf, size_t len, const int6
             L->attn_bytes += (uint64_t)(q_dim + 2 * kv_dim) * sizeof(float);
         }
         if (c->qk_norm) { /* per head [hd], or over the whole q [q_dim] and k [kv_dim] (qk_norm_full) */
-            int qn = c->qk_norm_full ? q_dim : c->hd, kn = c->qk_norm_full ? kv_dim : c->hd;
+            int qn = c->qk_norm_full ? q_dim : hd, kn = !G->has_kv ? 0 : c->qk_norm_full ? kv_dim : hd;
             SET(CF_S_Q_NORM, 1, qn, 1, &dummy, &L->q_norm);
-            SET(CF_S_K_NORM, 1, kn, 1, &dummy, &L->k_norm);
+            if (kn) SET(CF_S_K_NORM, 1, kn, 1, &dummy, &L->k_norm); /* none where the layer has no K */
             L->attn_bytes += (uint64_t)(qn + kn) * sizeof(float);
         }
         if (c->d_ff && (!c->n_dense_lead || i < c->n_dense_lead)) {
             SET(CF_S_FFN_NORM, 1, c->d, 1, &dummy, &L->ffn_norm);
-            SET(CF_S_GATE_UP, 2 * c->d_ff, c->d, 0, &L->gate_up, &fdummy);
-            SET(CF_S_DOWN, c->d, c->d_ff, 0, &L->down, &fdummy);
+            SET(CF_S_GATE_UP, 2 * d_ff, c->d, 0, &L->gate_up, &fdummy);
+            SET(CF_S_DOWN, c->d, d_ff, 0, &L->down, &fdummy);
             L->dense_bytes = norm_bytes * (1 + (c->post_norms != 0)) + cf_tiled_bytes(&L->gate_up) +
                              cf_tiled_bytes(&L->down);
+        }
+        if (c->ple_dim) {
+            SET(CF_S_PLE_GATE, c->ple_dim, c->d, 0, &L->ple_gate, &fdummy);
+            SET(CF_S_PLE_PROJ, c->d, c->ple_dim, 0, &L->ple_proj, &fdummy);
+            SET(CF_S_PLE_POST_NORM, 1, c->d, 1, &dummy, &L->ple_post_norm);
+            L->ple_bytes = cf_tiled_bytes(&L->ple_gate) + cf_tiled_bytes(&L->ple_proj) + norm_bytes;
+        }
+        if (c->out_scale) {
+            SET(CF_S_OUT_SCALE, 1, 1, 1, &dummy, &L->out_scale);
+            L->ple_bytes += sizeof(float);
         }
         if (!E || i < c->n_dense_lead) continue;
         SET(CF_S_MOE_NORM, 1, c->d, 1, &dummy, &L->moe_norm);
@@ -297,6 +320,19 @@ static int bind_weights(cf_engine *e, const uint8_t *buf, size_t len, const int6
         if (c->moe_router_bias || c->moe_bias) {
             SET(CF_S_ROUTER_BIAS, 1, E, 1, &dummy, &L->router_bias);
             L->router_bytes += (uint64_t)E * 4;
+        }
+        if (c->moe_router_norm) {
+            SET(CF_S_ROUTER_NORM, 1, c->d, 1, &dummy, &L->router_norm);
+            L->router_bytes += norm_bytes;
+        }
+        if (c->expert_scale) {
+            SET(CF_S_EXPERT_SCALE, 1, E, 1, &dummy, &L->expert_scale);
+            L->router_bytes += (uint64_t)E * 4;
+        }
+        if (c->moe_out_norms) { /* counted with the dense FFN, whose output they norm */
+            SET(CF_S_FFN_POST_NORM_1, 1, c->d, 1, &dummy, &L->ffn_post_norm_1);
+            SET(CF_S_MOE_POST_NORM, 1, c->d, 1, &dummy, &L->moe_post_norm);
+            L->dense_bytes += 2 * norm_bytes;
         }
         if (c->d_shexp) {
             if (!c->shexp_ungated) SET(CF_S_SHEXP_GATE, 1, c->d, 1, &dummy, &L->shexp_gate);
@@ -357,6 +393,8 @@ static int check_plan(const cf_engine *e, const int32_t *plan, int n_ops, char *
             ok = ring_ok && (b == 0 || (b == 1 && c->d_ff > 0 && lead_ok(c, l, 1))) && cc >= -1 && cc < e->n_pending;
         else if (k == CF_OP_FINAL)
             ok = ring_ok && b >= -1 && b < e->n_pending && i == n_ops - 1;
+        else if (k == CF_OP_PLE)
+            ok = ring_ok && (c->ple_dim > 0 || c->out_scale);
         if (!ok) {
             cf_set_err(err, n, "plan op %d {%d, %d, %d, %d, %d} is invalid for this model", i, k, l, a, b, cc);
             return -1;
@@ -407,10 +445,9 @@ static void *carve(uint8_t **m, size_t n) {
 static int alloc_state(cf_engine *e) {
     const cf_config *c = &e->c;
     cf_state *s = &e->s;
-    size_t B = e->max_batch, d = c->d, q_dim = (size_t)c->n_heads * c->hd, kv_dim = (size_t)c->n_kv * c->hd;
+    size_t B = e->max_batch, d = c->d, q_dim = (size_t)c->n_heads * e->hd_max, kv_dim = (size_t)c->n_kv * e->hd_max;
     size_t E = c->n_experts, M = e->n_moe;
-    e->seq_kv = (size_t)c->n_layers * c->n_kv * e->n_ctx;
-    size_t kv = e->seq_kv * e->n_seq; /* rows of each cache */
+    e->seq_kv = (size_t)c->n_layers * c->n_kv * e->n_ctx; /* latent attention's rows (one head size) */
     int fail = 0;
     s->ring = xcalloc(e->n_ring * B * d, sizeof(float), &fail);
     s->h = xcalloc(B * d, sizeof(float), &fail);
@@ -429,11 +466,21 @@ static int alloc_state(cf_engine *e) {
         s->mla_q = xcalloc(B * c->n_heads * c->mla_qk, sizeof(float), &fail);
         s->mla_o = xcalloc(B * c->n_heads * c->mla_v, sizeof(float), &fail);
     }
-    if (c->rope_theta_local > 0) s->rope_local = xcalloc(B * c->hd, sizeof(float), &fail);
-    if (c->ffn_gelu || c->expert_act == CF_ACT_SWIGLU_OAI) s->gu = xcalloc(hid_rows * 2 * e->hmax, sizeof(float), &fail);
+    if (c->rope_theta_local > 0) s->rope_local = xcalloc(B * e->hd_max, sizeof(float), &fail);
+    if (c->ple_dim) {
+        size_t lp = (size_t)c->n_layers * c->ple_dim, P = c->ple_dim;
+        s->ple = xcalloc(B * lp, sizeof(float), &fail);
+        s->ple_tok = xcalloc(B * lp, sizeof(float), &fail);
+        s->ple_g = xcalloc(B * P, sizeof(float), &fail);
+        s->ple_gu = xcalloc(B * 2 * P, sizeof(float), &fail);
+        s->ple_h = xcalloc(B * P, sizeof(float), &fail);
+    }
+    s->ones = xcalloc(e->hd_max, sizeof(float), &fail);
+    for (int i = 0; !fail && i < e->hd_max; i++) s->ones[i] = 1.0f;
+    if (c->ffn_gelu || c->expert_act != CF_ACT_SILU) s->gu = xcalloc(hid_rows * 2 * e->hmax, sizeof(float), &fail);
     // calloc'd pages are mapped lazily, so a long context costs memory only once it is used
-    s->kcache = xcalloc(kv, e->krow, &fail);
-    s->vcache = xcalloc(kv, e->vrow, &fail);
+    s->kcache = xcalloc(e->n_seq, e->seq_kbytes, &fail);
+    s->vcache = xcalloc(e->n_seq, e->seq_vbytes, &fail);
     s->rlogits = xcalloc(B * E, sizeof(float), &fail);
     s->exp_tok = xcalloc(M * E * B, sizeof(int), &fail);
     s->exp_w = xcalloc(M * E * B, sizeof(float), &fail);
@@ -596,8 +643,12 @@ cf_engine *cf_engine_create(const cf_config *cfg, const uint8_t *buf, size_t buf
     e->n_moe = n_moe;
     e->buf = buf;
     e->n_ops = n_ops;
-    e->hmax = cf_max(cfg->d_ff, cfg->n_experts ? cf_max(cfg->d_exp, cfg->d_shexp) : 0);
-    e->kmax = cf_max(cf_max(cfg->d, cfg->n_heads * cfg->hd), e->hmax);
+    if (cf_layer_geometry(e, err, err_len)) {
+        cf_engine_free(e);
+        return NULL;
+    }
+    e->hmax = cf_max(cf_max(cfg->d_ff, cfg->d_ff_shared_kv), cfg->n_experts ? cf_max(cfg->d_exp, cfg->d_shexp) : 0);
+    e->kmax = cf_max(cf_max(cfg->d, cfg->n_heads * e->hd_max), e->hmax);
     e->attn_scale = cfg->attn_scale > 0 ? cfg->attn_scale : 1.0f / sqrtf((float)cfg->hd);
     e->bar.n = e->active = n_threads;
     e->prefetch = CF_PREFETCH_DEFAULT;
@@ -615,7 +666,7 @@ cf_engine *cf_engine_create(const cf_config *cfg, const uint8_t *buf, size_t buf
     if (!e->plan || alloc_state(e) || !(e->pool = cf_pool_create(n_threads))) {
         cf_set_err(err, err_len, "out of memory (KV cache for %d sequence(s) of n_ctx=%d needs %.1f MiB; try a "
                 "smaller context)", n_seq, n_ctx,
-                (double)cfg->n_layers * cfg->n_kv * n_ctx * (e->krow + e->vrow) * n_seq / 1048576.0);
+                (double)(e->seq_kbytes + e->seq_vbytes) * n_seq / 1048576.0);
         cf_engine_free(e);
         return NULL;
     }
@@ -647,7 +698,7 @@ void cf_engine_free(cf_engine *e) {
                     s->rope, s->rope_local, s->gu, s->kcache, s->vcache, s->rlogits, s->exp_tok, s->exp_w, s->exp_n,
                     s->shexp_w, s->exp_list, s->exp_cnt, s->exp_pre, s->exp_slot, e->hits, e->plan,
                     e->rseq, e->rpos, e->seen, e->lrow, e->ablk, e->arow, e->ones, e->hidden, s->mla_a, s->mla_q,
-                    s->mla_o};
+                    s->mla_o, s->ple, s->ple_tok, s->ple_g, s->ple_gu, s->ple_h, s->ones, e->geo};
     for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) free(bufs[i]);
     if (e->ts)
         for (int t = 0; t < e->n_threads; t++) free(e->ts[t].mem);

@@ -43,6 +43,12 @@ typedef struct {
     cf_tiled wq_a, wq_b, wkv_a;                   /* [q_lora, d], [H qk, q_lora], [kv_lora + rope, d] */
     cf_tiled wk_b, wv_b;                          /* [H kv_lora, qk - rope], [H v, kv_lora]: per head */
     const float *q_a_norm, *kv_a_norm;            /* [q_lora], [kv_lora] */
+    /* Gemma 4: the per-layer-embedding block (ple_dim > 0) and the layer output scale */
+    cf_tiled ple_gate, ple_proj;                  /* [P, d], [d, P] */
+    const float *ple_post_norm, *out_scale;       /* [d], [1] or NULL */
+    const float *router_norm, *expert_scale;      /* [d], [E] or NULL (Gemma 4's MoE) */
+    const float *ffn_post_norm_1, *moe_post_norm; /* [d] or NULL (moe_out_norms) */
+    uint64_t ple_bytes;                           /* counted as dense */
     uint64_t attn_bytes, dense_bytes, router_bytes, shexp_bytes;
     uint64_t *exp_bytes;                          /* [E] gate_up + down */
 } cf_layer;
@@ -52,7 +58,18 @@ typedef struct {
     cf_tiled lm_head;   /* [vocab, d]; a copy of tok_emb when tied */
     const float *norm;  /* [d] */
     cf_layer *sets;     /* [n_unique] */
+    cf_tiled ple_emb, ple_proj; /* [vocab, L P], [L P, d] (ple_dim > 0) */
+    const float *ple_norm;      /* [P] */
 } cf_weights;
+
+/* The shape of one layer (Gemma 4's differ; every other model's are all the same): its head size
+ * and dense FFN width, whether it owns K/V, whose cache it attends over, and where that cache's
+ * rows lie: layer kv_src's K rows of sequence s start at kcache + s * seq_kbytes + koff, one row
+ * krow bytes, [n_kv][n_ctx] of them (V alike). */
+typedef struct {
+    int hd, d_ff, has_kv, kv_src;
+    size_t koff, voff, krow, vrow;
+} cf_layer_geo;
 
 typedef struct {
     float *xb;        /* [B, kmax] normalised activations */
@@ -75,6 +92,12 @@ typedef struct {
     float *rope;       /* [B, hd] cos[hd/2] then sin[hd/2] for each token's position */
     float *rope_local; /* [B, hd] the same for local layers with a base of their own (rope_theta_local), or NULL */
     float *gu;         /* [B, 2 hmax] raw gate|up rows of a GeGLU (ffn_gelu) or of swiglu_oai experts, or NULL */
+    /* Gemma 4's per-layer embeddings (ple_dim P > 0; NULL without): every layer's input of each
+     * row, made by the EMBED op; the token's row of ple_emb; the PLE op's gate and gated rows */
+    float *ple, *ple_tok;   /* [B, L P] each */
+    float *ple_g, *ple_gu;  /* [B, P], [B, 2 P] (gelu's input interleaved with the layer's input) */
+    float *ple_h;           /* [B, P] */
+    float *ones;            /* [hd] 1.0: v_norm's unweighted RMSNorm */
     uint8_t *kcache;   /* [n_seq, L, n_kv, n_ctx] rows of krow bytes (fp16 or q8_0), rotated keys */
     uint8_t *vcache;   /* [n_seq, L, n_kv, n_ctx] rows of vrow bytes */
     float *mla_a;      /* [B, q_lora + kv_lora + rope] latent attention: the low-rank query, then latent | k_pe */
@@ -132,6 +155,9 @@ struct cf_engine {
     size_t seq_kv;  /* cache rows per sequence slot: L * n_kv * n_ctx */
     int k_type, v_type; /* cache row types, CF_F16 or CF_Q8_0 (cflow.h, "The 8-bit KV cache") */
     size_t krow, vrow;  /* bytes of one K / V row: cf_kv_row_bytes(type, hd) */
+    cf_layer_geo *geo;  /* [n_layers] each layer's shape and cache place */
+    size_t seq_kbytes, seq_vbytes; /* one sequence's K / V cache */
+    int hd_max;         /* the widest head of any layer */
     int active; /* threads a call uses (<= n_threads); the others return at once */
     int prefetch; /* software-prefetch mode of this engine's calls (cf_engine_set_prefetch) */
     int32_t *plan;
@@ -236,6 +262,33 @@ int cf_d_split(int ng, int ith, int nth, int lo[2], int hi[2]);
 int cf_attn_first(const cf_engine *e, int b, int l);
 /* Query rows per work item of the block attention (engine.c's attn_plan blocks). */
 #define ATTN_QBLOCK 16
+
+/* engine_gemma4.c: Gemma 4's per-layer embeddings. The EMBED op's second half (after a barrier:
+ * ring[slot] whole): every layer's per-layer input of each row into s->ple; ends without a barrier. */
+void cf_ple_inputs(cf_engine *e, int slot, int ith, int nth);
+/* The PLE op: ring[slot] = (ring[slot] + the per-layer block of layer l) * out_scale. */
+void cf_op_ple(cf_engine *e, int l, int slot, int ith, int nth);
+/* Gemma 4's MoE layer, in RESID (every thread, whole rows, after the experts' barrier): each row
+ * b's ffn_post_norm(rms(f) * ffn_post_norm_1 + rms(pending[pslot]) * moe_post_norm) into
+ * ts[ith].xb row b (what RESID adds to h). */
+void cf_moe_out_norms(cf_engine *e, int l, int pslot, int ith);
+/* What of the config the Gemma 4 pieces cannot run with (NULL: fine). */
+const char *cf_gemma4_check_config(const cf_config *c);
+/* Lay the layers out (e->geo, seq_kbytes / seq_vbytes, hd_max) from the config and the cache row
+ * types: kv_src per llama.cpp's rule, cache offsets per KV-owning layer. -1 with err on failure. */
+int cf_layer_geometry(cf_engine *e, char *err, size_t n);
+/* Whether layer l is "local": it attends through the sliding window (every layer when there is a
+ * window and no pattern; with a pattern N, the layers l % N < N - 1, as llama.cpp's swa pattern). */
+static inline int cf_layer_local(const cf_config *c, int l) {
+    return c->sliding_window > 0 && (c->swa_pattern == 0 || l % c->swa_pattern < c->swa_pattern - 1);
+}
+/* The first K (V) row of layer l's cache in sequence slot seq: kv head h, position p is row
+ * h * n_ctx + p past it. */
+static inline uint8_t *cf_kv_rows(const cf_engine *e, int seq, int l, int is_k) {
+    const cf_layer_geo *g = &e->geo[e->geo[l].kv_src];
+    return is_k ? e->s.kcache + (size_t)seq * e->seq_kbytes + g->koff
+                : e->s.vcache + (size_t)seq * e->seq_vbytes + g->voff;
+}
 
 /* engine_mla.c: multi-head latent attention (cf_config.mla_kv_lora > 0), the ATTN op of such a
  * model: h = ring[slot] + Attn_l(norm(ring[slot])) over the latent cache. */

@@ -36,6 +36,8 @@ def check_model(config: Any, type_k: str, type_v: str) -> None:
     mla = getattr(config, "kv_lora_rank", 0)
     width = config.kv_lora_rank + config.qk_rope_dim if mla else config.head_dim
     what = f"latent cache rows are {width} wide" if mla else f"head_dim is {width}"
+    if getattr(config, "head_dim_local", 0) and config.head_dim_local % quant.QK:  # Gemma 4's local heads
+        width, what = config.head_dim_local, f"local layers' head_dim is {config.head_dim_local}"
     for which, t in (("k", type_k), ("v", type_v)):
         if t == "q8_0" and width % quant.QK:
             raise EngineError(f"cache_type_{which} q8_0 stores rows in blocks of {quant.QK} values, and this "
@@ -53,5 +55,8 @@ def cache_bytes(config: Any, n_ctx: int, type_k: str = "f16", type_v: str = "f16
     position, which serves as key and as value (native/engine_mla.c)."""
     if getattr(config, "kv_lora_rank", 0):
         return config.n_layers * n_ctx * row_bytes(type_k, config.kv_lora_rank + config.qk_rope_dim)
-    hd = config.head_dim
-    return config.n_layers * config.n_kv_heads * n_ctx * (row_bytes(type_k, hd) + row_bytes(type_v, hd))
+    # per KV-owning layer at its own head size (Gemma 4's local / global heads and shared-KV layers)
+    has_kv = getattr(config, "layer_has_kv", lambda layer: True)
+    hd_of = getattr(config, "layer_head_dim", lambda layer: config.head_dim)
+    return sum(config.n_kv_heads * n_ctx * (row_bytes(type_k, hd_of(l)) + row_bytes(type_v, hd_of(l)))
+               for l in range(config.n_layers) if has_kv(l))

@@ -73,8 +73,8 @@ class Op:
     @property
     def node(self) -> str | None:
         """The cflow.dag node this op realises (None for the residual update)."""
-        return {"embed": "embed", "final": "lm_head", "resid": None, "route": f"L{self.layer}.router"}.get(
-            self.kind, f"L{self.layer}.{self.kind}")
+        return {"embed": "embed", "final": "lm_head", "resid": None, "route": f"L{self.layer}.router",
+                "ple": f"L{self.layer}.dense"}.get(self.kind, f"L{self.layer}.{self.kind}")
 
     def describe(self) -> str:
         a, b, c, l = self.a, self.b, self.c, self.layer
@@ -89,6 +89,8 @@ class Op:
             return f"moe_in = norm({src}); top-k of router{l}" + (f" -> moe[{a}]" if a else "")
         if self.kind == "experts":
             return f"pending[{a}] += experts{l}(moe_in" + (f" of moe[{b}])" if b else ")")
+        if self.kind == "ple":  # Gemma 4's per-layer-embedding block (its tensors are the dense node's)
+            return f"ring[{a}] = (ring[{a}] + ple{l}(ring[{a}])) * out_scale{l}"
         if self.kind == "resid":
             parts = ["h"] + (["f"] if b else []) + ([f"pending[{c}]"] if c >= 0 else [])
             return f"ring[{a}] = {' + '.join(parts)}" + (f"; pending[{c}] = 0" if c >= 0 else "")
@@ -147,6 +149,8 @@ def build_plan(cfg: ModelConfig, delay_experts: bool = False, file_order: bool =
             elif l - de >= 0:  # the experts whose output this layer's residual update adds
                 ops.append(experts(l - de))
         ops.append(Op("resid", l, (l + 1) % H, int(cfg.has_dense), l % P if cfg.has_moe else -1))
+        if cfg.per_layer_dim or cfg.layer_out_scale:
+            ops.append(Op("ple", l, (l + 1) % H))
     if delay:  # outputs whose target is past the last layer: before the final norm
         ops += [experts(l) for l in range(max(L - de, 0), L)]
     ops.append(Op("final", L - 1, L % H, late if cfg.has_moe else -1))

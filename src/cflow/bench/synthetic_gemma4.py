@@ -1,0 +1,99 @@
+"""Random-weight Gemma 4 text GGUFs (dense) for benchmarks (benchmarks/make_gemma4.py,
+docs/results/gemma4.md), in llama.cpp's gemma4 layout, with cflow.bench.synthetic's random blocks,
+byte-level tokenizer and streaming writer.
+
+GEMMA4_E2B is Gemma 4 E2B's text geometry as its published config gives it (35 layers, d 1536, 8
+query heads and 1 KV head, local heads 256 and global 512, every 5th layer global, the last 20
+layers sharing K/V, FFN 6144 and 12288 on the shared layers, per-layer inputs of 256, vocabulary
+262144, window 512); the layer count, vocabulary and shared-layer count are flags so the file fits
+a benchmark machine (the shared-KV rule needs the KV-owning layers to end on a global layer:
+n_layers - shared a multiple of the pattern).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+from cflow.bench.synthetic import _write_tensors, add_tokenizer, random_rows, tensor_rng
+from cflow.quant import row_bytes
+
+GEMMA4_E2B = dict(layers=35, d_model=1536, d_ff=6144, d_ff_shared=12288, heads=8, kv_heads=1, head_dim=512,
+                  head_dim_local=256, per_layer=256, shared_kv=20, pattern=5, vocab=262144, window=512)
+ROTATED_QUARTER = 4  # proportional RoPE on the global layers: the first 1/4 of the pairs turn (factor 1)
+
+
+def write_gemma4_gguf(path: str | os.PathLike, *, layers: int, d_model: int, d_ff: int, d_ff_shared: int, heads: int,
+                      kv_heads: int, head_dim: int, head_dim_local: int, per_layer: int, shared_kv: int, pattern: int,
+                      vocab: int, window: int, quant: str = "q4_0", seed: int = 0, ctx: int = 4096) -> Path:
+    """A random-weight dense Gemma 4 GGUF (tests/test_gemma4.py's layout): per-layer head sizes and
+    FFN widths, shared-KV layers without attn_k / attn_v / attn_k_norm, per-layer embeddings,
+    layer output scales of 1, the global layers' rope_freqs (1 on the first quarter of the pairs,
+    1e30 on the rest), a final soft cap of 30. Norm weights are 1, so activations stay of order one."""
+    import gguf
+
+    T = gguf.GGMLQuantizationType
+    qtype = {"q4_0": T.Q4_0, "q4_1": T.Q4_1, "q8_0": T.Q8_0}[quant]
+    n_kv = layers - shared_kv
+    local = [i % pattern < pattern - 1 for i in range(layers)]
+    lp = layers * per_layer
+    tensors: list[tuple[str, tuple[int, ...], str]] = [
+        ("token_embd.weight", (vocab, d_model), "m"), ("per_layer_token_embd.weight", (vocab, lp), "m"),
+        ("per_layer_model_proj.weight", (lp, d_model), "m"), ("per_layer_proj_norm.weight", (per_layer,), "n"),
+        ("rope_freqs.weight", (head_dim // 2,), "f")]
+    for i in range(layers):
+        b, hd, ff = f"blk.{i}.", head_dim_local if local[i] else head_dim, d_ff if i < n_kv else d_ff_shared
+        tensors += [(b + "attn_norm.weight", (d_model,), "n"), (b + "attn_q.weight", (heads * hd, d_model), "m"),
+                    (b + "attn_q_norm.weight", (hd,), "n")]
+        if i < n_kv:
+            tensors += [(b + "attn_k.weight", (kv_heads * hd, d_model), "m"),
+                        (b + "attn_v.weight", (kv_heads * hd, d_model), "m"), (b + "attn_k_norm.weight", (hd,), "n")]
+        tensors += [(b + "attn_output.weight", (d_model, heads * hd), "m"),
+                    (b + "post_attention_norm.weight", (d_model,), "n"), (b + "ffn_norm.weight", (d_model,), "n"),
+                    (b + "ffn_gate.weight", (ff, d_model), "m"), (b + "ffn_up.weight", (ff, d_model), "m"),
+                    (b + "ffn_down.weight", (d_model, ff), "m"), (b + "post_ffw_norm.weight", (d_model,), "n"),
+                    (b + "inp_gate.weight", (per_layer, d_model), "m"), (b + "proj.weight", (d_model, per_layer), "m"),
+                    (b + "post_norm.weight", (d_model,), "n"), (b + "layer_output_scale.weight", (1,), "n")]
+    tensors.append(("output_norm.weight", (d_model,), "n"))
+
+    def nbytes(shape: tuple[int, ...], kind: str) -> int:
+        return 4 * shape[0] if kind in ("n", "f") else shape[0] * row_bytes(quant, shape[1])
+
+    def matrix(name: str, shape: tuple[int, ...]) -> np.ndarray:
+        if name == "rope_freqs.weight":
+            f = np.full(shape, 1e30, np.float32)
+            f[: shape[0] // ROTATED_QUARTER] = 1.0
+            return f
+        return random_rows(tensor_rng(seed, name), quant, shape[0], shape[1])
+
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    wr = gguf.GGUFWriter(str(tmp), "gemma4")
+    wr.add_name(f"random gemma4 {layers}L d{d_model} ff{d_ff}/{d_ff_shared} hd{head_dim_local}/{head_dim} {quant}")
+    wr.add_block_count(layers)
+    wr.add_context_length(ctx)
+    wr.add_embedding_length(d_model)
+    wr.add_feed_forward_length([d_ff if i < n_kv else d_ff_shared for i in range(layers)])
+    wr.add_head_count(heads)
+    wr.add_head_count_kv(kv_heads)
+    wr.add_key_length(head_dim)
+    wr.add_value_length(head_dim)
+    wr.add_key_length_swa(head_dim_local)
+    wr.add_value_length_swa(head_dim_local)
+    wr.add_rope_dimension_count(head_dim)
+    wr.add_rope_dimension_count_swa(head_dim_local)
+    wr.add_rope_freq_base(1e6)
+    wr.add_rope_freq_base_swa(1e4)
+    wr.add_layer_norm_rms_eps(1e-6)
+    wr.add_sliding_window(window)
+    wr.add_sliding_window_pattern(local)
+    wr.add_shared_kv_layers(shared_kv)
+    wr.add_embedding_length_per_layer_input(per_layer)
+    wr.add_final_logit_softcapping(30.0)
+    wr.add_file_type(int({"q4_0": gguf.LlamaFileType.MOSTLY_Q4_0, "q4_1": gguf.LlamaFileType.MOSTLY_Q4_1,
+                          "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[quant]))
+    wr.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    add_tokenizer(wr, vocab)
+    return _write_tensors(wr, tensors, nbytes, qtype, matrix, tmp, path)
