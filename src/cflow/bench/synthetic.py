@@ -392,14 +392,14 @@ def _diag(order: list[str], k: int) -> Iterator[tuple[str, str]]:
     yield order[k], order[k]
 
 
-def start_gguf(tmp: str | os.PathLike, arch: str, name: str, *, layers: int, ctx: int, d_model: int, d_ff: int,
-               heads: int, kv_heads: int, rope_theta: float, eps: float, file_type: Any,
+def start_gguf(tmp: str | os.PathLike, arch: str, name: str, *, layers: int, ctx: int, d_model: int,
+               d_ff: int | list[int], heads: int, kv_heads: int, rope_theta: float, eps: float, file_type: Any,
                key_length: int | None = None, value_length: int | None = None,
                rope_dims: int | None = None) -> Any:
     """A GGUFWriter on `tmp` holding the header every random-weight family file shares (name, block
-    count, context, widths, heads, RoPE base, RMS eps, file type; key/value length and rotated dims
-    where given). `file_type`: a weight type name ("q4_0", "q4_1", "q8_0", "f16") or a
-    gguf.LlamaFileType. The caller adds its family's keys, the tokenizer and the tensors."""
+    count, context, widths (`d_ff` per layer where a list), heads, RoPE base, RMS eps, file type;
+    key/value length and rotated dims where given). `file_type`: a weight type name ("q4_0", "q4_1",
+    "q8_0", "f16") or a gguf.LlamaFileType. The caller adds its family's keys, the tokenizer and the tensors."""
     import gguf
 
     if isinstance(file_type, str):

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cflow.bench.synthetic import _write_tensors, add_tokenizer, random_rows, tensor_rng
+from cflow.bench.synthetic import _write_tensors, add_tokenizer, random_rows, start_gguf, tensor_rng
 from cflow.quant import row_bytes
 
 GEMMA4_E2B = dict(layers=35, d_model=1536, d_ff=6144, d_ff_shared=12288, heads=8, kv_heads=1, head_dim=512,
@@ -70,30 +70,19 @@ def write_gemma4_gguf(path: str | os.PathLike, *, layers: int, d_model: int, d_f
 
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    wr = gguf.GGUFWriter(str(tmp), "gemma4")
-    wr.add_name(f"random gemma4 {layers}L d{d_model} ff{d_ff}/{d_ff_shared} hd{head_dim_local}/{head_dim} {quant}")
-    wr.add_block_count(layers)
-    wr.add_context_length(ctx)
-    wr.add_embedding_length(d_model)
-    wr.add_feed_forward_length([d_ff if i < n_kv else d_ff_shared for i in range(layers)])
-    wr.add_head_count(heads)
-    wr.add_head_count_kv(kv_heads)
-    wr.add_key_length(head_dim)
-    wr.add_value_length(head_dim)
+    wr = start_gguf(tmp, "gemma4", f"random gemma4 {layers}L d{d_model} ff{d_ff}/{d_ff_shared} hd{head_dim_local}/{head_dim} "
+                    f"{quant}", layers=layers, ctx=ctx, d_model=d_model,
+                    d_ff=[d_ff if i < n_kv else d_ff_shared for i in range(layers)], heads=heads, kv_heads=kv_heads,
+                    rope_theta=1e6, eps=1e-6, file_type=quant, key_length=head_dim, value_length=head_dim,
+                    rope_dims=head_dim)
     wr.add_key_length_swa(head_dim_local)
     wr.add_value_length_swa(head_dim_local)
-    wr.add_rope_dimension_count(head_dim)
     wr.add_rope_dimension_count_swa(head_dim_local)
-    wr.add_rope_freq_base(1e6)
     wr.add_rope_freq_base_swa(1e4)
-    wr.add_layer_norm_rms_eps(1e-6)
     wr.add_sliding_window(window)
     wr.add_sliding_window_pattern(local)
     wr.add_shared_kv_layers(shared_kv)
     wr.add_embedding_length_per_layer_input(per_layer)
     wr.add_final_logit_softcapping(30.0)
-    wr.add_file_type(int({"q4_0": gguf.LlamaFileType.MOSTLY_Q4_0, "q4_1": gguf.LlamaFileType.MOSTLY_Q4_1,
-                          "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[quant]))
-    wr.add_quantization_version(gguf.GGML_QUANT_VERSION)
     add_tokenizer(wr, vocab)
     return _write_tensors(wr, tensors, nbytes, qtype, matrix, tmp, path)
