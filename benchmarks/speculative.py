@@ -19,7 +19,8 @@ proposer its Python binding exposes), alternated the same way: decode tokens/s f
 streamed token to the last, and whether its lookup output equals its plain output.
 
 --curve also measures the cost of one target call of k+1 rows (Engine.step_rows) against one
-row, k = 0..8: the price of proposing k tokens, which sets speculative.ROW_COST.
+row, k = 0..8: the price of proposing k tokens (the gate measures its own threshold from it at k = 4:
+speculative.engine_row_cost).
 
 --mtp measures a model of the pipeline-native family trained with multi-token prediction heads
 (`cflow train --mtp N`, exported; -m names its .cflow) on story openings (STORY_PROMPTS, raw text:
@@ -268,7 +269,8 @@ def report(results: dict, modes: list[str], cmd: str, eng, args, sp) -> str:
              "to a ratio. llama.cpp rows, where present, are ratios to llama.cpp's own plain decoding.", "",
              f"Defaults: draft_max {sp.DEFAULT_DRAFT_MAX} (adaptive length, first round {sp.DRAFT_START}), "
              f"n-gram lookup of {sp.DEFAULT_NGRAM_MAX}..{sp.DEFAULT_NGRAM_MIN} tokens, "
-             f"gate: pause when acceptance < {sp.ROW_COST} over {sp.GATE_WINDOW} rounds.", ""]
+             f"gate: pause when acceptance < the measured row cost over {sp.GATE_WINDOW} rounds "
+             f"({sp.engine_row_cost(eng):.2f} in this run: speculative.engine_row_cost).", ""]
     if "curve" in results:
         c = results["curve"]
         lines += [f"{top}# Cost of a verification call (Engine.step_rows, k proposed tokens = k+1 rows)", "",

@@ -5,8 +5,9 @@ run it against the ref table; this file aims at what is specific to it: 4 tokens
 per micro-kernel, batches of 64 tokens, a lone last group of a band or range (half a zmm), tiles
 of exactly 16 blocks (the buffer) and wider (the inherited kernel), the copy of the base table
 it starts from, and the small-batch path (B <= 32: blocks unpacked into registers, rows in a
-lane order of its own, passes of at most 8 tokens) at every B, at the weights' integer extremes.
-Skipped on CPUs without AVX-512 F/BW/VL + VNNI.
+lane order of its own, passes of at most 8 tokens) at every B, at the weights' integer extremes,
+with its one-group form for B <= 3 (two blocks of a group per zmm: odd block counts per tile, a
+one-block tile, and one-block groups are in SMALL_SHAPES). Skipped on CPUs without AVX-512 F/BW/VL + VNNI.
 """
 
 from __future__ import annotations
@@ -205,7 +206,8 @@ def test_cflow_isa_selects_it_and_the_tables_below():
         assert out.stdout.strip() == name
 
 
-# ---- the small-batch path (B <= 32: blocks unpacked into registers, passes of at most 8 tokens) ----
+# ---- the small-batch path (B <= 32: blocks unpacked into registers, passes of at most 8 tokens;
+# B <= 3: one group at a time, blocks kb and kb + 1 in one zmm) ----
 SMALL_SHAPES = [(203, 1088, (24, 96)),   # 3 groups a band: a lone group per band; a short last group
                 (77, 544, (40, 256)),    # 5 groups a band; ragged last tile (1 block)
                 (136, 512, (128, 512)),  # 17 groups: one lone group; tiles of 16 blocks (the buffer's)

@@ -367,6 +367,36 @@ def test_submit_refuses_what_the_generator_cannot_run(random_model, draft_pair):
             gen.submit([1, 2, 3], sink, speculative="mtp")
 
 
+def test_reference_backend_has_one_engine_accessor_for_speculation(draft_pair):
+    """EngineSlots.engine is its first slot's Engine, and speculation's target and the draft checks
+    read it: a draft over EngineSlots is checked against the target's vocabulary (the control, a
+    draft of another vocabulary, is refused), and a backend with no Engine is refused by name."""
+    from cflow.runtime.speculative import DraftVocabularyError
+    from cflow.serve.speculate import DraftSlots, Speculation
+
+    target, draft, other = draft_pair
+    t = EngineSlots.load(target, n_slots=2, threads=1)
+    d = EngineSlots.load(draft, n_slots=2, threads=1)
+    o = EngineSlots.load(other, n_slots=2, threads=1)
+    try:
+        assert t.engine is t.engines[0]
+        assert Speculation(t).target is t.engines[0]
+        assert DraftSlots(d, t).engine is d.engines[0]
+        with pytest.raises(DraftVocabularyError, match="vocabulary"):
+            DraftSlots(o, t)
+
+        class NoEngine:
+            n_slots = 2
+            step_rows = t.step_rows
+
+        with pytest.raises(SpeculativeError, match="Engine backends on both sides"):
+            DraftSlots(NoEngine(), t)
+        assert Speculation(NoEngine()).target is None
+    finally:
+        for b in (t, d, o):
+            b.close()
+
+
 def test_request_field_parses():
     d = Defaults()
     on = Defaults(speculative=Speculative("ngram", draft_max=6))

@@ -377,6 +377,73 @@ def test_gate_pauses_a_losing_proposer_and_output_is_unchanged(paths):
     assert got.timings.paused_steps > 0 and got.timings.rounds >= sp.GATE_WINDOW
 
 
+class _Clock:
+    """A clock that the calls it times advance by the cost they are given (no real timing)."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+    def call(self, costs: list[float]):
+        def run() -> None:
+            self.t += costs.pop(0) if len(costs) > 1 else costs[0]
+        return run
+
+
+def test_row_cost_is_measured_from_a_one_row_and_a_k_row_call():
+    clock = _Clock()
+    # a one-row call takes 1.0 (a slow first one ignored: the fastest counts); 5 rows 1 + 4 x 0.3
+    got = sp.measure_row_cost(clock.call([3.0, 1.0]), clock.call([2.2]), 5, clock=clock)
+    assert got == pytest.approx(0.3)
+    # the control: a dearer k-row call gives a higher cost, on the grid
+    assert sp.measure_row_cost(clock.call([1.0]), clock.call([1 + 4 * 0.46]), 5, clock=clock) == pytest.approx(0.45)
+    assert sp.measure_row_cost(clock.call([1.0]), clock.call([0.5]), 5, clock=clock) == 0.0  # kept in [0, 1]
+    with pytest.raises(ValueError, match="2 or more rows"):
+        sp.measure_row_cost(clock.call([1.0]), clock.call([1.0]), 1, clock=clock)
+
+
+def test_the_gate_threshold_follows_the_injected_row_cost():
+    """At a row cost of 0.46 (a 2-thread step), a proposer accepted 30% of the time pauses; at the
+    old constant 0.2 the same counts stay on. A draft model adds its byte share."""
+    class _Eng:
+        def __init__(self, b: float) -> None:
+            self.b = b
+
+        def weight_bytes_per_token(self) -> float:
+            return self.b
+
+    ngram = Speculative("ngram")
+    for cost, pauses in ((0.46, True), (0.2, False)):
+        g = sp.Gate(sp.min_rate(ngram, _Eng(100.0), row_cost=cost), window=4, pause=3)
+        for _ in range(4):
+            g.record(10, 3)
+        assert (g.paused > 0) is pauses, cost
+    draft = Speculative.__new__(Speculative)  # a draft setting without loading a draft Engine
+    object.__setattr__(draft, "proposer", "draft")
+    object.__setattr__(draft, "min_acceptance", None)
+    object.__setattr__(draft, "draft", _Eng(10.0))
+    assert sp.min_rate(draft, _Eng(100.0), row_cost=0.3) == pytest.approx(0.4)
+    assert sp.min_rate(Speculative("ngram", min_acceptance=0.7), _Eng(1.0), row_cost=0.3) == 0.7  # the setting wins
+    assert sp.engine_row_cost(_Eng(1.0)) == sp.ROW_COST  # not an Engine: nothing to measure
+
+
+def test_engine_row_cost_is_measured_once_and_leaves_the_text(paths, monkeypatch):
+    eng = Engine.load(paths["target"], threads=1)
+    eng.prefill(PROMPT, 0)
+    held = eng.cached(0)
+    cost = sp.engine_row_cost(eng)
+    assert 0.0 <= cost <= 1.0 and cost == pytest.approx(round(cost / sp.ROW_COST_GRID) * sp.ROW_COST_GRID)
+    assert eng.cached(0) == held  # the measuring rows were forgotten
+    calls = []
+    monkeypatch.setattr(sp, "measure_row_cost", lambda *a, **k: calls.append(a) or 0.9)
+    assert sp.engine_row_cost(eng) == cost and not calls  # cached per engine and thread count
+    assert sp.min_rate(Speculative("ngram"), eng) == cost
+    other = Engine.load(paths["target"], threads=1)
+    assert sp.engine_row_cost(other) == 0.9 and len(calls) == 1  # another engine measures its own
+
+
 def test_draft_length_follows_the_accepted_runs():
     d = sp.DraftLength(8, start=4)
     assert d.k == 4

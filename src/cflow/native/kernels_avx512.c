@@ -24,7 +24,10 @@
  * broadcast serves NP x 16 rows. Q4_0 / Q4_1 / Q8_0 batches of at most SB_MAX_B = 32 tokens
  * (serve's decode steps, step_rows) skip the buffer: each block is unpacked into registers and
  * used right away by up to 8 tokens (below, "small batches"); same values, and faster at every
- * B up to 32 with the weights streamed from memory (measured, below).
+ * B up to 32 with the weights streamed from memory (measured, below). Batches of at most
+ * SQ_MAX_B = 3 tokens (speculative verification, a few decode rows) read one group at a time
+ * instead, two blocks per zmm, so that the weights stream as the mat-vec's do (below, "one group
+ * at a time").
  *
  * Software prefetch (cflow.h, cf_set_prefetch): with a distance N, each run of groups about to be
  * unpacked first asks for the lines N bytes ahead of it (cf_prefetch_ahead); off: never. In the
@@ -428,6 +431,184 @@ INLINE void sb_matmat_groups(int dtype, const cf_tiled *w, const cf_act_q8 *xs, 
     }
 }
 
+/* ---- small batches, one group at a time: two blocks per zmm ------------------------------------
+ *
+ * The pair path above reads two groups' chunks in turn (two streams a group apart). On Zen 4 (the
+ * 2-core EPYC VM this project now measures on) that access pattern streams from memory at about
+ * half the rate of the mat-vec's one stream, software prefetch or not, and the compute of the
+ * extra rows then adds to the memory time instead of hiding under it. This path keeps one stream:
+ * a group's chunks in file order, blocks kb and kb + 1 of the same 8 rows unpacked into one zmm by
+ * the same sb_unpack_* (group "b" is the next block), so lane i holds virtual row sb_row_*[i]:
+ * rows 0-7 the group's rows in block kb, 8-15 the same rows in block kb + 1. Each token's
+ * activation dwords are packed to match (sq_pack), and the float operations run in block order:
+ * block kb's on the low lanes, then block kb + 1's moved onto them (sq_second), mm5_kernel's
+ * operations in mm5_kernel's order, so the sums are the mat-vec's bit for bit. It pays for the
+ * one stream with three more float operations per token and block pair (the second block's
+ * moves and fmas). The hardware prefetcher follows one stream by itself, so the default mode
+ * asks for no lines ahead (SQ_AHEAD 0); a mode N > 0 prefetches N bytes ahead per group.
+ *
+ * Measured 2026-12-05 on the Zen 4 VM (indicative: a shared machine). One thread, a 3072 x 576
+ * Q4_1 matrix (tile 128 x 256) streamed from memory, us per call, best of 40, this path / the pair
+ * path: 1 token 49 / 102, 2: 61 / 90, 3: 87 / 95, 4: 111 / 92, 8: 219 / 136 (the AVX2 mat-vec, one
+ * token: 52); in L2 30 / 27, 41 / 35, 55 / 43, 70 / 52: the pair path computes less per token,
+ * this one streams better. SmolLM2 Q4_1 steps of B rows (benchmarks/small_batch_ab.py, against
+ * the build before, alternating, 80 repeats, logits equal), 2 threads: B = 2 0.85x, 3 0.88x,
+ * 4 1.01x, 5 1.00x; 1 thread 0.87x, 0.87x, 1.01x; with this path up to 8 tokens, 4-8 rows ran
+ * 1.03x-1.20x. Hence SQ_MAX_B = 3. */
+#ifndef SQ_MAX_B
+#define SQ_MAX_B 3 /* most tokens that take this path (-DSQ_MAX_B=0: the pair path only) */
+#endif
+#if SQ_MAX_B > SB_NB
+#error "SQ_MAX_B must be at most SB_NB (one pass)"
+#endif
+#ifndef SQ_AHEAD
+#define SQ_AHEAD 0 /* default-mode prefetch distance: none (above) */
+#endif
+
+/* Per block pair and token, SQ_VECS zmm: the 8 activation dwords t (in the lanes of block kb
+ * x_kb[t] broadcast, in those of kb + 1 x_kb+1[t]), Q8_0's vpdpbusd start (-128 x the block's
+ * int8 sum, as in unpack_q8_pair; 0 for Q4), the token's scales d and its block sums s (Q4_0:
+ * -8 s, mm5_kernel's neg8s) laid out the same way, and s of block kb + 1 on the low lanes. A
+ * lone last block (odd nkt) repeats block kb in the second half, which sq_group ignores. */
+enum { SQ_X = 0, SQ_INIT = 8, SQ_D = 9, SQ_S = 10, SQ_S2 = 11, SQ_VECS = 12 };
+
+#define SQ_HI_Q4 ((__mmask16)0xcccc) /* block kb + 1 in the Q4 order: dwords 2, 3 of each 128-bit lane */
+#define SQ_HI_Q8 ((__mmask16)0xff00) /* ... in the Q8_0 order: the upper 256 bits */
+
+INLINE __mmask16 sq_hi(int dtype) { return dtype == CF_Q8_0 ? SQ_HI_Q8 : SQ_HI_Q4; }
+
+/* Block kb + 1's lanes of v moved onto block kb's (lane for lane the same row). */
+INLINE __m512 sq_second(int dtype, __m512 v) {
+    return dtype == CF_Q8_0 ? _mm512_shuffle_f32x4(v, v, _MM_SHUFFLE(3, 2, 3, 2))
+                            : _mm512_shuffle_ps(v, v, _MM_SHUFFLE(3, 2, 3, 2));
+}
+
+INLINE __m512 sq_pair_ps(__mmask16 hi, float a, float b) {
+    return _mm512_mask_blend_ps(hi, _mm512_set1_ps(a), _mm512_set1_ps(b));
+}
+
+INLINE __m512 sq_pair_epi32(__mmask16 hi, int32_t a, int32_t b) {
+    return _mm512_castsi512_ps(_mm512_mask_blend_epi32(hi, _mm512_set1_epi32(a), _mm512_set1_epi32(b)));
+}
+
+static void sq_pack(int dtype, const cf_act_q8 *xs, int nb, int kb0, int nkt, __m512 *rec) {
+    int32_t corr[SB_NB * MM5_KT];
+    __mmask16 hi = sq_hi(dtype);
+    if (dtype == CF_Q8_0) q8_block_sums(xs, nb, kb0, nkt, corr);
+    for (int kb = 0; kb < nkt; kb += 2)
+        for (int j = 0; j < nb; j++, rec += SQ_VECS) {
+            int k2 = kb + 1 < nkt ? kb + 1 : kb, a = kb0 + kb, b = kb0 + k2;
+            const int32_t *x4 = (const int32_t *)xs[j].qs;
+            for (int t = 0; t < 8; t++) rec[SQ_X + t] = sq_pair_epi32(hi, x4[a * 8 + t], x4[b * 8 + t]);
+            rec[SQ_INIT] = dtype == CF_Q8_0 ? sq_pair_epi32(hi, -corr[j * MM5_KT + kb], -corr[j * MM5_KT + k2])
+                                            : _mm512_setzero_ps();
+            rec[SQ_D] = sq_pair_ps(hi, xs[j].d[a], xs[j].d[b]);
+            __m512 s = sq_pair_ps(hi, xs[j].s[a], xs[j].s[b]);
+            rec[SQ_S] = dtype == CF_Q4_0 ? _mm512_mul_ps(s, _mm512_set1_ps(-8.0f)) : s;
+            rec[SQ_S2] = sq_second(dtype, rec[SQ_S]);
+        }
+}
+
+/* NB tokens x one group (chunks at p) over the nkt blocks of a tile share: out + j*ldo (its 8
+ * rows) += the share's sums for token j. */
+INLINE void sq_group(int NB, int dtype, const uint8_t *p, int nkt, const __m512 *rec, float *out, int ldo) {
+    size_t chunk = cf_block_bytes(dtype) * CF_G, qs_off = cf_chunk_qs_offset(dtype, CF_G);
+    const __m512i row = _mm512_loadu_si512(dtype == CF_Q8_0 ? sb_row_q8 : sb_row_q4);
+    __m512 acc[SB_NB];
+    for (int j = 0; j < NB; j++) acc[j] = _mm512_setzero_ps();
+    for (int kb = 0; kb < nkt; kb += 2, rec += NB * SQ_VECS) {
+        int two = kb + 1 < nkt;
+        const uint8_t *ca = p + kb * chunk, *cb = two ? ca + chunk : ca;
+        __m512i v[8];
+        if (dtype == CF_Q8_0) sb_unpack_q8(ca + qs_off, cb + qs_off, v);
+        else sb_unpack_q4(ca + qs_off, cb + qs_off, v);
+        __m512 d = _mm512_permutexvar_ps(row, load_halves16(ca, cb)), d2 = sq_second(dtype, d);
+        __m512 m = _mm512_setzero_ps(), m2 = m;
+        if (dtype == CF_Q4_1) {
+            m = _mm512_permutexvar_ps(row, load_halves16(ca + 16, cb + 16));
+            m2 = sq_second(dtype, m);
+        }
+        /* weight vector after weight vector, the NB tokens in a row: independent vpdpbusd */
+        __m512i is0[SB_NB], is1[SB_NB];
+        for (int j = 0; j < NB; j++) {
+            is0[j] = _mm512_castps_si512(rec[j * SQ_VECS + SQ_INIT]);
+            is1[j] = _mm512_setzero_si512();
+        }
+        for (int t = 0; t < 8; t++)
+            for (int j = 0; j < NB; j++) {
+                __m512i x = _mm512_castps_si512(rec[j * SQ_VECS + SQ_X + t]);
+                if (NB <= SB_2CHAIN_MAX && (t & 1)) is1[j] = _mm512_dpbusd_epi32(is1[j], v[t], x);
+                else is0[j] = _mm512_dpbusd_epi32(is0[j], v[t], x);
+            }
+        for (int j = 0; j < NB; j++) {
+            const __m512 *r = rec + j * SQ_VECS;
+            __m512i isum = NB <= SB_2CHAIN_MAX ? _mm512_add_epi32(is0[j], is1[j]) : is0[j];
+            __m512 fsum = _mm512_cvtepi32_ps(isum);
+            if (dtype == CF_Q4_0) {
+                __m512 inner = _mm512_fmadd_ps(fsum, r[SQ_D], r[SQ_S]);
+                acc[j] = _mm512_fmadd_ps(d, inner, acc[j]);
+                if (two) acc[j] = _mm512_fmadd_ps(d2, sq_second(dtype, inner), acc[j]);
+            } else {
+                __m512 scaled = _mm512_mul_ps(fsum, r[SQ_D]);
+                acc[j] = _mm512_fmadd_ps(d, scaled, acc[j]);
+                if (dtype == CF_Q4_1) acc[j] = _mm512_fmadd_ps(m, r[SQ_S], acc[j]);
+                if (two) {
+                    acc[j] = _mm512_fmadd_ps(d2, sq_second(dtype, scaled), acc[j]);
+                    if (dtype == CF_Q4_1) acc[j] = _mm512_fmadd_ps(m2, r[SQ_S2], acc[j]);
+                }
+            }
+        }
+    }
+    /* block kb's lanes hold the 8 rows: back to row order (the pair path's inverse), 8 stored */
+    const __m512i lane = _mm512_loadu_si512(dtype == CF_Q8_0 ? sb_lane_q8 : sb_row_q4);
+    for (int j = 0; j < NB; j++) {
+        float *o = out + (size_t)j * ldo;
+        __m256 y = _mm512_castps512_ps256(_mm512_permutexvar_ps(lane, acc[j]));
+        _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), y));
+    }
+}
+
+/* The groups of one tile share (groups [ga, gb) at sp->ptr) one after another, as they lie in
+ * memory, for NB tokens packed in rec; token j's rows of group ga + i go to out + j*ldo + 8i. */
+INLINE void sq_groups(int NB, int dtype, const cf_span *sp, size_t group_bytes, const __m512 *rec,
+                      float *out, int ldo, int pf, const uint8_t *end) {
+    for (int gr = sp->ga; gr < sp->gb; gr++) {
+        const uint8_t *p = sp->ptr + (size_t)(gr - sp->ga) * group_bytes;
+        cf_prefetch_ahead(pf, p, group_bytes, end);
+        sq_group(NB, dtype, p, sp->nkt, rec, out + (size_t)(gr - sp->ga) * CF_G, ldo);
+    }
+}
+
+INLINE void sq_run(int nb, int dtype, const cf_span *sp, size_t group_bytes, const __m512 *rec, float *out,
+                   int ldo, int pf, const uint8_t *end) {
+#define SQ_CASE(NB, DT)                                                                        \
+    if (NB <= SQ_MAX_B && nb == NB && dtype == DT) {                                           \
+        sq_groups(NB, DT, sp, group_bytes, rec, out, ldo, pf, end);                            \
+        return;                                                                                \
+    }
+#define SQ_NBS(DT) SQ_CASE(1, DT) SQ_CASE(2, DT) SQ_CASE(3, DT) SQ_CASE(4, DT) \
+                   SQ_CASE(5, DT) SQ_CASE(6, DT) SQ_CASE(7, DT) SQ_CASE(8, DT)
+    SQ_NBS(CF_Q4_0)
+    SQ_NBS(CF_Q4_1)
+    SQ_NBS(CF_Q8_0)
+#undef SQ_NBS
+#undef SQ_CASE
+}
+
+/* matmat_groups for B <= SQ_MAX_B (<= SB_NB) tokens (the same contract): the same walk, each tile
+ * share's activations packed once, then its groups in memory order. */
+INLINE void sq_matmat_groups(int dtype, const cf_tiled *w, const cf_act_q8 *xs, int B, float *out, int ldo,
+                             int g0, int g1) {
+    size_t bb = cf_block_bytes(dtype);
+    __m512 rec[(MM5_KT + 1) / 2 * SB_NB * SQ_VECS];
+    int pf = cf_prefetch_distance(SQ_AHEAD);
+    const uint8_t *end = pf ? cf_tiled_end(w) : NULL;
+    CF_FOR_EACH_SHARE(sp, w, g0, g1, xs, B, out, ldo) {
+        sq_pack(dtype, xs, B, sp.kb0, sp.nkt, rec);
+        sq_run(B, dtype, &sp, (size_t)CF_G * sp.nkt * bb, rec, out + (size_t)(sp.ga - g0) * CF_G, ldo, pf, end);
+    }
+}
+
 /* ---- the walk ---------------------------------------------------------------------------- */
 
 /* out[b*ldo + r - g0*8] for the rows of groups [g0, g1) and activations b < B: the tile shares
@@ -676,6 +857,10 @@ INLINE void kq5_matmat_groups(int dtype, const cf_tiled *w, const cf_act_q8 *xs,
  * tokens, 3% in one function per dtype for both walks; so, within the A/B's noise of 1-3%.) */
 #define NOINLINE static __attribute__((noinline))
 #define DEFINE_GROUPS(NAME, DT)                                                                \
+    NOINLINE void NAME##_sq(const cf_tiled *w, const cf_act_q8 *xs, int B, float *out, int ldo, \
+                            int g0, int g1) {                                                  \
+        sq_matmat_groups(DT, w, xs, B, out, ldo, g0, g1);                                      \
+    }                                                                                          \
     NOINLINE void NAME##_sb(const cf_tiled *w, const cf_act_q8 *xs, int B, float *out, int ldo, \
                             int g0, int g1) {                                                  \
         sb_matmat_groups(DT, w, xs, B, out, ldo, g0, g1);                                      \
@@ -698,15 +883,17 @@ DEFINE_KQ_GROUPS(groups_q6_k, CF_Q6_K)
 
 INLINE void any_matmat_groups(int dtype, const cf_tiled *w, const cf_act_q8 *xs, int B, float *out,
                               int ldo, int g0, int g1) {
-    int sb = B <= SB_MAX_B;
+    /* the one-stream path, the pair path, the L1 buffer: by batch size (measured, above) */
+#define PICK(NAME) (B <= SQ_MAX_B ? NAME##_sq : B <= SB_MAX_B ? NAME##_sb : NAME##_mm)
     switch (dtype) {
-    case CF_Q4_0: (sb ? groups_q4_0_sb : groups_q4_0_mm)(w, xs, B, out, ldo, g0, g1); break;
-    case CF_Q4_1: (sb ? groups_q4_1_sb : groups_q4_1_mm)(w, xs, B, out, ldo, g0, g1); break;
-    case CF_Q8_0: (sb ? groups_q8_0_sb : groups_q8_0_mm)(w, xs, B, out, ldo, g0, g1); break;
+    case CF_Q4_0: PICK(groups_q4_0)(w, xs, B, out, ldo, g0, g1); break;
+    case CF_Q4_1: PICK(groups_q4_1)(w, xs, B, out, ldo, g0, g1); break;
+    case CF_Q8_0: PICK(groups_q8_0)(w, xs, B, out, ldo, g0, g1); break;
     case CF_Q4_K: groups_q4_k(w, xs, B, out, ldo, g0, g1); break;
     case CF_Q5_K: groups_q5_k(w, xs, B, out, ldo, g0, g1); break;
     default: groups_q6_k(w, xs, B, out, ldo, g0, g1); break;
     }
+#undef PICK
 }
 
 /* Tiles wider than the buffer (tile_cols > 512) take the base table's matmat: the same values. */

@@ -50,9 +50,10 @@ text too, but only as far ahead as the model has heads.
 from __future__ import annotations
 
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -71,10 +72,17 @@ DEFAULT_NGRAM_MIN = 2  # a one-token match predicts poorly (docs/results/specula
 GATE_WINDOW = 8
 GATE_PAUSE = 16
 GATE_MAX_PAUSE = 256
-# What one more row costs in a target call, as a share of a one-row step (the measured cost curve,
-# docs/results/speculative.md): speculation pays while the acceptance rate exceeds it.
-ROW_COST = 0.2
 DRAFT_START = 4  # the first round's proposals (DraftLength)
+# What one more row costs in a target call, as a share of a one-row step: speculation pays while
+# the acceptance rate exceeds it. Measured per engine and thread count (engine_row_cost) from a
+# one-row step and a call of ROW_COST_ROWS rows (a round of the first proposals' length); ROW_COST
+# stands in where nothing was measured (a backend that is not an Engine, no room in the context).
+ROW_COST = 0.2
+ROW_COST_ROWS = 1 + DRAFT_START
+ROW_COST_REPEATS = 3  # each call timed this many times, alternating; the fastest of each counts
+# The measured cost is rounded to this grid, so that runs of one setup get the same threshold (and
+# a seeded run the same gate decisions) however the clock jitters between them.
+ROW_COST_GRID = 0.05
 
 
 class SpeculativeError(EngineError):
@@ -93,8 +101,9 @@ class Speculative:
     when a draft is given, else "ngram". draft_max: tokens proposed per round at most
     (llama.cpp's --draft-max); draft_min: a round with fewer proposed tokens is a plain step
     instead (--draft-min). ngram_max, ngram_min: the n-gram lookup tries suffixes of these lengths,
-    longest first. min_acceptance: the Gate's threshold (None: ROW_COST for the n-gram lookup;
-    ROW_COST plus the draft's weight bytes per token over the target's for a draft model);
+    longest first. min_acceptance: the Gate's threshold (None: the target's measured row cost,
+    engine_row_cost, for the n-gram lookup and the heads; that plus the draft's weight bytes per
+    token over the target's for a draft model);
     0 keeps speculation always on. adaptive: each round's length follows the accepted runs
     (DraftLength: starts at DRAFT_START, doubles while all are kept, drops to one more than
     were kept after a rejection); False: always draft_max."""
@@ -353,10 +362,12 @@ class Gate:
     that is followed by another failing window lasts twice as long (up to `max_pause`); a window
     that passes resets the pause to its first length.
 
-    Why acceptance and not time: a round of k proposed tokens costs about 1 + ROW_COST x k plain
-    steps and emits 1 + (acceptance x k) tokens, so it pays when the acceptance rate exceeds
-    ROW_COST (plus the draft's own cost per proposed token); and counts, unlike clocks, keep a
-    seeded run reproducible."""
+    Why acceptance and not time: a round of k proposed tokens costs about 1 + c x k plain steps,
+    c the row cost (engine_row_cost: measured once per engine and thread count, before any round),
+    and emits 1 + (acceptance x k) tokens, so it pays when the acceptance rate exceeds c (plus the
+    draft's own cost per proposed token); and counts, unlike clocks, keep a seeded run
+    reproducible: the one timing sets the threshold, on a coarse grid, and every decision after it
+    compares counts."""
 
     def __init__(self, min_rate: float, window: int = GATE_WINDOW, pause: int = GATE_PAUSE,
                  max_pause: int = GATE_MAX_PAUSE) -> None:
@@ -390,7 +401,7 @@ class Gate:
 class DraftLength:
     """How many tokens the next round proposes (at most draft_max): after a round that kept every
     proposal, twice as many; after a rejection, one more than were kept. A proposed token that is
-    rejected costs a row of the target call (ROW_COST of a step) for nothing, so the length follows
+    rejected costs a row of the target call (the row cost, a share of a step) for nothing, so the length follows
     the runs of accepted tokens: long while the output copies its input, short when it does not."""
 
     def __init__(self, draft_max: int, start: int | None = None) -> None:
@@ -401,15 +412,65 @@ class DraftLength:
         self.k = min(self.max, 2 * drafted if accepted == drafted else accepted + 1)
 
 
-def min_rate(spec: Speculative, eng: "Engine") -> float:
+def measure_row_cost(one_row: Callable[[], Any], rows_call: Callable[[], Any], rows: int,
+                     repeats: int = ROW_COST_REPEATS, clock: Callable[[], float] = time.perf_counter) -> float:
+    """What each row after the first of a `rows`-row call costs, as a share of a one-row call:
+    (t_rows - t_1) / ((rows - 1) t_1), each time the fastest of `repeats` calls (the two kinds
+    alternating, so that both see the same machine), rounded to ROW_COST_GRID and kept in [0, 1]."""
+    if rows < 2:
+        raise ValueError(f"measuring a row cost needs a call of 2 or more rows, got {rows}")
+    t1 = tk = float("inf")
+    for _ in range(repeats):
+        for call, one in ((one_row, True), (rows_call, False)):
+            t0 = clock()
+            call()
+            dt = clock() - t0
+            t1, tk = (min(t1, dt), tk) if one else (t1, min(tk, dt))
+    cost = (tk - t1) / ((rows - 1) * t1) if t1 > 0 else 1.0
+    return min(1.0, max(0.0, round(cost / ROW_COST_GRID) * ROW_COST_GRID))
+
+
+_row_costs: "weakref.WeakKeyDictionary[Any, dict[int, float]]" = weakref.WeakKeyDictionary()
+
+
+def engine_row_cost(eng: Any) -> float:
+    """The row cost of `eng` (an Engine) at its thread count: measured on its first use and kept
+    for the engine's life. The calls run on sequence 0 just past what it holds (a one-row step,
+    a ROW_COST_ROWS-row step_rows), then those positions are forgotten (Engine.truncate, as a
+    round forgets its rejected tokens: the next call overwrites their K/V), so the sequence's
+    text is unchanged. ROW_COST for what is not an Engine, or when the context has no room."""
+    from cflow.runtime.engine import Engine
+
+    if not isinstance(eng, Engine):
+        return ROW_COST
+    costs = _row_costs.setdefault(eng, {})
+    if eng.threads in costs:
+        return costs[eng.threads]
+    held = len(eng.cached(0))
+    rows = min(ROW_COST_ROWS, eng.n_ctx - held)
+    if rows < 2:
+        return ROW_COST
+    tok = 0  # any valid id: the logits are thrown away
+    try:
+        cost = measure_row_cost(lambda: eng.step(tok, held),
+                                lambda: eng.step_rows([0] * rows, [tok] * rows, range(held, held + rows)), rows)
+    finally:
+        eng.truncate(held)
+    costs[eng.threads] = cost
+    return cost
+
+
+def min_rate(spec: Speculative, eng: "Engine", row_cost: float | None = None) -> float:
     """The gate's threshold: spec.min_acceptance, or by default what one proposed token costs in
-    plain steps: ROW_COST, plus for a draft model its weight bytes per token over the target's (a
-    decode step on a CPU streams the weights: its time follows their bytes)."""
+    plain steps: `row_cost` (None: engine_row_cost(eng), measured once), plus for a draft model
+    its weight bytes per token over the target's (a decode step on a CPU streams the weights: its
+    time follows their bytes)."""
     if spec.min_acceptance is not None:
         return float(spec.min_acceptance)
+    cost = engine_row_cost(eng) if row_cost is None else float(row_cost)
     if spec.proposer == "draft":
-        return min(1.0, ROW_COST + spec.draft.weight_bytes_per_token() / eng.weight_bytes_per_token())
-    return ROW_COST
+        return min(1.0, cost + spec.draft.weight_bytes_per_token() / eng.weight_bytes_per_token())
+    return cost
 
 
 # ---- the loop ------------------------------------------------------------------------------------
@@ -419,7 +480,7 @@ def run(gen: Generation, spec: Speculative) -> Iterator[tuple[int, str]]:
     eng, sampler, tm = gen.eng, gen.sampler, gen.timings
     rng = sampler.rng
     proposer = make_proposer(spec, sampler.params, eng)
-    gate = Gate(min_rate(spec, eng))
+    gate = Gate(min_rate(spec, eng))  # the engine's first use measures its row cost (engine_row_cost)
     length = DraftLength(spec.draft_max, DRAFT_START)
     tm.spec = proposer.name
     # a proposer that reads the target's hidden states (MtpProposer) gets, after each call, the

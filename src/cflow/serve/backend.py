@@ -108,6 +108,13 @@ class EngineSlots:
         self._out = np.zeros((self.n_slots, self.vocab_size), np.float32)
         self._rows = np.zeros((self.n_slots, self.vocab_size), np.float32)  # step_rows' (grows)
 
+    @property
+    def engine(self) -> Any:
+        """The first slot's Engine, whose file, config and weights every slot shares: what asks the
+        backend for "its engine" (speculation's target and draft checks, the measured row cost)
+        reads, as EngineBatch.engine."""
+        return self.engines[0]
+
     @classmethod
     def load(cls, path: str | os.PathLike | None = None, n_slots: int = 1, options: EngineOptions | None = None, *,
              progress: Callable[[int, int, str], None] | None = None, log: Callable[[str], None] | None = None,

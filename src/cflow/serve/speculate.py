@@ -55,7 +55,7 @@ class Speculation:
 
     def __init__(self, backend: Any, draft: Any = None) -> None:
         self.backend = backend
-        self.target = getattr(backend, "engine", None) or next(iter(getattr(backend, "engines", ())), None)
+        self.target = getattr(backend, "engine", None)  # EngineBatch / EngineSlots.engine; None: not an Engine
         self.draft = DraftSlots(draft, backend) if draft is not None else None
 
     def resolve(self, value: Any) -> Speculative | None:
@@ -112,8 +112,12 @@ class DraftSlots:
             raise SpeculativeError(f"the draft model has {backend.n_slots} slots for the target's {target.n_slots}; "
                                    f"load it with n_slots={target.n_slots}", flag="--model-draft")
         self.backend = backend
-        self.engine = getattr(backend, "engine", None) or backend.engines[0]
-        target_engine = getattr(target, "engine", None) or target.engines[0]
+        self.engine = getattr(backend, "engine", None)
+        target_engine = getattr(target, "engine", None)
+        if self.engine is None or target_engine is None:
+            raise SpeculativeError(f"a draft model needs Engine backends on both sides (EngineBatch or EngineSlots, "
+                                   f"with .engine); got {backend!r} for the draft and {target!r} for the target",
+                                   flag="--model-draft")
         check_draft(target_engine, self.engine)
         self.held: list[list[int]] = [[] for _ in range(backend.n_slots)]
 
