@@ -813,6 +813,17 @@ def _check_rows(s: Source, rows: int) -> None:
         raise GGUFError(f"{s.origin} has {s.rows} rows, the config implies {rows}")
 
 
+def check_tensor_names(g: GGUFModel, expected: set[str], family: str) -> None:
+    """The file holds exactly the tensors the conversion reads: one it lacks, or one cflow would
+    drop, is refused by name."""
+    missing, extra = sorted(expected - set(g.tensors)), sorted(set(g.tensors) - expected)
+    if missing:
+        raise GGUFError(f"{g.path.name} lacks tensors {missing[:6]}; is it a complete {family} model?")
+    if extra:
+        raise GGUFError(f"{g.path.name} has tensors cflow does not know how to use: {extra[:6]}; converting would "
+                        "silently drop them")
+
+
 def _check_shape(s: Source, shape: tuple[int, ...]) -> None:
     if (s.rows, s.cols) != tuple(shape):
         raise GGUFError(f"{s.origin} is [{s.rows}, {s.cols}] (outputs, inputs); the config implies "

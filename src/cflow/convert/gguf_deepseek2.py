@@ -29,7 +29,7 @@ import math
 
 import numpy as np
 
-from cflow.convert.gguf import GGUFError, GGUFModel, _rope_scaling
+from cflow.convert.gguf import GGUFError, GGUFModel, _rope_scaling, check_tensor_names
 from cflow.model_deepseek2 import DeepSeek2Config
 
 ARCH = "deepseek2"
@@ -238,9 +238,4 @@ def _check_deepseek2_names(g: GGUFModel, cfg) -> None:
             if cfg.moe_router_bias:
                 expected.add(b + "exp_probs_b.bias")
         expected |= {b + n + ".weight" for n in names}
-    missing, extra = sorted(expected - set(g.tensors)), sorted(set(g.tensors) - expected)
-    if missing:
-        raise GGUFError(f"{g.path.name} lacks tensors {missing[:6]}; is it a complete deepseek2 model?")
-    if extra:
-        raise GGUFError(f"{g.path.name} has tensors cflow does not know how to use: {extra[:6]}; converting would "
-                        "silently drop them")
+    check_tensor_names(g, expected, "deepseek2")

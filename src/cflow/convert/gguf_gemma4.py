@@ -36,7 +36,7 @@ import numpy as np
 
 from cflow.config import ConfigError, ModelConfig
 from cflow.convert.encoder import Encoder
-from cflow.convert.gguf import GGUFError, GGUFModel, _check_shape, _swa_period
+from cflow.convert.gguf import GGUFError, GGUFModel, _check_shape, _swa_period, check_tensor_names
 from cflow.weights import model_weights
 
 ARCH = "gemma4"
@@ -200,11 +200,5 @@ def _expert_tensor(g: GGUFModel, cfg: ModelConfig, enc: Encoder, w, name: str):
 
 
 def check_gemma4_names(g: GGUFModel, used: set[str]) -> None:
-    """The file holds exactly the tensors the conversion reads: one it lacks or one cflow would drop
-    is refused by name."""
-    missing, extra = sorted(used - set(g.tensors)), sorted(set(g.tensors) - used)
-    if missing:
-        raise GGUFError(f"{g.path.name} lacks tensors {missing[:6]}; is it a complete gemma4 model?")
-    if extra:
-        raise GGUFError(f"{g.path.name} has tensors cflow does not know how to use: {extra[:6]}; converting would "
-                        "silently drop them")
+    """The file holds exactly the tensors the conversion reads (convert.gguf.check_tensor_names)."""
+    check_tensor_names(g, used, "gemma4")
