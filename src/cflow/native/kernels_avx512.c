@@ -388,20 +388,21 @@ INLINE void sb_pairs(int NB, int dtype, const cf_span *sp, size_t group_bytes, c
     }
 }
 
-INLINE void sb_run(int nb, int dtype, const cf_span *sp, size_t group_bytes, const uint8_t *rec, float *out,
-                   int ldo, int pf, const uint8_t *end) {
-#define SB_CASE(NB, DT)                                                                        \
-    if (NB <= SB_NB && nb == NB && dtype == DT) {                                              \
-        sb_pairs(NB, DT, sp, group_bytes, rec, out, ldo, pf, end);                             \
+/* The body of sb_run / sq_run: call FN's instance for this (row count nb <= LIMIT, dtype) and
+ * return; the instances have nb and dtype as compile-time constants. */
+#define RUN_NB_CASE(FN, LIMIT, NB, DT)                                                         \
+    if (NB <= LIMIT && nb == NB && dtype == DT) {                                              \
+        FN(NB, DT, sp, group_bytes, rec, out, ldo, pf, end);                                   \
         return;                                                                                \
     }
-#define SB_NBS(DT) SB_CASE(1, DT) SB_CASE(2, DT) SB_CASE(3, DT) SB_CASE(4, DT) \
-                   SB_CASE(5, DT) SB_CASE(6, DT) SB_CASE(7, DT) SB_CASE(8, DT)
-    SB_NBS(CF_Q4_0)
-    SB_NBS(CF_Q4_1)
-    SB_NBS(CF_Q8_0)
-#undef SB_NBS
-#undef SB_CASE
+#define RUN_NBS(FN, LIMIT, DT) RUN_NB_CASE(FN, LIMIT, 1, DT) RUN_NB_CASE(FN, LIMIT, 2, DT)     \
+    RUN_NB_CASE(FN, LIMIT, 3, DT) RUN_NB_CASE(FN, LIMIT, 4, DT) RUN_NB_CASE(FN, LIMIT, 5, DT)  \
+    RUN_NB_CASE(FN, LIMIT, 6, DT) RUN_NB_CASE(FN, LIMIT, 7, DT) RUN_NB_CASE(FN, LIMIT, 8, DT)
+#define RUN_EVERY_NB(FN, LIMIT) RUN_NBS(FN, LIMIT, CF_Q4_0) RUN_NBS(FN, LIMIT, CF_Q4_1) RUN_NBS(FN, LIMIT, CF_Q8_0)
+
+INLINE void sb_run(int nb, int dtype, const cf_span *sp, size_t group_bytes, const uint8_t *rec, float *out,
+                   int ldo, int pf, const uint8_t *end) {
+    RUN_EVERY_NB(sb_pairs, SB_NB)
 }
 
 /* One tile share for B <= SB_MAX_B tokens (out: its first group's rows): passes of at most SB_NB
@@ -581,18 +582,7 @@ INLINE void sq_groups(int NB, int dtype, const cf_span *sp, size_t group_bytes, 
 
 INLINE void sq_run(int nb, int dtype, const cf_span *sp, size_t group_bytes, const __m512 *rec, float *out,
                    int ldo, int pf, const uint8_t *end) {
-#define SQ_CASE(NB, DT)                                                                        \
-    if (NB <= SQ_MAX_B && nb == NB && dtype == DT) {                                           \
-        sq_groups(NB, DT, sp, group_bytes, rec, out, ldo, pf, end);                            \
-        return;                                                                                \
-    }
-#define SQ_NBS(DT) SQ_CASE(1, DT) SQ_CASE(2, DT) SQ_CASE(3, DT) SQ_CASE(4, DT) \
-                   SQ_CASE(5, DT) SQ_CASE(6, DT) SQ_CASE(7, DT) SQ_CASE(8, DT)
-    SQ_NBS(CF_Q4_0)
-    SQ_NBS(CF_Q4_1)
-    SQ_NBS(CF_Q8_0)
-#undef SQ_NBS
-#undef SQ_CASE
+    RUN_EVERY_NB(sq_groups, SQ_MAX_B)
 }
 
 /* matmat_groups for B <= SQ_MAX_B (<= SB_NB) tokens (the same contract): the same walk, each tile
