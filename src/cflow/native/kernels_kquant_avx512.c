@@ -267,42 +267,67 @@ INLINE __m256 q5_update512(int dtype, const uint8_t *c, const cf_act_q8 *x, int 
 
 /* ---- MXFP4 (32-weight blocks) ------------------------------------------------------------------- */
 
-/* Lane i = 2^(e_i - 128) from the 8 exponent bytes at p (kernels_kquant_avx2.inc's e8m0_half8). */
-INLINE __m256 e8m0_half8(const uint8_t *p) {
-    __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
-    __m256i norm = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
-    __m256i sub = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
-    return _mm256_castsi256_ps(_mm256_blendv_epi8(norm, sub, _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e)));
+/* Lane i = 2^(e_i - 128) from the 8 exponent bytes at p: the bits of kernels_kquant_avx2.inc's
+ * e8m0_half8 (cf_e8m0_half) in one op fewer: (e - 1) << 23 as e << 23 plus a constant, and the
+ * two subnormals (e < 2: 0x00200000 << e) by a masked shift instead of a compare and a blend. */
+INLINE __m256i e8m0_half8_bits(__m256i e) {
+    __m256i norm = _mm256_add_epi32(_mm256_slli_epi32(e, 23), _mm256_set1_epi32(-(1 << 23)));
+    __mmask8 tiny = _mm256_cmplt_epu32_mask(e, _mm256_set1_epi32(2));
+    return _mm256_mask_sllv_epi32(norm, tiny, _mm256_set1_epi32(0x00200000), e);
 }
 
-/* One full group's block (chunk c, g = 8: e[8]@0 qs[8][16]@8, 136 B) against activation block kb:
- * 128-bit lane r of load h = row 4h + r, low nibbles weights 0..15, high 16..31; the same exact
- * row sums as mx_update, folded as in q5_update512, then mx_update's float operations. */
-INLINE __m256 mx_update512(const uint8_t *c, const cf_act_q8 *x, int kb, __m256 acc) {
+INLINE __m256 e8m0_half8(const uint8_t *p) {
+    return _mm256_castsi256_ps(e8m0_half8_bits(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p))));
+}
+
+/* The block's activation as vpdpbusd operands: xa / xb = weights 0..15 / 16..31 in every
+ * 128-bit lane; neg = vpdpbusd's starting value, -12 * (the sum of each 4 of xa and of xb), so
+ * the 4 dwords of every lane add up to -12 * sum(x): the offset of the table's values (exact),
+ * folded into the dot instead of formed and subtracted apart. */
+typedef struct {
+    __m512i xa, xb, neg;
+} mx_act512;
+
+INLINE mx_act512 mx_act(const cf_act_q8 *x, int kb) {
     const int8_t *xk = x->qs + (size_t)kb * CF_QK;
-    const __m512i m4 = _mm512_set1_epi8(0x0f), zero = _mm512_setzero_si512();
+    const __m512i twelve = _mm512_set1_epi8(12), zero = _mm512_setzero_si512();
+    mx_act512 a;
+    a.xa = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)xk));
+    a.xb = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(xk + 16)));
+    a.neg = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, twelve, a.xa), twelve, a.xb));
+    return a;
+}
+
+/* The 32-bit partials of one full group's block (chunk c, g = 8: e[8]@0 qs[8][16]@8, 136 B):
+ * 128-bit lane r of a[h] = row 4h + r (4 dwords adding up to its exact dot, offset included);
+ * low nibbles weights 0..15, high 16..31, each turned into its doubled E2M1 value + 12 (an
+ * unsigned 0..24) by one vpshufb against the 16-entry table. */
+INLINE void mx_partials(const uint8_t *c, const mx_act512 *xa, __m512i a[2]) {
     static const int8_t values_u[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
     const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)values_u)); /* values + 12 */
-    __m512i xa = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)xk));
-    __m512i xb = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(xk + 16)));
-    __m512i a[2];
     for (int h = 0; h < 2; h++) {
         __m512i v = _mm512_loadu_si512(c + 8 + 64 * h);
         __m512i lo = _mm512_shuffle_epi8(table, _mm512_and_si512(v, m4));
         __m512i hi = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(v, 4), m4));
-        a[h] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, lo, xa), hi, xb);
+        a[h] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(xa->neg, lo, xa->xa), hi, xa->xb);
     }
+}
+
+/* Per 128-bit lane r: [row r, row 4 + r, row r, row 4 + r] (each the sum of its 4 dwords). */
+INLINE __m512i mx_lane_sums(const __m512i a[2]) {
     __m512i p = _mm512_add_epi32(_mm512_unpacklo_epi32(a[0], a[1]), _mm512_unpackhi_epi32(a[0], a[1]));
-    p = _mm512_add_epi32(p, _mm512_shuffle_epi32(p, _MM_SHUFFLE(1, 0, 3, 2)));
+    return _mm512_add_epi32(p, _mm512_shuffle_epi32(p, _MM_SHUFFLE(1, 0, 3, 2)));
+}
+
+/* One full group's block against activation block kb: the exact row sums of mx_update, then its
+ * float operation, acc = fma(2^(e - 128), isum * dx, acc). */
+INLINE __m256 mx_update512(const uint8_t *c, const cf_act_q8 *x, int kb, __m256 acc) {
+    mx_act512 xa = mx_act(x, kb);
+    __m512i a[2];
+    mx_partials(c, &xa, a);
     __m256i isum = _mm512_castsi512_si256(
-        _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0), p));
-    /* 12 * sum(x): the offset of the table's values, exact */
-    __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), _mm256_loadu_si256((const __m256i *)xk)),
-                                  _mm256_set1_epi16(1));
-    __m128i s2 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
-    s2 = _mm_add_epi32(s2, _mm_shuffle_epi32(s2, 0x4e));
-    s2 = _mm_add_epi32(s2, _mm_shuffle_epi32(s2, 0xb1));
-    isum = _mm256_sub_epi32(isum, _mm256_mullo_epi32(_mm256_broadcastd_epi32(s2), _mm256_set1_epi32(12)));
+        _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0), mx_lane_sums(a)));
     __m256 fsum = _mm256_cvtepi32_ps(isum);
     return _mm256_fmadd_ps(e8m0_half8(c), _mm256_mul_ps(fsum, _mm256_broadcast_ss(x->d + kb)), acc);
 }
