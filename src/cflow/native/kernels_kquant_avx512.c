@@ -274,17 +274,19 @@ INLINE __m256 q5_update512(int dtype, const uint8_t *c, const cf_act_q8 *x, int 
 
 /* ---- MXFP4 (32-weight blocks) ------------------------------------------------------------------- */
 
-/* Lane i = 2^(e_i - 128) from the 8 exponent bytes at p: the bits of kernels_kquant_avx2.inc's
+/* Lane i = the bits of 2^(e_i - 128) for the exponents e (dwords 0..255): kernels_kquant_avx2.inc's
  * e8m0_half8 (cf_e8m0_half) in one op fewer: (e - 1) << 23 as e << 23 plus a constant, and the
  * two subnormals (e < 2: 0x00200000 << e) by a masked shift instead of a compare and a blend. */
-INLINE __m256i e8m0_half8_bits(__m256i e) {
-    __m256i norm = _mm256_add_epi32(_mm256_slli_epi32(e, 23), _mm256_set1_epi32(-(1 << 23)));
-    __mmask8 tiny = _mm256_cmplt_epu32_mask(e, _mm256_set1_epi32(2));
-    return _mm256_mask_sllv_epi32(norm, tiny, _mm256_set1_epi32(0x00200000), e);
+INLINE __m512i e8m0_half16_bits(__m512i e) {
+    __m512i norm = _mm512_add_epi32(_mm512_slli_epi32(e, 23), _mm512_set1_epi32(-(1 << 23)));
+    __mmask16 tiny = _mm512_cmplt_epu32_mask(e, _mm512_set1_epi32(2));
+    return _mm512_mask_sllv_epi32(norm, tiny, _mm512_set1_epi32(0x00200000), e);
 }
 
+/* Lane i = 2^(e_i - 128) from the 8 exponent bytes at p (the odd last block of a share). */
 INLINE __m256 e8m0_half8(const uint8_t *p) {
-    return _mm256_castsi256_ps(e8m0_half8_bits(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p))));
+    __m512i e = _mm512_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm512_castsi512_si256(e8m0_half16_bits(e)));
 }
 
 /* The block's activation as vpdpbusd operands: xa / xb = weights 0..15 / 16..31 in every
@@ -356,14 +358,12 @@ INLINE __m256 mx_update512_pair(const uint8_t *c, size_t chunk, const cf_act_q8 
     __m512i s = _mm512_add_epi32(_mm512_unpacklo_epi64(pa, pb), _mm512_unpackhi_epi64(pa, pb));
     s = _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), s);
     __m512 dx = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
-                                      _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd((const double *)(x->d + kb)))));
+                                      _mm512_castps128_ps512(_mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)(x->d + kb)))));
     __m512 y = _mm512_mul_ps(_mm512_cvtepi32_ps(s), dx);
-    /* the 16 exponent bytes of both blocks; e8m0_half8_bits on 16 lanes */
+    /* the 16 exponent bytes of both blocks */
     __m512i e = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)c),
                                                         _mm_loadl_epi64((const __m128i *)(c + chunk))));
-    __m512i bits = _mm512_add_epi32(_mm512_slli_epi32(e, 23), _mm512_set1_epi32(-(1 << 23)));
-    bits = _mm512_mask_sllv_epi32(bits, _mm512_cmplt_epu32_mask(e, _mm512_set1_epi32(2)), _mm512_set1_epi32(0x00200000), e);
-    __m512 d = _mm512_castsi512_ps(bits);
+    __m512 d = _mm512_castsi512_ps(e8m0_half16_bits(e));
     acc = _mm256_fmadd_ps(_mm512_castps512_ps256(d), _mm512_castps512_ps256(y), acc);
     return _mm256_fmadd_ps(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(d), 1)),
                            _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(y), 1)), acc);
