@@ -93,11 +93,13 @@ class Source:
         return v
 
     def take_rows(self, index: np.ndarray) -> "Source":
-        """The same matrix with its rows reordered (row permutations are lossless on blocks)."""
+        """The matrix of the rows `index` picks, in that order (a permutation, or a selection: Qwen3.5's
+        query rows apart from its gate rows); moving whole rows is lossless on blocks."""
+        rows = len(index)
         if self.blocks is not None:
-            return Source(self.origin, self.src_dtype, self.rows, self.cols, self.dtype,
+            return Source(self.origin, self.src_dtype, rows, self.cols, self.dtype,
                           blocks=np.ascontiguousarray(self.blocks[index]))
-        return Source(self.origin, self.src_dtype, self.rows, self.cols,
+        return Source(self.origin, self.src_dtype, rows, self.cols,
                       values=lambda: np.ascontiguousarray(self.floats()[index]))
 
 

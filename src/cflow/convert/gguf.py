@@ -121,7 +121,7 @@ from cflow.tokenizer import Tokenizer, TokenizerError, unicode_to_bytes
 from cflow.weights import Weight
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "olmoe", "gemma3", "mistral3", "gpt-oss",
-                           "deepseek2")  # deepseek2: cflow.convert.gguf_deepseek2
+                           "deepseek2", "qwen35", "qwen35moe")  # deepseek2, qwen35*: their own modules
 # Architectures with experts, and whether llama.cpp renormalises their top-k routing weights
 # (gpt-oss: its softmax over the k chosen logits sums to 1 already).
 _MOE_NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False, "gpt-oss": False}
@@ -130,13 +130,7 @@ _MOE_ONLY = ("qwen2moe", "qwen3moe", "olmoe", "gpt-oss")  # every layer has expe
 # the others listed above use NEOX RoPE, the "half" convention cflow runs, and are stored as is.
 _PERMUTED_QK = ("llama", "mistral3")
 # Known architectures cflow does not run yet, with what is missing.
-_NOT_YET = {"gemma4": "gemma4 (its per-layer embeddings and attention variants)",
-            # tests/test_qwen35.py pins llama.cpp's graph down (reference + controls)
-            "qwen35": "qwen35 (Gated DeltaNet linear-attention layers with their per-sequence conv and "
-                      "recurrent state, gated full attention with partial RoPE)",
-            "qwen35moe": "qwen35moe (Gated DeltaNet linear-attention layers with their per-sequence conv and "
-                         "recurrent state, gated full attention with partial RoPE, experts with a gated "
-                         "shared expert)"}
+_NOT_YET = {"gemma4": "gemma4 (its per-layer embeddings and attention variants)"}
 # GGUF tensor-name prefixes of vision towers and projectors (llama.cpp's mmproj files use them).
 _VISION_PREFIXES = ("v.", "mm.", "vision_", "mmproj.")
 _NATIVE = {d.upper(): d for d in STORED_QUANT}  # GGML type name -> the dtype its blocks keep
@@ -267,17 +261,22 @@ class GGUFModel:
 
 
 # ---- hyperparameters -------------------------------------------------------------------------
-def gguf_config(g: GGUFModel) -> ModelConfig:
-    """ModelConfig of a llama, qwen2, qwen3, qwen2moe, qwen3moe, olmoe, gemma3 or mistral3 GGUF (SmolLM2-135M:
-    30 layers, d=576, heads 9/3), named after the architecture, or "mixtral" for a llama one with
-    experts (see the module docstring)."""
-    arch = g.architecture
-    if arch == "clip" or any(n.startswith(_VISION_PREFIXES) for n in g.tensors):
+def refuse_vision(g: GGUFModel) -> None:
+    """A vision tower or projector is refused by name: cflow runs text models."""
+    if g.architecture == "clip" or any(n.startswith(_VISION_PREFIXES) for n in g.tensors):
         what = g.get("clip.projector_type") or "vision"
         raise UnsupportedArchitectureError(
             f"{g.path.name} holds a vision tower ({what!r} projector: an mmproj file or vision tensors such as "
             f"{next((n for n in g.tensors if n.startswith(_VISION_PREFIXES)), 'v.*')}); cflow runs the text model "
             "only: convert the text GGUF without the projector")
+
+
+def gguf_config(g: GGUFModel) -> ModelConfig:
+    """ModelConfig of a llama, qwen2, qwen3, qwen2moe, qwen3moe, olmoe, gemma3 or mistral3 GGUF (SmolLM2-135M:
+    30 layers, d=576, heads 9/3), named after the architecture, or "mixtral" for a llama one with
+    experts (see the module docstring)."""
+    arch = g.architecture
+    refuse_vision(g)
     if arch in _NOT_YET:
         raise UnsupportedArchitectureError(
             f"{g.path.name} is a {arch!r} model: {_NOT_YET[arch]} is not yet supported by cflow; it "
@@ -826,10 +825,15 @@ def convert_gguf(src: str | os.PathLike, dst: str | os.PathLike, *, quant: str =
     check_quant(quant)
     g = GGUFModel(src)
     deepseek = g.architecture == "deepseek2"
+    qwen35 = g.architecture in ("qwen35", "qwen35moe")
     if deepseek:
         from cflow.convert.gguf_deepseek2 import deepseek2_model_config
 
         cfg = deepseek2_model_config(g)
+    elif qwen35:
+        from cflow.convert.gguf_qwen35 import qwen35_config
+
+        cfg = qwen35_config(g)
     else:
         cfg = gguf_config(g)
     if sliding_window is not None:  # the caller's choice over the file's (0: none, as llama.cpp runs it)
@@ -850,7 +854,7 @@ def convert_gguf(src: str | os.PathLike, dst: str | os.PathLike, *, quant: str =
               "file_type": g.get("general.file_type"), "architecture": g.architecture,
               "family": cfg.name}
     if cfg.has_moe:
-        source["expert_layout"] = "merged" if deepseek else moe_layout(g)
+        source["expert_layout"] = "merged" if deepseek or qwen35 else moe_layout(g)
     window = g.get(f"{g.architecture}.attention.sliding_window")
     if window and not cfg.sliding_window:
         source["sliding_window_ignored"] = int(window)
@@ -860,6 +864,10 @@ def convert_gguf(src: str | os.PathLike, dst: str | os.PathLike, *, quant: str =
         from cflow.convert.gguf_deepseek2 import deepseek2_tensors
 
         tensors = deepseek2_tensors(g, cfg, enc)
+    elif qwen35:
+        from cflow.convert.gguf_qwen35 import qwen35_tensors
+
+        tensors = qwen35_tensors(g, cfg, enc)
     else:
         tensors = gguf_tensors(g, cfg, enc)
     return write_conversion(src, dst, cfg, tok, tensors, enc, metadata, order=order, tile=tile,

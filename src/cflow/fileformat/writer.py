@@ -146,7 +146,9 @@ def write_model(path: str | os.PathLike, *, config: dict | ModelConfig, tokenize
                          ("moe_gating", "softmax"), ("expert_act", "silu"), ("kv_lora_rank", 0), ("q_lora_rank", 0),
                          ("qk_rope_dim", 0), ("v_head_dim", 0), ("n_dense_lead", 0), ("moe_router_bias", False),
                          ("moe_groups", 0), ("moe_groups_used", 0), ("moe_weights_scale", 1.0),
-                         ("shared_expert_gate", True)):
+                         ("shared_expert_gate", True), ("full_attn_interval", 0), ("ssm_k_heads", 0),
+                         ("ssm_v_heads", 0), ("ssm_head_dim", 0), ("ssm_conv_kernel", 0), ("rope_dims", 0),
+                         ("attn_out_gate", False)):
         if cfg_dict[key] == default:
             del cfg_dict[key]
 

@@ -112,6 +112,13 @@ cf_config config_from(const nb::dict &d) {
                    : gating == "sigmoid"    ? CF_GATING_SIGMOID
                                             : CF_GATING_SOFTMAX;
     c.expert_act = eact == "swiglu_oai" ? CF_ACT_SWIGLU_OAI : CF_ACT_SILU;
+    c.ssm_interval = i("full_attn_interval"); /* Qwen3.5 (engine_deltanet.c) */
+    c.ssm_hk = i("ssm_k_heads");
+    c.ssm_hv = i("ssm_v_heads");
+    c.ssm_dh = i("ssm_head_dim");
+    c.ssm_conv = i("ssm_conv_kernel");
+    c.n_rot = i("rope_dims");
+    c.attn_gate = b("attn_out_gate");
     return c;
 }
 

@@ -89,6 +89,15 @@ typedef struct {
                                     * down add b_gate_up [2 d_exp] (interleaved like w_gate_up) and b_down [d] */
     int moe_gating;                /* CF_GATING_*: how the router's logits become the top_k weights */
     int expert_act;                /* CF_ACT_*: the experts' activation */
+    /* Qwen3.5 (all 0: off; engine_deltanet.c). ssm_interval N > 0: layer l is full attention when
+     * (l + 1) % N == 0, a Gated DeltaNet layer otherwise: ssm_hk q/k heads and ssm_hv v heads of
+     * ssm_dh dims, a causal depthwise conv over ssm_conv tokens, and per sequence a recurrent
+     * state (conv rows and S) beside the KV cache. A sequence's rows must then come in order: a
+     * call at position p > 0 continues the state only from p (rewinds and skips are refused),
+     * position 0 starts the sequence over. */
+    int ssm_interval, ssm_hk, ssm_hv, ssm_dh, ssm_conv;
+    int n_rot;                     /* 0: RoPE turns whole heads; else the first n_rot dims of each head */
+    int attn_gate;                 /* 1: attention's output times sigmoid(attn.w_gate x) per value (Qwen3.5) */
 } cf_config;
 
 /* cf_config.moe_gating: softmax over all E logits, then top_k (renormalised when moe_norm_topk);
@@ -128,7 +137,10 @@ enum { CF_S_ATTN_NORM, CF_S_WQKV, CF_S_WO, CF_S_FFN_NORM, CF_S_GATE_UP, CF_S_DOW
        /* latent attention (cf_config.mla_kv_lora > 0; engine_mla.c) */
        CF_S_WQ_A, CF_S_Q_A_NORM, CF_S_WQ_B, CF_S_WKV_A, CF_S_KV_A_NORM, CF_S_WK_B, CF_S_WV_B,
        /* the router's bias (DeepSeek V3: to choose; gpt-oss: on the logits), gpt-oss's wo bias and sinks */
-       CF_S_ROUTER_BIAS, CF_S_WO_BIAS, CF_S_SINKS, CF_SLOTS_PER_SET };
+       CF_S_ROUTER_BIAS, CF_S_WO_BIAS, CF_S_SINKS,
+       /* Qwen3.5: the attention output gate; a Gated DeltaNet layer's tensors (engine_deltanet.c) */
+       CF_S_ATTN_GATE, CF_S_SSM_QKV, CF_S_SSM_Z, CF_S_SSM_ALPHA, CF_S_SSM_BETA, CF_S_SSM_CONV, CF_S_SSM_DT_BIAS,
+       CF_S_SSM_A, CF_S_SSM_NORM, CF_S_SSM_OUT, CF_SLOTS_PER_SET };
 enum { CF_E_GATE_UP, CF_E_DOWN, CF_E_B_GATE_UP, CF_E_B_DOWN, CF_EXPERT_SLOTS };
 extern const char *const cf_global_names[CF_T_GLOBAL];
 extern const char *const cf_slot_names[CF_SLOTS_PER_SET];
