@@ -286,3 +286,22 @@ ISA_TESTS = [f"tests/test_qwen35_engine.py::{t}" for t in ("test_engine_matches_
 @pytest.mark.parametrize("isa", other_isas())
 def test_every_other_kernel_table(isa):
     run_under(isa, ISA_TESTS, 2 * len(ISA_TESTS))
+
+
+def test_serve_reuses_a_slot_only_where_its_state_ends(native):
+    """cflow serve's batch: a prompt sharing only part of what a slot ran cannot go on from the
+    slot's state (it holds the state after its last token only): it runs from position 0 and
+    generates what a fresh engine does (reusing the shared part would rewind the state, which the
+    core refuses)."""
+    from cflow.runtime import Engine
+    from cflow.serve.batch import BatchGenerator
+
+    *_, dst, toks, _ = native
+    first, second = list(toks[:12]), list(toks[:8]) + list(tokens(4, seed=5))
+    with Engine.load(dst, threads=1) as eng:
+        want = eng.complete(second, 6, temperature=0).tokens
+        other = eng.complete(first, 6, temperature=0).tokens
+    assert other != want
+    with BatchGenerator.load(dst, parallel=1, threads=1) as gen:
+        assert gen.complete_many([first], 6, temperature=0)[0].tokens == other
+        assert gen.complete_many([second], 6, temperature=0)[0].tokens == want
