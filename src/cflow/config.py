@@ -309,7 +309,7 @@ class ModelConfig:
     @property
     def recurrent(self) -> bool:
         """Whether some layer keeps a recurrent state (it cannot be rewound like a KV cache)."""
-        return any(self.is_recurrent(layer) for layer in range(self.n_layers))
+        return self.full_attn_interval > 1  # then layer 0 is recurrent ((0 + 1) % N != 0)
 
     @property
     def mla(self) -> bool:

@@ -273,7 +273,8 @@ def count(cfg: ModelConfig, n_split_qkv: int = 0) -> int:
     # attention: attn_norm, wo (+ bias, sinks), then wqkv (+ bias, norms) or latent attention's (MLA_SLOTS, wq or 3)
     attn = 2 + cfg.post_norms + cfg.attn_out_bias + cfg.attn_sinks + cfg.attn_out_gate \
         + (5 + 2 * bool(cfg.q_lora_rank) if cfg.mla else 1 + cfg.qkv_bias + 2 * cfg.qk_norm)
-    n_rec = sum(cfg.is_recurrent(i) for i in range(cfg.n_unique_layers)) if cfg.full_attn_interval else 0
+    # every full_attn_interval-th layer is attention, the others recurrent (arithmetic, not a loop)
+    n_rec = cfg.n_unique_layers - cfg.n_unique_layers // cfg.full_attn_interval if cfg.full_attn_interval else 0
     ssm = 1 + len(SSM_SLOTS)  # attn_norm and the DeltaNet tensors
     dense = (3 + cfg.post_norms) * cfg.has_dense
     per_expert = 2 + 2 * cfg.moe_bias  # its matrices, and gpt-oss's biases
