@@ -1,7 +1,8 @@
-"""cflow's Gated DeltaNet token step (src/cflow/native/deltanet.c, the scalar reference the engine's
-qwen35 layers will run) against the float reference of llama.cpp's layer (tests/deltanet_reference.py,
-held to llama.cpp by tests/test_qwen35.py), token by token with the conv and recurrent state
-carried in the caller's arrays, at Qwen3.5's head layout and at odd sizes."""
+"""cflow's Gated DeltaNet token step (src/cflow/native/deltanet.c, the scalar reference of the pieces
+the engine's qwen35 layers run: engine_deltanet.c) against the float reference of llama.cpp's layer
+(tests/deltanet_reference.py, held to llama.cpp by tests/test_qwen35.py), token by token with the
+conv and recurrent state carried in the caller's arrays, at Qwen3.5's head layout and at odd sizes;
+and the kernel table's deltanet_head of every table against the scalar reference."""
 
 from __future__ import annotations
 
@@ -97,3 +98,28 @@ def test_bad_sizes_are_named():
         _native.deltanet_step(w["ssm_conv1d.weight"], w["ssm_dt.bias"], w["ssm_a"], w["ssm_norm.weight"], 2, EPS,
                               np.zeros(3 * 64, np.float32), np.zeros(4 * 64, np.float32), np.zeros(5, np.float32),
                               np.zeros(32, np.float32), np.zeros(4, np.float32), np.zeros(4, np.float32))
+
+
+@pytest.mark.parametrize("dh", [1, 7, 8, 13, 32, 37, 128])
+def test_every_kernel_tables_head_matches_the_reference(dh):
+    """The kernel table's deltanet_head (the engine's inner loops) of every table this CPU runs
+    equals the scalar reference within float rounding, several tokens in a row, at odd head dims
+    (the vector tables' scalar tails); a head without the decay misses (the control)."""
+    rng = np.random.default_rng(dh)
+    steps = [(rng.standard_normal(dh), rng.standard_normal(dh), rng.standard_normal(dh), float(rng.uniform(0.2, 0.95)),
+              float(rng.uniform(0.1, 0.9))) for _ in range(6)]
+
+    def run(isa, decay_on=True):
+        S, outs = np.zeros(dh * dh, np.float32), []
+        for q, k, v, g, b in steps:
+            q, k = (x / np.linalg.norm(x) for x in (q, k))
+            outs.append(_native.deltanet_head(isa, S, q.astype(np.float32), k.astype(np.float32), v.astype(np.float32),
+                                              g if decay_on else 1.0, b))
+        return np.stack(outs), S
+
+    want, S_want = run("ref")
+    for isa in _native.available_isas():
+        got, S_got = run(isa)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=isa)
+        np.testing.assert_allclose(S_got, S_want, rtol=1e-5, atol=1e-5, err_msg=isa)
+    assert np.abs(run("ref", decay_on=False)[0] - want).max() > 1e-2

@@ -34,7 +34,9 @@ EXPECTED = {
                     "moe.shared_gate", "moe.shared.w_gate_up", "moe.shared.w_down", "attn_post_norm", "ffn_post_norm",
                     "attn.wq_a", "attn.q_a_norm", "attn.wq_b", "attn.wkv_a", "attn.kv_a_norm", "attn.wk_b", "attn.wv_b",
                     "moe.router_bias", "attn.wo_bias", "attn.sinks", "ple.w_gate", "ple.w_proj", "ple_post_norm",
-                    "out_scale", "moe.router_norm", "moe.expert_scale", "ffn_post_norm_1", "moe_post_norm"),
+                    "out_scale", "moe.router_norm", "moe.expert_scale", "ffn_post_norm_1", "moe_post_norm",
+                    "attn.w_gate", "ssm.w_qkv", "ssm.w_z", "ssm.w_alpha", "ssm.w_beta", "ssm.conv", "ssm.dt_bias",
+                    "ssm.a", "ssm.norm", "ssm.w_out"),
     "EXPERT_SLOTS": ("w_gate_up", "w_down", "b_gate_up", "b_down"),
     "COUNTER_NAMES": ("attn", "dense", "router", "experts", "embed", "lm_head", "kv", "tokens", "calls",
                       "disk_bytes", "cache_hits", "cache_misses", "io_stall_ns",
@@ -128,8 +130,9 @@ def test_tensor_names_are_the_c_cores():
     order on one side and in the core's row order on the other (bound by name, so orders may differ)."""
     assert weights.GLOBAL_NAMES == _native.GLOBAL_TENSORS
     assert weights.EXPERT_SLOTS == _native.EXPERT_SLOTS
-    assert sorted(weights.LAYER_SLOTS + weights.QKV_PARTS + weights.MLA_SLOTS) == sorted(_native.LAYER_SLOTS)
-    assert len(set(weights.LAYER_SLOTS + weights.QKV_PARTS + weights.MLA_SLOTS)) == len(_native.LAYER_SLOTS)
+    ours = weights.LAYER_SLOTS + weights.QKV_PARTS + weights.MLA_SLOTS + weights.SSM_SLOTS
+    assert sorted(ours) == sorted(_native.LAYER_SLOTS)
+    assert len(set(ours)) == len(_native.LAYER_SLOTS)
 
 
 def test_layer_slots_are_the_file_order():
@@ -139,7 +142,8 @@ def test_layer_slots_are_the_file_order():
     # gpt-oss's (DeepSeek's router bias too), and Gemma 4's per-layer block (tests/test_gemma4_engine.py)
     gptoss = ("attn.wo_bias", "attn.sinks", "moe.router_bias", "ple.w_gate", "ple.w_proj", "ple_post_norm",
               "out_scale", "moe.router_norm", "moe.expert_scale", "ffn_post_norm_1", "moe_post_norm")
-    assert slots == [s for s in weights.LAYER_SLOTS if s not in post + gptoss]
+    qwen35 = ("attn.w_gate",)  # Qwen3.5's attention output gate
+    assert slots == [s for s in weights.LAYER_SLOTS if s not in post + gptoss + qwen35]
     oss = tiny_config(False).replace(qkv_bias=True, attn_sinks=True, attn_out_bias=True, moe_bias=True)
     slots = [w.slot for w in weights.layer_weights(oss, 0) if w.expert is None]
     assert slots == ["attn_norm", "attn.wqkv", "attn.qkv_bias", "attn.wo", "attn.wo_bias", "attn.sinks", "ffn_norm",
@@ -149,11 +153,11 @@ def test_layer_slots_are_the_file_order():
     dense = cfg.replace(n_experts=0, top_k=0, d_expert=0, d_shared_expert=0, delta_dense=0, moe_input="post_dense",
                         post_norms=True)
     slots = [w.slot for w in weights.layer_weights(dense, 0)]
-    assert slots == [s for s in weights.LAYER_SLOTS if not s.startswith("moe") and s not in gptoss]
+    assert slots == [s for s in weights.LAYER_SLOTS if not s.startswith("moe") and s not in gptoss + qwen35]
     by_parts = [w.slot for w in weights.layer_weights(cfg, 0, split_qkv=True) if w.expert is None]
     k = weights.LAYER_SLOTS.index("attn.wqkv")
     assert by_parts == [s for s in (*weights.LAYER_SLOTS[:k], *weights.QKV_PARTS, *weights.LAYER_SLOTS[k + 1:])
-                        if s not in post + gptoss]
+                        if s not in post + gptoss + qwen35]
 
 
 def test_file_format_constants_equal_the_c_cores():
@@ -269,6 +273,8 @@ def test_row_names_are_the_file_formats(tied, options):
                          "moe_post_norm") + weights.MLA_SLOTS}
     # gpt-oss's tensors, which these configs do not turn on (test_gptoss_engine runs them)
     unused |= {f"layers.{i}.{s}" for i in range(cfg.n_unique_layers) for s in ("attn.wo_bias", "attn.sinks")}
+    # Qwen3.5's output gate and Gated DeltaNet tensors (tests/test_qwen35_engine.py runs them)
+    unused |= {f"layers.{i}.{s}" for i in range(cfg.n_unique_layers) for s in ("attn.w_gate",) + weights.SSM_SLOTS}
     unused |= {f"layers.{i}.moe.experts.{e}.{s}" for i in range(cfg.n_unique_layers) for e in range(cfg.n_experts)
                for s in ("b_gate_up", "b_down")}
     if not options:

@@ -42,8 +42,8 @@ gate per token); keys expert_count, expert_used_count, expert_feed_forward_lengt
 expert_shared_feed_forward_length. Then the final RMSNorm and the output matrix.
 
 The oracle is checked on the all-F32 file (llama.cpp then runs float weights on float
-activations); each control misses by far (see test_each_feature_matters). cflow's converter
-refuses such a file by name today, naming what its engine lacks.
+activations); each control misses by far (see test_each_feature_matters). cflow's converter and
+engine run these files: tests/test_qwen35_engine.py.
 """
 
 from __future__ import annotations
@@ -62,8 +62,7 @@ from test_convert_gguf import add_tensor, add_tiny_tokenizer, tiny_vocab  # noqa
 from test_convert_gguf_moe import compare, gguf_values, tokens  # noqa: E402
 from test_moe_llamacpp import MEDIAN_TOL, llama_cpp_logits, private_cache  # noqa: E402,F401
 
-from cflow.convert import convert  # noqa: E402
-from cflow.convert.gguf import GGUFModel, UnsupportedArchitectureError  # noqa: E402
+from cflow.convert.gguf import GGUFModel  # noqa: E402
 from cflow.model import apply_rope, rope_cos_sin  # noqa: E402
 from deltanet_reference import delta_net as gated_delta_net, rms_norm  # noqa: E402
 
@@ -91,20 +90,22 @@ def is_full_attention(il: int) -> bool:
     return (il + 1) % INTERVAL == 0
 
 
-def qwen35_weights(seed: int, moe: bool = False) -> dict[str, np.ndarray]:
+def qwen35_weights(seed: int, moe: bool = False, scale: float = 1.0) -> dict[str, np.ndarray]:
     """Float weights under GGUF names (numpy order), sized so every feature moves the logits:
     decays exp(g) spread over ~0.2-0.95, betas over ~0.1-0.9, attention gates over (0, 1); with
-    moe, qwen35moe's FFN (router, experts, the shared expert and its gate) instead of the dense."""
+    moe, qwen35moe's FFN (router, experts, the shared expert and its gate) instead of the dense.
+    `scale` multiplies every projection's gain (not the embedding's or the conv's): below 1, the
+    int8 rounding of the projections' inputs amplifies less (tests/test_qwen35_engine.py)."""
     rng = np.random.default_rng(seed)
     V = len(tiny_vocab())
 
     def mat(*shape, gain=1.0):
-        return (rng.standard_normal(shape) * gain / np.sqrt(shape[-1])).astype(np.float32)
+        return (rng.standard_normal(shape) * gain * scale / np.sqrt(shape[-1])).astype(np.float32)
 
     def vec(n, scale, mean=0.0):
         return (mean + rng.standard_normal(n) * scale).astype(np.float32)
 
-    w = {"token_embd.weight": mat(V, D, gain=np.sqrt(D)), "output_norm.weight": 1 + vec(D, 0.1),
+    w = {"token_embd.weight": mat(V, D, gain=np.sqrt(D) / scale), "output_norm.weight": 1 + vec(D, 0.1),
          "output.weight": mat(V, D, gain=4.0)}
     for i in range(LAYERS):
         b = f"blk.{i}."
@@ -127,7 +128,7 @@ def qwen35_weights(seed: int, moe: bool = False) -> dict[str, np.ndarray]:
                       b + "attn_output.weight": mat(D, HEADS * HD, gain=2.0)})
         else:
             w.update({b + "attn_qkv.weight": mat(CONV_DIM, D, gain=2.0), b + "attn_gate.weight": mat(VALUE_DIM, D, gain=2.0),
-                      b + "ssm_conv1d.weight": mat(CONV_DIM, KCONV, gain=1.5),
+                      b + "ssm_conv1d.weight": mat(CONV_DIM, KCONV, gain=1.5 / scale),
                       b + "ssm_alpha.weight": mat(HV, D, gain=1.0), b + "ssm_dt.bias": vec(HV, 0.5),
                       b + "ssm_a": -np.exp(vec(HV, 0.3, mean=-0.5)).astype(np.float32),
                       b + "ssm_beta.weight": mat(HV, D, gain=1.5),
@@ -135,10 +136,12 @@ def qwen35_weights(seed: int, moe: bool = False) -> dict[str, np.ndarray]:
     return w
 
 
-def write_qwen35_gguf(path, seed: int = 0, quant=None, moe: bool = False) -> None:
+def write_qwen35_gguf(path, seed: int = 0, quant=None, moe: bool = False, scale: float = 1.0,
+                      quant_embedding: bool = False) -> None:
     """The qwen35 (or with moe, qwen35moe) file of one weight seed, every tensor F32, or with
     `quant` (a GGML type) for the matrices llama.cpp quantizes (projections and experts, not the
-    conv, norms or per-head vectors)."""
+    conv, norms or per-head vectors; the token embedding too with quant_embedding). `scale`: as
+    qwen35_weights'."""
     arch = "qwen35moe" if moe else "qwen35"
     wr = gguf.GGUFWriter(str(path), arch)
     wr.add_name(f"tiny-{arch}")
@@ -166,8 +169,9 @@ def write_qwen35_gguf(path, seed: int = 0, quant=None, moe: bool = False) -> Non
     wr.add_ssm_group_count(HK)
     wr.add_full_attention_interval(INTERVAL)
     add_tiny_tokenizer(wr)
-    for name, x in qwen35_weights(seed, moe).items():
-        quantized = quant is not None and x.ndim >= 2 and "conv1d" not in name and "token_embd" not in name
+    for name, x in qwen35_weights(seed, moe, scale).items():
+        quantized = (quant is not None and x.ndim >= 2 and "conv1d" not in name
+                     and ("token_embd" not in name or quant_embedding))
         add_tensor(wr, name, x, quant if quantized else T.F32)
     wr.write_header_to_file()
     wr.write_kv_data_to_file()
@@ -332,13 +336,12 @@ def test_each_feature_matters(q35, drop):
 
 
 @pytest.mark.parametrize("moe", [False, True], ids=["qwen35", "qwen35moe"])
-def test_llama_cpp_runs_a_quantized_copy_and_cflow_refuses_it_by_name(tmp_path, moe):
+def test_llama_cpp_runs_a_quantized_copy(tmp_path, moe):
     """The same graph with its projections in Q8_0 (what a shipped file quantizes): llama.cpp loads
-    and runs it; cflow's converter refuses the file by name, saying what it lacks, and writes
-    nothing. (The float reference is not held to it: llama.cpp rounds every quantized mat-mul's
+    and runs it. (The float reference is not held to it: llama.cpp rounds every quantized mat-mul's
     input to int8 per 32 values, which this file's gains amplify to ~11% of the logits' std,
     median, over 16 positions; cflow's engine, which rounds the same way, is the one to compare
-    with llama.cpp on this file.)"""
+    with llama.cpp on such a file: tests/test_qwen35_engine.py.)"""
     path = tmp_path / "q8.gguf"
     write_qwen35_gguf(path, seed=0, quant=T.Q8_0, moe=moe)
     types = {t.name: t.tensor_type for t in gguf.GGUFReader(str(path)).tensors}
@@ -348,7 +351,3 @@ def test_llama_cpp_runs_a_quantized_copy_and_cflow_refuses_it_by_name(tmp_path, 
     toks = tokens(16, seed=3)
     lc = llama_cpp_logits(path, toks)
     assert lc.shape == (len(toks), len(tiny_vocab())) and np.isfinite(lc).all()
-    with pytest.raises(UnsupportedArchitectureError, match=("qwen35moe.*Gated DeltaNet.*shared expert.*not yet supported" if moe
-                                                            else "'qwen35'.*Gated DeltaNet.*not yet supported")):
-        convert(path, tmp_path / "m.cflow")
-    assert not (tmp_path / "m.cflow").exists()

@@ -52,6 +52,12 @@ MoE layers (26B-A4B: the dense FFN beside the experts, moe_input "post_attn", ex
 "gelu_tanh"): moe_router_norm: the router reads rms(z) * moe.router_norm [d] instead of the
 experts' input norm(z); expert_scale: expert e's output times moe.expert_scale[e]; moe_out_norms:
 x_{l+1} = h + ffn_post_norm(rms(f) * ffn_post_norm_1 + rms(m) * moe_post_norm), m the experts' sum.
+Qwen3.5 options (all off by default): full_attn_interval N > 0 makes layer l a Gated DeltaNet
+("linear attention") layer unless (l + 1) % N == 0 (those keep full attention): ssm_k_heads q/k
+heads and ssm_v_heads v heads of ssm_head_dim dims, a causal depthwise conv over ssm_conv_kernel
+tokens, a per-sequence recurrent state instead of a KV cache (tests/test_qwen35.py's docstring
+has the equations); rope_dims > 0 turns only the first rope_dims dims of each q/k head (partial
+RoPE); attn_out_gate multiplies attention's output by sigmoid(W_gate x) per value before wo.
 mtp_heads (default 0) adds multi-token prediction heads: head j predicts token t+2+j from the
 final normed hidden state of position t (`cflow train --mtp N`).
 """
@@ -160,6 +166,15 @@ class ModelConfig:
     # prediction of token t+2+j through the shared lm_head (cflow.model.MtpHead); the engine uses
     # them as a self-speculative proposer (cflow.runtime.speculative.MtpProposer). 0: none.
     mtp_heads: int = 0
+    # Qwen3.5 (see the module docstring): the layer pattern and Gated DeltaNet sizes, partial RoPE,
+    # the attention output gate. 0 / False: off.
+    full_attn_interval: int = 0
+    ssm_k_heads: int = 0
+    ssm_v_heads: int = 0
+    ssm_head_dim: int = 0
+    ssm_conv_kernel: int = 0
+    rope_dims: int = 0
+    attn_out_gate: bool = False
     name: str = field(default="custom", compare=False)
 
     def __post_init__(self) -> None:
@@ -260,6 +275,7 @@ class ModelConfig:
              "moe_bias, moe_gating and expert_act describe experts: they need n_experts > 0")
         need(not (self.moe_bias and self.moe_router_bias),
              "moe_bias (gpt-oss) and moe_router_bias (DeepSeek) are two uses of one router bias: one at most")
+        self._validate_qwen35(need)
         need(0 <= self.mtp_heads <= MAX_MTP_HEADS,
              f"mtp_heads must be in 0..{MAX_MTP_HEADS} (0: no multi-token prediction heads), got {self.mtp_heads}")
 
@@ -347,6 +363,35 @@ class ModelConfig:
 
     def layer_d_ff(self, layer: int) -> int:
         return self.d_ff_shared_kv if self.d_ff_shared_kv and not self.layer_has_kv(layer) else self.d_ff
+    def _validate_qwen35(self, need) -> None:
+        """The Qwen3.5 options (Gated DeltaNet layers, partial RoPE, the output gate)."""
+        need(self.rope_dims == 0 or (0 < self.rope_dims <= self.head_dim and self.rope_dims % 2 == 0
+                                     and not self.mla),
+             f"rope_dims must be 0 (whole heads) or even and in 2..head_dim ({self.head_dim}), without latent "
+             f"attention, got {self.rope_dims}")
+        sizes = (self.ssm_k_heads, self.ssm_v_heads, self.ssm_head_dim, self.ssm_conv_kernel)
+        if not self.full_attn_interval:
+            need(not any(sizes), "ssm_k_heads, ssm_v_heads, ssm_head_dim and ssm_conv_kernel describe Gated "
+                 "DeltaNet layers: they need full_attn_interval > 0")
+            return
+        need(self.full_attn_interval > 0 and all(x > 0 for x in sizes),
+             f"full_attn_interval, ssm_k_heads, ssm_v_heads, ssm_head_dim and ssm_conv_kernel must be positive, got "
+             f"{(self.full_attn_interval, *sizes)}")
+        need(self.ssm_v_heads % self.ssm_k_heads == 0,
+             f"ssm_v_heads ({self.ssm_v_heads}) must be a multiple of ssm_k_heads ({self.ssm_k_heads})")
+        need(not self.mla and self.n_unique_layers == self.n_layers and self.delta_dense == 0
+             and self.delta_expert == 0,
+             "Gated DeltaNet layers need plain attention layers with weights of their own and no delays")
+
+    def is_recurrent(self, layer: int) -> bool:
+        """Whether layer `layer` is a Gated DeltaNet layer (Qwen3.5) rather than attention."""
+        n = self.full_attn_interval
+        return n > 0 and (layer + 1) % n != 0
+
+    @property
+    def recurrent(self) -> bool:
+        """Whether some layer keeps a recurrent state (it cannot be rewound like a KV cache)."""
+        return self.full_attn_interval > 1  # then layer 0 is recurrent ((0 + 1) % N != 0)
 
     @property
     def mla(self) -> bool:
@@ -371,7 +416,7 @@ class ModelConfig:
     @property
     def rope_dim(self) -> int:
         """How many dims of a head RoPE turns: all of it, or qk_rope_dim under latent attention."""
-        return self.qk_rope_dim if self.kv_lora_rank else self.head_dim
+        return self.qk_rope_dim if self.kv_lora_rank else self.rope_dims or self.head_dim
 
     @property
     def has_dense(self) -> bool:

@@ -20,6 +20,7 @@ count bytes from them:
     layers.{i}.attn.wo                 [d, q]             attn      quantized
     layers.{i}.attn.wo_bias            [d]                attn      f32      (attn_out_bias)
     layers.{i}.attn.sinks              [n_heads]          attn      f32      (attn_sinks)
+    layers.{i}.attn.w_gate             [q, d]             attn      quantized (attn_out_gate: Qwen3.5)
     layers.{i}.attn_post_norm          [d]                attn      f32      (post_norms: Gemma)
     layers.{i}.ffn_norm                [d]                dense     f32      (d_ff > 0)
     layers.{i}.ffn.w_gate_up           [2 d_ff, d]        dense     quantized (gate, up interleaved)
@@ -48,6 +49,13 @@ count bytes from them:
     mtp.{j}.w_up                       [d, d]             mtp       f32      (mtp_heads > 0: head j,
     mtp.{j}.w_down                     [d, d]             mtp       f32       j = 0..mtp_heads-1)
     mtp.{j}.norm                       [d]                mtp       f32
+
+A Gated DeltaNet layer (Qwen3.5: cfg.is_recurrent(i)) has, after attn_norm, SSM_SLOTS in place of
+the attention tensors (C = conv_dim = (2 Hk + Hv) dh, V = Hv dh; node attn):
+    layers.{i}.ssm.w_qkv  [C, d] quantized    layers.{i}.ssm.w_z   [V, d] quantized (the output gate)
+    layers.{i}.ssm.w_alpha [Hv, d] quantized  layers.{i}.ssm.w_beta [Hv, d] quantized
+    layers.{i}.ssm.conv   [C, K] f32          layers.{i}.ssm.dt_bias [Hv] f32   layers.{i}.ssm.a [Hv] f32
+    layers.{i}.ssm.norm   [dh] f32            layers.{i}.ssm.w_out [d, V] quantized
 
 The shared expert belongs to the experts node (it runs beside the routed ones, scaled per row by
 sigmoid(shared_gate . norm(z)), which the router computes) but is not one of the E experts: it
@@ -90,7 +98,8 @@ NODE_KINDS = ("embed", "attn", "dense", "router", "experts", "lm_head")
 GLOBAL_NAMES = ("tok_emb", "norm", "lm_head", "ple_emb", "ple_proj", "ple_norm")
 # A weight set's slots in `.cflow` order (layer_weights yields them so), plus QKV_PARTS in
 # attn.wqkv's place when the projection is stored by parts.
-LAYER_SLOTS = ("attn_norm", "attn.wqkv", "attn.qkv_bias", "attn.q_norm", "attn.k_norm", "attn.wo", "attn.wo_bias",
+LAYER_SLOTS = ("attn_norm", "attn.wqkv", "attn.qkv_bias", "attn.q_norm", "attn.k_norm", "attn.w_gate", "attn.wo",
+               "attn.wo_bias",
                "attn.sinks", "attn_post_norm", "ffn_norm", "ffn.w_gate_up", "ffn.w_down", "ffn_post_norm", "moe_norm",
                "moe.router", "moe.router_bias", "moe.shared_gate", "moe.shared.w_gate_up", "moe.shared.w_down",
                "moe.router_norm", "moe.expert_scale", "ffn_post_norm_1", "moe_post_norm",
@@ -102,6 +111,11 @@ LAYER_SLOTS = ("attn_norm", "attn.wqkv", "attn.qkv_bias", "attn.q_norm", "attn.k
 # kv_lora_rank wide, need not fill a K-quant's 256-block).
 MLA_SLOTS = ("attn.wq_a", "attn.q_a_norm", "attn.wq_b", "attn.wkv_a", "attn.kv_a_norm", "attn.wk_b", "attn.wv_b")
 EXPERT_SLOTS = ("w_gate_up", "w_down", "b_gate_up", "b_down")
+# A Gated DeltaNet layer's tensors (config full_attn_interval > 0, cfg.is_recurrent), in place of
+# the attention's, and the gated attention's output gate (attn_out_gate).
+SSM_SLOTS = ("ssm.w_qkv", "ssm.w_z", "ssm.w_alpha", "ssm.w_beta", "ssm.conv", "ssm.dt_bias", "ssm.a", "ssm.norm",
+             "ssm.w_out")
+ATTN_GATE_SLOT = "attn.w_gate"
 QKV_PARTS = ("attn.wq", "attn.wk", "attn.wv")  # attn.wqkv stored by parts (see above)
 
 
@@ -151,29 +165,19 @@ def layer_weights(cfg: ModelConfig, i: int, experts: Iterable[int] | None = None
     split_qkv: the projection as its three parts instead of attn.wqkv."""
     d, p = cfg.d_model, f"layers.{i}."
     # the set's geometry: the model's, or Gemma 4's per-layer head size / shared K/V (set i = layer i)
-    hd, q_dim, kv_dim = cfg.layer_head_dim(i), cfg.layer_q_dim(i), cfg.layer_kv_dim(i)
+    q_dim, kv_dim = cfg.layer_q_dim(i), cfg.layer_kv_dim(i)
     out = [Weight(p + "attn_norm", (d,), "attn", True, i)]
-    if cfg.mla:
+    if cfg.is_recurrent(i):
+        out += _ssm_weights(cfg, i)
+    elif cfg.mla:
         out += _mla_weights(cfg, i)
     elif split_qkv:
         out += [Weight(p + part, (rows, d), "attn", False, i)
                 for part, rows in zip(QKV_PARTS, (q_dim, kv_dim, kv_dim))]
     else:
         out.append(Weight(p + "attn.wqkv", (q_dim + 2 * kv_dim, d), "attn", False, i))
-    if cfg.qkv_bias:
-        out.append(Weight(p + "attn.qkv_bias", (q_dim + 2 * kv_dim,), "attn", True, i))
-    if cfg.qk_norm:
-        full = cfg.qk_norm_full
-        out.append(Weight(p + "attn.q_norm", (q_dim if full else hd,), "attn", True, i))
-        if kv_dim:
-            out.append(Weight(p + "attn.k_norm", (kv_dim if full else hd,), "attn", True, i))
-    out.append(Weight(p + "attn.wo", (d, cfg.n_heads * cfg.v_head_dim if cfg.mla else q_dim), "attn", False, i))
-    if cfg.attn_out_bias:
-        out.append(Weight(p + "attn.wo_bias", (d,), "attn", True, i))
-    if cfg.attn_sinks:
-        out.append(Weight(p + "attn.sinks", (cfg.n_heads,), "attn", True, i))
-    if cfg.post_norms:
-        out.append(Weight(p + "attn_post_norm", (d,), "attn", True, i))
+    if not cfg.is_recurrent(i):
+        out += _attention_tail(cfg, i)
     if cfg.layer_has_dense(i):
         d_ff = cfg.layer_d_ff(i)
         out += [Weight(p + "ffn_norm", (d,), "dense", True, i),
@@ -212,6 +216,42 @@ def layer_weights(cfg: ModelConfig, i: int, experts: Iterable[int] | None = None
     if cfg.layer_out_scale:
         out.append(Weight(p + "out_scale", (1,), "dense", True, i))
     return out + expert_weights
+
+
+def _attention_tail(cfg: ModelConfig, i: int) -> list[Weight]:
+    """An attention layer's tensors after its projection: bias, norms, the output gate, wo and its
+    options."""
+    d, p, out = cfg.d_model, f"layers.{i}.", []
+    # the set's geometry: the model's, or Gemma 4's per-layer head size / shared K/V (set i = layer i)
+    hd, q_dim, kv_dim = cfg.layer_head_dim(i), cfg.layer_q_dim(i), cfg.layer_kv_dim(i)
+    if cfg.qkv_bias:
+        out.append(Weight(p + "attn.qkv_bias", (q_dim + 2 * kv_dim,), "attn", True, i))
+    if cfg.qk_norm:
+        full = cfg.qk_norm_full
+        out.append(Weight(p + "attn.q_norm", (q_dim if full else hd,), "attn", True, i))
+        if kv_dim:  # Gemma 4's shared-KV layers have no K of their own
+            out.append(Weight(p + "attn.k_norm", (kv_dim if full else hd,), "attn", True, i))
+    if cfg.attn_out_gate:
+        out.append(Weight(p + ATTN_GATE_SLOT, (q_dim, d), "attn", False, i))
+    out.append(Weight(p + "attn.wo", (d, cfg.n_heads * cfg.v_head_dim if cfg.mla else q_dim), "attn", False, i))
+    if cfg.attn_out_bias:
+        out.append(Weight(p + "attn.wo_bias", (d,), "attn", True, i))
+    if cfg.attn_sinks:
+        out.append(Weight(p + "attn.sinks", (cfg.n_heads,), "attn", True, i))
+    if cfg.post_norms:
+        out.append(Weight(p + "attn_post_norm", (d,), "attn", True, i))
+    return out
+
+
+def _ssm_weights(cfg: ModelConfig, i: int) -> list[Weight]:
+    """A Gated DeltaNet layer's tensors (SSM_SLOTS), after attn_norm."""
+    d, p, hv, dh = cfg.d_model, f"layers.{i}.", cfg.ssm_v_heads, cfg.ssm_head_dim
+    conv, value = (2 * cfg.ssm_k_heads + hv) * dh, hv * dh
+    shapes = {"ssm.w_qkv": (conv, d), "ssm.w_z": (value, d), "ssm.w_alpha": (hv, d), "ssm.w_beta": (hv, d),
+              "ssm.conv": (conv, cfg.ssm_conv_kernel), "ssm.dt_bias": (hv,), "ssm.a": (hv,), "ssm.norm": (dh,),
+              "ssm.w_out": (d, value)}
+    plain = {"ssm.conv", "ssm.dt_bias", "ssm.a", "ssm.norm"}
+    return [Weight(p + slot, shapes[slot], "attn", slot in plain, i) for slot in SSM_SLOTS]
 
 
 def _mla_weights(cfg: ModelConfig, i: int) -> list[Weight]:
@@ -272,15 +312,18 @@ def count(cfg: ModelConfig, n_split_qkv: int = 0) -> int:
     """How many tensors `model_weights(cfg)` yields (with `n_split_qkv` sets stored by parts),
     computed without building it (a damaged header may claim billions of layers)."""
     # attention: attn_norm, wo (+ bias, sinks), then wqkv (+ bias, norms) or latent attention's (MLA_SLOTS, wq or 3)
-    attn = 2 + cfg.post_norms + cfg.attn_out_bias + cfg.attn_sinks \
+    attn = 2 + cfg.post_norms + cfg.attn_out_bias + cfg.attn_sinks + cfg.attn_out_gate \
         + (5 + 2 * bool(cfg.q_lora_rank) if cfg.mla else 1 + cfg.qkv_bias + 2 * cfg.qk_norm)
+    # every full_attn_interval-th layer is attention, the others recurrent (arithmetic, not a loop)
+    n_rec = cfg.n_unique_layers - cfg.n_unique_layers // cfg.full_attn_interval if cfg.full_attn_interval else 0
+    ssm = 1 + len(SSM_SLOTS)  # attn_norm and the DeltaNet tensors
     dense = (3 + cfg.post_norms) * cfg.has_dense
     per_expert = 2 + 2 * cfg.moe_bias  # its matrices, and gpt-oss's biases
     moe = (2 + per_expert * cfg.n_experts + (cfg.moe_router_bias or cfg.moe_bias)
            + (2 + cfg.shared_expert_gate) * cfg.has_shared_expert
            + cfg.moe_router_norm + cfg.expert_scale + 2 * cfg.moe_out_norms) * cfg.has_moe
     sets, lead = cfg.n_unique_layers, cfg.n_dense_lead  # leading dense layers: dense or MoE, not both
-    layers = sets * attn + (lead * dense + (sets - lead) * moe if lead else sets * (dense + moe))
+    layers = (sets - n_rec) * attn + n_rec * ssm + (lead * dense + (sets - lead) * moe if lead else sets * (dense + moe))
     # Gemma 4: no k_norm on the shared-KV layers; the per-layer block; the output scale
     layers += sets * (3 * bool(cfg.per_layer_dim) + cfg.layer_out_scale) - cfg.qk_norm * cfg.shared_kv_layers
     layers += 3 * bool(cfg.per_layer_dim)  # ple_emb, ple_proj, ple_norm

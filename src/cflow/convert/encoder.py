@@ -93,8 +93,9 @@ class Source:
         return v
 
     def take_rows(self, index: np.ndarray) -> "Source":
-        """The matrix of the rows `index` (a reordering, or a subset: Gemma 4's merged gate_up
-        stacks; lossless on blocks)."""
+        """The matrix of the rows `index` picks, in that order (a permutation, or a selection: Gemma 4's
+        merged gate_up stacks, Qwen3.5's query rows apart from its gate rows); moving whole rows is
+        lossless on blocks."""
         rows = len(index)
         if self.blocks is not None:
             return Source(self.origin, self.src_dtype, rows, self.cols, self.dtype,

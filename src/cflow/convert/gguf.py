@@ -1,5 +1,5 @@
-"""GGUF (llama.cpp) Llama, Qwen2, Qwen3, Gemma 3, Gemma 4 and Mistral 3 models, dense and mixture-of-experts
-(Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss) -> `.cflow`.
+"""GGUF (llama.cpp) Llama, Qwen2, Qwen3, Qwen3.5, Gemma 3, Gemma 4 and Mistral 3 models, dense and
+mixture-of-experts (Mixtral, Qwen2-MoE, Qwen3-MoE, Qwen3.5-MoE, OLMoE, gpt-oss, DeepSeek) -> `.cflow`.
 
 Owns reading a GGUF file (through the `gguf` package's GGUFReader, memory-mapped): its
 hyperparameters -> ModelConfig, its tokenizer -> the header dict of cflow.tokenizer, and its
@@ -11,8 +11,8 @@ Choices:
   and k -> attn.q_norm / attn.k_norm, head_dim from attention.key_length). Anything else is a
   named error listing what is supported, never a best-effort guess; a vision projector (`clip`
   mmproj files, or vision tensors inside a text GGUF) is refused by name. "gemma4" (Gemma 4, dense
-  and MoE) and "deepseek2" have modules of their own
-  (cflow.convert.gguf_gemma4, gguf_deepseek2).
+  and MoE), "deepseek2" and "qwen35" / "qwen35moe" have modules of their own
+  (cflow.convert.gguf_gemma4, gguf_deepseek2, gguf_qwen35).
 - "gpt-oss" (OpenAI's gpt-oss, as llama.cpp's llm_build_openai_moe_iswa runs it): q/k/v biases
   (qkv_bias), the output projection's bias (attn_output.bias -> attn.wo_bias: attn_out_bias), a
   learned sink logit per query head (attn_sinks.weight [n_heads] -> attn.sinks: attn_sinks), NEOX
@@ -122,7 +122,7 @@ from cflow.tokenizer import Tokenizer, TokenizerError, unicode_to_bytes
 from cflow.weights import Weight
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "olmoe", "gemma3", "mistral3", "gpt-oss",
-                           "deepseek2", "gemma4")  # deepseek2, gemma4: cflow.convert.gguf_deepseek2, gguf_gemma4
+                           "deepseek2", "gemma4", "qwen35", "qwen35moe")  # the last four: cflow.convert.gguf_<arch>
 # Architectures with experts, and whether llama.cpp renormalises their top-k routing weights
 # (gpt-oss: its softmax over the k chosen logits sums to 1 already).
 _MOE_NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False, "gpt-oss": False}
@@ -131,12 +131,6 @@ _MOE_ONLY = ("qwen2moe", "qwen3moe", "olmoe", "gpt-oss")  # every layer has expe
 # the others listed above use NEOX RoPE, the "half" convention cflow runs, and are stored as is.
 _PERMUTED_QK = ("llama", "mistral3")
 # Known architectures cflow does not run yet, with what is missing.
-_NOT_YET = {# tests/test_qwen35.py pins llama.cpp's graph down (reference + controls)
-            "qwen35": "qwen35 (Gated DeltaNet linear-attention layers with their per-sequence conv and "
-                      "recurrent state, gated full attention with partial RoPE)",
-            "qwen35moe": "qwen35moe (Gated DeltaNet linear-attention layers with their per-sequence conv and "
-                         "recurrent state, gated full attention with partial RoPE, experts with a gated "
-                         "shared expert)"}
 # GGUF tensor-name prefixes of vision towers and projectors (llama.cpp's mmproj files use them).
 _VISION_PREFIXES = ("v.", "mm.", "vision_", "mmproj.")
 _NATIVE = {d.upper(): d for d in STORED_QUANT}  # GGML type name -> the dtype its blocks keep
@@ -267,25 +261,26 @@ class GGUFModel:
 
 
 # ---- hyperparameters -------------------------------------------------------------------------
-def gguf_config(g: GGUFModel) -> ModelConfig:
-    """ModelConfig of a llama, qwen2, qwen3, qwen2moe, qwen3moe, olmoe, gemma3 or mistral3 GGUF (SmolLM2-135M:
-    30 layers, d=576, heads 9/3), named after the architecture, or "mixtral" for a llama one with
-    experts (see the module docstring)."""
-    arch = g.architecture
-    if arch == "clip" or any(n.startswith(_VISION_PREFIXES) for n in g.tensors):
+def refuse_vision(g: GGUFModel) -> None:
+    """A vision tower or projector is refused by name: cflow runs text models."""
+    if g.architecture == "clip" or any(n.startswith(_VISION_PREFIXES) for n in g.tensors):
         what = g.get("clip.projector_type") or "vision"
         raise UnsupportedArchitectureError(
             f"{g.path.name} holds a vision tower ({what!r} projector: an mmproj file or vision tensors such as "
             f"{next((n for n in g.tensors if n.startswith(_VISION_PREFIXES)), 'v.*')}); cflow runs the text model "
             "only: convert the text GGUF without the projector")
+
+
+def gguf_config(g: GGUFModel) -> ModelConfig:
+    """ModelConfig of a llama, qwen2, qwen3, qwen2moe, qwen3moe, olmoe, gemma3 or mistral3 GGUF (SmolLM2-135M:
+    30 layers, d=576, heads 9/3), named after the architecture, or "mixtral" for a llama one with
+    experts (see the module docstring)."""
+    arch = g.architecture
+    refuse_vision(g)
     if arch == "gemma4":  # its per-layer shapes: a module of its own
         from cflow.convert.gguf_gemma4 import gemma4_config
 
         return gemma4_config(g)
-    if arch in _NOT_YET:
-        raise UnsupportedArchitectureError(
-            f"{g.path.name} is a {arch!r} model: {_NOT_YET[arch]} is not yet supported by cflow; it "
-            f"converts GGUF architectures {list(SUPPORTED_ARCHITECTURES)}")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedArchitectureError(
             f"{g.path.name} is a {arch!r} model; cflow converts GGUF architectures "
@@ -844,10 +839,15 @@ def convert_gguf(src: str | os.PathLike, dst: str | os.PathLike, *, quant: str =
     check_quant(quant)
     g = GGUFModel(src)
     deepseek = g.architecture == "deepseek2"
+    qwen35 = g.architecture in ("qwen35", "qwen35moe")
     if deepseek:
         from cflow.convert.gguf_deepseek2 import deepseek2_model_config
 
         cfg = deepseek2_model_config(g)
+    elif qwen35:
+        from cflow.convert.gguf_qwen35 import qwen35_config
+
+        cfg = qwen35_config(g)
     else:
         cfg = gguf_config(g)
     if sliding_window is not None:  # the caller's choice over the file's (0: none, as llama.cpp runs it)
@@ -868,7 +868,7 @@ def convert_gguf(src: str | os.PathLike, dst: str | os.PathLike, *, quant: str =
               "file_type": g.get("general.file_type"), "architecture": g.architecture,
               "family": cfg.name}
     if cfg.has_moe:
-        source["expert_layout"] = "merged" if deepseek else moe_layout(g)
+        source["expert_layout"] = "merged" if deepseek or qwen35 else moe_layout(g)
     window = g.get(f"{g.architecture}.attention.sliding_window")
     if window and not cfg.sliding_window:
         source["sliding_window_ignored"] = int(window)
@@ -882,6 +882,10 @@ def convert_gguf(src: str | os.PathLike, dst: str | os.PathLike, *, quant: str =
         from cflow.convert.gguf_gemma4 import gemma4_tensors
 
         tensors = gemma4_tensors(g, cfg, enc)
+    elif qwen35:
+        from cflow.convert.gguf_qwen35 import qwen35_tensors
+
+        tensors = qwen35_tensors(g, cfg, enc)
     else:
         tensors = gguf_tensors(g, cfg, enc)
     return write_conversion(src, dst, cfg, tok, tensors, enc, metadata, order=order, tile=tile,

@@ -149,7 +149,9 @@ def write_model(path: str | os.PathLike, *, config: dict | ModelConfig, tokenize
                          ("shared_expert_gate", True), ("head_dim_local", 0), ("shared_kv_layers", 0),
                          ("d_ff_shared_kv", 0), ("v_norm", False), ("per_layer_dim", 0), ("layer_out_scale", False),
                          ("logit_softcap", 0.0), ("moe_router_norm", False), ("expert_scale", False),
-                         ("moe_out_norms", False)):
+                         ("moe_out_norms", False), ("full_attn_interval", 0), ("ssm_k_heads", 0),
+                         ("ssm_v_heads", 0), ("ssm_head_dim", 0), ("ssm_conv_kernel", 0), ("rope_dims", 0),
+                         ("attn_out_gate", False)):
         if cfg_dict[key] == default:
             del cfg_dict[key]
 

@@ -3,9 +3,11 @@
 // arrays are updated in place, as the engine will keep them per sequence.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/string.h>
 
 #include <string>
 
+#include "cflow.h"
 #include "deltanet.h"
 
 namespace nb = nanobind;
@@ -56,10 +58,29 @@ nb::ndarray<nb::numpy, float> deltanet_step(In2<float> conv_w, In1<float> dt_bia
     return nb::ndarray<nb::numpy, float>(out, {V}, owner);
 }
 
+// One head of the kernel table `isa` (cflow.h deltanet_head) on numpy buffers: S [dh, dh] updated in
+// place, o returned; for tests of every table against the reference at any dh.
+nb::ndarray<nb::numpy, float> deltanet_head(const std::string &isa, Inout<float> S, In1<float> q, In1<float> k,
+                                            In1<float> v, float decay, float beta) {
+    const cf_kernel_table *t = cf_kernels_by_name(isa.c_str());
+    if (!t) throw nb::value_error(("deltanet_head: no kernel table '" + isa + "' on this CPU").c_str());
+    const size_t dh = q.size();
+    check(k.size(), dh, "k");
+    check(v.size(), dh, "v");
+    check(S.size(), dh * dh, "S (dh x dh)");
+    float *o = new float[dh];
+    t->deltanet_head(S.data(), q.data(), k.data(), v.data(), decay, beta, o, (int)dh);
+    nb::capsule owner(o, [](void *p) noexcept { delete[] static_cast<float *>(p); });
+    return nb::ndarray<nb::numpy, float>(o, {dh}, owner);
+}
+
 } // namespace
 
 void cf_bind_deltanet(nb::module_ &m) {
     using nb::arg;
+    m.def("deltanet_head", &deltanet_head, arg("isa"), arg("S"), arg("q"), arg("k"), arg("v"), arg("decay"),
+          arg("beta"), "One Gated DeltaNet head of kernel table `isa` (cflow.h deltanet_head): updates S in place "
+          "and returns S^T q.");
     m.def("deltanet_step", &deltanet_step, arg("conv_w"), arg("dt_bias"), arg("a"), arg("norm_w"), arg("n_k_heads"),
           arg("eps"), arg("conv_state"), arg("ssm_state"), arg("u"), arg("z"), arg("alpha"), arg("beta"),
           "One token of a Gated DeltaNet layer (Qwen3.5), scalar reference: updates conv_state and ssm_state in "

@@ -122,6 +122,13 @@ cf_config config_from(const nb::dict &d) {
     c.moe_router_norm = b("moe_router_norm");
     c.expert_scale = b("expert_scale");
     c.moe_out_norms = b("moe_out_norms");
+    c.ssm_interval = i("full_attn_interval"); /* Qwen3.5 (engine_deltanet.c) */
+    c.ssm_hk = i("ssm_k_heads");
+    c.ssm_hv = i("ssm_v_heads");
+    c.ssm_dh = i("ssm_head_dim");
+    c.ssm_conv = i("ssm_conv_kernel");
+    c.n_rot = i("rope_dims");
+    c.attn_gate = b("attn_out_gate");
     return c;
 }
 

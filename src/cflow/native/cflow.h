@@ -237,6 +237,11 @@ typedef struct {
      * gate and up biases: x = min(gate, limit), y = clamp(up, -limit, limit),
      * h = x / (1 + exp(-alpha x)) * (y + 1) (gpt-oss: alpha 1.702, limit 7; engine.h CF_ACT_*). */
     void (*swiglu_oai)(float *h, const float *gu, int n_pairs, float alpha, float limit);
+    /* One Gated DeltaNet head for one token (Qwen3.5; deltanet.h, cf_deltanet_head_ref is the
+     * reference): S [dh][dh] (key dim, value dim) *= decay; S += k (beta (v - S^T k))^T; o = S^T q.
+     * q and k are L2-normalised; dh any size (the vector tables finish with a scalar tail). */
+    void (*deltanet_head)(float *S, const float *q, const float *k, const float *v, float decay, float beta,
+                          float *o, int dh);
 } cf_kernel_table;
 
 /* The table chosen for this CPU (set up on first use; CFLOW_ISA=ref|avx2 overrides). */

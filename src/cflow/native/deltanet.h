@@ -37,6 +37,23 @@ static inline size_t cf_deltanet_ssm_state_floats(const cf_deltanet_layer *L) {
     return (size_t)L->n_v_heads * (size_t)L->head_dim * (size_t)L->head_dim;
 }
 
+/* The pieces of a step, shared by the reference step and the engine (engine_deltanet.c).
+ * Channels [ch0, ch1) of c = silu(conv over [state rows, u]); their state columns then drop the
+ * oldest row and keep u. c may be u (the step in place). */
+void cf_deltanet_conv(const cf_deltanet_layer *L, float *state, const float *u, float *c, int ch0, int ch1);
+/* x / max(|x|, eps) over n values (ggml_l2_norm). */
+void cf_deltanet_l2_normalise(float *x, int n, float eps);
+/* v head h's decay exp(softplus(alpha + dt_bias) a) and learning rate sigmoid(beta). */
+void cf_deltanet_gates(const cf_deltanet_layer *L, int h, float alpha, float beta, float *decay, float *rate);
+/* A head's output o [dh] (already S^T q / sqrt(dh)) becomes rms(o) * ssm_norm * silu(z). */
+void cf_deltanet_out_norm(const cf_deltanet_layer *L, float *o, const float *z);
+
+/* One head's recurrence for one token, scalar reference (the kernel table's deltanet_head):
+ * S [dh key][dh value] decays by `decay`, learns v at key k with rate beta (S += k (beta (v -
+ * S^T k))^T), and o [dh] = S^T q (unscaled). q and k are already L2-normalised. */
+void cf_deltanet_head_ref(float *S, const float *q, const float *k, const float *v, float decay, float beta,
+                          float *o, int dh);
+
 /* One token, scalar reference. u [conv_dim]: the token's attn_qkv projection (q | k | v);
  * z [Hv dh]: its attn_gate projection; alpha, beta [Hv]: its ssm_alpha and ssm_beta projections
  * (before softplus / sigmoid). Updates conv_state and S in place; writes out [Hv dh] (the gated,

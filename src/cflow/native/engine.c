@@ -268,6 +268,7 @@ static void qkv_heads(cf_engine *e, const cf_layer *w, int l, int b, int u0, int
     /* local layers with a RoPE base of their own (Gemma 3) take their own table */
     const float *cs = e->s.rope_local && layer_local(c, l) ? e->s.rope_local + (size_t)b * e->hd_max
                                                            : e->s.rope + (size_t)b * c->hd;
+    const int rd = c->n_rot ? c->n_rot : hd;
     /* the attention temperature (Llama 4 / Mistral 3): rotated q heads times 1 + s ln(p / floor + 1),
      * as llama.cpp's ggml_mul of Qcur by its per-position scale (log in double, rounded to float) */
     float qt = 1.0f;
@@ -279,7 +280,7 @@ static void qkv_heads(cf_engine *e, const cf_layer *w, int l, int b, int u0, int
             for (int i = 0; i < hd; i++) v[i] += w->qkv_bias[(size_t)u * hd + i];
         if (u < nh + c->n_kv) {
             if (w->q_norm && !c->qk_norm_full) e->k->rmsnorm(v, v, u < nh ? w->q_norm : w->k_norm, hd, c->norm_eps);
-            e->k->rope(v, 1, hd, cs, cs + hd / 2);
+            e->k->rope(v, 1, rd, cs, cs + rd / 2); /* partial RoPE: the first n_rot dims turn */
         }
         if (u < nh) {
             if (qt != 1.0f)
@@ -377,6 +378,10 @@ static void attn_blocks(cf_engine *e, int l, float *scores, int ith, int nth) {
 
 static void op_attn(cf_engine *e, int l, int slot, int ith, int nth) {
     const cf_config *c = &e->c;
+    if (cf_layer_recurrent(c, l)) { /* Qwen3.5's Gated DeltaNet layers (engine_deltanet.c) */
+        cf_op_deltanet(e, l, slot, ith, nth);
+        return;
+    }
     const cf_layer *w = &e->w.sets[l % c->n_unique];
     cf_state *s = &e->s;
     cf_scratch *ts = &e->ts[ith];
@@ -417,6 +422,10 @@ static void op_attn(cf_engine *e, int l, int slot, int ith, int nth) {
         cf_split_range(B * n_units, ith, nth, 1, &i0, &i1);
         for (int i = i0; i < i1; i++) qkv_heads(e, w, l, i / n_units, i % n_units, i % n_units + 1);
     }
+    if (c->attn_gate) { /* the output gate's logits (Qwen3.5): read after attention */
+        cf_split_range(q_dim / CF_G, ith, nth, 1, &g0, &g1);
+        matvec_rows(e, &w->w_gate, ts->act, s->agate, q_dim, NULL, B, g0, g1);
+    }
     sync_threads(e, ith, CF_PK_ATTN);
 
     // attention: runs of a sequence's consecutive rows in blocks (each K/V row read once per
@@ -441,6 +450,11 @@ static void op_attn(cf_engine *e, int l, int slot, int ith, int nth) {
         i += h1 - h0;
     }
     sync_threads(e, ith, CF_PK_WO);
+    if (c->attn_gate) { /* attention's output times sigmoid(gate), per value, before wo */
+        cf_split_range(B * q_dim, ith, nth, CF_G, &i0, &i1);
+        for (int i = i0; i < i1; i++) s->att[i] *= 1.0f / (1.0f + expf(-s->agate[i]));
+        sync_threads(e, ith, CF_PK_WO);
+    }
 
     // output projection into h, plus the residual, for this thread's rows; with post_norms (Gemma)
     // the projection goes to y first, and once every row is whole (a barrier) each thread norms the
@@ -962,7 +976,8 @@ static void forward_task(void *ctx, int ith, int nth) {
 static int forward(cf_engine *e, const int32_t *tokens, int B, float *logits, const uint8_t *want) {
     const cf_config *c = &e->c;
     int64_t pt0 = e->prof_on ? cf_prof_open(e, 0, CF_PK_SETUP, 0) : 0;
-    int rd = c->mla_kv_lora ? c->mla_rope : c->hd; /* the dims RoPE turns: latent attention's k_pe part */
+    /* the dims RoPE turns: latent attention's k_pe part, or partial RoPE's first n_rot */
+    int rd = c->mla_kv_lora ? c->mla_rope : c->n_rot ? c->n_rot : c->hd;
     for (int b = 0; b < B; b++) {
         float *cs = e->s.rope + (size_t)b * c->hd;
         cf_rope_table(cs, cs + rd / 2, rd, e->rpos[b], c->rope_theta,
@@ -1003,6 +1018,7 @@ static int forward(cf_engine *e, const int32_t *tokens, int B, float *logits, co
         else e->prof_dropped_calls++;
     }
     if (e->grp) overlap_end(e);
+    cf_deltanet_advance(e, !e->failed); /* recurrent states: continued, or broken by the failure */
     if (e->failed) {
         e->err_kind = e->failed;
         return -1;
@@ -1042,6 +1058,7 @@ static int check_call(cf_engine *e, int seq, const int32_t *tokens, int n, int p
     }
     for (int i = 0; i < n; i++)
         if (check_token(e, tokens[i], i)) return -1;
+    if (cf_deltanet_check_rows(e, &seq, &pos0, 1)) return -1;
     e->err_kind = CF_ERR_NONE;
     return 0;
 }
@@ -1107,7 +1124,7 @@ static int check_rows(cf_engine *e, const int *seq, const int32_t *tokens, const
     }
     for (int b = 0; b < B; b++)
         if (seq[b] >= 0 && seq[b] < e->n_seq) e->seen[seq[b]] = 0;
-    if (bad) return -1;
+    if (bad || cf_deltanet_check_rows(e, seq, pos, B)) return -1;
     e->err_kind = CF_ERR_NONE;
     return 0;
 }
@@ -1157,6 +1174,10 @@ int cf_engine_copy_seq(cf_engine *e, int src, int dst, int n) {
     if (check_seq(e, src, 0) || check_seq(e, dst, 1)) return -1;
     if (n < 0 || n > e->n_ctx) {
         cf_set_err(e->err, sizeof e->err, "cannot copy %d positions: the context holds %d", n, e->n_ctx);
+        return -1;
+    }
+    if (src != dst && cf_deltanet_copy_seq(e, src, dst, n)) {
+        e->err_kind = CF_ERR_INPUT;
         return -1;
     }
     e->err_kind = CF_ERR_NONE;

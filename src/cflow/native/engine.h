@@ -105,6 +105,15 @@ typedef struct {
     int expert_scale;              /* 1: expert e's output times moe.expert_scale[e] (on its routing weight) */
     int moe_out_norms;             /* 1: RESID adds ffn_post_norm(rms(f) * ffn_post_norm_1 + rms(experts) *
                                     * moe_post_norm) instead of f and the experts' sum */
+    /* Qwen3.5 (all 0: off; engine_deltanet.c). ssm_interval N > 0: layer l is full attention when
+     * (l + 1) % N == 0, a Gated DeltaNet layer otherwise: ssm_hk q/k heads and ssm_hv v heads of
+     * ssm_dh dims, a causal depthwise conv over ssm_conv tokens, and per sequence a recurrent
+     * state (conv rows and S) beside the KV cache. A sequence's rows must then come in order: a
+     * call at position p > 0 continues the state only from p (rewinds and skips are refused),
+     * position 0 starts the sequence over. */
+    int ssm_interval, ssm_hk, ssm_hv, ssm_dh, ssm_conv;
+    int n_rot;                     /* 0: RoPE turns whole heads; else the first n_rot dims of each head */
+    int attn_gate;                 /* 1: attention's output times sigmoid(attn.w_gate x) per value (Qwen3.5) */
 } cf_config;
 
 /* cf_config.moe_gating: softmax over all E logits, then top_k (renormalised when moe_norm_topk);
@@ -148,7 +157,10 @@ enum { CF_S_ATTN_NORM, CF_S_WQKV, CF_S_WO, CF_S_FFN_NORM, CF_S_GATE_UP, CF_S_DOW
        /* Gemma 4's per-layer-embedding block and layer output scale */
        CF_S_PLE_GATE, CF_S_PLE_PROJ, CF_S_PLE_POST_NORM, CF_S_OUT_SCALE,
        /* Gemma 4's MoE layers */
-       CF_S_ROUTER_NORM, CF_S_EXPERT_SCALE, CF_S_FFN_POST_NORM_1, CF_S_MOE_POST_NORM, CF_SLOTS_PER_SET };
+       CF_S_ROUTER_NORM, CF_S_EXPERT_SCALE, CF_S_FFN_POST_NORM_1, CF_S_MOE_POST_NORM,
+       /* Qwen3.5: the attention output gate; a Gated DeltaNet layer's tensors (engine_deltanet.c) */
+       CF_S_ATTN_GATE, CF_S_SSM_QKV, CF_S_SSM_Z, CF_S_SSM_ALPHA, CF_S_SSM_BETA, CF_S_SSM_CONV, CF_S_SSM_DT_BIAS,
+       CF_S_SSM_A, CF_S_SSM_NORM, CF_S_SSM_OUT, CF_SLOTS_PER_SET };
 enum { CF_E_GATE_UP, CF_E_DOWN, CF_E_B_GATE_UP, CF_E_B_DOWN, CF_EXPERT_SLOTS };
 extern const char *const cf_global_names[CF_T_GLOBAL];
 extern const char *const cf_slot_names[CF_SLOTS_PER_SET];

@@ -36,6 +36,10 @@ const char *const cf_slot_names[CF_SLOTS_PER_SET] = {
     [CF_S_PLE_PROJ] = "ple.w_proj", [CF_S_PLE_POST_NORM] = "ple_post_norm", [CF_S_OUT_SCALE] = "out_scale",
     [CF_S_ROUTER_NORM] = "moe.router_norm", [CF_S_EXPERT_SCALE] = "moe.expert_scale",
     [CF_S_FFN_POST_NORM_1] = "ffn_post_norm_1", [CF_S_MOE_POST_NORM] = "moe_post_norm",
+    [CF_S_ATTN_GATE] = "attn.w_gate", [CF_S_SSM_QKV] = "ssm.w_qkv", [CF_S_SSM_Z] = "ssm.w_z",
+    [CF_S_SSM_ALPHA] = "ssm.w_alpha", [CF_S_SSM_BETA] = "ssm.w_beta", [CF_S_SSM_CONV] = "ssm.conv",
+    [CF_S_SSM_DT_BIAS] = "ssm.dt_bias", [CF_S_SSM_A] = "ssm.a", [CF_S_SSM_NORM] = "ssm.norm",
+    [CF_S_SSM_OUT] = "ssm.w_out",
 };
 const char *const cf_expert_slot_names[CF_EXPERT_SLOTS] = {
     [CF_E_GATE_UP] = "w_gate_up", [CF_E_DOWN] = "w_down", [CF_E_B_GATE_UP] = "b_gate_up", [CF_E_B_DOWN] = "b_down",
@@ -133,6 +137,7 @@ static int check_config(const cf_config *c, char *err, size_t n) {
         bad = "expert_act swiglu_oai does not go with a shared expert";
     if (!bad) bad = cf_mla_check_config(c);
     if (!bad) bad = cf_gemma4_check_config(c);
+    if (!bad) bad = cf_deltanet_check_config(c);
     if (bad) cf_set_err(err, n, "bad model config: %s", bad);
     return bad ? -1 : 0;
 }
@@ -231,7 +236,26 @@ static int bind_weights(cf_engine *e, const uint8_t *buf, size_t len, const int6
         int hd = G->hd, q_dim = c->n_heads * hd, kv_dim = G->has_kv ? c->n_kv * hd : 0, d_ff = G->d_ff;
 #define SET(slot, r, k, f32, t, fp) BIND(cf_desc_index(E, i, slot), r, k, f32, t, fp)
         SET(CF_S_ATTN_NORM, 1, c->d, 1, &dummy, &L->attn_norm);
-        if (c->mla_kv_lora) { /* latent attention (engine_mla.c) */
+        const int rec = cf_layer_recurrent(c, i);
+        if (rec) { /* Gated DeltaNet (engine_deltanet.c): no attention tensors */
+            int C = (2 * c->ssm_hk + c->ssm_hv) * c->ssm_dh, V = c->ssm_hv * c->ssm_dh;
+            cf_deltanet_layer *dn = &L->dn;
+            *dn = (cf_deltanet_layer){.n_k_heads = c->ssm_hk, .n_v_heads = c->ssm_hv, .head_dim = c->ssm_dh,
+                                      .conv_kernel = c->ssm_conv, .eps = c->norm_eps};
+            SET(CF_S_SSM_QKV, C, c->d, 0, &L->ssm_qkv, &fdummy);
+            SET(CF_S_SSM_Z, V, c->d, 0, &L->ssm_z, &fdummy);
+            SET(CF_S_SSM_ALPHA, c->ssm_hv, c->d, 0, &L->ssm_alpha, &fdummy);
+            SET(CF_S_SSM_BETA, c->ssm_hv, c->d, 0, &L->ssm_beta, &fdummy);
+            SET(CF_S_SSM_CONV, C, c->ssm_conv, 1, &dummy, &dn->conv_w);
+            SET(CF_S_SSM_DT_BIAS, 1, c->ssm_hv, 1, &dummy, &dn->dt_bias);
+            SET(CF_S_SSM_A, 1, c->ssm_hv, 1, &dummy, &dn->a);
+            SET(CF_S_SSM_NORM, 1, c->ssm_dh, 1, &dummy, &dn->norm_w);
+            SET(CF_S_SSM_OUT, c->d, V, 0, &L->ssm_out, &fdummy);
+            L->qkv_fmt = act_fmt(&L->ssm_qkv) | act_fmt(&L->ssm_z) | act_fmt(&L->ssm_alpha) | act_fmt(&L->ssm_beta);
+            L->attn_bytes = norm_bytes + cf_tiled_bytes(&L->ssm_qkv) + cf_tiled_bytes(&L->ssm_z) +
+                            cf_tiled_bytes(&L->ssm_alpha) + cf_tiled_bytes(&L->ssm_beta) + cf_tiled_bytes(&L->ssm_out) +
+                            (uint64_t)(C * c->ssm_conv + 2 * c->ssm_hv + c->ssm_dh) * 4;
+        } else if (c->mla_kv_lora) { /* latent attention (engine_mla.c) */
             int H = c->n_heads, ql = c->mla_q_lora, kvl = c->mla_kv_lora, qdim = H * c->mla_qk;
             if (ql) {
                 SET(CF_S_WQ_A, ql, c->d, 0, &L->wq_a, &fdummy);
@@ -272,6 +296,10 @@ static int bind_weights(cf_engine *e, const uint8_t *buf, size_t len, const int6
                 L->qkv_fmt = act_fmt(&L->wqkv);
             }
             SET(CF_S_WO, c->d, q_dim, 0, &L->wo, &fdummy);
+            if (c->attn_gate) { /* Qwen3.5's output gate, from the same normed input as q|k|v */
+                SET(CF_S_ATTN_GATE, q_dim, c->d, 0, &L->w_gate, &fdummy);
+                L->qkv_fmt |= act_fmt(&L->w_gate);
+            }
             if (c->attn_out_bias) SET(CF_S_WO_BIAS, 1, c->d, 1, &dummy, &L->wo_bias);
             if (c->attn_sinks) SET(CF_S_SINKS, 1, c->n_heads, 1, &dummy, &L->sinks);
             if (c->post_norms) {
@@ -283,14 +311,15 @@ static int bind_weights(cf_engine *e, const uint8_t *buf, size_t len, const int6
             L->attn_bytes = norm_bytes + cf_tiled_bytes(&L->wo) +
                             (L->qkv_split ? cf_tiled_bytes(&L->wq) + cf_tiled_bytes(&L->wk) + cf_tiled_bytes(&L->wv)
                                           : cf_tiled_bytes(&L->wqkv));
+            if (c->attn_gate) L->attn_bytes += cf_tiled_bytes(&L->w_gate);
         }
         if (c->post_norms) L->attn_bytes += norm_bytes;
         L->attn_bytes += (uint64_t)(c->attn_out_bias * c->d + c->attn_sinks * c->n_heads) * sizeof(float);
-        if (c->qkv_bias) {
+        if (c->qkv_bias && !rec) {
             SET(CF_S_QKV_BIAS, 1, q_dim + 2 * kv_dim, 1, &dummy, &L->qkv_bias);
             L->attn_bytes += (uint64_t)(q_dim + 2 * kv_dim) * sizeof(float);
         }
-        if (c->qk_norm) { /* per head [hd], or over the whole q [q_dim] and k [kv_dim] (qk_norm_full) */
+        if (c->qk_norm && !rec) { /* per head [hd], or over the whole q [q_dim] and k [kv_dim] (qk_norm_full) */
             int qn = c->qk_norm_full ? q_dim : hd, kn = !G->has_kv ? 0 : c->qk_norm_full ? kv_dim : hd;
             SET(CF_S_Q_NORM, 1, qn, 1, &dummy, &L->q_norm);
             if (kn) SET(CF_S_K_NORM, 1, kn, 1, &dummy, &L->k_norm); /* none where the layer has no K */
@@ -466,6 +495,8 @@ static int alloc_state(cf_engine *e) {
         s->mla_q = xcalloc(B * c->n_heads * c->mla_qk, sizeof(float), &fail);
         s->mla_o = xcalloc(B * c->n_heads * c->mla_v, sizeof(float), &fail);
     }
+    if (c->attn_gate) s->agate = xcalloc(B * q_dim, sizeof(float), &fail);
+    if (c->ssm_interval && cf_deltanet_alloc(e)) fail = 1;
     if (c->rope_theta_local > 0) s->rope_local = xcalloc(B * e->hd_max, sizeof(float), &fail);
     if (c->ple_dim) {
         size_t lp = (size_t)c->n_layers * c->ple_dim, P = c->ple_dim;
@@ -620,7 +651,7 @@ cf_engine *cf_engine_create(const cf_config *cfg, const uint8_t *buf, size_t buf
     int missing = !e->k->quantize_act || !e->k->quantize_act_k || !e->k->rmsnorm ||
         !e->k->matvec_f32 || !e->k->softmax || !e->k->rope || !e->k->attention || !e->k->attention_block ||
         !e->k->embed_row || !e->k->f32_to_f16 || !e->k->topk || !e->k->attention_q8kv ||
-        !e->k->attention_block_q8kv || !e->k->f32_to_q8_0;
+        !e->k->attention_block_q8kv || !e->k->f32_to_q8_0 || !e->k->deltanet_head;
     for (int i = 0; i < (int)(sizeof dts / sizeof *dts); i++)
         missing |= !e->k->matvec[dts[i]] || !e->k->gate_up[dts[i]] || !e->k->matmat[dts[i]] ||
                     !e->k->gate_up_mm[dts[i]];
@@ -649,6 +680,7 @@ cf_engine *cf_engine_create(const cf_config *cfg, const uint8_t *buf, size_t buf
     }
     e->hmax = cf_max(cf_max(cfg->d_ff, cfg->d_ff_shared_kv), cfg->n_experts ? cf_max(cfg->d_exp, cfg->d_shexp) : 0);
     e->kmax = cf_max(cf_max(cfg->d, cfg->n_heads * e->hd_max), e->hmax);
+    e->kmax = cf_max(e->kmax, cfg->ssm_hv * cfg->ssm_dh); /* ssm.w_out's input (Gated DeltaNet) */
     e->attn_scale = cfg->attn_scale > 0 ? cfg->attn_scale : 1.0f / sqrtf((float)cfg->hd);
     e->bar.n = e->active = n_threads;
     e->prefetch = CF_PREFETCH_DEFAULT;
@@ -698,7 +730,8 @@ void cf_engine_free(cf_engine *e) {
                     s->rope, s->rope_local, s->gu, s->kcache, s->vcache, s->rlogits, s->exp_tok, s->exp_w, s->exp_n,
                     s->shexp_w, s->exp_list, s->exp_cnt, s->exp_pre, s->exp_slot, e->hits, e->plan,
                     e->rseq, e->rpos, e->seen, e->lrow, e->ablk, e->arow, e->ones, e->hidden, s->mla_a, s->mla_q,
-                    s->mla_o, s->ple, s->ple_tok, s->ple_g, s->ple_gu, s->ple_h, s->ones, e->geo};
+                    s->mla_o, s->ple, s->ple_tok, s->ple_g, s->ple_gu, s->ple_h, s->ones, e->geo, s->agate};
+    cf_deltanet_free(e);
     for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) free(bufs[i]);
     if (e->ts)
         for (int t = 0; t < e->n_threads; t++) free(e->ts[t].mem);

@@ -11,6 +11,7 @@
 
 #include <time.h>
 
+#include "deltanet.h"
 #include "engine.h"
 #include "experts.h"
 
@@ -49,6 +50,11 @@ typedef struct {
     const float *router_norm, *expert_scale;      /* [d], [E] or NULL (Gemma 4's MoE) */
     const float *ffn_post_norm_1, *moe_post_norm; /* [d] or NULL (moe_out_norms) */
     uint64_t ple_bytes;                           /* counted as dense */
+    cf_tiled w_gate;                              /* [q_dim, d] attention output gate (attn_gate) */
+    /* a Gated DeltaNet layer (engine_deltanet.c) in place of attention: q|k|v conv input, z, out */
+    cf_tiled ssm_qkv, ssm_z, ssm_out;             /* [conv_dim, d], [Hv dh, d], [d, Hv dh] */
+    cf_tiled ssm_alpha, ssm_beta;                 /* [Hv, d] */
+    cf_deltanet_layer dn;                         /* its sizes, conv, dt_bias, a, norm */
     uint64_t attn_bytes, dense_bytes, router_bytes, shexp_bytes;
     uint64_t *exp_bytes;                          /* [E] gate_up + down */
 } cf_layer;
@@ -103,6 +109,7 @@ typedef struct {
     float *mla_a;      /* [B, q_lora + kv_lora + rope] latent attention: the low-rank query, then latent | k_pe */
     float *mla_q;      /* [B, H qk] its query heads (nope | rope) */
     float *mla_o;      /* [B, H v] its heads' values (wo's input) */
+    float *agate;      /* [B, q_dim] the attention output gate's logits (attn_gate), or NULL */
     float *rlogits;    /* [B, E] router probabilities */
     /* the routing of each moe slot */
     int *exp_tok;      /* [n_moe, E, B] tokens routed to each expert */
@@ -208,6 +215,12 @@ struct cf_engine {
     /* overlap of independent ops (cf_engine_set_overlap; "overlap" below): the two thread groups'
      * views of this engine, refreshed by forward() before each call; NULL when off */
     struct cf_engine *grp;
+    /* Gated DeltaNet layers (engine_deltanet.c; NULL / 0 without them) */
+    float *dn_state;     /* [n_seq][dn_seq] each sequence's conv rows and S of every recurrent layer */
+    size_t dn_seq;       /* floats per sequence */
+    size_t *dn_off;      /* [L] layer l's offset inside a sequence's state */
+    int *dn_pos;         /* [n_seq] the position each sequence's state continues from; -1: start over */
+    float *dn_u, *dn_z, *dn_ab, *dn_o; /* [B, conv_dim], [B, Hv dh], [B, 2 Hv] (alpha | beta), [B, Hv dh] */
 };
 
 /* Activation formats (cflow.h cf_act_q8): the 32-block one most dtypes read, the 256-block one
@@ -295,6 +308,24 @@ static inline uint8_t *cf_kv_rows(const cf_engine *e, int seq, int l, int is_k) 
 void cf_op_attn_mla(cf_engine *e, int l, int slot, int ith, int nth);
 /* What of the config latent attention cannot run with (NULL: fine). */
 const char *cf_mla_check_config(const cf_config *c);
+
+/* engine_deltanet.c: Qwen3.5's Gated DeltaNet layers. */
+static inline int cf_layer_recurrent(const cf_config *c, int l) {
+    return c->ssm_interval > 0 && (l + 1) % c->ssm_interval != 0;
+}
+/* The ATTN op of a recurrent layer: h = ring[slot] + DeltaNet_l(norm(ring[slot])). */
+void cf_op_deltanet(cf_engine *e, int l, int slot, int ith, int nth);
+const char *cf_deltanet_check_config(const cf_config *c);
+int cf_deltanet_alloc(cf_engine *e); /* the states and row buffers, once; -1 out of memory */
+void cf_deltanet_free(cf_engine *e);
+/* Before a call: each sequence's first row must start it over (position 0) or continue its state
+ * (the position it stopped at); -1 with e->err set otherwise. rows: B (seq, pos) pairs, a
+ * sequence's rows in order. */
+int cf_deltanet_check_rows(cf_engine *e, const int *seq, const int *pos, int B);
+/* After a pass: (ok) the states continue from each row's position + 1, or (failed) must start over. */
+void cf_deltanet_advance(cf_engine *e, int ok);
+/* cf_engine_copy_seq's part: dst's state becomes src's, if src's continues from n; else -1. */
+int cf_deltanet_copy_seq(cf_engine *e, int src, int dst, int n);
 
 /* engine_spec.c, thread 0. After the route of layer l into moe slot ms: list the chosen experts,
  * acquire the first wave (async), score and extend the speculation. */

@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "cflow.h"
+#include "deltanet.h"
 #include "kernels_internal.h"
 #include "kernels_ref.h"
 #include "util.h"
@@ -371,6 +372,7 @@ static const cf_kernel_table TABLE_REF = {
     .f32_to_q8_0 = f32_to_q8_0_ref,
     .geglu = geglu_ref,
     .swiglu_oai = swiglu_oai_ref,
+    .deltanet_head = cf_deltanet_head_ref,
 };
 
 const cf_kernel_table *cf_kernels_ref(void) { return &TABLE_REF; }

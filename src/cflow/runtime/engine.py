@@ -43,7 +43,7 @@ from cflow.runtime import prefetch as prefetch_mod
 from cflow.runtime import kvcache
 from cflow.runtime import readahead as readahead_mod
 from cflow.runtime.errors import (ContextOverflowError, CorruptModelError, EngineError, ModelFormatError,
-                                  ModelNotFoundError)
+                                  ModelNotFoundError, RecurrentStateError)
 from cflow.constrain import constraint_spec
 from cflow.runtime.generate import Completion, Timings, common_prefix, run
 from cflow.runtime.options import DEFAULT_MAX_BATCH, EngineOptions  # noqa: F401 (DEFAULT_MAX_BATCH: its old home)
@@ -380,6 +380,11 @@ class Engine:
         cached = self._seqs[self._seq_index(seq)]
         if not 0 <= n <= len(cached):
             raise EngineError(f"truncate: sequence {seq} holds {len(cached)} positions, cannot keep {n}")
+        if self.config.recurrent and 0 < n < len(cached):
+            raise RecurrentStateError(
+                f"truncate: {self.config.name} keeps a recurrent (Gated DeltaNet) state per sequence, not a cache "
+                f"of positions; it cannot go back from {len(cached)} to {n} positions (speculative decoding, prefix "
+                "reuse and rewinds need a model without recurrent layers): reset() the sequence and run it again")
         del cached[n:]
 
     def _seq_index(self, seq: int) -> int:
@@ -531,7 +536,8 @@ class Engine:
         """The error a failed native call raises. The cache keeps positions before pos0 (a call
         writes K/V only at its own positions), so the sequence can go on from there."""
         if pos0 is not None:
-            del self._seqs[seq][pos0:]
+            # a recurrent state (Gated DeltaNet) holds no earlier positions: the sequence starts over
+            del self._seqs[seq][0 if self.config.recurrent else pos0:]
         if isinstance(e, OSError):  # expert I/O, or the file changed: the message names the file
             return xp.ExpertIOError(str(e))
         return EngineError(f"{self.path}: {e}")
@@ -563,6 +569,8 @@ class Engine:
             raise EngineError("nothing to evaluate: the prompt is empty")
         keep = common_prefix(self._cached, toks)
         keep = min(keep, len(toks) - 1)  # the last token must run to produce logits
+        if self.config.recurrent and keep != len(self._cached):
+            keep = 0  # a recurrent state only goes on from where it stopped: anything else starts over
         self.last_timings.reused_tokens = keep
         return self.prefill(toks[keep:], keep)
 

@@ -26,6 +26,11 @@ class ContextOverflowError(EngineError):
     """The prompt (plus what must be generated) does not fit the engine's context."""
 
 
+class RecurrentStateError(EngineError):
+    """A sequence of a model with recurrent layers (Qwen3.5's Gated DeltaNet) was asked to go back
+    or skip positions: its state holds only the latest one, so it must start over instead."""
+
+
 class CorruptModelError(EngineError):
     """The model's bytes are damaged: a checksum does not match, or the model computes non-finite
     logits (what damaged weights do)."""

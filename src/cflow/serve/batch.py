@@ -251,6 +251,9 @@ class BatchGenerator:
         self._max_rows = int(getattr(backend, "max_rows", 0) or 0)  # rows in one native pass (0: no cap)
         self._copy = getattr(backend, "copy_slot", None)  # K/V copies between slots (None: none)
         self._truncate = getattr(backend, "truncate", None)  # forget a slot's positions (speculation's rollback)
+        # a model with recurrent layers (Qwen3.5) holds per slot the state after its last token only:
+        # a prompt reuses a slot's tokens only when they are all its prefix, and nothing is copied
+        self._recurrent = bool(getattr(getattr(backend, "config", None), "recurrent", False))
         self._threads = int(getattr(backend, "threads", 0) or os.cpu_count() or 1)
         # what jobs may speculate with (cflow.serve.speculate): the n-gram lookup; `draft`, a
         # BatchBackend over a model with the target's vocabulary (owned like the backend); the heads
@@ -527,6 +530,8 @@ class BatchGenerator:
             seq.spec = self.speculation.sequence(job.speculative, job.params)
         n = len(job.prompt)
         keep = min(common_prefix(self._slot_tokens[seq.slot], job.prompt), n - 1)
+        if self._recurrent and keep != len(self._slot_tokens[seq.slot]):
+            keep = 0
         if job.echo:  # every prompt position's logits are needed, and a cached prefix has none
             keep = 0
             seq.scores = Scores(list(job.prompt), [None], [None], [None])
@@ -541,7 +546,7 @@ class BatchGenerator:
                 self.metrics.admitted(seq.t_admit - job.t_submit, n, keep)
             self._end(seq, self._finished(seq, "length", ""))
             return
-        if self._copy is not None and not job.echo:
+        if self._copy is not None and not job.echo and not self._recurrent:
             self._share(seq)
         if self.metrics:
             self.metrics.admitted(seq.t_admit - job.t_submit, n, seq.cached)
