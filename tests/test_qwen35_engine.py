@@ -243,6 +243,31 @@ def test_rewinds_are_refused_by_name(native):
         np.testing.assert_array_equal(eng.eval(toks[:8]), got[7])  # and goes on from there
 
 
+def test_speculation_is_refused_by_name(native):
+    """Speculative decoding forgets rejected tokens, which a recurrent state cannot: generate and
+    the server's per-request setting refuse it up front, naming the model and the state."""
+    from cflow.runtime import Engine
+    from cflow.runtime.speculative import SpeculativeError
+    from cflow.serve.backend import EngineSlots
+    from cflow.serve.speculate import Speculation
+
+    *_, dst, toks, _ = native
+    with Engine.load(dst, threads=1) as eng:
+        with pytest.raises(SpeculativeError, match="recurrent .*--spec off"):
+            list(eng.generate(toks[:6], max_tokens=4, speculative="ngram"))
+        assert eng.cached() == []  # nothing ran
+        plain = list(eng.generate(toks[:6], max_tokens=4))  # and plain decoding still does
+        assert plain
+    slots = EngineSlots.load(dst, n_slots=1, threads=1)
+    try:
+        where = Speculation(slots)
+        assert where.resolve("off") is None
+        with pytest.raises(SpeculativeError, match="recurrent"):
+            where.resolve("ngram")
+    finally:
+        slots.close()
+
+
 # ---- qwen35moe ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def llama_run_moe(native_moe):

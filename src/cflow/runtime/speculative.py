@@ -93,6 +93,16 @@ class DraftVocabularyError(SpeculativeError):
     """The draft model's vocabulary is not the target's, so its tokens would mean other text."""
 
 
+def check_rewindable(eng: Any) -> None:
+    """SpeculativeError when `eng` cannot forget rejected tokens: a model with recurrent layers
+    (Qwen3.5's Gated DeltaNet) holds the state after its last token only (Engine.truncate)."""
+    cfg = getattr(eng, "config", None)
+    if getattr(cfg, "recurrent", False):
+        raise SpeculativeError(f"speculative decoding rolls rejected tokens back, and {cfg.name} keeps a recurrent "
+                               "(Gated DeltaNet) state per sequence that cannot go back; decode it without "
+                               "speculation (--spec off)", flag="--spec")
+
+
 # ---- settings --------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Speculative:
@@ -479,6 +489,7 @@ def run(gen: Generation, spec: Speculative) -> Iterator[tuple[int, str]]:
     per emitted token, id -1 for the final flush, exactly as the plain loop does."""
     eng, sampler, tm = gen.eng, gen.sampler, gen.timings
     rng = sampler.rng
+    check_rewindable(eng)
     proposer = make_proposer(spec, sampler.params, eng)
     gate = Gate(min_rate(spec, eng))  # the engine's first use measures its row cost (engine_row_cost)
     length = DraftLength(spec.draft_max, DRAFT_START)

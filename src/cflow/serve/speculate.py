@@ -40,7 +40,7 @@ import numpy as np
 
 from cflow.runtime.generate import check_finite, common_prefix
 from cflow.runtime.speculative import (DRAFT_START, DraftLength, Gate, MtpProposer, NgramProposer, Speculative,
-                                       SpeculativeError, check_draft, min_rate, verify)
+                                       SpeculativeError, check_draft, check_rewindable, min_rate, verify)
 from cflow.sampling import Sampler, SamplingParams, draw
 
 Q = tuple[np.ndarray, np.ndarray]  # a proposal's distribution: (ids, probabilities)
@@ -66,6 +66,7 @@ class Speculation:
         generator cannot run."""
         if value is None or value is False or value == "off":
             return None
+        check_rewindable(self.target)
         if value is True or value == "ngram":
             return Speculative("ngram")
         if value in ("draft", "mtp"):
