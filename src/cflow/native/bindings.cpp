@@ -608,10 +608,12 @@ NB_MODULE(_native, m) {
             throw nb::value_error(("prefetch must be -1 (the kernels' default), 0 (off) or 1.." +
                                    std::to_string(CF_PREFETCH_MAX) + " bytes ahead, got " + std::to_string(mode)).c_str());
     }, arg("mode"),
-          "The process-wide software-prefetch mode of the kernels (cflow.h): -1 each kernel's default (only "
-          "Q6_K's mat-vec prefetches), 0 off everywhere, N > 0 PREFETCHT0 N bytes ahead in every weight-streaming "
+          "The process-wide software-prefetch mode of the kernels (cflow.h): -1 each kernel's default (the "
+          "one-row mat-vec: matvec_default_ahead), 0 off everywhere, N > 0 PREFETCHT0 N bytes ahead in every weight-streaming "
           "kernel. An engine sets its own mode (NativeEngine.prefetch) at the start of each call.");
     m.def("get_prefetch", &cf_get_prefetch, "The process-wide software-prefetch mode (-1 default, 0 off, N bytes).");
+    m.def("matvec_default_ahead", &cf_matvec_default_ahead, arg("dtype"),
+          "The default mode's one-row mat-vec prefetch distance for a dtype id on this CPU (bytes; 0: none).");
     m.attr("PREFETCH_DEFAULT") = (int)CF_PREFETCH_DEFAULT;
     m.attr("PREFETCH_OFF") = (int)CF_PREFETCH_OFF;
     m.attr("PREFETCH_MAX") = (int)CF_PREFETCH_MAX;

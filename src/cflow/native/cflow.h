@@ -267,10 +267,11 @@ unsigned cf_cpu_features(void);
 
 /* Explicit software prefetch in the kernels that stream weights (claim C6). One process-wide
  * mode, read by every weight-streaming kernel of the fast tables at each call:
- *   CF_PREFETCH_DEFAULT (-1, the initial mode): each kernel's built-in choice: the AVX2/VNNI
- *     mat-vec and gate/up of every dtype 8 KiB ahead (MATVEC_AHEAD, kernels_avx2.inc: measured +16%
- *     to +34% decode on this project's machine), the avx512 batched kernels 4 KiB ahead
- *     (MM5_AHEAD, kernels_avx512.c); the other batched kernels do not prefetch.
+ *   CF_PREFETCH_DEFAULT (-1, the initial mode): each kernel's built-in choice: the one-row
+ *     mat-vec and gate/up of every dtype cf_matvec_default_ahead(dtype) bytes ahead (8 KiB, measured
+ *     +16% to +34% decode on a Zen 5; none on Zen 4, where it measured 25-40% slower: dispatch.c),
+ *     the avx512 batched kernels 4 KiB ahead (MM5_AHEAD, kernels_avx512.c); the other batched
+ *     kernels do not prefetch.
  *   CF_PREFETCH_OFF (0): no software prefetch anywhere, Q6_K's included.
  *   N > 0 (at most CF_PREFETCH_MAX): every weight-streaming kernel (mat-vec, gate/up, matmat,
  *     gate_up_mm of the avx2, avxvnni and avx512 tables, all dtypes, dense and expert weights
@@ -283,6 +284,7 @@ unsigned cf_cpu_features(void);
  * unchanged) for a value below -1 or above CF_PREFETCH_MAX. */
 enum { CF_PREFETCH_DEFAULT = -1, CF_PREFETCH_OFF = 0, CF_PREFETCH_MAX = 1 << 20 };
 int cf_set_prefetch(int mode);
+int cf_matvec_default_ahead(int dtype); /* the default mode's one-row mat-vec distance on this CPU */
 int cf_get_prefetch(void);
 
 /* Small scalar routines that need no table. */

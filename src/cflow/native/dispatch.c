@@ -78,13 +78,46 @@ static unsigned probe_features(void) {
     return f;
 }
 
+/* AMD family 19h with AVX-512: Zen 4 (Zen 3, the same family, has none). */
+static int probe_zen4(unsigned features) {
+#ifdef CF_X86
+    unsigned a, b, c, d;
+    if (!(features & CF_CPU_AVX512F) || !__get_cpuid(0, &a, &b, &c, &d)) return 0;
+    int amd = b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u; /* "AuthenticAMD" */
+    if (!amd || !__get_cpuid(1, &a, &b, &c, &d)) return 0;
+    unsigned family = ((a >> 8) & 0xf) + (((a >> 8) & 0xf) == 0xf ? (a >> 20) & 0xff : 0);
+    return family == 0x19;
+#else
+    (void)features;
+    return 0;
+#endif
+}
+
 static unsigned g_features;
+static int g_zen4;
 static pthread_once_t g_features_once = PTHREAD_ONCE_INIT;
-static void features_init(void) { g_features = probe_features(); }
+static void features_init(void) {
+    g_features = probe_features();
+    g_zen4 = probe_zen4(g_features);
+}
 
 unsigned cf_cpu_features(void) {
     pthread_once(&g_features_once, features_init);
     return g_features;
+}
+
+/* The one-row mat-vec's default-mode prefetch distance (cflow.h). Measured with `cflow bench
+ * --prefetch off|default`, decode tokens/s at 1 / 2 threads:
+ * - Zen 5 VM (2026-11-30): 8 KiB ahead helps every dtype: the ~1B Q4_0 46.6 -> 54.1 / 86.6 -> 101.6,
+ *   SmolLM2 Q4_1 299.7 -> 366.1 / 445.6 -> 596.5 (off -> 8 KiB);
+ * - Zen 4 VM (2026-12-05, AMD EPYC family 19h model 11h): it hurts: SmolLM2 Q4_1 off 235 / 362 against
+ *   8 KiB 168 / 290 (avx512 table), 211 / 311 against 150 / 240 (avx2 table); the ~1B Q4_0 46.7 /
+ *   58.4 against 34.8 / 56.5; prefill alike (pp512 835-845 / 1301-1423 against 811-826 / 1446-1470).
+ * So none on Zen 4, 8 KiB elsewhere (the only other measurement). Q6_K keeps 8 KiB everywhere:
+ * its two interleaved streams defeat the hardware prefetcher (kernels_kquant_avx2.inc). */
+int cf_matvec_default_ahead(int dtype) {
+    cf_cpu_features();
+    return g_zen4 && dtype != CF_Q6_K ? 0 : 8192;
 }
 
 /* ---- tables ------------------------------------------------------------------------------ */

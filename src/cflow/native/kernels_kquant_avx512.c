@@ -53,7 +53,7 @@
  * Q4_0's GB/s on the same shape. Q5_0 / Q5_1 (1536x576, 2048x5632): L2 27 -> 52, DRAM 0.65 -> 1.06.
  *
  * Software prefetch as kernels_avx2.inc's matvec_groups: in the default mode 8 KiB ahead of each
- * group (MATVEC_AHEAD there), the mode's distance otherwise, none when off. Measured with these
+ * group (cf_matvec_default_ahead there: 8 KiB, none on Zen 4), the mode's distance otherwise, none when off. Measured with these
  * kernels (indicative): off loses half of Q6_K's speed from DRAM; 4 / 8 / 16 KiB are alike for
  * Q4_K; PREFETCHT1 / T2 instead of T0 lose 15-20% on Q6_K; the ~1B Q4_K_M decode at 1 thread
  * (Engine.prefetch switched between steps) was fastest at the default 8 KiB.
@@ -69,7 +69,6 @@
 
 #define INLINE static inline __attribute__((always_inline))
 
-#define KQ512_AHEAD 8192 /* kernels_avx2.inc's MATVEC_AHEAD */
 
 void cf_kquant_avx512_install(cf_kernel_table *t);
 
@@ -373,7 +372,7 @@ INLINE __m256 mx_update512_pair(const uint8_t *c, size_t chunk, const cf_act_q8 
 
 INLINE void kq512_matvec_groups(int dtype, const cf_tiled *w, const cf_act_q8 *x, float *out, int g0, int g1) {
     size_t chunk = (size_t)CF_G * cf_block_bytes(dtype);
-    int pf = cf_prefetch_distance(KQ512_AHEAD);
+    int pf = cf_prefetch_distance(cf_matvec_default_ahead(dtype));
     const uint8_t *end = pf ? cf_tiled_end(w) : NULL;
     CF_FOR_EACH_SHARE(sp, w, g0, g1, x, 1, out, 0) {
         const uint8_t *p = sp.ptr;

@@ -1,6 +1,6 @@
 """Software prefetch (PREFETCHT0) in the weight-streaming kernels (claim C6): the modes and their spellings.
 
-    Engine.load(path, prefetch=None)     # None: each kernel's default (mat-vec 8 KiB, avx512 batched 4 KiB ahead)
+    Engine.load(path, prefetch=None)     # None: each kernel's default (mat-vec 8 KiB, none on Zen 4; avx512 batched 4 KiB ahead)
     Engine.load(path, prefetch=0)        # off: no PREFETCH instruction in any kernel
     Engine.load(path, prefetch=1024)     # PREFETCHT0 1024 bytes ahead in every weight-streaming kernel
     cflow bench -m MODEL --prefetch off|default|N
