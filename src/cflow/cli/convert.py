@@ -18,9 +18,8 @@ HELP = """\
 convert a GGUF file or a training checkpoint into a .cflow/.vflow file
 
 Convert a GGUF file (llama.cpp architectures: llama, qwen2, qwen3, qwen2moe, qwen3moe, olmoe, gemma3
-(text), mistral3 (dense), gpt-oss, deepseek2 (DeepSeek-V2/V3), qwen35, qwen35moe (Qwen3.5, text); the
-llama one covers Llama 2/3, SmolLM,
-TinyLlama, Mistral and Mixtral) or
+(text), gemma4 (text), mistral3 (dense), gpt-oss, deepseek2 (DeepSeek-V2/V3), qwen35, qwen35moe (Qwen3.5,
+text); the llama one covers Llama 2/3, SmolLM, TinyLlama, Mistral and Mixtral) or
 a cflow training checkpoint directory into cflow's tiled model file. GGUF tensors in a format the
 engine runs (Q4_0, Q4_1, Q8_0, the K-quant files' Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, and MXFP4) are copied bit for bit whatever --quant says: cflow
 never requantizes them, and when --quant is given the summary lists the tensors that kept another
