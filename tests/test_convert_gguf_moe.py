@@ -236,6 +236,20 @@ def teacher_forced(step, toks: list[int]) -> np.ndarray:
     return np.stack([np.array(step(t, pos), dtype=np.float64, copy=True) for pos, t in enumerate(toks)])
 
 
+def assert_disk_experts_bit_identical(path, toks: list[int], got: np.ndarray, threads: int = 1) -> None:
+    """The engine with its experts read from disk (the smallest cache the model allows, async and
+    sync reads) gives exactly `got`, the logits with the experts in RAM, teacher-forced over toks."""
+    from cflow.runtime import Engine
+
+    probe = Engine.load(path, threads=1, experts="disk", expert_cache=None, expert_io="async", max_batch=8)
+    c = probe.expert_cache
+    probe.close()
+    budget = c["min_slots"] * c["slot_bytes"]
+    for io in ("async", "sync"):
+        with Engine.load(path, threads=threads, experts="disk", expert_cache=budget, expert_io=io, max_batch=8) as eng:
+            assert np.array_equal(teacher_forced(eng.step, toks), got), io
+
+
 def compare(got: np.ndarray, ref: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per position: max|dlogit| / std(ref logits), ref top-1 margin in stds, argmax agreement."""
     errs = np.abs(got - ref).max(axis=1) / ref.std(axis=1)

@@ -32,7 +32,8 @@ gguf = pytest.importorskip("gguf")
 torch = pytest.importorskip("torch")
 
 from isa_runner import other_isas, run_under  # noqa: E402
-from test_convert_gguf_moe import compare, gguf_values, teacher_forced, tokens  # noqa: E402
+from test_convert_gguf_moe import (assert_disk_experts_bit_identical, compare, gguf_values,  # noqa: E402
+                                   teacher_forced, tokens)
 from test_gptoss import (F32_MAX_TOL, F32_MEDIAN_TOL, F32_WITHIN, LAYERS, WINDOW, reference_logits,  # noqa: E402
                          write_gptoss_gguf)
 from test_moe_llamacpp import MEDIAN_TOL, check, far, llama_cpp_logits, private_cache  # noqa: E402,F401
@@ -230,16 +231,8 @@ def test_q8_kv_cache(native):
 
 
 def test_experts_from_disk_are_bit_identical(native):
-    from cflow.runtime import Engine
-
     *_, dst, toks, got = native
-    probe = Engine.load(dst, threads=1, experts="disk", expert_cache=None, expert_io="async", max_batch=8)
-    c = probe.expert_cache
-    probe.close()
-    budget = c["min_slots"] * c["slot_bytes"]
-    for io in ("async", "sync"):
-        with Engine.load(dst, threads=1, experts="disk", expert_cache=budget, expert_io=io, max_batch=8) as eng:
-            assert np.array_equal(teacher_forced(eng.step, toks), got), io
+    assert_disk_experts_bit_identical(dst, toks, got)
 
 
 # ---- every kernel table ------------------------------------------------------------------------

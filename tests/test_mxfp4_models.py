@@ -25,8 +25,9 @@ gguf = pytest.importorskip("gguf")
 pytest.importorskip("torch")
 
 import test_convert_gguf_moe as moe_files  # noqa: E402
-from test_convert_gguf_moe import (E, LAYERS, expected_config, expert_blocks, file_blocks,  # noqa: E402
-                                   gguf_reference_state, reference_decoder, teacher_forced, tokens)
+from test_convert_gguf_moe import (E, LAYERS, assert_disk_experts_bit_identical, expected_config,  # noqa: E402
+                                   expert_blocks, file_blocks, gguf_reference_state, reference_decoder,
+                                   teacher_forced, tokens)
 from test_moe_llamacpp import check, llama_cpp_logits, private_cache  # noqa: E402,F401 (autouse fixture)
 
 from cflow.convert import convert  # noqa: E402
@@ -97,13 +98,7 @@ def test_prefill_equals_steps(mx):
 
 def test_experts_from_disk_are_bit_identical(mx):
     _, dst, _, toks, got, _, _ = mx
-    probe = Engine.load(dst, threads=1, experts="disk", expert_cache=None, expert_io="async", max_batch=8)
-    c = probe.expert_cache
-    probe.close()
-    budget = c["min_slots"] * c["slot_bytes"]
-    for io in ("async", "sync"):
-        with Engine.load(dst, threads=2, experts="disk", expert_cache=budget, expert_io=io, max_batch=8) as eng:
-            assert np.array_equal(teacher_forced(eng.step, toks), got), io
+    assert_disk_experts_bit_identical(dst, toks, got, threads=2)
 
 
 def test_dense_mxfp4_ffn_matches_llama_cpp(tmp_path):

@@ -38,7 +38,7 @@ gguf = pytest.importorskip("gguf")
 torch = pytest.importorskip("torch")
 
 from isa_runner import other_isas, run_under  # noqa: E402
-from test_convert_gguf_moe import compare, teacher_forced, tokens  # noqa: E402
+from test_convert_gguf_moe import assert_disk_experts_bit_identical, compare, teacher_forced, tokens  # noqa: E402
 from test_gptoss_engine import engine_logits  # noqa: E402
 from test_moe_llamacpp import MEDIAN_TOL, check, far, llama_cpp_logits, private_cache  # noqa: E402,F401
 from test_qwen35 import (CONV_DIM, D, HEADS, HD, HV, KCONV, LAYERS, N_ROT, T, VALUE_DIM,  # noqa: E402
@@ -291,16 +291,8 @@ def test_moe_engine_misses_the_graph_without_a_feature(native_moe, drop):
 
 
 def test_moe_experts_from_disk_are_bit_identical(native_moe):
-    from cflow.runtime import Engine
-
     *_, dst, toks, got = native_moe
-    probe = Engine.load(dst, threads=1, experts="disk", expert_cache=None, expert_io="async", max_batch=8)
-    c = probe.expert_cache
-    probe.close()
-    budget = c["min_slots"] * c["slot_bytes"]
-    for io in ("async", "sync"):
-        with Engine.load(dst, threads=1, experts="disk", expert_cache=budget, expert_io=io, max_batch=8) as eng:
-            assert np.array_equal(teacher_forced(eng.step, toks), got), io
+    assert_disk_experts_bit_identical(dst, toks, got)
 
 
 # ---- every kernel table ------------------------------------------------------------------------
