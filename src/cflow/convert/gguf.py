@@ -676,6 +676,23 @@ def _expert_bias(g: GGUFModel, cfg: ModelConfig, layer: int, expert: int, slot: 
     return parts[0]
 
 
+def plain_vector(g: GGUFModel, name: str, w: Weight) -> np.ndarray:
+    """The file's float vector `name`, which must hold w's shape."""
+    v = g.vector(name)
+    if v.shape != w.shape:
+        raise GGUFError(f"{g.path.name}: {name} holds {v.size} values, the config implies {w.shape[0]}")
+    return v
+
+
+def stacked_sources(srcs: list[Source], w: Weight) -> list[Source]:
+    """`srcs`, the parts stacked row-wise into w (a fused gate|up, an expert's parts), each checked
+    to be [w's rows / len(srcs), w's columns]: the encoder checks that the parts agree, the config
+    says how large."""
+    for s in srcs:
+        _check_shape(s, (w.shape[0] // len(srcs), w.shape[1]))
+    return srcs
+
+
 def _expert_sources(g: GGUFModel, layer: int, expert: int, slot: str, layout: str) -> list[Source]:
     if layout == "merged":
         return [g.source(f"blk.{layer}.{n}_exps.weight", expert) for n in _EXPERT_PARTS[slot]]
@@ -703,10 +720,7 @@ def gguf_tensors(g: GGUFModel, cfg: ModelConfig, enc: Encoder) -> Iterator[Any]:
                                 f"{v.size} values, the config implies {w.shape[0]}")
             return v
         if w.expert is not None:
-            srcs = _expert_sources(g, w.set, w.expert, w.slot.rsplit(".", 1)[1], layout)
-            for s in srcs:  # the encoder checks that the parts agree; the config says how large
-                _check_shape(s, (w.shape[0] // len(srcs), w.shape[1]))
-            return srcs
+            return stacked_sources(_expert_sources(g, w.set, w.expert, w.slot.rsplit(".", 1)[1], layout), w)
         if w.slot in _GGUF_VECTORS:
             names = [f"blk.{w.set}.{n}" for n in _GGUF_VECTORS[w.slot]]
             sizes = [cfg.q_dim, cfg.kv_dim, cfg.kv_dim] if w.slot == "attn.qkv_bias" else [w.shape[0]]
@@ -727,10 +741,7 @@ def gguf_tensors(g: GGUFModel, cfg: ModelConfig, enc: Encoder) -> Iterator[Any]:
             return router.floats()  # [E, d], stored F32
         names = [f"blk.{w.set}.{n}.weight" for n in _GGUF_PARTS[w.slot]]
         if w.plain:
-            v = g.vector(names[0])
-            if v.shape != w.shape:
-                raise GGUFError(f"{g.path.name}: {names[0]} holds {v.size} values, the config implies {w.shape[0]}")
-            return v
+            return plain_vector(g, names[0], w)
         srcs = [g.source(n) for n in names]
         if w.slot in _SHARED:
             for s in srcs:

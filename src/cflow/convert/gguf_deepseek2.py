@@ -147,7 +147,7 @@ def _q8_0(origin: str, values: np.ndarray):
 def deepseek2_tensors(g: GGUFModel, cfg, enc):
     """TensorData in .cflow order for a deepseek2 file (module docstring's layouts)."""
     from cflow.convert.encoder import encode_model
-    from cflow.convert.gguf import _check_shape, _expert_sources
+    from cflow.convert.gguf import _check_shape, _expert_sources, plain_vector, stacked_sources
 
     _check_deepseek2_names(g, cfg)
     H, qk, rope, kvl, vh = cfg.n_heads, cfg.head_dim, cfg.qk_rope_dim, cfg.kv_lora_rank, cfg.v_head_dim
@@ -179,16 +179,9 @@ def deepseek2_tensors(g: GGUFModel, cfg, enc):
             return g.vector(glob[w.name]) if w.plain else [g.source(glob[w.name])]
         b, slot = f"blk.{w.set}.", w.slot
         if w.expert is not None:
-            srcs = _expert_sources(g, w.set, w.expert, slot.rsplit(".", 1)[1], "merged")
-            for s in srcs:
-                _check_shape(s, (w.shape[0] // len(srcs), w.shape[1]))
-            return srcs
+            return stacked_sources(_expert_sources(g, w.set, w.expert, slot.rsplit(".", 1)[1], "merged"), w)
         if slot in plain:
-            v = g.vector(b + plain[slot] + ".weight")
-            if v.shape != w.shape:
-                raise GGUFError(f"{g.path.name}: {b}{plain[slot]}.weight holds {v.size} values, the config implies "
-                                f"{w.shape[0]}")
-            return v
+            return plain_vector(g, b + plain[slot] + ".weight", w)
         if slot == "moe.router":
             router = g.source(b + "ffn_gate_inp.weight")
             _check_shape(router, w.shape)
@@ -206,10 +199,7 @@ def deepseek2_tensors(g: GGUFModel, cfg, enc):
         if slot in ("attn.wk_b", "attn.wv_b"):
             k, v = kv_b(w.set)
             return [_q8_0(f"{b}{slot}", k if slot == "attn.wk_b" else v)]
-        srcs = [g.source(b + n + ".weight") for n in mats[slot]]
-        for s in srcs:
-            _check_shape(s, (w.shape[0] // len(srcs), w.shape[1]))
-        return srcs
+        return stacked_sources([g.source(b + n + ".weight") for n in mats[slot]], w)
 
     return encode_model(cfg, enc, parts)
 

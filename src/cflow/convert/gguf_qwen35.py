@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 from cflow.convert.gguf import (GGUFError, GGUFModel, UnsupportedArchitectureError, _check_shape, _expert_sources,
-                                refuse_vision)
+                                plain_vector, refuse_vision, stacked_sources)
 
 ARCHS = ("qwen35", "qwen35moe")
 # GGUF names per cflow slot (cflow.weights): matrices and plain tensors of a layer
@@ -139,16 +139,9 @@ def qwen35_tensors(g: GGUFModel, cfg, enc):
             return g.vector(_GLOBAL[w.name]) if w.plain else [g.source(_GLOBAL[w.name])]
         b, slot = f"blk.{w.set}.", w.slot
         if w.expert is not None:
-            srcs = _expert_sources(g, w.set, w.expert, slot.rsplit(".", 1)[1], "merged")
-            for s in srcs:
-                _check_shape(s, (w.shape[0] // len(srcs), w.shape[1]))
-            return srcs
+            return stacked_sources(_expert_sources(g, w.set, w.expert, slot.rsplit(".", 1)[1], "merged"), w)
         if slot in _PLAIN:
-            v = g.vector(b + _PLAIN[slot])
-            if v.shape != w.shape:
-                raise GGUFError(f"{g.path.name}: {b}{_PLAIN[slot]} holds {v.size} values, the config implies "
-                                f"{w.shape[0]}")
-            return v
+            return plain_vector(g, b + _PLAIN[slot], w)
         if slot in _FLOAT_MATRICES:
             s = g.source(b + _FLOAT_MATRICES[slot])
             _check_shape(s, w.shape)
@@ -161,9 +154,6 @@ def qwen35_tensors(g: GGUFModel, cfg, enc):
         if slot == "attn.w_gate":
             return [query(b, gate_rows)]
         names = _GATE_UPS[slot] if slot in _GATE_UPS else (_MATRICES[slot],)
-        srcs = [g.source(b + n + ".weight") for n in names]
-        for s in srcs:
-            _check_shape(s, (w.shape[0] // len(srcs), w.shape[1]))
-        return srcs
+        return stacked_sources([g.source(b + n + ".weight") for n in names], w)
 
     return encode_model(cfg, enc, parts)
