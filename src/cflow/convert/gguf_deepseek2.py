@@ -26,11 +26,15 @@ What llama.cpp 0.3.36 reads, and so what this module reads the same way or refus
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from cflow.convert.gguf import GGUFError, GGUFModel, _rope_scaling, check_tensor_names
 from cflow.model_deepseek2 import DeepSeek2Config
+
+if TYPE_CHECKING:
+    from cflow.config import ModelConfig
 
 ARCH = "deepseek2"
 LITE_LAYER_COUNTS = (26, 27)  # llama.cpp reads these as DeepSeek-V2-Lite: a plain attn_q
