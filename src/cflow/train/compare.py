@@ -331,7 +331,9 @@ def render_markdown(summaries: list[RunSummary], *, base: TrainConfig, tokens: i
         "the total bytes per token, they shorten the chain of bytes that must stream one after another. "
         "arch5 counts its shared parameters once but streams every layer's set per token. "
         "A difference whose interval contains 0 is not distinguishable from run-to-run noise at this "
-        "number of seeds.",
+        "number of seeds. Train s and tok/s are each run's wall-clock time summed over its resumed "
+        "segments, including any time it shared the CPU or was paused: they time these runs, not the "
+        "training loop (benchmarks/train_speed.py measures that).",
     ]
     if plot:
         lines += ["", f"![loss curves]({plot})"]
