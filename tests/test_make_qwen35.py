@@ -30,7 +30,8 @@ def test_writes_the_geometry_and_runs(tmp_path, moe):
         c = eng.config
         assert (c.name, c.n_layers, c.d_model, c.n_heads, c.n_kv_heads, c.head_dim, c.rope_dims, c.vocab_size) == (
             "qwen35moe" if moe else "qwen35", 4, 128, 4, 2, 32, 8, 300)
-        assert (c.full_attn_interval, c.ssm_k_heads, c.ssm_v_heads, c.ssm_head_dim, c.ssm_conv_kernel) == (2, 2, 4, 32, 4)
+        assert (c.full_attn_interval, c.ssm_k_heads, c.ssm_v_heads, c.ssm_head_dim, c.ssm_conv_kernel) == (
+            2, 2, 4, 32, 4)
         assert [c.is_recurrent(i) for i in range(4)] == [True, False, True, False]
         if moe:
             assert (c.n_experts, c.top_k, c.d_expert, c.d_shared_expert, c.d_ff) == (8, 2, 64, 96, 0)

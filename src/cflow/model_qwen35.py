@@ -101,7 +101,8 @@ def full_attention(v: Values, b: str, h: Tensor, cfg, gate=True, partial_rope=Tr
     q, gt = qg[..., :hd], qg[..., hd:]
     k = (h @ v(b + "attn_k.weight").T).view(n, Hkv, hd)
     vv = (h @ v(b + "attn_v.weight").T).view(n, Hkv, hd)
-    q, k = rms_norm(q, v(b + "attn_q_norm.weight"), cfg.norm_eps), rms_norm(k, v(b + "attn_k_norm.weight"), cfg.norm_eps)
+    q = rms_norm(q, v(b + "attn_q_norm.weight"), cfg.norm_eps)
+    k = rms_norm(k, v(b + "attn_k_norm.weight"), cfg.norm_eps)
     q, k, vv = q.transpose(0, 1), k.transpose(0, 1), vv.transpose(0, 1)  # [heads, n, hd]
     rot = (cfg.rope_dims or hd) if partial_rope else hd
     cos, sin = rope_cos_sin(n, rot, cfg.rope_theta)

@@ -70,11 +70,13 @@ def write_qwen35_gguf(path: str | os.PathLike, *, layers: int, d_model: int, hea
                         (b + "attn_q_norm.weight", (head_dim,), "n"), (b + "attn_k_norm.weight", (head_dim,), "n"),
                         (b + "attn_output.weight", (d_model, heads * head_dim), "m")]
         else:
-            tensors += [(b + "attn_qkv.weight", (conv_dim, d_model), "m"), (b + "attn_gate.weight", (value_dim, d_model), "m"),
+            tensors += [(b + "attn_qkv.weight", (conv_dim, d_model), "m"),
+                        (b + "attn_gate.weight", (value_dim, d_model), "m"),
                         (b + "ssm_conv1d.weight", (conv_dim, conv), "f"),
                         (b + "ssm_alpha.weight", (ssm_v_heads, d_model), "m"), (b + "ssm_dt.bias", (ssm_v_heads,), "f"),
                         (b + "ssm_a", (ssm_v_heads,), "f"), (b + "ssm_beta.weight", (ssm_v_heads, d_model), "m"),
-                        (b + "ssm_norm.weight", (ssm_head_dim,), "n"), (b + "ssm_out.weight", (d_model, value_dim), "m")]
+                        (b + "ssm_norm.weight", (ssm_head_dim,), "n"),
+                        (b + "ssm_out.weight", (d_model, value_dim), "m")]
         if moe:
             tensors += [(b + "ffn_gate_inp.weight", (experts, d_model), "f"),
                         (b + "ffn_gate_exps.weight", (experts, d_expert, d_model), "m"),
@@ -113,10 +115,11 @@ def write_qwen35_gguf(path: str | os.PathLike, *, layers: int, d_model: int, hea
     rot = head_dim // ROTATED_FRACTION
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    wr = start_gguf(tmp, arch, f"random {arch} {layers}L d{d_model} {ffn} dnet {ssm_k_heads}/{ssm_v_heads}x{ssm_head_dim} "
-                    f"{quant}", layers=layers, ctx=ctx, d_model=d_model, d_ff=d_shared if moe else d_ff, heads=heads,
-                    kv_heads=kv_heads, rope_theta=ROPE_THETA, eps=1e-6, file_type=quant, key_length=head_dim,
-                    value_length=head_dim, rope_dims=rot)
+    dnet = f"dnet {ssm_k_heads}/{ssm_v_heads}x{ssm_head_dim}"
+    wr = start_gguf(tmp, arch, f"random {arch} {layers}L d{d_model} {ffn} {dnet} {quant}", layers=layers, ctx=ctx,
+                    d_model=d_model, d_ff=d_shared if moe else d_ff, heads=heads, kv_heads=kv_heads,
+                    rope_theta=ROPE_THETA, eps=1e-6, file_type=quant, key_length=head_dim, value_length=head_dim,
+                    rope_dims=rot)
     wr.add_rope_dimension_sections(rope_sections(rot))
     wr.add_ssm_conv_kernel(conv)
     wr.add_ssm_inner_size(value_dim)

@@ -1007,7 +1007,8 @@ INLINE void dn_block(float *S, int dh, int j0, const float *q, const float *k, c
     for (int i = 0; i < dh; i++) { /* pass 1: S^T k */
         const float *Si = S + (size_t)i * dh + j0;
         const __m512 ki = _mm512_set1_ps(k[i]);
-        for (int t = 0; t < nv; t++) sum[t] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(DN_MASK(t), Si + 16 * t), ki, sum[t]);
+        for (int t = 0; t < nv; t++)
+            sum[t] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(DN_MASK(t), Si + 16 * t), ki, sum[t]);
     }
     for (int t = 0; t < nv; t++) { /* the correction beta (v - decay S^T k) */
         const __m512 vj = _mm512_maskz_loadu_ps(DN_MASK(t), v + j0 + 16 * t);
