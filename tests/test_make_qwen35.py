@@ -64,3 +64,22 @@ def test_bad_geometry_is_refused(tmp_path, capsys):
     with pytest.raises(SystemExit):
         make_qwen35().main([*DENSE, "--interval", "0", "--out", str(out)])
     assert not out.exists()
+
+
+def test_profile_counts_every_weight_byte(tmp_path):
+    """`cflow bench --profile`'s weight bytes per decode step (the tensor table's, by op: a DeltaNet
+    layer's projections in attn.qkv and attn.wo) add up to what the engine counts per token; the
+    DeltaNet tensors are a part of that sum the comparison sees (the control: without them it
+    falls short)."""
+    from cflow.bench.profile import profile_engine
+    from cflow.runtime import Engine
+
+    out = tmp_path / "q.gguf"
+    assert make_qwen35().main([*DENSE, "--out", str(out)]) == 0
+    with Engine.load(out, threads=1) as eng:
+        per_op = profile_engine(eng, steps=2, prefill=4, warmup=1).decode.bytes_per_call
+        want = eng.weight_bytes_per_token()
+        ssm = sum(t.nbytes for name, t in eng.file.tensors.items() if ".ssm." in name)
+    got = sum(v for op, v in per_op.items() if v and op != "attn.cache")  # attn.cache: KV bytes, not weights
+    assert got == want
+    assert ssm > 0 and got - ssm < want
