@@ -165,9 +165,7 @@ def expert_blocks(g: GGUFModel, name: str, e: int) -> np.ndarray:
 
 def gguf_values(g: GGUFModel, name: str) -> np.ndarray:
     """float32 values in numpy order (outermost first): [rows, cols] or [E, rows, cols]."""
-    t = g.tensors[name]
-    shape = tuple(int(x) for x in reversed(list(t.shape)))
-    return gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).astype(np.float32).reshape(shape)
+    return g.values(name)
 
 
 def unpermute(w: np.ndarray, n_head: int) -> np.ndarray:

@@ -18,28 +18,10 @@ Metadata: qwen35.ssm.{conv_kernel, inner_size (= Hv*dv), state_size (= dk = dv),
 rope.dimension_count (the rotated dims: partial RoPE), attention.key_length / value_length
 (qwen35moe.* the same).
 
-The graph (`reference_logits`; the delta-net layer in tests/deltanet_reference.py), as
-llama.cpp 0.3.36 computes it, per layer x += mix(rms(x) *
-attn_norm); x += ffn(rms(x) * post_attention_norm), with mix one of:
-- Gated DeltaNet, per token t: u = W_qkv h (the conv's input), z = W_gate h;
-  c = silu(causal depthwise conv over u of the last d_conv tokens, the current one last,
-  zeros before the first: the conv state holds the previous d_conv-1 rows of u);
-  q, k, v = split(c) as [Hk, dk], [Hk, dk], [Hv, dv]; q, k L2-normalised per head (eps = rms eps);
-  v head h reads q/k head h % Hk (ggml's repeat tiles the Hk heads, it does not interleave);
-  beta = sigmoid(W_beta h); g = softplus(W_alpha h + dt_bias) * ssm_a (a log-decay, <= 0);
-  per head, state S [dk, dv]: S = exp(g) S; S += k (beta (v - S^T k))^T; o = S^T q / sqrt(dk);
-  o = rms(o per head) * ssm_norm * silu(z); mix = W_out o.
-- full attention: [q | gate] per head from attn_q; q = rms(q) * q_norm, k = rms(k) * k_norm per
-  head; NEOX RoPE on the first rope.dimension_count dims of each head only (the rest pass;
-  llama.cpp's M-RoPE, whose sections all carry the token's position for text, matches it);
-  causal softmax(q k^T / sqrt(hd)), head
-  h reading kv head h // (H/Hkv); o = attn * sigmoid(gate); mix = W_o o.
-The FFN: SwiGLU W_down (silu(W_gate h) * W_up h) in qwen35; in qwen35moe (`moe_ffn`) the router's
-softmax over all E logits (ffn_gate_inp [E, d]), the top-k of it renormalised to sum 1, SwiGLU
-experts ffn_{gate,up}_exps [E, d_exp, d], ffn_down_exps [E, d, d_exp], plus a shared SwiGLU
-expert ffn_{gate,up,down}_shexp scaled by sigmoid(ffn_gate_inp_shexp . h) (a [d] vector: one
-gate per token); keys expert_count, expert_used_count, expert_feed_forward_length,
-expert_shared_feed_forward_length. Then the final RMSNorm and the output matrix.
+The graph (`reference_logits`) is cflow.model_qwen35's, the package's float reference (its module
+docstring has the equations, as llama.cpp 0.3.36 computes them); this file holds it to llama.cpp.
+The MoE keys: expert_count, expert_used_count, expert_feed_forward_length,
+expert_shared_feed_forward_length.
 
 The oracle is checked on the all-F32 file (llama.cpp then runs float weights on float
 activations); each control misses by far (see test_each_feature_matters). cflow's converter and
@@ -59,12 +41,10 @@ gguf = pytest.importorskip("gguf")
 torch = pytest.importorskip("torch")
 
 from test_convert_gguf import add_tensor, add_tiny_tokenizer, tiny_vocab  # noqa: E402
-from test_convert_gguf_moe import compare, gguf_values, tokens  # noqa: E402
+from test_convert_gguf_moe import compare, tokens  # noqa: E402
 from test_moe_llamacpp import MEDIAN_TOL, llama_cpp_logits, private_cache  # noqa: E402,F401
 
-from cflow.convert.gguf import GGUFModel  # noqa: E402
-from cflow.model import apply_rope, rope_cos_sin  # noqa: E402
-from deltanet_reference import delta_net as gated_delta_net, rms_norm  # noqa: E402
+from cflow.model_qwen35 import reference_logits  # noqa: E402
 
 T = gguf.GGMLQuantizationType
 D, LAYERS, F, INTERVAL = 128, 4, 192, 2
@@ -177,86 +157,6 @@ def write_qwen35_gguf(path, seed: int = 0, quant=None, moe: bool = False, scale:
     wr.write_kv_data_to_file()
     wr.write_tensors_to_file()
     wr.close()
-
-
-def rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return rms_norm(x, w, EPS)
-
-
-def delta_net(v, b: str, h: torch.Tensor, **drop) -> torch.Tensor:
-    """The Gated DeltaNet mix of the module docstring (deltanet_reference.delta_net) at this
-    file's eps; `drop` names the features a control leaves out."""
-    return gated_delta_net(v, b, h, EPS, **drop)
-
-
-def full_attention(v, b: str, h: torch.Tensor, gate=True, partial_rope=True) -> torch.Tensor:
-    """The gated full-attention mix of the module docstring over h [n, d]."""
-    n = h.shape[0]
-    qg = (h @ v(b + "attn_q.weight").T).view(n, HEADS, 2 * HD)
-    q, gt = qg[..., :HD], qg[..., HD:]
-    k = (h @ v(b + "attn_k.weight").T).view(n, KV_HEADS, HD)
-    vv = (h @ v(b + "attn_v.weight").T).view(n, KV_HEADS, HD)
-    q, k = rms(q, v(b + "attn_q_norm.weight")), rms(k, v(b + "attn_k_norm.weight"))
-    q, k, vv = q.transpose(0, 1), k.transpose(0, 1), vv.transpose(0, 1)  # [heads, n, hd]
-    rot = N_ROT if partial_rope else HD
-    cos, sin = rope_cos_sin(n, rot, THETA)
-    q = torch.cat([apply_rope(q[..., :rot], cos.double(), sin.double()), q[..., rot:]], -1)
-    k = torch.cat([apply_rope(k[..., :rot], cos.double(), sin.double()), k[..., rot:]], -1)
-    rep = HEADS // KV_HEADS
-    k, vv = k.repeat_interleave(rep, 0), vv.repeat_interleave(rep, 0)  # head h reads kv head h // rep
-    s = q @ k.transpose(1, 2) / np.sqrt(HD)
-    pos = torch.arange(n)
-    s = s.masked_fill(~(pos[None, :] <= pos[:, None]), float("-inf"))
-    o = (torch.softmax(s, -1) @ vv).transpose(0, 1)  # [n, heads, hd]
-    if gate:
-        o = o * torch.sigmoid(gt)
-    return o.reshape(n, HEADS * HD) @ v(b + "attn_output.weight").T
-
-
-def moe_ffn(v, b: str, h: torch.Tensor, norm_topk=True, shared=True, shared_gate=True) -> torch.Tensor:
-    """qwen35moe's FFN of the module docstring over h [n, d]."""
-    probs = torch.softmax(h @ v(b + "ffn_gate_inp.weight").T, -1)  # [n, E]
-    top = probs.topk(TOP_K, dim=-1)
-    wts = top.values / top.values.sum(-1, keepdim=True) if norm_topk else top.values
-    wg, wu, wd = v(b + "ffn_gate_exps.weight"), v(b + "ffn_up_exps.weight"), v(b + "ffn_down_exps.weight")
-    out = torch.zeros_like(h)
-    for t in range(h.shape[0]):
-        for j in range(TOP_K):
-            e = int(top.indices[t, j])
-            out[t] += wts[t, j] * (wd[e] @ (torch.nn.functional.silu(wg[e] @ h[t]) * (wu[e] @ h[t])))
-    if shared:
-        sh = torch.nn.functional.silu(h @ v(b + "ffn_gate_shexp.weight").T) * (h @ v(b + "ffn_up_shexp.weight").T)
-        sh = sh @ v(b + "ffn_down_shexp.weight").T
-        if shared_gate:
-            sh = sh * torch.sigmoid(h @ v(b + "ffn_gate_inp_shexp.weight"))[:, None]
-        out = out + sh
-    return out
-
-
-def reference_logits(path, toks: list[int], pattern=True, gate=True, partial_rope=True, norm_topk=True,
-                     shared=True, shared_gate=True, **dnet) -> np.ndarray:
-    """[n, V] logits of the graph in the module docstring (float64), from the GGUF's weights; the
-    flags drop one feature each (the controls). pattern=False runs the blocks as if the full
-    attention layers came first in each group (blocks 1, 0, 3, 2): a wrong layer pattern."""
-    g = GGUFModel(path)
-    moe = g.architecture == "qwen35moe"
-    v = lambda n: torch.from_numpy(gguf_values(g, n).astype(np.float64))  # noqa: E731
-    x = v("token_embd.weight")[torch.tensor(toks)]
-    order = list(range(LAYERS)) if pattern else [i ^ 1 for i in range(LAYERS)]
-    for i in order:
-        b = f"blk.{i}."
-        h = rms(x, v(b + "attn_norm.weight"))
-        if is_full_attention(i):
-            x = x + full_attention(v, b, h, gate=gate, partial_rope=partial_rope)
-        else:
-            x = x + delta_net(v, b, h, **dnet)
-        h = rms(x, v(b + "post_attention_norm.weight"))
-        if moe:
-            x = x + moe_ffn(v, b, h, norm_topk=norm_topk, shared=shared, shared_gate=shared_gate)
-            continue
-        ffn = torch.nn.functional.silu(h @ v(b + "ffn_gate.weight").T) * (h @ v(b + "ffn_up.weight").T)
-        x = x + ffn @ v(b + "ffn_down.weight").T
-    return (rms(x, v("output_norm.weight")) @ v("output.weight").T).numpy()
 
 
 @pytest.fixture(scope="module", params=[0, 1])

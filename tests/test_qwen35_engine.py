@@ -16,7 +16,7 @@ Oracles and tolerances (test_moe_llamacpp's: max|dlogit| / std(logits) per posit
 every position <= 7% (MoE: >= 85% of positions), argmax equal where the oracle's margin exceeds 0.2
 std):
 - llama.cpp (llama-cpp-python 0.3.36) on the same GGUF, teacher-forced over 40 positions;
-- the float reference (test_qwen35.reference_logits: float64 over the GGUF's dequantized weights,
+- the float reference (cflow.model_qwen35.reference_logits: float64 over the GGUF's dequantized weights,
   no activation rounding) within the same median tolerance, and each control (the reference without the conv, the decay, the
   learning rate, the L2 norms, the tiled head order, the gated norm, the attention output gate, the
   partial RoPE, the layer pattern; qwen35moe: the shared expert, its gate, the top-k
@@ -42,12 +42,13 @@ from test_convert_gguf_moe import assert_disk_experts_bit_identical, compare, te
 from test_gptoss_engine import engine_logits  # noqa: E402
 from test_moe_llamacpp import MEDIAN_TOL, check, far, llama_cpp_logits, private_cache  # noqa: E402,F401
 from test_qwen35 import (CONV_DIM, D, HEADS, HD, HV, KCONV, LAYERS, N_ROT, T, VALUE_DIM,  # noqa: E402
-                         is_full_attention, reference_logits, write_qwen35_gguf)
+                         is_full_attention, write_qwen35_gguf)
 
 from cflow.convert import convert  # noqa: E402
 from cflow.convert.gguf import GGUFError, GGUFModel, UnsupportedArchitectureError  # noqa: E402
 from cflow.convert.gguf_qwen35 import qwen35_config  # noqa: E402
 from cflow.fileformat import open_model  # noqa: E402
+from cflow.model_qwen35 import reference_logits  # noqa: E402
 
 STEPS = 40
 SCALE = 0.3  # the projections' gains (module docstring)

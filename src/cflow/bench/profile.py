@@ -9,7 +9,8 @@ What is measured (engine.h, "profiling"): while profiling is on, every thread of
 its walk of the op plan into contiguous segments, one CLOCK_MONOTONIC read per boundary: the
 phases of each op (`norm`: RMSNorm and int8 quantization of an op's input, done redundantly by
 every thread; `attn.qkv`: the fused QKV mat-vec with RoPE and the K/V store; `attn.cache`:
-attention over the KV cache; `attn.wo`: wo plus the residual; `dense.gate_up`, `dense.down`;
+attention over the KV cache; `attn.wo`: wo plus the residual (on a Gated DeltaNet layer: its
+projections in, the conv and the recurrence, ssm_out plus the residual); `dense.gate_up`, `dense.down`;
 `route`: MoE norm, router and top-k, on thread 0; `experts.gate_up`, `experts.down`, `experts.io`:
 waiting for experts read from disk; `resid`; `lm_head`; `embed`) and `wait`, the time a thread
 spent at a barrier for the slowest one. Thread 0's segments tile the whole call: `setup` (RoPE
@@ -239,7 +240,10 @@ def _table_bytes(eng: Any) -> dict[str, float]:
         p = f"layers.{cfg.weight_layer(layer)}."
         out["norm"] += size(p + "attn_norm") + size(p + "ffn_norm") + size(p + "moe_norm")
         out["attn.qkv"] += size(p + "attn.wqkv") + sum(size(p + part) for part in weights.QKV_PARTS)
-        out["attn.wo"] += size(p + "attn.wo")
+        out["attn.qkv"] += size(p + weights.ATTN_GATE_SLOT)
+        # a Gated DeltaNet layer's projections in, and its small f32 parts, read in the same phase
+        out["attn.qkv"] += sum(size(p + slot) for slot in weights.SSM_SLOTS if slot != "ssm.w_out")
+        out["attn.wo"] += size(p + "attn.wo") + size(p + "ssm.w_out")
         out["dense.gate_up"] += size(p + "ffn.w_gate_up")
         out["dense.down"] += size(p + "ffn.w_down")
         out["route"] += size(p + "moe.router")
@@ -265,8 +269,15 @@ def _flops(eng: Any, counters: dict[str, int], n_calls: int, rows: float, hits: 
     c = eng.config
     hd, q, kv, d = c.head_dim, c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim, c.d_model
     L, n = c.n_layers, max(n_calls, 1)
-    out = {"attn.qkv": 2.0 * d * (q + 2 * kv) * L * rows, "attn.wo": 2.0 * q * d * L * rows,
+    rec = sum(c.is_recurrent(i) for i in range(L))  # Gated DeltaNet layers: their own projections
+    qkv_in = q * (2 if c.attn_out_gate else 1) + 2 * kv
+    out = {"attn.qkv": 2.0 * d * qkv_in * (L - rec) * rows, "attn.wo": 2.0 * q * d * (L - rec) * rows,
            "attn.cache": counters.get("kv", 0) / 2 * 2 * (c.n_heads / c.n_kv_heads) / n}
+    if rec:
+        v = c.ssm_v_heads * c.ssm_head_dim
+        conv = (2 * c.ssm_k_heads * c.ssm_head_dim + v)
+        out["attn.qkv"] += 2.0 * d * (conv + v + 2 * c.ssm_v_heads) * rec * rows
+        out["attn.wo"] += 2.0 * v * d * rec * rows
     if c.d_ff:
         out["dense.gate_up"] = 2.0 * d * 2 * c.d_ff * L * rows
         out["dense.down"] = 2.0 * c.d_ff * d * L * rows

@@ -259,6 +259,17 @@ class GGUFModel:
         s = self.source(name)
         return s.floats().reshape(-1)
 
+    def values(self, name: str) -> np.ndarray:
+        """The tensor `name` dequantized to float32 in numpy order (outermost first: [rows, cols],
+        [E, rows, cols]), for float references (cflow.model_qwen35) and tests."""
+        from gguf.quants import dequantize
+
+        t = self.tensors.get(name)
+        if t is None:
+            raise GGUFError(f"{self.path.name} lacks the tensor {name!r}")
+        shape = tuple(int(x) for x in reversed(list(t.shape)))
+        return dequantize(np.asarray(t.data), t.tensor_type).astype(np.float32).reshape(shape)
+
 
 # ---- hyperparameters -------------------------------------------------------------------------
 def refuse_vision(g: GGUFModel) -> None:

@@ -1,8 +1,8 @@
 """Reading a qwen35 / qwen35moe GGUF (Qwen3.5): its geometry as llama.cpp reads it, and its tensors
 in cflow's table (cflow.weights: SSM_SLOTS, attn.w_gate).
 
-The graph and the file's layout are pinned down in tests/test_qwen35.py's module docstring. What
-this module reads, and what it refuses by name:
+The graph is cflow.model_qwen35's (held to llama.cpp by tests/test_qwen35.py, whose module
+docstring has the file's layout). What this module reads, and what it refuses by name:
 - layer il is full attention when (il + 1) % full_attention_interval == 0, a Gated DeltaNet layer
   otherwise; ssm.group_count (Hk), ssm.time_step_rank (Hv), ssm.state_size (the head dim, for keys
   and values alike), ssm.conv_kernel, and ssm.inner_size, which must be Hv x state_size;

@@ -158,16 +158,19 @@ void cf_op_deltanet(cf_engine *e, int l, int slot, int ith, int nth) {
     }
     sync_threads(e, ith, CF_PK_ATTN);
 
-    // the recurrence, by v heads: each thread steps its heads' S through the rows in order
+    // the recurrence, by v heads: each thread steps its heads' S through the rows in order. Heads
+    // outside, rows inside: a head's S (dh x dh floats, 64 KiB at Qwen3.5's 128) stays in the
+    // core's cache over a prefill's rows instead of all the thread's heads passing through it per
+    // row; each head sees the same operations in the same order either way.
     int h0, h1;
     cf_split_range(Hv, ith, nth, 1, &h0, &h1);
     const float q_scale = 1.0f / sqrtf((float)dh);
     float q[CF_MAX_SSM_DH], k[CF_MAX_SSM_DH];
-    for (int b = 0; b < B && h0 < h1; b++) {
-        float *S0 = e->dn_state + (size_t)e->rseq[b] * e->dn_seq + e->dn_off[l] + conv_n;
-        const float *cr = e->dn_u + (size_t)b * C, *ab = e->dn_ab + (size_t)b * 2 * Hv;
-        if (e->rpos[b] == 0) memset(S0 + (size_t)h0 * dh * dh, 0, (size_t)(h1 - h0) * dh * dh * sizeof(float));
-        for (int h = h0; h < h1; h++) {
+    for (int h = h0; h < h1; h++) {
+        for (int b = 0; b < B; b++) {
+            float *S = e->dn_state + (size_t)e->rseq[b] * e->dn_seq + e->dn_off[l] + conv_n + (size_t)h * dh * dh;
+            const float *cr = e->dn_u + (size_t)b * C, *ab = e->dn_ab + (size_t)b * 2 * Hv;
+            if (e->rpos[b] == 0) memset(S, 0, (size_t)dh * dh * sizeof(float));
             /* v head h reads q/k head h % Hk (ggml's repeat tiles the Hk heads) */
             memcpy(q, cr + (h % Hk) * dh, dh * sizeof(float));
             memcpy(k, cr + (Hk + h % Hk) * dh, dh * sizeof(float));
@@ -175,7 +178,7 @@ void cf_op_deltanet(cf_engine *e, int l, int slot, int ith, int nth) {
             cf_deltanet_l2_normalise(k, dh, c->norm_eps);
             float decay, rate, *o = e->dn_o + (size_t)b * V + (size_t)h * dh;
             cf_deltanet_gates(dn, h, ab[h], ab[Hv + h], &decay, &rate);
-            e->k->deltanet_head(S0 + (size_t)h * dh * dh, q, k, cr + 2 * Hk * dh + h * dh, decay, rate, o, dh);
+            e->k->deltanet_head(S, q, k, cr + 2 * Hk * dh + h * dh, decay, rate, o, dh);
             for (int j = 0; j < dh; j++) o[j] *= q_scale;
             cf_deltanet_out_norm(dn, o, e->dn_z + (size_t)b * V + (size_t)h * dh);
         }

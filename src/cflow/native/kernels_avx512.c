@@ -3,8 +3,9 @@
  * Compiled with -mavx512f -mavx512bw -mavx512vl -mavx512vnni -mfma -mf16c (CMakeLists.txt) and
  * chosen by dispatch.c only on CPUs that report all four AVX-512 features with zmm state saved
  * by the OS. The table is a copy of the best AVX2-family table (dispatch.c passes it in) with
- * only matmat and gate_up_mm of Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K replaced, so every entry
- * added to the AVX2 tables later is inherited as it is.
+ * only matmat and gate_up_mm of Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K, and deltanet_head (Qwen3.5's
+ * recurrence, below its own heading), replaced, so every entry added to the AVX2 tables later is
+ * inherited as it is.
  *
  * The contract (cflow.h) is that matmat equals this table's matvec row by row, bit for bit, and
  * matvec is the inherited kernels_avx2.inc one. Its float operations per row of a tile are (the
@@ -987,6 +988,65 @@ DEFINE_GATE_UP_MM(gate_up_mm_q4_k_avx512, CF_Q4_K)
 DEFINE_GATE_UP_MM(gate_up_mm_q5_k_avx512, CF_Q5_K)
 DEFINE_GATE_UP_MM(gate_up_mm_q6_k_avx512, CF_Q6_K)
 
+/* ---- Gated DeltaNet head (cflow.h deltanet_head) ----------------------------------------- */
+
+/* The head in column blocks of up to DN_COLS value dims whose sums stay in zmm registers over the
+ * key rows (kernels_avx2.inc's version keeps them in memory, a load and a store per row and
+ * vector). Pass 1 only reads S: rec = decay (S^T k), the same sum as the reference's over the
+ * decayed S up to rounding (decay factored out of it); pass 2 writes S = decay S + k delta and
+ * sums S^T q, the reference's operations per element. Per value dim the sums run over the key
+ * dims in the reference's order. The last vector of a block is masked (odd head dims). */
+#define DN_COLS 128 /* 8 zmm of sums per pass (Qwen3.5's head dim: one block) */
+
+INLINE void dn_block(float *S, int dh, int j0, const float *q, const float *k, const float *v, float decay,
+                     float beta, float *o, const int nv, __mmask16 tail) {
+    __m512 sum[DN_COLS / 16], delta[DN_COLS / 16];
+    const __m512 vdecay = _mm512_set1_ps(decay), vbeta = _mm512_set1_ps(beta);
+#define DN_MASK(t) ((t) == nv - 1 ? tail : (__mmask16)0xFFFF)
+    for (int t = 0; t < nv; t++) sum[t] = _mm512_setzero_ps();
+    for (int i = 0; i < dh; i++) { /* pass 1: S^T k */
+        const float *Si = S + (size_t)i * dh + j0;
+        const __m512 ki = _mm512_set1_ps(k[i]);
+        for (int t = 0; t < nv; t++)
+            sum[t] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(DN_MASK(t), Si + 16 * t), ki, sum[t]);
+    }
+    for (int t = 0; t < nv; t++) { /* the correction beta (v - decay S^T k) */
+        const __m512 vj = _mm512_maskz_loadu_ps(DN_MASK(t), v + j0 + 16 * t);
+        delta[t] = _mm512_mul_ps(vbeta, _mm512_sub_ps(vj, _mm512_mul_ps(sum[t], vdecay)));
+        sum[t] = _mm512_setzero_ps();
+    }
+    for (int i = 0; i < dh; i++) { /* pass 2: S = decay S + k delta, and S^T q */
+        float *Si = S + (size_t)i * dh + j0;
+        const __m512 ki = _mm512_set1_ps(k[i]), qi = _mm512_set1_ps(q[i]);
+        for (int t = 0; t < nv; t++) {
+            __m512 s = _mm512_mul_ps(_mm512_maskz_loadu_ps(DN_MASK(t), Si + 16 * t), vdecay);
+            s = _mm512_fmadd_ps(ki, delta[t], s);
+            _mm512_mask_storeu_ps(Si + 16 * t, DN_MASK(t), s);
+            sum[t] = _mm512_fmadd_ps(s, qi, sum[t]);
+        }
+    }
+    for (int t = 0; t < nv; t++) _mm512_mask_storeu_ps(o + j0 + 16 * t, DN_MASK(t), sum[t]);
+#undef DN_MASK
+}
+
+static void deltanet_head_avx512(float *S, const float *q, const float *k, const float *v, float decay, float beta,
+                                 float *o, int dh) {
+    for (int j0 = 0; j0 < dh; j0 += DN_COLS) {
+        const int nj = dh - j0 < DN_COLS ? dh - j0 : DN_COLS, nv = (nj + 15) / 16;
+        const __mmask16 tail = (__mmask16)(nj % 16 ? (1u << (nj % 16)) - 1 : 0xFFFF);
+        switch (nv) { /* a constant count per case: the sums stay in registers */
+        case 8: dn_block(S, dh, j0, q, k, v, decay, beta, o, 8, tail); break;
+        case 7: dn_block(S, dh, j0, q, k, v, decay, beta, o, 7, tail); break;
+        case 6: dn_block(S, dh, j0, q, k, v, decay, beta, o, 6, tail); break;
+        case 5: dn_block(S, dh, j0, q, k, v, decay, beta, o, 5, tail); break;
+        case 4: dn_block(S, dh, j0, q, k, v, decay, beta, o, 4, tail); break;
+        case 3: dn_block(S, dh, j0, q, k, v, decay, beta, o, 3, tail); break;
+        case 2: dn_block(S, dh, j0, q, k, v, decay, beta, o, 2, tail); break;
+        default: dn_block(S, dh, j0, q, k, v, decay, beta, o, 1, tail); break;
+        }
+    }
+}
+
 /* ---- the table --------------------------------------------------------------------------- */
 
 void cf_kquant_avx512_install(cf_kernel_table *t); /* kernels_kquant_avx512.c: K-quant-file mat-vec, gate/up */
@@ -1008,6 +1068,7 @@ static void table_init(void) {
     g_table.gate_up_mm[CF_Q4_K] = gate_up_mm_q4_k_avx512;
     g_table.gate_up_mm[CF_Q5_K] = gate_up_mm_q5_k_avx512;
     g_table.gate_up_mm[CF_Q6_K] = gate_up_mm_q6_k_avx512;
+    g_table.deltanet_head = deltanet_head_avx512;
     cf_kquant_avx512_install(&g_table);
 }
 
