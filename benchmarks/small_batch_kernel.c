@@ -1,7 +1,8 @@
 /* small_batch_kernel.c — the avx512 table's matmat with its small-batch paths (kernels_avx512.c:
- * B <= SQ_MAX_B one group at a time, B <= SB_MAX_B pairs of groups) against the same file built
- * with OLD_FLAGS (default -DSB_MAX_B=0 -DSQ_MAX_B=0: the L1-buffer path for every B; -DSQ_MAX_B=0
- * alone: the pair path where the one-group path would run),
+ * B <= SQ_MAX_B one group at a time two blocks per zmm, B <= SG_MAX_B one group at a time in
+ * ymm, B <= SB_MAX_B pairs of groups) against the same file built with OLD_FLAGS (default
+ * -DSB_MAX_B=0 -DSQ_MAX_B=0 -DSG_MAX_B=0: the L1-buffer path for every B; -DSG_MAX_B=0 alone: the
+ * pair path where the ymm one-group path would run),
  * in one process, alternating, best of many repeats; no Python, no engine. Weights of a
  * SmolLM2-like 1536 x 576 matrix (tile 128 x 256), either one copy (in L2) or enough copies to
  * stream from memory, with the default prefetch mode. Prints time per call and the new/old ratio.
@@ -10,9 +11,9 @@
  *   N=src/cflow/native
  *   F="-O3 -fno-math-errno -mavx512f -mavx512bw -mavx512vl -mavx512vnni -mavx2 -mfma -mf16c -I$N"
  *   gcc $F -c $N/kernels_avx512.c -o /tmp/sbk_new.o
- *   gcc $F ${OLD_FLAGS:--DSB_MAX_B=0 -DSQ_MAX_B=0} -Dcf_kernels_avx512=cf_kernels_avx512_buffer -c $N/kernels_avx512.c -o /tmp/sbk_old.o
+ *   gcc $F ${OLD_FLAGS:--DSB_MAX_B=0 -DSQ_MAX_B=0 -DSG_MAX_B=0} -Dcf_kernels_avx512=cf_kernels_avx512_buffer -c $N/kernels_avx512.c -o /tmp/sbk_old.o
  *   gcc $F benchmarks/small_batch_kernel.c $N/formats.c $N/kernels_ref.c $N/kernels_kquant_ref.c \
- *       $N/kernels_kquant_avx512.c /tmp/sbk_new.o /tmp/sbk_old.o -lm -lpthread -o /tmp/sbk && /tmp/sbk
+ *       $N/kernels_kquant_avx512.c $N/deltanet.c /tmp/sbk_new.o /tmp/sbk_old.o -lm -lpthread -o /tmp/sbk && /tmp/sbk
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -22,6 +23,10 @@
 #include "cflow.h"
 
 _Atomic int cf_prefetch_mode = CF_PREFETCH_DEFAULT; /* dispatch.c's, which this does not link */
+int cf_matvec_default_ahead(int dtype) { /* dispatch.c's: the Zen 4 answer (none), the CPU measured here */
+    (void)dtype;
+    return 0;
+}
 
 const cf_kernel_table *cf_kernels_avx512(const cf_kernel_table *base);
 const cf_kernel_table *cf_kernels_avx512_buffer(const cf_kernel_table *base);
@@ -49,7 +54,7 @@ static double run(const cf_kernel_table *k, cf_tiled *ws, int nw, const cf_act_q
 
 int main(int argc, char **argv) {
     int reps = argc > 1 ? atoi(argv[1]) : 200;
-    const int rows = 1536, cols = 576, Bs[] = {1, 2, 3, 4, 5, 8, 12, 16, 24, 32, 48, 64};
+    const int rows = 1536, cols = 576, Bs[] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 24, 32};
     const int dtypes[] = {CF_Q4_0, CF_Q4_1, CF_Q8_0};
     const char *names[] = {"q4_0", "q4_1", "q8_0"};
     cf_kernel_table base;

@@ -207,7 +207,7 @@ def test_prefetch_switch_keeps_results():
 
 
 # ---- batched mat-mat (prefill) ---------------------------------------------------------------
-MM_BATCHES = [1, 2, 3, 4, 5, 8, 13]
+MM_BATCHES = [1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 16, 17]  # every small-batch path of each table and its edges
 
 
 @pytest.mark.parametrize("cols", [32, 288, 576, 1536])
@@ -270,7 +270,7 @@ def test_gate_up_mm_equals_gate_up(dtype, d_ff, cols, tile):
     kw = dict(tile_rows=tile[0], tile_cols=tile[1])
     for isa in ALL_ISAS:
         one = np.stack([_native.gate_up(t, Q.DTYPE_IDS[dtype], rows, cols, x, isa=isa, **kw) for x in X])
-        for B in (1, 3, 64, 70):
+        for B in (1, 3, 6, 16, 64, 70):
             got = _native.gate_up_mm(t, Q.DTYPE_IDS[dtype], rows, cols, X[:B], isa=isa, **kw)
             assert np.array_equal(got, one[:B]), f"{isa} gate_up_mm {dtype} B={B}"
         n_pairs = rows // 16

@@ -25,10 +25,11 @@
  * broadcast serves NP x 16 rows. Q4_0 / Q4_1 / Q8_0 batches of at most SB_MAX_B = 32 tokens
  * (serve's decode steps, step_rows) skip the buffer: each block is unpacked into registers and
  * used right away by up to 8 tokens (below, "small batches"); same values, and faster at every
- * B up to 32 with the weights streamed from memory (measured, below). Batches of at most
- * SQ_MAX_B = 3 tokens (speculative verification, a few decode rows) read one group at a time
- * instead, two blocks per zmm, so that the weights stream as the mat-vec's do (below, "one group
- * at a time").
+ * B up to 32 with the weights streamed from memory (measured, below). Batches of 2 to SG_MAX_B =
+ * 16 tokens (speculative verification, a few decode rows) read one group at a time instead, one
+ * block of its 8 rows per ymm, so that the weights stream as the mat-vec's do (below, "one group
+ * at a time in 256-bit vectors"); a lone token's matmat (SQ_MAX_B = 1) two blocks per zmm ("one
+ * group at a time").
  *
  * Software prefetch (cflow.h, cf_set_prefetch): with a distance N, each run of groups about to be
  * unpacked first asks for the lines N bytes ahead of it (cf_prefetch_ahead); off: never. In the
@@ -456,9 +457,10 @@ INLINE void sb_matmat_groups(int dtype, const cf_tiled *w, const cf_act_q8 *xs, 
  * this one streams better. SmolLM2 Q4_1 steps of B rows (benchmarks/small_batch_ab.py, against
  * the build before, alternating, 80 repeats, logits equal), 2 threads: B = 2 0.85x, 3 0.88x,
  * 4 1.01x, 5 1.00x; 1 thread 0.87x, 0.87x, 1.01x; with this path up to 8 tokens, 4-8 rows ran
- * 1.03x-1.20x. Hence SQ_MAX_B = 3. */
+ * 1.03x-1.20x. Hence SQ_MAX_B = 3 then; since the 256-bit one-group path below (sg_) took 2-16
+ * tokens (faster at 2 and 3 rows too, SG_MAX_B), this one runs a lone token's matmat only. */
 #ifndef SQ_MAX_B
-#define SQ_MAX_B 3 /* most tokens that take this path (-DSQ_MAX_B=0: the pair path only) */
+#define SQ_MAX_B 1 /* most tokens that take this path (-DSQ_MAX_B=0: the next path only) */
 #endif
 #if SQ_MAX_B > SB_NB
 #error "SQ_MAX_B must be at most SB_NB (one pass)"
@@ -597,6 +599,165 @@ INLINE void sq_matmat_groups(int dtype, const cf_tiled *w, const cf_act_q8 *xs, 
     CF_FOR_EACH_SHARE(sp, w, g0, g1, xs, B, out, ldo) {
         sq_pack(dtype, xs, B, sp.kb0, sp.nkt, rec);
         sq_run(B, dtype, &sp, (size_t)CF_G * sp.nkt * bb, rec, out + (size_t)(sp.ga - g0) * CF_G, ldo, pf, end);
+    }
+}
+
+/* ---- small batches, one group at a time in 256-bit vectors ---------------------------------
+ *
+ * The verification rows of speculative decoding (4-8 tokens: n-gram proposals) through one
+ * memory stream, as the mat-vec reads the weights: each group's chunks in file order, one block
+ * of its 8 rows per ymm (v[t] lane i = dword t of row i, rows in order), right away against up to
+ * SB_NB tokens whose activation dwords come as embedded broadcasts (sb_pack's records, no
+ * expanded copies in L1), the float operations per token and block mm5_kernel's, in its order:
+ * bit for bit the mat-vec. On Zen 4 a zmm operation runs as two 256-bit halves, so 8 rows per
+ * ymm cost what 16 per zmm do per weight, and one group at a time needs neither the pair path's
+ * second stream nor the sq path's block-pair shuffles and per-token vectors (12 zmm per token and
+ * block pair: 48 KiB for 8 tokens and a 16-block tile, past L1, which is why it lost at 4-8).
+ * Batches of more than SB_NB tokens run in passes over a tile share, as sb_share's.
+ *
+ * Measured 2026-12-05 on the Zen 4 VM (indicative: a shared machine), SmolLM2 Q4_1 steps of B
+ * rows, this build against the one before (sq_ at 2-3 tokens, the pair path at 4+), alternating,
+ * logits equal (benchmarks/small_batch_ab.py, 40-60 repeats): 2 threads, B = 2 0.96x, 3 0.86x,
+ * 4 0.84x, 5 0.90x, 6 0.85x, 7 0.86x, 8 0.87-0.88x, 9 0.97x, 12 0.95x, 16 0.96x (an 8-row step
+ * 2.26x a 1-row step, was 2.57-2.69x); 1 thread (sg_ from 4 tokens): 4 0.81x, 5 0.88x, 6 0.81x,
+ * 7 0.85x, 8 0.87x. benchmarks/small_batch_kernel.c (1536 x 576 Q4_1, 1 thread, best of 100) shows
+ * why it is a memory-stream win: streamed from memory 4-8 tokens 0.75x-0.99x of the pair path,
+ * in L2 1.07x-1.20x (the pair path computes less per weight; the weights of a decode step are
+ * never in L2). Past 16 tokens (serve's larger steps) untested: the pair path stays. */
+#ifndef SG_MAX_B
+#define SG_MAX_B 16 /* most tokens that take this path (-DSG_MAX_B=0: the pair path instead) */
+#endif
+#ifndef SG_AHEAD
+#define SG_AHEAD 0 /* default-mode prefetch distance: none, as the sq path's (one stream) */
+#endif
+
+/* acc += w . (the dword at x in every lane), 8 lanes: sb's dpbusd_x4 in a ymm. */
+INLINE __m256i dpbusd_x4_256(__m256i acc, __m256i w, const int32_t *x) {
+    __asm__("vpdpbusd %2%{1to8%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*x));
+    return acc;
+}
+
+/* Q4 (16 nibble bytes per row at q + 16r): v[k] lane r = the low nibbles of dword k of row r
+ * (weights 4k..4k+3), v[4+k] the high ones (16+4k..). Rows r and r+4 share a ymm, so the
+ * in-lane 4 x 4 dword transpose leaves the rows in order. */
+INLINE void sg_unpack_q4(const uint8_t *q, __m256i v[8]) {
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    __m256i z[4];
+    for (int r = 0; r < 4; r++)
+        z[r] = _mm256_loadu2_m128i((const __m128i *)(q + 16 * (r + 4)), (const __m128i *)(q + 16 * r));
+    __m256i t0 = _mm256_unpacklo_epi32(z[0], z[1]), t1 = _mm256_unpackhi_epi32(z[0], z[1]);
+    __m256i t2 = _mm256_unpacklo_epi32(z[2], z[3]), t3 = _mm256_unpackhi_epi32(z[2], z[3]);
+    __m256i x[4] = {_mm256_unpacklo_epi64(t0, t2), _mm256_unpackhi_epi64(t0, t2),
+                    _mm256_unpacklo_epi64(t1, t3), _mm256_unpackhi_epi64(t1, t3)};
+    for (int k = 0; k < 4; k++) {
+        v[k] = _mm256_and_si256(x[k], m4);
+        v[4 + k] = _mm256_and_si256(_mm256_srli_epi16(x[k], 4), m4);
+    }
+}
+
+/* Q8_0 (32 int8 per row at q + 32r): v[k] lane r = dword k of row r, XOR 0x80 as in
+ * unpack_q8_pair: an in-lane 4 x 4 transpose of rows 0-3 and of rows 4-7 (dwords k and 4+k
+ * side by side), then their 128-bit halves gathered. */
+INLINE void sg_unpack_q8(const uint8_t *q, __m256i v[8]) {
+    const __m256i x80 = _mm256_set1_epi8((char)0x80);
+    __m256i u[2][4];
+    for (int h = 0; h < 2; h++) {
+        const uint8_t *p = q + 128 * h;
+        __m256i z0 = _mm256_loadu_si256((const __m256i *)p), z1 = _mm256_loadu_si256((const __m256i *)(p + 32));
+        __m256i z2 = _mm256_loadu_si256((const __m256i *)(p + 64)), z3 = _mm256_loadu_si256((const __m256i *)(p + 96));
+        __m256i t0 = _mm256_unpacklo_epi32(z0, z1), t1 = _mm256_unpackhi_epi32(z0, z1);
+        __m256i t2 = _mm256_unpacklo_epi32(z2, z3), t3 = _mm256_unpackhi_epi32(z2, z3);
+        u[h][0] = _mm256_unpacklo_epi64(t0, t2); /* rows 4h..4h+3: dword 0 | dword 4 */
+        u[h][1] = _mm256_unpackhi_epi64(t0, t2);
+        u[h][2] = _mm256_unpacklo_epi64(t1, t3);
+        u[h][3] = _mm256_unpackhi_epi64(t1, t3);
+    }
+    for (int k = 0; k < 4; k++) {
+        v[k] = _mm256_xor_si256(_mm256_permute2x128_si256(u[0][k], u[1][k], 0x20), x80);
+        v[4 + k] = _mm256_xor_si256(_mm256_permute2x128_si256(u[0][k], u[1][k], 0x31), x80);
+    }
+}
+
+/* NB tokens x one group (chunks at p) over the nkt blocks of a tile share, activations packed by
+ * sb_pack in rec: out + j*ldo (its 8 rows) += the share's sums for token j. */
+INLINE void sg_group(int NB, int dtype, const uint8_t *p, int nkt, const uint8_t *rec, float *out, int ldo) {
+    size_t chunk = cf_block_bytes(dtype) * CF_G, qs_off = cf_chunk_qs_offset(dtype, CF_G);
+    __m256 acc[SB_NB];
+    for (int j = 0; j < NB; j++) acc[j] = _mm256_setzero_ps();
+    for (int kb = 0; kb < nkt; kb++, rec += SB_REC(NB)) {
+        const uint8_t *c = p + kb * chunk;
+        const int32_t *x4 = (const int32_t *)rec;
+        const float *xd = (const float *)(rec + NB * CF_QK), *xsum = xd + NB;
+        const int32_t *xc = (const int32_t *)(xsum + NB);
+        __m256i v[8];
+        if (dtype == CF_Q8_0) sg_unpack_q8(c + qs_off, v);
+        else sg_unpack_q4(c + qs_off, v);
+        __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)c));
+        __m256 m = dtype == CF_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(c + 16)))
+                                    : _mm256_setzero_ps();
+        /* weight vector after weight vector, the NB tokens in a row: independent vpdpbusd */
+        __m256i is0[SB_NB], is1[SB_NB];
+        for (int j = 0; j < NB; j++) {
+            is0[j] = dtype == CF_Q8_0 ? _mm256_set1_epi32(xc[j]) : _mm256_setzero_si256();
+            is1[j] = _mm256_setzero_si256();
+        }
+        for (int t = 0; t < 8; t++)
+            for (int j = 0; j < NB; j++) {
+                if (NB <= SB_2CHAIN_MAX && (t & 1)) is1[j] = dpbusd_x4_256(is1[j], v[t], x4 + j * 8 + t);
+                else is0[j] = dpbusd_x4_256(is0[j], v[t], x4 + j * 8 + t);
+            }
+        for (int j = 0; j < NB; j++) {
+            __m256i isum = NB <= SB_2CHAIN_MAX ? _mm256_add_epi32(is0[j], is1[j]) : is0[j];
+            __m256 fsum = _mm256_cvtepi32_ps(isum);
+            __m256 bd = _mm256_set1_ps(xd[j]), bs = _mm256_set1_ps(xsum[j]);
+            if (dtype == CF_Q4_0) {
+                __m256 neg8s = _mm256_mul_ps(bs, _mm256_set1_ps(-8.0f));
+                acc[j] = _mm256_fmadd_ps(d, _mm256_fmadd_ps(fsum, bd, neg8s), acc[j]);
+            } else {
+                acc[j] = _mm256_fmadd_ps(d, _mm256_mul_ps(fsum, bd), acc[j]);
+                if (dtype == CF_Q4_1) acc[j] = _mm256_fmadd_ps(m, bs, acc[j]);
+            }
+        }
+    }
+    for (int j = 0; j < NB; j++) {
+        float *o = out + (size_t)j * ldo;
+        _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), acc[j]));
+    }
+}
+
+/* The groups of one tile share one after another, as they lie in memory (sq_groups' walk). */
+INLINE void sg_groups(int NB, int dtype, const cf_span *sp, size_t group_bytes, const uint8_t *rec,
+                      float *out, int ldo, int pf, const uint8_t *end) {
+    for (int gr = sp->ga; gr < sp->gb; gr++) {
+        const uint8_t *p = sp->ptr + (size_t)(gr - sp->ga) * group_bytes;
+        cf_prefetch_ahead(pf, p, group_bytes, end);
+        sg_group(NB, dtype, p, sp->nkt, rec, out + (size_t)(gr - sp->ga) * CF_G, ldo);
+    }
+}
+
+INLINE void sg_run(int nb, int dtype, const cf_span *sp, size_t group_bytes, const uint8_t *rec, float *out,
+                   int ldo, int pf, const uint8_t *end) {
+    RUN_EVERY_NB(sg_groups, SB_NB)
+}
+
+/* matmat_groups for B <= SB_MAX_B tokens (the same contract): the same walk, each tile share in
+ * passes of at most SB_NB tokens (sb_share's split), each packing its activations once; the
+ * share's weights stay in cache for a second pass, so only the first asks for lines ahead. */
+INLINE void sg_matmat_groups(int dtype, const cf_tiled *w, const cf_act_q8 *xs, int B, float *out, int ldo,
+                             int g0, int g1) {
+    size_t bb = cf_block_bytes(dtype);
+    _Alignas(64) uint8_t rec[MM5_KT * SB_REC(SB_NB)];
+    int pf = cf_prefetch_distance(SG_AHEAD);
+    const uint8_t *end = pf ? cf_tiled_end(w) : NULL;
+    CF_FOR_EACH_SHARE(sp, w, g0, g1, xs, B, out, ldo) {
+        float *o = out + (size_t)(sp.ga - g0) * CF_G;
+        int passes = (B + SB_NB - 1) / SB_NB;
+        for (int b0 = 0, nb; b0 < B; b0 += nb, passes--) {
+            nb = (B - b0 + passes - 1) / passes;
+            sb_pack(dtype, xs + b0, nb, sp.kb0, sp.nkt, rec);
+            sg_run(nb, dtype, &sp, (size_t)CF_G * sp.nkt * bb, rec, o + (size_t)b0 * ldo, ldo, b0 == 0 ? pf : 0,
+                   end);
+        }
     }
 }
 
@@ -856,6 +1017,10 @@ INLINE void kq5_matmat_groups(int dtype, const cf_tiled *w, const cf_act_q8 *xs,
                             int g0, int g1) {                                                  \
         sb_matmat_groups(DT, w, xs, B, out, ldo, g0, g1);                                      \
     }                                                                                          \
+    NOINLINE void NAME##_sg(const cf_tiled *w, const cf_act_q8 *xs, int B, float *out, int ldo, \
+                            int g0, int g1) {                                                  \
+        sg_matmat_groups(DT, w, xs, B, out, ldo, g0, g1);                                      \
+    }                                                                                          \
     NOINLINE void NAME##_mm(const cf_tiled *w, const cf_act_q8 *xs, int B, float *out, int ldo, \
                             int g0, int g1) {                                                  \
         matmat_groups(DT, w, xs, B, out, ldo, g0, g1);                                         \
@@ -875,7 +1040,7 @@ DEFINE_KQ_GROUPS(groups_q6_k, CF_Q6_K)
 INLINE void any_matmat_groups(int dtype, const cf_tiled *w, const cf_act_q8 *xs, int B, float *out,
                               int ldo, int g0, int g1) {
     /* the one-stream path, the pair path, the L1 buffer: by batch size (measured, above) */
-#define PICK(NAME) (B <= SQ_MAX_B ? NAME##_sq : B <= SB_MAX_B ? NAME##_sb : NAME##_mm)
+#define PICK(NAME) (B <= SQ_MAX_B ? NAME##_sq : B <= SG_MAX_B ? NAME##_sg : B <= SB_MAX_B ? NAME##_sb : NAME##_mm)
     switch (dtype) {
     case CF_Q4_0: PICK(groups_q4_0)(w, xs, B, out, ldo, g0, g1); break;
     case CF_Q4_1: PICK(groups_q4_1)(w, xs, B, out, ldo, g0, g1); break;

@@ -34,7 +34,8 @@ proposers (NgramProposer: prompt lookup decoding, llama.cpp's `lookup`; DraftPro
 Engine with the same vocabulary, whose KV cache follows the accepted text; MtpProposer: the
 model's own multi-token prediction heads, cflow.runtime.mtp, run on the final hidden state the
 target call just computed), the acceptance rule
-(`accept_probability`, `residual`, `verify`: one definition, used by the loop and the tests), the
+(`accept_probability`, `residual`, `verify`, and `judge`, one row's decision: one definition, used by
+the loop, cflow.serve and the tests), the
 Gate that pauses speculation while it loses, and the loop (`run`).
 
 When it helps: a round costs one target call of k+1 rows instead of one row; on a CPU a decode
@@ -65,7 +66,12 @@ if TYPE_CHECKING:
     from cflow.runtime.engine import Engine
 
 PROPOSERS = ("ngram", "draft", "mtp")
-DEFAULT_DRAFT_MAX = 8
+# Rounds of at most 8 rows (7 proposals + the newest token): the avx512 table's small-batch kernels
+# run up to 8 rows in one pass over the weights (kernels_avx512.c, SB_NB) and a 9th row starts a
+# second pass. Measured 2026-12-05, SmolLM2 Q4_1, 2 threads (benchmarks/small_batch_ab.py): an
+# 8-row call 2.26x a 1-row step, 9 rows 2.75x, so a round that keeps everything emits 8 tokens per
+# 2.26 steps at k = 7 against 9 per 2.75 at k = 8.
+DEFAULT_DRAFT_MAX = 7
 DEFAULT_NGRAM_MAX = 3
 DEFAULT_NGRAM_MIN = 2  # a one-token match predicts poorly (docs/results/speculative.md)
 # The gate (see Gate): rounds it looks back over, the first pause (plain steps) and the longest.
@@ -235,6 +241,26 @@ def verify(p_ids: np.ndarray, p: np.ndarray, x: int, q_ids: np.ndarray | None, q
     if not r.sum() > 0:  # p == q to rounding: a rejection had probability ~0; draw from p itself
         r = p
     return False, draw(p_ids, r, rng)
+
+
+def judge(sampler: Sampler, row: np.ndarray, history: Sequence[int], draft: int | None,
+          q: tuple[np.ndarray, np.ndarray] | None, eng: Any, pos: int) -> tuple[bool, int]:
+    """One verification row's decision: (kept, the token emitted there) for the logits `row` of
+    position `pos` (predicting the next one) against the proposed `draft` drawn from q (None: a
+    point mass); draft None: the bonus row, sampled as a plain row. `history`: the text up to and
+    including the token at `pos`. Raises for non-finite logits (`eng` names the model). Plain
+    greedy decoding (no bias, no penalties) takes the argmax straight from the row: no
+    distribution is built, and the chosen logit doubles as the finiteness check (argmax finds a
+    NaN or +inf first), so a round of k + 1 rows costs k + 1 argmaxes of Python time."""
+    if sampler.plain_greedy:
+        tok = int(row.argmax())
+        check_finite(eng, row[tok:tok + 1], f"at position {pos}")
+        return draft == tok, tok
+    check_finite(eng, row, f"at position {pos}")
+    ids, p = sampler.probs(row, history)
+    if draft is None:
+        return False, draw(ids, p, sampler.rng)
+    return verify(ids, p, draft, *(q if q is not None else (None, None)), sampler.rng)
 
 
 # ---- proposers -----------------------------------------------------------------------------------
@@ -543,17 +569,15 @@ def run(gen: Generation, spec: Speculative) -> Iterator[tuple[int, str]]:
             tm.rounds += 1
             judged = accepted = 0  # proposals decided (those after a stop are not), and kept
             for i in range(n + 1):
-                check_finite(eng, rows[i], f"at position {pos + i}")
                 ts = time.perf_counter()
-                ids, p = sampler.probs(rows[i], gen.history)
-                if i < n:
-                    kept, tok = verify(ids, p, drafts[i], *(qs[i] if qs else (None, None)), rng)
+                draft = drafts[i] if i < n else None  # None: every proposal kept, the bonus token
+                kept, tok = judge(sampler, rows[i], gen.history, draft, qs[i] if qs and draft is not None else None,
+                                  eng, pos + i)
+                if draft is not None:
                     judged += 1
                     accepted += kept
                     tm.drafted += 1
                     tm.accepted += kept
-                else:  # every proposal kept: the bonus token, from the last row
-                    kept, tok = False, draw(ids, p, rng)
                 tm.sample_s += time.perf_counter() - ts
                 if observe is not None and (i == n or not kept):  # tok came from row i: its h proposes next
                     observe(eng.hidden()[i])

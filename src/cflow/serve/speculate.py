@@ -3,8 +3,8 @@
 A speculating sequence's decode row becomes a block of k + 1 rows of the iteration's one
 `step_rows` call: its next token, then the k tokens its proposer guesses after it, at consecutive
 positions of its own slot, every row wanted, beside the other sequences' decode rows and prompt
-chunks. Row i's logits judge proposal i + 1 with cflow.runtime.speculative's rule (`judge` here,
-`verify` there: greedy keeps a proposal while it is the argmax; sampling keeps it with probability
+chunks. Row i's logits judge proposal i + 1 with cflow.runtime.speculative's rule (`judge`, over
+`verify`: greedy keeps a proposal while it is the argmax; sampling keeps it with probability
 min(1, p(d) / q(d)) and replaces a rejected one by a draw from the residual; when all k are kept,
 the last row gives the bonus token). The scheduler sends each emitted token down the plain decode
 path (stop ids, stop strings, logprobs of its own row, max_tokens, the events) and stops the block
@@ -28,7 +28,8 @@ the same random stream in the same order.
 
 Owns: `Speculation` (what a generator can speculate with and what a job's `speculative=` means
 there), `DraftSlots`, `SeqSpec` (one sequence's proposer, Gate, DraftLength and counts: each
-sequence speculates, pauses and grows its proposals on its own) and `judge` (one row's decision).
+sequence speculates, pauses and grows its proposals on its own); one row's decision is
+cflow.runtime.speculative.judge, the loop's own.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ import numpy as np
 
 from cflow.runtime.generate import check_finite, common_prefix
 from cflow.runtime.speculative import (DRAFT_START, DraftLength, Gate, MtpProposer, NgramProposer, Speculative,
-                                       SpeculativeError, check_draft, check_rewindable, min_rate, verify)
+                                       SpeculativeError, check_draft, check_rewindable, judge, min_rate)
 from cflow.sampling import Sampler, SamplingParams, draw
 
 Q = tuple[np.ndarray, np.ndarray]  # a proposal's distribution: (ids, probabilities)
@@ -264,20 +265,3 @@ class SeqSpec:
         self.rounds += 1
         self.drafts, self.qs, self._block = [], [], [0, 0]
         return judged, kept
-
-
-def judge(sampler: Sampler, row: np.ndarray, history: Sequence[int], draft: int | None, q: Q | None,
-          backend: Any, pos: int) -> tuple[bool, int]:
-    """(kept, the token emitted there) for the logits `row` of position `pos` (predicting the
-    next one) against the proposed `draft` drawn from q (None: a point mass); draft None: the
-    bonus row, sampled as a plain row. `history`: the text up to and including the token at
-    `pos`. Raises for non-finite logits."""
-    if sampler.plain_greedy:  # the argmax; the chosen logit doubles as the finiteness check
-        tok = int(row.argmax())
-        check_finite(backend, row[tok:tok + 1], f"at position {pos}")
-        return draft == tok, tok
-    check_finite(backend, row, f"at position {pos}")
-    ids, p = sampler.probs(row, history)
-    if draft is None:
-        return False, draw(ids, p, sampler.rng)
-    return verify(ids, p, draft, *(q if q is not None else (None, None)), sampler.rng)
