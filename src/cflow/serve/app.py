@@ -384,6 +384,8 @@ class Server:
                     self._tool_format = tools_mod.detect_format(backend.tokenizer)
                 spec.tool_format = self._tool_format
                 messages, template_kw = tools_mod.prepare(spec.tool_format, spec.messages, spec.tools)
+                if spec.reasoning_effort is not None:   # the template reads it (gpt-oss's) or ignores it
+                    template_kw["reasoning_effort"] = spec.reasoning_effort
                 return backend.chat_tokens(messages, **template_kw)
             return backend.encode(spec.prompt)
 
