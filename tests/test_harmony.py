@@ -359,11 +359,152 @@ def test_detect_format_and_grammar(tok):
     assert f'" to=functions.get_weather" <[{ch}]> "commentary json" <[{msg}]>' in grammar
 
 
-def test_think_parser_at_every_cut():
-    for text, opened, want in (("<think>\nPlan it.\n</think>\n\nAnswer", False, ("\nPlan it.\n", "Answer")),
-                               ("Plan.</think> Answer</think>", True, ("Plan.", "Answer</think>")),
-                               ("No thinking here", False, ("", "No thinking here")),
-                               ("<think>cut off", False, ("cut off", ""))):
-        for cut in range(len(text) + 1):
-            got = _stream(ThinkParser(opened), [text[:cut], text[cut:]])
-            assert (got.reasoning, got.content) == want, (text, cut)
+THINKS = [  # (answer, the prompt opened the thought, (reasoning, content)): llama.cpp's deepseek format
+    ("<think>\nPlan it.\n</think>\n\nAnswer", False, ("Plan it.", "Answer")),
+    (" a  b \n</think> Answer</think>", True, ("a  b", "Answer</think>")),
+    ("<think>\n\n</think>\n\nHi", False, ("", "Hi")),
+    ("No thinking here <think>", False, ("", "No thinking here <think>")),
+    ("<think>cut off  ", False, ("cut off", "")),
+]
+
+
+@pytest.mark.parametrize("case", range(len(THINKS)))
+def test_think_parser_at_every_cut(case):
+    text, opened, want = THINKS[case]
+    for cut in range(len(text) + 1):
+        got = _stream(ThinkParser(opened), [text[:cut], text[cut:]])
+        assert (got.reasoning, got.content) == want, cut
+    got = _stream(ThinkParser(opened), list(text))
+    assert (got.reasoning, got.content) == want
+
+
+def test_think_then_tool_calls():
+    """A <think> block, then the family's tool call (hermes): reasoning, calls; without the think
+    parsing (the control) the thought stays in the content."""
+    from cflow.reasoning import prompt_opens_thought, thinks_in_tags
+
+    text = '<think>\nThe weather tool.\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": ' \
+           '{"city": "Paris"}}\n</tool_call>'
+    reasoning, content, calls = T.parse_answer("hermes", tool_req(), text, think=False)
+    assert reasoning == "The weather tool." and content is None and calls[0]["function"]["name"] == "get_weather"
+    reasoning, content, calls = T.parse_answer("hermes", tool_req(), text)
+    assert reasoning is None and content.startswith("<think>") and len(calls) == 1
+    assert thinks_in_tags("{{ '<think>' }}") and not thinks_in_tags(TEMPLATE) and not thinks_in_tags(None)
+    assert prompt_opens_thought("<|im_start|>assistant\n<think>\n")
+    assert not prompt_opens_thought("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+# ---- cflow chat -------------------------------------------------------------------------------
+class StubEngine:
+    """What cflow chat's _answer uses of an engine: a chat template and a stream of pieces."""
+
+    def __init__(self, template: str, pieces: list[str], prompt: str = ""):
+        self.tokenizer = type("Tok", (), {"chat_template": template,
+                                          "apply_chat_template": lambda _, messages: prompt})()
+        self.pieces = pieces
+
+    def chat_stream(self, messages, max_tokens, **kw):
+        return iter(self.pieces)
+
+
+def test_cflow_chat_shows_thoughts_on_stderr_and_keeps_them_apart(capsys):
+    from cflow.cli.chat import _answer
+
+    text = ANSWERS[0][0]
+    pieces = [text[i:i + 5] for i in range(0, len(text), 5)]
+    message = _answer(StubEngine(TEMPLATE, pieces), [{"role": "user", "content": "Hi"}], None, {})
+    out, err = capsys.readouterr()
+    assert message == {"role": "assistant", "content": "Hi! 😀", "reasoning_content": "User greets. Reply."}
+    assert out == "Hi! 😀\n" and "User greets. Reply." in err
+    # control: a template without harmony's channels shows the text as it came
+    message = _answer(StubEngine("{{ messages }}", pieces), [{"role": "user", "content": "Hi"}], None, {})
+    assert message == {"role": "assistant", "content": text} and capsys.readouterr().out == text + "\n"
+    # a <think> template whose prompt opened the thought
+    eng = StubEngine("{{ '<think>' }}", ["Plan", ".</th", "ink>\n\nDone"], prompt="<|im_start|>assistant\n<think>\n")
+    assert _answer(eng, [], None, {}) == {"role": "assistant", "content": "Done", "reasoning_content": "Plan."}
+
+
+# ---- cflow serve, end to end ------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def oss_server(oss_file, tmp_path_factory):
+    """`cflow serve` on the random-weight gpt-oss file with the harmony vocabulary and template."""
+    pytest.importorskip("starlette", reason="the serve extra is not installed: pip install 'cflow-lm[serve]'")
+    pytest.importorskip("llguidance", reason="constraints need llguidance: pip install 'cflow-lm[structured]'")
+    from test_serve import Live
+
+    from cflow.convert import convert
+
+    dst = tmp_path_factory.mktemp("harmony-serve") / "oss.cflow"
+    convert(oss_file, dst)
+    server = Live("-m", str(dst), "--alias", "oss", "-np", "2", "-c", "512", "-t", "1", ready_timeout=300)
+    yield server
+    server.stop()
+
+
+def ask(server, body: dict) -> dict:
+    from test_serve import request
+
+    status, _, raw = request(server, "POST", "/v1/chat/completions", {"model": "oss", "temperature": 0, **body},
+                             key=None)
+    assert status == 200, raw
+    return json.loads(raw)
+
+
+def ask_streamed(server, body: dict) -> tuple[str, str, list[dict], str]:
+    """(reasoning, content, calls, finish_reason) assembled from the stream's deltas."""
+    from test_serve import request
+
+    status, _, raw = request(server, "POST", "/v1/chat/completions",
+                             {"model": "oss", "temperature": 0, "stream": True, **body}, key=None)
+    assert status == 200, raw
+    reasoning = content = finish = ""
+    calls: list[dict] = []
+    for line in raw.decode().splitlines():
+        if not line.startswith("data: {"):
+            continue
+        choice = json.loads(line[6:])["choices"][0]
+        d = choice["delta"]
+        reasoning += d.get("reasoning_content") or ""
+        content += d.get("content") or ""
+        calls += [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in d.get("tool_calls", [])]
+        finish = choice["finish_reason"] or finish
+    return reasoning, content, calls, finish
+
+
+UNIT = {"type": "function", "function": {"name": "set_unit", "description": "Choose the unit", "parameters": {
+    "type": "object", "properties": {"unit": {"type": "string", "enum": ["c", "f"]}}, "required": ["unit"]}}}
+QUESTION = [{"role": "user", "content": "Which unit?"}]
+
+
+def test_served_tool_call_in_harmony(oss_server):
+    """tool_choice naming a function: the harmony grammar makes the random model write the call
+    (` to=functions.set_unit<|channel|>commentary json<|message|>{...}`), <|call|> ends it, and
+    the answer carries it as an OpenAI tool call, streamed and not."""
+    body = {"messages": QUESTION, "tools": [UNIT, CLOCK], "max_tokens": 40,
+            "tool_choice": {"type": "function", "function": {"name": "set_unit"}}}
+    ch = ask(oss_server, body)["choices"][0]
+    assert ch["finish_reason"] == "tool_calls", ch
+    (c,) = ch["message"]["tool_calls"]
+    assert c["function"]["name"] == "set_unit" and json.loads(c["function"]["arguments"]) in ({"unit": "c"},
+                                                                                             {"unit": "f"})
+    assert ch["message"]["content"] is None and "reasoning_content" not in ch["message"]
+    reasoning, content, calls, finish = ask_streamed(oss_server, body)
+    assert (reasoning, content, finish) == ("", "", "tool_calls")
+    assert calls == [{"name": "set_unit", "arguments": c["function"]["arguments"]}]
+
+
+def test_served_reasoning_and_content(oss_server, tok):
+    """A grammar (llama-server's `grammar` field) forcing an analysis message and a final one: the
+    answer's reasoning_content and content, streamed and not; <|end|> between them does not stop
+    generation."""
+    s = tok.special
+    grammar = (f'start: <[{s["<|channel|>"]}]> "analysis" <[{s["<|message|>"]}]> "Let me think." '
+               f'<[{s["<|end|>"]}]> <[{s["<|start|>"]}]> "assistant" <[{s["<|channel|>"]}]> "final" '
+               f'<[{s["<|message|>"]}]> "Hello!"')
+    body = {"messages": QUESTION, "grammar": grammar, "max_tokens": 60}
+    ch = ask(oss_server, body)["choices"][0]
+    assert ch["finish_reason"] == "stop", ch
+    assert ch["message"] == {"role": "assistant", "content": "Hello!", "reasoning_content": "Let me think."}
+    assert ask_streamed(oss_server, body) == ("Let me think.", "Hello!", [], "stop")
+    # reasoning_effort reaches the template (a request naming an effort the template knows works)
+    assert ask(oss_server, {**body, "reasoning_effort": "low"})["choices"][0]["message"]["content"] == "Hello!"

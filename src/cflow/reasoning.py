@@ -42,6 +42,29 @@ _READS_THINKING = re.compile(r"""\.thinking\b|\[\s*['"]thinking['"]\s*\]|['"]thi
 _HEADER_MAX = 256   # a header longer than this without <|message|> is not one: the text is content
 
 
+def is_harmony(template: str | None) -> bool:
+    """Whether a chat template writes gpt-oss's harmony format (llama.cpp's test: `<|channel|>`)."""
+    return CHANNEL in (template or "")
+
+
+def thinks_in_tags(template: str | None) -> bool:
+    """Whether a chat template's model thinks in `<think>...</think>` (Qwen3, DeepSeek-R1)."""
+    return THINK_OPEN in (template or "") and not is_harmony(template)
+
+
+def prompt_opens_thought(prompt_tail: str) -> bool:
+    """Whether a rendered prompt ends inside a thought (the generation prompt wrote `<think>`)."""
+    return prompt_tail.rstrip().endswith(THINK_OPEN)
+
+
+def answer_parser(template: str | None, prompt_tail: str = "") -> "HarmonyParser | ThinkParser | None":
+    """The parser that splits a model's answers, from its chat template (and the end of the
+    prompt it rendered): harmony's channels, `<think>` tags, or None (the answer is all content)."""
+    if is_harmony(template):
+        return HarmonyParser()
+    return ThinkParser(prompt_opens_thought(prompt_tail)) if thinks_in_tags(template) else None
+
+
 def template_messages(template: str, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """`messages` as a template that reads `thinking` wants them (see the module docstring);
     other templates get them unchanged."""
@@ -177,11 +200,14 @@ class HarmonyParser:
 
 class ThinkParser:
     """`<think>reasoning</think>content` -> reasoning and content, as it streams. `opened`: the
-    prompt ended inside the thought (its generation prompt wrote `<think>`)."""
+    prompt ended inside the thought (its generation prompt wrote `<think>`). The reasoning is
+    stripped of surrounding whitespace (held back while it may be trailing) and the whitespace
+    between </think> and the answer dropped, as llama.cpp's deepseek reasoning format does."""
 
     def __init__(self, opened: bool = False) -> None:
         self.buf = ""
         self.mode = "think" if opened else "start"   # "start" | "think" | "after" | "content"
+        self.started = False                         # the reasoning has shown a non-space
 
     def feed(self, text: str) -> Parsed:
         self.buf += text
@@ -207,12 +233,21 @@ class ThinkParser:
             if self.mode == "think":
                 j = self.buf.find(THINK_CLOSE)
                 if j >= 0:
-                    out.reasoning += self.buf[:j]
-                    self.buf, self.mode = self.buf[j + len(THINK_CLOSE):], "after"
+                    text, rest, closed = self.buf[:j], self.buf[j + len(THINK_CLOSE):], True
+                else:
+                    cut = len(self.buf) if final else len(self.buf) - _held(self.buf, THINK_CLOSE)
+                    text, rest, closed = self.buf[:cut], self.buf[cut:], final
+                if not self.started:
+                    text = text.lstrip()
+                shown = text.rstrip()
+                if not closed:   # trailing whitespace waits: it is dropped if </think> follows
+                    rest = text[len(shown):] + rest
+                out.reasoning += shown
+                self.started = self.started or bool(shown)
+                self.buf = rest
+                if j >= 0:
+                    self.mode = "after"
                     continue
-                cut = len(self.buf) if final else len(self.buf) - _held(self.buf, THINK_CLOSE)
-                out.reasoning += self.buf[:cut]
-                self.buf = self.buf[cut:]
                 break
             if self.mode == "after":   # the whitespace between </think> and the answer is dropped
                 self.buf = self.buf.lstrip()

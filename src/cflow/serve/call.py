@@ -97,12 +97,12 @@ class Call:
         self.logprobs = ([P.LogprobsBuilder(tokenizer, spec.kind) for _ in range(self.n)]
                          if spec.logprobs is not None else None)
         self.tokenizer = tokenizer
-        # a chat with tools, or any chat of a harmony model: each choice's text goes through a
-        # parser that takes the calls (and the reasoning) out
+        # a chat with tools, or any chat of a model that reasons (harmony channels, <think> tags):
+        # each choice's text goes through a parser that takes the calls and the reasoning out
         tools_on = spec.kind == "chat" and spec.tools is not None and spec.tools.choice != "none"
-        channels = spec.kind == "chat" and spec.tool_format == "harmony"
-        self.parsers = ([AnswerParser(spec.tool_format or "generic", spec.tools) for _ in range(self.n)]
-                        if tools_on or channels else None)
+        reasons = spec.kind == "chat" and (spec.tool_format == "harmony" or spec.think is not None)
+        self.parsers = ([AnswerParser(spec.tool_format or "generic", spec.tools, spec.think) for _ in range(self.n)]
+                        if tools_on or reasons else None)
         self.jobs: list[Any] = []
         self.result = "cancelled"
         self._inbox: list[tuple[int, Any]] = []
@@ -201,7 +201,8 @@ class Call:
         for i in range(n):
             text, calls, reasoning = "".join(parts[i]) + ends[i].tail, None, None
             if self.parsers:
-                reasoning, text, calls = parse_answer(self.spec.tool_format or "generic", self.spec.tools, text)
+                reasoning, text, calls = parse_answer(self.spec.tool_format or "generic", self.spec.tools, text,
+                                                      self.spec.think)
             choices.append(P.choice_object(self.kind, i, text, ends[i].reason,
                                            self.logprobs[i].entries(pieces[i]) if self.logprobs else None,
                                            tool_calls=calls, reasoning=reasoning))

@@ -127,6 +127,7 @@ class GenSpec:
     tools: Any = None                       # chat: a cflow.serve.tools.ToolRequest (None: no tools)
     tool_format: str | None = None          # chat: the model's tool-call format (set by the server)
     reasoning_effort: str | None = None     # chat: "low" | "medium" | "high", for templates that read it (gpt-oss)
+    think: bool | None = None               # chat: <think> tags parsed (None: not), True: the prompt opened one (set by the server)
     speculative: Any = None                 # a cflow.runtime.Speculative, "draft", "mtp" or None: plain decoding
 
 

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
+from cflow.reasoning import CHANNEL, MESSAGE, is_harmony
 from cflow.serve.protocol import BadRequest, _json_type
 
 FORMATS = ("hermes", "llama3", "mistral", "harmony", "generic")
@@ -45,7 +46,6 @@ _NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 _ID_CHARS = string.ascii_letters + string.digits
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG, TOOL_CALLS = "<|python_tag|>", "[TOOL_CALLS]"
-HARMONY_CHANNEL, HARMONY_MESSAGE = "<|channel|>", "<|message|>"
 
 
 @dataclass(frozen=True)
@@ -254,7 +254,7 @@ def detect_format(tokenizer: Any) -> str:
     - anything else: "generic".
     """
     t = getattr(tokenizer, "chat_template", None) or ""
-    if HARMONY_CHANNEL in t:
+    if is_harmony(t):
         return "harmony"
     if not re.search(r"\btools\b", t):
         return "generic"
@@ -476,7 +476,7 @@ def native_grammar(fmt: str, req: ToolRequest, tokenizer: Any) -> str:
         # the prompt ends with "<|start|>assistant": the call's header goes on from there, as
         # the template writes one (` to=functions.NAME<|channel|>commentary json<|message|>`);
         # one call per answer (it ends with <|call|>, a stop token), so one even when parallel
-        channel, message = _token(tokenizer, HARMONY_CHANNEL, True), _token(tokenizer, HARMONY_MESSAGE, True)
+        channel, message = _token(tokenizer, CHANNEL, True), _token(tokenizer, MESSAGE, True)
         rules = []
         for i, t in enumerate(tools):
             name = json.dumps(" to=functions." + t["function"]["name"])
@@ -682,24 +682,36 @@ class AnswerParser:
     """One choice's generated text -> (reasoning, content, tool calls), as it streams: the
     channels of a harmony answer (cflow.reasoning.HarmonyParser), its calls checked as every
     format's are (a known tool, arguments a JSON object; anything else is content); other
-    formats have no reasoning and their calls are ToolCallParser's."""
+    formats' calls are ToolCallParser's, found in what follows the `<think>` block when `think`
+    is not None (cflow.reasoning.ThinkParser; True: the prompt opened the thought)."""
 
-    def __init__(self, fmt: str, req: ToolRequest | None):
-        from cflow.reasoning import HarmonyParser
+    def __init__(self, fmt: str, req: ToolRequest | None, think: bool | None = None):
+        from cflow.reasoning import HarmonyParser, ThinkParser
 
         self.harmony = HarmonyParser() if fmt == "harmony" else None
+        self.think = ThinkParser(think) if think is not None and self.harmony is None else None
         self.tools = ToolCallParser(fmt, req)
         self.names = {t["function"]["name"] for t in req.tools} if req and req.choice != "none" else set()
 
     def feed(self, text: str) -> tuple[str, str, list[dict]]:
-        if self.harmony is None:
+        if self.harmony is not None:
+            return self._checked(self.harmony.feed(text))
+        if self.think is None:
             return ("", *self.tools.feed(text))
-        return self._checked(self.harmony.feed(text))
+        part = self.think.feed(text)
+        return (part.reasoning, *self.tools.feed(part.content))
 
     def finish(self) -> tuple[str, str, list[dict]]:
-        if self.harmony is None:
-            return ("", *self.tools.finish())
-        return self._checked(self.harmony.finish())
+        if self.harmony is not None:
+            return self._checked(self.harmony.finish())
+        reasoning = ""
+        if self.think is not None:
+            part = self.think.finish()
+            reasoning, (content, calls) = part.reasoning, self.tools.feed(part.content)
+        else:
+            content, calls = "", []
+        rest, more = self.tools.finish()
+        return reasoning, content + rest, calls + more
 
     def _checked(self, parsed: Any) -> tuple[str, str, list[dict]]:
         content, calls = parsed.content, []
@@ -718,10 +730,11 @@ class AnswerParser:
         return parsed.reasoning, content, calls
 
 
-def parse_answer(fmt: str, req: ToolRequest | None, text: str) -> tuple[str | None, str | None, list[dict]]:
-    """(reasoning, content, tool calls) of a whole answer: reasoning None when there is none;
-    content None when there are calls and no text, as OpenAI's."""
-    p = AnswerParser(fmt, req)
+def parse_answer(fmt: str, req: ToolRequest | None, text: str,
+                 think: bool | None = None) -> tuple[str | None, str | None, list[dict]]:
+    """(reasoning, content, tool calls) of a whole answer (`think` as AnswerParser's): reasoning
+    None when there is none; content None when there are calls and no text, as OpenAI's."""
+    p = AnswerParser(fmt, req, think)
     r1, c1, k1 = p.feed(text)
     r2, c2, k2 = p.finish()
     content, calls = c1 + c2, k1 + k2
