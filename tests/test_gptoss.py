@@ -112,14 +112,15 @@ def tensor_type(name: str, native: bool = True):
     return T.F32
 
 
-def write_gptoss_gguf(path, seed: int = 0, native: bool = True, tokenizer=None) -> None:
+def write_gptoss_gguf(path, seed: int = 0, native: bool = True, tokenizer=None, ctx: int = CTX) -> None:
     """`tokenizer`: (a function writing the tokenizer keys, its vocabulary size) in place of the
-    tiny tokenizer (tests/test_harmony.py writes gpt-oss's harmony specials and template)."""
+    tiny tokenizer, `ctx` the context length (tests/test_harmony.py writes gpt-oss's harmony
+    specials and template, whose prompts need more than CTX byte-level tokens)."""
     write_tokenizer, n_vocab = tokenizer or (add_tiny_tokenizer, None)
     wr = gguf.GGUFWriter(str(path), ARCH)
     wr.add_name("tiny-gpt-oss")
     wr.add_block_count(LAYERS)
-    wr.add_context_length(CTX)
+    wr.add_context_length(ctx)
     wr.add_embedding_length(D)
     wr.add_feed_forward_length(F)
     wr.add_head_count(HEADS)

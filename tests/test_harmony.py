@@ -20,6 +20,13 @@ Two things of llama-server's are not the renderer's and not done: it disables th
 refusal of `<|channel|>` text inside an assistant content, and with add_generation_prompt false
 it turns the last `<|return|>` into `<|end|>` (continuing a final message); cflow renders the
 template as it is, as HF transformers and Jinja2ChatFormatter do.
+
+llama.cpp's own chat path (common_chat_templates_apply and common_chat_parse of the
+libllama-common that llama-cpp-python 0.3.36 ships, called from a small C++ program built
+against its headers: not part of the suite, which cannot build one) gave the same prompts on
+CASES, its clock's date aside, except the case with add_generation_prompt false (the `<|return|>`
+above), and the same reasoning, content and calls on ANSWERS where it parses them; it refuses
+text outside the structure, which cflow keeps as content.
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ from cflow.tokenizer import bytes_to_unicode  # noqa: E402
 
 TEMPLATE = (Path(__file__).parent / "data" / "gpt_oss_chat_template.jinja").read_text(encoding="utf-8")
 # gpt-oss's special tokens (o200k_harmony), in a tiny byte-level vocabulary
+SERVE_CTX = 1024   # a chat with tools is ~600 tokens of this byte-level vocabulary
 HARMONY = ["<|startoftext|>", "<|endoftext|>", "<|return|>", "<|constrain|>", "<|channel|>", "<|start|>",
            "<|end|>", "<|message|>", "<|call|>"]
 
@@ -78,7 +86,7 @@ def tokenizer_writer(specials: list[str]):
 @pytest.fixture(scope="module")
 def oss_file(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("harmony") / "oss.gguf"
-    write_gptoss_gguf(path, seed=0, tokenizer=tokenizer_writer(HARMONY))
+    write_gptoss_gguf(path, seed=0, tokenizer=tokenizer_writer(HARMONY), ctx=SERVE_CTX)
     return path
 
 
@@ -293,6 +301,8 @@ ANSWERS = [  # (generated text after the prompt's "<|start|>assistant", reasonin
      'commentary json<|message|>{"city": "Paris"}', "Need weather.", "", [("get_weather", '{"city": "Paris"}')]),
     # the recipient after the channel, with <|constrain|> (how the model often writes it)
     ('<|channel|>commentary to=functions.time_now <|constrain|>json<|message|>{}', "", "", [("time_now", "{}")]),
+    # the model opening its own message first
+    ("<|start|>assistant<|channel|>final<|message|>Hi", "", "Hi", []),
     # a preamble on the commentary channel is content; two analysis messages join
     ("<|channel|>analysis<|message|>a<|end|><|start|>assistant<|channel|>analysis<|message|>b<|end|>"
      "<|start|>assistant<|channel|>commentary<|message|>Checking.<|end|><|start|>assistant<|channel|>final"
@@ -436,7 +446,7 @@ def oss_server(oss_file, tmp_path_factory):
 
     dst = tmp_path_factory.mktemp("harmony-serve") / "oss.cflow"
     convert(oss_file, dst)
-    server = Live("-m", str(dst), "--alias", "oss", "-np", "2", "-c", "512", "-t", "1", ready_timeout=300)
+    server = Live("-m", str(dst), "--alias", "oss", "-np", "1", "-c", str(SERVE_CTX), "-t", "1", ready_timeout=300)
     yield server
     server.stop()
 
@@ -480,7 +490,7 @@ def test_served_tool_call_in_harmony(oss_server):
     """tool_choice naming a function: the harmony grammar makes the random model write the call
     (` to=functions.set_unit<|channel|>commentary json<|message|>{...}`), <|call|> ends it, and
     the answer carries it as an OpenAI tool call, streamed and not."""
-    body = {"messages": QUESTION, "tools": [UNIT, CLOCK], "max_tokens": 40,
+    body = {"messages": QUESTION, "tools": [UNIT, CLOCK], "max_tokens": 100,
             "tool_choice": {"type": "function", "function": {"name": "set_unit"}}}
     ch = ask(oss_server, body)["choices"][0]
     assert ch["finish_reason"] == "tool_calls", ch

@@ -113,7 +113,9 @@ def _held(buf: str, *marks: str) -> int:
 class HarmonyParser:
     """gpt-oss's harmony answer -> reasoning, content, tool calls, as it streams."""
 
-    _HEADER_STARTS = (CHANNEL, " to=", "to=", CONSTRAIN)
+    # what the first message may begin with: the prompt's "<|start|>assistant" goes on with a
+    # header, or the model opens a message of its own
+    _FIRST = (START, CHANNEL, " to=", "to=", CONSTRAIN)
 
     def __init__(self) -> None:
         self.buf = ""
@@ -134,9 +136,9 @@ class HarmonyParser:
         out = Parsed()
         while True:
             if self.mode in ("first", "next"):
-                starts = self._HEADER_STARTS if self.mode == "first" else (START,)
+                starts = self._FIRST if self.mode == "first" else (START,)
                 if any(self.buf.startswith(s) for s in starts):
-                    if self.mode == "next":
+                    if self.buf.startswith(START):   # the role that follows is part of the header
                         self.buf = self.buf[len(START):]
                     self.mode = "header"
                     continue
