@@ -22,6 +22,10 @@ first one's logprob and top_logprobs null (nothing predicts it); `max_tokens: 0`
 prompt alone. This is how loglikelihood evaluations (lm-eval's local-completions model) score
 text: prompt = context + continuation, sum the continuation's token_logprobs.
 
+Reasoning (chat): an assistant message's `reasoning_content` is read (its thoughts, for templates
+that show them), `reasoning_effort` ("low", "medium", "high") reaches the chat template, and a
+reasoning model's answer carries `reasoning_content` beside `content` (cflow.reasoning).
+
 Structured output (cflow.constrain; at most one per request): OpenAI's `response_format`
 ({"type": "json_object"}, or {"type": "json_schema", "json_schema": {"name", "schema", "strict"}};
 llama-server's {"type": "json_object", "schema": ...} too), llama-server's `json_schema` (a schema)

@@ -17,6 +17,8 @@ template, and each format has its template input, grammar and parser:
   call one addressed ` to=functions.NAME` on the commentary channel whose body is the arguments,
   ended by <|call|>; the analysis channel is the reasoning (`reasoning_content`), the final
   channel the content. The parser runs on every answer of such a model, tools or not.
+  `required` or a named function makes the call the whole answer (llama.cpp's grammar lets
+  analysis messages come first; ours does not, so a forced call has no reasoning).
 - "generic" (every other template, e.g. SmolLM2's plain ChatML; llama.cpp's generic handler):
   the tools are described in a system message and the whole answer is one JSON object,
   `{"tool_calls": [{"name", "arguments"}]}` or `{"response": "..."}`, always schema-constrained.
