@@ -67,12 +67,12 @@ QK_GAIN, GATE_UP_GAIN, GATE_UP_BIAS = 1.0, 2.0, 5.0
 F32_MEDIAN_TOL, F32_MAX_TOL, F32_WITHIN = 0.02, 0.04, 0.95
 
 
-def gptoss_weights(seed: int) -> dict[str, np.ndarray]:
+def gptoss_weights(seed: int, n_vocab: int | None = None) -> dict[str, np.ndarray]:
     """Float weights under GGUF names (numpy order), sized so every feature moves the logits: expert
     gate/up pre-activations often past the clamp at 7, sinks comparable to the attention scores
-    (the gains: QK_GAIN above)."""
+    (the gains: QK_GAIN above). `n_vocab`: the vocabulary's size (the tiny one's by default)."""
     rng = np.random.default_rng(seed)
-    V = len(tiny_vocab())
+    V = n_vocab or len(tiny_vocab())
 
     def mat(*shape, gain=1.0):
         return (rng.standard_normal(shape) * gain / np.sqrt(shape[-1])).astype(np.float32)
@@ -112,11 +112,15 @@ def tensor_type(name: str, native: bool = True):
     return T.F32
 
 
-def write_gptoss_gguf(path, seed: int = 0, native: bool = True) -> None:
+def write_gptoss_gguf(path, seed: int = 0, native: bool = True, tokenizer=None, ctx: int = CTX) -> None:
+    """`tokenizer`: (a function writing the tokenizer keys, its vocabulary size) in place of the
+    tiny tokenizer, `ctx` the context length (tests/test_harmony.py writes gpt-oss's harmony
+    specials and template, whose prompts need more than CTX byte-level tokens)."""
+    write_tokenizer, n_vocab = tokenizer or (add_tiny_tokenizer, None)
     wr = gguf.GGUFWriter(str(path), ARCH)
     wr.add_name("tiny-gpt-oss")
     wr.add_block_count(LAYERS)
-    wr.add_context_length(CTX)
+    wr.add_context_length(ctx)
     wr.add_embedding_length(D)
     wr.add_feed_forward_length(F)
     wr.add_head_count(HEADS)
@@ -133,8 +137,8 @@ def write_gptoss_gguf(path, seed: int = 0, native: bool = True) -> None:
     wr.add_rope_scaling_type(gguf.RopeScalingType.YARN)
     wr.add_rope_scaling_factor(YARN["factor"])
     wr.add_rope_scaling_orig_ctx_len(YARN["n_orig"])
-    add_tiny_tokenizer(wr)
-    for name, x in gptoss_weights(seed).items():
+    write_tokenizer(wr)
+    for name, x in gptoss_weights(seed, n_vocab).items():
         add_tensor(wr, name, x, tensor_type(name, native))
     wr.write_header_to_file()
     wr.write_kv_data_to_file()

@@ -81,8 +81,15 @@ DEFAULT_CHAT_TEMPLATE = (
 )
 
 # Tokens that end a turn in common chat formats; generation stops on them as well as on EOS.
-# <|eom_id|>: Llama 3.1 ends a tool call (an ipython turn the caller answers) with it
-_END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
+# <|eom_id|>: Llama 3.1 ends a tool call (an ipython turn the caller answers) with it;
+# <|return|>, <|call|>: gpt-oss's harmony format ends its answer, or a tool call, with them
+_END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
+                "<|return|>", "<|call|>")
+# Harmony's message structure (gpt-oss): special tokens, but the answer's parser needs them
+# (cflow.reasoning), so the detokenizer shows them even when it drops specials, as llama.cpp's
+# vocabulary does (it makes them "user defined"). <|end|> only ends one message of an answer
+# there, so it is neither a stop token nor hidden when <|return|> and <|call|> are in the vocabulary.
+_HARMONY_MARKERS = ("<|start|>", "<|channel|>", "<|message|>", "<|constrain|>")
 
 
 def _raise_exception(message: str) -> None:
@@ -142,7 +149,8 @@ class Tokenizer:
         self.pre: str | None = h["pre"]
         # SentencePiece puts a "▁" before the text; decode() takes that space off again
         self.add_space_prefix: bool = self.model == "spm" and h["add_space_prefix"]
-        self._special_ids = frozenset(self.special.values())
+        # the ids decode(skip_special=True) and stream(skip_special=True) leave out
+        self._special_ids = frozenset(i for t, i in self.special.items() if t not in self._visible_specials())
         self._bytes = self._token_bytes()
         self._tk = self._build()
 
@@ -197,14 +205,26 @@ class Tokenizer:
         return len(self.vocab)
 
     @property
+    def harmony(self) -> bool:
+        """Whether the vocabulary is gpt-oss's harmony one: <|return|>, <|call|> and <|end|> specials,
+        where <|end|> only closes one message of an answer (llama.cpp's test, llama-vocab.cpp)."""
+        return all(t in self.special for t in ("<|return|>", "<|call|>", "<|end|>"))
+
+    def _visible_specials(self) -> tuple[str, ...]:
+        return _HARMONY_MARKERS + (("<|end|>",) if self.harmony else ())
+
+    @property
     def stop_ids(self) -> frozenset[int]:
-        """Ids that end generation: EOS plus the end-of-turn specials the vocabulary has."""
-        ids = {self.special[t] for t in _END_OF_TURN if t in self.special}
+        """Ids that end generation: EOS plus the end-of-turn specials the vocabulary has (not
+        harmony's <|end|>: see `harmony`)."""
+        ends = [t for t in _END_OF_TURN if not (self.harmony and t == "<|end|>")]
+        ids = {self.special[t] for t in ends if t in self.special}
         if self.eos_id is not None:
             ids.add(self.eos_id)
         return frozenset(ids)
 
     def is_special(self, token_id: int) -> bool:
+        """Whether skip_special leaves the token out: a special token, but not harmony's structure."""
         return token_id in self._special_ids
 
     # ---- encode / decode ---------------------------------------------------------------------
@@ -272,10 +292,15 @@ class Tokenizer:
                             tokenize: bool = False, **kwargs: Any) -> str | list[int]:
         """Render `messages` with the file's chat template (ChatML when it has none).
 
-        Extra keyword arguments reach the template as variables (e.g. `tools=`). With
+        Extra keyword arguments reach the template as variables (e.g. `tools=`,
+        `reasoning_effort=`). An assistant message's `reasoning_content` reaches templates that
+        read `thinking` under that name (cflow.reasoning.template_messages). With
         `tokenize=True` returns ids; no BOS is added because templates write their own.
         """
         _check_messages(messages)
+        from cflow.reasoning import template_messages
+
+        messages = template_messages(self.chat_template or "", messages)
         template = _compile_template(self.chat_template or DEFAULT_CHAT_TEMPLATE)
         names = {"bos_token": self.bos_id, "eos_token": self.eos_id}
         variables = {k: (self.vocab[v] if v is not None else "") for k, v in names.items()}

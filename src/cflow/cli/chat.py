@@ -1,7 +1,8 @@
 """`cflow chat`: an interactive terminal conversation using the model file's chat template.
 
 Lines are read with readline (history kept in the cflow cache directory); the answer streams as
-it is generated. Commands: /exit (or Ctrl-D) quits, /reset forgets the conversation, /help.
+it is generated. A reasoning model's thoughts (gpt-oss's analysis channel, a <think> block:
+cflow.reasoning) go to stderr and its answer to stdout; the conversation keeps them apart (`reasoning_content`). Commands: /exit (or Ctrl-D) quits, /reset forgets the conversation, /help.
 Ctrl-C stops the current answer (a second Ctrl-C at the prompt quits). When the conversation no
 longer fits the context, the oldest turns are dropped (the system prompt stays). Consecutive
 turns reuse the KV cache of the common prefix, so each answer only evaluates the new tokens.
@@ -15,6 +16,7 @@ import sys
 from cflow.cli.common import (UsageError, add_command, add_model_flags, add_sampling_flags, add_speculative_flags,
                               check_model_flags, check_sampling, check_speculative, load_engine, load_speculative,
                               sampling_kwargs)
+from cflow.reasoning import answer_parser, thinks_in_tags
 from cflow.runtime import ContextOverflowError
 
 IN_CHAT_HELP = "commands: /exit (or Ctrl-D) quit, /reset start over, /help this text"
@@ -75,21 +77,45 @@ def _save_history(rl) -> None:
             pass
 
 
-def _answer(eng, messages: list[dict], max_tokens: int | None, kw: dict) -> str:
-    """Stream one answer; drops the oldest turns while the conversation does not fit."""
+def _answer(eng, messages: list[dict], max_tokens: int | None, kw: dict) -> dict:
+    """Stream one answer, its assistant message; drops the oldest turns while the conversation
+    does not fit."""
     while True:
         try:
             stream = eng.chat_stream(messages, max_tokens, **kw)
-            parts = []
+            template = eng.tokenizer.chat_template
+            # a <think> template's prompt may open the thought: the parser starts inside it then
+            tail = eng.tokenizer.apply_chat_template(messages)[-64:] if thinks_in_tags(template) else ""
+            parser = answer_parser(template, tail)
+            parts, thoughts = [], []
+
+            def show(reasoning: str, content: str) -> None:
+                if reasoning:
+                    sys.stderr.write(reasoning)
+                    sys.stderr.flush()
+                    thoughts.append(reasoning)
+                if content:
+                    if thoughts and not parts:
+                        sys.stderr.write("\n")
+                    sys.stdout.write(content)
+                    sys.stdout.flush()
+                    parts.append(content)
+
+            def parsed(out) -> None:   # a harmony call has no tools to go to here: its text is shown
+                show(out.reasoning, out.content + "".join(f"[{name}] {args}" for name, args in out.calls))
             try:
                 for piece in stream:
-                    sys.stdout.write(piece)
-                    sys.stdout.flush()
-                    parts.append(piece)
+                    if parser is None:
+                        show("", piece)
+                    else:
+                        parsed(parser.feed(piece))
             except KeyboardInterrupt:
                 sys.stdout.write(" [interrupted]")
+            if parser is not None:
+                parsed(parser.finish())
             sys.stdout.write("\n")
-            return "".join(parts)
+            message = {"role": "assistant", "content": "".join(parts)}
+            return {**message, "reasoning_content": "".join(thoughts)} if thoughts else message
         except ContextOverflowError:
             first = 1 if messages and messages[0]["role"] == "system" else 0
             if len(messages) - first <= 1:
@@ -142,8 +168,7 @@ def run(args: argparse.Namespace) -> int:
                 print(IN_CHAT_HELP, file=sys.stderr)
                 continue
             messages.append({"role": "user", "content": line})
-            reply = _answer(eng, messages, max_tokens, kw)
-            messages.append({"role": "assistant", "content": reply})
+            messages.append(_answer(eng, messages, max_tokens, kw))
             if args.perf:
                 t = eng.last_timings
                 spec = (f", {t.spec}: {100 * t.acceptance_rate:.0f}% of {t.drafted} proposed accepted, "

@@ -54,6 +54,7 @@ from starlette.routing import Route
 
 from cflow.constrain import ConstraintError, compile_constraint
 from cflow.errors import CflowError
+from cflow.reasoning import prompt_opens_thought, thinks_in_tags
 from cflow.runtime.errors import ContextOverflowError
 from cflow.runtime.mtp import NoMtpHeadsError
 from cflow.runtime.speculative import SpeculativeError
@@ -384,7 +385,12 @@ class Server:
                     self._tool_format = tools_mod.detect_format(backend.tokenizer)
                 spec.tool_format = self._tool_format
                 messages, template_kw = tools_mod.prepare(spec.tool_format, spec.messages, spec.tools)
-                return backend.chat_tokens(messages, **template_kw)
+                if spec.reasoning_effort is not None:   # the template reads it (gpt-oss's) or ignores it
+                    template_kw["reasoning_effort"] = spec.reasoning_effort
+                ids = backend.chat_tokens(messages, **template_kw)
+                if thinks_in_tags(backend.tokenizer.chat_template):   # the answer's <think> block is reasoning
+                    spec.think = prompt_opens_thought(backend.tokenizer.decode(ids[-8:]))
+                return ids
             return backend.encode(spec.prompt)
 
         try:

@@ -30,7 +30,7 @@ from starlette.responses import JSONResponse as _StarletteJSON
 from starlette.responses import Response
 
 from cflow.serve import protocol as P
-from cflow.serve.tools import ToolCallParser, parse_all
+from cflow.serve.tools import AnswerParser, parse_answer
 from cflow.serve.batch import Failed, Finished, GeneratorClosedError, Piece, Prompt, RequestTimeoutError
 
 _MARK = "\x00"  # stands for the text in a pre-rendered chunk (JSON writes it as \u0000, never else here)
@@ -97,10 +97,12 @@ class Call:
         self.logprobs = ([P.LogprobsBuilder(tokenizer, spec.kind) for _ in range(self.n)]
                          if spec.logprobs is not None else None)
         self.tokenizer = tokenizer
-        # a chat with tools: each choice's text goes through a parser that takes the calls out
+        # a chat with tools, or any chat of a model that reasons (harmony channels, <think> tags):
+        # each choice's text goes through a parser that takes the calls and the reasoning out
         tools_on = spec.kind == "chat" and spec.tools is not None and spec.tools.choice != "none"
-        self.parsers = ([ToolCallParser(spec.tool_format or "generic", spec.tools) for _ in range(self.n)]
-                        if tools_on else None)
+        reasons = spec.kind == "chat" and (spec.tool_format == "harmony" or spec.think is not None)
+        self.parsers = ([AnswerParser(spec.tool_format or "generic", spec.tools, spec.think) for _ in range(self.n)]
+                        if tools_on or reasons else None)
         self.jobs: list[Any] = []
         self.result = "cancelled"
         self._inbox: list[tuple[int, Any]] = []
@@ -197,12 +199,13 @@ class Call:
             return failure(failed.error)
         choices = []
         for i in range(n):
-            text, calls = "".join(parts[i]) + ends[i].tail, None
+            text, calls, reasoning = "".join(parts[i]) + ends[i].tail, None, None
             if self.parsers:
-                text, calls = parse_all(self.spec.tool_format or "generic", self.spec.tools, text)
+                reasoning, text, calls = parse_answer(self.spec.tool_format or "generic", self.spec.tools, text,
+                                                      self.spec.think)
             choices.append(P.choice_object(self.kind, i, text, ends[i].reason,
                                            self.logprobs[i].entries(pieces[i]) if self.logprobs else None,
-                                           tool_calls=calls))
+                                           tool_calls=calls, reasoning=reasoning))
         return JSONResponse(P.completion_object(self.kind, self.rid, self.created, self.model, choices,
                                                 self._usage(ends)))
 
@@ -232,11 +235,12 @@ class Call:
         parsers = self.parsers
         n_calls = [0] * self.n  # tool calls sent per choice
 
-        def tool_chunks(i: int, text: str, calls: list, lp: Any = None) -> list[bytes]:
+        def tool_chunks(i: int, reasoning: str, text: str, calls: list, lp: Any = None) -> list[bytes]:
             out_ = []
-            if text or lp is not None or calls:
+            if reasoning or text or lp is not None or calls:
                 out_.append(sse(P.chunk_object(k, rid, created, model, text if text or lp is not None else None,
-                                               None, lp, inc, index=i, tool_calls=calls, first_call=n_calls[i])))
+                                               None, lp, inc, index=i, tool_calls=calls, first_call=n_calls[i],
+                                               reasoning=reasoning)))
                 n_calls[i] += len(calls)
             return out_
         try:
@@ -255,8 +259,9 @@ class Call:
                         lp = self.logprobs[i].entries(prompt_pieces) if self.logprobs else None
                         out.append(sse(P.chunk_object(k, rid, created, model, text, None, lp, inc, index=i)))
                     elif isinstance(ev, Piece) and parsers:
-                        text, calls = parsers[i].feed(ev.text)
-                        out += tool_chunks(i, text, calls, self.logprobs[i].entries([ev]) if self.logprobs else None)
+                        reasoning, text, calls = parsers[i].feed(ev.text)
+                        out += tool_chunks(i, reasoning, text, calls,
+                                           self.logprobs[i].entries([ev]) if self.logprobs else None)
                     elif isinstance(ev, Piece):
                         if self.logprobs:
                             lp = self.logprobs[i].entries([ev])
@@ -270,9 +275,9 @@ class Call:
                         self._ended(ev)
                         reason = ev.reason
                         if parsers:
-                            text, calls = parsers[i].feed(ev.tail)
-                            rest, more = parsers[i].finish()
-                            out += tool_chunks(i, text + rest, calls + more)
+                            r1, text, calls = parsers[i].feed(ev.tail)
+                            r2, rest, more = parsers[i].finish()
+                            out += tool_chunks(i, r1 + r2, text + rest, calls + more)
                             if n_calls[i] and reason == "stop":
                                 reason = "tool_calls"
                         elif ev.tail:

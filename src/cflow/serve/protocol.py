@@ -22,6 +22,10 @@ first one's logprob and top_logprobs null (nothing predicts it); `max_tokens: 0`
 prompt alone. This is how loglikelihood evaluations (lm-eval's local-completions model) score
 text: prompt = context + continuation, sum the continuation's token_logprobs.
 
+Reasoning (chat): an assistant message's `reasoning_content` is read (its thoughts, for templates
+that show them), `reasoning_effort` ("low", "medium", "high") reaches the chat template, and a
+reasoning model's answer carries `reasoning_content` beside `content` (cflow.reasoning).
+
 Structured output (cflow.constrain; at most one per request): OpenAI's `response_format`
 ({"type": "json_object"}, or {"type": "json_schema", "json_schema": {"name", "schema", "strict"}};
 llama-server's {"type": "json_object", "schema": ...} too), llama-server's `json_schema` (a schema)
@@ -126,6 +130,8 @@ class GenSpec:
     constraint_param: str | None = None     # the request field it came from (for errors)
     tools: Any = None                       # chat: a cflow.serve.tools.ToolRequest (None: no tools)
     tool_format: str | None = None          # chat: the model's tool-call format (set by the server)
+    reasoning_effort: str | None = None     # chat: "low" | "medium" | "high", for templates that read it (gpt-oss)
+    think: bool | None = None               # chat: <think> tags parsed (None: not), True: the prompt opened one (set by the server)
     speculative: Any = None                 # a cflow.runtime.Speculative, "draft", "mtp" or None: plain decoding
 
 
@@ -438,6 +444,9 @@ def parse_completion(body: Any, defaults: Defaults, names: Sequence[str] = (),
     return GenSpec("completion", prompt=p, echo=echo, **_common(body, defaults, names, "completion", vocab_size))
 
 
+REASONING_EFFORTS = ("low", "medium", "high")   # what gpt-oss's template tells the model
+
+
 def parse_chat(body: Any, defaults: Defaults, names: Sequence[str] = (),
                vocab_size: int | None = None) -> GenSpec:
     """POST /v1/chat/completions. messages: [{"role", "content": a string or text parts}]."""
@@ -466,7 +475,11 @@ def parse_chat(body: Any, defaults: Defaults, names: Sequence[str] = (),
         raise BadRequest(f"'{common['constraint_param']}' cannot be combined with tools (the tool-call format is "
                          f"itself a constraint); send tool_choice 'none' or drop one", common["constraint_param"],
                          "invalid_value")
-    return GenSpec("chat", messages=out, tools=tools, **common)
+    effort = _field(body, "reasoning_effort", "str")
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise BadRequest(f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r}"[:300],
+                         "reasoning_effort", "invalid_value")
+    return GenSpec("chat", messages=out, tools=tools, reasoning_effort=effort, **common)
 
 
 def parse_tool_request(body: dict[str, Any]) -> Any:
@@ -573,11 +586,14 @@ class LogprobsBuilder:
 
 
 def choice_object(kind: str, index: int, text: str | None, finish: str, logprobs: Any = None,
-                  tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+                  tool_calls: list[dict[str, Any]] | None = None, reasoning: str | None = None) -> dict[str, Any]:
     """One choice of a whole (not streamed) answer; a chat answer with tool calls has them in its
-    message (content None when there is no text besides), finish_reason "tool_calls"."""
+    message (content None when there is no text besides), finish_reason "tool_calls"; the
+    model's reasoning, when it gave some, is the message's `reasoning_content` (llama-server's)."""
     if kind == "chat":
         message: dict[str, Any] = {"role": "assistant", "content": text}
+        if reasoning:
+            message["reasoning_content"] = reasoning
         if tool_calls:
             message["tool_calls"] = tool_calls
             finish = "tool_calls" if finish == "stop" else finish
@@ -594,14 +610,17 @@ def completion_object(kind: str, rid: str, created: int, model: str, choices: li
 def chunk_object(kind: str, rid: str, created: int, model: str, text: str | None, finish: str | None,
                  logprobs: Any = None, include_usage: bool = False, role: bool = False,
                  index: int = 0, tool_calls: list[dict[str, Any]] | None = None,
-                 first_call: int = 0) -> dict[str, Any]:
+                 first_call: int = 0, reasoning: str | None = None) -> dict[str, Any]:
     """One streamed chunk of choice `index` (text None: no content field, for the chat's final chunk).
     `tool_calls`: whole calls, sent as deltas numbered from `first_call` (OpenAI's streamed
-    tool_calls: index, id, type, function {name, arguments})."""
+    tool_calls: index, id, type, function {name, arguments}); `reasoning`: the delta's
+    `reasoning_content` (llama-server's)."""
     if kind == "chat":
         delta: dict[str, Any] = {}
         if role:
             delta["role"] = "assistant"
+        if reasoning:
+            delta["reasoning_content"] = reasoning
         if text is not None:
             delta["content"] = text
         if tool_calls:

@@ -13,6 +13,12 @@ template, and each format has its template input, grammar and parser:
   sometimes after the special `<|python_tag|>` (which the detokenizer drops).
 - "mistral" (v3 templates): the special `[TOOL_CALLS]` (dropped), then a JSON array of
   `{"name", "arguments"}`.
+- "harmony" (gpt-oss): the answer is channelled messages (cflow.reasoning.HarmonyParser), a
+  call one addressed ` to=functions.NAME` on the commentary channel whose body is the arguments,
+  ended by <|call|>; the analysis channel is the reasoning (`reasoning_content`), the final
+  channel the content. The parser runs on every answer of such a model, tools or not.
+  `required` or a named function makes the call the whole answer (llama.cpp's grammar lets
+  analysis messages come first; ours does not, so a forced call has no reasoning).
 - "generic" (every other template, e.g. SmolLM2's plain ChatML; llama.cpp's generic handler):
   the tools are described in a system message and the whole answer is one JSON object,
   `{"tool_calls": [{"name", "arguments"}]}` or `{"response": "..."}`, always schema-constrained.
@@ -33,9 +39,10 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
+from cflow.reasoning import CHANNEL, MESSAGE, is_harmony
 from cflow.serve.protocol import BadRequest, _json_type
 
-FORMATS = ("hermes", "llama3", "mistral", "generic")
+FORMATS = ("hermes", "llama3", "mistral", "harmony", "generic")
 MAX_TOOLS = 128                      # OpenAI's limit
 _NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 _ID_CHARS = string.ascii_letters + string.digits
@@ -166,13 +173,19 @@ def _choice(body: dict, legacy: bool) -> tuple[str, str | None]:
 # ---- the history -------------------------------------------------------------------------------
 def message_fields(m: dict, where: str) -> dict:
     """The tool fields of one incoming chat message, checked, as templates read them: an assistant's
-    `tool_calls` (arguments parsed into a dict: templates write `arguments | tojson`), a tool
-    result's `tool_call_id` and `name`. {} when there are none."""
+    `tool_calls` (arguments parsed into a dict: templates write `arguments | tojson`) and
+    `reasoning_content` (its thoughts: cflow.reasoning.template_messages), a tool result's
+    `tool_call_id` and `name`. {} when there are none."""
     role = m.get("role")
     if role == "assistant":
+        reasoning = m.get("reasoning_content")
+        if reasoning is not None and not isinstance(reasoning, str):
+            raise BadRequest(f"{where}.reasoning_content must be a string, got {_json_type(reasoning)}",
+                             f"{where}.reasoning_content", "invalid_type")
+        thought = {"reasoning_content": reasoning} if reasoning else {}
         tcs = m.get("tool_calls")
         if tcs is None or tcs == []:
-            return {}
+            return thought
         if not isinstance(tcs, list):
             raise BadRequest(f"{where}.tool_calls must be an array, got {_json_type(tcs)}", f"{where}.tool_calls",
                              "invalid_type")
@@ -197,7 +210,7 @@ def message_fields(m: dict, where: str) -> dict:
             out.append({"id": tc["id"], "type": "function",
                         "function": {"name": f["name"], "arguments": _arguments(f.get("arguments"),
                                                                                 f"{w}.function.arguments")}})
-        return {"tool_calls": out}
+        return {**thought, "tool_calls": out}
     if role == "tool":
         tid, name = m.get("tool_call_id"), m.get("name")
         if not isinstance(tid, str):
@@ -233,6 +246,7 @@ def _arguments(a: Any, where: str) -> dict:
 def detect_format(tokenizer: Any) -> str:
     """The tool-call format of a model, read off its chat template (`tokenizer.chat_template`):
 
+    - writes harmony's `<|channel|>` (gpt-oss): "harmony", tools or not;
     - no template, or one that never reads `tools`: "generic";
     - mentions `[TOOL_CALLS]` (and not `[ARGS]`, the v11 syntax `[TOOL_CALLS]name[ARGS]{...}`
       this module does not parse, which gets "generic"): "mistral";
@@ -242,6 +256,8 @@ def detect_format(tokenizer: Any) -> str:
     - anything else: "generic".
     """
     t = getattr(tokenizer, "chat_template", None) or ""
+    if is_harmony(t):
+        return "harmony"
     if not re.search(r"\btools\b", t):
         return "generic"
     if TOOL_CALLS in t and "[ARGS]" not in t:
@@ -458,12 +474,25 @@ def native_grammar(fmt: str, req: ToolRequest, tokenizer: Any) -> str:
         # Llama 3.1 writes one call per turn (its template refuses more), so one even when parallel
         tag = _token(tokenizer, PYTHON_TAG, False)
         start = [f"start: {tag}? call" if tag else "start: call"]
+    elif fmt == "harmony":
+        # the prompt ends with "<|start|>assistant": the call's header goes on from there, as
+        # the template writes one (` to=functions.NAME<|channel|>commentary json<|message|>`);
+        # one call per answer (it ends with <|call|>, a stop token), so one even when parallel
+        channel, message = _token(tokenizer, CHANNEL, True), _token(tokenizer, MESSAGE, True)
+        rules = []
+        for i, t in enumerate(tools):
+            name = json.dumps(" to=functions." + t["function"]["name"])
+            args = {"x-guidance": JSON_OPTIONS, **closed_objects(_args(t["function"]))}
+            rules.append(f'call_{i}: {name} {channel} "commentary json" {message} args_{i}')
+            rules.append(f"args_{i}: %json {json.dumps(args)}")
+        rules.insert(0, "call: " + " | ".join(f"call_{i}" for i in range(len(tools))))
+        start = ["start: call"]
     elif fmt == "mistral":
         tag = _token(tokenizer, TOOL_CALLS, False)
         more = ' (", " call)*' if req.parallel else ""
         start = [f'start: {tag + " " if tag else ""}" "? "[" call{more} "]"']
     else:
-        raise ValueError(f"no grammar for tool-call format {fmt!r} (one of hermes, llama3, mistral)")
+        raise ValueError(f"no grammar for tool-call format {fmt!r} (one of hermes, llama3, mistral, harmony)")
     return "\n".join(start + rules) + "\n"
 
 
@@ -482,7 +511,8 @@ class ToolCallParser:
     def __init__(self, fmt: str, req: ToolRequest | None):
         self.fmt = fmt
         self.names = {t["function"]["name"] for t in req.tools} if req else set()
-        self.off = req is None or req.choice == "none" or fmt not in FORMATS
+        # harmony answers go through AnswerParser (channels, then calls): here they are text
+        self.off = req is None or req.choice == "none" or fmt not in FORMATS or fmt == "harmony"
         self.buf = ""
         self.mode = "start"      # hermes: "start" | "call"; others: "start" | "text" | "hold" | "resp" | "tail"
         self.after_call = False  # hermes: whitespace after a call is dropped
@@ -648,6 +678,69 @@ def parse_all(fmt: str, req: ToolRequest | None, text: str) -> tuple[str | None,
     c2, k2 = p.finish()
     content, calls = c1 + c2, k1 + k2
     return (None if calls and not content.strip() else content), calls
+
+
+class AnswerParser:
+    """One choice's generated text -> (reasoning, content, tool calls), as it streams: the
+    channels of a harmony answer (cflow.reasoning.HarmonyParser), its calls checked as every
+    format's are (a known tool, arguments a JSON object; anything else is content); other
+    formats' calls are ToolCallParser's, found in what follows the `<think>` block when `think`
+    is not None (cflow.reasoning.ThinkParser; True: the prompt opened the thought)."""
+
+    def __init__(self, fmt: str, req: ToolRequest | None, think: bool | None = None):
+        from cflow.reasoning import HarmonyParser, ThinkParser
+
+        self.harmony = HarmonyParser() if fmt == "harmony" else None
+        self.think = ThinkParser(think) if think is not None and self.harmony is None else None
+        self.tools = ToolCallParser(fmt, req)
+        self.names = {t["function"]["name"] for t in req.tools} if req and req.choice != "none" else set()
+
+    def feed(self, text: str) -> tuple[str, str, list[dict]]:
+        if self.harmony is not None:
+            return self._checked(self.harmony.feed(text))
+        if self.think is None:
+            return ("", *self.tools.feed(text))
+        part = self.think.feed(text)
+        return (part.reasoning, *self.tools.feed(part.content))
+
+    def finish(self) -> tuple[str, str, list[dict]]:
+        if self.harmony is not None:
+            return self._checked(self.harmony.finish())
+        reasoning = ""
+        if self.think is not None:
+            part = self.think.finish()
+            reasoning, (content, calls) = part.reasoning, self.tools.feed(part.content)
+        else:
+            content, calls = "", []
+        rest, more = self.tools.finish()
+        return reasoning, content + rest, calls + more
+
+    def _checked(self, parsed: Any) -> tuple[str, str, list[dict]]:
+        content, calls = parsed.content, []
+        for name, raw in parsed.calls:
+            call = None
+            if name in self.names:
+                try:
+                    args = json.loads(raw) if raw.strip() else {}
+                except ValueError:
+                    args = None
+                call = new_call(name, args) if isinstance(args, dict) else None
+            if call:
+                calls.append(call)
+            else:
+                content += raw
+        return parsed.reasoning, content, calls
+
+
+def parse_answer(fmt: str, req: ToolRequest | None, text: str,
+                 think: bool | None = None) -> tuple[str | None, str | None, list[dict]]:
+    """(reasoning, content, tool calls) of a whole answer (`think` as AnswerParser's): reasoning
+    None when there is none; content None when there are calls and no text, as OpenAI's."""
+    p = AnswerParser(fmt, req, think)
+    r1, c1, k1 = p.feed(text)
+    r2, c2, k2 = p.finish()
+    content, calls = c1 + c2, k1 + k2
+    return (r1 + r2) or None, (None if calls and not content.strip() else content), calls
 
 
 # ---- text helpers ------------------------------------------------------------------------------

@@ -1,0 +1,520 @@
+"""gpt-oss's harmony chat format through cflow: the template, the vocabulary's structure tokens,
+the answer's channels (reasoning_content, content, tool calls), and `cflow serve` end to end.
+
+The template (tests/data/gpt_oss_chat_template.jinja) is OpenAI's harmony chat template for
+gpt-oss (Apache-2.0), byte for byte as llama.cpp keeps it (models/templates/openai-gpt-oss-120b.jinja,
+the llama.cpp that llama-cpp-python 0.3.36 vendors): model data, as a GGUF's
+tokenizer.chat_template carries it.
+
+The oracle of the rendering: llama.cpp's chat path for gpt-oss (common/chat, parsers/gpt-oss.cpp)
+renders the file's template with its own Jinja engine after one change to the messages: an
+assistant message's `reasoning_content` becomes `thinking` (and, when it has tool calls, its
+`content` is dropped). llama-cpp-python's Jinja2ChatFormatter renders the same template with
+jinja2, so it is the oracle here, fed the messages as llama.cpp hands them to the template
+(written out by hand below, not computed with cflow's code); cflow gets the OpenAI request and
+goes through its own path (cflow.serve.protocol, cflow.serve.tools.prepare,
+Tokenizer.apply_chat_template). llama_chat_apply_template's built-in gpt-oss format (which
+recognises `<|channel|>`) is not the oracle: it is a simplified form with no system preamble, no
+developer message and no tools, which llama-server does not use for a template it can render.
+Two things of llama-server's are not the renderer's and not done: it disables the template's
+refusal of `<|channel|>` text inside an assistant content, and with add_generation_prompt false
+it turns the last `<|return|>` into `<|end|>` (continuing a final message); cflow renders the
+template as it is, as HF transformers and Jinja2ChatFormatter do.
+
+llama.cpp's own chat path (common_chat_templates_apply and common_chat_parse of the
+libllama-common that llama-cpp-python 0.3.36 ships, called from a small C++ program built
+against its headers: not part of the suite, which cannot build one) gave the same prompts on
+CASES, its clock's date aside, except the case with add_generation_prompt false (the `<|return|>`
+above), and the same reasoning, content and calls on ANSWERS where it parses them; it refuses
+text outside the structure, which cflow keeps as content.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import random
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+
+llama_cpp = pytest.importorskip(
+    "llama_cpp", reason="the llama.cpp oracle is not installed: pip install 'llama-cpp-python>=0.3.16'")
+gguf = pytest.importorskip("gguf")
+pytest.importorskip("torch")
+
+from test_convert_gguf import MERGES  # noqa: E402
+from test_gptoss import write_gptoss_gguf  # noqa: E402
+
+from cflow.reasoning import HarmonyParser, ThinkParser  # noqa: E402
+from cflow.serve import protocol as P  # noqa: E402
+from cflow.serve import tools as T  # noqa: E402
+from cflow.tokenizer import bytes_to_unicode  # noqa: E402
+
+TEMPLATE = (Path(__file__).parent / "data" / "gpt_oss_chat_template.jinja").read_text(encoding="utf-8")
+# gpt-oss's special tokens (o200k_harmony), in a tiny byte-level vocabulary
+SERVE_CTX = 1024   # a chat with tools is ~600 tokens of this byte-level vocabulary
+HARMONY = ["<|startoftext|>", "<|endoftext|>", "<|return|>", "<|constrain|>", "<|channel|>", "<|start|>",
+           "<|end|>", "<|message|>", "<|call|>"]
+
+
+def harmony_vocab(specials: list[str]) -> list[str]:
+    b2u = bytes_to_unicode()
+    return [b2u[b] for b in range(256)] + ["Ġt", "he", "Ġthe"] + specials
+
+
+def tokenizer_writer(specials: list[str]):
+    """(writer of the tokenizer keys, vocabulary size) for test_gptoss.write_gptoss_gguf: gpt-oss's
+    specials as control tokens, <|return|> the EOS, the harmony template."""
+    vocab = harmony_vocab(specials)
+
+    def write(wr) -> None:
+        wr.add_tokenizer_model("gpt2")
+        wr.add_tokenizer_pre("smollm")
+        wr.add_token_list(vocab)
+        wr.add_token_types([1] * (len(vocab) - len(specials)) + [3] * len(specials))
+        wr.add_token_merges(MERGES)
+        wr.add_bos_token_id(vocab.index(specials[0]))
+        wr.add_eos_token_id(vocab.index("<|return|>"))
+        wr.add_add_bos_token(False)
+        wr.add_chat_template(TEMPLATE)
+
+    return write, len(vocab)
+
+
+@pytest.fixture(scope="module")
+def oss_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("harmony") / "oss.gguf"
+    write_gptoss_gguf(path, seed=0, tokenizer=tokenizer_writer(HARMONY), ctx=SERVE_CTX)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tok(oss_file):
+    from test_tokenizer_gguf import cflow_from_gguf
+
+    return cflow_from_gguf(oss_file)
+
+
+class FixedNow(datetime):
+    @classmethod
+    def now(cls, tz=None):
+        return cls(2025, 3, 14, 9, 26)
+
+
+@pytest.fixture
+def fixed_date(monkeypatch):
+    """strftime_now renders one date in cflow's environment and the oracle's."""
+    import llama_cpp.llama_chat_format as lcf
+
+    import cflow.tokenizer
+
+    monkeypatch.setattr(cflow.tokenizer, "datetime", FixedNow)
+    monkeypatch.setattr(lcf, "datetime", FixedNow)
+
+
+# ---- the rendering -----------------------------------------------------------------------------
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather of a city now",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "description": "the city's name"},
+        "unit": {"type": "string", "enum": ["c", "f"], "default": "c"},
+        "days": {"type": "array", "items": {"type": "integer"}}}, "required": ["city"]}}}
+CLOCK = {"type": "function", "function": {"name": "time_now", "description": "The time", "parameters": {
+    "type": "object", "properties": {}}}}
+ARGS = {"city": "Paris", "unit": "c"}
+
+
+def call(args, cid="call_1", name="get_weather"):
+    return [{"id": cid, "type": "function", "function": {"name": name, "arguments": args}}]
+
+
+# Each case: (the OpenAI request's fields, the messages as llama.cpp hands them to the template,
+# add_generation_prompt). The second column is written out from llama.cpp's gpt-oss path:
+# reasoning_content -> thinking; content dropped beside tool calls with reasoning; null content "";
+# arguments as objects (minja's requires_object_arguments); a developer message as a developer's
+# (cflow's protocol makes it a system one: the template reads both alike).
+CASES = [
+    ({"messages": [{"role": "user", "content": "Hello there!"}]},
+     [{"role": "user", "content": "Hello there!"}], True),
+    ({"messages": [{"role": "user", "content": "Hello there!"}]},
+     [{"role": "user", "content": "Hello there!"}], False),
+    ({"messages": [{"role": "system", "content": "Answer in one word."},
+                   {"role": "user", "content": " Why? "},
+                   {"role": "assistant", "content": "Because.", "reasoning_content": "They ask why."},
+                   {"role": "user", "content": "日本 😀\nok"}], "reasoning_effort": "low"},
+     [{"role": "system", "content": "Answer in one word."},
+      {"role": "user", "content": " Why? "},
+      {"role": "assistant", "content": "Because.", "reasoning_content": "They ask why.", "thinking": "They ask why."},
+      {"role": "user", "content": "日本 😀\nok"}], True),
+    # the last assistant turn with add_generation_prompt false: its thinking is rendered
+    ({"messages": [{"role": "developer", "content": "Be kind."},
+                   {"role": "user", "content": "2+2?"},
+                   {"role": "assistant", "content": "4", "reasoning_content": "Add them: 4."}]},
+     [{"role": "developer", "content": "Be kind."},
+      {"role": "user", "content": "2+2?"},
+      {"role": "assistant", "content": "4", "reasoning_content": "Add them: 4.", "thinking": "Add them: 4."}], False),
+    # tools, a call with its reasoning (content null), the result, the generation prompt
+    ({"messages": [{"role": "system", "content": "Use tools."},
+                   {"role": "user", "content": "Weather in Paris?"},
+                   {"role": "assistant", "content": None, "reasoning_content": "I need the weather tool.",
+                    "tool_calls": call(json.dumps(ARGS))},
+                   {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21}'}],
+      "tools": [WEATHER, CLOCK], "reasoning_effort": "high"},
+     [{"role": "system", "content": "Use tools."},
+      {"role": "user", "content": "Weather in Paris?"},
+      {"role": "assistant", "reasoning_content": "I need the weather tool.", "thinking": "I need the weather tool.",
+       "tool_calls": call(ARGS)},
+      {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21}'}], True),
+    # a call with text and no reasoning (the template's analysis), its result, the final answer, more
+    ({"messages": [{"role": "user", "content": "Time?"},
+                   {"role": "assistant", "content": "Let me look.", "tool_calls": call("{}", "c9", "time_now")},
+                   {"role": "tool", "tool_call_id": "c9", "content": "09:26"},
+                   {"role": "assistant", "content": "It is 09:26.", "reasoning_content": "Read the tool."},
+                   {"role": "user", "content": "Thanks"}],
+      "tools": [CLOCK]},
+     [{"role": "user", "content": "Time?"},
+      {"role": "assistant", "content": "Let me look.", "tool_calls": call({}, "c9", "time_now")},
+      {"role": "tool", "tool_call_id": "c9", "content": "09:26"},
+      {"role": "assistant", "content": "It is 09:26.", "reasoning_content": "Read the tool.",
+       "thinking": "Read the tool."},
+      {"role": "user", "content": "Thanks"}], True),
+]
+WITH_REASONING = [i for i, c in enumerate(CASES) if any("thinking" in m for m in c[1])]
+
+
+def cflow_render(tok, body: dict, add: bool) -> str:
+    """The request through cflow's chat path: protocol, tools.prepare, the tokenizer's template."""
+    spec = P.parse_chat(body, P.Defaults())
+    fmt = T.detect_format(tok)
+    messages, kw = T.prepare(fmt, spec.messages, spec.tools)
+    if spec.reasoning_effort is not None:
+        kw["reasoning_effort"] = spec.reasoning_effort
+    return tok.apply_chat_template(messages, add_generation_prompt=add, **kw)
+
+
+def oracle_render(tok, messages: list[dict], add: bool, body: dict) -> str:
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+    fmt = Jinja2ChatFormatter(TEMPLATE, eos_token=tok.vocab[tok.eos_id], bos_token=tok.vocab[tok.bos_id],
+                              add_generation_prompt=add)
+    kw = {"reasoning_effort": body["reasoning_effort"]} if "reasoning_effort" in body else {}
+    return fmt(messages=messages, tools=body.get("tools"), **kw).prompt
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_template_renders_as_llama_cpp(tok, fixed_date, case):
+    body, theirs, add = CASES[case]
+    expected = oracle_render(tok, theirs, add, body)
+    assert "Current date: 2025-03-14" in expected
+    assert cflow_render(tok, body, add) == expected
+
+
+def test_template_reads_the_features_it_is_given(tok, fixed_date):
+    """What the cases exercise reaches the text: thinking on the analysis channel, the tool
+    namespace, the call, its result, reasoning effort, the generation prompt."""
+    body, _, add = CASES[4]
+    text = cflow_render(tok, body, add)
+    for part in ("Reasoning: high", "# Instructions\n\nUse tools.", "namespace functions {", "type get_weather = (_: {",
+                 'unit?: "c" | "f", // default: c', "<|channel|>analysis<|message|>I need the weather tool.<|end|>",
+                 '<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris", '
+                 '"unit": "c"}<|call|>', '<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>'
+                 '"{\\"temp\\": 21}"<|end|>'):
+        assert part in text, part
+    assert text.endswith("<|start|>assistant")
+
+
+def test_control_without_the_thinking_mapping_misses(tok, fixed_date, monkeypatch):
+    """Dropping reasoning_content -> thinking (cflow.reasoning.template_messages) loses the
+    analysis of every case whose thinking the template renders (a call's, the last turn's in
+    training form; earlier turns' thoughts the template drops itself)."""
+    import cflow.reasoning
+
+    shown = []
+    for case in WITH_REASONING:
+        body, theirs, add = CASES[case]
+        thoughts = [m["thinking"] for m in theirs if "thinking" in m]
+        if any(f"<|channel|>analysis<|message|>{t}<|end|>" in oracle_render(tok, theirs, add, body) for t in thoughts):
+            shown.append(case)
+    assert len(shown) >= 2
+    monkeypatch.setattr(cflow.reasoning, "template_messages", lambda template, messages: messages)
+    for case in shown:
+        body, theirs, add = CASES[case]
+        assert cflow_render(tok, body, add) != oracle_render(tok, theirs, add, body), case
+
+
+def test_template_refusals_are_named_errors(tok):
+    from cflow.errors import CflowError
+
+    with pytest.raises(CflowError, match="no previous assistant message with a tool call"):
+        tok.apply_chat_template([{"role": "user", "content": "x"}, {"role": "tool", "content": "1"}])
+    with pytest.raises(P.BadRequest, match="reasoning_content must be a string"):
+        P.parse_chat({"messages": [{"role": "assistant", "content": "x", "reasoning_content": 3}]}, P.Defaults())
+    with pytest.raises(P.BadRequest, match="reasoning_effort"):
+        P.parse_chat({"messages": [{"role": "user", "content": "x"}], "reasoning_effort": "max"}, P.Defaults())
+
+
+# ---- the vocabulary: what stops generation, what the detokenizer shows ------------------------
+def llama_view(path: Path, n_special: int) -> tuple[set[int], dict[int, str]]:
+    """llama.cpp's end-of-generation ids and the pieces of the last `n_special` ids (the
+    specials) with specials not rendered."""
+    llm = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
+    try:
+        vocab = llama_cpp.llama_model_get_vocab(llm.model)
+        n = llama_cpp.llama_vocab_n_tokens(vocab)
+        eog = {i for i in range(n) if llama_cpp.llama_vocab_is_eog(vocab, i)}
+        pieces = {}
+        buf = ctypes.create_string_buffer(64)
+        for i in range(n - n_special, n):
+            k = llama_cpp.llama_token_to_piece(vocab, i, buf, len(buf), 0, False)
+            pieces[i] = buf.raw[:k].decode()
+        return eog, pieces
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("specials", [HARMONY, [t for t in HARMONY if t != "<|call|>"]],
+                         ids=["harmony", "without-call"])
+def test_stop_tokens_and_shown_specials_as_llama_cpp(tmp_path, specials):
+    """llama.cpp ends generation at <|return|> and <|call|>, not at <|end|> (which closes one
+    message of the answer), and renders the structure tokens even with specials off; without
+    <|call|> in the vocabulary <|end|> stops again (the control)."""
+    from test_tokenizer_gguf import cflow_from_gguf
+
+    path = tmp_path / "oss.gguf"
+    write_gptoss_gguf(path, seed=0, tokenizer=tokenizer_writer(specials))
+    tok = cflow_from_gguf(path)
+    eog, pieces = llama_view(path, len(specials))
+    assert set(tok.stop_ids) == eog
+    assert (tok.special["<|end|>"] in eog) == ("<|call|>" not in specials)
+    for i, piece in pieces.items():
+        assert tok.stream(skip_special=True).put(i) == piece, tok.vocab[i]
+    assert pieces[tok.special["<|channel|>"]] == "<|channel|>" and pieces[tok.special["<|return|>"]] == ""
+
+
+# ---- the answer ---------------------------------------------------------------------------------
+ANSWERS = [  # (generated text after the prompt's "<|start|>assistant", reasoning, content, calls)
+    ("<|channel|>analysis<|message|>User greets. Reply.<|end|><|start|>assistant<|channel|>final<|message|>Hi! 😀",
+     "User greets. Reply.", "Hi! 😀", []),
+    ("<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant to=functions.get_weather<|channel|>"
+     'commentary json<|message|>{"city": "Paris"}', "Need weather.", "", [("get_weather", '{"city": "Paris"}')]),
+    # the recipient after the channel, with <|constrain|> (how the model often writes it)
+    ('<|channel|>commentary to=functions.time_now <|constrain|>json<|message|>{}', "", "", [("time_now", "{}")]),
+    # the model opening its own message first
+    ("<|start|>assistant<|channel|>final<|message|>Hi", "", "Hi", []),
+    # a preamble on the commentary channel is content; two analysis messages join
+    ("<|channel|>analysis<|message|>a<|end|><|start|>assistant<|channel|>analysis<|message|>b<|end|>"
+     "<|start|>assistant<|channel|>commentary<|message|>Checking.<|end|><|start|>assistant<|channel|>final"
+     "<|message|>Done", "ab", "Checking.Done", []),
+    # no structure at all: content as it is; cut off inside the analysis (max_tokens): reasoning so far
+    ("Just text <| not a tag", "", "Just text <| not a tag", []),
+    ("<|channel|>analysis<|message|>Thinking about <|e", "Thinking about <|e", "", []),
+]
+
+
+def _stream(parser, pieces):
+    out = parser.feed("")
+    for p in pieces:
+        out += parser.feed(p)
+    out += parser.finish()
+    return out
+
+
+@pytest.mark.parametrize("case", range(len(ANSWERS)))
+def test_harmony_parser_at_every_cut(case):
+    text, reasoning, content, calls = ANSWERS[case]
+    whole = _stream(HarmonyParser(), [text])
+    assert (whole.reasoning, whole.content, whole.calls) == (reasoning, content, calls)
+    for cut in range(len(text) + 1):
+        got = _stream(HarmonyParser(), [text[:cut], text[cut:]])
+        assert (got.reasoning, got.content, got.calls) == (reasoning, content, calls), cut
+    rng = random.Random(case)
+    cuts = sorted(rng.sample(range(len(text)), min(8, len(text))))
+    got = _stream(HarmonyParser(), [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])])
+    assert (got.reasoning, got.content, got.calls) == (reasoning, content, calls)
+
+
+def test_harmony_reasoning_streams_before_the_end():
+    p = HarmonyParser()
+    assert p.feed("<|channel|>analysis<|message|>Step one").reasoning == "Step one"
+    assert p.feed(" and<|").reasoning == " and"       # "<|" may begin <|end|>: held
+    assert p.feed("end|><|start|>assistant<|channel|>final<|message|>Ok").content == "Ok"
+
+
+def tool_req(choice="auto"):
+    return T.parse_tool_request({"tools": [WEATHER, CLOCK], "tool_choice": choice})
+
+
+def test_answer_parser_checks_the_calls():
+    text = ANSWERS[1][0]
+    reasoning, content, calls = T.parse_answer("harmony", tool_req(), text)
+    assert reasoning == "Need weather." and content is None
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "Paris"})]
+    # an unknown function, arguments that are no JSON object, or tools off: the body is content
+    for t, req in ((text.replace("get_weather", "rain"), tool_req()),
+                   (text.replace('{"city": "Paris"}', '{"city": '), tool_req()),
+                   (text, tool_req("none")), (text, None)):
+        reasoning, content, calls = T.parse_answer("harmony", req, t)
+        assert calls == [] and reasoning == "Need weather." and content.startswith('{"city": ')
+    # other formats have no reasoning: the text is theirs
+    assert T.parse_answer("generic", None, ANSWERS[0][0]) == (None, ANSWERS[0][0], [])
+
+
+def test_detect_format_and_grammar(tok):
+    assert T.detect_format(tok) == "harmony"
+    grammar = T.native_grammar("harmony", tool_req("required"), tok)
+    ch, msg = tok.special["<|channel|>"], tok.special["<|message|>"]
+    assert f'" to=functions.get_weather" <[{ch}]> "commentary json" <[{msg}]>' in grammar
+
+
+THINKS = [  # (answer, the prompt opened the thought, (reasoning, content)): llama.cpp's deepseek format
+    ("<think>\nPlan it.\n</think>\n\nAnswer", False, ("Plan it.", "Answer")),
+    (" a  b \n</think> Answer</think>", True, ("a  b", "Answer</think>")),
+    ("<think>\n\n</think>\n\nHi", False, ("", "Hi")),
+    ("No thinking here <think>", False, ("", "No thinking here <think>")),
+    ("<think>cut off  ", False, ("cut off", "")),
+]
+
+
+@pytest.mark.parametrize("case", range(len(THINKS)))
+def test_think_parser_at_every_cut(case):
+    text, opened, want = THINKS[case]
+    for cut in range(len(text) + 1):
+        got = _stream(ThinkParser(opened), [text[:cut], text[cut:]])
+        assert (got.reasoning, got.content) == want, cut
+    got = _stream(ThinkParser(opened), list(text))
+    assert (got.reasoning, got.content) == want
+
+
+def test_think_then_tool_calls():
+    """A <think> block, then the family's tool call (hermes): reasoning, calls; without the think
+    parsing (the control) the thought stays in the content."""
+    from cflow.reasoning import prompt_opens_thought, thinks_in_tags
+
+    text = '<think>\nThe weather tool.\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": ' \
+           '{"city": "Paris"}}\n</tool_call>'
+    reasoning, content, calls = T.parse_answer("hermes", tool_req(), text, think=False)
+    assert reasoning == "The weather tool." and content is None and calls[0]["function"]["name"] == "get_weather"
+    reasoning, content, calls = T.parse_answer("hermes", tool_req(), text)
+    assert reasoning is None and content.startswith("<think>") and len(calls) == 1
+    assert thinks_in_tags("{{ '<think>' }}") and not thinks_in_tags(TEMPLATE) and not thinks_in_tags(None)
+    assert prompt_opens_thought("<|im_start|>assistant\n<think>\n")
+    assert not prompt_opens_thought("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+# ---- cflow chat -------------------------------------------------------------------------------
+class StubEngine:
+    """What cflow chat's _answer uses of an engine: a chat template and a stream of pieces."""
+
+    def __init__(self, template: str, pieces: list[str], prompt: str = ""):
+        self.tokenizer = type("Tok", (), {"chat_template": template,
+                                          "apply_chat_template": lambda _, messages: prompt})()
+        self.pieces = pieces
+
+    def chat_stream(self, messages, max_tokens, **kw):
+        return iter(self.pieces)
+
+
+def test_cflow_chat_shows_thoughts_on_stderr_and_keeps_them_apart(capsys):
+    from cflow.cli.chat import _answer
+
+    text = ANSWERS[0][0]
+    pieces = [text[i:i + 5] for i in range(0, len(text), 5)]
+    message = _answer(StubEngine(TEMPLATE, pieces), [{"role": "user", "content": "Hi"}], None, {})
+    out, err = capsys.readouterr()
+    assert message == {"role": "assistant", "content": "Hi! 😀", "reasoning_content": "User greets. Reply."}
+    assert out == "Hi! 😀\n" and "User greets. Reply." in err
+    # control: a template without harmony's channels shows the text as it came
+    message = _answer(StubEngine("{{ messages }}", pieces), [{"role": "user", "content": "Hi"}], None, {})
+    assert message == {"role": "assistant", "content": text} and capsys.readouterr().out == text + "\n"
+    # a <think> template whose prompt opened the thought
+    eng = StubEngine("{{ '<think>' }}", ["Plan", ".</th", "ink>\n\nDone"], prompt="<|im_start|>assistant\n<think>\n")
+    assert _answer(eng, [], None, {}) == {"role": "assistant", "content": "Done", "reasoning_content": "Plan."}
+
+
+# ---- cflow serve, end to end ------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def oss_server(oss_file, tmp_path_factory):
+    """`cflow serve` on the random-weight gpt-oss file with the harmony vocabulary and template."""
+    pytest.importorskip("starlette", reason="the serve extra is not installed: pip install 'cflow-lm[serve]'")
+    pytest.importorskip("llguidance", reason="constraints need llguidance: pip install 'cflow-lm[structured]'")
+    from test_serve import Live
+
+    from cflow.convert import convert
+
+    dst = tmp_path_factory.mktemp("harmony-serve") / "oss.cflow"
+    convert(oss_file, dst)
+    server = Live("-m", str(dst), "--alias", "oss", "-np", "1", "-c", str(SERVE_CTX), "-t", "1", ready_timeout=300)
+    yield server
+    server.stop()
+
+
+def ask(server, body: dict) -> dict:
+    from test_serve import request
+
+    status, _, raw = request(server, "POST", "/v1/chat/completions", {"model": "oss", "temperature": 0, **body},
+                             key=None)
+    assert status == 200, raw
+    return json.loads(raw)
+
+
+def ask_streamed(server, body: dict) -> tuple[str, str, list[dict], str]:
+    """(reasoning, content, calls, finish_reason) assembled from the stream's deltas."""
+    from test_serve import request
+
+    status, _, raw = request(server, "POST", "/v1/chat/completions",
+                             {"model": "oss", "temperature": 0, "stream": True, **body}, key=None)
+    assert status == 200, raw
+    reasoning = content = finish = ""
+    calls: list[dict] = []
+    for line in raw.decode().splitlines():
+        if not line.startswith("data: {"):
+            continue
+        choice = json.loads(line[6:])["choices"][0]
+        d = choice["delta"]
+        reasoning += d.get("reasoning_content") or ""
+        content += d.get("content") or ""
+        calls += [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in d.get("tool_calls", [])]
+        finish = choice["finish_reason"] or finish
+    return reasoning, content, calls, finish
+
+
+UNIT = {"type": "function", "function": {"name": "set_unit", "description": "Choose the unit", "parameters": {
+    "type": "object", "properties": {"unit": {"type": "string", "enum": ["c", "f"]}}, "required": ["unit"]}}}
+QUESTION = [{"role": "user", "content": "Which unit?"}]
+
+
+def test_served_tool_call_in_harmony(oss_server):
+    """tool_choice naming a function: the harmony grammar makes the random model write the call
+    (` to=functions.set_unit<|channel|>commentary json<|message|>{...}`), <|call|> ends it, and
+    the answer carries it as an OpenAI tool call, streamed and not."""
+    body = {"messages": QUESTION, "tools": [UNIT, CLOCK], "max_tokens": 100,
+            "tool_choice": {"type": "function", "function": {"name": "set_unit"}}}
+    ch = ask(oss_server, body)["choices"][0]
+    assert ch["finish_reason"] == "tool_calls", ch
+    (c,) = ch["message"]["tool_calls"]
+    assert c["function"]["name"] == "set_unit" and json.loads(c["function"]["arguments"]) in ({"unit": "c"},
+                                                                                             {"unit": "f"})
+    assert ch["message"]["content"] is None and "reasoning_content" not in ch["message"]
+    reasoning, content, calls, finish = ask_streamed(oss_server, body)
+    assert (reasoning, content, finish) == ("", "", "tool_calls")
+    assert calls == [{"name": "set_unit", "arguments": c["function"]["arguments"]}]
+
+
+def test_served_reasoning_and_content(oss_server, tok):
+    """A grammar (llama-server's `grammar` field) forcing an analysis message and a final one: the
+    answer's reasoning_content and content, streamed and not; <|end|> between them does not stop
+    generation."""
+    s = tok.special
+    grammar = (f'start: <[{s["<|channel|>"]}]> "analysis" <[{s["<|message|>"]}]> "Let me think." '
+               f'<[{s["<|end|>"]}]> <[{s["<|start|>"]}]> "assistant" <[{s["<|channel|>"]}]> "final" '
+               f'<[{s["<|message|>"]}]> "Hello!"')
+    body = {"messages": QUESTION, "grammar": grammar, "max_tokens": 60}
+    ch = ask(oss_server, body)["choices"][0]
+    assert ch["finish_reason"] == "stop", ch
+    assert ch["message"] == {"role": "assistant", "content": "Hello!", "reasoning_content": "Let me think."}
+    assert ask_streamed(oss_server, body) == ("Let me think.", "Hello!", [], "stop")
+    # reasoning_effort reaches the template (a request naming an effort the template knows works)
+    assert ask(oss_server, {**body, "reasoning_effort": "low"})["choices"][0]["message"]["content"] == "Hello!"
