@@ -263,13 +263,16 @@ def _flops(eng: Any, counters: dict[str, int], n_calls: int, rows: float, hits: 
     lm_head over the rows that got logits (`logit_rows` per call that computed any: the lm_head
     counter counts calls), the experts over the routed tokens (`hits`)."""
     c = eng.config
-    hd, q, kv, d = c.head_dim, c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim, c.d_model
-    L, n = c.n_layers, max(n_calls, 1)
-    out = {"attn.qkv": 2.0 * d * (q + 2 * kv) * L * rows, "attn.wo": 2.0 * q * d * L * rows,
+    d, L, n = c.d_model, c.n_layers, max(n_calls, 1)
+    # summed over the layers, each at its own widths (Gemma 4's differ: head sizes, KV heads, FFN)
+    q = sum(c.layer_q_dim(layer) for layer in range(L))
+    kv = sum(c.layer_kv_dim(layer) for layer in range(L))
+    ff = sum(c.layer_d_ff(layer) for layer in range(L)) if c.d_ff else 0
+    out = {"attn.qkv": 2.0 * d * (q + 2 * kv) * rows, "attn.wo": 2.0 * q * d * rows,
            "attn.cache": counters.get("kv", 0) / 2 * 2 * (c.n_heads / c.n_kv_heads) / n}
     if c.d_ff:
-        out["dense.gate_up"] = 2.0 * d * 2 * c.d_ff * L * rows
-        out["dense.down"] = 2.0 * c.d_ff * d * L * rows
+        out["dense.gate_up"] = 2.0 * d * 2 * ff * rows
+        out["dense.down"] = 2.0 * ff * d * rows
     t = eng.file.tensors
     head = t["lm_head"].nbytes if "lm_head" in t else t["tok_emb"].nbytes
     out["lm_head"] = 2.0 * d * c.vocab_size * counters.get("lm_head", 0) / (head + 4 * d) / n * logit_rows
