@@ -46,6 +46,10 @@ the dense MLP stays as a shared expert, and the FFN branch becomes
 before post_ffw_norm, with `experts` as its docstring says (router ffn_gate_inp [E, d] on
 rms(x) / sqrt(d) * ffn_gate_inp.scale [d], merged ffn_gate_up_exps [E, 2 F, d] gate rows first,
 ffn_down_exps [E, d, F] times ffn_down_exps.scale [E], expert input rms(x) * pre_ffw_norm_2).
+A third file is the MoE one with `attention.head_count_kv` an array (26B-A4B's and 31B's: one KV
+head count on the local layers, KV_LOCAL = 4, and another on the global ones, KV_HEADS = 2); each
+layer's query heads group over its own KV heads (head h reads KV head h // (HEADS / count)), a
+shared-KV layer over its source's.
 Not covered: the vision / audio towers (and their projector files).
 
 The vocabulary: `tokenizer.ggml.model` "gemma4" is a new vocabulary type in llama.cpp: BPE (merge

@@ -19,7 +19,10 @@ of two sequences equal the steps, copying a sequence's cache (laid out per layer
 head size), 1 and 2 threads give the same bits, every other kernel table (tests/isa_runner.py),
 a tensor the conversion would not read refused by name. The MoE layers (test_gemma4's MoE file,
 its expert stacks Q8_0 as well): the same parity rule, controls, prefill, threads, and experts
-read from disk bit for bit as in RAM.
+read from disk bit for bit as in RAM. A KV head count per layer kind (test_gemma4's per-layer-KV
+MoE file, one seed): the same parity rule, a control with the global layer's KV heads swapped,
+prefill, batched rows, a copied sequence, threads, disk, the q8_0 cache, and any other
+head_count_kv layout refused by name.
 """
 
 from __future__ import annotations
