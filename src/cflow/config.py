@@ -312,7 +312,8 @@ class ModelConfig:
 
     def _validate_gemma4(self, need) -> None:
         """The Gemma 4 options: per-layer geometry needs one weight set per layer and a dense model."""
-        g4 = self.head_dim_local or self.n_kv_heads_local or self.shared_kv_layers or self.d_ff_shared_kv or self.per_layer_dim
+        g4 = (self.head_dim_local or self.n_kv_heads_local or self.shared_kv_layers or self.d_ff_shared_kv
+              or self.per_layer_dim)
         need(min(self.head_dim_local, self.n_kv_heads_local, self.shared_kv_layers, self.d_ff_shared_kv,
                  self.per_layer_dim) >= 0 and self.logit_softcap >= 0,
              "head_dim_local, n_kv_heads_local, shared_kv_layers, d_ff_shared_kv, per_layer_dim and logit_softcap "

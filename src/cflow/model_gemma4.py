@@ -37,9 +37,9 @@ from cflow.model import apply_rope, ffn_act, rope_cos_sin
 
 def is_gemma4(cfg: ModelConfig) -> bool:
     """Whether the config uses a Gemma 4 field (this module's, not cflow.model.Transformer's)."""
-    return bool(cfg.head_dim_local or cfg.n_kv_heads_local or cfg.shared_kv_layers or cfg.d_ff_shared_kv or cfg.per_layer_dim or cfg.v_norm
-                or cfg.layer_out_scale or cfg.logit_softcap or cfg.moe_router_norm or cfg.expert_scale
-                or cfg.moe_out_norms)
+    return bool(cfg.head_dim_local or cfg.n_kv_heads_local or cfg.shared_kv_layers or cfg.d_ff_shared_kv
+                or cfg.per_layer_dim or cfg.v_norm or cfg.layer_out_scale or cfg.logit_softcap
+                or cfg.moe_router_norm or cfg.expert_scale or cfg.moe_out_norms)
 
 
 def _rms(x: Tensor, w: Tensor | None, eps: float) -> Tensor:

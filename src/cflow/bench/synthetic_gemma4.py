@@ -57,7 +57,8 @@ def write_gemma4_gguf(path: str | os.PathLike, *, layers: int, d_model: int, d_f
     lp = layers * per_layer
     tensors: list[tuple[str, tuple[int, ...], str]] = [("token_embd.weight", (vocab, d_model), "m")]
     if per_layer:
-        tensors += [("per_layer_token_embd.weight", (vocab, lp), "m"), ("per_layer_model_proj.weight", (lp, d_model), "m"),
+        tensors += [("per_layer_token_embd.weight", (vocab, lp), "m"),
+                    ("per_layer_model_proj.weight", (lp, d_model), "m"),
                     ("per_layer_proj_norm.weight", (per_layer,), "n")]
     tensors.append(("rope_freqs.weight", (head_dim // 2,), "f"))
     for i in range(layers):
@@ -73,9 +74,9 @@ def write_gemma4_gguf(path: str | os.PathLike, *, layers: int, d_model: int, d_f
                     (b + "ffn_gate.weight", (ff, d_model), "m"), (b + "ffn_up.weight", (ff, d_model), "m"),
                     (b + "ffn_down.weight", (d_model, ff), "m"), (b + "post_ffw_norm.weight", (d_model,), "n")]
         if experts:
-            tensors += [(b + "ffn_gate_inp.weight", (experts, d_model), "f"), (b + "ffn_gate_inp.scale", (d_model,), "n"),
-                        (b + "pre_ffw_norm_2.weight", (d_model,), "n"), (b + "post_ffw_norm_1.weight", (d_model,), "n"),
-                        (b + "post_ffw_norm_2.weight", (d_model,), "n"),
+            tensors += [(b + "ffn_gate_inp.weight", (experts, d_model), "f"),
+                        (b + "ffn_gate_inp.scale", (d_model,), "n"), (b + "pre_ffw_norm_2.weight", (d_model,), "n"),
+                        (b + "post_ffw_norm_1.weight", (d_model,), "n"), (b + "post_ffw_norm_2.weight", (d_model,), "n"),
                         (b + "ffn_gate_up_exps.weight", (experts, 2 * d_expert, d_model), "m"),
                         (b + "ffn_down_exps.weight", (experts, d_model, d_expert), "m"),
                         (b + "ffn_down_exps.scale", (experts,), "n")]

@@ -155,7 +155,8 @@ def gemma4_config(g: GGUFModel) -> ModelConfig:
             sliding_window_pattern=pattern,
             rope_theta_local=float(g.get(p + "rope.freq_base_swa") or 10000.0) if window else 0.0,
             attn_scale=1.0, embed_scale=float(np.sqrt(np.float32(d))), post_norms=True, ffn_act="gelu_tanh",
-            head_dim_local=hd_swa if hd_swa != hd else 0, n_kv_heads_local=n_kv_local, shared_kv_layers=n_shared, d_ff_shared_kv=d_ff_shared,
+            head_dim_local=hd_swa if hd_swa != hd else 0, n_kv_heads_local=n_kv_local, shared_kv_layers=n_shared,
+            d_ff_shared_kv=d_ff_shared,
             v_norm=True, per_layer_dim=int(g.get(p + "embedding_length_per_layer_input") or 0),
             layer_out_scale="blk.0.layer_output_scale.weight" in g.tensors,
             logit_softcap=float(g.get(p + "final_logit_softcapping") or 0.0))

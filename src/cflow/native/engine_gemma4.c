@@ -31,7 +31,8 @@
 #include "util.h"
 
 const char *cf_gemma4_check_config(const cf_config *c) {
-    int any = c->hd_local || c->n_kv_local || c->n_shared_kv || c->d_ff_shared_kv || c->ple_dim || c->v_norm || c->out_scale;
+    int any = c->hd_local || c->n_kv_local || c->n_shared_kv || c->d_ff_shared_kv || c->ple_dim || c->v_norm ||
+              c->out_scale;
     if ((c->moe_router_norm | c->expert_scale | c->moe_out_norms) & ~1)
         return "moe_router_norm, expert_scale and moe_out_norms must be 0 or 1";
     if ((c->moe_router_norm || c->expert_scale || c->moe_out_norms) && !c->n_experts)
