@@ -46,6 +46,10 @@ the dense MLP stays as a shared expert, and the FFN branch becomes
 before post_ffw_norm, with `experts` as its docstring says (router ffn_gate_inp [E, d] on
 rms(x) / sqrt(d) * ffn_gate_inp.scale [d], merged ffn_gate_up_exps [E, 2 F, d] gate rows first,
 ffn_down_exps [E, d, F] times ffn_down_exps.scale [E], expert input rms(x) * pre_ffw_norm_2).
+A third file is the MoE one with `attention.head_count_kv` an array (26B-A4B's and 31B's: one KV
+head count on the local layers, KV_LOCAL = 4, and another on the global ones, KV_HEADS = 2); each
+layer's query heads group over its own KV heads (head h reads KV head h // (HEADS / count)), a
+shared-KV layer over its source's.
 Not covered: the vision / audio towers (and their projector files).
 
 The vocabulary: `tokenizer.ggml.model` "gemma4" is a new vocabulary type in llama.cpp: BPE (merge
@@ -97,6 +101,7 @@ NO_V = {2}  # layers without attn_v (V from K's projection)
 WINDOW, CTX, THETA, THETA_SWA, EPS, SOFTCAP = 8, 256, 1000.0, 10.0, 1e-6, 10.0
 ROTATED_PAIRS = 8  # of HD // 2: rope_freqs is 1 on these, 1e30 (no rotation) on the rest
 E, TOP_K, F_EXP = 4, 2, 64  # the MoE file's experts (every layer: the dense MLP as shared expert)
+KV_LOCAL = 4  # the per-layer-KV file's local layers' KV heads (its global ones keep KV_HEADS; 26B-A4B: 8 / 2)
 STEPS = 40
 # The oracle's tolerances (measured, llama-cpp-python 0.3.36, AVX-512). All-F32 file, seeds 0 and 1:
 # median max|dlogit|/std 0.06-0.13%, every position <= 0.25% (llama.cpp keeps K/V in fp16 and its
@@ -186,7 +191,12 @@ def head_dim(layer: int) -> int:
     return HD_SWA if LOCAL[layer] else HD
 
 
-def gemma4_weights(seed: int, moe: bool = False) -> dict[str, np.ndarray]:
+def kv_heads(layer: int, kv_local: int | None = None) -> int:
+    """KV heads of `layer`'s cache: kv_local on the local layers of the per-layer-KV file."""
+    return kv_local if kv_local and LOCAL[layer] else KV_HEADS
+
+
+def gemma4_weights(seed: int, moe: bool = False, kv_local: int | None = None) -> dict[str, np.ndarray]:
     """Float weights under GGUF names (numpy order). Embeddings large enough that the tied logits
     reach the soft cap; q/k norms around 1, so with attention scale 1 the scores are peaked and the
     RoPE bases, factors and the window matter; post-norms and per-layer scales spread so that every
@@ -217,9 +227,10 @@ def gemma4_weights(seed: int, moe: bool = False) -> dict[str, np.ndarray]:
                   b + "post_norm.weight": norm(mean=0.5),
                   b + "layer_output_scale.weight": rng.uniform(0.4, 1.6, 1).astype(np.float32)})
         if has_kv(i):
-            w.update({b + "attn_k.weight": mat(KV_HEADS * hd, D), b + "attn_k_norm.weight": norm(hd, 1.0, 0.5)})
+            kv = kv_heads(i, kv_local)
+            w.update({b + "attn_k.weight": mat(kv * hd, D), b + "attn_k_norm.weight": norm(hd, 1.0, 0.5)})
             if i not in NO_V:  # uneven column gains: |W_v h| varies from token to token, so V's norm matters
-                w[b + "attn_v.weight"] = mat(KV_HEADS * hd, D) * np.exp(1.5 * rng.standard_normal(D)).astype(np.float32)
+                w[b + "attn_v.weight"] = mat(kv * hd, D) * np.exp(1.5 * rng.standard_normal(D)).astype(np.float32)
         if moe:
             w.update({b + "ffn_gate_inp.weight": mat(E, D, gain=16.0), b + "ffn_gate_inp.scale": norm(spread=0.3),
                       b + "pre_ffw_norm_2.weight": norm(), b + "post_ffw_norm_1.weight": norm(mean=0.5),
@@ -230,10 +241,13 @@ def gemma4_weights(seed: int, moe: bool = False) -> dict[str, np.ndarray]:
     return w
 
 
-def write_gemma4_gguf(path, seed: int = 0, native: bool | str = False, moe: bool = False) -> None:
+def write_gemma4_gguf(path, seed: int = 0, native: bool | str = False, moe: bool = False,
+                      kv_local: int | None = None) -> None:
     """The test's gemma4 GGUF; native=True stores the matrices Q8_0 (norms, scales and factors F32),
     native="experts" the expert stacks too, else every tensor F32; moe: every layer also has experts
-    (26B-A4B's layers)."""
+    (26B-A4B's layers); kv_local: `attention.head_count_kv` per layer, kv_local on the local layers
+    and KV_HEADS on the global ones (26B-A4B's and 31B's array; their global layers lack attn_v, as
+    this file's global KV layer 2 does)."""
     wr = gguf.GGUFWriter(str(path), ARCH)
     wr.add_name("tiny-gemma4")
     wr.add_block_count(LAYERS)
@@ -241,7 +255,7 @@ def write_gemma4_gguf(path, seed: int = 0, native: bool | str = False, moe: bool
     wr.add_embedding_length(D)
     wr.add_feed_forward_length(FF)
     wr.add_head_count(HEADS)
-    wr.add_head_count_kv(KV_HEADS)
+    wr.add_head_count_kv([kv_heads(i, kv_local) for i in range(LAYERS)] if kv_local else KV_HEADS)
     wr.add_key_length(HD)
     wr.add_value_length(HD)
     wr.add_key_length_swa(HD_SWA)
@@ -261,7 +275,7 @@ def write_gemma4_gguf(path, seed: int = 0, native: bool | str = False, moe: bool
         wr.add_expert_used_count(TOP_K)
         wr.add_expert_feed_forward_length(F_EXP)
     add_gemma4_vocab(wr)
-    for name, x in gemma4_weights(seed, moe).items():
+    for name, x in gemma4_weights(seed, moe, kv_local).items():
         add_tensor(wr, name, x, T.Q8_0 if native and (x.ndim == 2 or (x.ndim == 3 and native == "experts")) else T.F32)
     wr.write_header_to_file()
     wr.write_kv_data_to_file()
@@ -293,7 +307,8 @@ def rope(x: torch.Tensor, theta: float, factors: torch.Tensor) -> torch.Tensor:
 def reference_logits(path, toks: list[int], ple: bool = True, ple_tokens: bool = True, shared_kv: bool = True,
                      value_norm: bool = True, unit_scale: bool = True, window: bool = True,
                      rope_factors: bool = True, local_base: bool = True, out_scale: bool = True,
-                     softcap: bool = True, v_raw_k: bool = True, **moe_drops) -> np.ndarray:
+                     softcap: bool = True, v_raw_k: bool = True, layer_groups: bool = True,
+                     **moe_drops) -> np.ndarray:
     """[n, V] logits of the graph in the module docstring (float64), from the GGUF's dequantized
     weights; each flag set False drops one feature (the controls)."""
     g = GGUFModel(path)
@@ -325,18 +340,21 @@ def reference_logits(path, toks: list[int], ple: bool = True, ple_tokens: bool =
         q = rms((h @ v(b + "attn_q.weight").T).view(n, HEADS, hd), v(b + "attn_q_norm.weight")).transpose(0, 1)
         q = rope(q, theta, ff)
         if has_kv(i):
-            kp = (h @ v(b + "attn_k.weight").T).view(n, KV_HEADS, hd)
+            kp = (h @ v(b + "attn_k.weight").T).view(n, -1, hd)  # the layer's own KV head count
             kn = rms(kp, v(b + "attn_k_norm.weight"))
             if b + "attn_v.weight" in names:
-                vp = (h @ v(b + "attn_v.weight").T).view(n, KV_HEADS, hd)
+                vp = (h @ v(b + "attn_v.weight").T).view(n, -1, hd)
             else:  # V is K's projection before k_norm (v_raw_k=False: the control takes the normed K)
                 vp = kp if v_raw_k else kn
             k = rope(kn.transpose(0, 1), theta, ff)
             vv = (rms(vp) if value_norm else vp).transpose(0, 1)
             cache[i] = k, vv
         k, vv = cache[kv_source(i, shared_kv)]
-        rep = HEADS // KV_HEADS
-        k, vv = k.repeat_interleave(rep, 0), vv.repeat_interleave(rep, 0)  # head h reads kv head h // rep
+        kv = k.shape[0]
+        reads = torch.arange(HEADS) // (HEADS // kv)  # head h reads kv head h // (its layer's group)
+        if not layer_groups:  # the control: every layer grouped as layer 0 (a local one), wrapped to its heads
+            reads = (torch.arange(HEADS) // (HEADS // cache[0][0].shape[0])) % kv
+        k, vv = k[reads], vv[reads]
         s = q @ k.transpose(1, 2) * (1.0 if unit_scale else 1 / np.sqrt(hd))
         s = s.masked_fill(~(local if (loc and window) else causal), float("-inf"))
         o = (torch.softmax(s, dim=-1) @ vv).transpose(0, 1).reshape(n, HEADS * hd)
@@ -473,6 +491,40 @@ def test_each_moe_feature_matters(g4_moe, control):
     path, toks, lc = g4_moe
     errs, _, _ = compare(reference_logits(path, toks, **MOE_CONTROLS[control]), lc)
     assert np.median(errs) > 3 * MEDIAN_TOL, (control, np.round(errs, 3))
+
+
+@pytest.fixture(scope="module")
+def g4_kv(tmp_path_factory):
+    """The all-F32 MoE file with a KV head count per layer (KV_LOCAL on the local layers, KV_HEADS on
+    the global ones: 26B-A4B's layers) and llama.cpp's teacher-forced logits on it (one seed: the
+    other features are the MoE file's, held above on two)."""
+    path = tmp_path_factory.mktemp("gemma4_kv") / "m.gguf"
+    write_gemma4_gguf(path, 2, moe=True, kv_local=KV_LOCAL)
+    toks = sequence(seed=32)
+    return path, toks, llama_cpp_logits(path, toks)
+
+
+def test_per_layer_kv_heads_file(g4_kv):
+    """What llama.cpp's loader accepted: head_count_kv an array (4 on the local layers, 2 on the global
+    ones), K rows per layer at its count, the global KV layer without attn_v."""
+    g = GGUFModel(g4_kv[0])
+    assert list(g.get(f"{ARCH}.attention.head_count_kv")) == [KV_LOCAL if loc else KV_HEADS for loc in LOCAL]
+    shapes = {n: tuple(int(x) for x in t.shape) for n, t in g.tensors.items()}
+    assert shapes["blk.0.attn_k.weight"][-2:] == (KV_LOCAL * HD_SWA, D)
+    assert shapes["blk.2.attn_k.weight"][-2:] == (KV_HEADS * HD, D) and "blk.2.attn_v.weight" not in shapes
+
+
+def test_per_layer_kv_reference_matches_llama_cpp(g4_kv):
+    """Each layer's query heads grouped over its own KV heads: within the F32 tolerances; grouped as
+    the local layers' on every layer (query head h reading KV head h mod 2 on the global layers
+    instead of h // 2), the reference misses by over 3x test_moe_llamacpp's tolerance."""
+    path, toks, lc = g4_kv
+    errs, margins, agree = compare(reference_logits(path, toks), lc)
+    msg = f"max|dlogit|/std per position: {np.round(errs, 4)}"
+    assert np.median(errs) <= F32_MEDIAN_TOL and errs.max() <= F32_MAX_TOL, msg
+    assert agree[margins > 0.2].all(), msg
+    miss, _, _ = compare(reference_logits(path, toks, layer_groups=False), lc)
+    assert np.median(miss) > 3 * MEDIAN_TOL, np.round(miss, 3)
 
 
 def test_llama_cpp_runs_the_q8_0_file(tmp_path):

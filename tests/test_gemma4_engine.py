@@ -19,7 +19,10 @@ of two sequences equal the steps, copying a sequence's cache (laid out per layer
 head size), 1 and 2 threads give the same bits, every other kernel table (tests/isa_runner.py),
 a tensor the conversion would not read refused by name. The MoE layers (test_gemma4's MoE file,
 its expert stacks Q8_0 as well): the same parity rule, controls, prefill, threads, and experts
-read from disk bit for bit as in RAM.
+read from disk bit for bit as in RAM. A KV head count per layer kind (test_gemma4's per-layer-KV
+MoE file, one seed): the same parity rule, a control with the global layer's KV heads swapped,
+prefill, batched rows, a copied sequence, threads, disk, the q8_0 cache, and any other
+head_count_kv layout refused by name.
 """
 
 from __future__ import annotations
@@ -309,13 +312,98 @@ def test_moe_experts_on_disk_are_bit_identical(moe_run, io):
     np.testing.assert_array_equal(disk, got[:12])
 
 
+# ---- a KV head count per layer (26B-A4B's and 31B's head_count_kv array) -------------------------
+@pytest.fixture(scope="module")
+def kv_run(tmp_path_factory):
+    """As `moe_run`, for test_gemma4's per-layer-KV MoE file (KV_LOCAL KV heads on the local layers,
+    KV_HEADS on the global ones), one seed."""
+    from cflow.model_gemma4 import Gemma4Reference
+
+    d = tmp_path_factory.mktemp("gemma4_kv")
+    src, dst = d / "m.gguf", d / "m.cflow"
+    g4.write_gemma4_gguf(src, 2, native="experts", moe=True, kv_local=g4.KV_LOCAL)
+    convert(src, dst)
+    toks = g4.sequence(seed=32)
+    return (src, dst, toks, engine_logits(dst, toks), llama_cpp_logits(src, toks), g4.reference_logits(src, toks),
+            Gemma4Reference.from_cflow(dst).forward(toks))
+
+
+def test_kv_config_and_cache_layout(kv_run):
+    """The array read as one count per kind; the fused QKV rows and the cache sized per layer (the
+    shared-KV layers read their source's: none of their own)."""
+    from cflow.fileformat import open_model
+    from cflow.runtime.kvcache import cache_bytes
+
+    src, dst = kv_run[0], kv_run[1]
+    cfg = gguf_config(GGUFModel(src))
+    assert (cfg.n_kv_heads, cfg.n_kv_heads_local) == (g4.KV_HEADS, g4.KV_LOCAL)
+    assert [cfg.layer_kv_heads(layer) for layer in range(g4.LAYERS)] == [g4.kv_heads(layer, g4.KV_LOCAL)
+                                                                          for layer in range(g4.LAYERS)]
+    shapes = {n: tuple(e.shape) for n, e in open_model(dst).tensors.items()}
+    assert shapes["layers.0.attn.wqkv"] == ((g4.HEADS + 2 * g4.KV_LOCAL) * g4.HD_SWA, g4.D)
+    assert shapes["layers.2.attn.wqkv"] == ((g4.HEADS + 2 * g4.KV_HEADS) * g4.HD, g4.D)
+    # layers 0, 1 local (4 heads of 32), layer 2 global (2 of 64): fp16 K and V rows, 64 positions
+    assert cache_bytes(cfg, 64) == 64 * 2 * 2 * (2 * g4.KV_LOCAL * g4.HD_SWA + g4.KV_HEADS * g4.HD)
+
+
+def test_kv_engine_matches_llama_cpp_and_reference(kv_run):
+    """test_engine_matches_llama_cpp_and_reference's rule; the fp32 reference is the float64 graph."""
+    test_engine_matches_llama_cpp_and_reference(kv_run)
+    test_fp32_reference_is_the_graph(kv_run)
+
+
+def test_kv_control_misses(kv_run, monkeypatch, tmp_path):
+    """The control: the global KV layer's two KV heads swapped in the file the engine converts (K, and
+    V, which is K's rows there), so each global layer's query head h reads KV head 1 - h // 2: the
+    engine misses llama.cpp on the real file by over 3x the parity bound. The parity test sees which
+    KV head every query head of a global layer reads."""
+    src, _, toks, _, lc, ref, _ = kv_run
+    real = g4.gemma4_weights
+
+    def swapped(seed, moe=False, kv_local=None):
+        w = real(seed, moe, kv_local)
+        k = w["blk.2.attn_k.weight"]
+        w["blk.2.attn_k.weight"] = np.concatenate([k[g4.HD:], k[: g4.HD]])
+        return w
+
+    monkeypatch.setattr(g4, "gemma4_weights", swapped)
+    g4.write_gemma4_gguf(tmp_path / "m.gguf", 2, native="experts", moe=True, kv_local=g4.KV_LOCAL)
+    convert(tmp_path / "m.gguf", tmp_path / "m.cflow")
+    errs, _, _ = compare(engine_logits(tmp_path / "m.cflow", toks), lc)
+    lc_ref, _, _ = compare(lc, ref)
+    assert np.median(errs) > 3 * PARITY * np.median(lc_ref), (np.round(errs, 3), np.median(lc_ref))
+
+
+def test_kv_prefill_threads_and_disk(kv_run):
+    """Prefill, batched rows of two sequences and a copied sequence equal the steps (the caches of
+    two head counts), 2 threads give the 1-thread bits, experts on disk the bits of experts in RAM."""
+    test_prefill_equals_steps(kv_run)
+    test_engine_threads_agree(kv_run)
+    test_moe_experts_on_disk_are_bit_identical(kv_run, "sync")
+
+
+def test_kv_q8_cache(kv_run):
+    test_q8_kv_cache(kv_run)
+
+
+def test_other_kv_head_layouts_are_refused(tmp_path, monkeypatch):
+    """head_count_kv that differs among the global layers (here the shared layer 5 from its source,
+    layer 2) is refused by name."""
+    monkeypatch.setattr(g4, "kv_heads", lambda layer, kv_local=None: [4, 4, 2, 4, 4, 1][layer])
+    path = tmp_path / "m.gguf"
+    g4.write_gemma4_gguf(path, seed=0, kv_local=g4.KV_LOCAL)
+    with pytest.raises(GGUFError, match=r"head_count_kv \[4, 4, 2, 4, 4, 1\]: cflow runs one KV head count on "
+                                        "the local"):
+        convert(path, tmp_path / "m.cflow")
+
+
 def test_an_unread_tensor_is_refused(tmp_path, monkeypatch):
     """A tensor the conversion would not read (here attn_v on a shared-KV layer) is refused by name."""
     path = tmp_path / "m.gguf"
     real = g4.gemma4_weights
 
-    def weights(seed, moe=False):
-        w = real(seed, moe)
+    def weights(seed, moe=False, kv_local=None):
+        w = real(seed, moe, kv_local)
         w["blk.4.attn_v.weight"] = w["blk.0.attn_q.weight"][: g4.KV_HEADS * g4.HD_SWA]
         return w
 
@@ -329,9 +417,10 @@ def test_an_unread_tensor_is_refused(tmp_path, monkeypatch):
 ISA_TESTS = [f"tests/test_gemma4_engine.py::{t}" for t in ("test_engine_matches_llama_cpp_and_reference",
                                                             "test_prefill_equals_steps",
                                                             "test_moe_engine_matches_llama_cpp_and_reference",
-                                                            "test_moe_prefill_equals_steps_and_threads_agree")]
+                                                            "test_moe_prefill_equals_steps_and_threads_agree",
+                                                            "test_kv_engine_matches_llama_cpp_and_reference")]
 
 
 @pytest.mark.parametrize("isa", other_isas())
 def test_every_other_kernel_table(isa):
-    run_under(isa, ISA_TESTS, 2 * len(ISA_TESTS))
+    run_under(isa, ISA_TESTS, 2 * len(ISA_TESTS) - 1)  # two seeds each, the per-layer-KV file one

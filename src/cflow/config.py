@@ -38,7 +38,8 @@ moe_gating "softmax_topk" (the top_k chosen on the raw logits, their weights the
 those k; default "softmax": over all E, then top_k) and expert_act "swiglu_oai" (OpenAI's clamped
 SwiGLU, min(g, 7) * sigmoid(1.702 min(g, 7)) * (clamp(u, -7, 7) + 1); default "silu").
 Gemma 4 options (all off by default): head_dim_local > 0 gives the local layers a head size of
-their own (head_dim is then the global layers'); shared_kv_layers N > 0: the last N layers own no
+their own (head_dim is then the global layers'), n_kv_heads_local > 0 a KV head count of their own
+(n_kv_heads is then the global layers'; 26B-A4B: 8 local, 2 global); shared_kv_layers N > 0: the last N layers own no
 K/V and attend over the cache of an earlier layer of their kind (kv_source: llama.cpp's rule, the
 last KV-owning local layer for a local one, the last global one for a global one); d_ff_shared_kv
 > 0 is the FFN width of those layers (Gemma 4 E2B's double-wide MLP); v_norm: each V head through
@@ -153,6 +154,7 @@ class ModelConfig:
     expert_act: str = "silu"  # the experts' activation: "silu" (SwiGLU) or "swiglu_oai" (gpt-oss)
     # Gemma 4 (module docstring); all off by default
     head_dim_local: int = 0  # 0: local layers have head_dim; else their own head size
+    n_kv_heads_local: int = 0  # 0: local layers have n_kv_heads; else their own KV head count
     shared_kv_layers: int = 0  # the last N layers reuse an earlier layer's K/V (kv_source)
     d_ff_shared_kv: int = 0  # 0: d_ff; else the FFN width of the shared-KV layers
     v_norm: bool = False  # V heads through an unweighted RMSNorm
@@ -310,15 +312,17 @@ class ModelConfig:
 
     def _validate_gemma4(self, need) -> None:
         """The Gemma 4 options: per-layer geometry needs one weight set per layer and a dense model."""
-        g4 = self.head_dim_local or self.shared_kv_layers or self.d_ff_shared_kv or self.per_layer_dim
-        need(min(self.head_dim_local, self.shared_kv_layers, self.d_ff_shared_kv, self.per_layer_dim) >= 0
-             and self.logit_softcap >= 0, "head_dim_local, shared_kv_layers, d_ff_shared_kv, per_layer_dim and "
-             "logit_softcap must be >= 0")
+        g4 = (self.head_dim_local or self.n_kv_heads_local or self.shared_kv_layers or self.d_ff_shared_kv
+              or self.per_layer_dim)
+        need(min(self.head_dim_local, self.n_kv_heads_local, self.shared_kv_layers, self.d_ff_shared_kv,
+                 self.per_layer_dim) >= 0 and self.logit_softcap >= 0,
+             "head_dim_local, n_kv_heads_local, shared_kv_layers, d_ff_shared_kv, per_layer_dim and logit_softcap "
+             "must be >= 0")
         if g4 or self.layer_out_scale or self.v_norm:
             need(self.n_unique_layers == self.n_layers and not self.mla and self.delta_dense == 0
                  and self.history_depth == 1,
-                 "head_dim_local, shared_kv_layers, d_ff_shared_kv, per_layer_dim, v_norm and layer_out_scale "
-                 "(Gemma 4) need a weight set per layer and no delays")
+                 "head_dim_local, n_kv_heads_local, shared_kv_layers, d_ff_shared_kv, per_layer_dim, v_norm and "
+                 "layer_out_scale (Gemma 4) need a weight set per layer and no delays")
         if self.moe_router_norm or self.expert_scale or self.moe_out_norms:
             need(self.has_moe, "moe_router_norm, expert_scale and moe_out_norms (Gemma 4) need experts")
         if self.moe_out_norms:
@@ -329,6 +333,10 @@ class ModelConfig:
             need(self.head_dim_local % 2 == 0 and self.sliding_window_pattern > 0,
                  f"head_dim_local ({self.head_dim_local}) must be even and needs local and global layers "
                  "(sliding_window_pattern > 0)")
+        if self.n_kv_heads_local:
+            need(self.n_heads % self.n_kv_heads_local == 0 and self.sliding_window_pattern > 0,
+                 f"n_kv_heads_local ({self.n_kv_heads_local}) must divide n_heads ({self.n_heads}) and needs local "
+                 "and global layers (sliding_window_pattern > 0)")
         if self.d_ff_shared_kv:
             need(self.shared_kv_layers > 0, "d_ff_shared_kv needs shared_kv_layers > 0")
         if self.shared_kv_layers:
@@ -354,12 +362,17 @@ class ModelConfig:
     def layer_head_dim(self, layer: int) -> int:
         return self.head_dim_local if self.head_dim_local and self.is_local(layer) else self.head_dim
 
+    def layer_kv_heads(self, layer: int) -> int:
+        """The KV head count of layer `layer` (of the cache it reads: a shared-KV layer's source is of
+        its kind, so of its count); its query heads group over them, n_heads / that many each."""
+        return self.n_kv_heads_local if self.n_kv_heads_local and self.is_local(layer) else self.n_kv_heads
+
     def layer_q_dim(self, layer: int) -> int:
         return self.n_heads * self.layer_head_dim(layer)
 
     def layer_kv_dim(self, layer: int) -> int:
         """The K (and V) width layer `layer` projects: 0 on the shared-KV layers."""
-        return self.n_kv_heads * self.layer_head_dim(layer) if self.layer_has_kv(layer) else 0
+        return self.layer_kv_heads(layer) * self.layer_head_dim(layer) if self.layer_has_kv(layer) else 0
 
     def layer_d_ff(self, layer: int) -> int:
         return self.d_ff_shared_kv if self.d_ff_shared_kv and not self.layer_has_kv(layer) else self.d_ff

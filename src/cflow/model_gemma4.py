@@ -4,7 +4,7 @@ oracle the engine is held against beside llama.cpp (tests/test_gemma4_engine.py)
 Owns Gemma 4's forward pass over cflow's tensors (cflow.weights' names, dequantized), driven by the
 config's fields (cflow.config, "Gemma 4 options"); the layer shapes differ, which the trainable
 cflow.model.Transformer does not build. With x0 = tok_emb[t] * embed_scale and, per layer l (hd its
-head size, the layer's RoPE base and factors, window and cache source from the config):
+head size, its KV head count, the layer's RoPE base and factors, window and cache source from the config):
 
     ple[l] = (rms(ple_proj x0 / sqrt(d))[l] * ple_norm + ple_emb[t][l] * sqrt(P)) / sqrt(2)
     h = rms(x) * attn_norm; q = rope(rms_head(W_q h) * q_norm)
@@ -37,9 +37,9 @@ from cflow.model import apply_rope, ffn_act, rope_cos_sin
 
 def is_gemma4(cfg: ModelConfig) -> bool:
     """Whether the config uses a Gemma 4 field (this module's, not cflow.model.Transformer's)."""
-    return bool(cfg.head_dim_local or cfg.shared_kv_layers or cfg.d_ff_shared_kv or cfg.per_layer_dim or cfg.v_norm
-                or cfg.layer_out_scale or cfg.logit_softcap or cfg.moe_router_norm or cfg.expert_scale
-                or cfg.moe_out_norms)
+    return bool(cfg.head_dim_local or cfg.n_kv_heads_local or cfg.shared_kv_layers or cfg.d_ff_shared_kv
+                or cfg.per_layer_dim or cfg.v_norm or cfg.layer_out_scale or cfg.logit_softcap
+                or cfg.moe_router_norm or cfg.expert_scale or cfg.moe_out_norms)
 
 
 def _rms(x: Tensor, w: Tensor | None, eps: float) -> Tensor:
@@ -100,12 +100,13 @@ class Gemma4Reference:
             q = _rms(q, W[p + "attn.q_norm"], eps) if cfg.qk_norm else q
             q = apply_rope(q.transpose(0, 1), cos, sin)
             if cfg.layer_has_kv(layer):
-                k = (h @ W[p + "attn.wk"].T).view(n, cfg.n_kv_heads, hd)
+                k = (h @ W[p + "attn.wk"].T).view(n, cfg.layer_kv_heads(layer), hd)
                 k = _rms(k, W[p + "attn.k_norm"], eps) if cfg.qk_norm else k
-                v = (h @ W[p + "attn.wv"].T).view(n, cfg.n_kv_heads, hd)
+                v = (h @ W[p + "attn.wv"].T).view(n, cfg.layer_kv_heads(layer), hd)
                 cache[layer] = apply_rope(k.transpose(0, 1), cos, sin), (_rms(v, None, eps) if cfg.v_norm else v
                                                                          ).transpose(0, 1)
-            k, v = (t.repeat_interleave(cfg.n_heads // cfg.n_kv_heads, 0) for t in cache[cfg.kv_source(layer)])
+            group = cfg.n_heads // cfg.layer_kv_heads(layer)  # query head j reads KV head j // group
+            k, v = (t.repeat_interleave(group, 0) for t in cache[cfg.kv_source(layer)])
             window = cfg.layer_window(layer)
             mask = (ago >= 0) & ((ago < window) if window else True)
             s = (q @ k.transpose(1, 2)) * (cfg.attn_scale or 1 / math.sqrt(hd))

@@ -267,11 +267,15 @@ def _flops(eng: Any, counters: dict[str, int], n_calls: int, rows: float, hits: 
     lm_head over the rows that got logits (`logit_rows` per call that computed any: the lm_head
     counter counts calls), the experts over the routed tokens (`hits`)."""
     c = eng.config
-    hd, q, kv, d = c.head_dim, c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim, c.d_model
-    L, n = c.n_layers, max(n_calls, 1)
-    rec = sum(c.is_recurrent(i) for i in range(L))  # Gated DeltaNet layers: their own projections
-    qkv_in = q * (2 if c.attn_out_gate else 1) + 2 * kv
-    out = {"attn.qkv": 2.0 * d * qkv_in * (L - rec) * rows, "attn.wo": 2.0 * q * d * (L - rec) * rows,
+    d, L, n = c.d_model, c.n_layers, max(n_calls, 1)
+    # summed over the attention layers, each at its own widths (Gemma 4's differ: head sizes, KV
+    # heads, FFN); Gated DeltaNet layers (Qwen3.5) count their own projections below
+    att = [layer for layer in range(L) if not c.is_recurrent(layer)]
+    rec = L - len(att)
+    q = sum(c.layer_q_dim(layer) for layer in att)
+    kv = sum(c.layer_kv_dim(layer) for layer in att)
+    ff = sum(c.layer_d_ff(layer) for layer in range(L)) if c.d_ff else 0
+    out = {"attn.qkv": 2.0 * d * (q * (2 if c.attn_out_gate else 1) + 2 * kv) * rows, "attn.wo": 2.0 * q * d * rows,
            "attn.cache": counters.get("kv", 0) / 2 * 2 * (c.n_heads / c.n_kv_heads) / n}
     if rec:
         v = c.ssm_v_heads * c.ssm_head_dim
@@ -279,8 +283,8 @@ def _flops(eng: Any, counters: dict[str, int], n_calls: int, rows: float, hits: 
         out["attn.qkv"] += 2.0 * d * (conv + v + 2 * c.ssm_v_heads) * rec * rows
         out["attn.wo"] += 2.0 * v * d * rec * rows
     if c.d_ff:
-        out["dense.gate_up"] = 2.0 * d * 2 * c.d_ff * L * rows
-        out["dense.down"] = 2.0 * c.d_ff * d * L * rows
+        out["dense.gate_up"] = 2.0 * d * 2 * ff * rows
+        out["dense.down"] = 2.0 * ff * d * rows
     t = eng.file.tensors
     head = t["lm_head"].nbytes if "lm_head" in t else t["tok_emb"].nbytes
     out["lm_head"] = 2.0 * d * c.vocab_size * counters.get("lm_head", 0) / (head + 4 * d) / n * logit_rows

@@ -12,6 +12,11 @@ What llama.cpp 0.3.36 reads (tests/test_gemma4.py pins the graph down), and how 
 - `attention.shared_kv_layers` N: the last N layers have no attn_k / attn_v / attn_k_norm
   (shared_kv_layers); a KV layer without attn_v takes V from K's projection (the same rows stored
   again as V: V is normed without weights, so W_k's rows give exactly llama.cpp's V);
+- `attention.head_count_kv`, a number or one per layer (llama.cpp's converter writes an array when
+  the HF config has num_global_key_value_heads: 26B-A4B's 8 on the local layers and 2 on the
+  global ones, 31B's 16 and 4): one count on the local layers and one on the global ones
+  (n_kv_heads the global layers', n_kv_heads_local the local layers' when they differ); any other
+  layout is refused;
 - `feed_forward_length`, a number or one per layer: one width on the KV layers and one on the
   shared ones (d_ff, d_ff_shared_kv: Gemma 4 E2B's double-wide MLP); any other layout is refused;
 - per-layer embeddings (`embedding_length_per_layer_input` P: per_layer_token_embd,
@@ -63,6 +68,26 @@ def _one(g: GGUFModel, key: str, n_layers: int) -> int:
     return int(v) if v is not None else 0
 
 
+def _kv_heads(g: GGUFModel, p: str, n_layers: int, local: list[bool]) -> tuple[int, int]:
+    """(KV heads of the global layers, n_kv_heads_local: 0 when the local layers have as many)."""
+    v = g.get(p + "attention.head_count_kv")
+    if not isinstance(v, (list, tuple)):
+        return int(v or 0), 0
+    counts = [int(x) for x in v]
+    if len(counts) != n_layers:
+        raise GGUFError(f"{g.path.name}: {p}attention.head_count_kv has {len(counts)} entries for {n_layers} layers")
+    loc = {c for c, is_local in zip(counts, local) if is_local}
+    glob = {c for c, is_local in zip(counts, local) if not is_local}
+    if not glob and len(loc) == 1:  # every layer local: one count
+        return loc.pop(), 0
+    if len(loc) > 1 or len(glob) > 1 or not glob:
+        raise GGUFError(f"{g.path.name}: {p}attention.head_count_kv {counts}: cflow runs one KV head count on the "
+                        "local (sliding-window) layers and one on the global layers")
+    n_global = glob.pop()
+    n_local = loc.pop() if loc else n_global
+    return n_global, n_local if n_local != n_global else 0
+
+
 def _ffn_widths(g: GGUFModel, p: str, n_layers: int, n_shared: int) -> tuple[int, int]:
     """(d_ff of the KV layers, d_ff_shared_kv: 0 when the shared layers have the same width)."""
     v = g.require(p + "feed_forward_length")
@@ -98,7 +123,11 @@ def gemma4_config(g: GGUFModel) -> ModelConfig:
     L = int(g.require(p + "block_count"))
     d = int(g.require(p + "embedding_length"))
     n_heads = _one(g, p + "attention.head_count", L)
-    n_kv = _one(g, p + "attention.head_count_kv", L) or n_heads
+    window = int(g.get(p + "attention.sliding_window") or 0)
+    pattern = _swa_period(g, p, L) if window else 0
+    local = [bool(window) and (pattern == 0 or i % pattern < pattern - 1) for i in range(L)]
+    n_kv, n_kv_local = _kv_heads(g, p, L, local)
+    n_kv = n_kv or n_heads
     hd = int(g.require(p + "attention.key_length"))
     hd_swa = int(g.get(p + "attention.key_length_swa") or hd)
     for key, want in (("attention.value_length", hd), ("rope.dimension_count", hd),
@@ -109,7 +138,6 @@ def gemma4_config(g: GGUFModel) -> ModelConfig:
                             "and value heads as wide as key heads")
     n_shared = int(g.get(p + "attention.shared_kv_layers") or 0)
     d_ff, d_ff_shared = _ffn_widths(g, p, L, n_shared)
-    window = int(g.get(p + "attention.sliding_window") or 0)
     factors = ()
     if "rope_freqs.weight" in g.tensors:
         factors = tuple(float(x) for x in g.vector("rope_freqs.weight"))
@@ -124,10 +152,11 @@ def gemma4_config(g: GGUFModel) -> ModelConfig:
             norm_eps=float(g.get(p + "attention.layer_norm_rms_epsilon") or 1e-6),
             max_seq_len=int(g.get(p + "context_length") or 2048), tie_embeddings="output.weight" not in g.tensors,
             qk_norm=True, sliding_window=window,
-            sliding_window_pattern=_swa_period(g, p, L) if window else 0,
+            sliding_window_pattern=pattern,
             rope_theta_local=float(g.get(p + "rope.freq_base_swa") or 10000.0) if window else 0.0,
             attn_scale=1.0, embed_scale=float(np.sqrt(np.float32(d))), post_norms=True, ffn_act="gelu_tanh",
-            head_dim_local=hd_swa if hd_swa != hd else 0, shared_kv_layers=n_shared, d_ff_shared_kv=d_ff_shared,
+            head_dim_local=hd_swa if hd_swa != hd else 0, n_kv_heads_local=n_kv_local, shared_kv_layers=n_shared,
+            d_ff_shared_kv=d_ff_shared,
             v_norm=True, per_layer_dim=int(g.get(p + "embedding_length_per_layer_input") or 0),
             layer_out_scale="blk.0.layer_output_scale.weight" in g.tensors,
             logit_softcap=float(g.get(p + "final_logit_softcapping") or 0.0))

@@ -113,6 +113,7 @@ cf_config config_from(const nb::dict &d) {
                                             : CF_GATING_SOFTMAX;
     c.expert_act = eact == "swiglu_oai" ? CF_ACT_SWIGLU_OAI : eact == "gelu_tanh" ? CF_ACT_GELU : CF_ACT_SILU;
     c.hd_local = i("head_dim_local");
+    c.n_kv_local = i("n_kv_heads_local");
     c.n_shared_kv = i("shared_kv_layers");
     c.d_ff_shared_kv = i("d_ff_shared_kv");
     c.v_norm = b("v_norm");

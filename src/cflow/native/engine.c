@@ -254,7 +254,7 @@ static inline int layer_window(const cf_config *c, int l) { return layer_local(c
 
 /* Width of a row of s->qkv at layer l: its q heads, and its k and v heads when it owns K/V. */
 static inline int qkv_width(const cf_engine *e, int l) {
-    return (e->c.n_heads + (e->geo[l].has_kv ? 2 * e->c.n_kv : 0)) * e->geo[l].hd;
+    return (e->c.n_heads + (e->geo[l].has_kv ? 2 * e->geo[l].n_kv : 0)) * e->geo[l].hd;
 }
 
 /* Heads [u0, u1) of token b's fused QKV output (q heads, then k heads, then v heads): add the
@@ -262,7 +262,7 @@ static inline int qkv_width(const cf_engine *e, int l) {
  * position (fp16, or q8_0 blocks), v normalised first with v_norm (Gemma 4). */
 static void qkv_heads(cf_engine *e, const cf_layer *w, int l, int b, int u0, int u1) {
     const cf_config *c = &e->c;
-    int hd = e->geo[l].hd, nh = c->n_heads, p = e->rpos[b];
+    int hd = e->geo[l].hd, nh = c->n_heads, nkv = e->geo[l].n_kv, p = e->rpos[b];
     size_t krow = e->geo[l].krow, vrow = e->geo[l].vrow;
     float *row = e->s.qkv + (size_t)b * qkv_width(e, l);
     /* local layers with a RoPE base of their own (Gemma 3) take their own table */
@@ -275,10 +275,10 @@ static void qkv_heads(cf_engine *e, const cf_layer *w, int l, int b, int u0, int
     if (c->attn_temp_scale > 0) qt = (float)(log((double)(p / c->attn_temp_floor) + 1.0) * c->attn_temp_scale + 1.0);
     for (int u = u0; u < u1; u++) {
         float *v = row + (size_t)u * hd;
-        int kvh = u < nh + c->n_kv ? u - nh : u - nh - c->n_kv;
+        int kvh = u < nh + nkv ? u - nh : u - nh - nkv;
         if (w->qkv_bias)
             for (int i = 0; i < hd; i++) v[i] += w->qkv_bias[(size_t)u * hd + i];
-        if (u < nh + c->n_kv) {
+        if (u < nh + nkv) {
             if (w->q_norm && !c->qk_norm_full) e->k->rmsnorm(v, v, u < nh ? w->q_norm : w->k_norm, hd, c->norm_eps);
             e->k->rope(v, 1, rd, cs, cs + rd / 2); /* partial RoPE: the first n_rot dims turn */
         }
@@ -287,7 +287,7 @@ static void qkv_heads(cf_engine *e, const cf_layer *w, int l, int b, int u0, int
                 for (int i = 0; i < hd; i++) v[i] *= qt;
             continue;
         }
-        int is_k = u < nh + c->n_kv, type = is_k ? e->k_type : e->v_type;
+        int is_k = u < nh + nkv, type = is_k ? e->k_type : e->v_type;
         if (!is_k && c->v_norm) e->k->rmsnorm(v, v, e->s.ones, hd, c->norm_eps);
         uint8_t *row = cf_kv_rows(e, e->rseq[b], l, is_k) + ((size_t)kvh * e->n_ctx + p) * (is_k ? krow : vrow);
         if (type == CF_Q8_0)
@@ -322,9 +322,11 @@ static int attn_first(const cf_engine *e, int b, int l) {
  * query heads of its kv head. */
 
 /* Rows of n_ctx floats in each thread's score scratch: one per query head (the per-query kernel),
- * or one per query head of a kv head and row of a block (attn_blocks), whichever is more. */
+ * or one per query head of a kv head and row of a block (attn_blocks), whichever is more; the
+ * largest group of any layer (Gemma 4's layers have KV head counts of their own). */
 int cf_attn_score_rows(const cf_engine *e) {
-    return cf_max(e->c.n_heads, e->c.n_heads / e->c.n_kv * cf_min(ATTN_QBLOCK, e->max_batch));
+    int min_kv = e->c.n_kv_local ? cf_min(e->c.n_kv, e->c.n_kv_local) : e->c.n_kv;
+    return cf_max(e->c.n_heads, e->c.n_heads / min_kv * cf_min(ATTN_QBLOCK, e->max_batch));
 }
 
 /* Thread 0, before a call: how op_attn splits the rows. A run of consecutive rows at consecutive
@@ -357,11 +359,11 @@ static void attn_plan(cf_engine *e) {
 static void attn_blocks(cf_engine *e, int l, float *scores, int ith, int nth) {
     const cf_config *c = &e->c;
     const cf_layer *w = &e->w.sets[l % c->n_unique];
-    int hd = e->geo[l].hd, group = c->n_heads / c->n_kv, q_dim = c->n_heads * hd;
+    int hd = e->geo[l].hd, nkv = e->geo[l].n_kv, group = c->n_heads / nkv, q_dim = c->n_heads * hd;
     int qkv_dim = qkv_width(e, l);
-    for (int it = ith; it < e->n_ablk * c->n_kv; it += nth) {
-        int kvh = it % c->n_kv, b0 = e->ablk[2 * (it / c->n_kv)], nq = e->ablk[2 * (it / c->n_kv) + 1];
-        cf_attn_block_shape sh = {.n_heads = c->n_heads, .n_kv_heads = c->n_kv, .head_dim = hd,
+    for (int it = ith; it < e->n_ablk * nkv; it += nth) {
+        int kvh = it % nkv, b0 = e->ablk[2 * (it / nkv)], nq = e->ablk[2 * (it / nkv) + 1];
+        cf_attn_block_shape sh = {.n_heads = c->n_heads, .n_kv_heads = nkv, .head_dim = hd,
                                   .max_seq = e->n_ctx, .scale = e->attn_scale,
                                   .pos0 = e->rpos[b0], .n_q = nq, .window = layer_window(c, l),
                                   .ldq = qkv_dim, .ldo = q_dim, .sinks = w->sinks};
@@ -385,7 +387,7 @@ static void op_attn(cf_engine *e, int l, int slot, int ith, int nth) {
     const cf_layer *w = &e->w.sets[l % c->n_unique];
     cf_state *s = &e->s;
     cf_scratch *ts = &e->ts[ith];
-    int d = c->d, hd = e->geo[l].hd, B = e->B, q_dim = c->n_heads * hd, kv_dim = c->n_kv * hd;
+    int d = c->d, hd = e->geo[l].hd, nkv = e->geo[l].n_kv, B = e->B, q_dim = c->n_heads * hd, kv_dim = nkv * hd;
     int qkv_dim = qkv_width(e, l);
     const float *x = s->ring + (size_t)slot * e->max_batch * d;
 
@@ -396,7 +398,7 @@ static void op_attn(cf_engine *e, int l, int slot, int ith, int nth) {
     quantize_rows(e, ts->xb, e->kmax, d, ts->act, NULL, B, w->qkv_fmt);
     ph(e, ith, CF_PK_QKV, l);
     /* q heads, then k heads and v heads (none on a layer that reads another's cache: Gemma 4) */
-    int g0, g1, i0, i1, n_units = c->n_heads + (e->geo[l].has_kv ? 2 * c->n_kv : 0);
+    int g0, g1, i0, i1, n_units = c->n_heads + (e->geo[l].has_kv ? 2 * nkv : 0);
     if (hd % CF_G == 0 && !c->qk_norm_full) {
         // Split by whole heads, so the thread that computes a head also rotates it and stores
         // it in the cache: no barrier between the projection and RoPE.
@@ -435,7 +437,7 @@ static void op_attn(cf_engine *e, int l, int slot, int ith, int nth) {
     for (int i = i0; i < i1;) {
         int b = e->arow[i / c->n_heads], h0 = i % c->n_heads, h1 = cf_min(c->n_heads, h0 + i1 - i);
         int t0 = attn_first(e, b, l);
-        cf_attn_shape sh = {.n_heads = c->n_heads, .n_kv_heads = c->n_kv, .head_dim = hd,
+        cf_attn_shape sh = {.n_heads = c->n_heads, .n_kv_heads = nkv, .head_dim = hd,
                             .max_seq = e->n_ctx, .n_pos = e->rpos[b] + 1 - t0, .scale = e->attn_scale,
                             .sinks = w->sinks};
         /* row b sees only its sequence, from position t0 on */
@@ -487,7 +489,7 @@ static void op_attn(cf_engine *e, int l, int slot, int ith, int nth) {
     if (ith == 0) {
         e->cnt.n[CF_CNT_ATTN] += w->attn_bytes;
         for (int b = 0; b < B; b++)
-            e->cnt.n[CF_CNT_KV] += (uint64_t)(e->rpos[b] + 1 - attn_first(e, b, l)) * c->n_kv *
+            e->cnt.n[CF_CNT_KV] += (uint64_t)(e->rpos[b] + 1 - attn_first(e, b, l)) * nkv *
                                    (e->geo[l].krow + e->geo[l].vrow);
     }
     sync_threads(e, ith, -1);
@@ -1187,7 +1189,7 @@ int cf_engine_copy_seq(cf_engine *e, int src, int dst, int n) {
     for (int l = 0; l < e->c.n_layers; l++) {
         const cf_layer_geo *g = &e->geo[l];
         if (!g->has_kv) continue;
-        for (int h = 0; h < e->c.n_kv; h++) {
+        for (int h = 0; h < g->n_kv; h++) {
             size_t r = (size_t)h * e->n_ctx;
             memcpy(cf_kv_rows(e, dst, l, 1) + r * g->krow, cf_kv_rows(e, src, l, 1) + r * g->krow, (size_t)n * g->krow);
             memcpy(cf_kv_rows(e, dst, l, 0) + r * g->vrow, cf_kv_rows(e, src, l, 0) + r * g->vrow, (size_t)n * g->vrow);

@@ -92,6 +92,7 @@ typedef struct {
     /* Gemma 4 (all 0: off; engine_gemma4.c). Layers differ in shape: the geometry of layer l is
      * e->geo[l] (engine_internal.h), and the KV cache is laid out per layer at its own row size */
     int hd_local;                  /* > 0: the local layers' head size (hd is the global layers') */
+    int n_kv_local;                /* > 0: the local layers' KV head count (n_kv is the global layers') */
     int n_shared_kv;               /* the last n_shared_kv layers own no K/V: they attend over the cache
                                     * of the last KV-owning layer of their kind (llama.cpp's rule) */
     int d_ff_shared_kv;            /* > 0: the dense FFN width of those layers */

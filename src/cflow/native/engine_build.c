@@ -233,7 +233,7 @@ static int bind_weights(cf_engine *e, const uint8_t *buf, size_t len, const int6
         cf_layer *L = &e->w.sets[i];
         /* the set's geometry (e->geo: Gemma 4's layers differ; a set per layer there) */
         const cf_layer_geo *G = &e->geo[i];
-        int hd = G->hd, q_dim = c->n_heads * hd, kv_dim = G->has_kv ? c->n_kv * hd : 0, d_ff = G->d_ff;
+        int hd = G->hd, q_dim = c->n_heads * hd, kv_dim = G->has_kv ? G->n_kv * hd : 0, d_ff = G->d_ff;
 #define SET(slot, r, k, f32, t, fp) BIND(cf_desc_index(E, i, slot), r, k, f32, t, fp)
         SET(CF_S_ATTN_NORM, 1, c->d, 1, &dummy, &L->attn_norm);
         const int rec = cf_layer_recurrent(c, i);
@@ -474,7 +474,7 @@ static void *carve(uint8_t **m, size_t n) {
 static int alloc_state(cf_engine *e) {
     const cf_config *c = &e->c;
     cf_state *s = &e->s;
-    size_t B = e->max_batch, d = c->d, q_dim = (size_t)c->n_heads * e->hd_max, kv_dim = (size_t)c->n_kv * e->hd_max;
+    size_t B = e->max_batch, d = c->d, q_dim = (size_t)c->n_heads * e->hd_max, kv_dim = (size_t)e->kv_dim_max;
     size_t E = c->n_experts, M = e->n_moe;
     e->seq_kv = (size_t)c->n_layers * c->n_kv * e->n_ctx; /* latent attention's rows (one head size) */
     int fail = 0;

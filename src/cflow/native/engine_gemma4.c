@@ -1,11 +1,14 @@
 /* engine_gemma4.c — layers of differing shapes, and Gemma 4's per-layer embeddings.
  *
- * The layer geometry (cf_layer_geo, every model): each layer's head size and dense FFN width, and
- * where its K/V cache lies. Most models have one shape, and then the layout is the one the engine
- * always had, [seq][L][n_kv][n_ctx] rows of one size. Gemma 4 (cf_config hd_local, n_shared_kv,
- * d_ff_shared_kv) has local layers with a head size of their own, so each KV-owning layer's rows
- * are sized by its head; its last n_shared_kv layers own no cache and read the last KV-owning
- * layer of their kind's (llama.cpp's n_layer_kv_from_start - (local ? 2 : 1)).
+ * The layer geometry (cf_layer_geo, every model): each layer's head size, KV head count and dense
+ * FFN width, and where its K/V cache lies. Most models have one shape, and then the layout is the
+ * one the engine always had, [seq][L][n_kv][n_ctx] rows of one size. Gemma 4 (cf_config hd_local,
+ * n_kv_local, n_shared_kv, d_ff_shared_kv) has local layers with a head size and a KV head count of
+ * their own (26B-A4B / 31B: 8 / 16 KV heads of 256 locally, 2 / 4 of 512 on the global layers), so
+ * each KV-owning layer's cache is [n_kv][n_ctx] rows of its own count and size, and its query heads
+ * group over its own KV heads (n_heads / n_kv); its last n_shared_kv layers own no cache and read
+ * the last KV-owning layer of their kind's (llama.cpp's n_layer_kv_from_start - (local ? 2 : 1)),
+ * whose layout is theirs (same kind: same head size and count).
  *
  * Per-layer embeddings (ple_dim P > 0), as llama.cpp's gemma4 graph computes them: at EMBED, with
  * x0 the scaled token embedding, every layer's input
@@ -28,7 +31,8 @@
 #include "util.h"
 
 const char *cf_gemma4_check_config(const cf_config *c) {
-    int any = c->hd_local || c->n_shared_kv || c->d_ff_shared_kv || c->ple_dim || c->v_norm || c->out_scale;
+    int any = c->hd_local || c->n_kv_local || c->n_shared_kv || c->d_ff_shared_kv || c->ple_dim || c->v_norm ||
+              c->out_scale;
     if ((c->moe_router_norm | c->expert_scale | c->moe_out_norms) & ~1)
         return "moe_router_norm, expert_scale and moe_out_norms must be 0 or 1";
     if ((c->moe_router_norm || c->expert_scale || c->moe_out_norms) && !c->n_experts)
@@ -46,6 +50,9 @@ const char *cf_gemma4_check_config(const cf_config *c) {
                         c->swa_pattern <= 0 || c->sliding_window <= 0 || !(c->attn_scale > 0)))
         return "hd_local must be even, at most CF_MAX_HEAD_DIM, n_heads * hd_local a multiple of 32, and needs "
                "local and global layers (sliding_window_pattern) and an explicit attn_scale";
+    if (c->n_kv_local && (c->n_kv_local < 0 || c->n_heads % c->n_kv_local || c->swa_pattern <= 0 ||
+                          c->sliding_window <= 0))
+        return "n_kv_local must divide n_heads and needs local and global layers (sliding_window_pattern)";
     if (c->n_shared_kv >= c->n_layers) return "n_shared_kv must leave a layer that owns its K/V";
     if (c->d_ff_shared_kv % CF_QK || (c->d_ff_shared_kv && !c->n_shared_kv))
         return "d_ff_shared_kv must be a multiple of 32 and needs n_shared_kv";
@@ -74,10 +81,13 @@ int cf_layer_geometry(cf_engine *e, char *err, size_t n) {
     if (!e->geo) return cf_set_err(err, n, "out of memory"), -1;
     size_t ko = 0, vo = 0;
     e->hd_max = cf_max(c->hd, c->hd_local);
+    e->kv_dim_max = 0;
     for (int l = 0; l < L; l++) {
         cf_layer_geo *g = &e->geo[l];
         int local = cf_layer_local(c, l);
         g->hd = c->hd_local && local ? c->hd_local : c->hd;
+        g->n_kv = c->n_kv_local && local ? c->n_kv_local : c->n_kv;
+        e->kv_dim_max = cf_max(e->kv_dim_max, g->n_kv * g->hd);
         g->has_kv = l < n_kv;
         g->d_ff = !g->has_kv && c->d_ff_shared_kv ? c->d_ff_shared_kv : c->d_ff;
         g->kv_src = g->has_kv ? l : n_kv - (local ? 2 : 1);
@@ -86,12 +96,13 @@ int cf_layer_geometry(cf_engine *e, char *err, size_t n) {
         if (!g->has_kv) continue;
         g->koff = ko;
         g->voff = vo;
-        ko += (size_t)c->n_kv * e->n_ctx * g->krow;
-        vo += (size_t)c->n_kv * e->n_ctx * g->vrow;
+        ko += (size_t)g->n_kv * e->n_ctx * g->krow;
+        vo += (size_t)g->n_kv * e->n_ctx * g->vrow;
     }
-    for (int l = n_kv; l < L; l++) { /* a shared layer reads a cache of its own head size and kind */
+    for (int l = n_kv; l < L; l++) { /* a shared layer reads a cache of its own head size, count and kind */
         int src = e->geo[l].kv_src;
-        if (src < 0 || e->geo[src].hd != e->geo[l].hd || cf_layer_local(c, src) != cf_layer_local(c, l))
+        if (src < 0 || e->geo[src].hd != e->geo[l].hd || e->geo[src].n_kv != e->geo[l].n_kv ||
+            cf_layer_local(c, src) != cf_layer_local(c, l))
             return cf_set_err(err, n, "bad model config: shared-KV layer %d would read layer %d's cache, which is "
                               "not a KV-owning layer of its kind", l, src), -1;
     }

@@ -68,12 +68,12 @@ typedef struct {
     const float *ple_norm;      /* [P] */
 } cf_weights;
 
-/* The shape of one layer (Gemma 4's differ; every other model's are all the same): its head size
- * and dense FFN width, whether it owns K/V, whose cache it attends over, and where that cache's
- * rows lie: layer kv_src's K rows of sequence s start at kcache + s * seq_kbytes + koff, one row
- * krow bytes, [n_kv][n_ctx] of them (V alike). */
+/* The shape of one layer (Gemma 4's differ; every other model's are all the same): its head size,
+ * KV head count and dense FFN width, whether it owns K/V, whose cache it attends over, and where
+ * that cache's rows lie: layer kv_src's K rows of sequence s start at kcache + s * seq_kbytes +
+ * koff, one row krow bytes, [n_kv][n_ctx] of them (V alike). */
 typedef struct {
-    int hd, d_ff, has_kv, kv_src;
+    int hd, n_kv, d_ff, has_kv, kv_src;
     size_t koff, voff, krow, vrow;
 } cf_layer_geo;
 
@@ -165,6 +165,7 @@ struct cf_engine {
     cf_layer_geo *geo;  /* [n_layers] each layer's shape and cache place */
     size_t seq_kbytes, seq_vbytes; /* one sequence's K / V cache */
     int hd_max;         /* the widest head of any layer */
+    int kv_dim_max;     /* the widest K (or V) projection of any layer: n_kv * hd */
     int active; /* threads a call uses (<= n_threads); the others return at once */
     int prefetch; /* software-prefetch mode of this engine's calls (cf_engine_set_prefetch) */
     int32_t *plan;

@@ -55,8 +55,9 @@ def cache_bytes(config: Any, n_ctx: int, type_k: str = "f16", type_v: str = "f16
     position, which serves as key and as value (native/engine_mla.c)."""
     if getattr(config, "kv_lora_rank", 0):
         return config.n_layers * n_ctx * row_bytes(type_k, config.kv_lora_rank + config.qk_rope_dim)
-    # per KV-owning layer at its own head size (Gemma 4's local / global heads and shared-KV layers)
+    # per KV-owning layer at its own head size and count (Gemma 4's local / global heads, shared-KV layers)
     has_kv = getattr(config, "layer_has_kv", lambda layer: True)
     hd_of = getattr(config, "layer_head_dim", lambda layer: config.head_dim)
-    return sum(config.n_kv_heads * n_ctx * (row_bytes(type_k, hd_of(l)) + row_bytes(type_v, hd_of(l)))
+    heads_of = getattr(config, "layer_kv_heads", lambda layer: config.n_kv_heads)
+    return sum(heads_of(l) * n_ctx * (row_bytes(type_k, hd_of(l)) + row_bytes(type_v, hd_of(l)))
                for l in range(config.n_layers) if has_kv(l))
