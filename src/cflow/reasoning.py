@@ -110,7 +110,26 @@ def _held(buf: str, *marks: str) -> int:
     return best
 
 
-class HarmonyParser:
+class _StreamParser:
+    """Text in as it streams (`feed`), the parsed part out; `finish` flushes what was held back.
+    A subclass's `_run(final)` consumes `self.buf`."""
+
+    buf: str
+
+    def feed(self, text: str) -> Parsed:
+        self.buf += text
+        return self._run(False)
+
+    def finish(self) -> Parsed:
+        out = self._run(True)
+        self.buf = ""
+        return out
+
+    def _run(self, final: bool) -> Parsed:
+        raise NotImplementedError
+
+
+class HarmonyParser(_StreamParser):
     """gpt-oss's harmony answer -> reasoning, content, tool calls, as it streams."""
 
     # what the first message may begin with: the prompt's "<|start|>assistant" goes on with a
@@ -122,15 +141,6 @@ class HarmonyParser:
         self.mode = "first"   # "first" | "next" (after <|end|>) | "header" | "body" | "plain"
         self.channel = ""     # the body's: "reasoning" | "content" | "call"
         self.recipient = ""
-
-    def feed(self, text: str) -> Parsed:
-        self.buf += text
-        return self._run(False)
-
-    def finish(self) -> Parsed:
-        out = self._run(True)
-        self.buf = ""
-        return out
 
     def _run(self, final: bool) -> Parsed:
         out = Parsed()
@@ -200,7 +210,7 @@ class HarmonyParser:
             out.content += text
 
 
-class ThinkParser:
+class ThinkParser(_StreamParser):
     """`<think>reasoning</think>content` -> reasoning and content, as it streams. `opened`: the
     prompt ended inside the thought (its generation prompt wrote `<think>`). The reasoning is
     stripped of surrounding whitespace (held back while it may be trailing) and the whitespace
@@ -210,15 +220,6 @@ class ThinkParser:
         self.buf = ""
         self.mode = "think" if opened else "start"   # "start" | "think" | "after" | "content"
         self.started = False                         # the reasoning has shown a non-space
-
-    def feed(self, text: str) -> Parsed:
-        self.buf += text
-        return self._run(False)
-
-    def finish(self) -> Parsed:
-        out = self._run(True)
-        self.buf = ""
-        return out
 
     def _run(self, final: bool) -> Parsed:
         out = Parsed()
