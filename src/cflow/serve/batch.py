@@ -764,6 +764,8 @@ class BatchGenerator:
         forgotten (backend.truncate: the next call overwrites them). `hidden`: the rows' hidden
         states, for a sequence whose heads propose (the one of the row that emits its newest token)."""
         st, drafts, qs = seq.spec, seq.spec.drafts, seq.spec.qs
+        if self.metrics:
+            self.metrics.speculation_round()
         held = self._slot_tokens[seq.slot]
         pos = len(seq.history) - 1  # where the next token ran
         held.append(seq.next_token)
@@ -778,6 +780,8 @@ class BatchGenerator:
                 break
             if draft is not None:
                 st.judged(kept)
+                if self.metrics:
+                    self.metrics.speculation_judged(kept)
             if kept:  # its row ran it after the text so far: its K/V are the slot's now
                 held.append(draft)
             elif st.observes:  # tok comes from row i: its hidden state proposes next
@@ -785,9 +789,7 @@ class BatchGenerator:
             self._sample(seq, rows[i], tok)
             if seq.job.done or not kept:
                 break
-        judged, accepted = st.end_block()
-        if self.metrics:
-            self.metrics.speculated(judged, accepted)
+        st.end_block()
         if self._truncate is not None:
             self._truncate(seq.slot, len(held))
 

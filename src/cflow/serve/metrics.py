@@ -125,12 +125,18 @@ class Metrics:
             self.steps += 1
             self.step_sequences += batch
 
-    def speculated(self, drafted: int, accepted: int) -> None:
-        """One sequence's verification block: `drafted` proposals judged, `accepted` of them kept."""
+    def speculation_round(self) -> None:
+        """One sequence's verification block came back."""
         with self._lock:
             self.spec_rounds += 1
-            self.spec_drafted += drafted
-            self.spec_accepted += accepted
+
+    def speculation_judged(self, kept: bool) -> None:
+        """One proposal of a block judged (kept or not). Counted as it is judged, before its token
+        is emitted: that token may end the request, and a client that reads /metrics after the
+        answer must find the answer's proposals counted."""
+        with self._lock:
+            self.spec_drafted += 1
+            self.spec_accepted += int(kept)
 
     def first_token(self, ttft_s: float) -> None:
         with self._lock:
