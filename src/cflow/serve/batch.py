@@ -89,7 +89,8 @@ from cflow.constrain import compile_constraint, overlap_pays, prefetch, sample a
 from cflow.runtime.generate import Completion, StopMatcher, Timings, check_finite, common_prefix
 from cflow.runtime.score import Scores, append_score, token_logprobs  # noqa: F401 (token_logprobs: its old home)
 from cflow.sampling import Sampler, SamplingParams
-from cflow.serve.speculate import SeqSpec, Speculation, judge
+from cflow.runtime.speculative import judge
+from cflow.serve.speculate import SeqSpec, Speculation
 
 DEFAULT_PREFILL_CHUNK = 64   # prompt tokens per scheduler iteration
 DEFAULT_MAX_QUEUE = 256      # requests waiting for a slot before submit() refuses
@@ -757,7 +758,7 @@ class BatchGenerator:
 
     def _verify(self, seq: _Seq, rows: np.ndarray, hidden: np.ndarray | None = None) -> None:
         """A speculating sequence's block came back: rows[i] are the logits after its next token
-        (i = 0) or its i-th proposal. Judge the proposals in order (cflow.serve.speculate.judge),
+        (i = 0) or its i-th proposal. Judge the proposals in order (cflow.runtime.speculative.judge),
         emitting each token down the plain path (_sample) until a rejection (its replacement is
         emitted), the bonus token after the last row, or a token that ends the sequence. The slot
         keeps the K/V of the next token and the kept proposals; the rejected ones' rows are

@@ -41,7 +41,7 @@ import numpy as np
 
 from cflow.runtime.generate import check_finite, common_prefix
 from cflow.runtime.speculative import (DRAFT_START, DraftLength, Gate, MtpProposer, NgramProposer, Speculative,
-                                       SpeculativeError, check_draft, check_rewindable, judge, min_rate)
+                                       SpeculativeError, check_draft, check_rewindable, min_rate)
 from cflow.sampling import Sampler, SamplingParams, draw
 
 Q = tuple[np.ndarray, np.ndarray]  # a proposal's distribution: (ids, probabilities)
