@@ -362,11 +362,90 @@ def test_answer_parser_checks_the_calls():
     assert T.parse_answer("generic", None, ANSWERS[0][0]) == (None, ANSWERS[0][0], [])
 
 
+def walk(constraint, ids) -> tuple[int, bool]:
+    """How many of `ids` the constraint takes in order (all of them: the text fits so far), and
+    whether it accepts the text there (a complete match)."""
+    c = constraint.copy()
+    for k, t in enumerate(ids):
+        if not c.allows(t):
+            return k, False
+        c.advance(t)
+    return len(ids), c.accepting
+
+
 def test_detect_format_and_grammar(tok):
+    """tool_choice "required": as llama.cpp's gpt-oss grammar, the call may follow an analysis
+    message and a commentary preamble, its recipient before or after the channel; an answer
+    without a call, or text after the call, does not fit (the controls)."""
+    from cflow.constrain import compile_constraint
+
     assert T.detect_format(tok) == "harmony"
-    grammar = T.native_grammar("harmony", tool_req("required"), tok)
-    ch, msg = tok.special["<|channel|>"], tok.special["<|message|>"]
-    assert f'" to=functions.get_weather" <[{ch}]> "commentary json" <[{msg}]>' in grammar
+    forced = compile_constraint(T.constraint_for("harmony", tool_req("required"), tok), tok)
+    named = compile_constraint(T.constraint_for(
+        "harmony", T.parse_tool_request({"tools": [WEATHER, CLOCK], "tool_choice": {
+            "type": "function", "function": {"name": "time_now"}}}), tok), tok)
+    thought = "<|channel|>analysis<|message|>Need weather: call it {now}. <|x|>\n<|end|><|start|>assistant"
+    preamble = "<|channel|>commentary<|message|>Checking.<|end|><|start|>assistant"
+    calls = [' to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}',
+             '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}',
+             '<|channel|>analysis to=functions.get_weather<|message|>{"city": "Paris", "days": [1, 2]}',
+             " to=functions.time_now<|channel|>commentary<|message|>{}"]
+    for head in ("", thought, preamble, thought + preamble):
+        for body in calls:
+            ids = tok.encode(head + body)
+            assert walk(forced, ids) == (len(ids), True), head + body
+    ids = tok.encode(thought + calls[3])
+    assert walk(named, ids) == (len(ids), True)
+    # controls: a final answer instead of a call; the other function when one is named; the
+    # preamble before the thought; arguments off the schema; more text after the call
+    for text, c in ((ANSWERS[0][0], forced), (thought + calls[0], named), (preamble + thought + calls[0], forced),
+                    (thought + calls[0].replace('"Paris"', "7"), forced), (calls[3] + "<|end|>", forced)):
+        ids = tok.encode(text)
+        assert walk(c, ids) != (len(ids), True), text
+
+
+def test_harmony_schema_shapes_the_final_message(tok):
+    """A JSON schema on a gpt-oss chat (response_format) constrains the final message, after an
+    optional analysis message, as llama.cpp's grammar does; bare JSON with no channel, or a
+    final message that is not the schema's, does not fit (the controls). Other constraints are
+    the whole answer (unchanged)."""
+    from cflow.constrain import ConstraintSpec, compile_constraint
+
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    c = compile_constraint(T.harmony_constraint(ConstraintSpec("json_schema", schema), tok), tok)
+    thought = "<|channel|>analysis<|message|>The user wants a city.<|end|><|start|>assistant"
+    for text in ('<|channel|>final<|message|>{"city": "Oslo"}', thought + '<|channel|>final<|message|>{"city": "Oslo"}',
+                 thought + '<|channel|>final <|constrain|>json<|message|>{"city": "Oslo"}'):
+        ids = tok.encode(text)
+        assert walk(c, ids) == (len(ids), True), text
+    for text in ('{"city": "Oslo"}', '<|channel|>final<|message|>{"town": "Oslo"}',
+                 '<|channel|>final<|message|>Oslo', thought + '<|channel|>analysis<|message|>{"city": "Oslo"}'):
+        ids = tok.encode(text)
+        assert walk(c, ids) != (len(ids), True), text
+    regex = ConstraintSpec("regex", "[a-z]+")
+    assert T.harmony_constraint(regex, tok) is regex
+    obj = compile_constraint(T.harmony_constraint(ConstraintSpec("json_object"), tok), tok)
+    ids = tok.encode('<|channel|>final<|message|>{"any": [1]}')
+    assert walk(obj, ids) == (len(ids), True)
+
+
+# reasoning_format "none": what llama.cpp's gpt-oss parser leaves in the content (an analysis
+# message from its header to its <|end|> inclusive; the role after <|start|> is not content)
+THOUGHTS_AS_CONTENT = {
+    0: "<|channel|>analysis<|message|>User greets. Reply.<|end|>Hi! 😀",
+    1: "<|channel|>analysis<|message|>Need weather.<|end|>",
+    2: "",
+    4: "<|channel|>analysis<|message|>a<|end|><|channel|>analysis<|message|>b<|end|>Checking.Done",
+    6: "<|channel|>analysis<|message|>Thinking about <|e",
+}
+
+
+@pytest.mark.parametrize("case", sorted(THOUGHTS_AS_CONTENT))
+def test_harmony_thoughts_left_in_content(case):
+    text, _, _, calls = ANSWERS[case]
+    for cut in range(len(text) + 1):
+        got = _stream(HarmonyParser(thoughts_in_content=True), [text[:cut], text[cut:]])
+        assert (got.reasoning, got.content, got.calls) == ("", THOUGHTS_AS_CONTENT[case], calls), cut
 
 
 THINKS = [  # (answer, the prompt opened the thought, (reasoning, content)): llama.cpp's deepseek format
@@ -406,14 +485,19 @@ def test_think_then_tool_calls():
 
 # ---- cflow chat -------------------------------------------------------------------------------
 class StubEngine:
-    """What cflow chat's _answer uses of an engine: a chat template and a stream of pieces."""
+    """What cflow chat's _answer uses of an engine: a chat template, the rendered prompt, and a
+    stream of pieces; it keeps the template variables it was given."""
 
     def __init__(self, template: str, pieces: list[str], prompt: str = ""):
-        self.tokenizer = type("Tok", (), {"chat_template": template,
-                                          "apply_chat_template": lambda _, messages: prompt})()
+        self.tokenizer = type("Tok", (), {"chat_template": template, "decode": lambda _, ids: prompt})()
         self.pieces = pieces
+        self.template_kw: dict = {}
 
-    def chat_stream(self, messages, max_tokens, **kw):
+    def chat_tokens(self, messages, **template_kw):
+        self.template_kw = template_kw
+        return [0]
+
+    def generate(self, prompt, max_tokens, **kw):
         return iter(self.pieces)
 
 
@@ -422,16 +506,28 @@ def test_cflow_chat_shows_thoughts_on_stderr_and_keeps_them_apart(capsys):
 
     text = ANSWERS[0][0]
     pieces = [text[i:i + 5] for i in range(0, len(text), 5)]
-    message = _answer(StubEngine(TEMPLATE, pieces), [{"role": "user", "content": "Hi"}], None, {})
+    eng = StubEngine(TEMPLATE, pieces)
+    message = _answer(eng, [{"role": "user", "content": "Hi"}], None, {}, {"reasoning_effort": "high"})
     out, err = capsys.readouterr()
     assert message == {"role": "assistant", "content": "Hi! 😀", "reasoning_content": "User greets. Reply."}
     assert out == "Hi! 😀\n" and "User greets. Reply." in err
-    # control: a template without harmony's channels shows the text as it came
-    message = _answer(StubEngine("{{ messages }}", pieces), [{"role": "user", "content": "Hi"}], None, {})
-    assert message == {"role": "assistant", "content": text} and capsys.readouterr().out == text + "\n"
+    assert eng.template_kw == {"reasoning_effort": "high"}   # --chat-template-kwargs reach the template
+    # --reasoning-format none, and (control) a template without harmony's channels: the text as it came
+    for eng, show in ((StubEngine(TEMPLATE, pieces), False), (StubEngine("{{ messages }}", pieces), True)):
+        message = _answer(eng, [{"role": "user", "content": "Hi"}], None, {}, show_thoughts=show)
+        assert message == {"role": "assistant", "content": text} and capsys.readouterr().out == text + "\n"
     # a <think> template whose prompt opened the thought
     eng = StubEngine("{{ '<think>' }}", ["Plan", ".</th", "ink>\n\nDone"], prompt="<|im_start|>assistant\n<think>\n")
     assert _answer(eng, [], None, {}) == {"role": "assistant", "content": "Done", "reasoning_content": "Plan."}
+
+
+def test_chat_flags_refuse_bad_template_variables(capsys):
+    from cflow.cli import main
+
+    for value, says in (("{oops", "not valid JSON"), ("[1]", "must be a JSON object"),
+                        ('{"add_generation_prompt": false}', "set by cflow itself")):
+        assert main(["chat", "--chat-template-kwargs", value]) == 2
+        assert says in capsys.readouterr().err
 
 
 # ---- cflow serve, end to end ------------------------------------------------------------------
@@ -518,3 +614,121 @@ def test_served_reasoning_and_content(oss_server, tok):
     assert ask_streamed(oss_server, body) == ("Let me think.", "Hello!", [], "stop")
     # reasoning_effort reaches the template (a request naming an effort the template knows works)
     assert ask(oss_server, {**body, "reasoning_effort": "low"})["choices"][0]["message"]["content"] == "Hello!"
+
+
+def test_served_reasoning_format_none_and_template_kwargs(oss_server, tok):
+    """reasoning_format "none" leaves the analysis message in the content as written (llama.cpp's
+    gpt-oss parser with reasoning_format none), streamed and not; chat_template_kwargs reach the
+    template (the prompt is the one rendered with them; reasoning_effort's own field wins over
+    the same key there); malformed values get a 400 naming the field."""
+    from test_serve import request
+
+    s = tok.special
+    grammar = (f'start: <[{s["<|channel|>"]}]> "analysis" <[{s["<|message|>"]}]> "Let me think." '
+               f'<[{s["<|end|>"]}]> <[{s["<|start|>"]}]> "assistant" <[{s["<|channel|>"]}]> "final" '
+               f'<[{s["<|message|>"]}]> "Hello!"')
+    body = {"messages": QUESTION, "grammar": grammar, "max_tokens": 60, "reasoning_format": "none"}
+    raw = "<|channel|>analysis<|message|>Let me think.<|end|>Hello!"
+    assert ask(oss_server, body)["choices"][0]["message"] == {"role": "assistant", "content": raw}
+    assert ask_streamed(oss_server, body) == ("", raw, [], "stop")
+
+    def prompt_tokens(extra: dict) -> int:
+        return ask(oss_server, {"messages": QUESTION, "max_tokens": 1, **extra})["usage"]["prompt_tokens"]
+
+    def rendered(**kw) -> int:
+        return len(tok.apply_chat_template(QUESTION, tokenize=True, **kw))
+
+    identity = "You are a tiny test model."
+    assert prompt_tokens({}) == rendered() != rendered(model_identity=identity)
+    assert prompt_tokens({"chat_template_kwargs": {"model_identity": identity}}) == rendered(model_identity=identity)
+    assert prompt_tokens({"chat_template_kwargs": {"reasoning_effort": "high"}, "reasoning_effort": "low"}) == \
+        rendered(reasoning_effort="low") != rendered(reasoning_effort="high")
+    for field, value in (("chat_template_kwargs", "x"), ("chat_template_kwargs", {"messages": []}),
+                         ("chat_template_kwargs", {"tools": []}), ("chat_template_kwargs", {"not a name": 1}),
+                         ("reasoning_format", "deepseek-legacy"), ("reasoning_format", 1)):
+        status, _, out = request(oss_server, "POST", "/v1/chat/completions",
+                                 {"messages": QUESTION, "max_tokens": 1, field: value}, key=None)
+        assert status == 400 and json.loads(out)["error"]["param"] == field, (field, value, out)
+
+
+def test_served_schema_in_the_final_message(oss_server, tok):
+    """response_format on a gpt-oss chat: the schema shapes the final message (harmony_constraint),
+    so the model writes the channel structure (counted in completion_tokens: bare JSON, as a
+    schema over the whole answer would force, has none) and the content is the JSON."""
+    schema = {"type": "object", "properties": {"unit": {"type": "string", "enum": ["c", "f"]}}, "required": ["unit"]}
+    body = {"messages": QUESTION, "max_tokens": 200,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "u", "schema": schema}}}
+    answer = ask(oss_server, body)
+    ch = answer["choices"][0]
+    assert ch["finish_reason"] == "stop", ch
+    assert json.loads(ch["message"]["content"]) in ({"unit": "c"}, {"unit": "f"}), ch
+    # <|channel|>, "final" (5 tokens of this byte-level vocabulary), <|message|> at least
+    assert answer["usage"]["completion_tokens"] >= len(tok.encode(ch["message"]["content"])) + 7
+    reasoning, content, calls, finish = ask_streamed(oss_server, body)
+    assert (content, calls, finish) == (ch["message"]["content"], [], "stop")
+    assert reasoning == ch["message"].get("reasoning_content", "")
+
+
+def test_serve_flags_set_the_defaults_requests_override(oss_file):
+    """`cflow serve --reasoning-format none --chat-template-kwargs JSON`: every chat request's
+    defaults, each field overridable by the request (its template variables merged over the
+    server's); a bad flag is a usage error naming it before the server listens."""
+    from cflow.cli import build_parser
+    from cflow.cli import serve as cli_serve
+    from cflow.cli.common import UsageError
+
+    def defaults(*flags):
+        args = build_parser().parse_args(["serve", "-m", str(oss_file), *flags])
+        cli_serve._check(args)
+        return cli_serve.app_options(args)["defaults"]
+
+    d = defaults("--reasoning-format", "none", "--chat-template-kwargs", '{"enable_thinking": false, "x": 1}')
+    spec = P.parse_chat({"messages": QUESTION}, d)
+    assert (spec.reasoning_format, spec.template_kwargs) == ("none", {"enable_thinking": False, "x": 1})
+    spec = P.parse_chat({"messages": QUESTION, "reasoning_format": "deepseek",
+                         "chat_template_kwargs": {"x": 2}}, d)
+    assert (spec.reasoning_format, spec.template_kwargs) == ("auto", {"enable_thinking": False, "x": 2})
+    spec = P.parse_chat({"messages": QUESTION}, defaults())
+    assert (spec.reasoning_format, spec.template_kwargs) == ("auto", {})
+    for bad in ('{"tools": []}', "not json", "3"):
+        with pytest.raises(UsageError) as e:
+            defaults("--chat-template-kwargs", bad)
+        assert e.value.flag == "--chat-template-kwargs"
+
+
+# a Qwen3-style template: the generation prompt opens <think>, or closes an empty one when the
+# caller passes enable_thinking false (chat_template_kwargs)
+THINK_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and "
+                  "not enable_thinking %}<think>\n\n</think>\n\n{% else %}<think>\n{% endif %}{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def think_server(oss_server, tmp_path_factory):
+    """The same model served with THINK_TEMPLATE, thoughts left in the content by default."""
+    from test_serve import Live
+
+    folder = tmp_path_factory.mktemp("think-serve")
+    (folder / "think.jinja").write_text(THINK_TEMPLATE, encoding="utf-8")
+    model = [a for a in oss_server.proc.args if a.endswith(".cflow")][0]
+    server = Live("-m", model, "--alias", "oss", "-np", "1", "-c", "512", "-t", "1", "--chat-template-file",
+                  str(folder / "think.jinja"), "--reasoning-format", "none", ready_timeout=300)
+    yield server
+    server.stop()
+
+
+def test_served_think_blocks(think_server):
+    """A <think> model: with the server's --reasoning-format none the thought stays in the
+    content; a request's "reasoning_format": "auto" splits it into reasoning_content (the prompt
+    opened the thought); chat_template_kwargs {"enable_thinking": false} closes the thought in
+    the prompt, so the answer is all content."""
+    grammar = 'start: "Plan it.</think>\\n\\nDone"'
+    body = {"messages": QUESTION, "grammar": grammar, "max_tokens": 40}
+    assert ask(think_server, body)["choices"][0]["message"] == {"role": "assistant",
+                                                                "content": "Plan it.</think>\n\nDone"}
+    split = {**body, "reasoning_format": "auto"}
+    want = {"role": "assistant", "content": "Done", "reasoning_content": "Plan it."}
+    assert ask(think_server, split)["choices"][0]["message"] == want
+    assert ask_streamed(think_server, split) == ("Plan it.", "Done", [], "stop")
+    off = {**split, "grammar": 'start: "Done"', "chat_template_kwargs": {"enable_thinking": False}}
+    assert ask(think_server, off)["choices"][0]["message"] == {"role": "assistant", "content": "Done"}

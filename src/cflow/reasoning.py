@@ -10,7 +10,9 @@ cflow.cli.chat run it):
   `thinking` = `reasoning_content`, and an assistant message with tool calls then loses its
   `content` (the template refuses both; the thinking is what precedes the call); a null
   `content` becomes "" (llama.cpp never sends null content to a template).
-- Out of the text: `HarmonyParser` splits gpt-oss's harmony answer. After the prompt's
+- Out of the text: `HarmonyParser` splits gpt-oss's harmony answer (or, told
+  `thoughts_in_content`, leaves its analysis messages in the content, as llama-server's
+  reasoning_format "none" does). After the prompt's
   `<|start|>assistant` the model writes messages `HEADER<|message|>BODY<|end|>`, each after the
   first opened by `<|start|>assistant`; the header names the channel (`<|channel|>analysis`:
   reasoning; `final`, or `commentary` with no recipient: content) and, for a tool call, the
@@ -136,11 +138,15 @@ class HarmonyParser(_StreamParser):
     # header, or the model opens a message of its own
     _FIRST = (START, CHANNEL, " to=", "to=", CONSTRAIN)
 
-    def __init__(self) -> None:
+    def __init__(self, thoughts_in_content: bool = False) -> None:
         self.buf = ""
         self.mode = "first"   # "first" | "next" (after <|end|>) | "header" | "body" | "plain"
         self.channel = ""     # the body's: "reasoning" | "content" | "call"
         self.recipient = ""
+        # llama-server's reasoning_format "none": an analysis message goes to the content as
+        # written, header and <|end|> included (the role that opened it is not)
+        self.thoughts_in_content = thoughts_in_content
+        self.raw_end = False   # the body being read is such a message: its <|end|> is content too
 
     def _run(self, final: bool) -> Parsed:
         out = Parsed()
@@ -162,6 +168,10 @@ class HarmonyParser(_StreamParser):
                 j = self.buf.find(MESSAGE)
                 if 0 <= j <= _HEADER_MAX:
                     self._header(self.buf[:j])
+                    if self.channel == "reasoning" and self.thoughts_in_content:
+                        self.channel = "content"
+                        out.content += self.buf[:j].removeprefix("assistant") + MESSAGE
+                        self.raw_end = True
                     self.buf, self.mode = self.buf[j + len(MESSAGE):], "body"
                     continue
                 if len(self.buf) > _HEADER_MAX or final:
@@ -173,6 +183,9 @@ class HarmonyParser(_StreamParser):
                 if j >= 0 or final:
                     body, self.buf = (self.buf, "") if j < 0 else (self.buf[:j], self.buf[j + len(END):])
                     self._body(out, body, whole=True)
+                    if j >= 0 and self.raw_end:
+                        out.content += END
+                    self.raw_end = False
                     if j < 0:
                         break
                     self.mode = "next"

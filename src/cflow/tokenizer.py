@@ -410,6 +410,24 @@ def _split_merge(m: str) -> tuple[str, str]:
     return parts[0], parts[1]
 
 
+# the variables apply_chat_template sets itself: extra template variables may not replace them
+TEMPLATE_VARIABLES = ("messages", "add_generation_prompt", "bos_token", "eos_token", "tokenize")
+
+
+def check_template_variables(value: Any, reserved: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Extra chat-template variables checked (llama.cpp's --chat-template-kwargs, e.g.
+    {"enable_thinking": false}): an object whose keys are names, none that the template call sets
+    itself (TEMPLATE_VARIABLES, and the caller's `reserved`); ChatTemplateError naming the problem."""
+    if not isinstance(value, dict):
+        raise ChatTemplateError(f"chat template variables must be a JSON object, got {type(value).__name__}")
+    for k in value:
+        if not isinstance(k, str) or not k.isidentifier():
+            raise ChatTemplateError(f"chat template variable names must be identifiers, got {k!r}"[:200])
+        if k in TEMPLATE_VARIABLES or k in reserved:
+            raise ChatTemplateError(f"the chat template variable {k!r} is set by cflow itself and cannot be given")
+    return dict(value)
+
+
 def _check_messages(messages: Any) -> None:
     # Content may be absent (e.g. a tool call); the template decides what it needs.
     if not isinstance(messages, list):

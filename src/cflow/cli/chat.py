@@ -13,9 +13,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from cflow.cli.common import (UsageError, add_command, add_model_flags, add_sampling_flags, add_speculative_flags,
-                              check_model_flags, check_sampling, check_speculative, load_engine, load_speculative,
-                              sampling_kwargs)
+from cflow.cli.common import (UsageError, add_chat_template_flags, add_command, add_model_flags, add_sampling_flags,
+                              add_speculative_flags, check_model_flags, check_sampling, check_speculative, load_engine,
+                              load_speculative, sampling_kwargs, template_kwargs_from_flags)
 from cflow.reasoning import answer_parser, thinks_in_tags
 from cflow.runtime import ContextOverflowError
 
@@ -49,6 +49,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_sampling_flags(p)
     add_speculative_flags(p)
     p.add_argument("--perf", action="store_true", help="print tokens/s after each answer")
+    add_chat_template_flags(p)
     p.set_defaults(func=run)
 
 
@@ -77,16 +78,20 @@ def _save_history(rl) -> None:
             pass
 
 
-def _answer(eng, messages: list[dict], max_tokens: int | None, kw: dict) -> dict:
+def _answer(eng, messages: list[dict], max_tokens: int | None, kw: dict, template_kw: dict | None = None,
+            show_thoughts: bool = True) -> dict:
     """Stream one answer, its assistant message; drops the oldest turns while the conversation
-    does not fit."""
+    does not fit. `template_kw`: extra chat-template variables; `show_thoughts` False: a reasoning
+    model's thoughts are not taken apart from its answer (--reasoning-format none)."""
+    template_kw = template_kw or {}
     while True:
         try:
-            stream = eng.chat_stream(messages, max_tokens, **kw)
+            prompt = eng.chat_tokens(messages, **template_kw)
+            stream = eng.generate(prompt, max_tokens, **kw)
             template = eng.tokenizer.chat_template
             # a <think> template's prompt may open the thought: the parser starts inside it then
-            tail = eng.tokenizer.apply_chat_template(messages)[-64:] if thinks_in_tags(template) else ""
-            parser = answer_parser(template, tail)
+            tail = eng.tokenizer.decode(prompt[-16:]) if thinks_in_tags(template) else ""
+            parser = answer_parser(template, tail) if show_thoughts else None
             parts, thoughts = [], []
 
             def show(reasoning: str, content: str) -> None:
@@ -130,6 +135,7 @@ def run(args: argparse.Namespace) -> int:
     check_model_flags(args)
     check_sampling(kw)
     spec = check_speculative(args)
+    template_kw = template_kwargs_from_flags(args)
     if sys.stdin is None:  # the shell closed it (`cflow chat <&-`): there is nothing to read turns from
         raise UsageError("stdin is closed, so there is no conversation to read; run cflow chat in a terminal, "
                          "or pipe the user turns into it, one per line")
@@ -168,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
                 print(IN_CHAT_HELP, file=sys.stderr)
                 continue
             messages.append({"role": "user", "content": line})
-            messages.append(_answer(eng, messages, max_tokens, kw))
+            messages.append(_answer(eng, messages, max_tokens, kw, template_kw, args.reasoning_format != "none"))
             if args.perf:
                 t = eng.last_timings
                 spec = (f", {t.spec}: {100 * t.acceptance_rate:.0f}% of {t.drafted} proposed accepted, "

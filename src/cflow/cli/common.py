@@ -21,6 +21,7 @@ Owns:
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -494,3 +495,32 @@ def constraint_from_flags(args: argparse.Namespace):
         return ConstraintSpec(kind, text)
     except ConstraintError as e:
         raise UsageError(f"{flag}: {e}", flag=flag) from None
+
+
+def add_chat_template_flags(p: argparse.ArgumentParser) -> None:
+    """llama.cpp's --chat-template-kwargs and --reasoning-format, for the commands that chat."""
+    p.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
+                   help="extra variables for the chat template, a JSON object, e.g. '{\"enable_thinking\": false}' "
+                   "(Qwen3's templates) or '{\"reasoning_effort\": \"high\"}' (gpt-oss's)")
+    p.add_argument("--reasoning-format", default="auto", choices=("auto", "deepseek", "none"),
+                   help="what to do with a reasoning model's thoughts (gpt-oss's analysis channel, a <think> "
+                   "block): auto / deepseek (default): take them out of the answer (serve: the message's "
+                   "reasoning_content; chat: shown on stderr); none: leave them in the answer as the model wrote "
+                   "them")
+
+
+def template_kwargs_from_flags(args: argparse.Namespace, reserved: tuple[str, ...] = ()) -> dict[str, Any]:
+    """--chat-template-kwargs as a checked dict ({} when absent); UsageError naming the flag."""
+    from cflow.tokenizer import ChatTemplateError, check_template_variables
+
+    if args.chat_template_kwargs is None:
+        return {}
+    try:
+        value = json.loads(args.chat_template_kwargs)
+    except ValueError as e:
+        raise UsageError(f"not valid JSON ({e}); give an object such as '{{\"enable_thinking\": false}}'",
+                         flag="--chat-template-kwargs") from None
+    try:
+        return check_template_variables(value, reserved)
+    except ChatTemplateError as e:
+        raise UsageError(str(e), flag="--chat-template-kwargs") from None

@@ -15,9 +15,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from cflow.cli.common import (UsageError, add_command, add_model_flags, add_sampling_flags, add_speculative_flags,
-                              check_model_flags, check_sampling, check_speculative, engine_options, load_draft,
-                              load_error, log, progress_bar, sampling_kwargs)
+from cflow.cli.common import (UsageError, add_chat_template_flags, add_command, add_model_flags, add_sampling_flags,
+                              add_speculative_flags, check_model_flags, check_sampling, check_speculative,
+                              engine_options, load_draft, load_error, log, progress_bar, sampling_kwargs,
+                              template_kwargs_from_flags)
 
 HELP = """\
 serve the model over HTTP (OpenAI-compatible API)
@@ -60,7 +61,14 @@ every token fits (llguidance masks), each request under its own constraint; a ma
 "tool" messages in the history; the chat template decides the syntax (Qwen2.5/Hermes <tool_call>,
 Llama 3.1 JSON, Mistral [TOOL_CALLS]; any other template gets llama.cpp's generic JSON format), and
 the answer's calls come back as "tool_calls" (streamed as delta.tool_calls). --chat-template-file
-serves a model with another template.
+serves a model with another template; --chat-template-kwargs (or a request's
+"chat_template_kwargs") passes it variables such as {"enable_thinking": false}.
+
+Reasoning models (gpt-oss's harmony channels, Qwen3 / DeepSeek-R1 <think> blocks): the answer's
+thoughts come back as the message's "reasoning_content" beside "content" (streamed as
+delta.reasoning_content); --reasoning-format none (or a request's "reasoning_format": "none")
+leaves them in "content" as the model wrote them. A gpt-oss call forced by tool_choice, or a
+JSON schema, may follow the model's analysis message, as llama-server's grammar allows.
 
 Scoring (lm-eval's local-completions): POST /v1/completions with "echo": true, "logprobs": 1,
 "max_tokens": 0 returns every prompt token's logprob (the first one null), equal to
@@ -103,6 +111,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "JSON, [TOOL_CALLS]) the server then parses; a template that ignores `tools` gets the generic "
                    "JSON tool calls")
     g.add_argument("--verbose", action="store_true", help="log every request (uvicorn's access log)")
+    add_chat_template_flags(g)
     r = p.add_argument_group("scale-out on Ray Serve (pip install \"cflow-lm[ray]\"; cflow.serve.ray)")
     r.add_argument("--ray", action="store_true",
                    help="run --replicas copies of this server (each its own model, --parallel slots and -t threads) "
@@ -148,6 +157,7 @@ def _check(args: argparse.Namespace) -> None:
         raise UsageError(f"must be a number of seconds >= 0 (0 = no limit), got {args.timeout}", flag="--timeout")
     if args.chat_template_file is not None:
         args.chat_template = read_chat_template(args.chat_template_file)
+    args.template_kwargs = template_kwargs_from_flags(args, reserved=("tools",))
     args.speculative = check_speculative(args)
     if args.model_draft is not None and not os.path.exists(args.model_draft):  # fail before listening
         raise UsageError(f"draft model file {args.model_draft} does not exist; give a .cflow/.vflow or .gguf file",
@@ -268,7 +278,9 @@ def app_options(args: argparse.Namespace) -> dict[str, Any]:
 
     name, aliases = model_name(args)
     defaults = Defaults(SamplingParams(**sampling_kwargs(args)), None if args.n_predict < 0 else args.n_predict,
-                        speculative=getattr(args, "speculative", None))
+                        speculative=getattr(args, "speculative", None),
+                        reasoning_format="auto" if args.reasoning_format == "deepseek" else args.reasoning_format,
+                        chat_template_kwargs=getattr(args, "template_kwargs", {}))
     return dict(model_name=name, aliases=aliases, api_key=args.api_key, defaults=defaults)
 
 

@@ -369,6 +369,8 @@ class Server:
         wanted, param = spec.constraint, spec.constraint_param
         if wanted is None and spec.tools is not None:  # the tool-call syntax, when the model must call
             wanted, param = tools_mod.constraint_for(spec.tool_format, spec.tools, gen.backend.tokenizer), "tools"
+        elif wanted is not None and spec.tool_format == "harmony":   # a schema shapes the final message only
+            wanted = tools_mod.harmony_constraint(wanted, gen.backend.tokenizer)
         if wanted is None:
             return None
         try:
@@ -385,10 +387,12 @@ class Server:
                     self._tool_format = tools_mod.detect_format(backend.tokenizer)
                 spec.tool_format = self._tool_format
                 messages, template_kw = tools_mod.prepare(spec.tool_format, spec.messages, spec.tools)
+                template_kw = {**spec.template_kwargs, **template_kw}
                 if spec.reasoning_effort is not None:   # the template reads it (gpt-oss's) or ignores it
                     template_kw["reasoning_effort"] = spec.reasoning_effort
                 ids = backend.chat_tokens(messages, **template_kw)
-                if thinks_in_tags(backend.tokenizer.chat_template):   # the answer's <think> block is reasoning
+                if spec.reasoning_format != "none" and thinks_in_tags(backend.tokenizer.chat_template):
+                    # the answer's <think> block is reasoning
                     spec.think = prompt_opens_thought(backend.tokenizer.decode(ids[-8:]))
                 return ids
             return backend.encode(spec.prompt)

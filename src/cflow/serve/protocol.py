@@ -24,7 +24,12 @@ text: prompt = context + continuation, sum the continuation's token_logprobs.
 
 Reasoning (chat): an assistant message's `reasoning_content` is read (its thoughts, for templates
 that show them), `reasoning_effort` ("low", "medium", "high") reaches the chat template, and a
-reasoning model's answer carries `reasoning_content` beside `content` (cflow.reasoning).
+reasoning model's answer carries `reasoning_content` beside `content` (cflow.reasoning), unless
+`reasoning_format` (llama-server's; the server's --reasoning-format by default) is "none": the
+thoughts then stay in `content` as the model wrote them ("auto" and "deepseek" split them).
+`chat_template_kwargs` (llama-server's and vLLM's, e.g. {"enable_thinking": false} for Qwen3) are
+extra variables for the chat template, over the server's --chat-template-kwargs; `reasoning_effort`
+wins over a same-named key.
 
 Structured output (cflow.constrain; at most one per request): OpenAI's `response_format`
 ({"type": "json_object"}, or {"type": "json_schema", "json_schema": {"name", "schema", "strict"}};
@@ -107,6 +112,8 @@ class Defaults:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     max_tokens: int | None = None    # None: until end of text or the end of the slot's context
     speculative: Any = None          # a cflow.runtime.Speculative (None: off)
+    reasoning_format: str = "auto"   # chat: "auto" (thoughts in reasoning_content) | "none" (left in content)
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)   # chat: extra template variables
 
 
 @dataclass
@@ -132,6 +139,8 @@ class GenSpec:
     tool_format: str | None = None          # chat: the model's tool-call format (set by the server)
     reasoning_effort: str | None = None     # chat: "low" | "medium" | "high", for templates that read it (gpt-oss)
     think: bool | None = None               # chat: <think> tags parsed (None: not), True: the prompt opened one (set by the server)
+    reasoning_format: str = "auto"          # chat: "auto" | "none" (the thoughts stay in the content)
+    template_kwargs: dict[str, Any] = field(default_factory=dict)   # chat: extra chat-template variables
     speculative: Any = None                 # a cflow.runtime.Speculative, "draft", "mtp" or None: plain decoding
 
 
@@ -445,6 +454,28 @@ def parse_completion(body: Any, defaults: Defaults, names: Sequence[str] = (),
 
 
 REASONING_EFFORTS = ("low", "medium", "high")   # what gpt-oss's template tells the model
+# llama-server's --reasoning-format values cflow implements ("deepseek" is what "auto" does here)
+REASONING_FORMATS = ("auto", "deepseek", "none")
+
+
+def reasoning_format(value: Any, param: str = "reasoning_format") -> str:
+    """A checked reasoning format, "deepseek" read as "auto"; BadRequest naming `param` otherwise."""
+    if value not in REASONING_FORMATS:
+        raise BadRequest(f"'{param}' must be one of {', '.join(REASONING_FORMATS)}, got {value!r}"[:300], param,
+                         "invalid_value")
+    return "auto" if value == "deepseek" else value
+
+
+def template_kwargs(value: Any, param: str = "chat_template_kwargs") -> dict[str, Any]:
+    """Checked extra chat-template variables (cflow.tokenizer.check_template_variables; `tools`
+    is the request's own field); BadRequest naming `param` otherwise."""
+    from cflow.tokenizer import ChatTemplateError, check_template_variables
+
+    try:
+        return check_template_variables(value, reserved=("tools",))
+    except ChatTemplateError as e:
+        raise BadRequest(f"'{param}': {e}", param, "invalid_type" if not isinstance(value, dict)
+                         else "invalid_value") from None
 
 
 def parse_chat(body: Any, defaults: Defaults, names: Sequence[str] = (),
@@ -479,7 +510,12 @@ def parse_chat(body: Any, defaults: Defaults, names: Sequence[str] = (),
     if effort is not None and effort not in REASONING_EFFORTS:
         raise BadRequest(f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r}"[:300],
                          "reasoning_effort", "invalid_value")
-    return GenSpec("chat", messages=out, tools=tools, reasoning_effort=effort, **common)
+    fmt = body.get("reasoning_format")
+    fmt = defaults.reasoning_format if fmt is None else reasoning_format(fmt)
+    extra = body.get("chat_template_kwargs")
+    extra = {**defaults.chat_template_kwargs, **({} if extra is None else template_kwargs(extra))}
+    return GenSpec("chat", messages=out, tools=tools, reasoning_effort=effort, reasoning_format=fmt,
+                   template_kwargs=extra, **common)
 
 
 def parse_tool_request(body: dict[str, Any]) -> Any:

@@ -17,8 +17,9 @@ template, and each format has its template input, grammar and parser:
   call one addressed ` to=functions.NAME` on the commentary channel whose body is the arguments,
   ended by <|call|>; the analysis channel is the reasoning (`reasoning_content`), the final
   channel the content. The parser runs on every answer of such a model, tools or not.
-  `required` or a named function makes the call the whole answer (llama.cpp's grammar lets
-  analysis messages come first; ours does not, so a forced call has no reasoning).
+  `required` or a named function forces a call, after an analysis message (the reasoning) and
+  a commentary preamble if the model writes them (llama.cpp's gpt-oss grammar); a JSON schema
+  (`harmony_constraint`) shapes the final message the same way.
 - "generic" (every other template, e.g. SmolLM2's plain ChatML; llama.cpp's generic handler):
   the tools are described in a system message and the whole answer is one JSON object,
   `{"tool_calls": [{"name", "arguments"}]}` or `{"response": "..."}`, always schema-constrained.
@@ -39,7 +40,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from cflow.reasoning import CHANNEL, MESSAGE, is_harmony
+from cflow.reasoning import CHANNEL, CONSTRAIN, END, MESSAGE, START, is_harmony
 from cflow.serve.protocol import BadRequest, _json_type
 
 FORMATS = ("hermes", "llama3", "mistral", "harmony", "generic")
@@ -475,18 +476,26 @@ def native_grammar(fmt: str, req: ToolRequest, tokenizer: Any) -> str:
         tag = _token(tokenizer, PYTHON_TAG, False)
         start = [f"start: {tag}? call" if tag else "start: call"]
     elif fmt == "harmony":
-        # the prompt ends with "<|start|>assistant": the call's header goes on from there, as
-        # the template writes one (` to=functions.NAME<|channel|>commentary json<|message|>`);
-        # one call per answer (it ends with <|call|>, a stop token), so one even when parallel
-        channel, message = _token(tokenizer, CHANNEL, True), _token(tokenizer, MESSAGE, True)
+        # the prompt ends with "<|start|>assistant"; as llama.cpp's gpt-oss grammar: an analysis
+        # message (the reasoning) and a commentary preamble may come first, each ended by <|end|>
+        # and followed by a new "<|start|>assistant"; then the call, its recipient before the
+        # channel (` to=functions.NAME<|channel|>commentary json<|message|>`, as the template
+        # writes a call) or after it (`<|channel|>commentary to=functions.NAME <|constrain|>json
+        # <|message|>`, harmony's own order), on the commentary or analysis channel. One call per
+        # answer (it ends with <|call|>, a stop token), so one even when parallel.
+        tok = {m: _token(tokenizer, m, True) for m in (CHANNEL, MESSAGE, CONSTRAIN, START, END)}
         rules = []
         for i, t in enumerate(tools):
-            name = json.dumps(" to=functions." + t["function"]["name"])
+            name = json.dumps(t["function"]["name"])
             args = {"x-guidance": JSON_OPTIONS, **closed_objects(_args(t["function"]))}
-            rules.append(f'call_{i}: {name} {channel} "commentary json" {message} args_{i}')
+            rules.append(f'call_{i}: " to=functions." {name} channel ctype {tok[MESSAGE]} args_{i} '
+                         f'| channel " to=functions." {name} ctype {tok[MESSAGE]} args_{i}')
             rules.append(f"args_{i}: %json {json.dumps(args)}")
         rules.insert(0, "call: " + " | ".join(f"call_{i}" for i in range(len(tools))))
-        start = ["start: call"]
+        rules += [f'channel: {tok[CHANNEL]} ("commentary" | "analysis")',
+                  f'ctype: (" " {tok[CONSTRAIN]}? "json")?',
+                  *_harmony_messages(tok)]
+        start = ["start: (thought next)? (preamble next)? call"]
     elif fmt == "mistral":
         tag = _token(tokenizer, TOOL_CALLS, False)
         more = ' (", " call)*' if req.parallel else ""
@@ -494,6 +503,35 @@ def native_grammar(fmt: str, req: ToolRequest, tokenizer: Any) -> str:
     else:
         raise ValueError(f"no grammar for tool-call format {fmt!r} (one of hermes, llama3, mistral, harmony)")
     return "\n".join(start + rules) + "\n"
+
+
+def _harmony_messages(tok: dict[str, str]) -> list[str]:
+    """Lark rules of the harmony messages that may come before what a grammar forces: `thought`
+    (an analysis message), `preamble` (a commentary message), `next` (the next message's opening).
+    Their text is any text: the special tokens are not text, so <|end|> ends it."""
+    return [f'thought: {tok[CHANNEL]} "analysis" {tok[MESSAGE]} TEXT {tok[END]}',
+            f'preamble: {tok[CHANNEL]} "commentary" {tok[MESSAGE]} TEXT {tok[END]}',
+            f'next: {tok[START]} "assistant"',
+            "TEXT: /(?s:.*)/"]
+
+
+def harmony_constraint(spec: Any, tokenizer: Any) -> Any:
+    """A harmony model's structured output: the request's JSON schema (or JSON object) shapes
+    the final message, after an optional analysis message, as llama.cpp's gpt-oss grammar does
+    (`<|channel|>final [<|constrain|>json]<|message|>` then the JSON); other constraint kinds
+    (a grammar, a regex) are the caller's whole answer and pass through unchanged."""
+    from cflow.constrain import JSON_OPTIONS, ConstraintSpec, closed_objects
+
+    if spec.kind not in ("json_object", "json_schema"):
+        return spec
+    spec.grammar()   # the schema's own checks and named errors, before it is wrapped
+    schema = {"type": "object"} if spec.kind == "json_object" else spec.source
+    tok = {m: _token(tokenizer, m, True) for m in (CHANNEL, MESSAGE, CONSTRAIN, START, END)}
+    body = {"x-guidance": JSON_OPTIONS, **closed_objects(schema)}
+    rules = ["start: (thought next)? final",
+             f'final: {tok[CHANNEL]} "final" (" " {tok[CONSTRAIN]}? "json")? {tok[MESSAGE]} answer',
+             f"answer: %json {json.dumps(body)}", *_harmony_messages(tok)]
+    return ConstraintSpec("lark", "\n".join(rules) + "\n")
 
 
 # ---- the answer --------------------------------------------------------------------------------
@@ -685,12 +723,15 @@ class AnswerParser:
     channels of a harmony answer (cflow.reasoning.HarmonyParser), its calls checked as every
     format's are (a known tool, arguments a JSON object; anything else is content); other
     formats' calls are ToolCallParser's, found in what follows the `<think>` block when `think`
-    is not None (cflow.reasoning.ThinkParser; True: the prompt opened the thought)."""
+    is not None (cflow.reasoning.ThinkParser; True: the prompt opened the thought).
+    `thoughts_in_content`: a harmony answer's analysis messages stay in the content as written
+    (reasoning_format "none"); a `<think>` block does when `think` is None."""
 
-    def __init__(self, fmt: str, req: ToolRequest | None, think: bool | None = None):
+    def __init__(self, fmt: str, req: ToolRequest | None, think: bool | None = None,
+                 thoughts_in_content: bool = False):
         from cflow.reasoning import HarmonyParser, ThinkParser
 
-        self.harmony = HarmonyParser() if fmt == "harmony" else None
+        self.harmony = HarmonyParser(thoughts_in_content) if fmt == "harmony" else None
         self.think = ThinkParser(think) if think is not None and self.harmony is None else None
         self.tools = ToolCallParser(fmt, req)
         self.names = {t["function"]["name"] for t in req.tools} if req and req.choice != "none" else set()
@@ -732,11 +773,12 @@ class AnswerParser:
         return parsed.reasoning, content, calls
 
 
-def parse_answer(fmt: str, req: ToolRequest | None, text: str,
-                 think: bool | None = None) -> tuple[str | None, str | None, list[dict]]:
-    """(reasoning, content, tool calls) of a whole answer (`think` as AnswerParser's): reasoning
-    None when there is none; content None when there are calls and no text, as OpenAI's."""
-    p = AnswerParser(fmt, req, think)
+def parse_answer(fmt: str, req: ToolRequest | None, text: str, think: bool | None = None,
+                 thoughts_in_content: bool = False) -> tuple[str | None, str | None, list[dict]]:
+    """(reasoning, content, tool calls) of a whole answer (`think`, `thoughts_in_content` as
+    AnswerParser's): reasoning None when there is none; content None when there are calls and no
+    text, as OpenAI's."""
+    p = AnswerParser(fmt, req, think, thoughts_in_content)
     r1, c1, k1 = p.feed(text)
     r2, c2, k2 = p.finish()
     content, calls = c1 + c2, k1 + k2
