@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import random
 from functools import lru_cache
+from pathlib import Path
 
 import pytest
 
@@ -109,12 +110,16 @@ MISTRAL = r"""{%- if messages[0]["role"] == "system" %}{%- set system_message = 
 {%- endfor %}
 """
 
+# Qwen3.5's own template (tests/data, see tests/test_chat_templates.py): XML calls in <tool_call>
+with open(Path(__file__).parent / "data" / "qwen3_5_chat_template.jinja", encoding="utf-8", newline="") as f:
+    QWEN35 = f.read()
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
           "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
 # (template, special tokens (the first is EOS), added non-special tokens)
 FAMILIES = {
     "hermes": (QWEN, ["<|im_end|>", "<|im_start|>", "<|endoftext|>"], ["<tool_call>", "</tool_call>"]),
+    "qwen3coder": (QWEN35, ["<|im_end|>", "<|im_start|>", "<|endoftext|>"], ["<tool_call>", "</tool_call>"]),
     "llama3": (LLAMA31, ["<|eot_id|>", "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
                          "<|python_tag|>", "<|eom_id|>"], []),
     "mistral": (MISTRAL, ["</s>", "<s>", "[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]",
@@ -386,14 +391,15 @@ def test_detect_format_edge_cases():
     assert T.detect_format(Stub("{% if tools %}[TOOL_CALLS]{{ name }}[ARGS]{% endif %}")) == "generic"
 
 
-@pytest.mark.parametrize("fmt", ["hermes", "llama3", "mistral"])
+@pytest.mark.parametrize("fmt", ["hermes", "qwen3coder", "llama3", "mistral"])
 def test_prepare_native_passes_tools_to_the_template(fmt):
     calls = (CALL,) if fmt == "llama3" else (CALL, CALL2)   # Llama 3.1's template takes one call a turn
     msgs, kw = T.prepare(fmt, conversation(calls), treq())
     assert kw == {"tools": treq().tools}
     text = tokenizer(fmt).apply_chat_template(msgs, **kw)
     assert "The weather in a city." in text and "result of get_weather" in text
-    assert {"hermes": '"arguments": {"city": "Paris"}', "llama3": '"parameters": {"city": "Paris"}',
+    assert {"hermes": '"arguments": {"city": "Paris"}', "qwen3coder": "<function=get_weather>\n<parameter=city>\n"
+            "Paris\n</parameter>\n</function>", "llama3": '"parameters": {"city": "Paris"}',
             "mistral": '"arguments": {"city": "Paris"}, "id": '}[fmt] in text
     # tool_choice "none": the model is not shown the tools
     msgs, kw = T.prepare(fmt, conversation(calls), treq("none"))
@@ -463,7 +469,7 @@ REQS = [treq("required"), treq("required", parallel=False), named("get_time"), n
         treq("required", tools=(WEATHER, TIME, PING, BOOK))]
 
 
-@pytest.mark.parametrize("fmt", ["hermes", "llama3", "mistral"])
+@pytest.mark.parametrize("fmt", ["hermes", "qwen3coder", "llama3", "mistral"])
 @pytest.mark.parametrize("i", range(len(REQS)))
 def test_native_grammars_validate(fmt, i):
     g = lark(T.native_grammar(fmt, REQS[i], tokenizer(fmt)))
@@ -525,6 +531,33 @@ def test_hermes_grammar_accepts_calls_and_refuses_others():
     assert not accepts("hermes", gb, hermes_call("book", {"when": {"day": "Monday"}}))
 
 
+def qwen_call(name, args):
+    """A call as Qwen3.5's template writes one: strings as they are, other values as JSON."""
+    params = "".join(f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v)}\n</parameter>\n"
+                     for k, v in args.items())
+    return f"<tool_call>\n<function={name}>\n{params}</function>\n</tool_call>"
+
+
+def test_qwen3coder_grammar_accepts_calls_and_refuses_others():
+    g = lark(T.native_grammar("qwen3coder", treq("required"), tokenizer("qwen3coder")))
+    one = qwen_call("get_weather", {"city": "Paris"})
+    assert accepts("qwen3coder", g, one)
+    assert accepts("qwen3coder", g, one + "\n" + qwen_call("get_time", {"tz": "UTC"}))
+    assert accepts("qwen3coder", g, qwen_call("get_weather", {"city": "Rio de\n\nJaneiro <3", "unit": "c"}))
+    assert not accepts("qwen3coder", g, qwen_call("get_wether", {"city": "Paris"}))      # no such function
+    assert not accepts("qwen3coder", g, qwen_call("get_weather", {}))                    # city is required
+    assert not accepts("qwen3coder", g, qwen_call("get_weather", {"city": "P", "unit": "k"}))
+    assert not accepts("qwen3coder", g, qwen_call("get_weather", {"city": "P", "extra": "1"}))
+    assert not accepts("qwen3coder", g, qwen_call("get_weather", {"city": "a\n<b"}))    # a line opening a tag
+    assert not accepts("qwen3coder", g, "Sure! " + one)
+    assert not accepts("qwen3coder", g, hermes_call("get_weather", {"city": "Paris"}))  # JSON in the block
+    gb = lark(T.native_grammar("qwen3coder", named("book", tools=(BOOK,)), tokenizer("qwen3coder")))
+    assert accepts("qwen3coder", gb, qwen_call("book", {"when": {"day": 3}}))           # "$ref" followed
+    assert not accepts("qwen3coder", gb, qwen_call("book", {"when": {"day": "Monday"}}))
+    gp = lark(T.native_grammar("qwen3coder", named("ping", tools=(PING,)), tokenizer("qwen3coder")))
+    assert accepts("qwen3coder", gp, "<tool_call>\n<function=ping>\n</function>\n</tool_call>")
+
+
 def test_generic_schema_accepts_answers_and_refuses_others():
     auto = schema_grammar(T.generic_schema(treq()))
     call = '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}]}'
@@ -574,14 +607,14 @@ def test_unenforceable_parameters_are_loosened_not_refused():
     assert accepts("hermes", g, hermes_call("odd", {"a": "anything"}))
 
 
-@pytest.mark.parametrize("fmt", ["hermes", "llama3", "mistral", "generic"])
+@pytest.mark.parametrize("fmt", ["hermes", "qwen3coder", "llama3", "mistral", "generic"])
 def test_constrained_output_round_trips_through_the_parser(fmt):
     """What a model writes under the constraint, detokenized as the server does (specials
     dropped), parses back into the calls."""
     tok = tokenizer(fmt)
     r = treq("required")
     args = {"city": "Zürich \"centre\""}
-    text = {"hermes": hermes_call("get_weather", args),
+    text = {"hermes": hermes_call("get_weather", args), "qwen3coder": qwen_call("get_weather", args),
             "llama3": '{"name": "get_weather", "parameters": ' + json.dumps(args, ensure_ascii=False) + "}",
             "mistral": ' [{"name": "get_weather", "arguments": ' + json.dumps(args, ensure_ascii=False) + "}]",
             "generic": '{"tool_calls": [{"name": "get_weather", "arguments": ' + json.dumps(args, ensure_ascii=False) + "}]}"}[fmt]
@@ -605,6 +638,8 @@ HT = hermes_call(*TM)
 LW = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
 LT = '{"name": "get_time", "parameters": {"tz": "UTC"}}'
 MW = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+QW = qwen_call(*W)
+QT = qwen_call(*TM)
 MT = '{"name": "get_time", "arguments": {"tz": "UTC"}}'
 
 # (format, generated text, content, calls)
@@ -626,6 +661,19 @@ CASES = [
     ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": [1]}\n</tool_call>',
      '<tool_call>\n{"name": "get_weather", "arguments": [1]}\n</tool_call>', []),
     ("hermes", HW + "\n" + HT.replace("get_time", "nope"), HT.replace("get_time", "nope"), [W]),
+    ("qwen3coder", "Let me check.\n\n" + QW, "Let me check.", [W]),
+    ("qwen3coder", QW + "\n" + QT, None, [W, TM]),
+    ("qwen3coder", qwen_call("book", {"when": {"day": 3}, "n": 2, "note": "x"}), None,
+     [("book", {"when": {"day": 3}, "n": 2, "note": "x"})]),
+    ("qwen3coder", qwen_call("get_weather", {"city": "42"}), None, [("get_weather", {"city": "42"})]),  # a string
+    ("qwen3coder", qwen_call("get_weather", {"city": "a\nb", "unit": "c"}), None,
+     [("get_weather", {"city": "a\nb", "unit": "c"})]),
+    ("qwen3coder", "<tool_call>\n<function=ping>\n</function>\n</tool_call>", None, [("ping", {})]),
+    ("qwen3coder", QW.replace("get_weather", "launch"), QW.replace("get_weather", "launch"), []),   # unknown name
+    ("qwen3coder", QW.replace("</parameter>", "</param>"), QW.replace("</parameter>", "</param>"), []),
+    ("qwen3coder", QW.replace("<function=", "junk <function="), QW.replace("<function=", "junk <function="), []),
+    ("qwen3coder", HW, HW, []),                                  # JSON in the block is not this format
+    ("qwen3coder", "A\n" + QW[:30], "A\n" + QW[:30], []),          # cut off by max_tokens
     ("llama3", LW, None, [W]),
     ("llama3", "\n" + LW + "; " + LT, None, [W, TM]),
     ("llama3", "<|python_tag|>" + LW, None, [W]),               # a vocabulary with the tag as text
@@ -683,7 +731,7 @@ def stream(fmt, req, pieces):
     return (None if calls and not content.strip() else content), calls
 
 
-REQ = treq(tools=(WEATHER, TIME, PING))
+REQ = treq(tools=(WEATHER, TIME, PING, BOOK))
 
 
 @pytest.mark.parametrize("case", range(len(CASES)))

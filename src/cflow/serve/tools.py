@@ -9,6 +9,9 @@ template, and each format has its template input, grammar and parser:
 - "hermes" (Qwen2.5/Qwen3, SmolLM3, Hermes): text around blocks
   `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`; `<tool_call>` is an added
   (non-special) token, so it survives detokenization and the parser sees it.
+- "qwen3coder" (Qwen3.5, Qwen3-Coder): the same `<tool_call>` blocks, each holding XML rather
+  than JSON: `<function=NAME>`, then per argument `<parameter=KEY>\nVALUE\n</parameter>`, then
+  `</function>` (a VALUE is the argument's text: a string as it is, other types as JSON).
 - "llama3" (Llama 3.1+ JSON tool calling): the answer is `{"name": ..., "parameters": {...}}`,
   sometimes after the special `<|python_tag|>` (which the detokenizer drops).
 - "mistral" (v3 templates): the special `[TOOL_CALLS]` (dropped), then a JSON array of
@@ -43,11 +46,14 @@ from typing import Any
 from cflow.reasoning import CHANNEL, CONSTRAIN, END, MESSAGE, START, is_harmony
 from cflow.serve.protocol import BadRequest, _json_type
 
-FORMATS = ("hermes", "llama3", "mistral", "harmony", "generic")
+FORMATS = ("hermes", "qwen3coder", "llama3", "mistral", "harmony", "generic")
 MAX_TOOLS = 128                      # OpenAI's limit
 _NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 _ID_CHARS = string.ascii_letters + string.digits
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+FUNCTION, PARAMETER = "<function=", "<parameter="   # qwen3coder's XML inside <tool_call>
+_XML_CALL = re.compile(r"\s*<function=([^>\n]+)>\n?(.*?)</function>\s*", re.S)
+_XML_PARAM = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
 PYTHON_TAG, TOOL_CALLS = "<|python_tag|>", "[TOOL_CALLS]"
 
 
@@ -251,6 +257,7 @@ def detect_format(tokenizer: Any) -> str:
     - no template, or one that never reads `tools`: "generic";
     - mentions `[TOOL_CALLS]` (and not `[ARGS]`, the v11 syntax `[TOOL_CALLS]name[ARGS]{...}`
       this module does not parse, which gets "generic"): "mistral";
+    - mentions `<tool_call>` and `<function=` (XML calls, Qwen3.5): "qwen3coder";
     - mentions `<tool_call>`: "hermes";
     - mentions `<|python_tag|>`, "Environment: ipython" or writes `"parameters": ` JSON calls:
       "llama3";
@@ -264,7 +271,7 @@ def detect_format(tokenizer: Any) -> str:
     if TOOL_CALLS in t and "[ARGS]" not in t:
         return "mistral"
     if OPEN in t:
-        return "hermes"
+        return "qwen3coder" if FUNCTION in t else "hermes"
     if PYTHON_TAG in t or "Environment: ipython" in t or '"parameters": ' in t:
         return "llama3"
     return "generic"
@@ -468,7 +475,9 @@ def native_grammar(fmt: str, req: ToolRequest, tokenizer: Any) -> str:
         rules.append(f'call_{i}: {head} args_{i} "}}"')
         rules.append(f"args_{i}: %json {json.dumps(args)}")
     rules.insert(0, "call: " + " | ".join(f"call_{i}" for i in range(len(tools))))
-    if fmt == "hermes":
+    if fmt == "qwen3coder":
+        rules = _xml_call_rules(tools)
+    if fmt in ("hermes", "qwen3coder"):
         block = f'{_token(tokenizer, OPEN, True)} "\\n" call "\\n" {_token(tokenizer, CLOSE, True)}'
         start = ['start: block ("\\n" block)*' if req.parallel else "start: block", f"block: {block}"]
     elif fmt == "llama3":
@@ -501,8 +510,54 @@ def native_grammar(fmt: str, req: ToolRequest, tokenizer: Any) -> str:
         more = ' (", " call)*' if req.parallel else ""
         start = [f'start: {tag + " " if tag else ""}" "? "[" call{more} "]"']
     else:
-        raise ValueError(f"no grammar for tool-call format {fmt!r} (one of hermes, llama3, mistral, harmony)")
+        raise ValueError(f"no grammar for tool-call format {fmt!r} (one of hermes, qwen3coder, llama3, mistral, "
+                         "harmony)")
     return "\n".join(start + rules) + "\n"
+
+
+def _xml_call_rules(tools: list[dict]) -> list[str]:
+    """qwen3coder's calls in Lark, as the Qwen3.5 template writes them: `<function=NAME>\\n`, the
+    parameters in the schema's order (the required ones always, the others when the model writes
+    them), `</function>`. A string parameter's value is text in which no line starts with "<" (so
+    that `\\n</parameter>` ends it; one regex, so the lexer never has to guess where it ends);
+    any other type is %json of its schema."""
+    from cflow.constrain import JSON_OPTIONS, closed_objects
+
+    rules = []
+    for i, t in enumerate(tools):
+        params = _args(t["function"])
+        required = set(params.get("required") or ())
+        parts = []
+        for k, (key, schema) in enumerate((params.get("properties") or {}).items()):
+            head = json.dumps(PARAMETER + key + ">" + chr(10))
+            enum = schema.get("enum") if isinstance(schema, dict) else None
+            if isinstance(enum, list) and enum and all(isinstance(w, str) for w in enum):
+                # the template writes a string as it is, quotes and all left out
+                words = " | ".join(json.dumps(w) for w in enum)
+                rules.append(f'p_{i}_{k}: {head} ({words}) "\\n</parameter>\\n"')
+                parts.append(f"p_{i}_{k}" + ("" if key in required else "?"))
+            elif isinstance(schema, dict) and schema.get("type") == "string":
+                rules.append(f"P_{i}_{k}: /{_regex_literal(PARAMETER + key + '>')}\\n(?:[^<\\n][^\\n]*)?"
+                             f"(?:\\n+[^<\\n][^\\n]*)*\\n<\\/parameter>\\n/")
+                parts.append(f"P_{i}_{k}" + ("" if key in required else "?"))
+            else:
+                # the parameters' "#/..." refs point at their root: its definitions come along
+                shared = {d: params[d] for d in ("$defs", "definitions") if d in params}
+                value = {"x-guidance": JSON_OPTIONS, **closed_objects({**(schema if isinstance(schema, dict) else {}),
+                                                                       **shared})}
+                rules.append(f'p_{i}_{k}: {head} v_{i}_{k} "\\n</parameter>\\n"')
+                rules.append(f"v_{i}_{k}: %json {json.dumps(value)}")
+                parts.append(f"p_{i}_{k}" + ("" if key in required else "?"))
+        rules.append(f'call_{i}: {json.dumps(FUNCTION + t["function"]["name"] + ">" + chr(10))} '
+                     f'{" ".join(parts)} "</function>"')
+    rules.insert(0, "call: " + " | ".join(f"call_{i}" for i in range(len(tools))))
+    return rules
+
+
+def _regex_literal(text: str) -> str:
+    """`text` matched literally inside a Lark /regex/ (llguidance's syntax): letters and digits
+    as they are, every other character as \\x{..}."""
+    return "".join(c if c.isascii() and c.isalnum() else f"\\x{{{ord(c):x}}}" for c in text)
 
 
 def _harmony_messages(tok: dict[str, str]) -> list[str]:
@@ -549,10 +604,11 @@ class ToolCallParser:
     def __init__(self, fmt: str, req: ToolRequest | None):
         self.fmt = fmt
         self.names = {t["function"]["name"] for t in req.tools} if req else set()
+        self.params = {t["function"]["name"]: t["function"].get("parameters") or {} for t in req.tools} if req else {}
         # harmony answers go through AnswerParser (channels, then calls): here they are text
         self.off = req is None or req.choice == "none" or fmt not in FORMATS or fmt == "harmony"
         self.buf = ""
-        self.mode = "start"      # hermes: "start" | "call"; others: "start" | "text" | "hold" | "resp" | "tail"
+        self.mode = "start"      # hermes, qwen3coder: "start" | "call"; others: "start" | "text" | "hold" | "resp" | "tail"
         self.after_call = False  # hermes: whitespace after a call is dropped
         self.ws = ""             # hermes: the whitespace before the open call, shown if it is no call
 
@@ -560,12 +616,12 @@ class ToolCallParser:
         if self.off:
             return text, []
         self.buf += text
-        return self._hermes(False) if self.fmt == "hermes" else self._leading(False)
+        return self._hermes(False) if self.fmt in ("hermes", "qwen3coder") else self._leading(False)
 
     def finish(self) -> tuple[str, list[dict]]:
         if self.off:
             return "", []
-        out = self._hermes(True) if self.fmt == "hermes" else self._leading(True)
+        out = self._hermes(True) if self.fmt in ("hermes", "qwen3coder") else self._leading(True)
         self.buf = ""
         return out
 
@@ -611,11 +667,39 @@ class ToolCallParser:
         return s
 
     def _call(self, body: str) -> dict | None:
+        if self.fmt == "qwen3coder":
+            return self._xml_call(body)
         try:
             obj = json.loads(body)
         except ValueError:
             return None
         return self._valid(obj)
+
+    def _xml_call(self, body: str) -> dict | None:
+        """A qwen3coder block's `<function=NAME>` and `<parameter=KEY>VALUE</parameter>`s as a call;
+        None when anything but whitespace lies around them. A value is its text when the tool's
+        schema says string (or it is no JSON), else the JSON it spells (llama.cpp's Qwen3-Coder
+        parser converts values the same way)."""
+        m = _XML_CALL.fullmatch(body)
+        if not m:
+            return None
+        name, inner = m.group(1).strip(), m.group(2)
+        props = (self.params.get(name) or {}).get("properties") or {}
+        args: dict[str, Any] = {}
+        pos = 0
+        for pm in _XML_PARAM.finditer(inner):
+            if inner[pos:pm.start()].strip():
+                return None
+            key, raw = pm.group(1).strip(), pm.group(2)
+            value: Any = raw
+            if (props.get(key) or {}).get("type") != "string":
+                try:
+                    value = json.loads(raw)
+                except ValueError:
+                    pass
+            args[key] = value
+            pos = pm.end()
+        return self._valid({"name": name, "arguments": args}) if not inner[pos:].strip() else None
 
     def _valid(self, obj: Any) -> dict | None:
         """A call object {"name", "arguments" (or "parameters": Llama)} naming a known tool, as an
