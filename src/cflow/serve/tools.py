@@ -608,7 +608,8 @@ class ToolCallParser:
         # harmony answers go through AnswerParser (channels, then calls): here they are text
         self.off = req is None or req.choice == "none" or fmt not in FORMATS or fmt == "harmony"
         self.buf = ""
-        self.mode = "start"      # hermes, qwen3coder: "start" | "call"; others: "start" | "text" | "hold" | "resp" | "tail"
+        # hermes, qwen3coder: "start" | "call"; others: "start" | "text" | "hold" | "resp" | "tail"
+        self.mode = "start"
         self.after_call = False  # hermes: whitespace after a call is dropped
         self.ws = ""             # hermes: the whitespace before the open call, shown if it is no call
 
