@@ -32,7 +32,7 @@ they differ from these templates in exactly these places (each test below checks
 - Ministral 3's markers (`[INST]`, `[SYSTEM_PROMPT]`) select `mistral-v7`, the SentencePiece form
   with a space after each tag; the template is the Tekken form, llama.cpp's `mistral-v7-tekken`
   (which it picks by name only). The template writes the BOS and, without a system message, its
-  default system prompt ({today} and {yesterday} left unfilled, as llama-server leaves them).
+  default system prompt (its {today} and {yesterday} as written: the template fills neither).
 - Qwen3.5 selects `chatml`: the template trims every message, and its generation prompt opens a
   thought (`<think>\\n`, or the empty `<think>\\n\\n</think>\\n\\n` when `enable_thinking` is false).
 - Gemma 4: no built-in (the installed libllama has none; it refuses the template: -1).
@@ -428,3 +428,22 @@ def test_thoughts_split_as_llama_cpp(case):
         got = p.feed(answer)
         got += p.finish()
         assert got.reasoning == "" and reasoning in got.content
+
+
+def test_qwen3_5_answer_with_thought_and_xml_call():
+    """A Qwen3.5 answer after its thinking prompt: the thought is reasoning_content, the XML call a
+    tool call with its arguments typed by the schema (a string stays a string, the list is JSON).
+    Control: read as the hermes format it used to get, the call stays content."""
+    tok = family_tokenizer("qwen3_5")
+    req = T.parse_tool_request({"tools": [WEATHER]})
+    prompt = serve_render(tok, {"messages": [{"role": "user", "content": "Weather in Paris?"}],
+                                "tools": [WEATHER]}, True)
+    think = answer_parser(tok.chat_template, prompt[-32:]).mode == "think"
+    answer = ("I need the weather.\n</think>\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\n2024\n"
+              "</parameter>\n<parameter=days>\n[1, 2]\n</parameter>\n</function>\n</tool_call>")
+    reasoning, content, calls = T.parse_answer(T.detect_format(tok), req, answer, think=think)
+    assert (reasoning, content) == ("I need the weather.", None)
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "2024", "days": [1, 2]})]
+    reasoning, content, calls = T.parse_answer("hermes", req, answer, think=think)
+    assert calls == [] and content.startswith("<tool_call>\n<function=get_weather>")

@@ -679,8 +679,8 @@ class ToolCallParser:
     def _xml_call(self, body: str) -> dict | None:
         """A qwen3coder block's `<function=NAME>` and `<parameter=KEY>VALUE</parameter>`s as a call;
         None when anything but whitespace lies around them. A value is its text when the tool's
-        schema says string (or it is no JSON), else the JSON it spells (llama.cpp's Qwen3-Coder
-        parser converts values the same way)."""
+        schema says string (or it is no JSON), else the JSON it spells (as llama.cpp's Qwen3-Coder
+        XML handler reads them: string parameters as text, the others as JSON)."""
         m = _XML_CALL.fullmatch(body)
         if not m:
             return None
