@@ -380,13 +380,15 @@ def test_tojson_control_html_escapes_miss(monkeypatch):
 # ---- the answer side ---------------------------------------------------------------------------
 @pytest.mark.parametrize("family, fmt, parser", [
     ("deepseek_v3_1", "generic", ThinkParser), ("kimi_k2", "generic", type(None)),
-    ("ministral_3", "generic", type(None)), ("qwen3_5", "qwen3coder", ThinkParser), ("gemma4", "generic", type(None))])
+    ("ministral_3", "mistral11", type(None)), ("qwen3_5", "qwen3coder", ThinkParser),
+    ("gemma4", "generic", type(None))])
 def test_tool_format_and_answer_parser(family, fmt, parser):
-    """The tool-call format and reasoning parser each template gets. "generic" where cflow has no
-    parser for the family's own call syntax (DeepSeek's <｜tool▁calls▁begin｜>, Kimi-K2's
-    <|tool_calls_section_begin|>, Mistral's [TOOL_CALLS]name[ARGS], Gemma 4's <|tool_call>): the
-    tools go in a system message and the answer is schema-constrained JSON, and the template is
-    not also given `tools` (it would describe them twice)."""
+    """The tool-call format and reasoning parser each template gets: Qwen3.5's XML calls and
+    Ministral 3's [TOOL_CALLS]name[ARGS]{...} natively; "generic" where cflow has no parser for the
+    family's own call syntax (DeepSeek's <｜tool▁calls▁begin｜>, Kimi-K2's
+    <|tool_calls_section_begin|>, Gemma 4's <|tool_call>): the tools go in a system message and
+    the answer is schema-constrained JSON, and the template is not also given `tools` (it would
+    describe them twice)."""
     tok = family_tokenizer(family)
     assert T.detect_format(tok) == fmt
     assert isinstance(answer_parser(tok.chat_template), parser)
@@ -447,3 +449,19 @@ def test_qwen3_5_answer_with_thought_and_xml_call():
         ("get_weather", {"city": "2024", "days": [1, 2]})]
     reasoning, content, calls = T.parse_answer("hermes", req, answer, think=think)
     assert calls == [] and content.startswith("<tool_call>\n<function=get_weather>")
+
+
+def test_ministral_3_answer_with_calls():
+    """Ministral 3's calls as the model writes them (the markers special tokens, which its
+    vocabulary shows in the text) come out as tool calls. Control: read as the older Mistral
+    format (a JSON array after [TOOL_CALLS]), they stay content."""
+    tok = family_tokenizer("ministral_3")
+    req = T.parse_tool_request({"tools": [WEATHER]})
+    tc, args = tok.special["[TOOL_CALLS]"], tok.special["[ARGS]"]
+    ids = (tok.encode("Checking. ") + [tc] + tok.encode("get_weather") + [args] + tok.encode('{"city": "Paris"}')
+           + [tc] + tok.encode("get_weather") + [args] + tok.encode('{"city": "Rome", "days": [3]}'))
+    text = tok.decode(ids, skip_special=True)
+    reasoning, content, calls = T.parse_answer(T.detect_format(tok), req, text)
+    assert (reasoning, content) == (None, "Checking. ")
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"city": "Paris"}, {"city": "Rome", "days": [3]}]
+    assert T.parse_answer("mistral", req, text) == (None, text, [])

@@ -16,6 +16,10 @@ template, and each format has its template input, grammar and parser:
   sometimes after the special `<|python_tag|>` (which the detokenizer drops).
 - "mistral" (v3 templates): the special `[TOOL_CALLS]` (dropped), then a JSON array of
   `{"name", "arguments"}`.
+- "mistral11" (Mistral's tokenizer v11 and later: Mistral Small 3.2, Magistral, Ministral 3):
+  content, then each call as `[TOOL_CALLS]NAME[ARGS]{...}`; both markers are special tokens that
+  cflow.tokenizer shows in the detokenized text of such a vocabulary (llama.cpp's preserved
+  tokens), so the parser finds them. The calls end the answer (EOS follows).
 - "harmony" (gpt-oss): the answer is channelled messages (cflow.reasoning.HarmonyParser), a
   call one addressed ` to=functions.NAME` on the commentary channel whose body is the arguments,
   ended by <|call|>; the analysis channel is the reasoning (`reasoning_content`), the final
@@ -43,10 +47,10 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from cflow.reasoning import CHANNEL, CONSTRAIN, END, MESSAGE, START, is_harmony
+from cflow.reasoning import CHANNEL, CONSTRAIN, END, MESSAGE, START, _held, is_harmony
 from cflow.serve.protocol import BadRequest, _json_type
 
-FORMATS = ("hermes", "qwen3coder", "llama3", "mistral", "harmony", "generic")
+FORMATS = ("hermes", "qwen3coder", "llama3", "mistral", "mistral11", "harmony", "generic")
 MAX_TOOLS = 128                      # OpenAI's limit
 _NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 _ID_CHARS = string.ascii_letters + string.digits
@@ -54,7 +58,7 @@ OPEN, CLOSE = "<tool_call>", "</tool_call>"
 FUNCTION, PARAMETER = "<function=", "<parameter="   # qwen3coder's XML inside <tool_call>
 _XML_CALL = re.compile(r"\s*<function=([^>\n]+)>\n?(.*?)</function>\s*", re.S)
 _XML_PARAM = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
-PYTHON_TAG, TOOL_CALLS = "<|python_tag|>", "[TOOL_CALLS]"
+PYTHON_TAG, TOOL_CALLS, ARGS = "<|python_tag|>", "[TOOL_CALLS]", "[ARGS]"
 
 
 @dataclass(frozen=True)
@@ -255,8 +259,8 @@ def detect_format(tokenizer: Any) -> str:
 
     - writes harmony's `<|channel|>` (gpt-oss): "harmony", tools or not;
     - no template, or one that never reads `tools`: "generic";
-    - mentions `[TOOL_CALLS]` (and not `[ARGS]`, the v11 syntax `[TOOL_CALLS]name[ARGS]{...}`
-      this module does not parse, which gets "generic"): "mistral";
+    - mentions `[TOOL_CALLS]` and `[ARGS]` (the v11 syntax `[TOOL_CALLS]name[ARGS]{...}`):
+      "mistral11"; `[TOOL_CALLS]` alone (a JSON array of calls): "mistral";
     - mentions `<tool_call>` and `<function=` (XML calls, Qwen3.5): "qwen3coder";
     - mentions `<tool_call>`: "hermes";
     - mentions `<|python_tag|>`, "Environment: ipython" or writes `"parameters": ` JSON calls:
@@ -268,8 +272,8 @@ def detect_format(tokenizer: Any) -> str:
         return "harmony"
     if not re.search(r"\btools\b", t):
         return "generic"
-    if TOOL_CALLS in t and "[ARGS]" not in t:
-        return "mistral"
+    if TOOL_CALLS in t:
+        return "mistral11" if ARGS in t else "mistral"
     if OPEN in t:
         return "qwen3coder" if FUNCTION in t else "hermes"
     if PYTHON_TAG in t or "Environment: ipython" in t or '"parameters": ' in t:
@@ -477,6 +481,15 @@ def native_grammar(fmt: str, req: ToolRequest, tokenizer: Any) -> str:
     rules.insert(0, "call: " + " | ".join(f"call_{i}" for i in range(len(tools))))
     if fmt == "qwen3coder":
         rules = _xml_call_rules(tools)
+    if fmt == "mistral11":
+        # [TOOL_CALLS]NAME[ARGS]{...}, the call's arguments the tool's schema; several in a row
+        # when parallel (the template writes a turn's calls so, nothing between them)
+        marks = {m: _token(tokenizer, m, True) for m in (TOOL_CALLS, ARGS)}
+        rules = ["call: " + " | ".join(f"call_{i}" for i in range(len(tools)))]
+        for i, t in enumerate(tools):
+            args = {"x-guidance": JSON_OPTIONS, **closed_objects(_args(t["function"]))}
+            rules.append(f'call_{i}: {marks[TOOL_CALLS]} {json.dumps(t["function"]["name"])} {marks[ARGS]} args_{i}')
+            rules.append(f"args_{i}: %json {json.dumps(args)}")
     if fmt in ("hermes", "qwen3coder"):
         block = f'{_token(tokenizer, OPEN, True)} "\\n" call "\\n" {_token(tokenizer, CLOSE, True)}'
         start = ['start: block ("\\n" block)*' if req.parallel else "start: block", f"block: {block}"]
@@ -505,13 +518,15 @@ def native_grammar(fmt: str, req: ToolRequest, tokenizer: Any) -> str:
                   f'ctype: (" " {tok[CONSTRAIN]}? "json")?',
                   *_harmony_messages(tok)]
         start = ["start: (thought next)? (preamble next)? call"]
+    elif fmt == "mistral11":
+        start = ["start: call+" if req.parallel else "start: call"]
     elif fmt == "mistral":
         tag = _token(tokenizer, TOOL_CALLS, False)
         more = ' (", " call)*' if req.parallel else ""
         start = [f'start: {tag + " " if tag else ""}" "? "[" call{more} "]"']
     else:
         raise ValueError(f"no grammar for tool-call format {fmt!r} (one of hermes, qwen3coder, llama3, mistral, "
-                         "harmony)")
+                         "mistral11, harmony)")
     return "\n".join(start + rules) + "\n"
 
 
@@ -617,12 +632,17 @@ class ToolCallParser:
         if self.off:
             return text, []
         self.buf += text
+        if self.fmt == "mistral11":
+            return self._marked(False)
         return self._hermes(False) if self.fmt in ("hermes", "qwen3coder") else self._leading(False)
 
     def finish(self) -> tuple[str, list[dict]]:
         if self.off:
             return "", []
-        out = self._hermes(True) if self.fmt in ("hermes", "qwen3coder") else self._leading(True)
+        if self.fmt == "mistral11":
+            out = self._marked(True)
+        else:
+            out = self._hermes(True) if self.fmt in ("hermes", "qwen3coder") else self._leading(True)
         self.buf = ""
         return out
 
@@ -714,6 +734,39 @@ class ToolCallParser:
             except ValueError:
                 return None
         return new_call(obj["name"], args) if isinstance(args, dict) else None
+
+    # -- mistral11: content, then from the first [TOOL_CALLS] on the calls, to the end --
+    def _marked(self, final: bool) -> tuple[str, list[dict]]:
+        content = ""
+        if self.mode == "start":
+            i = self.buf.find(TOOL_CALLS)
+            if i < 0:   # content, but for what may begin the marker
+                cut = len(self.buf) if final else len(self.buf) - _held(self.buf, TOOL_CALLS)
+                content, self.buf = self.buf[:cut], self.buf[cut:]
+                return content, []
+            content, self.buf, self.mode = self.buf[:i], self.buf[i:], "call"
+        if not final:
+            return content, []
+        calls = self._marked_calls(self.buf)
+        content, self.buf = (content, "") if calls is not None else (content + self.buf, "")
+        return content, calls or []
+
+    def _marked_calls(self, text: str) -> list[dict] | None:
+        """`[TOOL_CALLS]NAME[ARGS]{...}` repeated, whitespace around, as calls; None when any part
+        is not a call of a known tool with a JSON object of arguments (the text is then content)."""
+        calls = []
+        for part in text.split(TOOL_CALLS)[1:]:
+            name, sep, rest = part.partition(ARGS)
+            rest = rest.strip()
+            try:
+                args, end = json.JSONDecoder().raw_decode(rest)
+            except ValueError:
+                return None
+            call = self._valid({"name": name.strip(), "arguments": args}) if sep and end == len(rest) else None
+            if call is None:
+                return None
+            calls.append(call)
+        return calls
 
     # -- llama3, mistral, generic: the answer is a call when it starts with JSON --
     def _leading(self, final: bool) -> tuple[str, list[dict]]:
