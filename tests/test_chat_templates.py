@@ -44,8 +44,9 @@ concatenates them), cflow the OpenAI request through its own path where the fami
 tool format (Qwen3.5), else the template directly with the same messages.
 
 The answer side: which tool-call format and reasoning parser each template gets
-(cflow.serve.tools.detect_format, cflow.reasoning.answer_parser), and the thought split of the
-two families that think in `<think>` tags as llama.cpp's deepseek reasoning format splits it.
+(cflow.serve.tools.detect_format, cflow.reasoning.answer_parser), the thought split of the
+families that think in `<think>` tags as llama.cpp's deepseek reasoning format splits it, and
+Gemma 4's thought channel split the same way.
 """
 
 from __future__ import annotations
@@ -80,7 +81,8 @@ FAMILIES = {
     "ministral_3": (template("ministral_3"), ["<s>", "</s>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]",
                                               "[/SYSTEM_PROMPT]", "[TOOL_CALLS]", "[ARGS]"], "<s>", "</s>"),
     "qwen3_5": (template("qwen3_5"), ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], None, "<|im_end|>"),
-    "gemma4": (template("gemma4"), ["<pad>", "<eos>", "<bos>", "<|turn>", "<turn|>"], "<bos>", "<eos>"),
+    "gemma4": (template("gemma4"), ["<pad>", "<eos>", "<bos>", "<|turn>", "<turn|>", "<|channel>", "<channel|>"],
+               "<bos>", "<eos>"),
 }
 
 
@@ -381,7 +383,7 @@ def test_tojson_control_html_escapes_miss(monkeypatch):
 @pytest.mark.parametrize("family, fmt, parser", [
     ("deepseek_v3_1", "generic", ThinkParser), ("kimi_k2", "generic", type(None)),
     ("ministral_3", "mistral11", type(None)), ("qwen3_5", "qwen3coder", ThinkParser),
-    ("gemma4", "generic", type(None))])
+    ("gemma4", "generic", ThinkParser)])
 def test_tool_format_and_answer_parser(family, fmt, parser):
     """The tool-call format and reasoning parser each template gets: Qwen3.5's XML calls and
     Ministral 3's [TOOL_CALLS]name[ARGS]{...} natively; "generic" where cflow has no parser for the
@@ -465,3 +467,26 @@ def test_ministral_3_answer_with_calls():
     assert (reasoning, content) == (None, "Checking. ")
     assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"city": "Paris"}, {"city": "Rome", "days": [3]}]
     assert T.parse_answer("mistral", req, text) == (None, text, [])
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+def test_gemma4_thought_channel_splits(thinking):
+    """Gemma 4 with enable_thinking writes `<|channel>thought\\n...\\n<channel|>` before its
+    answer (special tokens its vocabulary shows in the text); the thought is reasoning_content.
+    Without, the template closes an empty thought in the prompt and the answer is content.
+    Control: a vocabulary that drops the markers (another template) leaves the thought in the content."""
+    tok = family_tokenizer("gemma4")
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Hi"}], enable_thinking=thinking)
+    assert prompt.endswith("<|turn>model\n" if thinking else "<|turn>model\n<|channel>thought\n<channel|>")
+    answer = "<|channel>thought\nThe user greets.\n<channel|>Hello! 😀" if thinking else "Hello! 😀"
+    text = tok.decode(tok.encode(answer), skip_special=True)
+    p = answer_parser(tok.chat_template, prompt[-32:])
+    got = p.feed(text)
+    got += p.finish()
+    assert (got.reasoning, got.content) == (("The user greets." if thinking else ""), "Hello! 😀")
+    if thinking:
+        plain = Tokenizer({**tok.to_header(), "chat_template": FAMILIES["qwen3_5"][0]})
+        p = answer_parser(tok.chat_template, prompt[-32:])
+        got = p.feed(plain.decode(plain.encode(answer), skip_special=True))
+        got += p.finish()
+        assert got.reasoning == "" and "The user greets." in got.content

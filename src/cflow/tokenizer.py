@@ -94,6 +94,9 @@ _HARMONY_MARKERS = ("<|start|>", "<|channel|>", "<|message|>", "<|constrain|>")
 # parser needs both markers, so a vocabulary whose template writes `[ARGS]` shows them
 # (llama.cpp keeps them in the answer as that format's preserved tokens).
 _MISTRAL_CALL_MARKERS = ("[TOOL_CALLS]", "[ARGS]")
+# Gemma 4's thought channel, `<|channel>thought ... <channel|>` (cflow.reasoning.ThinkParser): shown
+# when the template writes it, so that the answer's thought can be told from its content.
+_THOUGHT_CHANNEL_MARKERS = ("<|channel>", "<channel|>")
 
 
 def _raise_exception(message: str) -> None:
@@ -228,8 +231,10 @@ class Tokenizer:
         return frozenset(i for t, i in self.special.items() if t not in self._visible_specials())
 
     def _visible_specials(self) -> tuple[str, ...]:
-        calls = _MISTRAL_CALL_MARKERS if "[ARGS]" in (self.chat_template or "") else ()
-        return _HARMONY_MARKERS + (("<|end|>",) if self.harmony else ()) + calls
+        t = self.chat_template or ""
+        calls = _MISTRAL_CALL_MARKERS if "[ARGS]" in t else ()
+        thought = _THOUGHT_CHANNEL_MARKERS if "<|channel>" in t else ()
+        return _HARMONY_MARKERS + (("<|end|>",) if self.harmony else ()) + calls + thought
 
     @property
     def stop_ids(self) -> frozenset[int]:
