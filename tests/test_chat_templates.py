@@ -40,8 +40,8 @@ Oracle 2, what the built-ins lack (tools, calls and results, reasoning_content, 
 llama-cpp-python's Jinja2ChatFormatter renders the template with jinja2 as HF transformers does;
 it gets the messages written out by hand as llama.cpp hands them to the template (a call's
 arguments an object where the template reads them as one, a string for DeepSeek's, which
-concatenates them), cflow the OpenAI request through its own path where the family has a native
-tool format (Qwen3.5), else the template directly with the same messages.
+concatenates them), cflow the OpenAI request through its serving path for Qwen3.5, else the
+template directly with the same messages.
 
 The answer side: which tool-call format and reasoning parser each template gets
 (cflow.serve.tools.detect_format, cflow.reasoning.answer_parser), the thought split of the
