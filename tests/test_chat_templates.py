@@ -201,8 +201,8 @@ def test_kimi_k2_renders_as_llama_cpp(chat, add):
     default = [] if system_of(chat) is not None else [{"role": "system", "content": "You are a helpful assistant"}]
     mine = tok.apply_chat_template(chat, add_generation_prompt=add)
     assert mine == builtin("kimi-k2", default + chat, add)
-    if default:   # control: the built-in without the template's default system turn
-        assert mine != builtin("kimi-k2", chat, add)
+    # control: the built-in without the template's default system turn, or without the chat's own
+    assert mine != builtin("kimi-k2", chat if default else chat[1:], add)
 
 
 # ---- Ministral 3 -------------------------------------------------------------------------------
@@ -236,7 +236,9 @@ def test_qwen3_5_renders_as_llama_cpp(chat, add, thinking):
     opens = ("<think>\n" if thinking is not False else "<think>\n\n</think>\n\n") if add else ""
     mine = tok.apply_chat_template(chat, add_generation_prompt=add, **kw)
     assert mine == builtin("chatml", trimmed, add) + opens
-    # controls: the messages untrimmed (where they have spaces), the other thinking mode
+    # controls: the generation prompt the other way, the messages untrimmed (where they have
+    # spaces), the other thinking mode
+    assert mine != builtin("chatml", trimmed, not add) + opens
     if trimmed != chat:
         assert mine != builtin("chatml", chat, add) + opens
     if add:
@@ -399,8 +401,9 @@ def test_tool_format_and_answer_parser(family, fmt, parser):
     text = tok.apply_chat_template(msgs, **kw)
     described = text.count("The weather of a city now")
     assert described == 1, text
-    if fmt == "generic" and re.search(r"\btools\b", tok.chat_template):
-        # control: a template that reads `tools`, given them as well, describes them twice
+    if re.search(r"\btools\b", tok.chat_template):
+        # control: a template that reads `tools`, given them beside the generic description, has both
+        msgs, _ = T.prepare("generic", [{"role": "user", "content": "Weather?"}], req)
         assert tok.apply_chat_template(msgs, tools=req.tools).count("The weather of a city now") == 2
 
 
@@ -418,8 +421,9 @@ THOUGHTS = [
 def test_thoughts_split_as_llama_cpp(case):
     """After the prompt each template renders, the answer splits as llama.cpp's deepseek
     reasoning format splits it: a generation prompt that opened <think> starts the answer inside
-    the thought; with thinking off the whole answer is content. Control: a parser not told of the
-    opened thought leaves it in the content."""
+    the thought; with thinking off the whole answer is content. Controls: a parser not told of the
+    opened thought leaves it in the content; one told of a thought that is not open takes the
+    answer for one."""
     family, kw, answer, reasoning, content = THOUGHTS[case]
     tok = family_tokenizer(family)
     prompt = tok.apply_chat_template([{"role": "user", "content": "Hi"}], **kw)
@@ -427,11 +431,10 @@ def test_thoughts_split_as_llama_cpp(case):
     got = p.feed(answer)
     got += p.finish()
     assert (got.reasoning, got.content) == (reasoning, content)
-    if reasoning:
-        p = ThinkParser(opened=False)
-        got = p.feed(answer)
-        got += p.finish()
-        assert got.reasoning == "" and reasoning in got.content
+    p = ThinkParser(opened=not reasoning)
+    got = p.feed(answer)
+    got += p.finish()
+    assert (got.reasoning, got.content) != (reasoning, content)
 
 
 def test_qwen3_5_answer_with_thought_and_xml_call():
