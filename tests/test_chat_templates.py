@@ -477,7 +477,8 @@ def test_gemma4_thought_channel_splits(thinking):
     """Gemma 4 with enable_thinking writes `<|channel>thought\\n...\\n<channel|>` before its
     answer (special tokens its vocabulary shows in the text); the thought is reasoning_content.
     Without, the template closes an empty thought in the prompt and the answer is content.
-    Control: a vocabulary that drops the markers (another template) leaves the thought in the content."""
+    Controls: a vocabulary that drops the markers (another template) leaves the thought in the
+    content; a parser told of an opened thought takes the plain answer for one."""
     tok = family_tokenizer("gemma4")
     prompt = tok.apply_chat_template([{"role": "user", "content": "Hi"}], enable_thinking=thinking)
     assert prompt.endswith("<|turn>model\n" if thinking else "<|turn>model\n<|channel>thought\n<channel|>")
@@ -493,3 +494,8 @@ def test_gemma4_thought_channel_splits(thinking):
         got = p.feed(plain.decode(plain.encode(answer), skip_special=True))
         got += p.finish()
         assert got.reasoning == "" and "The user greets." in got.content
+    else:   # control: a parser told the prompt opened a thought takes the answer for one
+        p = ThinkParser(opened=True)
+        got = p.feed(text)
+        got += p.finish()
+        assert (got.reasoning, got.content) == ("Hello! 😀", "")
