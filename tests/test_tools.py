@@ -412,8 +412,8 @@ def test_prepare_native_passes_tools_to_the_template(fmt):
     assert {"hermes": '"arguments": {"city": "Paris"}', "qwen3coder": "<function=get_weather>\n<parameter=city>\n"
             "Paris\n</parameter>\n</function>", "llama3": '"parameters": {"city": "Paris"}',
             "mistral": '"arguments": {"city": "Paris"}, "id": ',
-            "mistral11": '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{"tz": "CET"}</s>'}[fmt] \
-        in text
+            "mistral11": '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{"tz": "CET"}'
+                         '</s>'}[fmt] in text
     # tool_choice "none": the model is not shown the tools
     msgs, kw = T.prepare(fmt, conversation(calls), treq("none"))
     assert kw == {}
