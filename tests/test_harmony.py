@@ -454,6 +454,10 @@ THINKS = [  # (answer, the prompt opened the thought, (reasoning, content)): lla
     ("<think>\n\n</think>\n\nHi", False, ("", "Hi")),
     ("No thinking here <think>", False, ("", "No thinking here <think>")),
     ("<think>cut off  ", False, ("cut off", "")),
+    # Gemma 4's thought channel: its own end, not </think>
+    ("<|channel>thought\nPlan </think> it.\n<channel|>Answer", False, ("Plan </think> it.", "Answer")),
+    ("<|channel>thought\n<channel|>Hi <|channel>", False, ("", "Hi <|channel>")),
+    ("<|channel>though", False, ("", "<|channel>though")),
 ]
 
 

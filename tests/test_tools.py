@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import random
 from functools import lru_cache
+from pathlib import Path
 
 import pytest
 
@@ -109,16 +110,30 @@ MISTRAL = r"""{%- if messages[0]["role"] == "system" %}{%- set system_message = 
 {%- endfor %}
 """
 
+
+
+def real_template(name: str) -> str:
+    """A model's own template from tests/data (sources in tests/test_chat_templates.py)."""
+    with open(Path(__file__).parent / "data" / f"{name}_chat_template.jinja", encoding="utf-8", newline="") as f:
+        return f.read()
+
+
+QWEN35 = real_template("qwen3_5")          # XML calls in <tool_call>
+MINISTRAL3 = real_template("ministral_3")  # [TOOL_CALLS]name[ARGS]{...}
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
           "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
 # (template, special tokens (the first is EOS), added non-special tokens)
 FAMILIES = {
     "hermes": (QWEN, ["<|im_end|>", "<|im_start|>", "<|endoftext|>"], ["<tool_call>", "</tool_call>"]),
+    "qwen3coder": (QWEN35, ["<|im_end|>", "<|im_start|>", "<|endoftext|>"], ["<tool_call>", "</tool_call>"]),
     "llama3": (LLAMA31, ["<|eot_id|>", "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
                          "<|python_tag|>", "<|eom_id|>"], []),
     "mistral": (MISTRAL, ["</s>", "<s>", "[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]",
                           "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]"], []),
+    "mistral11": (MINISTRAL3, ["</s>", "<s>", "[INST]", "[/INST]", "[TOOL_CALLS]", "[ARGS]", "[AVAILABLE_TOOLS]",
+                               "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]", "[SYSTEM_PROMPT]",
+                               "[/SYSTEM_PROMPT]"], []),
     "generic": (CHATML, ["<|im_end|>", "<|im_start|>"], []),
 }
 
@@ -129,7 +144,7 @@ def tokenizer(fmt: str) -> Tokenizer:
     template, special, added = FAMILIES[fmt]
     b2u = bytes_to_unicode()
     vocab = [b2u[b] for b in range(256)] + special + added
-    bos = special[1] if fmt in ("llama3", "mistral") else None
+    bos = special[1] if fmt in ("llama3", "mistral", "mistral11") else None
     return Tokenizer({"model": "bpe", "vocab": vocab, "merges": [], "bos_id": vocab.index(bos) if bos else None,
                       "eos_id": 256, "add_bos": False, "chat_template": template,
                       "special": {t: vocab.index(t) for t in special},
@@ -382,19 +397,23 @@ def test_detect_format_edge_cases():
     assert T.detect_format(Stub("{{ messages[0].content }} <tool_call>")) == "generic"
     assert T.detect_format(Stub("{% if tools %}{{ tools|tojson }}{% endif %}")) == "generic"
     assert T.detect_format(Stub("{% if tools %}<|python_tag|>{% endif %}")) == "llama3"
-    # Mistral's v11 syntax ([TOOL_CALLS]name[ARGS]{...}) is not parsed here
-    assert T.detect_format(Stub("{% if tools %}[TOOL_CALLS]{{ name }}[ARGS]{% endif %}")) == "generic"
+    # Mistral's v11 syntax ([TOOL_CALLS]name[ARGS]{...}) against v3's (a JSON array after the marker)
+    assert T.detect_format(Stub("{% if tools %}[TOOL_CALLS]{{ name }}[ARGS]{% endif %}")) == "mistral11"
+    assert T.detect_format(Stub("{% if tools %}[TOOL_CALLS] [{{ calls }}]{% endif %}")) == "mistral"
 
 
-@pytest.mark.parametrize("fmt", ["hermes", "llama3", "mistral"])
+@pytest.mark.parametrize("fmt", ["hermes", "qwen3coder", "llama3", "mistral", "mistral11"])
 def test_prepare_native_passes_tools_to_the_template(fmt):
     calls = (CALL,) if fmt == "llama3" else (CALL, CALL2)   # Llama 3.1's template takes one call a turn
     msgs, kw = T.prepare(fmt, conversation(calls), treq())
     assert kw == {"tools": treq().tools}
     text = tokenizer(fmt).apply_chat_template(msgs, **kw)
     assert "The weather in a city." in text and "result of get_weather" in text
-    assert {"hermes": '"arguments": {"city": "Paris"}', "llama3": '"parameters": {"city": "Paris"}',
-            "mistral": '"arguments": {"city": "Paris"}, "id": '}[fmt] in text
+    assert {"hermes": '"arguments": {"city": "Paris"}', "qwen3coder": "<function=get_weather>\n<parameter=city>\n"
+            "Paris\n</parameter>\n</function>", "llama3": '"parameters": {"city": "Paris"}',
+            "mistral": '"arguments": {"city": "Paris"}, "id": ',
+            "mistral11": '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{"tz": "CET"}'
+                         '</s>'}[fmt] in text
     # tool_choice "none": the model is not shown the tools
     msgs, kw = T.prepare(fmt, conversation(calls), treq("none"))
     assert kw == {}
@@ -463,7 +482,7 @@ REQS = [treq("required"), treq("required", parallel=False), named("get_time"), n
         treq("required", tools=(WEATHER, TIME, PING, BOOK))]
 
 
-@pytest.mark.parametrize("fmt", ["hermes", "llama3", "mistral"])
+@pytest.mark.parametrize("fmt", ["hermes", "qwen3coder", "llama3", "mistral", "mistral11"])
 @pytest.mark.parametrize("i", range(len(REQS)))
 def test_native_grammars_validate(fmt, i):
     g = lark(T.native_grammar(fmt, REQS[i], tokenizer(fmt)))
@@ -525,6 +544,71 @@ def test_hermes_grammar_accepts_calls_and_refuses_others():
     assert not accepts("hermes", gb, hermes_call("book", {"when": {"day": "Monday"}}))
 
 
+def qwen_call(name, args):
+    """A call as Qwen3.5's template writes one: strings as they are, other values as JSON."""
+    params = "".join(f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v)}\n</parameter>\n"
+                     for k, v in args.items())
+    return f"<tool_call>\n<function={name}>\n{params}</function>\n</tool_call>"
+
+
+def test_qwen3coder_grammar_accepts_calls_and_refuses_others():
+    g = lark(T.native_grammar("qwen3coder", treq("required"), tokenizer("qwen3coder")))
+    one = qwen_call("get_weather", {"city": "Paris"})
+    assert accepts("qwen3coder", g, one)
+    assert accepts("qwen3coder", g, one + "\n" + qwen_call("get_time", {"tz": "UTC"}))
+    assert accepts("qwen3coder", g, qwen_call("get_weather", {"city": "Rio de\n\nJaneiro <3", "unit": "c"}))
+    assert not accepts("qwen3coder", g, qwen_call("get_wether", {"city": "Paris"}))      # no such function
+    assert not accepts("qwen3coder", g, qwen_call("get_weather", {}))                    # city is required
+    assert not accepts("qwen3coder", g, qwen_call("get_weather", {"city": "P", "unit": "k"}))
+    assert not accepts("qwen3coder", g, qwen_call("get_weather", {"city": "P", "extra": "1"}))
+    assert not accepts("qwen3coder", g, qwen_call("get_weather", {"city": "a\n<b"}))    # a line opening a tag
+    assert not accepts("qwen3coder", g, "Sure! " + one)
+    assert not accepts("qwen3coder", g, hermes_call("get_weather", {"city": "Paris"}))  # JSON in the block
+    gb = lark(T.native_grammar("qwen3coder", named("book", tools=(BOOK,)), tokenizer("qwen3coder")))
+    assert accepts("qwen3coder", gb, qwen_call("book", {"when": {"day": 3}}))           # "$ref" followed
+    assert not accepts("qwen3coder", gb, qwen_call("book", {"when": {"day": "Monday"}}))
+    gp = lark(T.native_grammar("qwen3coder", named("ping", tools=(PING,)), tokenizer("qwen3coder")))
+    assert accepts("qwen3coder", gp, "<tool_call>\n<function=ping>\n</function>\n</tool_call>")
+
+
+def test_mistral11_grammar_with_its_special_tokens():
+    tok = tokenizer("mistral11")
+    tc, ar = tok.special["[TOOL_CALLS]"], tok.special["[ARGS]"]
+
+    def ids(*calls):   # each call as the model writes it: the markers are special tokens
+        return [i for name, args in calls for i in [tc] + tok.encode(name) + [ar] + tok.encode(json.dumps(args))]
+
+    g = lark(T.native_grammar("mistral11", treq("required"), tok))
+    m = llguidance.LLMatcher(lltok("mistral11"), g, log_level=0)
+
+    def takes(seq):
+        m.reset()
+        return m.consume_tokens(seq) and not m.is_error() and m.is_accepting()
+
+    assert takes(ids(W)) and takes(ids(W, TM))
+    assert not takes(ids(("get_wether", {"city": "Paris"})))           # no such function
+    assert not takes(ids(("get_weather", {"city": 5})))               # a number for a string
+    assert not takes(tok.encode("[TOOL_CALLS]get_weather[ARGS]{}"))   # the markers' text is not the tokens
+    assert not takes(tok.encode("Sure. ") + ids(W))                   # a call, at once
+    g1 = lark(T.native_grammar("mistral11", named("get_time", parallel=False), tok))
+    m = llguidance.LLMatcher(lltok("mistral11"), g1, log_level=0)
+    assert takes(ids(TM)) and not takes(ids(W)) and not takes(ids(TM, TM))
+
+
+def test_mistral11_markers_show_in_the_answer_text():
+    """The vocabulary of a template that writes [ARGS] keeps both markers in the detokenized text
+    (the parser needs them); with another template they are dropped as specials (the control)."""
+    tok = tokenizer("mistral11")
+    ids = [tok.special["[TOOL_CALLS]"]] + tok.encode("ping") + [tok.special["[ARGS]"]] + tok.encode("{}")
+    assert tok.decode(ids, skip_special=True) == "[TOOL_CALLS]ping[ARGS]{}"
+    assert "".join(map(tok.stream(skip_special=True).put, ids)) == "[TOOL_CALLS]ping[ARGS]{}"
+    assert tok.decode([tok.special["</s>"]], skip_special=True) == ""
+    tok = Tokenizer({**tok.to_header(), "chat_template": MISTRAL})
+    assert tok.decode(ids, skip_special=True) == "ping{}"
+    tok.chat_template = MINISTRAL3   # as `cflow serve --chat-template-file` replaces it
+    assert tok.decode(ids, skip_special=True) == "[TOOL_CALLS]ping[ARGS]{}"
+
+
 def test_generic_schema_accepts_answers_and_refuses_others():
     auto = schema_grammar(T.generic_schema(treq()))
     call = '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}]}'
@@ -574,19 +658,22 @@ def test_unenforceable_parameters_are_loosened_not_refused():
     assert accepts("hermes", g, hermes_call("odd", {"a": "anything"}))
 
 
-@pytest.mark.parametrize("fmt", ["hermes", "llama3", "mistral", "generic"])
+@pytest.mark.parametrize("fmt", ["hermes", "qwen3coder", "llama3", "mistral", "mistral11", "generic"])
 def test_constrained_output_round_trips_through_the_parser(fmt):
     """What a model writes under the constraint, detokenized as the server does (specials
     dropped), parses back into the calls."""
     tok = tokenizer(fmt)
     r = treq("required")
     args = {"city": "Zürich \"centre\""}
-    text = {"hermes": hermes_call("get_weather", args),
+    text = {"hermes": hermes_call("get_weather", args), "qwen3coder": qwen_call("get_weather", args),
             "llama3": '{"name": "get_weather", "parameters": ' + json.dumps(args, ensure_ascii=False) + "}",
             "mistral": ' [{"name": "get_weather", "arguments": ' + json.dumps(args, ensure_ascii=False) + "}]",
+            "mistral11": "get_weather",
             "generic": '{"tool_calls": [{"name": "get_weather", "arguments": ' + json.dumps(args, ensure_ascii=False) + "}]}"}[fmt]
-    pre = {"llama3": ("<|python_tag|>",), "mistral": ("[TOOL_CALLS]",)}.get(fmt, ())
+    pre = {"llama3": ("<|python_tag|>",), "mistral": ("[TOOL_CALLS]",), "mistral11": ("[TOOL_CALLS]",)}.get(fmt, ())
     ids = [tok.special[p] for p in pre] + tok.encode(text)
+    if fmt == "mistral11":
+        ids += [tok.special["[ARGS]"]] + tok.encode(json.dumps(args, ensure_ascii=False))
     s = T.constraint_for(fmt, r, tok)
     g = schema_grammar(s.source) if s.kind == "json_schema" else lark(s.source)
     m = llguidance.LLMatcher(lltok(fmt), g, log_level=0)
@@ -605,6 +692,8 @@ HT = hermes_call(*TM)
 LW = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
 LT = '{"name": "get_time", "parameters": {"tz": "UTC"}}'
 MW = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+QW = qwen_call(*W)
+QT = qwen_call(*TM)
 MT = '{"name": "get_time", "arguments": {"tz": "UTC"}}'
 
 # (format, generated text, content, calls)
@@ -626,6 +715,29 @@ CASES = [
     ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": [1]}\n</tool_call>',
      '<tool_call>\n{"name": "get_weather", "arguments": [1]}\n</tool_call>', []),
     ("hermes", HW + "\n" + HT.replace("get_time", "nope"), HT.replace("get_time", "nope"), [W]),
+    ("qwen3coder", "Let me check.\n\n" + QW, "Let me check.", [W]),
+    ("qwen3coder", QW + "\n" + QT, None, [W, TM]),
+    ("qwen3coder", qwen_call("book", {"when": {"day": 3}, "n": 2, "note": "x"}), None,
+     [("book", {"when": {"day": 3}, "n": 2, "note": "x"})]),
+    ("qwen3coder", qwen_call("get_weather", {"city": "42"}), None, [("get_weather", {"city": "42"})]),  # a string
+    ("qwen3coder", qwen_call("get_weather", {"city": "a\nb", "unit": "c"}), None,
+     [("get_weather", {"city": "a\nb", "unit": "c"})]),
+    ("qwen3coder", "<tool_call>\n<function=ping>\n</function>\n</tool_call>", None, [("ping", {})]),
+    ("qwen3coder", QW.replace("get_weather", "launch"), QW.replace("get_weather", "launch"), []),   # unknown name
+    ("qwen3coder", QW.replace("</parameter>", "</param>"), QW.replace("</parameter>", "</param>"), []),
+    ("qwen3coder", QW.replace("<function=", "junk <function="), QW.replace("<function=", "junk <function="), []),
+    ("qwen3coder", HW, HW, []),                                  # JSON in the block is not this format
+    ("qwen3coder", "A\n" + QW[:30], "A\n" + QW[:30], []),          # cut off by max_tokens
+    ("mistral11", "[TOOL_CALLS]get_weather[ARGS]" + json.dumps(W[1]), None, [W]),
+    ("mistral11", "Let me check. [TOOL_CALLS]get_weather[ARGS]" + json.dumps(W[1]) + "[TOOL_CALLS]get_time[ARGS]"
+     + json.dumps(TM[1]) + "\n", "Let me check. ", [W, TM]),
+    ("mistral11", "[TOOL_CALLS]ping[ARGS]{}", None, [("ping", {})]),
+    ("mistral11", "Plain [answer] with [ARGS] and [TOOL_CALL", "Plain [answer] with [ARGS] and [TOOL_CALL", []),
+    ("mistral11", "[TOOL_CALLS]launch[ARGS]{}", "[TOOL_CALLS]launch[ARGS]{}", []),             # unknown name
+    ("mistral11", "[TOOL_CALLS]get_weather[ARGS]{\"city\": ", "[TOOL_CALLS]get_weather[ARGS]{\"city\": ", []),
+    ("mistral11", "[TOOL_CALLS]get_weather[ARGS][1]", "[TOOL_CALLS]get_weather[ARGS][1]", []),
+    ("mistral11", "[TOOL_CALLS]get_weather{}", "[TOOL_CALLS]get_weather{}", []),              # no [ARGS]
+    ("mistral11", "[TOOL_CALLS]get_weather[ARGS]{} and more", "[TOOL_CALLS]get_weather[ARGS]{} and more", []),
     ("llama3", LW, None, [W]),
     ("llama3", "\n" + LW + "; " + LT, None, [W, TM]),
     ("llama3", "<|python_tag|>" + LW, None, [W]),               # a vocabulary with the tag as text
@@ -683,7 +795,7 @@ def stream(fmt, req, pieces):
     return (None if calls and not content.strip() else content), calls
 
 
-REQ = treq(tools=(WEATHER, TIME, PING))
+REQ = treq(tools=(WEATHER, TIME, PING, BOOK))
 
 
 @pytest.mark.parametrize("case", range(len(CASES)))

@@ -20,10 +20,12 @@ cflow.cli.chat run it):
   (`<|constrain|>json` or `json`). The answer ends with <|return|> or, after a call, <|call|>;
   both stop generation, so the parser never sees them. The structure tokens are special tokens
   that cflow.tokenizer keeps in the detokenized text of a harmony vocabulary.
-- `ThinkParser`: templates whose model thinks in `<think>...</think>` (Qwen3, DeepSeek-R1)
-  before answering: the thought becomes `reasoning_content`, what follows `</think>` the content
-  (llama-server's --reasoning-format deepseek). A prompt that already opened `<think>` (the
-  template's generation prompt) is told to the parser, which then starts inside the thought.
+- `ThinkParser`: templates whose model thinks in `<think>...</think>` (Qwen3, DeepSeek-R1) or on
+  Gemma 4's thought channel (`<|channel>thought ... <channel|>`, its markers kept in the text by
+  cflow.tokenizer) before answering: the thought becomes `reasoning_content`, what follows its
+  end the content (llama-server's --reasoning-format deepseek). A prompt that already opened
+  `<think>` (the template's generation prompt) is told to the parser, which then starts inside
+  the thought.
 
 Both parsers stream: `feed(text)` returns what is decided now, `finish()` the rest, and the
 result does not depend on how the text was cut into pieces. Choices: text that breaks the
@@ -40,6 +42,9 @@ from typing import Any
 
 START, CHANNEL, MESSAGE, END, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|constrain|>"
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+# Gemma 4's thought: `<|channel>thought\n...\n<channel|>` before the answer
+THOUGHT_CHANNEL_OPEN, THOUGHT_CHANNEL_CLOSE = "<|channel>thought", "<channel|>"
+_THOUGHT_TAGS = {THINK_OPEN: THINK_CLOSE, THOUGHT_CHANNEL_OPEN: THOUGHT_CHANNEL_CLOSE}
 _READS_THINKING = re.compile(r"""\.thinking\b|\[\s*['"]thinking['"]\s*\]|['"]thinking['"]\s+in\s+message""")
 _HEADER_MAX = 256   # a header longer than this without <|message|> is not one: the text is content
 
@@ -50,8 +55,9 @@ def is_harmony(template: str | None) -> bool:
 
 
 def thinks_in_tags(template: str | None) -> bool:
-    """Whether a chat template's model thinks in `<think>...</think>` (Qwen3, DeepSeek-R1)."""
-    return THINK_OPEN in (template or "") and not is_harmony(template)
+    """Whether a chat template's model thinks in `<think>...</think>` (Qwen3, DeepSeek-R1) or on
+    Gemma 4's thought channel."""
+    return any(tag in (template or "") for tag in _THOUGHT_TAGS) and not is_harmony(template)
 
 
 def prompt_opens_thought(prompt_tail: str) -> bool:
@@ -224,8 +230,9 @@ class HarmonyParser(_StreamParser):
 
 
 class ThinkParser(_StreamParser):
-    """`<think>reasoning</think>content` -> reasoning and content, as it streams. `opened`: the
-    prompt ended inside the thought (its generation prompt wrote `<think>`). The reasoning is
+    """`<think>reasoning</think>content` (or Gemma 4's `<|channel>thought reasoning<channel|>`)
+    -> reasoning and content, as it streams. `opened`: the prompt ended inside the thought (its
+    generation prompt wrote `<think>`). The reasoning is
     stripped of surrounding whitespace (held back while it may be trailing) and the whitespace
     between </think> and the answer dropped, as llama.cpp's deepseek reasoning format does."""
 
@@ -233,25 +240,27 @@ class ThinkParser(_StreamParser):
         self.buf = ""
         self.mode = "think" if opened else "start"   # "start" | "think" | "after" | "content"
         self.started = False                         # the reasoning has shown a non-space
+        self.close = THINK_CLOSE                     # what ends the thought that opened
 
     def _run(self, final: bool) -> Parsed:
         out = Parsed()
         while True:
             if self.mode == "start":
                 s = self.buf.lstrip()
-                if s.startswith(THINK_OPEN):
-                    self.buf, self.mode = s[len(THINK_OPEN):], "think"
+                tag = next((t for t in _THOUGHT_TAGS if s.startswith(t)), None)
+                if tag is not None:
+                    self.buf, self.mode, self.close = s[len(tag):], "think", _THOUGHT_TAGS[tag]
                     continue
-                if not final and THINK_OPEN.startswith(s):
-                    break   # nothing yet, or a prefix of <think>
+                if not final and any(t.startswith(s) for t in _THOUGHT_TAGS):
+                    break   # nothing yet, or a prefix of an opening tag
                 self.mode = "content"
                 continue
             if self.mode == "think":
-                j = self.buf.find(THINK_CLOSE)
+                j = self.buf.find(self.close)
                 if j >= 0:
-                    text, rest, closed = self.buf[:j], self.buf[j + len(THINK_CLOSE):], True
+                    text, rest, closed = self.buf[:j], self.buf[j + len(self.close):], True
                 else:
-                    cut = len(self.buf) if final else len(self.buf) - _held(self.buf, THINK_CLOSE)
+                    cut = len(self.buf) if final else len(self.buf) - _held(self.buf, self.close)
                     text, rest, closed = self.buf[:cut], self.buf[cut:], final
                 if not self.started:
                     text = text.lstrip()
@@ -265,7 +274,7 @@ class ThinkParser(_StreamParser):
                     self.mode = "after"
                     continue
                 break
-            if self.mode == "after":   # the whitespace between </think> and the answer is dropped
+            if self.mode == "after":   # the whitespace between the thought and the answer is dropped
                 self.buf = self.buf.lstrip()
                 if not self.buf:
                     break

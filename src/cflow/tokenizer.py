@@ -90,6 +90,13 @@ _END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_tu
 # vocabulary does (it makes them "user defined"). <|end|> only ends one message of an answer
 # there, so it is neither a stop token nor hidden when <|return|> and <|call|> are in the vocabulary.
 _HARMONY_MARKERS = ("<|start|>", "<|channel|>", "<|message|>", "<|constrain|>")
+# Mistral's v11 tool calls, `[TOOL_CALLS]NAME[ARGS]{...}` (cflow.serve.tools "mistral11"): the
+# parser needs both markers, so a vocabulary whose template writes `[ARGS]` shows them
+# (llama.cpp keeps them in the answer as that format's preserved tokens).
+_MISTRAL_CALL_MARKERS = ("[TOOL_CALLS]", "[ARGS]")
+# Gemma 4's thought channel, `<|channel>thought ... <channel|>` (cflow.reasoning.ThinkParser): shown
+# when the template writes it, so that the answer's thought can be told from its content.
+_THOUGHT_CHANNEL_MARKERS = ("<|channel>", "<channel|>")
 
 
 def _raise_exception(message: str) -> None:
@@ -143,14 +150,13 @@ class Tokenizer:
         self.bos_id: int | None = h["bos_id"]
         self.eos_id: int | None = h["eos_id"]
         self.add_bos: bool = h["add_bos"]
-        self.chat_template: str | None = h["chat_template"]
+        self._chat_template: str | None = h["chat_template"]
         self.special: dict[str, int] = h["special"]
         self.added: dict[str, int] = h.get("added") or {}
         self.pre: str | None = h["pre"]
         # SentencePiece puts a "▁" before the text; decode() takes that space off again
         self.add_space_prefix: bool = self.model == "spm" and h["add_space_prefix"]
-        # the ids decode(skip_special=True) and stream(skip_special=True) leave out
-        self._special_ids = frozenset(i for t, i in self.special.items() if t not in self._visible_specials())
+        self._special_ids = self._hidden_ids()
         self._bytes = self._token_bytes()
         self._tk = self._build()
 
@@ -210,8 +216,25 @@ class Tokenizer:
         where <|end|> only closes one message of an answer (llama.cpp's test, llama-vocab.cpp)."""
         return all(t in self.special for t in ("<|return|>", "<|call|>", "<|end|>"))
 
+    @property
+    def chat_template(self) -> str | None:
+        return self._chat_template
+
+    @chat_template.setter
+    def chat_template(self, template: str | None) -> None:
+        # (`cflow serve --chat-template-file` replaces it) which specials show depends on it
+        self._chat_template = template
+        self._special_ids = self._hidden_ids()
+
+    def _hidden_ids(self) -> frozenset[int]:
+        """The ids decode(skip_special=True) and stream(skip_special=True) leave out."""
+        return frozenset(i for t, i in self.special.items() if t not in self._visible_specials())
+
     def _visible_specials(self) -> tuple[str, ...]:
-        return _HARMONY_MARKERS + (("<|end|>",) if self.harmony else ())
+        t = self.chat_template or ""
+        calls = _MISTRAL_CALL_MARKERS if "[ARGS]" in t else ()
+        thought = _THOUGHT_CHANNEL_MARKERS if "<|channel>" in t else ()
+        return _HARMONY_MARKERS + (("<|end|>",) if self.harmony else ()) + calls + thought
 
     @property
     def stop_ids(self) -> frozenset[int]:

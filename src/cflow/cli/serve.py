@@ -59,7 +59,8 @@ vLLM's "guided_json" / "guided_regex" / "guided_grammar" / "guided_choice" / "st
 every token fits (llguidance masks), each request under its own constraint; a malformed one gets
 400 naming it. Tool calls: "tools" with "tool_choice" auto | none | required | a named function,
 "tool" messages in the history; the chat template decides the syntax (Qwen2.5/Hermes <tool_call>,
-Llama 3.1 JSON, Mistral [TOOL_CALLS]; any other template gets llama.cpp's generic JSON format), and
+Qwen3.5's XML <tool_call>, Llama 3.1 JSON, Mistral [TOOL_CALLS] and v11 [TOOL_CALLS]name[ARGS]; any
+other template gets llama.cpp's generic JSON format), and
 the answer's calls come back as "tool_calls" (streamed as delta.tool_calls). --chat-template-file
 serves a model with another template; --chat-template-kwargs (or a request's
 "chat_template_kwargs") passes it variables such as {"enable_thinking": false}.

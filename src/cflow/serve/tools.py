@@ -9,10 +9,17 @@ template, and each format has its template input, grammar and parser:
 - "hermes" (Qwen2.5/Qwen3, SmolLM3, Hermes): text around blocks
   `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`; `<tool_call>` is an added
   (non-special) token, so it survives detokenization and the parser sees it.
+- "qwen3coder" (Qwen3.5, Qwen3-Coder): the same `<tool_call>` blocks, each holding XML rather
+  than JSON: `<function=NAME>`, then per argument `<parameter=KEY>\nVALUE\n</parameter>`, then
+  `</function>` (a VALUE is the argument's text: a string as it is, other types as JSON).
 - "llama3" (Llama 3.1+ JSON tool calling): the answer is `{"name": ..., "parameters": {...}}`,
   sometimes after the special `<|python_tag|>` (which the detokenizer drops).
 - "mistral" (v3 templates): the special `[TOOL_CALLS]` (dropped), then a JSON array of
   `{"name", "arguments"}`.
+- "mistral11" (Mistral's tokenizer v11 and later: Mistral Small 3.2, Magistral, Ministral 3):
+  content, then each call as `[TOOL_CALLS]NAME[ARGS]{...}`; both markers are special tokens that
+  cflow.tokenizer shows in the detokenized text of such a vocabulary (llama.cpp's preserved
+  tokens), so the parser finds them. The calls end the answer (EOS follows).
 - "harmony" (gpt-oss): the answer is channelled messages (cflow.reasoning.HarmonyParser), a
   call one addressed ` to=functions.NAME` on the commentary channel whose body is the arguments,
   ended by <|call|>; the analysis channel is the reasoning (`reasoning_content`), the final
@@ -40,15 +47,18 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from cflow.reasoning import CHANNEL, CONSTRAIN, END, MESSAGE, START, is_harmony
+from cflow.reasoning import CHANNEL, CONSTRAIN, END, MESSAGE, START, _held, is_harmony
 from cflow.serve.protocol import BadRequest, _json_type
 
-FORMATS = ("hermes", "llama3", "mistral", "harmony", "generic")
+FORMATS = ("hermes", "qwen3coder", "llama3", "mistral", "mistral11", "harmony", "generic")
 MAX_TOOLS = 128                      # OpenAI's limit
 _NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 _ID_CHARS = string.ascii_letters + string.digits
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-PYTHON_TAG, TOOL_CALLS = "<|python_tag|>", "[TOOL_CALLS]"
+FUNCTION, PARAMETER = "<function=", "<parameter="   # qwen3coder's XML inside <tool_call>
+_XML_CALL = re.compile(r"\s*<function=([^>\n]+)>\n?(.*?)</function>\s*", re.S)
+_XML_PARAM = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
+PYTHON_TAG, TOOL_CALLS, ARGS = "<|python_tag|>", "[TOOL_CALLS]", "[ARGS]"
 
 
 @dataclass(frozen=True)
@@ -249,8 +259,9 @@ def detect_format(tokenizer: Any) -> str:
 
     - writes harmony's `<|channel|>` (gpt-oss): "harmony", tools or not;
     - no template, or one that never reads `tools`: "generic";
-    - mentions `[TOOL_CALLS]` (and not `[ARGS]`, the v11 syntax `[TOOL_CALLS]name[ARGS]{...}`
-      this module does not parse, which gets "generic"): "mistral";
+    - mentions `[TOOL_CALLS]` and `[ARGS]` (the v11 syntax `[TOOL_CALLS]name[ARGS]{...}`):
+      "mistral11"; `[TOOL_CALLS]` alone (a JSON array of calls): "mistral";
+    - mentions `<tool_call>` and `<function=` (XML calls, Qwen3.5): "qwen3coder";
     - mentions `<tool_call>`: "hermes";
     - mentions `<|python_tag|>`, "Environment: ipython" or writes `"parameters": ` JSON calls:
       "llama3";
@@ -261,10 +272,10 @@ def detect_format(tokenizer: Any) -> str:
         return "harmony"
     if not re.search(r"\btools\b", t):
         return "generic"
-    if TOOL_CALLS in t and "[ARGS]" not in t:
-        return "mistral"
+    if TOOL_CALLS in t:
+        return "mistral11" if ARGS in t else "mistral"
     if OPEN in t:
-        return "hermes"
+        return "qwen3coder" if FUNCTION in t else "hermes"
     if PYTHON_TAG in t or "Environment: ipython" in t or '"parameters": ' in t:
         return "llama3"
     return "generic"
@@ -468,7 +479,18 @@ def native_grammar(fmt: str, req: ToolRequest, tokenizer: Any) -> str:
         rules.append(f'call_{i}: {head} args_{i} "}}"')
         rules.append(f"args_{i}: %json {json.dumps(args)}")
     rules.insert(0, "call: " + " | ".join(f"call_{i}" for i in range(len(tools))))
-    if fmt == "hermes":
+    if fmt == "qwen3coder":
+        rules = _xml_call_rules(tools)
+    if fmt == "mistral11":
+        # [TOOL_CALLS]NAME[ARGS]{...}, the call's arguments the tool's schema; several in a row
+        # when parallel (the template writes a turn's calls so, nothing between them)
+        marks = {m: _token(tokenizer, m, True) for m in (TOOL_CALLS, ARGS)}
+        rules = ["call: " + " | ".join(f"call_{i}" for i in range(len(tools)))]
+        for i, t in enumerate(tools):
+            args = {"x-guidance": JSON_OPTIONS, **closed_objects(_args(t["function"]))}
+            rules.append(f'call_{i}: {marks[TOOL_CALLS]} {json.dumps(t["function"]["name"])} {marks[ARGS]} args_{i}')
+            rules.append(f"args_{i}: %json {json.dumps(args)}")
+    if fmt in ("hermes", "qwen3coder"):
         block = f'{_token(tokenizer, OPEN, True)} "\\n" call "\\n" {_token(tokenizer, CLOSE, True)}'
         start = ['start: block ("\\n" block)*' if req.parallel else "start: block", f"block: {block}"]
     elif fmt == "llama3":
@@ -496,13 +518,61 @@ def native_grammar(fmt: str, req: ToolRequest, tokenizer: Any) -> str:
                   f'ctype: (" " {tok[CONSTRAIN]}? "json")?',
                   *_harmony_messages(tok)]
         start = ["start: (thought next)? (preamble next)? call"]
+    elif fmt == "mistral11":
+        start = ["start: call+" if req.parallel else "start: call"]
     elif fmt == "mistral":
         tag = _token(tokenizer, TOOL_CALLS, False)
         more = ' (", " call)*' if req.parallel else ""
         start = [f'start: {tag + " " if tag else ""}" "? "[" call{more} "]"']
     else:
-        raise ValueError(f"no grammar for tool-call format {fmt!r} (one of hermes, llama3, mistral, harmony)")
+        raise ValueError(f"no grammar for tool-call format {fmt!r} (one of hermes, qwen3coder, llama3, mistral, "
+                         "mistral11, harmony)")
     return "\n".join(start + rules) + "\n"
+
+
+def _xml_call_rules(tools: list[dict]) -> list[str]:
+    """qwen3coder's calls in Lark, as the Qwen3.5 template writes them: `<function=NAME>\\n`, the
+    parameters in the schema's order (the required ones always, the others when the model writes
+    them), `</function>`. A string parameter's value is text in which no line starts with "<" (so
+    that `\\n</parameter>` ends it; one regex, so the lexer never has to guess where it ends);
+    any other type is %json of its schema."""
+    from cflow.constrain import JSON_OPTIONS, closed_objects
+
+    rules = []
+    for i, t in enumerate(tools):
+        params = _args(t["function"])
+        required = set(params.get("required") or ())
+        parts = []
+        for k, (key, schema) in enumerate((params.get("properties") or {}).items()):
+            head = json.dumps(PARAMETER + key + ">" + chr(10))
+            enum = schema.get("enum") if isinstance(schema, dict) else None
+            if isinstance(enum, list) and enum and all(isinstance(w, str) for w in enum):
+                # the template writes a string as it is, quotes and all left out
+                words = " | ".join(json.dumps(w) for w in enum)
+                rules.append(f'p_{i}_{k}: {head} ({words}) "\\n</parameter>\\n"')
+                parts.append(f"p_{i}_{k}" + ("" if key in required else "?"))
+            elif isinstance(schema, dict) and schema.get("type") == "string":
+                rules.append(f"P_{i}_{k}: /{_regex_literal(PARAMETER + key + '>')}\\n(?:[^<\\n][^\\n]*)?"
+                             f"(?:\\n+[^<\\n][^\\n]*)*\\n<\\/parameter>\\n/")
+                parts.append(f"P_{i}_{k}" + ("" if key in required else "?"))
+            else:
+                # the parameters' "#/..." refs point at their root: its definitions come along
+                shared = {d: params[d] for d in ("$defs", "definitions") if d in params}
+                value = {"x-guidance": JSON_OPTIONS, **closed_objects({**(schema if isinstance(schema, dict) else {}),
+                                                                       **shared})}
+                rules.append(f'p_{i}_{k}: {head} v_{i}_{k} "\\n</parameter>\\n"')
+                rules.append(f"v_{i}_{k}: %json {json.dumps(value)}")
+                parts.append(f"p_{i}_{k}" + ("" if key in required else "?"))
+        rules.append(f'call_{i}: {json.dumps(FUNCTION + t["function"]["name"] + ">" + chr(10))} '
+                     f'{" ".join(parts)} "</function>"')
+    rules.insert(0, "call: " + " | ".join(f"call_{i}" for i in range(len(tools))))
+    return rules
+
+
+def _regex_literal(text: str) -> str:
+    """`text` matched literally inside a Lark /regex/ (llguidance's syntax): letters and digits
+    as they are, every other character as \\x{..}."""
+    return "".join(c if c.isascii() and c.isalnum() else f"\\x{{{ord(c):x}}}" for c in text)
 
 
 def _harmony_messages(tok: dict[str, str]) -> list[str]:
@@ -549,10 +619,12 @@ class ToolCallParser:
     def __init__(self, fmt: str, req: ToolRequest | None):
         self.fmt = fmt
         self.names = {t["function"]["name"] for t in req.tools} if req else set()
+        self.params = {t["function"]["name"]: t["function"].get("parameters") or {} for t in req.tools} if req else {}
         # harmony answers go through AnswerParser (channels, then calls): here they are text
         self.off = req is None or req.choice == "none" or fmt not in FORMATS or fmt == "harmony"
         self.buf = ""
-        self.mode = "start"      # hermes: "start" | "call"; others: "start" | "text" | "hold" | "resp" | "tail"
+        # hermes, qwen3coder: "start" | "call"; others: "start" | "text" | "hold" | "resp" | "tail"
+        self.mode = "start"
         self.after_call = False  # hermes: whitespace after a call is dropped
         self.ws = ""             # hermes: the whitespace before the open call, shown if it is no call
 
@@ -560,12 +632,17 @@ class ToolCallParser:
         if self.off:
             return text, []
         self.buf += text
-        return self._hermes(False) if self.fmt == "hermes" else self._leading(False)
+        if self.fmt == "mistral11":
+            return self._marked(False)
+        return self._hermes(False) if self.fmt in ("hermes", "qwen3coder") else self._leading(False)
 
     def finish(self) -> tuple[str, list[dict]]:
         if self.off:
             return "", []
-        out = self._hermes(True) if self.fmt == "hermes" else self._leading(True)
+        if self.fmt == "mistral11":
+            out = self._marked(True)
+        else:
+            out = self._hermes(True) if self.fmt in ("hermes", "qwen3coder") else self._leading(True)
         self.buf = ""
         return out
 
@@ -611,11 +688,39 @@ class ToolCallParser:
         return s
 
     def _call(self, body: str) -> dict | None:
+        if self.fmt == "qwen3coder":
+            return self._xml_call(body)
         try:
             obj = json.loads(body)
         except ValueError:
             return None
         return self._valid(obj)
+
+    def _xml_call(self, body: str) -> dict | None:
+        """A qwen3coder block's `<function=NAME>` and `<parameter=KEY>VALUE</parameter>`s as a call;
+        None when anything but whitespace lies around them. A value is its text when the tool's
+        schema says string (or it is no JSON), else the JSON it spells (as llama.cpp's Qwen3-Coder
+        XML handler reads them: string parameters as text, the others as JSON)."""
+        m = _XML_CALL.fullmatch(body)
+        if not m:
+            return None
+        name, inner = m.group(1).strip(), m.group(2)
+        props = (self.params.get(name) or {}).get("properties") or {}
+        args: dict[str, Any] = {}
+        pos = 0
+        for pm in _XML_PARAM.finditer(inner):
+            if inner[pos:pm.start()].strip():
+                return None
+            key, raw = pm.group(1).strip(), pm.group(2)
+            value: Any = raw
+            if (props.get(key) or {}).get("type") != "string":
+                try:
+                    value = json.loads(raw)
+                except ValueError:
+                    pass
+            args[key] = value
+            pos = pm.end()
+        return self._valid({"name": name, "arguments": args}) if not inner[pos:].strip() else None
 
     def _valid(self, obj: Any) -> dict | None:
         """A call object {"name", "arguments" (or "parameters": Llama)} naming a known tool, as an
@@ -629,6 +734,39 @@ class ToolCallParser:
             except ValueError:
                 return None
         return new_call(obj["name"], args) if isinstance(args, dict) else None
+
+    # -- mistral11: content, then from the first [TOOL_CALLS] on the calls, to the end --
+    def _marked(self, final: bool) -> tuple[str, list[dict]]:
+        content = ""
+        if self.mode == "start":
+            i = self.buf.find(TOOL_CALLS)
+            if i < 0:   # content, but for what may begin the marker
+                cut = len(self.buf) if final else len(self.buf) - _held(self.buf, TOOL_CALLS)
+                content, self.buf = self.buf[:cut], self.buf[cut:]
+                return content, []
+            content, self.buf, self.mode = self.buf[:i], self.buf[i:], "call"
+        if not final:
+            return content, []
+        calls = self._marked_calls(self.buf)
+        content, self.buf = (content, "") if calls is not None else (content + self.buf, "")
+        return content, calls or []
+
+    def _marked_calls(self, text: str) -> list[dict] | None:
+        """`[TOOL_CALLS]NAME[ARGS]{...}` repeated, whitespace around, as calls; None when any part
+        is not a call of a known tool with a JSON object of arguments (the text is then content)."""
+        calls = []
+        for part in text.split(TOOL_CALLS)[1:]:
+            name, sep, rest = part.partition(ARGS)
+            rest = rest.strip()
+            try:
+                args, end = json.JSONDecoder().raw_decode(rest)
+            except ValueError:
+                return None
+            call = self._valid({"name": name.strip(), "arguments": args}) if sep and end == len(rest) else None
+            if call is None:
+                return None
+            calls.append(call)
+        return calls
 
     # -- llama3, mistral, generic: the answer is a call when it starts with JSON --
     def _leading(self, final: bool) -> tuple[str, list[dict]]:
