@@ -59,15 +59,16 @@ HARMONY = ["<|startoftext|>", "<|endoftext|>", "<|return|>", "<|constrain|>", "<
            "<|end|>", "<|message|>", "<|call|>"]
 
 
-def harmony_vocab(specials: list[str]) -> list[str]:
+def harmony_vocab(specials: list[str], plain: tuple[str, ...] = ()) -> list[str]:
     b2u = bytes_to_unicode()
-    return [b2u[b] for b in range(256)] + ["Ġt", "he", "Ġthe"] + specials
+    return [b2u[b] for b in range(256)] + ["Ġt", "he", "Ġthe", *plain] + specials
 
 
-def tokenizer_writer(specials: list[str]):
+def tokenizer_writer(specials: list[str], plain: tuple[str, ...] = ()):
     """(writer of the tokenizer keys, vocabulary size) for test_gptoss.write_gptoss_gguf: gpt-oss's
-    specials as control tokens, <|return|> the EOS, the harmony template."""
-    vocab = harmony_vocab(specials)
+    specials as control tokens (and `plain` as normal ones), <|return|> the EOS, the harmony
+    template."""
+    vocab = harmony_vocab(specials, plain)
 
     def write(wr) -> None:
         wr.add_tokenizer_model("gpt2")
@@ -291,6 +292,31 @@ def test_stop_tokens_and_shown_specials_as_llama_cpp(tmp_path, specials):
     for i, piece in pieces.items():
         assert tok.stream(skip_special=True).put(i) == piece, tok.vocab[i]
     assert pieces[tok.special["<|channel|>"]] == "<|channel|>" and pieces[tok.special["<|return|>"]] == ""
+
+
+# every name llama.cpp's vocabulary loader makes an end-of-generation token (llama-vocab.cpp), and
+# near names that must not stop (the controls)
+EOG_NAMES = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<end_of_turn>", "<|flush|>", "<|calls|>", "<EOT>",
+             "_<EOT>", "[EOT]", "[EOS]", "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>",
+             "<|tool_response>")
+NOT_EOG = ("</s>", "<|im_start|>", "<|turn>", "<tool_response|>", "[EOT", "<end_of_turn")
+
+
+@pytest.mark.parametrize("control", [True, False], ids=["control-tokens", "normal-tokens"])
+def test_end_of_generation_names_as_llama_cpp(tmp_path, control):
+    """Generation stops on the tokens llama.cpp's loader makes end-of-generation by name (Gemma 4's
+    <turn|>, Kimi-K2's [EOT], ...), whether the vocabulary marks them control or normal; near
+    names do not stop."""
+    from test_tokenizer_gguf import cflow_from_gguf
+
+    path = tmp_path / "eog.gguf"
+    names = list(EOG_NAMES) + list(NOT_EOG)
+    specials = HARMONY + names if control else HARMONY
+    write_gptoss_gguf(path, seed=0, tokenizer=tokenizer_writer(specials, () if control else tuple(names)))
+    tok = cflow_from_gguf(path)
+    eog, _ = llama_view(path, len(specials))
+    assert set(tok.stop_ids) == eog
+    assert {tok.vocab[i] for i in eog} >= set(EOG_NAMES) and not {tok.vocab[i] for i in eog} & set(NOT_EOG)
 
 
 # ---- the answer ---------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ from __future__ import annotations
 import codecs
 import json
 from datetime import datetime
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import Any, Iterable, Iterator
 
 import numpy as np
@@ -80,11 +80,14 @@ DEFAULT_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
-# Tokens that end a turn in common chat formats; generation stops on them as well as on EOS.
-# <|eom_id|>: Llama 3.1 ends a tool call (an ipython turn the caller answers) with it;
-# <|return|>, <|call|>: gpt-oss's harmony format ends its answer, or a tool call, with them
+# Tokens that end a turn in common chat formats; generation stops on them as well as on EOS. The
+# names llama.cpp's vocabulary loader makes end-of-generation tokens whatever their type
+# (llama-vocab.cpp), e.g. <|eom_id|> (Llama 3.1 ends a tool call with it), <|return|> / <|call|>
+# (gpt-oss's harmony answer / tool call), [EOT] / [EOS] (Kimi-K2), <turn|> and <|tool_response>
+# (Gemma 4's turn end, and its call awaiting a result).
 _END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
-                "<|return|>", "<|call|>")
+                "<|return|>", "<|call|>", "<|flush|>", "<|calls|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
+                "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>")
 # Harmony's message structure (gpt-oss): special tokens, but the answer's parser needs them
 # (cflow.reasoning), so the detokenizer shows them even when it drops specials, as llama.cpp's
 # vocabulary does (it makes them "user defined"). <|end|> only ends one message of an answer
@@ -236,12 +239,12 @@ class Tokenizer:
         thought = _THOUGHT_CHANNEL_MARKERS if "<|channel>" in t else ()
         return _HARMONY_MARKERS + (("<|end|>",) if self.harmony else ()) + calls + thought
 
-    @property
+    @cached_property
     def stop_ids(self) -> frozenset[int]:
         """Ids that end generation: EOS plus the end-of-turn specials the vocabulary has (not
         harmony's <|end|>: see `harmony`)."""
-        ends = [t for t in _END_OF_TURN if not (self.harmony and t == "<|end|>")]
-        ids = {self.special[t] for t in ends if t in self.special}
+        ends = {t for t in _END_OF_TURN if not (self.harmony and t == "<|end|>")}
+        ids = {i for i, t in enumerate(self.vocab) if t in ends}   # any type, as llama.cpp's
         if self.eos_id is not None:
             ids.add(self.eos_id)
         return frozenset(ids)
