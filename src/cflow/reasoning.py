@@ -107,7 +107,7 @@ class Parsed:
         return self
 
 
-def _held(buf: str, *marks: str) -> int:
+def held_back(buf: str, *marks: str) -> int:
     """How many characters at the end of `buf` could begin one of `marks` (held back in a stream)."""
     best = 0
     for mark in marks:
@@ -197,7 +197,7 @@ class HarmonyParser(_StreamParser):
                     self.mode = "next"
                     continue
                 if self.channel != "call":   # a call's arguments are given whole; text streams
-                    cut = len(self.buf) - _held(self.buf, END)
+                    cut = len(self.buf) - held_back(self.buf, END)
                     self._body(out, self.buf[:cut], whole=False)
                     self.buf = self.buf[cut:]
                 break
@@ -260,7 +260,7 @@ class ThinkParser(_StreamParser):
                 if j >= 0:
                     text, rest, closed = self.buf[:j], self.buf[j + len(self.close):], True
                 else:
-                    cut = len(self.buf) if final else len(self.buf) - _held(self.buf, self.close)
+                    cut = len(self.buf) if final else len(self.buf) - held_back(self.buf, self.close)
                     text, rest, closed = self.buf[:cut], self.buf[cut:], final
                 if not self.started:
                     text = text.lstrip()

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from cflow.reasoning import CHANNEL, CONSTRAIN, END, MESSAGE, START, _held, is_harmony
+from cflow.reasoning import CHANNEL, CONSTRAIN, END, MESSAGE, START, held_back, is_harmony
 from cflow.serve.protocol import BadRequest, _json_type
 
 FORMATS = ("hermes", "qwen3coder", "llama3", "mistral", "mistral11", "harmony", "generic")
@@ -741,7 +741,7 @@ class ToolCallParser:
         if self.mode == "start":
             i = self.buf.find(TOOL_CALLS)
             if i < 0:   # content, but for what may begin the marker
-                cut = len(self.buf) if final else len(self.buf) - _held(self.buf, TOOL_CALLS)
+                cut = len(self.buf) if final else len(self.buf) - held_back(self.buf, TOOL_CALLS)
                 content, self.buf = self.buf[:cut], self.buf[cut:]
                 return content, []
             content, self.buf, self.mode = self.buf[:i], self.buf[i:], "call"
