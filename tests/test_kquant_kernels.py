@@ -38,7 +38,7 @@ SHAPES_K = [(1, 256, (128, 256)), (7, 512, (16, 512)), (13, 768, (8, 256)), (129
             (136, 1280, (16, 512)), (203, 768, (64, 512)), (40, 1024, (24, 1024))]
 SHAPES_32 = [(1, 32, (128, 256)), (7, 576, (128, 256)), (13, 288, (8, 64)), (129, 576, (128, 256)),
              (203, 992, (64, 288)), (40, 320, (24, 96))]
-MM_BATCHES = (1, 2, 3, 5, 8, 17)  # 17: more than one pass of the AVX2 mat-mat's 16 activations
+MM_BATCHES = (1, 2, 3, 5, 8, 16, 17)  # 16 / 17: the avx512 small-batch path's last / the batched kernels; 17: more than one pass of the AVX2 mat-mat's 16 activations
 
 
 def shapes(dtype):

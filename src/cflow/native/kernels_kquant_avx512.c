@@ -45,7 +45,7 @@
  * on the same exact integers (docs/kquants.md, "The integer math"), so this mat-vec equals the
  * table's matmat bit for bit, and the AVX2-family mat-vec too. The short last group goes
  * through the reference, as everywhere. The batched kernels (matmat, gate_up_mm) stay
- * kernels_avx512.c's.
+ * kernels_avx512.c's (and the base table's) except for small batches ("small batches" below).
  *
  * Measured (benchmarks/kquant_kernels.py --isa avxvnni avx512, in-process A/B, 1 thread, shared
  * Zen 5 VM, indicative): GB/s from L2, old -> new: Q4_K 32 -> 60, Q5_K 31 -> 52, Q6_K 35 -> 66
@@ -370,30 +370,45 @@ INLINE __m256 mx_update512_pair(const uint8_t *c, size_t chunk, const cf_act_q8 
 
 /* ---- the walk: kernels_avx2.inc's matvec_groups ------------------------------------------------ */
 
-INLINE void kq512_matvec_groups(int dtype, const cf_tiled *w, const cf_act_q8 *x, float *out, int g0, int g1) {
+/* One full group's chunks at p (nkt blocks of the tile share) against activation x: lane i = row
+ * i's share of the dot, the mat-vec's float operations in block order. */
+INLINE __m256 kq512_group_dot(int dtype, const uint8_t *p, size_t chunk, int nkt, const cf_act_q8 *x, int kb0) {
+    __m256 acc = _mm256_setzero_ps();
+    int kb = 0;
+    if (dtype == CF_MXFP4) /* two blocks at a time; an odd last one alone */
+        for (; kb + 2 <= nkt; kb += 2) acc = mx_update512_pair(p + kb * chunk, chunk, x, kb0 + kb, acc);
+    for (; kb < nkt; kb++) {
+        const uint8_t *c = p + kb * chunk;
+        if (dtype == CF_MXFP4) acc = mx_update512(c, x, kb0 + kb, acc);
+        else if (dtype == CF_Q6_K) acc = q6k_update(c, x, kb0 + kb, acc);
+        else if (dtype == CF_Q4_K || dtype == CF_Q5_K) acc = q45k_update(dtype, c, x, kb0 + kb, acc);
+        else acc = q5_update512(dtype, c, x, kb0 + kb, acc);
+    }
+    return acc;
+}
+
+/* out + b*ldo (rows of groups [g0, g1)) += W . xs[b] for b < B: the mat-vec's walk, each group's
+ * dot taken for every activation while its chunks sit in L1 (B = 1: the mat-vec). */
+INLINE void kq512_groups(int dtype, const cf_tiled *w, const cf_act_q8 *xs, int B, float *out, int ldo, int g0,
+                         int g1) {
     size_t chunk = (size_t)CF_G * cf_block_bytes(dtype);
     int pf = cf_prefetch_distance(cf_matvec_default_ahead(dtype));
     const uint8_t *end = pf ? cf_tiled_end(w) : NULL;
-    CF_FOR_EACH_SHARE(sp, w, g0, g1, x, 1, out, 0) {
+    CF_FOR_EACH_SHARE(sp, w, g0, g1, xs, B, out, ldo) {
         const uint8_t *p = sp.ptr;
         size_t group_bytes = sp.nkt * chunk;
         for (int gr = sp.ga; gr < sp.gb; gr++, p += group_bytes) {
             cf_prefetch_ahead(pf, p, group_bytes, end);
-            __m256 acc = _mm256_setzero_ps();
-            int kb = 0;
-            if (dtype == CF_MXFP4) /* two blocks at a time; an odd last one alone */
-                for (; kb + 2 <= sp.nkt; kb += 2) acc = mx_update512_pair(p + kb * chunk, chunk, x, sp.kb0 + kb, acc);
-            for (; kb < sp.nkt; kb++) {
-                const uint8_t *c = p + kb * chunk;
-                if (dtype == CF_MXFP4) acc = mx_update512(c, x, sp.kb0 + kb, acc);
-                else if (dtype == CF_Q6_K) acc = q6k_update(c, x, sp.kb0 + kb, acc);
-                else if (dtype == CF_Q4_K || dtype == CF_Q5_K) acc = q45k_update(dtype, c, x, sp.kb0 + kb, acc);
-                else acc = q5_update512(dtype, c, x, sp.kb0 + kb, acc);
-            }
             float *o = out + (size_t)(gr - g0) * CF_G;
-            _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), acc));
+            for (int b = 0; b < B; b++, o += ldo)
+                _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), kq512_group_dot(dtype, p, chunk, sp.nkt, xs + b,
+                                                                                          sp.kb0)));
         }
     }
+}
+
+INLINE void kq512_matvec_groups(int dtype, const cf_tiled *w, const cf_act_q8 *x, float *out, int g0, int g1) {
+    kq512_groups(dtype, w, x, 1, out, 0, g0, g1);
 }
 
 static void matvec_q5_0_avx512(const cf_tiled *w, const cf_act_q8 *x, float *y, int g0, int g1) {
@@ -450,9 +465,83 @@ static void gate_up_mxfp4_avx512(const cf_tiled *w, const cf_act_q8 *x, float *y
     kq512_gate_up(CF_MXFP4, w, x, y, p0, p1);
 }
 
-/* Called by kernels_avx512.c's table_init on its copy of the AVX2-family table: every other
- * entry (Q4_0 / Q4_1 / Q8_0 mat-vec, the batched kernels) stays as it is. */
+/* ---- small batches: the mat-vec per activation, the weights read once -------------------------
+ *
+ * The 2-16 rows of a speculative verification call (or of serve's batched decode) through
+ * kq512_groups: each group's chunks come from memory once and serve every activation from L1,
+ * each activation through the mat-vec's own dot, so every row is the mat-vec's bit for bit. The
+ * batched kernels of these types (kernels_avx512.c's kq5 buffer for Q4_K / Q5_K / Q6_K, the base
+ * table's for Q5_0 / Q5_1 / MXFP4) unpack every block into a buffer that only many tokens pay
+ * for: measured 2026-12-05 on the Zen 4 VM (benchmarks/small_batch_ab.py, a random 8-layer
+ * d = 1024 Q4_K_M file, 2 threads), a 2-row step cost 5.4x a 1-row step through them. Past
+ * KQ512_SMALL_B the batched kernels keep the call. */
+#ifndef KQ512_SMALL_B
+#define KQ512_SMALL_B 16
+#endif
+
+static cf_matmat_fn g_batched_matmat[CF_DTYPE_IDS];
+static cf_gate_up_mm_fn g_batched_gate_up_mm[CF_DTYPE_IDS];
+
+/* gate_up_mm for B <= KQ512_SMALL_B: passes of pairs cut at band edges as gate_up's, the gate and
+ * up rows through kq512_groups, then silu(gate) * up as the mat-vec's gate_up does it. */
+INLINE void kq512_gate_up_small(int dtype, const cf_tiled *w, const cf_act_q8 *xs, int B, float *y, int ldy,
+                                int p0, int p1) {
+    enum { LD = 2 * CF_G * CF_GATE_UP_CHUNK };
+    float gu[KQ512_SMALL_B * LD]; /* [b][pair][gate 8, up 8] */
+    int gpb = w->tile_rows / CF_G;
+    for (int p = p0; p < p1;) {
+        int band_end_pair = ((2 * p) / gpb + 1) * gpb / 2;
+        int pe = cf_min(cf_min(p1, p + CF_GATE_UP_CHUNK), cf_max(p + 1, band_end_pair));
+        kq512_groups(dtype, w, xs, B, gu, LD, 2 * p, 2 * pe);
+        for (int b = 0; b < B; b++) {
+            const float *gb = gu + (size_t)b * LD;
+            float *yb = y + (size_t)b * ldy;
+            for (int j = 0; j < pe - p; j++) {
+                __m256 g = _mm256_loadu_ps(gb + 16 * j), u = _mm256_loadu_ps(gb + 16 * j + 8);
+                _mm256_storeu_ps(yb + (size_t)(p + j) * CF_G, _mm256_mul_ps(silu_ps(g), u));
+            }
+        }
+        p = pe;
+    }
+}
+
+#define DEFINE_SMALL_BATCH(DT, MM, GU)                                                                      \
+    static void MM(const cf_tiled *w, const cf_act_q8 *xs, int B, float *y, int ldy, int g0, int g1) {      \
+        if (B > KQ512_SMALL_B) g_batched_matmat[DT](w, xs, B, y, ldy, g0, g1);                              \
+        else kq512_groups(DT, w, xs, B, y + (size_t)g0 * CF_G, ldy, g0, g1);                                  \
+    }                                                                                                       \
+    static void GU(const cf_tiled *w, const cf_act_q8 *xs, int B, float *y, int ldy, int p0, int p1) {      \
+        if (B > KQ512_SMALL_B) g_batched_gate_up_mm[DT](w, xs, B, y, ldy, p0, p1);                          \
+        else kq512_gate_up_small(DT, w, xs, B, y, ldy, p0, p1);                                               \
+    }
+DEFINE_SMALL_BATCH(CF_Q5_0, matmat_q5_0_small, gate_up_mm_q5_0_small)
+DEFINE_SMALL_BATCH(CF_Q5_1, matmat_q5_1_small, gate_up_mm_q5_1_small)
+DEFINE_SMALL_BATCH(CF_Q4_K, matmat_q4_k_small, gate_up_mm_q4_k_small)
+DEFINE_SMALL_BATCH(CF_Q5_K, matmat_q5_k_small, gate_up_mm_q5_k_small)
+DEFINE_SMALL_BATCH(CF_Q6_K, matmat_q6_k_small, gate_up_mm_q6_k_small)
+DEFINE_SMALL_BATCH(CF_MXFP4, matmat_mxfp4_small, gate_up_mm_mxfp4_small)
+
+/* Called by kernels_avx512.c's table_init on its copy of the AVX2-family table, after it set its
+ * own batched kernels: every other entry (Q4_0 / Q4_1 / Q8_0) stays as it is; the batched
+ * entries of these types keep their calls of more than KQ512_SMALL_B tokens. */
 void cf_kquant_avx512_install(cf_kernel_table *t) {
+    static const int small[] = {CF_Q5_0, CF_Q5_1, CF_Q4_K, CF_Q5_K, CF_Q6_K, CF_MXFP4};
+    for (size_t i = 0; i < sizeof small / sizeof small[0]; i++) {
+        g_batched_matmat[small[i]] = t->matmat[small[i]];
+        g_batched_gate_up_mm[small[i]] = t->gate_up_mm[small[i]];
+    }
+    t->matmat[CF_Q5_0] = matmat_q5_0_small;
+    t->matmat[CF_Q5_1] = matmat_q5_1_small;
+    t->matmat[CF_Q4_K] = matmat_q4_k_small;
+    t->matmat[CF_Q5_K] = matmat_q5_k_small;
+    t->matmat[CF_Q6_K] = matmat_q6_k_small;
+    t->matmat[CF_MXFP4] = matmat_mxfp4_small;
+    t->gate_up_mm[CF_Q5_0] = gate_up_mm_q5_0_small;
+    t->gate_up_mm[CF_Q5_1] = gate_up_mm_q5_1_small;
+    t->gate_up_mm[CF_Q4_K] = gate_up_mm_q4_k_small;
+    t->gate_up_mm[CF_Q5_K] = gate_up_mm_q5_k_small;
+    t->gate_up_mm[CF_Q6_K] = gate_up_mm_q6_k_small;
+    t->gate_up_mm[CF_MXFP4] = gate_up_mm_mxfp4_small;
     t->matvec[CF_Q5_0] = matvec_q5_0_avx512;
     t->matvec[CF_Q5_1] = matvec_q5_1_avx512;
     t->matvec[CF_Q4_K] = matvec_q4_k_avx512;
