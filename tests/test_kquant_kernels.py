@@ -322,3 +322,50 @@ def test_llama_cpp_tensors(kquant_files, model, ft):
             assert np.array_equal(_native.matmat(t, ids[dtype], rows, cols, X, isa=isa), mv), f"{isa} {name}"
             for r in (0, rows - 1):
                 assert _native.embed_row(t, ids[dtype], rows, cols, r, isa=isa).tobytes() == w[r].tobytes()
+
+
+# ---- the avx512 table's Q6_K kernels, either way -----------------------------------------------
+Q6K_BOTH_TABLES = """
+import sys
+sys.path.insert(0, {tests!r})
+import numpy as np
+from cflow import _native
+from cflow import kquant as K
+from test_kquant_kernels import MM_BATCHES, tiled, kw
+from test_native_kernels import rng_for
+dt = K.KDTYPE_IDS["q6_k"]
+for rows, cols, tile in [(64, 512, (64, 256)), (203, 768, (64, 512))]:
+    t = tiled("q6_k", rows, cols, tile, seed=5)
+    X = rng_for("q6k-both", rows).standard_normal((max(MM_BATCHES), cols), dtype=np.float32)
+    same = lambda f: np.array_equal(f("avx2"), f("avx512"))
+    assert same(lambda i: _native.matvec(t, dt, rows, cols, X[0], **kw(tile, i)))
+    for B in MM_BATCHES:
+        assert same(lambda i: _native.matmat(t, dt, rows, cols, X[:B], **kw(tile, i))), B
+    gu_rows = rows - rows % 16
+    if gu_rows:
+        tg = tiled("q6_k", gu_rows, cols, tile, seed=6)
+        assert same(lambda i: _native.gate_up(tg, dt, gu_rows, cols, X[0], **kw(tile, i)))
+        for B in MM_BATCHES:
+            assert same(lambda i: _native.gate_up_mm(tg, dt, gu_rows, cols, X[:B], **kw(tile, i))), B
+print(int(_native.avx512_q6k_streams()))
+"""
+
+
+@pytest.mark.skipif("avx512" not in ISAS or "avx2" not in ISAS, reason="needs the avx512 and avx2 tables")
+def test_avx512_q6k_kernels_either_way():
+    """The avx512 table runs its own Q6_K kernels, or (where they do not keep up with memory: Zen
+    4, dispatch.c cf_avx512_q6k_streams) the AVX2 family's; CFLOW_AVX512_Q6K=1 / 0 forces each, in
+    a fresh process (the table is built once): either way its Q6_K mat-vec, gate/up and batches of
+    every size equal the avx2 table's bit for bit, and the process reports the choice it was
+    forced to (the control that the switch is read)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Q6K_BOTH_TABLES.format(tests=str(Path(__file__).parent))
+    for forced in ("1", "0"):
+        r = subprocess.run([sys.executable, "-c", script], env={**os.environ, "CFLOW_AVX512_Q6K": forced},
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert r.stdout.strip() == forced

@@ -614,6 +614,8 @@ NB_MODULE(_native, m) {
     m.def("get_prefetch", &cf_get_prefetch, "The process-wide software-prefetch mode (-1 default, 0 off, N bytes).");
     m.def("matvec_default_ahead", &cf_matvec_default_ahead, arg("dtype"),
           "The default mode's one-row mat-vec prefetch distance for a dtype id on this CPU (bytes; 0: none).");
+    m.def("avx512_q6k_streams", []() { return cf_avx512_q6k_streams() != 0; },
+          "Whether the avx512 table runs its own Q6_K kernels on this CPU (not on Zen 4; CFLOW_AVX512_Q6K=1/0 forces it).");
     m.attr("PREFETCH_DEFAULT") = (int)CF_PREFETCH_DEFAULT;
     m.attr("PREFETCH_OFF") = (int)CF_PREFETCH_OFF;
     m.attr("PREFETCH_MAX") = (int)CF_PREFETCH_MAX;

@@ -120,6 +120,23 @@ int cf_matvec_default_ahead(int dtype) {
     return g_zen4 && dtype != CF_Q6_K ? 0 : 8192;
 }
 
+/* Whether the avx512 table's own Q6_K mat-vec (kernels_kquant_avx512.c) keeps up with memory. Not on
+ * Zen 4: measured 2026-12-05 on the Zen 4 VM (benchmarks/kquant_kernels.py --dtypes q4_0 q6_k --isa
+ * avx2 avx512 --settings dram, 2816x1024): Q6_K from DRAM 11.5-12.5 GB/s through it against 20.3-22.1
+ * through the AVX2-family kernel (Q4_0: 28.5) at 1 thread, 23-27 against 40-41 at 2, whatever the
+ * prefetch distance (0 to 64 KiB: 9.5-13.3), while in L2 it is the faster one (35 against 26 GB/s);
+ * a random 8-layer Q4_K_M file (Q6_K 37% of its bytes) decoded a token in 0.71x / 0.79x the time at
+ * 1 / 2 threads with the AVX2-family Q6_K kernels (benchmarks/small_batch_ab.py, logits equal). On
+ * the Zen 5 VM it streamed at Q4_0's GB/s (docs/kquants.md), so it stays everywhere else.
+ * CFLOW_AVX512_Q6K=1 / 0 forces the choice (read once, when the avx512 table is built): the tests
+ * run the zmm Q6_K kernels on every AVX-512 machine through it. */
+int cf_avx512_q6k_streams(void) {
+    cf_cpu_features();
+    const char *env = getenv("CFLOW_AVX512_Q6K");
+    if (env && (strcmp(env, "1") == 0 || strcmp(env, "0") == 0)) return env[0] == '1';
+    return !g_zen4;
+}
+
 /* ---- tables ------------------------------------------------------------------------------ */
 
 static int has_all(unsigned need) { return (cf_cpu_features() & need) == need; }

@@ -1214,7 +1214,8 @@ static void deltanet_head_avx512(float *S, const float *q, const float *k, const
 
 /* ---- the table --------------------------------------------------------------------------- */
 
-void cf_kquant_avx512_install(cf_kernel_table *t); /* kernels_kquant_avx512.c: K-quant-file mat-vec, gate/up */
+/* kernels_kquant_avx512.c: K-quant-file mat-vec, gate/up, small batches */
+void cf_kquant_avx512_install(cf_kernel_table *t, const cf_kernel_table *base);
 static cf_kernel_table g_table;
 static pthread_once_t g_once = PTHREAD_ONCE_INIT;
 
@@ -1234,7 +1235,7 @@ static void table_init(void) {
     g_table.gate_up_mm[CF_Q5_K] = gate_up_mm_q5_k_avx512;
     g_table.gate_up_mm[CF_Q6_K] = gate_up_mm_q6_k_avx512;
     g_table.deltanet_head = deltanet_head_avx512;
-    cf_kquant_avx512_install(&g_table);
+    cf_kquant_avx512_install(&g_table, atomic_load(&g_base));
 }
 
 /* base: the best AVX2-family table of this CPU (always the same one; the first call wins). */

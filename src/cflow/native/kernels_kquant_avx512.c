@@ -70,7 +70,7 @@
 #define INLINE static inline __attribute__((always_inline))
 
 
-void cf_kquant_avx512_install(cf_kernel_table *t);
+void cf_kquant_avx512_install(cf_kernel_table *t, const cf_kernel_table *base);
 
 /* ---- helpers ------------------------------------------------------------------------------ */
 
@@ -479,8 +479,8 @@ static void gate_up_mxfp4_avx512(const cf_tiled *w, const cf_act_q8 *x, float *y
 #define KQ512_SMALL_B 16
 #endif
 
-static cf_matmat_fn g_batched_matmat[CF_DTYPE_IDS];
-static cf_gate_up_mm_fn g_batched_gate_up_mm[CF_DTYPE_IDS];
+static cf_matmat_fn g_batched_matmat[CF_DTYPE_IDS], g_small_matmat[CF_DTYPE_IDS];
+static cf_gate_up_mm_fn g_batched_gate_up_mm[CF_DTYPE_IDS], g_small_gate_up_mm[CF_DTYPE_IDS];
 
 /* gate_up_mm for B <= KQ512_SMALL_B: passes of pairs cut at band edges as gate_up's, the gate and
  * up rows through kq512_groups, then silu(gate) * up as the mat-vec's gate_up does it. */
@@ -505,53 +505,57 @@ INLINE void kq512_gate_up_small(int dtype, const cf_tiled *w, const cf_act_q8 *x
     }
 }
 
-#define DEFINE_SMALL_BATCH(DT, MM, GU)                                                                      \
-    static void MM(const cf_tiled *w, const cf_act_q8 *xs, int B, float *y, int ldy, int g0, int g1) {      \
-        if (B > KQ512_SMALL_B) g_batched_matmat[DT](w, xs, B, y, ldy, g0, g1);                              \
-        else kq512_groups(DT, w, xs, B, y + (size_t)g0 * CF_G, ldy, g0, g1);                                  \
+/* Per dtype: the zmm small-batch kernels (matmat_X_zmm / gate_up_mm_X_zmm) and the table's entries
+ * (matmat_X / gate_up_mm_X), which send a call to the small-batch kernel the install chose or to
+ * the batched one by its size. */
+#define DEFINE_SMALL_BATCH(DT, X)                                                                           \
+    static void matmat_##X##_zmm(const cf_tiled *w, const cf_act_q8 *xs, int B, float *y, int ldy, int g0,  \
+                                 int g1) {                                                                  \
+        kq512_groups(DT, w, xs, B, y + (size_t)g0 * CF_G, ldy, g0, g1);                                     \
     }                                                                                                       \
-    static void GU(const cf_tiled *w, const cf_act_q8 *xs, int B, float *y, int ldy, int p0, int p1) {      \
-        if (B > KQ512_SMALL_B) g_batched_gate_up_mm[DT](w, xs, B, y, ldy, p0, p1);                          \
-        else kq512_gate_up_small(DT, w, xs, B, y, ldy, p0, p1);                                               \
+    static void gate_up_mm_##X##_zmm(const cf_tiled *w, const cf_act_q8 *xs, int B, float *y, int ldy,     \
+                                     int p0, int p1) {                                                      \
+        kq512_gate_up_small(DT, w, xs, B, y, ldy, p0, p1);                                                  \
+    }                                                                                                       \
+    static void matmat_##X(const cf_tiled *w, const cf_act_q8 *xs, int B, float *y, int ldy, int g0, int g1) { \
+        (B > KQ512_SMALL_B ? g_batched_matmat : g_small_matmat)[DT](w, xs, B, y, ldy, g0, g1);              \
+    }                                                                                                       \
+    static void gate_up_mm_##X(const cf_tiled *w, const cf_act_q8 *xs, int B, float *y, int ldy, int p0,    \
+                               int p1) {                                                                    \
+        (B > KQ512_SMALL_B ? g_batched_gate_up_mm : g_small_gate_up_mm)[DT](w, xs, B, y, ldy, p0, p1);      \
     }
-DEFINE_SMALL_BATCH(CF_Q5_0, matmat_q5_0_small, gate_up_mm_q5_0_small)
-DEFINE_SMALL_BATCH(CF_Q5_1, matmat_q5_1_small, gate_up_mm_q5_1_small)
-DEFINE_SMALL_BATCH(CF_Q4_K, matmat_q4_k_small, gate_up_mm_q4_k_small)
-DEFINE_SMALL_BATCH(CF_Q5_K, matmat_q5_k_small, gate_up_mm_q5_k_small)
-DEFINE_SMALL_BATCH(CF_Q6_K, matmat_q6_k_small, gate_up_mm_q6_k_small)
-DEFINE_SMALL_BATCH(CF_MXFP4, matmat_mxfp4_small, gate_up_mm_mxfp4_small)
+DEFINE_SMALL_BATCH(CF_Q5_0, q5_0)
+DEFINE_SMALL_BATCH(CF_Q5_1, q5_1)
+DEFINE_SMALL_BATCH(CF_Q4_K, q4_k)
+DEFINE_SMALL_BATCH(CF_Q5_K, q5_k)
+DEFINE_SMALL_BATCH(CF_Q6_K, q6_k)
+DEFINE_SMALL_BATCH(CF_MXFP4, mxfp4)
 
-/* Called by kernels_avx512.c's table_init on its copy of the AVX2-family table, after it set its
- * own batched kernels: every other entry (Q4_0 / Q4_1 / Q8_0) stays as it is; the batched
- * entries of these types keep their calls of more than KQ512_SMALL_B tokens. */
-void cf_kquant_avx512_install(cf_kernel_table *t) {
-    static const int small[] = {CF_Q5_0, CF_Q5_1, CF_Q4_K, CF_Q5_K, CF_Q6_K, CF_MXFP4};
-    for (size_t i = 0; i < sizeof small / sizeof small[0]; i++) {
-        g_batched_matmat[small[i]] = t->matmat[small[i]];
-        g_batched_gate_up_mm[small[i]] = t->gate_up_mm[small[i]];
-    }
-    t->matmat[CF_Q5_0] = matmat_q5_0_small;
-    t->matmat[CF_Q5_1] = matmat_q5_1_small;
-    t->matmat[CF_Q4_K] = matmat_q4_k_small;
-    t->matmat[CF_Q5_K] = matmat_q5_k_small;
-    t->matmat[CF_Q6_K] = matmat_q6_k_small;
-    t->matmat[CF_MXFP4] = matmat_mxfp4_small;
-    t->gate_up_mm[CF_Q5_0] = gate_up_mm_q5_0_small;
-    t->gate_up_mm[CF_Q5_1] = gate_up_mm_q5_1_small;
-    t->gate_up_mm[CF_Q4_K] = gate_up_mm_q4_k_small;
-    t->gate_up_mm[CF_Q5_K] = gate_up_mm_q5_k_small;
-    t->gate_up_mm[CF_Q6_K] = gate_up_mm_q6_k_small;
-    t->gate_up_mm[CF_MXFP4] = gate_up_mm_mxfp4_small;
-    t->matvec[CF_Q5_0] = matvec_q5_0_avx512;
-    t->matvec[CF_Q5_1] = matvec_q5_1_avx512;
-    t->matvec[CF_Q4_K] = matvec_q4_k_avx512;
-    t->matvec[CF_Q5_K] = matvec_q5_k_avx512;
-    t->matvec[CF_Q6_K] = matvec_q6_k_avx512;
-    t->gate_up[CF_Q5_0] = gate_up_q5_0_avx512;
-    t->gate_up[CF_Q5_1] = gate_up_q5_1_avx512;
-    t->gate_up[CF_Q4_K] = gate_up_q4_k_avx512;
-    t->gate_up[CF_Q5_K] = gate_up_q5_k_avx512;
-    t->gate_up[CF_Q6_K] = gate_up_q6_k_avx512;
-    t->matvec[CF_MXFP4] = matvec_mxfp4_avx512;
-    t->gate_up[CF_MXFP4] = gate_up_mxfp4_avx512;
+/* Called by kernels_avx512.c's table_init on its copy of the AVX2-family table `base`, after it
+ * set its own batched kernels: every other entry (Q4_0 / Q4_1 / Q8_0) stays as it is; the batched
+ * entries of these types keep their calls of more than KQ512_SMALL_B tokens. Where the zmm Q6_K
+ * mat-vec does not keep up with memory (cf_avx512_q6k_streams, dispatch.c), Q6_K's mat-vec, gate/up
+ * and small batches stay the base table's. */
+void cf_kquant_avx512_install(cf_kernel_table *t, const cf_kernel_table *base) {
+#define INSTALL(DT, X)                                                                                      \
+    do {                                                                                                    \
+        g_batched_matmat[DT] = t->matmat[DT];                                                               \
+        g_batched_gate_up_mm[DT] = t->gate_up_mm[DT];                                                       \
+        int zmm = (DT) != CF_Q6_K || cf_avx512_q6k_streams();                                               \
+        g_small_matmat[DT] = zmm ? matmat_##X##_zmm : base->matmat[DT];                                     \
+        g_small_gate_up_mm[DT] = zmm ? gate_up_mm_##X##_zmm : base->gate_up_mm[DT];                         \
+        t->matmat[DT] = matmat_##X;                                                                         \
+        t->gate_up_mm[DT] = gate_up_mm_##X;                                                                 \
+        if (zmm) {                                                                                          \
+            t->matvec[DT] = matvec_##X##_avx512;                                                            \
+            t->gate_up[DT] = gate_up_##X##_avx512;                                                          \
+        }                                                                                                   \
+    } while (0)
+    INSTALL(CF_Q5_0, q5_0);
+    INSTALL(CF_Q5_1, q5_1);
+    INSTALL(CF_Q4_K, q4_k);
+    INSTALL(CF_Q5_K, q5_k);
+    INSTALL(CF_Q6_K, q6_k);
+    INSTALL(CF_MXFP4, mxfp4);
+#undef INSTALL
 }
