@@ -240,14 +240,15 @@ class Tokenizer:
         return _HARMONY_MARKERS + (("<|end|>",) if self.harmony else ()) + calls + thought
 
     @cached_property
-    def stop_ids(self) -> frozenset[int]:
-        """Ids that end generation: EOS plus the end-of-turn specials the vocabulary has (not
-        harmony's <|end|>: see `harmony`)."""
+    def _end_of_turn_ids(self) -> frozenset[int]:
         ends = {t for t in _END_OF_TURN if not (self.harmony and t == "<|end|>")}
-        ids = {i for i, t in enumerate(self.vocab) if t in ends}   # any type, as llama.cpp's
-        if self.eos_id is not None:
-            ids.add(self.eos_id)
-        return frozenset(ids)
+        return frozenset(i for i, t in enumerate(self.vocab) if t in ends)   # any type, as llama.cpp's
+
+    @property
+    def stop_ids(self) -> frozenset[int]:
+        """Ids that end generation: EOS plus the end-of-turn tokens the vocabulary has (not
+        harmony's <|end|>: see `harmony`)."""
+        return self._end_of_turn_ids | ({self.eos_id} if self.eos_id is not None else set())
 
     def is_special(self, token_id: int) -> bool:
         """Whether skip_special leaves the token out: a special token, but not harmony's structure."""
