@@ -482,28 +482,9 @@ static void gate_up_mxfp4_avx512(const cf_tiled *w, const cf_act_q8 *x, float *y
 static cf_matmat_fn g_batched_matmat[CF_DTYPE_IDS], g_small_matmat[CF_DTYPE_IDS];
 static cf_gate_up_mm_fn g_batched_gate_up_mm[CF_DTYPE_IDS], g_small_gate_up_mm[CF_DTYPE_IDS];
 
-/* gate_up_mm for B <= KQ512_SMALL_B: passes of pairs cut at band edges as gate_up's, the gate and
- * up rows through kq512_groups, then silu(gate) * up as the mat-vec's gate_up does it. */
-INLINE void kq512_gate_up_small(int dtype, const cf_tiled *w, const cf_act_q8 *xs, int B, float *y, int ldy,
-                                int p0, int p1) {
-    enum { LD = 2 * CF_G * CF_GATE_UP_CHUNK };
-    float gu[KQ512_SMALL_B * LD]; /* [b][pair][gate 8, up 8] */
-    int gpb = w->tile_rows / CF_G;
-    for (int p = p0; p < p1;) {
-        int band_end_pair = ((2 * p) / gpb + 1) * gpb / 2;
-        int pe = cf_min(cf_min(p1, p + CF_GATE_UP_CHUNK), cf_max(p + 1, band_end_pair));
-        kq512_groups(dtype, w, xs, B, gu, LD, 2 * p, 2 * pe);
-        for (int b = 0; b < B; b++) {
-            const float *gb = gu + (size_t)b * LD;
-            float *yb = y + (size_t)b * ldy;
-            for (int j = 0; j < pe - p; j++) {
-                __m256 g = _mm256_loadu_ps(gb + 16 * j), u = _mm256_loadu_ps(gb + 16 * j + 8);
-                _mm256_storeu_ps(yb + (size_t)(p + j) * CF_G, _mm256_mul_ps(silu_ps(g), u));
-            }
-        }
-        p = pe;
-    }
-}
+/* gate_up_mm for B <= KQ512_SMALL_B: the gate and up rows through kq512_groups, then silu(gate) *
+ * up as the mat-vec's gate_up does it (simd_silu.h). */
+CF_DEFINE_GATE_UP_MM(kq512_gate_up_small, kq512_groups, KQ512_SMALL_B, CF_GATE_UP_CHUNK)
 
 /* Per dtype: the zmm small-batch kernels (matmat_X_zmm / gate_up_mm_X_zmm) and the table's entries
  * (matmat_X / gate_up_mm_X), which send a call to the small-batch kernel the install chose or to

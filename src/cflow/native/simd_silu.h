@@ -57,4 +57,33 @@ static inline __attribute__((always_inline)) __m256 silu_ps(__m256 g) {
         }                                                                                             \
     }
 
+/* name(dtype, w, xs, B, y, ldy, p0, p1): the batched form, y + b*ldy for activations b < B, over
+ * matmat_groups(dtype, w, xs, nb, out, ldo, g0, g1) (cflow.h's matmat contract) in passes of PAIRS
+ * pairs cut at band edges and of NB activations; per row the same sums and silu as the mat-vec's
+ * gate/up, so the same bits. */
+#define CF_DEFINE_GATE_UP_MM(name, matmat_groups, NB, PAIRS)                                              \
+    static inline __attribute__((always_inline)) void name(int dtype, const cf_tiled *w, const cf_act_q8 *xs, \
+                                                           int B, float *y, int ldy, int p0, int p1) {   \
+        enum { LD = 2 * CF_G * (PAIRS) };                                                                 \
+        float gu[(NB) * LD]; /* [b][pair][gate 8, up 8] */                                                \
+        int gpb = w->tile_rows / CF_G;                                                                    \
+        for (int p = p0; p < p1;) {                                                                       \
+            int band_end_pair = ((2 * p) / gpb + 1) * gpb / 2;                                            \
+            int pe = cf_min(cf_min(p1, p + (PAIRS)), cf_max(p + 1, band_end_pair));                       \
+            for (int b0 = 0; b0 < B; b0 += (NB)) {                                                        \
+                int nb = cf_min((NB), B - b0);                                                            \
+                matmat_groups(dtype, w, xs + b0, nb, gu, LD, 2 * p, 2 * pe);                              \
+                for (int b = 0; b < nb; b++) {                                                            \
+                    const float *gb = gu + (size_t)b * LD;                                                \
+                    float *yb = y + (size_t)(b0 + b) * ldy;                                               \
+                    for (int j = 0; j < pe - p; j++) {                                                    \
+                        __m256 g = _mm256_loadu_ps(gb + 16 * j), u = _mm256_loadu_ps(gb + 16 * j + 8);    \
+                        _mm256_storeu_ps(yb + (size_t)(p + j) * CF_G, _mm256_mul_ps(silu_ps(g), u));      \
+                    }                                                                                     \
+                }                                                                                         \
+            }                                                                                             \
+            p = pe;                                                                                       \
+        }                                                                                                 \
+    }
+
 #endif /* CFLOW_SIMD_SILU_H */
