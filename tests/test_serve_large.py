@@ -1,6 +1,6 @@
 """`cflow serve` under requests whose size is the problem: a body larger than any slot's context
 gets 413 before it is read or tokenized; a large prompt is tokenized off the event loop, so
-/health answers within 100 ms and a running stream keeps its pace while several are read; the
+/health never waits for a tokenization and a running stream keeps its pace while several are read; the
 unknown-model error names the id /v1/models lists, never the file's path."""
 
 from __future__ import annotations
@@ -65,10 +65,21 @@ def test_unknown_model_names_the_served_id_not_the_path(server):
     assert f"serves '{served}'" in msg and "/" not in served and "/" not in msg.replace("/v1/models", ""), msg
 
 
-def test_health_and_streams_answer_while_large_prompts_are_read(smol4):
+def test_health_and_streams_answer_while_large_prompts_are_read(smol4, smollm2_gguf):
     """Three clients post ~1.5 MB prompts (tokenized, then refused for the context) over and over
-    while one stream decodes: /health stays under 100 ms and the stream never pauses for a second."""
+    while one stream decodes: /health never waits for a tokenization (each probe answers in less
+    than half the time one such prompt takes to tokenize here, measured first: on the event loop
+    the probes would wait for whole tokenizations) and the stream never pauses for a second. The
+    bound comes from this machine's own speed, so other work on the machine (which slows both)
+    does not fail the test; it fails when a prompt is tokenized on the loop."""
+    from test_tokenizer_gguf import cflow_from_gguf
+
     live = smol4
+    text = "Once upon a time there was a cat. " * 45000
+    tok = cflow_from_gguf(smollm2_gguf)
+    t0 = time.perf_counter()
+    tok.encode(text)
+    tokenize_ms = (time.perf_counter() - t0) * 1000
     host, port = live.host_port
     conn = http.client.HTTPConnection(host, port, timeout=120)
     conn.request("POST", "/v1/completions", body=json.dumps(
@@ -90,7 +101,7 @@ def test_health_and_streams_answer_while_large_prompts_are_read(smol4):
     reader.start()
     stop = threading.Event()
     statuses: list[int] = []
-    prompt = json.dumps({"prompt": "Once upon a time there was a cat. " * 45000, "max_tokens": 1})
+    prompt = json.dumps({"prompt": text, "max_tokens": 1})
 
     def flood() -> None:
         while not stop.is_set():
@@ -109,5 +120,5 @@ def test_health_and_streams_answer_while_large_prompts_are_read(smol4):
         reader.join(timeout=120)
         conn.close()
     assert statuses and set(statuses) == {400}, statuses  # each read and tokenized: too long for the slot
-    assert max(health) < 100, str([round(h) for h in health])
+    assert max(health) < tokenize_ms / 2, (round(tokenize_ms), [round(h) for h in health])
     assert len(gaps) > 100 and max(gaps[1:]) < 1.0, sorted(gaps)[-5:]
