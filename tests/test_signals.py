@@ -5,8 +5,10 @@ the ~0.3 s of imports and parser building, and hands Ctrl-C back to the command 
 (each prints one `interrupted` line, or its own one-line summary). A signal that lands before
 Python has installed any handler kills the process by SIGINT (what a shell reports as 130); only
 the interpreter's own start-up (its `site` import, before any cflow code runs: ~5 ms idle, up to
-~30 ms measured on a loaded 2-core machine) is out of reach. So the offsets tried here are 0 and then
-from 100 ms, and a structural test checks that nothing is imported before the handler.
+~30 ms measured on a loaded 2-core machine, past 100 ms with two training jobs beside the suite) is
+out of reach. So the offsets tried here are 0 and then from 100 ms, a signal that still lands in
+`site` (CPython's "Fatal Python error: init_import_site") is passed over, and a structural test
+checks that nothing is imported before the handler.
 
 `cflow chat` at its prompt exits 130 too; a Ctrl-C during a reply only ends that reply (a REPL's
 convention, as llama.cpp's interactive mode), which test_cli covers.
@@ -73,6 +75,8 @@ def test_sigint_at_any_offset_exits_130_with_at_most_one_line(name):
     for after in OFFSETS:
         rc, err = interrupt(argv, after)
         lines = [line for line in err.splitlines() if line.strip()]
+        if err.startswith("Fatal Python error: init_import_site"):
+            continue  # the interpreter was still importing `site` (a loaded machine): before any cflow code
         assert "Traceback" not in err and "KeyboardInterrupt" not in err, (after, err)
         if name == "help" and rc == 0:
             continue  # it finished before the signal
