@@ -147,12 +147,12 @@ class HarmonyParser(_StreamParser):
     def __init__(self, thoughts_in_content: bool = False) -> None:
         self.buf = ""
         self.mode = "first"   # "first" | "next" (after <|end|>) | "header" | "body" | "plain"
-        self.channel = ""     # the body's: "reasoning" | "content" | "call"
+        # the body's: "reasoning" | "content" | "call" | "raw" (an analysis message kept as content)
+        self.channel = ""
         self.recipient = ""
         # llama-server's reasoning_format "none": an analysis message goes to the content as
         # written, header and <|end|> included (the role that opened it is not)
         self.thoughts_in_content = thoughts_in_content
-        self.raw_end = False   # the body being read is such a message: its <|end|> is content too
 
     def _run(self, final: bool) -> Parsed:
         out = Parsed()
@@ -175,9 +175,8 @@ class HarmonyParser(_StreamParser):
                 if 0 <= j <= _HEADER_MAX:
                     self._header(self.buf[:j])
                     if self.channel == "reasoning" and self.thoughts_in_content:
-                        self.channel = "content"
+                        self.channel = "raw"
                         out.content += self.buf[:j].removeprefix("assistant") + MESSAGE
-                        self.raw_end = True
                     self.buf, self.mode = self.buf[j + len(MESSAGE):], "body"
                     continue
                 if len(self.buf) > _HEADER_MAX or final:
@@ -189,9 +188,8 @@ class HarmonyParser(_StreamParser):
                 if j >= 0 or final:
                     body, self.buf = (self.buf, "") if j < 0 else (self.buf[:j], self.buf[j + len(END):])
                     self._body(out, body, whole=True)
-                    if j >= 0 and self.raw_end:
+                    if j >= 0 and self.channel == "raw":
                         out.content += END
-                    self.raw_end = False
                     if j < 0:
                         break
                     self.mode = "next"
@@ -225,7 +223,7 @@ class HarmonyParser(_StreamParser):
                 out.calls.append((self.recipient[len("functions."):], text))
         elif self.channel == "reasoning":
             out.reasoning += text
-        else:
+        else:   # content, or a thought kept as content
             out.content += text
 
 

@@ -275,12 +275,12 @@ def _load_draft(args: argparse.Namespace, backend: Any) -> Any:
 def app_options(args: argparse.Namespace) -> dict[str, Any]:
     """create_app's keyword arguments the flags set: the model's names, the API key, the defaults."""
     from cflow.sampling import SamplingParams
-    from cflow.serve.protocol import Defaults
+    from cflow.serve.protocol import Defaults, reasoning_format
 
     name, aliases = model_name(args)
     defaults = Defaults(SamplingParams(**sampling_kwargs(args)), None if args.n_predict < 0 else args.n_predict,
                         speculative=getattr(args, "speculative", None),
-                        reasoning_format="auto" if args.reasoning_format == "deepseek" else args.reasoning_format,
+                        reasoning_format=reasoning_format(args.reasoning_format, "--reasoning-format"),
                         chat_template_kwargs=getattr(args, "template_kwargs", {}))
     return dict(model_name=name, aliases=aliases, api_key=args.api_key, defaults=defaults)
 
