@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 START, CHANNEL, MESSAGE, END, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|constrain|>"
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
@@ -58,6 +58,16 @@ def thinks_in_tags(template: str | None) -> bool:
     """Whether a chat template's model thinks in `<think>...</think>` (Qwen3, DeepSeek-R1) or on
     Gemma 4's thought channel."""
     return any(tag in (template or "") for tag in _THOUGHT_TAGS) and not is_harmony(template)
+
+
+# How many of a rendered prompt's last tokens prompt_tail decodes: enough for `<think>` and the
+# whitespace a template writes around it, whatever the tokenizer splits them into.
+PROMPT_TAIL_TOKENS = 16
+
+
+def prompt_tail(tokenizer: Any, ids: Sequence[int]) -> str:
+    """The text of a rendered prompt's last tokens: what prompt_opens_thought and answer_parser read."""
+    return tokenizer.decode(list(ids[-PROMPT_TAIL_TOKENS:]))
 
 
 def prompt_opens_thought(prompt_tail: str) -> bool:

@@ -16,7 +16,7 @@ import sys
 from cflow.cli.common import (UsageError, add_chat_template_flags, add_command, add_model_flags, add_sampling_flags,
                               add_speculative_flags, check_model_flags, check_sampling, check_speculative, load_engine,
                               load_speculative, sampling_kwargs, template_kwargs_from_flags)
-from cflow.reasoning import answer_parser, thinks_in_tags
+from cflow.reasoning import answer_parser, prompt_tail, thinks_in_tags
 from cflow.runtime import ContextOverflowError
 
 IN_CHAT_HELP = "commands: /exit (or Ctrl-D) quit, /reset start over, /help this text"
@@ -90,7 +90,7 @@ def _answer(eng, messages: list[dict], max_tokens: int | None, kw: dict, templat
             stream = eng.generate(prompt, max_tokens, **kw)
             template = eng.tokenizer.chat_template
             # a <think> template's prompt may open the thought: the parser starts inside it then
-            tail = eng.tokenizer.decode(prompt[-16:]) if thinks_in_tags(template) else ""
+            tail = prompt_tail(eng.tokenizer, prompt) if thinks_in_tags(template) else ""
             parser = answer_parser(template, tail) if show_thoughts else None
             parts, thoughts = [], []
 

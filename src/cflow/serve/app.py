@@ -54,7 +54,7 @@ from starlette.routing import Route
 
 from cflow.constrain import ConstraintError, compile_constraint
 from cflow.errors import CflowError
-from cflow.reasoning import prompt_opens_thought, thinks_in_tags
+from cflow.reasoning import prompt_opens_thought, prompt_tail, thinks_in_tags
 from cflow.runtime.errors import ContextOverflowError
 from cflow.runtime.mtp import NoMtpHeadsError
 from cflow.runtime.speculative import SpeculativeError
@@ -391,9 +391,9 @@ class Server:
                 if spec.reasoning_effort is not None:   # the template reads it (gpt-oss's) or ignores it
                     template_kw["reasoning_effort"] = spec.reasoning_effort
                 ids = backend.chat_tokens(messages, **template_kw)
-                if spec.reasoning_format != "none" and thinks_in_tags(backend.tokenizer.chat_template):
+                if not spec.thoughts_in_content and thinks_in_tags(backend.tokenizer.chat_template):
                     # the answer's <think> block is reasoning
-                    spec.think = prompt_opens_thought(backend.tokenizer.decode(ids[-8:]))
+                    spec.think = prompt_opens_thought(prompt_tail(backend.tokenizer, ids))
                 return ids
             return backend.encode(spec.prompt)
 

@@ -102,7 +102,7 @@ class Call:
         tools_on = spec.kind == "chat" and spec.tools is not None and spec.tools.choice != "none"
         reasons = spec.kind == "chat" and (spec.tool_format == "harmony" or spec.think is not None)
         self.parsers = ([AnswerParser(spec.tool_format or "generic", spec.tools, spec.think,
-                                      thoughts_in_content=spec.reasoning_format == "none") for _ in range(self.n)]
+                                      thoughts_in_content=spec.thoughts_in_content) for _ in range(self.n)]
                         if tools_on or reasons else None)
         self.jobs: list[Any] = []
         self.result = "cancelled"
@@ -204,7 +204,7 @@ class Call:
             if self.parsers:
                 reasoning, text, calls = parse_answer(self.spec.tool_format or "generic", self.spec.tools, text,
                                                       self.spec.think,
-                                                      thoughts_in_content=self.spec.reasoning_format == "none")
+                                                      thoughts_in_content=self.spec.thoughts_in_content)
             choices.append(P.choice_object(self.kind, i, text, ends[i].reason,
                                            self.logprobs[i].entries(pieces[i]) if self.logprobs else None,
                                            tool_calls=calls, reasoning=reasoning))

@@ -143,6 +143,12 @@ class GenSpec:
     template_kwargs: dict[str, Any] = field(default_factory=dict)   # chat: extra chat-template variables
     speculative: Any = None                 # a cflow.runtime.Speculative, "draft", "mtp" or None: plain decoding
 
+    @property
+    def thoughts_in_content(self) -> bool:
+        """Whether the answer's reasoning stays in its content (reasoning_format "none") instead of
+        going to reasoning_content."""
+        return self.reasoning_format == "none"
+
 
 # ---- typed field access ------------------------------------------------------------------------
 _MISSING = object()
