@@ -241,8 +241,8 @@ def main() -> int:
     return 0
 
 
-# --mtp's and --model-draft's sections, which a plain run does not redo
-KEPT_SECTIONS = ("Multi-token prediction heads", "Draft model")
+# --mtp's and --model-draft's sections and speculative_replay.py's, which a plain run does not redo
+KEPT_SECTIONS = ("Multi-token prediction heads", "Draft model", "Replayed on the recorded answers")
 
 
 def geomean(xs: list[float]) -> float:

@@ -485,6 +485,29 @@ def test_ngram_proposes_the_latest_match_longest_first_and_extends_loops():
     assert p.propose(h, 2, rng)[0] == [2, 3]
 
 
+@pytest.mark.parametrize("ngram_min, min_acceptance, prompt", [
+    (2, 0.2, PROMPT), (1, 0.2, PROMPT[:3]), (1, 0.99, list(range(100, 160)))])
+def test_replay_counts_what_the_loop_does(paths, ngram_min, min_acceptance, prompt):
+    """benchmarks/speculative_replay.py replays the loop's policy on a recorded greedy answer: its
+    rounds, proposals and kept proposals are the real loop's (the last case's gate pauses)."""
+    from bench_scripts import load_benchmark
+
+    replay = load_benchmark("speculative_replay").replay
+    eng = Engine.load(paths["target"], threads=1)
+    spec = Speculative("ngram", ngram_min=ngram_min, min_acceptance=min_acceptance)
+    got = eng.complete(prompt, 90, temperature=0, speculative=spec)
+    answer = [int(t) for t in got.tokens]
+    assert answer == eng.complete(prompt, 90, temperature=0).tokens
+    count_rounds = [0.0] + [1.0] * (sp.DEFAULT_DRAFT_MAX + 1)  # a plain step costs 0, a call 1
+    rounds, proposed, kept = replay(lambda: sp.NgramProposer(ngram_min, sp.DEFAULT_NGRAM_MAX), list(prompt), answer,
+                                    count_rounds, sp.DEFAULT_DRAFT_MAX, min_acceptance)
+    t = got.timings
+    assert (int(rounds), proposed, kept) == (t.rounds, t.drafted, t.accepted)
+    assert t.rounds > 0 and t.drafted > t.accepted  # some rejections, whose trailing proposals count
+    if min_acceptance > 0.5:
+        assert t.paused_steps > 0
+
+
 # ---- settings, errors, CLI -----------------------------------------------------------------------
 def test_bad_settings_raise_named_errors(paths, engines):
     target, _ = engines

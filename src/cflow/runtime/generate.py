@@ -36,7 +36,7 @@ class Timings:
     reused_tokens: int = 0  # prompt tokens whose KV cache was kept from the previous call
     # speculative decoding (cflow.runtime.speculative); spec "" when it was off
     spec: str = ""  # the proposer: "ngram" or "draft"
-    drafted: int = 0  # proposed tokens the target judged (those after a stop are not)
+    drafted: int = 0  # proposed tokens the target verified (speculative.proposals_counted: after a rejection too)
     accepted: int = 0  # of which the target accepted
     rounds: int = 0  # verification calls (target calls that scored at least one proposed token)
     draft_s: float = 0.0  # of gen_s, in the proposer (the draft model's steps, the n-gram lookup)
@@ -52,7 +52,9 @@ class Timings:
 
     @property
     def acceptance_rate(self) -> float:
-        """Share of the proposed tokens the target accepted (0 when none were proposed)."""
+        """Share of the proposed tokens the target accepted (0 when none were proposed): accepted /
+        drafted, the proposals after a rejection counted too (cflow.runtime.speculative.proposals_counted;
+        llama.cpp's and vLLM's draft acceptance rate)."""
         return self.accepted / self.drafted if self.drafted else 0.0
 
     @property

@@ -263,6 +263,15 @@ def judge(sampler: Sampler, row: np.ndarray, history: Sequence[int], draft: int 
     return verify(ids, p, draft, *(q if q is not None else (None, None)), sampler.rng)
 
 
+def proposals_counted(n: int, i: int, kept: bool) -> int:
+    """How many of a call's n proposals the judgement of proposal i (0-based) counts as drafted: a
+    kept one itself; a rejected one itself and every proposal after it (their rows were verified
+    for nothing), as llama.cpp and vLLM count drafted tokens. Proposals after a token that ends
+    generation are never judged, so never counted: they cost a row but had no chance to be kept.
+    The acceptance rate (accepted / drafted) is thus kept tokens per proposal that mattered."""
+    return 1 if kept else n - i
+
+
 # ---- proposers -----------------------------------------------------------------------------------
 class NgramProposer:
     """Prompt lookup decoding: find the latest earlier occurrence of the text's last n tokens (n from
@@ -567,16 +576,17 @@ def run(gen: Generation, spec: Speculative) -> Iterator[tuple[int, str]]:
             n = len(drafts)
             rows = eng.step_rows([0] * (n + 1), [tok] + drafts, range(pos, pos + n + 1))
             tm.rounds += 1
-            judged = accepted = 0  # proposals decided (those after a stop are not), and kept
+            proposed = accepted = 0  # proposals counted (proposals_counted), and kept
             for i in range(n + 1):
                 ts = time.perf_counter()
                 draft = drafts[i] if i < n else None  # None: every proposal kept, the bonus token
                 kept, tok = judge(sampler, rows[i], gen.history, draft, qs[i] if qs and draft is not None else None,
                                   eng, pos + i)
                 if draft is not None:
-                    judged += 1
+                    counted = proposals_counted(n, i, kept)
+                    proposed += counted
                     accepted += kept
-                    tm.drafted += 1
+                    tm.drafted += counted
                     tm.accepted += kept
                 tm.sample_s += time.perf_counter() - ts
                 if observe is not None and (i == n or not kept):  # tok came from row i: its h proposes next
@@ -586,8 +596,8 @@ def run(gen: Generation, spec: Speculative) -> Iterator[tuple[int, str]]:
                     yield tok, piece
                 if done or not kept:
                     break
-            gate.record(judged, accepted)
-            length.record(judged, accepted)
+            gate.record(proposed, accepted)
+            length.record(proposed, accepted)
             if not done:  # roll back: keep the text up to the newest token, which runs next round
                 eng.truncate(len(gen.history) - 1)
         tail = gen.finish()

@@ -149,7 +149,7 @@ class Finished:
     prompt_s: float = 0.0
     gen_s: float = 0.0
     seed: int | None = None
-    drafted: int = 0              # speculation: proposed tokens judged (cflow.serve.speculate)
+    drafted: int = 0              # speculation: proposed tokens verified (cflow.serve.speculate)
     accepted: int = 0             # of which accepted
 
 
@@ -780,9 +780,9 @@ class BatchGenerator:
                 self._end(seq, Failed(e))
                 break
             if draft is not None:
-                st.judged(kept)
+                counted = st.judged(i, kept)
                 if self.metrics:
-                    self.metrics.speculation_judged(kept)
+                    self.metrics.speculation_judged(counted, kept)
             if kept:  # its row ran it after the text so far: its K/V are the slot's now
                 held.append(draft)
             elif st.observes:  # tok comes from row i: its hidden state proposes next

@@ -11,7 +11,7 @@ library. Updated from the batch worker thread and the HTTP event loop, so every 
     cflow_generated_tokens_total              tokens generated
     cflow_decode_steps_total                  batched decode steps
     cflow_decode_sequences_total              sequences advanced by them (/ steps = mean batch size)
-    cflow_spec_draft_tokens_total             speculation: proposed tokens the model judged
+    cflow_spec_draft_tokens_total             speculation: proposed tokens the model verified
     cflow_spec_accepted_tokens_total          of which accepted (/ draft tokens = acceptance rate)
     cflow_spec_rounds_total                   verification blocks (a sequence's next token + its proposals)
     cflow_queue_depth                         requests waiting for a slot (gauge)
@@ -130,12 +130,13 @@ class Metrics:
         with self._lock:
             self.spec_rounds += 1
 
-    def speculation_judged(self, kept: bool) -> None:
-        """One proposal of a block judged (kept or not). Counted as it is judged, before its token
+    def speculation_judged(self, counted: int, kept: bool) -> None:
+        """One proposal of a block judged (kept or not), counting `counted` proposals as drafted
+        (cflow.runtime.speculative.proposals_counted). Counted as it is judged, before its token
         is emitted: that token may end the request, and a client that reads /metrics after the
         answer must find the answer's proposals counted."""
         with self._lock:
-            self.spec_drafted += 1
+            self.spec_drafted += counted
             self.spec_accepted += int(kept)
 
     def first_token(self, ttft_s: float) -> None:
@@ -191,7 +192,7 @@ class Metrics:
                    "Sequences advanced by the decode steps (divided by the steps: the mean batch size).",
                    [f"cflow_decode_sequences_total {self.step_sequences}"])
             metric("cflow_spec_draft_tokens_total", "counter",
-                   "Speculative decoding: proposed tokens the model judged.",
+                   "Speculative decoding: proposed tokens the model verified (after a rejection too).",
                    [f"cflow_spec_draft_tokens_total {self.spec_drafted}"])
             metric("cflow_spec_accepted_tokens_total", "counter",
                    "Speculative decoding: proposed tokens accepted (divided by the draft tokens: the acceptance "

@@ -41,7 +41,8 @@ import numpy as np
 
 from cflow.runtime.generate import check_finite, common_prefix
 from cflow.runtime.speculative import (DRAFT_START, DraftLength, Gate, MtpProposer, NgramProposer, Speculative,
-                                       SpeculativeError, check_draft, check_rewindable, min_rate)
+                                       SpeculativeError, check_draft, check_rewindable, min_rate,
+                                       proposals_counted)
 from cflow.sampling import Sampler, SamplingParams, draw
 
 Q = tuple[np.ndarray, np.ndarray]  # a proposal's distribution: (ids, probabilities)
@@ -206,10 +207,10 @@ class SeqSpec:
         self.length = DraftLength(spec.draft_max, DRAFT_START)
         self.drafts: list[int] = []  # this iteration's proposals (rows after the next token)
         self.qs: list[Q | None] = []  # their distributions (None: a point mass)
-        self.drafted = 0             # proposals judged (those after a token that ended the sequence are not)
+        self.drafted = 0             # proposals verified (cflow.runtime.speculative.proposals_counted)
         self.accepted = 0            # of which kept
         self.rounds = 0              # verification blocks
-        self._block = [0, 0]         # the current block's judged and kept proposals
+        self._block = [0, 0]         # the current block's counted and kept proposals
 
     def plan(self, left: int, room: int) -> int:
         """How many proposals this iteration asks for (0: a plain decode row): at most the
@@ -249,19 +250,22 @@ class SeqSpec:
         else:
             self.proposer.observe(h)
 
-    def judged(self, kept: bool) -> None:
-        """One proposal decided (counted at once: the token it emits may end the sequence, whose
-        Finished event carries the counts)."""
-        self.drafted += 1
+    def judged(self, i: int, kept: bool) -> int:
+        """Proposal i of the block decided; how many proposals that counts as drafted
+        (proposals_counted: a rejection counts the ones after it too). Counted at once: the token
+        it emits may end the sequence, whose Finished event carries the counts."""
+        counted = proposals_counted(len(self.drafts), i, kept)
+        self.drafted += counted
         self.accepted += kept
-        self._block[0] += 1
+        self._block[0] += counted
         self._block[1] += kept
+        return counted
 
     def end_block(self) -> tuple[int, int]:
-        """The block is verified: the Gate and the DraftLength learn from it; (judged, kept)."""
-        judged, kept = self._block
-        self.gate.record(judged, kept)
-        self.length.record(judged, kept)
+        """The block is verified: the Gate and the DraftLength learn from it; (proposed, kept)."""
+        proposed, kept = self._block
+        self.gate.record(proposed, kept)
+        self.length.record(proposed, kept)
         self.rounds += 1
         self.drafts, self.qs, self._block = [], [], [0, 0]
-        return judged, kept
+        return proposed, kept
