@@ -526,3 +526,35 @@ def test_cli_chat_reads_turns_until_exit(llama_path, monkeypatch, capsys):
     rc = main(["chat", "-m", str(llama_path), "-n", "5", "--temp", "0", "-sys", "be brief", "-c", str(one + 8)])
     out, err = capsys.readouterr()
     assert rc == 0 and "dropped the oldest turn" in err and out == answer + "\n" + answer + "\n"
+
+
+def test_d_split_partitions_the_rows_and_keeps_bands_whole_where_it_can():
+    """engine.c's d_split (the rows of wo / down, and of the RESID op, per thread), for a one-row
+    call (whole bands where it can) and a call of many rows (an even split by groups): every row
+    group owned by exactly one thread, at most two ranges each, no thread over 5/4 of an even share
+    (one group of rounding aside); at 2 threads on the shapes measured (d 576, 1152, 2880: a part
+    band or an odd band left over) a one-row call splits no 16-group band between threads, and a
+    call of many rows gives the threads shares within one group of each other."""
+    from cflow import _native
+
+    band = 16
+    for whole in (True, False):
+        for nth in range(1, 9):
+            for ng in range(0, 400):
+                owned, shares = [], []
+                for ith in range(nth):
+                    ranges = _native.d_split(ng, ith, nth, whole)
+                    assert len(ranges) <= 2 and all(lo < hi for lo, hi in ranges)
+                    shares.append(sum(hi - lo for lo, hi in ranges))
+                    assert shares[-1] <= 1.25 * ng / nth + 1, (ng, ith, nth, ranges)
+                    owned += [g for lo, hi in ranges for g in range(lo, hi)]
+                assert sorted(owned) == list(range(ng)), (ng, nth)
+                if not whole:
+                    assert max(shares) - min(shares) <= 1, (ng, nth, shares)
+    for d in (576, 1152, 2880):
+        ng = d // 8
+        for ith in range(2):
+            for lo, hi in _native.d_split(ng, ith, 2, True):
+                assert lo % band == 0 and (hi % band == 0 or hi == ng), (d, ith, lo, hi)
+    with pytest.raises(ValueError):
+        _native.d_split(10, 2, 2)

@@ -17,6 +17,7 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/vector.h>
 
 #include <cstring>
@@ -29,6 +30,8 @@
 #include "experts.h"
 
 namespace nb = nanobind;
+
+extern "C" int cf_d_split(int ng, int ith, int nth, int whole, int lo[2], int hi[2]); /* engine_internal.h */
 
 namespace {
 
@@ -467,6 +470,15 @@ void bind_contracts(nb::module_ &m) {
     m.attr("EXPERT_VISIT_SCORE") = (int)CF_XVISIT_SCORE;
     m.def("expert_min_slots", [](int top_k, int inflight) { return cf_expert_min_slots(top_k, inflight); },
           nb::arg("top_k"), nb::arg("inflight"), "the smallest expert cache an engine accepts, in slots");
+    m.def("d_split", [](int ng, int ith, int nth, bool whole) {
+        if (ng < 0 || nth < 1 || ith < 0 || ith >= nth) throw nb::value_error("d_split needs ng >= 0, 0 <= ith < nth");
+        int lo[2], hi[2], n = cf_d_split(ng, ith, nth, whole, lo, hi);
+        std::vector<std::pair<int, int>> out;
+        for (int i = 0; i < n; i++) out.emplace_back(lo[i], hi[i]);
+        return out;
+    }, nb::arg("ng"), nb::arg("ith"), nb::arg("nth"), nb::arg("whole") = true,
+    "the row-group ranges [lo, hi) of a [d, *] mat-vec (wo, down) that thread ith of nth owns, in the "
+    "order it runs them (engine.c, d_split; whole: a one-row call's split)");
     m.def("plan_inflight", [](Plan plan, int n_moe) {
         if (plan.shape(1) != CF_OP_FIELDS) throw nb::value_error("plan array has the wrong width");
         return cf_plan_inflight(plan.data(), (int)plan.shape(0), n_moe);

@@ -91,19 +91,35 @@ static void split_big_first(int n, int ith, int nth, int *lo, int *hi) {
 
 /* Row groups of a [d, *] mat-vec (wo, down) that thread ith owns: at most two ranges, returned
  * in lo/hi, their number returned. The whole SPLIT_BAND-group bands that divide evenly over the
- * threads are shared out as whole bands; the groups after them (a part band, or bands left over)
- * are split evenly by groups. So no thread's share starts inside a tile band except in the
- * leftover, which every thread has a piece of. With rows a plain split would cut mid-band
- * (d = 576 = 4.5 bands at 2 threads: bands 0-1 + 4 groups vs 12 groups + bands 3-4), the thread
- * with the later rows ran ~45% longer on equal bytes; this evens it out. A function of
- * (ng, ith, nth) only: the RESID op calls it for the same rows as a [d, *] mat-vec (see ffn()).
- * SPLIT_BAND is the default tile_rows / CF_G; for other tilings only the speed differs. */
+ * threads are shared out as whole bands. The groups after them (a part band, or bands left over)
+ * go out as whole bands too, one thread each, in a one-row call (`whole`: cf_split_whole_bands) when
+ * that leaves no thread more than 5/4 of an even share; otherwise they are split evenly by groups.
+ * Why whole bands when decoding one row: a band is stored tile by tile
+ * with all its groups in each tile, so threads that split a band's groups read interleaved pieces
+ * of the same tiles, and that band streamed at a fraction of the rate of the others. Measured on
+ * the 2-core Zen 4 VM, 2 threads, `cflow bench --profile`, alternating: Gemma 3 1B's down
+ * projection (d 1152 = 9 bands) at 0.97-1.0x the gate/up's GB/s instead of 0.78-0.82x, its wo
+ * 0.78-0.86x instead of 0.69-0.78x; SmolLM2's (d 576 = 4.5 bands) down 37-39 GB/s instead of
+ * 30-32. A call of many rows (prefill) computes more than it streams, so there the imbalance of
+ * whole bands costs (Gemma 3 1B pp64 ~0.95x) and the even group split stays. (With rows split
+ * plainly, mid-band, the thread with the later rows ran ~45% longer.) A function of (ng, ith, nth,
+ * whole) only, and every d_split of one call passes the same `whole`: the RESID op calls it for the
+ * same rows as a [d, *] mat-vec (see ffn()), expert outputs included. SPLIT_BAND is the default
+ * tile_rows / CF_G; for other tilings only the speed differs. */
 enum { SPLIT_BAND = 16 };
-static int d_split(int ng, int ith, int nth, int lo[2], int hi[2]) {
+static int d_split(int ng, int ith, int nth, int whole, int lo[2], int hi[2]) {
     int nb = ng / SPLIT_BAND / nth * nth; /* whole bands shared evenly */
+    int left = ng - nb * SPLIT_BAND, lb = (left + SPLIT_BAND - 1) / SPLIT_BAND;
     int b0, b1, r0, r1, k = 0;
     cf_split_range(nb, ith, nth, 1, &b0, &b1);
-    cf_split_range(ng - nb * SPLIT_BAND, ith, nth, 1, &r0, &r1);
+    int largest = nb / nth * SPLIT_BAND + cf_min((lb + nth - 1) / nth * SPLIT_BAND, left);
+    if (whole && 4 * largest * nth <= 5 * ng) { /* the leftover by whole bands */
+        int u0, u1;
+        cf_split_range(lb, ith, nth, 1, &u0, &u1);
+        r0 = cf_min(u0 * SPLIT_BAND, left);
+        r1 = cf_min(u1 * SPLIT_BAND, left);
+    } else
+        cf_split_range(left, ith, nth, 1, &r0, &r1);
     if (b0 < b1) {
         lo[k] = b0 * SPLIT_BAND;
         hi[k++] = b1 * SPLIT_BAND;
@@ -204,7 +220,7 @@ static void ffn(cf_engine *e, const cf_tiled *gate_up, const cf_tiled *down, int
     sync_threads(e, ith, pk + 1);
 
     quantize_rows(e, s->hid, e->hmax, hdim, ts->act2, rows, n, act_fmt(down));
-    int glo[2], ghi[2], np = d_split(cf_n_groups(down), ith, nth, glo, ghi);
+    int glo[2], ghi[2], np = d_split(cf_n_groups(down), ith, nth, cf_split_whole_bands(e), glo, ghi);
     float *dst = scale ? s->y : out;
     for (int q = 0; q < np; q++) matvec_rows(e, down, ts->act2, dst, d, rows, n, glo[q], ghi[q]);
     for (int q = 0; q < np && scale; q++) {
@@ -462,7 +478,7 @@ static void op_attn(cf_engine *e, int l, int slot, int ith, int nth) {
     // the projection goes to y first, and once every row is whole (a barrier) each thread norms the
     // rows (all of each, the same bits on every thread, into its own scratch) and adds its share
     quantize_rows(e, s->att, q_dim, q_dim, ts->act, NULL, B, act_fmt(&w->wo));
-    int glo[2], ghi[2], np = d_split(cf_n_groups(&w->wo), ith, nth, glo, ghi);
+    int glo[2], ghi[2], np = d_split(cf_n_groups(&w->wo), ith, nth, cf_split_whole_bands(e), glo, ghi);
     const float *post = w->attn_post_norm;
     float *o = post ? s->y : s->h;
     for (int q = 0; q < np; q++) matvec_rows(e, &w->wo, ts->act, o, d, NULL, B, glo[q], ghi[q]);
@@ -694,7 +710,7 @@ static void experts_one_row(cf_engine *e, const cf_layer *w, const int *xs, cons
         const cf_tiled *down = &w->exp_down[x];
         const float *bd = c->moe_bias ? w->exp_b_down[x] : NULL;
         quantize_rows(e, s->hid + (size_t)i * e->hmax, e->hmax, c->d_exp, ts->act2, NULL, 1, act_fmt(down));
-        int glo[2], ghi[2], np = d_split(cf_n_groups(down), ith, nth, glo, ghi);
+        int glo[2], ghi[2], np = d_split(cf_n_groups(down), ith, nth, cf_split_whole_bands(e), glo, ghi);
         for (int q = 0; q < np; q++) matvec_rows(e, down, ts->act2, s->y, d, NULL, 1, glo[q], ghi[q]);
         for (int q = 0; q < np; q++) {
             int r0 = glo[q] * CF_G, r1 = cf_min(ghi[q] * CF_G, d);
@@ -827,7 +843,7 @@ static void op_resid(cf_engine *e, int l, int slot, int add_f, int pslot, int it
         for (int b = 0; b < e->B; b++)
             e->k->rmsnorm(fn + (size_t)b * e->kmax, s->f + (size_t)b * d, post, d, e->c.norm_eps);
     // the same rows as this thread's share of a [d, *] mat-vec (wo, down): d_split, see ffn()
-    int glo[2], ghi[2], np = d_split((d + CF_G - 1) / CF_G, ith, nth, glo, ghi);
+    int glo[2], ghi[2], np = d_split((d + CF_G - 1) / CF_G, ith, nth, cf_split_whole_bands(e), glo, ghi);
     float *x = s->ring + (size_t)slot * e->max_batch * d;
     float *pend = pslot >= 0 ? s->pending + (size_t)pslot * e->max_batch * d : NULL;
     for (int q = 0; q < np; q++) {
@@ -1209,5 +1225,5 @@ void cf_matvec_rows(const cf_engine *e, const cf_tiled *w, const cf_act_q8 *act,
                     const int *tok, int n, int g0, int g1) {
     matvec_rows(e, w, act, y, ystride, tok, n, g0, g1);
 }
-int cf_d_split(int ng, int ith, int nth, int lo[2], int hi[2]) { return d_split(ng, ith, nth, lo, hi); }
+int cf_d_split(int ng, int ith, int nth, int whole, int lo[2], int hi[2]) { return d_split(ng, ith, nth, whole, lo, hi); }
 int cf_attn_first(const cf_engine *e, int b, int l) { return attn_first(e, b, l); }

@@ -187,7 +187,7 @@ void cf_op_deltanet(cf_engine *e, int l, int slot, int ith, int nth) {
 
     // the output projection into h, plus the residual, for this thread's rows (as attention's wo)
     cf_quantize_rows(e, e->dn_o, V, V, ts->act, NULL, B, act_fmt(&w->ssm_out));
-    int glo[2], ghi[2], np = cf_d_split(cf_n_groups(&w->ssm_out), ith, nth, glo, ghi);
+    int glo[2], ghi[2], np = cf_d_split(cf_n_groups(&w->ssm_out), ith, nth, cf_split_whole_bands(e), glo, ghi);
     for (int p = 0; p < np; p++) {
         cf_matvec_rows(e, &w->ssm_out, ts->act, e->s.h, d, NULL, B, glo[p], ghi[p]);
         int r0 = glo[p] * CF_G, r1 = cf_min(ghi[p] * CF_G, d);

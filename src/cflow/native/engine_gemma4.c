@@ -165,14 +165,14 @@ void cf_op_ple(cf_engine *e, int l, int slot, int ith, int nth) {
         sync_threads(e, ith, CF_PK_RESID);
         /* ple.w_proj of the gated rows into y, then (whole rows: a barrier) its norm joins x */
         cf_quantize_rows(e, s->ple_h, P, P, ts->act2, NULL, B, act_fmt(&w->ple_proj));
-        int glo[2], ghi[2], np = cf_d_split(cf_n_groups(&w->ple_proj), ith, nth, glo, ghi);
+        int glo[2], ghi[2], np = cf_d_split(cf_n_groups(&w->ple_proj), ith, nth, cf_split_whole_bands(e), glo, ghi);
         for (int q = 0; q < np; q++) cf_matvec_rows(e, &w->ple_proj, ts->act2, s->y, d, NULL, B, glo[q], ghi[q]);
         sync_threads(e, ith, CF_PK_RESID);
         for (int b = 0; b < B; b++)
             e->k->rmsnorm(ts->xb + (size_t)b * e->kmax, s->y + (size_t)b * d, w->ple_post_norm, d, c->norm_eps);
     }
     /* this thread's share of the rows (the same split as a [d, *] mat-vec): add, then scale */
-    int glo[2], ghi[2], np = cf_d_split((d + CF_G - 1) / CF_G, ith, nth, glo, ghi);
+    int glo[2], ghi[2], np = cf_d_split((d + CF_G - 1) / CF_G, ith, nth, cf_split_whole_bands(e), glo, ghi);
     float sc = w->out_scale ? w->out_scale[0] : 1.0f;
     for (int q = 0; q < np; q++) {
         int r0 = glo[q] * CF_G, r1 = cf_min(ghi[q] * CF_G, d);

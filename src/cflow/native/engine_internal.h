@@ -272,7 +272,10 @@ void cf_quantize_rows(const cf_engine *e, const float *x, int stride, int K, cf_
                       int fmt);
 void cf_matvec_rows(const cf_engine *e, const cf_tiled *w, const cf_act_q8 *act, float *y, int ystride,
                     const int *tok, int n, int g0, int g1);
-int cf_d_split(int ng, int ith, int nth, int lo[2], int hi[2]);
+int cf_d_split(int ng, int ith, int nth, int whole, int lo[2], int hi[2]);
+/* d_split's `whole` for this call: a [d, *] mat-vec's leftover bands go out whole when decoding one
+ * row (streaming; see engine.c, d_split); every d_split of a call must pass the same value. */
+static inline int cf_split_whole_bands(const cf_engine *e) { return e->B == 1; }
 int cf_attn_first(const cf_engine *e, int b, int l);
 /* Query rows per work item of the block attention (engine.c's attn_plan blocks). */
 #define ATTN_QBLOCK 16

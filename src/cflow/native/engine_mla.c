@@ -176,7 +176,7 @@ void cf_op_attn_mla(cf_engine *e, int l, int slot, int ith, int nth) {
 
     int vdim = H * c->mla_v, glo[2], ghi[2];
     cf_quantize_rows(e, s->mla_o, vdim, vdim, ts->act, NULL, B, act_fmt(&w->wo));
-    int np = cf_d_split(cf_n_groups(&w->wo), ith, nth, glo, ghi);
+    int np = cf_d_split(cf_n_groups(&w->wo), ith, nth, cf_split_whole_bands(e), glo, ghi);
     for (int q = 0; q < np; q++) cf_matvec_rows(e, &w->wo, ts->act, s->h, d, NULL, B, glo[q], ghi[q]);
     for (int q = 0; q < np; q++) {
         int r0 = glo[q] * CF_G, r1 = cf_min(ghi[q] * CF_G, d);
