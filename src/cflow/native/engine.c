@@ -94,9 +94,9 @@ static void split_big_first(int n, int ith, int nth, int *lo, int *hi) {
  * threads are shared out as whole bands. The groups after them (a part band, or bands left over)
  * go out as whole bands too, one thread each, in a one-row call (`whole`: cf_split_whole_bands) when
  * that leaves no thread more than 5/4 of an even share; otherwise they are split evenly by groups.
- * Why whole bands when decoding one row: a band is stored tile by tile
- * with all its groups in each tile, so threads that split a band's groups read interleaved pieces
- * of the same tiles, and that band streamed at a fraction of the rate of the others. Measured on
+ * Why whole bands when decoding one row: a band is stored tile by tile with all its groups in each
+ * tile, so threads that split a band's groups read interleaved pieces of the same tiles, and that
+ * band streamed at a fraction of the rate of the others. Measured on
  * the 2-core Zen 4 VM, 2 threads, `cflow bench --profile`, alternating: Gemma 3 1B's down
  * projection (d 1152 = 9 bands) at 0.97-1.0x the gate/up's GB/s instead of 0.78-0.82x, its wo
  * 0.78-0.86x instead of 0.69-0.78x; SmolLM2's (d 576 = 4.5 bands) down 37-39 GB/s instead of
