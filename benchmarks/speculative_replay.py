@@ -70,9 +70,11 @@ def replay(make_proposer, prompt: list[int], answer: list[int], curve: list[floa
         while a < m and drafts[a] == answer[emitted + a]:
             a += 1
         history.extend(answer[emitted:emitted + a + 1])
-        proposed, kept = proposed + m, kept + a
-        gate.record(m, a)
-        length.record(m, a)
+        # as the loop counts: each kept proposal itself, a rejection the rest of the call
+        counted = a + (sp.proposals_counted(m, a, False) if a < m else 0)
+        proposed, kept = proposed + counted, kept + a
+        gate.record(counted, a)
+        length.record(counted, a)
     return cost, proposed, kept
 
 
