@@ -401,6 +401,9 @@ def test_compare_pairs_seeds_and_resumes_what_is_on_disk(tc, tmp_path, monkeypat
                                                    first[3].val_loss - first[2].val_loss]
     assert "Paired difference of validation loss from arch1" in md and f"1: {d['diffs'][0]:+.4f}" in md
     assert first[0].active_params < first[0].params  # top-1 of 2 experts
+    assert len({s.data_key for s in first}) == 1 and first[0].data_key and first[0].train_tokens > 640
+    assert f"Corpus: {first[0].train_tokens:,} training tokens, {first[0].val_tokens:,} held out; " \
+           f"{640 / first[0].train_tokens:.2f} epochs per run; data key {first[0].data_key[:12]}" in md
     monkeypatch.setattr(tcompare, "train", lambda *a, **k: pytest.fail("a finished run was trained again"))
     again = tcompare.compare(["arch1", "arch4"], base=base, tokens=640, overrides=over, seeds=[1, 2],
                              runs_dir=runs, out_dir=res)
@@ -417,6 +420,37 @@ def test_compare_pairs_seeds_and_resumes_what_is_on_disk(tc, tmp_path, monkeypat
     assert resumed[0].steps == 5 and [t for t, _ in resumed[0].curve] == [128, 256, 384, 512, 640]
     with pytest.raises(tcompare.CompareError, match="holds a run with other settings"):
         tcompare.compare(["arch1"], base=base, tokens=1280, overrides=over, seeds=[1], runs_dir=runs, out_dir=res)
+
+
+def test_compare_refuses_runs_of_a_corpus_that_changed_at_the_same_path(tc, tmp_path, monkeypatch):
+    """A finished run is read back, not retrained; if the file at --data now holds another corpus,
+    the table would pair runs of two corpora: refused at the first run that disagrees, no report."""
+    corpus = tmp_path / "corpus.jsonl"
+    docs = Path(tc.data).read_text().splitlines(keepends=True)
+    corpus.write_text("".join(docs))
+    base = dataclasses.replace(tc, data=str(corpus), eval_every=0, warmup=1, eval_windows=4)
+    runs, res = tmp_path / "runs", tmp_path / "res"
+    first = tcompare.compare(["arch1"], base=base, tokens=640, overrides=TINY_SETS, seeds=[1], runs_dir=runs,
+                             out_dir=res)
+    report = (res / "train_compare.md").read_text()
+    corpus.write_text("".join(docs[: len(docs) * 3 // 4]))  # same path, another corpus
+    with pytest.raises(tcompare.CompareError, match=r"trained on different data .*seed1.*seed2"):
+        tcompare.compare(["arch1"], base=base, tokens=640, overrides=TINY_SETS, seeds=[1, 2], runs_dir=runs,
+                         out_dir=res)
+    assert (res / "train_compare.md").read_text() == report  # the mixed table was not written
+    second = json.loads((runs / "arch1" / "seed2" / "meta.json").read_text())
+    assert second["data_key"] != first[0].data_key
+    # the same runs again: refused before anything is trained (the keys on disk already disagree)
+    monkeypatch.setattr(tcompare, "train", lambda *a, **k: pytest.fail("trained although the runs disagree"))
+    with pytest.raises(tcompare.CompareError, match="trained on different data"):
+        tcompare.compare(["arch1"], base=base, tokens=640, overrides=TINY_SETS, seeds=[1, 2, 3], runs_dir=runs,
+                         out_dir=res)
+    # a checkpoint whose meta.json predates the key is checked by its train state's key
+    meta_path = runs / "arch1" / "seed1" / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    del meta["data_key"]
+    meta_path.write_text(json.dumps(meta))
+    assert tcompare._data_key(runs / "arch1" / "seed1")[1] == first[0].data_key
 
 
 def test_mean_ci_uses_the_t_quantile():

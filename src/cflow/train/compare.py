@@ -13,7 +13,10 @@ Runs resume: a run whose checkpoint already holds its last step is read back, no
 (its curves come from its log); one that stopped part-way (Ctrl-C, a crash, a reboot) continues
 exactly from its checkpoint; a directory holding a run with other settings is an error rather
 than silently mixed in. So a comparison of many hours can be run again after any interruption and
-picks up where it was.
+picks up where it was. The same goes for the data: a finished run is read back whatever the corpus
+file at its path holds now, so every run's data key (corpus contents, tokenizer and split) is
+checked against the others' as the runs come, and a table of runs that read different corpora is
+an error, raised at the first run that disagrees, before any report is written.
 
 Pairing: runs of one seed share that seed's initialisation stream and batch order, so a preset's
 difference from the reference is taken seed by seed and its mean gets a t interval over the seeds
@@ -77,6 +80,9 @@ class RunSummary:
     seed: int = 0
     active_params: int = 0  # parameters a token's forward pass uses (top_k of the experts)
     run_dir: str = ""
+    data_key: str = ""  # cflow.train.data.TokenData.key: corpus contents, tokenizer, split ("" unknown)
+    train_tokens: int = 0  # tokens in the corpus's training split (one epoch), and in its held-out split
+    val_tokens: int = 0
 
 
 def active_params(cfg: ModelConfig, total: int) -> int:
@@ -102,7 +108,8 @@ def compare(presets: tuple[str, ...] | list[str] = DEFAULT_PRESETS, *, base: Tra
     runs, out = Path(runs_dir), Path(out_dir)
     for path in [out / REPORT, *(runs / c.name for c in configs)]:  # before hours of training, not after
         check_writable(path)
-    summaries = []
+    summaries: list[RunSummary] = []
+    check_one_corpus([_data_key(runs / c.name / f"seed{s}") for s in seeds for c in configs])
     for seed in seeds:
         for cfg in configs:
             if tokens is not None:
@@ -114,6 +121,7 @@ def compare(presets: tuple[str, ...] | list[str] = DEFAULT_PRESETS, *, base: Tra
             tc = dataclasses.replace(tc, eval_every=tc.eval_every or max(1, tc.total_steps // 10),
                                      warmup=min(tc.warmup, max(1, tc.total_steps // 10)))
             summaries.append(_run(cfg, tc, runs / cfg.name / f"seed{seed}", command, progress))
+            check_one_corpus([(s.run_dir, s.data_key) for s in summaries])
     write_report(summaries, out, base=base, tokens=tokens, minutes_per_run=minutes_per_run,
                  overrides=list(overrides), command=command)
     return summaries
@@ -151,6 +159,29 @@ def _existing(run_dir: Path, cfg: ModelConfig, tc: TrainConfig) -> str:
     return "done" if int(meta.get("step", 0)) >= tc.total_steps else "partial"
 
 
+def _data_key(run_dir: Path) -> tuple[str, str]:
+    """(run_dir, the data key its checkpoint was trained on); "" when there is no checkpoint yet."""
+    if not ckpt.is_checkpoint(run_dir):
+        return str(run_dir), ""
+    key = json.loads((run_dir / "meta.json").read_text()).get("data_key")
+    if key is None:  # checkpoints written before meta.json carried it: the train state always has
+        key = ckpt.load_checkpoint(run_dir).train_state.get("data_key")
+    return str(run_dir), key or ""
+
+
+def check_one_corpus(keys: list[tuple[str, str]]) -> None:
+    """CompareError unless every known data key in [(run_dir, key)] is the same ("" is unknown)."""
+    groups: dict[str, list[str]] = {}
+    for run_dir, key in keys:
+        if key:
+            groups.setdefault(key, []).append(run_dir)
+    if len(groups) > 1:
+        listed = "; ".join(f"data key {k[:12]}: {', '.join(dirs)}" for k, dirs in groups.items())
+        raise CompareError(f"the runs were trained on different data (the corpus file at the same path "
+                           f"changed, or its tokenization): {listed}. Remove the runs of the old corpus "
+                           "to train them again on the current one, or give another --runs-dir")
+
+
 def _summary_from_disk(run_dir: Path, tc: TrainConfig) -> RunSummary:
     c = ckpt.load_checkpoint(run_dir, with_train_state=False)
     meta = c.meta
@@ -166,8 +197,10 @@ def _summary_from_disk(run_dir: Path, tc: TrainConfig) -> RunSummary:
                     val_curve.append((int(r["tokens"]), float(r["val_loss"])))
     elapsed = float(meta.get("elapsed_s", 0.0))
     tokens = int(meta.get("tokens_seen", 0))
+    data = {"data_key": _data_key(run_dir)[1], "train_tokens": int(meta.get("train_tokens", 0)),
+            "val_tokens": int(meta.get("val_tokens", 0))}
     return _summary(c.config, int(meta.get("params", 0)), int(meta.get("step", 0)), tokens, ev, elapsed, curve,
-                    val_curve, tc, run_dir)
+                    val_curve, tc, run_dir, data)
 
 
 def _steps_for_time(cfg: ModelConfig, tc: TrainConfig, seconds: float, probe_steps: int = 3) -> int:
@@ -203,7 +236,7 @@ def _summarize(cfg: ModelConfig, res: TrainResult, tc: TrainConfig, run_dir: Pat
 
 
 def _summary(config: ModelConfig, params: int, steps: int, tokens: int, final: dict, train_s: float,
-             curve: list, val_curve: list, tc: TrainConfig, run_dir: Path) -> RunSummary:
+             curve: list, val_curve: list, tc: TrainConfig, run_dir: Path, data: dict | None = None) -> RunSummary:
     try:
         from cflow.dag import analyze
 
@@ -217,7 +250,7 @@ def _summary(config: ModelConfig, params: int, steps: int, tokens: int, final: d
         val_acc=final.get("val_acc", math.nan), train_s=train_s,
         tok_per_s=tokens / train_s if train_s > 0 else math.nan, dag=dag, curve=curve, val_curve=val_curve,
         config=config.to_dict(), warmup=tc.warmup, seed=tc.seed, active_params=active_params(config, params),
-        run_dir=str(run_dir),
+        run_dir=str(run_dir), **(data or {}),
     )
 
 
@@ -269,6 +302,19 @@ def _pm(m: float, h: float, fmt: str) -> str:
     return format(m, fmt) + ("" if math.isnan(h) else " ± " + format(h, fmt))
 
 
+def _corpus_lines(summaries: list[RunSummary]) -> list[str]:
+    """What every run read (compare checked it is one corpus): split sizes, epochs, data key."""
+    known = [s for s in summaries if s.train_tokens]
+    if not known:
+        return []
+    s0 = known[0]
+    epochs = sorted({f"{s.tokens / s.train_tokens:.2f}" for s in known})
+    key = f"; data key {s0.data_key[:12]} (corpus contents, tokenizer and split; the same for every run)" \
+        if s0.data_key else ""
+    return [f"Corpus: {s0.train_tokens:,} training tokens, {s0.val_tokens:,} held out; "
+            f"{' / '.join(epochs)} epochs per run{key}.", ""]
+
+
 def render_markdown(summaries: list[RunSummary], *, base: TrainConfig, tokens: int | None,
                     minutes_per_run: float | None, overrides: list[str], command: str | None,
                     plot: str | None) -> str:
@@ -286,6 +332,7 @@ def render_markdown(summaries: list[RunSummary], *, base: TrainConfig, tokens: i
         f"(warmup {warmups} steps, cosine to {base.min_lr_ratio:g}x); seeds {', '.join(map(str, seeds))}; "
         f"lb_weight {base.lb_weight:g}, z_weight {base.z_weight:g}; data: {base.data or 'shipped stories corpus'}.",
         "",
+        *_corpus_lines(summaries),
         f"Geometry (every preset): d_model {geo.get('d_model')}, {geo.get('n_layers')} layers, "
         f"{geo.get('n_heads')}/{geo.get('n_kv_heads')} heads, d_ff {geo.get('d_ff')}, "
         f"{geo.get('n_experts')} experts top-{geo.get('top_k')} of d_expert {geo.get('d_expert')}, "

@@ -736,6 +736,7 @@ class _Run:
                 "params": self.n_params,
                 "eval": self.last_eval,
                 "data": self.data_name,
+                "data_key": self.data.key,  # corpus contents + tokenizer + split (TokenData.key)
                 "train_tokens": int(len(self.data.train)),
                 "val_tokens": int(len(self.data.val)),
                 "train_config": self.tc.to_dict(),
