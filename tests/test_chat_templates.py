@@ -63,6 +63,7 @@ llama_cpp = pytest.importorskip(
 
 from cflow.reasoning import ThinkParser, answer_parser  # noqa: E402
 from cflow.serve import protocol as P  # noqa: E402
+from cflow.serve import tool_calls as TC  # noqa: E402
 from cflow.serve import tools as T  # noqa: E402
 from cflow.tokenizer import Tokenizer, bytes_to_unicode  # noqa: E402
 
@@ -448,11 +449,11 @@ def test_qwen3_5_answer_with_thought_and_xml_call():
     think = answer_parser(tok.chat_template, prompt[-32:]).mode == "think"
     answer = ("I need the weather.\n</think>\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\n2024\n"
               "</parameter>\n<parameter=days>\n[1, 2]\n</parameter>\n</function>\n</tool_call>")
-    reasoning, content, calls = T.parse_answer(T.detect_format(tok), req, answer, think=think)
+    reasoning, content, calls = TC.parse_answer(T.detect_format(tok), req, answer, think=think)
     assert (reasoning, content) == ("I need the weather.", None)
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
         ("get_weather", {"city": "2024", "days": [1, 2]})]
-    reasoning, content, calls = T.parse_answer("hermes", req, answer, think=think)
+    reasoning, content, calls = TC.parse_answer("hermes", req, answer, think=think)
     assert calls == [] and content.startswith("<tool_call>\n<function=get_weather>")
 
 
@@ -466,10 +467,10 @@ def test_ministral_3_answer_with_calls():
     ids = (tok.encode("Checking. ") + [tc] + tok.encode("get_weather") + [args] + tok.encode('{"city": "Paris"}')
            + [tc] + tok.encode("get_weather") + [args] + tok.encode('{"city": "Rome", "days": [3]}'))
     text = tok.decode(ids, skip_special=True)
-    reasoning, content, calls = T.parse_answer(T.detect_format(tok), req, text)
+    reasoning, content, calls = TC.parse_answer(T.detect_format(tok), req, text)
     assert (reasoning, content) == (None, "Checking. ")
     assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"city": "Paris"}, {"city": "Rome", "days": [3]}]
-    assert T.parse_answer("mistral", req, text) == (None, text, [])
+    assert TC.parse_answer("mistral", req, text) == (None, text, [])
 
 
 @pytest.mark.parametrize("thinking", [True, False])

@@ -49,6 +49,7 @@ from test_gptoss import write_gptoss_gguf  # noqa: E402
 
 from cflow.reasoning import HarmonyParser, ThinkParser  # noqa: E402
 from cflow.serve import protocol as P  # noqa: E402
+from cflow.serve import tool_calls as TC  # noqa: E402
 from cflow.serve import tools as T  # noqa: E402
 from cflow.tokenizer import bytes_to_unicode  # noqa: E402
 
@@ -374,7 +375,7 @@ def tool_req(choice="auto"):
 
 def test_answer_parser_checks_the_calls():
     text = ANSWERS[1][0]
-    reasoning, content, calls = T.parse_answer("harmony", tool_req(), text)
+    reasoning, content, calls = TC.parse_answer("harmony", tool_req(), text)
     assert reasoning == "Need weather." and content is None
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
         ("get_weather", {"city": "Paris"})]
@@ -382,10 +383,10 @@ def test_answer_parser_checks_the_calls():
     for t, req in ((text.replace("get_weather", "rain"), tool_req()),
                    (text.replace('{"city": "Paris"}', '{"city": '), tool_req()),
                    (text, tool_req("none")), (text, None)):
-        reasoning, content, calls = T.parse_answer("harmony", req, t)
+        reasoning, content, calls = TC.parse_answer("harmony", req, t)
         assert calls == [] and reasoning == "Need weather." and content.startswith('{"city": ')
     # other formats have no reasoning: the text is theirs
-    assert T.parse_answer("generic", None, ANSWERS[0][0]) == (None, ANSWERS[0][0], [])
+    assert TC.parse_answer("generic", None, ANSWERS[0][0]) == (None, ANSWERS[0][0], [])
 
 
 def walk(constraint, ids) -> tuple[int, bool]:
@@ -504,9 +505,9 @@ def test_think_then_tool_calls():
 
     text = '<think>\nThe weather tool.\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": ' \
            '{"city": "Paris"}}\n</tool_call>'
-    reasoning, content, calls = T.parse_answer("hermes", tool_req(), text, think=False)
+    reasoning, content, calls = TC.parse_answer("hermes", tool_req(), text, think=False)
     assert reasoning == "The weather tool." and content is None and calls[0]["function"]["name"] == "get_weather"
-    reasoning, content, calls = T.parse_answer("hermes", tool_req(), text)
+    reasoning, content, calls = TC.parse_answer("hermes", tool_req(), text)
     assert reasoning is None and content.startswith("<think>") and len(calls) == 1
     assert thinks_in_tags("{{ '<think>' }}") and not thinks_in_tags(TEMPLATE) and not thinks_in_tags(None)
     assert prompt_opens_thought("<|im_start|>assistant\n<think>\n")

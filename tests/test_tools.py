@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from cflow.serve import tool_calls as TC
 from cflow.serve import tools as T
 from cflow.serve.protocol import BadRequest
 from cflow.tokenizer import Tokenizer, bytes_to_unicode
@@ -678,7 +679,7 @@ def test_constrained_output_round_trips_through_the_parser(fmt):
     g = schema_grammar(s.source) if s.kind == "json_schema" else lark(s.source)
     m = llguidance.LLMatcher(lltok(fmt), g, log_level=0)
     assert m.consume_tokens(ids) and m.is_accepting()
-    content, calls = T.parse_all(fmt, r, tok.decode(ids, skip_special=True))
+    content, calls = TC.parse_all(fmt, r, tok.decode(ids, skip_special=True))
     assert content is None and len(calls) == 1
     assert calls[0]["function"]["name"] == "get_weather"
     assert json.loads(calls[0]["function"]["arguments"]) == args
@@ -785,7 +786,7 @@ def summary(content, calls):
 
 
 def stream(fmt, req, pieces):
-    p = T.ToolCallParser(fmt, req)
+    p = TC.ToolCallParser(fmt, req)
     content, calls = "", []
     for piece in pieces:
         c, k = p.feed(piece)
@@ -801,7 +802,7 @@ REQ = treq(tools=(WEATHER, TIME, PING, BOOK))
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_parse_all(case):
     fmt, text, content, calls = CASES[case]
-    assert summary(*T.parse_all(fmt, REQ, text)) == (content, calls)
+    assert summary(*TC.parse_all(fmt, REQ, text)) == (content, calls)
 
 
 @pytest.mark.parametrize("case", range(len(CASES)))
@@ -819,31 +820,31 @@ def test_streaming_matches_parse_all_at_every_cut(case):
 
 
 def test_streaming_shows_content_as_soon_as_it_is_decided():
-    p = T.ToolCallParser("hermes", REQ)
+    p = TC.ToolCallParser("hermes", REQ)
     assert p.feed("Hello world ") == ("Hello world", [])        # the space may precede a call
     assert p.feed("and <tool") == (" and", [])
     assert p.feed("_call>\n" + '{"name": "get_time", "arguments": {"tz": "UTC"}}\n') == ("", [])
     c, k = p.feed("</tool_call>")
     assert c == "" and summary(c, k)[1] == [TM]
     assert p.finish() == ("", [])
-    p = T.ToolCallParser("generic", REQ)
+    p = TC.ToolCallParser("generic", REQ)
     assert p.feed('{"resp') == ("", [])
     assert p.feed('onse": "Hel') == ("Hel", [])
     assert p.feed('lo \\') == ("lo ", [])
     assert p.feed('n"}') == ("\n", [])
     assert p.finish() == ("", [])
-    p = T.ToolCallParser("llama3", REQ)
+    p = TC.ToolCallParser("llama3", REQ)
     assert p.feed(" ") == ("", []) and p.feed("Hi") == (" Hi", []) and p.feed(" {x") == (" {x", [])
-    p = T.ToolCallParser("llama3", REQ)
+    p = TC.ToolCallParser("llama3", REQ)
     assert p.feed(LW) == ("", []) and summary(*p.finish())[1] == [W]
 
 
 def test_choice_none_and_no_request_parse_nothing():
     for fmt, text, _, _ in CASES:
-        assert T.parse_all(fmt, treq("none"), text) == (text, [])
-        assert T.parse_all(fmt, None, text) == (text, [])
+        assert TC.parse_all(fmt, treq("none"), text) == (text, [])
+        assert TC.parse_all(fmt, None, text) == (text, [])
 
 
 def test_call_ids_are_unique():
-    _, calls = T.parse_all("hermes", REQ, "\n".join([HW] * 20))
+    _, calls = TC.parse_all("hermes", REQ, "\n".join([HW] * 20))
     assert len({c["id"] for c in calls}) == 20

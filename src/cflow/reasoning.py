@@ -2,8 +2,8 @@
 
 OpenAI-compatible servers (llama.cpp's llama-server, vLLM) carry a reasoning model's thoughts in
 the assistant message's `reasoning_content`, beside `content`. This module owns both directions,
-with no HTTP and no engine (cflow.serve.tools picks the parser for a model, cflow.serve.call and
-cflow.cli.chat run it):
+with no HTTP and no engine (cflow.serve.tool_calls picks the parser for a model's format,
+cflow.serve.call and cflow.cli.chat run it):
 
 - Into the template: `template_messages` hands `reasoning_content` to templates that read
   `thinking` instead (gpt-oss's harmony template), as llama.cpp's common/chat does for gpt-oss:

@@ -30,7 +30,7 @@ from starlette.responses import JSONResponse as _StarletteJSON
 from starlette.responses import Response
 
 from cflow.serve import protocol as P
-from cflow.serve.tools import AnswerParser, parse_answer
+from cflow.serve.tool_calls import AnswerParser, parse_answer
 from cflow.serve.batch import Failed, Finished, GeneratorClosedError, Piece, Prompt, RequestTimeoutError
 
 _MARK = "\x00"  # stands for the text in a pre-rendered chunk (JSON writes it as \u0000, never else here)
