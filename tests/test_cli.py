@@ -89,6 +89,23 @@ def test_subcommand_help(command, capsys):
         assert re.search(rf"(^|[\s,\[]){re.escape(flag)}\b", out), f"{flag} missing from cflow {command} --help"
 
 
+@pytest.mark.parametrize("command", [[c] for c in COMMANDS if c != "data"]
+                         + [["data", "stories"], ["data", "build"], ["train", "compare"]], ids=" ".join)
+def test_subcommand_help_wraps_its_prose_and_keeps_its_examples(command, capsys, monkeypatch):
+    """The description fits a terminal (argparse wraps it); the examples are command lines as
+    written: a continued one keeps its line break (a backslash-newline that Python swallowed in
+    the help string joins the two lines with a run of spaces in the middle)."""
+    monkeypatch.setenv("COLUMNS", "100")
+    with pytest.raises(SystemExit):
+        main([*command, "--help"])
+    out = capsys.readouterr().out
+    prose, _, examples = out.partition("\nexamples:\n")
+    assert examples, f"cflow {' '.join(command)} --help has no examples"
+    assert max(len(line) for line in prose.splitlines()) <= 100, prose
+    for line in examples.splitlines():  # mid-line, a run of spaces only lines up a comment
+        assert all(m.group(1) == "#" for m in re.finditer(r"\S {3,}(\S)", line)), line
+
+
 def test_no_command_prints_help_and_fails(capsys):
     assert main([]) == 1
     assert "generate" in capsys.readouterr().out

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from cflow.cli.common import add_command
 from cflow.config import PRESETS
 
 if TYPE_CHECKING:
@@ -22,7 +23,35 @@ if TYPE_CHECKING:
 
 DEFAULT_PRESET = "arch2_4_combined"
 
-EXAMPLES = """\
+COMPARE_HELP = """\
+train several presets x seeds on one budget and write OUT/train_compare.md with its plot
+
+Train each preset for each seed with the same data, geometry, batch and budget, each run in
+RUNS_DIR/PRESET/seedN; write a markdown table (val loss, perplexity, top-1 accuracy as means with
+95% intervals over the seeds, total and active params, weight bytes per token and critical path
+from cflow.dag, wall time, tok/s), each preset's paired difference from the first one seed by
+seed, a JSON file and a loss-curve PNG.
+
+Run it again after an interruption: finished runs are read back, a run stopped part-way continues
+from its checkpoint. Runs that read different data (the corpus file at --data changed since a run
+was trained) are refused, never paired in one table.
+
+examples:
+  cflow train compare --tokens 20000000 --threads 2
+  cflow train compare --presets arch1-s arch4-s arch2_4_combined-s --seeds 1 2 3 \\
+      --tokens 8000000 --data data/stories-corpus.jsonl.xz --runs-dir runs/family
+  cflow train compare --presets arch1 arch2_4_combined --minutes-per-run 5
+"""
+
+HELP = """\
+train a pipeline-native model; `cflow train compare` trains the whole family
+
+Train a model of the architecture family on the shipped stories (default), a local file or
+TinyStories, with a byte-level BPE tokenizer trained on the same data (or, with --tokenizer FILE,
+the vocabulary of an existing model). Writes a checkpoint directory (model.safetensors,
+config.json, tokenizer.json, train_state.pt, meta.json, train_log.csv) that --resume continues
+exactly and `cflow export` converts.
+
 examples:
   cflow train --preset arch2_4_combined --steps 2000 --out runs/a24
   cflow train --preset arch1 --set d_model=192 --set n_layers=8 --tokens 5000000 --out runs/a1
@@ -33,9 +62,9 @@ examples:
   cflow export runs/a24 a24.cflow                           # then run it with cflow generate
   cflow train --preset arch4-s --mtp 2 --out runs/a4-mtp    # + 2 multi-token prediction heads
   cflow export runs/a4-mtp a4.cflow && cflow generate -m a4.cflow --spec mtp -p "Once upon a time"
-  cflow train --preset draft-smollm2 --tokenizer SmolLM2-135M-Instruct.Q4_1.gguf \
+  cflow train --preset draft-smollm2 --tokenizer SmolLM2-135M-Instruct.Q4_1.gguf \\
       --data data/stories-corpus.jsonl.xz --out runs/draft          # a draft that speaks SmolLM2's vocabulary
-  cflow export runs/draft draft.cflow && \
+  cflow export runs/draft draft.cflow && \\
       cflow generate -m SmolLM2-135M-Instruct.Q4_1.gguf --spec draft --model-draft draft.cflow -p "Once"
 
 --batch-size is the global batch: under torchrun each process takes batch_size / world_size.
@@ -119,15 +148,9 @@ def _add_flags(g: argparse._ArgumentGroup, flags: tuple[tuple[str, type, str], .
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "train", help="train a pipeline-native model; `cflow train compare` trains the whole family",
-        description="Train a model of the architecture family on the shipped stories (default), a local "
-        "file or TinyStories, with a byte-level BPE tokenizer trained on the same data (or, with "
-        "--tokenizer FILE, the vocabulary of an existing model). Writes a "
-        "checkpoint directory (model.safetensors, config.json, tokenizer.json, train_state.pt, "
-        "meta.json, train_log.csv) that --resume continues exactly and `cflow export` converts.",
-        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", choices=sorted(PRESETS), help=f"architecture preset (default {DEFAULT_PRESET})")
+    p = add_command(sub, "train", HELP)
+    p.add_argument("--preset", choices=sorted(PRESETS), metavar="PRESET",
+                   help=f"architecture preset (default {DEFAULT_PRESET}): {', '.join(sorted(PRESETS))}")
     p.add_argument("--out", type=Path, help="checkpoint directory (default runs/PRESET)")
     p.add_argument("--resume", action="store_true",
                    help="continue the checkpoint in --out with its saved settings; flags given override them "
@@ -139,19 +162,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
     tsub = p.add_subparsers(dest="train_command", metavar="{compare}")
-    c = tsub.add_parser(
-        "compare", help="train several presets x seeds on one budget and write OUT/train_compare.md with its plot",
-        description="Train each preset for each seed with the same data, geometry, batch and budget, each "
-        "run in RUNS_DIR/PRESET/seedN; write a markdown table (val loss, perplexity, top-1 accuracy as "
-        "means with 95%% intervals over the seeds, total and active params, weight bytes per token and "
-        "critical path from cflow.dag, wall time, tok/s), each preset's paired difference from the first "
-        "one seed by seed, a JSON file and a loss-curve PNG. Run it again after an interruption: finished "
-        "runs are read back, a run stopped part-way continues from its checkpoint.",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="example: cflow train compare --tokens 20000000 --threads 2\n"
-               "         cflow train compare --presets arch1-s arch4-s arch2_4_combined-s --seeds 1 2 3 \\\n"
-               "             --tokens 8000000 --data data/stories-corpus.jsonl.xz --runs-dir runs/family\n"
-               "         cflow train compare --presets arch1 arch2_4_combined --minutes-per-run 5")
+    c = add_command(tsub, "compare", COMPARE_HELP)
     c.add_argument("--presets", nargs="+", choices=sorted(PRESETS), metavar="PRESET",
                    help="presets to train; the first is the reference of the paired differences (default: "
                    "arch1 arch2 arch3 arch4 arch2_4_combined arch5)")
