@@ -164,7 +164,7 @@ def _data_key(run_dir: Path) -> tuple[str, str]:
     if not ckpt.is_checkpoint(run_dir):
         return str(run_dir), ""
     key = json.loads((run_dir / "meta.json").read_text()).get("data_key")
-    if key is None:  # checkpoints written before meta.json carried it: the train state always has
+    if key is None:  # a checkpoint written before meta.json carried the key: its train state has it
         key = ckpt.load_checkpoint(run_dir).train_state.get("data_key")
     return str(run_dir), key or ""
 
