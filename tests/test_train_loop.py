@@ -453,6 +453,51 @@ def test_compare_refuses_runs_of_a_corpus_that_changed_at_the_same_path(tc, tmp_
     assert tcompare._data_key(runs / "arch1" / "seed1")[1] == first[0].data_key
 
 
+def test_compare_reads_a_finished_run_back_from_its_record_when_the_checkpoint_is_gone(tc, tmp_path, monkeypatch):
+    """Every finished run leaves OUT/runs/PRESET/seedN.json; with its checkpoint deleted (another
+    machine) the table is rebuilt from the record alone, same numbers, nothing retrained; a record of
+    other settings or an unreadable one is a CompareError naming the file."""
+    base = dataclasses.replace(tc, eval_every=0, warmup=1, eval_windows=4)
+    runs, res = tmp_path / "runs", tmp_path / "res"
+    first = tcompare.compare(["arch1", "arch4"], base=base, tokens=640, overrides=TINY_SETS, seeds=[1],
+                             runs_dir=runs, out_dir=res)
+    rec = res / "runs" / "arch4" / "seed1.json"
+    body = json.loads(rec.read_text())
+    assert body["summary"]["run_dir"] == "" and body["train_config"]["tokens"] == 640
+    assert body["summary"]["machine"] and "thread(s)" in body["summary"]["machine"]
+    shutil.rmtree(runs)
+    monkeypatch.setattr(tcompare, "train", lambda *a, **k: pytest.fail("retrained a recorded run"))
+    again = tcompare.compare(["arch1", "arch4"], base=base, tokens=640, overrides=TINY_SETS, seeds=[1],
+                             runs_dir=runs, out_dir=res)
+    for a, b in zip(first, again):
+        assert (a.preset, a.val_loss, a.val_curve, a.curve, a.data_key) == (b.preset, b.val_loss, b.val_curve,
+                                                                            b.curve, b.data_key)
+    assert again[1].run_dir == str(runs / "arch4" / "seed1")
+    # another budget: the record is not this comparison's run
+    with pytest.raises(tcompare.CompareError, match=r"seed1.json records a run with other settings.*tokens"):
+        tcompare.compare(["arch1"], base=base, tokens=960, overrides=TINY_SETS, seeds=[1], runs_dir=runs,
+                         out_dir=res)
+    with pytest.raises(tcompare.CompareError, match="model config"):
+        tcompare.compare(["arch4"], base=base, tokens=640, overrides=[*TINY_SETS, "d_expert=24"], seeds=[1],
+                         runs_dir=runs, out_dir=res)
+    rec.write_text(rec.read_text()[:100])
+    with pytest.raises(tcompare.CompareError, match=r"seed1.json: not a readable run record"):
+        tcompare.compare(["arch4"], base=base, tokens=640, overrides=TINY_SETS, seeds=[1], runs_dir=runs,
+                         out_dir=res)
+
+
+def test_the_report_lists_each_machine_when_the_runs_come_from_several(tc):
+    def run(seed, machine):
+        return tcompare.RunSummary(preset="arch1", params=1, steps=1, tokens=1, val_loss=1.0, val_ppl=2.7,
+                                   val_acc=0.1, train_s=1.0, tok_per_s=1.0, dag=None, seed=seed, machine=machine)
+    one = tcompare.render_markdown([run(1, "m1"), run(2, "m1")], base=tc, tokens=1, minutes_per_run=None,
+                                   overrides=[], command=None, plot=None)
+    assert "Machine: m1." in one and "Machines" not in one
+    two = tcompare.render_markdown([run(1, "m1"), run(2, "m2")], base=tc, tokens=1, minutes_per_run=None,
+                                   overrides=[], command=None, plot=None)
+    assert "- m1: arch1 seed 1" in two and "- m2: arch1 seed 2" in two
+
+
 def test_mean_ci_uses_the_t_quantile():
     m, h = tcompare.mean_ci([1.0, 2.0, 3.0])
     assert m == 2.0 and abs(h - 4.303 * 1.0 / math.sqrt(3)) < 1e-9

@@ -259,12 +259,10 @@ class MoE(nn.Module):
         tok = order // self.top_k  # [N*k] the token of each sorted choice
         xs = x[tok]  # [N*k, d]
         counts = torch.bincount(flat, minlength=self.n_experts).tolist()
-        outs, start = [], 0
-        for e, n in enumerate(counts):
-            # Empty slices still run, so every parameter gets a (zero) gradient: DDP-safe.
-            xe = xs[start:start + n]  # [n_e, d]
-            outs.append(self.expert(e, xe))  # [n_e, d]
-            start += n
+        # split, not a slice per expert: a slice's backward writes its gradient into a zero tensor
+        # of all N*k rows, E of them per layer; split's backward is one concatenation.
+        # Empty slices still run, so every parameter gets a (zero) gradient: DDP-safe.
+        outs = [self.expert(e, xe) for e, xe in enumerate(torch.split(xs, counts))]  # [n_e, d] each
         return tok, torch.cat(outs) * w.reshape(-1)[order, None].to(x.dtype)  # [N*k, d]
 
     def expert(self, e: int, x: Tensor) -> Tensor:

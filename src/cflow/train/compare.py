@@ -13,7 +13,11 @@ Runs resume: a run whose checkpoint already holds its last step is read back, no
 (its curves come from its log); one that stopped part-way (Ctrl-C, a crash, a reboot) continues
 exactly from its checkpoint; a directory holding a run with other settings is an error rather
 than silently mixed in. So a comparison of many hours can be run again after any interruption and
-picks up where it was. The same goes for the data: a finished run is read back whatever the corpus
+picks up where it was. Each finished run also leaves a record, `OUT/runs/PRESET/seedN.json` (its
+summary, curves, settings and machine: a few kilobytes, to commit beside the report), and a run
+whose checkpoint is gone (another machine, a cleaned runs directory) is read back from its record
+when the record's settings are the comparison's: a table of runs trained over days on different
+machines survives the loss of the checkpoints. The same goes for the data: a finished run is read back whatever the corpus
 file at its path holds now, so every run's data key (corpus contents, tokenizer and split) is
 checked against the others' as the runs come, and a table of runs that read different corpora is
 an error, raised at the first run that disagrees, before any report is written.
@@ -47,7 +51,8 @@ from cflow.config import ModelConfig
 from cflow.errors import CflowError
 from cflow.fsutil import atomic_write_text, check_writable, writing
 from cflow.train import checkpoint as ckpt
-from cflow.train.loop import RESUME_FIXED, TrainConfig, TrainResult, describe_device, resolve_device, train
+from cflow.train.loop import (RESUME_FIXED, TrainConfig, TrainResult, describe_device, describe_machine,
+                              resolve_device, train)
 from cflow.train.stats import mean_ci
 
 DEFAULT_PRESETS = ("arch1", "arch2", "arch3", "arch4", "arch2_4_combined", "arch5")
@@ -55,6 +60,11 @@ REPORT = "train_compare.md"
 JSON_REPORT = "train_compare.json"
 PLOT = "train_compare_loss.png"
 DAG_QUANT = "q4_0"
+RECORDS = "runs"  # OUT/runs/PRESET/seedN.json: one finished run's summary and settings
+RECORD_FORMAT = 1
+# The settings runs of one table must share (besides the model config): a checkpoint or a record
+# with others belongs to another comparison.
+FIXED = (*RESUME_FIXED, "tokens", "steps", "lr", "warmup", "min_lr_ratio", "weight_decay", "lb_weight", "z_weight")
 
 
 class CompareError(CflowError):
@@ -83,6 +93,7 @@ class RunSummary:
     data_key: str = ""  # cflow.train.data.TokenData.key: corpus contents, tokenizer, split ("" unknown)
     train_tokens: int = 0  # tokens in the corpus's training split (one epoch), and in its held-out split
     val_tokens: int = 0
+    machine: str = ""  # where it trained: architecture, CPU model, torch device and precision
 
 
 def active_params(cfg: ModelConfig, total: int) -> int:
@@ -120,7 +131,8 @@ def compare(presets: tuple[str, ...] | list[str] = DEFAULT_PRESETS, *, base: Tra
             # A warmup longer than a tenth of the run would leave a short run near lr 0 throughout.
             tc = dataclasses.replace(tc, eval_every=tc.eval_every or max(1, tc.total_steps // 10),
                                      warmup=min(tc.warmup, max(1, tc.total_steps // 10)))
-            summaries.append(_run(cfg, tc, runs / cfg.name / f"seed{seed}", command, progress))
+            summaries.append(_run(cfg, tc, runs / cfg.name / f"seed{seed}", command, progress,
+                                  record_path(out, cfg.name, seed)))
             check_one_corpus([(s.run_dir, s.data_key) for s in summaries])
     write_report(summaries, out, base=base, tokens=tokens, minutes_per_run=minutes_per_run,
                  overrides=list(overrides), command=command)
@@ -128,17 +140,61 @@ def compare(presets: tuple[str, ...] | list[str] = DEFAULT_PRESETS, *, base: Tra
 
 
 def _run(cfg: ModelConfig, tc: TrainConfig, run_dir: Path, command: str | None,
-         progress: bool | Callable[[dict], None]) -> RunSummary:
-    """One (preset, seed) run: read back when finished, resumed when part-way, else trained."""
+         progress: bool | Callable[[dict], None], record: Path) -> RunSummary:
+    """One (preset, seed) run: read back when finished (from its checkpoint, else from its record),
+    resumed when part-way, else trained; its record written once it is finished."""
     state = _existing(run_dir, cfg, tc)
+    if state == "new" and record.is_file():
+        state = "recorded"
     if callable(progress):
         progress({"event": "run", "preset": cfg.name, "seed": tc.seed, "steps": tc.total_steps,
-                  "state": state, "dir": str(run_dir)})
+                  "state": state, "dir": str(record if state == "recorded" else run_dir)})
+    if state == "recorded":
+        return read_record(record, cfg, tc, run_dir)
     if state == "done":
-        return _summary_from_disk(run_dir, tc)
-    res = train(cfg, tc, out_dir=run_dir, resume=state == "partial", overwrite=False, progress=progress,
-                meta={"command": command, "compare": True})
-    return _summarize(cfg, res, tc, run_dir)
+        summary = _summary_from_disk(run_dir, tc)
+    else:
+        res = train(cfg, tc, out_dir=run_dir, resume=state == "partial", overwrite=False, progress=progress,
+                    meta={"command": command, "compare": True})
+        summary = _summarize(cfg, res, tc, run_dir)
+    write_record(record, summary, tc)
+    return summary
+
+
+# ---- records: a finished run without its checkpoint ------------------------------------------
+def record_path(out: Path, preset: str, seed: int) -> Path:
+    return Path(out) / RECORDS / preset / f"seed{seed}.json"
+
+
+def write_record(path: Path, summary: RunSummary, tc: TrainConfig) -> None:
+    """The run's summary (its run_dir left out: a path of the machine it trained on) and settings."""
+    body = dataclasses.asdict(summary) | {"run_dir": ""}
+    with writing(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, json.dumps({"format": RECORD_FORMAT, "train_config": {k: getattr(tc, k) for k in FIXED},
+                                            "summary": body}, indent=1) + "\n")
+
+
+def read_record(path: Path, cfg: ModelConfig, tc: TrainConfig, run_dir: Path) -> RunSummary:
+    """The summary a record holds; CompareError when it is unreadable or its run had other settings."""
+    try:
+        rec = json.loads(path.read_text())
+        saved, body = rec["train_config"], rec["summary"]
+        if rec.get("format") != RECORD_FORMAT:
+            raise ValueError(f"format {rec.get('format')!r}, this cflow reads {RECORD_FORMAT}")
+        summary = RunSummary(**{**body, "run_dir": str(run_dir),
+                                "curve": [tuple(p) for p in body.get("curve", [])],
+                                "val_curve": [tuple(p) for p in body.get("val_curve", [])]})
+        recorded = ModelConfig.from_dict(summary.config)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CompareError(f"{path}: not a readable run record ({e}); remove it to train that run again") from e
+    diff = {k: (saved.get(k), getattr(tc, k)) for k in FIXED if saved.get(k) != getattr(tc, k)}
+    if recorded.replace(vocab_size=cfg.vocab_size) != cfg:
+        diff["model config"] = "differs"
+    if diff:
+        raise CompareError(f"{path} records a run with other settings (its, now): {diff}; give another --out, "
+                           "or remove that record to train the run again")
+    return summary
 
 
 def _existing(run_dir: Path, cfg: ModelConfig, tc: TrainConfig) -> str:
@@ -147,9 +203,7 @@ def _existing(run_dir: Path, cfg: ModelConfig, tc: TrainConfig) -> str:
         return "new"
     meta = json.loads((run_dir / "meta.json").read_text())
     saved = meta.get("train_config", {})
-    fixed = (*RESUME_FIXED, "tokens", "steps", "lr", "warmup", "min_lr_ratio", "weight_decay", "lb_weight",
-             "z_weight")
-    diff = {k: (saved.get(k), getattr(tc, k)) for k in fixed if saved.get(k) != getattr(tc, k)}
+    diff = {k: (saved.get(k), getattr(tc, k)) for k in FIXED if saved.get(k) != getattr(tc, k)}
     c = ckpt.load_checkpoint(run_dir, with_train_state=False).config
     if c.replace(vocab_size=cfg.vocab_size) != cfg:
         diff["model config"] = "differs"
@@ -198,7 +252,9 @@ def _summary_from_disk(run_dir: Path, tc: TrainConfig) -> RunSummary:
     elapsed = float(meta.get("elapsed_s", 0.0))
     tokens = int(meta.get("tokens_seen", 0))
     data = {"data_key": _data_key(run_dir)[1], "train_tokens": int(meta.get("train_tokens", 0)),
-            "val_tokens": int(meta.get("val_tokens", 0))}
+            "val_tokens": int(meta.get("val_tokens", 0)),
+            # a checkpoint older than meta's "machine" was written here, or the run could not resume
+            "machine": meta.get("machine") or describe_machine(meta.get("device", "cpu"))}
     return _summary(c.config, int(meta.get("params", 0)), int(meta.get("step", 0)), tokens, ev, elapsed, curve,
                     val_curve, tc, run_dir, data)
 
@@ -232,7 +288,8 @@ def _summarize(cfg: ModelConfig, res: TrainResult, tc: TrainConfig, run_dir: Pat
     final = res.evals[-1] if res.evals else {}
     return _summary(res.config, res.n_params, res.steps, res.tokens_seen, final, res.elapsed_s,
                     [(int(h["tokens"]), float(h["ce"])) for h in res.history],  # CE: comparable with val loss
-                    [(int(e["tokens"]), float(e["val_loss"])) for e in res.evals], tc, run_dir)
+                    [(int(e["tokens"]), float(e["val_loss"])) for e in res.evals], tc, run_dir,
+                    {"machine": describe_machine(describe_device(resolve_device(tc), tc.precision))})
 
 
 def _summary(config: ModelConfig, params: int, steps: int, tokens: int, final: dict, train_s: float,
@@ -315,6 +372,19 @@ def _corpus_lines(summaries: list[RunSummary]) -> list[str]:
             f"{' / '.join(epochs)} epochs per run{key}.", ""]
 
 
+def _machine_lines(summaries: list[RunSummary], base: TrainConfig) -> list[str]:
+    """Where the runs trained: one machine, or each machine with its runs (records can come from several)."""
+    here = f"{platform.machine()}, {describe_device(resolve_device(base), base.precision)}, " \
+           f"{base.threads or torch.get_num_threads()} torch thread(s) per run"
+    machines: dict[str, list[str]] = {}
+    for s in summaries:
+        machines.setdefault(s.machine or here, []).append(f"{s.preset} seed {s.seed}")
+    if len(machines) <= 1:
+        return [f"Machine: {next(iter(machines), here)}.", ""]
+    return ["Machines (train s and tok/s compare only runs of one machine):", "",
+            *(f"- {m}: {', '.join(runs)}" for m, runs in machines.items()), ""]
+
+
 def render_markdown(summaries: list[RunSummary], *, base: TrainConfig, tokens: int | None,
                     minutes_per_run: float | None, overrides: list[str], command: str | None,
                     plot: str | None) -> str:
@@ -338,9 +408,8 @@ def render_markdown(summaries: list[RunSummary], *, base: TrainConfig, tokens: i
         f"{geo.get('n_experts')} experts top-{geo.get('top_k')} of d_expert {geo.get('d_expert')}, "
         f"vocab {geo.get('vocab_size')}" + (f"; overrides {overrides}" if overrides else "") + ".",
         "",
-        f"Machine: {platform.machine()}, {describe_device(resolve_device(base), base.precision)}, "
-        f"{base.threads or torch.get_num_threads()} torch thread(s) per run, torch {torch.__version__}; "
-        f"written {time.strftime('%Y-%m-%d %H:%M')}.",
+        *_machine_lines(summaries, base),
+        f"Written {time.strftime('%Y-%m-%d %H:%M')} with torch {torch.__version__}.",
         "",
         "Each value is the mean over the seeds ± the half-width of its 95% t interval (none with one seed).",
         "",

@@ -256,6 +256,20 @@ def describe_device(dev: torch.device, precision: str = "auto") -> str:
     return f"{name} (bf16 autocast)" if uses_bf16(dev, precision) else name
 
 
+def describe_machine(device: str) -> str:
+    """Where a run trains, as its meta.json and the compare table say it: architecture, CPU model
+    (what /proc/cpuinfo names; a VM may name less), threads and device."""
+    import platform
+
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return f"{platform.machine()}, {cpu or 'unknown CPU'}, {torch.get_num_threads()} thread(s), {device}"
+
+
 def count_params(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())  # parameters() counts a tied tensor once
 
@@ -742,6 +756,7 @@ class _Run:
                 "train_config": self.tc.to_dict(),
                 "world_size": self.d.world_size,
                 "device": describe_device(self.device, self.tc.precision),
+                "machine": describe_machine(describe_device(self.device, self.tc.precision)),
                 "elapsed_s": round(elapsed, 3),
             }
             if self.log:
