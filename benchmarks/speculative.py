@@ -114,12 +114,16 @@ class LlamaCppModes:
     """llama.cpp on the same GGUF: plain greedy and greedy with prompt lookup decoding."""
 
     def __init__(self, path: str, threads: int, n_ctx: int = 1024) -> None:
+        import llama_cpp
         from llama_cpp import Llama
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
+        from cflow.bench.llamacpp import repacking
+
         kw = dict(n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, verbose=False, logits_all=False)
-        self.plain = Llama(model_path=str(path), **kw)
-        self.lookup = Llama(model_path=str(path), draft_model=LlamaPromptLookupDecoding(), **kw)
+        with repacking(llama_cpp, True):  # its default, unless its AMX path crashes on this CPU
+            self.plain = Llama(model_path=str(path), **kw)
+            self.lookup = Llama(model_path=str(path), draft_model=LlamaPromptLookupDecoding(), **kw)
 
     def run(self, which: str, ids: list[int], n: int) -> tuple[float, list[str]]:
         """(decode tokens/s after the first token, the generated pieces)."""
