@@ -172,7 +172,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--tokens", type=int, help="the same token budget for every preset")
     b.add_argument("--minutes-per-run", type=float, help="the same wall time for every preset")
     c.add_argument("--out", type=Path, default=Path("docs/results/family"),
-                   help="report directory (default docs/results/family, where the family table lives)")
+                   help="report directory (default docs/results/family, where the family table lives); each "
+                   "finished run's record goes to OUT/runs/PRESET/seedN.json, and a run whose checkpoint is gone "
+                   "is read back from its record")
     c.add_argument("--runs-dir", type=Path, default=Path("runs/compare"),
                    help="where each preset's checkpoint goes (default runs/compare)")
     _add_hparams(c, budget=False)

@@ -17,10 +17,12 @@ picks up where it was. Each finished run also leaves a record, `OUT/runs/PRESET/
 summary, curves, settings and machine: a few kilobytes, to commit beside the report), and a run
 whose checkpoint is gone (another machine, a cleaned runs directory) is read back from its record
 when the record's settings are the comparison's: a table of runs trained over days on different
-machines survives the loss of the checkpoints. The same goes for the data: a finished run is read back whatever the corpus
-file at its path holds now, so every run's data key (corpus contents, tokenizer and split) is
-checked against the others' as the runs come, and a table of runs that read different corpora is
-an error, raised at the first run that disagrees, before any report is written.
+machines survives the loss of the checkpoints.
+
+Data: a finished run (checkpoint or record) is read back whatever the corpus file at its path
+holds now, so every run's data key (corpus contents, tokenizer and split) is checked against the
+others' as the runs come, and a table of runs that read different corpora is an error, raised at
+the first run that disagrees, before any report is written.
 
 Pairing: runs of one seed share that seed's initialisation stream and batch order, so a preset's
 difference from the reference is taken seed by seed and its mean gets a t interval over the seeds
