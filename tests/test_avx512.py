@@ -270,3 +270,40 @@ def test_small_batch_gate_up_mm_equals_gate_up(dtype, d_ff, cols, tile):
     one = np.stack([_native.gate_up(t, dt, rows, cols, x, **kw) for x in X])
     for B in list(range(1, 17)) + [31, 32, 33]:
         assert np.array_equal(_native.gate_up_mm(t, dt, rows, cols, X[:B], **kw), one[:B]), f"B={B}"
+
+
+SMALL_BATCH_BOTH_WAYS = """
+import sys
+sys.path.insert(0, {tests!r})
+from cflow import _native
+import test_avx512 as T
+for case in (T.random_case, T.extreme_case):
+    for dtype in T.QDTYPES:
+        for rows, cols, tile in T.SMALL_SHAPES:
+            T.test_small_batch_path_equals_matvec(case, dtype, rows, cols, tile)
+for dtype in T.QDTYPES:
+    for B in (2, 3, 8, 9, 16):
+        T.test_small_batch_group_ranges_and_threads(dtype, B)
+    for d_ff, cols, tile in [(24, 96, (24, 96)), (72, 576, (128, 256))]:
+        T.test_small_batch_gate_up_mm_equals_gate_up(dtype, d_ff, cols, tile)
+print(_native.avx512_small_batch())
+"""
+
+
+def test_small_batch_path_either_way():
+    """Batches of 2-16 tokens read one group per ymm on Zen 4 and two groups per zmm elsewhere
+    (dispatch.c, cf_avx512_small_batch_groups); CFLOW_AVX512_SMALL_BATCH=group / pair forces each
+    in a fresh process (the table is built once): either way the small-batch tests above hold (bit
+    for bit the mat-vec), and the process reports the choice it was forced to (the control that the
+    switch is read)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = SMALL_BATCH_BOTH_WAYS.format(tests=str(Path(__file__).parent))
+    for forced in ("group", "pair"):
+        r = subprocess.run([sys.executable, "-c", script], env={**os.environ, "CFLOW_AVX512_SMALL_BATCH": forced},
+                           capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert r.stdout.strip() == forced

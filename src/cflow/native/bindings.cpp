@@ -616,6 +616,9 @@ NB_MODULE(_native, m) {
           "The default mode's one-row mat-vec prefetch distance for a dtype id on this CPU (bytes; 0: none).");
     m.def("avx512_q6k_streams", []() { return cf_avx512_q6k_streams() != 0; },
           "Whether the avx512 table runs its own Q6_K kernels on this CPU (not on Zen 4; CFLOW_AVX512_Q6K=1/0 forces it).");
+    m.def("avx512_small_batch", []() { return cf_avx512_small_batch_groups() ? "group" : "pair"; },
+          "How the avx512 table runs batches of 2-16 Q4_0/Q4_1/Q8_0 tokens on this CPU: 'group' (one group per "
+          "ymm: Zen 4) or 'pair' (two groups per zmm); CFLOW_AVX512_SMALL_BATCH=group/pair forces it.");
     m.attr("PREFETCH_DEFAULT") = (int)CF_PREFETCH_DEFAULT;
     m.attr("PREFETCH_OFF") = (int)CF_PREFETCH_OFF;
     m.attr("PREFETCH_MAX") = (int)CF_PREFETCH_MAX;

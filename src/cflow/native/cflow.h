@@ -286,6 +286,7 @@ enum { CF_PREFETCH_DEFAULT = -1, CF_PREFETCH_OFF = 0, CF_PREFETCH_MAX = 1 << 20 
 int cf_set_prefetch(int mode);
 int cf_matvec_default_ahead(int dtype); /* the default mode's one-row mat-vec distance on this CPU */
 int cf_avx512_q6k_streams(void);        /* the avx512 table runs its own Q6_K kernels on this CPU (dispatch.c) */
+int cf_avx512_small_batch_groups(void); /* its 2-16 token Q4/Q8 batches read one group per ymm (dispatch.c) */
 int cf_get_prefetch(void);
 
 /* Small scalar routines that need no table. */

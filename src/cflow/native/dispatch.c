@@ -137,6 +137,21 @@ int cf_avx512_q6k_streams(void) {
     return !g_zen4;
 }
 
+/* How the avx512 table's matmat runs batches of 2 to 16 Q4_0 / Q4_1 / Q8_0 tokens (speculative
+ * verification, a few decode rows): one group at a time in 256-bit vectors (kernels_avx512.c,
+ * "sg_") on Zen 4, whose 512-bit operations run as two 256-bit halves, so 8 rows per ymm cost
+ * what 16 per zmm do and the one memory stream wins; two groups per zmm ("sb_", the pair path)
+ * where a zmm operation runs at full width, so each vpdpbusd does twice the work (on an Intel
+ * Xeon with AMX, steps of 2-16 rows took 0.85x-0.94x the time: kernels_avx512.c, sg_ section).
+ * CFLOW_AVX512_SMALL_BATCH=group / pair forces the choice (read once, when the avx512 table is
+ * built): the tests run both on every AVX-512 machine through it. */
+int cf_avx512_small_batch_groups(void) {
+    cf_cpu_features();
+    const char *env = getenv("CFLOW_AVX512_SMALL_BATCH");
+    if (env && (strcmp(env, "group") == 0 || strcmp(env, "pair") == 0)) return env[0] == 'g';
+    return g_zen4;
+}
+
 /* ---- tables ------------------------------------------------------------------------------ */
 
 static int has_all(unsigned need) { return (cf_cpu_features() & need) == need; }

@@ -25,10 +25,11 @@
  * broadcast serves NP x 16 rows. Q4_0 / Q4_1 / Q8_0 batches of at most SB_MAX_B = 32 tokens
  * (serve's decode steps, step_rows) skip the buffer: each block is unpacked into registers and
  * used right away by up to 8 tokens (below, "small batches"); same values, and faster at every
- * B up to 32 with the weights streamed from memory (measured, below). Batches of 2 to SG_MAX_B =
- * 16 tokens (speculative verification, a few decode rows) read one group at a time instead, one
- * block of its 8 rows per ymm, so that the weights stream as the mat-vec's do (below, "one group
- * at a time in 256-bit vectors"); a lone token's matmat (SQ_MAX_B = 1) two blocks per zmm ("one
+ * B up to 32 with the weights streamed from memory (measured, below). On Zen 4, batches of 2 to
+ * SG_MAX_B = 16 tokens (speculative verification, a few decode rows) read one group at a time
+ * instead, one block of its 8 rows per ymm, so that the weights stream as the mat-vec's do (below,
+ * "one group at a time in 256-bit vectors"; elsewhere the pair path keeps them: dispatch.c,
+ * cf_avx512_small_batch_groups); a lone token's matmat (SQ_MAX_B = 1) two blocks per zmm ("one
  * group at a time").
  *
  * Software prefetch (cflow.h, cf_set_prefetch): with a distance N, each run of groups about to be
@@ -623,13 +624,26 @@ INLINE void sq_matmat_groups(int dtype, const cf_tiled *w, const cf_act_q8 *xs, 
  * 7 0.85x, 8 0.87x. benchmarks/small_batch_kernel.c (1536 x 576 Q4_1, 1 thread, best of 100) shows
  * why it is a memory-stream win: streamed from memory 4-8 tokens 0.75x-0.99x of the pair path,
  * in L2 1.07x-1.20x (the pair path computes less per weight; the weights of a decode step are
- * never in L2). Past 16 tokens (serve's larger steps) untested: the pair path stays. */
+ * never in L2). Past 16 tokens (serve's larger steps) untested: the pair path stays.
+ *
+ * Not on Intel: where a zmm operation runs at full width, a ymm vpdpbusd does half a zmm's work
+ * for the same slot. Measured 2026-12-06 on a 2-core Intel Xeon VM with AMX (a shared host: steps
+ * ran at about half the previous day's speed), SmolLM2 Q4_1 steps of B rows, the pair path
+ * against this one in one build (benchmarks/small_batch_ab.py --old-env
+ * CFLOW_AVX512_SMALL_BATCH=group, 60 alternating repeats, logits equal): 2 threads, B = 2 0.86x,
+ * 3 0.85x, 4 0.94x, 5 0.91x, 6 0.91x, 8 0.89x, 12 0.90x, 16 0.88x; 1 thread 0.86x, 0.85x, 0.87x,
+ * 0.90x, 0.92x, 0.87x, 0.91x, 0.88x. So this path runs on Zen 4 only (g_sg_max_b, below). */
 #ifndef SG_MAX_B
 #define SG_MAX_B 16 /* most tokens that take this path (-DSG_MAX_B=0: the pair path instead) */
 #endif
 #ifndef SG_AHEAD
 #define SG_AHEAD 0 /* default-mode prefetch distance: none, as the sq path's (one stream) */
 #endif
+
+/* Most tokens that take this path on this CPU: SG_MAX_B where a zmm operation runs as two 256-bit
+ * halves (Zen 4), else 0, the pair path (dispatch.c, cf_avx512_small_batch_groups; set once, when
+ * the table is built). */
+static int g_sg_max_b = SG_MAX_B;
 
 /* acc += w . (the dword at x in every lane), 8 lanes: sb's dpbusd_x4 in a ymm. */
 INLINE __m256i dpbusd_x4_256(__m256i acc, __m256i w, const int32_t *x) {
@@ -1040,7 +1054,7 @@ DEFINE_KQ_GROUPS(groups_q6_k, CF_Q6_K)
 INLINE void any_matmat_groups(int dtype, const cf_tiled *w, const cf_act_q8 *xs, int B, float *out,
                               int ldo, int g0, int g1) {
     /* the one-stream path, the pair path, the L1 buffer: by batch size (measured, above) */
-#define PICK(NAME) (B <= SQ_MAX_B ? NAME##_sq : B <= SG_MAX_B ? NAME##_sg : B <= SB_MAX_B ? NAME##_sb : NAME##_mm)
+#define PICK(NAME) (B <= SQ_MAX_B ? NAME##_sq : B <= g_sg_max_b ? NAME##_sg : B <= SB_MAX_B ? NAME##_sb : NAME##_mm)
     switch (dtype) {
     case CF_Q4_0: PICK(groups_q4_0)(w, xs, B, out, ldo, g0, g1); break;
     case CF_Q4_1: PICK(groups_q4_1)(w, xs, B, out, ldo, g0, g1); break;
@@ -1222,6 +1236,7 @@ static pthread_once_t g_once = PTHREAD_ONCE_INIT;
 static void table_init(void) {
     g_table = *atomic_load(&g_base);
     g_table.name = "avx512";
+    g_sg_max_b = cf_avx512_small_batch_groups() ? SG_MAX_B : 0;
     g_table.matmat[CF_Q4_0] = matmat_q4_0_avx512;
     g_table.matmat[CF_Q4_1] = matmat_q4_1_avx512;
     g_table.matmat[CF_Q8_0] = matmat_q8_0_avx512;
