@@ -41,7 +41,6 @@ import csv
 import dataclasses
 import json
 import math
-import platform
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -376,8 +375,7 @@ def _corpus_lines(summaries: list[RunSummary]) -> list[str]:
 
 def _machine_lines(summaries: list[RunSummary], base: TrainConfig) -> list[str]:
     """Where the runs trained: one machine, or each machine with its runs (records can come from several)."""
-    here = f"{platform.machine()}, {describe_device(resolve_device(base), base.precision)}, " \
-           f"{base.threads or torch.get_num_threads()} torch thread(s) per run"
+    here = describe_machine(describe_device(resolve_device(base), base.precision), base.threads)
     machines: dict[str, list[str]] = {}
     for s in summaries:
         machines.setdefault(s.machine or here, []).append(f"{s.preset} seed {s.seed}")

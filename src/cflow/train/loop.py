@@ -256,9 +256,9 @@ def describe_device(dev: torch.device, precision: str = "auto") -> str:
     return f"{name} (bf16 autocast)" if uses_bf16(dev, precision) else name
 
 
-def describe_machine(device: str) -> str:
+def describe_machine(device: str, threads: int | None = None) -> str:
     """Where a run trains, as its meta.json and the compare table say it: architecture, CPU model
-    (what /proc/cpuinfo names; a VM may name less), threads and device."""
+    (what /proc/cpuinfo names; a VM may name less), threads (default: torch's now) and device."""
     import platform
 
     cpu = platform.processor()
@@ -267,7 +267,7 @@ def describe_machine(device: str) -> str:
             cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
     except OSError:
         pass
-    return f"{platform.machine()}, {cpu or 'unknown CPU'}, {torch.get_num_threads()} thread(s), {device}"
+    return f"{platform.machine()}, {cpu or 'unknown CPU'}, {threads or torch.get_num_threads()} thread(s), {device}"
 
 
 def count_params(model: torch.nn.Module) -> int:
@@ -607,6 +607,8 @@ class _Run:
         self.cfg, self.tc, self.d = cfg, tc, d
         self.model, self.opt, self.sampler, self.data = model, opt, sampler, data
         self.device = next(model.parameters()).device
+        self.device_name = describe_device(self.device, tc.precision)
+        self.machine = describe_machine(self.device_name)  # once: it reads /proc/cpuinfo
         self.out, self.tok_json, self.data_name, self.meta = out, tok_json, data_name, meta
         self.step, self.elapsed0 = step, elapsed0
         self.n_params = count_params(model)
@@ -755,8 +757,8 @@ class _Run:
                 "val_tokens": int(len(self.data.val)),
                 "train_config": self.tc.to_dict(),
                 "world_size": self.d.world_size,
-                "device": describe_device(self.device, self.tc.precision),
-                "machine": describe_machine(describe_device(self.device, self.tc.precision)),
+                "device": self.device_name,
+                "machine": self.machine,
                 "elapsed_s": round(elapsed, 3),
             }
             if self.log:
