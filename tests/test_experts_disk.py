@@ -30,6 +30,7 @@ pytest.importorskip("torch")
 
 from cflow.runtime import Engine, EngineError  # noqa: E402
 from cflow.runtime import experts as xp  # noqa: E402
+from cflow.runtime import pages  # noqa: E402
 import cachesim  # noqa: E402 (tests/cachesim.py: the policy replayed)
 from test_engine import small_config, write_random_model  # noqa: E402
 
@@ -463,7 +464,7 @@ def test_no_mmap_copies_all_but_the_experts(models):
     path = models["arch2_4_combined"]
     eng = Engine.load(path, threads=2, experts="disk", mmap=False, max_batch=8)
     assert all(np.array_equal(a, b) for a, b in zip(run(eng), ram_run(path)))
-    copy, raw = xp.dense_copy(eng.file), np.fromfile(path, np.uint8)
+    copy, raw = pages.copy_weights(eng.file), np.fromfile(path, np.uint8)
     experts = np.zeros(raw.size, bool)
     for off, n in eng.file.experts.values():
         experts[off:off + n] = True

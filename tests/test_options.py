@@ -37,7 +37,7 @@ def moe_model(tmp_path_factory):
 def test_defaults_are_engine_load_defaults():
     o = EngineOptions()
     assert o.to_dict() == dict(threads=None, n_ctx=None, n_seq=1, max_batch=DEFAULT_MAX_BATCH, mmap=True,
-                               verify=True, cache_type_k="f16", cache_type_v="f16", experts="auto",
+                               hugepages=True, verify=True, cache_type_k="f16", cache_type_v="f16", experts="auto",
                                expert_cache=None, expert_io="async", expert_delay=True, expert_speculation="auto",
                                readahead="auto", overlap=False, prefetch=None)
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -200,7 +200,7 @@ def test_disk_residency_builds_its_plan_once(moe_model, monkeypatch):
 
 # ---- one mapping from flags: the CLI, bench and serve agree -------------------------------------
 # flags every engine-loading command has, and those only generate / chat / serve have
-SHARED = ["--no-verify", "-ctk", "q8_0", "--experts", "ram", "--expert-io", "sync", "--expert-speculation", "off",
+SHARED = ["--no-verify", "--no-hugepages", "-ctk", "q8_0", "--experts", "ram", "--expert-io", "sync", "--expert-speculation", "off",
           "--expert-cache", "64M"]
 MODEL = ["-t", "1", "-c", "48", "--no-mmap", "--readahead", "off"]
 FLAGS = MODEL + SHARED
@@ -229,7 +229,7 @@ def test_flags_map_to_options_in_one_place():
     from cflow.cli.common import engine_options
 
     args = _parse("generate", ["-m", "x.cflow", *FLAGS, "hello"])
-    want = EngineOptions(threads=1, n_ctx=48, verify=False, mmap=False, readahead="off", cache_type_k="q8_0",
+    want = EngineOptions(threads=1, n_ctx=48, verify=False, mmap=False, hugepages=False, readahead="off", cache_type_k="q8_0",
                          experts="ram", expert_io="sync", expert_speculation=0, expert_cache="64M")
     assert engine_options(args) == want
     assert engine_options(_parse("generate", ["hello"])) == EngineOptions()

@@ -101,6 +101,7 @@ class BenchReport:
     experts: dict | None = None  # disk residency: Engine.expert_cache plus why (None: experts in RAM)
     expert_rows: dict[str, dict] = field(default_factory=dict)  # "threads:test" -> CflowRunner.expert_stats()
     prefetch: str = "default"  # cflow's software prefetch: "default", "off" or bytes ahead (prefetch.label)
+    weights: dict | None = None  # where cflow's weights live: Engine.weights_memory() (cflow.runtime.pages)
     spec_rows: list = field(default_factory=list)  # cflow.bench.speculative.SpecRow per thread count (--spec)
     date: str = field(default_factory=lambda: _dt.datetime.now().isoformat(timespec="seconds"))
 
@@ -120,7 +121,7 @@ class BenchReport:
             "int8_peak_gops": {str(k): v for k, v in self.int8_peak_gops.items()},
             "macs_per_token": self.macs_per_token,
             "footprint": self.footprint, "experts": self.experts,
-            "prefetch": self.prefetch,
+            "prefetch": self.prefetch, "weights": self.weights,
             "rows": [dict(r.to_dict(), ratio_cflow_over_this=self.ratio(r), pct_of_probe=self._pct(r),
                           prefetch=self.prefetch if r.engine == "cflow" else None,
                           **self._compute_fields(r), **self._expert_fields(r)) for r in self.rows],
@@ -192,13 +193,24 @@ class BenchReport:
             f"load {f['load_s']:.2f} s; time to first token {f['ttft_s'] * 1000:.0f} ms "
             f"({f['prompt_tokens']}-token prompt, {f['threads']} threads)",
             f"resident memory: {format_size(f['rss_before_load'])} before load (Python, numpy, C core); "
-            f"{format_size(f['rss_after_load'])} after load (mmap: weights not paged in yet); "
+            f"{format_size(f['rss_after_load'])} after load ("
+            f"{'weights copied in' if f.get('weights') == 'copy' else 'mapped: weights not paged in yet'}); "
             f"{format_size(f['rss_after_first_token'])} after the first token = file "
             f"{format_size(f['file_bytes'])} (every weight page touched) + {format_size(rest)}, of which "
             f"{format_size(rest - f['rss_before_load'])} beyond the bare interpreter (tokenizer, buffers, "
             f"KV pages used so far; the KV cache reserves {format_size(f['kv_cache_bytes'])} for n_ctx "
             f"{f['n_ctx']}, resident only as the context fills)",
         ]
+
+    def _weights_line(self) -> list[str]:
+        w = self.weights
+        if not w:
+            return []
+        if w["placement"] == "map":
+            return [f"cflow weights: the file's mapping, 4 KiB pages ({w['reason']})"]
+        got = w.get("huge_page_bytes")
+        backed = f", {format_size(got)} of {format_size(w['bytes'])} in 2 MiB pages" if got is not None else ""
+        return [f"cflow weights: copied into memory{' (MADV_HUGEPAGE)' if w['huge_pages'] else ''}{backed}"]
 
     def _bytes_line(self) -> list[str]:
         counted = sorted({r.bytes_per_token for r in self.rows if r.engine == "cflow" and r.bytes_per_token})
@@ -224,6 +236,7 @@ class BenchReport:
             f"machine: {m['cpu']}, {m['usable_cores']} usable cores, ISA {m.get('isa')}, "
             f"cflow {m['cflow']} ({m.get('commit') or 'no git'}), {self.date}",
             *([f"cflow software prefetch: {self._prefetch_words()}"] if self.prefetch != "default" else []),
+            *self._weights_line(),
             *(["read bandwidth (cflow probe): " + ", ".join(
                 f"{t} thr {bw:.1f} GB/s" for t, bw in sorted(self.bandwidth_gbs.items()))]
               if self.bandwidth_gbs else []),
@@ -294,6 +307,7 @@ def bench(model: str | Path, *, threads: list[int] | None = None, pp: int = 512,
         table_bytes = eng.weight_bytes_per_token()
         macs = eng.matmul_macs_per_token()
         isa = eng.isa
+        weights = eng.weights_memory()
         if spec is not None and spec_prompt is None:
             from cflow.bench.speculative import default_prompt
 
@@ -311,12 +325,13 @@ def bench(model: str | Path, *, threads: list[int] | None = None, pp: int = 512,
                          f"is {n_ctx} (model limit {max_ctx}); lower -d/-p/-n")
     report = BenchReport(model=model, machine=machine_info(), rows=[],
                          model_bytes=Path(model).stat().st_size, table_bytes_per_token=table_bytes,
-                         macs_per_token=macs if pp > 0 else None, prefetch=prefetch_mod.label(opts.prefetch))
+                         macs_per_token=macs if pp > 0 else None, prefetch=prefetch_mod.label(opts.prefetch),
+                         weights=weights)
     if footprint:
         from cflow.bench.footprint import measure_in_subprocess
 
         # the default context a user gets
-        report.footprint = measure_in_subprocess(model, threads[-1], verify=opts.verify)
+        report.footprint = measure_in_subprocess(model, threads[-1], verify=opts.verify, hugepages=opts.hugepages)
     for t in threads:
         if probe:
             report.bandwidth_gbs[t] = read_bandwidth(threads=t)

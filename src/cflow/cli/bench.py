@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from cflow.cli.common import (UsageError, add_cache_flags, add_command, add_expert_flags, add_speculative_flags,
+from cflow.cli.common import (UsageError, add_cache_flags, add_command, add_expert_flags, add_hugepages_flag,
+                              add_speculative_flags,
                               add_verify_flag, check_speculative, engine_options, load_error, read_flag_file,
                               write_text)
 from cflow.fsutil import check_writable
@@ -91,6 +92,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-footprint", action="store_true",
                    help="skip the load-time / first-token / resident-memory measurement")
     add_verify_flag(p)
+    add_hugepages_flag(p)
     add_cache_flags(p)
     add_expert_flags(p)
     add_speculative_flags(p)

@@ -5,7 +5,7 @@ Owns:
   names the flag, the way the runtime's errors do) and `FileError` (a file a command was told to
   read or write cannot be);
 - `add_command`: a subcommand declared from one help text (summary, description, examples);
-- the model flags (-m -t -c --no-mmap --no-verify, and --experts --expert-cache --expert-io
+- the model flags (-m -t -c --no-mmap --no-hugepages --no-verify, and --experts --expert-cache --expert-io
   --expert-speculation for mixture-of-experts models), and `engine_options`, the one place where
   flags become cflow.runtime.options.EngineOptions (generate, chat, serve and bench all build
   theirs there); loading the engine with the conversion progress bar, and the timing report on
@@ -98,6 +98,7 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("-c", "--ctx-size", type=int, default=0, metavar="N",
                    help="context size in tokens (default 0: min(the model's max_seq_len, 4096))")
     p.add_argument("--no-mmap", action="store_true", help="read the model into memory instead of mapping it")
+    add_hugepages_flag(p)
     p.add_argument("--readahead", choices=["auto", "off", "order", "sweep"], default="auto",
                    help="cold start: read the file ahead of the compute in file order (auto: a .vflow not yet in "
                    "memory; sweep: any file; order: a .vflow's plan order without read-ahead; off; "
@@ -105,6 +106,13 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     add_verify_flag(p)
     add_cache_flags(p)
     add_expert_flags(p)
+
+
+def add_hugepages_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-hugepages", action="store_true",
+                   help="keep the weights in the file's mapping (4 KiB pages); by default weights that take at most "
+                   "half the available memory are read into 2 MiB pages, which cuts TLB misses (decode up to ~2.5x "
+                   "faster on a VM; cflow.runtime.pages)")
 
 
 def add_cache_flags(p: argparse.ArgumentParser) -> None:
@@ -208,6 +216,7 @@ _OPTION_FLAGS: dict[str, tuple[str, Any]] = {
     "threads": ("threads", None),
     "ctx_size": ("n_ctx", lambda n: n or None),  # -c 0: the default context
     "no_mmap": ("mmap", lambda off: not off),
+    "no_hugepages": ("hugepages", lambda off: not off),
     "no_verify": ("verify", lambda off: not off),
     "readahead": ("readahead", None),
     "cache_type_k": ("cache_type_k", None),

@@ -359,32 +359,7 @@ def native_options(cf: Any, res: Residency, inflight: int) -> dict:
             "speculation_depth": res.speculation_depth, "reader": reader_wanted(native_module())}
 
 
-# ---- the weights buffer ---------------------------------------------------------------------------
-def dense_copy(cf: Any, skip_experts: bool = True) -> np.ndarray:
-    """The file's bytes in anonymous memory (mmap=False), with every expert span left as zero pages
-    (never touched, so never resident) when the experts are on disk. Read with pread, not through
-    the file's mapping, so the bytes are not resident twice."""
-    size = int(cf.buffer.size)
-    buf = np.zeros(size, np.uint8)  # calloc: pages are mapped as they are written
-    view = memoryview(buf)
-    spans = (sorted(cf.experts.values()) if skip_experts else []) + [(size, 0)]
-    fd = os.open(cf.path, os.O_RDONLY)
-    try:
-        pos = 0
-        for off, n in spans:
-            while pos < off:
-                got = os.preadv(fd, [view[pos:off]], pos)
-                if got <= 0:
-                    raise EngineError(f"{cf.path} ended at byte {pos}, its header says {size}: the file changed "
-                                      f"while loading; load it again")
-                pos += got
-            pos = max(pos, off + n)
-    finally:
-        os.close(fd)
-    buf.flags.writeable = False
-    return buf
-
-
+# ---- the file's pages ----------------------------------------------------------------------------
 def drop_expert_pages(cf: Any) -> None:
     """Best effort: unmap the experts' pages from this process and drop them from the page cache
     (verifying a file's checksums reads every byte; with experts on disk only the cache should hold

@@ -56,6 +56,7 @@ class EngineOptions:
     n_seq: int = 1  # sequences (KV-cache slots) step_batch / step_rows advance together
     max_batch: int = DEFAULT_MAX_BATCH  # rows (prefill tokens) one native pass takes
     mmap: bool = True  # False: read the weights into memory instead of mapping the file
+    hugepages: bool = True  # weights that fit go into 2 MiB pages instead of the mapping (cflow.runtime.pages)
     verify: bool = True  # check the file's checksums on its first use
     cache_type_k: str = "f16"  # the KV cache's row types (cflow.runtime.kvcache)
     cache_type_v: str = "f16"
@@ -96,7 +97,7 @@ class EngineOptions:
         depth = xp.parse_speculation(self.expert_speculation)  # None: "auto"
         self._set("expert_speculation", "auto" if depth is None else depth)
         self._set("expert_cache", xp.parse_cache(self.expert_cache))
-        for name in ("mmap", "verify", "expert_delay", "overlap"):
+        for name in ("mmap", "hugepages", "verify", "expert_delay", "overlap"):
             self._set(name, bool(getattr(self, name)))
 
     def _set(self, name: str, value: Any) -> None:
