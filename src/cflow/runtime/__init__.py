@@ -10,6 +10,7 @@
     threads    usable cores, thread-count checks, the decode thread tuner
     experts    where a MoE model's experts live (RAM or disk with a byte budget) and why, and
                expert speculation (later layers' experts predicted and read from disk early)
+    pages      where the weights live: the file's mapping, or a copy in 2 MiB pages (hugepages=)
     prefetch   the kernels' software prefetch (PREFETCHT0) modes (Engine.load(prefetch=...), claim C6)
     files      the GGUF conversion cache and checksum verdicts on disk
     errors     the runtime's named errors
