@@ -296,14 +296,9 @@ def test_small_batch_path_either_way():
     in a fresh process (the table is built once): either way the small-batch tests above hold (bit
     for bit the mat-vec), and the process reports the choice it was forced to (the control that the
     switch is read)."""
-    import os
-    import subprocess
-    import sys
     from pathlib import Path
 
-    script = SMALL_BATCH_BOTH_WAYS.format(tests=str(Path(__file__).parent))
-    for forced in ("group", "pair"):
-        r = subprocess.run([sys.executable, "-c", script], env={**os.environ, "CFLOW_AVX512_SMALL_BATCH": forced},
-                           capture_output=True, text=True, timeout=600)
-        assert r.returncode == 0, r.stderr[-2000:]
-        assert r.stdout.strip() == forced
+    from fresh_process import check_each_forced
+
+    check_each_forced(SMALL_BATCH_BOTH_WAYS.format(tests=str(Path(__file__).parent)), "CFLOW_AVX512_SMALL_BATCH",
+                      ("group", "pair"))

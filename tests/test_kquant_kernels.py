@@ -358,14 +358,9 @@ def test_avx512_q6k_kernels_either_way():
     a fresh process (the table is built once): either way its Q6_K mat-vec, gate/up and batches of
     every size equal the avx2 table's bit for bit, and the process reports the choice it was
     forced to (the control that the switch is read)."""
-    import os
-    import subprocess
-    import sys
     from pathlib import Path
 
-    script = Q6K_BOTH_TABLES.format(tests=str(Path(__file__).parent))
-    for forced in ("1", "0"):
-        r = subprocess.run([sys.executable, "-c", script], env={**os.environ, "CFLOW_AVX512_Q6K": forced},
-                           capture_output=True, text=True, timeout=300)
-        assert r.returncode == 0, r.stderr[-2000:]
-        assert r.stdout.strip() == forced
+    from fresh_process import check_each_forced
+
+    check_each_forced(Q6K_BOTH_TABLES.format(tests=str(Path(__file__).parent)), "CFLOW_AVX512_Q6K", ("1", "0"),
+                      timeout=300)
