@@ -20,7 +20,7 @@ The choice (`placement`):
   the copy must leave room for the KV cache, scratch, other processes and the page cache the read
   fills); else map. A mapping loads lazily, shares its pages with other processes and the page
   cache, and can be evicted under memory pressure: the choice for models near the memory's size.
-- mmap=True, hugepages=False: map (as before this option existed).
+- mmap=True, hugepages=False: map.
 With experts on disk the copy (mmap=False) leaves the experts' spans untouched and asks for no huge
 pages: a 2 MiB page would bring expert bytes beside the dense ones into memory.
 
