@@ -23,7 +23,7 @@ from cflow.runtime import pages  # noqa: E402
 from test_engine import small_config, write_random_model  # noqa: E402
 
 MiB = 1 << 20
-LINUX_ADVICE = sys.platform.startswith("linux") and pages._can_advise()
+LINUX_ADVICE = sys.platform.startswith("linux") and pages._can_advise()  # and THP "always" or "madvise"
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +53,15 @@ def test_placement(kw, copy, huge, words):
     p = pages.placement(100 * MiB, **kw)
     assert (p.copy, p.huge_pages) == (copy, huge)
     assert words in p.reason
+
+
+def test_thp_mode_reads_the_bracketed_choice(tmp_path):
+    f = tmp_path / "enabled"
+    for text, want in (("always [madvise] never\n", "madvise"), ("[always] madvise never", "always"),
+                       ("always madvise [never]", "never")):
+        f.write_text(text)
+        assert pages.thp_mode(str(f)) == want
+    assert pages.thp_mode(str(tmp_path / "absent")) is None
 
 
 # ---- the copy -------------------------------------------------------------------------------------

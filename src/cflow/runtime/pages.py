@@ -61,7 +61,8 @@ def placement(file_bytes: int, *, mmap: bool, hugepages: bool, experts_on_disk: 
     if experts_on_disk:
         return Placement(False, False, "experts on disk: the file's mapping")
     if not _can_advise():
-        return Placement(False, False, "no MADV_HUGEPAGE on this system: the file's mapping")
+        return Placement(False, False, f"transparent huge pages {thp_mode() or 'absent'} on this system: the file's "
+                                       f"mapping")
     if available is None:
         return Placement(False, False, "memory available unknown: the file's mapping")
     if file_bytes > MAX_SHARE * available:
@@ -70,8 +71,23 @@ def placement(file_bytes: int, *, mmap: bool, hugepages: bool, experts_on_disk: 
     return Placement(True, True, "copied into 2 MiB pages (fewer TLB misses than the mapping's 4 KiB pages)")
 
 
+THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+
+def thp_mode(path: str = THP_ENABLED) -> str | None:
+    """The kernel's transparent-huge-page mode: "always", "madvise", "never", or None (no THP)."""
+    try:
+        with open(path) as f:
+            m = re.search(r"\[(\w+)\]", f.read())
+    except OSError:
+        return None
+    return m.group(1) if m else None
+
+
 def _can_advise() -> bool:
-    return hasattr(_mmap, "MADV_HUGEPAGE") and hasattr(_mmap.mmap, "madvise")
+    """MADV_HUGEPAGE is there and the kernel honours it ("always" or "madvise")."""
+    return hasattr(_mmap, "MADV_HUGEPAGE") and hasattr(_mmap.mmap, "madvise") and \
+        thp_mode() in ("always", "madvise")
 
 
 def copy_weights(cf: Any, skip_experts: bool = True, huge_pages: bool = False) -> np.ndarray:
