@@ -53,14 +53,15 @@ def placement(file_bytes: int, *, mmap: bool, hugepages: bool, experts_on_disk: 
               available: int | None) -> Placement:
     """Copy or map, and with which pages (module docstring). available: bytes this process may use
     (None: unknown, which keeps the mapping unless mmap=False asks for a copy)."""
-    huge = hugepages and not experts_on_disk and _can_advise()
+    can_advise = _can_advise()  # reads the kernel's THP mode once
+    huge = hugepages and not experts_on_disk and can_advise
     if not mmap:
         return Placement(True, huge, "mmap=False: read into memory" + (", 2 MiB pages" if huge else ""))
     if not hugepages:
         return Placement(False, False, "hugepages=False: the file's mapping")
     if experts_on_disk:
         return Placement(False, False, "experts on disk: the file's mapping")
-    if not _can_advise():
+    if not can_advise:
         return Placement(False, False, f"transparent huge pages {thp_mode() or 'absent'} on this system: the file's "
                                        f"mapping")
     if available is None:
