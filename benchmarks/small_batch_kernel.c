@@ -5,7 +5,8 @@
  * pair path where the ymm one-group path would run),
  * in one process, alternating, best of many repeats; no Python, no engine. Weights of a
  * SmolLM2-like 1536 x 576 matrix (tile 128 x 256), either one copy (in L2) or enough copies to
- * stream from memory, with the default prefetch mode. Prints time per call and the new/old ratio.
+ * stream from memory, with the default prefetch mode. Prints time per call and the new/old ratio,
+ * and flags a batch size whose sums differ between the two builds (they must be equal bit for bit).
  * Indicative only on a shared machine. Build and run from the repository root (x86-64, GCC):
  *
  *   N=src/cflow/native
@@ -102,10 +103,15 @@ int main(int argc, char **argv) {
                     if (a < best_old) best_old = a;
                     if (b < best_new) best_new = b;
                 }
+                float *y2 = aligned_alloc(64, sizeof(float) * 64 * rows); /* the two builds' sums: equal */
+                kold->matmat[ws[0].dtype](&ws[0], xs, B, y, rows, 0, (rows + 7) / 8);
+                knew->matmat[ws[0].dtype](&ws[0], xs, B, y2, rows, 0, (rows + 7) / 8);
+                int same = memcmp(y, y2, sizeof(float) * (size_t)B * rows) == 0;
+                free(y2);
                 double mac = (double)rows * cols * B;
-                printf("  B=%2d  old %8.2f us (%4.0f GMAC/s)  new %8.2f us (%4.0f GMAC/s)  new/old %.3f\n",
+                printf("  B=%2d  old %8.2f us (%4.0f GMAC/s)  new %8.2f us (%4.0f GMAC/s)  new/old %.3f%s\n",
                        B, best_old * 1e6, mac / best_old / 1e9, best_new * 1e6, mac / best_new / 1e9,
-                       best_new / best_old);
+                       best_new / best_old, same ? "" : "  SUMS DIFFER");
             }
             for (int i = 0; i < nw; i++) free((void *)ws[i].data);
             free(ws);

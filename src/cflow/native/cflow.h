@@ -269,7 +269,8 @@ unsigned cf_cpu_features(void);
  * mode, read by every weight-streaming kernel of the fast tables at each call:
  *   CF_PREFETCH_DEFAULT (-1, the initial mode): each kernel's built-in choice: the one-row
  *     mat-vec and gate/up of every dtype cf_matvec_default_ahead(dtype) bytes ahead (8 KiB, measured
- *     +16% to +34% decode on a Zen 5; none on Zen 4, where it measured 25-40% slower: dispatch.c),
+ *     +16% to +34% decode on a Zen 5; none on Zen 4, where it measured 25-40% slower; 2 KiB on
+ *     Intel, where 4 KiB and more measured up to 1.9x slower on a Xeon: dispatch.c),
  *     the avx512 batched kernels 4 KiB ahead (MM5_AHEAD, kernels_avx512.c); the other batched
  *     kernels do not prefetch.
  *   CF_PREFETCH_OFF (0): no software prefetch anywhere, Q6_K's included.

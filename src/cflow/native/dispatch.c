@@ -93,12 +93,22 @@ static int probe_zen4(unsigned features) {
 #endif
 }
 
+static int probe_intel(void) {
+#ifdef CF_X86
+    unsigned a, b, c, d;
+    return __get_cpuid(0, &a, &b, &c, &d) && b == 0x756e6547u && d == 0x49656e69u && c == 0x6c65746eu; /* "GenuineIntel" */
+#else
+    return 0;
+#endif
+}
+
 static unsigned g_features;
-static int g_zen4;
+static int g_zen4, g_intel;
 static pthread_once_t g_features_once = PTHREAD_ONCE_INIT;
 static void features_init(void) {
     g_features = probe_features();
     g_zen4 = probe_zen4(g_features);
+    g_intel = probe_intel();
 }
 
 unsigned cf_cpu_features(void) {
@@ -113,11 +123,20 @@ unsigned cf_cpu_features(void) {
  * - Zen 4 VM (2026-12-05, AMD EPYC family 19h model 11h): it hurts: SmolLM2 Q4_1 off 235 / 362 against
  *   8 KiB 168 / 290 (avx512 table), 211 / 311 against 150 / 240 (avx2 table); the ~1B Q4_0 46.7 /
  *   58.4 against 34.8 / 56.5; prefill alike (pp512 835-845 / 1301-1423 against 811-826 / 1446-1470).
- * So none on Zen 4, 8 KiB elsewhere (the only other measurement). Q6_K keeps 8 KiB everywhere:
- * its two interleaved streams defeat the hardware prefetcher (kernels_kquant_avx2.inc). */
+ * - Intel Xeon VM with AMX (2026-12-06, weights in 2 MiB pages): 4 KiB and more ahead hurts, 1-2 KiB
+ *   helps: the ~1B Q4_0 off 19.3-19.6 / 33.5-35.3, 1 KiB 23.1-23.9 / 42.4-44.0, 2 KiB 22.5-24.1 /
+ *   40.7-44.7, 3 KiB 20.4-20.7 / 33.2-40.4, 4 KiB 14.1-14.5 / 24.2-26.0, 8 KiB 13.0-13.6 / 21.3-23.1,
+ *   16 KiB 15.3-16.7 / 30.6-30.9; SmolLM2 Q4_1 at 1 thread off 100-107, 2 KiB 119-136, 8 KiB 84-93
+ *   (2-4 alternated runs of `cflow bench -p 0 --prefetch N` each; SmolLM2's 2-thread figures moved
+ *   1.5x between runs of one setting). From DRAM (benchmarks/kquant_kernels.py --settings dram
+ *   --shapes 5632x2048 --prefetch N) 2 KiB is the fastest of 0 / 2 / 8 KiB for every dtype but
+ *   Q6_K, 14-15 GB/s at 1 thread against 8-10 at 8 KiB; Q6_K ran alike at 2 and 8 KiB.
+ * So none on Zen 4, 2 KiB on Intel, 8 KiB elsewhere. Q6_K keeps 8 KiB everywhere: its two
+ * interleaved streams defeat the hardware prefetcher (kernels_kquant_avx2.inc). */
 int cf_matvec_default_ahead(int dtype) {
     cf_cpu_features();
-    return g_zen4 && dtype != CF_Q6_K ? 0 : 8192;
+    if (dtype == CF_Q6_K) return 8192;
+    return g_zen4 ? 0 : g_intel ? 2048 : 8192;
 }
 
 /* Whether the avx512 table's own Q6_K mat-vec (kernels_kquant_avx512.c) keeps up with memory. Not on
