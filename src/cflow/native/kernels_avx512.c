@@ -632,7 +632,18 @@ INLINE void sq_matmat_groups(int dtype, const cf_tiled *w, const cf_act_q8 *xs, 
  * against this one in one build (benchmarks/small_batch_ab.py --old-env
  * CFLOW_AVX512_SMALL_BATCH=group, 60 alternating repeats, logits equal): 2 threads, B = 2 0.86x,
  * 3 0.85x, 4 0.94x, 5 0.91x, 6 0.91x, 8 0.89x, 12 0.90x, 16 0.88x; 1 thread 0.86x, 0.85x, 0.87x,
- * 0.90x, 0.92x, 0.87x, 0.91x, 0.88x. So this path runs on Zen 4 only (g_sg_max_b, below). */
+ * 0.90x, 0.92x, 0.87x, 0.91x, 0.88x. So this path runs on Zen 4 only (g_sg_max_b, below).
+ *
+ * Tried on the same Xeon and not kept: AMX-INT8 tiles for the integer sums of 2-16 tokens (the
+ * pair path's unpacked v[0..7] stored as a B tile, sb_pack's record as the A tile, one TDPBSUD
+ * per block and pair, C stored and read back for the same float operations: bit for bit the
+ * pair path's sums). A block's 32 weights per row make each tile multiply small and each needs
+ * its own C (the scales are per block), so the tile loads, the multiply and the C store cost a
+ * fixed ~40 cycles per block and pair whatever the batch: 1536 x 576 Q4_1 in L2 took 34-47 us at
+ * 2-8 tokens against the pair path's 20-45, streamed 51-69 against 42-54; it won only from 9
+ * tokens (0.75-0.85x at 9-16, where the pair path needs a second pass). With every block's
+ * weights stored before the first tile load (a tile load waits for earlier stores to retire),
+ * against 66-71 us at every B with the loads right after the stores. */
 #ifndef SG_MAX_B
 #define SG_MAX_B 16 /* most tokens that take this path (-DSG_MAX_B=0: the pair path instead) */
 #endif
