@@ -8,7 +8,6 @@ logits; engines over one open file share one copy.
 
 from __future__ import annotations
 
-import re
 import sys
 from pathlib import Path
 
@@ -67,15 +66,9 @@ def test_thp_mode_reads_the_bracketed_choice(tmp_path):
 # ---- the copy -------------------------------------------------------------------------------------
 def vm_flags(buf: np.ndarray) -> set[str]:
     """The VmFlags of the mapping holding buf's first byte."""
-    addr = buf.__array_interface__["data"][0]
-    inside = False
-    for line in open("/proc/self/smaps"):
-        m = re.match(r"([0-9a-f]+)-([0-9a-f]+) ", line)
-        if m:
-            inside = int(m.group(1), 16) <= addr < int(m.group(2), 16)
-        elif inside and line.startswith("VmFlags:"):
-            return set(line.split()[1:])
-    raise AssertionError("no mapping holds the buffer")
+    maps = pages.smaps_fields(buf[:1])
+    assert maps, "no mapping holds the buffer"
+    return set(maps[0]["VmFlags"].split())
 
 
 @pytest.mark.skipif(not LINUX_ADVICE, reason="needs Linux madvise")

@@ -136,22 +136,35 @@ def shared_copy(cf: Any, skip_experts: bool, huge_pages: bool) -> np.ndarray:
     return copies[key]
 
 
-def huge_page_bytes(buf: np.ndarray, smaps: str = "/proc/self/smaps") -> int | None:
-    """How many bytes of `buf` the kernel backs with huge pages now (AnonHugePages of the mappings
-    it spans); None where /proc/self/smaps cannot be read."""
+def smaps_fields(buf: np.ndarray, smaps: str = "/proc/self/smaps") -> list[dict[str, str]] | None:
+    """The /proc/self/smaps fields (name -> the rest of its line) of each mapping `buf` spans, in
+    address order; None where smaps cannot be read."""
     start = buf.__array_interface__["data"][0]
-    end = start + buf.nbytes
+    end = start + max(buf.nbytes, 1)
     try:
         with open(smaps) as f:
             text = f.read()
     except OSError:
         return None
-    total, inside = 0, False
+    out: list[dict[str, str]] = []
+    fields: dict[str, str] | None = None
     for line in text.splitlines():
         m = re.match(r"([0-9a-f]+)-([0-9a-f]+) ", line)
         if m:
             lo, hi = int(m.group(1), 16), int(m.group(2), 16)
-            inside = lo < end and hi > start
-        elif inside and line.startswith("AnonHugePages:"):
-            total += int(line.split()[1]) * 1024
-    return total
+            fields = {} if lo < end and hi > start else None
+            if fields is not None:
+                out.append(fields)
+        elif fields is not None and ":" in line:
+            name, rest = line.split(":", 1)
+            fields[name] = rest.strip()
+    return out
+
+
+def huge_page_bytes(buf: np.ndarray, smaps: str = "/proc/self/smaps") -> int | None:
+    """How many bytes of `buf` the kernel backs with huge pages now (AnonHugePages of the mappings
+    it spans); None where /proc/self/smaps cannot be read."""
+    maps = smaps_fields(buf, smaps)
+    if maps is None:
+        return None
+    return sum(int(f.get("AnonHugePages", "0 kB").split()[0]) * 1024 for f in maps)
