@@ -102,7 +102,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefetch", type=_prefetch, default=None, metavar="off|default|N",
                    help="software prefetch (PREFETCHT0) in cflow's kernels (claim C6; not --expert-speculation, "
                    "which reads experts from disk early): default = each kernel's own choice (mat-vec and gate/up "
-                   "8 KiB ahead, none on Zen 4, 2 KiB on Intel; avx512 batched kernels 4 KiB), off = none anywhere, N = PREFETCHT0 N bytes ahead in "
+                   "8 KiB ahead, none on Zen 4, 2 KiB on Intel; avx512 batched kernels 4 KiB), off = none anywhere, "
+                   "N = PREFETCHT0 N bytes ahead in "
                    "every weight-streaming kernel (decode and prefill); recorded in the report")
     p.add_argument("-o", "--output", choices=["md", "json"], default="md", help="output format (default md)")
     p.add_argument("--json", action="store_true", help="same as -o json")

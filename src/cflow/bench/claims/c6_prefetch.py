@@ -2,9 +2,10 @@
 
 The switch is `Engine.load(prefetch=...)` / `Engine.prefetch` (cflow.runtime.prefetch; C:
 `cf_engine_set_prefetch`, `cf_set_prefetch`): off (no PREFETCH instruction in any kernel), the
-kernels' default (the mat-vec 8 KiB (none on Zen 4, 2 KiB on Intel), the avx512 batched kernels 4 KiB ahead), or N bytes ahead in every weight-streaming
-kernel: the tiled mat-vec, fused gate/up, and the batched prefill kernels matmat / gate_up_mm of
-the avx2, avxvnni and avx512 tables, every dtype, dense and expert weights, and the fp32 router.
+kernels' default (the mat-vec 8 KiB (none on Zen 4, 2 KiB on Intel), the avx512 batched kernels
+4 KiB ahead), or N bytes ahead in every weight-streaming kernel: the tiled mat-vec, fused gate/up,
+and the batched prefill kernels matmat / gate_up_mm of the avx2, avxvnni and avx512 tables, every
+dtype, dense and expert weights, and the fp32 router.
 Deliberately not switched (NOT_SWITCHED): the KV-cache reads of attention, the embedding row and the
 `_ref` table.
 
@@ -272,8 +273,8 @@ def run(ctx: Context) -> ClaimResult:
     res.notes.append("What the switch covers: decode's tiled mat-vecs (Q/K/V/O, dense, shared and routed expert "
                      "projections, lm_head) and fused gate/up+SiLU, prefill's batched matmat and gate_up_mm, in the "
                      "avx2, avxvnni and avx512 tables, every dtype, and the fp32 router mat-vec. \"default\" is what "
-                     "cflow ships, chosen from these measurements: the mat-vec and gate/up prefetch 8 KiB ahead (none on Zen 4, 2 KiB on Intel) and the "
-                     "avx512 batched kernels 4 KiB ahead (this model's weight dtypes: "
+                     "cflow ships, chosen from these measurements: the mat-vec and gate/up prefetch 8 KiB ahead "
+                     "(none on Zen 4, 2 KiB on Intel) and the avx512 batched kernels 4 KiB ahead (this model's weight dtypes: "
                      f"{', '.join(dtypes) or 'unknown'}). "
                      f"Deliberately not switched: {NOT_SWITCHED}.")
     res.notes.append("Controls (each rule judged once more on an input built to fail it, so a reader can see the "
