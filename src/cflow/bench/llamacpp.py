@@ -33,10 +33,13 @@ def _quiet_stderr():
 
 
 def amx_advertised() -> bool:
-    """The CPU reports Intel AMX (`amx_tile` in /proc/cpuinfo). On such a machine (a Sapphire Rapids
-    VM here) llama.cpp's AMX weights buffer, one of its extra buffer types, dies of SIGILL at the first
-    Q4_0 mat-mul (a `tilezero` with no tile configuration loaded; llama-cpp-python 0.3.36, dense and
-    MoE alike, 2026-12-01), so llama.cpp runs there with its extra buffer types off (REPACK_OFF_REASON)."""
+    """The CPU reports Intel AMX (`amx_tile` in /proc/cpuinfo). On such machines llama.cpp's AMX
+    weights buffer, one of its extra buffer types, kills the process at the first mat-mul
+    (llama-cpp-python 0.3.36): SIGILL on a Sapphire Rapids VM (a `tilezero` with no tile
+    configuration loaded; dense and MoE alike, 2026-12-01), SIGSEGV on a Xeon VM with AMX-FP16
+    (Q4_0 and Q4_1, 2026-12-06), there even with the process granted the tile state
+    (arch_prctl ARCH_REQ_XCOMP_PERM) first. So llama.cpp runs there with its extra buffer types
+    off (REPACK_OFF_REASON)."""
     try:
         with open("/proc/cpuinfo") as f:
             return " amx_tile" in f.read()
@@ -44,8 +47,8 @@ def amx_advertised() -> bool:
         return False
 
 
-REPACK_OFF_REASON = ("llama.cpp's AMX path crashes on this CPU (SIGILL), so its extra buffer types (AMX and "
-                     "the Q4_0 repack) are off, as --no-repack")
+REPACK_OFF_REASON = ("llama.cpp's AMX path crashes on this CPU (SIGILL or SIGSEGV), so its extra buffer "
+                     "types (AMX and the Q4_0 repack) are off, as --no-repack")
 
 
 def repack_allowed(on: bool) -> bool:
