@@ -640,14 +640,14 @@ INLINE void sq_matmat_groups(int dtype, const cf_tiled *w, const cf_act_q8 *xs, 
  * pair path's sums). A block's 32 weights per row make each tile multiply small and each needs
  * its own C (the scales are per block), so the tile loads, the multiply and the C store cost a
  * fixed ~40 cycles per block and pair whatever the batch: 1536 x 576 Q4_1 in L2 took 34-47 us at
- * 2-8 tokens against the pair path's 20-45, streamed 51-69 against 42-54; it won only from 9
+ * 2-8 tokens against the pair path's 20-45, streamed 51-69 against 39-54; it won only from 9
  * tokens (0.75-0.85x at 9-16, where the pair path needs a second pass). With every block's
  * weights stored before the first tile load (a tile load waits for earlier stores to retire),
- * against 66-71 us at every B with the loads right after the stores. For prefill-size batches
+ * against 66-88 us (2-16 tokens) with the loads right after the stores. For prefill-size batches
  * (16-token chunks, a pair's weights unpacked once for all chunks, block kb's tile multiply issued
  * before block kb-1's or kb-2's float operations) a chunk still cost ~100 cycles per block and
- * pair: 0.79x / 0.90x the small-batch path at 32 tokens (in L2 / streamed), 0.93-1.02x the L1
- * buffer path at 48-64, 1.15-1.27x at 17 and 33 (the padding). The float operations the mat-vec's
+ * pair: 0.79x / 0.90x the small-batch path at 32 tokens (in L2 / streamed), 0.93-1.03x the L1
+ * buffer path at 48-64, 1.11-1.27x at 17 and 33 (the padding). The float operations the mat-vec's
  * order fixes (about 6 per token, block and 16 rows) and the tile unit's own work did not
  * overlap. */
 #ifndef SG_MAX_B
