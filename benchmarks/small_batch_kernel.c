@@ -79,6 +79,7 @@ int main(int argc, char **argv) {
         }
     }
     float *y = aligned_alloc(64, sizeof(float) * 64 * rows);
+    float *y2 = aligned_alloc(64, sizeof(float) * 64 * rows); /* the other build's sums: equal to y's */
     printf("matmat %d x %d, tile 128 x 256, best of %d: us per call, old = OLD_FLAGS\n", rows,
            cols, reps);
     for (int di = 0; di < 3; di++) {
@@ -103,11 +104,9 @@ int main(int argc, char **argv) {
                     if (a < best_old) best_old = a;
                     if (b < best_new) best_new = b;
                 }
-                float *y2 = aligned_alloc(64, sizeof(float) * 64 * rows); /* the two builds' sums: equal */
                 kold->matmat[ws[0].dtype](&ws[0], xs, B, y, rows, 0, (rows + 7) / 8);
                 knew->matmat[ws[0].dtype](&ws[0], xs, B, y2, rows, 0, (rows + 7) / 8);
                 int same = memcmp(y, y2, sizeof(float) * (size_t)B * rows) == 0;
-                free(y2);
                 double mac = (double)rows * cols * B;
                 printf("  B=%2d  old %8.2f us (%4.0f GMAC/s)  new %8.2f us (%4.0f GMAC/s)  new/old %.3f%s\n",
                        B, best_old * 1e6, mac / best_old / 1e9, best_new * 1e6, mac / best_new / 1e9,

@@ -78,26 +78,29 @@ static unsigned probe_features(void) {
     return f;
 }
 
-/* AMD family 19h with AVX-512: Zen 4 (Zen 3, the same family, has none). */
-static int probe_zen4(unsigned features) {
+/* The CPU's vendor string (cpuid leaf 0: ebx, edx, ecx), "" where there is none. */
+static void probe_vendor(char out[13]) {
+    memset(out, 0, 13);
 #ifdef CF_X86
     unsigned a, b, c, d;
-    if (!(features & CF_CPU_AVX512F) || !__get_cpuid(0, &a, &b, &c, &d)) return 0;
-    int amd = b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u; /* "AuthenticAMD" */
-    if (!amd || !__get_cpuid(1, &a, &b, &c, &d)) return 0;
+    if (!__get_cpuid(0, &a, &b, &c, &d)) return;
+    memcpy(out, &b, 4);
+    memcpy(out + 4, &d, 4);
+    memcpy(out + 8, &c, 4);
+#endif
+}
+
+/* AMD family 19h with AVX-512: Zen 4 (Zen 3, the same family, has none). */
+static int probe_zen4(unsigned features, const char *vendor) {
+#ifdef CF_X86
+    unsigned a, b, c, d;
+    if (!(features & CF_CPU_AVX512F) || strcmp(vendor, "AuthenticAMD") != 0 || !__get_cpuid(1, &a, &b, &c, &d))
+        return 0;
     unsigned family = ((a >> 8) & 0xf) + (((a >> 8) & 0xf) == 0xf ? (a >> 20) & 0xff : 0);
     return family == 0x19;
 #else
     (void)features;
-    return 0;
-#endif
-}
-
-static int probe_intel(void) {
-#ifdef CF_X86
-    unsigned a, b, c, d;
-    return __get_cpuid(0, &a, &b, &c, &d) && b == 0x756e6547u && d == 0x49656e69u && c == 0x6c65746eu; /* "GenuineIntel" */
-#else
+    (void)vendor;
     return 0;
 #endif
 }
@@ -106,9 +109,11 @@ static unsigned g_features;
 static int g_zen4, g_intel;
 static pthread_once_t g_features_once = PTHREAD_ONCE_INIT;
 static void features_init(void) {
+    char vendor[13];
+    probe_vendor(vendor);
     g_features = probe_features();
-    g_zen4 = probe_zen4(g_features);
-    g_intel = probe_intel();
+    g_zen4 = probe_zen4(g_features, vendor);
+    g_intel = strcmp(vendor, "GenuineIntel") == 0;
 }
 
 unsigned cf_cpu_features(void) {

@@ -53,9 +53,10 @@
  * Q4_0's GB/s on the same shape. Q5_0 / Q5_1 (1536x576, 2048x5632): L2 27 -> 52, DRAM 0.65 -> 1.06.
  *
  * Software prefetch as kernels_avx2.inc's matvec_groups: in the default mode 8 KiB ahead of each
- * group (cf_matvec_default_ahead there: 8 KiB, none on Zen 4, 2 KiB on Intel; Q6_K 8 KiB everywhere), the mode's distance otherwise, none when off. Measured with these
- * kernels (indicative): off loses half of Q6_K's speed from DRAM; 4 / 8 / 16 KiB are alike for
- * Q4_K; PREFETCHT1 / T2 instead of T0 lose 15-20% on Q6_K; the ~1B Q4_K_M decode at 1 thread
+ * group (cf_matvec_default_ahead there: 8 KiB, none on Zen 4, 2 KiB on Intel; Q6_K 8 KiB
+ * everywhere), the mode's distance otherwise, none when off. Measured with these kernels
+ * (indicative): off loses half of Q6_K's speed from DRAM; 4 / 8 / 16 KiB are alike for Q4_K;
+ * PREFETCHT1 / T2 instead of T0 lose 15-20% on Q6_K; the ~1B Q4_K_M decode at 1 thread
  * (Engine.prefetch switched between steps) was fastest at the default 8 KiB.
  */
 #include <immintrin.h>

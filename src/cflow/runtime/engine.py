@@ -232,12 +232,12 @@ class Engine:
         prefetch (software prefetch (PREFETCHT0) in the kernels, claim C6; cflow.runtime.prefetch; not
         expert speculation, which reads experts from disk): None (default) keeps each kernel's own
         choice (the mat-vec and gate/up 8 KiB ahead, none on Zen 4, 2 KiB on Intel; the avx512 batched
-        kernels 4 KiB); 0 turns every PREFETCH instruction off; N > 0 (at most 1 MiB) makes every weight-streaming kernel (mat-vec, gate/up,
-        the batched prefill kernels, all tables and dtypes, dense and expert weights) issue PREFETCHT0
-        N bytes ahead of its reads. Same results bit for bit. The kernels read one process-wide mode:
-        the engine sets its own at the start of every native call, so two engines stepping at the
-        same moment in different threads may run with each other's mode (speed only). `Engine.prefetch`
-        switches it between calls.
+        kernels 4 KiB); 0 turns every PREFETCH instruction off; N > 0 (at most 1 MiB) makes every
+        weight-streaming kernel (mat-vec, gate/up, the batched prefill kernels, all tables and dtypes,
+        dense and expert weights) issue PREFETCHT0 N bytes ahead of its reads. Same results bit for
+        bit. The kernels read one process-wide mode: the engine sets its own at the start of every
+        native call, so two engines stepping at the same moment in different threads may run with
+        each other's mode (speed only). `Engine.prefetch` switches it between calls.
         cache_type_k, cache_type_v: the KV cache's row types, "f16" (default) or "q8_0" (llama.cpp's
         `-ctk/-ctv q8_0`: blocks of 32 int8 with an fp16 scale, 53% of the bytes; cflow.runtime.kvcache),
         each on its own. q8_0 changes the logits a little (docs/results/kv_cache_accuracy.md has the measured

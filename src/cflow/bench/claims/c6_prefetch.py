@@ -274,7 +274,8 @@ def run(ctx: Context) -> ClaimResult:
                      "projections, lm_head) and fused gate/up+SiLU, prefill's batched matmat and gate_up_mm, in the "
                      "avx2, avxvnni and avx512 tables, every dtype, and the fp32 router mat-vec. \"default\" is what "
                      "cflow ships, chosen from these measurements: the mat-vec and gate/up prefetch 8 KiB ahead "
-                     "(none on Zen 4, 2 KiB on Intel) and the avx512 batched kernels 4 KiB ahead (this model's weight dtypes: "
+                     "(none on Zen 4, 2 KiB on Intel) and the avx512 batched kernels 4 KiB ahead (this model's "
+                     "weight dtypes: "
                      f"{', '.join(dtypes) or 'unknown'}). "
                      f"Deliberately not switched: {NOT_SWITCHED}.")
     res.notes.append("Controls (each rule judged once more on an input built to fail it, so a reader can see the "
