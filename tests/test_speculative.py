@@ -485,6 +485,23 @@ def test_ngram_proposes_the_latest_match_longest_first_and_extends_loops():
     assert p.propose(h, 2, rng)[0] == [2, 3]
 
 
+def test_ngram_length_follows_the_match():
+    """Given k_max (the loop adapts), a match of only ngram_min tokens proposes at most
+    SHORT_MATCH_DRAFT (and at most k), a longer one k_max; without k_max, k whatever the match."""
+    rng = np.random.default_rng(0)
+    short = [7, 2, 3, 4, 5, 6, 1, 8, 2, 3]  # "2 3" matches, "8 2 3" does not
+    longer = [1, 2, 3, 4, 5, 6, 1, 8, 1, 2, 3]  # "1 2 3" matches
+    edge = [1, 2, 3, 4, 5, 6, 1, 2, 9, 1, 2]  # lookup 2-2: "1 2" matches, and so does the token before
+    assert sp.SHORT_MATCH_DRAFT == 2
+    assert sp.NgramProposer(2, 3).propose(short, 5, rng, 7)[0] == [4, 5]
+    assert sp.NgramProposer(2, 3).propose(short, 1, rng, 7)[0] == [4]
+    assert sp.NgramProposer(2, 3).propose(short, 5, rng)[0] == [4, 5, 6, 1, 8]
+    assert sp.NgramProposer(2, 3).propose(longer, 1, rng, 6)[0] == [4, 5, 6, 1, 8, 1]
+    assert sp.NgramProposer(2, 3).propose(longer, 1, rng)[0] == [4]
+    assert sp.NgramProposer(2, 2).propose(edge, 5, rng, 7)[0] == [9, 1]  # "6 1 2" vs "9 1 2": no
+    assert sp.NgramProposer(2, 2).propose([9, 1, 2, 3, 4, 5, 6, 7, 9, 1, 2], 1, rng, 4)[0] == [3, 4, 5, 6]
+
+
 @pytest.mark.parametrize("ngram_min, min_acceptance, prompt", [
     (2, 0.2, PROMPT), (1, 0.2, PROMPT[:3]), (1, 0.99, list(range(100, 160)))])
 def test_replay_counts_what_the_loop_does(paths, ngram_min, min_acceptance, prompt):

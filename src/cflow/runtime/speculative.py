@@ -21,7 +21,7 @@ scores all k+1 positions. Then, position by position, the standard rule decides:
   lookup) is a point mass: q(d_i) = 1, so d_i is kept with probability p(d_i).
 
 Every call thus emits 1 + (accepted) tokens. How many tokens a round proposes follows the accepted
-runs (DraftLength), and the Gate pauses speculation while it loses. Positions of rejected tokens are rolled back: the
+runs (DraftLength) and, for the n-gram lookup, the length of the match, and the Gate pauses speculation while it loses. Positions of rejected tokens are rolled back: the
 engine's bookkeeping forgets them (Engine.truncate) and the next call overwrites their K/V. Every
 emitted token goes through cflow.runtime.generate.Generation.emit, the plain loop's own rules for
 stop ids, stop strings, max_tokens and the context end, so generation stops exactly where plain
@@ -79,6 +79,7 @@ GATE_WINDOW = 8
 GATE_PAUSE = 16
 GATE_MAX_PAUSE = 256
 DRAFT_START = 4  # the first round's proposals (DraftLength)
+SHORT_MATCH_DRAFT = 2  # n-gram proposals at most after a match of only ngram_min tokens (NgramProposer)
 # What one more row costs in a target call, as a share of a one-row step: speculation pays while
 # the acceptance rate exceeds it. Measured per engine and thread count (engine_row_cost) from a
 # one-row step and a call of ROW_COST_ROWS rows (a round of the first proposals' length); ROW_COST
@@ -122,7 +123,8 @@ class Speculative:
     token over the target's for a draft model);
     0 keeps speculation always on. adaptive: each round's length follows the accepted runs
     (DraftLength: starts at DRAFT_START, doubles while all are kept, drops to one more than
-    were kept after a rejection); False: always draft_max."""
+    were kept after a rejection) and, for the n-gram lookup, the match's length (NgramProposer:
+    a longer match proposes draft_max); False: always draft_max."""
 
     proposer: str | None = None
     draft: Any = None  # an Engine
@@ -279,6 +281,12 @@ class NgramProposer:
     A continuation that runs into the text's end repeats periodically (a loop in the output is
     proposed as a loop). Deterministic: q is the point mass at each proposed token.
 
+    How many it proposes follows the match's length when the loop adapts the length (k_max given):
+    a match longer than ngram_min tokens (the text repeats a longer span: the output is copying)
+    proposes k_max; a match of just ngram_min tokens at most SHORT_MATCH_DRAFT and at most k (the
+    DraftLength's). Replayed on SmolLM2's answers (docs/results/speculative.md), a two-token match
+    kept its first proposal 44% of the time and its third 16%, a longer one 78-100% and 67-80%.
+
     The index maps each n-gram to the position after its latest occurrence, updated with every
     new token: O(ngram_max) dictionary operations per token, whatever the context length."""
 
@@ -289,7 +297,8 @@ class NgramProposer:
         self.index: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in self.sizes}
         self.done = 0  # n-grams ending before position `done` (continuation at done or before) are indexed
 
-    def propose(self, history: Sequence[int], k: int, rng: np.random.Generator) -> tuple[list[int], None]:
+    def propose(self, history: Sequence[int], k: int, rng: np.random.Generator,
+                k_max: int | None = None) -> tuple[list[int], None]:
         end = len(history)
         # index the n-grams whose continuation starts at e in [done + 1, end) (the text's own last
         # n-gram has none yet); zip keeps a long prompt's indexing at C speed, later e overwrite earlier
@@ -304,6 +313,10 @@ class NgramProposer:
                 continue
             c = self.index[n].get(tuple(history[end - n:]))
             if c is not None:
+                if k_max is not None:
+                    # one token past the n matched: is the match longer than the shortest lookup?
+                    longer = n > self.sizes[-1] or (c - n - 1 >= 0 and history[c - n - 1] == history[end - n - 1])
+                    k = k_max if longer else min(k, SHORT_MATCH_DRAFT)
                 out: list[int] = []
                 for i in range(k):
                     j = c + i
@@ -324,8 +337,8 @@ class DraftProposer:
         self.eng = draft
         self.sampler = Sampler(params)  # for q only: draws use the generation's random stream
 
-    def propose(self, history: Sequence[int], k: int,
-                rng: np.random.Generator) -> tuple[list[int], list[tuple[np.ndarray, np.ndarray]]]:
+    def propose(self, history: Sequence[int], k: int, rng: np.random.Generator,
+                k_max: int | None = None) -> tuple[list[int], list[tuple[np.ndarray, np.ndarray]]]:
         d = self.eng
         # the last proposed token is not run: its positions end at len(history) + k - 2
         k = min(k, d.n_ctx - len(history) + 1)
@@ -372,8 +385,8 @@ class MtpProposer:
         """The final hidden state of the row whose logits chose the newest token (copied)."""
         self.h = np.array(h, np.float32)
 
-    def propose(self, history: Sequence[int], k: int,
-                rng: np.random.Generator) -> tuple[list[int], list[tuple[np.ndarray, np.ndarray]]]:
+    def propose(self, history: Sequence[int], k: int, rng: np.random.Generator,
+                k_max: int | None = None) -> tuple[list[int], list[tuple[np.ndarray, np.ndarray]]]:
         if self.h is None:
             return [], []
         logits = self.heads.logits(self.h)  # [N, V]
@@ -551,13 +564,14 @@ def run(gen: Generation, spec: Speculative) -> Iterator[tuple[int, str]]:
             # tok, the newest emitted token, is not in the cache yet: it runs at `pos` this round
             pos = len(gen.history) - 1
             # at most as many proposals as there are tokens left to emit after this round's first
-            k = min(length.k if spec.adaptive else spec.draft_max, gen.limit - gen.emitted - 1)
+            k_max = min(spec.draft_max, gen.limit - gen.emitted - 1)
+            k = min(length.k, k_max) if spec.adaptive else k_max
             drafts: list[int] = []
             qs = None
             if k >= max(1, spec.draft_min):
                 if gate.open():
                     t0 = time.perf_counter()
-                    drafts, qs = proposer.propose(gen.history, k, rng)
+                    drafts, qs = proposer.propose(gen.history, k, rng, k_max if spec.adaptive else None)
                     tm.draft_s += time.perf_counter() - t0
                     if len(drafts) < spec.draft_min:
                         drafts = []

@@ -205,6 +205,7 @@ class SeqSpec:
         self.observes = self.kind == "mtp"
         self.gate = Gate(min_rate(spec, where.target))
         self.length = DraftLength(spec.draft_max, DRAFT_START)
+        self.k_max: int | None = None  # this iteration's most proposals (plan)
         self.drafts: list[int] = []  # this iteration's proposals (rows after the next token)
         self.qs: list[Q | None] = []  # their distributions (None: a point mass)
         self.drafted = 0             # proposals verified (cflow.runtime.speculative.proposals_counted)
@@ -218,14 +219,16 @@ class SeqSpec:
         (rows the call has left), as cflow.runtime.speculative.run; the Gate may say none."""
         s = self.spec
         self.drafts, self.qs = [], []
-        k = min(self.length.k if s.adaptive else s.draft_max, left, room)
+        k_max = min(s.draft_max, left, room)
+        k = min(self.length.k, k_max) if s.adaptive else k_max
+        self.k_max = k_max if s.adaptive else None  # an n-gram match may propose up to this (NgramProposer)
         if k >= max(1, s.draft_min) and self.gate.open():
             return k
         return 0
 
     def propose(self, history: Sequence[int], k: int, rng: np.random.Generator) -> None:
         """Proposals of the n-gram lookup or the heads (the draft model's come from DraftSlots)."""
-        drafts, qs = self.proposer.propose(history, k, rng)
+        drafts, qs = self.proposer.propose(history, k, rng, self.k_max)
         self.drafts, self.qs = list(drafts), list(qs) if qs else [None] * len(drafts)
 
     def settle(self) -> list[int]:
