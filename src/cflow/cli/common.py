@@ -324,7 +324,8 @@ SPEC_HELP = ("Speculative decoding guesses several tokens ahead and has the mode
 
 def add_speculative_flags(p: argparse.ArgumentParser) -> None:
     """llama.cpp's flag names: --model-draft/-md, --draft-max (--draft, --draft-n), --draft-min."""
-    from cflow.runtime.speculative import DEFAULT_DRAFT_MAX, DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, DRAFT_START
+    from cflow.runtime.speculative import (DEFAULT_DRAFT_MAX, DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, DRAFT_START,
+                                           SHORT_MATCH_DRAFT)
 
     g = p.add_argument_group("speculative decoding", SPEC_HELP)
     g.add_argument("--spec", default=None, metavar="off|ngram|draft|mtp",
@@ -339,7 +340,9 @@ def add_speculative_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-max", "--draft", "--draft-n", dest="draft_max", type=int, default=DEFAULT_DRAFT_MAX,
                    metavar="N", help=f"tokens proposed per verification call at most (default {DEFAULT_DRAFT_MAX}); the "
                    f"first call proposes {DRAFT_START}, then twice as many while all are accepted and one more than "
-                   f"were accepted after a rejection (each proposed token costs a row of the call)")
+                   f"were accepted after a rejection (each proposed token costs a row of the call); ngram: a match longer "
+                   f"than --spec-ngram-min proposes N at once, a match of just that many tokens at most "
+                   f"{SHORT_MATCH_DRAFT}")
     g.add_argument("--draft-min", type=int, default=0, metavar="N",
                    help="take a plain step instead when fewer than N tokens are proposed (default 0)")
     g.add_argument("--spec-ngram-max", type=int, default=DEFAULT_NGRAM_MAX, metavar="N",
