@@ -21,13 +21,14 @@ scores all k+1 positions. Then, position by position, the standard rule decides:
   lookup) is a point mass: q(d_i) = 1, so d_i is kept with probability p(d_i).
 
 Every call thus emits 1 + (accepted) tokens. How many tokens a round proposes follows the accepted
-runs (DraftLength) and, for the n-gram lookup, the length of the match, and the Gate pauses speculation while it loses. Positions of rejected tokens are rolled back: the
-engine's bookkeeping forgets them (Engine.truncate) and the next call overwrites their K/V. Every
-emitted token goes through cflow.runtime.generate.Generation.emit, the plain loop's own rules for
-stop ids, stop strings, max_tokens and the context end, so generation stops exactly where plain
-decoding does; a round never proposes more tokens than are left to emit. One random stream (the
-Sampler's, seeded) serves the draft's draws, the acceptance tests and the corrections, in a fixed
-order, so a seed reproduces a run.
+runs (DraftLength) and, for the n-gram lookup, the length of the match, and the Gate pauses
+speculation while it loses. Positions of rejected tokens are rolled back: the engine's bookkeeping
+forgets them (Engine.truncate) and the next call overwrites their K/V. Every emitted token goes
+through cflow.runtime.generate.Generation.emit, the plain loop's own rules for stop ids, stop
+strings, max_tokens and the context end, so generation stops exactly where plain decoding does; a
+round never proposes more tokens than are left to emit. One random stream (the Sampler's, seeded)
+serves the draft's draws, the acceptance tests and the corrections, in a fixed order, so a seed
+reproduces a run.
 
 Owns: the settings (Speculative, and `resolve`, which turns what a caller passed into them), the
 proposers (NgramProposer: prompt lookup decoding, llama.cpp's `lookup`; DraftProposer: a second
