@@ -72,8 +72,7 @@ def replay(make_proposer, prompt: list[int], answer: list[int], curve: list[floa
     cost, proposed, kept, n = 0.0, 0, 0, len(answer)
     while len(history) - len(prompt) < n:
         emitted = len(history) - len(prompt)
-        k_max = min(draft_max, n - emitted - 1)
-        k = min(length.k, k_max)
+        k, k_max = length.limits(n - emitted - 1)
         drafts = proposer.propose(history, k, None, k_max)[0] if k >= 1 and gate.open() else []
         if not drafts:
             cost += curve[0]

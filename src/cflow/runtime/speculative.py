@@ -470,6 +470,13 @@ class DraftLength:
     def record(self, drafted: int, accepted: int) -> None:
         self.k = min(self.max, 2 * drafted if accepted == drafted else accepted + 1)
 
+    def limits(self, left: int, adaptive: bool = True) -> tuple[int, int | None]:
+        """This round's (k, k_max): k_max the most proposals it may hold (draft_max, and at most
+        `left`), k the length the accepted runs suggest; a proposer with evidence of its own may go
+        up to k_max (NgramProposer). Not adaptive: always k_max, and no k_max to go up to (None)."""
+        k_max = min(self.max, left)
+        return (min(self.k, k_max), k_max) if adaptive else (k_max, None)
+
 
 def measure_row_cost(one_row: Callable[[], Any], rows_call: Callable[[], Any], rows: int,
                      repeats: int = ROW_COST_REPEATS, clock: Callable[[], float] = time.perf_counter) -> float:
@@ -565,14 +572,13 @@ def run(gen: Generation, spec: Speculative) -> Iterator[tuple[int, str]]:
             # tok, the newest emitted token, is not in the cache yet: it runs at `pos` this round
             pos = len(gen.history) - 1
             # at most as many proposals as there are tokens left to emit after this round's first
-            k_max = min(spec.draft_max, gen.limit - gen.emitted - 1)
-            k = min(length.k, k_max) if spec.adaptive else k_max
+            k, k_max = length.limits(gen.limit - gen.emitted - 1, spec.adaptive)
             drafts: list[int] = []
             qs = None
             if k >= max(1, spec.draft_min):
                 if gate.open():
                     t0 = time.perf_counter()
-                    drafts, qs = proposer.propose(gen.history, k, rng, k_max if spec.adaptive else None)
+                    drafts, qs = proposer.propose(gen.history, k, rng, k_max)
                     tm.draft_s += time.perf_counter() - t0
                     if len(drafts) < spec.draft_min:
                         drafts = []

@@ -219,9 +219,7 @@ class SeqSpec:
         (rows the call has left), as cflow.runtime.speculative.run; the Gate may say none."""
         s = self.spec
         self.drafts, self.qs = [], []
-        k_max = min(s.draft_max, left, room)
-        k = min(self.length.k, k_max) if s.adaptive else k_max
-        self.k_max = k_max if s.adaptive else None  # an n-gram match may propose up to this (NgramProposer)
+        k, self.k_max = self.length.limits(min(left, room), s.adaptive)  # k_max: an n-gram match may go up to it
         if k >= max(1, s.draft_min) and self.gate.open():
             return k
         return 0
