@@ -48,6 +48,14 @@ def float_eval(model: Transformer, windows: np.ndarray) -> dict[str, float]:
     return {"loss": nll / n, "ppl": math.exp(nll / n), "top1": hits / n, "tokens": n}
 
 
+def portable(command: str | None) -> str | None:
+    """The training command as the shipped file records it: an absolute path (a directory of the
+    machine it trained on) shortened to .../its-name, as the family's run records leave run_dir out."""
+    if not command:
+        return command
+    return " ".join(f".../{Path(t).name}" if t.startswith("/") else t for t in command.split(" "))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -68,8 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     fe = float_eval(model, windows)
     out = a.out_dir / "default.cflow"
     extra = {"float_eval": {**fe, "windows": len(windows), "seq_len": seq_len, "file": "default_val.npy"},
-             "trained": {k: c.meta.get(k) for k in ("preset", "tokens_seen", "params", "eval", "data",
-                                                     "elapsed_s", "command")}}
+             "trained": {**{k: c.meta.get(k) for k in ("preset", "tokens_seen", "params", "eval", "data",
+                                                        "elapsed_s")}, "command": portable(c.meta.get("command"))}}
     res = convert_checkpoint(a.checkpoint, out, quant=a.quant, metadata=extra)
     mb = out.stat().st_size / 1e6
     if mb > a.max_mb:
