@@ -65,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-mb", type=float, default=15.0)
     ap.add_argument("--out-dir", type=Path, default=MODELS)
     a = ap.parse_args(argv)
+    a.out_dir.mkdir(parents=True, exist_ok=True)  # before the float evaluation, not after it
     c = ckpt.load_checkpoint(a.checkpoint, with_train_state=False)
     tc = c.meta.get("train_config", {})
     seq_len = int(tc.get("seq_len", 256))
