@@ -12,13 +12,13 @@ the numbers as JSON.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import sys
 import time
 from pathlib import Path
 
 from cflow.bench.quality import measure
+from cflow.corpus.distill import file_sha256
 from cflow.runtime import Engine
 from cflow.train.data import DEFAULT_VAL_FRACTION, open_corpus, split_documents
 
@@ -31,14 +31,6 @@ def shown(path: str) -> str:
         return str(p.relative_to(Path.cwd().resolve()))
     except ValueError:
         return p.name
-
-
-def sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -67,8 +59,8 @@ def main(argv: list[str] | None = None) -> int:
                     max_bytes=a.max_bytes)
     args = list(argv if argv is not None else sys.argv[1:])
     files = {f: shown(f) for f in (a.model, a.teacher, a.corpus, a.out and str(a.out)) if f}
-    d = {**r.to_dict(), "model": shown(a.model), "model_sha256": sha256(a.model), "teacher": shown(a.teacher),
-         "teacher_sha256": sha256(a.teacher), "corpus": shown(a.corpus), "seconds": round(time.perf_counter() - t0, 1),
+    d = {**r.to_dict(), "model": shown(a.model), "model_sha256": file_sha256(a.model), "teacher": shown(a.teacher),
+         "teacher_sha256": file_sha256(a.teacher), "corpus": shown(a.corpus), "seconds": round(time.perf_counter() - t0, 1),
          "command": "python benchmarks/story_quality.py " + " ".join(files.get(x, x) for x in args)}
     print(f"bits per byte: model {r.model_bpb:.4f}, teacher {r.teacher_bpb:.4f} ({r.stories} held-out stories, "
           f"{r.bytes:,} bytes, each at most {r.max_bytes})")
