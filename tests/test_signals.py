@@ -99,3 +99,28 @@ def test_the_handler_comes_before_any_other_import():
 
     src = open(cflow.cli.__file__).read()
     assert src.index("signal.signal(signal.SIGINT, _interrupted_while_starting)") < src.index("\nimport argparse")
+
+
+def test_no_extension_module_is_first_imported_after_ctrl_c_is_handed_back():
+    """An extension module's initialisation can drop a KeyboardInterrupt raised in it (a Ctrl-C was
+    lost while `cflow chat` imported cflow._native), so main() imports those a command uses before
+    it hands Ctrl-C back to Python. chat, run to its end on an empty stdin, imports none after."""
+    code = f"""
+import os, signal, sys
+import cflow.cli as cli
+switch = signal.signal
+seen = {{}}
+def spy(sig, handler):
+    if handler is signal.default_int_handler:
+        seen["before"] = set(sys.modules)
+    return switch(sig, handler)
+cli.signal.signal = spy
+rc = cli.main(["chat", "-m", {str(DEFAULT_MODEL)!r}])
+late = sorted(m for m in set(sys.modules) - seen["before"]
+              if str(getattr(sys.modules[m], "__file__", "")).endswith((".so", ".pyd")))
+print(rc, late)
+"""
+    r = subprocess.run([sys.executable, "-c", code], input="", capture_output=True, text=True, timeout=60,
+                       preexec_fn=as_from_a_terminal)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["0", "[]"], (r.stdout, r.stderr)

@@ -38,6 +38,12 @@ import importlib  # noqa: E402
 from cflow import __version__  # noqa: E402
 from cflow.errors import CflowError  # noqa: E402
 
+# Extension modules the commands import only when they run (loading a model, chat's line editing).
+# Their initialisation runs Python code and can drop a KeyboardInterrupt raised in it: a Ctrl-C
+# landing while `cflow chat` imported cflow._native was lost, and chat went on to wait for input.
+# main() imports them (~6 ms) while Ctrl-C still exits at once, so no command meets that window.
+EXTENSIONS_IMPORTED_FIRST = ("cflow._native", "tokenizers", "readline")
+
 # Subcommand modules, in the order `cflow --help` lists them.
 COMMANDS = ["generate", "chat", "serve", "bench", "perplexity", "convert", "inspect", "cache", "analyze", "data", "train", "export"]
 
@@ -62,6 +68,14 @@ def error_line(e: CflowError) -> str:
     return f"{flag}: {e}" if flag else str(e)
 
 
+def _import_extensions_first() -> None:
+    for name in EXTENSIONS_IMPORTED_FIRST:
+        try:
+            importlib.import_module(name)
+        except ImportError:  # absent here: the command that needs it says so
+            pass
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -70,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     try:
         if signal.getsignal(signal.SIGINT) is _interrupted_while_starting:
+            _import_extensions_first()
             signal.signal(signal.SIGINT, signal.default_int_handler)
         return int(args.func(args) or 0)
     except CflowError as e:
