@@ -14,8 +14,8 @@ control pits llama.cpp against itself decoding every token twice, which must los
 from __future__ import annotations
 
 import importlib.util
-
 import statistics
+from pathlib import Path
 
 from cflow.bench.claims.core import (INCONCLUSIVE, ClaimResult, Context, Rule, Table, fmt_bytes, pyplot,
                                      quick_verdict, save, signature_has)
@@ -119,6 +119,7 @@ def _bench(ctx: Context, model: str, label: str, *, threads: list[int], pp: int,
     ctx.log(ID, f"{label}: pp{pp} tg{tg} x {reps} reps, threads {threads}, compare {compare}")
     rep = bench(model, threads=threads, pp=pp, tg=tg, reps=reps, compare=compare, probe=probe, footprint=footprint,
                 progress=lambda m: ctx.log(ID, f"{label}: {m}"), **kw)
+    rep.model = Path(model).name  # the report names the file, not where this machine keeps it
     d = rep.to_dict()
     d["label"] = label
     d["markdown"] = rep.to_markdown()

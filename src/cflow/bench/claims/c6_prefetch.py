@@ -215,7 +215,7 @@ def run(ctx: Context) -> ClaimResult:
                             f"{ctx.threads} threads, kernels {isa}", head, table_rows(tg, modes)))
     res.tables.append(Table(f"SmolLM2-135M Q4_1 prefill (pp{pp}, batched kernels) per prefetch mode, same runs "
                             "(context, not judged)", head, table_rows(ppr, modes)))
-    res.commands += [f"cflow bench -m {shell([str(gguf)])} -t {ctx.threads} -p {pp} -n {n} -r {reps} --prefetch {p}"
+    res.commands += [f"cflow bench -m {shell([gguf.name])} -t {ctx.threads} -p {pp} -n {n} -r {reps} --prefetch {p}"
                      for p in ("off", "default", "1024")]
     g_ram = gain(tg, DEFAULT, OFF)
     v_ram, why_ram = res.apply(RULE_RAM, g_ram if isa != "ref" else None)
