@@ -145,3 +145,23 @@ def test_smollm2_prefill_blocks_equal_steps(smollm2_converted, monkeypatch, thre
         steps = eng.step(t, pos)
     assert np.array_equal(block, per_query)
     assert np.array_equal(block, steps)
+
+
+@pytest.mark.parametrize("n_heads,n_kv", [(3, 1), (6, 3), (6, 2)])
+@pytest.mark.parametrize("threads", [2, 3])
+def test_engine_rows_of_one_sequence_equal_steps(tmp_path, n_heads, n_kv, threads):
+    # a verification call's shape: one block of rows of one sequence past a prompt. With few kv
+    # heads for the threads each thread takes a range of query heads, a kv head's heads possibly
+    # on two threads (engine.c, attn_blocks); every row's logits are still step-by-step decode's
+    cfg = small_config("llama", tied=False, n_heads=n_heads, n_kv_heads=n_kv)
+    path = tmp_path / "m.cflow"
+    write_random_model(path, cfg, "q8_0", (64, 64))
+    toks = prompt_tokens(cfg, 27, seed=3)
+    eng = Engine.load(path, threads=threads)
+    for r in (2, 5, 7):
+        eng.reset()
+        eng.prefill(toks[:20])
+        rows = eng.step_rows([0] * r, toks[20:20 + r], list(range(20, 20 + r))).copy()
+        eng.reset()
+        steps = [eng.step(t, pos).copy() for pos, t in enumerate(toks[:20 + r])][20:]
+        assert np.array_equal(rows, np.stack(steps)), r

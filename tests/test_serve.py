@@ -546,7 +546,11 @@ def _wait(cond, timeout: float = 20) -> None:
 
 
 def test_smollm2_chat_uses_the_file_template(smol, smollm2_gguf):
-    messages = [{"role": "user", "content": "Which city is the capital of France?"}]
+    # a question the model answers with a margin: its first token leads by 1.2-1.7 logits on the
+    # ref, avx2 and avx512 tables, whose logits for one prompt differ by up to ~0.8 (int8
+    # activations turn last-bit differences into whole quantization steps); "Which city is the
+    # capital of France?" was a 0.1-0.2 logit tie between "The" and "Le" that a table could tip
+    messages = [{"role": "user", "content": "Name the capital of France."}]
     c = openai.OpenAI(base_url=smol.url + "/v1", api_key="none", max_retries=0, timeout=60)
     r = c.chat.completions.create(model=smollm2_gguf.name, messages=messages, max_tokens=16, temperature=0)
     with Engine.load(smollm2_gguf, threads=1, n_ctx=2048) as eng:

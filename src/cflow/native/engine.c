@@ -368,30 +368,47 @@ static void attn_plan(cf_engine *e) {
     }
 }
 
-/* Block attention (attn_plan's blocks): work items are (block, kv head), dealt round robin, kv
- * heads fastest, so both the causal growth of the rows and the heads spread over the threads;
- * an item writes only its heads of its rows. The thread's scratch holds a whole block's score
- * rows: group * min(ATTN_QBLOCK, max_batch) rows of at most n_ctx (attn_score_rows). */
-static void attn_blocks(cf_engine *e, int l, float *scores, int ith, int nth) {
+/* Block j's query heads [h0, h1) (attn_plan's blocks) through the block kernel. */
+static void attn_block_heads(cf_engine *e, int l, int j, float *scores, int h0, int h1) {
     const cf_config *c = &e->c;
     const cf_layer *w = &e->w.sets[l % c->n_unique];
-    int hd = e->geo[l].hd, nkv = e->geo[l].n_kv, group = c->n_heads / nkv, q_dim = c->n_heads * hd;
-    int qkv_dim = qkv_width(e, l);
-    for (int it = ith; it < e->n_ablk * nkv; it += nth) {
-        int kvh = it % nkv, b0 = e->ablk[2 * (it / nkv)], nq = e->ablk[2 * (it / nkv) + 1];
-        cf_attn_block_shape sh = {.n_heads = c->n_heads, .n_kv_heads = nkv, .head_dim = hd,
-                                  .max_seq = e->n_ctx, .scale = e->attn_scale,
-                                  .pos0 = e->rpos[b0], .n_q = nq, .window = layer_window(c, l),
-                                  .ldq = qkv_dim, .ldo = q_dim, .sinks = w->sinks};
-        float *out = e->s.att + (size_t)b0 * q_dim, *q = e->s.qkv + (size_t)b0 * qkv_dim;
-        const uint8_t *k = cf_kv_rows(e, e->rseq[b0], l, 1), *v = cf_kv_rows(e, e->rseq[b0], l, 0);
-        if (e->k_type == CF_F16 && e->v_type == CF_F16)
-            e->k->attention_block(out, q, (const cf_half *)k, (const cf_half *)v, scores, &sh, kvh * group,
-                                  (kvh + 1) * group);
-        else
-            e->k->attention_block_q8kv(out, q, k, v, e->k_type, e->v_type, scores, &sh, kvh * group,
-                                       (kvh + 1) * group);
+    int hd = e->geo[l].hd, nkv = e->geo[l].n_kv, q_dim = c->n_heads * hd, qkv_dim = qkv_width(e, l);
+    int b0 = e->ablk[2 * j], nq = e->ablk[2 * j + 1];
+    cf_attn_block_shape sh = {.n_heads = c->n_heads, .n_kv_heads = nkv, .head_dim = hd,
+                              .max_seq = e->n_ctx, .scale = e->attn_scale,
+                              .pos0 = e->rpos[b0], .n_q = nq, .window = layer_window(c, l),
+                              .ldq = qkv_dim, .ldo = q_dim, .sinks = w->sinks};
+    float *out = e->s.att + (size_t)b0 * q_dim, *q = e->s.qkv + (size_t)b0 * qkv_dim;
+    const uint8_t *k = cf_kv_rows(e, e->rseq[b0], l, 1), *v = cf_kv_rows(e, e->rseq[b0], l, 0);
+    if (e->k_type == CF_F16 && e->v_type == CF_F16)
+        e->k->attention_block(out, q, (const cf_half *)k, (const cf_half *)v, scores, &sh, h0, h1);
+    else
+        e->k->attention_block_q8kv(out, q, k, v, e->k_type, e->v_type, scores, &sh, h0, h1);
+}
+
+/* Block attention (attn_plan's blocks): work items are (block, kv head), dealt round robin, kv
+ * heads fastest, so both the causal growth of the rows and the heads spread over the threads;
+ * an item writes only its heads of its rows. Few items for the threads (a verification call's
+ * one block: SmolLM2's 3 kv heads give 2 threads 2 + 1, 6 query heads against 3) split each
+ * block's query heads instead, a contiguous range per thread (5 + 4), whenever that leaves the
+ * busiest thread fewer heads; a kv head split between two threads has its tiles converted by
+ * both. Each (query, head) is computed alone, so the split changes no bit. The thread's scratch
+ * holds a whole block's score rows: group * min(ATTN_QBLOCK, max_batch) rows of at most n_ctx
+ * (attn_score_rows). */
+static void attn_blocks(cf_engine *e, int l, float *scores, int ith, int nth) {
+    int nkv = e->geo[l].n_kv, group = e->c.n_heads / nkv, items = e->n_ablk * nkv;
+    if (e->n_ablk * ((e->c.n_heads + nth - 1) / nth) < (items + nth - 1) / nth * group) {
+        int h0, h1;
+        cf_split_range(e->c.n_heads, ith, nth, 1, &h0, &h1);
+        for (int j = 0; j < e->n_ablk; j++) /* a call per kv head: its scratch holds group heads' rows */
+            for (int h = h0, hb; h < h1; h = hb) {
+                hb = cf_min(h1, (h / group + 1) * group);
+                attn_block_heads(e, l, j, scores, h, hb);
+            }
+        return;
     }
+    for (int it = ith; it < items; it += nth)
+        attn_block_heads(e, l, it / nkv, scores, it % nkv * group, (it % nkv + 1) * group);
 }
 
 static void op_attn(cf_engine *e, int l, int slot, int ith, int nth) {

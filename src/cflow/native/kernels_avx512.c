@@ -3,9 +3,10 @@
  * Compiled with -mavx512f -mavx512bw -mavx512vl -mavx512vnni -mfma -mf16c (CMakeLists.txt) and
  * chosen by dispatch.c only on CPUs that report all four AVX-512 features with zmm state saved
  * by the OS. The table is a copy of the best AVX2-family table (dispatch.c passes it in) with
- * only matmat and gate_up_mm of Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K, and deltanet_head (Qwen3.5's
- * recurrence, below its own heading), replaced, so every entry added to the AVX2 tables later is
- * inherited as it is.
+ * only matmat and gate_up_mm of Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K, deltanet_head (Qwen3.5's
+ * recurrence, below its own heading), the K-quant mat-vec (kernels_kquant_avx512.c) and the
+ * fp16-cache attention pair (kernels_attn_avx512.c) replaced, so every entry added to the AVX2
+ * tables later is inherited as it is.
  *
  * The contract (cflow.h) is that matmat equals this table's matvec row by row, bit for bit, and
  * matvec is the inherited kernels_avx2.inc one. Its float operations per row of a tile are (the
@@ -1247,6 +1248,8 @@ static void deltanet_head_avx512(float *S, const float *q, const float *k, const
 
 /* kernels_kquant_avx512.c: K-quant-file mat-vec, gate/up, small batches */
 void cf_kquant_avx512_install(cf_kernel_table *t, const cf_kernel_table *base);
+/* kernels_attn_avx512.c: attention over the fp16 cache, per query and in blocks */
+void cf_attn_avx512_install(cf_kernel_table *t, const cf_kernel_table *base);
 static cf_kernel_table g_table;
 static pthread_once_t g_once = PTHREAD_ONCE_INIT;
 
@@ -1268,6 +1271,7 @@ static void table_init(void) {
     g_table.gate_up_mm[CF_Q6_K] = gate_up_mm_q6_k_avx512;
     g_table.deltanet_head = deltanet_head_avx512;
     cf_kquant_avx512_install(&g_table, atomic_load(&g_base));
+    cf_attn_avx512_install(&g_table, atomic_load(&g_base));
 }
 
 /* base: the best AVX2-family table of this CPU (always the same one; the first call wins). */
