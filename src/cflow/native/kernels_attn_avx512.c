@@ -6,7 +6,7 @@
  * per-query kernel on each query alone, and here both are one function. Per query and head:
  * each score is one 8-lane FMA chain over head_dim from zero (chunk c: dimensions 8c..8c+7),
  * summed across its lanes by the AVX2 kernels' tree ((x0+x4)+(x2+x6)) + ((x1+x5)+(x3+x7)), times
- * scale; the row's softmax (softmax16: simd_silu.h's exp on 16 lanes, summed in 16 lanes); each
+ * scale; the row's softmax (softmax16: simd_silu.h's exp_ps16, summed in 16 lanes); each
  * output value one FMA chain over the positions in ascending order from zero. The packing is
  * what makes it faster than kernels_attn_avx2.inc's: a converted K tile holds its positions in
  * pairs (chunk c of positions 2u and 2u+1 side by side in one zmm), so one FMA advances two
@@ -28,6 +28,7 @@
 
 #include "cflow.h"
 #include "util.h"
+#include "simd_silu.h"
 
 #define INLINE static inline __attribute__((always_inline))
 #define TILE_FLOATS 4096 /* one fp32 tile of K or V rows: 16 KB, as kernels_attn_avx2.inc's */
@@ -90,25 +91,6 @@ INLINE void v_tile(float *tile, const cf_half *V, int hd, int t0, int t1) {
 
 /* ---- softmax ----------------------------------------------------------------------------- */
 
-/* simd_silu.h's exp_ps on 16 lanes: the same operations lane by lane. */
-INLINE __m512 exp16(__m512 x) {
-    x = _mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f));
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3365447504f)); /* keep 2^n a normal float */
-    __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-                                    _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 y = _mm512_set1_ps(1.9875691500E-4f);
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507E-3f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073E-3f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894E-2f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459E-1f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201E-1f));
-    y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
-}
-
 /* x[0..n) = softmax(x) in place, 16 lanes (a tail masked): a score row of these kernels. */
 INLINE void softmax16(float *x, int n) {
     __m512 vmax = _mm512_set1_ps(-INFINITY);
@@ -118,12 +100,12 @@ INLINE void softmax16(float *x, int n) {
     if (tail) vmax = _mm512_mask_max_ps(vmax, tail, vmax, _mm512_maskz_loadu_ps(tail, x + i));
     __m512 vm = _mm512_set1_ps(_mm512_reduce_max_ps(vmax)), vsum = _mm512_setzero_ps();
     for (i = 0; i + 16 <= n; i += 16) {
-        __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(x + i), vm));
+        __m512 e = exp_ps16(_mm512_sub_ps(_mm512_loadu_ps(x + i), vm));
         _mm512_storeu_ps(x + i, e);
         vsum = _mm512_add_ps(vsum, e);
     }
     if (tail) {
-        __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, x + i), vm));
+        __m512 e = exp_ps16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, x + i), vm));
         _mm512_mask_storeu_ps(x + i, tail, e);
         vsum = _mm512_mask_add_ps(vsum, tail, vsum, e);
     }

@@ -52,6 +52,7 @@
 #include "kquant_scales.h"
 #include "kernels_internal.h"
 #include "kernels_ref.h"
+#include "simd_silu.h"
 
 #define INLINE static inline __attribute__((always_inline))
 
@@ -1107,31 +1108,8 @@ DEFINE_MATMAT(matmat_q6_k_avx512, CF_Q6_K)
 
 /* ---- fused gate+up+SiLU, batched ----------------------------------------------------------- */
 
-/* exp and silu lane for lane as kernels_avx2.inc's exp_ps / silu_ps (same constants, same
- * operations, each exactly rounded per lane), so gate_up_mm equals the inherited gate_up bit
- * for bit. */
-INLINE __m512 exp_ps16(__m512 x) {
-    x = _mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f));
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3365447504f));
-    __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-                                    _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 y = _mm512_set1_ps(1.9875691500E-4f);
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507E-3f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073E-3f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894E-2f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459E-1f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201E-1f));
-    y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
-}
-
-INLINE __m512 silu_ps16(__m512 g) {
-    __m512 e = exp_ps16(_mm512_sub_ps(_mm512_setzero_ps(), g));
-    return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
-}
+/* exp_ps16 / silu_ps16: simd_silu.h, lane for lane its exp_ps / silu_ps, so gate_up_mm equals the
+ * inherited gate_up bit for bit. */
 
 #define GATE_UP_MM_NB 64   /* tokens per pass */
 #define GATE_UP_MM_PAIRS 8 /* pairs per pass: the gate/up scratch is 64 x 128 floats, 32 KiB */

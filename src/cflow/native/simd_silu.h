@@ -1,8 +1,8 @@
 /* simd_silu.h — exp and SiLU on 8 floats (AVX2 + FMA) and the fused gate/up pass over a mat-vec,
  * one definition for every file that needs them bit for bit alike: kernels_avx2.inc's gate_up and
  * the avx512 table's K-quant gate_up (kernels_kquant_avx512.c) must round exactly as each other, so
- * they share these lines rather than copies. kernels_avx512.c has its own 16-float exp/SiLU, lane
- * for lane the same operations. Include in a file compiled with -mavx2 -mfma, after cflow.h and
+ * they share these lines rather than copies; the 16-float exp/SiLU of the AVX-512 files is here too,
+ * lane for lane the same operations. Include in a file compiled with -mavx2 -mfma, after cflow.h and
  * util.h (cf_tiled, cf_act_q8, CF_G, cf_min / cf_max). */
 #ifndef CFLOW_SIMD_SILU_H
 #define CFLOW_SIMD_SILU_H
@@ -85,5 +85,33 @@ static inline __attribute__((always_inline)) __m256 silu_ps(__m256 g) {
             p = pe;                                                                                       \
         }                                                                                                 \
     }
+
+#ifdef __AVX512F__
+/* exp_ps and silu_ps on 16 lanes (files compiled with AVX-512: kernels_avx512.c's gate_up_mm,
+ * kernels_attn_avx512.c's softmax): the same constants and operations, each exactly rounded per
+ * lane, so a lane's value is exp_ps's bit for bit. */
+static inline __attribute__((always_inline)) __m512 exp_ps16(__m512 x) {
+    x = _mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f));
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3365447504f));
+    __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                    _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 y = _mm512_set1_ps(1.9875691500E-4f);
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507E-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073E-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894E-2f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459E-1f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201E-1f));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+
+static inline __attribute__((always_inline)) __m512 silu_ps16(__m512 g) {
+    __m512 e = exp_ps16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+    return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+}
+#endif
 
 #endif /* CFLOW_SIMD_SILU_H */
