@@ -3,7 +3,7 @@
 - Kernel: every table's block kernel equals, bit for bit, the same table's per-query kernel run on
   each query alone over its span of the cache (the contract: the same summation order, so prefill
   and step-by-step decode give the same logits); both are close to a float64 oracle; every fast
-  table is close to the reference. Shapes: head_dim 24/40/64/96 (and 20, which the fast tables
+  table is close to the reference. Shapes: head_dim 24/40/64/96/128/256 (and 20, which the fast tables
   hand to the reference), GQA ratios 1/3/4, blocks of 1..17 queries starting at p0 = 0 or later
   (a second prefill chunk), with and without a sliding window. Cache entries no query may read
   hold inf/nan, so a read past the causal edge or before the window shows.
@@ -29,8 +29,9 @@ from test_engine import prompt_tokens, write_random_model  # noqa: E402
 
 RTOL = 1e-5  # test_native_kernels.VEC_RTOL: fp32 sums of head_dim products against float64
 
-# (n_heads, n_kv_heads, head_dim): GQA ratios 1, 3, 4; head_dim 20 is not a multiple of 8
-SHAPES = [(4, 4, 24), (6, 2, 40), (9, 3, 64), (8, 2, 96), (3, 1, 20)]
+# (n_heads, n_kv_heads, head_dim): GQA ratios 1, 3, 4; head_dim 20 is not a multiple of 8; 128 and
+# 256 make the avx512 kernels' tiles (4096 floats) end inside the 48 positions (32 and 16 rows)
+SHAPES = [(4, 4, 24), (6, 2, 40), (9, 3, 64), (8, 2, 96), (3, 1, 20), (8, 2, 128), (4, 1, 256)]
 
 
 def caches(rng, n_kv, max_seq, hd, first, end):
