@@ -160,6 +160,19 @@ INLINE void pair_scores(int NH, const float *const q[2], const float *tile, int 
     }
 }
 
+/* pair_scores for heads [h, hb) of one query (qi: its row; score rows p0 + (hh - h) * pstride),
+ * two heads at a time and a last one alone. */
+INLINE void scores(const float *qi, const float *tile, float *p0, size_t pstride, int h, int hb, int hd, int t0,
+                   int a, int b, float scale) {
+    for (int hh = h; hh < hb; hh += 2) {
+        int two = hh + 2 <= hb;
+        const float *qs[2] = {qi + (size_t)hh * hd, two ? qi + (size_t)(hh + 1) * hd : NULL};
+        float *rows[2] = {p0 + (size_t)(hh - h) * pstride, two ? p0 + (size_t)(hh + 1 - h) * pstride : NULL};
+        if (two) pair_scores(2, qs, tile, hd, t0, a, b, scale, rows);
+        else pair_scores(1, qs, tile, hd, t0, a, b, scale, rows);
+    }
+}
+
 /* V row t's values [j, j + 16): from the fp32 tile (rows from t0), or converted from the fp16 cache
  * when there is no tile (vh: the kv head's cache; the same fp32 values either way). */
 INLINE __m512 v16(const float *vt, const cf_half *vh, int hd, int t0, int t, int j) {
@@ -246,18 +259,9 @@ static void block_tiles(float *out, const float *q, const cf_half *k, const cf_h
             k_pair_tile(tile, K, hd, t0, t1);
             for (int i = 0; i < nq; i++) {
                 int a = cf_max(t0, cf_attn_lo(s, i)), b = cf_min(t1, s->pos0 + i + 1);
-                const float *qi = q + (size_t)i * s->ldq;
-                int hh = h;
-                for (; hh + 2 <= hb && a < b; hh += 2) {
-                    const float *qs[2] = {qi + (size_t)hh * hd, qi + (size_t)(hh + 1) * hd};
-                    float *rows[2] = {ROW(hh, i), ROW(hh + 1, i)};
-                    pair_scores(2, qs, tile, hd, t0, a, b, s->scale, rows);
-                }
-                if (hh < hb && a < b) {
-                    const float *qs[2] = {qi + (size_t)hh * hd, NULL};
-                    float *rows[2] = {ROW(hh, i), NULL};
-                    pair_scores(1, qs, tile, hd, t0, a, b, s->scale, rows);
-                }
+                if (a < b)
+                    scores(q + (size_t)i * s->ldq, tile, ROW(h, i), (size_t)nq * n_last, h, hb, hd, t0, a, b,
+                           s->scale);
             }
         }
         for (int i = 0; i < nq; i++) {
