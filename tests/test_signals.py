@@ -106,7 +106,7 @@ def test_no_extension_module_is_first_imported_after_ctrl_c_is_handed_back():
     lost while `cflow chat` imported cflow._native), so main() imports those a command uses before
     it hands Ctrl-C back to Python. chat, run to its end on an empty stdin, imports none after."""
     code = f"""
-import os, signal, sys
+import signal, sys
 import cflow.cli as cli
 switch = signal.signal
 seen = {{}}
