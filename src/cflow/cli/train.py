@@ -1,4 +1,5 @@
-"""`cflow train` (one preset, optionally under torchrun) and `cflow train compare` (the family, claim T1).
+"""`cflow train` (one preset, optionally under torchrun) and `cflow train compare` (the family, claim T1);
+`cflow train heads` lives in cflow.cli.train_heads.
 
 Parses flags into a ModelConfig (preset + `--set key=value` overrides, validated by
 ModelConfig.with_overrides) and a TrainConfig, then calls cflow.train; prints the outcome. A run
@@ -15,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from cflow.cli import train_heads
 from cflow.cli.common import add_command
 from cflow.config import PRESETS
 
@@ -44,7 +46,8 @@ examples:
 """
 
 HELP = """\
-train a pipeline-native model; `cflow train compare` trains the whole family
+train a pipeline-native model; `cflow train compare` trains the whole family, `cflow train heads`
+adds multi-token prediction heads to a trained model
 
 Train a model of the architecture family on the shipped stories (default), a local file or
 TinyStories, with a byte-level BPE tokenizer trained on the same data (or, with --tokenizer FILE,
@@ -62,6 +65,7 @@ examples:
   cflow export runs/a24 a24.cflow                           # then run it with cflow generate
   cflow train --preset arch4-s --mtp 2 --out runs/a4-mtp    # + 2 multi-token prediction heads
   cflow export runs/a4-mtp a4.cflow && cflow generate -m a4.cflow --spec mtp -p "Once upon a time"
+  cflow train heads a4.cflow --out a4-mtp.cflow             # heads onto a trained model, from its own text
   cflow train --preset draft-smollm2 --tokenizer SmolLM2-135M-Instruct.Q4_1.gguf \\
       --data data/stories-corpus.jsonl.xz --out runs/draft          # a draft that speaks SmolLM2's vocabulary
   cflow export runs/draft draft.cflow && \\
@@ -161,7 +165,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     _add_hparams(p, budget=True)
     p.set_defaults(func=run)
 
-    tsub = p.add_subparsers(dest="train_command", metavar="{compare}")
+    tsub = p.add_subparsers(dest="train_command", metavar="{compare,heads}")
     c = add_command(tsub, "compare", COMPARE_HELP)
     c.add_argument("--presets", nargs="+", choices=sorted(PRESETS), metavar="PRESET",
                    help="presets to train; the first is the reference of the paired differences (default: "
@@ -179,6 +183,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="where each preset's checkpoint goes (default runs/compare)")
     _add_hparams(c, budget=False)
     c.set_defaults(func=run_compare)
+    train_heads.register(tsub)
 
 
 def _overrides(args: argparse.Namespace) -> list[str]:

@@ -356,6 +356,19 @@ struct NativeEngine {
         return n;
     }
 
+    // The lm_head's logits of the rows x [n, d] into out [n, vocab] (cf_engine_lm_head).
+    void lm_head(Logits2 x, Logits2 out) {
+        if (x.shape(1) != (size_t)d_model || out.shape(0) != x.shape(0) || out.shape(1) != (size_t)vocab)
+            throw nb::value_error(("lm_head: x must be float32 [n, " + std::to_string(d_model) + "] and out [n, " +
+                                   std::to_string(vocab) + "]").c_str());
+        int rc;
+        {
+            nb::gil_scoped_release nogil;
+            rc = cf_engine_lm_head(e, x.data(), (int)x.shape(0), out.data());
+        }
+        if (rc) raise_call_error();
+    }
+
     nb::dict counters() const {
         cf_counters c;
         cf_engine_counters(e, &c);
@@ -523,6 +536,8 @@ void cf_bind_engine(nb::module_ &m) {
         .def("hidden", &NativeEngine::hidden, nb::arg("out"),
              "copy the final normed hidden states of the rows whose logits the last pass wrote into "
              "out[:n] (keep_hidden must be on); returns n")
+        .def("lm_head", &NativeEngine::lm_head, nb::arg("x"), nb::arg("out"),
+             "the lm_head's logits of the normed rows x [n, d] into out [n, vocab] (multi-token heads' outputs)")
         .def("counters", &NativeEngine::counters, "Bytes touched by category since reset_counters().")
         .def("expert_hits", &NativeEngine::expert_hits, "Routing counts per [layer][expert].")
         .def("reset_counters", [](NativeEngine &s) { cf_engine_reset_counters(s.e); })

@@ -1204,6 +1204,22 @@ int cf_engine_hidden(const cf_engine *e, const float **out) {
     return e->n_hidden;
 }
 
+int cf_engine_lm_head(cf_engine *e, const float *x, int n, float *out) {
+    e->err_kind = CF_ERR_INPUT;
+    if (n < 1 || n > e->max_batch) {
+        cf_set_err(e->err, sizeof e->err, "lm_head takes 1..%d rows, got %d", e->max_batch, n);
+        return -1;
+    }
+    e->err_kind = CF_ERR_NONE;
+    cf_act_q8 *act = e->ts[0].act;
+    quantize_rows(e, x, e->c.d, e->c.d, act, NULL, n, act_fmt(&e->w.lm_head));
+    matvec_rows(e, &e->w.lm_head, act, out, e->c.vocab, NULL, n, 0, cf_n_groups(&e->w.lm_head));
+    float cap = e->c.logit_softcap;
+    if (cap > 0)
+        for (size_t i = 0; i < (size_t)n * e->c.vocab; i++) out[i] = tanhf(out[i] / cap) * cap;
+    return 0;
+}
+
 int cf_engine_copy_seq(cf_engine *e, int src, int dst, int n) {
     e->err_kind = CF_ERR_INPUT;
     if (check_seq(e, src, 0) || check_seq(e, dst, 1)) return -1;

@@ -360,6 +360,12 @@ int cf_engine_copy_seq(cf_engine *e, int src, int dst, int n);
 void cf_engine_set_keep_hidden(cf_engine *e, int on);
 int cf_engine_hidden(const cf_engine *e, const float **out);
 
+/* The lm_head's logits of n given normed rows x [n, d] into out [n, vocab]: the multi-token heads'
+ * outputs, which are inputs of the lm_head like the final hidden state but not rows of a pass. The
+ * same quantization and kernels as a pass's logits (and the logit soft-cap), on the calling thread,
+ * with thread 0's scratch: not while a call runs. Returns 0, or -1 when n is not 1..max_batch. */
+int cf_engine_lm_head(cf_engine *e, const float *x, int n, float *out);
+
 const char *cf_engine_error(const cf_engine *e);
 int cf_engine_error_kind(const cf_engine *e); /* CF_ERR_* of the last failed call */
 void cf_engine_counters(const cf_engine *e, cf_counters *out);

@@ -693,13 +693,13 @@ class Engine:
 
     @property
     def mtp(self) -> "Any":
-        """The model's multi-token prediction heads (cflow.runtime.mtp.MtpHeads; loaded on first use,
-        the output matrix dequantized then). NoMtpHeadsError when the model has none."""
+        """The model's multi-token prediction heads (cflow.runtime.mtp.MtpHeads; loaded on first use),
+        their logits through this engine's lm_head. NoMtpHeadsError when the model has none."""
         heads = self.__dict__.get("_mtp")
         if heads is None:
             from cflow.runtime.mtp import MtpHeads
 
-            heads = self.__dict__["_mtp"] = MtpHeads(self.file)
+            heads = self.__dict__["_mtp"] = MtpHeads(self.file, lm_head=self._native.lm_head)
         return heads
 
     def weight_bytes_per_token(self) -> float:
