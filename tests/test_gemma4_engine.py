@@ -424,3 +424,16 @@ ISA_TESTS = [f"tests/test_gemma4_engine.py::{t}" for t in ("test_engine_matches_
 @pytest.mark.parametrize("isa", other_isas())
 def test_every_other_kernel_table(isa):
     run_under(isa, ISA_TESTS, 2 * len(ISA_TESTS) - 1)  # two seeds each, the per-layer-KV file one
+
+
+def test_lm_head_of_the_hidden_states_is_the_soft_capped_logits(run):
+    """cf_engine_lm_head (what multi-token heads' outputs go through) applies the soft cap as a pass does."""
+    from cflow.runtime import Engine
+
+    with Engine.load(run[1], threads=2, n_ctx=64) as eng:
+        assert eng.config.logit_softcap > 0
+        eng.keep_hidden = True
+        logits = eng.prefill(run[2][:8]).copy()
+        out = np.zeros((1, eng.config.vocab_size), np.float32)
+        eng._native.lm_head(np.ascontiguousarray(eng.hidden()), out)
+        assert np.array_equal(out[0], logits)

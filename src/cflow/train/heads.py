@@ -3,10 +3,12 @@
     cflow train heads model.cflow --mtp 3 --out model-mtp.cflow
 
 Owns head self-distillation, in three steps:
-1. collect: the C engine, on the file's own quantized weights, continues openings of the corpus's
-   documents greedily, many sequences per pass (Engine.step_batch), and keeps each step's final
-   normed hidden state h (Engine.hidden) beside the token its logits chose: exactly the pairs
-   (h, what follows) that `--spec mtp` meets at decode time;
+1. collect: the C engine, on the file's own quantized weights, continues openings greedily, many
+   sequences per pass (Engine.step_batch), and keeps each step's final normed hidden state h
+   (Engine.hidden) beside the token its logits chose: exactly the pairs (h, what follows) that
+   `--spec mtp` meets at decode time. The openings are the first tokens of the corpus's documents
+   (a base model's text), or with `chat` story requests through the model's chat template (an
+   instruct model's text is answers);
 2. train: head j (cflow.model.MtpHead) learns the token j+1 after the one h chose, through the
    model's output matrix (dequantized, frozen): cross-entropy against the model's own choices, as
    Medusa-2 and EAGLE train their heads on the target's outputs;
@@ -26,17 +28,23 @@ the quantization they run with.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import itertools
 import math
 import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
 from cflow import weights
 from cflow.errors import CflowError
+
+
+EVAL_CHUNK = 1024  # held-out positions scored at once
+CHAT_VAL_SEED = 1_000_000_000  # --chat: held-out story requests start here (training ones at --seed)
 
 
 class HeadsError(CflowError):
@@ -51,11 +59,12 @@ class HeadsConfig:
     continuation: int = 192  # greedy tokens per opening (fewer when the model ends its text)
     prompt_min: int = 4  # an opening: the first n tokens of a document, n drawn in [min, max]
     prompt_max: int = 48
+    chat: bool = False  # open with story requests through the chat template (instruct models), not documents
     n_seq: int = 32  # sequences continued together (one engine pass for all)
     steps: int = 3000
     batch_size: int = 512  # positions per step (every head sees the same ones)
     lr: float = 3e-3  # AdamW, linear warmup then cosine to 10%
-    warmup: int = 100
+    warmup: int = 100  # at most a tenth of the steps
     seed: int = 1
     threads: int | None = None  # engine and torch threads; None: every usable core
 
@@ -72,8 +81,7 @@ class HeadsConfig:
         need(1 <= self.prompt_min <= self.prompt_max, f"prompt lengths must satisfy 1 <= min <= max, got "
              f"{self.prompt_min}, {self.prompt_max}")
         need(self.n_seq >= 1 and self.steps >= 1 and self.batch_size >= 1, "n_seq, --steps and --batch-size must be >= 1")
-        need(self.lr > 0 and 0 <= self.warmup < self.steps, f"need lr > 0 and 0 <= warmup < steps, got {self.lr}, "
-             f"{self.warmup}, {self.steps}")
+        need(self.lr > 0 and self.warmup >= 0, f"need lr > 0 and warmup >= 0, got {self.lr}, {self.warmup}")
 
 
 @dataclass
@@ -111,17 +119,33 @@ class HeadsResult:
 
 
 # ---- 1. collect ----------------------------------------------------------------------------------
-def collect(eng: Any, docs: Sequence[str], tokens: int, hc: HeadsConfig, rng: np.random.Generator,
-            progress: bool = False, desc: str = "collect") -> Continuations:
-    """Greedy continuations of openings of `docs` (in order, cycling) until `tokens` are kept."""
+def document_openings(eng: Any, docs: Sequence[str], hc: HeadsConfig, rng: np.random.Generator) -> Iterator[list[int]]:
+    """The first n tokens of each document in turn (cycling), n drawn in [prompt_min, prompt_max]."""
     if not docs:
         raise HeadsError("no documents to open continuations from; give a corpus with text in it (--data)")
-    eos = eng.tokenizer.eos_id
-    n_ctx = eng.n_ctx
+    for i in itertools.count():
+        ids = eng.encode(docs[i % len(docs)])[:int(rng.integers(hc.prompt_min, hc.prompt_max + 1))]
+        yield ids or [eng.tokenizer.eos_id or 0]
+
+
+def chat_openings(eng: Any, first_seed: int) -> Iterator[list[int]]:
+    """Story requests through the model's chat template: the prompts the story corpus was written
+    from (cflow.corpus.recipe), seeds first_seed, first_seed + 1, ... (for instruct models, whose
+    text is answers)."""
+    from cflow.corpus.recipe import prompt_for
+
+    for seed in itertools.count(first_seed):
+        yield eng.chat_tokens([{"role": "user", "content": prompt_for(seed).text}])
+
+
+def collect(eng: Any, openings: Iterator[list[int]], tokens: int, hc: HeadsConfig, progress: bool = False,
+            desc: str = "collect") -> Continuations:
+    """Greedy continuations of `openings` (token ids) until `tokens` are kept."""
+    stop = eng.tokenizer.stop_ids
     hs: list[np.ndarray] = []
     toks: list[np.ndarray] = []
     lengths: list[int] = []
-    total, doc = 0, 0
+    total = 0
     bar = _bar(progress, tokens, desc, "tok")
     eng.keep_hidden = True
     try:
@@ -129,16 +153,14 @@ def collect(eng: Any, docs: Sequence[str], tokens: int, hc: HeadsConfig, rng: np
             s_n = min(eng.n_seq, hc.n_seq)
             pos, last, seq_h, seq_t = [], [], [], []
             for s in range(s_n):
-                ids = eng.encode(docs[doc % len(docs)])[:int(rng.integers(hc.prompt_min, hc.prompt_max + 1))]
-                doc += 1
-                ids = ids or [eos if eos is not None else 0]
+                ids = next(openings)[:eng.n_ctx - 2]
                 eng.reset(s)
                 logits = eng.prefill(ids, 0, seq=s)
                 seq_h.append([eng.hidden()[-1].copy()])
                 seq_t.append([int(np.argmax(logits))])
                 pos.append(len(ids))
                 last.append(seq_t[-1][0])
-            live = [s for s in range(s_n) if last[s] != eos]
+            live = [s for s in range(s_n) if last[s] not in stop]
             while live:
                 logits = eng.step_batch(live, [last[s] for s in live], [pos[s] for s in live])
                 hidden = eng.hidden()
@@ -148,7 +170,7 @@ def collect(eng: Any, docs: Sequence[str], tokens: int, hc: HeadsConfig, rng: np
                     seq_h[s].append(hidden[r].copy())
                     seq_t[s].append(t)
                     last[s], pos[s] = t, pos[s] + 1
-                    if t != eos and len(seq_t[s]) < hc.continuation and pos[s] < n_ctx:
+                    if t not in stop and len(seq_t[s]) < hc.continuation and pos[s] < eng.n_ctx:
                         nxt.append(s)
                 live = nxt
             for s in range(s_n):
@@ -199,10 +221,12 @@ def train_heads(w_out: np.ndarray, train: Continuations, val: Continuations, hc:
             head.w_down.weight.normal_(0.0, 0.02 / math.sqrt(2 * n))
     opt = torch.optim.AdamW(heads.parameters(), lr=hc.lr, weight_decay=0.0)
 
+    warmup = min(hc.warmup, hc.steps // 10)
+
     def lr_at(step: int) -> float:
-        if step < hc.warmup:
-            return hc.lr * (step + 1) / hc.warmup
-        q = (step - hc.warmup) / max(1, hc.steps - hc.warmup)
+        if step < warmup:
+            return hc.lr * (step + 1) / warmup
+        q = (step - warmup) / max(1, hc.steps - warmup)
         return hc.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * q)))
 
     bar = _bar(progress, hc.steps, "train heads", "step")
@@ -236,9 +260,14 @@ def evaluate(heads: Any, w: Any, val: Continuations, n: int) -> tuple[list[float
     pos = torch.from_numpy(val.positions(n))
     if len(pos) == 0:
         raise HeadsError("the held-out continuations are too short to evaluate the heads; collect more")
-    x, tokens = torch.from_numpy(val.h)[pos], torch.from_numpy(val.tokens)
+    tokens = torch.from_numpy(val.tokens)
+    right = torch.zeros((n, len(pos)), dtype=torch.bool)
     with torch.no_grad():
-        right = torch.stack([(head(x) @ w.T).argmax(-1) == tokens[pos + 1 + j] for j, head in enumerate(heads)])
+        for c in range(0, len(pos), EVAL_CHUNK):  # [chunk, V] logits at a time: V is 49,152 for SmolLM2
+            p = pos[c:c + EVAL_CHUNK]
+            x = torch.from_numpy(val.h)[p]
+            for j, head in enumerate(heads):
+                right[j, c:c + len(p)] = (head(x) @ w.T).argmax(-1) == tokens[p + 1 + j]
     chained = torch.cumprod(right.to(torch.int64), dim=0).to(torch.float64)
     return right.to(torch.float64).mean(1).tolist(), chained.mean(1).tolist()
 
@@ -266,13 +295,12 @@ def train_model_heads(model: str | os.PathLike, out: str | os.PathLike, hc: Head
                       overwrite: bool = False, progress: bool = False, command: str | None = None) -> HeadsResult:
     """Collect, train and write (the module's docstring); `data`: cflow.train.data.open_corpus's source."""
     from cflow.fileformat import open_model
-    from cflow.runtime import Engine
-    from cflow.runtime.options import EngineOptions
-    from cflow.train.data import open_corpus, split_documents
-
-    from cflow.convert.encoder import stored_values
 
     model, out = Path(model), Path(out)
+    if importlib.util.find_spec("torch") is None:  # found now, not after minutes of collecting
+        raise HeadsError("training heads needs PyTorch, which the runtime does not install: pip install 'cflow[train]'")
+    if hc.chat and data is not None:
+        raise HeadsError("--chat opens the continuations with story requests, not documents: drop --data")
     if not model.is_file():
         raise HeadsError(f"{model} is not a file; give the .cflow model to add heads to")
     if out.exists() and out.resolve() == model.resolve():
@@ -281,20 +309,41 @@ def train_model_heads(model: str | os.PathLike, out: str | os.PathLike, hc: Head
         raise HeadsError(f"--out {out} is a directory; give the new model's file name, e.g. {out / 'model-mtp.cflow'}")
     if out.exists() and not overwrite:
         raise HeadsError(f"{out} exists; pass --overwrite to replace it, or choose another --out")
+    if not out.parent.is_dir():
+        raise HeadsError(f"--out {out}: the folder {out.parent} does not exist; create it or choose another --out")
     try:
         src = open_model(model)
     except CflowError as e:
         raise HeadsError(f"{model} is not a .cflow model ({e}); convert it first (`cflow convert`) or give the "
                          "family model the heads are for") from None
+    try:
+        return _train_and_write(src, model, out, hc, data, progress, command)
+    finally:
+        src.close()
+
+
+def _train_and_write(src: Any, model: Path, out: Path, hc: HeadsConfig, data: str | None, progress: bool,
+                     command: str | None) -> HeadsResult:
+    from cflow.convert.encoder import stored_values
+    from cflow.runtime import Engine
+    from cflow.runtime.options import EngineOptions
+    from cflow.train.data import open_corpus, split_documents
+
     cfg = src.config
-    opts = EngineOptions(threads=hc.threads, n_seq=hc.n_seq, n_ctx=min(cfg.max_seq_len, hc.prompt_max + hc.continuation))
-    docs = open_corpus(data).documents()
-    train_docs, val_docs = split_documents(docs)
+    # a chat opening is a story request in the template (~60-90 tokens for SmolLM2's)
+    opening = 160 if hc.chat else hc.prompt_max
+    opts = EngineOptions(threads=hc.threads, n_seq=hc.n_seq, n_ctx=min(cfg.max_seq_len, opening + hc.continuation))
     rng = np.random.default_rng(hc.seed)
     t0 = time.perf_counter()
     with Engine.load(model, opts) as eng:
-        val = collect(eng, val_docs or train_docs, hc.val_tokens, hc, rng, progress, "collect (held out)")
-        train = collect(eng, train_docs, hc.tokens, hc, rng, progress, "collect (training)")
+        if hc.chat:  # held-out requests: seeds far from the training ones
+            val_open, train_open = chat_openings(eng, CHAT_VAL_SEED + hc.seed), chat_openings(eng, hc.seed)
+        else:
+            train_docs, val_docs = split_documents(open_corpus(data).documents())
+            val_open = document_openings(eng, val_docs or train_docs, hc, rng)
+            train_open = document_openings(eng, train_docs, hc, rng)
+        val = collect(eng, val_open, hc.val_tokens, hc, progress, "collect (held out)")
+        train = collect(eng, train_open, hc.tokens, hc, progress, "collect (training)")
     collect_s = time.perf_counter() - t0
     w_out = stored_values(src, "tok_emb" if cfg.tie_embeddings else "lm_head")
     t1 = time.perf_counter()
@@ -317,7 +366,6 @@ def train_model_heads(model: str | os.PathLike, out: str | os.PathLike, hc: Head
     if command:
         meta["command"] = command
     write_with_heads(src, out, heads, meta)
-    src.close()
     return res
 
 
