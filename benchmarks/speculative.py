@@ -186,6 +186,8 @@ def main() -> int:
                     "the chat prompt sets, modes plain / A/A / mtp / ngram; the report is added to --out")
     ap.add_argument("--append", action="store_true", help="add the report to --out instead of replacing it")
     ap.add_argument("--only", default=None, help="comma-separated prompt names")
+    ap.add_argument("--prompts", default=str(PROMPTS),
+                    help="the chat prompt sets, JSON {set: [{name, prompt}, ...]} (default benchmarks/speculative_prompts.json)")
     ap.add_argument("--out", default=str(ROOT / "docs" / "results" / "speculative.md"))
     ap.add_argument("--json", default=None, help="also write the raw numbers here")
     args = ap.parse_args()
@@ -212,7 +214,7 @@ def main() -> int:
         modes["draft"] = Speculative(draft=Engine.load(args.model_draft, threads=args.threads), **kw)
     if args.self_draft:
         modes["self-draft"] = Speculative(draft=Engine.load(model, threads=args.threads, n_ctx=1024), **kw)
-    tasks = {"stories": STORY_PROMPTS} if args.mtp else json.loads(PROMPTS.read_text())
+    tasks = {"stories": STORY_PROMPTS} if args.mtp else json.loads(Path(args.prompts).read_text())
     llama = LlamaCppModes(model, args.threads) if args.llama_cpp and not args.mtp else None
     only = set(args.only.split(",")) if args.only else None
     load = os.getloadavg()
