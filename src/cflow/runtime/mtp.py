@@ -12,7 +12,8 @@ bit what they were; the heads are not part of the step. A head's residual MLP (t
 runs here in numpy; the product with W_out (V x d, the larger part: 4096 x 192 in the trained
 family) runs through the engine's own lm_head kernel when an engine is given (`lm_head`, the
 native cf_engine_lm_head: the quantized matrix the decode step reads; for the family's 3 heads
-~50 us against numpy's ~155 us), else against W_out dequantized to float32 (the reference, loaded on first use).
+~50 us against numpy's ~155 us), else against W_out dequantized to float32 (the reference, loaded
+on first use).
 
 No torch here: the runtime imports this module.
 """
