@@ -140,7 +140,8 @@ def chat_openings(eng: Any, first_seed: int) -> Iterator[list[int]]:
 
 def collect(eng: Any, openings: Iterator[list[int]], tokens: int, hc: HeadsConfig, progress: bool = False,
             desc: str = "collect") -> Continuations:
-    """Greedy continuations of `openings` (token ids) until `tokens` are kept."""
+    """Greedy continuations of `openings` (token ids) until `tokens` are kept, min(eng.n_seq,
+    hc.n_seq) at a time; leaves every sequence of `eng` empty and keep_hidden off."""
     stop = eng.tokenizer.stop_ids
     hs: list[np.ndarray] = []
     toks: list[np.ndarray] = []
