@@ -882,6 +882,21 @@ static void op_resid(cf_engine *e, int l, int slot, int add_f, int pslot, int it
     sync_threads(e, ith, -1);
 }
 
+/* This thread's share of the lm_head for n quantized rows act into out [n, vocab]: its range of the
+ * groups, then the logit soft-cap on those same logits (Gemma 4: c tanh(logits / c), as llama.cpp's
+ * scale, tanh, scale), so no share waits for another. */
+static void lm_head_share(const cf_engine *e, const cf_act_q8 *act, float *out, int n, int ith, int nth) {
+    int V = e->c.vocab, g0, g1;
+    cf_split_range(cf_n_groups(&e->w.lm_head), ith, nth, 1, &g0, &g1);
+    matvec_rows(e, &e->w.lm_head, act, out, V, NULL, n, g0, g1);
+    float cap = e->c.logit_softcap;
+    if (cap > 0)
+        for (int i = 0; i < n; i++) {
+            float *lg = out + (size_t)i * V;
+            for (int r = g0 * CF_G; r < cf_min(g1 * CF_G, V); r++) lg[r] = tanhf(lg[r] / cap) * cap;
+        }
+}
+
 /* Logits of the rows in lrow (prefill: the last row; cf_step_batch: every row; cf_step_rows: the
  * rows asked for), logits row i for lrow[i]. Each row is normed, quantized and multiplied on its
  * own; matmat equals matvec per row bit for bit (cflow.h), so a row's logits do not depend on the
@@ -905,15 +920,7 @@ static void op_final(cf_engine *e, int slot, int pslot, int ith, int nth) {
     if (e->keep_hidden && ith == 0) e->n_hidden = nb;
     quantize_rows(e, ts->xb, e->kmax, d, ts->act, NULL, nb, act_fmt(&e->w.lm_head));
     ph(e, ith, CF_PK_LM_HEAD, 0);
-    int g0, g1;
-    cf_split_range(cf_n_groups(&e->w.lm_head), ith, nth, 1, &g0, &g1);
-    matvec_rows(e, &e->w.lm_head, ts->act, e->logits, e->c.vocab, NULL, nb, g0, g1);
-    float cap = e->c.logit_softcap;
-    if (cap > 0) /* Gemma 4: c tanh(logits / c), on this thread's own rows, as llama.cpp's scale, tanh, scale */
-        for (int i = 0; i < nb; i++) {
-            float *lg = e->logits + (size_t)i * e->c.vocab;
-            for (int r = g0 * CF_G; r < cf_min(g1 * CF_G, e->c.vocab); r++) lg[r] = tanhf(lg[r] / cap) * cap;
-        }
+    lm_head_share(e, ts->act, e->logits, nb, ith, nth);
     if (ith == 0)
         e->cnt.n[CF_CNT_LM_HEAD] += (uint64_t)d * sizeof(float) + cf_tiled_bytes(&e->w.lm_head);
 }
@@ -1205,7 +1212,7 @@ int cf_engine_hidden(const cf_engine *e, const float **out) {
 }
 
 /* cf_engine_lm_head's shares: as op_final, every thread quantizes every row (the same bits) and
- * multiplies its own range of the lm_head's groups, so no share waits for another. */
+ * takes its lm_head_share. */
 typedef struct {
     cf_engine *e;
     const float *x;
@@ -1216,19 +1223,11 @@ typedef struct {
 static void lm_head_task(void *ctx, int ith, int nth) {
     lm_head_job *job = ctx;
     cf_engine *e = job->e;
+    (void)nth; /* the pool's size: the engine's active threads share the work */
     if (ith >= e->active) return;
-    nth = e->active;
-    int d = e->c.d, V = e->c.vocab, g0, g1;
     cf_act_q8 *act = e->ts[ith].act;
-    quantize_rows(e, job->x, d, d, act, NULL, job->n, act_fmt(&e->w.lm_head));
-    cf_split_range(cf_n_groups(&e->w.lm_head), ith, nth, 1, &g0, &g1);
-    matvec_rows(e, &e->w.lm_head, act, job->out, V, NULL, job->n, g0, g1);
-    float cap = e->c.logit_softcap;
-    if (cap > 0)
-        for (int i = 0; i < job->n; i++) {
-            float *lg = job->out + (size_t)i * V;
-            for (int r = g0 * CF_G; r < cf_min(g1 * CF_G, V); r++) lg[r] = tanhf(lg[r] / cap) * cap;
-        }
+    quantize_rows(e, job->x, e->c.d, e->c.d, act, NULL, job->n, act_fmt(&e->w.lm_head));
+    lm_head_share(e, act, job->out, job->n, ith, e->active);
 }
 
 int cf_engine_lm_head(cf_engine *e, const float *x, int n, float *out) {
