@@ -43,6 +43,7 @@ from cflow import weights
 from cflow.errors import CflowError
 
 
+MIN_LR_RATIO = 0.1  # the cosine ends at lr x this, as the trainer's default
 EVAL_CHUNK = 1024  # held-out positions scored at once
 CHAT_VAL_SEED = 1_000_000_000  # --chat: held-out story requests start here (training ones at --seed)
 
@@ -205,6 +206,7 @@ def train_heads(w_out: np.ndarray, train: Continuations, val: Continuations, hc:
     import torch.nn.functional as F
 
     from cflow.model import MtpHead
+    from cflow.train.loop import warmup_cosine
 
     n, d = hc.n_heads, w_out.shape[1]
     pos_train = train.positions(n)  # every head has its target at these
@@ -216,7 +218,9 @@ def train_heads(w_out: np.ndarray, train: Continuations, val: Continuations, hc:
     h_all = torch.from_numpy(train.h)
     t_all = torch.from_numpy(train.tokens)
     heads = torch.nn.ModuleList(MtpHead(d, eps) for _ in range(n))
-    with torch.no_grad():  # the model's init for heads (cflow.model.Transformer.reset_parameters)
+    # init as cflow.model.Transformer.reset_parameters' heads but with n (the heads) where it has
+    # n_layers: w_down small, so a fresh head starts near a copy of the next-token prediction
+    with torch.no_grad():
         for head in heads:
             head.w_up.weight.normal_(0.0, 0.02)
             head.w_down.weight.normal_(0.0, 0.02 / math.sqrt(2 * n))
@@ -224,17 +228,11 @@ def train_heads(w_out: np.ndarray, train: Continuations, val: Continuations, hc:
 
     warmup = min(hc.warmup, hc.steps // 10)
 
-    def lr_at(step: int) -> float:
-        if step < warmup:
-            return hc.lr * (step + 1) / warmup
-        q = (step - warmup) / max(1, hc.steps - warmup)
-        return hc.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * q)))
-
     bar = _bar(progress, hc.steps, "train heads", "step")
     try:
         for step in range(hc.steps):
             for g in opt.param_groups:
-                g["lr"] = lr_at(step)
+                g["lr"] = warmup_cosine(step, hc.lr, warmup, hc.steps, MIN_LR_RATIO)
             idx = torch.from_numpy(rng.choice(pos_train, hc.batch_size))
             x = h_all[idx]
             loss = sum(F.cross_entropy(head(x) @ w.T, t_all[idx + 1 + j]) for j, head in enumerate(heads)) / n

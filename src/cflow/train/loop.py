@@ -177,14 +177,18 @@ class TrainResult:
 
 
 # ---- schedule and optimizer ------------------------------------------------------------------
+def warmup_cosine(step: int, lr: float, warmup: int, total: int, min_lr_ratio: float) -> float:
+    """Linear warmup over `warmup` steps, then cosine from lr to min_lr_ratio * lr at step total - 1."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    min_lr = lr * min_lr_ratio
+    frac = min(1.0, (step - warmup) / max(1, total - 1 - warmup))
+    return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * frac))
+
+
 def lr_at(step: int, tc: TrainConfig) -> float:
     """Learning rate for the update made at 0-based `step`."""
-    total = tc.total_steps
-    if step < tc.warmup:
-        return tc.lr * (step + 1) / tc.warmup
-    min_lr = tc.lr * tc.min_lr_ratio
-    frac = min(1.0, (step - tc.warmup) / max(1, total - 1 - tc.warmup))
-    return min_lr + 0.5 * (tc.lr - min_lr) * (1.0 + math.cos(math.pi * frac))
+    return warmup_cosine(step, tc.lr, tc.warmup, tc.total_steps, tc.min_lr_ratio)
 
 
 def make_optimizer(model: torch.nn.Module, tc: TrainConfig) -> torch.optim.AdamW:
