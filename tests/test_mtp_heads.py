@@ -166,3 +166,17 @@ def test_chat_openings_are_story_requests_in_the_template():
     n = min(int(cont.lengths[0]), len(first.tokens))  # the first continuation is plain greedy's answer
     assert n >= 20 and list(cont.tokens[:n]) == first.tokens[:n]
     eng.close()
+
+
+def test_cli_trains_reports_and_records_its_own_command(tmp_path, capsys):
+    from cflow.cli import main
+
+    out = tmp_path / "m.cflow"
+    rc = main(["train", "heads", str(DEFAULT), "--out", str(out), "--mtp", "1", "--tokens", "2000", "--val-tokens",
+               "500", "--steps", "20", "-t", "1", "--no-progress"])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "trained 1 heads on 2,000 continuation tokens" in printed and "head 0 (token 2 ahead)" in printed
+    command = read_header(out)["metadata"]["mtp"]["command"]
+    assert command.startswith(f"cflow train heads {DEFAULT} --out {out} --mtp 1 --tokens 2000 --val-tokens 500 "
+                              "--steps 20") and command.endswith("--threads 1")

@@ -61,6 +61,18 @@ def register(tsub: argparse._SubParsersAction) -> None:
     h.set_defaults(func=run)
 
 
+def _command(args: argparse.Namespace) -> str:
+    """The command line, rebuilt from the parsed flags (recorded in the file's metadata): sys.argv is
+    not it when cflow.cli.main is called with arguments."""
+    words = ["cflow", "train", "heads", str(args.model), "--out", str(args.out), "--mtp", str(args.mtp),
+             "--tokens", str(args.tokens), "--val-tokens", str(args.val_tokens), "--steps", str(args.steps),
+             "--batch-size", str(args.batch_size), "--lr", f"{args.lr:g}", "--seed", str(args.seed)]
+    words += ["--data", args.data] if args.data is not None else []
+    words += ["--chat"] if args.chat else []
+    words += ["--threads", str(args.threads)] if args.threads is not None else []
+    return shlex.join(words)
+
+
 def run(args: argparse.Namespace) -> int:
     from cflow.errors import CflowError
     from cflow.train.heads import HeadsConfig, train_model_heads
@@ -69,8 +81,7 @@ def run(args: argparse.Namespace) -> int:
         hc = HeadsConfig(n_heads=args.mtp, tokens=args.tokens, val_tokens=args.val_tokens, steps=args.steps, batch_size=args.batch_size,
                          lr=args.lr, seed=args.seed, threads=args.threads, chat=args.chat)
         res = train_model_heads(args.model, args.out, hc, data=args.data, overwrite=args.overwrite,
-                                progress=not args.no_progress, command=shlex.join(["cflow", "train", "heads",
-                                                                                   *sys.argv[3:]]))
+                                progress=not args.no_progress, command=_command(args))
     except CflowError as e:
         print(f"cflow train heads: error: {e}", file=sys.stderr)
         return 2
