@@ -225,9 +225,7 @@ def train_heads(w_out: np.ndarray, train: Continuations, val: Continuations, hc:
             head.w_up.weight.normal_(0.0, 0.02)
             head.w_down.weight.normal_(0.0, 0.02 / math.sqrt(2 * n))
     opt = torch.optim.AdamW(heads.parameters(), lr=hc.lr, weight_decay=0.0)
-
     warmup = min(hc.warmup, hc.steps // 10)
-
     bar = _bar(progress, hc.steps, "train heads", "step")
     try:
         for step in range(hc.steps):
