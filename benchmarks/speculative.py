@@ -24,8 +24,9 @@ speculative.engine_row_cost).
 
 --mtp measures a model of the pipeline-native family trained with multi-token prediction heads
 (`cflow train --mtp N`, exported; -m names its .cflow) on story openings (STORY_PROMPTS, raw text:
-the family has no chat template): plain, plain again (A/A), the heads (`--spec mtp`) and the
-n-gram lookup, and adds its report to --out as a section after what the file holds (--append is
+the family has no chat template): plain, plain again (A/A), the heads (`--spec mtp`, gated as
+generate gates them), the heads on every round ("mtp (no gate)": min_acceptance 0) and the n-gram
+lookup, and adds its report to --out as a section after what the file holds (--append is
 implied), instead of replacing it:
 
     python benchmarks/speculative.py --mtp -m a4-mtp.cflow -n 128 -r 5
@@ -64,6 +65,23 @@ STORY_PROMPTS = [
     {"name": "story-sea", "prompt": "Lily went to the beach with her mom. She found a bottle in the sand."},
     {"name": "story-park", "prompt": "One sunny day, Ben and his dog went to the park."},
 ]
+
+
+def heads_gate(eng, args) -> str:
+    """The gate's terms for the heads (speculative.make_gate), for the report's defaults line."""
+    from cflow.runtime import speculative as sp
+
+    if not (args.mtp or args.chat_mtp):
+        return ""
+    heads = eng.mtp
+    cost, rate = sp.engine_heads_cost(eng, heads), sp.engine_row_cost(eng)
+    if heads.chain is None:
+        return f"; the heads' proposal costs {cost:.2f} of a step a round (speculative.engine_heads_cost), charged per round"
+    start = ("says no round pays: the gate starts paused" if sp.rounds_lose(heads.chain, rate, cost, sp.DEFAULT_DRAFT_MAX)
+             else "lets a round pay: the gate starts open")
+    chain = " / ".join(f"{x:.3f}" for x in heads.chain)
+    return (f"; the heads' proposal costs {cost:.2f} of a step a round (speculative.engine_heads_cost), charged per "
+            f"round, and their recorded chained agreement ({chain}) {start}")
 
 
 def cost_curve(eng, k_max: int = 8, reps: int = 7, calls: int = 10) -> list[float]:
@@ -208,7 +226,10 @@ def main() -> int:
                             ("ngram_min", args.ngram_min)) if v is not None}
     modes = {"plain": None, "plain (A/A)": None}
     if args.mtp or args.chat_mtp:
-        modes["mtp"] = Speculative("mtp", **{k: v for k, v in kw.items() if k == "draft_max"})
+        mkw = {k: v for k, v in kw.items() if k == "draft_max"}
+        modes["mtp"] = Speculative("mtp", **mkw)
+        # the heads on every round the length allows (min_acceptance 0: no gate): what they do when they run
+        modes["mtp (no gate)"] = Speculative("mtp", min_acceptance=0.0, **mkw)
     modes["ngram"] = Speculative("ngram", **kw)
     if args.model_draft:
         modes["draft"] = Speculative(draft=Engine.load(args.model_draft, threads=args.threads), **kw)
@@ -288,7 +309,7 @@ def report(results: dict, modes: list[str], cmd: str, eng, args, sp) -> str:
              f"Defaults: draft_max {sp.DEFAULT_DRAFT_MAX} (adaptive length, first round {sp.DRAFT_START}), "
              f"n-gram lookup of {sp.DEFAULT_NGRAM_MAX}..{sp.DEFAULT_NGRAM_MIN} tokens, "
              f"gate: pause when acceptance < the measured row cost over {sp.GATE_WINDOW} rounds "
-             f"({sp.engine_row_cost(eng):.2f} in this run: speculative.engine_row_cost).", ""]
+             f"({sp.engine_row_cost(eng):.2f} in this run: speculative.engine_row_cost){heads_gate(eng, args)}.", ""]
     if "curve" in results:
         c = results["curve"]
         lines += [f"{top}# Cost of a verification call (Engine.step_rows, k proposed tokens = k+1 rows)", "",

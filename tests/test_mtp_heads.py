@@ -23,6 +23,8 @@ torch = pytest.importorskip("torch")
 
 from cflow.fileformat import open_model, read_header  # noqa: E402
 from cflow.runtime import Engine  # noqa: E402
+from cflow.runtime import speculative as sp  # noqa: E402
+from cflow.runtime.speculative import Speculative  # noqa: E402
 from cflow.train import heads as hmod  # noqa: E402
 
 DEFAULT = Path(hmod.__file__).resolve().parents[1] / "models" / "default.cflow"
@@ -108,10 +110,41 @@ def test_heads_learn_the_model_and_speculation_stays_plain_greedy(trained):
         a.reset()
         b.reset()
         plain = a.complete(prompt, 60, temperature=0)
-        spec = b.complete(prompt, 60, temperature=0, speculative="mtp")
+        # min_acceptance=0: speculate every step (the default gate may start paused: heads this
+        # briefly trained rarely pay; test_the_gate_starts_paused_when_the_recorded_heads_cannot_pay)
+        spec = b.complete(prompt, 60, temperature=0, speculative=Speculative("mtp", min_acceptance=0))
         assert spec.tokens == plain.tokens
         assert spec.timings.drafted > 0
     a.close()
+    b.close()
+
+
+def test_the_gate_starts_paused_when_the_recorded_heads_cannot_pay(trained, monkeypatch):
+    """The file's recorded chained agreement decides the gate's start: below what a round costs
+    (the measured row cost, plus the heads' own cost per round) it starts with the longest pause,
+    and the output is plain greedy's; with rows and heads priced at nothing, it speculates."""
+    res, out = trained
+    b = Engine.load(out, threads=1)
+    assert b.mtp.chain == pytest.approx(res.val_chain)
+    b.prefill(b.encode("The moon"), 0)
+    held = b.cached(0)
+    cost = sp.engine_heads_cost(b, b.mtp)  # measured: a share of a one-row step, on the grid
+    assert 0.0 < cost <= sp.HEADS_COST_MAX and cost == pytest.approx(round(cost / sp.ROW_COST_GRID) * sp.ROW_COST_GRID)
+    assert b.cached(0) == held  # the measuring step was forgotten
+    prompt = "Once upon a time, there was a girl named Lily."
+    plain = b.complete(prompt, 40, temperature=0)
+    chain0 = res.val_chain[0]
+    for row_cost, heads_cost, paused in ((min(1.0, chain0 + 0.1), 0.0, True), (0.0, 0.0, False)):
+        monkeypatch.setattr(sp, "engine_row_cost", lambda eng, c=row_cost: c)
+        monkeypatch.setattr(sp, "engine_heads_cost", lambda eng, heads, c=heads_cost: c)
+        b.reset()
+        got = b.complete(prompt, 40, temperature=0, speculative="mtp")
+        assert got.tokens == plain.tokens
+        if paused:
+            # every step a plain one, each but the last (nothing left to propose) counted as paused
+            assert got.timings.rounds == 0 and got.timings.paused_steps == 40 - 2
+        else:
+            assert got.timings.rounds > 0
     b.close()
 
 

@@ -368,6 +368,63 @@ def test_gate_pauses_while_acceptance_is_low_and_doubles_the_pause():
     assert g.open()
 
 
+def test_gate_charges_the_proposal_cost_per_round():
+    """A window keeping 3 of 8 proposals a round passes at a row cost of 0.25 alone (3 >= 2), and
+    fails once each round's proposal also costs 1.5 steps (3 < 2 + 1.5)."""
+    for round_cost, pauses in ((0.0, False), (1.5, True)):
+        g = sp.Gate(min_rate=0.25, window=4, pause=3, round_cost=round_cost)
+        for _ in range(4):
+            g.record(8, 3)
+        assert (g.paused > 0) is pauses, round_cost
+
+
+def test_gate_started_paused_probes_rarely_until_a_window_passes():
+    g = sp.Gate(min_rate=0.5, window=2, pause=3, max_pause=10, start_paused=True)
+    assert [g.open() for _ in range(11)] == [False] * 10 + [True]  # the longest pause first
+    g.record(4, 0)
+    g.record(4, 0)
+    assert g.paused == 10  # the probe failed: as long again
+    g.paused = 0
+    g.record(4, 4)
+    g.record(4, 4)
+    assert g.paused == 0 and g.pause == 3  # the probe passed: the usual pauses from now on
+    assert not sp.Gate(0.5).paused  # not asked: open from the start
+
+
+def test_rounds_lose_compares_every_round_length():
+    # head 0 right 58% of the time, all three 21%: a round of k keeps 0.58, 0.92, 1.13
+    chain = [0.58, 0.34, 0.21]
+    assert sp.rounds_lose(chain, 0.6, 0.0, 3)  # each kept share below 0.6 k
+    assert not sp.rounds_lose(chain, 0.5, 0.0, 3)  # k = 1 pays at a row cost of 0.5
+    assert sp.rounds_lose(chain, 0.5, 0.1, 3)  # ... until proposing costs 0.1 a round
+    assert not sp.rounds_lose(chain, 0.3, 0.3, 3)  # k = 2 pays: 0.92 > 2 x 0.3 + 0.3
+    assert not sp.rounds_lose(chain, 0.6, 0.0, 0) and not sp.rounds_lose([], 0.6, 0.0, 3)  # nothing to judge
+
+
+def test_make_gate_adds_the_heads_cost_and_starts_paused_only_when_they_cannot_pay(monkeypatch):
+    monkeypatch.setattr(sp, "engine_row_cost", lambda eng: 0.5)
+    monkeypatch.setattr(sp, "engine_heads_cost", lambda eng, heads: 0.2)
+
+    class _Heads:
+        chain = [0.58, 0.34, 0.21]
+
+    g = sp.make_gate(Speculative("mtp"), object(), _Heads())
+    assert (g.min_rate, g.round_cost) == (0.5, 0.2) and g.paused == sp.GATE_MAX_PAUSE  # 0.58 <= 0.5 + 0.2
+    monkeypatch.setattr(sp, "engine_heads_cost", lambda eng, heads: 0.0)
+    assert sp.make_gate(Speculative("mtp"), object(), _Heads()).paused == 0  # 0.58 > 0.5: it may pay
+    _Heads.chain = None  # heads that recorded nothing (trained with the model): no starting pause
+    assert sp.make_gate(Speculative("mtp"), object(), _Heads()).paused == 0
+    g = sp.make_gate(Speculative("mtp", min_acceptance=0.0), object(), _Heads())
+    assert (g.min_rate, g.round_cost, g.paused) == (0.0, 0.0, 0)  # the setting is taken as it is
+    assert sp.make_gate(Speculative("ngram"), object()).round_cost == 0.0
+
+
+def test_call_cost_is_the_ratio_to_a_one_row_call():
+    clock = _Clock()
+    assert sp.measure_call_cost(clock.call([2.0, 1.0]), clock.call([0.42]), clock=clock) == pytest.approx(0.4)
+    assert sp.measure_call_cost(clock.call([1.0]), clock.call([9.0]), clock=clock) == sp.HEADS_COST_MAX
+
+
 def test_gate_pauses_a_losing_proposer_and_output_is_unchanged(paths):
     eng = Engine.load(paths["target"], threads=1)
     prompt = list(range(100, 160))  # no repeats in the prompt: the lookup's guesses are rarely right

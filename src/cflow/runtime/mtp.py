@@ -39,10 +39,24 @@ def _silu(x: np.ndarray) -> np.ndarray:
     return x / (1.0 + np.exp(-x))
 
 
+def recorded_chain(meta: object, n: int) -> list[float] | None:
+    """The chained agreement `cflow train heads` recorded in the file (metadata["mtp"]["val_chain"]:
+    the share of held-out positions where heads 0..j all agreed with the model's own next choices),
+    one rate per head; None when the file records none (heads trained with the model), or not
+    n rates in [0, 1]."""
+    chain = meta.get("val_chain") if isinstance(meta, dict) else None
+    if not isinstance(chain, list) or len(chain) != n:
+        return None
+    if not all(isinstance(x, (int, float)) and 0.0 <= x <= 1.0 for x in chain):
+        return None
+    return [float(x) for x in chain]
+
+
 class MtpHeads:
     """The heads of one model file, float32: w_up, w_down [N, d, d], norm [N, d]; `lm_head(x, out)`
     (the native engine's) writes W_out's logits of the rows x [N, d] into out [N, V]; None: the
-    numpy product with W_out dequantized (`out`, [V, d], read on first use)."""
+    numpy product with W_out dequantized (`out`, [V, d], read on first use). `chain`: their
+    recorded chained agreement (recorded_chain), or None."""
 
     def __init__(self, cf: "CflowFile", lm_head: Callable[[np.ndarray, np.ndarray], None] | None = None) -> None:
         from cflow.convert.encoder import stored_values  # numpy only (no torch)
@@ -65,6 +79,7 @@ class MtpHeads:
         self._out_name = "tok_emb" if cfg.tie_embeddings else "lm_head"
         self._cf, self._lm_head = cf, lm_head
         self._logits = np.zeros((self.n, cfg.vocab_size), np.float32)
+        self.chain = recorded_chain(cf.header.get("metadata", {}).get("mtp"), self.n)
 
     @property
     def out(self) -> np.ndarray:

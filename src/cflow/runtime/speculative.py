@@ -37,16 +37,18 @@ model's own multi-token prediction heads, cflow.runtime.mtp, run on the final hi
 target call just computed), the acceptance rule
 (`accept_probability`, `residual`, `verify`, and `judge`, one row's decision: one definition, used by
 the loop, cflow.serve and the tests), the
-Gate that pauses speculation while it loses, and the loop (`run`).
+Gate that pauses speculation while it loses (make_gate: its thresholds, measured), and the loop
+(`run`).
 
 When it helps: a round costs one target call of k+1 rows instead of one row; on a CPU a decode
 step streams the weights once, so the extra rows cost little (docs/results/speculative.md has the
 measured cost curve) and each accepted token saves a whole step. The n-gram lookup wins when the
 output repeats the input (summaries, rewrites, code edits, extraction); on free text it finds few
 matches and costs nothing then (no match: a plain step). A draft model wins when it is much
-smaller than the target and agrees with it often. Multi-token heads cost almost nothing (no
-second model: a few small mat-vecs on a hidden state the target computed anyway) and guess free
-text too, but only as far ahead as the model has heads.
+smaller than the target and agrees with it often. Multi-token heads need no second model (two
+small mat-vecs per head on a hidden state the target computed anyway, then N rows of the lm_head,
+which on a small model or an AVX2 machine is a large share of a step: the Gate charges it) and
+guess free text too, but only as far ahead as the model has heads.
 """
 
 from __future__ import annotations
@@ -91,6 +93,7 @@ ROW_COST_REPEATS = 3  # each call timed this many times, alternating; the fastes
 # The measured cost is rounded to this grid, so that runs of one setup get the same threshold (and
 # a seeded run the same gate decisions) however the clock jitters between them.
 ROW_COST_GRID = 0.05
+HEADS_COST_MAX = 4.0  # the most a heads' proposal is taken to cost, in one-row steps (engine_heads_cost)
 
 
 class SpeculativeError(EngineError):
@@ -120,8 +123,9 @@ class Speculative:
     (llama.cpp's --draft-max); draft_min: a round with fewer proposed tokens is a plain step
     instead (--draft-min). ngram_max, ngram_min: the n-gram lookup tries suffixes of these lengths,
     longest first. min_acceptance: the Gate's threshold (None: the target's measured row cost,
-    engine_row_cost, for the n-gram lookup and the heads; that plus the draft's weight bytes per
-    token over the target's for a draft model);
+    engine_row_cost, for the n-gram lookup and the heads, the heads' own cost per round charged
+    too and their recorded agreement deciding the start (make_gate); that plus the draft's weight
+    bytes per token over the target's for a draft model); a value given is the threshold alone, and
     0 keeps speculation always on. adaptive: each round's length follows the accepted runs
     (DraftLength: starts at DRAFT_START, doubles while all are kept, drops to one more than
     were kept after a rejection) and, for the n-gram lookup, the match's length (NgramProposer:
@@ -421,20 +425,30 @@ class Gate:
     that is followed by another failing window lasts twice as long (up to `max_pause`); a window
     that passes resets the pause to its first length.
 
-    Why acceptance and not time: a round of k proposed tokens costs about 1 + c x k plain steps,
-    c the row cost (engine_row_cost: measured once per engine and thread count, before any round),
-    and emits 1 + (acceptance x k) tokens, so it pays when the acceptance rate exceeds c (plus the
-    draft's own cost per proposed token); and counts, unlike clocks, keep a seeded run
-    reproducible: the one timing sets the threshold, on a coarse grid, and every decision after it
-    compares counts."""
+    Why acceptance and not time: a round of k proposed tokens costs about 1 + c x k + r plain
+    steps, c the row cost (engine_row_cost: measured once per engine and thread count, before any
+    round, plus a draft model's own cost per proposed token: min_rate) and r what proposing costs
+    once a round (`round_cost`: the heads' computation, engine_heads_cost; 0 for the lookup and
+    the draft), and emits 1 + accepted tokens, so the window pays when its kept proposals exceed
+    c x proposed + r x rounds; and counts, unlike clocks, keep a seeded run reproducible: the
+    timings set the thresholds, on a coarse grid, and every decision after them compares counts.
+
+    `start_paused`: begin with the longest pause (max_pause plain steps; a window that then fails
+    pauses as long again, one that passes returns the gate to its usual pauses), for a proposer
+    whose recorded agreement already says no round can pay (make_gate): it then only probes now
+    and then, in case this text suits it better."""
 
     def __init__(self, min_rate: float, window: int = GATE_WINDOW, pause: int = GATE_PAUSE,
-                 max_pause: int = GATE_MAX_PAUSE) -> None:
+                 max_pause: int = GATE_MAX_PAUSE, round_cost: float = 0.0, start_paused: bool = False) -> None:
         self.min_rate, self.window, self.first_pause, self.max_pause = min_rate, window, pause, max_pause
+        self.round_cost = round_cost
         self.recent: deque[tuple[int, int]] = deque(maxlen=window)
         self.pause = pause  # the next pause's length
         self.paused = 0  # plain steps left in the current pause
         self.pauses = 0  # pauses so far
+        if start_paused:
+            self.pause = self.paused = max_pause
+            self.pauses = 1
 
     def open(self) -> bool:
         """Whether this step may speculate; a closed gate counts the step against its pause."""
@@ -448,7 +462,7 @@ class Gate:
         if len(self.recent) < self.window:
             return
         drafted_sum = sum(d for d, _ in self.recent)
-        if sum(a for _, a in self.recent) < self.min_rate * drafted_sum:
+        if sum(a for _, a in self.recent) < self.min_rate * drafted_sum + self.round_cost * len(self.recent):
             self.paused = self.pause
             self.pauses += 1
             self.pause = min(2 * self.pause, self.max_pause)
@@ -478,22 +492,40 @@ class DraftLength:
         return (min(self.k, k_max), k_max) if adaptive else (k_max, None)
 
 
+def _fastest_pair(first: Callable[[], Any], second: Callable[[], Any], repeats: int,
+                  clock: Callable[[], float]) -> tuple[float, float]:
+    """The fastest of `repeats` timings of each call, the two alternating (so that both see the
+    same machine)."""
+    t = [float("inf"), float("inf")]
+    for _ in range(repeats):
+        for i, call in enumerate((first, second)):
+            t0 = clock()
+            call()
+            t[i] = min(t[i], clock() - t0)
+    return t[0], t[1]
+
+
+def _on_grid(cost: float, top: float) -> float:
+    return min(top, max(0.0, round(cost / ROW_COST_GRID) * ROW_COST_GRID))
+
+
 def measure_row_cost(one_row: Callable[[], Any], rows_call: Callable[[], Any], rows: int,
                      repeats: int = ROW_COST_REPEATS, clock: Callable[[], float] = time.perf_counter) -> float:
     """What each row after the first of a `rows`-row call costs, as a share of a one-row call:
     (t_rows - t_1) / ((rows - 1) t_1), each time the fastest of `repeats` calls (the two kinds
-    alternating, so that both see the same machine), rounded to ROW_COST_GRID and kept in [0, 1]."""
+    alternating), rounded to ROW_COST_GRID and kept in [0, 1]."""
     if rows < 2:
         raise ValueError(f"measuring a row cost needs a call of 2 or more rows, got {rows}")
-    t1 = tk = float("inf")
-    for _ in range(repeats):
-        for call, one in ((one_row, True), (rows_call, False)):
-            t0 = clock()
-            call()
-            dt = clock() - t0
-            t1, tk = (min(t1, dt), tk) if one else (t1, min(tk, dt))
-    cost = (tk - t1) / ((rows - 1) * t1) if t1 > 0 else 1.0
-    return min(1.0, max(0.0, round(cost / ROW_COST_GRID) * ROW_COST_GRID))
+    t1, tk = _fastest_pair(one_row, rows_call, repeats, clock)
+    return _on_grid((tk - t1) / ((rows - 1) * t1) if t1 > 0 else 1.0, 1.0)
+
+
+def measure_call_cost(one_row: Callable[[], Any], call: Callable[[], Any], repeats: int = ROW_COST_REPEATS,
+                      clock: Callable[[], float] = time.perf_counter) -> float:
+    """What `call` costs as a share of a one-row call (the fastest of `repeats` each, alternating),
+    rounded to ROW_COST_GRID and kept in [0, HEADS_COST_MAX]."""
+    t1, tc = _fastest_pair(one_row, call, repeats, clock)
+    return _on_grid(tc / t1 if t1 > 0 else HEADS_COST_MAX, HEADS_COST_MAX)
 
 
 _row_costs: "weakref.WeakKeyDictionary[Any, dict[int, float]]" = weakref.WeakKeyDictionary()
@@ -526,6 +558,58 @@ def engine_row_cost(eng: Any) -> float:
     return cost
 
 
+_heads_costs: "weakref.WeakKeyDictionary[Any, dict[int, float]]" = weakref.WeakKeyDictionary()
+
+
+def engine_heads_cost(eng: Any, heads: Any) -> float:
+    """What one proposal of the multi-token heads costs (`heads.logits` of one hidden state: their
+    residual MLPs and N rows of the lm_head), in one-row steps of `eng` at its thread count:
+    measured on first use and kept for the engine's life, the step run on sequence 0 just past
+    what it holds and then forgotten, as engine_row_cost does. 0 for what is not an Engine, or
+    when the context has no room."""
+    from cflow.runtime.engine import Engine
+
+    if not isinstance(eng, Engine):
+        return 0.0
+    costs = _heads_costs.setdefault(eng, {})
+    if eng.threads in costs:
+        return costs[eng.threads]
+    held = len(eng.cached(0))
+    if held >= eng.n_ctx:
+        return 0.0
+    h = np.full(eng.config.d_model, 1.0, np.float32)  # any normed state: the cost does not depend on it
+    try:
+        cost = measure_call_cost(lambda: eng.step(0, held), lambda: heads.logits(h))
+    finally:
+        eng.truncate(held)
+    costs[eng.threads] = cost
+    return cost
+
+
+def rounds_lose(chain: Sequence[float], rate: float, round_cost: float, k_max: int) -> bool:
+    """Whether no round length can pay by the heads' recorded chained agreement (MtpHeads.chain:
+    chain[j], the share of positions where heads 0..j are all right): a round of k proposals keeps
+    sum(chain[:k]) of them on average and costs rate x k + round_cost steps more than a plain step,
+    for every k from 1 to k_max (and the heads' count)."""
+    n = min(k_max, len(chain))
+    return n >= 1 and all(sum(chain[:k]) <= rate * k + round_cost for k in range(1, n + 1))
+
+
+def make_gate(spec: Speculative, eng: Any, heads: Any = None) -> Gate:
+    """The Gate of one generation (or one served sequence) speculating with `spec` on target `eng`;
+    `heads`: the target's MtpHeads when the proposer is "mtp". Its threshold is min_rate; with the
+    heads, their own cost per round (engine_heads_cost) is added to what a window must keep, and
+    when their recorded chained agreement says no round length can pay (rounds_lose) the gate
+    starts paused. A min_acceptance setting is taken as it is: no added cost, no starting pause."""
+    rate = min_rate(spec, eng)
+    if heads is None or spec.min_acceptance is not None:
+        return Gate(rate)
+    round_cost = engine_heads_cost(eng, heads)
+    chain = getattr(heads, "chain", None)
+    lose = chain is not None and rounds_lose(chain, rate, round_cost, spec.draft_max)
+    return Gate(rate, round_cost=round_cost, start_paused=lose)
+
+
 def min_rate(spec: Speculative, eng: "Engine", row_cost: float | None = None) -> float:
     """The gate's threshold: spec.min_acceptance, or by default what one proposed token costs in
     plain steps: `row_cost` (None: engine_row_cost(eng), measured once), plus for a draft model
@@ -547,7 +631,8 @@ def run(gen: Generation, spec: Speculative) -> Iterator[tuple[int, str]]:
     rng = sampler.rng
     check_rewindable(eng)
     proposer = make_proposer(spec, sampler.params, eng)
-    gate = Gate(min_rate(spec, eng))  # the engine's first use measures its row cost (engine_row_cost)
+    # the engine's first use measures its row cost (engine_row_cost), and the heads' (engine_heads_cost)
+    gate = make_gate(spec, eng, proposer.heads if isinstance(proposer, MtpProposer) else None)
     length = DraftLength(spec.draft_max, DRAFT_START)
     tm.spec = proposer.name
     # a proposer that reads the target's hidden states (MtpProposer) gets, after each call, the
@@ -587,7 +672,7 @@ def run(gen: Generation, spec: Speculative) -> Iterator[tuple[int, str]]:
             if not drafts:  # a plain step
                 logits = eng.step(tok, pos)
                 check_finite(eng, logits, f"at position {pos}")
-                if observe is not None:
+                if observe is not None and not gate.paused:  # a paused next step proposes nothing
                     observe(eng.hidden()[0])
                 tok = gen.sample(logits)
                 piece, done = gen.emit(tok)

@@ -40,8 +40,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from cflow.runtime.generate import check_finite, common_prefix
-from cflow.runtime.speculative import (DRAFT_START, DraftLength, Gate, MtpProposer, NgramProposer, Speculative,
-                                       SpeculativeError, check_draft, check_rewindable, min_rate,
+from cflow.runtime.speculative import (DRAFT_START, DraftLength, MtpProposer, NgramProposer, Speculative,
+                                       SpeculativeError, check_draft, check_rewindable, make_gate,
                                        proposals_counted)
 from cflow.sampling import Sampler, SamplingParams, draw
 
@@ -203,7 +203,7 @@ class SeqSpec:
         elif self.kind == "mtp":
             self.proposer = MtpProposer(where.backend, params)  # reads where.backend.mtp
         self.observes = self.kind == "mtp"
-        self.gate = Gate(min_rate(spec, where.target))
+        self.gate = make_gate(spec, where.target, where.backend.mtp if self.kind == "mtp" else None)
         self.length = DraftLength(spec.draft_max, DRAFT_START)
         self.k_max: int | None = None  # this iteration's most proposals (plan)
         self.drafts: list[int] = []  # this iteration's proposals (rows after the next token)
