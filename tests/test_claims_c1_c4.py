@@ -22,6 +22,8 @@ import pytest
 from cflow.bench.claims import c1_dag, c2_tiles, c3_experts, c4_llamacpp, core
 from cflow.bench.claims.runner import run_claims
 
+from claims_report import check_report
+
 MODULES = {"C1": c1_dag, "C2": c2_tiles, "C3": c3_experts, "C4": c4_llamacpp}
 
 
@@ -162,6 +164,21 @@ def test_c4_rules(quick):
     assert len(ctl["twice_ts"]) == c4_llamacpp.CONTROL_QUICK[1]
     assert rule["control"]["value"] == ctl["ratio"] < 0.8  # twice the work: about half the speed
     assert res.verdict == core.INCONCLUSIVE and "quick run" in res.reason  # timing: never judged on a quick run
+
+
+def test_quick_report_is_well_formed_and_its_exact_parts_hold(quick):
+    """The report's sections (claims_report.check_report), and what is arithmetic or exact
+    counting gives its answer even in a quick run; a timing is never judged on one."""
+    _, _, out = quick
+    data = check_report(out, list(MODULES), quick=True)
+    claims = {c["id"]: c for c in data["claims"]}
+    c1 = claims["C1"]["data"]["analysis"]["paper"]["arch2_4_combined"]
+    assert c1["total_bytes"] == 8999680 and c1["critical_bytes"] == 4499840
+    assert claims["C1"]["verdict"] == core.CONFIRMED
+    if claims["C2"]["measured"] == "measured":  # valgrind and a C compiler present
+        for e in claims["C2"]["data"]["cachegrind"]:
+            assert e["check"]["layouts_bit_identical"]
+    assert claims["C4"]["verdict"] == core.INCONCLUSIVE
 
 
 def test_report_json_keeps_the_judged_rules(quick):

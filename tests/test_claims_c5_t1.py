@@ -26,6 +26,8 @@ import pytest
 from cflow.bench.claims import core
 from cflow.bench.claims.runner import CLAIMS, run_claims
 
+from claims_report import check_report
+
 IDS = ("C5", "C6", "C7", "C8", "T1")
 # C5's controls are tok/s ratios with every expert cached (nothing to overlap: 1.0 by construction),
 # and a quick run times them over 8 rounds of 32 tokens of a tiny model, milliseconds a round: on
@@ -127,6 +129,11 @@ def test_every_rule_is_judged_and_its_control_is_refuted(quick, cid):
         assert rule.text().replace("|", "/") in sec  # the report prints the rule beside its value
         assert f"| {rule.name} (control: an input built to fail it) | " in sec
     assert res.verdict == core.INCONCLUSIVE  # a quick run never gives a timing or smoke verdict
+
+
+def test_quick_report_is_well_formed(quick):
+    out, _ = quick
+    check_report(out, list(IDS), quick=True)  # claims_report: every section, its plots, the summary row
 
 
 def test_rules_can_reach_every_verdict():
