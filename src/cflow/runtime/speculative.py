@@ -529,61 +529,58 @@ def measure_call_cost(one_row: Callable[[], Any], call: Callable[[], Any], repea
 
 
 _row_costs: "weakref.WeakKeyDictionary[Any, dict[int, float]]" = weakref.WeakKeyDictionary()
+_heads_costs: "weakref.WeakKeyDictionary[Any, dict[int, float]]" = weakref.WeakKeyDictionary()
 
 
-def engine_row_cost(eng: Any) -> float:
-    """The row cost of `eng` (an Engine) at its thread count: measured on its first use and kept
-    for the engine's life. The calls run on sequence 0 just past what it holds (a one-row step,
-    a ROW_COST_ROWS-row step_rows), then those positions are forgotten (Engine.truncate, as a
-    round forgets its rejected tokens: the next call overwrites their K/V), so the sequence's
-    text is unchanged. ROW_COST for what is not an Engine, or when the context has no room."""
+def _measured_once(costs: "weakref.WeakKeyDictionary[Any, dict[int, float]]", eng: Any, rows: int, need: int,
+                   default: float, measure: Callable[[int, int], float]) -> float:
+    """`measure(held, rows)`'s cost for `eng` (an Engine) at its thread count, measured on first use
+    and kept in `costs` for the engine's life: its calls run on sequence 0 just past what it holds
+    (up to `rows` positions, at least `need`), which are forgotten after (Engine.truncate, as a
+    round forgets its rejected tokens: the next call overwrites their K/V), so the sequence's text
+    is unchanged. `default` for what is not an Engine, or when the context has no room."""
     from cflow.runtime.engine import Engine
 
     if not isinstance(eng, Engine):
-        return ROW_COST
-    costs = _row_costs.setdefault(eng, {})
-    if eng.threads in costs:
-        return costs[eng.threads]
+        return default
+    per_threads = costs.setdefault(eng, {})
+    if eng.threads in per_threads:
+        return per_threads[eng.threads]
     held = len(eng.cached(0))
-    rows = min(ROW_COST_ROWS, eng.n_ctx - held)
-    if rows < 2:
-        return ROW_COST
-    tok = 0  # any valid id: the logits are thrown away
+    rows = min(rows, eng.n_ctx - held)
+    if rows < need:
+        return default
     try:
-        cost = measure_row_cost(lambda: eng.step(tok, held),
-                                lambda: eng.step_rows([0] * rows, [tok] * rows, range(held, held + rows)), rows)
+        cost = measure(held, rows)
     finally:
         eng.truncate(held)
-    costs[eng.threads] = cost
+    per_threads[eng.threads] = cost
     return cost
 
 
-_heads_costs: "weakref.WeakKeyDictionary[Any, dict[int, float]]" = weakref.WeakKeyDictionary()
+def engine_row_cost(eng: Any) -> float:
+    """The row cost of `eng` (an Engine) at its thread count (measure_row_cost of a one-row step
+    and a ROW_COST_ROWS-row step_rows), measured once (_measured_once); ROW_COST for what is not an
+    Engine, or when the context has no room for 2 rows."""
+    tok = 0  # any valid id: the logits are thrown away
+
+    def measure(held: int, rows: int) -> float:
+        return measure_row_cost(lambda: eng.step(tok, held),
+                                lambda: eng.step_rows([0] * rows, [tok] * rows, range(held, held + rows)), rows)
+
+    return _measured_once(_row_costs, eng, ROW_COST_ROWS, 2, ROW_COST, measure)
 
 
 def engine_heads_cost(eng: Any, heads: Any) -> float:
     """What one proposal of the multi-token heads costs (`heads.logits` of one hidden state: their
-    residual MLPs and N rows of the lm_head), in one-row steps of `eng` at its thread count:
-    measured on first use and kept for the engine's life, the step run on sequence 0 just past
-    what it holds and then forgotten, as engine_row_cost does. 0 for what is not an Engine, or
-    when the context has no room."""
-    from cflow.runtime.engine import Engine
+    residual MLPs and N rows of the lm_head), in one-row steps of `eng` at its thread count
+    (measure_call_cost), measured once (_measured_once); 0 for what is not an Engine, or when the
+    context has no room."""
+    def measure(held: int, rows: int) -> float:
+        h = np.full(eng.config.d_model, 1.0, np.float32)  # any normed state: the cost does not depend on it
+        return measure_call_cost(lambda: eng.step(0, held), lambda: heads.logits(h))
 
-    if not isinstance(eng, Engine):
-        return 0.0
-    costs = _heads_costs.setdefault(eng, {})
-    if eng.threads in costs:
-        return costs[eng.threads]
-    held = len(eng.cached(0))
-    if held >= eng.n_ctx:
-        return 0.0
-    h = np.full(eng.config.d_model, 1.0, np.float32)  # any normed state: the cost does not depend on it
-    try:
-        cost = measure_call_cost(lambda: eng.step(0, held), lambda: heads.logits(h))
-    finally:
-        eng.truncate(held)
-    costs[eng.threads] = cost
-    return cost
+    return _measured_once(_heads_costs, eng, 1, 1, 0.0, measure)
 
 
 def rounds_lose(chain: Sequence[float], rate: float, round_cost: float, k_max: int) -> bool:
