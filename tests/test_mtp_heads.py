@@ -143,8 +143,9 @@ def test_the_gate_starts_paused_when_the_recorded_heads_cannot_pay(trained, monk
         if paused:
             # every step a plain one, each but the last (nothing left to propose) counted as paused
             assert got.timings.rounds == 0 and got.timings.paused_steps == 40 - 2
+            assert got.timings.gate_note.startswith("it started paused: the heads' recorded agreement")
         else:
-            assert got.timings.rounds > 0
+            assert got.timings.rounds > 0 and got.timings.gate_note == ""
     b.close()
 
 

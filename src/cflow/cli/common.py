@@ -306,7 +306,8 @@ def print_timings(eng, t, prompt_shown: int) -> None:
     if t.spec:
         print(f"cflow: {'speculative':>16} = {t.spec}: {t.accepted} of {t.drafted} proposed tokens accepted "
               f"({100 * t.acceptance_rate:.1f}%), {t.mean_accepted:.2f} per verification call ({t.rounds} calls), "
-              f"proposing {t.draft_s * 1e3:.2f} ms, {t.paused_steps} steps paused by the gate", file=err)
+              f"proposing {t.draft_s * 1e3:.2f} ms, {t.paused_steps} steps paused by the gate"
+              + (f"; {t.gate_note}" if t.gate_note else ""), file=err)
     total = (t.load_s + t.prompt_s + t.gen_s) * 1e3
     print(f"cflow: {'total time':>16} = {total:10.2f} ms / {prompt_shown + t.gen_tokens:5d} tokens", file=err)
 

@@ -41,6 +41,7 @@ class Timings:
     rounds: int = 0  # verification calls (target calls that scored at least one proposed token)
     draft_s: float = 0.0  # of gen_s, in the proposer (the draft model's steps, the n-gram lookup)
     paused_steps: int = 0  # plain steps taken because the acceptance gate had paused speculation
+    gate_note: str = ""  # why the gate started paused (speculative.make_gate), "" when it started open
 
     @property
     def prompt_tps(self) -> float:
@@ -103,7 +104,7 @@ def run(eng: "Engine", prompt: str | Sequence[int], max_tokens: int | None, para
 
 def _plain(gen: "Generation") -> Iterator[tuple[int, str]]:
     """One native call per generated token: sample, emit, step."""
-    eng, sampler, tm = gen.eng, gen.sampler, gen.timings
+    eng, tm = gen.eng, gen.timings
     if gen.constraint is not None:  # the first mask, while the prompt is evaluated
         prefetch([gen.constraint])
     logits = gen.prefill()

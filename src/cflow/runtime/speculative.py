@@ -446,6 +446,7 @@ class Gate:
         self.pause = pause  # the next pause's length
         self.paused = 0  # plain steps left in the current pause
         self.pauses = 0  # pauses so far
+        self.note = ""  # why it started paused (make_gate), for the timings
         if start_paused:
             self.pause = self.paused = max_pause
             self.pauses = 1
@@ -604,7 +605,12 @@ def make_gate(spec: Speculative, eng: Any, heads: Any = None) -> Gate:
     round_cost = engine_heads_cost(eng, heads)
     chain = getattr(heads, "chain", None)
     lose = chain is not None and rounds_lose(chain, rate, round_cost, spec.draft_max)
-    return Gate(rate, round_cost=round_cost, start_paused=lose)
+    gate = Gate(rate, round_cost=round_cost, start_paused=lose)
+    if lose:
+        gate.note = (f"it started paused: the heads' recorded agreement ({' / '.join(f'{x:.2f}' for x in chain)}) "
+                     f"cannot cover a round here (a verification row costs {rate:.2f} of a step, the heads' "
+                     f"proposal {round_cost:.2f})")
+    return gate
 
 
 def min_rate(spec: Speculative, eng: "Engine", row_cost: float | None = None) -> float:
@@ -631,7 +637,7 @@ def run(gen: Generation, spec: Speculative) -> Iterator[tuple[int, str]]:
     # the engine's first use measures its row cost (engine_row_cost), and the heads' (engine_heads_cost)
     gate = make_gate(spec, eng, proposer.heads if isinstance(proposer, MtpProposer) else None)
     length = DraftLength(spec.draft_max, DRAFT_START)
-    tm.spec = proposer.name
+    tm.spec, tm.gate_note = proposer.name, gate.note
     # a proposer that reads the target's hidden states (MtpProposer) gets, after each call, the
     # one of the row whose logits chose the newest token
     observe = getattr(proposer, "observe", None)
