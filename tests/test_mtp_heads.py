@@ -144,6 +144,10 @@ def test_the_gate_starts_paused_when_the_recorded_heads_cannot_pay(trained, monk
             # every step a plain one, each but the last (nothing left to propose) counted as paused
             assert got.timings.rounds == 0 and got.timings.paused_steps == 40 - 2
             assert got.timings.gate_note.startswith("it started paused: the heads' recorded agreement")
+            from cflow.bench.speculative import run_spec_test  # `cflow bench --spec` carries the note
+
+            row = run_spec_test(b, Speculative("mtp"), prompt, 8, 1, warmup=False)
+            assert row.gate_note == got.timings.gate_note and row.identical and row.rounds == 0
         else:
             assert got.timings.rounds > 0 and got.timings.gate_note == ""
     b.close()

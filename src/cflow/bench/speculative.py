@@ -49,6 +49,7 @@ class SpecRow:
     accepted: int = 0
     rounds: int = 0
     identical: bool = True  # every repetition's speculative tokens equal the plain ones
+    gate_note: str = ""  # why the gate started paused (Timings.gate_note), "" when it started open
 
     @property
     def speedup(self) -> float:
@@ -101,6 +102,7 @@ def run_spec_test(eng: Any, spec: Any, prompt: str | list[int], n: int, reps: in
         t = fast.timings
         row.drafted, row.accepted, row.rounds = row.drafted + t.drafted, row.accepted + t.accepted, row.rounds + t.rounds
         row.identical = row.identical and plain.tokens == fast.tokens
+        row.gate_note = t.gate_note
         if progress:
             progress(f"spec {spec.proposer} t={eng.threads} rep {rep}: plain {plain.timings.gen_tps:.1f}, "
                      f"speculative {t.gen_tps:.1f} tok/s, {t.accepted}/{t.drafted} accepted")

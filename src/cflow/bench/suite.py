@@ -264,6 +264,9 @@ class BenchReport:
             lines += ["", "Speculative decoding against plain greedy decoding from the same prompt (both generate "
                       "exactly the same number of tokens, alternating):", "", MARKDOWN_HEAD,
                       *(r.markdown_row() for r in self.spec_rows)]
+            notes = [f"- {r.threads} thread(s), {r.proposer}: {r.gate_note}" for r in self.spec_rows if r.gate_note]
+            if notes:
+                lines += ["", "The acceptance gate:", *notes]
         return "\n".join(lines)
 
 
