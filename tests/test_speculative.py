@@ -419,6 +419,16 @@ def test_make_gate_adds_the_heads_cost_and_starts_paused_only_when_they_cannot_p
     assert sp.make_gate(Speculative("ngram"), object()).round_cost == 0.0
 
 
+def test_recorded_chain_is_read_only_when_well_formed():
+    from cflow.runtime.mtp import recorded_chain
+
+    assert recorded_chain({"val_chain": [0.5, 0.25]}, 2) == [0.5, 0.25]
+    assert recorded_chain({"val_chain": [1, 0]}, 2) == [1.0, 0.0]
+    for meta in ({"val_chain": [0.5]}, {"val_chain": [0.5, 1.5]}, {"val_chain": [0.5, "x"]}, {"val_chain": None},
+                 {}, None, "0.5", {"val_chain": [0.5, True]}):
+        assert recorded_chain(meta, 2) is None, meta
+
+
 def test_call_cost_is_the_ratio_to_a_one_row_call():
     clock = _Clock()
     assert sp.measure_call_cost(clock.call([2.0, 1.0]), clock.call([0.42]), clock=clock) == pytest.approx(0.4)

@@ -47,7 +47,7 @@ def recorded_chain(meta: object, n: int) -> list[float] | None:
     chain = meta.get("val_chain") if isinstance(meta, dict) else None
     if not isinstance(chain, list) or len(chain) != n:
         return None
-    if not all(isinstance(x, (int, float)) and 0.0 <= x <= 1.0 for x in chain):
+    if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and 0.0 <= x <= 1.0 for x in chain):
         return None
     return [float(x) for x in chain]
 
