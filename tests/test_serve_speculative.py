@@ -343,6 +343,25 @@ def test_draft_model_batches_its_calls_and_a_failure_ends_only_its_jobs(draft_pa
 
 
 # ---- settings ------------------------------------------------------------------------------------
+def test_paused_rows_are_counted_and_the_output_is_unchanged(random_model):
+    """A job whose proposals keep losing (a one-token lookup held to 99% acceptance, on a prompt
+    with no repeats): its gate pauses, its plain rows are counted (SeqSpec.paused,
+    cflow_spec_paused_steps_total), and its tokens are plain greedy's."""
+    from cflow.serve.metrics import Metrics
+
+    prompt = list(range(100, 160))
+    losing = Speculative("ngram", ngram_min=1, min_acceptance=0.99)
+    metrics = Metrics()
+    with BatchGenerator(load_backend(random_model, n_slots=1, threads=1, n_ctx=256), metrics=metrics) as gen:
+        (plain,), _ = run_jobs(gen, [(prompt, dict(max_tokens=120, params=SamplingParams(temperature=0)))])
+        (spec,), (end,) = run_jobs(gen, [(prompt, dict(max_tokens=120, params=SamplingParams(temperature=0),
+                                                       speculative=losing))])
+    assert [p.token for p in spec] == [p.token for p in plain] and len(plain) > 60
+    assert end.drafted > 0 and metrics.spec_rounds >= sp.GATE_WINDOW
+    assert metrics.spec_paused > 0
+    assert f"cflow_spec_paused_steps_total {metrics.spec_paused}" in metrics.render()
+
+
 def test_submit_refuses_what_the_generator_cannot_run(random_model, draft_pair):
     from cflow.runtime.mtp import NoMtpHeadsError
     from cflow.runtime.speculative import DraftVocabularyError

@@ -726,7 +726,12 @@ class BatchGenerator:
         asks = []
         for s in dec:
             st = s.spec
-            k = st.plan(s.limit - s.count - 1, room) if st is not None and room > 0 else 0
+            if st is None or room <= 0:
+                continue
+            paused = st.paused
+            k = st.plan(s.limit - s.count - 1, room)
+            if st.paused > paused and self.metrics:
+                self.metrics.speculation_paused()
             if not k:
                 continue
             if st.kind == "draft":

@@ -14,6 +14,7 @@ library. Updated from the batch worker thread and the HTTP event loop, so every 
     cflow_spec_draft_tokens_total             speculation: proposed tokens the model verified
     cflow_spec_accepted_tokens_total          of which accepted (/ draft tokens = acceptance rate)
     cflow_spec_rounds_total                   verification blocks (a sequence's next token + its proposals)
+    cflow_spec_paused_steps_total             decode rows taken plainly while the acceptance gate paused speculation
     cflow_queue_depth                         requests waiting for a slot (gauge)
     cflow_requests_running                    requests in a slot (gauge)
     cflow_slots                               slots (--parallel) (gauge)
@@ -99,6 +100,7 @@ class Metrics:
         self.spec_drafted = 0
         self.spec_accepted = 0
         self.spec_rounds = 0
+        self.spec_paused = 0
         self.gen_rate = _Rate()
         self.prompt_rate = _Rate()
         self.ttft = _Histogram(LATENCY_BUCKETS)
@@ -129,6 +131,11 @@ class Metrics:
         """One sequence's verification block came back."""
         with self._lock:
             self.spec_rounds += 1
+
+    def speculation_paused(self) -> None:
+        """A speculating sequence's decode row went plain: its acceptance gate had paused it."""
+        with self._lock:
+            self.spec_paused += 1
 
     def speculation_judged(self, counted: int, kept: bool) -> None:
         """One proposal of a block judged (kept or not), counting `counted` proposals as drafted
@@ -200,6 +207,10 @@ class Metrics:
             metric("cflow_spec_rounds_total", "counter",
                    "Speculative decoding: verification blocks (a sequence's next token and its proposals in one "
                    "call).", [f"cflow_spec_rounds_total {self.spec_rounds}"])
+            metric("cflow_spec_paused_steps_total", "counter",
+                   "Speculative decoding: decode rows of speculating sequences taken plainly because their acceptance "
+                   "gate had paused speculation (it pauses while proposals lose).",
+                   [f"cflow_spec_paused_steps_total {self.spec_paused}"])
             running = gen.running if gen is not None else 0
             queued = gen.queue_depth if gen is not None else 0
             metric("cflow_queue_depth", "gauge", "Requests waiting for a slot.", [f"cflow_queue_depth {queued}"])

@@ -211,6 +211,7 @@ class SeqSpec:
         self.drafted = 0             # proposals verified (cflow.runtime.speculative.proposals_counted)
         self.accepted = 0            # of which kept
         self.rounds = 0              # verification blocks
+        self.paused = 0              # decode rows taken plainly because the Gate had paused speculation
         self._block = [0, 0]         # the current block's counted and kept proposals
 
     def plan(self, left: int, room: int) -> int:
@@ -220,8 +221,10 @@ class SeqSpec:
         s = self.spec
         self.drafts, self.qs = [], []
         k, self.k_max = self.length.limits(min(left, room), s.adaptive)  # k_max: an n-gram match may go up to it
-        if k >= max(1, s.draft_min) and self.gate.open():
-            return k
+        if k >= max(1, s.draft_min):
+            if self.gate.open():
+                return k
+            self.paused += 1
         return 0
 
     def propose(self, history: Sequence[int], k: int, rng: np.random.Generator) -> None:
