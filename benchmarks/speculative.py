@@ -68,20 +68,17 @@ STORY_PROMPTS = [
 
 
 def heads_gate(eng, args) -> str:
-    """The gate's terms for the heads (speculative.make_gate), for the report's defaults line."""
+    """The gate's terms for the heads, for the report's defaults line: the Gate the run's "mtp" mode
+    gets (speculative.make_gate), its heads' cost per round and why it starts paused, if it does."""
+    from cflow.runtime import Speculative
     from cflow.runtime import speculative as sp
 
     if not (args.mtp or args.chat_mtp):
         return ""
-    heads = eng.mtp
-    cost, rate = sp.engine_heads_cost(eng, heads), sp.engine_row_cost(eng)
-    if heads.chain is None:
-        return f"; the heads' proposal costs {cost:.2f} of a step a round (speculative.engine_heads_cost), charged per round"
-    start = ("says no round pays: the gate starts paused" if sp.rounds_lose(heads.chain, rate, cost, sp.DEFAULT_DRAFT_MAX)
-             else "lets a round pay: the gate starts open")
-    chain = " / ".join(f"{x:.3f}" for x in heads.chain)
-    return (f"; the heads' proposal costs {cost:.2f} of a step a round (speculative.engine_heads_cost), charged per "
-            f"round, and their recorded chained agreement ({chain}) {start}")
+    kw = {"draft_max": args.draft_max} if args.draft_max is not None else {}
+    gate = sp.make_gate(Speculative("mtp", **kw), eng, eng.mtp)
+    return (f"; the heads' proposal costs {gate.round_cost:.2f} of a step a round (speculative.engine_heads_cost), "
+            f"charged per round; the gate: {gate.note or 'it starts open'}")
 
 
 def cost_curve(eng, k_max: int = 8, reps: int = 7, calls: int = 10) -> list[float]:
