@@ -43,7 +43,6 @@ from cflow import weights
 from cflow.errors import CflowError
 
 
-MIN_LR_RATIO = 0.1  # the cosine ends at lr x this, as the trainer's default
 EVAL_CHUNK = 1024  # held-out positions scored at once
 CHAT_VAL_SEED = 1_000_000_000  # --chat: held-out story requests start here (training ones at --seed)
 
@@ -206,7 +205,7 @@ def train_heads(w_out: np.ndarray, train: Continuations, val: Continuations, hc:
     import torch.nn.functional as F
 
     from cflow.model import MtpHead
-    from cflow.train.loop import warmup_cosine
+    from cflow.train.loop import TrainConfig, warmup_cosine
 
     n, d = hc.n_heads, w_out.shape[1]
     pos_train = train.positions(n)  # every head has its target at these
@@ -230,7 +229,8 @@ def train_heads(w_out: np.ndarray, train: Continuations, val: Continuations, hc:
     try:
         for step in range(hc.steps):
             for g in opt.param_groups:
-                g["lr"] = warmup_cosine(step, hc.lr, warmup, hc.steps, MIN_LR_RATIO)
+                # the cosine ends at the trainer's default share of lr
+                g["lr"] = warmup_cosine(step, hc.lr, warmup, hc.steps, TrainConfig.min_lr_ratio)
             idx = torch.from_numpy(rng.choice(pos_train, hc.batch_size))
             x = h_all[idx]
             loss = sum(F.cross_entropy(head(x) @ w.T, t_all[idx + 1 + j]) for j, head in enumerate(heads)) / n
